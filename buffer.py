@@ -1,0 +1,143 @@
+"""Experience and the persistent buffer between explorer and trainer.
+
+The buffer is one SQLite file (stdlib sqlite3, WAL journal) in the run directory. Any
+number of explorer processes write groups of experiences; one trainer process reads
+complete groups in FIFO order (by insertion) and marks them consumed in the same
+transaction, so a group is served at most once. A group with any experience whose reward
+is NULL (not known yet: lagged rewards) is never served.
+
+Schema (one row per experience):
+    id INTEGER PRIMARY KEY  -- insertion order, the FIFO key
+    group_id, task_id TEXT; model_version, prompt_length INTEGER
+    tokens BLOB (int32), logprobs BLOB (float32), action_mask BLOB (int8)
+    reward REAL NULL; info TEXT (JSON); explorer TEXT; created REAL (unix s); consumed INTEGER
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS experiences (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    group_id TEXT NOT NULL, task_id TEXT NOT NULL, model_version INTEGER NOT NULL,
+    prompt_length INTEGER NOT NULL, tokens BLOB NOT NULL, logprobs BLOB NOT NULL,
+    action_mask BLOB NOT NULL, reward REAL, info TEXT NOT NULL, explorer TEXT NOT NULL,
+    created REAL NOT NULL, consumed INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS experiences_group ON experiences (group_id);
+CREATE INDEX IF NOT EXISTS experiences_open ON experiences (consumed, id);
+"""
+
+
+@dataclass
+class Experience:
+    """One training sample (the contract between explorer and trainer).
+
+    tokens:        prompt + response token ids, length L.
+    prompt_length: P, number of prompt tokens; the response is tokens[P:], length R = L - P.
+    logprobs:      [R] behaviour-policy log-prob of each response token under the exact
+                   distribution it was sampled from (temperature/top-p applied).
+    action_mask:   [R] 1 where the policy generated the token and it is trained on.
+    reward:        float, or None while not known (lagged reward).
+    group_id:      the rollouts of one task share it; task_id names the task.
+    model_version: weight version (trainer steps) that generated it.
+    info:          free JSON-able dict (response text, finish reason, errors, ...).
+    """
+
+    tokens: list[int]
+    prompt_length: int
+    logprobs: list[float]
+    action_mask: list[int]
+    reward: float | None
+    group_id: str
+    task_id: str
+    model_version: int
+    info: dict = field(default_factory=dict)
+    explorer: str = "explorer0"
+
+    def __post_init__(self):
+        r = len(self.tokens) - self.prompt_length
+        if not (len(self.logprobs) == len(self.action_mask) == r >= 0):
+            raise ValueError(f"experience {self.task_id}: response has {r} tokens but "
+                             f"{len(self.logprobs)} logprobs and {len(self.action_mask)} mask entries")
+
+
+class Buffer:
+    """SQLite-backed experience buffer; open one per process.
+
+    `timeout_s` is sqlite's busy timeout for concurrent writers (seconds).
+    """
+
+    def __init__(self, path: str | Path, timeout_s: float = 60.0):
+        self.path = Path(path)
+        self.db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(_SCHEMA)
+
+    def write(self, group: list[Experience]) -> None:
+        """Append one group atomically (all rows or none)."""
+        now = time.time()
+        rows = [(e.group_id, e.task_id, e.model_version, e.prompt_length,
+                 array("i", e.tokens).tobytes(), array("f", e.logprobs).tobytes(),
+                 array("b", e.action_mask).tobytes(), e.reward, json.dumps(e.info), e.explorer, now)
+                for e in group]
+        with self.db:
+            self.db.executemany(
+                "INSERT INTO experiences (group_id, task_id, model_version, prompt_length, tokens, "
+                "logprobs, action_mask, reward, info, explorer, created) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
+
+    def read(self, num_groups: int, timeout_s: float = float("inf"),
+             alive: Callable[[], bool] = lambda: True, poll_s: float = 0.05) -> list[list[Experience]]:
+        """Take the `num_groups` oldest complete, unconsumed groups and mark them consumed.
+
+        Blocks (polling every `poll_s` seconds) until enough are ready. Raises TimeoutError
+        after `timeout_s` seconds, RuntimeError as soon as `alive()` returns False (the
+        writer died), so a reader never hangs on a dead writer.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            groups = self._take(num_groups)
+            if groups is not None:
+                return groups
+            if not alive():
+                raise RuntimeError(f"buffer {self.path}: writer stopped before {num_groups} groups were ready")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"buffer {self.path}: {num_groups} groups not ready after {timeout_s:.0f} s")
+            time.sleep(poll_s)
+
+    def _take(self, num_groups: int) -> list[list[Experience]] | None:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            ids = [r[0] for r in self.db.execute(
+                "SELECT group_id FROM experiences WHERE consumed = 0 GROUP BY group_id "
+                "HAVING SUM(reward IS NULL) = 0 ORDER BY MIN(id) LIMIT ?", (num_groups,))]
+            if len(ids) < num_groups:
+                self.db.execute("ROLLBACK")
+                return None
+            marks = ",".join("?" * len(ids))
+            rows = self.db.execute(
+                "SELECT group_id, task_id, model_version, prompt_length, tokens, logprobs, action_mask, "
+                f"reward, info, explorer FROM experiences WHERE group_id IN ({marks}) ORDER BY id", ids).fetchall()
+            self.db.execute(f"UPDATE experiences SET consumed = 1 WHERE group_id IN ({marks})", ids)
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        by_group: dict[str, list[Experience]] = {g: [] for g in ids}
+        for g, task, ver, plen, tok, lp, mask, reward, info, explorer in rows:
+            by_group[g].append(Experience(
+                list(array("i", tok)), plen, list(array("f", lp)), list(array("b", mask)),
+                reward, g, task, ver, json.loads(info), explorer))
+        return list(by_group.values())
+
+    def counts(self) -> dict[str, int]:
+        """Experience counts: total, consumed, ready (unconsumed, reward known), pending (reward NULL)."""
+        total, consumed, pending = self.db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(consumed), 0), COALESCE(SUM(reward IS NULL), 0) FROM experiences").fetchone()
+        return {"total": total, "consumed": consumed, "pending": pending, "ready": total - consumed - pending}

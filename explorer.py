@@ -1,0 +1,287 @@
+"""Explorer: inference engine, rollout loop, receiving weights.
+
+`run_explorer` is the entry of the explorer process (spawned by trainer rank 0 with
+torch.multiprocessing). For explorer batch e it waits until its weights are
+`sync.required_version(e)` (receiving broadcasts from the trainer), runs one workflow per
+task of the batch concurrently (asyncio; the engine batches their generate calls into one
+forward pass), and writes each finished group to the buffer with the weight version that
+produced it. Held-out accuracy is measured on the same engine every `eval_interval`
+versions, with `Workflow.score`.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import sync
+from buffer import Buffer
+from workflows import WORKFLOWS, Task, load_reward_fn, load_tasks
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters. temperature 0 = greedy; max_tokens counts response tokens."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass
+class Completion:
+    """One sampled response: tokens [R], logprobs [R] (behaviour policy), finish_reason."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (end-of-sequence token sampled) or "length"
+
+
+class Engine:
+    """Base engine: collects the concurrent `generate` calls of all workflows in flight and
+    serves them with one `generate_batch` call per sampling setting.
+
+    Subclasses implement `generate_batch(prompts, ns, sampling) -> list[list[Completion]]`
+    and `parameters() -> list[Tensor]` (weights in `named_parameters()` order, updated in
+    place by the weight sync).
+    """
+
+    def __init__(self):
+        self._pending: dict[Sampling, list] = {}
+
+    async def generate(self, prompt_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
+        """Sample `n` completions of one prompt; awaits the batched call."""
+        fut = asyncio.get_running_loop().create_future()
+        queue = self._pending.setdefault(sampling, [])
+        queue.append((prompt_ids, n, fut))
+        if len(queue) == 1:
+            asyncio.get_running_loop().create_task(self._flush(sampling))
+        return await fut
+
+    async def _flush(self, sampling: Sampling) -> None:
+        for _ in range(3):  # let every runnable workflow reach its generate call
+            await asyncio.sleep(0)
+        batch = self._pending.pop(sampling)
+        try:
+            outs = self.generate_batch([p for p, _, _ in batch], [n for _, n, _ in batch], sampling)
+        except Exception as e:
+            for _, _, fut in batch:
+                fut.set_exception(e)
+            return
+        for (_, _, fut), out in zip(batch, outs):
+            fut.set_result(out)
+
+    def generate_batch(self, prompts: list[list[int]], ns: list[int], sampling: Sampling) -> list[list[Completion]]:
+        raise NotImplementedError
+
+    def parameters(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row and return (tokens [B], logprobs [B]).
+
+    logits: [B, V]. The logprob is under the exact sampling distribution: softmax of
+    logits / temperature restricted to the top-p nucleus (smallest set of tokens whose
+    probability reaches top_p; Holtzman et al., arXiv:1904.09751) and renormalised.
+    temperature 0 is greedy decoding with logprob 0.
+    """
+    if temperature == 0:
+        return logits.argmax(-1), torch.zeros(logits.shape[0])
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)     # [B, V]
+    if top_p < 1.0:
+        sorted_lp, order = logp.sort(dim=-1, descending=True)            # [B, V]
+        before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()            # mass strictly before each token
+        drop = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, before >= top_p)
+        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+    tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)  # [B]
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class HFEngine(Engine):
+    """transformers engine: batched sampling with a KV cache (left-padded prompts).
+
+    model_path: local HF model directory. max_batch: sequences per forward pass.
+    """
+
+    def __init__(self, model_path: str, max_batch: int = 64, seed: int = 0, dtype=torch.float32):
+        super().__init__()
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+        self.max_batch = max_batch
+        gen_eos = self.model.generation_config.eos_token_id
+        gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        self.eos = torch.tensor(sorted({e for e in gen_eos + [self.tokenizer.eos_token_id] if e is not None}))
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else int(self.eos[0])
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [p for _, p in self.model.named_parameters()]
+
+    def generate_batch(self, prompts, ns, sampling):
+        seqs = [p for p, n in zip(prompts, ns) for _ in range(n)]
+        flat: list[Completion] = []
+        for i in range(0, len(seqs), self.max_batch):
+            flat += self._sample(seqs[i:i + self.max_batch], sampling)
+        out, i = [], 0
+        for n in ns:
+            out.append(flat[i:i + n])
+            i += n
+        return out
+
+    @torch.no_grad()
+    def _sample(self, prompts: list[list[int]], s: Sampling) -> list[Completion]:
+        from transformers import DynamicCache
+
+        B, P = len(prompts), max(map(len, prompts))
+        ids = torch.full((B, P), self.pad, dtype=torch.long)
+        attn = torch.zeros((B, P), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, P - len(p):] = torch.tensor(p)
+            attn[b, P - len(p):] = 1
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)                    # [B, P]
+        cache = DynamicCache()
+        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        tokens, logprobs = [], []
+        done = torch.zeros(B, dtype=torch.bool)
+        for _ in range(s.max_tokens):
+            tok, lp = sample_token(logits, s.temperature, s.top_p, self.generator)  # [B], [B]
+            tok = tok.masked_fill(done, self.pad)
+            tokens.append(tok)
+            logprobs.append(lp)
+            done = done | torch.isin(tok, self.eos)
+            if done.all():
+                break
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype)], dim=1)
+            pos = pos[:, -1:] + 1
+            logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
+                                past_key_values=cache, use_cache=True).logits[:, -1]
+        toks, lps = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()  # [B, R]
+        out = []
+        eos = set(self.eos.tolist())
+        for t, lp in zip(toks, lps):
+            end = next((j + 1 for j, x in enumerate(t) if x in eos), None)
+            out.append(Completion(t[:end], lp[:end], "length" if end is None else "stop"))
+        return out
+
+
+class Explorer:
+    """Rollout loop over a task list with one engine and one workflow class.
+
+    cfg: run.Config (fields used: batch_size, group_size, max_tokens, temperature, top_p,
+    eval_size, eval_temperature, workflow, system_prompt, seed, explorer_name).
+    log: callable(dict) receiving metric records.
+    """
+
+    def __init__(self, cfg, engine: Engine, train: list[Task], held_out: list[Task], dataset, log):
+        self.cfg, self.engine, self.train, self.held_out, self.log = cfg, engine, train, held_out, log
+        reward_fn = load_reward_fn(cfg.reward_fn)
+        make = WORKFLOWS[cfg.workflow]
+        tok = engine.tokenizer
+        self.workflow = make(tok, reward_fn, dataset, cfg.system_prompt,
+                             Sampling(cfg.max_tokens, cfg.temperature, cfg.top_p))
+        self.eval_workflow = make(tok, reward_fn, dataset, cfg.system_prompt,
+                                  Sampling(cfg.max_tokens, cfg.eval_temperature, 1.0))
+        self.order = random.Random(cfg.seed).sample(range(len(train)), len(train))
+        self.samples = Path(cfg.run_dir) / "samples.log"
+
+    def tasks_for(self, batch: int) -> list[Task]:
+        """The tasks of explorer batch `batch` (a seeded shuffle, cycled)."""
+        k = self.cfg.batch_size
+        return [self.train[self.order[(batch * k + i) % len(self.order)]] for i in range(k)]
+
+    def explore(self, batch: int, version: int, buffer: Buffer) -> dict:
+        """Generate and store the groups of one batch; returns its metrics record."""
+        t0 = time.perf_counter()
+        wf = self.workflow
+
+        async def run_all():
+            return await asyncio.gather(*(wf.run(t, self.engine, self.cfg.group_size, version)
+                                          for t in self.tasks_for(batch)))
+
+        groups = asyncio.run(run_all())
+        seconds = time.perf_counter() - t0
+        for g in groups:
+            for e in g:
+                e.explorer = self.cfg.explorer_name
+            buffer.write(g)
+        exps = [e for g in groups for e in g]
+        gen_tokens = sum(len(e.logprobs) for e in exps)
+        self._write_samples(batch, version, groups)
+        return {"batch": batch, "explorer/version": version, "time/explore_s": seconds,
+                "explorer/gen_tokens": gen_tokens, "explorer/tokens_per_s": gen_tokens / seconds,
+                "rollout/reward_errors": sum("reward_error" in e.info for e in exps),
+                "rollout/truncated_frac": sum(e.info["finish_reason"] == "length" for e in exps) / len(exps)}
+
+    def evaluate(self, version: int) -> dict:
+        """Held-out accuracy (fraction with reward 1) and mean reward at `version`."""
+        t0 = time.perf_counter()
+        wf = self.eval_workflow
+
+        async def run_all():
+            return await asyncio.gather(*(wf.run(t, self.engine, 1, version) for t in self.held_out))
+
+        exps = [g[0] for g in asyncio.run(run_all())]
+        rewards = [e.reward for e in exps]
+        return {"eval/version": version, "eval/accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
+                "eval/reward_mean": sum(rewards) / len(rewards), "eval/n": len(rewards),
+                "eval/response_len": sum(len(e.logprobs) for e in exps) / len(exps),
+                "eval/seconds": time.perf_counter() - t0}
+
+    def _write_samples(self, batch: int, version: int, groups) -> None:
+        with self.samples.open("a") as f:
+            for g in groups[: self.cfg.log_samples]:
+                e = g[0]
+                f.write(f"=== batch {batch} | version {version} | task {e.task_id} | answer {e.info['answer']}\n")
+                for x in g[:2]:
+                    err = f" | reward error: {x.info['reward_error']}" if "reward_error" in x.info else ""
+                    f.write(f"--- reward {x.reward:.2f}{err}\n{x.info['response'].strip()}\n")
+
+
+def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue) -> None:
+    """Explorer process entry (mode both). Receives weights from trainer rank 0 over the
+    weight-sync group (rank 1) and puts metric records on `queue`."""
+    torch.set_num_threads(cfg.explorer_threads)
+    parent = os.getppid()
+    alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
+    weights = sync.WeightSync(1, 2, port=port, timeout_s=cfg.sync_timeout_s).connect(alive)
+    train, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
+    engine = HFEngine(model_path, max_batch=cfg.explorer_max_batch, seed=cfg.seed + 1)
+    explorer = Explorer(cfg, engine, train, held_out, dataset, queue.put)
+    buffer = Buffer(Path(cfg.run_dir) / "buffer.sqlite")
+    published = sync.published_versions(total_steps, cfg.sync_interval)
+    version, last_eval = 0, None
+
+    def maybe_eval(final: bool = False):
+        nonlocal last_eval
+        due = last_eval is None or version // cfg.eval_interval > last_eval // cfg.eval_interval
+        if cfg.eval_size and (due or (final and last_eval != version)):
+            queue.put(explorer.evaluate(version))
+            last_eval = version
+
+    def receive():
+        nonlocal version
+        t0 = time.perf_counter()
+        version = weights.recv(engine.parameters(), alive)
+        queue.put({"explorer/received_version": version, "time/explorer_wait_sync_s": time.perf_counter() - t0,
+                   "sync/explorer_checksum": sync.checksum(engine.parameters())})
+        maybe_eval(final=version == published[-1])
+
+    maybe_eval()
+    for batch in range(total_steps):
+        while version < sync.required_version(batch, cfg.sync_interval, cfg.sync_offset):
+            receive()
+        queue.put(explorer.explore(batch, version, buffer))
+    while version < published[-1]:
+        receive()
+    maybe_eval(final=True)
+    queue.put({"explorer/done": True})

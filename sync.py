@@ -1,0 +1,148 @@
+"""Weight-sync protocol shared by both ends: the schedule and the process group.
+
+This file exists because the trainer (sender) and the explorer (receiver) must agree on
+exactly the same schedule and wire format; keeping both halves in one place makes that
+agreement visible and testable.
+
+Schedule (Trinity-RFT semantics). Explorer batch e (0-based) is generated with weight
+version  required_version(e) = k * floor(max(0, e - m) / k)  for sync_interval k and
+sync_offset m. The trainer consumes batch t at step t; after step t its weights are
+version t + 1, and it publishes them when (t + 1) % k == 0, and after the last step.
+
+Group. Trainer rank 0 hosts a TCPStore; a `ProcessGroupGloo` (CPU) or `ProcessGroupNCCL`
+(CUDA) is built directly on a PrefixStore("weights", store), separate from the trainer's
+FSDP group. Rank 0 = trainer, ranks 1.. = explorers. One publish = broadcast of the
+version (int64 [1]) then of all parameters flattened into one buffer per dtype, in
+`named_parameters()` order (identical on both ends: same architecture).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+
+def required_version(batch: int, sync_interval: int, sync_offset: int) -> int:
+    """Weight version explorer batch `batch` must be generated with (see module doc)."""
+    return sync_interval * (max(0, batch - sync_offset) // sync_interval)
+
+
+def publishes_after(step: int, sync_interval: int, total_steps: int) -> bool:
+    """True if the trainer publishes weights (version step + 1) after 0-based `step`."""
+    return (step + 1) % sync_interval == 0 or step == total_steps - 1
+
+
+def published_versions(total_steps: int, sync_interval: int) -> list[int]:
+    """All versions the trainer publishes in a run of `total_steps`, in order."""
+    return [t + 1 for t in range(total_steps) if publishes_after(t, sync_interval, total_steps)]
+
+
+def checksum(tensors: Iterable[torch.Tensor]) -> float:
+    """Float64 sum of all elements: equal weights give equal checksums (for metrics and tests)."""
+    return float(sum(t.detach().double().sum() for t in tensors))
+
+
+class WeightSync:
+    """One end of the weight-sync group.
+
+    rank 0 creates the TCPStore on `port` (0 = pick a free one, then read `.port`);
+    ranks >= 1 connect to it; then every rank calls `connect()`. `timeout_s` bounds every collective. Raises RuntimeError if
+    `alive()` turns False while waiting (the peer died), so no side hangs forever.
+    """
+
+    def __init__(self, rank: int, world_size: int, port: int = 0, host: str = "127.0.0.1",
+                 device: str = "cpu", timeout_s: float = 3600.0):
+        self.rank, self.device = rank, torch.device(device)
+        timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0,
+                                   timeout=timeout, wait_for_workers=False)
+        self.port = self.store.port
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.group, self._pending = None, None
+
+    def connect(self, alive: Callable[[], bool] = lambda: True) -> "WeightSync":
+        """Build the process group; blocks until every rank has called it (rank 0 calls it
+        after starting the explorers it passed `.port` to). Raises RuntimeError if
+        `alive()` turns False meanwhile."""
+        prefix = dist.PrefixStore("weights", self.store)
+        make = dist.ProcessGroupNCCL if self.device.type == "cuda" else dist.ProcessGroupGloo
+        done: list = []
+        builder = threading.Thread(target=lambda: done.append(make(prefix, self.rank, self.world_size,
+                                                                   timeout=self.timeout)), daemon=True)
+        builder.start()
+        while builder.is_alive():
+            if not alive():
+                raise RuntimeError("weight sync: the peer process died before joining the group")
+            builder.join(0.05)
+        if not done:
+            raise RuntimeError("weight sync: building the process group failed (see the error above)")
+        self.group = done[0]
+        return self
+
+    def _broadcast(self, t: torch.Tensor):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        return self.group.broadcast([t], opts)
+
+    def wait(self, alive: Callable[[], bool] = lambda: True, poll_s: float = 0.01) -> None:
+        """Finish the send in flight (rank 0), if any."""
+        while self._pending:
+            work = self._pending[0]
+            if work.is_completed():
+                work.wait()
+                self._pending.pop(0)
+            elif not alive():
+                raise RuntimeError("weight sync: the peer process died during a broadcast")
+            else:
+                time.sleep(poll_s)
+
+    def send(self, version: int, params: list[torch.Tensor], alive: Callable[[], bool] = lambda: True) -> None:
+        """Rank 0: publish `params` (full tensors) as `version`. Returns once the previous
+        publish has completed and this one is in flight (the data is copied first)."""
+        self.wait(alive)
+        self._pending = [self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))]
+        for flat in _flatten(params, self.device):
+            self._pending.append(self._broadcast(flat))
+
+    def recv(self, params: list[torch.Tensor], alive: Callable[[], bool] = lambda: True) -> int:
+        """Rank >= 1: receive the next publish into `params` in place; returns its version."""
+        version = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._pending = [self._broadcast(version)]
+        flats = [torch.empty_like(f) for f in _flatten(params, self.device, copy=False)]
+        self._pending += [self._broadcast(f) for f in flats]
+        self.wait(alive)
+        _unflatten(flats, params)
+        return int(version.item())
+
+
+def _by_dtype(params: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    out: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        out.setdefault(p.dtype, []).append(p)
+    return out
+
+
+def _flatten(params: list[torch.Tensor], device: torch.device, copy: bool = True) -> list[torch.Tensor]:
+    """One flat buffer per dtype (in first-seen dtype order). With copy=False only the
+    shapes matter (the result is used as a template)."""
+    flats = []
+    for dtype, ps in _by_dtype(params).items():
+        n = sum(p.numel() for p in ps)
+        if copy:
+            flats.append(torch.cat([p.detach().reshape(-1).to(device) for p in ps]))
+        else:
+            flats.append(torch.empty(n, dtype=dtype, device=device))
+    return flats
+
+
+@torch.no_grad()
+def _unflatten(flats: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+    for flat, ps in zip(flats, _by_dtype(params).values()):
+        offset = 0
+        for p in ps:
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
