@@ -108,15 +108,16 @@ class HFEngine(Engine):
     """transformers engine: batched sampling with a KV cache (left-padded prompts).
 
     model_path: local HF model directory. max_batch: sequences per forward pass.
+    bf16: forward passes under bf16 autocast (sampling and logprobs stay float32).
     """
 
-    def __init__(self, model_path: str, max_batch: int = 64, seed: int = 0, dtype=torch.float32):
+    def __init__(self, model_path: str, max_batch: int = 64, seed: int = 0, bf16: bool = False):
         super().__init__()
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
-        self.max_batch = max_batch
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.max_batch, self.bf16 = max_batch, bf16
         gen_eos = self.model.generation_config.eos_token_id
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos = torch.tensor(sorted({e for e in gen_eos + [self.tokenizer.eos_token_id] if e is not None}))
@@ -137,8 +138,11 @@ class HFEngine(Engine):
             i += n
         return out
 
-    @torch.no_grad()
     def _sample(self, prompts: list[list[int]], s: Sampling) -> list[Completion]:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            return self._sample_loop(prompts, s)
+
+    def _sample_loop(self, prompts: list[list[int]], s: Sampling) -> list[Completion]:
         from transformers import DynamicCache
 
         B, P = len(prompts), max(map(len, prompts))
@@ -255,7 +259,7 @@ def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue) -> No
     alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
     weights = sync.WeightSync(1, 2, port=port, timeout_s=cfg.sync_timeout_s).connect(alive)
     train, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
-    engine = HFEngine(model_path, max_batch=cfg.explorer_max_batch, seed=cfg.seed + 1)
+    engine = HFEngine(model_path, max_batch=cfg.explorer_max_batch, seed=cfg.seed + 1, bf16=cfg.bf16)
     explorer = Explorer(cfg, engine, train, held_out, dataset, queue.put)
     buffer = Buffer(Path(cfg.run_dir) / "buffer.sqlite")
     published = sync.published_versions(total_steps, cfg.sync_interval)

@@ -98,6 +98,8 @@ class Config:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clipping"""
+    bf16: bool = True
+    """run explorer and trainer forward passes under bf16 autocast (weights and AdamW stay float32)"""
     token_budget: int = 4096
     """max padded tokens per micro-batch"""
     explorer_max_batch: int = 128

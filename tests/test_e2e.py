@@ -1,0 +1,100 @@
+"""run.py end to end in a subprocess, on the tiny random model."""
+import json
+import sqlite3
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_py
+
+
+def metrics(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def buffer_versions(run_dir, batch_size):
+    """Weight version of each explorer batch, in write order."""
+    db = sqlite3.connect(run_dir / "buffer.sqlite")
+    groups = db.execute("SELECT group_id, MIN(model_version) FROM experiences GROUP BY group_id ORDER BY MIN(id)").fetchall()
+    return [v for _, v in groups][::batch_size]
+
+
+def test_run_trains_and_syncs(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir,
+                 "--reward-fn", "tests.rewards.length_parity", "--steps", 4, "--sync-interval", 2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    recs = metrics(run_dir)
+    steps = [r for r in recs if "reward/mean" in r]
+    evals = [r for r in recs if "eval/accuracy" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2, 3]
+    assert [r["eval/version"] for r in evals] == [0, 2, 4]
+    for key in ("loss/policy", "loss/clip_frac", "loss/kl_behaviour", "loss/grad_norm", "reward/std",
+                "response/len_mean", "staleness/mean", "time/train_s", "time/explore_s", "time/wait_s",
+                "time/sync_s", "train/tokens_per_s", "explorer/tokens_per_s"):
+        assert key in steps[-1], key
+    # a raising reward function is caught, scored 0 and counted; the run went on
+    assert sum(r["rollout/reward_errors"] for r in steps) > 0
+    assert "reward error" in (run_dir / "samples.log").read_text()
+    # parameters changed, and the explorer holds exactly the trainer's final weights
+    init = load_file(f"{tiny_model}/model.safetensors")
+    final = load_file(run_dir / "final" / "model.safetensors")
+    assert any(not torch.equal(init[k], final[k]) for k in init)
+    checksum = sum(final[k].double().sum().item() for k in final)
+    assert steps[-1]["sync/explorer_checksum"] == pytest.approx(checksum, rel=1e-12)
+    assert steps[-1]["sync/trainer_checksum"] == pytest.approx(checksum, rel=1e-12)
+    assert buffer_versions(run_dir, 2) == [0, 0, 2, 2]
+    assert (run_dir / "plot.png").stat().st_size > 1000
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(run_dir / "final")
+
+
+@pytest.mark.parametrize("interval,offset,expected", [(1, 0, [0, 1, 2, 3]), (1, 1, [0, 0, 1, 2]),
+                                                      (3, 1, [0, 0, 0, 0])])
+def test_sync_schedule_versions_in_buffer(tiny_model, tmp_path, interval, offset, expected):
+    run_dir = tmp_path / "run"
+    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir, "--steps", 4,
+                 "--sync-interval", interval, "--sync-offset", offset, "--eval-size", 0)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert buffer_versions(run_dir, 2) == expected
+    steps = [r for r in metrics(run_dir) if "reward/mean" in r]
+    assert [r["staleness/max"] for r in steps] == [t - v for t, v in enumerate(expected)]
+
+
+def test_torchrun_two_trainer_ranks(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir,
+                 "--reward-fn", "tests.rewards.length_parity", "--steps", 2, "--eval-size", 0, nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [r for r in metrics(run_dir) if "reward/mean" in r]
+    assert [r["trainer/ranks"] for r in steps] == [2, 2]
+    final = load_file(run_dir / "final" / "model.safetensors")
+    assert steps[-1]["sync/explorer_checksum"] == pytest.approx(sum(v.double().sum().item() for v in final.values()),
+                                                                rel=1e-12)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--model", "/nonexistent/model"], "model directory not found"),
+    (["--task", "no_such_dataset"], "reasoning-gym dataset 'no_such_dataset'"),
+    (["--steps", "zero"], "config key 'steps': expected int"),
+    (["--reward-fn", "no.such.module"], "reward_fn 'no.such.module' cannot be imported"),
+])
+def test_bad_input_is_one_error_line(tmp_path, args, message):
+    res = run_py("--run-dir", tmp_path / "r", *args, timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and message in lines[-1], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+
+
+def test_bad_config_and_jsonl(tmp_path):
+    toml = tmp_path / "bad.toml"
+    toml.write_text('lr = 1e-5\nlearning_rate = 3\n')
+    res = run_py("--config", toml, "--run-dir", tmp_path / "r", timeout=120)
+    assert res.returncode == 2 and "unknown config key(s) ['learning_rate']" in res.stderr
+    jsonl = tmp_path / "tasks.jsonl"
+    jsonl.write_text('{"question": "1+1", "answer": "2"}\n{"question": "2+2"}\n')
+    res = run_py("--task", jsonl, "--run-dir", tmp_path / "r", timeout=120)
+    assert res.returncode == 2 and "tasks.jsonl line 2: needs 'question' and 'answer' fields" in res.stderr
+    assert "Traceback" not in res.stderr

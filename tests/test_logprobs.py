@@ -1,0 +1,55 @@
+"""The explorer's behaviour logprobs equal the trainer's recomputation under equal weights."""
+import asyncio
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import run
+from buffer import Experience
+from explorer import HFEngine, Sampling
+from trainer import Trainer, pack, response_logprobs
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model):
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    cfg = run.parse_config(["--config", "configs/tiny.toml"])
+    return cfg, Trainer(cfg, tiny_model, torch.device("cpu"))
+
+
+def rollouts(engine, prompts, n, sampling):
+    async def go():
+        return await asyncio.gather(*(engine.generate(p, n, sampling) for p in prompts))
+
+    outs = asyncio.run(go())
+    return [Experience(p + c.tokens, len(p), c.logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0)
+            for i, (p, cs) in enumerate(zip(prompts, outs)) for c in cs]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_explorer_logprobs_match_trainer(tiny_model, trainer, temperature):
+    cfg, tr = trainer
+    engine = HFEngine(tiny_model, max_batch=5, seed=0)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]  # different lengths: exercises padding
+    exps = rollouts(engine, prompts, 3, Sampling(max_tokens=12, temperature=temperature))
+    assert len(exps) == 9 and any(len(e.logprobs) > 1 for e in exps)
+    b = pack(exps, tr.pad)
+    with torch.no_grad():
+        lp = response_logprobs(tr.model, b, temperature)
+    diff = ((lp - b["old_logprobs"]).abs() * b["mask"]).max().item()
+    assert diff < 1e-4, diff
+    # and they are real log-probs of sampled tokens: not all zero, all <= 0
+    assert (b["old_logprobs"] * b["mask"]).min() < -0.1 and (b["old_logprobs"] <= 0).all()
+
+
+def test_trainer_step_changes_parameters(trainer):
+    cfg, tr = trainer
+    before = [p.detach().clone() for p in tr.full_parameters()]
+    exps = [Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0)
+            for i in range(4)]
+    m = tr.step([exps])
+    after = tr.full_parameters()
+    assert tr.version == 1 and m["loss/grad_norm"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))

@@ -1,0 +1,59 @@
+"""Sync schedule (hand-written tables) and the weight-sync process group."""
+import multiprocessing as mp
+
+import pytest
+import torch
+
+import sync
+
+# explorer batch e -> weight version it must be generated with (Trinity-RFT semantics)
+SCHEDULES = {
+    (1, 0): [0, 1, 2, 3, 4, 5],  # strict on-policy
+    (1, 1): [0, 0, 1, 2, 3, 4],  # one-step off-policy
+    (2, 0): [0, 0, 2, 2, 4, 4],
+    (2, 1): [0, 0, 0, 2, 2, 4],
+    (3, 0): [0, 0, 0, 3, 3, 3],
+    (3, 2): [0, 0, 0, 0, 0, 3],
+}
+
+
+@pytest.mark.parametrize("interval,offset", sorted(SCHEDULES))
+def test_required_version_table(interval, offset):
+    assert [sync.required_version(e, interval, offset) for e in range(6)] == SCHEDULES[(interval, offset)]
+
+
+def test_published_versions_include_last_step():
+    assert sync.published_versions(5, 2) == [2, 4, 5]
+    assert sync.published_versions(4, 1) == [1, 2, 3, 4]
+    assert sync.published_versions(6, 3) == [3, 6]
+
+
+def receiver(port, q):
+    ws = sync.WeightSync(1, 2, port=port, timeout_s=60).connect()
+    params = [torch.zeros(3, 2), torch.zeros(4), torch.zeros(2, dtype=torch.int64)]
+    for _ in range(2):
+        version = ws.recv(params)
+        q.put((version, [p.tolist() for p in params]))
+
+
+def test_weight_sync_broadcast_two_processes():
+    ws = sync.WeightSync(0, 2, port=0, timeout_s=60)
+    q = mp.get_context("spawn").Queue()
+    proc = mp.get_context("spawn").Process(target=receiver, args=(ws.port, q))
+    proc.start()
+    ws.connect(proc.is_alive)
+    for version in (2, 4):
+        params = [torch.randn(3, 2), torch.randn(4), torch.tensor([version, -version])]
+        ws.send(version, params, proc.is_alive)
+        got_version, got = q.get(timeout=60)
+        assert got_version == version
+        assert got == [p.tolist() for p in params]
+    ws.wait(proc.is_alive)
+    proc.join(60)
+    assert proc.exitcode == 0
+
+
+def test_connect_fails_fast_when_peer_is_dead():
+    ws = sync.WeightSync(0, 2, port=0, timeout_s=60)
+    with pytest.raises(RuntimeError, match="died before joining"):
+        ws.connect(lambda: False)
