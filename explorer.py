@@ -93,7 +93,7 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
     temperature 0 is greedy decoding with logprob 0.
     """
     if temperature == 0:
-        return logits.argmax(-1), torch.zeros(logits.shape[0])
+        return logits.argmax(-1), logits.new_zeros(logits.shape[0], dtype=torch.float)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)     # [B, V]
     if top_p < 1.0:
         sorted_lp, order = logp.sort(dim=-1, descending=True)            # [B, V]
@@ -109,6 +109,7 @@ class HFEngine(Engine):
 
     model_path: local HF model directory. max_batch: sequences per forward pass.
     bf16: forward passes under bf16 autocast (sampling and logprobs stay float32).
+    Runs on the first CUDA device when there is one, else on the CPU.
     """
 
     def __init__(self, model_path: str, max_batch: int = 64, seed: int = 0, bf16: bool = False):
@@ -116,13 +117,15 @@ class HFEngine(Engine):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device).eval()
         self.max_batch, self.bf16 = max_batch, bf16
         gen_eos = self.model.generation_config.eos_token_id
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
-        self.eos = torch.tensor(sorted({e for e in gen_eos + [self.tokenizer.eos_token_id] if e is not None}))
+        self.eos = torch.tensor(sorted({e for e in gen_eos + [self.tokenizer.eos_token_id] if e is not None}),
+                                device=self.device)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else int(self.eos[0])
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
 
     def parameters(self) -> list[torch.Tensor]:
         return [p for _, p in self.model.named_parameters()]
@@ -139,7 +142,7 @@ class HFEngine(Engine):
         return out
 
     def _sample(self, prompts: list[list[int]], s: Sampling) -> list[Completion]:
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             return self._sample_loop(prompts, s)
 
     def _sample_loop(self, prompts: list[list[int]], s: Sampling) -> list[Completion]:
@@ -151,12 +154,13 @@ class HFEngine(Engine):
         for b, p in enumerate(prompts):
             ids[b, P - len(p):] = torch.tensor(p)
             attn[b, P - len(p):] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)                    # [B, P]
         cache = DynamicCache()
         logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         tokens, logprobs = [], []
-        done = torch.zeros(B, dtype=torch.bool)
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)
         for _ in range(s.max_tokens):
             tok, lp = sample_token(logits, s.temperature, s.top_p, self.generator)  # [B], [B]
             tok = tok.masked_fill(done, self.pad)
@@ -165,7 +169,7 @@ class HFEngine(Engine):
             done = done | torch.isin(tok, self.eos)
             if done.all():
                 break
-            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype)], dim=1)
+            attn = torch.cat([attn, attn.new_ones((B, 1))], dim=1)
             pos = pos[:, -1:] + 1
             logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
                                 past_key_values=cache, use_cache=True).logits[:, -1]
@@ -257,7 +261,8 @@ def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue) -> No
     torch.set_num_threads(cfg.explorer_threads)
     parent = os.getppid()
     alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
-    weights = sync.WeightSync(1, 2, port=port, timeout_s=cfg.sync_timeout_s).connect(alive)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # must match the trainer's group backend
+    weights = sync.WeightSync(1, 2, port=port, device=device, timeout_s=cfg.sync_timeout_s).connect(alive)
     train, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
     engine = HFEngine(model_path, max_batch=cfg.explorer_max_batch, seed=cfg.seed + 1, bf16=cfg.bf16)
     explorer = Explorer(cfg, engine, train, held_out, dataset, queue.put)

@@ -62,9 +62,9 @@ class Config:
     """system message before each question ('' for none)"""
     reward_fn: str = "reasoning_gym"
     """reward function: reasoning_gym (the dataset's verifier on the last number) or module.function"""
-    steps: int = 40
+    steps: int = 30
     """trainer steps (= explorer batches)"""
-    batch_size: int = 16
+    batch_size: int = 8
     """tasks per explorer batch (groups per trainer step)"""
     group_size: int = 8
     """rollouts per task (the group of GRPO)"""
@@ -92,7 +92,7 @@ class Config:
     """PPO clip range below 1"""
     clip_high: float = 0.28
     """PPO clip range above 1 (clip-higher)"""
-    lr: float = 1e-5
+    lr: float = 3e-5
     """AdamW learning rate"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
