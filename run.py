@@ -272,12 +272,14 @@ class Metrics:
         self.file = (run_dir / "metrics.jsonl").open("a")
 
     def write(self, record: dict) -> None:
+        """Append one record and flush (readable while the run goes on)."""
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
 
 
 def plot(run_dir: Path) -> Path:
-    """Plot reward mean and held-out accuracy against trainer step into RUN_DIR/plot.png."""
+    """Plot train reward, held-out accuracy and response length against trainer step into
+    RUN_DIR/plot.png; returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -286,15 +288,19 @@ def plot(run_dir: Path) -> Path:
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "reward/mean" in r]
     evals = [r for r in recs if "eval/accuracy" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in steps], [r["reward/mean"] for r in steps], label="train reward (mean)", alpha=0.7)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    x = [r["step"] for r in steps]
+    ax.plot(x, [r["reward/mean"] for r in steps], label="train reward (mean)", alpha=0.7)
     ax.plot([r["eval/version"] for r in evals], [r["eval/accuracy"] for r in evals], "o-",
             label="held-out accuracy")
-    ax.set_xlabel("trainer step (weight version)")
     ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title(run_dir.name)
+    ax2.plot(x, [r["response/len_mean"] for r in steps], color="tab:green")
+    ax2.set_ylabel("mean response length (tokens)")
+    for a in (ax, ax2):
+        a.set_xlabel("trainer step (weight version)")
+        a.grid(alpha=0.3)
+    fig.suptitle(run_dir.name)
     out = run_dir / "plot.png"
     fig.tight_layout()
     fig.savefig(out, dpi=100)
@@ -418,6 +424,8 @@ def prepare(cfg: Config, rank: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse the config, validate inputs, start the distributed run; returns the exit code
+    (2 with one error line for bad input)."""
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
     try:
