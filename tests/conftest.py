@@ -44,3 +44,20 @@ def run_py(*args, timeout=600, nproc: int = 0):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]  # different lengths: exercises padding
+
+
+def rollouts(engine, prompts, n, sampling):
+    """Sample n completions per prompt through engine.generate; returns Experiences."""
+    import asyncio
+
+    from buffer import Experience
+
+    async def go():
+        return await asyncio.gather(*(engine.generate(p, n, sampling) for p in prompts))
+
+    outs = asyncio.run(go())
+    return [Experience(p + c.tokens, len(p), c.logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0)
+            for i, (p, cs) in enumerate(zip(prompts, outs)) for c in cs]

@@ -1,12 +1,11 @@
 """The explorer's behaviour logprobs equal the trainer's recomputation under equal weights."""
-import asyncio
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import run
 from buffer import Experience
+from conftest import PROMPTS, rollouts
 from explorer import HFEngine, Sampling
 from trainer import Trainer, pack, response_logprobs
 
@@ -19,21 +18,11 @@ def trainer(tiny_model):
     return cfg, Trainer(cfg, tiny_model, torch.device("cpu"))
 
 
-def rollouts(engine, prompts, n, sampling):
-    async def go():
-        return await asyncio.gather(*(engine.generate(p, n, sampling) for p in prompts))
-
-    outs = asyncio.run(go())
-    return [Experience(p + c.tokens, len(p), c.logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0)
-            for i, (p, cs) in enumerate(zip(prompts, outs)) for c in cs]
-
-
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_explorer_logprobs_match_trainer(tiny_model, trainer, temperature):
     cfg, tr = trainer
     engine = HFEngine(tiny_model, max_batch=5, seed=0)
-    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]  # different lengths: exercises padding
-    exps = rollouts(engine, prompts, 3, Sampling(max_tokens=12, temperature=temperature))
+    exps = rollouts(engine, PROMPTS, 3, Sampling(max_tokens=12, temperature=temperature))
     assert len(exps) == 9 and any(len(e.logprobs) > 1 for e in exps)
     b = pack(exps, tr.pad)
     with torch.no_grad():

