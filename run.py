@@ -338,10 +338,12 @@ def run_both(cfg: Config, model_path: str, rank: int, world: int, device) -> Non
         explorer.start()
         weights.connect(lambda: explorer.is_alive())
     alive = lambda: explorer.is_alive()  # noqa: E731
-    pending: dict[int, dict] = {}  # explorer batch records by batch index
-    extra: dict = {}               # latest explorer-side sync / eval values, merged into the next step
+    pending: dict[int, dict] = {}  # explorer batch records by batch index, merged into that step
+    last_eval = {"eval/accuracy": float("nan")}
 
     def drain():
+        """Explorer records: batch stats join their step's record; evaluations and weight
+        receipts are written as records of their own, at step = their weight version."""
         while not queue.empty():
             r = queue.get()
             if "batch" in r:
@@ -349,9 +351,9 @@ def run_both(cfg: Config, model_path: str, rank: int, world: int, device) -> Non
             elif "eval/accuracy" in r:
                 metrics.write({"step": r["eval/version"], **r})
                 bar.write(f"eval @ version {r['eval/version']}: held-out accuracy {r['eval/accuracy']:.3f}")
-                extra.update(r)
-            else:
-                extra.update(r)
+                last_eval.update(r)
+            elif "explorer/received_version" in r:
+                metrics.write({"step": r["explorer/received_version"], **r})
 
     bar = tqdm(total=cfg.steps, desc="steps", disable=rank != 0, dynamic_ncols=True)
     start = time.perf_counter()
@@ -376,17 +378,15 @@ def run_both(cfg: Config, model_path: str, rank: int, world: int, device) -> Non
             continue
         drain()
         m.update(pending.pop(step, {}))
-        m.update({k: v for k, v in extra.items() if not k.startswith("eval/")})
         m.update({"step": step, "version": trainer.version, "time/wait_s": wait_s,
                   "time/sync_s": time.perf_counter() - t1, "time/elapsed_s": time.perf_counter() - start,
                   "staleness/mean": sum(step - v for v in versions) / len(versions),
                   "staleness/max": max(step - v for v in versions),
                   "threads/trainer": cfg.trainer_threads, "threads/explorer": cfg.explorer_threads,
                   "trainer/ranks": world})
-        if "eval/accuracy" in extra:
-            m["eval/last_accuracy"] = extra["eval/accuracy"]
+        m["eval/last_accuracy"] = last_eval["eval/accuracy"]
         metrics.write(m)
-        bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{extra.get('eval/accuracy', float('nan')):.3f}",
+        bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{last_eval['eval/accuracy']:.3f}",
                         s_per_step=f"{m['time/elapsed_s'] / (step + 1):.1f}")
         bar.update()
     bar.close()

@@ -48,6 +48,24 @@ def pipeline(args, extra):
               if k == "time/explore_s" else f"  {k:<28}{mean(k):8.1f}")
 
 
+class Sink:
+    """A buffer stand-in that keeps the groups in memory."""
+
+    def __init__(self):
+        self.groups = []
+
+    def write(self, group):
+        self.groups.append(group)
+
+
+def explore_rate(ex, rnd):
+    """Explore batch `rnd` with Explorer `ex`; returns (generated tokens/s, groups)."""
+    sink = Sink()
+    t = time.perf_counter()
+    ex.explore(rnd, 0, sink)
+    return sum(len(e.logprobs) for g in sink.groups for e in g) / (time.perf_counter() - t), sink.groups
+
+
 def raw_generate(model, prompts, n, max_tokens, pad, bf16):
     seqs = [p for p in prompts for _ in range(n)]
     P = max(map(len, seqs))
@@ -91,24 +109,16 @@ def components(args, extra):
     prompts = [ex.workflow.prompt_ids(t) for t in ex.tasks_for(0)]
     rows = {"explore": [], "generate": [], "train": [], "fwd_bwd": []}
 
-    class Sink:
-        def write(self, group):
-            self.groups.append(group)
-
     for rnd in range(args.rounds):
-        sink = Sink()
-        sink.groups = []
-        t = time.perf_counter()
-        ex.explore(rnd, 0, sink)
-        dt = time.perf_counter() - t
-        rows["explore"].append(sum(len(e.logprobs) for g in sink.groups for e in g) / dt)
+        rate, groups = explore_rate(ex, rnd)
+        rows["explore"].append(rate)
         t = time.perf_counter()
         n_tok = raw_generate(raw, prompts, cfg.group_size, cfg.max_tokens, engine.pad, cfg.bf16)
         rows["generate"].append(n_tok / (time.perf_counter() - t))
-        exps = [e for g in sink.groups for e in g]
+        exps = [e for g in groups for e in g]
         tokens = sum(len(e.tokens) for e in exps)
         t = time.perf_counter()
-        trainer.step(sink.groups)
+        trainer.step(groups)
         rows["train"].append(tokens / (time.perf_counter() - t))
         t = time.perf_counter()
         raw_train(raw, raw_opt, exps, cfg.token_budget, trainer.pad, cfg.bf16)

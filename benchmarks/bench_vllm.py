@@ -21,26 +21,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import run  # noqa: E402
-from bench_step import pipeline  # noqa: E402
+from bench_step import explore_rate, pipeline  # noqa: E402
 from explorer import Explorer, HFEngine, VLLMEngine  # noqa: E402
 from workflows import load_tasks  # noqa: E402
-
-
-class Sink:
-    """A buffer stand-in that keeps the groups in memory."""
-
-    def __init__(self):
-        self.groups = []
-
-    def write(self, group):
-        self.groups.append(group)
-
-
-def explore_rate(ex, rnd):
-    sink = Sink()
-    t = time.perf_counter()
-    ex.explore(rnd, 0, sink)
-    return sum(len(e.logprobs) for g in sink.groups for e in g) / (time.perf_counter() - t)
 
 
 def raw_rate(llm, prompts, n, cfg):
@@ -71,9 +54,9 @@ def main():
     rows = {"nanorft_vllm": [], "raw_vllm": [], "hf": []}
     for rnd in range(args.rounds):
         prompts = [ex_v.workflow.prompt_ids(t) for t in ex_v.tasks_for(rnd)]
-        rows["nanorft_vllm"].append(explore_rate(ex_v, rnd))
+        rows["nanorft_vllm"].append(explore_rate(ex_v, rnd)[0])
         rows["raw_vllm"].append(raw_rate(vllm_engine.llm, prompts, cfg.group_size, cfg))
-        rows["hf"].append(explore_rate(ex_h, rnd))
+        rows["hf"].append(explore_rate(ex_h, rnd)[0])
     med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
     print(f"explorer, {args.threads} thread(s), batch {cfg.batch_size} tasks x {cfg.group_size} rollouts x "
           f"<= {cfg.max_tokens} tokens, median of {args.rounds} interleaved rounds (generated tokens/s):")
@@ -81,7 +64,7 @@ def main():
           f"ratio {med['nanorft_vllm'] / med['raw_vllm']:.2f}")
     print(f"  nanorft vLLM engine {med['nanorft_vllm']:7.1f} | nanorft HF engine {med['hf']:7.1f} | "
           f"ratio {med['nanorft_vllm'] / med['hf']:.2f}")
-    del vllm_engine, ex_v
+    vllm_engine.close()
     if args.steps:
         for engine in ("vllm", "hf"):
             print(f"--engine {engine}:")

@@ -13,6 +13,11 @@ def metrics(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def receipt(run_dir, version):
+    """The explorer's record of receiving weight `version`."""
+    return next(r for r in metrics(run_dir) if r.get("explorer/received_version") == version)
+
+
 def buffer_versions(run_dir, batch_size):
     """Weight version of each explorer batch, in write order."""
     db = sqlite3.connect(run_dir / "buffer.sqlite")
@@ -42,7 +47,7 @@ def test_run_trains_and_syncs(tiny_model, tmp_path):
     final = load_file(run_dir / "final" / "model.safetensors")
     assert any(not torch.equal(init[k], final[k]) for k in init)
     checksum = sum(final[k].double().sum().item() for k in final)
-    assert steps[-1]["sync/explorer_checksum"] == pytest.approx(checksum, rel=1e-12)
+    assert receipt(run_dir, 4)["sync/explorer_checksum"] == pytest.approx(checksum, rel=1e-12)
     assert steps[-1]["sync/trainer_checksum"] == pytest.approx(checksum, rel=1e-12)
     assert buffer_versions(run_dir, 2) == [0, 0, 2, 2]
     assert (run_dir / "plot.png").stat().st_size > 1000
@@ -70,8 +75,8 @@ def test_torchrun_two_trainer_ranks(tiny_model, tmp_path):
     steps = [r for r in metrics(run_dir) if "reward/mean" in r]
     assert [r["trainer/ranks"] for r in steps] == [2, 2]
     final = load_file(run_dir / "final" / "model.safetensors")
-    assert steps[-1]["sync/explorer_checksum"] == pytest.approx(sum(v.double().sum().item() for v in final.values()),
-                                                                rel=1e-12)
+    assert receipt(run_dir, 2)["sync/explorer_checksum"] == pytest.approx(
+        sum(v.double().sum().item() for v in final.values()), rel=1e-12)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -69,7 +69,7 @@ def test_vllm_logprobs_match_trainer_and_follow_a_sync(tiny_model, engine):
 def test_run_with_vllm_engine(tiny_model, tmp_path):
     from safetensors.torch import load_file
 
-    from test_e2e import buffer_versions, metrics
+    from test_e2e import buffer_versions, metrics, receipt
 
     run_dir = tmp_path / "run"
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir, "--engine", "vllm",
@@ -80,8 +80,8 @@ def test_run_with_vllm_engine(tiny_model, tmp_path):
     final = load_file(run_dir / "final" / "model.safetensors")
     init = load_file(f"{tiny_model}/model.safetensors")
     assert any(not torch.equal(init[k], final[k]) for k in init)
-    assert steps[-1]["sync/explorer_checksum"] == pytest.approx(sum(v.double().sum().item() for v in final.values()),
-                                                                rel=1e-12)
+    assert receipt(run_dir, 3)["sync/explorer_checksum"] == pytest.approx(
+        sum(v.double().sum().item() for v in final.values()), rel=1e-12)
     assert buffer_versions(run_dir, 2) == [0, 1, 2]
 
 
