@@ -74,8 +74,9 @@ def raw_generate(model, prompts, n, max_tokens, pad, bf16):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_p=1.0,
                              top_k=0, max_new_tokens=max_tokens, pad_token_id=pad)
-    gen = out[:, P:]
-    return int(((gen != pad).cumsum(1) > 0).sum())  # generated tokens up to the end
+    gen = out[:, P:]                                        # [B, R], padded with pad after the end token
+    after_end = (gen == pad).long().cumsum(1) - (gen == pad).long() > 0  # positions past the first end token
+    return int((~after_end).sum())  # generated tokens, the end token included
 
 
 def raw_train(model, opt, exps, token_budget, pad, bf16):
@@ -135,11 +136,12 @@ def components(args, extra):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model directory (default: the run.py default)")
-    p.add_argument("--steps", type=int, default=5, help="pipeline steps")
+    p.add_argument("--steps", type=int, default=5, help="pipeline steps (0 skips the pipeline)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the component timing")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args, extra = p.parse_known_args()
-    pipeline(args, extra)
+    if args.steps:
+        pipeline(args, extra)
     components(args, extra)
 
 
