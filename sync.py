@@ -70,16 +70,22 @@ class WeightSync:
         `alive()` turns False meanwhile."""
         prefix = dist.PrefixStore("weights", self.store)
         make = dist.ProcessGroupNCCL if self.device.type == "cuda" else dist.ProcessGroupGloo
-        done: list = []
-        builder = threading.Thread(target=lambda: done.append(make(prefix, self.rank, self.world_size,
-                                                                   timeout=self.timeout)), daemon=True)
+        done: list = []  # the group, or the exception that building it raised
+
+        def build():
+            try:
+                done.append(make(prefix, self.rank, self.world_size, timeout=self.timeout))
+            except Exception as e:  # reported by connect(), not lost in the thread
+                done.append(e)
+
+        builder = threading.Thread(target=build, daemon=True)
         builder.start()
         while builder.is_alive():
             if not alive():
                 raise RuntimeError("weight sync: the peer process died before joining the group")
             builder.join(0.05)
-        if not done:
-            raise RuntimeError("weight sync: building the process group failed (see the error above)")
+        if isinstance(done[0], Exception):
+            raise RuntimeError(f"weight sync: building the process group failed: {done[0]}")
         self.group = done[0]
         return self
 
