@@ -410,4 +410,3 @@ def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue) -> No
         maybe_eval(final=True)
     finally:
         engine.close()
-    queue.put({"explorer/done": True})

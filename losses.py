@@ -39,11 +39,6 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum()
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of x over mask (0 if the mask is empty). x, mask: [B, T] -> scalar."""
-    return masked_sum(x, mask) / mask.sum().clamp(min=1)
-
-
 def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """GRPO outcome advantages: (r - mean_group) / (std_group + eps).
 

@@ -378,6 +378,7 @@ def run_both(cfg: Config, model_path: str, rank: int, world: int, device) -> Non
             continue
         drain()
         m.update(pending.pop(step, {}))
+        m.update({f"buffer/{k}": v for k, v in buffer.counts().items()})
         m.update({"step": step, "version": trainer.version, "time/wait_s": wait_s,
                   "time/sync_s": time.perf_counter() - t1, "time/elapsed_s": time.perf_counter() - start,
                   "staleness/mean": sum(step - v for v in versions) / len(versions),

@@ -37,10 +37,11 @@ def test_run_trains_and_syncs(tiny_model, tmp_path):
     assert [r["eval/version"] for r in evals] == [0, 2, 4]
     for key in ("loss/policy", "loss/clip_frac", "loss/kl_behaviour", "loss/grad_norm", "reward/std",
                 "response/len_mean", "staleness/mean", "time/train_s", "time/explore_s", "time/wait_s",
-                "time/sync_s", "train/tokens_per_s", "explorer/tokens_per_s"):
+                "time/sync_s", "train/tokens_per_s", "explorer/tokens_per_s", "buffer/consumed"):
         assert key in steps[-1], key
     # a raising reward function is caught, scored 0 and counted; the run went on
     assert sum(r["rollout/reward_errors"] for r in steps) > 0
+    assert [r["buffer/consumed"] for r in steps] == [8, 16, 24, 32]  # 2 groups of 4 per step
     assert "reward error" in (run_dir / "samples.log").read_text()
     # parameters changed, and the explorer holds exactly the trainer's final weights
     init = load_file(f"{tiny_model}/model.safetensors")

@@ -4,7 +4,7 @@ import math
 import torch
 
 from explorer import sample_token
-from losses import LossInputs, grpo_advantages, kl_k3, masked_mean, ppo_clip_loss
+from losses import LossInputs, grpo_advantages, kl_k3, masked_sum, ppo_clip_loss
 
 
 def test_grpo_advantages_match_loop_reference():
@@ -53,9 +53,9 @@ def test_kl_k3_reference_and_nonnegative():
     assert (k3 >= 0).all() and kl_k3(lp, lp).abs().max() == 0
 
 
-def test_masked_mean_ignores_masked_entries():
+def test_masked_sum_ignores_masked_entries():
     x = torch.tensor([[1.0, 100.0], [3.0, 5.0]])
-    assert masked_mean(x, torch.tensor([[1.0, 0.0], [1.0, 1.0]])).item() == 3.0
+    assert masked_sum(x, torch.tensor([[1.0, 0.0], [1.0, 1.0]])).item() == 9.0
 
 
 def test_sample_token_logprob_is_exact_nucleus_distribution():
