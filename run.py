@@ -89,13 +89,43 @@ class Config:
     sync_timeout_s: float = 3600.0
     """bound on any single weight-sync collective (seconds)"""
     advantage: str = "grpo"
-    """advantage estimator in losses.ADVANTAGES"""
+    """advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, opmd, grpo_stepwise, or module.function"""
+    advantage_kwargs: dict = field(default_factory=dict)
+    """keyword arguments of the advantage estimator (JSON), e.g. {"baseline": "logavgexp"} for opmd"""
     policy_loss: str = "ppo_clip"
-    """policy loss in losses.POLICY_LOSSES"""
-    clip_low: float = 0.2
-    """PPO clip range below 1"""
-    clip_high: float = 0.28
-    """PPO clip range above 1 (clip-higher)"""
+    """policy loss: ppo_clip, dppo_kl, reinforce_tis, cispo, gspo, topr, opmd_kimi, opmd_pairwise, opmd_simple, sft, dpo, mix, or module.function"""
+    policy_loss_kwargs: dict = field(default_factory=dict)
+    """keyword arguments of the policy loss (JSON), e.g. {"clip_high": 0.28, "dual_clip": 3.0} for ppo_clip"""
+    loss_agg: str = "auto"
+    """loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, or auto (the loss's own default)"""
+    kl_coef: float = 0.0
+    """weight of the KL(policy || reference) loss term (loads a frozen reference model when > 0)"""
+    kl_estimator: str = "k3"
+    """per-token KL estimator of the KL loss: k1, k2, k3, low_var"""
+    kl_penalty_coef: float = 0.0
+    """reward penalty: subtract this times the summed k1 KL(behaviour || reference) of each sequence"""
+    entropy_coef: float = 0.0
+    """entropy bonus: subtract this times the token entropy from the loss"""
+    length_penalty: float = 0.0
+    """reward penalty per unit of response length (see length_unit)"""
+    length_unit: str = "tokens"
+    """unit of the length penalty: tokens (trained tokens) or turns (multi-turn)"""
+    filters: dict = field(default_factory=dict)
+    """sequence filters before training, name -> kwargs (JSON): zero_advantage, gibberish, repetition, or module.function"""
+    difficulty_filter: bool = False
+    """online difficulty filtering: the explorer drops groups whose rewards are all equal and samples more tasks"""
+    difficulty_max_rounds: int = 4
+    """max extra sampling rounds per batch to refill dropped groups (then the batch is filled with dropped groups)"""
+    pool_easy: float = 2.0
+    """retire a task from sampling once a group's mean reward is >= this (default: never)"""
+    pool_hard: float = -1.0
+    """retire a task from sampling once a group's mean reward is <= this (default: never)"""
+    pool_lift_fraction: float = 0.0
+    """fraction of each batch drawn back from the retired tasks"""
+    expert_data: str = ""
+    """JSONL of chat conversations ({"messages": [...]}) mixed into each batch as expert data (policy_loss mix)"""
+    expert_fraction: float = 0.0
+    """fraction of each training batch's sequences that are expert data"""
     lr: float = 3e-5
     """AdamW learning rate"""
     weight_decay: float = 0.0
@@ -401,6 +431,31 @@ def run_both(cfg: Config, model_path: str, rank: int, world: int, device) -> Non
         print0(f"final weights: {run_dir / 'final'}\nplot: {plot(run_dir)}\nmetrics: {run_dir / 'metrics.jsonl'}")
 
 
+def check_algorithm(cfg: Config) -> None:
+    """Raise ValueError (one line) for an unknown or mis-configured advantage, loss,
+    aggregation, KL estimator, filter, task pool or expert-data setting."""
+    from losses import ADVANTAGES, AGGREGATIONS, FILTERS, POLICY_LOSSES, resolve
+
+    resolve(cfg.advantage, ADVANTAGES, "advantage", cfg.advantage_kwargs)
+    resolve(cfg.policy_loss, POLICY_LOSSES, "policy_loss", cfg.policy_loss_kwargs)
+    for name, kwargs in cfg.filters.items():
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"filters: the value of {name!r} must be a table of keyword arguments, got {kwargs!r}")
+        resolve(name, FILTERS, "filter", kwargs)
+    if cfg.loss_agg != "auto" and cfg.loss_agg not in AGGREGATIONS:
+        raise ValueError(f"unknown loss_agg {cfg.loss_agg!r}; known: auto, {', '.join(AGGREGATIONS)}")
+    if cfg.kl_estimator not in ("k1", "k2", "k3", "low_var"):
+        raise ValueError(f"unknown kl_estimator {cfg.kl_estimator!r}; known: k1, k2, k3, low_var")
+    if cfg.length_unit not in ("tokens", "turns"):
+        raise ValueError(f"length_unit must be tokens or turns, got {cfg.length_unit!r}")
+    if not 0 <= cfg.expert_fraction < 1 or not 0 <= cfg.pool_lift_fraction <= 1:
+        raise ValueError("need 0 <= expert_fraction < 1 and 0 <= pool_lift_fraction <= 1")
+    if (cfg.policy_loss == "mix") != (cfg.expert_fraction > 0):
+        raise ValueError("policy_loss mix and expert_fraction > 0 go together (with expert_data)")
+    if cfg.expert_fraction > 0 and not Path(cfg.expert_data).is_file():
+        raise FileNotFoundError(f"expert_data file not found: {cfg.expert_data!r}")
+
+
 def prepare(cfg: Config, rank: int) -> str:
     """Validate inputs before any process starts: model, tasks, reward function, run dir."""
     from workflows import WORKFLOWS, load_reward_fn, load_tasks
@@ -416,11 +471,7 @@ def prepare(cfg: Config, rank: int) -> str:
         raise ValueError("--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)")
     if cfg.workflow not in WORKFLOWS:
         raise ValueError(f"unknown workflow {cfg.workflow!r}; known: {sorted(WORKFLOWS)}")
-    from losses import ADVANTAGES, POLICY_LOSSES
-
-    for name, reg in (("advantage", ADVANTAGES), ("policy_loss", POLICY_LOSSES)):
-        if getattr(cfg, name) not in reg:
-            raise ValueError(f"unknown {name} {getattr(cfg, name)!r}; known: {sorted(reg)}")
+    check_algorithm(cfg)
     run_dir = Path(cfg.run_dir)
     if rank == 0:
         if run_dir.exists() and any(run_dir.iterdir()):

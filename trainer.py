@@ -19,7 +19,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from buffer import Experience
-from losses import ADVANTAGES, POLICY_LOSSES, LossInputs, kl_k3, masked_sum
+from losses import (ADVANTAGES, FILTERS, POLICY_LOSSES, LossInputs, aggregate, kl_estimate, length_penalty,
+                    masked_sum, resolve, token_entropy)
 
 
 def pack(exps: list[Experience], pad: int) -> dict[str, torch.Tensor]:
@@ -48,115 +49,207 @@ def pack(exps: list[Experience], pad: int) -> dict[str, torch.Tensor]:
             "response_ids": ids[:, P:], "old_logprobs": old, "mask": mask}
 
 
-def micro_batches(exps: list[Experience], token_budget: int) -> list[list[Experience]]:
-    """Split into consecutive micro-batches whose padded size B * (P + R) stays within
-    `token_budget` tokens (a single longer sequence gets a micro-batch of its own)."""
+def micro_batches(units: list[list[Experience]], token_budget: int) -> list[list[Experience]]:
+    """Split consecutive units (single experiences, or whole groups for group-level losses)
+    into micro-batches whose padded size B * (P + R) stays within `token_budget` tokens;
+    a unit is never split (a single larger unit gets a micro-batch of its own)."""
     out: list[list[Experience]] = []
     cur: list[Experience] = []
-    P = R = 0
-    for e in exps:
-        p, r = max(P, e.prompt_length), max(R, len(e.tokens) - e.prompt_length)
-        if cur and (len(cur) + 1) * (p + r) > token_budget:
+    for unit in units:
+        grown = cur + unit
+        P = max(e.prompt_length for e in grown)
+        R = max(len(e.tokens) - e.prompt_length for e in grown)
+        if cur and len(grown) * (P + R) > token_budget:
             out.append(cur)
-            cur, p, r = [], e.prompt_length, len(e.tokens) - e.prompt_length
-        cur.append(e)
-        P, R = p, r
+            grown = list(unit)
+        cur = grown
     return out + [cur] if cur else out
 
 
-def response_logprobs(model, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+def response_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
+                      entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, R] of `response_ids` under `model` at `temperature` (no top-p), from
-    a batch made by `pack`. Only the R + 1 last positions go through the LM head."""
+    a batch made by `pack`, and the token entropy [B, R] (nats) when `entropy`. Only the
+    R + 1 last positions go through the LM head."""
     R = batch["response_ids"].shape[1]
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"], logits_to_keep=R + 1).logits[:, :R]  # [B, R, V]
     logits = logits.float() / temperature
     picked = logits.gather(-1, batch["response_ids"][..., None]).squeeze(-1)              # [B, R]
-    return picked - torch.logsumexp(logits, dim=-1)                                          # [B, R]
+    lp = picked - torch.logsumexp(logits, dim=-1)                                          # [B, R]
+    return lp, token_entropy(logits) if entropy else None
 
 
 class Trainer:
-    """FSDP2 policy + AdamW on this rank.
+    """FSDP2 policy + AdamW on this rank (and a frozen FSDP2 reference model when a KL term
+    or DPO needs one).
 
     cfg: run.Config (lr, weight_decay, max_grad_norm, token_budget, temperature, bf16,
-    advantage, policy_loss, clip_low, clip_high, seed). Requires an initialised default
-    process group.
+    advantage(_kwargs), policy_loss(_kwargs), loss_agg, kl_coef, kl_estimator,
+    kl_penalty_coef, entropy_coef, length_penalty, length_unit, filters, seed). Requires an
+    initialised default process group. Raises ValueError for an unknown loss, advantage,
+    filter or keyword (losses.resolve).
     """
 
     def __init__(self, cfg, model_path: str, device: torch.device):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.cfg, self.device = cfg, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(cfg.seed)
+        self.advantage_fn = resolve(cfg.advantage, ADVANTAGES, "advantage", cfg.advantage_kwargs)
+        self.loss_fn = resolve(cfg.policy_loss, POLICY_LOSSES, "policy_loss", cfg.policy_loss_kwargs)
+        self.agg = getattr(self.loss_fn, "agg", "token-mean") if cfg.loss_agg == "auto" else cfg.loss_agg
+        self.filters = {name: resolve(name, FILTERS, "filter", kw) for name, kw in cfg.filters.items()}
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+        self.model = self._load(model_path)
+        needs_ref = cfg.kl_coef or cfg.kl_penalty_coef or getattr(self.loss_fn, "needs_ref", False)
+        self.ref = self._load(model_path).requires_grad_(False).eval() if needs_ref else None
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                     betas=(0.9, 0.99))
+        self.version = 0
+
+    def _load(self, model_path: str):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         blocks = set(model._no_split_modules or [])
         for m in model.modules():
             if type(m).__name__ in blocks:
                 fully_shard(m)
-        self.model = fully_shard(model)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                     betas=(0.9, 0.99))
-        self.version = 0
+        return fully_shard(model)
 
     def full_parameters(self) -> list[torch.Tensor]:
         """All parameters as full tensors in `named_parameters()` order. Collective: every
         rank must call it; every rank gets the tensors."""
         return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for _, p in self.model.named_parameters()]
 
+    def _plan(self, units: list[list[Experience]], dummy: Experience) -> list[tuple[list[Experience], bool]]:
+        """Micro-batches of this rank's units, padded with masked copies of `dummy` (flag
+        False) to the largest count over the ranks, so FSDP's collectives stay in step."""
+        mbs = [(mb, True) for mb in micro_batches(units, self.cfg.token_budget)]
+        n = torch.tensor(len(mbs))
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        return mbs + [([dummy], False)] * (int(n) - len(mbs))
+
+    def _forward(self, model, mb: list[Experience], real: bool, entropy: bool = False):
+        b = {k: v.to(self.device) for k, v in pack(mb, self.pad).items()}
+        b["mask"] = b["mask"] * real
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
+            lp, ent = response_logprobs(model, b, self.cfg.temperature, entropy)    # [B, R]
+        return b, lp, ent
+
+    def _ref_logprobs(self, units: list[list[Experience]], dummy: Experience) -> dict[int, torch.Tensor]:
+        """Reference-model log-probs of this rank's sequences: id(experience) -> [R]."""
+        out = {}
+        with torch.no_grad():
+            for mb, real in self._plan(units, dummy):
+                _, lp, _ = self._forward(self.ref, mb, real)
+                for i, e in enumerate(mb if real else []):
+                    out[id(e)] = lp[i, :len(e.logprobs)].float().cpu()
+        return out
+
     def step(self, groups: list[list[Experience]]) -> dict[str, float]:
-        """One optimiser step on the groups of one batch; returns metrics (rank-0 view of
-        the global batch). Increments `self.version`."""
+        """One optimiser step on the groups of one batch (the same list on every rank;
+        expert sequences carry info["expert"]); returns metrics (rank-0 view of the global
+        batch). Increments `self.version`.
+
+        Order: reference log-probs (if needed) -> rewards (- KL penalty, - length penalty)
+        -> advantages -> filters -> micro-batches of the kept sequences -> loss (+ KL to the
+        reference, - entropy bonus) aggregated over the global batch -> AdamW."""
         cfg, t0 = self.cfg, time.perf_counter()
         exps = [e for g in groups for e in g]
-        rewards = torch.tensor([e.reward for e in exps], dtype=torch.float)             # [N]
-        index = torch.tensor([i for i, g in enumerate(groups) for _ in g])              # [N]
-        adv = ADVANTAGES[cfg.advantage](rewards, index)                                 # [N]
+        pos = {id(e): i for i, e in enumerate(exps)}
+        rewards = torch.tensor([e.reward for e in exps], dtype=torch.float)               # [N]
+        group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g])          # [N]
+        traj_ids = {}
+        traj = torch.tensor([traj_ids.setdefault(e.info.get("trajectory_id", ("seq", i)), len(traj_ids))
+                             for i, e in enumerate(exps)])                                # [N]
+        expert = torch.tensor([bool(e.info.get("expert")) for e in exps])                 # [N]
+        by_group = getattr(self.loss_fn, "needs_groups", False)
+        units = [list(g) for g in groups] if by_group else [[e] for e in sorted(exps, key=lambda e: len(e.tokens))]
+        mine = units[self.rank::self.world]
+        m: dict[str, float] = {"reward/mean": float(rewards.mean()),
+                               "reward/std": float(rewards.std()) if len(exps) > 1 else 0.0}
+        ref = self._ref_logprobs(mine, exps[0]) if self.ref is not None else {}
+        if cfg.kl_penalty_coef:  # sum_t k1 of KL(behaviour || reference), from every rank
+            local = [(pos[id(e)], float(kl_estimate(torch.tensor(e.logprobs), ref[id(e)], "k1").sum()))
+                     for u in mine for e in u]
+            every = [None] * self.world
+            dist.all_gather_object(every, local)
+            kl = torch.zeros(len(exps))
+            for part in every:
+                for i, v in part:
+                    kl[i] = v
+            rewards = rewards - cfg.kl_penalty_coef * kl
+            m["reward/kl_penalty"] = float(cfg.kl_penalty_coef * kl.mean())
+        if cfg.length_penalty:
+            unit = {"tokens": lambda e: sum(e.action_mask), "turns": lambda e: e.info.get("turns", 1)}[cfg.length_unit]
+            rewards = length_penalty(rewards, torch.tensor([float(unit(e)) for e in exps]), cfg.length_penalty)
+        adv = self.advantage_fn(rewards, group_index, traj, **cfg.advantage_kwargs).float()   # [N]
         for e, a in zip(exps, adv.tolist()):
             e.info["advantage"] = a
-        total_tokens = sum(sum(e.action_mask) for e in exps)
-        mine = sorted(exps, key=lambda e: len(e.tokens))[self.rank::self.world]
-        mbs = [(mb, True) for mb in micro_batches(mine, cfg.token_budget)]
-        n_mb = torch.tensor(len(mbs))
-        dist.all_reduce(n_mb, op=dist.ReduceOp.MAX)
-        # ranks with fewer micro-batches run masked dummies to keep FSDP's collectives in step
-        mbs += [([exps[0]], False)] * (int(n_mb) - len(mbs))
-        sums = torch.zeros(5, dtype=torch.float64)  # loss, clipped, kl, |old - new|, tokens
-        loss_fn = POLICY_LOSSES[cfg.policy_loss]
-        for mb, real in mbs:
-            b = {k: v.to(self.device) for k, v in pack(mb, self.pad).items()}
-            b["mask"] = b["mask"] * real
-            a = torch.tensor([e.info["advantage"] for e in mb], device=self.device)[:, None].expand_as(b["mask"])
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                lp = response_logprobs(self.model, b, cfg.temperature)                # [B, R]
-            out = loss_fn(LossInputs(lp, b["old_logprobs"], a, b["mask"]),
-                          clip_low=cfg.clip_low, clip_high=cfg.clip_high)
-            loss = masked_sum(out["loss"], b["mask"]) / total_tokens * self.world
-            loss.backward()
+        keep = [True] * len(exps)
+        for name, fn in self.filters.items():
+            dropped = 0
+            for i, e in enumerate(exps):
+                if keep[i] and not expert[i] and not fn(e.tokens, e.logprobs, float(adv[i]), **cfg.filters[name]):
+                    keep[i], dropped = False, dropped + 1
+            m[f"filter/{name}"] = dropped
+        mine = [kept for u in mine if (kept := [e for e in u if keep[pos[id(e)]]])]
+        total_tokens = sum(sum(e.action_mask) for e, k in zip(exps, keep) if k)
+        total_seqs = sum(keep)
+        sums: dict[str, torch.Tensor] = {}
+        plan = self._plan(mine, exps[0])
+        for mb, real in plan:
+            b, lp, ent = self._forward(self.model, mb, real, entropy=True)
+            mask, old = b["mask"], b["old_logprobs"]
+            idx = torch.tensor([pos[id(e)] for e in mb])
+            ref_lp = None
+            if self.ref is not None:
+                ref_lp = torch.zeros_like(old)
+                for i, e in enumerate(mb if real else []):
+                    ref_lp[i, :len(e.logprobs)] = ref[id(e)].to(self.device)
+            dev = lambda x: x.to(self.device)  # noqa: E731
+            out = self.loss_fn(LossInputs(lp, old, dev(adv[idx][:, None].expand(*mask.shape)), mask, dev(rewards[idx]),
+                                          dev(torch.unique(group_index[idx], return_inverse=True)[1]),
+                                          ref_lp, dev(expert[idx])), **cfg.policy_loss_kwargs)
+            loss_tok = out["loss"]
+            if cfg.kl_coef:
+                loss_tok = loss_tok + cfg.kl_coef * kl_estimate(lp, ref_lp, cfg.kl_estimator)
+            if cfg.entropy_coef:
+                loss_tok = loss_tok - cfg.entropy_coef * ent
+            (aggregate(loss_tok, mask, self.agg, total_tokens, total_seqs) * self.world).backward()
             with torch.no_grad():
-                m = b["mask"]
-                sums += torch.tensor([masked_sum(out["loss"], m), masked_sum(out["clipped"], m),
-                                      masked_sum(kl_k3(lp, b["old_logprobs"]), m),
-                                      masked_sum((lp - b["old_logprobs"]).abs(), m), m.sum()],
-                                     dtype=torch.float64)
+                parts = {"loss/policy": out["loss"], "loss/entropy": ent,
+                         "loss/kl_behaviour": kl_estimate(old, lp, "k3"), "loss/logprob_abs_diff": (lp - old).abs(),
+                         **{f"loss/{k}": v for k, v in out.items() if k != "loss"}}
+                if ref_lp is not None:
+                    parts["loss/kl_ref"] = kl_estimate(lp, ref_lp, cfg.kl_estimator)
+                for k, v in parts.items():
+                    sums[k] = sums.get(k, 0) + masked_sum(v.float(), mask).double().cpu()
+                sums["tokens"] = sums.get("tokens", 0) + mask.sum().double().cpu()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        dist.all_reduce(sums)
+        names = sorted(sums)
+        if names:
+            flat = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64) for k in names])
+            dist.all_reduce(flat)
+            tok = max(float(flat[names.index("tokens")]), 1.0)
+            m.update({k: float(v) / tok for k, v in zip(names, flat) if k != "tokens"})
         self.version += 1
-        tok = max(float(sums[4]), 1.0)
         lengths = [len(e.logprobs) for e in exps]
         train_s = time.perf_counter() - t0
-        return {"loss/policy": float(sums[0]) / tok, "loss/clip_frac": float(sums[1]) / tok,
-                "loss/kl_behaviour": float(sums[2]) / tok, "loss/logprob_abs_diff": float(sums[3]) / tok,
-                "loss/grad_norm": float(grad_norm), "reward/mean": float(rewards.mean()),
-                "reward/std": float(rewards.std()) if len(exps) > 1 else 0.0,
-                "response/len_mean": sum(lengths) / len(lengths), "response/len_max": max(lengths),
-                "time/train_s": train_s, "train/micro_batches": int(n_mb),
-                "train/tokens_per_s": sum(len(e.tokens) for e in exps) / train_s}
+        m.update({"loss/grad_norm": float(grad_norm), "advantage/mean": float(adv.mean()),
+                  "advantage/abs_mean": float(adv.abs().mean()), "filter/kept": total_seqs,
+                  "train/expert_seqs": int(expert.sum()), "train/micro_batches": len(plan),
+                  "response/len_mean": sum(lengths) / len(lengths), "response/len_max": max(lengths),
+                  "time/train_s": train_s,
+                  "train/tokens_per_s": sum(len(e.tokens) for e in exps) / train_s})
+        return m
 
     def save(self, path: str | Path, params: list[torch.Tensor] | None = None) -> None:
         """Write a Hugging Face safetensors directory (rank 0 writes; collective unless

@@ -80,7 +80,7 @@ def raw_generate(model, prompts, n, max_tokens, pad, bf16):
 
 
 def raw_train(model, opt, exps, token_budget, pad, bf16):
-    for mb in micro_batches(exps, token_budget):
+    for mb in micro_batches([[e] for e in exps], token_budget):
         b = pack(mb, pad)
         labels = b["input_ids"].clone()
         labels[b["attention_mask"] == 0] = -100

@@ -26,7 +26,7 @@ def test_explorer_logprobs_match_trainer(tiny_model, trainer, temperature):
     assert len(exps) == 9 and any(len(e.logprobs) > 1 for e in exps)
     b = pack(exps, tr.pad)
     with torch.no_grad():
-        lp = response_logprobs(tr.model, b, temperature)
+        lp, _ = response_logprobs(tr.model, b, temperature)
     diff = ((lp - b["old_logprobs"]).abs() * b["mask"]).max().item()
     assert diff < 1e-4, diff
     # and they are real log-probs of sampled tokens: not all zero, all <= 0

@@ -1,10 +1,18 @@
 """losses.py against slow, obviously-correct references written out element by element."""
 import math
 
+import pytest
 import torch
 
 from explorer import sample_token
-from losses import LossInputs, grpo_advantages, kl_k3, masked_sum, ppo_clip_loss
+from losses import LossInputs, grpo_advantages, kl_estimate, masked_sum, ppo_clip_loss
+
+
+def inputs(lp, old, adv, mask=None, rewards=None, group_index=None, ref=None, expert=None):
+    B = lp.shape[0]
+    return LossInputs(lp, old, adv, torch.ones_like(lp) if mask is None else mask,
+                      torch.zeros(B) if rewards is None else rewards,
+                      torch.arange(B) if group_index is None else group_index, ref, expert)
 
 
 def test_grpo_advantages_match_loop_reference():
@@ -27,7 +35,7 @@ def test_grpo_equal_rewards_give_zero_advantage():
 def test_ppo_clip_matches_scalar_reference():
     torch.manual_seed(1)
     lp, old, adv = torch.randn(3, 5) * 0.3, torch.randn(3, 5) * 0.3, torch.randn(3, 5)
-    out = ppo_clip_loss(LossInputs(lp, old, adv, torch.ones(3, 5)), clip_low=0.2, clip_high=0.28)
+    out = ppo_clip_loss(inputs(lp, old, adv), clip_low=0.2, clip_high=0.28)
     for b in range(3):
         for t in range(5):
             r = math.exp(lp[b, t].item() - old[b, t].item())
@@ -42,15 +50,19 @@ def test_ppo_on_policy_gradient_is_policy_gradient():
     torch.manual_seed(2)
     lp = torch.randn(2, 4, requires_grad=True)
     adv = torch.randn(2, 4)
-    ppo_clip_loss(LossInputs(lp, lp.detach(), adv, torch.ones(2, 4)))["loss"].sum().backward()
+    ppo_clip_loss(inputs(lp, lp.detach(), adv))["loss"].sum().backward()
     assert torch.allclose(lp.grad, -adv)
 
 
-def test_kl_k3_reference_and_nonnegative():
+def test_kl_estimators_reference_and_k3_nonnegative():
     lp, ref = torch.randn(4, 6), torch.randn(4, 6)
-    k3 = kl_k3(lp, ref)
-    assert torch.allclose(k3, torch.exp(lp - ref) - 1 - (lp - ref), atol=1e-6)
-    assert (k3 >= 0).all() and kl_k3(lp, lp).abs().max() == 0
+    k3 = kl_estimate(lp, ref, "k3")
+    assert torch.allclose(k3, torch.exp(ref - lp) - 1 - (ref - lp), atol=1e-6)
+    assert (k3 >= 0).all() and kl_estimate(lp, lp, "k3").abs().max() == 0
+    assert torch.allclose(kl_estimate(lp, ref, "k1"), lp - ref)
+    assert torch.allclose(kl_estimate(lp, ref, "k2"), (lp - ref) ** 2 / 2)
+    far = torch.tensor([[0.0]]), torch.tensor([[30.0]])
+    assert kl_estimate(*far, "low_var").item() == pytest.approx(math.exp(10) - 1 - 10, rel=1e-6)
 
 
 def test_masked_sum_ignores_masked_entries():

@@ -16,7 +16,7 @@ needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not instal
 def recompute(model, exps, temperature):
     b = pack(exps, 2)
     with torch.no_grad():
-        return response_logprobs(model, b, temperature), b
+        return response_logprobs(model, b, temperature)[0], b
 
 
 @pytest.fixture(scope="module")
