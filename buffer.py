@@ -11,10 +11,16 @@ Schema (one row per experience):
     group_id, task_id TEXT; model_version, prompt_length INTEGER
     tokens BLOB (int32), logprobs BLOB (float32), action_mask BLOB (int8)
     reward REAL NULL; info TEXT (JSON); explorer TEXT; created REAL (unix s); consumed INTEGER
+
+Difficulty pools (table task_pool, persisted with the buffer): a task whose latest group
+had a mean reward >= `easy` is retired to pool "easy", <= `hard` to pool "hard"; explorers
+skip retired tasks except for a lifted fraction, and a lifted task that lands in between
+returns to the active set. `ExpertSampler` draws expert (SFT) experiences for MIX.
 """
 from __future__ import annotations
 
 import json
+import random
 import sqlite3
 import time
 from array import array
@@ -31,6 +37,8 @@ CREATE TABLE IF NOT EXISTS experiences (
     created REAL NOT NULL, consumed INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS experiences_group ON experiences (group_id);
 CREATE INDEX IF NOT EXISTS experiences_open ON experiences (consumed, id);
+CREATE TABLE IF NOT EXISTS task_pool (
+    task_id TEXT PRIMARY KEY, pool TEXT NOT NULL, mean_reward REAL NOT NULL, updated REAL NOT NULL);
 """
 
 
@@ -141,3 +149,41 @@ class Buffer:
         total, consumed, pending = self.db.execute(
             "SELECT COUNT(*), COALESCE(SUM(consumed), 0), COALESCE(SUM(reward IS NULL), 0) FROM experiences").fetchone()
         return {"total": total, "consumed": consumed, "pending": pending, "ready": total - consumed - pending}
+
+    def update_pool(self, task_id: str, mean_reward: float, easy: float, hard: float) -> str | None:
+        """Record a task's latest group mean reward: retire it to "easy" (>= easy) or
+        "hard" (<= hard), else make it active again. Returns the pool or None (active)."""
+        pool = "easy" if mean_reward >= easy else "hard" if mean_reward <= hard else None
+        with self.db:
+            if pool is None:
+                self.db.execute("DELETE FROM task_pool WHERE task_id = ?", (task_id,))
+            else:
+                self.db.execute("INSERT OR REPLACE INTO task_pool VALUES (?, ?, ?, ?)",
+                                (task_id, pool, mean_reward, time.time()))
+        return pool
+
+    def retired(self) -> dict[str, str]:
+        """Retired tasks: task_id -> pool ("easy" or "hard")."""
+        return dict(self.db.execute("SELECT task_id, pool FROM task_pool"))
+
+
+class ExpertSampler:
+    """MIX sampling strategy: draws expert experiences (e.g. from workflows.load_chat_jsonl)
+    in a seeded shuffled order, cycling; each drawn experience is marked info["expert"].
+    Raises ValueError for an empty list."""
+
+    def __init__(self, experiences: list[Experience], seed: int):
+        if not experiences:
+            raise ValueError("expert data is empty")
+        self.exps, self.rng, self.order = experiences, random.Random(seed), []
+
+    def draw(self, n: int) -> list[Experience]:
+        """The next n expert experiences (one group)."""
+        out = []
+        for _ in range(n):
+            if not self.order:
+                self.order = self.rng.sample(range(len(self.exps)), len(self.exps))
+            e = self.exps[self.order.pop()]
+            out.append(Experience(e.tokens, e.prompt_length, e.logprobs, e.action_mask, e.reward, "expert",
+                                  e.task_id, e.model_version, {**e.info, "expert": True}, "expert"))
+        return out

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import sync
-from buffer import Buffer
+from buffer import Buffer, Experience
 from workflows import WORKFLOWS, Task, load_reward_fn, load_tasks
 
 
@@ -315,35 +315,79 @@ class Explorer:
         self.eval_workflow = make(tok, reward_fn, dataset, cfg.system_prompt,
                                   Sampling(cfg.max_tokens, cfg.eval_temperature, 1.0))
         self.order = random.Random(cfg.seed).sample(range(len(train)), len(train))
+        self.rng = random.Random(cfg.seed + 1)
+        self.cursor = 0
         self.samples = Path(cfg.run_dir) / "samples.log"
 
-    def tasks_for(self, batch: int) -> list[Task]:
-        """The tasks of explorer batch `batch` (a seeded shuffle, cycled)."""
-        k = self.cfg.batch_size
-        return [self.train[self.order[(batch * k + i) % len(self.order)]] for i in range(k)]
+    def next_tasks(self, k: int, retired: dict[str, str]) -> list[Task]:
+        """The next k training tasks: a seeded shuffle, cycled, skipping retired tasks, with
+        round(k * pool_lift_fraction) drawn back from the retired ones (all of them from the
+        retired ones if every task is retired, so sampling never stalls)."""
+        if len(retired) >= len(self.train):
+            retired = {}
+        lift = min(round(k * self.cfg.pool_lift_fraction), len(retired))
+        by_id = {t.task_id: t for t in self.train} if lift else {}
+        out = [by_id[i] for i in self.rng.sample(sorted(retired), lift)]
+        while len(out) < k:
+            task = self.train[self.order[self.cursor % len(self.order)]]
+            self.cursor += 1
+            if task.task_id not in retired:
+                out.append(task)
+        return out
 
-    def explore(self, batch: int, version: int, buffer: Buffer) -> dict:
-        """Generate and store the groups of one batch; returns its metrics record."""
-        t0 = time.perf_counter()
+    def _rollouts(self, tasks: list[Task], version: int) -> list[list[Experience]]:
         wf = self.workflow
 
         async def run_all():
-            return await asyncio.gather(*(wf.run(t, self.engine, self.cfg.group_size, version)
-                                          for t in self.tasks_for(batch)))
+            return await asyncio.gather(*(wf.run(t, self.engine, self.cfg.group_size, version) for t in tasks))
 
-        groups = asyncio.run(run_all())
+        return asyncio.run(run_all())
+
+    def explore(self, batch: int, version: int, buffer: Buffer) -> dict:
+        """Generate and store the batch_size groups of one batch; returns its metrics record.
+
+        Online difficulty filtering (cfg.difficulty_filter): groups whose rewards are all
+        equal carry no group-relative signal and are dropped; up to difficulty_max_rounds
+        extra rounds sample new tasks for the missing groups; if still short, dropped groups
+        fill the batch (counted), so the trainer always gets batch_size groups. Every
+        group's mean reward updates the task pools."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        retired = buffer.retired()
+        groups = self._rollouts(self.next_tasks(cfg.batch_size, retired), version)
+        generated = list(groups)
+        rounds = 0
+        if cfg.difficulty_filter:
+            def informative(g):
+                return len({e.reward for e in g}) > 1
+            kept = [g for g in groups if informative(g)]
+            while len(kept) < cfg.batch_size and rounds < cfg.difficulty_max_rounds:
+                rounds += 1
+                more = self._rollouts(self.next_tasks(cfg.batch_size - len(kept), retired), version)
+                generated += more
+                kept += [g for g in more if informative(g)]
+            dropped = [g for g in generated if not informative(g)]
+            short = max(0, cfg.batch_size - len(kept))
+            groups = kept[:cfg.batch_size] + dropped[:short]
         seconds = time.perf_counter() - t0
+        pools = [buffer.update_pool(g[0].task_id, sum(e.reward for e in g) / len(g), cfg.pool_easy, cfg.pool_hard)
+                 for g in generated]
         for g in groups:
             for e in g:
-                e.explorer = self.cfg.explorer_name
+                e.explorer = cfg.explorer_name
             buffer.write(g)
-        exps = [e for g in groups for e in g]
+        exps = [e for g in generated for e in g]
         gen_tokens = sum(len(e.logprobs) for e in exps)
         self._write_samples(batch, version, groups)
-        return {"batch": batch, "explorer/version": version, "time/explore_s": seconds,
-                "explorer/gen_tokens": gen_tokens, "explorer/tokens_per_s": gen_tokens / seconds,
-                "rollout/reward_errors": sum("reward_error" in e.info for e in exps),
-                "rollout/truncated_frac": sum(e.info["finish_reason"] == "length" for e in exps) / len(exps)}
+        record = {"batch": batch, "explorer/version": version, "time/explore_s": seconds,
+                  "explorer/gen_tokens": gen_tokens, "explorer/tokens_per_s": gen_tokens / seconds,
+                  "rollout/reward_errors": sum("reward_error" in e.info for e in exps),
+                  "rollout/truncated_frac": sum(e.info["finish_reason"] == "length" for e in exps) / len(exps),
+                  "pool/retired_easy": pools.count("easy"), "pool/retired_hard": pools.count("hard"),
+                  "pool/size_retired": len(retired)}
+        if cfg.difficulty_filter:
+            record.update({"filter/difficulty_dropped": len(generated) - len(kept),
+                           "filter/difficulty_rounds": rounds, "filter/difficulty_short": short})
+        return record
 
     def evaluate(self, version: int) -> dict:
         """Held-out accuracy (fraction with reward 1) and mean reward at `version`."""

@@ -350,17 +350,20 @@ def run_both(cfg: Config, model_path: str, rank: int, world: int, device) -> Non
     from tqdm import tqdm
 
     import sync
-    from buffer import Buffer
+    from buffer import Buffer, ExpertSampler
     from explorer import run_explorer
     from trainer import Trainer
+    from workflows import load_chat_jsonl
 
     run_dir = Path(cfg.run_dir)
     torch.set_num_threads(cfg.trainer_threads)
     trainer = Trainer(cfg, model_path, device)
-    explorer = buffer = weights = metrics = None
+    explorer = buffer = weights = metrics = expert = None
     if rank == 0:
         buffer = Buffer(run_dir / "buffer.sqlite")
         metrics = Metrics(run_dir)
+        if cfg.expert_fraction:
+            expert = ExpertSampler(load_chat_jsonl(cfg.expert_data, trainer.tokenizer), cfg.seed)
         weights = sync.WeightSync(0, 2, port=0, device=str(device), timeout_s=cfg.sync_timeout_s)
         queue = mp.get_context("spawn").Queue()
         explorer = mp.get_context("spawn").Process(
@@ -392,9 +395,12 @@ def run_both(cfg: Config, model_path: str, rank: int, world: int, device) -> Non
         groups = [None]
         if rank == 0:
             groups = [buffer.read(cfg.batch_size, alive=alive)]
+            if cfg.expert_fraction:  # MIX: this fraction of the batch's sequences is expert data
+                n = sum(map(len, groups[0]))
+                groups[0].append(expert.draw(max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction)))))
         dist.broadcast_object_list(groups, src=0)
         wait_s = time.perf_counter() - t0
-        versions = [e.model_version for g in groups[0] for e in g]
+        versions = [e.model_version for g in groups[0] for e in g if not e.info.get("expert")]
         m = trainer.step(groups[0])
         t1 = time.perf_counter()
         if sync.publishes_after(step, cfg.sync_interval, cfg.steps):
@@ -458,8 +464,9 @@ def check_algorithm(cfg: Config) -> None:
 
 def prepare(cfg: Config, rank: int) -> str:
     """Validate inputs before any process starts: model, tasks, reward function, run dir."""
-    from workflows import WORKFLOWS, load_reward_fn, load_tasks
+    from workflows import WORKFLOWS, load_chat_jsonl, load_reward_fn, load_tasks
 
+    check_algorithm(cfg)
     model_path = resolve_model(cfg.model) if rank == 0 else None
     train, held_out, _ = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
     if not train:
@@ -471,7 +478,10 @@ def prepare(cfg: Config, rank: int) -> str:
         raise ValueError("--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)")
     if cfg.workflow not in WORKFLOWS:
         raise ValueError(f"unknown workflow {cfg.workflow!r}; known: {sorted(WORKFLOWS)}")
-    check_algorithm(cfg)
+    if cfg.expert_fraction and rank == 0:
+        from transformers import AutoTokenizer
+
+        load_chat_jsonl(cfg.expert_data, AutoTokenizer.from_pretrained(model_path))
     run_dir = Path(cfg.run_dir)
     if rank == 0:
         if run_dir.exists() and any(run_dir.iterdir()):

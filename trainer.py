@@ -222,8 +222,10 @@ class Trainer:
                 loss_tok = loss_tok - cfg.entropy_coef * ent
             (aggregate(loss_tok, mask, self.agg, total_tokens, total_seqs) * self.world).backward()
             with torch.no_grad():
+                rollout = ~dev(expert[idx])[:, None]  # expert tokens have no behaviour log-probs
                 parts = {"loss/policy": out["loss"], "loss/entropy": ent,
-                         "loss/kl_behaviour": kl_estimate(old, lp, "k3"), "loss/logprob_abs_diff": (lp - old).abs(),
+                         "loss/kl_behaviour": kl_estimate(old, lp, "k3") * rollout,
+                         "loss/logprob_abs_diff": (lp - old).abs() * rollout,
                          **{f"loss/{k}": v for k, v in out.items() if k != "loss"}}
                 if ref_lp is not None:
                     parts["loss/kl_ref"] = kl_estimate(lp, ref_lp, cfg.kl_estimator)

@@ -82,6 +82,44 @@ def _read_jsonl_tasks(path: Path) -> list[Task]:
     return tasks
 
 
+def load_chat_jsonl(path: str | Path, tokenizer) -> list[Experience]:
+    """Expert / SFT data: one {"messages": [{"role", "content"}, ...]} per line -> one
+    Experience per conversation, tokenised with the chat template, action_mask 1 exactly on
+    the assistant turns' tokens (each turn = template(messages[:i+1]) minus
+    template(messages[:i], generation prompt)), reward 1.0, logprobs 0 (no behaviour policy).
+    Raises FileNotFoundError, or ValueError naming the file and line (bad JSON, no
+    assistant turn, or a template whose turns are not token prefixes of each other)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"chat data not found: {path}")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            msgs = json.loads(line)["messages"]
+            assert isinstance(msgs, list) and all({"role", "content"} <= set(m) for m in msgs)
+        except (json.JSONDecodeError, KeyError, TypeError, AssertionError):
+            raise ValueError(f"{path} line {n}: needs {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}}") from None
+        template = lambda m, gen: list(tokenizer.apply_chat_template(  # noqa: E731
+            m, add_generation_prompt=gen, tokenize=True, return_dict=False))
+        tokens, mask = [], []
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            prompt, full = template(msgs[:i], True), template(msgs[: i + 1], False)
+            if prompt[: len(tokens)] != tokens or full[: len(prompt)] != prompt:
+                raise ValueError(f"{path} line {n}: chat template output is not a token prefix across turns")
+            mask += [0] * (len(prompt) - len(tokens)) + [1] * (len(full) - len(prompt))
+            tokens = full
+        if 1 not in mask:
+            raise ValueError(f"{path} line {n}: no assistant message")
+        p = mask.index(1)
+        out.append(Experience(tokens, p, [0.0] * (len(tokens) - p), mask[p:], 1.0, f"expert/{n}",
+                              f"{path.stem}/{n}", 0, {"expert": True}))
+    return out
+
+
 # ----------------------------------------------------------------------------- rewards
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

@@ -57,10 +57,17 @@ class Sink:
     def write(self, group):
         self.groups.append(group)
 
+    def retired(self):
+        return {}
+
+    def update_pool(self, *args):
+        return None
+
 
 def explore_rate(ex, rnd):
     """Explore batch `rnd` with Explorer `ex`; returns (generated tokens/s, groups)."""
     sink = Sink()
+    ex.cursor = rnd * ex.cfg.batch_size  # the tasks of batch rnd
     t = time.perf_counter()
     ex.explore(rnd, 0, sink)
     return sum(len(e.logprobs) for g in sink.groups for e in g) / (time.perf_counter() - t), sink.groups
@@ -107,7 +114,7 @@ def components(args, extra):
     trainer = Trainer(cfg, path, torch.device("cpu"))
     raw = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     raw_opt = torch.optim.AdamW(raw.parameters(), lr=0.0)
-    prompts = [ex.workflow.prompt_ids(t) for t in ex.tasks_for(0)]
+    prompts = [ex.workflow.prompt_ids(t) for t in ex.next_tasks(cfg.batch_size, {})]
     rows = {"explore": [], "generate": [], "train": [], "fwd_bwd": []}
 
     for rnd in range(args.rounds):
