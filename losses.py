@@ -379,13 +379,13 @@ def dpo_loss(inp: LossInputs, beta: float = 0.1):
     -log sigmoid(beta ((log pi - log pi_ref)(chosen) - (log pi - log pi_ref)(rejected))),
     sequence log-probs summed over tokens; a group without a reward gap has no pair. Both
     sequences of a pair carry the pair loss, every other sequence 0. Returns {"loss",
-    "accuracy" (1.0 on chosen tokens where the implicit reward margin is > 0)}: [B, T].
+    "pair_correct" (1.0 on the tokens of pairs whose implicit reward margin is > 0)}: [B, T].
     Source: Rafailov et al., arXiv:2305.18290, eq. 7."""
     if inp.ref_logprobs is None:
         raise ValueError("dpo needs ref_logprobs (a reference model)")
     logit = beta * seq_sum(inp.logprobs - inp.ref_logprobs, inp.mask)                # [B]
     per_seq = torch.zeros_like(logit)                                                 # [B]
-    acc = torch.zeros_like(logit)                                                     # [B]
+    correct = torch.zeros_like(logit)                                                 # [B]
     for g in inp.group_index.unique():
         members = (inp.group_index == g).nonzero().squeeze(-1)
         r = inp.rewards[members]
@@ -393,8 +393,8 @@ def dpo_loss(inp: LossInputs, beta: float = 0.1):
             c, w = members[r.argmax()], members[r.argmin()]
             margin = logit[c] - logit[w]
             per_seq[c] = per_seq[w] = -torch.nn.functional.logsigmoid(margin)
-            acc[c] = float(margin.detach() > 0)
-    return {"loss": spread(per_seq, inp.mask), "accuracy": acc[:, None].expand_as(inp.mask)}
+            correct[c] = correct[w] = float(margin.detach() > 0)
+    return {"loss": spread(per_seq, inp.mask), "pair_correct": correct[:, None].expand_as(inp.mask)}
 
 
 @register(POLICY_LOSSES, "mix")

@@ -201,6 +201,7 @@ class Trainer:
         total_tokens = sum(sum(e.action_mask) for e, k in zip(exps, keep) if k)
         total_seqs = sum(keep)
         sums: dict[str, torch.Tensor] = {}
+        objective = 0.0  # the aggregated policy loss (without KL and entropy terms)
         plan = self._plan(mine, exps[0])
         for mb, real in plan:
             b, lp, ent = self._forward(self.model, mb, real, entropy=True)
@@ -222,8 +223,9 @@ class Trainer:
                 loss_tok = loss_tok - cfg.entropy_coef * ent
             (aggregate(loss_tok, mask, self.agg, total_tokens, total_seqs) * self.world).backward()
             with torch.no_grad():
+                objective += float(aggregate(out["loss"], mask, self.agg, total_tokens, total_seqs))
                 rollout = ~dev(expert[idx])[:, None]  # expert tokens have no behaviour log-probs
-                parts = {"loss/policy": out["loss"], "loss/entropy": ent,
+                parts = {"loss/entropy": ent,
                          "loss/kl_behaviour": kl_estimate(old, lp, "k3") * rollout,
                          "loss/logprob_abs_diff": (lp - old).abs() * rollout,
                          **{f"loss/{k}": v for k, v in out.items() if k != "loss"}}
@@ -237,11 +239,12 @@ class Trainer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         names = sorted(sums)
+        flat = torch.tensor([objective] + [float(sums[k]) for k in names], dtype=torch.float64)
+        dist.all_reduce(flat)
+        m["loss/policy"] = float(flat[0])
         if names:
-            flat = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64) for k in names])
-            dist.all_reduce(flat)
-            tok = max(float(flat[names.index("tokens")]), 1.0)
-            m.update({k: float(v) / tok for k, v in zip(names, flat) if k != "tokens"})
+            tok = max(float(flat[1 + names.index("tokens")]), 1.0)
+            m.update({k: float(v) / tok for k, v in zip(names, flat[1:]) if k != "tokens"})
         self.version += 1
         lengths = [len(e.logprobs) for e in exps]
         train_s = time.perf_counter() - t0

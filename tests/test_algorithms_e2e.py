@@ -31,7 +31,7 @@ FAMILIES = {
                    "--policy-loss", "opmd_kimi", "--nproc", "2"], []),
     "opmd_pairwise": (["--advantage", "opmd", "--policy-loss", "opmd_pairwise"], []),
     "opmd_simple": (["--advantage", "opmd", "--policy-loss", "opmd_simple", "--policy-loss-kwargs", '{"tau": 0.5}'], []),
-    "dpo": (["--policy-loss", "dpo", "--policy-loss-kwargs", '{"beta": 0.5}', "--nproc", "2"], ["loss/accuracy"]),
+    "dpo": (["--policy-loss", "dpo", "--policy-loss-kwargs", '{"beta": 0.5}', "--nproc", "2"], ["loss/pair_correct"]),
     "sft": (["--policy-loss", "sft", "--filters", '{"zero_advantage": {}}'], []),
     "plugin": (["--advantage", "tests.plugins.rank_advantages", "--policy-loss", "tests.plugins.clipped_reinforce",
                 "--policy-loss-kwargs", '{"cap": 1.2}'], ["loss/capped"]),

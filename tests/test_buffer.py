@@ -50,3 +50,25 @@ def test_reader_does_not_hang_on_dead_writer(tmp_path):
 def test_experience_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match="2 logprobs"):
         Experience([1, 2, 3], 2, [-0.1, -0.2], [1], 1.0, "g", "t", 0)
+
+
+def test_task_pools_persist_and_reactivate(tmp_path):
+    buf = Buffer(tmp_path / "b.sqlite")
+    assert buf.update_pool("t1", 1.0, easy=0.9, hard=0.1) == "easy"
+    assert buf.update_pool("t2", 0.0, easy=0.9, hard=0.1) == "hard"
+    assert buf.update_pool("t3", 0.5, easy=0.9, hard=0.1) is None
+    assert Buffer(tmp_path / "b.sqlite").retired() == {"t1": "easy", "t2": "hard"}  # persisted
+    assert buf.update_pool("t1", 0.5, easy=0.9, hard=0.1) is None  # a lifted task that is no longer easy
+    assert buf.retired() == {"t2": "hard"}
+
+
+def test_expert_sampler_cycles_all_and_marks_expert():
+    from buffer import ExpertSampler
+
+    exps = [Experience([1, 2, i], 2, [0.0], [1], 1.0, f"g{i}", f"t{i}", 0) for i in range(3)]
+    s = ExpertSampler(exps, seed=0)
+    drawn = s.draw(3) + s.draw(3)
+    assert sorted(e.tokens[-1] for e in drawn[:3]) == [0, 1, 2] == sorted(e.tokens[-1] for e in drawn[3:])
+    assert all(e.info["expert"] and e.group_id == "expert" for e in drawn)
+    with pytest.raises(ValueError, match="empty"):
+        ExpertSampler([], 0)

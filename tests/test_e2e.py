@@ -35,7 +35,7 @@ def test_run_trains_and_syncs(tiny_model, tmp_path):
     evals = [r for r in recs if "eval/accuracy" in r]
     assert [r["step"] for r in steps] == [0, 1, 2, 3]
     assert [r["eval/version"] for r in evals] == [0, 2, 4]
-    for key in ("loss/policy", "loss/clip_frac", "loss/kl_behaviour", "loss/grad_norm", "reward/std",
+    for key in ("loss/policy", "loss/clipped", "loss/kl_behaviour", "loss/grad_norm", "reward/std",
                 "response/len_mean", "staleness/mean", "time/train_s", "time/explore_s", "time/wait_s",
                 "time/sync_s", "train/tokens_per_s", "explorer/tokens_per_s", "buffer/consumed"):
         assert key in steps[-1], key

@@ -42,3 +42,29 @@ def test_trainer_step_changes_parameters(trainer):
     after = tr.full_parameters()
     assert tr.version == 1 and m["loss/grad_norm"] > 0
     assert any(not torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_chat_jsonl_masks_exactly_the_assistant_turns(tiny_model, tmp_path):
+    import json
+
+    from transformers import AutoTokenizer
+
+    from workflows import load_chat_jsonl
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "and 3+3?"}, {"role": "assistant", "content": "6"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": msgs}) + "\n\n" + json.dumps({"messages": msgs[:1]}) + "\n")
+    with pytest.raises(ValueError, match="line 3: no assistant message"):
+        load_chat_jsonl(path, tok)
+    path.write_text(json.dumps({"messages": msgs}) + "\n")
+    (e,) = load_chat_jsonl(path, tok)
+    resp = e.tokens[e.prompt_length:]
+    trained = tok.decode([t for t, m in zip(resp, e.action_mask) if m])
+    assert trained.replace("<|im_end|>", "").split() == ["4", "6"]
+    assert "and 3+3?" in tok.decode([t for t, m in zip(resp, e.action_mask) if not m])
+    assert e.tokens == list(tok.apply_chat_template(msgs, tokenize=True, return_dict=False))
+    path.write_text('{"messages": "hi"}\n')
+    with pytest.raises(ValueError, match="line 1: needs"):
+        load_chat_jsonl(path, tok)
