@@ -10,12 +10,18 @@ Schema (one row per experience):
     id INTEGER PRIMARY KEY  -- insertion order, the FIFO key
     group_id, task_id TEXT; model_version, prompt_length INTEGER
     tokens BLOB (int32), logprobs BLOB (float32), action_mask BLOB (int8)
-    reward REAL NULL; info TEXT (JSON); explorer TEXT; created REAL (unix s); consumed INTEGER
+    reward REAL NULL; info TEXT (JSON); explorer TEXT; created REAL (unix s)
+    consumed INTEGER  -- 0 = not yet; else 1 + the trainer step that consumed it
+
+Resume: `release_after(step)` makes the groups consumed at steps >= step servable again
+(their training was lost with the crash), and each explorer's position is saved in the same
+transaction as its batch (`write_batch`, `explorer_state`), so after a restart no
+experience is lost, generated twice or trained on twice.
 
 Difficulty pools (table task_pool, persisted with the buffer): a task whose latest group
 had a mean reward >= `easy` is retired to pool "easy", <= `hard` to pool "hard"; explorers
 skip retired tasks except for a lifted fraction, and a lifted task that lands in between
-returns to the active set. `ExpertSampler` draws expert (SFT) experiences for MIX.
+returns to the active set. `OfflineSampler` draws offline data (SFT, DPO pairs, MIX expert data).
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ CREATE TABLE IF NOT EXISTS experiences (
     created REAL NOT NULL, consumed INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS experiences_group ON experiences (group_id);
 CREATE INDEX IF NOT EXISTS experiences_open ON experiences (consumed, id);
+CREATE TABLE IF NOT EXISTS explorer_state (name TEXT PRIMARY KEY, state TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS task_pool (
     task_id TEXT PRIMARY KEY, pool TEXT NOT NULL, mean_reward REAL NOT NULL, updated REAL NOT NULL);
 """
@@ -90,19 +97,38 @@ class Buffer:
 
     def write(self, group: list[Experience]) -> None:
         """Append one group atomically (all rows or none)."""
+        self.write_batch([group])
+
+    def write_batch(self, groups: list[list[Experience]], explorer: str | None = None,
+                    state: dict | None = None) -> None:
+        """Append groups and (optionally) the explorer's resume state in one transaction."""
         now = time.time()
         rows = [(e.group_id, e.task_id, e.model_version, e.prompt_length,
                  array("i", e.tokens).tobytes(), array("f", e.logprobs).tobytes(),
                  array("b", e.action_mask).tobytes(), e.reward, json.dumps(e.info), e.explorer, now)
-                for e in group]
+                for g in groups for e in g]
         with self.db:
             self.db.executemany(
                 "INSERT INTO experiences (group_id, task_id, model_version, prompt_length, tokens, "
                 "logprobs, action_mask, reward, info, explorer, created) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
+            if state is not None:
+                self.db.execute("INSERT OR REPLACE INTO explorer_state VALUES (?, ?)", (explorer, json.dumps(state)))
+
+    def explorer_state(self, name: str) -> dict | None:
+        """The state saved with explorer `name`'s last batch, or None."""
+        row = self.db.execute("SELECT state FROM explorer_state WHERE name = ?", (name,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def release_after(self, step: int) -> int:
+        """Mark groups consumed at trainer steps >= `step` as not consumed; returns the
+        number of experiences released."""
+        with self.db:
+            return self.db.execute("UPDATE experiences SET consumed = 0 WHERE consumed > ?", (step,)).rowcount
 
     def read(self, num_groups: int, timeout_s: float = float("inf"),
-             alive: Callable[[], bool] = lambda: True, poll_s: float = 0.05) -> list[list[Experience]]:
-        """Take the `num_groups` oldest complete, unconsumed groups and mark them consumed.
+             alive: Callable[[], bool] = lambda: True, poll_s: float = 0.05, step: int = 0) -> list[list[Experience]]:
+        """Take the `num_groups` oldest complete, unconsumed groups and mark them consumed
+        by trainer step `step`.
 
         Blocks (polling every `poll_s` seconds) until enough are ready. Raises TimeoutError
         after `timeout_s` seconds, RuntimeError as soon as `alive()` returns False (the
@@ -110,7 +136,7 @@ class Buffer:
         """
         deadline = time.monotonic() + timeout_s
         while True:
-            groups = self._take(num_groups)
+            groups = self._take(num_groups, step)
             if groups is not None:
                 return groups
             if not alive():
@@ -119,7 +145,7 @@ class Buffer:
                 raise TimeoutError(f"buffer {self.path}: {num_groups} groups not ready after {timeout_s:.0f} s")
             time.sleep(poll_s)
 
-    def _take(self, num_groups: int) -> list[list[Experience]] | None:
+    def _take(self, num_groups: int, step: int) -> list[list[Experience]] | None:
         self.db.execute("BEGIN IMMEDIATE")
         try:
             ids = [r[0] for r in self.db.execute(
@@ -132,7 +158,7 @@ class Buffer:
             rows = self.db.execute(
                 "SELECT group_id, task_id, model_version, prompt_length, tokens, logprobs, action_mask, "
                 f"reward, info, explorer FROM experiences WHERE group_id IN ({marks}) ORDER BY id", ids).fetchall()
-            self.db.execute(f"UPDATE experiences SET consumed = 1 WHERE group_id IN ({marks})", ids)
+            self.db.execute(f"UPDATE experiences SET consumed = ? WHERE group_id IN ({marks})", [step + 1, *ids])
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")
@@ -147,7 +173,7 @@ class Buffer:
     def counts(self) -> dict[str, int]:
         """Experience counts: total, consumed, ready (unconsumed, reward known), pending (reward NULL)."""
         total, consumed, pending = self.db.execute(
-            "SELECT COUNT(*), COALESCE(SUM(consumed), 0), COALESCE(SUM(reward IS NULL), 0) FROM experiences").fetchone()
+            "SELECT COUNT(*), COALESCE(SUM(consumed > 0), 0), COALESCE(SUM(reward IS NULL), 0) FROM experiences").fetchone()
         return {"total": total, "consumed": consumed, "pending": pending, "ready": total - consumed - pending}
 
     def update_pool(self, task_id: str, mean_reward: float, easy: float, hard: float) -> str | None:
@@ -167,23 +193,24 @@ class Buffer:
         return dict(self.db.execute("SELECT task_id, pool FROM task_pool"))
 
 
-class ExpertSampler:
-    """MIX sampling strategy: draws expert experiences (e.g. from workflows.load_chat_jsonl)
-    in a seeded shuffled order, cycling; each drawn experience is marked info["expert"].
-    Raises ValueError for an empty list."""
+class OfflineSampler:
+    """Sampling strategy for offline data (SFT chats, DPO pairs, MIX expert data): draws
+    groups in a seeded shuffled order, cycling through epochs. Each drawn experience is a
+    copy marked info["expert"] (offline data has no behaviour log-probs and is never
+    filtered). Raises ValueError for no data."""
 
-    def __init__(self, experiences: list[Experience], seed: int):
-        if not experiences:
-            raise ValueError("expert data is empty")
-        self.exps, self.rng, self.order = experiences, random.Random(seed), []
+    def __init__(self, groups: list[list[Experience]], seed: int):
+        if not groups:
+            raise ValueError("offline data is empty")
+        self.groups, self.rng, self.order = groups, random.Random(seed), []
 
-    def draw(self, n: int) -> list[Experience]:
-        """The next n expert experiences (one group)."""
+    def draw(self, n: int) -> list[list[Experience]]:
+        """The next n groups."""
         out = []
         for _ in range(n):
             if not self.order:
-                self.order = self.rng.sample(range(len(self.exps)), len(self.exps))
-            e = self.exps[self.order.pop()]
-            out.append(Experience(e.tokens, e.prompt_length, e.logprobs, e.action_mask, e.reward, "expert",
-                                  e.task_id, e.model_version, {**e.info, "expert": True}, "expert"))
+                self.order = self.rng.sample(range(len(self.groups)), len(self.groups))
+            out.append([Experience(e.tokens, e.prompt_length, e.logprobs, e.action_mask, e.reward, e.group_id,
+                                   e.task_id, e.model_version, {**e.info, "expert": True}, "offline")
+                        for e in self.groups[self.order.pop()]])
         return out

@@ -11,6 +11,7 @@ versions, with `Workflow.score`.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import time
@@ -35,11 +36,14 @@ class Sampling:
 
 @dataclass
 class Completion:
-    """One sampled response: tokens [R], logprobs [R] (behaviour policy), finish_reason."""
+    """One sampled response: tokens [R], logprobs [R] (behaviour policy), finish_reason,
+    and versions = (weight version of its first token, of its last token): they differ
+    when weights were replaced while it was in flight."""
 
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (end-of-sequence token sampled) or "length"
+    versions: tuple[int, int] = (0, 0)
 
 
 class Engine:
@@ -48,12 +52,17 @@ class Engine:
 
     Subclasses implement `generate_batch(prompts, ns, sampling) -> list[list[Completion]]`,
     `join_weight_sync(port, timeout_s, alive)` (join the trainer's weight-sync group as
-    rank 1) and `receive_weights(alive) -> (version, checksum)` (receive the next publish
-    and load it in place; the checksum is `sync.checksum` of the received tensors).
+    rank 1), `receive_weights(alive) -> (version, checksum)` (receive the next publish
+    and load it in place; the checksum is `sync.checksum` of the received tensors) and
+    `load_checkpoint(path, version) -> checksum` (load a safetensors directory in place).
+    `version` is the weight version loaded now. `step_hook`, when set, is called between
+    two decode steps (in-flight weight updates); it may replace the weights.
     """
 
     def __init__(self):
         self._pending: dict[Sampling, list] = {}
+        self.version = 0
+        self.step_hook = None
 
     async def generate(self, prompt_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
         """Sample `n` completions of one prompt; awaits the batched call."""
@@ -85,6 +94,13 @@ class Engine:
 
     def receive_weights(self, alive) -> tuple[int, float]:
         raise NotImplementedError
+
+    def load_checkpoint(self, path: str | Path, version: int) -> float:
+        raise NotImplementedError
+
+    def weights_announced(self) -> int:
+        """Newest version the trainer has started to publish (-1 before any); never blocks."""
+        return self.weights.announced()
 
     def close(self) -> None:
         """Release engine processes (vLLM's engine core); the engine is unusable after."""
@@ -142,8 +158,16 @@ class HFEngine(Engine):
         self.weights = sync.WeightSync(1, 2, port=port, device=self.device.type, timeout_s=timeout_s).connect(alive)
 
     def receive_weights(self, alive):
-        version = self.weights.recv(self.parameters(), alive)
-        return version, sync.checksum(self.parameters())
+        self.version = self.weights.recv(self.parameters(), alive)
+        return self.version, sync.checksum(self.parameters())
+
+    def load_checkpoint(self, path, version):
+        state = read_safetensors(path)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(state[name])
+        self.version = version
+        return sync.checksum(self.parameters())
 
     def generate_batch(self, prompts, ns, sampling):
         seqs = [p for p, n in zip(prompts, ns) for _ in range(n)]
@@ -176,14 +200,20 @@ class HFEngine(Engine):
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         tokens, logprobs = [], []
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        first = self.version
+        last = [first] * B  # version that sampled each sequence's latest token
         for _ in range(s.max_tokens):
             tok, lp = sample_token(logits, s.temperature, s.top_p, self.generator)  # [B], [B]
             tok = tok.masked_fill(done, self.pad)
             tokens.append(tok)
             logprobs.append(lp)
+            if self.version != first:
+                last = [self.version if not d else v for v, d in zip(last, done.tolist())]
             done = done | torch.isin(tok, self.eos)
             if done.all():
                 break
+            if self.step_hook is not None:
+                self.step_hook()  # in-flight: may load new weights; the KV cache is kept
             attn = torch.cat([attn, attn.new_ones((B, 1))], dim=1)
             pos = pos[:, -1:] + 1
             logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
@@ -191,9 +221,9 @@ class HFEngine(Engine):
         toks, lps = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()  # [B, R]
         out = []
         eos = set(self.eos.tolist())
-        for t, lp in zip(toks, lps):
+        for t, lp, v in zip(toks, lps, last):
             end = next((j + 1 for j, x in enumerate(t) if x in eos), None)
-            out.append(Completion(t[:end], lp[:end], "length" if end is None else "stop"))
+            out.append(Completion(t[:end], lp[:end], "length" if end is None else "stop", (first, v)))
         return out
 
 
@@ -234,17 +264,24 @@ class VLLMEngine(Engine):
         params = [SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
                                  max_tokens=sampling.max_tokens, logprobs=0) for n in ns]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        v = (self.version, self.version)
         return [[Completion(list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
-                            "stop" if c.finish_reason == "stop" else "length") for c in out.outputs]
+                            "stop" if c.finish_reason == "stop" else "length", v) for c in out.outputs]
                 for out in outs]
 
     def join_weight_sync(self, port, timeout_s, alive):
         self.llm.collective_rpc("nanorft_join", args=(self.model_path, port, timeout_s))
 
     def receive_weights(self, alive):
-        version, checksum = self.llm.collective_rpc("nanorft_receive")[0]
+        self.version, checksum = self.llm.collective_rpc("nanorft_receive")[0]
         self.llm.reset_prefix_cache()
-        return version, checksum
+        return self.version, checksum
+
+    def load_checkpoint(self, path, version):
+        checksum = self.llm.collective_rpc("nanorft_load", args=(str(path),))[0]
+        self.llm.reset_prefix_cache()
+        self.version = version
+        return checksum
 
     def close(self):
         self.llm.llm_engine.engine_core.shutdown()
@@ -266,20 +303,66 @@ class VLLMWeightReceiver:
         self.nanorft_sync = sync.WeightSync(1, 2, port=port, device=device.type, timeout_s=timeout_s).connect()
 
     def nanorft_receive(self) -> tuple[int, float]:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
         tensors = [t for _, t in self.nanorft_named]
         version = self.nanorft_sync.recv(tensors)
+        self._nanorft_load(self.nanorft_named)
+        return version, sync.checksum(tensors)
+
+    def nanorft_load(self, path: str) -> float:
+        """Load a safetensors checkpoint directory in place; returns its checksum."""
+        named = list(read_safetensors(path).items())
+        self._nanorft_load(named)
+        return sync.checksum(t for _, t in named)
+
+    def _nanorft_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
         model = self.model_runner.model
         initialize_layerwise_reload(model)
-        model.load_weights(iter(self.nanorft_named))
+        model.load_weights(iter(named))
         finalize_layerwise_reload(model, self.vllm_config.model_config)
         lm_head = getattr(model, "lm_head", None)
         if self.vllm_config.model_config.hf_config.tie_word_embeddings and hasattr(lm_head, "quant_method"):
             # the reload reprocesses only embed_tokens; the tied lm_head keeps its own
             # prepacked copy on CPU unless it is processed again
             lm_head.quant_method.process_weights_after_loading(lm_head)
-        return version, sync.checksum(tensors)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n - c, k) / C(n, k).
+    Source: Chen et al., "Evaluating Large Language Models Trained on Code",
+    arXiv:2107.03374, eq. 1."""
+    import math
+
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def run_bench(cfg, models: list[str]) -> list[dict]:
+    """Mode bench: for each model directory, avg@k / pass@k / pass@1 on the held-out tasks
+    (k = cfg.bench_k samples per task at cfg.temperature). Returns one row per model."""
+    torch.set_num_threads(cfg.explorer_threads)
+    _, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
+    rows = []
+    for path in models:
+        engine = make_engine(cfg, path)
+        try:
+            t0 = time.perf_counter()
+            row = Explorer(cfg, engine, [], held_out, dataset, print).bench(cfg.bench_k)
+            rows.append({"model": path, **row, "seconds": time.perf_counter() - t0})
+        finally:
+            engine.close()
+    return rows
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the *.safetensors files of a checkpoint directory (CPU). Raises
+    FileNotFoundError when there are none."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors files in {path}")
+    return {k: v for f in files for k, v in load_file(f).items()}
 
 
 def vllm_available() -> bool:
@@ -335,25 +418,36 @@ class Explorer:
                 out.append(task)
         return out
 
-    def _rollouts(self, tasks: list[Task], version: int) -> list[list[Experience]]:
+    def _rollouts(self, tasks: list[Task]) -> list[list[Experience]]:
         wf = self.workflow
 
         async def run_all():
-            return await asyncio.gather(*(wf.run(t, self.engine, self.cfg.group_size, version) for t in tasks))
+            return await asyncio.gather(*(wf.run(t, self.engine, self.cfg.group_size) for t in tasks))
 
         return asyncio.run(run_all())
 
-    def explore(self, batch: int, version: int, buffer: Buffer) -> dict:
-        """Generate and store the batch_size groups of one batch; returns its metrics record.
+    def state(self) -> dict:
+        """Resume state: task cursor and the lift sampler's RNG."""
+        return {"cursor": self.cursor, "rng": self.rng.getstate()}
+
+    def restore(self, state: dict) -> None:
+        """Continue from a `state()` (saved with the last batch in the buffer)."""
+        version, internal, gauss = state["rng"]
+        self.cursor = state["cursor"]
+        self.rng.setstate((version, tuple(internal), gauss))
+
+    def explore(self, batch: int, buffer: Buffer) -> dict:
+        """Generate and store the batch_size groups of one batch (with the explorer's
+        resume state, in one transaction); returns its metrics record.
 
         Online difficulty filtering (cfg.difficulty_filter): groups whose rewards are all
         equal carry no group-relative signal and are dropped; up to difficulty_max_rounds
         extra rounds sample new tasks for the missing groups; if still short, dropped groups
         fill the batch (counted), so the trainer always gets batch_size groups. Every
         group's mean reward updates the task pools."""
-        cfg, t0 = self.cfg, time.perf_counter()
+        cfg, t0, version = self.cfg, time.perf_counter(), self.engine.version
         retired = buffer.retired()
-        groups = self._rollouts(self.next_tasks(cfg.batch_size, retired), version)
+        groups = self._rollouts(self.next_tasks(cfg.batch_size, retired))
         generated = list(groups)
         rounds = 0
         if cfg.difficulty_filter:
@@ -362,7 +456,7 @@ class Explorer:
             kept = [g for g in groups if informative(g)]
             while len(kept) < cfg.batch_size and rounds < cfg.difficulty_max_rounds:
                 rounds += 1
-                more = self._rollouts(self.next_tasks(cfg.batch_size - len(kept), retired), version)
+                more = self._rollouts(self.next_tasks(cfg.batch_size - len(kept), retired))
                 generated += more
                 kept += [g for g in more if informative(g)]
             dropped = [g for g in generated if not informative(g)]
@@ -374,7 +468,7 @@ class Explorer:
         for g in groups:
             for e in g:
                 e.explorer = cfg.explorer_name
-            buffer.write(g)
+        buffer.write_batch(groups, cfg.explorer_name, {"batch": batch + 1, **self.state()})
         exps = [e for g in generated for e in g]
         gen_tokens = sum(len(e.logprobs) for e in exps)
         self._write_samples(batch, version, groups)
@@ -382,6 +476,8 @@ class Explorer:
                   "explorer/gen_tokens": gen_tokens, "explorer/tokens_per_s": gen_tokens / seconds,
                   "rollout/reward_errors": sum("reward_error" in e.info for e in exps),
                   "rollout/truncated_frac": sum(e.info["finish_reason"] == "length" for e in exps) / len(exps),
+                  "inflight/multi_version_seqs": sum(e.info["versions"][0] != e.info["versions"][1] for e in exps
+                                                     if "versions" in e.info),
                   "pool/retired_easy": pools.count("easy"), "pool/retired_hard": pools.count("hard"),
                   "pool/size_retired": len(retired)}
         if cfg.difficulty_filter:
@@ -395,7 +491,7 @@ class Explorer:
         wf = self.eval_workflow
 
         async def run_all():
-            return await asyncio.gather(*(wf.run(t, self.engine, 1, version) for t in self.held_out))
+            return await asyncio.gather(*(wf.run(t, self.engine, 1) for t in self.held_out))
 
         exps = [g[0] for g in asyncio.run(run_all())]
         rewards = [e.reward for e in exps]
@@ -403,6 +499,19 @@ class Explorer:
                 "eval/reward_mean": sum(rewards) / len(rewards), "eval/n": len(rewards),
                 "eval/response_len": sum(len(e.logprobs) for e in exps) / len(exps),
                 "eval/seconds": time.perf_counter() - t0}
+
+    def bench(self, k: int) -> dict:
+        """avg@k (mean reward-1 rate over k samples per held-out task) and pass@k (a task
+        counts when any of its k samples has reward 1), sampling at cfg.temperature."""
+        wf = self.workflow
+
+        async def run_all():
+            return await asyncio.gather(*(wf.run(t, self.engine, k) for t in self.held_out))
+
+        correct = [sum(e.reward == 1.0 for e in g) for g in asyncio.run(run_all())]
+        return {"tasks": len(correct), "k": k, f"avg@{k}": sum(correct) / (k * len(correct)),
+                f"pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / len(correct),
+                "pass@1": sum(pass_at_k(k, c, 1) for c in correct) / len(correct)}
 
     def _write_samples(self, batch: int, version: int, groups) -> None:
         with self.samples.open("a") as f:
@@ -414,43 +523,124 @@ class Explorer:
                     f.write(f"--- reward {x.reward:.2f}{err}\n{x.info['response'].strip()}\n")
 
 
-def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue) -> None:
-    """Explorer process entry (mode both). Receives weights from trainer rank 0 over the
-    weight-sync group (rank 1) and puts metric records on `queue`."""
-    torch.set_num_threads(cfg.explorer_threads)
+def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue, start_version: int = 0) -> None:
+    """Explorer process (mode both, spawned by trainer rank 0; `start_version` = the
+    weights in `model_path`). Weights come on the schedule of sync.py, over the
+    weight-sync group (rank 1) or, with --sync-method checkpoint, from the checkpoints the
+    trainer publishes; with cfg.inflight the explorer also takes each publish between two
+    decode steps, without pausing its batch. Puts metric records on `queue`."""
     parent = os.getppid()
     alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
+    published = sync.published_versions(total_steps, cfg.sync_interval)
+    by_checkpoint = cfg.sync_method == "checkpoint"
+
+    def setup(engine):
+        if not by_checkpoint:
+            engine.join_weight_sync(port, cfg.sync_timeout_s, alive)
+
+    def receive(engine):
+        t0 = time.perf_counter()
+        if by_checkpoint:
+            while (latest := sync.latest_checkpoint(cfg.run_dir)) is None or latest[0] <= engine.version:
+                if not alive():
+                    raise RuntimeError("explorer: the trainer died")
+                time.sleep(0.05)
+            checksum = engine.load_checkpoint(latest[1], latest[0])
+        else:
+            _, checksum = engine.receive_weights(alive)
+        queue.put({"explorer/received_version": engine.version, "time/explorer_wait_sync_s": time.perf_counter() - t0,
+                   "sync/explorer_checksum": checksum})
+
+    def before_batch(engine, batch):
+        while engine.version < sync.required_version(batch, cfg.sync_interval, cfg.sync_offset):
+            receive(engine)
+        return True
+
+    def inflight(engine):
+        if by_checkpoint:
+            latest = sync.latest_checkpoint(cfg.run_dir)
+            newest = latest[0] if latest else -1
+        else:
+            newest = engine.weights_announced()
+        if newest > engine.version:
+            receive(engine)
+
+    def finish(engine):
+        while engine.version < published[-1]:
+            receive(engine)
+
+    _explore(cfg, model_path, queue.put, total_steps, start_version, setup, before_batch, inflight, finish)
+
+
+def run_explore_mode(cfg, model_path: str) -> None:
+    """Mode explore (a separate launch, fully asynchronous): generate batches into the
+    run directory's buffer without waiting for the trainer; every sync_interval batches
+    (and with cfg.inflight between decode steps) load the newest checkpoint the trainer
+    published. Stops after cfg.steps batches or when the trainer has finished. Metrics go
+    to RUN_DIR/explorer_<name>.jsonl."""
+    run_dir = Path(cfg.run_dir)
+    log_file = (run_dir / f"explorer_{cfg.explorer_name}.jsonl").open("a")
+
+    def log(record):
+        log_file.write(json.dumps(record) + "\n")
+        log_file.flush()
+
+    def poll(engine):
+        latest = sync.latest_checkpoint(run_dir)
+        if latest and latest[0] > engine.version:
+            t0 = time.perf_counter()
+            checksum = engine.load_checkpoint(latest[1], latest[0])
+            log({"explorer/received_version": latest[0], "time/explorer_load_s": time.perf_counter() - t0,
+                 "sync/explorer_checksum": checksum})
+
+    def before_batch(engine, batch):
+        if (run_dir / "trainer_done").exists():
+            return False
+        if batch % cfg.sync_interval == 0:
+            poll(engine)
+        return True
+
+    _explore(cfg, model_path, log, cfg.steps, 0, poll, before_batch, poll, poll)
+
+
+def _explore(cfg, model_path, log, total, start_version, setup, before_batch, inflight, finish) -> None:
+    """The rollout loop both explorer entries share: resume position from the buffer,
+    evaluation every eval_interval versions, one batch at a time."""
+    torch.set_num_threads(cfg.explorer_threads)
     train, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
     engine = make_engine(cfg, model_path)
-    engine.join_weight_sync(port, cfg.sync_timeout_s, alive)
-    explorer = Explorer(cfg, engine, train, held_out, dataset, queue.put)
-    buffer = Buffer(Path(cfg.run_dir) / "buffer.sqlite")
-    published = sync.published_versions(total_steps, cfg.sync_interval)
-    version, last_eval = 0, None
-
-    def maybe_eval(final: bool = False):
-        nonlocal last_eval
-        due = last_eval is None or version // cfg.eval_interval > last_eval // cfg.eval_interval
-        if cfg.eval_size and (due or (final and last_eval != version)):
-            queue.put(explorer.evaluate(version))
-            last_eval = version
-
-    def receive():
-        nonlocal version
-        t0 = time.perf_counter()
-        version, checksum = engine.receive_weights(alive)
-        queue.put({"explorer/received_version": version, "time/explorer_wait_sync_s": time.perf_counter() - t0,
-                   "sync/explorer_checksum": checksum})
-        maybe_eval(final=version == published[-1])
-
+    engine.version = start_version
     try:
+        setup(engine)
+        explorer = Explorer(cfg, engine, train, held_out, dataset, log)
+        buffer = Buffer(Path(cfg.run_dir) / "buffer.sqlite")
+        saved = buffer.explorer_state(cfg.explorer_name)
+        first = 0
+        if saved:
+            explorer.restore(saved)
+            first = saved["batch"]
+        if cfg.inflight:
+            engine.step_hook = lambda: inflight(engine)
+        last_eval = None
+
+        def maybe_eval(final: bool = False):
+            nonlocal last_eval
+            v = engine.version
+            due = last_eval is None or v // cfg.eval_interval > last_eval // cfg.eval_interval
+            if cfg.eval_size and (due or (final and last_eval != v)):
+                hook, engine.step_hook = engine.step_hook, None  # evaluate one version
+                log(explorer.evaluate(v))
+                engine.step_hook = hook
+                last_eval = v
+
         maybe_eval()
-        for batch in range(total_steps):
-            while version < sync.required_version(batch, cfg.sync_interval, cfg.sync_offset):
-                receive()
-            queue.put(explorer.explore(batch, version, buffer))
-        while version < published[-1]:
-            receive()
+        for batch in range(first, total):
+            if not before_batch(engine, batch):
+                break
+            maybe_eval()
+            log(explorer.explore(batch, buffer))
+        engine.step_hook = None
+        finish(engine)
         maybe_eval(final=True)
     finally:
         engine.close()

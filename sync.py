@@ -9,6 +9,16 @@ version  required_version(e) = k * floor(max(0, e - m) / k)  for sync_interval k
 sync_offset m. The trainer consumes batch t at step t; after step t its weights are
 version t + 1, and it publishes them when (t + 1) % k == 0, and after the last step.
 
+In-flight updates (PipelineRL): rank 0 announces each publish in the store (key
+"published") before broadcasting it, so an explorer can check between two decode steps,
+without blocking, whether new weights are on the way (`announced`).
+
+Checkpoint method (fully asynchronous mode, separate launches): the trainer writes a
+Hugging Face safetensors directory RUN_DIR/checkpoints/v{version:06d} (written under a
+temporary name, then renamed) and then the marker RUN_DIR/checkpoints/latest (written,
+then renamed over the old one), so a reader never sees a partial checkpoint
+(`publish_checkpoint`, `latest_checkpoint`).
+
 Group. Trainer rank 0 hosts a TCPStore; a `ProcessGroupGloo` (CPU) or `ProcessGroupNCCL`
 (CUDA) is built directly on a PrefixStore("weights", store), separate from the trainer's
 FSDP group. Rank 0 = trainer, ranks 1.. = explorers. One publish = broadcast of the
@@ -17,9 +27,12 @@ version (int64 [1]) then of all parameters flattened into one buffer per dtype, 
 """
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
@@ -110,9 +123,15 @@ class WeightSync:
         """Rank 0: publish `params` (full tensors) as `version`. Returns once the previous
         publish has completed and this one is in flight (the data is copied first)."""
         self.wait(alive)
+        self.store.set("published", str(version))
         self._pending = [self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))]
         for flat in _flatten(params, self.device):
             self._pending.append(self._broadcast(flat))
+
+    def announced(self) -> int:
+        """Rank >= 1: the newest version rank 0 has started to publish (-1 before any);
+        never blocks."""
+        return int(self.store.get("published")) if self.store.check(["published"]) else -1
 
     def recv(self, params: list[torch.Tensor], alive: Callable[[], bool] = lambda: True) -> int:
         """Rank >= 1: receive the next publish into `params` in place; returns its version."""
@@ -152,3 +171,31 @@ def _unflatten(flats: list[torch.Tensor], params: list[torch.Tensor]) -> None:
         for p in ps:
             p.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
+
+
+def publish_checkpoint(run_dir: str | Path, version: int, save: Callable[[Path], None], keep: int = 3) -> Path:
+    """Write checkpoint `version` with `save(directory)` atomically (temporary directory,
+    rename, then the `latest` marker written and renamed), and delete all but the `keep`
+    newest checkpoints. Returns the checkpoint directory."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final, tmp = root / f"v{version:06d}", root / f".tmp-v{version:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    marker = root / ".latest.tmp"
+    marker.write_text(str(version))
+    os.replace(marker, root / "latest")
+    for old in sorted(root.glob("v[0-9]*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
+    """(version, directory) of the newest published checkpoint, or None."""
+    marker = Path(run_dir) / "checkpoints" / "latest"
+    if not marker.is_file():
+        return None
+    version = int(marker.read_text())
+    return version, Path(run_dir) / "checkpoints" / f"v{version:06d}"

@@ -10,6 +10,7 @@ aggregated as a token-mean over the whole batch. Then grad-norm clipping and Ada
 """
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -255,6 +256,38 @@ class Trainer:
                   "time/train_s": train_s,
                   "train/tokens_per_s": sum(len(e.tokens) for e in exps) / train_s})
         return m
+
+    def save_state(self, path: str | Path, step: int) -> None:
+        """Resume state after `step` steps: model and optimizer (torch.distributed.checkpoint,
+        sharded as they are), version and RNG, plus full HF weights in path/hf for the
+        explorer. Collective. Written to a temporary directory, then renamed."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        path, tmp = Path(path), Path(str(path) + ".tmp")
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        self.save(tmp / "hf")
+        if self.rank == 0:
+            torch.save({"step": step, "version": self.version, "rng": torch.get_rng_state()}, tmp / "trainer.pt")
+            if path.exists():
+                shutil.rmtree(path)
+            tmp.rename(path)
+        dist.barrier()
+
+    def load_state(self, path: str | Path) -> int:
+        """Load a `save_state` directory; returns the number of steps it had done. Collective."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
+        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        meta = torch.load(Path(path) / "trainer.pt", weights_only=False)
+        self.version = meta["version"]
+        torch.set_rng_state(meta["rng"])
+        return meta["step"]
 
     def save(self, path: str | Path, params: list[torch.Tensor] | None = None) -> None:
         """Write a Hugging Face safetensors directory (rank 0 writes; collective unless

@@ -82,32 +82,44 @@ def _read_jsonl_tasks(path: Path) -> list[Task]:
     return tasks
 
 
-def load_chat_jsonl(path: str | Path, tokenizer) -> list[Experience]:
-    """Expert / SFT data: one {"messages": [{"role", "content"}, ...]} per line -> one
-    Experience per conversation, tokenised with the chat template, action_mask 1 exactly on
-    the assistant turns' tokens (each turn = template(messages[:i+1]) minus
-    template(messages[:i], generation prompt)), reward 1.0, logprobs 0 (no behaviour policy).
-    Raises FileNotFoundError, or ValueError naming the file and line (bad JSON, no
-    assistant turn, or a template whose turns are not token prefixes of each other)."""
+def _jsonl_rows(path: str | Path, what: str):
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"chat data not found: {path}")
-    out = []
+        raise FileNotFoundError(f"{what} not found: {path}")
     for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            msgs = json.loads(line)["messages"]
-            assert isinstance(msgs, list) and all({"role", "content"} <= set(m) for m in msgs)
-        except (json.JSONDecodeError, KeyError, TypeError, AssertionError):
-            raise ValueError(f"{path} line {n}: needs {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}}") from None
-        template = lambda m, gen: list(tokenizer.apply_chat_template(  # noqa: E731
-            m, add_generation_prompt=gen, tokenize=True, return_dict=False))
+        if line.strip():
+            try:
+                yield path, n, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+
+
+def _template(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                              tokenize=True, return_dict=False))
+
+
+def _is_messages(msgs) -> bool:
+    return isinstance(msgs, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in msgs)
+
+
+def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
+    """SFT / expert data: one {"messages": [{"role", "content"}, ...]} per line -> one group
+    of one Experience per conversation, tokenised with the chat template, action_mask 1
+    exactly on the assistant turns' tokens (each turn = template(messages[:i+1]) minus
+    template(messages[:i], generation prompt)), reward 1.0, logprobs 0 (no behaviour
+    policy), info["expert"]. Raises FileNotFoundError, or ValueError naming the file and
+    line (bad JSON, no assistant turn, or turns that are not token prefixes of each other)."""
+    out = []
+    for path, n, row in _jsonl_rows(path, "chat data"):
+        msgs = row.get("messages") if isinstance(row, dict) else None
+        if not _is_messages(msgs):
+            raise ValueError(f'{path} line {n}: needs {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
         tokens, mask = [], []
         for i, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
-            prompt, full = template(msgs[:i], True), template(msgs[: i + 1], False)
+            prompt, full = _template(tokenizer, msgs[:i], True), _template(tokenizer, msgs[: i + 1], False)
             if prompt[: len(tokens)] != tokens or full[: len(prompt)] != prompt:
                 raise ValueError(f"{path} line {n}: chat template output is not a token prefix across turns")
             mask += [0] * (len(prompt) - len(tokens)) + [1] * (len(full) - len(prompt))
@@ -115,9 +127,42 @@ def load_chat_jsonl(path: str | Path, tokenizer) -> list[Experience]:
         if 1 not in mask:
             raise ValueError(f"{path} line {n}: no assistant message")
         p = mask.index(1)
-        out.append(Experience(tokens, p, [0.0] * (len(tokens) - p), mask[p:], 1.0, f"expert/{n}",
-                              f"{path.stem}/{n}", 0, {"expert": True}))
+        out.append([Experience(tokens, p, [0.0] * (len(tokens) - p), mask[p:], 1.0, f"{path.stem}/{n}",
+                               f"{path.stem}/{n}", 0, {"expert": True})])
     return out
+
+
+def load_preference_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
+    """DPO data: one {"prompt": str or messages, "chosen": str, "rejected": str} per line ->
+    one group of two Experiences (chosen reward 1.0, rejected 0.0) sharing the templated
+    prompt; the response is the assistant reply plus the template's end of turn. Raises
+    FileNotFoundError or ValueError naming the file and line."""
+    out = []
+    for path, n, row in _jsonl_rows(path, "preference data"):
+        if not (isinstance(row, dict) and {"prompt", "chosen", "rejected"} <= set(row)):
+            raise ValueError(f"{path} line {n}: needs prompt, chosen and rejected fields")
+        msgs = [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str) else row["prompt"]
+        if not _is_messages(msgs):
+            raise ValueError(f"{path} line {n}: prompt must be a string or a list of messages")
+        prompt = _template(tokenizer, msgs, True)
+        group = []
+        for key, reward in (("chosen", 1.0), ("rejected", 0.0)):
+            full = _template(tokenizer, msgs + [{"role": "assistant", "content": str(row[key])}], False)
+            if full[: len(prompt)] != prompt or len(full) == len(prompt):
+                raise ValueError(f"{path} line {n}: chat template output is not a token prefix of the {key} reply")
+            r = len(full) - len(prompt)
+            group.append(Experience(full, len(prompt), [0.0] * r, [1] * r, reward, f"{path.stem}/{n}",
+                                    f"{path.stem}/{n}", 0, {"expert": True, "preference": key}))
+        out.append(group)
+    return out
+
+
+def load_offline_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
+    """Chat data (`load_chat_jsonl`) or preference pairs (`load_preference_jsonl`),
+    told apart by the first row's fields."""
+    first = next(_jsonl_rows(path, "offline data"), (None, None, {}))[2]
+    pairs = isinstance(first, dict) and "chosen" in first
+    return (load_preference_jsonl if pairs else load_chat_jsonl)(path, tokenizer)
 
 
 # ----------------------------------------------------------------------------- rewards
@@ -159,7 +204,7 @@ def load_reward_fn(path: str) -> Callable[[Task, str, Any], float]:
 class Workflow:
     """Base class: turn one task into a group of Experiences.
 
-    Subclasses implement `async run(task, engine, n, version)`; they call
+    Subclasses implement `async run(task, engine, n)`; they call
     `await engine.generate(prompt_ids, n, sampling)` (see explorer.Engine), which batches
     the requests of all workflows in flight.
     """
@@ -175,7 +220,7 @@ class Workflow:
         except Exception as e:
             return 0.0, f"{type(e).__name__}: {e}"
 
-    async def run(self, task: Task, engine, n: int, version: int) -> list[Experience]:
+    async def run(self, task: Task, engine, n: int) -> list[Experience]:
         raise NotImplementedError
 
 
@@ -187,7 +232,7 @@ class MathWorkflow(Workflow):
         msgs.append({"role": "user", "content": task.question})
         return list(self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
 
-    async def run(self, task: Task, engine, n: int, version: int) -> list[Experience]:
+    async def run(self, task: Task, engine, n: int) -> list[Experience]:
         prompt = self.prompt_ids(task)
         outs = await engine.generate(prompt, n, self.sampling)
         group_id = uuid.uuid4().hex
@@ -195,13 +240,14 @@ class MathWorkflow(Workflow):
         for out in outs:
             text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
             reward, error = self.score(task, text)
-            info = {"finish_reason": out.finish_reason, "response": text, "answer": task.answer}
+            info = {"finish_reason": out.finish_reason, "response": text, "answer": task.answer,
+                    "versions": list(out.versions)}
             if error:
                 info["reward_error"] = error
             group.append(Experience(
                 tokens=prompt + out.tokens, prompt_length=len(prompt), logprobs=out.logprobs,
                 action_mask=[1] * len(out.tokens), reward=reward, group_id=group_id,
-                task_id=task.task_id, model_version=version, info=info))
+                task_id=task.task_id, model_version=out.versions[0], info=info))
         return group
 
 

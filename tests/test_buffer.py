@@ -62,13 +62,13 @@ def test_task_pools_persist_and_reactivate(tmp_path):
     assert buf.retired() == {"t2": "hard"}
 
 
-def test_expert_sampler_cycles_all_and_marks_expert():
-    from buffer import ExpertSampler
+def test_offline_sampler_cycles_all_and_marks_expert():
+    from buffer import OfflineSampler
 
-    exps = [Experience([1, 2, i], 2, [0.0], [1], 1.0, f"g{i}", f"t{i}", 0) for i in range(3)]
-    s = ExpertSampler(exps, seed=0)
-    drawn = s.draw(3) + s.draw(3)
+    groups = [[Experience([1, 2, i], 2, [0.0], [1], 1.0, f"g{i}", f"t{i}", 0)] for i in range(3)]
+    s = OfflineSampler(groups, seed=0)
+    drawn = [g[0] for g in s.draw(3) + s.draw(3)]
     assert sorted(e.tokens[-1] for e in drawn[:3]) == [0, 1, 2] == sorted(e.tokens[-1] for e in drawn[3:])
-    assert all(e.info["expert"] and e.group_id == "expert" for e in drawn)
+    assert all(e.info["expert"] for e in drawn) and not groups[0][0].info
     with pytest.raises(ValueError, match="empty"):
-        ExpertSampler([], 0)
+        OfflineSampler([], 0)

@@ -59,7 +59,7 @@ def test_chat_jsonl_masks_exactly_the_assistant_turns(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="line 3: no assistant message"):
         load_chat_jsonl(path, tok)
     path.write_text(json.dumps({"messages": msgs}) + "\n")
-    (e,) = load_chat_jsonl(path, tok)
+    ((e,),) = load_chat_jsonl(path, tok)
     resp = e.tokens[e.prompt_length:]
     trained = tok.decode([t for t, m in zip(resp, e.action_mask) if m])
     assert trained.replace("<|im_end|>", "").split() == ["4", "6"]
