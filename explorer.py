@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -574,12 +575,15 @@ def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue, start
 
 def run_explore_mode(cfg, model_path: str) -> None:
     """Mode explore (a separate launch, fully asynchronous): generate batches into the
-    run directory's buffer without waiting for the trainer; every sync_interval batches
-    (and with cfg.inflight between decode steps) load the newest checkpoint the trainer
-    published. Stops after cfg.steps batches or when the trainer has finished. Metrics go
-    to RUN_DIR/explorer_<name>.jsonl."""
+    run directory's buffer until the trainer has finished (RUN_DIR/trainer_done); every
+    sync_interval batches (and with cfg.inflight between decode steps) load the newest
+    checkpoint the trainer published. Back-pressure: while the buffer holds two batches of
+    ready groups the explorer waits (RuntimeError after buffer_timeout_s without the
+    trainer taking any). Metrics go to RUN_DIR/explorer_<name>.jsonl."""
     run_dir = Path(cfg.run_dir)
     log_file = (run_dir / f"explorer_{cfg.explorer_name}.jsonl").open("a")
+    done = run_dir / "trainer_done"
+    buffer = Buffer(run_dir / "buffer.sqlite")
 
     def log(record):
         log_file.write(json.dumps(record) + "\n")
@@ -594,13 +598,18 @@ def run_explore_mode(cfg, model_path: str) -> None:
                  "sync/explorer_checksum": checksum})
 
     def before_batch(engine, batch):
-        if (run_dir / "trainer_done").exists():
+        since = time.monotonic()
+        while buffer.counts()["ready"] >= 2 * cfg.batch_size * cfg.group_size and not done.exists():
+            if time.monotonic() - since > cfg.buffer_timeout_s:
+                raise RuntimeError(f"explorer {cfg.explorer_name}: no trainer took a batch for {cfg.buffer_timeout_s:.0f} s")
+            time.sleep(0.1)
+        if done.exists():
             return False
         if batch % cfg.sync_interval == 0:
             poll(engine)
         return True
 
-    _explore(cfg, model_path, log, cfg.steps, 0, poll, before_batch, poll, poll)
+    _explore(cfg, model_path, log, sys.maxsize, 0, poll, before_batch, poll, poll)
 
 
 def _explore(cfg, model_path, log, total, start_version, setup, before_batch, inflight, finish) -> None:
