@@ -1,0 +1,176 @@
+"""The RFT modes end to end on the tiny model: fully asynchronous explore/train launches with
+several explorers, checkpoint sync, in-flight updates, max staleness, offline SFT/DPO,
+bench, and resume after a kill."""
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, run_py
+from test_e2e import buffer_versions, metrics
+
+COMMON = ["--config", "configs/tiny.toml", "--reward-fn", "tests.rewards.length_parity"]
+
+
+def steps_of(run_dir):
+    return [r for r in metrics(run_dir) if "loss/grad_norm" in r]
+
+
+def popen(*args):
+    return subprocess.Popen([sys.executable, "run.py", *COMMON, *map(str, args)], cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_async_two_explorers_and_a_trainer_with_max_staleness(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    explorers = [popen("--model", tiny_model, "--run-dir", run_dir, "--mode", "explore", "--explorer-name", name)
+                 for name in ("e1", "e2")]
+    res = run_py(*COMMON, "--model", tiny_model, "--run-dir", run_dir, "--mode", "train", "--steps", 6,
+                 "--sync-interval", 2, "--max-staleness", 1)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for p in explorers:  # they see the trainer finish and stop by themselves
+        assert p.wait(timeout=120) == 0, p.stderr.read()[-3000:]
+    steps = steps_of(run_dir)
+    assert [r["step"] for r in steps] == list(range(6))
+    assert all(r["staleness/max"] <= 1 for r in steps)  # never trained on older experiences
+    names = {k.split("/")[1] for r in steps for k in r if k.endswith("/share")}
+    assert names == {"e1", "e2"}, names  # both explorers' groups were trained on
+    assert all("staleness/dropped_groups" in r for r in steps)
+    db = sqlite3.connect(run_dir / "buffer.sqlite")
+    rows = db.execute("SELECT consumed, COUNT(DISTINCT group_id) FROM experiences WHERE consumed > 0 GROUP BY consumed").fetchall()
+    dropped = sum(r["staleness/dropped_groups"] for r in steps)
+    assert sum(n for _, n in rows) == 6 * 2 + dropped  # every consumed group was trained or counted as dropped
+    # each explorer loaded the checkpoints the trainer published, up to the final one
+    for name in ("e1", "e2"):
+        log = [json.loads(x) for x in (run_dir / f"explorer_{name}.jsonl").read_text().splitlines()]
+        assert max(r.get("explorer/received_version", 0) for r in log) == 6
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "v000002", "v000004", "v000006"]
+
+
+def test_both_with_checkpoint_sync_follows_the_schedule(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    res = run_py(*COMMON, "--model", tiny_model, "--run-dir", run_dir, "--steps", 4, "--sync-interval", 2,
+                 "--sync-method", "checkpoint")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert buffer_versions(run_dir, 2) == [0, 0, 2, 2]
+    from safetensors.torch import load_file
+    final = load_file(run_dir / "final" / "model.safetensors")
+    receipt = next(r for r in metrics(run_dir) if r.get("explorer/received_version") == 4)
+    assert receipt["sync/explorer_checksum"] == pytest.approx(sum(t.double().sum().item() for t in final.values()), rel=1e-12)
+
+
+def test_inflight_updates_mark_sequences_spanning_versions(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    res = run_py(*COMMON, "--model", tiny_model, "--run-dir", run_dir, "--steps", 6, "--sync-interval", 1,
+                 "--sync-offset", 1, "--inflight", "--max-tokens", 160, "--group-size", 8, "--eval-size", 0)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = steps_of(run_dir)
+    assert sum(r["inflight/multi_version_seqs"] for r in steps) > 0  # weights changed mid-sequence
+    db = sqlite3.connect(run_dir / "buffer.sqlite")
+    spans = [json.loads(i)["versions"] for (i,) in db.execute("SELECT info FROM experiences")]
+    assert all(a <= b <= a + 2 for a, b in spans) and any(a < b for a, b in spans)
+    # the lag stays bounded by the schedule (sync_offset 1): batch e starts at version >= e - 1
+    assert all(r["staleness/max"] <= 1 for r in steps)
+
+
+def test_inflight_engine_switches_weights_between_decode_steps(tiny_model, tmp_path):
+    from conftest import make_tiny_model
+    from explorer import HFEngine, Sampling, read_safetensors
+
+    engine = HFEngine(tiny_model, seed=0)
+    other = read_safetensors(make_tiny_model(tmp_path / "other", seed=1))
+    calls = []
+
+    def hook():
+        calls.append(1)
+        if len(calls) == 3:  # after the 3rd token: new weights, version 7
+            with torch.no_grad():
+                for n, p in engine.model.named_parameters():
+                    p.copy_(other[n])
+            engine.version = 7
+
+    engine.step_hook = hook
+    (c,) = engine.generate_batch([[5, 6, 7]], [1], Sampling(max_tokens=8))[0]
+    assert c.versions == (0, 7) and len(c.tokens) == 8
+    # the first 3 tokens came from the old weights: their logprobs equal a fresh old model's
+    fresh = HFEngine(tiny_model, seed=0)
+    with torch.no_grad():
+        logits = fresh.model(torch.tensor([[5, 6, 7] + c.tokens])).logits[0, 2:-1].float()
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.tokens)[:, None]).squeeze(-1)
+    assert torch.allclose(ref[:3], torch.tensor(c.logprobs[:3]), atol=1e-4)
+    assert not torch.allclose(ref[3:], torch.tensor(c.logprobs[3:]), atol=1e-2)
+
+
+def test_offline_sft_and_dpo_train_only(tiny_model, tmp_path):
+    sft, dpo = tmp_path / "sft.jsonl", tmp_path / "dpo.jsonl"
+    sft.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+{i}?"},
+                                                   {"role": "assistant", "content": str(2 * i)}]}) + "\n" for i in range(6)))
+    dpo.write_text("".join(json.dumps({"prompt": f"{i}+{i}?", "chosen": str(2 * i), "rejected": str(2 * i + 1)}) + "\n"
+                           for i in range(6)))
+    res = run_py(*COMMON, "--model", tiny_model, "--run-dir", tmp_path / "sft", "--mode", "train",
+                 "--train-data", sft, "--policy-loss", "sft")
+    assert res.returncode == 0, res.stderr[-3000:]
+    losses = [r["loss/policy"] for r in steps_of(tmp_path / "sft")]
+    assert len(losses) == 3 and losses[-1] < losses[0]  # NLL of the assistant tokens goes down
+    res = run_py(*COMMON, "--model", tiny_model, "--run-dir", tmp_path / "dpo", "--mode", "train",
+                 "--train-data", dpo, "--policy-loss", "dpo", "--policy-loss-kwargs", '{"beta": 0.5}')
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = steps_of(tmp_path / "dpo")
+    assert steps[0]["loss/policy"] == pytest.approx(0.6931, abs=1e-3)  # policy = reference: -log sigmoid(0)
+    assert all(r["train/expert_seqs"] == 4 for r in steps)  # 2 pairs per step
+
+
+def test_bench_table_and_json(tiny_model, tmp_path):
+    res = run_py(*COMMON, "--model", tiny_model, "--run-dir", tmp_path / "b", "--mode", "bench",
+                 "--bench-models", f"{tiny_model},{tiny_model}", "--bench-k", 3)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert len(rows) == 2 and rows[0]["tasks"] == 8
+    for r in rows:
+        assert 0 <= r["avg@3"] == r["pass@1"] <= r["pass@3"] <= 1
+    assert "avg@3" in res.stdout and "pass@3" in res.stdout
+
+
+def test_resume_after_kill_loses_and_repeats_nothing(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["--model", tiny_model, "--run-dir", run_dir, "--steps", 6, "--checkpoint-interval", 2,
+            "--sync-interval", 1, "--sync-offset", 1]
+    p = popen(*args)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # kill -9 (trainer and explorer) once step 3 is recorded
+        if (run_dir / "metrics.jsonl").exists() and any(r.get("step") == 3 for r in steps_of(run_dir)):
+            break
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    res = run_py(*COMMON, *args, "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed at step" in res.stdout
+    db = sqlite3.connect(run_dir / "buffer.sqlite")
+    per_step = db.execute("SELECT consumed, COUNT(DISTINCT group_id), MIN(model_version), MAX(model_version) "
+                          "FROM experiences GROUP BY consumed ORDER BY consumed").fetchall()
+    # every step 1..6 trained exactly 2 groups, one-step off-policy versions; nothing left over
+    assert per_step == [(1, 2, 0, 0), (2, 2, 0, 0), (3, 2, 1, 1), (4, 2, 2, 2), (5, 2, 3, 3), (6, 2, 4, 4)]
+    batches = db.execute("SELECT COUNT(DISTINCT group_id) FROM experiences").fetchone()[0]
+    assert batches == 12  # the explorer did not generate any batch twice
+    assert sorted({r["step"] for r in steps_of(run_dir)}) == list(range(6))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-staleness", "0", "--sync-interval", "2"], "max_staleness 0 < sync_offset + sync_interval - 1 = 1"),
+    (["--inflight", "--engine", "vllm"], "--inflight needs --engine hf"),
+    (["--mode", "train", "--sync-method", "broadcast"], "syncs by --sync-method checkpoint"),
+    (["--mode", "train", "--overwrite"], "--overwrite would delete a run directory shared"),
+    (["--train-data", "x.jsonl"], "--train-data is for --mode train"),
+    (["--resume"], "--resume: no resume state"),
+])
+def test_bad_mode_config_is_one_error_line(tmp_path, args, message):
+    res = run_py(*COMMON, "--model", str(tmp_path), "--run-dir", tmp_path / "r", *args)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and message in res.stderr, res.stderr
