@@ -239,11 +239,13 @@ class VLLMEngine(Engine):
     weight-sync group. `threads` > 0 binds the CPU build's OpenMP threads to that many of
     the last cores (unless VLLM_CPU_OMP_THREADS_BIND is set). `memory_fraction` of the
     device's memory (on CPU: of RAM) is reserved for weights and KV cache; the trainer
-    shares the device. Raises ImportError (one line) when vllm is not installed.
+    shares the device. `inflight` runs vLLM's engine core in this process and steps it
+    by hand (see `_generate_inflight`). Raises ImportError (one line) when vllm is not
+    installed.
     """
 
     def __init__(self, model_path: str, seed: int = 0, bf16: bool = False, threads: int = 0,
-                 memory_fraction: float = 0.2):
+                 memory_fraction: float = 0.2, inflight: bool = False):
         super().__init__()
         try:
             from vllm import LLM
@@ -253,9 +255,11 @@ class VLLMEngine(Engine):
         if threads and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # CPU build: bind to the last cores
             cores = sorted(os.sched_getaffinity(0))[-threads:]
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        if inflight:  # the engine core runs in this process, so it stops between two step() calls
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.llm = LLM(model=model_path, dtype="bfloat16" if bf16 else "float32", seed=seed,
                        logprobs_mode="processed_logprobs", gpu_memory_utilization=memory_fraction,
-                       worker_extension_cls="explorer.VLLMWeightReceiver", enable_prefix_caching=True)
+                       worker_extension_cls="explorer.VLLMWeightReceiver", enable_prefix_caching=not inflight)
         self.tokenizer = self.llm.get_tokenizer()
 
     def generate_batch(self, prompts, ns, sampling):
@@ -264,11 +268,41 @@ class VLLMEngine(Engine):
 
         params = [SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
                                  max_tokens=sampling.max_tokens, logprobs=0) for n in ns]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        if self.step_hook is not None:
+            return self._generate_inflight(inputs, params)
+        outs = self.llm.generate(inputs, params, use_tqdm=False)
         v = (self.version, self.version)
-        return [[Completion(list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
-                            "stop" if c.finish_reason == "stop" else "length", v) for c in out.outputs]
-                for out in outs]
+        return [[self._completion(c, v) for c in out.outputs] for out in outs]
+
+    @staticmethod
+    def _completion(c, versions: tuple[int, int]) -> Completion:
+        return Completion(list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
+                          "stop" if c.finish_reason == "stop" else "length", versions)
+
+    def _generate_inflight(self, inputs, params) -> list[list[Completion]]:
+        """Drive vLLM's engine one step at a time (in-process engine core) and call
+        `step_hook` between steps, so new weights apply to the sequences in flight; each
+        sequence records the version of its first and of its newest token."""
+        engine, first = self.llm.llm_engine, self.version
+        self.calls = getattr(self, "calls", 0) + 1
+        ids = [f"nanorft-{self.calls}-{i}" for i in range(len(inputs))]
+        for rid, inp, p in zip(ids, inputs, params):
+            engine.add_request(rid, inp, p)
+        seen: dict[tuple[str, int], int] = {}
+        last: dict[tuple[str, int], int] = {}
+        done: dict[tuple[str, int], object] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for c in out.outputs:
+                    key = (out.request_id, c.index)
+                    if len(c.token_ids) > seen.get(key, 0):
+                        seen[key], last[key] = len(c.token_ids), self.version
+                    if c.finish_reason is not None:
+                        done[key] = c
+            self.step_hook()
+        return [[self._completion(done[(rid, j)], (first, last[(rid, j)])) for j in range(p.n)]
+                for rid, p in zip(ids, params)]
 
     def join_weight_sync(self, port, timeout_s, alive):
         self.llm.collective_rpc("nanorft_join", args=(self.model_path, port, timeout_s))
@@ -277,6 +311,9 @@ class VLLMEngine(Engine):
         self.version, checksum = self.llm.collective_rpc("nanorft_receive")[0]
         self.llm.reset_prefix_cache()
         return self.version, checksum
+
+    def weights_announced(self):
+        return self.llm.collective_rpc("nanorft_announced")[0]
 
     def load_checkpoint(self, path, version):
         checksum = self.llm.collective_rpc("nanorft_load", args=(str(path),))[0]
@@ -308,6 +345,10 @@ class VLLMWeightReceiver:
         version = self.nanorft_sync.recv(tensors)
         self._nanorft_load(self.nanorft_named)
         return version, sync.checksum(tensors)
+
+    def nanorft_announced(self) -> int:
+        """The newest version the trainer has started to publish (never blocks)."""
+        return self.nanorft_sync.announced()
 
     def nanorft_load(self, path: str) -> float:
         """Load a safetensors checkpoint directory in place; returns its checksum."""
@@ -377,7 +418,7 @@ def make_engine(cfg, model_path: str) -> Engine:
     """The engine named by cfg.engine: hf, vllm, or auto (vllm when installed, else hf)."""
     if cfg.engine == "vllm" or (cfg.engine == "auto" and vllm_available()):
         return VLLMEngine(model_path, seed=cfg.seed + 1, bf16=cfg.bf16, threads=cfg.explorer_threads,
-                          memory_fraction=cfg.vllm_memory_fraction)
+                          memory_fraction=cfg.vllm_memory_fraction, inflight=cfg.inflight)
     return HFEngine(model_path, max_batch=cfg.explorer_max_batch, seed=cfg.seed + 1, bf16=cfg.bf16)
 
 

@@ -43,7 +43,7 @@ class Config:
     sync_method: str = "auto"
     """weight sync: broadcast (torch.distributed group), checkpoint (safetensors in run_dir), auto = broadcast for both, checkpoint for explore/train"""
     inflight: bool = False
-    """in-flight updates (PipelineRL): the explorer never pauses mid-batch; new weights replace old ones between decode steps (HF engine)"""
+    """in-flight updates (PipelineRL): the explorer never pauses mid-batch; new weights replace old ones between decode steps"""
     max_staleness: int = -1
     """train only on experiences at most this many versions older than the trainer (-1 = no bound); dropped groups are counted"""
     train_data: str = ""
@@ -549,8 +549,6 @@ def check_modes(cfg: Config) -> None:
         raise ValueError(f"mode {cfg.mode} runs in its own launch: it syncs by --sync-method checkpoint")
     if cfg.inflight and cfg.mode not in ("both", "explore"):
         raise ValueError("--inflight is a setting of the explorer (mode both or explore)")
-    if cfg.inflight and cfg.engine != "hf":
-        raise ValueError("--inflight needs --engine hf (the vLLM engine takes weights between batches only)")
     bound = cfg.sync_offset + cfg.sync_interval - 1
     if cfg.mode == "both" and 0 <= cfg.max_staleness < bound:
         raise ValueError(f"max_staleness {cfg.max_staleness} < sync_offset + sync_interval - 1 = {bound}: "

@@ -165,7 +165,7 @@ def test_resume_after_kill_loses_and_repeats_nothing(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--max-staleness", "0", "--sync-interval", "2"], "max_staleness 0 < sync_offset + sync_interval - 1 = 1"),
-    (["--inflight", "--engine", "vllm"], "--inflight needs --engine hf"),
+    (["--inflight", "--mode", "train"], "--inflight is a setting of the explorer"),
     (["--mode", "train", "--sync-method", "broadcast"], "syncs by --sync-method checkpoint"),
     (["--mode", "train", "--overwrite"], "--overwrite would delete a run directory shared"),
     (["--train-data", "x.jsonl"], "--train-data is for --mode train"),
