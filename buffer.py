@@ -114,6 +114,24 @@ class Buffer:
             if state is not None:
                 self.db.execute("INSERT OR REPLACE INTO explorer_state VALUES (?, ?)", (explorer, json.dumps(state)))
 
+    def set_rewards(self, group_id: str, rewards: list[float] | float) -> int:
+        """Lagged rewards: fill the rewards of a group's experiences (one value for all, or
+        one per experience in insertion order); the group becomes servable once none is
+        NULL. Returns the number of rows updated; raises ValueError for an unknown group or
+        a wrong number of rewards."""
+        ids = [r[0] for r in self.db.execute("SELECT id FROM experiences WHERE group_id = ? ORDER BY id", (group_id,))]
+        values = rewards if isinstance(rewards, list) else [rewards] * len(ids)
+        if not ids or len(values) != len(ids):
+            raise ValueError(f"group {group_id!r} has {len(ids)} experiences, got {len(values)} rewards")
+        with self.db:
+            self.db.executemany("UPDATE experiences SET reward = ? WHERE id = ?", zip(map(float, values), ids))
+        return len(ids)
+
+    def pending_groups(self) -> list[str]:
+        """Groups still waiting for a reward (lagged), oldest first."""
+        return [r[0] for r in self.db.execute(
+            "SELECT group_id FROM experiences WHERE reward IS NULL GROUP BY group_id ORDER BY MIN(id)")]
+
     def explorer_state(self, name: str) -> dict | None:
         """The state saved with explorer `name`'s last batch, or None."""
         row = self.db.execute("SELECT state FROM explorer_state WHERE name = ?", (name,)).fetchone()
@@ -214,3 +232,39 @@ class OfflineSampler:
                                    e.task_id, e.model_version, {**e.info, "expert": True}, "offline")
                         for e in self.groups[self.order.pop()]])
         return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line for lagged rewards:
+        python buffer.py RUN_DIR/buffer.sqlite pending
+        python buffer.py RUN_DIR/buffer.sqlite set-reward GROUP_ID 1.0 [0.0 ...]
+    """
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="buffer.py", description="inspect a buffer and fill lagged rewards")
+    p.add_argument("buffer")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("pending", help="list groups waiting for a reward")
+    s = sub.add_parser("set-reward", help="set the rewards of a group (one value, or one per experience)")
+    s.add_argument("group_id")
+    s.add_argument("rewards", type=float, nargs="+")
+    args = p.parse_args(argv)
+    if not Path(args.buffer).is_file():
+        print(f"buffer.py: error: no buffer file {args.buffer}", file=sys.stderr)
+        return 2
+    buf = Buffer(args.buffer)
+    if args.cmd == "pending":
+        print("\n".join(buf.pending_groups()))
+        return 0
+    try:
+        n = buf.set_rewards(args.group_id, args.rewards[0] if len(args.rewards) == 1 else args.rewards)
+    except ValueError as e:
+        print(f"buffer.py: error: {e}", file=sys.stderr)
+        return 2
+    print(f"set {n} rewards of group {args.group_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -23,7 +23,7 @@ import torch
 
 import sync
 from buffer import Buffer, Experience
-from workflows import WORKFLOWS, Task, load_reward_fn, load_tasks
+from workflows import Task, load_reward_fn, load_tasks, load_workflow
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,12 @@ class Engine:
             outs = self.generate_batch([p for p, _, _ in batch], [n for _, n, _ in batch], sampling)
         except Exception as e:
             for _, _, fut in batch:
-                fut.set_exception(e)
+                if not fut.done():
+                    fut.set_exception(e)
             return
         for (_, _, fut), out in zip(batch, outs):
-            fut.set_result(out)
+            if not fut.done():  # a workflow that timed out has cancelled its future
+                fut.set_result(out)
 
     def generate_batch(self, prompts: list[list[int]], ns: list[int], sampling: Sampling) -> list[list[Completion]]:
         raise NotImplementedError
@@ -432,13 +434,15 @@ class Explorer:
 
     def __init__(self, cfg, engine: Engine, train: list[Task], held_out: list[Task], dataset, log):
         self.cfg, self.engine, self.train, self.held_out, self.log = cfg, engine, train, held_out, log
-        reward_fn = load_reward_fn(cfg.reward_fn)
-        make = WORKFLOWS[cfg.workflow]
+        reward_fn = load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
+        make = load_workflow(cfg.workflow)
         tok = engine.tokenizer
         self.workflow = make(tok, reward_fn, dataset, cfg.system_prompt,
-                             Sampling(cfg.max_tokens, cfg.temperature, cfg.top_p))
+                             Sampling(cfg.max_tokens, cfg.temperature, cfg.top_p), run_dir=cfg.run_dir)
         self.eval_workflow = make(tok, reward_fn, dataset, cfg.system_prompt,
-                                  Sampling(cfg.max_tokens, cfg.eval_temperature, 1.0))
+                                  Sampling(cfg.max_tokens, cfg.eval_temperature, 1.0), run_dir=cfg.run_dir)
+        self.counts = dict.fromkeys(("timeouts", "errors", "retries", "skipped"), 0)
+        self.last_error = ""
         self.order = random.Random(cfg.seed).sample(range(len(train)), len(train))
         self.rng = random.Random(cfg.seed + 1)
         self.cursor = 0
@@ -460,11 +464,29 @@ class Explorer:
                 out.append(task)
         return out
 
-    def _rollouts(self, tasks: list[Task]) -> list[list[Experience]]:
-        wf = self.workflow
+    def _rollouts(self, tasks: list[Task], wf=None, n: int = 0) -> list[list[Experience] | None]:
+        """Run the workflow on each task concurrently: each run gets workflow_timeout_s
+        seconds and workflow_retries more attempts, then it is skipped (None); timeouts,
+        errors, retries and skips are counted in self.counts."""
+        cfg, wf, n = self.cfg, wf or self.workflow, n or self.cfg.group_size
+
+        async def one(task):
+            for attempt in range(cfg.workflow_retries + 1):
+                try:
+                    return await asyncio.wait_for(wf.run(task, self.engine, n), cfg.workflow_timeout_s)
+                except asyncio.TimeoutError:
+                    self.counts["timeouts"] += 1
+                    self.last_error = f"timeout after {cfg.workflow_timeout_s:.0f} s"
+                except Exception as e:  # a crashing environment or workflow
+                    self.counts["errors"] += 1
+                    self.last_error = f"{type(e).__name__}: {e}"
+                if attempt < cfg.workflow_retries:
+                    self.counts["retries"] += 1
+            self.counts["skipped"] += 1
+            return None
 
         async def run_all():
-            return await asyncio.gather(*(wf.run(t, self.engine, self.cfg.group_size) for t in tasks))
+            return await asyncio.gather(*(one(t) for t in tasks))
 
         return asyncio.run(run_all())
 
@@ -482,31 +504,38 @@ class Explorer:
         """Generate and store the batch_size groups of one batch (with the explorer's
         resume state, in one transaction); returns its metrics record.
 
-        Online difficulty filtering (cfg.difficulty_filter): groups whose rewards are all
-        equal carry no group-relative signal and are dropped; up to difficulty_max_rounds
-        extra rounds sample new tasks for the missing groups; if still short, dropped groups
-        fill the batch (counted), so the trainer always gets batch_size groups. Every
-        group's mean reward updates the task pools."""
+        Skipped tasks (workflow timeouts / errors after retries) and, with
+        cfg.difficulty_filter, groups whose rewards are all equal (no group-relative signal)
+        are replaced by new tasks, for up to refill_rounds extra rounds; if still short,
+        filtered groups fill the batch (counted), so the trainer always gets batch_size
+        groups; a batch that cannot be filled raises RuntimeError naming the last workflow
+        error. Every group with known rewards updates the task pools."""
         cfg, t0, version = self.cfg, time.perf_counter(), self.engine.version
+        self.counts = dict.fromkeys(self.counts, 0)
         retired = buffer.retired()
-        groups = self._rollouts(self.next_tasks(cfg.batch_size, retired))
-        generated = list(groups)
-        rounds = 0
-        if cfg.difficulty_filter:
-            def informative(g):
-                return len({e.reward for e in g}) > 1
-            kept = [g for g in groups if informative(g)]
-            while len(kept) < cfg.batch_size and rounds < cfg.difficulty_max_rounds:
-                rounds += 1
-                more = self._rollouts(self.next_tasks(cfg.batch_size - len(kept), retired))
-                generated += more
-                kept += [g for g in more if informative(g)]
-            dropped = [g for g in generated if not informative(g)]
-            short = max(0, cfg.batch_size - len(kept))
-            groups = kept[:cfg.batch_size] + dropped[:short]
+
+        def informative(g):
+            return not cfg.difficulty_filter or len({e.reward for e in g}) > 1
+
+        generated, kept, rounds = [], [], 0
+        tasks = self.next_tasks(cfg.batch_size, retired)
+        while True:
+            got = [g for g in self._rollouts(tasks) if g]
+            generated += got
+            kept += [g for g in got if informative(g)]
+            if len(kept) >= cfg.batch_size or rounds >= cfg.refill_rounds:
+                break
+            rounds += 1
+            tasks = self.next_tasks(cfg.batch_size - len(kept), retired)
+        dropped = [g for g in generated if not informative(g)]
+        short = max(0, cfg.batch_size - len(kept))
+        groups = kept[:cfg.batch_size] + dropped[:short]
+        if len(groups) < cfg.batch_size:
+            raise RuntimeError(f"explorer: only {len(groups)} of {cfg.batch_size} groups after {rounds} refill rounds "
+                               f"({self.counts['skipped']} tasks skipped; last error: {self.last_error})")
         seconds = time.perf_counter() - t0
         pools = [buffer.update_pool(g[0].task_id, sum(e.reward for e in g) / len(g), cfg.pool_easy, cfg.pool_hard)
-                 for g in generated]
+                 for g in generated if all(e.reward is not None for e in g)]
         for g in groups:
             for e in g:
                 e.explorer = cfg.explorer_name
@@ -521,7 +550,12 @@ class Explorer:
                   "inflight/multi_version_seqs": sum(e.info["versions"][0] != e.info["versions"][1] for e in exps
                                                      if "versions" in e.info),
                   "pool/retired_easy": pools.count("easy"), "pool/retired_hard": pools.count("hard"),
-                  "pool/size_retired": len(retired)}
+                  "pool/size_retired": len(retired), "rollout/reward_pending": sum(e.reward is None for e in exps),
+                  **{f"rollout/{k}": v for k, v in self.counts.items()}}
+        trajectories = {e.info["trajectory_id"]: e.info for e in exps if "trajectory_id" in e.info}
+        if trajectories:  # multi-turn
+            record["rollout/samples_per_trajectory"] = sum(i["samples"] for i in trajectories.values()) / len(trajectories)
+            record["rollout/turns_mean"] = sum(i["turns"] for i in trajectories.values()) / len(trajectories)
         if cfg.difficulty_filter:
             record.update({"filter/difficulty_dropped": len(generated) - len(kept),
                            "filter/difficulty_rounds": rounds, "filter/difficulty_short": short})
@@ -530,27 +564,19 @@ class Explorer:
     def evaluate(self, version: int) -> dict:
         """Held-out accuracy (fraction with reward 1) and mean reward at `version`."""
         t0 = time.perf_counter()
-        wf = self.eval_workflow
-
-        async def run_all():
-            return await asyncio.gather(*(wf.run(t, self.engine, 1) for t in self.held_out))
-
-        exps = [g[0] for g in asyncio.run(run_all())]
-        rewards = [e.reward for e in exps]
+        groups = self._rollouts(self.held_out, self.eval_workflow, 1)
+        exps = [g[0] for g in groups if g]
+        rewards = [e.reward or 0.0 for e in exps] + [0.0] * (len(groups) - len(exps))  # skipped / lagged: 0
         return {"eval/version": version, "eval/accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
-                "eval/reward_mean": sum(rewards) / len(rewards), "eval/n": len(rewards),
+                "eval/reward_mean": sum(rewards) / len(rewards), "eval/n": len(rewards), "eval/skipped": len(groups) - len(exps),
                 "eval/response_len": sum(len(e.logprobs) for e in exps) / len(exps),
                 "eval/seconds": time.perf_counter() - t0}
 
     def bench(self, k: int) -> dict:
         """avg@k (mean reward-1 rate over k samples per held-out task) and pass@k (a task
         counts when any of its k samples has reward 1), sampling at cfg.temperature."""
-        wf = self.workflow
-
-        async def run_all():
-            return await asyncio.gather(*(wf.run(t, self.engine, k) for t in self.held_out))
-
-        correct = [sum(e.reward == 1.0 for e in g) for g in asyncio.run(run_all())]
+        correct = [len({e.info.get("trajectory_id", id(e)) for e in g or [] if e.reward == 1.0
+                        and not e.info.get("reflection")}) for g in self._rollouts(self.held_out, n=k)]
         return {"tasks": len(correct), "k": k, f"avg@{k}": sum(correct) / (k * len(correct)),
                 f"pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / len(correct),
                 "pass@1": sum(pass_at_k(k, c, 1) for c in correct) / len(correct)}
@@ -562,7 +588,8 @@ class Explorer:
                 f.write(f"=== batch {batch} | version {version} | task {e.task_id} | answer {e.info['answer']}\n")
                 for x in g[:2]:
                     err = f" | reward error: {x.info['reward_error']}" if "reward_error" in x.info else ""
-                    f.write(f"--- reward {x.reward:.2f}{err}\n{x.info['response'].strip()}\n")
+                    reward = "pending" if x.reward is None else f"{x.reward:.2f}"
+                    f.write(f"--- reward {reward}{err}\n{x.info['response'].strip()}\n")
 
 
 def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue, start_version: int = 0) -> None:

@@ -79,11 +79,17 @@ class Config:
     vllm_memory_fraction: float = 0.2
     """fraction of device memory (CPU build: of RAM) vLLM reserves for weights and KV cache"""
     workflow: str = "math"
-    """workflow name in workflows.WORKFLOWS"""
+    """workflow: math (single turn), guess_number (multi-turn game), reflect (reflect once), or module.Class"""
+    workflow_timeout_s: float = 600.0
+    """seconds one workflow run (one task's group) may take before it is cancelled and retried"""
+    workflow_retries: int = 1
+    """extra attempts for a workflow run that timed out or raised; then the task is skipped and replaced"""
     system_prompt: str = "Give only the final answer, as a number."
     """system message before each question ('' for none)"""
     reward_fn: str = "reasoning_gym"
-    """reward function: reasoning_gym (the dataset's verifier on the last number) or module.function"""
+    """reward function: reasoning_gym (the dataset's verifier on the last number), judge (an LLM judge), or module.function"""
+    reward_kwargs: dict = field(default_factory=dict)
+    """keyword arguments of the reward function (JSON), e.g. {"model": "DIR"} or {"url": "http://host/v1", "model": "name"} for judge"""
     steps: int = 30
     """trainer steps (= explorer batches)"""
     batch_size: int = 8
@@ -132,8 +138,8 @@ class Config:
     """sequence filters before training, name -> kwargs (JSON): zero_advantage, gibberish, repetition, or module.function"""
     difficulty_filter: bool = False
     """online difficulty filtering: the explorer drops groups whose rewards are all equal and samples more tasks"""
-    difficulty_max_rounds: int = 4
-    """max extra sampling rounds per batch to refill dropped groups (then the batch is filled with dropped groups)"""
+    refill_rounds: int = 4
+    """max extra sampling rounds per batch to replace groups dropped by the difficulty filter or skipped after workflow failures"""
     pool_easy: float = 2.0
     """retire a task from sampling once a group's mean reward is >= this (default: never)"""
     pool_hard: float = -1.0
@@ -233,6 +239,8 @@ def parse_config(argv: list[str]) -> Config:
                  "bench_k"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.workflow_timeout_s <= 0 or cfg.workflow_retries < 0 or cfg.refill_rounds < 0:
+        raise ValueError("need workflow_timeout_s > 0, workflow_retries >= 0 and refill_rounds >= 0")
     if cfg.sync_offset < 0 or cfg.temperature <= 0 or not 0 < cfg.top_p <= 1:
         raise ValueError("need sync_offset >= 0, temperature > 0 and 0 < top_p <= 1")
     return cfg
@@ -564,7 +572,7 @@ def check_modes(cfg: Config) -> None:
 def prepare(cfg: Config, rank: int) -> str:
     """Validate inputs before any process starts: modes, algorithm, model, tasks, reward
     function, offline data, run dir. Returns the model directory (rank 0)."""
-    from workflows import WORKFLOWS, load_chat_jsonl, load_offline_jsonl, load_reward_fn, load_tasks
+    from workflows import load_chat_jsonl, load_offline_jsonl, load_reward_fn, load_tasks, load_workflow
 
     check_modes(cfg)
     check_algorithm(cfg)
@@ -572,13 +580,12 @@ def prepare(cfg: Config, rank: int) -> str:
     train, held_out, _ = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
     if not train:
         raise ValueError(f"task {cfg.task!r} produced no training tasks")
-    load_reward_fn(cfg.reward_fn)
+    load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
+    load_workflow(cfg.workflow)
     from explorer import vllm_available
 
     if cfg.engine == "vllm" and not vllm_available():
         raise ValueError("--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)")
-    if cfg.workflow not in WORKFLOWS:
-        raise ValueError(f"unknown workflow {cfg.workflow!r}; known: {sorted(WORKFLOWS)}")
     if (cfg.expert_fraction or cfg.train_data) and rank == 0:
         from transformers import AutoTokenizer
 

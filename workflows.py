@@ -16,9 +16,10 @@ Add a scenario by subclassing `Workflow` and adding it to `WORKFLOWS`.
 """
 from __future__ import annotations
 
-import importlib
+import asyncio
 import json
 import re
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,8 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
     Raises ValueError for an unknown reasoning-gym dataset, bad kwargs, or a malformed
     JSONL row (the message names the file and line); FileNotFoundError for a missing file.
     """
+    if name == "guess_number":
+        return (*guess_number_tasks(kwargs, train_size, eval_size, seed), None)
     if name.endswith(".jsonl"):
         tasks = _read_jsonl_tasks(Path(name))
         if len(tasks) <= eval_size:
@@ -63,6 +66,24 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
     held = [Task(f"{name}/eval/{i}", x["question"], str(x["answer"]), x)
             for i, x in enumerate(eval_ds) if x["question"] not in seen]
     return train, held[:eval_size], train_ds
+
+
+def guess_number_tasks(kwargs: dict, train_size: int, eval_size: int, seed: int) -> tuple[list[Task], list[Task]]:
+    """Tasks of the higher/lower game: secrets drawn uniformly from [low, high] (kwargs,
+    default 1..16), train and held-out with different seeds."""
+    import random
+
+    low, high = int(kwargs.get("low", 1)), int(kwargs.get("high", 16))
+    if high <= low:
+        raise ValueError(f"guess_number: need low < high, got {low}, {high}")
+    question = (f"I am thinking of a whole number from {low} to {high}. Guess it: reply with one number. "
+                "I will tell you if my number is higher or lower.")
+
+    def draw(n: int, s: int, split: str) -> list[Task]:
+        rng = random.Random(s)
+        return [Task(f"guess_number/{split}/{i}", question, str(rng.randint(low, high))) for i in range(n)]
+
+    return draw(train_size, seed, "train"), draw(eval_size, seed + 1_000_003, "eval")
 
 
 def _read_jsonl_tasks(path: Path) -> list[Task]:
@@ -188,37 +209,113 @@ def reasoning_gym_reward(task: Task, completion: str, dataset: Any) -> float:
     return float(dataset.score_answer(answer, task.entry))
 
 
-def load_reward_fn(path: str) -> Callable[[Task, str, Any], float]:
-    """`"reasoning_gym"` or an import path `"module.function"` with the same signature."""
-    if path == "reasoning_gym":
-        return reasoning_gym_reward
-    module, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"reward_fn {path!r} cannot be imported: {e}") from None
+def load_reward_fn(path: str, kwargs: dict | None = None) -> Callable[[Task, str, Any], float]:
+    """`"reasoning_gym"`, `"judge"` (an LLM judge, see `judge_reward`) or an import path
+    `"module.function"` with the signature fn(task, completion, dataset, **kwargs) -> float
+    (or None: lagged reward). `kwargs` (cfg.reward_kwargs) are bound here. Raises ValueError
+    (one line) for a bad path or keyword."""
+    from functools import partial
+
+    from losses import resolve
+
+    fn = resolve(path, {"reasoning_gym": reasoning_gym_reward, "judge": judge_reward}, "reward_fn", kwargs)
+    return partial(fn, **kwargs) if kwargs else fn
+
+
+_JUDGES: dict = {}
+
+
+def judge_reward(task: Task, completion: str, dataset: Any, model: str = "", url: str = "",
+                 timeout_s: float = 60.0) -> float:
+    """LLM-as-judge reward in [0, 1]: asks a second model whether the completion answers the
+    task correctly (reference answer given) and returns P("yes") / (P("yes") + P("no"))
+    for a local Hugging Face model directory `model` (loaded once per process, CPU or CUDA),
+    or 1.0 / 0.0 from the reply of an OpenAI-compatible endpoint `url` (POST
+    {url}/chat/completions with `model`). Raises ValueError without either; errors of the
+    endpoint propagate (the workflow scores 0 and counts a reward error)."""
+    question = (f"Question: {task.question}\nReference answer: {task.answer}\nStudent answer: {completion}\n"
+                "Is the student answer correct? Reply with yes or no.")
+    msgs = [{"role": "user", "content": question}]
+    if url:
+        import urllib.request
+
+        body = json.dumps({"model": model, "messages": msgs, "max_tokens": 4, "temperature": 0}).encode()
+        req = urllib.request.Request(url.rstrip("/") + "/chat/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            reply = json.loads(r.read())["choices"][0]["message"]["content"]
+        return float(reply.strip().lower().startswith("yes"))
+    if not model:
+        raise ValueError("judge reward needs reward_kwargs model (a local model directory) or url")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model not in _JUDGES:
+        tok = AutoTokenizer.from_pretrained(model)
+        _JUDGES[model] = tok, AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    tok, lm = _JUDGES[model]
+    ids = torch.tensor([_template(tok, msgs, True)])
+    with torch.no_grad():
+        logits = lm(input_ids=ids).logits[0, -1]
+    yes, no = (tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no"))
+    return float(torch.softmax(logits[[yes, no]], -1)[0])
 
 
 # ----------------------------------------------------------------------------- workflows
 
-class Workflow:
-    """Base class: turn one task into a group of Experiences.
+async def in_thread(fn, *args):
+    """Run a blocking call (an environment step, a judge) in a daemon thread and await it,
+    so a hanging call can be abandoned by a timeout without blocking the event loop or the
+    interpreter's exit."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
 
-    Subclasses implement `async run(task, engine, n)`; they call
+    def target():
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # delivered to the awaiting coroutine
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(_settle, fut, result, error)
+        except RuntimeError:  # the event loop is gone: nobody waits for this call any more
+            pass
+
+    threading.Thread(target=target, daemon=True).start()
+    return await fut
+
+
+def _settle(fut, result, error) -> None:
+    if not fut.done():
+        fut.set_exception(error) if error is not None else fut.set_result(result)
+
+
+class Workflow:
+    """Base class: turn one task into a group of Experiences. Adapt nanorft to a new
+    scenario by subclassing it (single-turn) or `MultiTurnWorkflow` and naming the class
+    with `--workflow module.Class` (or adding it to WORKFLOWS).
+
+    Subclasses implement `async run(task, engine, n) -> list[Experience]`; they call
     `await engine.generate(prompt_ids, n, sampling)` (see explorer.Engine), which batches
-    the requests of all workflows in flight.
+    the requests of all workflows in flight. A reward of None means "not known yet"
+    (lagged reward): the buffer stores it as NULL and never serves the group until
+    `Buffer.set_rewards` fills it. The explorer applies timeouts and retries around `run`.
+    Attributes: tokenizer, reward_fn, dataset, system_prompt, sampling, run_dir.
     """
 
-    def __init__(self, tokenizer, reward_fn, dataset, system_prompt: str, sampling):
+    def __init__(self, tokenizer, reward_fn, dataset, system_prompt: str, sampling, run_dir: str = ""):
         self.tokenizer, self.reward_fn, self.dataset = tokenizer, reward_fn, dataset
-        self.system_prompt, self.sampling = system_prompt, sampling
+        self.system_prompt, self.sampling, self.run_dir = system_prompt, sampling, run_dir
 
-    def score(self, task: Task, completion: str) -> tuple[float, str | None]:
-        """(reward, error). A reward function that raises scores 0 and returns the error text."""
+    def score(self, task: Task, completion: str) -> tuple[float | None, str | None]:
+        """(reward, error). A reward function that raises scores 0 and returns the error
+        text; one that returns None leaves the reward to be filled in later."""
         try:
-            return float(self.reward_fn(task, completion, self.dataset)), None
+            r = self.reward_fn(task, completion, self.dataset)
+            return (None if r is None else float(r)), None
         except Exception as e:
             return 0.0, f"{type(e).__name__}: {e}"
+
+    def system(self) -> list[dict]:
+        return [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
 
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
         raise NotImplementedError
@@ -228,9 +325,7 @@ class MathWorkflow(Workflow):
     """Single turn: system prompt + question -> n sampled answers, each scored by `score`."""
 
     def prompt_ids(self, task: Task) -> list[int]:
-        msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        msgs.append({"role": "user", "content": task.question})
-        return list(self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+        return _template(self.tokenizer, self.system() + [{"role": "user", "content": task.question}], True)
 
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
         prompt = self.prompt_ids(task)
@@ -251,4 +346,151 @@ class MathWorkflow(Workflow):
         return group
 
 
-WORKFLOWS: dict[str, type[Workflow]] = {"math": MathWorkflow}
+class MultiTurnWorkflow(Workflow):
+    """Base of multi-turn workflows: the policy and an environment take turns.
+
+    Subclasses implement `make_env()`, returning an environment with
+    `reset(task) -> str` (the first user message) and `step(reply) -> (message, reward)`:
+    the environment's next message, or None when the episode is over, and the reward
+    (None while the episode goes on). Environments are reset and reused across episodes;
+    one whose call raised is dropped. Environment calls run in a thread (`in_thread`), so
+    a hanging one can be abandoned by the explorer's timeout.
+
+    Token streams (prime-rl's merging rule): each turn's prompt is the chat template of the
+    conversation so far. While it extends the previous prompt + completion as an exact
+    token prefix, the turn is appended to the same sample (the environment's tokens with
+    action_mask 0 and logprob 0, the sampled tokens with action_mask 1 and their
+    behaviour logprobs); where it does not (the template re-renders or drops history) a
+    new sample starts (see `context`). The tokens of every sample are exactly those the engine saw and
+    sampled. All samples of a trajectory carry its final reward, info["trajectory_id"],
+    info["turns"] and info["samples"] (samples in the trajectory).
+    """
+
+    max_turns = 6
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._idle_envs: list = []
+
+    def make_env(self):
+        raise NotImplementedError
+
+    def context(self, messages: list[dict]) -> list[dict]:
+        """The messages the policy sees this turn; override to compact the context or drop
+        past reasoning (the token prefix then breaks and a new sample starts)."""
+        return messages
+
+    async def run(self, task: Task, engine, n: int) -> list[Experience]:
+        group_id = uuid.uuid4().hex
+        trajs = await asyncio.gather(*(self.episode(task, engine, group_id, f"{group_id}/{i}") for i in range(n)))
+        return [e for t in trajs for e in t]
+
+    async def episode(self, task: Task, engine, group_id: str, trajectory_id: str) -> list[Experience]:
+        """One conversation -> its samples (see the class docstring)."""
+        env = self._idle_envs.pop() if self._idle_envs else self.make_env()
+        msgs = self.system() + [{"role": "user", "content": await in_thread(env.reset, task)}]
+        samples: list[dict] = []
+        reward, turns, transcript = None, 0, []
+        while reward is None and turns < self.max_turns:
+            turns += 1
+            prompt = _template(self.tokenizer, self.context(msgs), True)
+            cur = samples[-1] if samples else None
+            if cur is not None and prompt[: len(cur["tokens"])] == cur["tokens"]:
+                extra = prompt[len(cur["tokens"]):]  # environment tokens: not trained on
+                cur["tokens"] += extra
+                cur["mask"] += [0] * len(extra)
+                cur["logprobs"] += [0.0] * len(extra)
+            else:
+                cur = {"tokens": list(prompt), "prompt_length": len(prompt), "mask": [], "logprobs": [], "versions": []}
+                samples.append(cur)
+            out = (await engine.generate(cur["tokens"], 1, self.sampling))[0]
+            cur["tokens"] += out.tokens
+            cur["mask"] += [1] * len(out.tokens)
+            cur["logprobs"] += out.logprobs
+            cur["versions"] += list(out.versions)
+            text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
+            msgs.append({"role": "assistant", "content": text})
+            message, reward = await in_thread(env.step, text)
+            transcript.append(text.strip())
+            if message is None:
+                break
+            msgs.append({"role": "user", "content": message})
+            transcript.append(message)
+        self._idle_envs.append(env)
+        reward = 0.0 if reward is None else float(reward)
+        return [Experience(s["tokens"], s["prompt_length"], s["logprobs"], s["mask"], reward, group_id, task.task_id,
+                           min(s["versions"]), {"trajectory_id": trajectory_id, "turns": turns, "samples": len(samples),
+                                                "versions": [min(s["versions"]), max(s["versions"])],
+                                                "finish_reason": out.finish_reason, "answer": task.answer,
+                                                "response": " | ".join(transcript)})
+                for s in samples]
+
+
+class GuessNumberEnv:
+    """Higher/lower game: the task's answer is a secret integer; each reply's last number is
+    a guess. Reward 1 for finding it (the episode ends), else the environment says higher
+    or lower; a reply without a number gets a reminder."""
+
+    def reset(self, task: Task) -> str:
+        self.secret = int(task.answer)
+        return task.question
+
+    def step(self, reply: str) -> tuple[str | None, float | None]:
+        guess = last_number(reply)
+        if guess is None or not guess.lstrip("-").isdigit():
+            return "Reply with a single whole number.", None
+        if int(guess) == self.secret:
+            return None, 1.0
+        return ("Higher." if int(guess) < self.secret else "Lower."), None
+
+
+class GuessNumberWorkflow(MultiTurnWorkflow):
+    """The bundled multi-turn environment: find a secret number with higher/lower feedback
+    in at most max_turns guesses (task = "guess_number", see `guess_number_tasks`)."""
+
+    def make_env(self):
+        return GuessNumberEnv()
+
+
+class ReflectWorkflow(MathWorkflow):
+    """Experience synthesis by reflecting once (as in the Trinity-RFT technical report,
+    arXiv:2505.17826, experience synthesis / reflection example): n rollouts
+    are scored; for each wrong one the model sees verification feedback ("... is
+    incorrect") and answers once more; the first reflected answer that is correct is kept
+    as one extra sample (its prompt = question, first answer and feedback; only the
+    reflected answer is trained on; info["reflection"])."""
+
+    async def run(self, task: Task, engine, n: int) -> list[Experience]:
+        group = await super().run(task, engine, n)
+        wrong = [e for e in group if e.reward != 1.0]
+        base = self.system() + [{"role": "user", "content": task.question}]
+        prompts = [_template(self.tokenizer, base + [
+            {"role": "assistant", "content": e.info["response"]},
+            {"role": "user", "content": "That answer is incorrect. Check your work and give the final answer again."}],
+            True) for e in wrong]
+        outs = await asyncio.gather(*(engine.generate(p, 1, self.sampling) for p in prompts))
+        for e, p, (out,) in zip(wrong, prompts, outs):
+            text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
+            reward, _ = self.score(task, text)
+            if reward == 1.0:
+                group.append(Experience(p + out.tokens, len(p), out.logprobs, [1] * len(out.tokens), 1.0, e.group_id,
+                                        task.task_id, out.versions[0], {"reflection": True, "response": text,
+                                                                         "answer": task.answer, "versions": list(out.versions),
+                                                                         "finish_reason": out.finish_reason}))
+                break
+        return group
+
+
+WORKFLOWS: dict[str, type[Workflow]] = {"math": MathWorkflow, "guess_number": GuessNumberWorkflow,
+                                        "reflect": ReflectWorkflow}
+
+
+def load_workflow(name: str) -> type[Workflow]:
+    """A registered workflow class or one given as `module.Class`; ValueError (one line)
+    otherwise."""
+    from losses import resolve
+
+    cls = resolve(name, WORKFLOWS, "workflow")
+    if not (isinstance(cls, type) and issubclass(cls, Workflow)):
+        raise ValueError(f"workflow {name!r} is not a subclass of workflows.Workflow")
+    return cls
