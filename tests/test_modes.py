@@ -68,8 +68,8 @@ def test_both_with_checkpoint_sync_follows_the_schedule(tiny_model, tmp_path):
 
 def test_inflight_updates_mark_sequences_spanning_versions(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    res = run_py(*COMMON, "--model", tiny_model, "--run-dir", run_dir, "--steps", 6, "--sync-interval", 1,
-                 "--sync-offset", 1, "--inflight", "--max-tokens", 160, "--group-size", 8, "--eval-size", 0)
+    res = run_py(*COMMON, "--model", tiny_model, "--run-dir", run_dir, "--steps", 4, "--sync-interval", 1,
+                 "--sync-offset", 1, "--inflight", "--max-tokens", 96, "--group-size", 8, "--eval-size", 0)
     assert res.returncode == 0, res.stderr[-3000:]
     steps = steps_of(run_dir)
     assert sum(r["inflight/multi_version_seqs"] for r in steps) > 0  # weights changed mid-sequence
