@@ -68,17 +68,21 @@ def micro_batches(units: list[list[Experience]], token_budget: int) -> list[list
 
 
 def response_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
-                      entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, R] of `response_ids` under `model` at `temperature` (no top-p), from
-    a batch made by `pack`, and the token entropy [B, R] (nats) when `entropy`. Only the
-    R + 1 last positions go through the LM head."""
+    a batch made by `pack`, and the token entropy [B, R] (nats) when `entropy` (with a
+    gradient only when `entropy_grad`: the softmax over the vocabulary is not kept for
+    the backward pass otherwise). Only the R + 1 last positions go through the LM head."""
     R = batch["response_ids"].shape[1]
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"], logits_to_keep=R + 1).logits[:, :R]  # [B, R, V]
     logits = logits.float() / temperature
     picked = logits.gather(-1, batch["response_ids"][..., None]).squeeze(-1)              # [B, R]
     lp = picked - torch.logsumexp(logits, dim=-1)                                          # [B, R]
-    return lp, token_entropy(logits) if entropy else None
+    if not entropy:
+        return lp, None
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+        return lp, token_entropy(logits if entropy_grad else logits.detach())
 
 
 class Trainer:
@@ -138,7 +142,8 @@ class Trainer:
         b = {k: v.to(self.device) for k, v in pack(mb, self.pad).items()}
         b["mask"] = b["mask"] * real
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
-            lp, ent = response_logprobs(model, b, self.cfg.temperature, entropy)    # [B, R]
+            lp, ent = response_logprobs(model, b, self.cfg.temperature, entropy,
+                                        entropy_grad=bool(self.cfg.entropy_coef))  # [B, R]
         return b, lp, ent
 
     def _ref_logprobs(self, units: list[list[Experience]], dummy: Experience) -> dict[int, torch.Tensor]:
