@@ -87,16 +87,8 @@ def guess_number_tasks(kwargs: dict, train_size: int, eval_size: int, seed: int)
 
 
 def _read_jsonl_tasks(path: Path) -> list[Task]:
-    if not path.is_file():
-        raise FileNotFoundError(f"task file not found: {path}")
     tasks = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {i}: not valid JSON ({e.msg})") from None
+    for path, i, row in _jsonl_rows(path, "task file"):
         if not isinstance(row, dict) or "question" not in row or "answer" not in row:
             raise ValueError(f"{path} line {i}: needs 'question' and 'answer' fields")
         tasks.append(Task(str(row.get("id", f"{path.stem}/{i}")), str(row["question"]), str(row["answer"]), row))
