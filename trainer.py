@@ -10,6 +10,7 @@ aggregated as a token-mean over the whole batch. Then grad-norm clipping and Ada
 """
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -89,7 +90,7 @@ class Trainer:
     """FSDP2 policy + AdamW on this rank (and a frozen FSDP2 reference model when a KL term
     or DPO needs one).
 
-    cfg: run.Config (lr, weight_decay, max_grad_norm, token_budget, temperature, bf16,
+    cfg: run.Config (lr, weight_decay, max_grad_norm, token_budget, temperature, bf16, save_dtype,
     advantage(_kwargs), policy_loss(_kwargs), loss_agg, kl_coef, kl_estimator,
     kl_penalty_coef, entropy_coef, length_penalty, length_unit, filters, seed). Requires an
     initialised default process group. Raises ValueError for an unknown loss, advantage,
@@ -97,7 +98,7 @@ class Trainer:
     """
 
     def __init__(self, cfg, model_path: str, device: torch.device):
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         self.cfg, self.device = cfg, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -109,6 +110,9 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.model = self._load(model_path)
+        own = AutoConfig.from_pretrained(model_path).dtype
+        own = getattr(torch, own) if isinstance(own, str) else own or torch.float32
+        self.final_dtype = own if cfg.save_dtype == "auto" else getattr(torch, cfg.save_dtype)
         needs_ref = cfg.kl_coef or cfg.kl_penalty_coef or getattr(self.loss_fn, "needs_ref", False)
         self.ref = self._load(model_path).requires_grad_(False).eval() if needs_ref else None
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -176,8 +180,11 @@ class Trainer:
         by_group = getattr(self.loss_fn, "needs_groups", False)
         units = [list(g) for g in groups] if by_group else [[e] for e in sorted(exps, key=lambda e: len(e.tokens))]
         mine = units[self.rank::self.world]
-        m: dict[str, float] = {"reward/mean": float(rewards.mean()),
-                               "reward/std": float(rewards.std()) if len(exps) > 1 else 0.0}
+        m: dict[str, float] = {}
+        if not expert.all():  # rollouts only: expert / offline data carries a fixed reward
+            rollout_rewards = rewards[~expert]                                            # [N_rollout]
+            m["reward/mean"] = float(rollout_rewards.mean())
+            m["reward/std"] = float(rollout_rewards.std()) if len(rollout_rewards) > 1 else 0.0
         ref = self._ref_logprobs(mine, exps[0]) if self.ref is not None else {}
         if cfg.kl_penalty_coef:  # sum_t k1 of KL(behaviour || reference), from every rank
             local = [(pos[id(e)], float(kl_estimate(torch.tensor(e.logprobs), ref[id(e)], "k1").sum()))
@@ -254,8 +261,9 @@ class Trainer:
         self.version += 1
         lengths = [len(e.logprobs) for e in exps]
         train_s = time.perf_counter() - t0
-        m.update({"loss/grad_norm": float(grad_norm), "advantage/mean": float(adv.mean()),
-                  "advantage/abs_mean": float(adv.abs().mean()), "filter/kept": total_seqs,
+        if not expert.all():
+            m.update({"advantage/mean": float(adv[~expert].mean()), "advantage/abs_mean": float(adv[~expert].abs().mean())})
+        m.update({"loss/grad_norm": float(grad_norm), "filter/kept": total_seqs,
                   "train/expert_seqs": int(expert.sum()), "train/micro_batches": len(plan),
                   "response/len_mean": sum(lengths) / len(lengths), "response/len_max": max(lengths),
                   "time/train_s": train_s,
@@ -294,12 +302,17 @@ class Trainer:
         torch.set_rng_state(meta["rng"])
         return meta["step"]
 
-    def save(self, path: str | Path, params: list[torch.Tensor] | None = None) -> None:
-        """Write a Hugging Face safetensors directory (rank 0 writes; collective unless
-        `params` from `full_parameters` is given)."""
+    def save(self, path: str | Path, params: list[torch.Tensor] | None = None,
+             dtype: torch.dtype = torch.float32) -> None:
+        """Write a Hugging Face safetensors directory with the weights cast to `dtype`
+        (float32 = exactly the trained weights; rank 0 writes; collective unless `params`
+        from `full_parameters` is given)."""
         params = params if params is not None else self.full_parameters()
         if self.rank == 0:
             names = [n for n, _ in self.model.named_parameters()]
-            state = {n: p.detach().cpu().contiguous() for n, p in zip(names, params)}
+            state = {n: p.detach().to("cpu", dtype).contiguous() for n, p in zip(names, params)}
             self.model.save_pretrained(str(path), state_dict=state)
             self.tokenizer.save_pretrained(str(path))
+            conf = Path(path) / "config.json"  # save_pretrained records the live model's float32
+            conf.write_text(json.dumps({**json.loads(conf.read_text()), "dtype": str(dtype).removeprefix("torch.")},
+                                       indent=2))

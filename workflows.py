@@ -192,12 +192,28 @@ def last_number(text: str) -> str | None:
     return x[:-2] if x.endswith(".0") else x
 
 
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def extract_answer(completion: str, reference: str) -> str | None:
+    """The answer part of a completion: the last <answer>...</answer> block if there is
+    one (reasoning-gym's convention), else the last number when the reference answer is a
+    number, else the last non-empty line. None when there is nothing to score."""
+    tagged = _ANSWER_TAG.findall(completion)
+    if tagged:
+        return tagged[-1].strip()
+    if last_number(reference) == reference.strip().replace(",", "").removesuffix(".0"):
+        return last_number(completion)
+    lines = [x.strip() for x in completion.strip().splitlines() if x.strip()]
+    return lines[-1] if lines else None
+
+
 def reasoning_gym_reward(task: Task, completion: str, dataset: Any) -> float:
-    """Reward in [0, 1]: the dataset's `score_answer` on the last number of the completion
-    (exact match for JSONL tasks, where `dataset` is None)."""
-    answer = last_number(completion)
+    """Reward in [0, 1]: the dataset's own `score_answer` on the completion's answer
+    (`extract_answer`); for JSONL tasks (`dataset` None) exact match of that answer."""
+    answer = extract_answer(completion, task.answer)
     if dataset is None:
-        return float(answer is not None and answer == last_number(task.answer))
+        return float(answer is not None and answer == extract_answer(task.answer, task.answer))
     return float(dataset.score_answer(answer, task.entry))
 
 

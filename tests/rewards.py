@@ -7,3 +7,8 @@ def length_parity(task, completion, dataset):
     if len(completion) % 5 == 0:
         raise ValueError("deliberate failure")
     return float(len(completion) % 2 == 0)
+
+
+def constant(task, completion, dataset):
+    """0.5 for every completion: every group has equal rewards, so every advantage is 0."""
+    return 0.5

@@ -14,6 +14,7 @@ import torch
 
 from conftest import ROOT, run_py
 from test_e2e import buffer_versions, metrics
+from test_first_contact import strict_json_lines
 
 COMMON = ["--config", "configs/tiny.toml", "--reward-fn", "tests.rewards.length_parity"]
 
@@ -52,6 +53,10 @@ def test_async_two_explorers_and_a_trainer_with_max_staleness(tiny_model, tmp_pa
         log = [json.loads(x) for x in (run_dir / f"explorer_{name}.jsonl").read_text().splitlines()]
         assert max(r.get("explorer/received_version", 0) for r in log) == 6
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "v000002", "v000004", "v000006"]
+    # the explorers' held-out evaluations reach the trainer's metrics (valid JSON: no NaN) and its plot
+    evals = [r for r in strict_json_lines(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
+    assert {r["explorer"] for r in evals} == {"e1", "e2"} and all(0 <= r["eval/accuracy"] <= 1 for r in evals)
+    assert (run_dir / "plot.png").stat().st_size > 1000
 
 
 def test_both_with_checkpoint_sync_follows_the_schedule(tiny_model, tmp_path):
@@ -119,6 +124,9 @@ def test_offline_sft_and_dpo_train_only(tiny_model, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     losses = [r["loss/policy"] for r in steps_of(tmp_path / "sft")]
     assert len(losses) == 3 and losses[-1] < losses[0]  # NLL of the assistant tokens goes down
+    # offline data has no rollouts: no reward curve, the progress bar shows the loss
+    assert not any("reward/mean" in r for r in steps_of(tmp_path / "sft")) and "loss=" in res.stderr
+    assert (tmp_path / "sft" / "plot.png").stat().st_size > 1000
     res = run_py(*COMMON, "--model", tiny_model, "--run-dir", tmp_path / "dpo", "--mode", "train",
                  "--train-data", dpo, "--policy-loss", "dpo", "--policy-loss-kwargs", '{"beta": 0.5}')
     assert res.returncode == 0, res.stderr[-3000:]

@@ -131,6 +131,8 @@ def test_guess_number_game_trains_on_cpu(tiny_model, tmp_path):
     db = sqlite3.connect(run_dir / "buffer.sqlite")
     infos = [json.loads(i) for (i,) in db.execute("SELECT info FROM experiences")]
     assert all("trajectory_id" in i and 1 <= i["turns"] <= 6 for i in infos)
+    samples = (run_dir / "samples.log").read_text()  # prompt, policy turns and marked environment turns
+    assert "[prompt]" in samples and "[policy]" in samples and "[env]" in samples
 
 
 def test_lagged_rewards_train_and_nothing_unready_is_served(tiny_model, tmp_path):

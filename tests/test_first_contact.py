@@ -1,0 +1,107 @@
+"""What a new user meets first: --help, any task by name, the model names, the outputs of a run."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import run
+from conftest import run_py
+from test_e2e import metrics
+from workflows import extract_answer, load_tasks
+
+
+def strict_json_lines(path):
+    """Parse JSONL rejecting NaN / Infinity (Python's json accepts them; JSON does not)."""
+    def bad(x):
+        raise ValueError(f"not JSON: {x}")
+    return [json.loads(x, parse_constant=bad) for x in path.read_text().splitlines()]
+
+
+def test_help_groups_every_flag_by_stage_with_one_default():
+    text = run.build_parser().format_help()
+    for title in ("mode and run", "model, task and reward", "explorer (rollouts)",
+                  "sync between explorer and trainer", "algorithm", "trainer", "outputs"):
+        assert f"\n{title}:\n" in text, title
+    flat = " ".join(text.split())  # argparse wraps lines
+    assert flat.count("(default:") == len(run.dataclasses.fields(run.Config))
+    assert "(default: None)" not in flat
+    assert "--bf16, --no-bf16 run explorer and trainer forward passes under bf16 autocast" in flat
+    assert "(default: true)" in flat and "--overwrite, --no-overwrite delete an existing run_dir first (default: false)" in flat
+    _, groups = run._field_help()
+    assert set(groups) == {f.name for f in run.dataclasses.fields(run.Config)} and "other" not in groups.values()
+
+
+def test_task_by_name_uses_its_own_defaults():
+    default = run.parse_config([])
+    assert default.task == "basic_arithmetic" and default.task_kwargs["operators"] == ["+", "-"]
+    other = run.parse_config(["--task", "leg_counting"])
+    assert other.task_kwargs == {} and "as a number" not in other.system_prompt
+    given = run.parse_config(["--task", "chain_sum", "--task-kwargs", '{"min_terms": 3}', "--system-prompt", "S"])
+    assert given.task_kwargs == {"min_terms": 3} and given.system_prompt == "S"
+
+
+def test_every_reasoning_gym_dataset_loads_by_name():
+    from reasoning_gym.factory import DATASETS
+
+    failed = {}
+    for name in sorted(DATASETS):
+        if name == "composite":  # a mix of other datasets: it needs its kwargs
+            continue
+        try:
+            train, held, ds = load_tasks(name, {}, 4, 2, 0)
+            assert train and held
+            if train[0].entry["answer"] is not None:  # some puzzles have no single answer: the verifier checks
+                assert ds.score_answer(train[0].answer, train[0].entry) == 1.0
+        except Exception as e:  # collect all failures
+            failed[name] = repr(e)[:200]
+    assert not failed, failed
+    with pytest.raises(ValueError, match="reasoning-gym dataset 'composite'"):
+        load_tasks("composite", {}, 4, 2, 0)
+
+
+@pytest.mark.parametrize("completion,reference,expected", [
+    ("so 3 + 4 = 7", "7", "7"), ("it is -12.0", "-12", "-12"), ("1,000 legs", "1000", "1000"),
+    ("sorted:\napple, banana", "apple, banana", "apple, banana"), ("<answer> x y </answer> z", "x y", "x y"),
+    ("no number", "3", None), ("  \n", "a", None)])
+def test_extract_answer(completion, reference, expected):
+    assert extract_answer(completion, reference) == expected
+
+
+def test_metrics_are_valid_json(tmp_path):
+    m = run.Metrics(tmp_path)
+    m.write({"step": 0, "eval/last_accuracy": float("nan"), "x": [float("inf"), 1.0]})
+    assert strict_json_lines(tmp_path / "metrics.jsonl") == [{"step": 0, "eval/last_accuracy": None, "x": [None, 1.0]}]
+
+
+def test_another_task_that_cannot_learn_warns_and_saves_in_the_model_dtype(tiny_model, tmp_path):
+    model = tmp_path / "bf16_model"  # a model whose own dtype is bfloat16 (weights stored in float32)
+    shutil.copytree(tiny_model, model)
+    conf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**conf, "dtype": "bfloat16"}))
+    res = run_py("--config", "configs/tiny.toml", "--model", model, "--run-dir", tmp_path / "run",
+                 "--task", "leg_counting", "--reward-fn", "tests.rewards.constant", "--eval-size", 0)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "explorer: engine hf" in res.stdout
+    steps = [r for r in strict_json_lines(tmp_path / "run" / "metrics.jsonl") if "loss/grad_norm" in r]
+    assert [r["advantage/zero_steps"] for r in steps] == [1, 2, 3]
+    assert "warning: every advantage has been 0 for 3 steps" in res.stderr
+    final = load_file(tmp_path / "run" / "final" / "model.safetensors")
+    assert {t.dtype for t in final.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "run" / "final" / "config.json").read_text())["dtype"] == "bfloat16"
+    samples = (tmp_path / "run" / "samples.log").read_text()
+    assert "[prompt]" in samples and "legs" in samples and "[policy]" in samples
+
+
+def test_bench_takes_the_model_names_of_model(tiny_model, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"  # a converted default model in the cache: here the tiny model stands in
+    shutil.copytree(tiny_model, cache / "SmolLM2-135M-Instruct")
+    monkeypatch.setenv("NANORFT_CACHE", str(cache))
+    res = run_py("--config", "configs/tiny.toml", "--mode", "bench", "--run-dir", tmp_path / "run",
+                 "--bench-models", f"smollm2-135m,{tiny_model}", "--bench-k", 2, "--eval-size", 2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads((tmp_path / "run" / "bench.json").read_text())
+    assert [r["model"] for r in rows] == [str(cache / "SmolLM2-135M-Instruct"), tiny_model]
+    res = run_py("--mode", "bench", "--run-dir", tmp_path / "run", "--bench-models", "/no/such/model")
+    assert res.returncode == 2 and "model directory not found (no config.json): /no/such/model" in res.stderr
