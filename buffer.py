@@ -26,10 +26,12 @@ returns to the active set. `OfflineSampler` draws offline data (SFT, DPO pairs, 
 from __future__ import annotations
 
 import json
+import math
 import random
 import sqlite3
 import time
 from array import array
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -76,10 +78,17 @@ class Experience:
     explorer: str = "explorer0"
 
     def __post_init__(self):
+        if self.reward is not None and not (isinstance(self.reward, (int, float)) and math.isfinite(self.reward)):
+            raise ValueError(f"experience {self.task_id}: reward must be a finite number or None, got {self.reward!r}")
         r = len(self.tokens) - self.prompt_length
         if not (len(self.logprobs) == len(self.action_mask) == r >= 0):
             raise ValueError(f"experience {self.task_id}: response has {r} tokens but "
                              f"{len(self.logprobs)} logprobs and {len(self.action_mask)} mask entries")
+
+
+def pool_for(mean_reward: float, easy: float, hard: float) -> str | None:
+    """The pool of a task whose latest group had `mean_reward`: "easy", "hard" or None (active)."""
+    return "easy" if mean_reward >= easy else "hard" if mean_reward <= hard else None
 
 
 class Buffer:
@@ -90,40 +99,66 @@ class Buffer:
 
     def __init__(self, path: str | Path, timeout_s: float = 60.0):
         self.path = Path(path)
-        self.db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.executescript(_SCHEMA)
+        try:
+            self.db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as e:
+            raise ValueError(f"buffer {self.path}: not a usable SQLite database ({e})") from None
+        self.before_commit: Callable[[], None] | None = None  # tests: runs inside each write transaction
+
+    @contextmanager
+    def _transaction(self):
+        """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on any exception): the statements inside
+        take effect together or not at all, and no other connection writes in between.
+        (With isolation_level=None sqlite3 is in autocommit mode, so `with self.db:` alone
+        would commit every statement on its own.)"""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            if self.before_commit is not None:
+                self.before_commit()
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
 
     def write(self, group: list[Experience]) -> None:
         """Append one group atomically (all rows or none)."""
         self.write_batch([group])
 
     def write_batch(self, groups: list[list[Experience]], explorer: str | None = None,
-                    state: dict | None = None) -> None:
-        """Append groups and (optionally) the explorer's resume state in one transaction."""
+                    state: dict | None = None, pools: list[tuple[str, float, float, float]] = ()) -> None:
+        """Append groups, (optionally) the explorer's resume state and task-pool updates
+        (`update_pool` arguments) in one transaction: all of it or nothing."""
         now = time.time()
         rows = [(e.group_id, e.task_id, e.model_version, e.prompt_length,
                  array("i", e.tokens).tobytes(), array("f", e.logprobs).tobytes(),
                  array("b", e.action_mask).tobytes(), e.reward, json.dumps(e.info), e.explorer, now)
                 for g in groups for e in g]
-        with self.db:
+        with self._transaction():
             self.db.executemany(
                 "INSERT INTO experiences (group_id, task_id, model_version, prompt_length, tokens, "
                 "logprobs, action_mask, reward, info, explorer, created) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
             if state is not None:
                 self.db.execute("INSERT OR REPLACE INTO explorer_state VALUES (?, ?)", (explorer, json.dumps(state)))
+            for pool in pools:
+                self._set_pool(*pool)
 
     def set_rewards(self, group_id: str, rewards: list[float] | float) -> int:
         """Lagged rewards: fill the rewards of a group's experiences (one value for all, or
         one per experience in insertion order); the group becomes servable once none is
         NULL. Returns the number of rows updated; raises ValueError for an unknown group or
         a wrong number of rewards."""
-        ids = [r[0] for r in self.db.execute("SELECT id FROM experiences WHERE group_id = ? ORDER BY id", (group_id,))]
-        values = rewards if isinstance(rewards, list) else [rewards] * len(ids)
-        if not ids or len(values) != len(ids):
-            raise ValueError(f"group {group_id!r} has {len(ids)} experiences, got {len(values)} rewards")
-        with self.db:
+        values = rewards if isinstance(rewards, list) else [rewards]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+            raise ValueError(f"group {group_id!r}: rewards must be finite numbers, got {values!r}")
+        with self._transaction():
+            ids = [r[0] for r in self.db.execute("SELECT id FROM experiences WHERE group_id = ? ORDER BY id", (group_id,))]
+            values = values if isinstance(rewards, list) else values * len(ids)
+            if not ids or len(values) != len(ids):
+                raise ValueError(f"group {group_id!r} has {len(ids)} experiences, got {len(values)} rewards")
             self.db.executemany("UPDATE experiences SET reward = ? WHERE id = ?", zip(map(float, values), ids))
         return len(ids)
 
@@ -140,7 +175,7 @@ class Buffer:
     def release_after(self, step: int) -> int:
         """Mark groups consumed at trainer steps >= `step` as not consumed; returns the
         number of experiences released."""
-        with self.db:
+        with self._transaction():
             return self.db.execute("UPDATE experiences SET consumed = 0 WHERE consumed > ?", (step,)).rowcount
 
     def read(self, num_groups: int, timeout_s: float = float("inf"),
@@ -164,23 +199,18 @@ class Buffer:
             time.sleep(poll_s)
 
     def _take(self, num_groups: int, step: int) -> list[list[Experience]] | None:
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction():
             ids = [r[0] for r in self.db.execute(
                 "SELECT group_id FROM experiences WHERE consumed = 0 GROUP BY group_id "
                 "HAVING SUM(reward IS NULL) = 0 ORDER BY MIN(id) LIMIT ?", (num_groups,))]
             if len(ids) < num_groups:
-                self.db.execute("ROLLBACK")
                 return None
             marks = ",".join("?" * len(ids))
             rows = self.db.execute(
-                "SELECT group_id, task_id, model_version, prompt_length, tokens, logprobs, action_mask, "
-                f"reward, info, explorer FROM experiences WHERE group_id IN ({marks}) ORDER BY id", ids).fetchall()
-            self.db.execute(f"UPDATE experiences SET consumed = ? WHERE group_id IN ({marks})", [step + 1, *ids])
-            self.db.execute("COMMIT")
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
+                "SELECT group_id, task_id, model_version, prompt_length, tokens, logprobs, action_mask, reward, info, "
+                f"explorer FROM experiences WHERE consumed = 0 AND group_id IN ({marks}) ORDER BY id", ids).fetchall()
+            self.db.execute(f"UPDATE experiences SET consumed = ? WHERE consumed = 0 AND group_id IN ({marks})",
+                            [step + 1, *ids])
         by_group: dict[str, list[Experience]] = {g: [] for g in ids}
         for g, task, ver, plen, tok, lp, mask, reward, info, explorer in rows:
             by_group[g].append(Experience(
@@ -197,13 +227,15 @@ class Buffer:
     def update_pool(self, task_id: str, mean_reward: float, easy: float, hard: float) -> str | None:
         """Record a task's latest group mean reward: retire it to "easy" (>= easy) or
         "hard" (<= hard), else make it active again. Returns the pool or None (active)."""
-        pool = "easy" if mean_reward >= easy else "hard" if mean_reward <= hard else None
-        with self.db:
-            if pool is None:
-                self.db.execute("DELETE FROM task_pool WHERE task_id = ?", (task_id,))
-            else:
-                self.db.execute("INSERT OR REPLACE INTO task_pool VALUES (?, ?, ?, ?)",
-                                (task_id, pool, mean_reward, time.time()))
+        with self._transaction():
+            return self._set_pool(task_id, mean_reward, easy, hard)
+
+    def _set_pool(self, task_id: str, mean_reward: float, easy: float, hard: float) -> str | None:
+        pool = pool_for(mean_reward, easy, hard)
+        if pool is None:
+            self.db.execute("DELETE FROM task_pool WHERE task_id = ?", (task_id,))
+        else:
+            self.db.execute("INSERT OR REPLACE INTO task_pool VALUES (?, ?, ?, ?)", (task_id, pool, mean_reward, time.time()))
         return pool
 
     def retired(self) -> dict[str, str]:

@@ -11,19 +11,24 @@ versions, with `Workflow.score`.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import random
 import sys
 import time
+import traceback
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 import sync
-from buffer import Buffer, Experience
+from buffer import Buffer, Experience, pool_for
 from workflows import Task, load_reward_fn, load_tasks, load_workflow
+
+DEFAULT_EXPLORER = "explorer0"
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,13 @@ class Engine:
         """Newest version the trainer has started to publish (-1 before any); never blocks."""
         return self.weights.announced()
 
+    def rng_state(self) -> bytes | None:
+        """State of the sampling RNG (for resume), or None when the engine cannot save it."""
+        return None
+
+    def set_rng_state(self, state: bytes) -> None:
+        """Restore a `rng_state()`."""
+
     def close(self) -> None:
         """Release engine processes (vLLM's engine core); the engine is unusable after."""
 
@@ -152,6 +164,12 @@ class HFEngine(Engine):
                                 device=self.device)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else int(self.eos[0])
         self.generator = torch.Generator(self.device).manual_seed(seed)
+
+    def rng_state(self):
+        return bytes(self.generator.get_state().tolist())
+
+    def set_rng_state(self, state):
+        self.generator.set_state(torch.tensor(list(state), dtype=torch.uint8))
 
     def parameters(self) -> list[torch.Tensor]:
         """Weights in `named_parameters()` order (the wire order of sync.WeightSync)."""
@@ -420,9 +438,18 @@ def vllm_available() -> bool:
 def make_engine(cfg, model_path: str) -> Engine:
     """The engine named by cfg.engine: hf, vllm, or auto (vllm when installed, else hf)."""
     if cfg.engine == "vllm" or (cfg.engine == "auto" and vllm_available()):
-        return VLLMEngine(model_path, seed=cfg.seed + 1, bf16=cfg.bf16, threads=cfg.explorer_threads,
+        return VLLMEngine(model_path, seed=explorer_seed(cfg.seed, cfg.explorer_name) + 1, bf16=cfg.bf16,
+                          threads=cfg.explorer_threads,
                           memory_fraction=cfg.vllm_memory_fraction, inflight=cfg.inflight)
-    return HFEngine(model_path, max_batch=cfg.explorer_max_batch, seed=cfg.seed + 1, bf16=cfg.bf16)
+    return HFEngine(model_path, max_batch=cfg.explorer_max_batch, seed=explorer_seed(cfg.seed, cfg.explorer_name) + 1,
+                    bf16=cfg.bf16)
+
+
+def explorer_seed(seed: int, name: str) -> int:
+    """The seed of explorer `name` (task order, lift sampling, token sampling): explorers
+    with different names get different data, the same explorer the same data on every
+    restart. The default explorer (mode both) keeps `seed` itself."""
+    return seed if name == DEFAULT_EXPLORER else seed + zlib.crc32(name.encode())
 
 
 class Explorer:
@@ -444,8 +471,9 @@ class Explorer:
                                   Sampling(cfg.max_tokens, cfg.eval_temperature, 1.0), run_dir=cfg.run_dir)
         self.counts = dict.fromkeys(("timeouts", "errors", "retries", "skipped"), 0)
         self.last_error = ""
-        self.order = random.Random(cfg.seed).sample(range(len(train)), len(train))
-        self.rng = random.Random(cfg.seed + 1)
+        seed = explorer_seed(cfg.seed, cfg.explorer_name)
+        self.order = random.Random(seed).sample(range(len(train)), len(train))
+        self.rng = random.Random(seed + 1)
         self.cursor = 0
         self.samples = Path(cfg.run_dir) / "samples.log"
 
@@ -492,14 +520,19 @@ class Explorer:
         return asyncio.run(run_all())
 
     def state(self) -> dict:
-        """Resume state: task cursor and the lift sampler's RNG."""
-        return {"cursor": self.cursor, "rng": self.rng.getstate()}
+        """Resume state: task cursor, the lift sampler's RNG and the engine's sampling RNG
+        (HF engine; vLLM keeps its own), so a restarted explorer continues exactly."""
+        sampler = self.engine.rng_state()
+        return {"cursor": self.cursor, "rng": self.rng.getstate(),
+                "sampler": base64.b64encode(sampler).decode() if sampler is not None else None}
 
     def restore(self, state: dict) -> None:
         """Continue from a `state()` (saved with the last batch in the buffer)."""
         version, internal, gauss = state["rng"]
         self.cursor = state["cursor"]
         self.rng.setstate((version, tuple(internal), gauss))
+        if state.get("sampler"):
+            self.engine.set_rng_state(base64.b64decode(state["sampler"]))
 
     def explore(self, batch: int, buffer: Buffer) -> dict:
         """Generate and store the batch_size groups of one batch (with the explorer's
@@ -535,12 +568,13 @@ class Explorer:
             raise RuntimeError(f"explorer: only {len(groups)} of {cfg.batch_size} groups after {rounds} refill rounds "
                                f"({self.counts['skipped']} tasks skipped; last error: {self.last_error})")
         seconds = time.perf_counter() - t0
-        pools = [buffer.update_pool(g[0].task_id, sum(e.reward for e in g) / len(g), cfg.pool_easy, cfg.pool_hard)
-                 for g in generated if all(e.reward is not None for e in g)]
+        updates = [(g[0].task_id, sum(e.reward for e in g) / len(g), cfg.pool_easy, cfg.pool_hard)
+                   for g in generated if all(e.reward is not None for e in g)]
+        pools = [pool_for(*u[1:]) for u in updates]
         for g in groups:
             for e in g:
                 e.explorer = cfg.explorer_name
-        buffer.write_batch(groups, cfg.explorer_name, {"batch": batch + 1, **self.state()})
+        buffer.write_batch(groups, cfg.explorer_name, {"batch": batch + 1, **self.state()}, updates)
         exps = [e for g in generated for e in g]
         gen_tokens = sum(len(e.logprobs) for e in exps)
         self._write_samples(batch, version, groups)
@@ -562,15 +596,18 @@ class Explorer:
                            "filter/difficulty_rounds": rounds, "filter/difficulty_short": short})
         return record
 
-    def evaluate(self, version: int) -> dict:
-        """Held-out accuracy (fraction with reward 1) and mean reward at `version`."""
+    def evaluate(self, version: int) -> dict | None:
+        """Held-out accuracy (fraction with reward 1) and mean reward at `version`; None
+        when there are no held-out tasks."""
+        if not self.held_out:
+            return None
         t0 = time.perf_counter()
         groups = self._rollouts(self.held_out, self.eval_workflow, 1)
         exps = [g[0] for g in groups if g]
         rewards = [e.reward or 0.0 for e in exps] + [0.0] * (len(groups) - len(exps))  # skipped / lagged: 0
         return {"eval/version": version, "eval/accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
                 "eval/reward_mean": sum(rewards) / len(rewards), "eval/n": len(rewards), "eval/skipped": len(groups) - len(exps),
-                "eval/response_len": sum(len(e.logprobs) for e in exps) / len(exps),
+                "eval/response_len": sum(len(e.logprobs) for e in exps) / max(1, len(exps)),
                 "eval/seconds": time.perf_counter() - t0}
 
     def bench(self, k: int) -> dict:
@@ -622,11 +659,12 @@ def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue, start
     def receive(engine):
         t0 = time.perf_counter()
         if by_checkpoint:
-            while (latest := sync.latest_checkpoint(cfg.run_dir)) is None or latest[0] <= engine.version:
+            load = engine.load_checkpoint
+            while (got := sync.load_latest_checkpoint(cfg.run_dir, cfg.explorer_name, load, engine.version)) is None:
                 if not alive():
                     raise RuntimeError("explorer: the trainer died")
                 time.sleep(0.05)
-            checksum = engine.load_checkpoint(latest[1], latest[0])
+            checksum = got[1]
         else:
             _, checksum = engine.receive_weights(alive)
         queue.put({"explorer/received_version": engine.version, "time/explorer_wait_sync_s": time.perf_counter() - t0,
@@ -650,7 +688,14 @@ def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue, start
         while engine.version < published[-1]:
             receive(engine)
 
-    _explore(cfg, model_path, queue.put, total_steps, start_version, setup, before_batch, inflight, finish)
+    try:
+        _explore(cfg, model_path, queue.put, total_steps, start_version, setup, before_batch, inflight, finish)
+    except Exception as e:  # reported by the trainer as one line; the process exits with code 1
+        (Path(cfg.run_dir) / f"error_{cfg.explorer_name}.log").write_text(traceback.format_exc())
+        queue.put({"error": f"{type(e).__name__}: {e} (traceback: {cfg.run_dir}/error_{cfg.explorer_name}.log)"})
+        queue.close()
+        queue.join_thread()
+        sys.exit(1)
 
 
 def run_explore_mode(cfg, model_path: str) -> None:
@@ -670,12 +715,11 @@ def run_explore_mode(cfg, model_path: str) -> None:
         log_file.flush()
 
     def poll(engine):
-        latest = sync.latest_checkpoint(run_dir)
-        if latest and latest[0] > engine.version:
-            t0 = time.perf_counter()
-            checksum = engine.load_checkpoint(latest[1], latest[0])
-            log({"explorer/received_version": latest[0], "time/explorer_load_s": time.perf_counter() - t0,
-                 "sync/explorer_checksum": checksum})
+        t0 = time.perf_counter()
+        got = sync.load_latest_checkpoint(run_dir, cfg.explorer_name, engine.load_checkpoint, engine.version)
+        if got:
+            log({"explorer/received_version": got[0], "time/explorer_load_s": time.perf_counter() - t0,
+                 "sync/explorer_checksum": got[1]})
 
     def before_batch(engine, batch):
         since = time.monotonic()
@@ -718,7 +762,8 @@ def _explore(cfg, model_path, log, total, start_version, setup, before_batch, in
             due = last_eval is None or v // cfg.eval_interval > last_eval // cfg.eval_interval
             if cfg.eval_size and (due or (final and last_eval != v)):
                 hook, engine.step_hook = engine.step_hook, None  # evaluate one version
-                log(explorer.evaluate(v))
+                if (record := explorer.evaluate(v)) is not None:
+                    log(record)
                 engine.step_hook = hook
                 last_eval = v
 

@@ -30,6 +30,7 @@ import socket
 import sys
 import time
 import tomllib
+import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -37,6 +38,8 @@ from pathlib import Path
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_TASK = "basic_arithmetic"
 ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this many consecutive steps
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opmd", "grpo_stepwise")  # baselines from the other rollouts of a group
+REWARD_ERROR_STEPS = 3  # stop when the reward function failed on every rollout of this many consecutive steps
 # Settings tuned for the default task; another task, unless they are given, gets these instead:
 OTHER_TASK_DEFAULTS = {"task_kwargs": {}, "system_prompt": "Give only the final answer."}
 
@@ -53,7 +56,7 @@ class Config:
     overwrite: bool = False
     """delete an existing run_dir first"""
     resume: bool = False
-    """continue a killed run from RUN_DIR/checkpoints/resume (weights, optimizer, step, RNG) and its buffer"""
+    """continue a killed run from its last resume state in RUN_DIR/checkpoints (weights, optimizer, step, RNG; from step 0 if none was saved yet) and its buffer"""
     steps: int = 30
     """trainer steps (= explorer batches)"""
     seed: int = 0
@@ -297,6 +300,16 @@ def parse_config(argv: list[str]) -> Config:
         raise ValueError("need workflow_timeout_s > 0, workflow_retries >= 0 and refill_rounds >= 0")
     if cfg.sync_offset < 0 or cfg.temperature <= 0 or not 0 < cfg.top_p <= 1:
         raise ValueError("need sync_offset >= 0, temperature > 0 and 0 < top_p <= 1")
+    for f in dataclasses.fields(Config):
+        if f.type == "float" and not math.isfinite(getattr(cfg, f.name)):
+            raise ValueError(f"{f.name} must be a finite number, got {getattr(cfg, f.name)}")
+    for name in ("lr", "weight_decay", "max_grad_norm", "kl_coef", "kl_penalty_coef", "entropy_coef", "length_penalty",
+                 "eval_temperature", "buffer_timeout_s", "sync_timeout_s"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
+    for name in ("train_size", "eval_size", "checkpoint_interval", "log_samples", "trainer_threads", "explorer_threads"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     return cfg
 
 
@@ -316,6 +329,12 @@ def resolve_model(name: str) -> str:
             raise FileNotFoundError(f"model directory not found (no config.json): {name}")
         if not any(Path(name).glob("*.safetensors")) and not any(Path(name).glob("*.bin")):
             raise FileNotFoundError(f"model directory has no weights (*.safetensors or *.bin): {name}")
+        from transformers import AutoConfig
+
+        try:
+            AutoConfig.from_pretrained(name)
+        except Exception as e:
+            raise ValueError(f"model directory {name}: config.json cannot be loaded ({type(e).__name__}: {e})") from None
         return name
     out = cache_dir() / "SmolLM2-135M-Instruct"
     if (out / "config.json").is_file():
@@ -518,14 +537,14 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> 
     import sync
     from buffer import Buffer, OfflineSampler
     from explorer import run_explorer
-    from trainer import Trainer
+    from trainer import Trainer, resume_state
     from workflows import load_chat_jsonl, load_offline_jsonl
 
     run_dir = Path(cfg.run_dir)
     torch.set_num_threads(cfg.trainer_threads)
     trainer = Trainer(cfg, model_path, device)
-    resume_dir = run_dir / "checkpoints" / "resume"
-    start = trainer.load_state(resume_dir) if cfg.resume else 0
+    state = resume_state(run_dir) if cfg.resume else None
+    start = trainer.load_state(state) if state else 0
     broadcast = cfg.mode == "both" and cfg.sync_method != "checkpoint"
     explorer = buffer = weights = metrics = expert = offline = queue = None
     alive = lambda: True  # noqa: E731
@@ -547,7 +566,7 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> 
             queue = mp.get_context("spawn").Queue()
             explorer = mp.get_context("spawn").Process(
                 target=run_explorer, name="explorer",
-                args=(cfg, str(resume_dir / "hf") if cfg.resume else model_path, weights.port if weights else 0,
+                args=(cfg, str(state / "hf") if state else model_path, weights.port if weights else 0,
                       cfg.steps, queue, trainer.version))
             explorer.start()
             alive = lambda: explorer.is_alive()  # noqa: E731
@@ -556,7 +575,8 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> 
     pending: dict[int, dict] = {}  # explorer batch records by batch index, merged into that step
     last_eval: dict = {}
     explorer_logs = ExplorerLogs(run_dir) if cfg.mode == "train" and not offline and rank == 0 else None
-    zero_adv_steps = errored_steps = 0  # consecutive steps with all advantages 0; steps with every reward errored
+    zero_adv_steps = errored_steps = 0  # consecutive steps with every advantage 0 / every reward errored
+    explorer_error: list[str] = []
 
     def drain():
         """Explorer records: batch stats join their step's record; evaluations and weight
@@ -571,87 +591,101 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> 
                 last_eval.update(r)
             elif "explorer/received_version" in r:
                 metrics.write({"step": r["explorer/received_version"], **r})
+            elif "error" in r:
+                explorer_error.append(r["error"])
         for r in explorer_logs.new_records() if explorer_logs else []:  # mode train: the explorers' evaluations
             if "eval/accuracy" in r:
                 metrics.write({"step": r["eval/version"], **r})
                 bar.write(f"eval @ version {r['eval/version']} ({r['explorer']}): held-out accuracy {r['eval/accuracy']:.3f}")
                 last_eval.update(r)
 
-    bar = tqdm(total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True)
-    t_start = time.perf_counter()
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        groups, dropped = [None], 0
-        if rank == 0:
-            if offline:
-                groups = [offline.draw(cfg.batch_size)]
-            else:
-                groups[0], dropped = read_batch(cfg, buffer, step, trainer.version, alive)
-            if cfg.expert_fraction:  # MIX: this fraction of the batch's sequences is expert data
-                n = sum(map(len, groups[0]))
-                groups[0] += expert.draw(max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction))))
-        dist.broadcast_object_list(groups, src=0)
-        wait_s = time.perf_counter() - t0
-        rollouts = [g for g in groups[0] if not g[0].info.get("expert")]
-        m = trainer.step(groups[0])
-        t1 = time.perf_counter()
-        if sync.publishes_after(step, cfg.sync_interval, cfg.steps):
-            params = trainer.full_parameters()
-            if broadcast and rank == 0:
-                weights.send(trainer.version, params, alive)
-            elif not broadcast and not offline:
-                sync.publish_checkpoint(run_dir, trainer.version, lambda d: trainer.save(d, params))
+    try:
+        bar = tqdm(total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True)
+        t_start = time.perf_counter()
+        for step in range(start, cfg.steps):
+            t0 = time.perf_counter()
+            groups, dropped = [None], 0
             if rank == 0:
-                m["sync/trainer_checksum"] = sync.checksum(params)
-            if step == cfg.steps - 1:
-                trainer.save(run_dir / "final", params, trainer.final_dtype)
-        if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step < cfg.steps - 1:
-            trainer.save_state(resume_dir, step + 1)
-        if rank != 0:
-            continue
-        drain()
-        m.update(pending.pop(step, {}))
-        m.update({f"buffer/{k}": v for k, v in buffer.counts().items()})
-        if rollouts:
-            v = [e.model_version for g in rollouts for e in g]
-            m.update({"staleness/mean": sum(step - x for x in v) / len(v), "staleness/max": max(step - x for x in v),
-                      **explorer_shares(rollouts, step)})
-            zero_adv_steps = zero_adv_steps + 1 if m["advantage/abs_mean"] == 0 else 0
-            errored = sum("reward_error" in e.info for g in rollouts for e in g) == len(v)
-            errored_steps += errored
-            m.update({"advantage/zero_steps": zero_adv_steps, "rollout/all_rewards_errored": int(errored)})
-            if zero_adv_steps == ZERO_ADVANTAGE_WARN_STEPS:
-                bar.write(f"warning: every advantage has been 0 for {zero_adv_steps} steps: each group got equal rewards, "
-                          "so nothing is learned (task too easy or too hard, group_size 1, or a broken reward function)",
-                          file=sys.stderr)
-            if errored:
-                bar.write(f"warning: step {step}: the reward function failed on every rollout "
-                          f"(e.g. {next(e.info['reward_error'] for g in rollouts for e in g)}); see samples.log", file=sys.stderr)
-        m.update({"step": step, "version": trainer.version, "time/wait_s": wait_s, "staleness/dropped_groups": dropped,
-                  "time/sync_s": time.perf_counter() - t1, "time/elapsed_s": time.perf_counter() - t_start,
-                  "threads/trainer": cfg.trainer_threads, "threads/explorer": cfg.explorer_threads,
-                  "trainer/ranks": world, "eval/last_accuracy": last_eval.get("eval/accuracy")})
-        metrics.write(m)
-        shown = {"reward": m["reward/mean"]} if "reward/mean" in m else {"loss": m["loss/policy"]}
-        if last_eval:
-            shown["acc"] = last_eval["eval/accuracy"]
-        bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items()}, s_per_step=f"{m['time/elapsed_s'] / (step + 1 - start):.1f}")
-        bar.update()
-    bar.close()
-    if rank == 0 and errored_steps:
-        print(f"warning: the reward function failed on every rollout in {errored_steps} of {cfg.steps - start} steps",
-              file=sys.stderr)
-    if rank == 0:
-        if weights:
-            weights.wait(alive)
-        if explorer:
-            explorer.join()
+                if offline:
+                    groups = [offline.draw(cfg.batch_size)]
+                else:
+                    groups[0], dropped = read_batch(cfg, buffer, step, trainer.version, alive)
+                if cfg.expert_fraction:  # MIX: this fraction of the batch's sequences is expert data
+                    n = sum(map(len, groups[0]))
+                    groups[0] += expert.draw(max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction))))
+            dist.broadcast_object_list(groups, src=0)
+            wait_s = time.perf_counter() - t0
+            rollouts = [g for g in groups[0] if not g[0].info.get("expert")]
+            m = trainer.step(groups[0])
+            t1 = time.perf_counter()
+            if sync.publishes_after(step, cfg.sync_interval, cfg.steps):
+                params = trainer.full_parameters()
+                if broadcast and rank == 0:
+                    weights.send(trainer.version, params, alive)
+                elif not broadcast and not offline and rank == 0:
+                    sync.publish_checkpoint(run_dir, trainer.version, lambda d: trainer.save(d, params))
+                if rank == 0:
+                    m["sync/trainer_checksum"] = sync.checksum(params)
+                if step == cfg.steps - 1:
+                    trainer.save(run_dir / "final", params, trainer.final_dtype)
+            if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step < cfg.steps - 1:
+                trainer.save_state(run_dir, step + 1)
+            if rank != 0:
+                continue
             drain()
-            if explorer.exitcode != 0:
-                raise RuntimeError(f"explorer process failed with exit code {explorer.exitcode}")
-        (run_dir / "trainer_done").write_text(str(trainer.version))
-        (run_dir / "final" / "nanorft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-        print0(f"final weights: {run_dir / 'final'}\nplot: {plot(run_dir)}\nmetrics: {run_dir / 'metrics.jsonl'}")
+            m.update(pending.pop(step, {}))
+            m.update({f"buffer/{k}": v for k, v in buffer.counts().items()})
+            if rollouts:
+                v = [e.model_version for g in rollouts for e in g]
+                m.update({"staleness/mean": sum(step - x for x in v) / len(v), "staleness/max": max(step - x for x in v),
+                          **explorer_shares(rollouts, step)})
+                zero_adv_steps = zero_adv_steps + 1 if m["advantage/abs_mean"] == 0 else 0
+                errored = sum("reward_error" in e.info for g in rollouts for e in g) == len(v)
+                errored_steps = errored_steps + 1 if errored else 0
+                m.update({"advantage/zero_steps": zero_adv_steps, "rollout/all_rewards_errored": int(errored)})
+                if zero_adv_steps == ZERO_ADVANTAGE_WARN_STEPS:
+                    bar.write(f"warning: every advantage has been 0 for {zero_adv_steps} steps: each group got equal rewards, "
+                              "so nothing is learned (task too easy or too hard, group_size 1, or a broken reward function)",
+                              file=sys.stderr)
+                if errored_steps >= REWARD_ERROR_STEPS:
+                    raise RuntimeError(f"the reward function failed on every rollout of {errored_steps} consecutive "
+                                       f"steps, e.g. {next(e.info['reward_error'] for g in rollouts for e in g)}")
+                if errored:
+                    bar.write(f"warning: step {step}: the reward function failed on every rollout "
+                              f"(e.g. {next(e.info['reward_error'] for g in rollouts for e in g)}); see samples.log",
+                              file=sys.stderr)
+            m.update({"step": step, "version": trainer.version, "time/wait_s": wait_s, "staleness/dropped_groups": dropped,
+                      "time/sync_s": time.perf_counter() - t1, "time/elapsed_s": time.perf_counter() - t_start,
+                      "threads/trainer": cfg.trainer_threads, "threads/explorer": cfg.explorer_threads,
+                      "trainer/ranks": world, "eval/last_accuracy": last_eval.get("eval/accuracy")})
+            metrics.write(m)
+            shown = {"reward": m["reward/mean"]} if "reward/mean" in m else {"loss": m["loss/policy"]}
+            if last_eval:
+                shown["acc"] = last_eval["eval/accuracy"]
+            bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items()}, s_per_step=f"{m['time/elapsed_s'] / (step + 1 - start):.1f}")
+            bar.update()
+        bar.close()
+        if rank == 0:
+            if weights:
+                weights.wait(alive)
+            if explorer:
+                explorer.join()
+                drain()
+                if explorer.exitcode != 0:
+                    raise RuntimeError(f"explorer failed: {explorer_error[0] if explorer_error else explorer.exitcode}")
+            (run_dir / "trainer_done").write_text(str(trainer.version))
+            (run_dir / "final" / "nanorft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+            print0(f"final weights: {run_dir / 'final'}\nplot: {plot(run_dir)}\nmetrics: {run_dir / 'metrics.jsonl'}")
+    except BaseException:
+        if explorer is not None:
+            if explorer.is_alive():  # the trainer failed: the explorer goes with it
+                explorer.kill()
+                explorer.join()
+            else:  # the trainer noticed that the explorer failed: its reason is on the queue
+                drain()
+                if explorer_error:
+                    raise RuntimeError(f"explorer failed: {explorer_error[0]}") from None
+        raise
 
 
 def check_algorithm(cfg: Config) -> None:
@@ -673,6 +707,9 @@ def check_algorithm(cfg: Config) -> None:
         raise ValueError(f"length_unit must be tokens or turns, got {cfg.length_unit!r}")
     if not 0 <= cfg.expert_fraction < 1 or not 0 <= cfg.pool_lift_fraction <= 1:
         raise ValueError("need 0 <= expert_fraction < 1 and 0 <= pool_lift_fraction <= 1")
+    if cfg.group_size < 2 and cfg.advantage in GROUP_ADVANTAGES and not cfg.train_data:
+        raise ValueError(f"advantage {cfg.advantage} compares the rollouts of a group: it needs group_size >= 2 "
+                         f"(with group_size {cfg.group_size} every advantage is 0)")
     if (cfg.policy_loss == "mix") != (cfg.expert_fraction > 0):
         raise ValueError("policy_loss mix and expert_fraction > 0 go together (with expert_data)")
     if cfg.expert_fraction > 0 and not Path(cfg.expert_data).is_file():
@@ -696,8 +733,8 @@ def check_modes(cfg: Config) -> None:
         raise ValueError("--train-data is for --mode train (offline SFT / DPO)")
     if cfg.overwrite and cfg.mode in ("explore", "train"):
         raise ValueError(f"--overwrite would delete a run directory shared with the other side (mode {cfg.mode})")
-    if cfg.resume and cfg.mode in ("both", "train") and not (Path(cfg.run_dir) / "checkpoints" / "resume").is_dir():
-        raise FileNotFoundError(f"--resume: no resume state in {cfg.run_dir}/checkpoints/resume")
+    if cfg.resume and cfg.mode in ("both", "train") and not (Path(cfg.run_dir) / "buffer.sqlite").is_file():
+        raise FileNotFoundError(f"--resume: no run to resume in {cfg.run_dir} (no buffer.sqlite)")
 
 
 def prepare(cfg: Config, rank: int) -> str:
@@ -708,9 +745,15 @@ def prepare(cfg: Config, rank: int) -> str:
     check_modes(cfg)
     check_algorithm(cfg)
     model_path = resolve_model(cfg.model) if rank == 0 else None
-    train, held_out, _ = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
+    train, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
     if not train:
         raise ValueError(f"task {cfg.task!r} produced no training tasks")
+    if cfg.mode == "bench" and not held_out:
+        raise ValueError(f"mode bench needs held-out tasks: task {cfg.task!r} with eval_size {cfg.eval_size} has none")
+    if cfg.resume and rank == 0:
+        from buffer import Buffer
+
+        Buffer(Path(cfg.run_dir) / "buffer.sqlite")  # ValueError for a corrupt file
     load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
     load_workflow(cfg.workflow)
     from explorer import vllm_available
@@ -719,10 +762,17 @@ def prepare(cfg: Config, rank: int) -> str:
         raise ValueError("--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)")
     if cfg.engine == "auto":
         cfg.engine = "vllm" if vllm_available() else "hf"
-    if (cfg.expert_fraction or cfg.train_data) and rank == 0:
+    if rank == 0:
         from transformers import AutoTokenizer
 
+        from explorer import Sampling
+
         tok = AutoTokenizer.from_pretrained(model_path)
+        try:  # a workflow that cannot be created fails here, once, not in the explorer process
+            load_workflow(cfg.workflow)(tok, load_reward_fn(cfg.reward_fn, cfg.reward_kwargs), dataset,
+                                        cfg.system_prompt, Sampling(cfg.max_tokens), run_dir=cfg.run_dir)
+        except Exception as e:
+            raise ValueError(f"workflow {cfg.workflow!r} cannot be created: {type(e).__name__}: {e}") from None
         if cfg.expert_fraction:
             load_chat_jsonl(cfg.expert_data, tok)
         if cfg.train_data:
@@ -768,9 +818,26 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.mode == "bench":
             bench(cfg)
             return 0
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"run.py: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # bad input: flags, files, directories
+        print(f"run.py: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    try:
+        run(cfg, model_path)
+    except Exception as e:  # a failed run: one line here, the traceback in RUN_DIR/error*.log
+        name = f"error_{cfg.explorer_name}.log" if cfg.mode == "explore" else f"error_rank{rank}.log" if rank else "error.log"
+        log = Path(cfg.run_dir) / name
+        try:
+            log.write_text(traceback.format_exc())
+        except OSError:
+            log = "not saved"
+        if rank == 0:
+            print(f"run.py: error: {' '.join(str(e).split())} (traceback: {log})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(cfg: Config, model_path: str) -> None:
+    """Run mode explore, or start the trainer ranks (modes both and train)."""
     if cfg.mode == "explore":
         from explorer import run_explore_mode
 
@@ -778,7 +845,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nanorft: mode explore ({cfg.explorer_name}), engine {cfg.engine}, {cfg.explorer_threads} threads, "
               f"run dir {cfg.run_dir}")
         run_explore_mode(cfg, model_path)
-        return 0
+        return
     import torch.distributed as dist
 
     rank, world, device = init_distributed()
@@ -792,7 +859,6 @@ def main(argv: list[str] | None = None) -> int:
         run_trainer(cfg, shared[0], rank, world, device)
     finally:
         dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

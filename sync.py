@@ -27,16 +27,20 @@ version (int64 [1]) then of all parameters flattened into one buffer per dtype, 
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Iterable
+from contextlib import contextmanager
+from typing import Callable, Iterable, TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 def required_version(batch: int, sync_interval: int, sync_offset: int) -> int:
@@ -173,22 +177,52 @@ def _unflatten(flats: list[torch.Tensor], params: list[torch.Tensor]) -> None:
             offset += p.numel()
 
 
+@contextmanager
+def _checkpoint_lock(root: Path):
+    """Exclusive lock (flock on root/.lock) between retention and readers taking a lease."""
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / ".lock").open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _leased(root: Path) -> set[int]:
+    """Versions a reader is loading now (files root/loading/<reader> holding a version)."""
+    out = set()
+    for lease in (root / "loading").glob("*"):
+        try:
+            out.add(int(lease.read_text()))
+        except (OSError, ValueError):  # removed meanwhile, or a lease being written
+            pass
+    return out
+
+
 def publish_checkpoint(run_dir: str | Path, version: int, save: Callable[[Path], None], keep: int = 3) -> Path:
     """Write checkpoint `version` with `save(directory)` atomically (temporary directory,
     rename, then the `latest` marker written and renamed), and delete all but the `keep`
-    newest checkpoints. Returns the checkpoint directory."""
+    newest checkpoints, except any a reader is loading (`load_latest_checkpoint` leases).
+    Call it on one process only (trainer rank 0). Returns the checkpoint directory."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"v{version:06d}", root / f".tmp-v{version:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
     save(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    marker = root / ".latest.tmp"
-    marker.write_text(str(version))
-    os.replace(marker, root / "latest")
-    for old in sorted(root.glob("v[0-9]*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    with _checkpoint_lock(root):
+        if final.exists() and version in _leased(root):  # republished after a resume while being read: keep it
+            shutil.rmtree(tmp)
+        else:
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+        marker = root / ".latest.tmp"
+        marker.write_text(str(version))
+        os.replace(marker, root / "latest")
+        protected = _leased(root) | {version}
+        for old in sorted(root.glob("v[0-9]*"))[:-keep]:
+            if int(old.name[1:]) not in protected:
+                shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -199,3 +233,23 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
         return None
     version = int(marker.read_text())
     return version, Path(run_dir) / "checkpoints" / f"v{version:06d}"
+
+
+def load_latest_checkpoint(run_dir: str | Path, reader: str, load: Callable[[Path, int], T],
+                           newer_than: int = -1) -> tuple[int, T] | None:
+    """If the newest published checkpoint is newer than `newer_than`, load it with
+    `load(directory, version)` and return (version, its result); else None. While it
+    loads, `reader` holds a lease (RUN_DIR/checkpoints/loading/<reader>, taken under the
+    checkpoint lock) so retention cannot delete the directory under it."""
+    root = Path(run_dir) / "checkpoints"
+    lease = root / "loading" / reader
+    with _checkpoint_lock(root):
+        latest = latest_checkpoint(run_dir)
+        if latest is None or latest[0] <= newer_than:
+            return None
+        lease.parent.mkdir(exist_ok=True)
+        lease.write_text(str(latest[0]))
+    try:
+        return latest[0], load(latest[1], latest[0])
+    finally:
+        lease.unlink(missing_ok=True)

@@ -11,6 +11,7 @@ aggregated as a token-mean over the whole batch. Then grad-norm clipping and Ada
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -23,6 +24,13 @@ from torch.distributed.tensor import DTensor
 from buffer import Experience
 from losses import (ADVANTAGES, FILTERS, POLICY_LOSSES, LossInputs, aggregate, kl_estimate, length_penalty,
                     masked_sum, resolve, token_entropy)
+
+
+def resume_state(run_dir: str | Path) -> Path | None:
+    """The newest complete resume state of a run (named by checkpoints/resume-latest), or
+    None when the run has none yet."""
+    marker = Path(run_dir) / "checkpoints" / "resume-latest"
+    return marker.parent / marker.read_text().strip() if marker.is_file() else None
 
 
 def pack(exps: list[Experience], pad: int) -> dict[str, torch.Tensor]:
@@ -118,6 +126,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                      betas=(0.9, 0.99))
         self.version = 0
+        self.before_resume_marker = None  # tests: called after a resume state is written, before it is named
 
     def _load(self, model_path: str):
         from transformers import AutoModelForCausalLM
@@ -270,26 +279,42 @@ class Trainer:
                   "train/tokens_per_s": sum(len(e.tokens) for e in exps) / train_s})
         return m
 
-    def save_state(self, path: str | Path, step: int) -> None:
+    def save_state(self, run_dir: str | Path, step: int) -> Path:
         """Resume state after `step` steps: model and optimizer (torch.distributed.checkpoint,
-        sharded as they are), version and RNG, plus full HF weights in path/hf for the
-        explorer. Collective. Written to a temporary directory, then renamed."""
+        sharded as they are), version and RNG, plus full HF weights in hf/ for the explorer.
+        Collective. Written to RUN_DIR/checkpoints/resume-{step:06d}/; only when it is
+        complete does the marker checkpoints/resume-latest (written to a temporary file, then
+        renamed over the old one) name it, and only then are older states deleted: at every
+        moment the marker names a complete state, whatever is killed when. Returns the
+        directory."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        path, tmp = Path(path), Path(str(path) + ".tmp")
-        model_sd, optim_sd = get_state_dict(self.model, self.opt)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
-        self.save(tmp / "hf")
+        root = Path(run_dir) / "checkpoints"
+        path = root / f"resume-{step:06d}"
         if self.rank == 0:
-            torch.save({"step": step, "version": self.version, "rng": torch.get_rng_state()}, tmp / "trainer.pt")
-            if path.exists():
-                shutil.rmtree(path)
-            tmp.rename(path)
+            shutil.rmtree(path, ignore_errors=True)  # a partial state left by a crash
+            path.mkdir(parents=True)
         dist.barrier()
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
+        self.save(path / "hf")
+        if self.rank == 0:
+            torch.save({"step": step, "version": self.version, "rng": torch.get_rng_state()}, path / "trainer.pt")
+            if self.before_resume_marker is not None:
+                self.before_resume_marker()
+            tmp = root / ".resume-latest.tmp"
+            tmp.write_text(path.name)
+            os.replace(tmp, root / "resume-latest")
+            for old in root.glob("resume-[0-9]*"):
+                if old != path:
+                    shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+        return path
 
     def load_state(self, path: str | Path) -> int:
-        """Load a `save_state` directory; returns the number of steps it had done. Collective."""
+        """Load a `save_state` directory (`resume_state(run_dir)`); returns the number of
+        steps it had done. Collective."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import numbers
 import re
 import threading
 import uuid
@@ -52,7 +54,8 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
         tasks = _read_jsonl_tasks(Path(name))
         if len(tasks) <= eval_size:
             raise ValueError(f"{name}: {len(tasks)} rows, need more than eval_size={eval_size}")
-        return tasks[:-eval_size], tasks[-eval_size:], None
+        cut = len(tasks) - eval_size
+        return tasks[:cut], tasks[cut:], None
     import reasoning_gym
 
     try:
@@ -99,7 +102,13 @@ def _jsonl_rows(path: str | Path, what: str):
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{what} not found: {path}")
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({what}; byte {e.start})") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a directory, not a {what}") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 yield path, n, json.loads(line)
@@ -313,14 +322,21 @@ class Workflow:
         self.tokenizer, self.reward_fn, self.dataset = tokenizer, reward_fn, dataset
         self.system_prompt, self.sampling, self.run_dir = system_prompt, sampling, run_dir
 
-    def score(self, task: Task, completion: str) -> tuple[float | None, str | None]:
-        """(reward, error). A reward function that raises scores 0 and returns the error
-        text; one that returns None leaves the reward to be filled in later."""
+    async def score(self, task: Task, completion: str) -> tuple[float | None, str | None]:
+        """(reward, error). The reward function runs in a thread (`in_thread`), so one that
+        blocks is abandoned at the explorer's workflow timeout instead of hanging the run.
+        One that raises, or returns anything but a finite real number or None (NaN, a
+        string, ...), scores 0 and returns the error text (counted as a reward error); None
+        leaves the reward to be filled in later (lagged reward)."""
         try:
-            r = self.reward_fn(task, completion, self.dataset)
-            return (None if r is None else float(r)), None
+            r = await in_thread(self.reward_fn, task, completion, self.dataset)
         except Exception as e:
             return 0.0, f"{type(e).__name__}: {e}"
+        if r is None:
+            return None, None
+        if not isinstance(r, numbers.Real) or not math.isfinite(r):
+            return 0.0, f"reward function returned {r!r}, not a finite number"
+        return float(r), None
 
     def system(self) -> list[dict]:
         return [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
@@ -340,9 +356,9 @@ class MathWorkflow(Workflow):
         outs = await engine.generate(prompt, n, self.sampling)
         group_id = uuid.uuid4().hex
         group = []
-        for out in outs:
-            text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
-            reward, error = self.score(task, text)
+        texts = [self.tokenizer.decode(out.tokens, skip_special_tokens=True) for out in outs]
+        scores = await asyncio.gather(*(self.score(task, text) for text in texts))
+        for out, text, (reward, error) in zip(outs, texts, scores):
             info = {"finish_reason": out.finish_reason, "response": text, "answer": task.answer,
                     "versions": list(out.versions)}
             if error:
@@ -479,7 +495,7 @@ class ReflectWorkflow(MathWorkflow):
         outs = await asyncio.gather(*(engine.generate(p, 1, self.sampling) for p in prompts))
         for e, p, (out,) in zip(wrong, prompts, outs):
             text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
-            reward, _ = self.score(task, text)
+            reward, _ = await self.score(task, text)
             if reward == 1.0:
                 group.append(Experience(p + out.tokens, len(p), out.logprobs, [1] * len(out.tokens), 1.0, e.group_id,
                                         task.task_id, out.versions[0], {"reflection": True, "response": text,

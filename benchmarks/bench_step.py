@@ -54,14 +54,11 @@ class Sink:
     def __init__(self):
         self.groups = []
 
-    def write(self, group):
-        self.groups.append(group)
+    def write_batch(self, groups, explorer=None, state=None, pools=()):
+        self.groups += groups
 
     def retired(self):
         return {}
-
-    def update_pool(self, *args):
-        return None
 
 
 def explore_rate(ex, rnd):
@@ -69,7 +66,7 @@ def explore_rate(ex, rnd):
     sink = Sink()
     ex.cursor = rnd * ex.cfg.batch_size  # the tasks of batch rnd
     t = time.perf_counter()
-    ex.explore(rnd, 0, sink)
+    ex.explore(rnd, sink)
     return sum(len(e.logprobs) for g in sink.groups for e in g) / (time.perf_counter() - t), sink.groups
 
 
