@@ -15,6 +15,7 @@ import base64
 import json
 import os
 import random
+import signal
 import sys
 import time
 import traceback
@@ -572,8 +573,8 @@ class Explorer:
                    for g in generated if all(e.reward is not None for e in g)]
         pools = [pool_for(*u[1:]) for u in updates]
         for g in groups:
-            for e in g:
-                e.explorer = cfg.explorer_name
+            for e in g:  # who generated it, in which of its batches: resume and the fault benchmark check these
+                e.explorer, e.info["batch"] = cfg.explorer_name, batch
         buffer.write_batch(groups, cfg.explorer_name, {"batch": batch + 1, **self.state()}, updates)
         exps = [e for g in generated for e in g]
         gen_tokens = sum(len(e.logprobs) for e in exps)
@@ -688,6 +689,7 @@ def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue, start
         while engine.version < published[-1]:
             receive(engine)
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the trainer failed: unwind (close the engine), exit
     try:
         _explore(cfg, model_path, queue.put, total_steps, start_version, setup, before_batch, inflight, finish)
     except Exception as e:  # reported by the trainer as one line; the process exits with code 1

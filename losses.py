@@ -4,22 +4,32 @@ No model, no process group, no I/O: every function takes tensors (or token lists
 returns tensors, so each can be checked against a slow reference on small inputs. Shapes:
 B = sequences in a (micro-)batch, T = response tokens (right-padded).
 
+Every estimator and loss names its source twice in its docstring: the paper (section) and
+the reference implementation it was checked against (repository, file, commit), and
+tests/test_fidelity.py pins it to numbers produced by that reference's code.
+
 Contracts (also for plug-ins given by import path, `module.function`, with kwargs from the
 config; see README "Custom losses"):
 
   ADVANTAGES[name](rewards [B], group_index [B], trajectory_index [B], **kw) -> advantages [B]
       group_index: rollouts of one task share it (0..G-1); trajectory_index: the samples
-      of one multi-turn trajectory share it (= arange(B) for single-turn).
+      of one multi-turn trajectory share it (= arange(B) for single-turn). An estimator
+      with a `token_counts` parameter also gets the trained tokens of each sequence [B]
+      (REINFORCE++ whitens over tokens).
   POLICY_LOSSES[name](LossInputs, **kw) -> dict of per-token tensors [B, T]:
       "loss" (required) and any extra per-token metric (reported as loss/<key>, token-mean).
       Attributes set by `register`: `agg` (default aggregation), `needs_groups` (whole
-      groups must share a micro-batch), `needs_ref` (LossInputs.ref_logprobs is filled).
+      groups must share a micro-batch), `needs_ref` (LossInputs.ref_logprobs is filled),
+      `split_expert` (rollout and expert sequences are normalised separately: aggregate
+      the loss with the per-sequence totals of `part_totals`, MIX).
   FILTERS[name](tokens, logprobs, advantage, **kw) -> bool (keep this sequence)
 
 The trainer turns per-token losses into one scalar with `aggregate` (token-mean,
-sequence-mean-token-sum or sequence-mean-token-mean over the whole global batch).
-Sequence- and group-level losses (GSPO's ratio, OPMD, DPO) spread each sequence's loss
-evenly over its tokens, so "seq-mean-token-sum" gives the mean over sequences.
+sequence-mean-token-sum or sequence-mean-token-mean over the whole global batch, or over
+each sequence's part of it when the totals are per-sequence). Sequence- and group-level
+losses (GSPO's ratio, OPMD, DPO) spread each sequence's loss evenly over its tokens, so
+"seq-mean-token-sum" gives the mean over sequences and "token-mean" the sum over
+sequences divided by the batch's tokens.
 """
 from __future__ import annotations
 
@@ -64,10 +74,10 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
 def register(registry: dict, name: str, agg: str = "token-mean", needs_groups: bool = False,
-             needs_ref: bool = False):
+             needs_ref: bool = False, split_expert: bool = False):
     """Decorator: add a function to a registry under `name` with its loss attributes."""
     def wrap(fn):
-        fn.agg, fn.needs_groups, fn.needs_ref = agg, needs_groups, needs_ref
+        fn.agg, fn.needs_groups, fn.needs_ref, fn.split_expert = agg, needs_groups, needs_ref, split_expert
         registry[name] = fn
         return fn
     return wrap
@@ -107,14 +117,18 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def group_stats(x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-member (mean, unbiased std, count) of the group of each element.
-    x: [B] float; index: [B] int in [0, G). Returns three [B] tensors (std 0 for groups of one)."""
+    x: [B] float; index: [B] int in [0, G). Returns three [B] tensors. A group of one has
+    mean 0 and std 1, so a lone sample keeps its raw reward (verl's convention,
+    verl/trainer/ppo/core_algos.py compute_grpo_outcome_advantage @ b178a3c)."""
     G = int(index.max()) + 1
     onehot = torch.nn.functional.one_hot(index, G).to(x.dtype)             # [B, G]
     count = onehot.sum(0)                                                  # [G]
     mean = (onehot * x[:, None]).sum(0) / count                            # [G]
     dev = x - mean[index]                                                  # [B]
     var = (onehot * dev[:, None] ** 2).sum(0) / (count - 1).clamp(min=1)   # [G]
-    return mean[index], var.sqrt()[index], count[index]
+    single = count[index] == 1                                             # [B]
+    return (torch.where(single, 0.0, mean[index]), torch.where(single, 1.0, var.sqrt()[index]),  # [B], [B]
+            count[index])                                                                        # [B]
 
 
 def seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -128,21 +142,44 @@ def spread(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return per_seq[:, None] * mask / mask.sum(-1, keepdim=True).clamp(min=1)
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens: float, total_seqs: float) -> torch.Tensor:
+def _totals(total, like: torch.Tensor) -> torch.Tensor:
+    """A global count (number, 0-d or [B] tensor) as a float tensor >= 1 on like's device."""
+    return torch.as_tensor(total, dtype=like.dtype, device=like.device).clamp(min=1)
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens, total_seqs) -> torch.Tensor:
     """This micro-batch's share of the global loss. loss, mask: [B, T]; totals count the
     trained tokens / sequences of the whole global batch (all micro-batches, all ranks),
     so the shares add up to:
       token-mean:          sum of all token losses / total tokens (DAPO, arXiv:2503.14476, sec. 3.3)
       seq-mean-token-sum:  mean over sequences of each sequence's token sum
       seq-mean-token-mean: mean over sequences of each sequence's token mean (GRPO, arXiv:2402.03300)
+    The modes are verl's agg_loss (verl/trainer/ppo/core_algos.py @ b178a3c). A total may
+    also be a [B] tensor: each sequence's own denominator, the total of its part of the
+    batch (`part_totals`), so that the parts are normalised separately (MIX).
     Raises ValueError for an unknown mode."""
     if mode == "token-mean":
-        return masked_sum(loss, mask) / max(total_tokens, 1)
+        tokens = _totals(total_tokens, loss)                                # [] or [B]
+        return (loss * mask / (tokens[:, None] if tokens.dim() else tokens)).sum()
     if mode == "seq-mean-token-sum":
-        return seq_sum(loss, mask).sum() / max(total_seqs, 1)
+        return (seq_sum(loss, mask) / _totals(total_seqs, loss)).sum()
     if mode == "seq-mean-token-mean":
-        return (seq_sum(loss, mask) / mask.sum(-1).clamp(min=1)).sum() / max(total_seqs, 1)
+        return (seq_sum(loss, mask) / mask.sum(-1).clamp(min=1) / _totals(total_seqs, loss)).sum()
     raise ValueError(f"unknown loss aggregation {mode!r}; known: {list(AGGREGATIONS)}")
+
+
+def part_totals(token_counts: torch.Tensor, expert: torch.Tensor,
+                keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Denominators for a `split_expert` loss (MIX): for each sequence of the global batch,
+    the trained tokens and the number of kept sequences of its part (expert or rollout).
+    token_counts [N] float, expert [N] bool, keep [N] bool (not filtered out) -> ([N], [N]).
+    Passed (indexed by micro-batch) as the totals of `aggregate`."""
+    kept = keep.to(token_counts.dtype)                                          # [N]
+    is_exp = expert.to(token_counts.dtype)                                      # [N]
+    tokens = torch.stack([(token_counts * kept * (1 - is_exp)).sum(), (token_counts * kept * is_exp).sum()])  # [2]
+    seqs = torch.stack([(kept * (1 - is_exp)).sum(), (kept * is_exp).sum()])    # [2]
+    part = expert.long()                                                        # [N]
+    return tokens[part], seqs[part]
 
 
 def length_penalty(rewards: torch.Tensor, lengths: torch.Tensor, coef: float) -> torch.Tensor:
@@ -154,47 +191,66 @@ def length_penalty(rewards: torch.Tensor, lengths: torch.Tensor, coef: float) ->
 
 @register(ADVANTAGES, "grpo")
 def grpo_advantages(rewards, group_index, trajectory_index=None, eps: float = 1e-6):
-    """GRPO outcome advantages: (r - mean_group) / (std_group + eps). [B] -> [B].
-    Unbiased sample std (0 for groups of one). Source: DeepSeekMath, arXiv:2402.03300, sec. 4.1.2."""
+    """GRPO outcome advantages: (r - mean_group) / (std_group + eps), unbiased std; a group
+    of one keeps r / (1 + eps). [B] -> [B].
+    Source: DeepSeekMath, arXiv:2402.03300, sec. 4.1.2. Reference: volcengine/verl
+    verl/trainer/ppo/core_algos.py compute_grpo_outcome_advantage @ b178a3c."""
     mean, std, _ = group_stats(rewards, group_index)
     return (rewards - mean) / (std + eps)
 
 
 @register(ADVANTAGES, "dr_grpo")
 def dr_grpo_advantages(rewards, group_index, trajectory_index=None):
-    """Dr. GRPO: r - mean_group, no std division (prime-rl's default). [B] -> [B].
-    Source: Liu et al., "Understanding R1-Zero-Like Training", arXiv:2503.20783, sec. 3.2."""
-    mean, _, _ = group_stats(rewards, group_index)
-    return rewards - mean
+    """Dr. GRPO: r - mean_group, no std division (prime-rl's default); a group of one keeps
+    r (prime-rl gives it 0). [B] -> [B].
+    Source: Liu et al., "Understanding R1-Zero-Like Training", arXiv:2503.20783, sec. 3.2.
+    Reference: volcengine/verl verl/trainer/ppo/core_algos.py compute_grpo_outcome_advantage
+    (norm_adv_by_std_in_grpo=False) @ b178a3c; PrimeIntellect-ai/prime-rl
+    src/prime_rl/orchestrator/algo/grpo.py @ 559b447."""
+    return rewards - group_stats(rewards, group_index)[0]
 
 
 @register(ADVANTAGES, "rloo")
 def rloo_advantages(rewards, group_index, trajectory_index=None):
-    """RLOO: r_i - mean of the other members of its group = K/(K-1) (r_i - mean_group);
-    0 for groups of one. [B] -> [B]. Source: Ahmadian et al., arXiv:2402.14740, eq. 10."""
+    """RLOO: r_i - mean of the other members of its group = K/(K-1) (r_i - mean_group); a
+    group of one keeps r. [B] -> [B]. Source: Ahmadian et al., arXiv:2402.14740, eq. 10.
+    Reference: volcengine/verl verl/trainer/ppo/core_algos.py compute_rloo_outcome_advantage @ b178a3c."""
     mean, _, count = group_stats(rewards, group_index)
-    return torch.where(count > 1, (rewards - mean) * count / (count - 1).clamp(min=1), torch.zeros_like(rewards))
+    return torch.where(count > 1, (rewards - mean) * count / (count - 1).clamp(min=1), rewards)  # [B]
 
 
 @register(ADVANTAGES, "reinforce_pp")
-def reinforce_pp_advantages(rewards, group_index, trajectory_index=None, group_baseline: bool = True, eps: float = 1e-6):
-    """REINFORCE++ batch normalisation: subtract the group mean (the "-baseline" variant,
-    optional), then normalise by the mean and std of the whole batch. [B] -> [B].
-    Source: Hu, "REINFORCE++", arXiv:2501.03262, sec. 3."""
-    adv = rewards - group_stats(rewards, group_index)[0] if group_baseline else rewards
-    return (adv - adv.mean()) / (adv.std() + eps) if len(adv) > 1 else adv - adv.mean()
+def reinforce_pp_advantages(rewards, group_index, trajectory_index=None, group_baseline: bool = True,
+                            token_counts: torch.Tensor | None = None, eps: float = 1e-8):
+    """REINFORCE++: subtract the group mean (the "-baseline" variant, optional; a group of
+    one keeps r), then whiten over the batch's tokens: (x - mean) / sqrt(var + eps) with the
+    token-weighted mean and unbiased variance (each sequence weighs its `token_counts`
+    [B]; equal weights when None). [B] -> [B].
+    Source: Hu, "REINFORCE++", arXiv:2501.03262, sec. 3. Reference: volcengine/verl
+    verl/trainer/ppo/core_algos.py compute_reinforce_plus_plus_baseline_outcome_advantage and
+    compute_reinforce_plus_plus_outcome_advantage (gamma 1), verl/utils/torch_functional.py
+    masked_whiten @ b178a3c."""
+    adv = rewards - group_stats(rewards, group_index)[0] if group_baseline else rewards     # [B]
+    w = torch.ones_like(adv) if token_counts is None else token_counts.to(adv.dtype)       # [B]
+    n = w.sum()                                                                            # []
+    mean = (w * adv).sum() / n.clamp(min=1)                                                # []
+    var = (w * (adv - mean) ** 2).sum() / (n - 1).clamp(min=1)                             # []
+    return (adv - mean) * torch.rsqrt(var + eps)                                           # [B]
 
 
 @register(ADVANTAGES, "opmd")
 def opmd_advantages(rewards, group_index, trajectory_index=None, baseline: str = "mean", tau: float = 1.0):
     """OPMD advantages: r - b with the group baseline b = mean(r) ("mean") or
-    tau * log(mean(exp(r / tau))) ("logavgexp", the tau log Z of the KL-regularised optimum).
-    [B] -> [B]. Source: Trinity-RFT technical report, arXiv:2505.17826, appendix A."""
+    tau * log(mean(exp(r / tau))) ("logavgexp", the tau log Z of the KL-regularised optimum,
+    for opmd_kimi with the same tau); a group of one has b = 0. [B] -> [B].
+    Source: Trinity-RFT technical report, arXiv:2505.17826, appendix A. Reference:
+    modelscope/Trinity-RFT trinity/algorithm/advantage_fn/opmd_advantage.py @ 547adf1."""
     if baseline == "mean":
         return rewards - group_stats(rewards, group_index)[0]
     if baseline != "logavgexp":
         raise ValueError(f"opmd baseline must be mean or logavgexp, got {baseline!r}")
-    return rewards - logavgexp_baseline(rewards, group_index, tau)
+    single = group_stats(rewards, group_index)[2] == 1                                    # [B]
+    return rewards - torch.where(single, 0.0, logavgexp_baseline(rewards, group_index, tau))  # [B]
 
 
 def logavgexp_baseline(rewards: torch.Tensor, group_index: torch.Tensor, tau: float) -> torch.Tensor:
@@ -211,8 +267,10 @@ def logavgexp_baseline(rewards: torch.Tensor, group_index: torch.Tensor, tau: fl
 def stepwise_grpo_advantages(rewards, group_index, trajectory_index, eps: float = 1e-6):
     """Step-wise GRPO for multi-turn: each trajectory (one or more samples with the same
     trajectory_index, reward = its final reward, taken from its last sample) counts once
-    in its group's mean/std, and every sample of the trajectory gets that advantage.
-    [B] -> [B]. Source: Trinity-RFT step-wise GRPO (arXiv:2505.17826, sec. 2.2)."""
+    in its group's mean/std, and every sample of the trajectory gets that advantage; a
+    group of one trajectory keeps r / (1 + eps). [B] -> [B].
+    Source: Trinity-RFT step-wise GRPO (arXiv:2505.17826, sec. 2.2). Reference:
+    modelscope/Trinity-RFT trinity/algorithm/advantage_fn/multi_step_grpo_advantage.py @ 369bf62."""
     T = int(trajectory_index.max()) + 1
     last = torch.zeros(T, dtype=torch.long).scatter_reduce(
         0, trajectory_index, torch.arange(len(rewards)), "amax", include_self=False)   # [T]
@@ -225,136 +283,164 @@ def stepwise_grpo_advantages(rewards, group_index, trajectory_index, eps: float 
 def kl_estimate(logp: torch.Tensor, logq: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(p || q) from tokens sampled from p. [B, T] -> [B, T].
 
-    With log r = logq - logp: k1 = -log r; k2 = (log r)^2 / 2; k3 = (r - 1) - log r (>= 0);
-    low_var = k3 with log r clamped to [-10, 10] (verl's low_var_kl).
-    Source: J. Schulman, "Approximating KL divergence" (2020). Raises ValueError for an unknown kind."""
-    log_r = logq - logp                                                  # [B, T]
+    With log r = logq - logp: k1 = -log r; k2 = (log r)^2 / 2; k3 = (r - 1) - log r with
+    log r clamped to [-20, 20] and the result to [-10, 10]; low_var is verl's name for the
+    same clamped k3. Source: J. Schulman, "Approximating KL divergence" (2020). Reference:
+    volcengine/verl verl/trainer/ppo/core_algos.py kl_penalty_forward @ b178a3c.
+    Raises ValueError for an unknown kind."""
     if kind == "k1":
-        return -log_r
+        return logp - logq                                               # [B, T]
     if kind == "k2":
-        return 0.5 * log_r ** 2
-    if kind == "low_var":
-        log_r = log_r.clamp(-10, 10)
-    elif kind != "k3":
+        return 0.5 * (logp - logq) ** 2                                  # [B, T]
+    if kind not in ("k3", "low_var"):
         raise ValueError(f"unknown KL estimator {kind!r}; known: k1, k2, k3, low_var")
-    return torch.expm1(log_r) - log_r
+    log_r = (logq - logp).clamp(-20, 20)                                 # [B, T]
+    return (torch.expm1(log_r) - log_r).clamp(-10, 10)                   # [B, T]
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy (nats) of the next-token distribution. logits [B, T, V] -> [B, T]."""
+    """Entropy (nats) of the next-token distribution. logits [B, T, V] -> [B, T].
+    Reference: volcengine/verl verl/utils/torch_functional.py entropy_from_logits @ b178a3c."""
     logz = torch.logsumexp(logits, -1)                                  # [B, T]
     return logz - (torch.softmax(logits, -1) * logits).sum(-1)          # [B, T]
 
 
 # ----------------------------------------------------------------------------- policy losses
 
-def _ratio(inp: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    log_ratio = inp.logprobs - inp.old_logprobs                         # [B, T]
-    return log_ratio, torch.exp(log_ratio)
+def _ratio(inp: LossInputs) -> torch.Tensor:
+    """Importance ratio exp(logprobs - old_logprobs), the log-ratio clamped to [-20, 20] as verl does. [B, T]"""
+    return torch.exp((inp.logprobs - inp.old_logprobs).clamp(-20, 20))  # [B, T]
 
 
 @register(POLICY_LOSSES, "ppo_clip")
-def ppo_clip_loss(inp: LossInputs, clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float | None = None):
+def ppo_clip_loss(inp: LossInputs, clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float | None = 3.0):
     """PPO clipped surrogate per token: -min(ratio A, clip(ratio, 1 - clip_low, 1 + clip_high) A),
-    ratio = exp(logprobs - old_logprobs). With `dual_clip` = c > 1, tokens with A < 0 are
-    bounded by -c A. Returns {"loss", "clipped" (1.0 where the clipped term is active)}: [B, T].
-    Source: PPO arXiv:1707.06347 eq. 7; clip-higher DAPO arXiv:2503.14476 sec. 3.1;
-    dual clip Ye et al. arXiv:1912.09729 eq. 5."""
-    _, ratio = _ratio(inp)
+    ratio = exp(logprobs - old_logprobs). Dual clip (`dual_clip` = c > 1, verl's default 3;
+    None turns it off): tokens with A < 0 are bounded by -c A. Returns {"loss", "clipped"
+    (1.0 where a clipped term is active)}: [B, T].
+    Source: PPO arXiv:1707.06347 eq. 7; clip-higher DAPO arXiv:2503.14476 sec. 3.1; dual clip
+    Ye et al. arXiv:1912.09729 eq. 5. Reference: volcengine/verl verl/trainer/ppo/core_algos.py
+    compute_policy_loss_vanilla @ b178a3c."""
+    ratio = _ratio(inp)                                                  # [B, T]
     A = inp.advantages
     unclipped = ratio * A                                                # [B, T]
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * A        # [B, T]
     loss = -torch.minimum(unclipped, clipped)                            # [B, T]
-    active = clipped < unclipped
+    active = clipped < unclipped                                         # [B, T]
     if dual_clip is not None:
-        dual = (A < 0) & (loss > -dual_clip * A)
+        dual = (A < 0) & (loss > -dual_clip * A)                         # [B, T]
         loss = torch.where(dual, -dual_clip * A, loss)
         active = active | dual
     return {"loss": loss, "clipped": active.float()}
 
 
 @register(POLICY_LOSSES, "dppo_kl")
-def dppo_kl_loss(inp: LossInputs, dppo_mask_low: float = 0.125, dppo_mask_high: float = 8.0, kl_tau: float = 1e-3):
-    """prime-rl's default loss: -ratio A on tokens whose importance ratio lies inside
-    [dppo_mask_low, dppo_mask_high] (masked, not clipped, outside), plus kl_tau (log ratio)^2
-    on every token. Returns {"loss", "masked" (1.0 outside the range)}: [B, T].
-    Source: prime-rl, src/prime_rl/trainer/rl/loss.py (masked importance sampling)."""
-    log_ratio, ratio = _ratio(inp)
-    outside = (ratio < dppo_mask_low) | (ratio > dppo_mask_high)        # [B, T]
-    loss = torch.where(outside, torch.zeros_like(ratio), -ratio * inp.advantages) + kl_tau * log_ratio ** 2
-    return {"loss": loss, "masked": outside.float()}
+def dppo_kl_loss(inp: LossInputs, dppo_mask_low: float = 0.2, dppo_mask_high: float = 0.2, adv_tau: float = 1.0,
+                 kl_tau: float = 1e-3):
+    """prime-rl's default loss, DPPO-Binary-TV + KL: -ratio adv_tau A on the tokens inside
+    the trust region, plus kl_tau (log ratio)^2 on every token. The trust region is the
+    difference of probabilities d = exp(logprobs) - exp(old_logprobs), checked on the side
+    the update pushes: a token with A > 0 is masked when d > dppo_mask_high, any other
+    when d < -dppo_mask_low. Returns {"loss", "masked" (1.0 on masked tokens)}: [B, T].
+    Source: Qi et al., "Rethinking the Trust Region in LLM RL" (DPPO), arXiv:2602.04879
+    (Binary-TV approximation); the squared log-ratio term: Kimi K2.5, arXiv:2602.02276.
+    Reference: PrimeIntellect-ai/prime-rl src/prime_rl/trainer/rl/loss.py default_loss_fn and
+    packages/prime-rl-configs/src/prime_rl/configs/trainer.py DefaultLossConfig @ 559b447."""
+    log_ratio = inp.logprobs - inp.old_logprobs                                           # [B, T]
+    diff = torch.exp(inp.logprobs) - torch.exp(inp.old_logprobs)                          # [B, T]
+    masked = torch.where(inp.advantages > 0, diff > dppo_mask_high, diff < -dppo_mask_low)  # [B, T]
+    pg = torch.where(masked, 0.0, adv_tau * inp.advantages * torch.exp(log_ratio))        # [B, T]
+    return {"loss": -pg + kl_tau * log_ratio ** 2, "masked": masked.float()}
 
 
-@register(POLICY_LOSSES, "reinforce_tis")
-def reinforce_tis_loss(inp: LossInputs, tis_cap: float = 2.0):
-    """REINFORCE with truncated, detached importance weights: -min(ratio, tis_cap).detach() A logprobs.
+@register(POLICY_LOSSES, "reinforce_tis", agg="seq-mean-token-sum")
+def reinforce_tis_loss(inp: LossInputs, tis_cap: float = 1.02):
+    """REINFORCE with truncated, detached importance weights: -min(ratio, tis_cap).detach() A logprobs,
+    summed over each sequence's tokens and averaged over sequences (PipelineRL's 1 / batch
+    size token weights); PipelineRL's cap is 1 + epsilon_high, 1.02 in its shipped config.
     Returns {"loss", "truncated"}: [B, T]. Source: PipelineRL (Piché et al., arXiv:2509.19128,
-    sec. 3), truncated IS as in IMPALA (arXiv:1802.01561)."""
-    _, ratio = _ratio(inp)
-    w = ratio.detach().clamp(max=tis_cap)                               # [B, T]
-    return {"loss": -w * inp.advantages * inp.logprobs, "truncated": (ratio.detach() > tis_cap).float()}
+    sec. 3), truncated IS as in IMPALA (arXiv:1802.01561). Reference: ServiceNow/PipelineRL
+    pipelinerl/finetune/rl/__init__.py rl_step (policy_loss "reinforce") and
+    conf/finetune/base.yaml @ 58d3934."""
+    ratio = _ratio(inp).detach()                                         # [B, T]
+    w = ratio.clamp(max=tis_cap)                                         # [B, T]
+    return {"loss": -w * inp.advantages * inp.logprobs, "truncated": (ratio > tis_cap).float()}
 
 
 @register(POLICY_LOSSES, "cispo")
 def cispo_loss(inp: LossInputs, clip_low: float = 1.0, clip_high: float = 0.28):
     """CISPO: -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) A logprobs: the IS weight is
     clipped and detached, every token keeps a gradient. Returns {"loss", "clipped"}: [B, T].
-    Source: MiniMax-M1, arXiv:2506.13585, eq. 4-5."""
-    _, ratio = _ratio(inp)
-    w = ratio.detach().clamp(1 - clip_low, 1 + clip_high)                # [B, T]
-    return {"loss": -w * inp.advantages * inp.logprobs, "clipped": (w != ratio.detach()).float()}
+    Source: MiniMax-M1, arXiv:2506.13585, sec. 3.1 eq. 4-5. Reference: volcengine/verl
+    verl/trainer/ppo/core_algos.py compute_policy_loss_cispo @ b178a3c."""
+    ratio = _ratio(inp).detach()                                         # [B, T]
+    w = ratio.clamp(1 - clip_low, 1 + clip_high)                         # [B, T]
+    return {"loss": -w * inp.advantages * inp.logprobs, "clipped": (w != ratio).float()}
 
 
 @register(POLICY_LOSSES, "gspo", agg="seq-mean-token-mean")
 def gspo_loss(inp: LossInputs, clip_low: float = 3e-4, clip_high: float = 4e-4):
     """GSPO: sequence-level ratio s = exp(mean_t(logprobs - old_logprobs)), used per token
-    as sg(s) exp(logprobs - sg(logprobs)) inside the PPO clip. Returns {"loss", "clipped"}: [B, T].
-    Source: Zheng et al., arXiv:2507.18071, eq. 5-7 (GSPO-token)."""
-    log_ratio = inp.logprobs - inp.old_logprobs                                            # [B, T]
-    seq_log_ratio = seq_sum(log_ratio, inp.mask) / inp.mask.sum(-1).clamp(min=1)           # [B]
-    s = torch.exp(seq_log_ratio.detach()[:, None] + inp.logprobs - inp.logprobs.detach())  # [B, T]
+    as sg(s) exp(logprobs - sg(logprobs)) (log clamped to <= 10) inside the PPO clip.
+    Returns {"loss", "clipped"}: [B, T].
+    Source: Zheng et al., arXiv:2507.18071, eq. 5-7 (GSPO-token). Reference: volcengine/verl
+    verl/trainer/ppo/core_algos.py compute_policy_loss_gspo @ b178a3c."""
+    seq_log_ratio = seq_sum(inp.logprobs - inp.old_logprobs, inp.mask) / inp.mask.sum(-1).clamp(min=1)  # [B]
+    log_s = seq_log_ratio.detach()[:, None] + inp.logprobs - inp.logprobs.detach()         # [B, T]
+    s = torch.exp(log_s.clamp(max=10.0))                                                   # [B, T]
     A = inp.advantages
-    clipped = torch.clamp(s, 1 - clip_low, 1 + clip_high) * A
+    clipped = torch.clamp(s, 1 - clip_low, 1 + clip_high) * A                              # [B, T]
     return {"loss": -torch.minimum(s * A, clipped), "clipped": (clipped < s * A).float()}
 
 
-@register(POLICY_LOSSES, "topr")
+@register(POLICY_LOSSES, "topr", agg="seq-mean-token-sum")
 def topr_loss(inp: LossInputs):
-    """TOPR: sequences with A >= 0 get the plain SFT-like term -A logprobs (no IS weight);
-    sequences with A < 0 get -clip(ratio, 0, 1).detach() A logprobs. Returns {"loss",
-    "truncated"}: [B, T]. Source: Le Roux et al., "Tapered Off-Policy REINFORCE", arXiv:2503.14286, eq. 9."""
-    _, ratio = _ratio(inp)
-    neg = inp.advantages < 0
-    w = torch.where(neg, ratio.detach().clamp(max=1.0), torch.ones_like(ratio))         # [B, T]
-    return {"loss": -w * inp.advantages * inp.logprobs, "truncated": (neg & (ratio.detach() > 1)).float()}
+    """TOPR: sequences with A >= 0 get the plain SFT-like term -A log pi(y) (no IS weight);
+    sequences with A < 0 get -sg(clip(pi(y) / mu(y), 0, 1)) A log pi(y), with the
+    sequence-level ratio pi(y) / mu(y) = exp(sum_t (logprobs - old_logprobs)). The advantage
+    plays the paper's baseline-shifted reward R - c. The trajectory objective sums tokens,
+    hence seq-mean-token-sum. Returns {"loss", "truncated" (1.0 on negative sequences whose
+    ratio was cut to 1)}: [B, T].
+    Source: Le Roux et al., "Tapered Off-Policy REINFORCE", arXiv:2503.14286, sec. 3 (no
+    reference implementation: checked against the paper's estimator)."""
+    seq_log_ratio = seq_sum(inp.logprobs - inp.old_logprobs, inp.mask).detach()          # [B]
+    taper = torch.exp(seq_log_ratio.clamp(max=0.0))[:, None]                             # [B, 1] = clip(ratio, 0, 1)
+    neg = inp.advantages < 0                                                             # [B, T]
+    w = torch.where(neg, taper, 1.0)                                                     # [B, T]
+    cut = neg & (seq_log_ratio[:, None] > 0)                                             # [B, T]
+    return {"loss": -w * inp.advantages * inp.logprobs, "truncated": cut.float()}
 
 
-def _seq_log_ratio(inp: LossInputs) -> torch.Tensor:
-    return seq_sum(inp.logprobs - inp.old_logprobs, inp.mask)           # [B]
-
-
-@register(POLICY_LOSSES, "opmd_kimi", agg="seq-mean-token-sum", needs_groups=True)
+@register(POLICY_LOSSES, "opmd_kimi")
 def opmd_kimi_loss(inp: LossInputs, tau: float = 1.0):
-    """Kimi k1.5 online policy mirror descent: per sequence (r - tau log Z - tau log(pi/pi_old))^2,
-    tau log Z = tau log mean_group exp(r / tau), log(pi/pi_old) summed over the sequence.
-    Returns {"loss"}: [B, T] (the sequence loss spread over its tokens).
-    Source: Kimi k1.5, arXiv:2501.12599, sec. 2.3.2, eq. 3."""
-    log_z = logavgexp_baseline(inp.rewards, inp.group_index, tau)                     # [B]
-    per_seq = (inp.rewards - log_z - tau * _seq_log_ratio(inp)) ** 2                  # [B]
-    return {"loss": spread(per_seq, inp.mask)}
+    """Kimi k1.5 online policy mirror descent in Trinity-RFT's form: per token
+    (-A logprobs + spread(tau / 2 * s^2)) / max(1, tau), s = sum_t (logprobs - old_logprobs)
+    of the sequence, with A = r - tau log Z from ADVANTAGES["opmd"] (baseline "logavgexp",
+    the same tau). Its gradient is the gradient of Kimi's (r - tau log Z - tau s)^2 divided
+    by 2 tau max(1, tau); aggregated token-mean, as in Trinity-RFT. Returns {"loss"}: [B, T].
+    Source: Kimi k1.5, arXiv:2501.12599, sec. 2.3.2 eq. 3; Trinity-RFT report, arXiv:2505.17826,
+    appendix A.1. Reference: Trinity-RFT trinity/trainer/verl/core_algos.py
+    compute_policy_loss_opmd ("version 0: kimi-opmd"), read in the fork
+    yaochaorui/Trinity-RFT @ 50aba82."""
+    s = seq_sum(inp.logprobs - inp.old_logprobs, inp.mask)                               # [B]
+    loss = -inp.advantages * inp.logprobs + spread(0.5 * tau * s ** 2, inp.mask)          # [B, T]
+    return {"loss": loss / max(1.0, tau)}                                                # [B, T]
 
 
-@register(POLICY_LOSSES, "opmd_pairwise", agg="seq-mean-token-sum", needs_groups=True)
+@register(POLICY_LOSSES, "opmd_pairwise", needs_groups=True)
 def opmd_pairwise_loss(inp: LossInputs, tau: float = 1.0):
-    """Pairwise OPMD: with a_i = r_i - tau log(pi/pi_old)(y_i), the optimum's consistency
-    a_i = tau log Z holds for every i, so tau log Z cancels in pairs: sequence i's loss is
-    1/(2K) sum_j in group (a_i - a_j)^2 (the group mean of these is 1/(2K^2) sum_ij).
-    Returns {"loss"}: [B, T]. Source: Trinity-RFT report, arXiv:2505.17826, appendix A."""
-    a = inp.rewards - tau * _seq_log_ratio(inp)                                         # [B]
-    same = (inp.group_index[:, None] == inp.group_index[None, :]).to(a.dtype)         # [B, B]
-    k = same.sum(-1)                                                                    # [B]
-    per_seq = (same * (a[:, None] - a[None, :]) ** 2).sum(-1) / (2 * k)                 # [B]
-    return {"loss": spread(per_seq, inp.mask)}
+    """Pairwise OPMD: with d_i = r_i - tau (log pi(y_i) - sg(log pi(y_i))) (the mirror-descent
+    step is anchored at the policy of this step, so d = r in value), tau log Z cancels in
+    pairs: sequence i's loss is (d_i - mean_group d)^2 / max(1, tau) (the group's sum of these
+    is 1/(2K) sum_ij (d_i - d_j)^2), aggregated token-mean; a group of one gives 0.
+    Returns {"loss"}: [B, T]. Source: Trinity-RFT report, arXiv:2505.17826, appendix A.
+    Reference: Trinity-RFT trinity/trainer/verl/core_algos.py compute_policy_loss_pairwise_opmd,
+    read in the fork yaochaorui/Trinity-RFT @ 50aba82."""
+    s = seq_sum(inp.logprobs, inp.mask)                                                  # [B]
+    d = inp.rewards - tau * (s - s.detach())                                             # [B]
+    same = (inp.group_index[:, None] == inp.group_index[None, :]).to(d.dtype)           # [B, B]
+    centred = d - (same @ d) / same.sum(-1)                                              # [B]
+    return {"loss": spread(centred ** 2 / max(1.0, tau), inp.mask)}                      # [B, T]
 
 
 @register(POLICY_LOSSES, "opmd_simple")
@@ -362,14 +448,16 @@ def opmd_simple_loss(inp: LossInputs, tau: float = 1.0):
     """Simple OPMD variant: -A logprobs / (1 + tau) with A from the "opmd" advantage (group
     mean baseline): the mirror-descent step regularised towards the current policy, whose
     gradient is the group-mean-baseline policy gradient scaled by 1 / (1 + tau).
-    Returns {"loss"}: [B, T]. Source: Trinity-RFT report, arXiv:2505.17826, appendix A."""
+    Returns {"loss"}: [B, T]. Source: Trinity-RFT report, arXiv:2505.17826, appendix A.
+    Reference: modelscope/Trinity-RFT trinity/algorithm/policy_loss_fn/opmd_policy_loss.py @ 70c21ac."""
     return {"loss": -inp.advantages * inp.logprobs / (1 + tau)}
 
 
 @register(POLICY_LOSSES, "sft")
 def sft_loss(inp: LossInputs):
     """Supervised fine-tuning: negative log-likelihood -logprobs of every trained token.
-    Returns {"loss"}: [B, T]."""
+    Returns {"loss"}: [B, T]. Reference: modelscope/Trinity-RFT
+    trinity/algorithm/policy_loss_fn/sft_loss.py (use_token_level_loss) @ 51d229f."""
     return {"loss": -inp.logprobs}
 
 
@@ -378,9 +466,12 @@ def dpo_loss(inp: LossInputs, beta: float = 0.1):
     """DPO on each group's best (chosen) and worst (rejected) sequence by reward:
     -log sigmoid(beta ((log pi - log pi_ref)(chosen) - (log pi - log pi_ref)(rejected))),
     sequence log-probs summed over tokens; a group without a reward gap has no pair. Both
-    sequences of a pair carry the pair loss, every other sequence 0. Returns {"loss",
-    "pair_correct" (1.0 on the tokens of pairs whose implicit reward margin is > 0)}: [B, T].
-    Source: Rafailov et al., arXiv:2305.18290, eq. 7."""
+    sequences of a pair carry the pair loss, every other sequence 0, so seq-mean-token-sum
+    is the mean over pairs when every group is a pair (K / 2 times smaller for groups of
+    K > 2). Returns {"loss", "pair_correct" (1.0 on the tokens of pairs whose implicit
+    reward margin is > 0)}: [B, T].
+    Source: Rafailov et al., arXiv:2305.18290, eq. 7. Reference: huggingface/trl
+    trl/trainer/dpo_trainer.py (loss_type "sigmoid") @ f2cd577."""
     if inp.ref_logprobs is None:
         raise ValueError("dpo needs ref_logprobs (a reference model)")
     logit = beta * seq_sum(inp.logprobs - inp.ref_logprobs, inp.mask)                # [B]
@@ -397,14 +488,21 @@ def dpo_loss(inp: LossInputs, beta: float = 0.1):
     return {"loss": spread(per_seq, inp.mask), "pair_correct": correct[:, None].expand_as(inp.mask)}
 
 
-@register(POLICY_LOSSES, "mix")
-def mix_loss(inp: LossInputs, mu: float = 0.1, clip_low: float = 0.2, clip_high: float = 0.28):
-    """MIX: (1 - mu) PPO-clip/GRPO on the rollouts + mu SFT on the expert sequences
-    (inp.expert). Returns {"loss", "clipped", "expert" (1.0 on expert tokens)}: [B, T].
-    Source: Trinity-RFT MIX algorithm (arXiv:2505.17826, sec. 3; examples/mix_math)."""
+@register(POLICY_LOSSES, "mix", split_expert=True)
+def mix_loss(inp: LossInputs, mu: float = 0.1, clip_low: float = 0.2, clip_high: float = 0.2,
+             dual_clip: float | None = 3.0):
+    """MIX: (1 - mu) L_GRPO + mu L_SFT, with L_GRPO the PPO-clip loss (dual clip) of the
+    rollouts and L_SFT the NLL of the expert sequences (inp.expert), each normalised over
+    its own part of the batch: the loss is `split_expert`, so the trainer aggregates it with
+    the per-sequence totals of `part_totals`. Per token: (1 - mu) ppo on rollouts, mu (-logprobs)
+    on expert tokens. Returns {"loss", "clipped", "expert" (1.0 on expert tokens)}: [B, T].
+    Source: Trinity-RFT's MIX algorithm, docs/sphinx_doc/source/tutorial/example_mix_algo.md
+    (the J_Mix objective) @ 05ad975. Reference: modelscope/Trinity-RFT
+    trinity/algorithm/policy_loss_fn/mix_policy_loss.py @ c10d414 (defaults: mu 0.1,
+    clip_range 0.2, clip_ratio_c 3, token-level SFT)."""
     expert = (inp.expert if inp.expert is not None else torch.zeros(len(inp.mask), dtype=torch.bool))[:, None]
-    ppo = ppo_clip_loss(inp, clip_low=clip_low, clip_high=clip_high)
-    loss = torch.where(expert, mu * -inp.logprobs, (1 - mu) * ppo["loss"])
+    ppo = ppo_clip_loss(inp, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+    loss = torch.where(expert, mu * -inp.logprobs, (1 - mu) * ppo["loss"])              # [B, T]
     return {"loss": loss, "clipped": ppo["clipped"] * ~expert, "expert": expert.float().expand_as(loss)}
 
 

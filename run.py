@@ -599,8 +599,8 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> 
                 bar.write(f"eval @ version {r['eval/version']} ({r['explorer']}): held-out accuracy {r['eval/accuracy']:.3f}")
                 last_eval.update(r)
 
+    bar = tqdm(total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True)
     try:
-        bar = tqdm(total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True)
         t_start = time.perf_counter()
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
@@ -677,10 +677,14 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> 
             (run_dir / "final" / "nanorft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
             print0(f"final weights: {run_dir / 'final'}\nplot: {plot(run_dir)}\nmetrics: {run_dir / 'metrics.jsonl'}")
     except BaseException:
+        bar.close()
         if explorer is not None:
             if explorer.is_alive():  # the trainer failed: the explorer goes with it
-                explorer.kill()
-                explorer.join()
+                explorer.terminate()
+                explorer.join(30)
+                if explorer.is_alive():
+                    explorer.kill()
+                    explorer.join()
             else:  # the trainer noticed that the explorer failed: its reason is on the queue
                 drain()
                 if explorer_error:

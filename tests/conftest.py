@@ -41,7 +41,8 @@ def run_py(*args, timeout=600, nproc: int = 0):
 
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "run.py"]
            if nproc else [sys.executable, "run.py"])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONUNBUFFERED"] = "1"
     return subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
 

@@ -82,3 +82,61 @@ class Countdown(MultiTurnWorkflow):
 
     def make_env(self):                        # environments are reset and reused
         return CountdownEnv()
+
+
+class BrokenInitWorkflow(MathWorkflow):
+    """A workflow whose constructor fails (a missing environment resource)."""
+
+    def __init__(self, *args, **kwargs):
+        raise OSError("environment server unreachable")
+
+
+class FailingLaterWorkflow(MathWorkflow):
+    """Works for the first 4 tasks, then every run raises: the explorer fails mid-run."""
+
+    runs = 0
+
+    async def run(self, task, engine, n):
+        type(self).runs += 1
+        if type(self).runs > 4:
+            raise ConnectionError("environment crashed for good")
+        return await super().run(task, engine, n)
+
+
+def failing_loss(inp: LossInputs) -> dict[str, torch.Tensor]:
+    """A policy loss that breaks on the trainer's second step (after one good step)."""
+    failing_loss.calls = getattr(failing_loss, "calls", 0) + 1
+    if failing_loss.calls > 1:
+        raise FloatingPointError("loss diverged")
+    return {"loss": -inp.advantages * inp.logprobs}
+
+
+class WaitForPublish(MathWorkflow):
+    """In-flight test workflow: from the explorer's second generate call on, each call
+    pauses at its 3rd decode step (inside the engine's step hook) until the trainer has
+    announced newer weights, so an in-flight update lands mid-sequence on every batch,
+    however fast or slow either side is. Use with --inflight --sync-interval 1
+    --sync-offset 1 --eval-size 0 (then the trainer never waits for the paused batch)."""
+
+    async def run(self, task, engine, n):
+        if not getattr(engine, "probe_installed", False):
+            engine.probe_installed = True
+            hook, generate = engine.step_hook, engine.generate_batch
+            state = {"calls": 0, "steps": 0}
+
+            def generate_batch(*args):
+                state["calls"], state["steps"] = state["calls"] + 1, 0
+                return generate(*args)
+
+            def step_hook():
+                state["steps"] += 1
+                if state["calls"] >= 2 and state["steps"] == 3:
+                    start, deadline = engine.version, time.monotonic() + 300
+                    while engine.weights_announced() <= start:
+                        if time.monotonic() > deadline:
+                            raise TimeoutError("no publish announced")
+                        time.sleep(0.01)
+                hook()
+
+            engine.generate_batch, engine.step_hook = generate_batch, step_hook
+        return await super().run(task, engine, n)

@@ -12,3 +12,30 @@ def length_parity(task, completion, dataset):
 def constant(task, completion, dataset):
     """0.5 for every completion: every group has equal rewards, so every advantage is 0."""
     return 0.5
+
+
+def always_raises(task, completion, dataset):
+    """A broken reward function: raises on every completion."""
+    raise RuntimeError("broken reward function")
+
+
+def returns_nan(task, completion, dataset):
+    """A broken reward function: NaN (SQLite would store it as NULL, 'not rated yet')."""
+    return float("nan")
+
+
+def blocks(task, completion, dataset):
+    """A reward function that never returns (a hung judge endpoint)."""
+    import threading
+
+    threading.Event().wait()
+
+
+def returns_none(task, completion, dataset):
+    """A broken reward function: None (not a lagged reward here: the workflow asked for a score)."""
+    return None
+
+
+def returns_string(task, completion, dataset):
+    """A broken reward function: a string instead of a number."""
+    return "high"

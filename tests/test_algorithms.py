@@ -1,5 +1,6 @@
 """The algorithm zoo of losses.py against references written out element by element, plus
-gradient-level checks where the theory gives one."""
+gradient-level checks where the theory gives one and a one-step direction check of every
+policy loss. tests/test_fidelity.py pins each one to numbers from its reference code."""
 import math
 
 import pytest
@@ -36,16 +37,29 @@ def test_dr_grpo_rloo_opmd_advantages_reference():
             log_z = 0.5 * math.log(mean([math.exp(r[j] / 0.5) for j in members]))
             assert opmd[i].item() == pytest.approx(r[i] - log_z, abs=1e-5)
     assert torch.equal(L.opmd_advantages(REWARDS, INDEX), dr)  # mean baseline
-    assert L.rloo_advantages(torch.tensor([3.0]), torch.tensor([0])).item() == 0.0  # group of one
+    # a group of one has no baseline and keeps its reward (verl; Trinity-RFT's OPMD)
+    lone, one = torch.tensor([3.0]), torch.tensor([0])
+    assert L.rloo_advantages(lone, one).item() == L.dr_grpo_advantages(lone, one).item() == 3.0
+    assert L.grpo_advantages(lone, one).item() == pytest.approx(3.0 / (1 + 1e-6))
+    assert L.opmd_advantages(lone, one, baseline="logavgexp", tau=0.5).item() == 3.0
+
+
+def whiten_tokens(values, counts):
+    """Whitening over the batch's tokens, written out: sequence i stands for counts[i] tokens."""
+    tokens = [v for v, c in zip(values, counts) for _ in range(c)]
+    mu = mean(tokens)
+    var = sum((x - mu) ** 2 for x in tokens) / (len(tokens) - 1)
+    return [(v - mu) / math.sqrt(var + 1e-8) for v in values]
 
 
 def test_reinforce_pp_batch_normalisation_reference():
     r = REWARDS.tolist()
     centred = [r[i] - mean([r[j] for j in groups()[g]]) for i, g in enumerate(INDEX.tolist())]
-    mu = mean(centred)
-    sd = math.sqrt(sum((x - mu) ** 2 for x in centred) / (len(centred) - 1))
-    got = L.reinforce_pp_advantages(REWARDS, INDEX)
-    assert got.tolist() == pytest.approx([(x - mu) / (sd + 1e-6) for x in centred], abs=1e-5)
+    counts = [3, 1, 4, 2, 2, 5, 1, 3, 2]
+    got = L.reinforce_pp_advantages(REWARDS, INDEX, token_counts=torch.tensor(counts))
+    assert got.tolist() == pytest.approx(whiten_tokens(centred, counts), abs=1e-5)
+    # without token counts every sequence counts once
+    assert L.reinforce_pp_advantages(REWARDS, INDEX).tolist() == pytest.approx(whiten_tokens(centred, [1] * 9), abs=1e-5)
     raw = L.reinforce_pp_advantages(REWARDS, INDEX, group_baseline=False)
     assert raw.mean().item() == pytest.approx(0, abs=1e-6) and raw.std().item() == pytest.approx(1, abs=1e-4)
 
@@ -70,6 +84,15 @@ def test_length_penalty_and_aggregations():
     assert L.aggregate(loss, mask, "token-mean", 5, 3).item() == pytest.approx((1 + 2 + 4) / 5)
     assert L.aggregate(loss, mask, "seq-mean-token-sum", 5, 3).item() == pytest.approx((3 + 4) / 3)
     assert L.aggregate(loss, mask, "seq-mean-token-mean", 5, 3).item() == pytest.approx((1.5 + 4) / 3)
+    # per-sequence totals (MIX's parts): sequence 0 belongs to a part of 4 tokens / 2 sequences,
+    # sequence 1 to one of 1 token / 1 sequence
+    tokens, seqs = torch.tensor([4.0, 1.0]), torch.tensor([2.0, 1.0])
+    assert L.aggregate(loss, mask, "token-mean", tokens, seqs).item() == pytest.approx((1 + 2) / 4 + 4 / 1)
+    assert L.aggregate(loss, mask, "seq-mean-token-sum", tokens, seqs).item() == pytest.approx(3 / 2 + 4 / 1)
+    assert L.aggregate(loss, mask, "seq-mean-token-mean", tokens, seqs).item() == pytest.approx(1.5 / 2 + 4 / 1)
+    expert = torch.tensor([True, False, True, False])
+    tok, seq = L.part_totals(torch.tensor([2.0, 3.0, 5.0, 7.0]), expert, torch.tensor([True, True, True, False]))
+    assert tok.tolist() == [7.0, 3.0, 7.0, 3.0] and seq.tolist() == [2.0, 1.0, 2.0, 1.0]
     with pytest.raises(ValueError, match="unknown loss aggregation"):
         L.aggregate(loss, mask, "mean", 5, 3)
 
@@ -96,27 +119,30 @@ def test_ppo_dual_clip_reference():
             assert out["loss"][b, t].item() == pytest.approx(ref, abs=1e-5)
 
 
-def test_dppo_kl_masks_outside_range_and_adds_squared_log_ratio():
+def test_dppo_kl_masks_by_probability_difference_on_the_advantage_side():
     lp, old, adv, mask = rand_inputs(2)
-    old = old.clone()
-    old[0, 0] = lp[0, 0].item() + 3.0  # ratio e^-3 < 0.125: masked
-    out = L.dppo_kl_loss(inputs(lp, old, adv, mask), dppo_mask_low=0.125, dppo_mask_high=8.0, kl_tau=0.1)
+    out = L.dppo_kl_loss(inputs(lp, old, adv, mask), dppo_mask_low=0.1, dppo_mask_high=0.05, adv_tau=2.0, kl_tau=0.1)
+    masked = 0
     for b in range(4):
         for t in range(5):
-            lr = lp[b, t].item() - old[b, t].item()
-            inside = 0.125 <= math.exp(lr) <= 8.0
-            ref = (-math.exp(lr) * adv[b, t].item() if inside else 0.0) + 0.1 * lr ** 2
+            lr, a = lp[b, t].item() - old[b, t].item(), adv[b, t].item()
+            diff = math.exp(lp[b, t].item()) - math.exp(old[b, t].item())
+            outside = diff > 0.05 if a > 0 else diff < -0.1  # up-moves for A > 0, down-moves otherwise
+            masked += outside
+            ref = (0.0 if outside else -2.0 * a * math.exp(lr)) + 0.1 * lr ** 2
             assert out["loss"][b, t].item() == pytest.approx(ref, abs=1e-5)
-    assert out["masked"][0, 0].item() == 1.0
+            assert out["masked"][b, t].item() == float(outside)
+    assert 0 < masked < 20
 
 
 def test_detached_weight_losses_reference_and_gradients():
     lp, old, adv, mask = rand_inputs(3)
     inp = inputs(lp, old, adv, mask)
+    seq_ratio = [math.exp(seq_logratio(lp, old, mask, b)) for b in range(4)]  # pi(y) / mu(y)
     for name, weight in [
-        ("reinforce_tis", lambda r, a: min(r, 2.0)),
-        ("cispo", lambda r, a: min(max(r, 0.0), 1.28)),
-        ("topr", lambda r, a: 1.0 if a >= 0 else min(r, 1.0)),
+        ("reinforce_tis", lambda r, a, b: min(r, 1.02)),
+        ("cispo", lambda r, a, b: min(max(r, 0.0), 1.28)),
+        ("topr", lambda r, a, b: 1.0 if a >= 0 else min(seq_ratio[b], 1.0)),
     ]:
         lp.grad = None
         out = L.POLICY_LOSSES[name](inp)
@@ -124,9 +150,10 @@ def test_detached_weight_losses_reference_and_gradients():
         for b in range(4):
             for t in range(5):
                 r, a = math.exp(lp[b, t].item() - old[b, t].item()), adv[b, t].item()
-                assert out["loss"][b, t].item() == pytest.approx(-weight(r, a) * a * lp[b, t].item(), abs=1e-5), name
+                w = weight(r, a, b)
+                assert out["loss"][b, t].item() == pytest.approx(-w * a * lp[b, t].item(), abs=1e-5), name
                 # the weight is detached: d loss / d logprob = -w A
-                assert lp.grad[b, t].item() == pytest.approx(-weight(r, a) * a * mask[b, t].item(), abs=1e-5), name
+                assert lp.grad[b, t].item() == pytest.approx(-w * a * mask[b, t].item(), abs=1e-5), name
 
 
 def test_gspo_sequence_ratio_reference_and_on_policy_gradient():
@@ -160,19 +187,35 @@ def test_opmd_kimi_and_pairwise_reference():
     lp, old, _, mask = rand_inputs(6, B=5)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0])
     index = torch.tensor([0, 0, 0, 1, 1])
-    inp = inputs(lp, old, torch.zeros(5, 5), mask, rewards, index)
     tau = 0.7
+    adv = L.opmd_advantages(rewards, index, baseline="logavgexp", tau=tau)
+    inp = inputs(lp, old, adv[:, None].expand(5, 5), mask, rewards, index)
     kimi = L.opmd_kimi_loss(inp, tau=tau)["loss"]
     pair = L.opmd_pairwise_loss(inp, tau=tau)["loss"]
     members = {0: [0, 1, 2], 1: [3, 4]}
     for g, ms in members.items():
         log_z = tau * math.log(mean([math.exp(rewards[j].item() / tau) for j in ms]))
-        a = {j: rewards[j].item() - tau * seq_logratio(lp, old, mask, j) for j in ms}
         for i in ms:
-            ref_kimi = (rewards[i].item() - log_z - tau * seq_logratio(lp, old, mask, i)) ** 2
+            a, s = rewards[i].item() - log_z, seq_logratio(lp, old, mask, i)
+            ref_kimi = -a * sum(lp[i, t].item() * mask[i, t].item() for t in range(5)) + tau / 2 * s ** 2
             assert (kimi[i] * mask[i]).sum().item() == pytest.approx(ref_kimi, abs=1e-5)
-            ref_pair = sum((a[i] - a[j]) ** 2 for j in ms) / (2 * len(ms))
+            # in value d = r: the squared deviation of the reward from its group mean
+            ref_pair = (rewards[i].item() - mean([rewards[j].item() for j in ms])) ** 2
             assert (pair[i] * mask[i]).sum().item() == pytest.approx(ref_pair, abs=1e-5)
+
+
+def test_kimi_gradient_is_the_squared_loss_gradient_over_2_tau():
+    # grad of (r - tau log Z - tau s)^2 = -2 tau (r - tau log Z - tau s) grad s, s = log pi/pi_old
+    lp, old, _, mask = rand_inputs(11, B=5)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5])
+    index = torch.tensor([0, 0, 0, 1, 1])
+    tau = 0.4
+    adv = L.opmd_advantages(rewards, index, baseline="logavgexp", tau=tau)
+    out = L.opmd_kimi_loss(inputs(lp, old, adv[:, None].expand(5, 5), mask, rewards, index), tau=tau)
+    (out["loss"] * mask).sum().backward()
+    s = torch.tensor([seq_logratio(lp, old, mask, b) for b in range(5)])
+    squared_grad = -2 * tau * (adv - tau * s)[:, None] * mask
+    assert torch.allclose(lp.grad, squared_grad / (2 * tau), atol=1e-5)
 
 
 def test_simple_opmd_gradient_is_scaled_mean_baseline_policy_gradient():
@@ -192,19 +235,21 @@ def test_simple_opmd_gradient_is_scaled_mean_baseline_policy_gradient():
             assert lp.grad[b, t].item() == pytest.approx(expect, abs=1e-6)
 
 
-def test_pairwise_opmd_gradient_on_policy_is_mean_baseline_policy_gradient():
-    # at ratio 1 the gradient of the group loss 1/(2K^2) sum_ij (a_i - a_j)^2 (= the mean over
-    # the group's sequences, as seq-mean-token-sum aggregates it) is 2 tau / K times the
-    # group-mean-baseline policy gradient -sum_i (r_i - mean r) grad log pi(y_i)
-    lp, _, _, mask = rand_inputs(8, B=4)
-    rewards = torch.tensor([1.0, 0.0, 0.0, 0.5])
-    index = torch.zeros(4, dtype=torch.long)
-    tau = 0.3
-    out = L.opmd_pairwise_loss(inputs(lp, lp.detach(), torch.zeros(4, 5), mask, rewards, index), tau=tau)
-    L.aggregate(out["loss"], mask, L.opmd_pairwise_loss.agg, mask.sum(), 4).backward()
-    base = rewards.mean()
-    expect = -(2 * tau / 4) * (rewards - base)[:, None] * mask
-    assert torch.allclose(lp.grad, expect, atol=1e-6)
+def test_pairwise_opmd_gradient_is_mean_baseline_policy_gradient():
+    # the loss sum_groups sum_i (d_i - mean d)^2 / (n_tokens max(1, tau)), aggregated token-mean,
+    # has the gradient 2 tau / (n_tokens max(1, tau)) times the group-mean-baseline policy gradient
+    # -sum_i (r_i - mean of its group) grad log pi(y_i), whatever the behaviour policy
+    lp, old, _, mask = rand_inputs(8, B=5)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.5, 0.9])
+    index = torch.tensor([0, 0, 0, 1, 1])  # a group of 3 and a group of 2
+    for tau in (0.3, 2.5):
+        lp.grad = None
+        out = L.opmd_pairwise_loss(inputs(lp, old, torch.zeros(5, 5), mask, rewards, index), tau=tau)
+        n_tokens = mask.sum()
+        L.aggregate(out["loss"], mask, L.opmd_pairwise_loss.agg, n_tokens, len(rewards)).backward()
+        group_mean = torch.tensor([1 / 3] * 3 + [0.7] * 2)
+        expect = -(2 * tau / (n_tokens * max(1.0, tau))) * (rewards - group_mean)[:, None] * mask
+        assert torch.allclose(lp.grad, expect, atol=1e-6)
 
 
 def test_sft_and_dpo_reference():
@@ -227,7 +272,7 @@ def test_mix_weights_expert_sft_and_rollout_ppo():
     lp, old, adv, mask = rand_inputs(10)
     expert = torch.tensor([True, False, False, True])
     out = L.mix_loss(inputs(lp, old, adv, mask, expert=expert), mu=0.25)
-    ppo = L.ppo_clip_loss(inputs(lp, old, adv, mask))["loss"]
+    ppo = L.ppo_clip_loss(inputs(lp, old, adv, mask), clip_low=0.2, clip_high=0.2, dual_clip=3.0)["loss"]
     assert torch.allclose(out["loss"][0], -0.25 * lp[0]) and torch.allclose(out["loss"][1], 0.75 * ppo[1])
     assert out["expert"][:, 0].tolist() == [1.0, 0.0, 0.0, 1.0]
 
@@ -255,3 +300,64 @@ def test_resolve_plugins_and_errors():
         L.resolve("no_such_module.fn", L.POLICY_LOSSES, "policy_loss")
     with pytest.raises(ValueError, match=r"takes no argument\(s\) \['clip'\]"):
         L.resolve("ppo_clip", L.POLICY_LOSSES, "policy_loss", {"clip": 0.1})
+
+
+# ----------------------------------------------------------------------------- one step moves the right way
+
+def one_step(fn, name):
+    """One SGD step on free logits [B, T, V] (the parameters) with the loss `fn` (registered as
+    `name`) aggregated as the trainer does, on-policy, on a batch of 4 sequences: rewards 1, 1,
+    0, 0 in groups {0, 2} and {1, 3}, so sequences 0 and 1 have A > 0 (and are DPO's chosen
+    ones), 2 and 3 A < 0; for MIX sequence 1 is expert data. Token (1, 2) is padding.
+    Returns the change of every token's log-prob [B, T] and the mask."""
+    g = torch.Generator().manual_seed(0)
+    B, T, V = 4, 3, 6
+    logits = torch.randn(B, T, V, generator=g).requires_grad_()
+    tokens = torch.randint(V, (B, T), generator=g)
+    mask = torch.ones(B, T)
+    mask[1, 2] = 0
+    rewards, index = torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([0, 1, 0, 1])
+    expert = torch.tensor([False, True, False, False])
+    advantage = {"opmd_kimi": lambda r, i: L.opmd_advantages(r, i, baseline="logavgexp"),
+                 "opmd_simple": L.opmd_advantages}.get(name, L.grpo_advantages)
+    adv = advantage(rewards, index)[:, None].expand(B, T)
+
+    def logprobs(z):
+        return torch.log_softmax(z, -1).gather(-1, tokens[..., None]).squeeze(-1)   # [B, T]
+
+    lp = logprobs(logits)
+    out = fn(L.LossInputs(lp, lp.detach(), adv, mask, rewards, index, lp.detach(), expert))
+    totals = (L.part_totals(mask.sum(-1), expert, torch.ones(B, dtype=torch.bool)) if fn.split_expert
+              else (mask.sum(), B))
+    L.aggregate(out["loss"], mask, fn.agg, *totals).backward()
+    with torch.no_grad():
+        return logprobs(logits - 0.5 * logits.grad) - lp, mask
+
+
+def moves_as_intended(fn, name):
+    delta, mask = one_step(fn, name)
+    on = mask > 0
+    if delta[~on].abs().max() != 0:  # padding never moves
+        return False
+    if name == "sft":  # imitation: every token up
+        return bool((delta[on] > 0).all())
+    if name == "dpo":  # the chosen sequences gain log-prob relative to the rejected ones
+        seq = (delta * mask).sum(-1)
+        return bool(seq[0] - seq[2] > 0 and seq[1] - seq[3] > 0)
+    return bool((delta[:2][on[:2]] > 0).all() and (delta[2:][on[2:]] < 0).all())
+
+
+def flipped(fn):
+    """The loss with its sign flipped (same registry attributes)."""
+    def neg(inp, **kw):
+        out = fn(inp, **kw)
+        return {**out, "loss": -out["loss"]}
+    neg.agg, neg.needs_groups, neg.needs_ref, neg.split_expert = fn.agg, fn.needs_groups, fn.needs_ref, fn.split_expert
+    return neg
+
+
+@pytest.mark.parametrize("name", sorted(L.POLICY_LOSSES))
+def test_one_step_raises_positive_and_lowers_negative_sequences(name):
+    fn = L.POLICY_LOSSES[name]
+    assert moves_as_intended(fn, name)
+    assert not moves_as_intended(flipped(fn), name)

@@ -35,7 +35,7 @@ def test_grpo_equal_rewards_give_zero_advantage():
 def test_ppo_clip_matches_scalar_reference():
     torch.manual_seed(1)
     lp, old, adv = torch.randn(3, 5) * 0.3, torch.randn(3, 5) * 0.3, torch.randn(3, 5)
-    out = ppo_clip_loss(inputs(lp, old, adv), clip_low=0.2, clip_high=0.28)
+    out = ppo_clip_loss(inputs(lp, old, adv), clip_low=0.2, clip_high=0.28, dual_clip=None)
     for b in range(3):
         for t in range(5):
             r = math.exp(lp[b, t].item() - old[b, t].item())
@@ -57,12 +57,17 @@ def test_ppo_on_policy_gradient_is_policy_gradient():
 def test_kl_estimators_reference_and_k3_nonnegative():
     lp, ref = torch.randn(4, 6), torch.randn(4, 6)
     k3 = kl_estimate(lp, ref, "k3")
-    assert torch.allclose(k3, torch.exp(ref - lp) - 1 - (ref - lp), atol=1e-6)
+    # verl's k3 / low_var_kl: the estimate is clamped to [-10, 10] (log-ratio to [-20, 20])
+    assert torch.allclose(k3, (torch.exp(ref - lp) - 1 - (ref - lp)).clamp(max=10), atol=1e-6)
+    assert torch.equal(kl_estimate(lp, ref, "low_var"), k3)
     assert (k3 >= 0).all() and kl_estimate(lp, lp, "k3").abs().max() == 0
     assert torch.allclose(kl_estimate(lp, ref, "k1"), lp - ref)
     assert torch.allclose(kl_estimate(lp, ref, "k2"), (lp - ref) ** 2 / 2)
-    far = torch.tensor([[0.0]]), torch.tensor([[30.0]])
-    assert kl_estimate(*far, "low_var").item() == pytest.approx(math.exp(10) - 1 - 10, rel=1e-6)
+    for far in (30.0, 3.0, -12.0):  # e^3 - 4 = 16.1 and e^-12 + 11 = 11.0 are clamped too
+        assert kl_estimate(torch.tensor([[0.0]]), torch.tensor([[far]]), "low_var").item() == 10.0
+    assert kl_estimate(torch.tensor([[0.0]]), torch.tensor([[2.0]]), "low_var").item() == pytest.approx(math.exp(2) - 3)
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        kl_estimate(lp, ref, "k4")
 
 
 def test_masked_sum_ignores_masked_entries():

@@ -28,19 +28,70 @@ def popen(*args):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
+def wait_for(condition, what, timeout=300):
+    """Poll `condition()` until it holds (a state to reach, not a race to win)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def batches_of(run_dir, name):
+    if not (run_dir / "buffer.sqlite").exists():
+        return 0
+    db = sqlite3.connect(run_dir / "buffer.sqlite")
+    try:
+        return db.execute("SELECT COUNT(DISTINCT group_id) FROM experiences WHERE explorer = ?", (name,)).fetchone()[0]
+    except sqlite3.OperationalError:  # the schema is being created
+        return 0
+    finally:
+        db.close()
+
+
+def pause(p, run_dir):
+    """SIGSTOP process group `p` at a moment it holds no write lock on the buffer."""
+    while True:
+        os.killpg(p.pid, signal.SIGSTOP)
+        db = sqlite3.connect(run_dir / "buffer.sqlite", timeout=0, isolation_level=None)
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:  # stopped inside a write: let it finish
+            os.killpg(p.pid, signal.SIGCONT)
+            time.sleep(0.01)
+        finally:
+            db.close()
+
+
 def test_async_two_explorers_and_a_trainer_with_max_staleness(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    explorers = [popen("--model", tiny_model, "--run-dir", run_dir, "--mode", "explore", "--explorer-name", name)
-                 for name in ("e1", "e2")]
-    res = run_py(*COMMON, "--model", tiny_model, "--run-dir", run_dir, "--mode", "train", "--steps", 6,
-                 "--sync-interval", 2, "--max-staleness", 1)
+    # Order forced, not raced: e1 writes a batch and is paused; the trainer starts and e2 runs alone until it has
+    # written a batch (after the trainer took e1's first, if back-pressure held e2); then e1 continues. So e2's
+    # first batch is among the first three the trainer reads, whichever process is faster.
+    e1 = popen("--model", tiny_model, "--run-dir", run_dir, "--mode", "explore", "--explorer-name", "e1")
+    wait_for(lambda: batches_of(run_dir, "e1") >= 2 or e1.poll() is not None, "e1's first batch")
+    pause(e1, run_dir)
+    e2 = popen("--model", tiny_model, "--run-dir", run_dir, "--mode", "explore", "--explorer-name", "e2")
+    trainer = subprocess.Popen([sys.executable, "run.py", *COMMON, "--model", tiny_model, "--run-dir", run_dir,
+                                "--mode", "train", "--steps", "6", "--sync-interval", "2", "--max-staleness", "2"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: batches_of(run_dir, "e2") >= 2 or e2.poll() is not None, "e2's first batch")
+    os.killpg(e1.pid, signal.SIGCONT)
+    explorers = {"e1": e1, "e2": e2}
+    out, err = trainer.communicate(timeout=600)
+    res = subprocess.CompletedProcess(trainer.args, trainer.returncode, out, err)
     assert res.returncode == 0, res.stderr[-3000:]
-    for p in explorers:  # they see the trainer finish and stop by themselves
+    for p in explorers.values():  # they see the trainer finish and stop by themselves
         assert p.wait(timeout=120) == 0, p.stderr.read()[-3000:]
     steps = steps_of(run_dir)
     assert [r["step"] for r in steps] == list(range(6))
-    assert all(r["staleness/max"] <= 1 for r in steps)  # never trained on older experiences
+    assert all(r["staleness/max"] <= 2 for r in steps)  # never trained on older experiences
+    db = sqlite3.connect(run_dir / "buffer.sqlite")
+    first = {name: [t for (t,) in db.execute("SELECT DISTINCT task_id FROM experiences WHERE explorer = ? ORDER BY id "
+                                             "LIMIT 2", (name,))] for name in explorers}
+    assert first["e1"] != first["e2"]  # different explorers, different tasks (seeds mix in the explorer name)
     names = {k.split("/")[1] for r in steps for k in r if k.endswith("/share")}
     assert names == {"e1", "e2"}, names  # both explorers' groups were trained on
     assert all("staleness/dropped_groups" in r for r in steps)
@@ -52,7 +103,8 @@ def test_async_two_explorers_and_a_trainer_with_max_staleness(tiny_model, tmp_pa
     for name in ("e1", "e2"):
         log = [json.loads(x) for x in (run_dir / f"explorer_{name}.jsonl").read_text().splitlines()]
         assert max(r.get("explorer/received_version", 0) for r in log) == 6
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "v000002", "v000004", "v000006"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("[lv]*[0-9t]")) == ["latest", "v000002", "v000004",
+                                                                                       "v000006"]
     # the explorers' held-out evaluations reach the trainer's metrics (valid JSON: no NaN) and its plot
     evals = [r for r in strict_json_lines(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
     assert {r["explorer"] for r in evals} == {"e1", "e2"} and all(0 <= r["eval/accuracy"] <= 1 for r in evals)
@@ -73,11 +125,14 @@ def test_both_with_checkpoint_sync_follows_the_schedule(tiny_model, tmp_path):
 
 def test_inflight_updates_mark_sequences_spanning_versions(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
+    # the workflow pauses each batch from the second on at its 3rd decode step until the trainer has announced
+    # new weights: the update lands mid-sequence deterministically, not by the relative speed of the processes
     res = run_py(*COMMON, "--model", tiny_model, "--run-dir", run_dir, "--steps", 4, "--sync-interval", 1,
-                 "--sync-offset", 1, "--inflight", "--max-tokens", 96, "--group-size", 8, "--eval-size", 0)
+                 "--sync-offset", 1, "--inflight", "--max-tokens", 24, "--eval-size", 0,
+                 "--workflow", "tests.plugins.WaitForPublish")
     assert res.returncode == 0, res.stderr[-3000:]
     steps = steps_of(run_dir)
-    assert sum(r["inflight/multi_version_seqs"] for r in steps) > 0  # weights changed mid-sequence
+    assert all(r["inflight/multi_version_seqs"] > 0 for r in steps[1:])  # weights changed mid-sequence, every batch
     db = sqlite3.connect(run_dir / "buffer.sqlite")
     spans = [json.loads(i)["versions"] for (i,) in db.execute("SELECT info FROM experiences")]
     assert all(a <= b <= a + 2 for a, b in spans) and any(a < b for a, b in spans)
@@ -177,7 +232,7 @@ def test_resume_after_kill_loses_and_repeats_nothing(tiny_model, tmp_path):
     (["--mode", "train", "--sync-method", "broadcast"], "syncs by --sync-method checkpoint"),
     (["--mode", "train", "--overwrite"], "--overwrite would delete a run directory shared"),
     (["--train-data", "x.jsonl"], "--train-data is for --mode train"),
-    (["--resume"], "--resume: no resume state"),
+    (["--resume"], "--resume: no run to resume in"),
 ])
 def test_bad_mode_config_is_one_error_line(tmp_path, args, message):
     res = run_py(*COMMON, "--model", str(tmp_path), "--run-dir", tmp_path / "r", *args)

@@ -1,0 +1,279 @@
+"""Reliability: transactions in the buffer, atomic resume state, checkpoint retention,
+explorer identity, no hang and one error line whatever fails (issue: nothing lost, nothing
+served or trained twice). Interleavings are forced (hooks, kills at a chosen point), never
+left to which process is faster."""
+import json
+import math
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sqlite3
+
+import pytest
+import torch
+
+import sync
+from buffer import Buffer, Experience
+from conftest import run_py
+from test_first_contact import strict_json_lines
+
+
+def group(gid, n=4, reward=1.0, explorer="w"):
+    return [Experience([1, 2, 3, 4], 2, [-0.5, -0.5], [1, 1], reward, gid, f"task-{gid}", 0, {"i": i}, explorer)
+            for i in range(n)]
+
+
+def _die_before_commit(path, gid):
+    buf = Buffer(path)
+    buf.before_commit = lambda: os.kill(os.getpid(), signal.SIGKILL)  # kill -9 inside the transaction
+    buf.write_batch([group(gid, 64)], "w", {"batch": 1}, [(f"task-{gid}", 1.0, 0.5, 0.0)])
+
+
+def test_a_writer_killed_mid_write_leaves_nothing(tmp_path):
+    path = tmp_path / "buffer.sqlite"
+    Buffer(path).write_batch([group("old")], "w", {"batch": 0})
+    p = mp.get_context("spawn").Process(target=_die_before_commit, args=(path, "new"))
+    p.start()
+    p.join()
+    assert p.exitcode == -signal.SIGKILL
+    buf = Buffer(path)
+    # neither a partial group, nor the explorer state, nor the pool update of the lost batch
+    assert buf.counts()["total"] == 4 and buf.explorer_state("w") == {"batch": 0} and buf.retired() == {}
+    assert [g[0].group_id for g in buf.read(1, timeout_s=1)] == ["old"]
+    with pytest.raises(TimeoutError):
+        buf.read(1, timeout_s=0.2)
+
+
+def test_only_unconsumed_rows_are_served(tmp_path):
+    buf = Buffer(tmp_path / "b.sqlite")
+    buf.write(group("g", 2))
+    assert len(buf.read(1, timeout_s=1)[0]) == 2
+    buf.write(group("g", 3))  # the same group id again: only the new rows are served
+    assert [e.info["i"] for e in buf.read(1, timeout_s=1)[0]] == [0, 1, 2]
+
+
+def _writer(path, name, groups, size):
+    buf = Buffer(path)
+    for i in range(groups):
+        buf.write_batch([group(f"{name}-{i}", size, explorer=name)], name, {"batch": i + 1})
+
+
+def test_concurrent_writers_and_a_reader_lose_and_repeat_nothing(tmp_path):
+    path = tmp_path / "b.sqlite"
+    Buffer(path)
+    ctx = mp.get_context("spawn")
+    writers = [ctx.Process(target=_writer, args=(path, f"w{k}", 40, 16)) for k in range(3)]
+    for w in writers:
+        w.start()
+    reader, served = Buffer(path), []
+    for _ in range(3 * 40):
+        (g,) = reader.read(1, timeout_s=120)
+        served.append(g)
+    for w in writers:
+        w.join()
+    assert all(len(g) == 16 and len({e.group_id for e in g}) == 1 for g in served)  # whole groups only
+    assert len({g[0].group_id for g in served}) == 120  # none twice, none lost
+    for k in range(3):  # FIFO per writer
+        mine = [int(g[0].group_id.split("-")[1]) for g in served if g[0].explorer == f"w{k}"]
+        assert mine == sorted(mine)
+
+
+def test_rewards_must_be_finite_numbers(tmp_path):
+    with pytest.raises(ValueError, match="reward must be a finite number"):
+        group("nan", reward=float("nan"))
+    buf = Buffer(tmp_path / "b.sqlite")
+    buf.write(group("g", reward=None))
+    with pytest.raises(ValueError, match="finite numbers"):
+        buf.set_rewards("g", float("nan"))
+    assert buf.pending_groups() == ["g"]
+
+
+@pytest.mark.parametrize("value,expected", [(float("nan"), "not a finite number"), ("high", "not a finite number"),
+                                            (None, None), (0.5, None)])
+def test_workflow_scores_check_what_the_reward_function_returns(value, expected):
+    import asyncio
+
+    from workflows import Task, Workflow
+
+    wf = Workflow(None, lambda task, completion, dataset: value, None, "", None)
+    reward, error = asyncio.run(wf.score(Task("t", "q", "1"), "1"))
+    if expected:
+        assert reward == 0.0 and expected in error
+    else:
+        assert reward == value and error is None
+
+
+def _trainer(tiny_model, run_dir, port):
+    import torch.distributed as dist
+
+    from run import Config
+
+    if not dist.is_initialized():  # a one-rank group in this process (no environment variables: subprocesses inherit them)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    from trainer import Trainer
+
+    return Trainer(Config(run_dir=str(run_dir), bf16=False, save_dtype="float32"), tiny_model, torch.device("cpu"))
+
+
+def test_resume_state_is_replaced_atomically(tiny_model, tmp_path):
+    from run import _free_port
+    from trainer import resume_state
+
+    trainer = _trainer(tiny_model, tmp_path, _free_port())
+    first = trainer.save_state(tmp_path, 2)
+    assert resume_state(tmp_path) == first
+
+    def crash():
+        raise KeyboardInterrupt("killed between writing the new state and naming it")
+
+    trainer.before_resume_marker = crash
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save_state(tmp_path, 4)
+    assert resume_state(tmp_path) == first and (tmp_path / "checkpoints" / "resume-000004").is_dir()
+    assert trainer.load_state(resume_state(tmp_path)) == 2  # the complete old state still loads
+    trainer.before_resume_marker = None
+    trainer.save_state(tmp_path, 4)  # the partial directory is rewritten, then named; the old one goes
+    assert resume_state(tmp_path).name == "resume-000004" and not first.exists()
+    import torch.distributed as dist
+    dist.destroy_process_group()
+
+
+def test_retention_never_deletes_a_checkpoint_being_loaded(tmp_path):
+    def save(d):
+        d.mkdir()
+        (d / "w").write_text("x")
+
+    sync.publish_checkpoint(tmp_path, 1, save, keep=2)
+
+    def load(directory, version):  # while v1 is being read, the trainer publishes four more
+        for v in range(2, 6):
+            sync.publish_checkpoint(tmp_path, v, save, keep=2)
+        return (directory / "w").read_text()
+
+    assert sync.load_latest_checkpoint(tmp_path, "e1", load) == (1, "x")
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("v*"))
+    assert names == ["v000001", "v000004", "v000005"]  # v1 survived its reader; the others beyond keep=2 went
+    sync.publish_checkpoint(tmp_path, 6, save, keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("v*")) == ["v000005", "v000006"]
+    assert sync.load_latest_checkpoint(tmp_path, "e1", lambda d, v: v, newer_than=6) is None
+
+
+def test_explorers_differ_and_one_explorer_continues_the_same_after_a_restart(tiny_model, tmp_path):
+    from explorer import Explorer, HFEngine, explorer_seed
+    from run import Config
+
+    assert explorer_seed(0, "explorer0") == 0 and len({explorer_seed(0, n) for n in ("e1", "e2", "explorer0")}) == 3
+
+    class Keep:
+        def __init__(self):
+            self.groups, self.states = [], []
+
+        def write_batch(self, groups, explorer=None, state=None, pools=()):
+            self.groups.append(groups)
+            self.states.append(state)
+
+        def retired(self):
+            return {}
+
+    def explorer(name):
+        cfg = Config(run_dir=str(tmp_path), explorer_name=name, batch_size=2, group_size=2, max_tokens=6,
+                     reward_fn="tests.rewards.length_parity", system_prompt="")
+        from workflows import Task
+        tasks = [Task(f"t{i}", f"question {i}", "1") for i in range(20)]
+        return Explorer(cfg, HFEngine(tiny_model, seed=explorer_seed(0, name) + 1), tasks, [], None, print)
+
+    def tokens(keep):
+        return [[(e.task_id, e.tokens) for e in g] for gs in keep.groups for g in gs]
+
+    a, b = explorer("e1"), explorer("e2")
+    ka, kb = Keep(), Keep()
+    a.explore(0, ka)
+    b.explore(0, kb)
+    assert {e.task_id for g in ka.groups[0] for e in g} != {e.task_id for g in kb.groups[0] for e in g}
+    a.explore(1, ka)
+    restarted, kr = explorer("e1"), Keep()
+    restarted.restore(json.loads(json.dumps(ka.states[0])))  # the state stored with batch 0, through JSON
+    restarted.explore(1, kr)
+    assert tokens(kr) == tokens(ka)[2:]  # batch 1 again, identical
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--lr", "-1"], "lr must be >= 0, got -1.0"),
+    (["--lr", "nan"], "lr must be a finite number"),
+    (["--group-size", "1"], "advantage grpo compares the rollouts of a group: it needs group_size >= 2"),
+    (["--task-kwargs", "{bad"], "argument --task-kwargs: not valid JSON"),
+])
+def test_bad_settings_are_one_error_line(tiny_model, tmp_path, args, message):
+    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", tmp_path / "r", *args, timeout=120)
+    assert res.returncode == 2 and message in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+
+
+def _bad_inputs(tiny_model, tmp_path):
+    broken = tmp_path / "broken_model"
+    shutil.copytree(tiny_model, broken)
+    (broken / "config.json").write_text("{not json")
+    empty = tmp_path / "no_weights"
+    shutil.copytree(tiny_model, empty, ignore=shutil.ignore_patterns("*.safetensors"))
+    (tmp_path / "a_file").write_text("x")
+    run = tmp_path / "corrupt_run"
+    run.mkdir()
+    (run / "buffer.sqlite").write_bytes(b"this is not a database" * 100)
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage\x80")
+    return [(["--model", broken], "config.json cannot be loaded"),
+            (["--model", empty], "model directory has no weights"),
+            (["--run-dir", tmp_path / "a_file"], "a_file"),
+            (["--run-dir", run, "--resume"], "not a usable SQLite database"),
+            (["--workflow", "tests.plugins.BrokenInitWorkflow"], "environment server unreachable"),
+            (["--task", tmp_path / "binary.jsonl"], "binary.jsonl: not UTF-8 text")]
+
+
+def test_bad_files_are_one_error_line(tiny_model, tmp_path):
+    for args, message in _bad_inputs(tiny_model, tmp_path):
+        res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", tmp_path / "r", *args,
+                     timeout=120)
+        last = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ""
+        assert res.returncode == 2 and message in last and "Traceback" not in res.stderr, (args, res.stderr[-2000:])
+
+
+def test_jsonl_tasks_with_no_held_out_set(tmp_path):
+    from workflows import load_tasks
+
+    f = tmp_path / "t.jsonl"
+    f.write_text("".join(json.dumps({"question": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(3)))
+    train, held, _ = load_tasks(str(f), {}, 0, 0, 0)
+    assert len(train) == 3 and held == []
+
+
+@pytest.mark.parametrize("args,message", [
+    # the reward function fails on every rollout: the run stops after 3 such steps, with the reason
+    (["--reward-fn", "tests.rewards.always_raises", "--steps", 5],
+     "the reward function failed on every rollout of 3 consecutive steps, e.g. RuntimeError: broken reward function"),
+    (["--reward-fn", "tests.rewards.returns_nan", "--steps", 5], "returned nan, not a finite number"),
+    # a reward function that never returns is abandoned at the workflow timeout; the batch cannot be filled
+    (["--reward-fn", "tests.rewards.blocks", "--workflow-timeout-s", 2, "--workflow-retries", 0, "--refill-rounds", 0],
+     "explorer failed: RuntimeError: explorer: only 0 of 2 groups"),
+    # the trainer fails on its second step: the explorer (waiting for weights) goes with it
+    (["--policy-loss", "tests.plugins.failing_loss", "--steps", 4], "loss diverged"),
+    # the explorer's environment breaks for good after the first batches
+    (["--workflow", "tests.plugins.FailingLaterWorkflow", "--workflow-retries", 0, "--refill-rounds", 0, "--steps", 6],
+     "explorer failed: RuntimeError: explorer: only"),
+])
+def test_a_failing_side_ends_the_run_with_one_line(tiny_model, tmp_path, args, message):
+    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", tmp_path / "r",
+                 "--eval-size", 0, *args, timeout=300)
+    lines = [x for x in res.stderr.strip().splitlines() if x.startswith("run.py: error:")]
+    assert res.returncode == 1 and len(lines) == 1 and message in lines[0], res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    assert "Traceback" in next((tmp_path / "r").glob("error*.log")).read_text()  # the details are kept
+
+
+def test_two_trainer_ranks_publish_checkpoints(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir, "--steps", 2,
+                 "--sync-method", "checkpoint", "--eval-size", 0, "--reward-fn", "tests.rewards.length_parity", nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sync.latest_checkpoint(run_dir)[0] == 2
+    steps = [r for r in strict_json_lines(run_dir / "metrics.jsonl") if "loss/grad_norm" in r]
+    assert [r["trainer/ranks"] for r in steps] == [2, 2] and not math.isnan(steps[-1]["loss/policy"])
