@@ -58,12 +58,16 @@ class Experience:
     tokens:        prompt + response token ids, length L.
     prompt_length: P, number of prompt tokens; the response is tokens[P:], length R = L - P.
     logprobs:      [R] behaviour-policy log-prob of each response token under the exact
-                   distribution it was sampled from (temperature/top-p applied).
+                   distribution it was sampled from (temperature applied; training needs
+                   top_p 1). Placeholder 0.0 where there is none: environment tokens
+                   (action_mask 0) and offline data.
     action_mask:   [R] 1 where the policy generated the token and it is trained on.
     reward:        float, or None while not known (lagged reward).
     group_id:      the rollouts of one task share it; task_id names the task.
     model_version: weight version (trainer steps) that generated it.
-    info:          free JSON-able dict (response text, finish reason, errors, ...).
+    info:          free JSON-able dict (response text, finish reason, errors, ...);
+                   info["offline"] = True marks data not sampled from the policy (SFT chats,
+                   DPO pairs, MIX expert data): no behaviour log-probs, a fixed reward.
     """
 
     tokens: list[int]
@@ -246,7 +250,7 @@ class Buffer:
 class OfflineSampler:
     """Sampling strategy for offline data (SFT chats, DPO pairs, MIX expert data): draws
     groups in a seeded shuffled order, cycling through epochs. Each drawn experience is a
-    copy marked info["expert"] (offline data has no behaviour log-probs and is never
+    copy marked info["offline"] (offline data has no behaviour log-probs and is never
     filtered). Raises ValueError for no data."""
 
     def __init__(self, groups: list[list[Experience]], seed: int):
@@ -261,7 +265,7 @@ class OfflineSampler:
             if not self.order:
                 self.order = self.rng.sample(range(len(self.groups)), len(self.groups))
             out.append([Experience(e.tokens, e.prompt_length, e.logprobs, e.action_mask, e.reward, e.group_id,
-                                   e.task_id, e.model_version, {**e.info, "expert": True}, "offline")
+                                   e.task_id, e.model_version, {**e.info, "offline": True}, "offline")
                         for e in self.groups[self.order.pop()]])
         return out
 

@@ -613,10 +613,11 @@ class Explorer:
 
     def bench(self, k: int) -> dict:
         """avg@k (mean reward-1 rate over k samples per held-out task) and pass@k (a task
-        counts when any of its k samples has reward 1), sampling at cfg.temperature."""
+        counts when any of its k samples has reward 1), sampling at cfg.temperature; "correct"
+        lists the samples with reward 1 of each task."""
         correct = [len({e.info.get("trajectory_id", id(e)) for e in g or [] if e.reward == 1.0
                         and not e.info.get("reflection")}) for g in self._rollouts(self.held_out, n=k)]
-        return {"tasks": len(correct), "k": k, f"avg@{k}": sum(correct) / (k * len(correct)),
+        return {"tasks": len(correct), "k": k, "correct": correct, f"avg@{k}": sum(correct) / (k * len(correct)),
                 f"pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / len(correct),
                 "pass@1": sum(pass_at_k(k, c, 1) for c in correct) / len(correct)}
 
@@ -640,6 +641,15 @@ class Explorer:
                         if i == len(mask) or mask[i] != mask[start]:
                             f.write(f"[{'policy' if mask[start] else 'env'}] {decode(response[start:i])}\n")
                             start = i
+
+
+def exit_quietly(*_) -> None:
+    """SIGTERM handler of the explorer process: the trainer failed, reported it and stops
+    the explorer. Unwind (`finally` blocks close the engine) with exit code 1, and silence
+    stderr first: wherever the signal lands (inside an asyncio task, a model forward), no
+    second report reaches the user."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    sys.exit(1)
 
 
 def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue, start_version: int = 0) -> None:
@@ -689,7 +699,7 @@ def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue, start
         while engine.version < published[-1]:
             receive(engine)
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the trainer failed: unwind (close the engine), exit
+    signal.signal(signal.SIGTERM, exit_quietly)
     try:
         _explore(cfg, model_path, queue.put, total_steps, start_version, setup, before_batch, inflight, finish)
     except Exception as e:  # reported by the trainer as one line; the process exits with code 1

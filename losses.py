@@ -22,7 +22,9 @@ config; see README "Custom losses"):
       groups must share a micro-batch), `needs_ref` (LossInputs.ref_logprobs is filled),
       `split_expert` (rollout and expert sequences are normalised separately: aggregate
       the loss with the per-sequence totals of `part_totals`, MIX).
-  FILTERS[name](tokens, logprobs, advantage, **kw) -> bool (keep this sequence)
+  FILTERS[name](tokens, logprobs, advantage, **kw) -> bool (keep this sequence); a filter
+      with an `action_mask` parameter also gets the response's action_mask [R] (logprobs
+      are placeholders where it is 0: environment tokens).
 
 The trainer turns per-token losses into one scalar with `aggregate` (token-mean,
 sequence-mean-token-sum or sequence-mean-token-mean over the whole global batch, or over
@@ -106,6 +108,11 @@ def resolve(name: str, registry: dict, what: str, kwargs: dict | None = None) ->
         if bad:
             raise ValueError(f"{what} {name!r} takes no argument(s) {bad}; it takes {sorted(params)}")
     return fn
+
+
+def accepts(fn: Callable, param: str) -> bool:
+    """Whether `fn` has a parameter named `param` (optional inputs such as token_counts or action_mask)."""
+    return param in inspect.signature(fn).parameters
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -368,9 +375,10 @@ def reinforce_tis_loss(inp: LossInputs, tis_cap: float = 1.02):
 
 
 @register(POLICY_LOSSES, "cispo")
-def cispo_loss(inp: LossInputs, clip_low: float = 1.0, clip_high: float = 0.28):
+def cispo_loss(inp: LossInputs, clip_low: float = 1.0, clip_high: float = 0.2):
     """CISPO: -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) A logprobs: the IS weight is
-    clipped and detached, every token keeps a gradient. Returns {"loss", "clipped"}: [B, T].
+    clipped and detached, every token keeps a gradient (defaults: verl's clip_ratio_high 0.2;
+    clip_low 1 leaves the ratio unbounded below). Returns {"loss", "clipped"}: [B, T].
     Source: MiniMax-M1, arXiv:2506.13585, sec. 3.1 eq. 4-5. Reference: volcengine/verl
     verl/trainer/ppo/core_algos.py compute_policy_loss_cispo @ b178a3c."""
     ratio = _ratio(inp).detach()                                         # [B, T]
@@ -496,6 +504,8 @@ def mix_loss(inp: LossInputs, mu: float = 0.1, clip_low: float = 0.2, clip_high:
     its own part of the batch: the loss is `split_expert`, so the trainer aggregates it with
     the per-sequence totals of `part_totals`. Per token: (1 - mu) ppo on rollouts, mu (-logprobs)
     on expert tokens. Returns {"loss", "clipped", "expert" (1.0 on expert tokens)}: [B, T].
+    Trinity-RFT's code approximates the per-part means per micro-batch (token means scaled by
+    each micro-batch's share of the part's sequences); here they are exact over the batch.
     Source: Trinity-RFT's MIX algorithm, docs/sphinx_doc/source/tutorial/example_mix_algo.md
     (the J_Mix objective) @ 05ad975. Reference: modelscope/Trinity-RFT
     trinity/algorithm/policy_loss_fn/mix_policy_loss.py @ c10d414 (defaults: mu 0.1,
@@ -515,10 +525,13 @@ def zero_advantage_filter(tokens: list[int], logprobs: list[float], advantage: f
 
 
 @register(FILTERS, "gibberish")
-def gibberish_filter(tokens: list[int], logprobs: list[float], advantage: float, min_mean_logprob: float = -6.0) -> bool:
-    """Keep sequences whose mean behaviour log-prob per token is at least `min_mean_logprob`
-    (nats): very unlikely token streams are usually gibberish."""
-    return not logprobs or sum(logprobs) / len(logprobs) >= min_mean_logprob
+def gibberish_filter(tokens: list[int], logprobs: list[float], advantage: float, action_mask: list[int] | None = None,
+                     min_mean_logprob: float = -6.0) -> bool:
+    """Keep sequences whose mean behaviour log-prob per policy token (action_mask 1; every
+    token when no mask is given) is at least `min_mean_logprob` (nats): very unlikely token
+    streams are usually gibberish."""
+    own = [lp for lp, m in zip(logprobs, action_mask or [1] * len(logprobs)) if m]
+    return not own or sum(own) / len(own) >= min_mean_logprob
 
 
 @register(FILTERS, "repetition")

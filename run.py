@@ -104,7 +104,7 @@ class Config:
     temperature: float = 1.0
     """sampling temperature of the rollouts (the trainer's logprobs use the same)"""
     top_p: float = 1.0
-    """nucleus sampling of the rollouts"""
+    """nucleus sampling (mode bench only: training needs 1, the trainer's logprobs are over the full softmax)"""
     eval_temperature: float = 0.0
     """temperature for held-out evaluation (0 = greedy)"""
     eval_interval: int = 10
@@ -157,11 +157,11 @@ class Config:
     """keyword arguments of the policy loss (JSON), e.g. {"clip_high": 0.28, "dual_clip": 3.0} for ppo_clip"""
     loss_agg: str = "auto"
     """loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, or auto (the loss's own default)"""
-    kl_coef: float = 0.0
+    kl_loss_coef: float = 0.0
     """weight of the KL(policy || reference) loss term (loads a frozen reference model when > 0)"""
     kl_estimator: str = "k3"
     """per-token KL estimator of the KL loss: k1, k2, k3, low_var"""
-    kl_penalty_coef: float = 0.0
+    kl_reward_coef: float = 0.0
     """reward penalty: subtract this times the summed k1 KL(behaviour || reference) of each sequence"""
     entropy_coef: float = 0.0
     """entropy bonus: subtract this times the token entropy from the loss"""
@@ -303,7 +303,7 @@ def parse_config(argv: list[str]) -> Config:
     for f in dataclasses.fields(Config):
         if f.type == "float" and not math.isfinite(getattr(cfg, f.name)):
             raise ValueError(f"{f.name} must be a finite number, got {getattr(cfg, f.name)}")
-    for name in ("lr", "weight_decay", "max_grad_norm", "kl_coef", "kl_penalty_coef", "entropy_coef", "length_penalty",
+    for name in ("lr", "weight_decay", "max_grad_norm", "kl_loss_coef", "kl_reward_coef", "entropy_coef", "length_penalty",
                  "eval_temperature", "buffer_timeout_s", "sync_timeout_s"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
@@ -615,7 +615,7 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> 
                     groups[0] += expert.draw(max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction))))
             dist.broadcast_object_list(groups, src=0)
             wait_s = time.perf_counter() - t0
-            rollouts = [g for g in groups[0] if not g[0].info.get("expert")]
+            rollouts = [g for g in groups[0] if not g[0].info.get("offline")]
             m = trainer.step(groups[0])
             t1 = time.perf_counter()
             if sync.publishes_after(step, cfg.sync_interval, cfg.steps):
@@ -707,6 +707,10 @@ def check_algorithm(cfg: Config) -> None:
         raise ValueError(f"unknown loss_agg {cfg.loss_agg!r}; known: auto, {', '.join(AGGREGATIONS)}")
     if cfg.kl_estimator not in ("k1", "k2", "k3", "low_var"):
         raise ValueError(f"unknown kl_estimator {cfg.kl_estimator!r}; known: k1, k2, k3, low_var")
+    if cfg.top_p < 1 and cfg.mode != "bench":
+        raise ValueError(f"top_p {cfg.top_p} < 1 is for mode bench only: the behaviour logprobs would be those of the "
+                         "renormalised nucleus and the trainer's those of the full softmax, so every importance ratio "
+                         "would be off by the nucleus mass; train with top_p 1")
     if cfg.length_unit not in ("tokens", "turns"):
         raise ValueError(f"length_unit must be tokens or turns, got {cfg.length_unit!r}")
     if not 0 <= cfg.expert_fraction < 1 or not 0 <= cfg.pool_lift_fraction <= 1:
@@ -733,6 +737,10 @@ def check_modes(cfg: Config) -> None:
     if cfg.mode == "both" and 0 <= cfg.max_staleness < bound:
         raise ValueError(f"max_staleness {cfg.max_staleness} < sync_offset + sync_interval - 1 = {bound}: "
                          "in mode both the schedule itself produces experiences that old")
+    if cfg.bench_models and cfg.mode != "bench":
+        raise ValueError("--bench-models is for --mode bench")
+    if cfg.max_staleness < -1:
+        raise ValueError(f"max_staleness must be >= 0, or -1 for no bound, got {cfg.max_staleness}")
     if cfg.train_data and cfg.mode != "train":
         raise ValueError("--train-data is for --mode train (offline SFT / DPO)")
     if cfg.overwrite and cfg.mode in ("explore", "train"):

@@ -22,8 +22,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from buffer import Experience
-from losses import (ADVANTAGES, FILTERS, POLICY_LOSSES, LossInputs, aggregate, kl_estimate, length_penalty,
-                    masked_sum, resolve, token_entropy)
+from losses import (ADVANTAGES, FILTERS, POLICY_LOSSES, LossInputs, accepts, aggregate, kl_estimate,
+                    length_penalty, masked_sum, part_totals, resolve, token_entropy)
 
 
 def resume_state(run_dir: str | Path) -> Path | None:
@@ -99,8 +99,8 @@ class Trainer:
     or DPO needs one).
 
     cfg: run.Config (lr, weight_decay, max_grad_norm, token_budget, temperature, bf16, save_dtype,
-    advantage(_kwargs), policy_loss(_kwargs), loss_agg, kl_coef, kl_estimator,
-    kl_penalty_coef, entropy_coef, length_penalty, length_unit, filters, seed). Requires an
+    advantage(_kwargs), policy_loss(_kwargs), loss_agg, kl_loss_coef, kl_estimator,
+    kl_reward_coef, entropy_coef, length_penalty, length_unit, filters, seed). Requires an
     initialised default process group. Raises ValueError for an unknown loss, advantage,
     filter or keyword (losses.resolve).
     """
@@ -121,7 +121,7 @@ class Trainer:
         own = AutoConfig.from_pretrained(model_path).dtype
         own = getattr(torch, own) if isinstance(own, str) else own or torch.float32
         self.final_dtype = own if cfg.save_dtype == "auto" else getattr(torch, cfg.save_dtype)
-        needs_ref = cfg.kl_coef or cfg.kl_penalty_coef or getattr(self.loss_fn, "needs_ref", False)
+        needs_ref = cfg.kl_loss_coef or cfg.kl_reward_coef or getattr(self.loss_fn, "needs_ref", False)
         self.ref = self._load(model_path).requires_grad_(False).eval() if needs_ref else None
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                      betas=(0.9, 0.99))
@@ -171,7 +171,7 @@ class Trainer:
 
     def step(self, groups: list[list[Experience]]) -> dict[str, float]:
         """One optimiser step on the groups of one batch (the same list on every rank;
-        expert sequences carry info["expert"]); returns metrics (rank-0 view of the global
+        expert sequences carry info["offline"]); returns metrics (rank-0 view of the global
         batch). Increments `self.version`.
 
         Order: reference log-probs (if needed) -> rewards (- KL penalty, - length penalty)
@@ -185,7 +185,8 @@ class Trainer:
         traj_ids = {}
         traj = torch.tensor([traj_ids.setdefault(e.info.get("trajectory_id", ("seq", i)), len(traj_ids))
                              for i, e in enumerate(exps)])                                # [N]
-        expert = torch.tensor([bool(e.info.get("expert")) for e in exps])                 # [N]
+        expert = torch.tensor([bool(e.info.get("offline")) for e in exps])                # [N] no behaviour logprobs
+        token_counts = torch.tensor([float(sum(e.action_mask)) for e in exps])           # [N] trained tokens
         by_group = getattr(self.loss_fn, "needs_groups", False)
         units = [list(g) for g in groups] if by_group else [[e] for e in sorted(exps, key=lambda e: len(e.tokens))]
         mine = units[self.rank::self.world]
@@ -195,32 +196,40 @@ class Trainer:
             m["reward/mean"] = float(rollout_rewards.mean())
             m["reward/std"] = float(rollout_rewards.std()) if len(rollout_rewards) > 1 else 0.0
         ref = self._ref_logprobs(mine, exps[0]) if self.ref is not None else {}
-        if cfg.kl_penalty_coef:  # sum_t k1 of KL(behaviour || reference), from every rank
-            local = [(pos[id(e)], float(kl_estimate(torch.tensor(e.logprobs), ref[id(e)], "k1").sum()))
-                     for u in mine for e in u]
+        if cfg.kl_reward_coef:  # sum of k1 KL(behaviour || reference) over the policy's tokens, from every rank
+            local = [(pos[id(e)], float((kl_estimate(torch.tensor(e.logprobs), ref[id(e)], "k1")
+                                         * torch.tensor(e.action_mask)).sum()))
+                     for u in mine for e in u if not e.info.get("offline")]  # offline data: no behaviour logprobs
             every = [None] * self.world
             dist.all_gather_object(every, local)
             kl = torch.zeros(len(exps))
             for part in every:
                 for i, v in part:
                     kl[i] = v
-            rewards = rewards - cfg.kl_penalty_coef * kl
-            m["reward/kl_penalty"] = float(cfg.kl_penalty_coef * kl.mean())
+            rewards = rewards - cfg.kl_reward_coef * kl
+            m["reward/kl_penalty"] = float(cfg.kl_reward_coef * kl.mean())
         if cfg.length_penalty:
             unit = {"tokens": lambda e: sum(e.action_mask), "turns": lambda e: e.info.get("turns", 1)}[cfg.length_unit]
             rewards = length_penalty(rewards, torch.tensor([float(unit(e)) for e in exps]), cfg.length_penalty)
-        adv = self.advantage_fn(rewards, group_index, traj, **cfg.advantage_kwargs).float()   # [N]
+        counts = {"token_counts": token_counts} if accepts(self.advantage_fn, "token_counts") else {}
+        adv = self.advantage_fn(rewards, group_index, traj, **counts, **cfg.advantage_kwargs).float()   # [N]
         for e, a in zip(exps, adv.tolist()):
             e.info["advantage"] = a
         keep = [True] * len(exps)
         for name, fn in self.filters.items():
             dropped = 0
             for i, e in enumerate(exps):
-                if keep[i] and not expert[i] and not fn(e.tokens, e.logprobs, float(adv[i]), **cfg.filters[name]):
+                mask = {"action_mask": e.action_mask} if accepts(fn, "action_mask") else {}
+                if keep[i] and not expert[i] and not fn(e.tokens, e.logprobs, float(adv[i]), **mask, **cfg.filters[name]):
                     keep[i], dropped = False, dropped + 1
             m[f"filter/{name}"] = dropped
         mine = [kept for u in mine if (kept := [e for e in u if keep[pos[id(e)]]])]
-        total_tokens = sum(sum(e.action_mask) for e, k in zip(exps, keep) if k)
+        if getattr(self.loss_fn, "split_expert", False):  # MIX: each part normalised over itself
+            part_tokens, part_seqs = part_totals(token_counts, expert, torch.tensor(keep))               # [N], [N]
+            totals = lambda idx: (part_tokens[idx].to(self.device), part_seqs[idx].to(self.device))  # noqa: E731
+        else:
+            whole = (sum(sum(e.action_mask) for e, k in zip(exps, keep) if k), sum(keep))
+            totals = lambda idx: whole  # noqa: E731
         total_seqs = sum(keep)
         sums: dict[str, torch.Tensor] = {}
         objective = 0.0  # the aggregated policy loss (without KL and entropy terms)
@@ -239,13 +248,13 @@ class Trainer:
                                           dev(torch.unique(group_index[idx], return_inverse=True)[1]),
                                           ref_lp, dev(expert[idx])), **cfg.policy_loss_kwargs)
             loss_tok = out["loss"]
-            if cfg.kl_coef:
-                loss_tok = loss_tok + cfg.kl_coef * kl_estimate(lp, ref_lp, cfg.kl_estimator)
+            if cfg.kl_loss_coef:
+                loss_tok = loss_tok + cfg.kl_loss_coef * kl_estimate(lp, ref_lp, cfg.kl_estimator)
             if cfg.entropy_coef:
                 loss_tok = loss_tok - cfg.entropy_coef * ent
-            (aggregate(loss_tok, mask, self.agg, total_tokens, total_seqs) * self.world).backward()
+            (aggregate(loss_tok, mask, self.agg, *totals(idx)) * self.world).backward()
             with torch.no_grad():
-                objective += float(aggregate(out["loss"], mask, self.agg, total_tokens, total_seqs))
+                objective += float(aggregate(out["loss"], mask, self.agg, *totals(idx)))
                 rollout = ~dev(expert[idx])[:, None]  # expert tokens have no behaviour log-probs
                 parts = {"loss/entropy": ent,
                          "loss/kl_behaviour": kl_estimate(old, lp, "k3") * rollout,

@@ -130,7 +130,7 @@ def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
     of one Experience per conversation, tokenised with the chat template, action_mask 1
     exactly on the assistant turns' tokens (each turn = template(messages[:i+1]) minus
     template(messages[:i], generation prompt)), reward 1.0, logprobs 0 (no behaviour
-    policy), info["expert"]. Raises FileNotFoundError, or ValueError naming the file and
+    policy), info["offline"]. Raises FileNotFoundError, or ValueError naming the file and
     line (bad JSON, no assistant turn, or turns that are not token prefixes of each other)."""
     out = []
     for path, n, row in _jsonl_rows(path, "chat data"):
@@ -150,7 +150,7 @@ def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
             raise ValueError(f"{path} line {n}: no assistant message")
         p = mask.index(1)
         out.append([Experience(tokens, p, [0.0] * (len(tokens) - p), mask[p:], 1.0, f"{path.stem}/{n}",
-                               f"{path.stem}/{n}", 0, {"expert": True})])
+                               f"{path.stem}/{n}", 0, {"offline": True})])
     return out
 
 
@@ -166,15 +166,17 @@ def load_preference_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]
         msgs = [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str) else row["prompt"]
         if not _is_messages(msgs):
             raise ValueError(f"{path} line {n}: prompt must be a string or a list of messages")
+        if not (isinstance(row["chosen"], str) and isinstance(row["rejected"], str)):
+            raise ValueError(f"{path} line {n}: chosen and rejected must be strings (the assistant replies)")
         prompt = _template(tokenizer, msgs, True)
         group = []
         for key, reward in (("chosen", 1.0), ("rejected", 0.0)):
-            full = _template(tokenizer, msgs + [{"role": "assistant", "content": str(row[key])}], False)
+            full = _template(tokenizer, msgs + [{"role": "assistant", "content": row[key]}], False)
             if full[: len(prompt)] != prompt or len(full) == len(prompt):
                 raise ValueError(f"{path} line {n}: chat template output is not a token prefix of the {key} reply")
             r = len(full) - len(prompt)
             group.append(Experience(full, len(prompt), [0.0] * r, [1] * r, reward, f"{path.stem}/{n}",
-                                    f"{path.stem}/{n}", 0, {"expert": True, "preference": key}))
+                                    f"{path.stem}/{n}", 0, {"offline": True, "preference": key}))
         out.append(group)
     return out
 

@@ -39,3 +39,15 @@ def returns_none(task, completion, dataset):
 def returns_string(task, completion, dataset):
     """A broken reward function: a string instead of a number."""
     return "high"
+
+
+def sometimes_raises(task, completion, dataset):
+    """Raises on completions of odd length, else the length parity reward: a flaky reward."""
+    if len(completion) % 2:
+        raise RuntimeError("flaky reward function")
+    return 1.0
+
+
+def sometimes_nan(task, completion, dataset):
+    """NaN on completions of odd length, else 1.0: a flaky reward."""
+    return float("nan") if len(completion) % 2 else 1.0

@@ -141,7 +141,7 @@ def test_detached_weight_losses_reference_and_gradients():
     seq_ratio = [math.exp(seq_logratio(lp, old, mask, b)) for b in range(4)]  # pi(y) / mu(y)
     for name, weight in [
         ("reinforce_tis", lambda r, a, b: min(r, 1.02)),
-        ("cispo", lambda r, a, b: min(max(r, 0.0), 1.28)),
+        ("cispo", lambda r, a, b: min(max(r, 0.0), 1.2)),
         ("topr", lambda r, a, b: 1.0 if a >= 0 else min(seq_ratio[b], 1.0)),
     ]:
         lp.grad = None
@@ -361,3 +361,11 @@ def test_one_step_raises_positive_and_lowers_negative_sequences(name):
     fn = L.POLICY_LOSSES[name]
     assert moves_as_intended(fn, name)
     assert not moves_as_intended(flipped(fn), name)
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    from explorer import pass_at_k
+
+    # Chen et al. 2021, eq. 1, worked by hand: 1 - C(n - c, k) / C(n, k)
+    assert pass_at_k(10, 3, 5) == pytest.approx(1 - 21 / 252)
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3) and pass_at_k(4, 0, 2) == 0.0 and pass_at_k(4, 3, 2) == 1.0

@@ -17,11 +17,11 @@ FAMILIES = {
              ["loss/masked", "filter/zero_advantage", "filter/gibberish", "filter/repetition",
               "filter/difficulty_dropped", "pool/retired_easy"]),
     # truncated-IS REINFORCE with a KL loss to the reference model and an entropy bonus
-    "reinforce": (["--advantage", "rloo", "--policy-loss", "reinforce_tis", "--kl-coef", "0.1",
+    "reinforce": (["--advantage", "rloo", "--policy-loss", "reinforce_tis", "--kl-loss-coef", "0.1",
                    "--kl-estimator", "k2", "--entropy-coef", "0.01", "--loss-agg", "seq-mean-token-mean"],
                   ["loss/truncated", "loss/kl_ref", "loss/entropy"]),
     # CISPO with REINFORCE++ normalisation, KL as a reward penalty and a length penalty
-    "cispo": (["--advantage", "reinforce_pp", "--policy-loss", "cispo", "--kl-penalty-coef", "0.01",
+    "cispo": (["--advantage", "reinforce_pp", "--policy-loss", "cispo", "--kl-reward-coef", "0.01",
                "--length-penalty", "0.01"], ["loss/clipped", "reward/kl_penalty"]),
     # the OPMD family (group-level losses keep whole groups together, here over 2 ranks);
     # pairwise / simple OPMD, GSPO and TOPR are checked against references in test_algorithms.py

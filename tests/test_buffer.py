@@ -69,6 +69,6 @@ def test_offline_sampler_cycles_all_and_marks_expert():
     s = OfflineSampler(groups, seed=0)
     drawn = [g[0] for g in s.draw(3) + s.draw(3)]
     assert sorted(e.tokens[-1] for e in drawn[:3]) == [0, 1, 2] == sorted(e.tokens[-1] for e in drawn[3:])
-    assert all(e.info["expert"] for e in drawn) and not groups[0][0].info
+    assert all(e.info["offline"] for e in drawn) and not groups[0][0].info
     with pytest.raises(ValueError, match="empty"):
         OfflineSampler([], 0)

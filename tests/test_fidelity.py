@@ -351,3 +351,86 @@ ENTROPY = [[1.0314429, 1.3862944], [1.1072708, 0.2900405]]
 
 def test_entropy_is_verl_entropy_from_logits():
     assert close(L.token_entropy(torch.tensor(ENTROPY_LOGITS)), ENTROPY)
+
+
+# ----------------------------------------------------------------------------- the trainer applies them
+
+@pytest.fixture(scope="module")
+def make_trainer(tiny_model):
+    """Trainer(cfg) factory on the tiny model, one rank, lr 0 (the policy stays the reference)."""
+    import torch.distributed as dist
+
+    import run
+    from trainer import Trainer
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return lambda *flags: Trainer(run.parse_config(["--config", "configs/tiny.toml", "--lr", "0", *flags]), tiny_model,
+                                  torch.device("cpu"))
+
+
+def exp(tokens, prompt_length, mask, reward, group, offline=False):
+    from buffer import Experience
+
+    return Experience(tokens, prompt_length, [0.0] * len(mask), mask, reward, group, group, 0,
+                      {"offline": True} if offline else {})
+
+
+def own_logprobs(trainer, exps):
+    """The trainer's log-probs of each response [R], written into the experiences as their
+    behaviour log-probs where action_mask is 1 (on-policy); 0.0 placeholders elsewhere."""
+    from trainer import pack, response_logprobs
+
+    with torch.no_grad():
+        lp, _ = response_logprobs(trainer.model, pack(exps, trainer.pad), trainer.cfg.temperature)
+    out = []
+    for i, e in enumerate(exps):
+        out.append(lp[i, :len(e.action_mask)].tolist())
+        if not e.info.get("offline"):
+            e.logprobs = [x if m else 0.0 for x, m in zip(out[-1], e.action_mask)]
+    return out
+
+
+def test_kl_reward_penalty_counts_only_the_policys_tokens(make_trainer):
+    # behaviour = reference on the policy's tokens, so KL(behaviour || reference) is 0: environment tokens
+    # (placeholder logprob 0) and offline sequences (no behaviour logprobs) must not add to it
+    tr = make_trainer("--kl-reward-coef", "0.5")
+    rollouts = [exp([5, 6, 7, 20 + i, 21, 40, 41, 22 + i], 3, [1, 1, 0, 0, 1], float(i % 2), "g") for i in range(4)]
+    offline = [exp([5, 6, 7, 30, 31 + i], 3, [1, 1], 1.0, "o", offline=True) for i in range(2)]
+    own_logprobs(tr, rollouts + offline)
+    m = tr.step([rollouts, offline])
+    assert abs(m["reward/kl_penalty"]) < 1e-5, m["reward/kl_penalty"]
+
+
+def test_trainer_gives_reinforce_pp_the_token_counts(make_trainer):
+    tr = make_trainer("--advantage", "reinforce_pp", "--policy-loss", "reinforce_tis")
+    lengths, rewards = [1, 4, 2, 6], [1.0, 0.0, 0.0, 1.0]
+    group = [exp([5, 6] + [20 + i] * n, 2, [1] * n, r, "g") for i, (n, r) in enumerate(zip(lengths, rewards))]
+    own_logprobs(tr, group)
+    tr.step([group])
+    want = L.reinforce_pp_advantages(torch.tensor(rewards), torch.zeros(4, dtype=torch.long),
+                                     token_counts=torch.tensor(lengths, dtype=torch.float))
+    assert close([e.info["advantage"] for e in group], want.tolist(), tol=1e-5)
+
+
+def test_trainer_normalises_mix_parts_separately(make_trainer):
+    # rollouts on-policy (ratio 1): PPO's token loss is -A; GRPO advantages of rewards 1, 0, 0, 0 are
+    # 1.5, -0.5, -0.5, -0.5 on 3, 1, 1, 1 tokens; one expert sequence of 5 tokens
+    tr = make_trainer("--policy-loss", "mix")
+    rollouts = [exp([5, 6] + [20 + i] * n, 2, [1] * n, r, "g") for i, (n, r) in enumerate(zip([3, 1, 1, 1],
+                                                                                              [1.0, 0.0, 0.0, 0.0]))]
+    expert = [exp([5, 6, 30, 31, 32, 33, 34], 2, [1] * 5, 1.0, "e", offline=True)]
+    own_logprobs(tr, rollouts)
+    (expert_lp,) = own_logprobs(tr, expert)
+    m = tr.step([rollouts, expert])
+    mu = 0.1
+    rollout_part = -(1.5 * 3 - 0.5 * 3) / 6
+    expert_part = -sum(expert_lp) / 5
+    assert m["loss/policy"] == pytest.approx((1 - mu) * rollout_part + mu * expert_part, abs=1e-4)
+    assert m["reward/mean"] == pytest.approx(0.25)  # the rollouts' mean: the expert's reward 1.0 is not a rollout's
+
+
+def test_gibberish_filter_averages_the_policys_tokens_only():
+    logprobs, mask = [-1.0, 0.0, 0.0, -1.0], [1, 0, 0, 1]  # two environment tokens with placeholder 0
+    assert L.gibberish_filter([1] * 6, logprobs, 1.0, mask, min_mean_logprob=-0.8) is False
+    assert L.gibberish_filter([1] * 6, logprobs, 1.0, min_mean_logprob=-0.8) is True  # no mask: every token

@@ -203,6 +203,9 @@ def test_explorers_differ_and_one_explorer_continues_the_same_after_a_restart(ti
     (["--lr", "nan"], "lr must be a finite number"),
     (["--group-size", "1"], "advantage grpo compares the rollouts of a group: it needs group_size >= 2"),
     (["--task-kwargs", "{bad"], "argument --task-kwargs: not valid JSON"),
+    (["--top-p", "0.9"], "top_p 0.9 < 1 is for mode bench only"),
+    (["--bench-models", "smollm2-135m"], "--bench-models is for --mode bench"),
+    (["--max-staleness", "-2"], "max_staleness must be >= 0, or -1 for no bound"),
 ])
 def test_bad_settings_are_one_error_line(tiny_model, tmp_path, args, message):
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", tmp_path / "r", *args, timeout=120)
@@ -277,3 +280,48 @@ def test_two_trainer_ranks_publish_checkpoints(tiny_model, tmp_path):
     assert sync.latest_checkpoint(run_dir)[0] == 2
     steps = [r for r in strict_json_lines(run_dir / "metrics.jsonl") if "loss/grad_norm" in r]
     assert [r["trainer/ranks"] for r in steps] == [2, 2] and not math.isnan(steps[-1]["loss/policy"])
+
+
+def test_fault_benchmark_fast_subset(tiny_model):
+    """benchmarks/faults.py, its quick parts: concurrent writers with a reader, and every
+    malformed flag value refused while parsing (the whole benchmark: README "Reliability")."""
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import faults
+
+    r = faults.concurrent_writers(3, 240, 8)
+    assert (r["partial_reads"], r["served_twice"], r["lost"]) == (0, 0, 0), r
+    res = faults.part_inputs(tiny_model, fast_only=True)
+    assert res["inputs"] >= 50 and res["one-line error"] == res["inputs"], [c for c in res["cases"]
+                                                                           if c["outcome"] != "one-line error"]
+
+
+def test_a_stopped_explorer_unwinds_without_a_second_report():
+    # SIGTERM lands while an asyncio task runs (as in the explorer's engine): exit 1, nothing on stderr
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = ("import asyncio, os, signal, explorer\n"
+            "signal.signal(signal.SIGTERM, explorer.exit_quietly)\n"
+            "async def work():\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    while True: sum(range(1000))\n"
+            "async def main():\n"  # a task nobody awaits, like the engine's batch flush
+            "    asyncio.get_running_loop().create_task(work())\n"
+            "    await asyncio.sleep(3600)\n"
+            "try:\n"
+            "    asyncio.run(main())\n"
+            "finally:\n"
+            "    open(os.environ['MARK'], 'w').write('unwound')\n")
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        mark = os.path.join(d, "mark")
+        res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "MARK": mark})
+        assert res.returncode == 1 and res.stderr == "", res.stderr
+        assert open(mark).read() == "unwound"  # finally blocks ran (the engine is closed there)
