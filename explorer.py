@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import fcntl
 import json
 import os
 import random
@@ -664,7 +665,9 @@ def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue, start
     by_checkpoint = cfg.sync_method == "checkpoint"
 
     def setup(engine):
-        if not by_checkpoint:
+        if by_checkpoint:
+            queue.put({"explorer/ready": True})  # its start weights are loaded: the trainer may go on
+        else:
             engine.join_weight_sync(port, cfg.sync_timeout_s, alive)
 
     def receive(engine):
@@ -748,6 +751,24 @@ def run_explore_mode(cfg, model_path: str) -> None:
     _explore(cfg, model_path, log, sys.maxsize, 0, poll, before_batch, poll, poll)
 
 
+_held = []  # the open lock files of `hold_name`: kept for the life of the process
+
+
+def hold_name(run_dir: str | Path, name: str) -> None:
+    """Take the explorer name `name` in `run_dir` for the life of this process (flock on
+    RUN_DIR/.explorer-<name>.lock; the kernel drops it when the process dies, kill -9
+    included). Waits while another process holds it: a restarted explorer must not read its
+    resume state from the buffer while the old one (an orphan of a killed trainer that has
+    not noticed yet) can still store a batch, or that batch would be generated twice."""
+    f = (Path(run_dir) / f".explorer-{name}.lock").open("a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"explorer {name}: waiting for the previous explorer of this name to stop", file=sys.stderr, flush=True)
+        fcntl.flock(f, fcntl.LOCK_EX)
+    _held.append(f)
+
+
 def _explore(cfg, model_path, log, total, start_version, setup, before_batch, inflight, finish) -> None:
     """The rollout loop both explorer entries share: resume position from the buffer,
     evaluation every eval_interval versions, one batch at a time."""
@@ -758,6 +779,7 @@ def _explore(cfg, model_path, log, total, start_version, setup, before_batch, in
     try:
         setup(engine)
         explorer = Explorer(cfg, engine, train, held_out, dataset, log)
+        hold_name(cfg.run_dir, cfg.explorer_name)
         buffer = Buffer(Path(cfg.run_dir) / "buffer.sqlite")
         saved = buffer.explorer_state(cfg.explorer_name)
         first = 0

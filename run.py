@@ -512,6 +512,24 @@ def read_batch(cfg: Config, buffer, step: int, version: int, alive) -> tuple[lis
     return groups, dropped
 
 
+def wait_until_loaded(explorer, queue) -> None:
+    """Mode both, checkpoint sync: block until the spawned explorer reports its start weights
+    loaded. Raises RuntimeError (one line) when it fails or dies first."""
+    from queue import Empty
+
+    while True:
+        try:
+            r = queue.get(timeout=1.0)
+        except Empty:
+            if not explorer.is_alive():
+                raise RuntimeError(f"explorer failed: exit code {explorer.exitcode} before its weights were loaded")
+            continue
+        if "error" in r:
+            raise RuntimeError(f"explorer failed: {r['error']}")
+        if r.get("explorer/ready"):
+            return
+
+
 def explorer_shares(groups: list, version: int) -> dict[str, float]:
     """Per explorer name: its share of the batch's groups and its mean staleness."""
     out: dict[str, float] = {}
@@ -572,6 +590,8 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> 
             alive = lambda: explorer.is_alive()  # noqa: E731
             if weights:
                 weights.connect(alive)
+            else:  # it may start from a resume state that the first save_state deletes: wait until it is loaded
+                wait_until_loaded(explorer, queue)
     pending: dict[int, dict] = {}  # explorer batch records by batch index, merged into that step
     last_eval: dict = {}
     explorer_logs = ExplorerLogs(run_dir) if cfg.mode == "train" and not offline and rank == 0 else None
@@ -745,7 +765,8 @@ def check_modes(cfg: Config) -> None:
         raise ValueError("--train-data is for --mode train (offline SFT / DPO)")
     if cfg.overwrite and cfg.mode in ("explore", "train"):
         raise ValueError(f"--overwrite would delete a run directory shared with the other side (mode {cfg.mode})")
-    if cfg.resume and cfg.mode in ("both", "train") and not (Path(cfg.run_dir) / "buffer.sqlite").is_file():
+    started = any((Path(cfg.run_dir) / name).is_file() for name in ("buffer.sqlite", "config.json", "config_train.json"))
+    if cfg.resume and cfg.mode in ("both", "train") and not started:  # a run killed while starting resumes from step 0
         raise FileNotFoundError(f"--resume: no run to resume in {cfg.run_dir} (no buffer.sqlite)")
 
 
@@ -785,10 +806,10 @@ def prepare(cfg: Config, rank: int) -> str:
                                         cfg.system_prompt, Sampling(cfg.max_tokens), run_dir=cfg.run_dir)
         except Exception as e:
             raise ValueError(f"workflow {cfg.workflow!r} cannot be created: {type(e).__name__}: {e}") from None
-        if cfg.expert_fraction:
-            load_chat_jsonl(cfg.expert_data, tok)
-        if cfg.train_data:
-            load_offline_jsonl(cfg.train_data, tok)
+        if cfg.expert_fraction and not load_chat_jsonl(cfg.expert_data, tok):
+            raise ValueError(f"expert_data {cfg.expert_data}: no conversations")
+        if cfg.train_data and not load_offline_jsonl(cfg.train_data, tok):
+            raise ValueError(f"train_data {cfg.train_data}: no rows")
     run_dir = Path(cfg.run_dir)
     if rank == 0:
         if cfg.mode == "both" and not cfg.resume and run_dir.exists() and any(run_dir.iterdir()):

@@ -167,13 +167,23 @@ def kill_trial(i: int, model: str, rng: random.Random, durations: dict) -> dict:
                 if p is not None:
                     os.killpg(p.pid, signal.SIGKILL)
         at = phase(run_dir)
-        left = wait_gone(train.pid, 180) + (wait_gone(explore.pid, 180) if explore else 0)  # the other side ends by itself
-        resumed = launch([*args, "--mode", "train", "--resume"] if separate else [*args, "--resume"], log)
-        again = launch([*args, "--mode", "explore", "--explorer-name", "e1"], log) if separate else None
+        if separate:  # fully async: the side left alive waits for the other to come back; restart what died
+            trainer_dead, explorer_dead = victim in ("trainer", "group"), victim in ("explorer", "group")
+            left = 0
+            for p, dead in ((train, trainer_dead), (explore, explorer_dead)):
+                if dead:
+                    p.wait()
+                    left += wait_gone(p.pid, 60)
+            resumed = launch([*args, "--mode", "train", "--resume"], log) if trainer_dead else train
+            again = launch([*args, "--mode", "explore", "--explorer-name", "e1"], log) if explorer_dead else explore
+        else:  # mode both: --resume at once; the side left alive ends by itself (a trainer with one error line)
+            resumed, again = launch([*args, "--resume"], log), None
         try:
             ok = resumed.wait(timeout=600) == 0 and (again is None or again.wait(timeout=180) == 0)
         except subprocess.TimeoutExpired:
             ok = False
+        if not separate:
+            left = wait_gone(train.pid, 60)
         for p in (resumed, again):
             if p is not None:
                 left += wait_gone(p.pid, 0)

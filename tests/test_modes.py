@@ -203,10 +203,12 @@ def test_bench_table_and_json(tiny_model, tmp_path):
     assert "avg@3" in res.stdout and "pass@3" in res.stdout
 
 
-def test_resume_after_kill_loses_and_repeats_nothing(tiny_model, tmp_path):
+# checkpoint sync, interval 1: the resumed explorer starts from the resume state that the resumed trainer's
+# first save_state deletes (the fault benchmark found it failing to load); the trainer waits until it has loaded
+@pytest.mark.parametrize("sync", [["--checkpoint-interval", 2], ["--checkpoint-interval", 1, "--sync-method", "checkpoint"]])
+def test_resume_after_kill_loses_and_repeats_nothing(tiny_model, tmp_path, sync):
     run_dir = tmp_path / "run"
-    args = ["--model", tiny_model, "--run-dir", run_dir, "--steps", 6, "--checkpoint-interval", 2,
-            "--sync-interval", 1, "--sync-offset", 1]
+    args = ["--model", tiny_model, "--run-dir", run_dir, "--steps", 6, *sync, "--sync-interval", 1, "--sync-offset", 1]
     p = popen(*args)
     deadline = time.time() + 300
     while time.time() < deadline:  # kill -9 (trainer and explorer) once step 3 is recorded

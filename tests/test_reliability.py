@@ -224,12 +224,15 @@ def _bad_inputs(tiny_model, tmp_path):
     run.mkdir()
     (run / "buffer.sqlite").write_bytes(b"this is not a database" * 100)
     (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage\x80")
+    (tmp_path / "empty.jsonl").write_text("")
     return [(["--model", broken], "config.json cannot be loaded"),
             (["--model", empty], "model directory has no weights"),
             (["--run-dir", tmp_path / "a_file"], "a_file"),
             (["--run-dir", run, "--resume"], "not a usable SQLite database"),
             (["--workflow", "tests.plugins.BrokenInitWorkflow"], "environment server unreachable"),
-            (["--task", tmp_path / "binary.jsonl"], "binary.jsonl: not UTF-8 text")]
+            (["--task", tmp_path / "binary.jsonl"], "binary.jsonl: not UTF-8 text"),
+            (["--policy-loss", "mix", "--expert-data", tmp_path / "empty.jsonl", "--expert-fraction", 0.25],
+             "empty.jsonl: no conversations")]
 
 
 def test_bad_files_are_one_error_line(tiny_model, tmp_path):
@@ -325,3 +328,34 @@ def test_a_stopped_explorer_unwinds_without_a_second_report():
                              env={**os.environ, "MARK": mark})
         assert res.returncode == 1 and res.stderr == "", res.stderr
         assert open(mark).read() == "unwound"  # finally blocks ran (the engine is closed there)
+
+
+def test_a_run_killed_while_starting_can_be_resumed(tiny_model, tmp_path):
+    # killed after writing config.json, before the buffer existed: --resume starts it from step 0
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text("{}")
+    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir, "--steps", 1,
+                 "--eval-size", 0, "--reward-fn", "tests.rewards.length_parity", "--resume", timeout=300)
+    assert res.returncode == 0 and "resumed at step 0" in res.stdout, res.stderr[-2000:]
+
+
+def test_an_explorer_name_is_held_until_its_process_dies(tmp_path):
+    # a restarted explorer waits for the old one of its name (an orphan still storing a batch): the name is a
+    # flock that the kernel drops with the process, kill -9 included
+    import fcntl
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    p = subprocess.Popen([sys.executable, "-c", "import explorer, sys; explorer.hold_name(sys.argv[1], 'e1'); "
+                          "print('held', flush=True); sys.stdin.read()", str(tmp_path)],
+                         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "held\n"
+    lock = (tmp_path / ".explorer-e1.lock").open("a")
+    with pytest.raises(BlockingIOError):
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    p.kill()
+    p.wait()
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free once the holder is gone
