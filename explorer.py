@@ -14,6 +14,7 @@ import asyncio
 import base64
 import fcntl
 import json
+import logging
 import os
 import random
 import signal
@@ -327,7 +328,7 @@ class VLLMEngine(Engine):
                 for rid, p in zip(ids, params)]
 
     def join_weight_sync(self, port, timeout_s, alive):
-        self.llm.collective_rpc("nanorft_join", args=(self.model_path, port, timeout_s))
+        self.llm.collective_rpc("nanorft_join", args=(self.model_path, port, timeout_s, os.getppid()))
 
     def receive_weights(self, alive):
         self.version, checksum = self.llm.collective_rpc("nanorft_receive")[0]
@@ -353,14 +354,15 @@ class VLLMWeightReceiver:
     `model.load_weights`, inside vLLM's layerwise-reload helpers (needed on CPU, where
     linear weights are prepacked and a bare load can have no effect)."""
 
-    def nanorft_join(self, model_path: str, port: int, timeout_s: float) -> None:
+    def nanorft_join(self, model_path: str, port: int, timeout_s: float, trainer_pid: int) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         with torch.device("meta"):  # names and shapes of the HF checkpoint, in wire order
             hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
         device = self.device if self.device.type == "cuda" else torch.device("cpu")
         self.nanorft_named = [(n, torch.empty(p.shape, dtype=p.dtype, device=device)) for n, p in hf.named_parameters()]
-        self.nanorft_sync = sync.WeightSync(1, 2, port=port, device=device.type, timeout_s=timeout_s).connect()
+        self.nanorft_sync = sync.WeightSync(1, 2, port=port, device=device.type, timeout_s=timeout_s).connect(
+            lambda: sync.pid_alive(trainer_pid))
 
     def nanorft_receive(self) -> tuple[int, float]:
         tensors = [t for _, t in self.nanorft_named]
@@ -383,6 +385,12 @@ class VLLMWeightReceiver:
 
         model = self.model_runner.model
         dtype = self.vllm_config.model_config.dtype  # the trainer sends float32; vLLM may hold bf16
+        tied = self.vllm_config.model_config.hf_config.tie_word_embeddings
+        expected = ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
+        # layers a publish has no tensors for (no weights; the tied lm_head comes as the embedding)
+        # keep theirs, as intended: vLLM's "<layer>: Failed to load weights" for them is noise
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").filters = [
+            lambda r: r.getMessage() not in {f"{name}: Failed to load weights" for name in expected}]
         initialize_layerwise_reload(model)
         model.load_weights((n, t.to(dtype) if t.is_floating_point() else t) for n, t in named)
         finalize_layerwise_reload(model, self.vllm_config.model_config)

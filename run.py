@@ -350,16 +350,14 @@ def resolve_model(name: str) -> str:
     tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
     loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
     config = loaded.config
-    del config.quantization_config  # the weights are dequantised: a plain float32 model
+    del config.quantization_config  # the weights are dequantised: a plain model
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
+    # saved in the upstream checkpoint's own dtype, bfloat16: engines that run in bf16 (vLLM)
+    # load it as it is, the trainer upcasts to float32, `--save-dtype auto` keeps bf16
+    model.to(torch.bfloat16).save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    # the dequantised weights are kept exactly (float32); the model's own dtype is the
-    # upstream checkpoint's, bfloat16, which `--save-dtype auto` gives the final weights
-    conf = json.loads((tmp / "config.json").read_text())
-    (tmp / "config.json").write_text(json.dumps({**conf, "dtype": "bfloat16"}, indent=2))
     tmp.replace(out)
     return str(out)
 
@@ -765,9 +763,9 @@ def check_modes(cfg: Config) -> None:
         raise ValueError("--train-data is for --mode train (offline SFT / DPO)")
     if cfg.overwrite and cfg.mode in ("explore", "train"):
         raise ValueError(f"--overwrite would delete a run directory shared with the other side (mode {cfg.mode})")
-    started = any((Path(cfg.run_dir) / name).is_file() for name in ("buffer.sqlite", "config.json", "config_train.json"))
-    if cfg.resume and cfg.mode in ("both", "train") and not started:  # a run killed while starting resumes from step 0
-        raise FileNotFoundError(f"--resume: no run to resume in {cfg.run_dir} (no buffer.sqlite)")
+    if cfg.resume and cfg.mode in ("both", "train") and not Path(cfg.run_dir).is_dir():
+        # (a run directory without a buffer yet, killed while starting, resumes from step 0)
+        raise FileNotFoundError(f"--resume: no run to resume in {cfg.run_dir} (no such directory)")
 
 
 def prepare(cfg: Config, rank: int) -> str:

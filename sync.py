@@ -58,6 +58,17 @@ def published_versions(total_steps: int, sync_interval: int) -> list[int]:
     return [t + 1 for t in range(total_steps) if publishes_after(t, sync_interval, total_steps)]
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (a liveness check for a peer that is not our parent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def checksum(tensors: Iterable[torch.Tensor]) -> float:
     """Float64 sum of all elements: equal weights give equal checksums (for metrics and tests)."""
     return float(sum(t.detach().double().sum() for t in tensors))
@@ -67,31 +78,32 @@ class WeightSync:
     """One end of the weight-sync group.
 
     rank 0 creates the TCPStore on `port` (0 = pick a free one, then read `.port`);
-    ranks >= 1 connect to it; then every rank calls `connect()`. `timeout_s` bounds every collective. Raises RuntimeError if
-    `alive()` turns False while waiting (the peer died), so no side hangs forever.
+    ranks >= 1 connect to it in `connect()`, which every rank calls. `timeout_s` bounds every
+    collective. Raises RuntimeError if `alive()` turns False while waiting (the peer died,
+    even before its store was reached), so no side hangs forever.
     """
 
     def __init__(self, rank: int, world_size: int, port: int = 0, host: str = "127.0.0.1",
                  device: str = "cpu", timeout_s: float = 3600.0):
-        self.rank, self.device = rank, torch.device(device)
-        timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0,
-                                   timeout=timeout, wait_for_workers=False)
-        self.port = self.store.port
-        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.rank, self.device, self.host = rank, torch.device(device), host
+        self.rank, self.world_size, self.timeout = rank, world_size, timedelta(seconds=timeout_s)
+        self.store = (dist.TCPStore(host, port, world_size, is_master=True, timeout=self.timeout, wait_for_workers=False)
+                      if rank == 0 else None)
+        self.port = self.store.port if self.store is not None else port
         self.group, self._pending = None, None
 
     def connect(self, alive: Callable[[], bool] = lambda: True) -> "WeightSync":
         """Build the process group; blocks until every rank has called it (rank 0 calls it
         after starting the explorers it passed `.port` to). Raises RuntimeError if
         `alive()` turns False meanwhile."""
-        prefix = dist.PrefixStore("weights", self.store)
         make = dist.ProcessGroupNCCL if self.device.type == "cuda" else dist.ProcessGroupGloo
         done: list = []  # the group, or the exception that building it raised
 
         def build():
             try:
-                done.append(make(prefix, self.rank, self.world_size, timeout=self.timeout))
+                if self.store is None:  # reaching rank 0's store retries until the timeout: alive() is checked meanwhile
+                    self.store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False, timeout=self.timeout)
+                done.append(make(dist.PrefixStore("weights", self.store), self.rank, self.world_size, timeout=self.timeout))
             except Exception as e:  # reported by connect(), not lost in the thread
                 done.append(e)
 

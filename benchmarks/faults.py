@@ -1,16 +1,17 @@
 """Fault benchmark: nothing lost, nothing served or trained twice, no hang, one error line.
 
     python benchmarks/faults.py                          # all three parts (about 30 min on 2 CPU cores)
-    python benchmarks/faults.py --part kills --trials 24 # kill -9 at random moments, then --resume
+    python benchmarks/faults.py --part kills --trials 27 # kill -9 at random moments and in writes, then --resume
     python benchmarks/faults.py --part buffer            # concurrent writers + one reader; writers killed mid-write
     python benchmarks/faults.py --part inputs            # malformed flags, files, plug-ins
 
 kills:  each trial starts a short run of a tiny random model (mode both with broadcast or
         checkpoint sync, or a fully asynchronous explore + train pair), kill -9s the trainer,
-        the explorer or the whole process group at a random moment (checkpoint interval 1,
-        so many kills land in resume-state or checkpoint writes; the phase is read off the run
-        directory at the kill), then restarts it with --resume (and an async explorer by a
-        plain relaunch) and reads the buffer: groups lost (a partial group, or a whole one
+        the explorer or the whole process group at a random moment, or aimed inside a
+        resume-state write or a checkpoint publish (checkpoint interval 1; the run directory
+        is polled and the kill sent when the write is seen; where it landed is read off the
+        directory), then restarts what died (--resume for a trainer, a plain relaunch for an
+        async explorer) and reads the buffer: groups lost (a partial group, or a whole one
         never trained while later ones of its explorer were), trained twice (a step with more
         than batch_size groups, or a group split over steps), generated twice (an explorer
         batch stored more than once), runs that could not resume (non-zero exit or no end in
@@ -57,6 +58,7 @@ SCENARIOS = {  # name: (flags, fully asynchronous)
     "explore + train": (["--sync-method", "checkpoint"], True),
 }
 VICTIMS = ("trainer", "explorer", "group")
+MOMENTS = ("random", "resume-state write", "checkpoint publish")  # when: a random time, or inside that write
 
 
 def env() -> dict:
@@ -148,13 +150,22 @@ def kill_trial(i: int, model: str, rng: random.Random, durations: dict) -> dict:
     name = list(SCENARIOS)[i % len(SCENARIOS)]
     flags, separate = SCENARIOS[name]
     victim = VICTIMS[(i // len(SCENARIOS)) % len(VICTIMS)]
+    moment = MOMENTS[(i // (len(SCENARIOS) * len(VICTIMS))) % len(MOMENTS)]
+    if moment == "checkpoint publish" and "checkpoint" not in flags:
+        moment = "resume-state write"  # broadcast sync publishes no checkpoints
     with tempfile.TemporaryDirectory() as d:
         run_dir, log = Path(d) / "run", Path(d) / "log.txt"
         args = [*RUN, "--model", model, "--run-dir", run_dir, *flags]
         run_dir.mkdir()
         train = launch([*args, "--mode", "train"] if separate else args, log)
         explore = launch([*args, "--mode", "explore", "--explorer-name", "e1"], log) if separate else None
-        time.sleep(rng.uniform(0.15, 0.95) * durations[name])
+        deadline = time.monotonic() + rng.uniform(0.15, 0.95) * durations[name]
+        if moment != "random":  # poll the run directory and kill inside the write (else at the deadline)
+            deadline += durations[name]
+            while phase(run_dir) != moment and time.monotonic() < deadline and train.poll() is None:
+                time.sleep(0.002)
+        else:
+            time.sleep(max(0.0, deadline - time.monotonic()))
         if victim == "explorer":
             target = explore.pid if separate else explorer_pid(train.pid)
             if target is None:  # not started yet, or done: kill the trainer instead
@@ -187,7 +198,8 @@ def kill_trial(i: int, model: str, rng: random.Random, durations: dict) -> dict:
         for p in (resumed, again):
             if p is not None:
                 left += wait_gone(p.pid, 0)
-        result = {"scenario": name, "victim": victim, "phase": at, "could_not_resume": int(not ok), "left_running": left}
+        result = {"scenario": name, "victim": victim, "aimed": moment, "phase": at, "could_not_resume": int(not ok),
+                  "left_running": left}
         if ok:
             result.update(audit(run_dir))
         else:
@@ -223,7 +235,8 @@ def part_kills(trials: int, model: str, seed: int) -> dict:
     for i in range(trials):
         r = kill_trial(i, model, rng, durations)
         results.append(r)
-        print(f"trial {i + 1:>2}: {r['scenario']:<22} kill {r['victim']:<8} during {r['phase']:<26} "
+        print(f"trial {i + 1:>2}: {r['scenario']:<22} kill {r['victim']:<8} aimed at {r['aimed']:<19} "
+              f"landed in {r['phase']:<26} "
               + " ".join(f"{k}={r.get(k, '-')}" for k in ("lost", "trained_twice", "generated_twice",
                                                           "could_not_resume", "left_running")), flush=True)
         if "log" in r:
@@ -452,7 +465,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=["kills", "buffer", "inputs", "all"], default="all")
-    p.add_argument("--trials", type=int, default=24, help="kill -9 trials")
+    p.add_argument("--trials", type=int, default=27, help="kill -9 trials (27: each scenario x victim x moment)")
     p.add_argument("--writers", type=int, default=4)
     p.add_argument("--experiences", type=int, default=2000, help="experiences per writer")
     p.add_argument("--writer-kills", type=int, default=10)

@@ -331,10 +331,9 @@ def test_a_stopped_explorer_unwinds_without_a_second_report():
 
 
 def test_a_run_killed_while_starting_can_be_resumed(tiny_model, tmp_path):
-    # killed after writing config.json, before the buffer existed: --resume starts it from step 0
+    # killed while starting, before the buffer existed: --resume starts it from step 0
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "config.json").write_text("{}")
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir, "--steps", 1,
                  "--eval-size", 0, "--reward-fn", "tests.rewards.length_parity", "--resume", timeout=300)
     assert res.returncode == 0 and "resumed at step 0" in res.stdout, res.stderr[-2000:]

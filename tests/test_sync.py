@@ -57,3 +57,14 @@ def test_connect_fails_fast_when_peer_is_dead():
     ws = sync.WeightSync(0, 2, port=0, timeout_s=60)
     with pytest.raises(RuntimeError, match="died before joining"):
         ws.connect(lambda: False)
+
+
+def test_a_receiver_stops_waiting_when_the_trainer_died_before_its_store_was_reached():
+    # the trainer was killed before the explorer joined: nothing listens on the port any more
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RuntimeError, match="died before joining"):
+        sync.WeightSync(1, 2, port=port, timeout_s=30).connect(lambda: False)
