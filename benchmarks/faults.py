@@ -116,6 +116,13 @@ def wait_gone(sid: int, timeout: float) -> int:
     while (left := session_pids(sid)) and time.monotonic() < deadline:
         time.sleep(0.2)
     for pid in left:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200].decode()
+            print(f"left running: {cmd}")
+            stack = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True)
+            print(stack.stdout[-3000:])
+        except (OSError, FileNotFoundError):
+            pass
         os.kill(pid, signal.SIGKILL)
     return len(left)
 

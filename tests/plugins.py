@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+import sync
 from buffer import Buffer
 from losses import LossInputs
 from workflows import MathWorkflow, MultiTurnWorkflow, in_thread, last_number
@@ -132,7 +133,7 @@ class WaitForPublish(MathWorkflow):
                 state["steps"] += 1
                 if state["calls"] >= 2 and state["steps"] == 3:
                     start, deadline = engine.version, time.monotonic() + 300
-                    while engine.weights_announced() <= start:
+                    while self.announced(engine) <= start:
                         if time.monotonic() > deadline:
                             raise TimeoutError("no publish announced")
                         time.sleep(0.01)
@@ -140,3 +141,15 @@ class WaitForPublish(MathWorkflow):
 
             engine.generate_batch, engine.step_hook = generate_batch, step_hook
         return await super().run(task, engine, n)
+
+    def announced(self, engine) -> int:
+        """The newest weight version the trainer has announced (broadcast sync)."""
+        return engine.weights_announced()
+
+
+class WaitForCheckpoint(WaitForPublish):
+    """WaitForPublish for --sync-method checkpoint: waits for a newer published checkpoint."""
+
+    def announced(self, engine) -> int:
+        latest = sync.latest_checkpoint(self.run_dir)
+        return latest[0] if latest else -1

@@ -95,14 +95,16 @@ def test_vllm_inflight_with_checkpoint_sync(tiny_model, tmp_path):
     from test_e2e import metrics, receipt
 
     run_dir = tmp_path / "run"
-    # max lag 3: the explorer runs ahead, so publishes land while sequences are in flight;
-    # the weights travel as checkpoints, loaded by the vLLM worker between engine steps
+    # the weights travel as checkpoints, loaded by the vLLM worker between engine steps; from its second batch on
+    # the workflow pauses each batch at its 3rd engine step until a newer checkpoint is published, so an update
+    # lands mid-sequence on every batch, whichever process is faster
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir, "--engine", "vllm",
-                 "--reward-fn", "tests.rewards.length_parity", "--steps", 6, "--sync-interval", 1, "--sync-offset", 3,
-                 "--inflight", "--sync-method", "checkpoint", "--max-tokens", 160, "--group-size", 8, "--eval-size", 0)
+                 "--reward-fn", "tests.rewards.length_parity", "--steps", 6, "--sync-interval", 1, "--sync-offset", 1,
+                 "--inflight", "--sync-method", "checkpoint", "--max-tokens", 24, "--eval-size", 0,
+                 "--workflow", "tests.plugins.WaitForCheckpoint")
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r for r in metrics(run_dir) if "reward/mean" in r]
-    assert sum(r["inflight/multi_version_seqs"] for r in steps) > 0
+    assert all(r["inflight/multi_version_seqs"] > 0 for r in steps[1:])
     spans = [json.loads(i)["versions"] for (i,) in sqlite3.connect(run_dir / "buffer.sqlite").execute(
         "SELECT info FROM experiences")]
     assert any(a < b for a, b in spans)
