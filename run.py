@@ -331,8 +331,9 @@ def hub_snapshot(repo_id: str) -> str:
         return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         raise FileNotFoundError(
-            f"model {repo_id!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub cannot be "
-            f"reached; on a connected machine run `hf download {repo_id}` (or copy its cache here)") from None
+            f"model {repo_id!r} is neither a local directory nor in the local Hugging Face cache ({constants.HF_HUB_CACHE}), "
+            f"and the Hub cannot be reached; on a connected machine run `hf download {repo_id}` (or copy its cache here)"
+        ) from None
     except RepositoryNotFoundError:
         raise FileNotFoundError(f"model {repo_id!r}: no such repository on the Hugging Face Hub") from None
 
