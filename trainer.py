@@ -115,6 +115,8 @@ class Trainer:
         self.loss_fn = resolve(cfg.policy_loss, POLICY_LOSSES, "policy_loss", cfg.policy_loss_kwargs)
         self.agg = getattr(self.loss_fn, "agg", "token-mean") if cfg.loss_agg == "auto" else cfg.loss_agg
         self.filters = {name: resolve(name, FILTERS, "filter", kw) for name, kw in cfg.filters.items()}
+        self.masked_filters = {name for name, fn in self.filters.items() if accepts(fn, "action_mask")}
+        self.adv_counts = accepts(self.advantage_fn, "token_counts")  # REINFORCE++ whitens over tokens
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.model = self._load(model_path)
@@ -199,7 +201,7 @@ class Trainer:
         if cfg.kl_reward_coef:  # sum of k1 KL(behaviour || reference) over the policy's tokens, from every rank
             local = [(pos[id(e)], float((kl_estimate(torch.tensor(e.logprobs), ref[id(e)], "k1")
                                          * torch.tensor(e.action_mask)).sum()))
-                     for u in mine for e in u if not e.info.get("offline")]  # offline data: no behaviour logprobs
+                     for u in mine for e in u if not expert[pos[id(e)]]]  # offline data: no behaviour logprobs
             every = [None] * self.world
             dist.all_gather_object(every, local)
             kl = torch.zeros(len(exps))
@@ -211,7 +213,7 @@ class Trainer:
         if cfg.length_penalty:
             unit = {"tokens": lambda e: sum(e.action_mask), "turns": lambda e: e.info.get("turns", 1)}[cfg.length_unit]
             rewards = length_penalty(rewards, torch.tensor([float(unit(e)) for e in exps]), cfg.length_penalty)
-        counts = {"token_counts": token_counts} if accepts(self.advantage_fn, "token_counts") else {}
+        counts = {"token_counts": token_counts} if self.adv_counts else {}
         adv = self.advantage_fn(rewards, group_index, traj, **counts, **cfg.advantage_kwargs).float()   # [N]
         for e, a in zip(exps, adv.tolist()):
             e.info["advantage"] = a
@@ -219,18 +221,18 @@ class Trainer:
         for name, fn in self.filters.items():
             dropped = 0
             for i, e in enumerate(exps):
-                mask = {"action_mask": e.action_mask} if accepts(fn, "action_mask") else {}
+                mask = {"action_mask": e.action_mask} if name in self.masked_filters else {}
                 if keep[i] and not expert[i] and not fn(e.tokens, e.logprobs, float(adv[i]), **mask, **cfg.filters[name]):
                     keep[i], dropped = False, dropped + 1
             m[f"filter/{name}"] = dropped
         mine = [kept for u in mine if (kept := [e for e in u if keep[pos[id(e)]]])]
+        total_seqs = sum(keep)
         if getattr(self.loss_fn, "split_expert", False):  # MIX: each part normalised over itself
             part_tokens, part_seqs = part_totals(token_counts, expert, torch.tensor(keep))               # [N], [N]
             totals = lambda idx: (part_tokens[idx].to(self.device), part_seqs[idx].to(self.device))  # noqa: E731
         else:
-            whole = (sum(sum(e.action_mask) for e, k in zip(exps, keep) if k), sum(keep))
+            whole = (float(token_counts[torch.tensor(keep)].sum()), total_seqs)
             totals = lambda idx: whole  # noqa: E731
-        total_seqs = sum(keep)
         sums: dict[str, torch.Tensor] = {}
         objective = 0.0  # the aggregated policy loss (without KL and entropy terms)
         plan = self._plan(mine, exps[0])

@@ -48,6 +48,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from conftest import make_tiny_model, run_py, subprocess_env  # noqa: E402 (the tests' helpers: tiny model, run.py)
 
 STEPS, BATCH, GROUP = 6, 2, 4  # the kill trials' job (configs/tiny.toml shape)
 RUN = ["--config", "configs/tiny.toml", "--reward-fn", "tests.rewards.length_parity", "--eval-size", "0",
@@ -61,15 +62,10 @@ VICTIMS = ("trainer", "explorer", "group")
 MOMENTS = ("random", "resume-state write", "checkpoint publish")  # when: a random time, or inside that write
 
 
-def env() -> dict:
-    return {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
-            "PYTHONUNBUFFERED": "1"}
-
-
 def launch(args: list, log: Path) -> subprocess.Popen:
     """python run.py ARGS in a session of its own (killpg reaches its explorer), output to `log`."""
-    return subprocess.Popen([sys.executable, "run.py", *map(str, args)], cwd=ROOT, env=env(), start_new_session=True,
-                            stdout=log.open("a"), stderr=subprocess.STDOUT)
+    return subprocess.Popen([sys.executable, "run.py", *map(str, args)], cwd=ROOT, env=subprocess_env(),
+                            start_new_session=True, stdout=log.open("a"), stderr=subprocess.STDOUT)
 
 
 def session_pids(sid: int) -> list[int]:
@@ -429,11 +425,9 @@ def input_cases(tmp: Path, model: str) -> list[tuple[str, list]]:
 
 def run_case(what: str, args: list, model: str, tmp: Path) -> dict:
     run_dir = tmp / f"run_{abs(hash(what))}"
-    cmd = [sys.executable, "run.py", "--config", "configs/tiny.toml", "--model", model, "--eval-size", "0",
-           "--run-dir", run_dir, *map(str, args)]
-    # a later --config / --model / --run-dir in `args` wins (argparse: last one counts)
-    try:
-        res = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    try:  # a later --config / --model / --run-dir in `args` wins (argparse: the last one counts)
+        res = run_py("--config", "configs/tiny.toml", "--model", model, "--eval-size", "0", "--run-dir", run_dir, *args,
+                     timeout=300)
     except subprocess.TimeoutExpired:
         return {"input": what, "outcome": "hang"}
     errors = [x for x in res.stderr.splitlines() if "error:" in x]
@@ -468,8 +462,6 @@ def part_inputs(model: str, workers: int = 2, fast_only: bool = False) -> dict:
 
 
 def main() -> None:
-    from conftest import make_tiny_model
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=["kills", "buffer", "inputs", "all"], default="all")
     p.add_argument("--trials", type=int, default=27, help="kill -9 trials (27: each scenario x victim x moment)")

@@ -35,16 +35,21 @@ def tiny_model(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 
+def subprocess_env() -> dict:
+    """This environment for a run.py subprocess: unbuffered, without torchrun's rank variables."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    return {**env, "PYTHONUNBUFFERED": "1"}
+
+
 def run_py(*args, timeout=600, nproc: int = 0):
-    """Run run.py (or torchrun run.py) in a subprocess; returns CompletedProcess."""
+    """Run run.py (or torchrun run.py) in a subprocess; returns CompletedProcess. Raises
+    subprocess.TimeoutExpired after `timeout` seconds."""
     import subprocess
 
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "run.py"]
            if nproc else [sys.executable, "run.py"])
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env["PYTHONUNBUFFERED"] = "1"
     return subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=subprocess_env())
 
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]  # different lengths: exercises padding
