@@ -21,13 +21,12 @@ experience is lost, generated twice or trained on twice.
 Difficulty pools (table task_pool, persisted with the buffer): a task whose latest group
 had a mean reward >= `easy` is retired to pool "easy", <= `hard` to pool "hard"; explorers
 skip retired tasks except for a lifted fraction, and a lifted task that lands in between
-returns to the active set. `OfflineSampler` draws offline data (SFT, DPO pairs, MIX expert data).
+returns to the active set.
 """
 from __future__ import annotations
 
 import json
 import math
-import random
 import sqlite3
 import time
 from array import array
@@ -245,29 +244,6 @@ class Buffer:
     def retired(self) -> dict[str, str]:
         """Retired tasks: task_id -> pool ("easy" or "hard")."""
         return dict(self.db.execute("SELECT task_id, pool FROM task_pool"))
-
-
-class OfflineSampler:
-    """Sampling strategy for offline data (SFT chats, DPO pairs, MIX expert data): draws
-    groups in a seeded shuffled order, cycling through epochs. Each drawn experience is a
-    copy marked info["offline"] (offline data has no behaviour log-probs and is never
-    filtered). Raises ValueError for no data."""
-
-    def __init__(self, groups: list[list[Experience]], seed: int):
-        if not groups:
-            raise ValueError("offline data is empty")
-        self.groups, self.rng, self.order = groups, random.Random(seed), []
-
-    def draw(self, n: int) -> list[list[Experience]]:
-        """The next n groups."""
-        out = []
-        for _ in range(n):
-            if not self.order:
-                self.order = self.rng.sample(range(len(self.groups)), len(self.groups))
-            out.append([Experience(e.tokens, e.prompt_length, e.logprobs, e.action_mask, e.reward, e.group_id,
-                                   e.task_id, e.model_version, {**e.info, "offline": True}, "offline")
-                        for e in self.groups[self.order.pop()]])
-        return out
 
 
 def main(argv: list[str] | None = None) -> int:

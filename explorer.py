@@ -1,8 +1,9 @@
 """Explorer: inference engine, rollout loop, receiving weights.
 
-`run_explorer` is the entry of the explorer process (spawned by trainer rank 0 with
-torch.multiprocessing). For explorer batch e it waits until its weights are
-`sync.required_version(e)` (receiving broadcasts from the trainer), runs one workflow per
+One entry point per mode: `run_mode_both` (the explorer process, spawned by trainer rank
+0 with torch.multiprocessing), `run_mode_explore` (a separate launch) and `run_mode_bench`;
+the first two share `explore_loop`. For explorer batch e it waits until its weights are
+`sync.required_version(e)` (a `sync.Receiver` takes them from the trainer), runs one workflow per
 task of the batch concurrently (asyncio; the engine batches their generate calls into one
 forward pass), and writes each finished group to the buffer with the weight version that
 produced it. Held-out accuracy is measured on the same engine every `eval_interval`
@@ -13,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import fcntl
-import json
-import logging
 import os
 import random
 import signal
@@ -29,6 +28,7 @@ import torch
 
 import sync
 from buffer import Buffer, Experience, pool_for
+from losses import left_pad
 from workflows import Task, load_reward_fn, load_tasks, load_workflow
 
 DEFAULT_EXPLORER = "explorer0"
@@ -186,7 +186,7 @@ class HFEngine(Engine):
         return self.version, sync.checksum(self.parameters())
 
     def load_checkpoint(self, path, version):
-        state = read_safetensors(path)
+        state = sync.read_safetensors(path)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(state[name])
@@ -211,14 +211,8 @@ class HFEngine(Engine):
     def _sample_loop(self, prompts: list[list[int]], s: Sampling) -> list[Completion]:
         from transformers import DynamicCache
 
-        B, P = len(prompts), max(map(len, prompts))
-        ids = torch.full((B, P), self.pad, dtype=torch.long)
-        attn = torch.zeros((B, P), dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, P - len(p):] = torch.tensor(p)
-            attn[b, P - len(p):] = 1
-        ids, attn = ids.to(self.device), attn.to(self.device)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)                    # [B, P]
+        B = len(prompts)
+        ids, attn, pos = (x.to(self.device) for x in left_pad(prompts, self.pad))  # [B, P] each
         cache = DynamicCache()
         logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
@@ -257,7 +251,7 @@ class VLLMEngine(Engine):
     `logprobs_mode="processed_logprobs"` makes the recorded logprob of each sampled token
     the one under the distribution it was drawn from (temperature/top-p applied).
 
-    Weights arrive in vLLM's worker through `VLLMWeightReceiver` (worker_extension_cls):
+    Weights arrive in vLLM's worker through `sync.VLLMWeightReceiver` (worker_extension_cls):
     only control messages go through `collective_rpc`; the tensors come over the
     weight-sync group. `threads` > 0 binds the CPU build's OpenMP threads to that many of
     the last cores (unless VLLM_CPU_OMP_THREADS_BIND is set). `memory_fraction` of the
@@ -282,7 +276,7 @@ class VLLMEngine(Engine):
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.llm = LLM(model=model_path, dtype="bfloat16" if bf16 else "float32", seed=seed,
                        logprobs_mode="processed_logprobs", gpu_memory_utilization=memory_fraction,
-                       worker_extension_cls="explorer.VLLMWeightReceiver", enable_prefix_caching=not inflight)
+                       worker_extension_cls="sync.VLLMWeightReceiver", enable_prefix_caching=not inflight)
         self.tokenizer = self.llm.get_tokenizer()
 
     def generate_batch(self, prompts, ns, sampling):
@@ -348,59 +342,6 @@ class VLLMEngine(Engine):
         self.llm.llm_engine.engine_core.shutdown()
 
 
-class VLLMWeightReceiver:
-    """vLLM worker extension (`worker_extension_cls="explorer.VLLMWeightReceiver"`): the
-    vLLM worker joins the weight-sync group as rank 1 and loads each publish in place with
-    `model.load_weights`, inside vLLM's layerwise-reload helpers (needed on CPU, where
-    linear weights are prepacked and a bare load can have no effect)."""
-
-    def nanorft_join(self, model_path: str, port: int, timeout_s: float, trainer_pid: int) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        with torch.device("meta"):  # names and shapes of the HF checkpoint, in wire order
-            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
-        device = self.device if self.device.type == "cuda" else torch.device("cpu")
-        self.nanorft_named = [(n, torch.empty(p.shape, dtype=p.dtype, device=device)) for n, p in hf.named_parameters()]
-        self.nanorft_sync = sync.WeightSync(1, 2, port=port, device=device.type, timeout_s=timeout_s).connect(
-            lambda: sync.pid_alive(trainer_pid))
-
-    def nanorft_receive(self) -> tuple[int, float]:
-        tensors = [t for _, t in self.nanorft_named]
-        version = self.nanorft_sync.recv(tensors)
-        self._nanorft_load(self.nanorft_named)
-        return version, sync.checksum(tensors)
-
-    def nanorft_announced(self) -> int:
-        """The newest version the trainer has started to publish (never blocks)."""
-        return self.nanorft_sync.announced()
-
-    def nanorft_load(self, path: str) -> float:
-        """Load a safetensors checkpoint directory in place; returns its checksum."""
-        named = list(read_safetensors(path).items())
-        self._nanorft_load(named)
-        return sync.checksum(t for _, t in named)
-
-    def _nanorft_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-        model = self.model_runner.model
-        dtype = self.vllm_config.model_config.dtype  # the trainer sends float32; vLLM may hold bf16
-        tied = self.vllm_config.model_config.hf_config.tie_word_embeddings
-        expected = ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
-        # layers a publish has no tensors for (no weights; the tied lm_head comes as the embedding)
-        # keep theirs, as intended: vLLM's "<layer>: Failed to load weights" for them is noise
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").filters = [
-            lambda r: r.getMessage() not in {f"{name}: Failed to load weights" for name in expected}]
-        initialize_layerwise_reload(model)
-        model.load_weights((n, t.to(dtype) if t.is_floating_point() else t) for n, t in named)
-        finalize_layerwise_reload(model, self.vllm_config.model_config)
-        lm_head = getattr(model, "lm_head", None)
-        if self.vllm_config.model_config.hf_config.tie_word_embeddings and hasattr(lm_head, "quant_method"):
-            # the reload reprocesses only embed_tokens; the tied lm_head keeps its own
-            # prepacked copy on CPU unless it is processed again
-            lm_head.quant_method.process_weights_after_loading(lm_head)
-
-
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples with c correct: 1 - C(n - c, k) / C(n, k).
     Source: Chen et al., "Evaluating Large Language Models Trained on Code",
@@ -408,34 +349,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     import math
 
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def run_bench(cfg, models: list[str]) -> list[dict]:
-    """Mode bench: for each model directory, avg@k / pass@k / pass@1 on the held-out tasks
-    (k = cfg.bench_k samples per task at cfg.temperature). Returns one row per model."""
-    torch.set_num_threads(cfg.explorer_threads)
-    _, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
-    rows = []
-    for path in models:
-        engine = make_engine(cfg, path)
-        try:
-            t0 = time.perf_counter()
-            row = Explorer(cfg, engine, [], held_out, dataset, print).bench(cfg.bench_k)
-            rows.append({"model": path, **row, "seconds": time.perf_counter() - t0})
-        finally:
-            engine.close()
-    return rows
-
-
-def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the *.safetensors files of a checkpoint directory (CPU). Raises
-    FileNotFoundError when there are none."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors files in {path}")
-    return {k: v for f in files for k, v in load_file(f).items()}
 
 
 def vllm_available() -> bool:
@@ -544,7 +457,7 @@ class Explorer:
         if state.get("sampler"):
             self.engine.set_rng_state(base64.b64decode(state["sampler"]))
 
-    def explore(self, batch: int, buffer: Buffer) -> dict:
+    def rollout_batch(self, batch: int, buffer: Buffer) -> dict:
         """Generate and store the batch_size groups of one batch (with the explorer's
         resume state, in one transaction); returns its metrics record.
 
@@ -661,58 +574,38 @@ def exit_quietly(*_) -> None:
     sys.exit(1)
 
 
-def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue, start_version: int = 0) -> None:
-    """Explorer process (mode both, spawned by trainer rank 0; `start_version` = the
-    weights in `model_path`). Weights come on the schedule of sync.py, over the
-    weight-sync group (rank 1) or, with --sync-method checkpoint, from the checkpoints the
-    trainer publishes; with cfg.inflight the explorer also takes each publish between two
-    decode steps, without pausing its batch. Puts metric records on `queue`."""
+def run_mode_both(cfg, model_path: str, port: int, total_steps: int, queue, start_version: int = 0) -> None:
+    """Mode both: the explorer process, spawned by trainer rank 0 (`start_version` = the
+    weights in `model_path`). Before batch e it receives weights until it holds
+    sync.required_version(e), over the weight-sync group (rank 1, `port`) or, with
+    --sync-method checkpoint, from the checkpoints the trainer publishes; with cfg.inflight
+    it also takes each publish between two decode steps, without pausing its batch. Puts
+    metric records (and an error line if it fails: exit code 1) on `queue`."""
     parent = os.getppid()
     alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
-    published = sync.published_versions(total_steps, cfg.sync_interval)
     by_checkpoint = cfg.sync_method == "checkpoint"
 
-    def setup(engine):
+    def connect(engine) -> sync.Receiver:
+        receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, queue.put, alive,
+                                 None if by_checkpoint else port, cfg.sync_timeout_s)
         if by_checkpoint:
             queue.put({"explorer/ready": True})  # its start weights are loaded: the trainer may go on
-        else:
-            engine.join_weight_sync(port, cfg.sync_timeout_s, alive)
+        receiver.join()
+        return receiver
 
-    def receive(engine):
-        t0 = time.perf_counter()
-        if by_checkpoint:
-            load = engine.load_checkpoint
-            while (got := sync.load_latest_checkpoint(cfg.run_dir, cfg.explorer_name, load, engine.version)) is None:
-                if not alive():
-                    raise RuntimeError("explorer: the trainer died")
-                time.sleep(0.05)
-            checksum = got[1]
-        else:
-            _, checksum = engine.receive_weights(alive)
-        queue.put({"explorer/received_version": engine.version, "time/explorer_wait_sync_s": time.perf_counter() - t0,
-                   "sync/explorer_checksum": checksum})
-
-    def before_batch(engine, batch):
-        while engine.version < sync.required_version(batch, cfg.sync_interval, cfg.sync_offset):
-            receive(engine)
+    def before_batch(receiver, batch):
+        receiver.until(sync.required_version(batch, cfg.sync_interval, cfg.sync_offset))
         return True
 
-    def inflight(engine):
-        if by_checkpoint:
-            latest = sync.latest_checkpoint(cfg.run_dir)
-            newest = latest[0] if latest else -1
-        else:
-            newest = engine.weights_announced()
-        if newest > engine.version:
-            receive(engine)
+    def inflight(receiver):
+        if receiver.newest() > receiver.engine.version:
+            receiver.receive()
 
-    def finish(engine):
-        while engine.version < published[-1]:
-            receive(engine)
-
+    last = sync.published_versions(total_steps, cfg.sync_interval)[-1]
     signal.signal(signal.SIGTERM, exit_quietly)
     try:
-        _explore(cfg, model_path, queue.put, total_steps, start_version, setup, before_batch, inflight, finish)
+        explore_loop(cfg, model_path, queue.put, total_steps, start_version, connect, before_batch, inflight,
+                     lambda receiver: receiver.until(last))
     except Exception as e:  # reported by the trainer as one line; the process exits with code 1
         (Path(cfg.run_dir) / f"error_{cfg.explorer_name}.log").write_text(traceback.format_exc())
         queue.put({"error": f"{type(e).__name__}: {e} (traceback: {cfg.run_dir}/error_{cfg.explorer_name}.log)"})
@@ -721,30 +614,23 @@ def run_explorer(cfg, model_path: str, port: int, total_steps: int, queue, start
         sys.exit(1)
 
 
-def run_explore_mode(cfg, model_path: str) -> None:
+def run_mode_explore(cfg, model_path: str, log) -> None:
     """Mode explore (a separate launch, fully asynchronous): generate batches into the
-    run directory's buffer until the trainer has finished (RUN_DIR/trainer_done); every
-    sync_interval batches (and with cfg.inflight between decode steps) load the newest
-    checkpoint the trainer published. Back-pressure: while the buffer holds two batches of
-    ready groups the explorer waits (RuntimeError after buffer_timeout_s without the
-    trainer taking any). Metrics go to RUN_DIR/explorer_<name>.jsonl."""
+    run directory's buffer until the trainer has finished (RUN_DIR/trainer_done); at the
+    start, every sync_interval batches (and with cfg.inflight between decode steps) load the
+    newest checkpoint the trainer published. Back-pressure: while the buffer holds two
+    batches of ready groups the explorer waits (RuntimeError after buffer_timeout_s without
+    the trainer taking any). Metric records go to `log` (run.py: RUN_DIR/explorer_<name>.jsonl)."""
     run_dir = Path(cfg.run_dir)
-    log_file = (run_dir / f"explorer_{cfg.explorer_name}.jsonl").open("a")
     done = run_dir / "trainer_done"
     buffer = Buffer(run_dir / "buffer.sqlite")
 
-    def log(record):
-        log_file.write(json.dumps(record) + "\n")
-        log_file.flush()
+    def connect(engine) -> sync.Receiver:
+        receiver = sync.Receiver(engine, run_dir, cfg.explorer_name, log, alive=lambda: True)
+        receiver.poll()
+        return receiver
 
-    def poll(engine):
-        t0 = time.perf_counter()
-        got = sync.load_latest_checkpoint(run_dir, cfg.explorer_name, engine.load_checkpoint, engine.version)
-        if got:
-            log({"explorer/received_version": got[0], "time/explorer_load_s": time.perf_counter() - t0,
-                 "sync/explorer_checksum": got[1]})
-
-    def before_batch(engine, batch):
+    def before_batch(receiver, batch):
         since = time.monotonic()
         while buffer.counts()["ready"] >= 2 * cfg.batch_size * cfg.group_size and not done.exists():
             if time.monotonic() - since > cfg.buffer_timeout_s:
@@ -753,10 +639,31 @@ def run_explore_mode(cfg, model_path: str) -> None:
         if done.exists():
             return False
         if batch % cfg.sync_interval == 0:
-            poll(engine)
+            receiver.poll()
         return True
 
-    _explore(cfg, model_path, log, sys.maxsize, 0, poll, before_batch, poll, poll)
+    explore_loop(cfg, model_path, log, sys.maxsize, 0, connect, before_batch, sync.Receiver.poll, sync.Receiver.poll)
+
+
+def run_mode_bench(cfg, models: list[str]) -> list[dict]:
+    """Mode bench: for each model directory, avg@k / pass@k / pass@1 on the held-out tasks
+    (k = cfg.bench_k samples per task at cfg.temperature); prints a table and returns one
+    row per model."""
+    torch.set_num_threads(cfg.explorer_threads)
+    _, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
+    rows, k = [], cfg.bench_k
+    for path in models:
+        engine = make_engine(cfg, path)
+        try:
+            t0 = time.perf_counter()
+            row = Explorer(cfg, engine, [], held_out, dataset, print).bench(k)
+            rows.append({"model": path, **row, "seconds": time.perf_counter() - t0})
+        finally:
+            engine.close()
+    print(f"{'model':<50} {'tasks':>5} {f'avg@{k}':>8} {f'pass@{k}':>8} {'pass@1':>8}")
+    for r in rows:
+        print(f"{r['model'][-50:]:<50} {r['tasks']:>5} {r[f'avg@{k}']:>8.3f} {r[f'pass@{k}']:>8.3f} {r['pass@1']:>8.3f}")
+    return rows
 
 
 _held = []  # the open lock files of `hold_name`: kept for the life of the process
@@ -777,15 +684,20 @@ def hold_name(run_dir: str | Path, name: str) -> None:
     _held.append(f)
 
 
-def _explore(cfg, model_path, log, total, start_version, setup, before_batch, inflight, finish) -> None:
-    """The rollout loop both explorer entries share: resume position from the buffer,
-    evaluation every eval_interval versions, one batch at a time."""
+def explore_loop(cfg, model_path: str, log, total: int, start_version: int, connect, before_batch, inflight,
+                 finish) -> None:
+    """The rollout loop of modes both and explore: the engine on `model_path` (holding
+    `start_version`), `connect(engine)` -> its sync.Receiver, the resume position from the
+    buffer, then batches up to `total`, each after `before_batch(receiver, batch)` (False:
+    stop); an evaluation every eval_interval versions and at the end, after
+    `finish(receiver)`; with cfg.inflight, `inflight(receiver)` between decode steps.
+    Records go to `log`."""
     torch.set_num_threads(cfg.explorer_threads)
     train, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
     engine = make_engine(cfg, model_path)
     engine.version = start_version
     try:
-        setup(engine)
+        receiver = connect(engine)
         explorer = Explorer(cfg, engine, train, held_out, dataset, log)
         hold_name(cfg.run_dir, cfg.explorer_name)
         buffer = Buffer(Path(cfg.run_dir) / "buffer.sqlite")
@@ -795,7 +707,7 @@ def _explore(cfg, model_path, log, total, start_version, setup, before_batch, in
             explorer.restore(saved)
             first = saved["batch"]
         if cfg.inflight:
-            engine.step_hook = lambda: inflight(engine)
+            engine.step_hook = lambda: inflight(receiver)
         last_eval = None
 
         def maybe_eval(final: bool = False):
@@ -811,12 +723,12 @@ def _explore(cfg, model_path, log, total, start_version, setup, before_batch, in
 
         maybe_eval()
         for batch in range(first, total):
-            if not before_batch(engine, batch):
+            if not before_batch(receiver, batch):
                 break
             maybe_eval()
-            log(explorer.explore(batch, buffer))
+            log(explorer.rollout_batch(batch, buffer))
         engine.step_hook = None
-        finish(engine)
+        finish(receiver)
         maybe_eval(final=True)
     finally:
         engine.close()

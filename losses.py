@@ -73,6 +73,7 @@ ADVANTAGES: dict[str, Callable] = {}
 POLICY_LOSSES: dict[str, Callable] = {}
 FILTERS: dict[str, Callable] = {}
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var")
 
 
 def register(registry: dict, name: str, agg: str = "token-mean", needs_groups: bool = False,
@@ -116,6 +117,25 @@ def accepts(fn: Callable, param: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token lists left-padded with `pad` to the longest: input_ids, attention_mask and
+    position_ids, each [B, P] long (positions count real tokens only, pads get 0): the
+    model input of the explorer's prompts and of the trainer's prompt region."""
+    B, P = len(seqs), max(map(len, seqs))
+    ids = torch.full((B, P), pad, dtype=torch.long)
+    attn = torch.zeros((B, P), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        if s:
+            ids[b, P - len(s):] = torch.tensor(s)
+            attn[b, P - len(s):] = 1
+    return ids, attn, position_ids(attn)
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each token among the real tokens of its row: [B, T] -> [B, T] (pads 0)."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sum of x where mask is 1. x, mask: [B, T] -> scalar."""
@@ -299,8 +319,8 @@ def kl_estimate(logp: torch.Tensor, logq: torch.Tensor, kind: str = "k3") -> tor
         return logp - logq                                               # [B, T]
     if kind == "k2":
         return 0.5 * (logp - logq) ** 2                                  # [B, T]
-    if kind not in ("k3", "low_var"):
-        raise ValueError(f"unknown KL estimator {kind!r}; known: k1, k2, k3, low_var")
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kind!r}; known: {', '.join(KL_ESTIMATORS)}")
     log_r = (logq - logp).clamp(-20, 20)                                 # [B, T]
     return (torch.expm1(log_r) - log_r).clamp(-10, 10)                   # [B, T]
 

@@ -39,9 +39,7 @@ from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_TASK = "basic_arithmetic"
-ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this many consecutive steps
 GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opmd", "grpo_stepwise")  # baselines from the other rollouts of a group
-REWARD_ERROR_STEPS = 3  # stop when the reward function failed on every rollout of this many consecutive steps
 # Settings tuned for the default task; another task, unless they are given, gets these instead:
 OTHER_TASK_DEFAULTS = {"task_kwargs": {}, "system_prompt": "Give only the final answer."}
 
@@ -150,19 +148,19 @@ class Config:
 
     # -- algorithm
     advantage: str = "grpo"
-    """advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, opmd, grpo_stepwise, or module.function"""
+    """advantage estimator: {ADVANTAGES}, or module.function"""
     advantage_kwargs: dict = field(default_factory=dict)
     """keyword arguments of the advantage estimator (JSON), e.g. {"baseline": "logavgexp"} for opmd"""
     policy_loss: str = "ppo_clip"
-    """policy loss: ppo_clip, dppo_kl, reinforce_tis, cispo, gspo, topr, opmd_kimi, opmd_pairwise, opmd_simple, sft, dpo, mix, or module.function"""
+    """policy loss: {POLICY_LOSSES}, or module.function"""
     policy_loss_kwargs: dict = field(default_factory=dict)
     """keyword arguments of the policy loss (JSON), e.g. {"clip_high": 0.28, "dual_clip": 3.0} for ppo_clip"""
     loss_agg: str = "auto"
-    """loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, or auto (the loss's own default)"""
+    """loss aggregation: {AGGREGATIONS}, or auto (the loss's own default)"""
     kl_loss_coef: float = 0.0
     """weight of the KL(policy || reference) loss term (loads a frozen reference model when > 0)"""
     kl_estimator: str = "k3"
-    """per-token KL estimator of the KL loss: k1, k2, k3, low_var"""
+    """per-token KL estimator of the KL loss: {KL_ESTIMATORS}"""
     kl_reward_coef: float = 0.0
     """reward penalty: subtract this times the summed k1 KL(behaviour || reference) of each sequence"""
     entropy_coef: float = 0.0
@@ -172,7 +170,7 @@ class Config:
     length_unit: str = "tokens"
     """unit of the length penalty: tokens (trained tokens) or turns (multi-turn)"""
     filters: dict = field(default_factory=dict)
-    """sequence filters before training, name -> kwargs (JSON): zero_advantage, gibberish, repetition, or module.function"""
+    """sequence filters before training, name -> kwargs (JSON): {FILTERS}, or module.function"""
     expert_data: str = ""
     """JSONL of chat conversations ({"messages": [...]}) mixed into each batch as expert data (policy_loss mix)"""
     expert_fraction: float = 0.0
@@ -204,12 +202,17 @@ class Config:
 
 
 def _field_help() -> tuple[dict[str, str], dict[str, str]]:
-    """Field docstrings (the string under each field) of Config, for --help, and the
-    group of each field (the `# -- title` comment above it)."""
+    """Field docstrings (the string under each field) of Config, for --help, with the
+    names of losses.py's registries filled in, and the group of each field (the
+    `# -- title` comment above it)."""
+    import losses
+
     src = inspect.getsource(Config)
     body = ast.parse(src).body[0].body
     helps = {a.target.id: b.value.value for a, b in zip(body, body[1:])
              if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
+    for name in ("ADVANTAGES", "POLICY_LOSSES", "AGGREGATIONS", "KL_ESTIMATORS", "FILTERS"):  # names from the registries
+        helps = {k: v.replace("{" + name + "}", ", ".join(getattr(losses, name))) for k, v in helps.items()}
     groups, title = {}, "other"
     for line in src.splitlines():
         if line.startswith("    # -- "):
@@ -528,6 +531,21 @@ class MLflowLog:
 TRACKERS = {"tensorboard": TensorBoardLog, "wandb": WandbLog, "mlflow": MLflowLog}
 
 
+class JsonlLog:
+    """Appends records to a JSONL file, each flushed at once (readable while the run goes
+    on); NaN and infinities are written as null (JSON has none)."""
+
+    def __init__(self, path: Path):
+        self.file = path.open("a")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
 class Metrics:
     """Rank 0's metrics log: every record is appended to RUN_DIR/metrics.jsonl (always), and
     its finite numbers go to each tracker of cfg.log under the same namespaced keys
@@ -535,15 +553,14 @@ class Metrics:
     the JSONL file alone (nanochat's null-logger pattern: callers never check)."""
 
     def __init__(self, run_dir: Path, cfg: Config | None = None):
-        self.file = (run_dir / "metrics.jsonl").open("a")
+        self.jsonl = JsonlLog(run_dir / "metrics.jsonl")
         config = dataclasses.asdict(cfg) if cfg else {}
         self.trackers = [TRACKERS[name](run_dir, config) for name in (trackers(cfg) if cfg else [])]
 
     def write(self, record: dict) -> None:
         """Append one record (valid JSON: NaN is written as null) and flush (readable
         while the run goes on); send its finite numbers to the trackers."""
-        self.file.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
-        self.file.flush()
+        self.jsonl.write(record)
         scalars = {k: float(v) for k, v in record.items()
                    if k != "step" and isinstance(v, numbers.Real) and math.isfinite(v)}
         for t in self.trackers:
@@ -551,7 +568,7 @@ class Metrics:
 
     def close(self) -> None:
         """Finish the tracker runs (W&B and MLflow mark them finished)."""
-        self.file.close()
+        self.jsonl.close()
         for t in self.trackers:
             t.close()
 
@@ -625,21 +642,6 @@ def plot(run_dir: Path) -> Path:
     return out
 
 
-def read_batch(cfg: Config, buffer, step: int, version: int, alive) -> tuple[list, int]:
-    """Rank 0: the groups of trainer step `step`, and how many groups were dropped for
-    staleness (trainer `version` - experience version > cfg.max_staleness). In mode train
-    dropped groups are replaced by newer ones from the buffer; in mode both the schedule
-    already bounds staleness (check_modes)."""
-    groups, dropped = [], 0
-    while len(groups) < cfg.batch_size:
-        got = buffer.read(cfg.batch_size - len(groups), cfg.buffer_timeout_s, alive, step=step)
-        fresh = [g for g in got if cfg.max_staleness < 0
-                 or version - min(e.model_version for e in g) <= cfg.max_staleness]
-        dropped += len(got) - len(fresh)
-        groups += fresh
-    return groups, dropped
-
-
 def wait_until_loaded(explorer, queue) -> None:
     """Mode both, checkpoint sync: block until the spawned explorer reports its start weights
     loaded. Raises RuntimeError (one line) when it fails or dies first."""
@@ -658,213 +660,144 @@ def wait_until_loaded(explorer, queue) -> None:
             return
 
 
-def explorer_shares(groups: list, version: int) -> dict[str, float]:
-    """Per explorer name: its share of the batch's groups and its mean staleness."""
-    out: dict[str, float] = {}
-    names = [g[0].explorer for g in groups]
-    for name in sorted(set(names)):
-        mine = [g for g, n in zip(groups, names) if n == name]
-        out[f"explorer/{name}/share"] = len(mine) / len(groups)
-        out[f"explorer/{name}/staleness"] = sum(version - g[0].model_version for g in mine) / len(mine)
+def queued(queue) -> list[dict]:
+    """The records the spawned explorer has put on `queue` so far."""
+    out = []
+    while queue is not None and not queue.empty():
+        out.append(queue.get())
     return out
 
 
 def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> None:
-    """Modes both and train: the trainer ranks' loop. Mode both: rank 0 spawns the
-    explorer and syncs weights by broadcast (or checkpoints with --sync-method checkpoint).
-    Mode train: no explorer here; groups come from the run directory's buffer (filled by
-    `--mode explore` launches) or from offline data (--train-data), and weights are
-    published as checkpoints. Resume state is saved every checkpoint_interval steps."""
+    """Modes both and train on every trainer rank: build the Trainer (resumed with
+    --resume) and, on rank 0, what its loop talks to (`loop_io`) and, in mode both, the
+    explorer process (`start_explorer`); run the loop (trainer.TrainLoop); then, on rank 0,
+    wait for the explorer and write the final files and the plot (`finish`)."""
     import torch
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-    from tqdm import tqdm
 
-    import sync
-    from buffer import Buffer, OfflineSampler
-    from explorer import run_explorer
-    from trainer import Trainer, resume_state
-    from workflows import load_chat_jsonl, load_offline_jsonl
+    from trainer import LoopIO, Trainer, TrainLoop, resume_state
 
-    run_dir = Path(cfg.run_dir)
     torch.set_num_threads(cfg.trainer_threads)
     trainer = Trainer(cfg, model_path, device)
-    state = resume_state(run_dir) if cfg.resume else None
+    state = resume_state(cfg.run_dir) if cfg.resume else None
     start = trainer.load_state(state) if state else 0
-    broadcast = cfg.mode == "both" and cfg.sync_method != "checkpoint"
-    explorer = buffer = weights = metrics = expert = offline = queue = None
-    alive = lambda: True  # noqa: E731
+    io, explorer, weights = LoopIO(), None, None
     if rank == 0:
-        buffer = Buffer(run_dir / "buffer.sqlite")
-        if cfg.resume:
-            released = buffer.release_after(start)
-            print0(f"resumed at step {start} (version {trainer.version}); {released} experiences served again")
-        metrics = Metrics(run_dir, cfg)
-        if cfg.expert_fraction:
-            expert = OfflineSampler(load_chat_jsonl(cfg.expert_data, trainer.tokenizer), cfg.seed)
-        if cfg.train_data:
-            offline = OfflineSampler(load_offline_jsonl(cfg.train_data, trainer.tokenizer), cfg.seed)
-            for _ in range(start):  # the same order as an uninterrupted run
-                offline.draw(cfg.batch_size)
-        if cfg.mode == "both":
-            if broadcast:
-                weights = sync.WeightSync(0, 2, port=0, device=str(device), timeout_s=cfg.sync_timeout_s)
-            queue = mp.get_context("spawn").Queue()
-            explorer = mp.get_context("spawn").Process(
-                target=run_explorer, name="explorer",
-                args=(cfg, str(state / "hf") if state else model_path, weights.port if weights else 0,
-                      cfg.steps, queue, trainer.version))
-            explorer.start()
-            alive = lambda: explorer.is_alive()  # noqa: E731
-            if weights:
-                weights.connect(alive)
-            else:  # it may start from a resume state that the first save_state deletes: wait until it is loaded
-                wait_until_loaded(explorer, queue)
-    pending: dict[int, dict] = {}  # explorer batch records by batch index, merged into that step
-    last_eval: dict = {}
-    explorer_logs = ExplorerLogs(run_dir) if cfg.mode == "train" and not offline and rank == 0 else None
-    zero_adv_steps = errored_steps = 0  # consecutive steps with every advantage 0 / every reward errored
-    explorer_error: list[str] = []
-
-    def drain():
-        """Explorer records: batch stats join their step's record; evaluations and weight
-        receipts are written as records of their own, at step = their weight version."""
-        while queue is not None and not queue.empty():
-            r = queue.get()
-            if "batch" in r:
-                pending[r["batch"]] = r
-            elif "eval/accuracy" in r:
-                metrics.write({"step": r["eval/version"], **r})
-                bar.write(f"eval @ version {r['eval/version']}: held-out accuracy {r['eval/accuracy']:.3f}")
-                last_eval.update(r)
-            elif "explorer/received_version" in r:
-                metrics.write({"step": r["explorer/received_version"], **r})
-            elif "error" in r:
-                explorer_error.append(r["error"])
-        for r in explorer_logs.new_records() if explorer_logs else []:  # mode train: the explorers' evaluations
-            if "eval/accuracy" in r:
-                metrics.write({"step": r["eval/version"], **r})
-                bar.write(f"eval @ version {r['eval/version']} ({r['explorer']}): held-out accuracy {r['eval/accuracy']:.3f}")
-                last_eval.update(r)
-
-    bar = tqdm(total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True)
+        io = loop_io(cfg, trainer, start)
+    loop = TrainLoop(cfg, trainer, start, io, rank, world)
     try:
-        t_start = time.perf_counter()
-        for step in range(start, cfg.steps):
-            t0 = time.perf_counter()
-            groups, dropped = [None], 0
-            if rank == 0:
-                if offline:
-                    groups = [offline.draw(cfg.batch_size)]
-                else:
-                    groups[0], dropped = read_batch(cfg, buffer, step, trainer.version, alive)
-                if cfg.expert_fraction:  # MIX: this fraction of the batch's sequences is expert data
-                    n = sum(map(len, groups[0]))
-                    groups[0] += expert.draw(max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction))))
-            dist.broadcast_object_list(groups, src=0)
-            wait_s = time.perf_counter() - t0
-            rollouts = [g for g in groups[0] if not g[0].info.get("offline")]
-            m = trainer.step(groups[0])
-            t1 = time.perf_counter()
-            if sync.publishes_after(step, cfg.sync_interval, cfg.steps):
-                params = trainer.full_parameters()
-                if broadcast and rank == 0:
-                    weights.send(trainer.version, params, alive)
-                elif not broadcast and not offline and rank == 0:
-                    sync.publish_checkpoint(run_dir, trainer.version, lambda d: trainer.save(d, params))
-                if rank == 0:
-                    m["sync/trainer_checksum"] = sync.checksum(params)
-                if step == cfg.steps - 1:
-                    trainer.save(run_dir / "final", params, trainer.final_dtype)
-            if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step < cfg.steps - 1:
-                trainer.save_state(run_dir, step + 1)
-            if rank != 0:
-                continue
-            drain()
-            m.update(pending.pop(step, {}))
-            m.update({f"buffer/{k}": v for k, v in buffer.counts().items()})
-            if rollouts:
-                v = [e.model_version for g in rollouts for e in g]
-                m.update({"staleness/mean": sum(step - x for x in v) / len(v), "staleness/max": max(step - x for x in v),
-                          **explorer_shares(rollouts, step)})
-                zero_adv_steps = zero_adv_steps + 1 if m["advantage/abs_mean"] == 0 else 0
-                errored = sum("reward_error" in e.info for g in rollouts for e in g) == len(v)
-                errored_steps = errored_steps + 1 if errored else 0
-                m.update({"advantage/zero_steps": zero_adv_steps, "rollout/all_rewards_errored": int(errored)})
-                if zero_adv_steps == ZERO_ADVANTAGE_WARN_STEPS:
-                    bar.write(f"warning: every advantage has been 0 for {zero_adv_steps} steps: each group got equal rewards, "
-                              "so nothing is learned (task too easy or too hard, group_size 1, or a broken reward function)",
-                              file=sys.stderr)
-                if errored_steps >= REWARD_ERROR_STEPS:
-                    raise RuntimeError(f"the reward function failed on every rollout of {errored_steps} consecutive "
-                                       f"steps, e.g. {next(e.info['reward_error'] for g in rollouts for e in g)}")
-                if errored:
-                    bar.write(f"warning: step {step}: the reward function failed on every rollout "
-                              f"(e.g. {next(e.info['reward_error'] for g in rollouts for e in g)}); see samples.log",
-                              file=sys.stderr)
-            m.update({"step": step, "version": trainer.version, "time/wait_s": wait_s, "staleness/dropped_groups": dropped,
-                      "time/sync_s": time.perf_counter() - t1, "time/elapsed_s": time.perf_counter() - t_start,
-                      "threads/trainer": cfg.trainer_threads, "threads/explorer": cfg.explorer_threads,
-                      "trainer/ranks": world, "eval/last_accuracy": last_eval.get("eval/accuracy")})
-            metrics.write(m)
-            shown = {"reward": m["reward/mean"]} if "reward/mean" in m else {"loss": m["loss/policy"]}
-            if last_eval:
-                shown["acc"] = last_eval["eval/accuracy"]
-            bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items()}, s_per_step=f"{m['time/elapsed_s'] / (step + 1 - start):.1f}")
-            bar.update()
-        bar.close()
+        if rank == 0 and cfg.mode == "both":
+            explorer, weights = start_explorer(cfg, io, str(state / "hf") if state else model_path, trainer.version, device)
+        loop.run()
         if rank == 0:
-            if weights:
-                weights.wait(alive)
-            if explorer:
-                explorer.join()
-                drain()
-                if explorer.exitcode != 0:
-                    raise RuntimeError(f"explorer failed: {explorer_error[0] if explorer_error else explorer.exitcode}")
-            (run_dir / "trainer_done").write_text(str(trainer.version))
-            (run_dir / "final" / "nanorft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-            board = f" (TensorBoard: tensorboard --logdir {run_dir})" if "tensorboard" in trackers(cfg) else ""
-            print0(f"final weights: {run_dir / 'final'}\nplot: {plot(run_dir)}\nmetrics: {run_dir / 'metrics.jsonl'}{board}")
+            finish(cfg, loop, explorer, weights)
     except BaseException:
-        bar.close()
+        loop.bar.close()
         if explorer is not None:
-            if explorer.is_alive():  # the trainer failed: the explorer goes with it
-                explorer.terminate()
-                explorer.join(30)
-                if explorer.is_alive():
-                    explorer.kill()
-                    explorer.join()
-            else:  # the trainer noticed that the explorer failed: its reason is on the queue
-                drain()
-                if explorer_error:
-                    raise RuntimeError(f"explorer failed: {explorer_error[0]}") from None
+            stop_explorer(explorer, loop)
         raise
     finally:
-        if metrics is not None:
-            metrics.close()
+        if io.metrics is not None:
+            io.metrics.close()
+
+
+def loop_io(cfg: Config, trainer, start: int):
+    """Rank 0's trainer.LoopIO: the buffer (experiences served after step `start` go back
+    on --resume), the metrics log, offline / expert data (drawn on to `start` for a resume),
+    and in mode train the explorers' evaluations from their log files. Mode both adds the
+    explorer in `start_explorer`."""
+    from buffer import Buffer
+    from trainer import LoopIO
+    from workflows import OfflineSampler, load_chat_jsonl, load_offline_jsonl
+
+    run_dir = Path(cfg.run_dir)
+    io = LoopIO(buffer=Buffer(run_dir / "buffer.sqlite"))
+    if cfg.resume:
+        released = io.buffer.release_after(start)
+        print0(f"resumed at step {start} (version {trainer.version}); {released} experiences served again")
+    io.metrics = Metrics(run_dir, cfg)
+    if cfg.expert_fraction:
+        io.expert = OfflineSampler(load_chat_jsonl(cfg.expert_data, trainer.tokenizer), cfg.seed)
+    if cfg.train_data:
+        io.offline = OfflineSampler(load_offline_jsonl(cfg.train_data, trainer.tokenizer), cfg.seed)
+        for _ in range(start):  # the same order as an uninterrupted run
+            io.offline.draw(cfg.batch_size)
+    elif cfg.mode == "train":  # the explorers' evaluations, from their log files
+        logs = ExplorerLogs(run_dir)
+        io.records = lambda: [r for r in logs.new_records() if "eval/accuracy" in r]
+    return io
+
+
+def start_explorer(cfg: Config, io, model_path: str, version: int, device):
+    """Mode both, rank 0: spawn the explorer process (explorer.run_mode_both) on the weights
+    in `model_path` (= `version`), join the weight-sync group with it (or, with checkpoint
+    sync, wait until it has loaded them), and connect `io` to it. Returns (process, the
+    sync.WeightSync or None)."""
+    import torch.multiprocessing as mp
+
+    import sync
+    from explorer import run_mode_both
+
+    weights = None
+    if cfg.sync_method != "checkpoint":
+        weights = sync.WeightSync(0, 2, port=0, device=str(device), timeout_s=cfg.sync_timeout_s)
+    queue = mp.get_context("spawn").Queue()
+    explorer = mp.get_context("spawn").Process(target=run_mode_both, name="explorer",
+                                               args=(cfg, model_path, weights.port if weights else 0, cfg.steps, queue,
+                                                     version))
+    explorer.start()
+    io.alive, io.records = explorer.is_alive, lambda: queued(queue)
+    if weights:
+        weights.connect(io.alive)
+        io.send_weights = lambda v, params: weights.send(v, params, io.alive)
+    else:  # it may start from a resume state that the first save_state deletes: wait until it is loaded
+        wait_until_loaded(explorer, queue)
+    return explorer, weights
+
+
+def finish(cfg: Config, loop, explorer, weights) -> None:
+    """Rank 0 after the last step: wait until the explorer has the final weights and has
+    ended (RuntimeError with its error line if it failed), then write trainer_done, the
+    config next to the final weights, and the plot."""
+    run_dir = Path(cfg.run_dir)
+    if weights:
+        weights.wait(loop.io.alive)
+    if explorer:
+        explorer.join()
+        loop.drain()
+        if explorer.exitcode != 0:
+            raise RuntimeError(f"explorer failed: {loop.errors[0] if loop.errors else explorer.exitcode}")
+    (run_dir / "trainer_done").write_text(str(loop.trainer.version))
+    (run_dir / "final" / "nanorft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    board = f" (TensorBoard: tensorboard --logdir {run_dir})" if "tensorboard" in trackers(cfg) else ""
+    print0(f"final weights: {run_dir / 'final'}\nplot: {plot(run_dir)}\nmetrics: {run_dir / 'metrics.jsonl'}{board}")
+
+
+def stop_explorer(explorer, loop) -> None:
+    """The trainer failed: stop the explorer with it. If the explorer had failed first, raise
+    its error line (RuntimeError) instead."""
+    if explorer.is_alive():
+        explorer.terminate()
+        explorer.join(30)
+        if explorer.is_alive():
+            explorer.kill()
+            explorer.join()
+    else:  # the trainer noticed that the explorer failed: its reason is on the queue
+        loop.drain()
+        if loop.errors:
+            raise RuntimeError(f"explorer failed: {loop.errors[0]}") from None
 
 
 def check_algorithm(cfg: Config) -> None:
     """Raise ValueError (one line) for an unknown or mis-configured advantage, loss,
     aggregation, KL estimator, filter, task pool or expert-data setting."""
-    from losses import ADVANTAGES, AGGREGATIONS, FILTERS, POLICY_LOSSES, resolve
+    from trainer import resolve_algorithm
 
-    resolve(cfg.advantage, ADVANTAGES, "advantage", cfg.advantage_kwargs)
-    resolve(cfg.policy_loss, POLICY_LOSSES, "policy_loss", cfg.policy_loss_kwargs)
-    for name, kwargs in cfg.filters.items():
-        if not isinstance(kwargs, dict):
-            raise ValueError(f"filters: the value of {name!r} must be a table of keyword arguments, got {kwargs!r}")
-        resolve(name, FILTERS, "filter", kwargs)
-    if cfg.loss_agg != "auto" and cfg.loss_agg not in AGGREGATIONS:
-        raise ValueError(f"unknown loss_agg {cfg.loss_agg!r}; known: auto, {', '.join(AGGREGATIONS)}")
-    if cfg.kl_estimator not in ("k1", "k2", "k3", "low_var"):
-        raise ValueError(f"unknown kl_estimator {cfg.kl_estimator!r}; known: k1, k2, k3, low_var")
+    resolve_algorithm(cfg)
     if cfg.top_p < 1 and cfg.mode != "bench":
         raise ValueError(f"top_p {cfg.top_p} < 1 is for mode bench only: the behaviour logprobs would be those of the "
                          "renormalised nucleus and the trainer's those of the full softmax, so every importance ratio "
                          "would be off by the nucleus mass; train with top_p 1")
-    if cfg.length_unit not in ("tokens", "turns"):
-        raise ValueError(f"length_unit must be tokens or turns, got {cfg.length_unit!r}")
     if not 0 <= cfg.expert_fraction < 1 or not 0 <= cfg.pool_lift_fraction <= 1:
         raise ValueError("need 0 <= expert_fraction < 1 and 0 <= pool_lift_fraction <= 1")
     if cfg.group_size < 2 and cfg.advantage in GROUP_ADVANTAGES and not cfg.train_data:
@@ -957,19 +890,14 @@ def prepare(cfg: Config, rank: int) -> str:
 
 def bench(cfg: Config) -> None:
     """Mode bench: print a table of avg@k / pass@k per model and save RUN_DIR/bench.json."""
-    from explorer import run_bench
+    from explorer import run_mode_bench
 
     models = [m.strip() for m in cfg.bench_models.split(",") if m.strip()] or [str(Path(cfg.run_dir) / "final")]
     paths = [resolve_model(m) for m in models]
     cfg.explorer_threads = cfg.explorer_threads or (os.cpu_count() or 1)
     print(f"nanorft: mode bench, engine {cfg.engine}, {len(paths)} model(s), {cfg.bench_k} samples per task")
-    rows = run_bench(cfg, paths)
-    k = cfg.bench_k
-    print(f"{'model':<50} {'tasks':>5} {f'avg@{k}':>8} {f'pass@{k}':>8} {'pass@1':>8}")
-    for r in rows:
-        print(f"{r['model'][-50:]:<50} {r['tasks']:>5} {r[f'avg@{k}']:>8.3f} {r[f'pass@{k}']:>8.3f} {r['pass@1']:>8.3f}")
     out = Path(cfg.run_dir) / "bench.json"
-    out.write_text(json.dumps(rows, indent=2))
+    out.write_text(json.dumps(run_mode_bench(cfg, paths), indent=2))
     print(f"saved {out}")
 
 
@@ -1005,12 +933,16 @@ def main(argv: list[str] | None = None) -> int:
 def run(cfg: Config, model_path: str) -> None:
     """Run mode explore, or start the trainer ranks (modes both and train)."""
     if cfg.mode == "explore":
-        from explorer import run_explore_mode
+        from explorer import run_mode_explore
 
         split_threads(cfg, 1)
         print(f"nanorft: mode explore ({cfg.explorer_name}), engine {cfg.engine}, {cfg.explorer_threads} threads, "
               f"run dir {cfg.run_dir}")
-        run_explore_mode(cfg, model_path)
+        log = JsonlLog(Path(cfg.run_dir) / f"explorer_{cfg.explorer_name}.jsonl")
+        try:
+            run_mode_explore(cfg, model_path, log.write)
+        finally:
+            log.close()
         return
     import torch.distributed as dist
 

@@ -28,6 +28,7 @@ version (int64 [1]) then of all parameters flattened into one buffer per dtype, 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 import threading
@@ -265,3 +266,130 @@ def load_latest_checkpoint(run_dir: str | Path, reader: str, load: Callable[[Pat
         return latest[0], load(latest[1], latest[0])
     finally:
         lease.unlink(missing_ok=True)
+
+
+class Receiver:
+    """The explorer's end of the protocol: takes the trainer's published weights into
+    `engine` (explorer.Engine: join_weight_sync, receive_weights, weights_announced,
+    load_checkpoint, version) and logs each receipt as {"explorer/received_version",
+    "time/explorer_wait_sync_s", "sync/explorer_checksum"} through `log`.
+
+    By broadcast over the weight-sync group on `port` (mode both), or, with port None, from
+    the checkpoints in `run_dir` (mode explore, and --sync-method checkpoint), loaded under
+    `name`'s lease. `alive()` turns False when the trainer has died: a blocking receive
+    then raises RuntimeError instead of waiting."""
+
+    def __init__(self, engine, run_dir: str | Path, name: str, log: Callable[[dict], None],
+                 alive: Callable[[], bool], port: int | None = None, timeout_s: float = 600.0):
+        self.engine, self.run_dir, self.name, self.log, self.alive = engine, run_dir, name, log, alive
+        self.port, self.timeout_s = port, timeout_s
+
+    def join(self) -> None:
+        """Broadcast: join the weight-sync group as rank 1 (blocks until the trainer is there)."""
+        if self.port is not None:
+            self.engine.join_weight_sync(self.port, self.timeout_s, self.alive)
+
+    def newest(self) -> int:
+        """The newest version the trainer has published or started to publish (-1: none);
+        never blocks."""
+        if self.port is not None:
+            return self.engine.weights_announced()
+        latest = latest_checkpoint(self.run_dir)
+        return latest[0] if latest else -1
+
+    def receive(self) -> None:
+        """Block until the next version is loaded (broadcast: the next publish; checkpoint:
+        a checkpoint newer than the engine's weights)."""
+        t0 = time.perf_counter()
+        if self.port is not None:
+            _, digest = self.engine.receive_weights(self.alive)
+        else:
+            while (got := self._load_newer()) is None:
+                if not self.alive():
+                    raise RuntimeError("explorer: the trainer died")
+                time.sleep(0.05)
+            digest = got[1]
+        self._logged(t0, digest)
+
+    def poll(self) -> None:
+        """Load the newest checkpoint if it is newer than the engine's weights (never waits
+        for one)."""
+        t0 = time.perf_counter()
+        if (got := self._load_newer()) is not None:
+            self._logged(t0, got[1])
+
+    def until(self, version: int) -> None:
+        """Receive until the engine holds at least `version`."""
+        while self.engine.version < version:
+            self.receive()
+
+    def _load_newer(self) -> tuple[int, float] | None:
+        return load_latest_checkpoint(self.run_dir, self.name, self.engine.load_checkpoint, self.engine.version)
+
+    def _logged(self, t0: float, digest: float) -> None:
+        self.log({"explorer/received_version": self.engine.version, "time/explorer_wait_sync_s": time.perf_counter() - t0,
+                  "sync/explorer_checksum": digest})
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the *.safetensors files of a checkpoint directory (CPU). Raises
+    FileNotFoundError when there are none."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors files in {path}")
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+class VLLMWeightReceiver:
+    """vLLM worker extension (`worker_extension_cls="sync.VLLMWeightReceiver"`): the
+    vLLM worker joins the weight-sync group as rank 1 and loads each publish in place with
+    `model.load_weights`, inside vLLM's layerwise-reload helpers (needed on CPU, where
+    linear weights are prepacked and a bare load can have no effect)."""
+
+    def nanorft_join(self, model_path: str, port: int, timeout_s: float, trainer_pid: int) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):  # names and shapes of the HF checkpoint, in wire order
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
+        device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        self.nanorft_named = [(n, torch.empty(p.shape, dtype=p.dtype, device=device)) for n, p in hf.named_parameters()]
+        self.nanorft_sync = WeightSync(1, 2, port=port, device=device.type, timeout_s=timeout_s).connect(
+            lambda: pid_alive(trainer_pid))
+
+    def nanorft_receive(self) -> tuple[int, float]:
+        tensors = [t for _, t in self.nanorft_named]
+        version = self.nanorft_sync.recv(tensors)
+        self._nanorft_load(self.nanorft_named)
+        return version, checksum(tensors)
+
+    def nanorft_announced(self) -> int:
+        """The newest version the trainer has started to publish (never blocks)."""
+        return self.nanorft_sync.announced()
+
+    def nanorft_load(self, path: str) -> float:
+        """Load a safetensors checkpoint directory in place; returns its checksum."""
+        named = list(read_safetensors(path).items())
+        self._nanorft_load(named)
+        return checksum(t for _, t in named)
+
+    def _nanorft_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        model = self.model_runner.model
+        dtype = self.vllm_config.model_config.dtype  # the trainer sends float32; vLLM may hold bf16
+        tied = self.vllm_config.model_config.hf_config.tie_word_embeddings
+        expected = ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
+        # layers a publish has no tensors for (no weights; the tied lm_head comes as the embedding)
+        # keep theirs, as intended: vLLM's "<layer>: Failed to load weights" for them is noise
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").filters = [
+            lambda r: r.getMessage() not in {f"{name}: Failed to load weights" for name in expected}]
+        initialize_layerwise_reload(model)
+        model.load_weights((n, t.to(dtype) if t.is_floating_point() else t) for n, t in named)
+        finalize_layerwise_reload(model, self.vllm_config.model_config)
+        lm_head = getattr(model, "lm_head", None)
+        if self.vllm_config.model_config.hf_config.tie_word_embeddings and hasattr(lm_head, "quant_method"):
+            # the reload reprocesses only embed_tokens; the tied lm_head keeps its own
+            # prepacked copy on CPU unless it is processed again
+            lm_head.quant_method.process_weights_after_loading(lm_head)

@@ -1,29 +1,39 @@
-"""Trainer: FSDP2 model, batching by token budget, train step, sending weights, saving.
+"""Trainer: the trainer ranks' loop and the train step on an FSDP2 model.
 
-Every trainer rank (torchrun) holds a `Trainer`. The model is sharded with FSDP2
-`fully_shard` per decoder block and at the root, over the default process group (gloo on
-CPU, NCCL on CUDA). A step takes the groups of one explorer batch (the same list on every
-rank), computes advantages (losses.ADVANTAGES), splits the sequences over the ranks and
-into micro-batches of at most `token_budget` padded tokens, recomputes the response
-logprobs under the current policy, and applies the policy loss (losses.POLICY_LOSSES)
-aggregated as a token-mean over the whole batch. Then grad-norm clipping and AdamW.
+Every trainer rank (torchrun) runs a `TrainLoop` around a `Trainer`. The loop: rank 0
+reads the groups of one explorer batch from the buffer (or offline data) and broadcasts
+them; every rank takes the step; the weights go to the explorer by broadcast or as a
+checkpoint after the steps the sync schedule names; rank 0 writes the metrics.
+
+The model is sharded with FSDP2 `fully_shard` per decoder block and at the root, over
+the default process group (gloo on CPU, NCCL on CUDA). `Trainer.step` is a short
+sequence of stages, each a method: rewards shaped (KL and length penalties), advantages
+(losses.ADVANTAGES), filters, the sequences split over the ranks and into micro-batches of
+at most `token_budget` padded tokens, the response logprobs recomputed under the current
+policy and the policy loss (losses.POLICY_LOSSES) aggregated over the whole batch, then
+grad-norm clipping and AdamW.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+import sync
 from buffer import Experience
-from losses import (ADVANTAGES, FILTERS, POLICY_LOSSES, LossInputs, accepts, aggregate, kl_estimate,
-                    length_penalty, masked_sum, part_totals, resolve, token_entropy)
+from losses import (ADVANTAGES, AGGREGATIONS, FILTERS, KL_ESTIMATORS, POLICY_LOSSES, LossInputs, accepts, aggregate,
+                    kl_estimate, left_pad, length_penalty, masked_sum, part_totals, position_ids, resolve,
+                    token_entropy)
 
 
 def resume_state(run_dir: str | Path) -> Path | None:
@@ -42,21 +52,22 @@ def pack(exps: list[Experience], pad: int) -> dict[str, torch.Tensor]:
     masked pad token).
     """
     B = len(exps)
-    P = max(e.prompt_length for e in exps)
     R = max(1, max(len(e.tokens) - e.prompt_length for e in exps))
-    ids = torch.full((B, P + R), pad, dtype=torch.long)
-    attn = torch.zeros((B, P + R), dtype=torch.long)
+    prompt_ids, prompt_attn, _ = left_pad([e.tokens[:e.prompt_length] for e in exps], pad)  # [B, P]
+    response = torch.full((B, R), pad, dtype=torch.long)
+    response_attn = torch.zeros((B, R), dtype=torch.long)
     old = torch.zeros((B, R))
     mask = torch.zeros((B, R))
     for b, e in enumerate(exps):
-        p, r = e.prompt_length, len(e.tokens) - e.prompt_length
-        ids[b, P - p:P + r] = torch.tensor(e.tokens)
-        attn[b, P - p:P + r] = 1
+        r = len(e.tokens) - e.prompt_length
+        response[b, :r] = torch.tensor(e.tokens[e.prompt_length:], dtype=torch.long)
+        response_attn[b, :r] = 1
         old[b, :r] = torch.tensor(e.logprobs)
         mask[b, :r] = torch.tensor(e.action_mask, dtype=torch.float)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    ids, attn = torch.cat([prompt_ids, response], 1), torch.cat([prompt_attn, response_attn], 1)
+    pos = position_ids(attn)
     return {"input_ids": ids, "attention_mask": attn, "position_ids": pos,
-            "response_ids": ids[:, P:], "old_logprobs": old, "mask": mask}
+            "response_ids": response, "old_logprobs": old, "mask": mask}
 
 
 def micro_batches(units: list[list[Experience]], token_budget: int) -> list[list[Experience]]:
@@ -94,6 +105,62 @@ def response_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
         return lp, token_entropy(logits if entropy_grad else logits.detach())
 
 
+LENGTH_UNITS = {"tokens": lambda e: sum(e.action_mask), "turns": lambda e: e.info.get("turns", 1)}
+"""The length of an experience for the length penalty: trained tokens, or turns (multi-turn)."""
+
+
+@dataclass
+class StepBatch:
+    """One step's global batch as tensors over its N sequences, in group order.
+
+    exps: the experiences; rewards [N] float; group_index [N] long (the group of each);
+    trajectory_index [N] long (sequences of one multi-turn trajectory share it); offline
+    [N] bool (expert / offline data: no behaviour log-probs, never filtered); token_counts
+    [N] float (trained tokens: sum of action_mask); row: id(experience) -> its index."""
+
+    exps: list[Experience]
+    rewards: torch.Tensor
+    group_index: torch.Tensor
+    trajectory_index: torch.Tensor
+    offline: torch.Tensor
+    token_counts: torch.Tensor
+    row: dict[int, int]
+
+    @classmethod
+    def of(cls, groups: list[list[Experience]]) -> "StepBatch":
+        exps = [e for g in groups for e in g]
+        trajectories: dict = {}
+        return cls(exps, torch.tensor([e.reward for e in exps], dtype=torch.float),
+                   torch.tensor([i for i, g in enumerate(groups) for _ in g]),
+                   torch.tensor([trajectories.setdefault(e.info.get("trajectory_id", ("seq", i)), len(trajectories))
+                                 for i, e in enumerate(exps)]),
+                   torch.tensor([bool(e.info.get("offline")) for e in exps]),
+                   torch.tensor([float(sum(e.action_mask)) for e in exps]),
+                   {id(e): i for i, e in enumerate(exps)})
+
+
+def resolve_algorithm(cfg) -> tuple[Callable, Callable, str, dict[str, Callable]]:
+    """(advantage function, policy loss, loss aggregation, filters by name) of run.Config
+    `cfg` (advantage(_kwargs), policy_loss(_kwargs), loss_agg, filters, kl_estimator,
+    length_unit), resolved from the registries of losses.py or import paths. Raises
+    ValueError (one line) for an unknown name or keyword."""
+    advantage_fn = resolve(cfg.advantage, ADVANTAGES, "advantage", cfg.advantage_kwargs)
+    loss_fn = resolve(cfg.policy_loss, POLICY_LOSSES, "policy_loss", cfg.policy_loss_kwargs)
+    filters = {}
+    for name, kwargs in cfg.filters.items():
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"filters: the value of {name!r} must be a table of keyword arguments, got {kwargs!r}")
+        filters[name] = resolve(name, FILTERS, "filter", kwargs)
+    if cfg.loss_agg != "auto" and cfg.loss_agg not in AGGREGATIONS:
+        raise ValueError(f"unknown loss_agg {cfg.loss_agg!r}; known: auto, {', '.join(AGGREGATIONS)}")
+    if cfg.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {cfg.kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+    if cfg.length_unit not in LENGTH_UNITS:
+        raise ValueError(f"length_unit must be {' or '.join(LENGTH_UNITS)}, got {cfg.length_unit!r}")
+    agg = getattr(loss_fn, "agg", "token-mean") if cfg.loss_agg == "auto" else cfg.loss_agg
+    return advantage_fn, loss_fn, agg, filters
+
+
 class Trainer:
     """FSDP2 policy + AdamW on this rank (and a frozen FSDP2 reference model when a KL term
     or DPO needs one).
@@ -111,10 +178,7 @@ class Trainer:
         self.cfg, self.device = cfg, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(cfg.seed)
-        self.advantage_fn = resolve(cfg.advantage, ADVANTAGES, "advantage", cfg.advantage_kwargs)
-        self.loss_fn = resolve(cfg.policy_loss, POLICY_LOSSES, "policy_loss", cfg.policy_loss_kwargs)
-        self.agg = getattr(self.loss_fn, "agg", "token-mean") if cfg.loss_agg == "auto" else cfg.loss_agg
-        self.filters = {name: resolve(name, FILTERS, "filter", kw) for name, kw in cfg.filters.items()}
+        self.advantage_fn, self.loss_fn, self.agg, self.filters = resolve_algorithm(cfg)
         self.masked_filters = {name for name, fn in self.filters.items() if accepts(fn, "action_mask")}
         self.adv_counts = accepts(self.advantage_fn, "token_counts")  # REINFORCE++ whitens over tokens
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -174,90 +238,128 @@ class Trainer:
     def step(self, groups: list[list[Experience]]) -> dict[str, float]:
         """One optimiser step on the groups of one batch (the same list on every rank;
         expert sequences carry info["offline"]); returns metrics (rank-0 view of the global
-        batch). Increments `self.version`.
+        batch). Increments `self.version`. The stages, each a method of its own:
 
-        Order: reference log-probs (if needed) -> rewards (- KL penalty, - length penalty)
-        -> advantages -> filters -> micro-batches of the kept sequences -> loss (+ KL to the
-        reference, - entropy bonus) aggregated over the global batch -> AdamW."""
-        cfg, t0 = self.cfg, time.perf_counter()
-        exps = [e for g in groups for e in g]
-        pos = {id(e): i for i, e in enumerate(exps)}
-        rewards = torch.tensor([e.reward for e in exps], dtype=torch.float)               # [N]
-        group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g])          # [N]
-        traj_ids = {}
-        traj = torch.tensor([traj_ids.setdefault(e.info.get("trajectory_id", ("seq", i)), len(traj_ids))
-                             for i, e in enumerate(exps)])                                # [N]
-        expert = torch.tensor([bool(e.info.get("offline")) for e in exps])                # [N] no behaviour logprobs
-        token_counts = torch.tensor([float(sum(e.action_mask)) for e in exps])           # [N] trained tokens
+        reference log-probs (if needed) -> `shape_rewards` (- KL penalty, - length penalty)
+        -> `advantages` -> `apply_filters` -> micro-batches of the kept sequences ->
+        `accumulate_gradients` (loss + KL to the reference - entropy bonus, aggregated over
+        the global batch) -> `optimizer_step` (clip, AdamW) -> `reduce_metrics`."""
+        t0 = time.perf_counter()
+        batch = StepBatch.of(groups)
         by_group = getattr(self.loss_fn, "needs_groups", False)
-        units = [list(g) for g in groups] if by_group else [[e] for e in sorted(exps, key=lambda e: len(e.tokens))]
+        units = [list(g) for g in groups] if by_group else [[e] for e in sorted(batch.exps, key=lambda e: len(e.tokens))]
         mine = units[self.rank::self.world]
-        m: dict[str, float] = {}
-        if not expert.all():  # rollouts only: expert / offline data carries a fixed reward
-            rollout_rewards = rewards[~expert]                                            # [N_rollout]
+        ref = self._ref_logprobs(mine, batch.exps[0]) if self.ref is not None else {}
+        rewards, m = self.shape_rewards(batch, mine, ref)
+        adv = self.advantages(batch, rewards)
+        keep, filtered = self.apply_filters(batch, adv)
+        mine = [kept for u in mine if (kept := [e for e in u if keep[batch.row[id(e)]]])]
+        plan = self._plan(mine, batch.exps[0])
+        objective, sums = self.accumulate_gradients(plan, batch, adv, rewards, ref, self.loss_totals(batch, keep))
+        grad_norm = self.optimizer_step()
+        self.version += 1
+        lengths = [len(e.logprobs) for e in batch.exps]
+        train_s = time.perf_counter() - t0
+        rollout = ~batch.offline
+        if rollout.any():
+            m.update({"advantage/mean": float(adv[rollout].mean()), "advantage/abs_mean": float(adv[rollout].abs().mean())})
+        m.update({**filtered, **self.reduce_metrics(objective, sums),
+                  "loss/grad_norm": grad_norm, "filter/kept": int(keep.sum()),
+                  "train/expert_seqs": int(batch.offline.sum()), "train/micro_batches": len(plan),
+                  "response/len_mean": sum(lengths) / len(lengths), "response/len_max": max(lengths),
+                  "time/train_s": train_s, "train/tokens_per_s": sum(len(e.tokens) for e in batch.exps) / train_s})
+        return m
+
+    def shape_rewards(self, batch: StepBatch, mine: list[list[Experience]],
+                      ref: dict[int, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Rewards [N] after the KL reward penalty (kl_reward_coef x the sum of k1
+        KL(behaviour || reference) over the policy's tokens; rollouts only, gathered from
+        every rank's share `mine`) and the length penalty; and the reward metrics of the
+        rollouts as they came (expert / offline data carries a fixed reward)."""
+        cfg, rewards, m = self.cfg, batch.rewards, {}
+        rollout_rewards = rewards[~batch.offline]                                        # [N_rollout]
+        if len(rollout_rewards):
             m["reward/mean"] = float(rollout_rewards.mean())
             m["reward/std"] = float(rollout_rewards.std()) if len(rollout_rewards) > 1 else 0.0
-        ref = self._ref_logprobs(mine, exps[0]) if self.ref is not None else {}
-        if cfg.kl_reward_coef:  # sum of k1 KL(behaviour || reference) over the policy's tokens, from every rank
-            local = [(pos[id(e)], float((kl_estimate(torch.tensor(e.logprobs), ref[id(e)], "k1")
-                                         * torch.tensor(e.action_mask)).sum()))
-                     for u in mine for e in u if not expert[pos[id(e)]]]  # offline data: no behaviour logprobs
+        if cfg.kl_reward_coef:
+            local = [(batch.row[id(e)], float((kl_estimate(torch.tensor(e.logprobs), ref[id(e)], "k1")
+                                               * torch.tensor(e.action_mask)).sum()))
+                     for u in mine for e in u if not batch.offline[batch.row[id(e)]]]  # offline: no behaviour logprobs
             every = [None] * self.world
             dist.all_gather_object(every, local)
-            kl = torch.zeros(len(exps))
+            kl = torch.zeros(len(batch.exps))                                              # [N]
             for part in every:
                 for i, v in part:
                     kl[i] = v
             rewards = rewards - cfg.kl_reward_coef * kl
             m["reward/kl_penalty"] = float(cfg.kl_reward_coef * kl.mean())
         if cfg.length_penalty:
-            unit = {"tokens": lambda e: sum(e.action_mask), "turns": lambda e: e.info.get("turns", 1)}[cfg.length_unit]
-            rewards = length_penalty(rewards, torch.tensor([float(unit(e)) for e in exps]), cfg.length_penalty)
-        counts = {"token_counts": token_counts} if self.adv_counts else {}
-        adv = self.advantage_fn(rewards, group_index, traj, **counts, **cfg.advantage_kwargs).float()   # [N]
-        for e, a in zip(exps, adv.tolist()):
-            e.info["advantage"] = a
-        keep = [True] * len(exps)
+            units = LENGTH_UNITS[cfg.length_unit]
+            rewards = length_penalty(rewards, torch.tensor([float(units(e)) for e in batch.exps]), cfg.length_penalty)
+        return rewards, m
+
+    def advantages(self, batch: StepBatch, rewards: torch.Tensor) -> torch.Tensor:
+        """Advantages [N] of the configured estimator (losses.ADVANTAGES) from rewards [N],
+        with the group and trajectory index of each sequence (and the trained-token counts
+        for an estimator that takes `token_counts`: REINFORCE++)."""
+        counts = {"token_counts": batch.token_counts} if self.adv_counts else {}
+        return self.advantage_fn(rewards, batch.group_index, batch.trajectory_index, **counts,
+                                 **self.cfg.advantage_kwargs).float()
+
+    def apply_filters(self, batch: StepBatch, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
+        """Which sequences [N] (bool) every configured filter keeps (expert / offline
+        sequences are never filtered), and `filter/<name>`: how many each one dropped."""
+        keep, m = torch.ones(len(batch.exps), dtype=torch.bool), {}
         for name, fn in self.filters.items():
             dropped = 0
-            for i, e in enumerate(exps):
+            for i, e in enumerate(batch.exps):
                 mask = {"action_mask": e.action_mask} if name in self.masked_filters else {}
-                if keep[i] and not expert[i] and not fn(e.tokens, e.logprobs, float(adv[i]), **mask, **cfg.filters[name]):
+                if keep[i] and not batch.offline[i] and not fn(e.tokens, e.logprobs, float(adv[i]), **mask,
+                                                                **self.cfg.filters[name]):
                     keep[i], dropped = False, dropped + 1
             m[f"filter/{name}"] = dropped
-        mine = [kept for u in mine if (kept := [e for e in u if keep[pos[id(e)]]])]
-        total_seqs = sum(keep)
-        if getattr(self.loss_fn, "split_expert", False):  # MIX: each part normalised over itself
-            part_tokens, part_seqs = part_totals(token_counts, expert, torch.tensor(keep))               # [N], [N]
-            totals = lambda idx: (part_tokens[idx].to(self.device), part_seqs[idx].to(self.device))  # noqa: E731
-        else:
-            whole = (float(token_counts[torch.tensor(keep)].sum()), total_seqs)
-            totals = lambda idx: whole  # noqa: E731
+        return keep, m
+
+    def loss_totals(self, batch: StepBatch, keep: torch.Tensor):
+        """The normalisers of the loss aggregation: rows [n] -> (tokens, sequences) of the
+        kept global batch, or for MIX (`split_expert`) of each row's own part ([n], [n])."""
+        if getattr(self.loss_fn, "split_expert", False):
+            part_tokens, part_seqs = part_totals(batch.token_counts, batch.offline, keep)  # [N], [N]
+            return lambda rows: (part_tokens[rows].to(self.device), part_seqs[rows].to(self.device))
+        whole = (float(batch.token_counts[keep].sum()), int(keep.sum()))
+        return lambda rows: whole
+
+    def accumulate_gradients(self, plan, batch: StepBatch, adv: torch.Tensor, rewards: torch.Tensor,
+                             ref: dict[int, torch.Tensor], totals) -> tuple[float, dict[str, torch.Tensor]]:
+        """Forward and backward over this rank's micro-batches `plan` (from `_plan`): the
+        policy loss (+ kl_loss_coef x KL to the reference, - entropy_coef x entropy) per
+        token [B, R], aggregated over the global batch (`totals`), times the world size
+        (FSDP averages the gradients over ranks). Returns this rank's aggregated policy
+        loss and sums over its tokens of the per-token metrics (and "tokens")."""
+        cfg, dev = self.cfg, lambda x: x.to(self.device)
         sums: dict[str, torch.Tensor] = {}
         objective = 0.0  # the aggregated policy loss (without KL and entropy terms)
-        plan = self._plan(mine, exps[0])
         for mb, real in plan:
             b, lp, ent = self._forward(self.model, mb, real, entropy=True)
-            mask, old = b["mask"], b["old_logprobs"]
-            idx = torch.tensor([pos[id(e)] for e in mb])
+            mask, old = b["mask"], b["old_logprobs"]                                      # [B, R]
+            rows = torch.tensor([batch.row[id(e)] for e in mb])
             ref_lp = None
             if self.ref is not None:
                 ref_lp = torch.zeros_like(old)
                 for i, e in enumerate(mb if real else []):
                     ref_lp[i, :len(e.logprobs)] = ref[id(e)].to(self.device)
-            dev = lambda x: x.to(self.device)  # noqa: E731
-            out = self.loss_fn(LossInputs(lp, old, dev(adv[idx][:, None].expand(*mask.shape)), mask, dev(rewards[idx]),
-                                          dev(torch.unique(group_index[idx], return_inverse=True)[1]),
-                                          ref_lp, dev(expert[idx])), **cfg.policy_loss_kwargs)
+            out = self.loss_fn(LossInputs(lp, old, dev(adv[rows][:, None].expand(*mask.shape)), mask, dev(rewards[rows]),
+                                          dev(torch.unique(batch.group_index[rows], return_inverse=True)[1]),
+                                          ref_lp, dev(batch.offline[rows])), **cfg.policy_loss_kwargs)
             loss_tok = out["loss"]
             if cfg.kl_loss_coef:
                 loss_tok = loss_tok + cfg.kl_loss_coef * kl_estimate(lp, ref_lp, cfg.kl_estimator)
             if cfg.entropy_coef:
                 loss_tok = loss_tok - cfg.entropy_coef * ent
-            (aggregate(loss_tok, mask, self.agg, *totals(idx)) * self.world).backward()
+            (aggregate(loss_tok, mask, self.agg, *totals(rows)) * self.world).backward()
             with torch.no_grad():
-                objective += float(aggregate(out["loss"], mask, self.agg, *totals(idx)))
-                rollout = ~dev(expert[idx])[:, None]  # expert tokens have no behaviour log-probs
+                objective += float(aggregate(out["loss"], mask, self.agg, *totals(rows)))
+                rollout = ~dev(batch.offline[rows])[:, None]  # expert tokens have no behaviour log-probs
                 parts = {"loss/entropy": ent,
                          "loss/kl_behaviour": kl_estimate(old, lp, "k3") * rollout,
                          "loss/logprob_abs_diff": (lp - old).abs() * rollout,
@@ -267,27 +369,27 @@ class Trainer:
                 for k, v in parts.items():
                     sums[k] = sums.get(k, 0) + masked_sum(v.float(), mask).double().cpu()
                 sums["tokens"] = sums.get("tokens", 0) + mask.sum().double().cpu()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        return objective, sums
+
+    def optimizer_step(self) -> float:
+        """Clip the gradient norm to max_grad_norm, AdamW step, zero the gradients; returns
+        the norm before clipping."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def reduce_metrics(self, objective: float, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Sum over ranks: `loss/policy` (the aggregated policy loss of the global batch) and
+        each per-token metric as a mean over the global batch's trained tokens. Collective."""
         names = sorted(sums)
         flat = torch.tensor([objective] + [float(sums[k]) for k in names], dtype=torch.float64)
         dist.all_reduce(flat)
-        m["loss/policy"] = float(flat[0])
+        m = {"loss/policy": float(flat[0])}
         if names:
             tok = max(float(flat[1 + names.index("tokens")]), 1.0)
             m.update({k: float(v) / tok for k, v in zip(names, flat[1:]) if k != "tokens"})
-        self.version += 1
-        lengths = [len(e.logprobs) for e in exps]
-        train_s = time.perf_counter() - t0
-        if not expert.all():
-            m.update({"advantage/mean": float(adv[~expert].mean()), "advantage/abs_mean": float(adv[~expert].abs().mean())})
-        m.update({"loss/grad_norm": float(grad_norm), "filter/kept": total_seqs,
-                  "train/expert_seqs": int(expert.sum()), "train/micro_batches": len(plan),
-                  "response/len_mean": sum(lengths) / len(lengths), "response/len_max": max(lengths),
-                  "time/train_s": train_s,
-                  "train/tokens_per_s": sum(len(e.tokens) for e in exps) / train_s})
         return m
 
     def save_state(self, run_dir: str | Path, step: int) -> Path:
@@ -352,3 +454,182 @@ class Trainer:
             conf = Path(path) / "config.json"  # save_pretrained records the live model's float32
             conf.write_text(json.dumps({**json.loads(conf.read_text()), "dtype": str(dtype).removeprefix("torch.")},
                                        indent=2))
+
+
+# ----------------------------------------------------------------------------- the loop
+
+ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this many consecutive steps
+REWARD_ERROR_STEPS = 3  # stop when the reward function failed on every rollout of this many consecutive steps
+
+
+def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, int]:
+    """Rank 0: the groups of trainer step `step`, and how many groups were dropped for
+    staleness (trainer `version` - experience version > cfg.max_staleness). In mode train
+    dropped groups are replaced by newer ones from the buffer; in mode both the schedule
+    already bounds staleness (run.check_modes)."""
+    groups, dropped = [], 0
+    while len(groups) < cfg.batch_size:
+        got = buffer.read(cfg.batch_size - len(groups), cfg.buffer_timeout_s, alive, step=step)
+        fresh = [g for g in got if cfg.max_staleness < 0
+                 or version - min(e.model_version for e in g) <= cfg.max_staleness]
+        dropped += len(got) - len(fresh)
+        groups += fresh
+    return groups, dropped
+
+
+def explorer_shares(groups: list, version: int) -> dict[str, float]:
+    """Per explorer name: its share of the batch's groups and its mean staleness (steps)."""
+    out: dict[str, float] = {}
+    names = [g[0].explorer for g in groups]
+    for name in sorted(set(names)):
+        mine = [g for g, n in zip(groups, names) if n == name]
+        out[f"explorer/{name}/share"] = len(mine) / len(groups)
+        out[f"explorer/{name}/staleness"] = sum(version - g[0].model_version for g in mine) / len(mine)
+    return out
+
+
+@dataclass
+class LoopIO:
+    """What the loop talks to on rank 0 (the other ranks get the defaults). buffer: the
+    run's buffer.Buffer; offline / expert: workflows.OfflineSampler of offline (SFT, DPO)
+    and expert (MIX) data, or None; metrics: an object with write(record) (run.Metrics);
+    records(): the explorers' new records (batch stats, evaluations, weight receipts,
+    errors); send_weights(version, params): the broadcast to the explorer, or None:
+    weights are published as checkpoints in the run dir (not with offline data);
+    alive(): False once the explorer this loop waits for has died."""
+
+    buffer: Any = None
+    offline: Any = None
+    expert: Any = None
+    metrics: Any = None
+    records: Callable[[], list[dict]] = list
+    send_weights: Callable[[int, list[torch.Tensor]], None] | None = None
+    alive: Callable[[], bool] = lambda: True  # noqa: E731
+
+
+class TrainLoop:
+    """The trainer ranks' loop of modes both and train. Every step: rank 0 reads a batch
+    (`read_batch`, or offline data; MIX adds expert sequences) and broadcasts it; every
+    rank runs `Trainer.step`; after the steps the schedule names (sync.publishes_after)
+    the weights go to the explorer (`io.send_weights`) or into a checkpoint, and the final
+    step saves RUN_DIR/final; the resume state is saved every checkpoint_interval steps;
+    rank 0 writes the step's metrics with the explorer's records of that batch.
+    `errors`: error lines the explorer reported."""
+
+    def __init__(self, cfg, trainer: Trainer, start: int, io: LoopIO, rank: int, world: int):
+        from tqdm import tqdm
+
+        self.cfg, self.trainer, self.start, self.io, self.rank, self.world = cfg, trainer, start, io, rank, world
+        self.pending: dict[int, dict] = {}  # explorer batch records by batch index, merged into that step
+        self.last_eval: dict = {}
+        self.errors: list[str] = []
+        self.zero_adv_steps = self.errored_steps = 0  # consecutive steps with every advantage 0 / every reward errored
+        self.bar = tqdm(total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True)
+
+    def run(self) -> None:
+        """Steps start .. cfg.steps - 1. Raises RuntimeError when the reward function failed on
+        every rollout of REWARD_ERROR_STEPS steps in a row."""
+        try:
+            self.t_start = time.perf_counter()
+            for step in range(self.start, self.cfg.steps):
+                self.step(step)
+        finally:
+            self.bar.close()
+
+    def step(self, step: int) -> None:
+        cfg, io, t0 = self.cfg, self.io, time.perf_counter()
+        groups, dropped = [None], 0
+        if self.rank == 0:
+            if io.offline:
+                groups = [io.offline.draw(cfg.batch_size)]
+            else:
+                groups[0], dropped = read_batch(cfg, io.buffer, step, self.trainer.version, io.alive)
+            if io.expert:  # MIX: this fraction of the batch's sequences is expert data
+                n = sum(map(len, groups[0]))
+                groups[0] += io.expert.draw(max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction))))
+        dist.broadcast_object_list(groups, src=0)
+        wait_s = time.perf_counter() - t0
+        m = self.trainer.step(groups[0])
+        t1 = time.perf_counter()
+        if sync.publishes_after(step, cfg.sync_interval, cfg.steps):
+            self.publish(step, m)
+        if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step < cfg.steps - 1:
+            self.trainer.save_state(cfg.run_dir, step + 1)
+        if self.rank == 0:
+            m.update({"time/wait_s": wait_s, "staleness/dropped_groups": dropped, "time/sync_s": time.perf_counter() - t1})
+            self.log(step, m, [g for g in groups[0] if not g[0].info.get("offline")])
+
+    def publish(self, step: int, m: dict) -> None:
+        """Send the new weights to the explorer or publish them as a checkpoint (rank 0;
+        every rank gathers them); the last step also saves RUN_DIR/final."""
+        params, io = self.trainer.full_parameters(), self.io
+        if self.rank == 0:
+            if io.send_weights:
+                io.send_weights(self.trainer.version, params)
+            elif not io.offline:
+                sync.publish_checkpoint(Path(self.cfg.run_dir), self.trainer.version,
+                                        lambda d: self.trainer.save(d, params))
+            m["sync/trainer_checksum"] = sync.checksum(params)
+        if step == self.cfg.steps - 1:
+            self.trainer.save(Path(self.cfg.run_dir) / "final", params, self.trainer.final_dtype)
+
+    def drain(self) -> None:
+        """Rank 0: the explorers' new records. Batch stats join their step's record;
+        evaluations and weight receipts are written as records of their own, at step =
+        their weight version; errors are kept in `errors`."""
+        for r in self.io.records():
+            if "batch" in r:
+                self.pending[r["batch"]] = r
+            elif "eval/accuracy" in r:
+                self.io.metrics.write({"step": r["eval/version"], **r})
+                who = f" ({r['explorer']})" if "explorer" in r else ""
+                self.bar.write(f"eval @ version {r['eval/version']}{who}: held-out accuracy {r['eval/accuracy']:.3f}")
+                self.last_eval.update(r)
+            elif "explorer/received_version" in r:
+                self.io.metrics.write({"step": r["explorer/received_version"], **r})
+            elif "error" in r:
+                self.errors.append(r["error"])
+
+    def log(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
+        """Rank 0: complete the step's metrics (the explorer's batch record, buffer counts,
+        staleness, shares), warn about steps that cannot learn, write the record and move
+        the progress bar."""
+        cfg = self.cfg
+        self.drain()
+        m.update(self.pending.pop(step, {}))
+        m.update({f"buffer/{k}": v for k, v in self.io.buffer.counts().items()})
+        if rollouts:
+            self.check_learning(step, m, rollouts)
+        m.update({"step": step, "version": self.trainer.version, "time/elapsed_s": time.perf_counter() - self.t_start,
+                  "threads/trainer": cfg.trainer_threads, "threads/explorer": cfg.explorer_threads,
+                  "trainer/ranks": self.world, "eval/last_accuracy": self.last_eval.get("eval/accuracy")})
+        self.io.metrics.write(m)
+        shown = {"reward": m["reward/mean"]} if "reward/mean" in m else {"loss": m["loss/policy"]}
+        if self.last_eval:
+            shown["acc"] = self.last_eval["eval/accuracy"]
+        self.bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items()},
+                             s_per_step=f"{m['time/elapsed_s'] / (step + 1 - self.start):.1f}")
+        self.bar.update()
+
+    def check_learning(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
+        """Staleness and share metrics of the batch's rollouts; a warning once every advantage
+        has been 0 for ZERO_ADVANTAGE_WARN_STEPS steps, one per step whose rewards all failed,
+        and RuntimeError after REWARD_ERROR_STEPS such steps in a row."""
+        v = [e.model_version for g in rollouts for e in g]
+        m.update({"staleness/mean": sum(step - x for x in v) / len(v), "staleness/max": max(step - x for x in v),
+                  **explorer_shares(rollouts, step)})
+        self.zero_adv_steps = self.zero_adv_steps + 1 if m["advantage/abs_mean"] == 0 else 0
+        errored = sum("reward_error" in e.info for g in rollouts for e in g) == len(v)
+        self.errored_steps = self.errored_steps + 1 if errored else 0
+        m.update({"advantage/zero_steps": self.zero_adv_steps, "rollout/all_rewards_errored": int(errored)})
+        if self.zero_adv_steps == ZERO_ADVANTAGE_WARN_STEPS:
+            self.bar.write(f"warning: every advantage has been 0 for {self.zero_adv_steps} steps: each group got equal "
+                           "rewards, so nothing is learned (task too easy or too hard, group_size 1, or a broken reward "
+                           "function)", file=sys.stderr)
+        example = next((e.info["reward_error"] for g in rollouts for e in g if "reward_error" in e.info), None)
+        if self.errored_steps >= REWARD_ERROR_STEPS:
+            raise RuntimeError(f"the reward function failed on every rollout of {self.errored_steps} consecutive "
+                               f"steps, e.g. {example}")
+        if errored:
+            self.bar.write(f"warning: step {step}: the reward function failed on every rollout (e.g. {example}); "
+                           "see samples.log", file=sys.stderr)

@@ -16,12 +16,18 @@ Task sources:
     like one, or a local .parquet / .json / .csv file; see `hf_dataset_tasks`. Score math
     answers with `reward_fn = "math_verify"`.
 
+Offline data (SFT chats, DPO preference pairs, MIX expert data) is read by
+`load_chat_jsonl`, `load_preference_jsonl` and `load_offline_jsonl` and drawn by
+`OfflineSampler`.
+
 Add a scenario by subclassing `Workflow` and adding it to `WORKFLOWS`.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import random
 import logging
 import math
 import numbers
@@ -197,6 +203,28 @@ def _jsonl_rows(path: str | Path, what: str):
                 yield path, n, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+
+
+class OfflineSampler:
+    """Sampling strategy for offline data (SFT chats, DPO pairs, MIX expert data): draws
+    groups in a seeded shuffled order, cycling through epochs. Each drawn experience is a
+    copy marked info["offline"] (offline data has no behaviour log-probs and is never
+    filtered). Raises ValueError for no data."""
+
+    def __init__(self, groups: list[list[Experience]], seed: int):
+        if not groups:
+            raise ValueError("offline data is empty")
+        self.groups, self.rng, self.order = groups, random.Random(seed), []
+
+    def draw(self, n: int) -> list[list[Experience]]:
+        """The next n groups."""
+        out = []
+        for _ in range(n):
+            if not self.order:
+                self.order = self.rng.sample(range(len(self.groups)), len(self.groups))
+            out.append([dataclasses.replace(e, info={**e.info, "offline": True}, explorer="offline")
+                        for e in self.groups[self.order.pop()]])
+        return out
 
 
 def _template(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:

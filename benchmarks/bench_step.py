@@ -66,7 +66,7 @@ def explore_rate(ex, rnd):
     sink = Sink()
     ex.cursor = rnd * ex.cfg.batch_size  # the tasks of batch rnd
     t = time.perf_counter()
-    ex.explore(rnd, sink)
+    ex.rollout_batch(rnd, sink)
     return sum(len(e.logprobs) for g in sink.groups for e in g) / (time.perf_counter() - t), sink.groups
 
 

@@ -63,7 +63,7 @@ def test_task_pools_persist_and_reactivate(tmp_path):
 
 
 def test_offline_sampler_cycles_all_and_marks_expert():
-    from buffer import OfflineSampler
+    from workflows import OfflineSampler
 
     groups = [[Experience([1, 2, i], 2, [0.0], [1], 1.0, f"g{i}", f"t{i}", 0)] for i in range(3)]
     s = OfflineSampler(groups, seed=0)

@@ -407,10 +407,14 @@ def test_trainer_gives_reinforce_pp_the_token_counts(make_trainer):
     lengths, rewards = [1, 4, 2, 6], [1.0, 0.0, 0.0, 1.0]
     group = [exp([5, 6] + [20 + i] * n, 2, [1] * n, r, "g") for i, (n, r) in enumerate(zip(lengths, rewards))]
     own_logprobs(tr, group)
-    tr.step([group])
+    from trainer import StepBatch
+
+    batch = StepBatch.of([group])
+    got = tr.advantages(batch, batch.rewards)  # the stage Trainer.step calls
     want = L.reinforce_pp_advantages(torch.tensor(rewards), torch.zeros(4, dtype=torch.long),
                                      token_counts=torch.tensor(lengths, dtype=torch.float))
-    assert close([e.info["advantage"] for e in group], want.tolist(), tol=1e-5)
+    assert close(got.tolist(), want.tolist(), tol=1e-5)
+    assert tr.step([group])["advantage/abs_mean"] == pytest.approx(float(want.abs().mean()), abs=1e-5)
 
 
 def test_trainer_normalises_mix_parts_separately(make_trainer):

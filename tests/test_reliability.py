@@ -188,13 +188,13 @@ def test_explorers_differ_and_one_explorer_continues_the_same_after_a_restart(ti
 
     a, b = explorer("e1"), explorer("e2")
     ka, kb = Keep(), Keep()
-    a.explore(0, ka)
-    b.explore(0, kb)
+    a.rollout_batch(0, ka)
+    b.rollout_batch(0, kb)
     assert {e.task_id for g in ka.groups[0] for e in g} != {e.task_id for g in kb.groups[0] for e in g}
-    a.explore(1, ka)
+    a.rollout_batch(1, ka)
     restarted, kr = explorer("e1"), Keep()
     restarted.restore(json.loads(json.dumps(ka.states[0])))  # the state stored with batch 0, through JSON
-    restarted.explore(1, kr)
+    restarted.rollout_batch(1, kr)
     assert tokens(kr) == tokens(ka)[2:]  # batch 1 again, identical
 
 
