@@ -100,7 +100,7 @@ class Engine:
     def generate_batch(self, prompts: list[list[int]], ns: list[int], sampling: Sampling) -> list[list[Completion]]:
         raise NotImplementedError
 
-    def join_weight_sync(self, port: int, timeout_s: float, alive) -> None:
+    def join_weight_sync(self, port: int, timeout_s: float, alive, device: str = "cpu") -> None:
         raise NotImplementedError
 
     def receive_weights(self, alive) -> tuple[int, float]:
@@ -150,16 +150,18 @@ class HFEngine(Engine):
 
     model_path: local HF model directory. max_batch: sequences per forward pass.
     bf16: forward passes under bf16 autocast (sampling and logprobs stay float32).
-    Runs on the first CUDA device when there is one, else on the CPU.
+    device: where it runs (default: the first CUDA device when there is one, else the
+    CPU); dtype: of the weights (bf16 when it shares a GPU with the trainer).
     """
 
-    def __init__(self, model_path: str, max_batch: int = 64, seed: int = 0, bf16: bool = False):
+    def __init__(self, model_path: str, max_batch: int = 64, seed: int = 0, bf16: bool = False, device: str = "",
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device).eval()
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
         self.max_batch, self.bf16 = max_batch, bf16
         gen_eos = self.model.generation_config.eos_token_id
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
@@ -178,12 +180,21 @@ class HFEngine(Engine):
         """Weights in `named_parameters()` order (the wire order of sync.WeightSync)."""
         return [p for _, p in self.model.named_parameters()]
 
-    def join_weight_sync(self, port, timeout_s, alive):
-        self.weights = sync.WeightSync(1, 2, port=port, device=self.device.type, timeout_s=timeout_s).connect(alive)
+    def join_weight_sync(self, port, timeout_s, alive, device="cpu"):
+        self.weights = sync.WeightSync(1, 2, port=port, device=device, timeout_s=timeout_s).connect(alive)
 
     def receive_weights(self, alive):
-        self.version = self.weights.recv(self.parameters(), alive)
-        return self.version, sync.checksum(self.parameters())
+        """The next publish (the trainer's float32 on the wire) into the weights, through a
+        float32 copy when they are held in another dtype (bf16 when colocated)."""
+        params = self.parameters()
+        wire = params if all(p.dtype == torch.float32 for p in params) else \
+            [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]
+        self.version = self.weights.recv(wire, alive)
+        if wire is not params:
+            with torch.no_grad():
+                for p, w in zip(params, wire):
+                    p.copy_(w)
+        return self.version, sync.checksum(wire)
 
     def load_checkpoint(self, path, version):
         state = sync.read_safetensors(path)
@@ -321,8 +332,8 @@ class VLLMEngine(Engine):
         return [[self._completion(done[(rid, j)], (first, last[(rid, j)])) for j in range(p.n)]
                 for rid, p in zip(ids, params)]
 
-    def join_weight_sync(self, port, timeout_s, alive):
-        self.llm.collective_rpc("nanorft_join", args=(self.model_path, port, timeout_s, os.getppid()))
+    def join_weight_sync(self, port, timeout_s, alive, device="cpu"):
+        self.llm.collective_rpc("nanorft_join", args=(self.model_path, port, timeout_s, os.getppid(), device))
 
     def receive_weights(self, alive):
         self.version, checksum = self.llm.collective_rpc("nanorft_receive")[0]
@@ -358,14 +369,30 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def make_engine(cfg, model_path: str) -> Engine:
-    """The engine named by cfg.engine: hf, vllm, or auto (vllm when installed, else hf)."""
+def make_engine(cfg, model_path: str, device: str = "", colocated: bool = False) -> Engine:
+    """The engine named by cfg.engine: hf, vllm, or auto (vllm when installed, else hf), on
+    `device` (run.place; "" = the default). vLLM takes the first GPU this process sees
+    (`use_gpu`); the HF engine holds bf16 weights when `colocated` with the trainer on a GPU."""
+    torch.set_num_threads(cfg.explorer_threads)
     if cfg.engine == "vllm" or (cfg.engine == "auto" and vllm_available()):
         return VLLMEngine(model_path, seed=explorer_seed(cfg.seed, cfg.explorer_name) + 1, bf16=cfg.bf16,
                           threads=cfg.explorer_threads,
                           memory_fraction=cfg.vllm_memory_fraction, inflight=cfg.inflight)
+    half = colocated and device.startswith("cuda")
     return HFEngine(model_path, max_batch=cfg.explorer_max_batch, seed=explorer_seed(cfg.seed, cfg.explorer_name) + 1,
-                    bf16=cfg.bf16)
+                    bf16=cfg.bf16, device=device, dtype=torch.bfloat16 if half else torch.float32)
+
+
+def use_gpu(device: str) -> str:
+    """Make `device` ("cuda:N" among the visible GPUs) the only GPU this process sees, before
+    CUDA starts here (vLLM puts its worker on the first visible GPU); returns the device's
+    name in this process ("cuda:0"), or `device` unchanged when it is not a GPU."""
+    if not device.startswith("cuda:"):
+        return device
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ids[int(device.split(":")[1])]
+    return "cuda:0"
 
 
 def explorer_seed(seed: int, name: str) -> int:
@@ -574,9 +601,11 @@ def exit_quietly(*_) -> None:
     sys.exit(1)
 
 
-def run_mode_both(cfg, model_path: str, port: int, total_steps: int, queue, start_version: int = 0) -> None:
+def run_mode_both(cfg, model_path: str, port: int, total_steps: int, queue, start_version: int = 0,
+                  device: str = "", sync_device: str = "cpu") -> None:
     """Mode both: the explorer process, spawned by trainer rank 0 (`start_version` = the
-    weights in `model_path`). Before batch e it receives weights until it holds
+    weights in `model_path`), on `device` with its weight-sync group on `sync_device`
+    (run.place: "cpu" on CPU machines and when it shares the trainer's GPU). Before batch e it receives weights until it holds
     sync.required_version(e), over the weight-sync group (rank 1, `port`) or, with
     --sync-method checkpoint, from the checkpoints the trainer publishes; with cfg.inflight
     it also takes each publish between two decode steps, without pausing its batch. Puts
@@ -587,7 +616,7 @@ def run_mode_both(cfg, model_path: str, port: int, total_steps: int, queue, star
 
     def connect(engine) -> sync.Receiver:
         receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, queue.put, alive,
-                                 None if by_checkpoint else port, cfg.sync_timeout_s)
+                                 None if by_checkpoint else port, cfg.sync_timeout_s, sync_device)
         if by_checkpoint:
             queue.put({"explorer/ready": True})  # its start weights are loaded: the trainer may go on
         receiver.join()
@@ -604,7 +633,8 @@ def run_mode_both(cfg, model_path: str, port: int, total_steps: int, queue, star
     last = sync.published_versions(total_steps, cfg.sync_interval)[-1]
     signal.signal(signal.SIGTERM, exit_quietly)
     try:
-        explore_loop(cfg, model_path, queue.put, total_steps, start_version, connect, before_batch, inflight,
+        engine = make_engine(cfg, model_path, use_gpu(device), colocated=device.startswith("cuda") and sync_device == "cpu")
+        explore_loop(cfg, engine, queue.put, total_steps, start_version, connect, before_batch, inflight,
                      lambda receiver: receiver.until(last))
     except Exception as e:  # reported by the trainer as one line; the process exits with code 1
         (Path(cfg.run_dir) / f"error_{cfg.explorer_name}.log").write_text(traceback.format_exc())
@@ -642,14 +672,14 @@ def run_mode_explore(cfg, model_path: str, log) -> None:
             receiver.poll()
         return True
 
-    explore_loop(cfg, model_path, log, sys.maxsize, 0, connect, before_batch, sync.Receiver.poll, sync.Receiver.poll)
+    explore_loop(cfg, make_engine(cfg, model_path), log, sys.maxsize, 0, connect, before_batch, sync.Receiver.poll,
+                 sync.Receiver.poll)
 
 
 def run_mode_bench(cfg, models: list[str]) -> list[dict]:
     """Mode bench: for each model directory, avg@k / pass@k / pass@1 on the held-out tasks
     (k = cfg.bench_k samples per task at cfg.temperature); prints a table and returns one
     row per model."""
-    torch.set_num_threads(cfg.explorer_threads)
     _, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
     rows, k = [], cfg.bench_k
     for path in models:
@@ -684,19 +714,17 @@ def hold_name(run_dir: str | Path, name: str) -> None:
     _held.append(f)
 
 
-def explore_loop(cfg, model_path: str, log, total: int, start_version: int, connect, before_batch, inflight,
+def explore_loop(cfg, engine: Engine, log, total: int, start_version: int, connect, before_batch, inflight,
                  finish) -> None:
-    """The rollout loop of modes both and explore: the engine on `model_path` (holding
-    `start_version`), `connect(engine)` -> its sync.Receiver, the resume position from the
+    """The rollout loop of modes both and explore (it closes `engine` at the end): the
+    engine holds `start_version`, `connect(engine)` -> its sync.Receiver, the resume position from the
     buffer, then batches up to `total`, each after `before_batch(receiver, batch)` (False:
     stop); an evaluation every eval_interval versions and at the end, after
     `finish(receiver)`; with cfg.inflight, `inflight(receiver)` between decode steps.
     Records go to `log`."""
-    torch.set_num_threads(cfg.explorer_threads)
-    train, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
-    engine = make_engine(cfg, model_path)
     engine.version = start_version
     try:
+        train, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
         receiver = connect(engine)
         explorer = Explorer(cfg, engine, train, held_out, dataset, log)
         hold_name(cfg.run_dir, cfg.explorer_name)

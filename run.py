@@ -184,7 +184,9 @@ class Config:
     max_grad_norm: float = 1.0
     """gradient-norm clipping"""
     bf16: bool = True
-    """run explorer and trainer forward passes under bf16 autocast (weights and AdamW stay float32)"""
+    """bf16 compute, float32 weights and AdamW: on CPU forward passes under bf16 autocast; on CUDA the trainer uses FSDP2's MixedPrecisionPolicy (bf16 params in compute, float32 gradient reduction)"""
+    activation_checkpointing: bool = False
+    """recompute each decoder block's activations in the backward pass (less memory, ~30% more compute)"""
     token_budget: int = 4096
     """max padded tokens per micro-batch"""
     trainer_threads: int = 0
@@ -386,6 +388,58 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the processes run (printed at start, recorded in RUN_DIR/config.json).
+
+    trainer: the device of each trainer rank; explorer: the explorer's device (mode both;
+    "" otherwise); colocated: the explorer shares trainer rank 0's GPU; sync_device: the
+    device type of the weight-sync group: "cuda" (NCCL) between separate GPUs, "cpu"
+    (gloo, staged through host memory) on CPU machines and when colocated, where NCCL
+    refuses two ranks of one group on one device."""
+
+    trainer: tuple[str, ...]
+    explorer: str
+    colocated: bool
+    sync_device: str
+    unused_gpus: int = 0
+
+    def describe(self) -> str:
+        where = f"trainer on {', '.join(self.trainer)}"
+        if self.explorer:
+            where += f"; explorer on {self.explorer}" + (" (colocated with trainer rank 0)" if self.colocated else "")
+            where += f"; weight sync {'NCCL' if self.sync_device == 'cuda' else 'gloo'}"
+        return where + (f"; {self.unused_gpus} GPU(s) unused" if self.unused_gpus else "")
+
+
+def place(gpus: int, ranks: int, mode: str) -> Placement:
+    """The layout for `gpus` visible GPUs and `ranks` trainer ranks (torchrun
+    --nproc_per_node). No GPU: everything on the CPU, gloo. Trainer rank i on cuda:i. Mode
+    both: with more GPUs than ranks, the explorer gets the first free one (cuda:ranks; one
+    engine on one GPU: the weight-sync group has one receiving rank; more explorers, one per
+    GPU, are `--mode explore` launches with CUDA_VISIBLE_DEVICES); with as many GPUs as
+    ranks it is colocated on cuda:0 (vLLM takes vllm_memory_fraction of it, the HF engine
+    holds bf16 weights) and weights are staged through host memory over gloo. Raises
+    ValueError (one line) for fewer GPUs than trainer ranks."""
+    if gpus == 0:
+        return Placement(("cpu",) * ranks, "cpu" if mode == "both" else "", False, "cpu")
+    if ranks > gpus:
+        raise ValueError(f"{ranks} trainer ranks need {ranks} GPUs, {gpus} visible (torchrun --nproc_per_node <= GPUs)")
+    trainer = tuple(f"cuda:{i}" for i in range(ranks))
+    if mode != "both":
+        return Placement(trainer, "", False, "cuda", gpus - ranks)
+    if gpus == ranks:
+        return Placement(trainer, "cuda:0", True, "cpu")
+    return Placement(trainer, f"cuda:{ranks}", False, "cuda", gpus - ranks - 1)
+
+
+def gpu_count() -> int:
+    """Visible CUDA devices (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def init_distributed():
@@ -668,7 +722,7 @@ def queued(queue) -> list[dict]:
     return out
 
 
-def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> None:
+def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device, layout: Placement) -> None:
     """Modes both and train on every trainer rank: build the Trainer (resumed with
     --resume) and, on rank 0, what its loop talks to (`loop_io`) and, in mode both, the
     explorer process (`start_explorer`); run the loop (trainer.TrainLoop); then, on rank 0,
@@ -687,7 +741,7 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device) -> 
     loop = TrainLoop(cfg, trainer, start, io, rank, world)
     try:
         if rank == 0 and cfg.mode == "both":
-            explorer, weights = start_explorer(cfg, io, str(state / "hf") if state else model_path, trainer.version, device)
+            explorer, weights = start_explorer(cfg, io, str(state / "hf") if state else model_path, trainer.version, layout)
         loop.run()
         if rank == 0:
             finish(cfg, loop, explorer, weights)
@@ -728,9 +782,9 @@ def loop_io(cfg: Config, trainer, start: int):
     return io
 
 
-def start_explorer(cfg: Config, io, model_path: str, version: int, device):
+def start_explorer(cfg: Config, io, model_path: str, version: int, layout: Placement):
     """Mode both, rank 0: spawn the explorer process (explorer.run_mode_both) on the weights
-    in `model_path` (= `version`), join the weight-sync group with it (or, with checkpoint
+    in `model_path` (= `version`) on the device `layout` gives it, join the weight-sync group with it (or, with checkpoint
     sync, wait until it has loaded them), and connect `io` to it. Returns (process, the
     sync.WeightSync or None)."""
     import torch.multiprocessing as mp
@@ -740,11 +794,11 @@ def start_explorer(cfg: Config, io, model_path: str, version: int, device):
 
     weights = None
     if cfg.sync_method != "checkpoint":
-        weights = sync.WeightSync(0, 2, port=0, device=str(device), timeout_s=cfg.sync_timeout_s)
+        weights = sync.WeightSync(0, 2, port=0, device=layout.sync_device, timeout_s=cfg.sync_timeout_s)
     queue = mp.get_context("spawn").Queue()
     explorer = mp.get_context("spawn").Process(target=run_mode_both, name="explorer",
                                                args=(cfg, model_path, weights.port if weights else 0, cfg.steps, queue,
-                                                     version))
+                                                     version, layout.explorer, layout.sync_device))
     explorer.start()
     io.alive, io.records = explorer.is_alive, lambda: queued(queue)
     if weights:
@@ -843,6 +897,8 @@ def prepare(cfg: Config, rank: int) -> str:
     check_modes(cfg)
     check_algorithm(cfg)
     trackers(cfg)
+    if cfg.mode in ("both", "train"):
+        place(gpu_count(), int(os.environ.get("WORLD_SIZE", "1")), cfg.mode)  # ValueError for a layout that cannot work
     model_path = resolve_model(cfg.model) if rank == 0 else None
     train, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
     if not train:
@@ -884,7 +940,8 @@ def prepare(cfg: Config, rank: int) -> str:
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         name = "config.json" if cfg.mode == "both" else f"config_{cfg.mode}.json"
-        (run_dir / name).write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        layout = dataclasses.asdict(place(gpu_count(), int(os.environ.get("WORLD_SIZE", "1")), cfg.mode))
+        (run_dir / name).write_text(json.dumps({**dataclasses.asdict(cfg), "placement": layout}, indent=2))
     return model_path
 
 
@@ -950,11 +1007,12 @@ def run(cfg: Config, model_path: str) -> None:
     shared = [model_path]
     dist.broadcast_object_list(shared, src=0)
     split_threads(cfg, world)
+    layout = place(gpu_count(), world, cfg.mode)
     explorer = "no explorer" if cfg.mode == "train" else f"explorer: engine {cfg.engine} x {cfg.explorer_threads} threads"
     print0(f"nanorft: mode {cfg.mode}, {world} trainer rank(s) x {cfg.trainer_threads} threads, {explorer}, "
-           f"model {shared[0]}, run dir {cfg.run_dir}")
+           f"model {shared[0]}, run dir {cfg.run_dir}\nplacement: {layout.describe()}")
     try:
-        run_trainer(cfg, shared[0], rank, world, device)
+        run_trainer(cfg, shared[0], rank, world, device, layout)
     finally:
         dist.destroy_process_group()
 

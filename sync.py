@@ -280,14 +280,15 @@ class Receiver:
     then raises RuntimeError instead of waiting."""
 
     def __init__(self, engine, run_dir: str | Path, name: str, log: Callable[[dict], None],
-                 alive: Callable[[], bool], port: int | None = None, timeout_s: float = 600.0):
+                 alive: Callable[[], bool], port: int | None = None, timeout_s: float = 600.0, device: str = "cpu"):
         self.engine, self.run_dir, self.name, self.log, self.alive = engine, run_dir, name, log, alive
-        self.port, self.timeout_s = port, timeout_s
+        self.port, self.timeout_s, self.device = port, timeout_s, device
 
     def join(self) -> None:
-        """Broadcast: join the weight-sync group as rank 1 (blocks until the trainer is there)."""
+        """Broadcast: join the weight-sync group as rank 1 on `device` ("cuda": NCCL, "cpu":
+        gloo), blocking until the trainer is there."""
         if self.port is not None:
-            self.engine.join_weight_sync(self.port, self.timeout_s, self.alive)
+            self.engine.join_weight_sync(self.port, self.timeout_s, self.alive, self.device)
 
     def newest(self) -> int:
         """The newest version the trainer has published or started to publish (-1: none);
@@ -344,16 +345,17 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 class VLLMWeightReceiver:
     """vLLM worker extension (`worker_extension_cls="sync.VLLMWeightReceiver"`): the
-    vLLM worker joins the weight-sync group as rank 1 and loads each publish in place with
+    vLLM worker joins the weight-sync group as rank 1 (NCCL on its GPU, or gloo through host
+    memory: `sync_device` "cpu", also when it shares a GPU with the trainer) and loads each publish in place with
     `model.load_weights`, inside vLLM's layerwise-reload helpers (needed on CPU, where
     linear weights are prepacked and a bare load can have no effect)."""
 
-    def nanorft_join(self, model_path: str, port: int, timeout_s: float, trainer_pid: int) -> None:
+    def nanorft_join(self, model_path: str, port: int, timeout_s: float, trainer_pid: int, sync_device: str) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         with torch.device("meta"):  # names and shapes of the HF checkpoint, in wire order
             hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
-        device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        device = self.device if self.device.type == "cuda" and sync_device == "cuda" else torch.device("cpu")
         self.nanorft_named = [(n, torch.empty(p.shape, dtype=p.dtype, device=device)) for n, p in hf.named_parameters()]
         self.nanorft_sync = WeightSync(1, 2, port=port, device=device.type, timeout_s=timeout_s).connect(
             lambda: pid_alive(trainer_pid))

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import sync
@@ -165,7 +165,8 @@ class Trainer:
     """FSDP2 policy + AdamW on this rank (and a frozen FSDP2 reference model when a KL term
     or DPO needs one).
 
-    cfg: run.Config (lr, weight_decay, max_grad_norm, token_budget, temperature, bf16, save_dtype,
+    cfg: run.Config (lr, weight_decay, max_grad_norm, token_budget, temperature, bf16,
+    activation_checkpointing, save_dtype,
     advantage(_kwargs), policy_loss(_kwargs), loss_agg, kl_loss_coef, kl_estimator,
     kl_reward_coef, entropy_coef, length_penalty, length_unit, filters, seed). Requires an
     initialised default process group. Raises ValueError for an unknown loss, advantage,
@@ -181,6 +182,7 @@ class Trainer:
         self.advantage_fn, self.loss_fn, self.agg, self.filters = resolve_algorithm(cfg)
         self.masked_filters = {name for name, fn in self.filters.items() if accepts(fn, "action_mask")}
         self.adv_counts = accepts(self.advantage_fn, "token_counts")  # REINFORCE++ whitens over tokens
+        self.fsdp_bf16 = cfg.bf16 and device.type == "cuda"  # FSDP2 mixed precision on CUDA, autocast on CPU
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.model = self._load(model_path)
@@ -198,11 +200,15 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
+        if self.cfg.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.fsdp_bf16 else \
+            MixedPrecisionPolicy()
         blocks = set(model._no_split_modules or [])
         for m in model.modules():
             if type(m).__name__ in blocks:
-                fully_shard(m)
-        return fully_shard(model)
+                fully_shard(m, mp_policy=policy)
+        return fully_shard(model, mp_policy=policy)
 
     def full_parameters(self) -> list[torch.Tensor]:
         """All parameters as full tensors in `named_parameters()` order. Collective: every
@@ -220,7 +226,7 @@ class Trainer:
     def _forward(self, model, mb: list[Experience], real: bool, entropy: bool = False):
         b = {k: v.to(self.device) for k, v in pack(mb, self.pad).items()}
         b["mask"] = b["mask"] * real
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16 and not self.fsdp_bf16):
             lp, ent = response_logprobs(model, b, self.cfg.temperature, entropy,
                                         entropy_grad=bool(self.cfg.entropy_coef))  # [B, R]
         return b, lp, ent
@@ -245,6 +251,8 @@ class Trainer:
         `accumulate_gradients` (loss + KL to the reference - entropy bonus, aggregated over
         the global batch) -> `optimizer_step` (clip, AdamW) -> `reduce_metrics`."""
         t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         batch = StepBatch.of(groups)
         by_group = getattr(self.loss_fn, "needs_groups", False)
         units = [list(g) for g in groups] if by_group else [[e] for e in sorted(batch.exps, key=lambda e: len(e.tokens))]
@@ -268,6 +276,9 @@ class Trainer:
                   "train/expert_seqs": int(batch.offline.sum()), "train/micro_batches": len(plan),
                   "response/len_mean": sum(lengths) / len(lengths), "response/len_max": max(lengths),
                   "time/train_s": train_s, "train/tokens_per_s": sum(len(e.tokens) for e in batch.exps) / train_s})
+        if self.device.type == "cuda":
+            m["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            m["memory/reserved_gib"] = torch.cuda.memory_reserved(self.device) / 2**30
         return m
 
     def shape_rewards(self, batch: StepBatch, mine: list[list[Experience]],

@@ -11,7 +11,6 @@ prompts, and nanorft's trainer step vs a raw forward/backward/AdamW loop on the 
 sequences; it prints tokens/s and the ratios nanorft / raw.
 """
 import argparse
-import asyncio
 import json
 import subprocess
 import sys

@@ -8,7 +8,6 @@ from safetensors.torch import load_file
 
 import run
 from conftest import run_py
-from test_e2e import metrics
 from workflows import extract_answer, load_tasks
 
 
@@ -27,7 +26,7 @@ def test_help_groups_every_flag_by_stage_with_one_default():
     flat = " ".join(text.split())  # argparse wraps lines
     assert flat.count("(default:") == len(run.dataclasses.fields(run.Config))
     assert "(default: None)" not in flat
-    assert "--bf16, --no-bf16 run explorer and trainer forward passes under bf16 autocast" in flat
+    assert "--bf16, --no-bf16 bf16 compute, float32 weights and AdamW: on CPU forward passes under bf16 autocast" in flat
     assert "(default: true)" in flat and "--overwrite, --no-overwrite delete an existing run_dir first (default: false)" in flat
     _, groups = run._field_help()
     assert set(groups) == {f.name for f in run.dataclasses.fields(run.Config)} and "other" not in groups.values()

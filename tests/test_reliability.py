@@ -8,7 +8,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import sqlite3
 
 import pytest
 import torch
