@@ -1013,6 +1013,7 @@ def run(cfg: Config, model_path: str) -> None:
            f"model {shared[0]}, run dir {cfg.run_dir}\nplacement: {layout.describe()}")
     try:
         run_trainer(cfg, shared[0], rank, world, device, layout)
+        dist.barrier()  # the ranks leave together: none tears the group down while rank 0 still finishes
     finally:
         dist.destroy_process_group()
 
