@@ -717,7 +717,7 @@ def wait_until_loaded(explorer, queue) -> None:
 def queued(queue) -> list[dict]:
     """The records the spawned explorer has put on `queue` so far."""
     out = []
-    while queue is not None and not queue.empty():
+    while not queue.empty():
         out.append(queue.get())
     return out
 
@@ -897,8 +897,7 @@ def prepare(cfg: Config, rank: int) -> str:
     check_modes(cfg)
     check_algorithm(cfg)
     trackers(cfg)
-    if cfg.mode in ("both", "train"):
-        place(gpu_count(), int(os.environ.get("WORLD_SIZE", "1")), cfg.mode)  # ValueError for a layout that cannot work
+    layout = place(gpu_count(), int(os.environ.get("WORLD_SIZE", "1")), cfg.mode)  # ValueError: a layout that cannot work
     model_path = resolve_model(cfg.model) if rank == 0 else None
     train, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
     if not train:
@@ -940,8 +939,8 @@ def prepare(cfg: Config, rank: int) -> str:
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         name = "config.json" if cfg.mode == "both" else f"config_{cfg.mode}.json"
-        layout = dataclasses.asdict(place(gpu_count(), int(os.environ.get("WORLD_SIZE", "1")), cfg.mode))
-        (run_dir / name).write_text(json.dumps({**dataclasses.asdict(cfg), "placement": layout}, indent=2))
+        (run_dir / name).write_text(json.dumps({**dataclasses.asdict(cfg), "placement": dataclasses.asdict(layout)},
+                                               indent=2))
     return model_path
 
 
