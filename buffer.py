@@ -1,22 +1,41 @@
-"""Experience and the persistent buffer between explorer and trainer.
+"""Experience and the persistent buffer between explorers and trainer.
 
-The buffer is one SQLite file (stdlib sqlite3, WAL journal) in the run directory. Any
-number of explorer processes write groups of experiences; one trainer process reads
-complete groups in FIFO order (by insertion) and marks them consumed in the same
+Two backends, one code path: a SQLite file (stdlib sqlite3, WAL journal; the default,
+RUN_DIR/buffer.sqlite, one host) or a PostgreSQL database (`postgresql://user@host:port/db`,
+explorers and trainer on several hosts; needs `pip install "psycopg[binary]"`). Every
+statement is written once; `_SQLite` and `_Postgres` below differ only in what SQL itself
+does not share: placeholders, two column types, how a transaction excludes other writers,
+and the lock that holds an explorer name. (Why not SQLAlchemy Core: a dozen statements do
+not need a query builder, the default path keeps the stdlib's sqlite3, and the locking
+that the guarantees rest on -- BEGIN IMMEDIATE, advisory locks -- is dialect-specific in
+SQLAlchemy too.)
+
+Any number of explorer processes write groups of experiences; one trainer process reads
+complete groups in FIFO order (by insertion id) and marks them consumed in the same
 transaction, so a group is served at most once. A group with any experience whose reward
-is NULL (not known yet: lagged rewards) is never served.
+is NULL (not known yet: lagged rewards) is never served. In PostgreSQL the reads are
+serialised by a transaction-level advisory lock (per run), the writes by transactions:
+a reader sees a group's rows all or none.
+
+Several runs share one PostgreSQL database: each run's tables live in their own schema,
+`?schema=NAME` in the URL (default: nanorft_<run dir name>, see `open_buffer`).
 
 Schema (one row per experience):
-    id INTEGER PRIMARY KEY  -- insertion order, the FIFO key
+    id (SQLite INTEGER PRIMARY KEY / PostgreSQL BIGSERIAL)  -- insertion order, the FIFO key
     group_id, task_id TEXT; model_version, prompt_length INTEGER
-    tokens BLOB (int32), logprobs BLOB (float32), action_mask BLOB (int8)
-    reward REAL NULL; info TEXT (JSON); explorer TEXT; created REAL (unix s)
+    tokens (int32), logprobs (float32), action_mask (int8): BLOB / BYTEA
+    reward DOUBLE PRECISION NULL; info TEXT (JSON); explorer TEXT; created DOUBLE PRECISION (unix s)
     consumed INTEGER  -- 0 = not yet; else 1 + the trainer step that consumed it
+Tables explorer_state (resume position per explorer), task_pool (difficulty pools),
+run_state (key/value: "trainer_done") and explorer_records (explorers' evaluation records
+for the trainer's metrics) complete it, so a fully asynchronous run needs no shared
+directory when weights travel by broadcast.
 
 Resume: `release_after(step)` makes the groups consumed at steps >= step servable again
 (their training was lost with the crash), and each explorer's position is saved in the same
 transaction as its batch (`write_batch`, `explorer_state`), so after a restart no
-experience is lost, generated twice or trained on twice.
+experience is lost, generated twice or trained on twice. `hold(name)` keeps a restarted
+explorer from reading its position while an old process of that name can still write.
 
 Difficulty pools (table task_pool, persisted with the buffer): a task whose latest group
 had a mean reward >= `easy` is retired to pool "easy", <= `hard` to pool "hard"; explorers
@@ -25,28 +44,34 @@ returns to the active set.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import math
+import re
 import sqlite3
+import sys
 import time
 from array import array
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS experiences (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    group_id TEXT NOT NULL, task_id TEXT NOT NULL, model_version INTEGER NOT NULL,
-    prompt_length INTEGER NOT NULL, tokens BLOB NOT NULL, logprobs BLOB NOT NULL,
-    action_mask BLOB NOT NULL, reward REAL, info TEXT NOT NULL, explorer TEXT NOT NULL,
-    created REAL NOT NULL, consumed INTEGER NOT NULL DEFAULT 0);
+    id {id}, group_id TEXT NOT NULL, task_id TEXT NOT NULL, model_version INTEGER NOT NULL,
+    prompt_length INTEGER NOT NULL, tokens {blob} NOT NULL, logprobs {blob} NOT NULL,
+    action_mask {blob} NOT NULL, reward DOUBLE PRECISION, info TEXT NOT NULL, explorer TEXT NOT NULL,
+    created DOUBLE PRECISION NOT NULL, consumed INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS experiences_group ON experiences (group_id);
 CREATE INDEX IF NOT EXISTS experiences_open ON experiences (consumed, id);
 CREATE TABLE IF NOT EXISTS explorer_state (name TEXT PRIMARY KEY, state TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS task_pool (
-    task_id TEXT PRIMARY KEY, pool TEXT NOT NULL, mean_reward REAL NOT NULL, updated REAL NOT NULL);
+    task_id TEXT PRIMARY KEY, pool TEXT NOT NULL, mean_reward DOUBLE PRECISION NOT NULL,
+    updated DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS run_state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS explorer_records (id {id}, explorer TEXT NOT NULL, record TEXT NOT NULL);
 """
 
 
@@ -94,38 +119,163 @@ def pool_for(mean_reward: float, easy: float, hard: float) -> str | None:
     return "easy" if mean_reward >= easy else "hard" if mean_reward <= hard else None
 
 
-class Buffer:
-    """SQLite-backed experience buffer; open one per process.
+class _SQLite:
+    """The SQLite dialect: a file; BEGIN IMMEDIATE excludes other writers (and readers
+    taking groups) for the whole transaction; explorer names are flocks on files beside it."""
 
-    `timeout_s` is sqlite's busy timeout for concurrent writers (seconds).
+    def __init__(self, path: str, timeout_s: float):
+        self.path, self.where = Path(path), str(path)
+        try:
+            self.conn = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+            self.conn.executescript(_SCHEMA.format(id="INTEGER PRIMARY KEY AUTOINCREMENT", blob="BLOB"))
+        except sqlite3.DatabaseError as e:
+            raise ValueError(f"buffer {self.where}: not a usable SQLite database ({e})") from None
+        self._held = []
+
+    def execute(self, sql: str, params=()):
+        return self.conn.execute(sql, params)
+
+    def executemany(self, sql: str, rows) -> None:
+        self.conn.executemany(sql, rows)
+
+    @contextmanager
+    def transaction(self, readers: bool = False):
+        """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on any exception). (With isolation_level=None
+        sqlite3 is in autocommit mode, so `with conn:` alone would commit every statement.)"""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            self.conn.execute("COMMIT")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+
+    def hold(self, name: str, wait: bool) -> bool:
+        f = (self.path.parent / f".explorer-{name}.lock").open("a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not wait:
+                f.close()
+                return False
+            fcntl.flock(f, fcntl.LOCK_EX)
+        self._held.append(f)  # the kernel drops the flock when the process dies, kill -9 included
+        return True
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class _Postgres:
+    """The PostgreSQL dialect (psycopg 3, autocommit outside explicit transactions): the
+    run's tables in schema `schema`; readers taking groups serialise on a transaction-level
+    advisory lock; an explorer name is a session advisory lock, released by the server when
+    the connection closes (kill -9 included)."""
+
+    def __init__(self, url: str, timeout_s: float):
+        parts = urlsplit(url)
+        query = dict(parse_qsl(parts.query))
+        schema = query.pop("schema", "nanorft")
+        if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", schema):
+            raise ValueError(f"buffer schema {schema!r}: use lower-case letters, digits and _ (at most 63)")
+        self.schema = schema
+        self.where = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1], query=""))
+        self.where += f" (schema {schema})"  # no password in messages
+        try:
+            import psycopg
+        except ImportError:
+            raise ValueError(f"buffer {self.where}: PostgreSQL needs psycopg: pip install \"psycopg[binary]\"") from None
+        self.errors = psycopg.Error
+        dsn = urlunsplit(parts._replace(query=urlencode(query)))
+        try:
+            self.conn = psycopg.connect(dsn, autocommit=True, connect_timeout=max(1, int(min(timeout_s, 60))))
+            self.conn.execute(f"SET search_path TO {schema}")
+            # creating the tables: one process at a time (concurrent CREATE ... IF NOT EXISTS can
+            # collide), and only when missing (CREATE INDEX waits for every open transaction on the table)
+            with self.conn.transaction():
+                self.conn.execute("SELECT pg_advisory_xact_lock(hashtext('nanorft schema'))")
+                if self.conn.execute("SELECT to_regclass('explorer_records')").fetchone()[0] is None:
+                    self.conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
+                    self.conn.execute(_SCHEMA.format(id="BIGSERIAL PRIMARY KEY", blob="BYTEA"))
+        except psycopg.Error as e:
+            raise ValueError(f"buffer {self.where}: {' '.join(str(e).split())}") from None
+
+    def execute(self, sql: str, params=()):
+        return self.conn.execute(sql.replace("?", "%s"), params)
+
+    def executemany(self, sql: str, rows) -> None:
+        self.conn.cursor().executemany(sql.replace("?", "%s"), list(rows))
+
+    @contextmanager
+    def transaction(self, readers: bool = False):
+        """One transaction (READ COMMITTED); `readers`: serialised with the other readers
+        of this run (advisory lock held until COMMIT/ROLLBACK)."""
+        with self.conn.transaction():
+            if readers:
+                self.execute("SELECT pg_advisory_xact_lock(hashtext(?))", (f"{self.schema} readers",))
+            yield
+
+    def hold(self, name: str, wait: bool) -> bool:
+        key = (f"{self.schema} explorer {name}",)
+        if self.execute("SELECT pg_try_advisory_lock(hashtext(?))", key).fetchone()[0]:
+            return True
+        if wait:
+            self.execute("SELECT pg_advisory_lock(hashtext(?))", key)
+        return wait
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def open_buffer(url: str, run_dir: str | Path, timeout_s: float = 60.0) -> "Buffer":
+    """The buffer of a run (config `buffer`): "" = RUN_DIR/buffer.sqlite; a path or
+    sqlite:///path = that SQLite file; postgresql://... = that database, in schema
+    `?schema=` or, by default, nanorft_<run dir name> (lower-cased, other characters as _).
+    Raises ValueError (one line) when it cannot be opened."""
+    if not url:
+        return Buffer(Path(run_dir) / "buffer.sqlite", timeout_s)
+    if url.startswith(("postgresql://", "postgres://")) and "schema=" not in urlsplit(url).query:
+        name = re.sub(r"[^a-z0-9_]", "_", Path(run_dir).resolve().name.lower())[:54]
+        url += ("&" if urlsplit(url).query else "?") + f"schema=nanorft_{name}"
+    return Buffer(url, timeout_s)
+
+
+class Buffer:
+    """The experience buffer; open one per process.
+
+    `url`: a SQLite file (a path, or sqlite:///path) or postgresql://user@host:port/db
+    [?schema=NAME]. `timeout_s`: how long a writer waits for a lock (seconds; SQLite's busy
+    timeout, PostgreSQL's connect timeout up to 60 s). Raises ValueError (one line) for a
+    file that is not a SQLite database, a server that cannot be reached or a bad schema.
     """
 
-    def __init__(self, path: str | Path, timeout_s: float = 60.0):
-        self.path = Path(path)
-        try:
-            self.db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.executescript(_SCHEMA)
-        except sqlite3.DatabaseError as e:
-            raise ValueError(f"buffer {self.path}: not a usable SQLite database ({e})") from None
+    def __init__(self, url: str | Path, timeout_s: float = 60.0):
+        url = str(url)
+        pg = url.startswith(("postgresql://", "postgres://"))
+        self.db = _Postgres(url, timeout_s) if pg else _SQLite(url.removeprefix("sqlite:///"), timeout_s)
+        self.where = self.db.where
         self.before_commit: Callable[[], None] | None = None  # tests: runs inside each write transaction
 
     @contextmanager
-    def _transaction(self):
-        """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on any exception): the statements inside
-        take effect together or not at all, and no other connection writes in between.
-        (With isolation_level=None sqlite3 is in autocommit mode, so `with self.db:` alone
-        would commit every statement on its own.)"""
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
+    def _transaction(self, readers: bool = False):
+        """The statements inside take effect together or not at all; `readers`: no other
+        reader of this buffer takes groups meanwhile."""
+        with self.db.transaction(readers):
             yield
             if self.before_commit is not None:
                 self.before_commit()
-            self.db.execute("COMMIT")
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
+
+    def close(self) -> None:
+        """Close the connection (an explorer name held by `hold` is released)."""
+        self.db.close()
+
+    def clear(self) -> None:
+        """Delete everything in this buffer (every table of the run), in one transaction."""
+        with self._transaction(readers=True):
+            for table in ("experiences", "explorer_state", "task_pool", "run_state", "explorer_records"):
+                self.db.execute(f"DELETE FROM {table}")
 
     def write(self, group: list[Experience]) -> None:
         """Append one group atomically (all rows or none)."""
@@ -145,7 +295,8 @@ class Buffer:
                 "INSERT INTO experiences (group_id, task_id, model_version, prompt_length, tokens, "
                 "logprobs, action_mask, reward, info, explorer, created) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
             if state is not None:
-                self.db.execute("INSERT OR REPLACE INTO explorer_state VALUES (?, ?)", (explorer, json.dumps(state)))
+                self.db.execute("INSERT INTO explorer_state VALUES (?, ?) ON CONFLICT (name) DO UPDATE "
+                                "SET state = excluded.state", (explorer, json.dumps(state)))
             for pool in pools:
                 self._set_pool(*pool)
 
@@ -175,10 +326,49 @@ class Buffer:
         row = self.db.execute("SELECT state FROM explorer_state WHERE name = ?", (name,)).fetchone()
         return json.loads(row[0]) if row else None
 
+    def hold(self, name: str, wait: bool = True) -> bool:
+        """Take the explorer name `name` for the life of this connection (SQLite: a flock
+        on .explorer-<name>.lock beside the file; PostgreSQL: a session advisory lock; both
+        are dropped when the process dies, kill -9 included). While another process holds
+        it: wait (the default), or return False at once with wait=False. A restarted
+        explorer must not read its resume state while the old one (an orphan of a killed
+        trainer that has not noticed yet) can still store a batch, or that batch would be
+        generated twice."""
+        if self.db.hold(name, wait=False):
+            return True
+        if wait:
+            print(f"explorer {name}: waiting for the previous explorer of this name to stop", file=sys.stderr, flush=True)
+            self.db.hold(name, wait=True)
+        return wait
+
+    def set_run_state(self, key: str, value: str | None) -> None:
+        """Set (None: delete) a run-wide value, e.g. "trainer_done" = the final version."""
+        with self._transaction():
+            self.db.execute("DELETE FROM run_state WHERE key = ?", (key,))
+            if value is not None:
+                self.db.execute("INSERT INTO run_state VALUES (?, ?)", (key, value))
+
+    def run_state(self, key: str) -> str | None:
+        """A run-wide value set by `set_run_state`, or None."""
+        row = self.db.execute("SELECT value FROM run_state WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def add_record(self, explorer: str, record: dict) -> None:
+        """Store a metric record of explorer `explorer` for the trainer's metrics (NaN as null)."""
+        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        self.db.execute("INSERT INTO explorer_records (explorer, record) VALUES (?, ?)", (explorer, json.dumps(clean)))
+
+    def records_after(self, last_id: int) -> tuple[int, list[dict]]:
+        """Records stored by `add_record` with id > `last_id`, each tagged with "explorer";
+        returns (the newest id, the records)."""
+        rows = self.db.execute("SELECT id, explorer, record FROM explorer_records WHERE id > ? ORDER BY id",
+                               (last_id,)).fetchall()
+        return (rows[-1][0] if rows else last_id), [{**json.loads(r), "explorer": e} for _, e, r in rows]
+
     def release_after(self, step: int) -> int:
         """Mark groups consumed at trainer steps >= `step` as not consumed; returns the
         number of experiences released."""
-        with self._transaction():
+        with self._transaction(readers=True):
             return self.db.execute("UPDATE experiences SET consumed = 0 WHERE consumed > ?", (step,)).rowcount
 
     def read(self, num_groups: int, timeout_s: float = float("inf"),
@@ -196,16 +386,16 @@ class Buffer:
             if groups is not None:
                 return groups
             if not alive():
-                raise RuntimeError(f"buffer {self.path}: writer stopped before {num_groups} groups were ready")
+                raise RuntimeError(f"buffer {self.where}: writer stopped before {num_groups} groups were ready")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"buffer {self.path}: {num_groups} groups not ready after {timeout_s:.0f} s")
+                raise TimeoutError(f"buffer {self.where}: {num_groups} groups not ready after {timeout_s:.0f} s")
             time.sleep(poll_s)
 
     def _take(self, num_groups: int, step: int) -> list[list[Experience]] | None:
-        with self._transaction():
+        with self._transaction(readers=True):
             ids = [r[0] for r in self.db.execute(
                 "SELECT group_id FROM experiences WHERE consumed = 0 GROUP BY group_id "
-                "HAVING SUM(reward IS NULL) = 0 ORDER BY MIN(id) LIMIT ?", (num_groups,))]
+                "HAVING COUNT(*) = COUNT(reward) ORDER BY MIN(id) LIMIT ?", (num_groups,))]
             if len(ids) < num_groups:
                 return None
             marks = ",".join("?" * len(ids))
@@ -223,9 +413,9 @@ class Buffer:
 
     def counts(self) -> dict[str, int]:
         """Experience counts: total, consumed, ready (unconsumed, reward known), pending (reward NULL)."""
-        total, consumed, pending = self.db.execute(
-            "SELECT COUNT(*), COALESCE(SUM(consumed > 0), 0), COALESCE(SUM(reward IS NULL), 0) FROM experiences").fetchone()
-        return {"total": total, "consumed": consumed, "pending": pending, "ready": total - consumed - pending}
+        total, consumed, known = self.db.execute(
+            "SELECT COUNT(*), COUNT(CASE WHEN consumed > 0 THEN 1 END), COUNT(reward) FROM experiences").fetchone()
+        return {"total": total, "consumed": consumed, "pending": total - known, "ready": known - consumed}
 
     def update_pool(self, task_id: str, mean_reward: float, easy: float, hard: float) -> str | None:
         """Record a task's latest group mean reward: retire it to "easy" (>= easy) or
@@ -238,34 +428,39 @@ class Buffer:
         if pool is None:
             self.db.execute("DELETE FROM task_pool WHERE task_id = ?", (task_id,))
         else:
-            self.db.execute("INSERT OR REPLACE INTO task_pool VALUES (?, ?, ?, ?)", (task_id, pool, mean_reward, time.time()))
+            self.db.execute("INSERT INTO task_pool VALUES (?, ?, ?, ?) ON CONFLICT (task_id) DO UPDATE SET "
+                            "pool = excluded.pool, mean_reward = excluded.mean_reward, updated = excluded.updated",
+                            (task_id, pool, mean_reward, time.time()))
         return pool
 
     def retired(self) -> dict[str, str]:
         """Retired tasks: task_id -> pool ("easy" or "hard")."""
-        return dict(self.db.execute("SELECT task_id, pool FROM task_pool"))
+        return dict(self.db.execute("SELECT task_id, pool FROM task_pool").fetchall())
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line for lagged rewards:
+    """Command line for lagged rewards (BUFFER: the file, or the PostgreSQL URL with ?schema=):
         python buffer.py RUN_DIR/buffer.sqlite pending
         python buffer.py RUN_DIR/buffer.sqlite set-reward GROUP_ID 1.0 [0.0 ...]
     """
     import argparse
-    import sys
 
     p = argparse.ArgumentParser(prog="buffer.py", description="inspect a buffer and fill lagged rewards")
-    p.add_argument("buffer")
+    p.add_argument("buffer", help="RUN_DIR/buffer.sqlite, or postgresql://user@host:port/db?schema=NAME")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("pending", help="list groups waiting for a reward")
     s = sub.add_parser("set-reward", help="set the rewards of a group (one value, or one per experience)")
     s.add_argument("group_id")
     s.add_argument("rewards", type=float, nargs="+")
     args = p.parse_args(argv)
-    if not Path(args.buffer).is_file():
+    if not args.buffer.startswith(("postgresql://", "postgres://")) and not Path(args.buffer).is_file():
         print(f"buffer.py: error: no buffer file {args.buffer}", file=sys.stderr)
         return 2
-    buf = Buffer(args.buffer)
+    try:
+        buf = Buffer(args.buffer)
+    except ValueError as e:
+        print(f"buffer.py: error: {e}", file=sys.stderr)
+        return 2
     if args.cmd == "pending":
         print("\n".join(buf.pending_groups()))
         return 0

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import fcntl
 import os
 import random
 import signal
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 import sync
-from buffer import Buffer, Experience, pool_for
+from buffer import Buffer, Experience, open_buffer, pool_for
 from losses import left_pad
 from workflows import Task, load_reward_fn, load_tasks, load_workflow
 
@@ -635,7 +634,7 @@ def run_mode_both(cfg, model_path: str, port: int, total_steps: int, queue, star
     try:
         engine = make_engine(cfg, model_path, use_gpu(device), colocated=device.startswith("cuda") and sync_device == "cpu")
         explore_loop(cfg, engine, queue.put, total_steps, start_version, connect, before_batch, inflight,
-                     lambda receiver: receiver.until(last))
+                     lambda receiver: receiver.until(last), open_buffer(cfg.buffer, cfg.run_dir))
     except Exception as e:  # reported by the trainer as one line; the process exits with code 1
         (Path(cfg.run_dir) / f"error_{cfg.explorer_name}.log").write_text(traceback.format_exc())
         queue.put({"error": f"{type(e).__name__}: {e} (traceback: {cfg.run_dir}/error_{cfg.explorer_name}.log)"})
@@ -646,34 +645,43 @@ def run_mode_both(cfg, model_path: str, port: int, total_steps: int, queue, star
 
 def run_mode_explore(cfg, model_path: str, log) -> None:
     """Mode explore (a separate launch, fully asynchronous): generate batches into the
-    run directory's buffer until the trainer has finished (RUN_DIR/trainer_done); at the
-    start, every sync_interval batches (and with cfg.inflight between decode steps) load the
+    run's buffer (cfg.buffer: SQLite in the run directory, or PostgreSQL from another host)
+    until the trainer has finished (run state "trainer_done" in the buffer); at the start,
+    every sync_interval batches (and with cfg.inflight between decode steps) load the
     newest checkpoint the trainer published. Back-pressure: while the buffer holds two
     batches of ready groups the explorer waits (RuntimeError after buffer_timeout_s without
-    the trainer taking any). Metric records go to `log` (run.py: RUN_DIR/explorer_<name>.jsonl)."""
-    run_dir = Path(cfg.run_dir)
-    done = run_dir / "trainer_done"
-    buffer = Buffer(run_dir / "buffer.sqlite")
+    the trainer taking any). Metric records go to `log` (run.py: RUN_DIR/explorer_<name>.jsonl);
+    evaluation records also go to the buffer, for the trainer's metrics."""
+    buffer = open_buffer(cfg.buffer, cfg.run_dir)
+
+    def log_and_share(record: dict) -> None:
+        log(record)
+        if "eval/accuracy" in record:
+            buffer.add_record(cfg.explorer_name, record)
 
     def connect(engine) -> sync.Receiver:
-        receiver = sync.Receiver(engine, run_dir, cfg.explorer_name, log, alive=lambda: True)
+        receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, log, alive=lambda: True)
         receiver.poll()
         return receiver
 
     def before_batch(receiver, batch):
         since = time.monotonic()
-        while buffer.counts()["ready"] >= 2 * cfg.batch_size * cfg.group_size and not done.exists():
+        while (not (done := buffer.run_state("trainer_done"))
+               and buffer.counts()["ready"] >= 2 * cfg.batch_size * cfg.group_size):
             if time.monotonic() - since > cfg.buffer_timeout_s:
                 raise RuntimeError(f"explorer {cfg.explorer_name}: no trainer took a batch for {cfg.buffer_timeout_s:.0f} s")
             time.sleep(0.1)
-        if done.exists():
+        if done:
             return False
         if batch % cfg.sync_interval == 0:
             receiver.poll()
         return True
 
-    explore_loop(cfg, make_engine(cfg, model_path), log, sys.maxsize, 0, connect, before_batch, sync.Receiver.poll,
-                 sync.Receiver.poll)
+    try:
+        explore_loop(cfg, make_engine(cfg, model_path), log_and_share, sys.maxsize, 0, connect, before_batch,
+                     sync.Receiver.poll, sync.Receiver.poll, buffer)
+    finally:
+        buffer.close()
 
 
 def run_mode_bench(cfg, models: list[str]) -> list[dict]:
@@ -696,39 +704,20 @@ def run_mode_bench(cfg, models: list[str]) -> list[dict]:
     return rows
 
 
-_held = []  # the open lock files of `hold_name`: kept for the life of the process
-
-
-def hold_name(run_dir: str | Path, name: str) -> None:
-    """Take the explorer name `name` in `run_dir` for the life of this process (flock on
-    RUN_DIR/.explorer-<name>.lock; the kernel drops it when the process dies, kill -9
-    included). Waits while another process holds it: a restarted explorer must not read its
-    resume state from the buffer while the old one (an orphan of a killed trainer that has
-    not noticed yet) can still store a batch, or that batch would be generated twice."""
-    f = (Path(run_dir) / f".explorer-{name}.lock").open("a")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print(f"explorer {name}: waiting for the previous explorer of this name to stop", file=sys.stderr, flush=True)
-        fcntl.flock(f, fcntl.LOCK_EX)
-    _held.append(f)
-
-
 def explore_loop(cfg, engine: Engine, log, total: int, start_version: int, connect, before_batch, inflight,
-                 finish) -> None:
+                 finish, buffer: Buffer) -> None:
     """The rollout loop of modes both and explore (it closes `engine` at the end): the
-    engine holds `start_version`, `connect(engine)` -> its sync.Receiver, the resume position from the
-    buffer, then batches up to `total`, each after `before_batch(receiver, batch)` (False:
-    stop); an evaluation every eval_interval versions and at the end, after
-    `finish(receiver)`; with cfg.inflight, `inflight(receiver)` between decode steps.
-    Records go to `log`."""
+    engine holds `start_version`, `connect(engine)` -> its sync.Receiver, the explorer name
+    held in `buffer` and the resume position read from it, then batches up to `total`, each
+    after `before_batch(receiver, batch)` (False: stop); an evaluation every eval_interval
+    versions and at the end, after `finish(receiver)`; with cfg.inflight,
+    `inflight(receiver)` between decode steps. Records go to `log`."""
     engine.version = start_version
     try:
         train, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
         receiver = connect(engine)
         explorer = Explorer(cfg, engine, train, held_out, dataset, log)
-        hold_name(cfg.run_dir, cfg.explorer_name)
-        buffer = Buffer(Path(cfg.run_dir) / "buffer.sqlite")
+        buffer.hold(cfg.explorer_name)
         saved = buffer.explorer_state(cfg.explorer_name)
         first = 0
         if saved:

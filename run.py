@@ -145,6 +145,8 @@ class Config:
     """bound on any single weight-sync collective (seconds)"""
     buffer_timeout_s: float = 1800.0
     """mode train: give up when the buffer has not delivered a batch for this long (seconds)"""
+    buffer: str = ""
+    """experience buffer: "" = RUN_DIR/buffer.sqlite (one host), a SQLite path, or postgresql://user@host:port/db[?schema=NAME] (several hosts; default schema nanorft_<run dir name>)"""
 
     # -- algorithm
     advantage: str = "grpo"
@@ -627,26 +629,6 @@ class Metrics:
             t.close()
 
 
-class ExplorerLogs:
-    """Mode train: follows the RUN_DIR/explorer_<name>.jsonl files of `--mode explore`
-    launches and returns their new complete records, each tagged with "explorer"."""
-
-    def __init__(self, run_dir: Path):
-        self.run_dir, self.offsets = run_dir, {}
-
-    def new_records(self) -> list[dict]:
-        out = []
-        for path in sorted(self.run_dir.glob("explorer_*.jsonl")):
-            with path.open("rb") as f:
-                f.seek(self.offsets.get(path, 0))
-                data = f.read()
-            done = data.rfind(b"\n") + 1  # a line still being written is read next time
-            self.offsets[path] = self.offsets.get(path, 0) + done
-            name = path.stem[len("explorer_"):]
-            out += [{**json.loads(line), "explorer": name} for line in data[:done].splitlines() if line.strip()]
-        return out
-
-
 def plot(run_dir: Path) -> Path:
     """Plot RUN_DIR/metrics.jsonl against trainer step into RUN_DIR/plot.png; returns its
     path. Panels: train reward (rollouts only) and held-out accuracy; mean response length;
@@ -760,12 +742,13 @@ def loop_io(cfg: Config, trainer, start: int):
     on --resume), the metrics log, offline / expert data (drawn on to `start` for a resume),
     and in mode train the explorers' evaluations from their log files. Mode both adds the
     explorer in `start_explorer`."""
-    from buffer import Buffer
+    from buffer import open_buffer
     from trainer import LoopIO
     from workflows import OfflineSampler, load_chat_jsonl, load_offline_jsonl
 
     run_dir = Path(cfg.run_dir)
-    io = LoopIO(buffer=Buffer(run_dir / "buffer.sqlite"))
+    io = LoopIO(buffer=open_buffer(cfg.buffer, run_dir))
+    io.buffer.set_run_state("trainer_done", None)  # a trainer is running (again)
     if cfg.resume:
         released = io.buffer.release_after(start)
         print0(f"resumed at step {start} (version {trainer.version}); {released} experiences served again")
@@ -776,9 +759,15 @@ def loop_io(cfg: Config, trainer, start: int):
         io.offline = OfflineSampler(load_offline_jsonl(cfg.train_data, trainer.tokenizer), cfg.seed)
         for _ in range(start):  # the same order as an uninterrupted run
             io.offline.draw(cfg.batch_size)
-    elif cfg.mode == "train":  # the explorers' evaluations, from their log files
-        logs = ExplorerLogs(run_dir)
-        io.records = lambda: [r for r in logs.new_records() if "eval/accuracy" in r]
+    elif cfg.mode == "train":  # the explorers' evaluations, from the buffer
+        last = 0
+
+        def records() -> list[dict]:
+            nonlocal last
+            last, new = io.buffer.records_after(last)
+            return new
+
+        io.records = records
     return io
 
 
@@ -811,7 +800,7 @@ def start_explorer(cfg: Config, io, model_path: str, version: int, layout: Place
 
 def finish(cfg: Config, loop, explorer, weights) -> None:
     """Rank 0 after the last step: wait until the explorer has the final weights and has
-    ended (RuntimeError with its error line if it failed), then write trainer_done, the
+    ended (RuntimeError with its error line if it failed), then set trainer_done in the buffer, write the
     config next to the final weights, and the plot."""
     run_dir = Path(cfg.run_dir)
     if weights:
@@ -821,7 +810,7 @@ def finish(cfg: Config, loop, explorer, weights) -> None:
         loop.drain()
         if explorer.exitcode != 0:
             raise RuntimeError(f"explorer failed: {loop.errors[0] if loop.errors else explorer.exitcode}")
-    (run_dir / "trainer_done").write_text(str(loop.trainer.version))
+    loop.io.buffer.set_run_state("trainer_done", str(loop.trainer.version))
     (run_dir / "final" / "nanorft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     board = f" (TensorBoard: tensorboard --logdir {run_dir})" if "tensorboard" in trackers(cfg) else ""
     print0(f"final weights: {run_dir / 'final'}\nplot: {plot(run_dir)}\nmetrics: {run_dir / 'metrics.jsonl'}{board}")
@@ -889,6 +878,24 @@ def check_modes(cfg: Config) -> None:
         raise FileNotFoundError(f"--resume: no run to resume in {cfg.run_dir} (no such directory)")
 
 
+def check_buffer(cfg: Config) -> None:
+    """Open the run's buffer once before any process starts: ValueError for a file that is
+    not a SQLite database or a PostgreSQL server out of reach. A new run in mode both on a
+    PostgreSQL schema that holds experiences: FileExistsError, or with --overwrite the schema
+    is emptied (as the run directory is deleted)."""
+    from buffer import open_buffer
+
+    buf = open_buffer(cfg.buffer, cfg.run_dir)
+    try:
+        if cfg.buffer and cfg.mode == "both" and not cfg.resume and buf.counts()["total"]:
+            if not cfg.overwrite:
+                raise FileExistsError(f"buffer {buf.where} holds experiences of another run "
+                                      "(use --overwrite, --resume or another ?schema=)")
+            buf.clear()
+    finally:
+        buf.close()
+
+
 def prepare(cfg: Config, rank: int) -> str:
     """Validate inputs before any process starts: modes, algorithm, model, tasks, reward
     function, offline data, run dir. Returns the model directory (rank 0)."""
@@ -904,10 +911,6 @@ def prepare(cfg: Config, rank: int) -> str:
         raise ValueError(f"task {cfg.task!r} produced no training tasks")
     if cfg.mode == "bench" and not held_out:
         raise ValueError(f"mode bench needs held-out tasks: task {cfg.task!r} with eval_size {cfg.eval_size} has none")
-    if cfg.resume and rank == 0:
-        from buffer import Buffer
-
-        Buffer(Path(cfg.run_dir) / "buffer.sqlite")  # ValueError for a corrupt file
     load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
     load_workflow(cfg.workflow)
     from explorer import vllm_available
@@ -938,6 +941,8 @@ def prepare(cfg: Config, rank: int) -> str:
                 raise FileExistsError(f"run_dir {run_dir} is not empty (use --overwrite, --resume or another --run-dir)")
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.mode != "bench":
+            check_buffer(cfg)
         name = "config.json" if cfg.mode == "both" else f"config_{cfg.mode}.json"
         (run_dir / name).write_text(json.dumps({**dataclasses.asdict(cfg), "placement": dataclasses.asdict(layout)},
                                                indent=2))

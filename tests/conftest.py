@@ -70,3 +70,67 @@ def rollouts(engine, prompts, n, sampling):
     outs = asyncio.run(go())
     return [Experience(p + c.tokens, len(p), c.logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0)
             for i, (p, cs) in enumerate(zip(prompts, outs)) for c in cs]
+
+
+def start_postgres(root: Path) -> tuple[str, "object"]:
+    """Start a real PostgreSQL server (Debian's package: initdb + pg_ctl) with its data in
+    `root`, listening on all addresses of this machine on a free port, trust auth (a
+    throwaway test server). Returns (URL of database "postgres" as user "nanorft" on
+    127.0.0.1, a function that stops it). Skips when the server binaries are missing,
+    unless NANORFT_REQUIRE_POSTGRES=1 (CI installs them: then it fails)."""
+    import glob
+    import shutil
+    import socket
+    import subprocess
+
+    bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    initdb = bins[-1] if bins else shutil.which("initdb")
+    if not initdb:
+        if os.environ.get("NANORFT_REQUIRE_POSTGRES") == "1":
+            pytest.fail("PostgreSQL server binaries not found (apt-get install postgresql)")
+        pytest.skip("PostgreSQL server binaries not found (apt-get install postgresql)")
+    pg_ctl = str(Path(initdb).with_name("pg_ctl"))
+    data = root / "pgdata"
+    as_user = []
+    if os.geteuid() == 0:  # the server refuses to run as root: run it as the package's user
+        import pwd
+
+        pw = pwd.getpwnam("postgres")
+        root.chmod(0o755)
+        data.mkdir(mode=0o700)
+        os.chown(data, pw.pw_uid, pw.pw_gid)
+        as_user = ["runuser", "-u", "postgres", "--"]
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    subprocess.run(as_user + [initdb, "-D", str(data), "-U", "nanorft", "--auth=trust", "-E", "UTF8"],
+                   check=True, capture_output=True)
+    with (data / "pg_hba.conf").open("a") as f:  # other addresses of this machine, as another host would connect
+        f.write("host all all 0.0.0.0/0 trust\n")
+    subprocess.run(as_user + [pg_ctl, "-D", str(data), "-w", "-l", str(data / "server.log"), "-o",
+                              f"-p {port} -k {data} -c listen_addresses='*' -c max_connections=200 -c fsync=off",
+                              "start"], check=True, capture_output=True)
+
+    def stop():
+        subprocess.run(as_user + [pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
+
+    return f"postgresql://nanorft@127.0.0.1:{port}/postgres", stop
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory) -> str:
+    """The URL of a PostgreSQL server started for this test session (see start_postgres)."""
+    url, stop = start_postgres(Path(tempfile.mkdtemp(prefix="nanorft-pg-")))
+    yield url
+    stop()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def buffer_url(request, tmp_path) -> str:
+    """A fresh buffer in each backend: a SQLite file in tmp_path, or a new schema on the
+    session's PostgreSQL server."""
+    if request.param == "sqlite":
+        return str(tmp_path / "buffer.sqlite")
+    import uuid
+
+    return f"{request.getfixturevalue('postgres')}?schema=t_{uuid.uuid4().hex[:12]}"

@@ -1,4 +1,4 @@
-"""The SQLite buffer shared by a writer process and a reader process."""
+"""The buffer shared by writer and reader processes, in both backends (SQLite file, PostgreSQL server)."""
 import multiprocessing as mp
 import time
 
@@ -20,8 +20,8 @@ def writer(path, n_groups):
         time.sleep(0.01)
 
 
-def test_two_processes_fifo_complete_groups_once(tmp_path):
-    path = tmp_path / "buffer.sqlite"
+def test_two_processes_fifo_complete_groups_once(buffer_url):
+    path = buffer_url
     Buffer(path)  # create the schema before both processes open it
     proc = mp.get_context("spawn").Process(target=writer, args=(path, 20))
     proc.start()
@@ -41,8 +41,8 @@ def test_two_processes_fifo_complete_groups_once(tmp_path):
         reader.read(1, timeout_s=0.2)  # only the pending group is left
 
 
-def test_reader_does_not_hang_on_dead_writer(tmp_path):
-    buf = Buffer(tmp_path / "b.sqlite")
+def test_reader_does_not_hang_on_dead_writer(buffer_url):
+    buf = Buffer(buffer_url)
     with pytest.raises(RuntimeError, match="writer stopped"):
         buf.read(1, alive=lambda: False)
 
@@ -52,12 +52,12 @@ def test_experience_rejects_mismatched_lengths():
         Experience([1, 2, 3], 2, [-0.1, -0.2], [1], 1.0, "g", "t", 0)
 
 
-def test_task_pools_persist_and_reactivate(tmp_path):
-    buf = Buffer(tmp_path / "b.sqlite")
+def test_task_pools_persist_and_reactivate(buffer_url):
+    buf = Buffer(buffer_url)
     assert buf.update_pool("t1", 1.0, easy=0.9, hard=0.1) == "easy"
     assert buf.update_pool("t2", 0.0, easy=0.9, hard=0.1) == "hard"
     assert buf.update_pool("t3", 0.5, easy=0.9, hard=0.1) is None
-    assert Buffer(tmp_path / "b.sqlite").retired() == {"t1": "easy", "t2": "hard"}  # persisted
+    assert Buffer(buffer_url).retired() == {"t1": "easy", "t2": "hard"}  # persisted
     assert buf.update_pool("t1", 0.5, easy=0.9, hard=0.1) is None  # a lifted task that is no longer easy
     assert buf.retired() == {"t2": "hard"}
 
@@ -72,3 +72,81 @@ def test_offline_sampler_cycles_all_and_marks_expert():
     assert all(e.info["offline"] for e in drawn) and not groups[0][0].info
     with pytest.raises(ValueError, match="empty"):
         OfflineSampler([], 0)
+
+
+def test_two_readers_never_take_the_same_group(postgres):
+    # PostgreSQL: reader A is stopped inside its take (group chosen and marked, not committed) until
+    # the server shows reader B waiting for a lock: B must then get the other group, not A's
+    # again (the readers' advisory lock; without it B would read g0 before A commits). SQLite's
+    # BEGIN IMMEDIATE excludes this by itself.
+    import threading
+    import uuid
+
+    buffer_url = f"{postgres}?schema=t_{uuid.uuid4().hex[:12]}"
+    Buffer(buffer_url).write_batch([group("g0"), group("g1")])
+    inside, release, got = threading.Event(), threading.Event(), {}
+
+    def reader(name, hook=None):  # a connection per thread (sqlite3 connections stay in their thread)
+        buf = Buffer(buffer_url)
+        buf.before_commit = hook
+        got[name] = buf.read(1, timeout_s=60)
+
+    ta = threading.Thread(target=reader, args=("a", lambda: (inside.set(), release.wait(60))))
+    ta.start()
+    assert inside.wait(60)
+    tb = threading.Thread(target=reader, args=("b",))
+    tb.start()
+    watch = Buffer(buffer_url)
+    while not watch.db.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'").fetchone()[0]:
+        assert tb.is_alive()  # B is waiting or about to: never done before A commits
+    release.set()
+    ta.join()
+    tb.join()
+    assert {got["a"][0][0].group_id, got["b"][0][0].group_id} == {"g0", "g1"}
+
+
+def test_run_state_records_and_clear(buffer_url):
+    buf = Buffer(buffer_url)
+    assert buf.run_state("trainer_done") is None
+    buf.set_run_state("trainer_done", "4")
+    assert Buffer(buffer_url).run_state("trainer_done") == "4"
+    buf.set_run_state("trainer_done", None)
+    assert buf.run_state("trainer_done") is None
+    buf.add_record("e1", {"eval/accuracy": 0.5, "eval/bad": float("nan")})
+    last, recs = buf.records_after(0)
+    assert recs == [{"eval/accuracy": 0.5, "eval/bad": None, "explorer": "e1"}]
+    buf.add_record("e2", {"eval/accuracy": 0.75})
+    assert buf.records_after(last)[1] == [{"eval/accuracy": 0.75, "explorer": "e2"}]
+    buf.write_batch([group("g")], "e1", {"batch": 1}, [("task-g", 1.0, 0.9, 0.1)])
+    buf.clear()
+    assert buf.counts()["total"] == 0 and buf.explorer_state("e1") is None and buf.retired() == {}
+    assert buf.records_after(0)[1] == []
+
+
+def test_postgres_runs_share_a_database_in_their_own_schemas(postgres, tmp_path):
+    from buffer import open_buffer
+
+    a = open_buffer(postgres, tmp_path / "Run-A")  # default schema: nanorft_<run dir name>
+    b = open_buffer(postgres, tmp_path / "run-b")
+    assert a.db.schema == "nanorft_run_a" and b.db.schema == "nanorft_run_b"
+    a.clear()
+    b.clear()
+    a.write(group("only-a"))
+    assert a.counts()["total"] == 3 and b.counts()["total"] == 0
+    assert open_buffer(f"{postgres}?schema=nanorft_run_a", tmp_path / "elsewhere").counts()["total"] == 3
+    with pytest.raises(ValueError, match="schema 'Bad-Name'"):
+        Buffer(f"{postgres}?schema=Bad-Name")
+
+
+def test_unreachable_or_bad_buffers_are_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ValueError, match=r"^buffer postgresql://127.0.0.1:\d+/db \(schema x\): .*") as e:
+        Buffer(f"postgresql://user:secret@127.0.0.1:{port}/db?schema=x", timeout_s=2)
+    assert "secret" not in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "junk").write_text("not a database" * 100)
+    with pytest.raises(ValueError, match="not a usable SQLite database"):
+        Buffer(tmp_path / "junk")

@@ -29,8 +29,8 @@ def _die_before_commit(path, gid):
     buf.write_batch([group(gid, 64)], "w", {"batch": 1}, [(f"task-{gid}", 1.0, 0.5, 0.0)])
 
 
-def test_a_writer_killed_mid_write_leaves_nothing(tmp_path):
-    path = tmp_path / "buffer.sqlite"
+def test_a_writer_killed_mid_write_leaves_nothing(buffer_url):
+    path = buffer_url
     Buffer(path).write_batch([group("old")], "w", {"batch": 0})
     p = mp.get_context("spawn").Process(target=_die_before_commit, args=(path, "new"))
     p.start()
@@ -44,8 +44,8 @@ def test_a_writer_killed_mid_write_leaves_nothing(tmp_path):
         buf.read(1, timeout_s=0.2)
 
 
-def test_only_unconsumed_rows_are_served(tmp_path):
-    buf = Buffer(tmp_path / "b.sqlite")
+def test_only_unconsumed_rows_are_served(buffer_url):
+    buf = Buffer(buffer_url)
     buf.write(group("g", 2))
     assert len(buf.read(1, timeout_s=1)[0]) == 2
     buf.write(group("g", 3))  # the same group id again: only the new rows are served
@@ -58,8 +58,8 @@ def _writer(path, name, groups, size):
         buf.write_batch([group(f"{name}-{i}", size, explorer=name)], name, {"batch": i + 1})
 
 
-def test_concurrent_writers_and_a_reader_lose_and_repeat_nothing(tmp_path):
-    path = tmp_path / "b.sqlite"
+def test_concurrent_writers_and_a_reader_lose_and_repeat_nothing(buffer_url):
+    path = buffer_url
     Buffer(path)
     ctx = mp.get_context("spawn")
     writers = [ctx.Process(target=_writer, args=(path, f"w{k}", 40, 16)) for k in range(3)]
@@ -78,10 +78,10 @@ def test_concurrent_writers_and_a_reader_lose_and_repeat_nothing(tmp_path):
         assert mine == sorted(mine)
 
 
-def test_rewards_must_be_finite_numbers(tmp_path):
+def test_rewards_must_be_finite_numbers(buffer_url):
     with pytest.raises(ValueError, match="reward must be a finite number"):
         group("nan", reward=float("nan"))
-    buf = Buffer(tmp_path / "b.sqlite")
+    buf = Buffer(buffer_url)
     buf.write(group("g", reward=None))
     with pytest.raises(ValueError, match="finite numbers"):
         buf.set_rewards("g", float("nan"))
@@ -338,22 +338,21 @@ def test_a_run_killed_while_starting_can_be_resumed(tiny_model, tmp_path):
     assert res.returncode == 0 and "resumed at step 0" in res.stdout, res.stderr[-2000:]
 
 
-def test_an_explorer_name_is_held_until_its_process_dies(tmp_path):
+def test_an_explorer_name_is_held_until_its_process_dies(buffer_url):
     # a restarted explorer waits for the old one of its name (an orphan still storing a batch): the name is a
-    # flock that the kernel drops with the process, kill -9 included
-    import fcntl
+    # flock (SQLite) or a session advisory lock (PostgreSQL), both dropped with the process, kill -9 included
     import subprocess
     import sys
 
     from conftest import ROOT
 
-    p = subprocess.Popen([sys.executable, "-c", "import explorer, sys; explorer.hold_name(sys.argv[1], 'e1'); "
-                          "print('held', flush=True); sys.stdin.read()", str(tmp_path)],
+    p = subprocess.Popen([sys.executable, "-c", "import buffer, sys; b = buffer.Buffer(sys.argv[1]); b.hold('e1'); "
+                          "print('held', flush=True); sys.stdin.read()", buffer_url],
                          cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline() == "held\n"
-    lock = (tmp_path / ".explorer-e1.lock").open("a")
-    with pytest.raises(BlockingIOError):
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    p.kill()
+    other = Buffer(buffer_url)
+    assert other.hold("e1", wait=False) is False
+    assert other.hold("e2", wait=False) is True  # another name is free
+    p.kill()  # SIGKILL: no clean-up code runs
     p.wait()
-    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free once the holder is gone
+    assert other.hold("e1") is True  # blocks until the kernel / the server has dropped the old holder
