@@ -99,7 +99,8 @@ class Engine:
     def generate_batch(self, prompts: list[list[int]], ns: list[int], sampling: Sampling) -> list[list[Completion]]:
         raise NotImplementedError
 
-    def join_weight_sync(self, port: int, timeout_s: float, alive, device: str = "cpu") -> None:
+    def join_weight_sync(self, host: str, port: int, timeout_s: float, alive, device: str = "cpu") -> None:
+        """Join the trainer's weight-sync group at `host`:`port` (sync.WeightSync, a receiving rank)."""
         raise NotImplementedError
 
     def receive_weights(self, alive) -> tuple[int, float]:
@@ -111,6 +112,14 @@ class Engine:
     def weights_announced(self) -> int:
         """Newest version the trainer has started to publish (-1 before any); never blocks."""
         return self.weights.announced()
+
+    def weights_joined(self) -> bool:
+        """Whether `join_weight_sync` has completed."""
+        return getattr(self, "weights", None) is not None
+
+    def leave_weight_sync(self) -> None:
+        """Tell the trainer this engine will not use the weight-sync store again."""
+        self.weights.leave()
 
     def rng_state(self) -> bytes | None:
         """State of the sampling RNG (for resume), or None when the engine cannot save it."""
@@ -179,8 +188,8 @@ class HFEngine(Engine):
         """Weights in `named_parameters()` order (the wire order of sync.WeightSync)."""
         return [p for _, p in self.model.named_parameters()]
 
-    def join_weight_sync(self, port, timeout_s, alive, device="cpu"):
-        self.weights = sync.WeightSync(1, 2, port=port, device=device, timeout_s=timeout_s).connect(alive)
+    def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
+        self.weights = sync.WeightSync(None, port=port, host=host, device=device, timeout_s=timeout_s).connect(alive)
 
     def receive_weights(self, alive):
         """The next publish (the trainer's float32 on the wire) into the weights, through a
@@ -331,8 +340,8 @@ class VLLMEngine(Engine):
         return [[self._completion(done[(rid, j)], (first, last[(rid, j)])) for j in range(p.n)]
                 for rid, p in zip(ids, params)]
 
-    def join_weight_sync(self, port, timeout_s, alive, device="cpu"):
-        self.llm.collective_rpc("nanorft_join", args=(self.model_path, port, timeout_s, os.getppid(), device))
+    def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
+        self.llm.collective_rpc("nanorft_join", args=(self.model_path, host, port, timeout_s, os.getppid(), device))
 
     def receive_weights(self, alive):
         self.version, checksum = self.llm.collective_rpc("nanorft_receive")[0]
@@ -341,6 +350,12 @@ class VLLMEngine(Engine):
 
     def weights_announced(self):
         return self.llm.collective_rpc("nanorft_announced")[0]
+
+    def weights_joined(self):
+        return self.llm.collective_rpc("nanorft_joined")[0]
+
+    def leave_weight_sync(self):
+        self.llm.collective_rpc("nanorft_leave")
 
     def load_checkpoint(self, path, version):
         checksum = self.llm.collective_rpc("nanorft_load", args=(str(path),))[0]
@@ -615,7 +630,7 @@ def run_mode_both(cfg, model_path: str, port: int, total_steps: int, queue, star
 
     def connect(engine) -> sync.Receiver:
         receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, queue.put, alive,
-                                 None if by_checkpoint else port, cfg.sync_timeout_s, sync_device)
+                                 None if by_checkpoint else port, cfg.sync_timeout_s, sync_device, cfg.sync_host)
         if by_checkpoint:
             queue.put({"explorer/ready": True})  # its start weights are loaded: the trainer may go on
         receiver.join()
@@ -647,12 +662,16 @@ def run_mode_explore(cfg, model_path: str, log) -> None:
     """Mode explore (a separate launch, fully asynchronous): generate batches into the
     run's buffer (cfg.buffer: SQLite in the run directory, or PostgreSQL from another host)
     until the trainer has finished (run state "trainer_done" in the buffer); at the start,
-    every sync_interval batches (and with cfg.inflight between decode steps) load the
-    newest checkpoint the trainer published. Back-pressure: while the buffer holds two
+    every sync_interval batches (and with cfg.inflight between decode steps) take the
+    trainer's new weights: the newest checkpoint it published, or, with --sync-method
+    broadcast, every publish it announced, over the weight-sync group whose store is at
+    cfg.sync_host:cfg.sync_port (the explorer joins it as the next free rank; it also takes
+    publishes while it waits for the trainer, which waits for every receiver). Back-pressure: while the buffer holds two
     batches of ready groups the explorer waits (RuntimeError after buffer_timeout_s without
     the trainer taking any). Metric records go to `log` (run.py: RUN_DIR/explorer_<name>.jsonl);
     evaluation records also go to the buffer, for the trainer's metrics."""
     buffer = open_buffer(cfg.buffer, cfg.run_dir)
+    by_broadcast, joined = cfg.sync_method == "broadcast", []
 
     def log_and_share(record: dict) -> None:
         log(record)
@@ -660,8 +679,12 @@ def run_mode_explore(cfg, model_path: str, log) -> None:
             buffer.add_record(cfg.explorer_name, record)
 
     def connect(engine) -> sync.Receiver:
-        receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, log, alive=lambda: True)
-        receiver.poll()
+        receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, log, alive=lambda: True,
+                                 port=cfg.sync_port if by_broadcast else None, timeout_s=cfg.sync_timeout_s,
+                                 device="cuda" if torch.cuda.is_available() else "cpu", host=cfg.sync_host)
+        joined.append(receiver)
+        receiver.join()
+        receiver.catch_up()
         return receiver
 
     def before_batch(receiver, batch):
@@ -670,18 +693,24 @@ def run_mode_explore(cfg, model_path: str, log) -> None:
                and buffer.counts()["ready"] >= 2 * cfg.batch_size * cfg.group_size):
             if time.monotonic() - since > cfg.buffer_timeout_s:
                 raise RuntimeError(f"explorer {cfg.explorer_name}: no trainer took a batch for {cfg.buffer_timeout_s:.0f} s")
+            if by_broadcast:  # the trainer may be waiting for this explorer to take a publish
+                receiver.catch_up()
             time.sleep(0.1)
         if done:
             return False
         if batch % cfg.sync_interval == 0:
-            receiver.poll()
+            receiver.catch_up()
         return True
 
+    # broadcast: the trainer sets trainer_done only once every receiver has its last publish
+    finish = (lambda receiver: None) if by_broadcast else sync.Receiver.catch_up
     try:
         explore_loop(cfg, make_engine(cfg, model_path), log_and_share, sys.maxsize, 0, connect, before_batch,
-                     sync.Receiver.poll, sync.Receiver.poll, buffer)
+                     sync.Receiver.catch_up, finish, buffer)
     finally:
         buffer.close()
+        for receiver in joined:  # the trainer may go (its store with it) once every explorer has left
+            receiver.leave()
 
 
 def run_mode_bench(cfg, models: list[str]) -> list[dict]:

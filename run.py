@@ -133,6 +133,12 @@ class Config:
     # -- sync between explorer and trainer
     sync_method: str = "auto"
     """weight sync: broadcast (torch.distributed group), checkpoint (safetensors in run_dir), auto = broadcast for both, checkpoint for explore/train"""
+    sync_host: str = "127.0.0.1"
+    """address of the weight-sync store: trainer rank 0 listens there, explorers connect to it (the trainer host's address for explorers on other hosts)"""
+    sync_port: int = 0
+    """port of the weight-sync store (0 = a free one, mode both); modes train and explore with broadcast sync: the same port on both sides"""
+    num_explorers: int = 1
+    """mode train with broadcast sync: the explorers that join the weight-sync group (the trainer waits for all before step 0)"""
     sync_interval: int = 2
     """trainer steps per weight version sent to the explorer"""
     sync_offset: int = 0
@@ -724,6 +730,10 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device, lay
     try:
         if rank == 0 and cfg.mode == "both":
             explorer, weights = start_explorer(cfg, io, str(state / "hf") if state else model_path, trainer.version, layout)
+        if cfg.mode == "train" and cfg.sync_method == "broadcast":
+            params = trainer.full_parameters() if trainer.version else None  # every rank gathers
+            if rank == 0:
+                weights = connect_explorers(cfg, io, layout, trainer.version, params)
         loop.run()
         if rank == 0:
             finish(cfg, loop, explorer, weights)
@@ -740,8 +750,9 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device, lay
 def loop_io(cfg: Config, trainer, start: int):
     """Rank 0's trainer.LoopIO: the buffer (experiences served after step `start` go back
     on --resume), the metrics log, offline / expert data (drawn on to `start` for a resume),
-    and in mode train the explorers' evaluations from their log files. Mode both adds the
-    explorer in `start_explorer`."""
+    and in mode train the explorers' evaluations from the buffer. Mode both adds the
+    explorer in `start_explorer`; mode train with broadcast sync the explorers' group in
+    `connect_explorers`."""
     from buffer import open_buffer
     from trainer import LoopIO
     from workflows import OfflineSampler, load_chat_jsonl, load_offline_jsonl
@@ -783,7 +794,8 @@ def start_explorer(cfg: Config, io, model_path: str, version: int, layout: Place
 
     weights = None
     if cfg.sync_method != "checkpoint":
-        weights = sync.WeightSync(0, 2, port=0, device=layout.sync_device, timeout_s=cfg.sync_timeout_s)
+        weights = sync.WeightSync(0, 2, port=cfg.sync_port, host=cfg.sync_host, device=layout.sync_device,
+                                  timeout_s=cfg.sync_timeout_s)
     queue = mp.get_context("spawn").Queue()
     explorer = mp.get_context("spawn").Process(target=run_mode_both, name="explorer",
                                                args=(cfg, model_path, weights.port if weights else 0, cfg.steps, queue,
@@ -798,10 +810,30 @@ def start_explorer(cfg: Config, io, model_path: str, version: int, layout: Place
     return explorer, weights
 
 
+def connect_explorers(cfg: Config, io, layout: Placement, version: int, params) -> "object":
+    """Mode train with broadcast sync, rank 0: host the weight-sync store on
+    cfg.sync_host:cfg.sync_port, wait (up to sync_timeout_s) until cfg.num_explorers
+    `--mode explore` launches have joined the group, send them `params` (= `version`) if
+    this trainer was resumed (they start from the model), and connect `io` to the group.
+    Returns the sync.WeightSync."""
+    import sync
+
+    weights = sync.WeightSync(0, 1 + cfg.num_explorers, port=cfg.sync_port, host=cfg.sync_host,
+                              device=layout.sync_device, timeout_s=cfg.sync_timeout_s)
+    print0(f"weight sync: waiting for {cfg.num_explorers} explorer(s) at {cfg.sync_host}:{weights.port}")
+    weights.connect()
+    io.send_weights = weights.send
+    if params is not None:
+        weights.send(version, params)
+    return weights
+
+
 def finish(cfg: Config, loop, explorer, weights) -> None:
     """Rank 0 after the last step: wait until the explorer has the final weights and has
     ended (RuntimeError with its error line if it failed), then set trainer_done in the buffer, write the
-    config next to the final weights, and the plot."""
+    config next to the final weights, and the plot. Mode train with broadcast sync: the
+    explorers have the final weights, and trainer_done tells them to leave the group; the
+    store (in this process) stays until they have, up to sync_timeout_s."""
     run_dir = Path(cfg.run_dir)
     if weights:
         weights.wait(loop.io.alive)
@@ -811,6 +843,9 @@ def finish(cfg: Config, loop, explorer, weights) -> None:
         if explorer.exitcode != 0:
             raise RuntimeError(f"explorer failed: {loop.errors[0] if loop.errors else explorer.exitcode}")
     loop.io.buffer.set_run_state("trainer_done", str(loop.trainer.version))
+    if weights and not explorer and not weights.wait_left(cfg.sync_timeout_s):
+        print(f"run.py: warning: not every explorer left the weight-sync group within {cfg.sync_timeout_s:.0f} s",
+              file=sys.stderr)
     (run_dir / "final" / "nanorft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     board = f" (TensorBoard: tensorboard --logdir {run_dir})" if "tensorboard" in trackers(cfg) else ""
     print0(f"final weights: {run_dir / 'final'}\nplot: {plot(run_dir)}\nmetrics: {run_dir / 'metrics.jsonl'}{board}")
@@ -857,8 +892,11 @@ def check_modes(cfg: Config) -> None:
     cannot work."""
     if cfg.sync_method == "auto":
         cfg.sync_method = "broadcast" if cfg.mode == "both" else "checkpoint"
-    if cfg.mode in ("explore", "train") and cfg.sync_method != "checkpoint":
-        raise ValueError(f"mode {cfg.mode} runs in its own launch: it syncs by --sync-method checkpoint")
+    if cfg.mode in ("explore", "train") and cfg.sync_method == "broadcast" and not cfg.sync_port:
+        raise ValueError(f"mode {cfg.mode} with --sync-method broadcast needs --sync-port (the same on trainer and "
+                         "explorers) and, across hosts, --sync-host (the trainer host's address)")
+    if cfg.num_explorers < 1:
+        raise ValueError(f"num_explorers must be >= 1, got {cfg.num_explorers}")
     if cfg.inflight and cfg.mode not in ("both", "explore"):
         raise ValueError("--inflight is a setting of the explorer (mode both or explore)")
     bound = cfg.sync_offset + cfg.sync_interval - 1

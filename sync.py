@@ -31,6 +31,7 @@ import fcntl
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -75,21 +76,38 @@ def checksum(tensors: Iterable[torch.Tensor]) -> float:
     return float(sum(t.detach().double().sum() for t in tensors))
 
 
+def local_address(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent). Gloo's sockets
+    bind to it: the default, the address of this machine's hostname, is often loopback."""
+    family, _, _, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
+
+
 class WeightSync:
     """One end of the weight-sync group.
 
-    rank 0 creates the TCPStore on `port` (0 = pick a free one, then read `.port`);
-    ranks >= 1 connect to it in `connect()`, which every rank calls. `timeout_s` bounds every
-    collective. Raises RuntimeError if `alive()` turns False while waiting (the peer died,
-    even before its store was reached), so no side hangs forever.
+    Rank 0 (the trainer: `rank` 0, `world_size` = 1 + the number of receivers) creates the
+    TCPStore on `host`:`port` (0 = pick a free one, then read `.port`) and records the world
+    size and the group's device type there. A receiver (`rank` None) connects to that store
+    in `connect()` and takes the next free rank, so explorers started separately (--mode
+    explore, other hosts) need only the address. `connect()` blocks until every rank has
+    called it. `timeout_s` bounds every collective. Raises RuntimeError if `alive()` turns
+    False while waiting (the peer died, even before its store was reached), so no side
+    hangs forever, and for a receiver more than the trainer expects.
     """
 
-    def __init__(self, rank: int, world_size: int, port: int = 0, host: str = "127.0.0.1",
+    def __init__(self, rank: int | None, world_size: int | None = None, port: int = 0, host: str = "127.0.0.1",
                  device: str = "cpu", timeout_s: float = 3600.0):
-        self.rank, self.device, self.host = rank, torch.device(device), host
-        self.rank, self.world_size, self.timeout = rank, world_size, timedelta(seconds=timeout_s)
-        self.store = (dist.TCPStore(host, port, world_size, is_master=True, timeout=self.timeout, wait_for_workers=False)
-                      if rank == 0 else None)
+        self.rank, self.world_size, self.device, self.host = rank, world_size, torch.device(device), host
+        self.timeout = timedelta(seconds=timeout_s)
+        self.store = None
+        if rank == 0:
+            self.store = dist.TCPStore(host, port, world_size, is_master=True, timeout=self.timeout,
+                                       wait_for_workers=False)
+            self.store.set("world", str(world_size))
+            self.store.set("device", self.device.type)
         self.port = self.store.port if self.store is not None else port
         self.group, self._pending = None, None
         # rank >= 1 on CPU: the receive buffers, one per dtype, kept between publishes (a fresh
@@ -99,15 +117,30 @@ class WeightSync:
     def connect(self, alive: Callable[[], bool] = lambda: True) -> "WeightSync":
         """Build the process group; blocks until every rank has called it (rank 0 calls it
         after starting the explorers it passed `.port` to). Raises RuntimeError if
-        `alive()` turns False meanwhile."""
-        make = dist.ProcessGroupNCCL if self.device.type == "cuda" else dist.ProcessGroupGloo
+        `alive()` turns False meanwhile, or when the group is full."""
         done: list = []  # the group, or the exception that building it raised
 
         def build():
             try:
                 if self.store is None:  # reaching rank 0's store retries until the timeout: alive() is checked meanwhile
-                    self.store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False, timeout=self.timeout)
-                done.append(make(dist.PrefixStore("weights", self.store), self.rank, self.world_size, timeout=self.timeout))
+                    self.store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
+                    self.world_size = int(self.store.get("world"))
+                    self.rank = self.store.add("joined", 1)
+                    if self.rank >= self.world_size:
+                        raise RuntimeError(f"the trainer expects {self.world_size - 1} explorer(s) (--num-explorers) "
+                                           "and all have joined")
+                    if self.store.get("device").decode() != self.device.type:
+                        raise RuntimeError(f"the trainer syncs on {self.store.get('device').decode()}, this explorer "
+                                           f"on {self.device.type}")
+                prefixed = dist.PrefixStore("weights", self.store)
+                if self.device.type == "cuda":
+                    group = dist.ProcessGroupNCCL(prefixed, self.rank, self.world_size, timeout=self.timeout)
+                else:  # gloo's sockets on the address that reaches rank 0's store, not the hostname's (loopback?)
+                    opts = dist.ProcessGroupGloo._Options()
+                    opts._timeout = self.timeout
+                    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(self.host))]
+                    group = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, opts)
+                done.append(group)
             except Exception as e:  # reported by connect(), not lost in the thread
                 done.append(e)
 
@@ -121,6 +154,20 @@ class WeightSync:
             raise RuntimeError(f"weight sync: building the process group failed: {done[0]}")
         self.group = done[0]
         return self
+
+    def leave(self) -> None:
+        """Rank >= 1: this receiver will not touch the store again (`wait_left`)."""
+        self.store.add("left", 1)
+
+    def wait_left(self, timeout_s: float) -> bool:
+        """Rank 0: wait until every receiver has called `leave` (the store goes with this
+        process); False after `timeout_s` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while self.store.add("left", 0) < self.world_size - 1:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _broadcast(self, t: torch.Tensor):
         opts = dist.BroadcastOptions()
@@ -274,21 +321,36 @@ class Receiver:
     load_checkpoint, version) and logs each receipt as {"explorer/received_version",
     "time/explorer_wait_sync_s", "sync/explorer_checksum"} through `log`.
 
-    By broadcast over the weight-sync group on `port` (mode both), or, with port None, from
-    the checkpoints in `run_dir` (mode explore, and --sync-method checkpoint), loaded under
-    `name`'s lease. `alive()` turns False when the trainer has died: a blocking receive
-    then raises RuntimeError instead of waiting."""
+    By broadcast over the weight-sync group whose store is at `host`:`port` (mode both; mode
+    explore with --sync-method broadcast), or, with port None, from the checkpoints in
+    `run_dir` (mode explore, and --sync-method checkpoint), loaded under `name`'s lease.
+    `alive()` turns False when the trainer has died: a blocking receive then raises
+    RuntimeError instead of waiting."""
 
     def __init__(self, engine, run_dir: str | Path, name: str, log: Callable[[dict], None],
-                 alive: Callable[[], bool], port: int | None = None, timeout_s: float = 600.0, device: str = "cpu"):
+                 alive: Callable[[], bool], port: int | None = None, timeout_s: float = 600.0, device: str = "cpu",
+                 host: str = "127.0.0.1"):
         self.engine, self.run_dir, self.name, self.log, self.alive = engine, run_dir, name, log, alive
-        self.port, self.timeout_s, self.device = port, timeout_s, device
+        self.port, self.timeout_s, self.device, self.host = port, timeout_s, device, host
 
     def join(self) -> None:
-        """Broadcast: join the weight-sync group as rank 1 on `device` ("cuda": NCCL, "cpu":
-        gloo), blocking until the trainer is there."""
+        """Broadcast: join the weight-sync group as the next receiving rank on `device`
+        ("cuda": NCCL, "cpu": gloo), blocking until the trainer and every other explorer are there."""
         if self.port is not None:
-            self.engine.join_weight_sync(self.port, self.timeout_s, self.alive, self.device)
+            self.engine.join_weight_sync(self.host, self.port, self.timeout_s, self.alive, self.device)
+
+    def leave(self) -> None:
+        """Broadcast: tell the trainer this explorer is done with the group (it waits for all)."""
+        if self.port is not None and self.engine.weights_joined():
+            self.engine.leave_weight_sync()
+
+    def catch_up(self) -> None:
+        """Take every publish announced so far (broadcast: each one, in order, as every
+        receiver must; checkpoint: the newest); never waits for one that is not announced."""
+        if self.port is None:
+            self.poll()
+        while self.port is not None and self.newest() > self.engine.version:
+            self.receive()
 
     def newest(self) -> int:
         """The newest version the trainer has published or started to publish (-1: none);
@@ -350,14 +412,15 @@ class VLLMWeightReceiver:
     `model.load_weights`, inside vLLM's layerwise-reload helpers (needed on CPU, where
     linear weights are prepacked and a bare load can have no effect)."""
 
-    def nanorft_join(self, model_path: str, port: int, timeout_s: float, trainer_pid: int, sync_device: str) -> None:
+    def nanorft_join(self, model_path: str, host: str, port: int, timeout_s: float, trainer_pid: int,
+                     sync_device: str) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         with torch.device("meta"):  # names and shapes of the HF checkpoint, in wire order
             hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
         device = self.device if self.device.type == "cuda" and sync_device == "cuda" else torch.device("cpu")
         self.nanorft_named = [(n, torch.empty(p.shape, dtype=p.dtype, device=device)) for n, p in hf.named_parameters()]
-        self.nanorft_sync = WeightSync(1, 2, port=port, device=device.type, timeout_s=timeout_s).connect(
+        self.nanorft_sync = WeightSync(None, port=port, host=host, device=device.type, timeout_s=timeout_s).connect(
             lambda: pid_alive(trainer_pid))
 
     def nanorft_receive(self) -> tuple[int, float]:
@@ -369,6 +432,12 @@ class VLLMWeightReceiver:
     def nanorft_announced(self) -> int:
         """The newest version the trainer has started to publish (never blocks)."""
         return self.nanorft_sync.announced()
+
+    def nanorft_joined(self) -> bool:
+        return getattr(self, "nanorft_sync", None) is not None
+
+    def nanorft_leave(self) -> None:
+        self.nanorft_sync.leave()
 
     def nanorft_load(self, path: str) -> float:
         """Load a safetensors checkpoint directory in place; returns its checksum."""

@@ -45,7 +45,7 @@ def raw_broadcast(ws: sync.WeightSync, flat: torch.Tensor) -> None:
 
 
 def receiver(port: int, sizes: list, device: str, sync_device: str, rounds: int, q) -> None:
-    ws = sync.WeightSync(1, 2, port=port, device=sync_device, timeout_s=600).connect()
+    ws = sync.WeightSync(None, port=port, device=sync_device, timeout_s=600).connect()
     params = [torch.empty(s, device=device) for s in sizes]
     flat = torch.empty(sum(p.numel() for p in params), device=sync_device)
     for _ in range(rounds):

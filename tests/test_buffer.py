@@ -150,3 +150,20 @@ def test_unreachable_or_bad_buffers_are_one_line(tmp_path):
     (tmp_path / "junk").write_text("not a database" * 100)
     with pytest.raises(ValueError, match="not a usable SQLite database"):
         Buffer(tmp_path / "junk")
+
+
+def test_a_new_run_does_not_mix_into_a_used_postgres_schema(postgres, tmp_path):
+    # mode both refuses a schema holding another run's experiences (as it refuses a non-empty run dir);
+    # --overwrite empties it, --resume and the fully asynchronous modes share it
+    from run import Config, check_buffer
+
+    run_dir = tmp_path / "shared"
+    url = f"{postgres}?schema=t_reuse_{tmp_path.name[-8:].lower().replace('-', '_')}"
+    Buffer(url).write_batch([group("old")], "e1", {"batch": 1})
+    with pytest.raises(FileExistsError, match="holds experiences of another run"):
+        check_buffer(Config(run_dir=str(run_dir), buffer=url))
+    check_buffer(Config(run_dir=str(run_dir), buffer=url, mode="train"))
+    check_buffer(Config(run_dir=str(run_dir), buffer=url, resume=True))
+    assert Buffer(url).counts()["total"] == 3
+    check_buffer(Config(run_dir=str(run_dir), buffer=url, overwrite=True))
+    assert Buffer(url).counts()["total"] == 0 and Buffer(url).explorer_state("e1") is None

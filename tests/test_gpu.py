@@ -87,7 +87,7 @@ def bf16_engine_receiver(model, port, q):
     from explorer import HFEngine
 
     engine = HFEngine(model, dtype=torch.bfloat16, device="cpu")
-    engine.join_weight_sync(port, 60, lambda: True, "cpu")
+    engine.join_weight_sync("127.0.0.1", port, 60, lambda: True, "cpu")
     version, digest = engine.receive_weights(lambda: True)
     q.put((version, digest, [p.float().tolist() for p in engine.parameters()]))
 

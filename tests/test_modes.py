@@ -242,3 +242,59 @@ def test_resume_after_kill_loses_and_repeats_nothing(tiny_model, tmp_path, sync)
 def test_bad_mode_config_is_one_error_line(tmp_path, args, message):
     res = run_py(*COMMON, "--model", str(tmp_path), "--run-dir", tmp_path / "r", *args)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and message in res.stderr, res.stderr
+
+
+def host_address() -> str:
+    """This machine's address on its default route (not loopback), or 127.0.0.1 without one."""
+    import sync
+
+    try:
+        return sync.local_address("198.51.100.1")  # a documentation address: only the route is looked up
+    except OSError:
+        return "127.0.0.1"
+
+
+@pytest.mark.parametrize("method", ["broadcast", "checkpoint"])
+def test_async_explorers_and_trainer_on_a_postgres_buffer(tiny_model, tmp_path, postgres, method):
+    # separate launches as on separate hosts: the buffer is a PostgreSQL server reached at this machine's
+    # network address (not loopback); weights by a broadcast group whose store the trainer hosts at the address
+    # given by --sync-host, or by checkpoints in the shared run directory
+    import socket
+    import uuid
+
+    import sync
+    from buffer import Buffer
+
+    addr = host_address()
+    url = postgres.replace("127.0.0.1", addr) + f"?schema=t_{uuid.uuid4().hex[:12]}"
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    common = ["--model", tiny_model, "--run-dir", run_dir, "--buffer", url, "--sync-method", method,
+              "--sync-host", addr, "--sync-port", port]
+    explorers = {name: popen(*common, "--mode", "explore", "--explorer-name", name) for name in ("e1", "e2")}
+    res = run_py(*COMMON, *common, "--mode", "train", "--steps", 4, "--sync-interval", 2, "--num-explorers", 2,
+                 timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for p in explorers.values():  # they see trainer_done in the buffer and stop by themselves
+        assert p.wait(timeout=120) == 0, p.stderr.read()[-3000:]
+    assert not (run_dir / "buffer.sqlite").exists()
+    steps = steps_of(run_dir)
+    assert [r["step"] for r in steps] == list(range(4))
+    assert {k.split("/")[1] for r in steps for k in r if k.endswith("/share")} == {"e1", "e2"}
+    buf = Buffer(url)
+    assert buf.run_state("trainer_done") == "4" and buf.counts()["consumed"] == 4 * 2 * 4
+    sent = {r["step"] + 1: r["sync/trainer_checksum"] for r in steps if "sync/trainer_checksum" in r}
+    assert sorted(sent) == [2, 4]
+    for name in ("e1", "e2"):
+        log = [json.loads(x) for x in (run_dir / f"explorer_{name}.jsonl").read_text().splitlines()]
+        got = {r["explorer/received_version"]: r["sync/explorer_checksum"] for r in log if "explorer/received_version" in r}
+        if method == "broadcast":  # every publish reached every explorer, bit for bit
+            assert got == pytest.approx(sent, rel=1e-12) and not (run_dir / "checkpoints").exists()
+        else:
+            assert max(got) == 4 and got[4] == pytest.approx(sent[4], rel=1e-12)
+    # the explorers' evaluations travel through the buffer to the trainer's metrics
+    evals = [r for r in strict_json_lines(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
+    assert {r["explorer"] for r in evals} == {"e1", "e2"}
+    assert sync.local_address(addr) == addr  # the address given by flag is this machine's own

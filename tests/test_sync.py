@@ -29,7 +29,7 @@ def test_published_versions_include_last_step():
 
 
 def receiver(port, q):
-    ws = sync.WeightSync(1, 2, port=port, timeout_s=60).connect()
+    ws = sync.WeightSync(None, port=port, timeout_s=60).connect()
     params = [torch.zeros(3, 2), torch.zeros(4), torch.zeros(2, dtype=torch.int64)]
     for _ in range(2):
         version = ws.recv(params)
@@ -67,4 +67,34 @@ def test_a_receiver_stops_waiting_when_the_trainer_died_before_its_store_was_rea
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(RuntimeError, match="died before joining"):
-        sync.WeightSync(1, 2, port=port, timeout_s=30).connect(lambda: False)
+        sync.WeightSync(None, port=port, timeout_s=30).connect(lambda: False)
+
+
+def leaving_receiver(host, port, q):
+    ws = sync.WeightSync(None, port=port, host=host, timeout_s=60).connect()
+    params = [torch.zeros(4)]
+    q.put((ws.rank, ws.recv(params), params[0].tolist()))
+    ws.leave()
+
+
+def test_receivers_take_ranks_from_the_store_and_leave():
+    # explorers started separately need only the address: each takes the next free rank; one too many is
+    # refused; the trainer waits until all have left before its store goes
+    from test_modes import host_address
+
+    host = host_address()
+    ws = sync.WeightSync(0, 3, port=0, host=host, timeout_s=60)
+    q = mp.get_context("spawn").Queue()
+    procs = [mp.get_context("spawn").Process(target=leaving_receiver, args=(host, ws.port, q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    ws.connect(lambda: all(p.is_alive() for p in procs))
+    ws.send(3, [torch.arange(4.0)])
+    got = sorted(q.get(timeout=60) for _ in procs)
+    assert got == [(1, 3, [0.0, 1.0, 2.0, 3.0]), (2, 3, [0.0, 1.0, 2.0, 3.0])]
+    assert ws.wait_left(60)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    with pytest.raises(RuntimeError, match="expects 2 explorer"):
+        sync.WeightSync(None, port=ws.port, host=host, timeout_s=30).connect()

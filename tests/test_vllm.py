@@ -44,7 +44,7 @@ def test_vllm_logprobs_match_trainer_and_follow_a_sync(tiny_model, engine):
     ws = sync.WeightSync(0, 2, port=0, timeout_s=120)
     joiner = threading.Thread(target=ws.connect)
     joiner.start()
-    engine.join_weight_sync(ws.port, 120, lambda: True)
+    engine.join_weight_sync("127.0.0.1", ws.port, 120, lambda: True)
     joiner.join()
     torch.manual_seed(0)
     with torch.no_grad():
