@@ -3,6 +3,7 @@
     python benchmarks/faults.py                          # all three parts (about 30 min on 2 CPU cores)
     python benchmarks/faults.py --part kills --trials 27 # kill -9 at random moments and in writes, then --resume
     python benchmarks/faults.py --part buffer            # concurrent writers + one reader; writers killed mid-write
+    python benchmarks/faults.py --part buffer-postgres   # the same on a PostgreSQL server it starts
     python benchmarks/faults.py --part inputs            # malformed flags, files, plug-ins
 
 kills:  each trial starts a short run of a tiny random model (mode both with broadcast or
@@ -262,13 +263,19 @@ def _write(path: str, name: str, n_groups: int, size: int) -> None:
         buf.write_batch([group], name, {"batch": i + 1})
 
 
-def concurrent_writers(writers: int, experiences: int, size: int) -> dict:
-    """W writer processes x `experiences` each (groups of `size`), one reader in this process."""
+def sqlite_buffer(d: str) -> str:
+    """A fresh SQLite buffer in directory `d` (the default `fresh` of the buffer part)."""
+    return str(Path(d) / "buffer.sqlite")
+
+
+def concurrent_writers(writers: int, experiences: int, size: int, fresh=sqlite_buffer) -> dict:
+    """W writer processes x `experiences` each (groups of `size`), one reader in this process,
+    on the buffer `fresh(temporary directory)` returns (a SQLite path or a PostgreSQL URL)."""
     from buffer import Buffer
 
     n_groups = experiences // size
     with tempfile.TemporaryDirectory() as d:
-        path = str(Path(d) / "buffer.sqlite")
+        path = fresh(d)
         Buffer(path)
         procs = [mp.get_context("spawn").Process(target=_write, args=(path, f"w{k}", n_groups, size))
                  for k in range(writers)]
@@ -286,7 +293,7 @@ def concurrent_writers(writers: int, experiences: int, size: int) -> dict:
             "served_twice": len(rows) - len(set(rows)), "lost": writers * n_groups * size - len(set(rows)) + left}
 
 
-def killed_writers(trials: int, size: int, rng: random.Random) -> dict:
+def killed_writers(trials: int, size: int, rng: random.Random, fresh=sqlite_buffer) -> dict:
     """kill -9 a writer at a random moment; count partial groups left in the buffer and
     explorer states that do not match the writer's stored batches."""
     from buffer import Buffer
@@ -294,7 +301,7 @@ def killed_writers(trials: int, size: int, rng: random.Random) -> dict:
     partial = mismatched = 0
     for _ in range(trials):
         with tempfile.TemporaryDirectory() as d:
-            path = str(Path(d) / "buffer.sqlite")
+            path = fresh(d)
             Buffer(path)
             p = mp.get_context("spawn").Process(target=_write, args=(path, "w", 10 ** 6, size))
             p.start()
@@ -304,20 +311,35 @@ def killed_writers(trials: int, size: int, rng: random.Random) -> dict:
             os.kill(p.pid, signal.SIGKILL)
             p.join()
             buf = Buffer(path)
-            db = sqlite3.connect(path)
-            sizes = [n for (n,) in db.execute("SELECT COUNT(*) FROM experiences GROUP BY group_id")]
+            sizes = [n for (n,) in buf.db.execute("SELECT COUNT(*) FROM experiences GROUP BY group_id").fetchall()]
             partial += sum(n != size for n in sizes)
             mismatched += int((buf.explorer_state("w") or {"batch": 0})["batch"] != len(sizes))
     return {"killed_writers": trials, "partial_groups_left": partial, "state_mismatch": mismatched}
 
 
-def part_buffer(writers: int, experiences: int, kills: int, seed: int) -> dict:
-    runs = [concurrent_writers(1, 128_000 * experiences // 2000, 64), concurrent_writers(writers, experiences, 8)]
+def part_buffer(writers: int, experiences: int, kills: int, seed: int, fresh=sqlite_buffer) -> dict:
+    runs = [concurrent_writers(1, 128_000 * experiences // 2000, 64, fresh),
+            concurrent_writers(writers, experiences, 8, fresh)]
     for r in runs:
         print(" ".join(f"{k}={v}" for k, v in r.items()), flush=True)
-    killed = killed_writers(kills, 64, random.Random(seed))
+    killed = killed_writers(kills, 64, random.Random(seed), fresh)
     print(" ".join(f"{k}={v}" for k, v in killed.items()))
     return {"concurrent": runs, **killed}
+
+
+def part_buffer_postgres(writers: int, experiences: int, kills: int, seed: int) -> dict:
+    """The buffer part on a PostgreSQL server started for it (tests/conftest.py: start_postgres),
+    a fresh schema per trial."""
+    import uuid
+
+    from conftest import start_postgres
+
+    with tempfile.TemporaryDirectory() as d:
+        url, stop = start_postgres(Path(d))
+        try:
+            return part_buffer(writers, experiences, kills, seed, lambda _: f"{url}?schema=f_{uuid.uuid4().hex[:12]}")
+        finally:
+            stop()
 
 
 # ----------------------------------------------------------------------------- malformed inputs
@@ -463,7 +485,8 @@ def part_inputs(model: str, workers: int = 2, fast_only: bool = False) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=["kills", "buffer", "inputs", "all"], default="all")
+    p.add_argument("--part", choices=["kills", "buffer", "buffer-postgres", "inputs", "all"], default="all",
+                   help="buffer-postgres: the buffer part on a PostgreSQL server it starts (all: both buffer parts)")
     p.add_argument("--trials", type=int, default=27, help="kill -9 trials (27: each scenario x victim x moment)")
     p.add_argument("--writers", type=int, default=4)
     p.add_argument("--experiences", type=int, default=2000, help="experiences per writer")
@@ -476,6 +499,8 @@ def main() -> None:
         model = str(make_tiny_model(Path(d) / "model"))
         if args.part in ("buffer", "all"):
             out["buffer"] = part_buffer(args.writers, args.experiences, args.writer_kills, args.seed)
+        if args.part in ("buffer-postgres", "all"):
+            out["buffer-postgres"] = part_buffer_postgres(args.writers, args.experiences, args.writer_kills, args.seed)
         if args.part in ("inputs", "all"):
             out["inputs"] = part_inputs(model)
         if args.part in ("kills", "all"):
@@ -487,12 +512,14 @@ def main() -> None:
         print(f"kill -9 trials {k['trials']}: lost {k['lost']}, trained twice {k['trained_twice']}, generated twice "
               f"{k['generated_twice']}, could not resume {k['could_not_resume']}, left running {k['left_running']}; "
               f"phases {k['phases']}")
-    if "buffer" in out:
-        for r in out["buffer"]["concurrent"]:
-            print(f"buffer {r['writers']} writer(s) x {r['experiences'] // r['writers']} experiences (groups of "
+    for part in ("buffer", "buffer-postgres"):
+        if part not in out:
+            continue
+        for r in out[part]["concurrent"]:
+            print(f"{part} {r['writers']} writer(s) x {r['experiences'] // r['writers']} experiences (groups of "
                   f"{r['group_size']}): partial {r['partial_reads']}, served twice {r['served_twice']}, lost {r['lost']}")
-        b = out["buffer"]
-        print(f"writers killed mid-write {b['killed_writers']}: partial groups left {b['partial_groups_left']}, "
+        b = out[part]
+        print(f"{part}: writers killed mid-write {b['killed_writers']}: partial groups left {b['partial_groups_left']}, "
               f"explorer state mismatched {b['state_mismatch']}")
     if "inputs" in out:
         i = out["inputs"]

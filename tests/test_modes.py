@@ -234,7 +234,8 @@ def test_resume_after_kill_loses_and_repeats_nothing(tiny_model, tmp_path, sync)
 @pytest.mark.parametrize("args,message", [
     (["--max-staleness", "0", "--sync-interval", "2"], "max_staleness 0 < sync_offset + sync_interval - 1 = 1"),
     (["--inflight", "--mode", "train"], "--inflight is a setting of the explorer"),
-    (["--mode", "train", "--sync-method", "broadcast"], "syncs by --sync-method checkpoint"),
+    (["--mode", "train", "--sync-method", "broadcast"], "with --sync-method broadcast needs --sync-port"),
+    (["--mode", "train", "--num-explorers", "0"], "num_explorers must be >= 1"),
     (["--mode", "train", "--overwrite"], "--overwrite would delete a run directory shared"),
     (["--train-data", "x.jsonl"], "--train-data is for --mode train"),
     (["--resume"], "--resume: no run to resume in"),

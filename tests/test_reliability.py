@@ -205,7 +205,6 @@ def test_explorers_differ_and_one_explorer_continues_the_same_after_a_restart(ti
     (["--top-p", "0.9"], "top_p 0.9 < 1 is for mode bench only"),
     (["--bench-models", "smollm2-135m"], "--bench-models is for --mode bench"),
     (["--max-staleness", "-2"], "max_staleness must be >= 0, or -1 for no bound"),
-    (["--mode", "train", "--sync-method", "broadcast"], "with --sync-method broadcast needs --sync-port"),
     (["--buffer", "postgresql://u:pw@127.0.0.1:1/db"], "buffer postgresql://127.0.0.1:1/db (schema nanorft_r): "),
 ])
 def test_bad_settings_are_one_error_line(tiny_model, tmp_path, args, message):

@@ -149,14 +149,14 @@ def test_lagged_rewards_train_and_nothing_unready_is_served(tiny_model, tmp_path
     assert db.execute("SELECT COUNT(*) FROM experiences WHERE consumed > 0").fetchone()[0] == 24
 
 
-def test_buffer_command_line_sets_lagged_rewards(tmp_path):
+def test_buffer_command_line_sets_lagged_rewards(buffer_url):
     import subprocess
     import sys
 
     from buffer import Buffer, Experience
     from conftest import ROOT
 
-    path = tmp_path / "b.sqlite"
+    path = buffer_url  # a SQLite file, or a PostgreSQL URL with ?schema=
     buf = Buffer(path)
     buf.write([Experience([1, 2, 3], 2, [-1.0], [1], None, "g1", "t", 0) for _ in range(2)])
     assert buf.pending_groups() == ["g1"]
