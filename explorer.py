@@ -189,20 +189,15 @@ class HFEngine(Engine):
         return [p for _, p in self.model.named_parameters()]
 
     def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
-        self.weights = sync.WeightSync(None, port=port, host=host, device=device, timeout_s=timeout_s).connect(alive)
+        self.weights = sync.WeightSync(None, port=port, host=host, device=device, timeout_s=timeout_s,
+                                       wire_dtype=self.parameters()[0].dtype).connect(alive)
 
     def receive_weights(self, alive):
-        """The next publish (the trainer's float32 on the wire) into the weights, through a
-        float32 copy when they are held in another dtype (bf16 when colocated)."""
+        """The next publish into the weights, in place (the wire carries their dtype: bf16
+        when colocated)."""
         params = self.parameters()
-        wire = params if all(p.dtype == torch.float32 for p in params) else \
-            [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]
-        self.version = self.weights.recv(wire, alive)
-        if wire is not params:
-            with torch.no_grad():
-                for p, w in zip(params, wire):
-                    p.copy_(w)
-        return self.version, sync.checksum(wire)
+        self.version = self.weights.recv(params, alive)
+        return self.version, sync.checksum(params)
 
     def load_checkpoint(self, path, version):
         state = sync.read_safetensors(path)

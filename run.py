@@ -137,6 +137,8 @@ class Config:
     """address of the weight-sync store: trainer rank 0 listens there, explorers connect to it (the trainer host's address for explorers on other hosts)"""
     sync_port: int = 0
     """port of the weight-sync store (0 = a free one, mode both); modes train and explore with broadcast sync: the same port on both sides"""
+    sync_bucket_mb: float = 0.0
+    """broadcast sync in buckets of at most this many MiB of float32 parameters, gathered, cast to the explorer's dtype and sent one at a time (O(bucket) extra memory; the trainer then waits for the explorers to take each publish); 0 = the whole model in one buffer, sent while the trainer goes on"""
     num_explorers: int = 1
     """mode train with broadcast sync: the explorers that join the weight-sync group (the trainer waits for all before step 0)"""
     sync_interval: int = 2
@@ -310,7 +312,7 @@ def parse_config(argv: list[str]) -> Config:
     types = {f.name: f.type for f in dataclasses.fields(Config)}
     cfg = Config(**{k: _coerce(k, v, types[k]) for k, v in values.items()})
     for name in ("steps", "batch_size", "group_size", "max_tokens", "sync_interval", "eval_interval", "token_budget",
-                 "bench_k"):
+                 "bench_k", "num_explorers"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.workflow_timeout_s <= 0 or cfg.workflow_retries < 0 or cfg.refill_rounds < 0:
@@ -321,7 +323,7 @@ def parse_config(argv: list[str]) -> Config:
         if f.type == "float" and not math.isfinite(getattr(cfg, f.name)):
             raise ValueError(f"{f.name} must be a finite number, got {getattr(cfg, f.name)}")
     for name in ("lr", "weight_decay", "max_grad_norm", "kl_loss_coef", "kl_reward_coef", "entropy_coef", "length_penalty",
-                 "eval_temperature", "buffer_timeout_s", "sync_timeout_s"):
+                 "eval_temperature", "buffer_timeout_s", "sync_timeout_s", "sync_bucket_mb"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     for name in ("train_size", "eval_size", "checkpoint_interval", "log_samples", "trainer_threads", "explorer_threads"):
@@ -791,11 +793,12 @@ def start_explorer(cfg: Config, io, model_path: str, version: int, layout: Place
 
     import sync
     from explorer import run_mode_both
+    from trainer import bucket_elems
 
     weights = None
     if cfg.sync_method != "checkpoint":
         weights = sync.WeightSync(0, 2, port=cfg.sync_port, host=cfg.sync_host, device=layout.sync_device,
-                                  timeout_s=cfg.sync_timeout_s)
+                                  timeout_s=cfg.sync_timeout_s, bucket_elems=bucket_elems(cfg))
     queue = mp.get_context("spawn").Queue()
     explorer = mp.get_context("spawn").Process(target=run_mode_both, name="explorer",
                                                args=(cfg, model_path, weights.port if weights else 0, cfg.steps, queue,
@@ -804,7 +807,7 @@ def start_explorer(cfg: Config, io, model_path: str, version: int, layout: Place
     io.alive, io.records = explorer.is_alive, lambda: queued(queue)
     if weights:
         weights.connect(io.alive)
-        io.send_weights = lambda v, params: weights.send(v, params, io.alive)
+        io.send_weights = lambda v, buckets: weights.send(v, buckets, io.alive)
     else:  # it may start from a resume state that the first save_state deletes: wait until it is loaded
         wait_until_loaded(explorer, queue)
     return explorer, weights
@@ -817,14 +820,15 @@ def connect_explorers(cfg: Config, io, layout: Placement, version: int, params) 
     this trainer was resumed (they start from the model), and connect `io` to the group.
     Returns the sync.WeightSync."""
     import sync
+    from trainer import bucket_elems
 
     weights = sync.WeightSync(0, 1 + cfg.num_explorers, port=cfg.sync_port, host=cfg.sync_host,
-                              device=layout.sync_device, timeout_s=cfg.sync_timeout_s)
+                              device=layout.sync_device, timeout_s=cfg.sync_timeout_s, bucket_elems=bucket_elems(cfg))
     print0(f"weight sync: waiting for {cfg.num_explorers} explorer(s) at {cfg.sync_host}:{weights.port}")
     weights.connect()
     io.send_weights = weights.send
     if params is not None:
-        weights.send(version, params)
+        weights.send(version, [params])
     return weights
 
 
@@ -895,8 +899,6 @@ def check_modes(cfg: Config) -> None:
     if cfg.mode in ("explore", "train") and cfg.sync_method == "broadcast" and not cfg.sync_port:
         raise ValueError(f"mode {cfg.mode} with --sync-method broadcast needs --sync-port (the same on trainer and "
                          "explorers) and, across hosts, --sync-host (the trainer host's address)")
-    if cfg.num_explorers < 1:
-        raise ValueError(f"num_explorers must be >= 1, got {cfg.num_explorers}")
     if cfg.inflight and cfg.mode not in ("both", "explore"):
         raise ValueError("--inflight is a setting of the explorer (mode both or explore)")
     bound = cfg.sync_offset + cfg.sync_interval - 1

@@ -22,8 +22,13 @@ then renamed over the old one), so a reader never sees a partial checkpoint
 Group. Trainer rank 0 hosts a TCPStore; a `ProcessGroupGloo` (CPU) or `ProcessGroupNCCL`
 (CUDA) is built directly on a PrefixStore("weights", store), separate from the trainer's
 FSDP group. Rank 0 = trainer, ranks 1.. = explorers. One publish = broadcast of the
-version (int64 [1]) then of all parameters flattened into one buffer per dtype, in
-`named_parameters()` order (identical on both ends: same architecture).
+version (int64 [1]) then of the parameters in `named_parameters()` order (identical on
+both ends: same architecture), flattened into buckets (`bucket_ranges`: consecutive
+parameters of at most `bucket_elems` elements; 0 = one bucket for all) and cast to the
+wire dtype, the dtype the receivers hold (float32 when they differ): bf16 to a bf16 vLLM.
+Unbucketed, rank 0 copies everything into one buffer and goes on while it is sent (a full
+copy of the model at the wire dtype); bucketed, it sends one bucket at a time and waits
+until every receiver has taken it (O(bucket) memory, the trainer waits for the explorers).
 """
 from __future__ import annotations
 
@@ -99,20 +104,22 @@ class WeightSync:
     """
 
     def __init__(self, rank: int | None, world_size: int | None = None, port: int = 0, host: str = "127.0.0.1",
-                 device: str = "cpu", timeout_s: float = 3600.0):
+                 device: str = "cpu", timeout_s: float = 3600.0, bucket_elems: int = 0,
+                 wire_dtype: torch.dtype = torch.float32):
         self.rank, self.world_size, self.device, self.host = rank, world_size, torch.device(device), host
-        self.timeout = timedelta(seconds=timeout_s)
+        self.timeout, self.bucket_elems, self.wire_dtype = timedelta(seconds=timeout_s), bucket_elems, wire_dtype
         self.store = None
         if rank == 0:
             self.store = dist.TCPStore(host, port, world_size, is_master=True, timeout=self.timeout,
                                        wait_for_workers=False)
             self.store.set("world", str(world_size))
             self.store.set("device", self.device.type)
+            self.store.set("bucket_elems", str(bucket_elems))
         self.port = self.store.port if self.store is not None else port
         self.group, self._pending = None, None
-        # rank >= 1 on CPU: the receive buffers, one per dtype, kept between publishes (a fresh
-        # host allocation of the model's size page-faults on every publish: ~2x slower sync)
-        self._flats: list[torch.Tensor] = []
+        # rank >= 1 on CPU: the receive buffer (one bucket's size), kept between publishes (a
+        # fresh host allocation of the model's size page-faults on every publish: ~2x slower sync)
+        self._flat: torch.Tensor | None = None
 
     def connect(self, alive: Callable[[], bool] = lambda: True) -> "WeightSync":
         """Build the process group; blocks until every rank has called it (rank 0 calls it
@@ -132,6 +139,8 @@ class WeightSync:
                     if self.store.get("device").decode() != self.device.type:
                         raise RuntimeError(f"the trainer syncs on {self.store.get('device').decode()}, this explorer "
                                            f"on {self.device.type}")
+                    self.bucket_elems = int(self.store.get("bucket_elems"))
+                    self.store.set(f"wire_dtype/{self.rank}", str(self.wire_dtype).removeprefix("torch."))
                 prefixed = dist.PrefixStore("weights", self.store)
                 if self.device.type == "cuda":
                     group = dist.ProcessGroupNCCL(prefixed, self.rank, self.world_size, timeout=self.timeout)
@@ -153,6 +162,9 @@ class WeightSync:
         if isinstance(done[0], Exception):
             raise RuntimeError(f"weight sync: building the process group failed: {done[0]}")
         self.group = done[0]
+        if self.rank == 0:  # every receiver has declared its dtype before the group could form
+            names = {self.store.get(f"wire_dtype/{r}").decode() for r in range(1, self.world_size)}
+            self.wire_dtype = getattr(torch, names.pop()) if len(names) == 1 else torch.float32
         return self
 
     def leave(self) -> None:
@@ -186,14 +198,24 @@ class WeightSync:
             else:
                 time.sleep(poll_s)
 
-    def send(self, version: int, params: list[torch.Tensor], alive: Callable[[], bool] = lambda: True) -> None:
-        """Rank 0: publish `params` (full tensors) as `version`. Returns once the previous
-        publish has completed and this one is in flight (the data is copied first)."""
+    def send(self, version: int, buckets: Iterable[list[torch.Tensor]], alive: Callable[[], bool] = lambda: True) -> float:
+        """Rank 0: publish `buckets` (full tensors, cut by `bucket_ranges` with this
+        group's bucket_elems; unbucketed: one list of all) as `version`, cast to the wire
+        dtype. Returns the checksum of what was sent, once the previous publish has
+        completed and this one is in flight (its data copied first); bucketed, once every
+        receiver has taken every bucket (a bucket is built only when the previous one is
+        taken: `buckets` may gather lazily)."""
         self.wait(alive)
         self.store.set("published", str(version))
         self._pending = [self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))]
-        for flat in _flatten(params, self.device):
+        digest = 0.0
+        for tensors in buckets:
+            flat = torch.cat([t.detach().reshape(-1).to(self.device, self.wire_dtype) for t in tensors])  # [bucket]
+            digest += float(flat.sum(dtype=torch.float64))
             self._pending.append(self._broadcast(flat))
+            if self.bucket_elems:
+                self.wait(alive)
+        return digest
 
     def announced(self) -> int:
         """Rank >= 1: the newest version rank 0 has started to publish (-1 before any);
@@ -201,40 +223,48 @@ class WeightSync:
         return int(self.store.get("published")) if self.store.check(["published"]) else -1
 
     def recv(self, params: list[torch.Tensor], alive: Callable[[], bool] = lambda: True) -> int:
-        """Rank >= 1: receive the next publish into `params` in place; returns its version."""
+        """Rank >= 1: receive the next publish into `params` in place, bucket by bucket
+        through one buffer of the largest bucket's size (wire dtype); returns its version."""
         version = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._pending = [self._broadcast(version)]
-        want = [(dtype, sum(p.numel() for p in ps)) for dtype, ps in _by_dtype(params).items()]
-        if [(f.dtype, f.numel()) for f in self._flats] != want:
-            self._flats = [torch.empty(n, dtype=dtype, device=self.device) for dtype, n in want]
-        flats = self._flats
+        ranges = bucket_ranges([p.numel() for p in params], self.bucket_elems)
+        need = max(sum(params[i].numel() for i in r) for r in ranges)
+        if self._flat is None or self._flat.numel() != need or self._flat.dtype != self.wire_dtype:
+            self._flat = torch.empty(need, dtype=self.wire_dtype, device=self.device)
+        buffer = self._flat
         if self.device.type != "cpu":  # CUDA's caching allocator reuses the memory anyway: hold none between publishes
-            self._flats = []
-        self._pending += [self._broadcast(f) for f in flats]
-        self.wait(alive)
-        _unflatten(flats, params)
+            self._flat = None
+        for r in ranges:
+            ps = [params[i] for i in r]
+            flat = buffer[:sum(p.numel() for p in ps)]  # [bucket]
+            self._pending.append(self._broadcast(flat))
+            self.wait(alive)
+            _unflatten(flat, ps)
         return int(version.item())
 
 
-def _by_dtype(params: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
-    out: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        out.setdefault(p.dtype, []).append(p)
+def bucket_ranges(numels: list[int], limit: int) -> list[range]:
+    """Cut tensors of `numels` elements into consecutive index ranges of at most `limit`
+    elements each (a tensor larger than `limit` is a range of its own; `limit` 0: one
+    range for all). Both ends of a publish cut the same way."""
+    if limit <= 0 or not numels:
+        return [range(len(numels))]
+    out, start, size = [], 0, 0
+    for i, n in enumerate(numels):
+        if i > start and size + n > limit:
+            out.append(range(start, i))
+            start, size = i, 0
+        size += n
+    out.append(range(start, len(numels)))
     return out
 
 
-def _flatten(params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Copies of `params` in one flat buffer per dtype (in first-seen dtype order)."""
-    return [torch.cat([p.detach().reshape(-1).to(device) for p in ps]) for ps in _by_dtype(params).values()]
-
-
 @torch.no_grad()
-def _unflatten(flats: list[torch.Tensor], params: list[torch.Tensor]) -> None:
-    for flat, ps in zip(flats, _by_dtype(params).values()):
-        offset = 0
-        for p in ps:
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+def _unflatten(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
+    offset = 0
+    for p in params:
+        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
 
 
 @contextmanager
@@ -416,11 +446,13 @@ class VLLMWeightReceiver:
                      sync_device: str) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        dtype = self.vllm_config.model_config.dtype  # the wire carries it: bf16 to a bf16 vLLM
         with torch.device("meta"):  # names and shapes of the HF checkpoint, in wire order
-            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
         device = self.device if self.device.type == "cuda" and sync_device == "cuda" else torch.device("cpu")
         self.nanorft_named = [(n, torch.empty(p.shape, dtype=p.dtype, device=device)) for n, p in hf.named_parameters()]
-        self.nanorft_sync = WeightSync(None, port=port, host=host, device=device.type, timeout_s=timeout_s).connect(
+        self.nanorft_sync = WeightSync(None, port=port, host=host, device=device.type, timeout_s=timeout_s,
+                                       wire_dtype=dtype).connect(
             lambda: pid_alive(trainer_pid))
 
     def nanorft_receive(self) -> tuple[int, float]:
@@ -449,7 +481,7 @@ class VLLMWeightReceiver:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         model = self.model_runner.model
-        dtype = self.vllm_config.model_config.dtype  # the trainer sends float32; vLLM may hold bf16
+        dtype = self.vllm_config.model_config.dtype  # a checkpoint may hold float32; vLLM may hold bf16
         tied = self.vllm_config.model_config.hf_config.tie_word_embeddings
         expected = ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
         # layers a publish has no tensors for (no weights; the tied lm_head comes as the embedding)

@@ -213,7 +213,16 @@ class Trainer:
     def full_parameters(self) -> list[torch.Tensor]:
         """All parameters as full tensors in `named_parameters()` order. Collective: every
         rank must call it; every rank gets the tensors."""
-        return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for _, p in self.model.named_parameters()]
+        return next(self.parameter_buckets(0))
+
+    def parameter_buckets(self, bucket_elems: int):
+        """The parameters as full tensors in `named_parameters()` order, gathered one bucket
+        (sync.bucket_ranges: at most `bucket_elems` elements; 0 = all) at a time as the
+        generator is advanced: O(bucket) extra memory. Collective: every rank must advance
+        it as far as the others."""
+        params = [p for _, p in self.model.named_parameters()]
+        for r in sync.bucket_ranges([p.numel() for p in params], bucket_elems):
+            yield [params[i].full_tensor() if isinstance(params[i], DTensor) else params[i].detach() for i in r]
 
     def _plan(self, units: list[list[Experience]], dummy: Experience) -> list[tuple[list[Experience], bool]]:
         """Micro-batches of this rank's units, padded with masked copies of `dummy` (flag
@@ -499,14 +508,21 @@ def explorer_shares(groups: list, version: int) -> dict[str, float]:
     return out
 
 
+def bucket_elems(cfg) -> int:
+    """The weight-sync bucket in elements: --sync-bucket-mb MiB of float32 (the trainer's
+    gathered parameters; on a bf16 wire a bucket takes half that); 0 = unbucketed."""
+    return int(cfg.sync_bucket_mb * 2 ** 20) // 4
+
+
 @dataclass
 class LoopIO:
     """What the loop talks to on rank 0 (the other ranks get the defaults). buffer: the
     run's buffer.Buffer; offline / expert: workflows.OfflineSampler of offline (SFT, DPO)
     and expert (MIX) data, or None; metrics: an object with write(record) (run.Metrics);
     records(): the explorers' new records (batch stats, evaluations, weight receipts,
-    errors); send_weights(version, params): the broadcast to the explorer, or None:
-    weights are published as checkpoints in the run dir (not with offline data);
+    errors); send_weights(version, buckets) -> checksum: the broadcast to the explorers
+    (sync.WeightSync.send), or None: weights are published as checkpoints in the run dir
+    (not with offline data);
     alive(): False once the explorer this loop waits for has died."""
 
     buffer: Any = None
@@ -514,7 +530,7 @@ class LoopIO:
     expert: Any = None
     metrics: Any = None
     records: Callable[[], list[dict]] = list
-    send_weights: Callable[[int, list[torch.Tensor]], None] | None = None
+    send_weights: Callable[[int, Any], float] | None = None
     alive: Callable[[], bool] = lambda: True  # noqa: E731
 
 
@@ -571,18 +587,28 @@ class TrainLoop:
             self.log(step, m, [g for g in groups[0] if not g[0].info.get("offline")])
 
     def publish(self, step: int, m: dict) -> None:
-        """Send the new weights to the explorer or publish them as a checkpoint (rank 0;
-        every rank gathers them); the last step also saves RUN_DIR/final."""
-        params, io = self.trainer.full_parameters(), self.io
-        if self.rank == 0:
-            if io.send_weights:
-                io.send_weights(self.trainer.version, params)
-            elif not io.offline:
-                sync.publish_checkpoint(Path(self.cfg.run_dir), self.trainer.version,
-                                        lambda d: self.trainer.save(d, params))
-            m["sync/trainer_checksum"] = sync.checksum(params)
-        if step == self.cfg.steps - 1:
-            self.trainer.save(Path(self.cfg.run_dir) / "final", params, self.trainer.final_dtype)
+        """Send the new weights to the explorers or publish them as a checkpoint (rank 0;
+        every rank gathers them); the last step also saves RUN_DIR/final. With
+        --sync-bucket-mb and broadcast sync, every rank gathers one bucket at a time while
+        rank 0 sends it (sync.WeightSync.send)."""
+        cfg, io, version = self.cfg, self.io, self.trainer.version
+        params = None
+        if cfg.sync_bucket_mb and cfg.sync_method == "broadcast" and not cfg.train_data:
+            buckets = self.trainer.parameter_buckets(bucket_elems(cfg))
+            if self.rank == 0:
+                m["sync/trainer_checksum"] = io.send_weights(version, buckets)
+            for _ in buckets:  # the other ranks take part in every gather
+                pass
+        else:
+            params = self.trainer.full_parameters()
+            if self.rank == 0 and io.send_weights:
+                m["sync/trainer_checksum"] = io.send_weights(version, [params])
+            elif self.rank == 0 and not io.offline:
+                sync.publish_checkpoint(Path(cfg.run_dir), version, lambda d: self.trainer.save(d, params))
+                m["sync/trainer_checksum"] = sync.checksum(params)
+        if step == cfg.steps - 1:
+            params = params if params is not None else self.trainer.full_parameters()
+            self.trainer.save(Path(cfg.run_dir) / "final", params, self.trainer.final_dtype)
 
     def drain(self) -> None:
         """Rank 0: the explorers' new records. Batch stats join their step's record;

@@ -86,7 +86,7 @@ def main() -> None:
         with torch.no_grad():
             params[0].add_(1.0)  # a new version each round
         t0 = time.monotonic()
-        ws.send(r, params, proc.is_alive)
+        ws.send(r, [params], proc.is_alive)
         kind, t1, digest = q.get(timeout=600)
         ws.wait(proc.is_alive)
         assert kind == "nanorft" and digest == sync.checksum(params), "the receiver holds other weights"

@@ -69,15 +69,20 @@ def test_sync_schedule_versions_in_buffer(tiny_model, tmp_path, interval, offset
 
 
 def test_torchrun_two_trainer_ranks(tiny_model, tmp_path):
+    # FSDP over 2 ranks with bucketed sync: every rank gathers one bucket (0.05 MiB) at a time, rank 0 sends it
     run_dir = tmp_path / "run"
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir,
-                 "--reward-fn", "tests.rewards.length_parity", "--steps", 2, "--eval-size", 0, nproc=2)
+                 "--reward-fn", "tests.rewards.length_parity", "--steps", 2, "--eval-size", 0,
+                 "--sync-bucket-mb", 0.05, nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r for r in metrics(run_dir) if "reward/mean" in r]
     assert [r["trainer/ranks"] for r in steps] == [2, 2]
     final = load_file(run_dir / "final" / "model.safetensors")
-    assert receipt(run_dir, 2)["sync/explorer_checksum"] == pytest.approx(
-        sum(v.double().sum().item() for v in final.values()), rel=1e-12)
+    checksum = sum(v.double().sum().item() for v in final.values())
+    assert receipt(run_dir, 2)["sync/explorer_checksum"] == pytest.approx(checksum, rel=1e-12)
+    for r in steps:  # every publish arrived whole
+        assert receipt(run_dir, r["step"] + 1)["sync/explorer_checksum"] == pytest.approx(r["sync/trainer_checksum"],
+                                                                                          rel=1e-12)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -93,7 +93,8 @@ def bf16_engine_receiver(model, port, q):
 
 
 def test_an_engine_holding_bf16_weights_receives_the_trainers_float32(tiny_model):
-    # the colocated HF engine holds bf16 weights; the trainer sends float32: the wire format must still match
+    # the colocated HF engine holds bf16 weights; the trainer holds float32: the engine declares bf16, the
+    # trainer casts on the wire, and the engine receives exactly the bf16 rounding of the trainer's weights
     import multiprocessing as mp
 
     import sync
@@ -105,9 +106,11 @@ def test_an_engine_holding_bf16_weights_receives_the_trainers_float32(tiny_model
     proc = mp.get_context("spawn").Process(target=bf16_engine_receiver, args=(tiny_model, ws.port, q))
     proc.start()
     ws.connect(proc.is_alive)
-    ws.send(3, sent, proc.is_alive)
+    assert ws.wire_dtype == torch.bfloat16
+    sent_digest = ws.send(3, [sent], proc.is_alive)
     version, digest, got = q.get(timeout=120)
     ws.wait(proc.is_alive)
     proc.join(60)
-    assert version == 3 and digest == pytest.approx(sync.checksum(sent), rel=1e-9)
+    assert version == 3 and digest == pytest.approx(sent_digest, rel=1e-12)
+    assert sent_digest == pytest.approx(sync.checksum(s.to(torch.bfloat16) for s in sent), rel=1e-12)
     assert all(torch.equal(torch.tensor(g), s.to(torch.bfloat16).float()) for g, s in zip(got, sent))

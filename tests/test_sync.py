@@ -44,7 +44,7 @@ def test_weight_sync_broadcast_two_processes():
     ws.connect(proc.is_alive)
     for version in (2, 4):
         params = [torch.randn(3, 2), torch.randn(4), torch.tensor([version, -version])]
-        ws.send(version, params, proc.is_alive)
+        ws.send(version, [params], proc.is_alive)
         got_version, got = q.get(timeout=60)
         assert got_version == version
         assert got == [p.tolist() for p in params]
@@ -89,7 +89,7 @@ def test_receivers_take_ranks_from_the_store_and_leave():
     for p in procs:
         p.start()
     ws.connect(lambda: all(p.is_alive() for p in procs))
-    ws.send(3, [torch.arange(4.0)])
+    ws.send(3, [[torch.arange(4.0)]])
     got = sorted(q.get(timeout=60) for _ in procs)
     assert got == [(1, 3, [0.0, 1.0, 2.0, 3.0]), (2, 3, [0.0, 1.0, 2.0, 3.0])]
     assert ws.wait_left(60)
@@ -98,3 +98,46 @@ def test_receivers_take_ranks_from_the_store_and_leave():
         assert p.exitcode == 0
     with pytest.raises(RuntimeError, match="expects 2 explorer"):
         sync.WeightSync(None, port=ws.port, host=host, timeout_s=30).connect()
+
+
+def test_bucket_ranges_cut_both_ends_the_same_way():
+    assert sync.bucket_ranges([4, 4, 4, 4], 8) == [range(0, 2), range(2, 4)]
+    assert sync.bucket_ranges([3, 10, 2, 2, 5], 6) == [range(0, 1), range(1, 2), range(2, 4), range(4, 5)]
+    assert sync.bucket_ranges([3, 10, 2], 0) == [range(0, 3)]  # unbucketed: one for all
+
+
+def bucket_receiver(port, dtype, q):
+    ws = sync.WeightSync(None, port=port, timeout_s=60, wire_dtype=dtype).connect()
+    params = [torch.zeros(3, 5, dtype=dtype), torch.zeros(40, dtype=dtype), torch.zeros(2, 2, dtype=dtype)]
+    version = ws.recv(params)
+    q.put((version, ws.bucket_elems, [p.float().tolist() for p in params], sync.checksum(params)))
+
+
+@pytest.mark.parametrize("bucket_elems,dtype", [(0, torch.float32), (16, torch.float32), (16, torch.bfloat16)])
+def test_bucketed_sync_equals_unbucketed_and_holds_one_bucket(bucket_elems, dtype):
+    # gloo, two processes: the receiver gets the same tensors whatever the bucket size, cast on the
+    # wire to the dtype it declared; the sender builds a bucket only after the previous one was taken
+    ws = sync.WeightSync(0, 2, port=0, timeout_s=60, bucket_elems=bucket_elems)
+    q = mp.get_context("spawn").Queue()
+    proc = mp.get_context("spawn").Process(target=bucket_receiver, args=(ws.port, dtype, q))
+    proc.start()
+    ws.connect(proc.is_alive)
+    assert ws.wire_dtype == dtype
+    torch.manual_seed(0)
+    params = [torch.randn(3, 5), torch.randn(40), torch.randn(2, 2)]
+    built = []
+
+    def buckets():  # lazily, as the trainer gathers them
+        for r in sync.bucket_ranges([p.numel() for p in params], bucket_elems):
+            built.append(len(ws._pending))  # publishes in flight when this bucket is built
+            yield [params[i] for i in r]
+
+    digest = ws.send(9, buckets(), proc.is_alive)
+    version, got_elems, got, received_digest = q.get(timeout=60)
+    ws.wait(proc.is_alive)
+    proc.join(60)
+    assert version == 9 and got_elems == bucket_elems
+    assert got == [p.to(dtype).float().tolist() for p in params]
+    assert digest == pytest.approx(received_digest, rel=1e-12)
+    if bucket_elems:  # 15 | 40 | 4 elements: three buckets; the 2nd and 3rd are built with nothing in flight
+        assert built == [1, 0, 0]

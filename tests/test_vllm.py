@@ -51,7 +51,7 @@ def test_vllm_logprobs_match_trainer_and_follow_a_sync(tiny_model, engine):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     params = [p for _, p in model.named_parameters()]
-    ws.send(7, params)
+    ws.send(7, [params])
     version, checksum = engine.receive_weights(lambda: True)
     ws.wait()
     assert version == 7 and checksum == pytest.approx(sync.checksum(params), rel=1e-12)
