@@ -211,8 +211,8 @@ class WeightSync:
         digest = 0.0
         for tensors in buckets:
             flat = torch.cat([t.detach().reshape(-1).to(self.device, self.wire_dtype) for t in tensors])  # [bucket]
-            digest += float(flat.sum(dtype=torch.float64))
             self._pending.append(self._broadcast(flat))
+            digest += float(flat.sum(dtype=torch.float64))  # while it is on its way (read only)
             if self.bucket_elems:
                 self.wait(alive)
         return digest

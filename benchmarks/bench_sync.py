@@ -1,12 +1,14 @@
 """Weight sync: nanorft's publish vs a raw broadcast of the same bytes, side by side.
 
-    python benchmarks/bench_sync.py [--model smollm2-135m] [--rounds 5] [--device cpu|cuda|colocated]
+    python benchmarks/bench_sync.py [--model smollm2-135m] [--rounds 5] [--device cpu|cuda|colocated] [--bucket-mb 64]
 
 Two processes join one weight-sync group (sync.WeightSync: gloo on CPU, NCCL between two
 GPUs; `colocated`: both on cuda:0, gloo through host memory, as run.place lays out one GPU).
 Each round, interleaved: (1) nanorft: rank 0 `send` of every parameter of the model (random
 weights of its architecture, float32) and rank 1 `recv` into its parameters; (2) raw: one
-broadcast of a preallocated flat buffer of the same bytes. The time of a publish runs from
+broadcast of a preallocated flat buffer of the same bytes; (3) bucketed: the publish of (1)
+over a second group with --sync-bucket-mb's buckets (gathered lazily, sent one at a time).
+The time of a publish runs from
 rank 0 starting it to rank 1 holding the weights (time.monotonic, one clock for both
 processes). Prints the medians, their ratio (raw / nanorft: 1.0 = no overhead), GB/s, and
 writes benchmarks/results/sync_<device>.json.
@@ -44,19 +46,20 @@ def raw_broadcast(ws: sync.WeightSync, flat: torch.Tensor) -> None:
     ws.group.broadcast([flat], opts).wait()
 
 
-def receiver(port: int, sizes: list, device: str, sync_device: str, rounds: int, q) -> None:
+def receiver(port: int, bucket_port: int, sizes: list, device: str, sync_device: str, rounds: int, q) -> None:
     ws = sync.WeightSync(None, port=port, device=sync_device, timeout_s=600).connect()
+    bucketed = sync.WeightSync(None, port=bucket_port, device=sync_device, timeout_s=600).connect()
     params = [torch.empty(s, device=device) for s in sizes]
     flat = torch.empty(sum(p.numel() for p in params), device=sync_device)
     for _ in range(rounds):
-        ws.recv(params)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        q.put(("nanorft", time.monotonic(), sync.checksum(params)))
-        raw_broadcast(ws, flat)
-        if sync_device == "cuda":
-            torch.cuda.synchronize()
-        q.put(("raw", time.monotonic(), None))
+        for kind, group in (("nanorft", ws), ("raw", None), ("bucketed", bucketed)):
+            if group is None:
+                raw_broadcast(ws, flat)
+            else:
+                group.recv(params)
+            if device.startswith("cuda") or sync_device == "cuda":
+                torch.cuda.synchronize()
+            q.put((kind, time.monotonic(), sync.checksum(params) if group else None))
 
 
 def main() -> None:
@@ -64,6 +67,7 @@ def main() -> None:
     p.add_argument("--model", default=run.DEFAULT_MODEL, help="architecture to publish (a --model name of run.py)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "colocated"])
+    p.add_argument("--bucket-mb", type=float, default=64.0, help="bucket of the bucketed publish (MiB of float32)")
     args = p.parse_args()
     if args.device != "cpu" and not torch.cuda.is_available():
         sys.exit(f"bench_sync.py: --device {args.device} needs a CUDA GPU")
@@ -76,35 +80,45 @@ def main() -> None:
     nbytes = sum(x.numel() * x.element_size() for x in params)
     flat = torch.cat([x.reshape(-1) for x in params]).to(sync_device)
     ws = sync.WeightSync(0, 2, port=0, device=sync_device, timeout_s=600)
+    elems = int(args.bucket_mb * 2 ** 20) // 4
+    bucketed = sync.WeightSync(0, 2, port=0, device=sync_device, timeout_s=600, bucket_elems=elems)
     q = mp.get_context("spawn").Queue()
-    proc = mp.get_context("spawn").Process(target=receiver, args=(ws.port, sizes, receiver_dev, sync_device,
-                                                                  args.rounds, q))
+    proc = mp.get_context("spawn").Process(target=receiver, args=(ws.port, bucketed.port, sizes, receiver_dev,
+                                                                  sync_device, args.rounds, q))
     proc.start()
     ws.connect(proc.is_alive)
-    times: dict[str, list[float]] = {"nanorft": [], "raw": []}
+    bucketed.connect(proc.is_alive)
+    times: dict[str, list[float]] = {"nanorft": [], "raw": [], "bucketed": []}
     for r in range(args.rounds):
         with torch.no_grad():
             params[0].add_(1.0)  # a new version each round
-        t0 = time.monotonic()
-        ws.send(r, [params], proc.is_alive)
-        kind, t1, digest = q.get(timeout=600)
-        ws.wait(proc.is_alive)
-        assert kind == "nanorft" and digest == sync.checksum(params), "the receiver holds other weights"
-        times["nanorft"].append(t1 - t0)
-        t0 = time.monotonic()
-        raw_broadcast(ws, flat)
-        kind, t1, _ = q.get(timeout=600)
-        times["raw"].append(t1 - t0)
+        for kind in times:
+            t0 = time.monotonic()
+            if kind == "raw":
+                raw_broadcast(ws, flat)
+            else:
+                group = ws if kind == "nanorft" else bucketed
+                group.send(r, ([params[i] for i in b] for b in sync.bucket_ranges([x.numel() for x in params],
+                                                                                   group.bucket_elems)), proc.is_alive)
+            got, t1, digest = q.get(timeout=600)
+            if kind != "raw":
+                group.wait(proc.is_alive)
+                assert got == kind and digest == sync.checksum(params), "the receiver holds other weights"
+            times[kind].append(t1 - t0)
     proc.join(60)
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {"device": args.device, "model": args.model, "bytes": nbytes, "rounds": args.rounds,
-              "nanorft_s": med["nanorft"], "raw_s": med["raw"], "ratio_raw_over_nanorft": med["raw"] / med["nanorft"],
+              "bucket_mb": args.bucket_mb, "nanorft_s": med["nanorft"], "raw_s": med["raw"],
+              "bucketed_s": med["bucketed"], "ratio_raw_over_nanorft": med["raw"] / med["nanorft"],
+              "ratio_raw_over_bucketed": med["raw"] / med["bucketed"],
               "nanorft_gb_per_s": nbytes / med["nanorft"] / 1e9, "raw_gb_per_s": nbytes / med["raw"] / 1e9,
               "all_s": times}
     print(f"{nbytes / 1e6:.0f} MB per publish ({args.device}, {args.model}, median of {args.rounds}):")
     print(f"  nanorft send/recv  {med['nanorft']:.3f} s  ({result['nanorft_gb_per_s']:.2f} GB/s)")
     print(f"  raw broadcast      {med['raw']:.3f} s  ({result['raw_gb_per_s']:.2f} GB/s)")
-    print(f"  ratio raw / nanorft: {result['ratio_raw_over_nanorft']:.2f}")
+    print(f"  bucketed ({args.bucket_mb:g} MiB)  {med['bucketed']:.3f} s")
+    print(f"  ratio raw / nanorft: {result['ratio_raw_over_nanorft']:.2f}; raw / bucketed: "
+          f"{result['ratio_raw_over_bucketed']:.2f}")
     out = ROOT / "benchmarks" / "results" / f"sync_{args.device}.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"saved {out}")
