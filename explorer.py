@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import multiprocessing.util
 import os
 import random
 import signal
@@ -651,6 +652,10 @@ def run_mode_both(cfg, model_path: str, port: int, total_steps: int, queue, star
         queue.close()
         queue.join_thread()
         sys.exit(1)
+    except SystemExit:  # SIGTERM (exit_quietly): the finally blocks have closed the engine. Run the exit
+        queue.cancel_join_thread()  # handlers of multiprocessing, then leave without tearing down the weight-sync
+        multiprocessing.util._exit_function()  # group: its destructor would wait for a broadcast that never comes
+        os._exit(1)
 
 
 def run_mode_explore(cfg, model_path: str, log) -> None:

@@ -862,6 +862,7 @@ def stop_explorer(explorer, loop) -> None:
         explorer.terminate()
         explorer.join(30)
         if explorer.is_alive():
+            print("run.py: warning: the explorer did not stop within 30 s of SIGTERM; killed", file=sys.stderr)
             explorer.kill()
             explorer.join()
     else:  # the trainer noticed that the explorer failed: its reason is on the queue

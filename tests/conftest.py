@@ -120,9 +120,13 @@ def start_postgres(root: Path) -> tuple[str, "object"]:
 @pytest.fixture(scope="session")
 def postgres(tmp_path_factory) -> str:
     """The URL of a PostgreSQL server started for this test session (see start_postgres)."""
-    url, stop = start_postgres(Path(tempfile.mkdtemp(prefix="nanorft-pg-")))
+    import shutil
+
+    root = Path(tempfile.mkdtemp(prefix="nanorft-pg-"))
+    url, stop = start_postgres(root)
     yield url
     stop()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

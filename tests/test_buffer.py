@@ -167,3 +167,14 @@ def test_a_new_run_does_not_mix_into_a_used_postgres_schema(postgres, tmp_path):
     assert Buffer(url).counts()["total"] == 3
     check_buffer(Config(run_dir=str(run_dir), buffer=url, overwrite=True))
     assert Buffer(url).counts()["total"] == 0 and Buffer(url).explorer_state("e1") is None
+
+
+def test_resume_serves_again_what_the_lost_steps_took(buffer_url):
+    # --resume at step 1: the groups taken by steps 1 and 2 (lost with the crash) are served again, in
+    # their order; the group trained at step 0 is not
+    buf = Buffer(buffer_url)
+    buf.write_batch([group(f"g{k}") for k in range(4)])
+    assert [g[0].group_id for s in range(3) for g in buf.read(1, timeout_s=5, step=s)] == ["g0", "g1", "g2"]
+    assert Buffer(buffer_url).release_after(1) == 6  # 2 groups x 3 experiences
+    assert [g[0].group_id for g in buf.read(3, timeout_s=5, step=1)] == ["g1", "g2", "g3"]
+    assert buf.counts() == {"total": 12, "consumed": 12, "pending": 0, "ready": 0}
