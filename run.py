@@ -132,7 +132,7 @@ class Config:
 
     # -- sync between explorer and trainer
     sync_method: str = "auto"
-    """weight sync: broadcast (torch.distributed group), checkpoint (safetensors in run_dir), auto = broadcast for both, checkpoint for explore/train"""
+    """weight sync: broadcast (torch.distributed group), checkpoint (safetensors in run_dir), auto = broadcast for both, checkpoint for explore/train (which take broadcast with --sync-port)"""
     sync_host: str = "127.0.0.1"
     """address of the weight-sync store: trainer rank 0 listens there, explorers connect to it (the trainer host's address for explorers on other hosts)"""
     sync_port: int = 0
