@@ -187,7 +187,6 @@ class _Postgres:
             import psycopg
         except ImportError:
             raise ValueError(f"buffer {self.where}: PostgreSQL needs psycopg: pip install \"psycopg[binary]\"") from None
-        self.errors = psycopg.Error
         dsn = urlunsplit(parts._replace(query=urlencode(query)))
         try:
             self.conn = psycopg.connect(dsn, autocommit=True, connect_timeout=max(1, int(min(timeout_s, 60))))
@@ -229,6 +228,9 @@ class _Postgres:
         self.conn.close()
 
 
+POSTGRES = ("postgresql://", "postgres://")  # URL prefixes of the PostgreSQL backend
+
+
 def open_buffer(url: str, run_dir: str | Path, timeout_s: float = 60.0) -> "Buffer":
     """The buffer of a run (config `buffer`): "" = RUN_DIR/buffer.sqlite; a path or
     sqlite:///path = that SQLite file; postgresql://... = that database, in schema
@@ -236,7 +238,7 @@ def open_buffer(url: str, run_dir: str | Path, timeout_s: float = 60.0) -> "Buff
     Raises ValueError (one line) when it cannot be opened."""
     if not url:
         return Buffer(Path(run_dir) / "buffer.sqlite", timeout_s)
-    if url.startswith(("postgresql://", "postgres://")) and "schema=" not in urlsplit(url).query:
+    if url.startswith(POSTGRES) and "schema=" not in urlsplit(url).query:
         name = re.sub(r"[^a-z0-9_]", "_", Path(run_dir).resolve().name.lower())[:54]
         url += ("&" if urlsplit(url).query else "?") + f"schema=nanorft_{name}"
     return Buffer(url, timeout_s)
@@ -253,8 +255,8 @@ class Buffer:
 
     def __init__(self, url: str | Path, timeout_s: float = 60.0):
         url = str(url)
-        pg = url.startswith(("postgresql://", "postgres://"))
-        self.db = _Postgres(url, timeout_s) if pg else _SQLite(url.removeprefix("sqlite:///"), timeout_s)
+        self.db = _Postgres(url, timeout_s) if url.startswith(POSTGRES) else _SQLite(url.removeprefix("sqlite:///"),
+                                                                                     timeout_s)
         self.where = self.db.where
         self.before_commit: Callable[[], None] | None = None  # tests: runs inside each write transaction
 
@@ -453,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("group_id")
     s.add_argument("rewards", type=float, nargs="+")
     args = p.parse_args(argv)
-    if not args.buffer.startswith(("postgresql://", "postgres://")) and not Path(args.buffer).is_file():
+    if not args.buffer.startswith(POSTGRES) and not Path(args.buffer).is_file():
         print(f"buffer.py: error: no buffer file {args.buffer}", file=sys.stderr)
         return 2
     try:

@@ -791,14 +791,9 @@ def start_explorer(cfg: Config, io, model_path: str, version: int, layout: Place
     sync.WeightSync or None)."""
     import torch.multiprocessing as mp
 
-    import sync
     from explorer import run_mode_both
-    from trainer import bucket_elems
 
-    weights = None
-    if cfg.sync_method != "checkpoint":
-        weights = sync.WeightSync(0, 2, port=cfg.sync_port, host=cfg.sync_host, device=layout.sync_device,
-                                  timeout_s=cfg.sync_timeout_s, bucket_elems=bucket_elems(cfg))
+    weights = weight_group(cfg, layout, 1) if cfg.sync_method != "checkpoint" else None
     queue = mp.get_context("spawn").Queue()
     explorer = mp.get_context("spawn").Process(target=run_mode_both, name="explorer",
                                                args=(cfg, model_path, weights.port if weights else 0, cfg.steps, queue,
@@ -813,17 +808,24 @@ def start_explorer(cfg: Config, io, model_path: str, version: int, layout: Place
     return explorer, weights
 
 
+def weight_group(cfg: Config, layout: Placement, receivers: int):
+    """Trainer rank 0's end of the weight-sync group (sync.WeightSync, rank 0) for
+    `receivers` explorers: its store on cfg.sync_host:cfg.sync_port, on the placement's
+    sync device, with --sync-bucket-mb's buckets."""
+    import sync
+    from trainer import bucket_elems
+
+    return sync.WeightSync(0, 1 + receivers, port=cfg.sync_port, host=cfg.sync_host, device=layout.sync_device,
+                           timeout_s=cfg.sync_timeout_s, bucket_elems=bucket_elems(cfg))
+
+
 def connect_explorers(cfg: Config, io, layout: Placement, version: int, params) -> "object":
     """Mode train with broadcast sync, rank 0: host the weight-sync store on
     cfg.sync_host:cfg.sync_port, wait (up to sync_timeout_s) until cfg.num_explorers
     `--mode explore` launches have joined the group, send them `params` (= `version`) if
     this trainer was resumed (they start from the model), and connect `io` to the group.
     Returns the sync.WeightSync."""
-    import sync
-    from trainer import bucket_elems
-
-    weights = sync.WeightSync(0, 1 + cfg.num_explorers, port=cfg.sync_port, host=cfg.sync_host,
-                              device=layout.sync_device, timeout_s=cfg.sync_timeout_s, bucket_elems=bucket_elems(cfg))
+    weights = weight_group(cfg, layout, cfg.num_explorers)
     print0(f"weight sync: waiting for {cfg.num_explorers} explorer(s) at {cfg.sync_host}:{weights.port}")
     weights.connect()
     io.send_weights = weights.send
@@ -912,6 +914,8 @@ def check_modes(cfg: Config) -> None:
         raise ValueError(f"max_staleness must be >= 0, or -1 for no bound, got {cfg.max_staleness}")
     if cfg.train_data and cfg.mode != "train":
         raise ValueError("--train-data is for --mode train (offline SFT / DPO)")
+    if cfg.train_data and cfg.sync_method == "broadcast":
+        raise ValueError("--train-data trains offline, with no explorer to sync with: leave out --sync-method broadcast")
     if cfg.overwrite and cfg.mode in ("explore", "train"):
         raise ValueError(f"--overwrite would delete a run directory shared with the other side (mode {cfg.mode})")
     if cfg.resume and cfg.mode in ("both", "train") and not Path(cfg.run_dir).is_dir():

@@ -593,7 +593,7 @@ class TrainLoop:
         rank 0 sends it (sync.WeightSync.send)."""
         cfg, io, version = self.cfg, self.io, self.trainer.version
         params = None
-        if cfg.sync_bucket_mb and cfg.sync_method == "broadcast" and not cfg.train_data:
+        if cfg.sync_bucket_mb and cfg.sync_method == "broadcast":  # (run.check_modes: never with offline data)
             buckets = self.trainer.parameter_buckets(bucket_elems(cfg))
             if self.rank == 0:
                 m["sync/trainer_checksum"] = io.send_weights(version, buckets)

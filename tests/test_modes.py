@@ -238,6 +238,8 @@ def test_resume_after_kill_loses_and_repeats_nothing(tiny_model, tmp_path, sync)
     (["--mode", "train", "--num-explorers", "0"], "num_explorers must be >= 1"),
     (["--mode", "train", "--overwrite"], "--overwrite would delete a run directory shared"),
     (["--train-data", "x.jsonl"], "--train-data is for --mode train"),
+    (["--mode", "train", "--train-data", "x.jsonl", "--sync-method", "broadcast", "--sync-port", "29999"],
+     "--train-data trains offline, with no explorer to sync with"),
     (["--resume"], "--resume: no run to resume in"),
 ])
 def test_bad_mode_config_is_one_error_line(tmp_path, args, message):
