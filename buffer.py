@@ -26,9 +26,10 @@ Schema (one row per experience):
     tokens (int32), logprobs (float32), action_mask (int8): BLOB / BYTEA
     reward DOUBLE PRECISION NULL; info TEXT (JSON); explorer TEXT; created DOUBLE PRECISION (unix s)
     consumed INTEGER  -- 0 = not yet; else 1 + the trainer step that consumed it
+    use_count INTEGER -- how many times the trainer took it: 1 when consumed, +1 per replay
 Tables explorer_state (resume position per explorer), task_pool (difficulty pools),
-run_state (key/value: "trainer_done") and explorer_records (explorers' evaluation records
-for the trainer's metrics) complete it, so a fully asynchronous run needs no shared
+run_state (key/value: "trainer_done"), explorer_records (explorers' evaluation records
+for the trainer's metrics) and replays (trainer step, group_id of every replay) complete it, so a fully asynchronous run needs no shared
 directory when weights travel by broadcast.
 
 Resume: `release_after(step)` makes the groups consumed at steps >= step servable again
@@ -36,6 +37,11 @@ Resume: `release_after(step)` makes the groups consumed at steps >= step servabl
 transaction as its batch (`write_batch`, `explorer_state`), so after a restart no
 experience is lost, generated twice or trained on twice. `hold(name)` keeps a restarted
 explorer from reading its position while an old process of that name can still write.
+
+Prioritised experience replay (`replay`, Trinity-RFT's priority queue): besides its fresh
+batch, a trainer step may take consumed groups again, highest priority model_version -
+decay * use_count first, each at most use_count_limit times in all; `release_after` undoes
+the replays of lost steps too.
 
 Difficulty pools (table task_pool, persisted with the buffer): a task whose latest group
 had a mean reward >= `easy` is retired to pool "easy", <= `hard` to pool "hard"; explorers
@@ -63,7 +69,7 @@ CREATE TABLE IF NOT EXISTS experiences (
     id {id}, group_id TEXT NOT NULL, task_id TEXT NOT NULL, model_version INTEGER NOT NULL,
     prompt_length INTEGER NOT NULL, tokens {blob} NOT NULL, logprobs {blob} NOT NULL,
     action_mask {blob} NOT NULL, reward DOUBLE PRECISION, info TEXT NOT NULL, explorer TEXT NOT NULL,
-    created DOUBLE PRECISION NOT NULL, consumed INTEGER NOT NULL DEFAULT 0);
+    created DOUBLE PRECISION NOT NULL, consumed INTEGER NOT NULL DEFAULT 0, use_count INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS experiences_group ON experiences (group_id);
 CREATE INDEX IF NOT EXISTS experiences_open ON experiences (consumed, id);
 CREATE TABLE IF NOT EXISTS explorer_state (name TEXT PRIMARY KEY, state TEXT NOT NULL);
@@ -72,7 +78,11 @@ CREATE TABLE IF NOT EXISTS task_pool (
     updated DOUBLE PRECISION NOT NULL);
 CREATE TABLE IF NOT EXISTS run_state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS explorer_records (id {id}, explorer TEXT NOT NULL, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS replays (step INTEGER NOT NULL, group_id TEXT NOT NULL);
 """
+
+
+_COLUMNS = "group_id, task_id, model_version, prompt_length, tokens, logprobs, action_mask, reward, info, explorer"
 
 
 @dataclass
@@ -276,7 +286,7 @@ class Buffer:
     def clear(self) -> None:
         """Delete everything in this buffer (every table of the run), in one transaction."""
         with self._transaction(readers=True):
-            for table in ("experiences", "explorer_state", "task_pool", "run_state", "explorer_records"):
+            for table in ("experiences", "explorer_state", "task_pool", "run_state", "explorer_records", "replays"):
                 self.db.execute(f"DELETE FROM {table}")
 
     def write(self, group: list[Experience]) -> None:
@@ -307,21 +317,40 @@ class Buffer:
         one per experience in insertion order); the group becomes servable once none is
         NULL. Returns the number of rows updated; raises ValueError for an unknown group or
         a wrong number of rewards."""
-        values = rewards if isinstance(rewards, list) else [rewards]
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-            raise ValueError(f"group {group_id!r}: rewards must be finite numbers, got {values!r}")
+        return self.set_rewards_many({group_id: rewards})
+
+    def set_rewards_many(self, rewards: dict[str, list[float] | float]) -> int:
+        """`set_rewards` for several groups (group_id -> rewards) in one transaction: all of
+        them or none. Returns the number of rows updated."""
+        checked = {}
+        for group_id, values in rewards.items():
+            vals = values if isinstance(values, list) else [values]
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in vals):
+                raise ValueError(f"group {group_id!r}: rewards must be finite numbers, got {values!r}")
+            checked[group_id] = vals
+        n = 0
         with self._transaction():
-            ids = [r[0] for r in self.db.execute("SELECT id FROM experiences WHERE group_id = ? ORDER BY id", (group_id,))]
-            values = values if isinstance(rewards, list) else values * len(ids)
-            if not ids or len(values) != len(ids):
-                raise ValueError(f"group {group_id!r} has {len(ids)} experiences, got {len(values)} rewards")
-            self.db.executemany("UPDATE experiences SET reward = ? WHERE id = ?", zip(map(float, values), ids))
-        return len(ids)
+            for group_id, vals in checked.items():
+                ids = [r[0] for r in self.db.execute("SELECT id FROM experiences WHERE group_id = ? ORDER BY id",
+                                                     (group_id,))]
+                vals = vals if isinstance(rewards[group_id], list) else vals * len(ids)
+                if not ids or len(vals) != len(ids):
+                    raise ValueError(f"group {group_id!r} has {len(ids)} experiences, got {len(vals)} rewards")
+                self.db.executemany("UPDATE experiences SET reward = ? WHERE id = ?", zip(map(float, vals), ids))
+                n += len(ids)
+        return n
 
     def pending_groups(self) -> list[str]:
         """Groups still waiting for a reward (lagged), oldest first."""
         return [r[0] for r in self.db.execute(
             "SELECT group_id FROM experiences WHERE reward IS NULL GROUP BY group_id ORDER BY MIN(id)")]
+
+    def pending_group_rows(self) -> list[list[Experience]]:
+        """The experiences of the groups still waiting for a reward, oldest group first."""
+        ids = self.pending_groups()
+        return self._groups(ids, self.db.execute(
+            f"SELECT {_COLUMNS} FROM experiences WHERE group_id IN ({','.join('?' * len(ids))}) ORDER BY id",
+            ids).fetchall()) if ids else []
 
     def explorer_state(self, name: str) -> dict | None:
         """The state saved with explorer `name`'s last batch, or None."""
@@ -371,7 +400,11 @@ class Buffer:
         """Mark groups consumed at trainer steps >= `step` as not consumed; returns the
         number of experiences released."""
         with self._transaction(readers=True):
-            return self.db.execute("UPDATE experiences SET consumed = 0 WHERE consumed > ?", (step,)).rowcount
+            for (group_id,) in self.db.execute("SELECT group_id FROM replays WHERE step >= ?", (step,)).fetchall():
+                self.db.execute("UPDATE experiences SET use_count = use_count - 1 WHERE group_id = ?", (group_id,))
+            self.db.execute("DELETE FROM replays WHERE step >= ?", (step,))
+            return self.db.execute("UPDATE experiences SET consumed = 0, use_count = 0 WHERE consumed > ?",
+                                   (step,)).rowcount
 
     def read(self, num_groups: int, timeout_s: float = float("inf"),
              alive: Callable[[], bool] = lambda: True, poll_s: float = 0.05, step: int = 0) -> list[list[Experience]]:
@@ -401,11 +434,45 @@ class Buffer:
             if len(ids) < num_groups:
                 return None
             marks = ",".join("?" * len(ids))
-            rows = self.db.execute(
-                "SELECT group_id, task_id, model_version, prompt_length, tokens, logprobs, action_mask, reward, info, "
-                f"explorer FROM experiences WHERE consumed = 0 AND group_id IN ({marks}) ORDER BY id", ids).fetchall()
-            self.db.execute(f"UPDATE experiences SET consumed = ? WHERE consumed = 0 AND group_id IN ({marks})",
-                            [step + 1, *ids])
+            rows = self.db.execute(f"SELECT {_COLUMNS} FROM experiences WHERE consumed = 0 AND group_id IN ({marks}) "
+                                   "ORDER BY id", ids).fetchall()
+            self.db.execute(f"UPDATE experiences SET consumed = ?, use_count = 1 WHERE consumed = 0 AND group_id IN "
+                            f"({marks})", [step + 1, *ids])
+        return self._groups(ids, rows)
+
+    def replay(self, num_groups: int, step: int, decay: float = 2.0, use_count_limit: int = 3
+               ) -> tuple[list[list[Experience]], int]:
+        """Prioritised experience replay (Trinity-RFT trinity/buffer/storage/queue.py @
+        5a4234ec, priority model_version - decay * use_count, an item reused at most up to
+        its use-count limit): take up to `num_groups` groups consumed before trainer step
+        `step` whose use_count < `use_count_limit`, highest priority first (ties: newest),
+        count the use and record it for `release_after`. Each experience carries
+        info["use_count"] (uses before this one) and info["priority"]. Returns (groups,
+        how many groups were eligible)."""
+        with self._transaction(readers=True):
+            eligible = self.db.execute(
+                "SELECT group_id, MIN(model_version) - ? * MAX(use_count) AS priority FROM experiences "
+                "WHERE consumed BETWEEN 1 AND ? GROUP BY group_id HAVING MAX(use_count) < ? "
+                "ORDER BY priority DESC, MIN(id) DESC", (decay, step, use_count_limit)).fetchall()
+            chosen = eligible[:num_groups]
+            ids, priority = [g for g, _ in chosen], dict(chosen)
+            if not ids:
+                return [], len(eligible)
+            marks = ",".join("?" * len(ids))
+            rows = self.db.execute(f"SELECT {_COLUMNS}, use_count FROM experiences WHERE group_id IN ({marks}) "
+                                   "ORDER BY id", ids).fetchall()
+            self.db.execute(f"UPDATE experiences SET use_count = use_count + 1 WHERE group_id IN ({marks})", ids)
+            self.db.executemany("INSERT INTO replays VALUES (?, ?)", [(step, g) for g in ids])
+        groups = self._groups(ids, [r[:-1] for r in rows])
+        uses = {r[0]: r[-1] for r in rows}
+        for g in groups:
+            for e in g:
+                e.info.update(use_count=uses[e.group_id], priority=float(priority[e.group_id]))
+        return groups, len(eligible)
+
+    @staticmethod
+    def _groups(ids: list[str], rows) -> list[list[Experience]]:
+        """Rows of _COLUMNS (ordered by id) as groups, in the order of `ids`."""
         by_group: dict[str, list[Experience]] = {g: [] for g in ids}
         for g, task, ver, plen, tok, lp, mask, reward, info, explorer in rows:
             by_group[g].append(Experience(

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
+import json
 import multiprocessing.util
 import os
 import random
@@ -29,6 +31,7 @@ import torch
 import sync
 from buffer import Buffer, Experience, open_buffer, pool_for
 from losses import left_pad
+from pipelines import TaskContext, make_selector, run_task_pipeline
 from workflows import Task, load_reward_fn, load_tasks, load_workflow
 
 DEFAULT_EXPLORER = "explorer0"
@@ -431,24 +434,46 @@ class Explorer:
                                   Sampling(cfg.max_tokens, cfg.eval_temperature, 1.0), run_dir=cfg.run_dir)
         self.counts = dict.fromkeys(("timeouts", "errors", "retries", "skipped"), 0)
         self.last_error = ""
-        seed = explorer_seed(cfg.seed, cfg.explorer_name)
-        self.order = random.Random(seed).sample(range(len(train)), len(train))
-        self.rng = random.Random(seed + 1)
-        self.cursor = 0
+        self.seed = explorer_seed(cfg.seed, cfg.explorer_name)
+        # with a task pipeline the selector is built on the curated tasks (`curate`)
+        self.selector = None if cfg.task_pipeline else make_selector(cfg.selector, cfg.selector_kwargs, train, self.seed)
+        self.rng = random.Random(self.seed + 1)
         self.samples = Path(cfg.run_dir) / "samples.log"
+        self.curation: dict = {}  # the task pipeline's metrics, reported with the next batch
+
+    def curate(self, buffer: Buffer) -> None:
+        """Run cfg.task_pipeline (pipelines.py) on the training tasks, once per run and
+        explorer: the curated list (task ids, difficulties) is kept in the buffer's run
+        state, so a restarted explorer continues on the same list without scoring it again.
+        Then the selector is built on it. Raises ValueError from an operator."""
+        if not self.cfg.task_pipeline:
+            return
+        key = f"tasks/{self.cfg.explorer_name}"
+        if saved := buffer.run_state(key):
+            by_id = {t.task_id: t for t in self.train}
+            self.train = [dataclasses.replace(by_id[i], difficulty=d) for i, d in json.loads(saved)]
+        else:
+            ctx = TaskContext(self.engine.tokenizer, lambda tasks, n: self._rollouts(tasks, n=n))
+            before, self.train = len(self.train), run_task_pipeline(self.cfg.task_pipeline, self.train, ctx)
+            buffer.set_run_state(key, json.dumps([[t.task_id, t.difficulty] for t in self.train]))
+            self.curation = ctx.metrics
+            print(f"explorer {self.cfg.explorer_name}: task pipeline kept {len(self.train)} of {before} tasks", flush=True)
+        self.selector = make_selector(self.cfg.selector, self.cfg.selector_kwargs, self.train, self.seed)
 
     def next_tasks(self, k: int, retired: dict[str, str]) -> list[Task]:
-        """The next k training tasks: a seeded shuffle, cycled, skipping retired tasks, with
-        round(k * pool_lift_fraction) drawn back from the retired ones (all of them from the
-        retired ones if every task is retired, so sampling never stalls)."""
+        """The next k training tasks from the selector (cfg.selector: default a seeded
+        shuffle, cycled), skipping retired tasks, with round(k * pool_lift_fraction) drawn
+        back from the retired ones (all of them from the retired ones if every task is
+        retired, so sampling never stalls)."""
         if len(retired) >= len(self.train):
             retired = {}
         lift = min(round(k * self.cfg.pool_lift_fraction), len(retired))
         by_id = {t.task_id: t for t in self.train} if lift else {}
         out = [by_id[i] for i in self.rng.sample(sorted(retired), lift)]
+        if not retired:
+            return out + [self.train[i] for i in self.selector.next(k - len(out))]
         while len(out) < k:
-            task = self.train[self.order[self.cursor % len(self.order)]]
-            self.cursor += 1
+            task = self.train[self.selector.next(1)[0]]
             if task.task_id not in retired:
                 out.append(task)
         return out
@@ -480,16 +505,16 @@ class Explorer:
         return asyncio.run(run_all())
 
     def state(self) -> dict:
-        """Resume state: task cursor, the lift sampler's RNG and the engine's sampling RNG
+        """Resume state: the selector's (task cursor, BOTS beliefs), the lift sampler's RNG and the engine's sampling RNG
         (HF engine; vLLM keeps its own), so a restarted explorer continues exactly."""
         sampler = self.engine.rng_state()
-        return {"cursor": self.cursor, "rng": self.rng.getstate(),
+        return {"selector": self.selector.state(), "rng": self.rng.getstate(),
                 "sampler": base64.b64encode(sampler).decode() if sampler is not None else None}
 
     def restore(self, state: dict) -> None:
         """Continue from a `state()` (saved with the last batch in the buffer)."""
         version, internal, gauss = state["rng"]
-        self.cursor = state["cursor"]
+        self.selector.restore(state["selector"])
         self.rng.setstate((version, tuple(internal), gauss))
         if state.get("sampler"):
             self.engine.set_rng_state(base64.b64decode(state["sampler"]))
@@ -531,6 +556,7 @@ class Explorer:
         updates = [(g[0].task_id, sum(e.reward for e in g) / len(g), cfg.pool_easy, cfg.pool_hard)
                    for g in generated if all(e.reward is not None for e in g)]
         pools = [pool_for(*u[1:]) for u in updates]
+        self.selector.update({task: mean for task, mean, *_ in updates})
         for g in groups:
             for e in g:  # who generated it, in which of its batches: resume and the fault benchmark check these
                 e.explorer, e.info["batch"] = cfg.explorer_name, batch
@@ -546,7 +572,8 @@ class Explorer:
                                                      if "versions" in e.info),
                   "pool/retired_easy": pools.count("easy"), "pool/retired_hard": pools.count("hard"),
                   "pool/size_retired": len(retired), "rollout/reward_pending": sum(e.reward is None for e in exps),
-                  **{f"rollout/{k}": v for k, v in self.counts.items()}}
+                  **{f"rollout/{k}": v for k, v in self.counts.items()}, **self.curation}
+        self.curation = {}
         trajectories = {e.info["trajectory_id"]: e.info for e in exps if "trajectory_id" in e.info}
         if trajectories:  # multi-turn
             record["rollout/samples_per_trajectory"] = sum(i["samples"] for i in trajectories.values()) / len(trajectories)
@@ -747,6 +774,7 @@ def explore_loop(cfg, engine: Engine, log, total: int, start_version: int, conne
         receiver = connect(engine)
         explorer = Explorer(cfg, engine, train, held_out, dataset, log)
         buffer.hold(cfg.explorer_name)
+        explorer.curate(buffer)
         saved = buffer.explorer_state(cfg.explorer_name)
         first = 0
         if saved:

@@ -29,6 +29,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 import tomllib
 import traceback
@@ -156,6 +157,20 @@ class Config:
     buffer: str = ""
     """experience buffer: "" = RUN_DIR/buffer.sqlite (one host), a SQLite path, or postgresql://user@host:port/db[?schema=NAME] (several hosts; default schema nanorft_<run dir name>)"""
 
+    # -- data pipelines (pipelines.py)
+    task_pipeline: list = field(default_factory=list)
+    """task operators run once before the loop, in order: a list of tables {op = NAME, ...kwargs} (JSON on the command line): {TASK_OPS}, or module.function"""
+    selector: str = "shuffle"
+    """how the explorer picks the next tasks: {SELECTORS}, or module.Class; easy2hard needs a *_difficulty operator in task_pipeline"""
+    selector_kwargs: dict = field(default_factory=dict)
+    """keyword arguments of the selector (JSON), e.g. {"target": 0.5, "tau": 0} for diff_based"""
+    experience_pipeline: list = field(default_factory=list)
+    """experience operators between buffer and trainer (trainer rank 0, every batch), in order: a list of tables {op = NAME, ...kwargs}: {EXPERIENCE_OPS}, or module.function"""
+    replay: dict = field(default_factory=dict)
+    """prioritised experience replay: {"groups": N} adds N consumed groups to every batch, highest model_version - decay * use_count first ("decay": 2.0), each used at most "use_count_limit" (3) times"""
+    annotation: dict = field(default_factory=dict)
+    """human labels through Label Studio (with reward_fn human): {"url": "http://host:8080"} plus optional mode (rating / pairwise), choices ({"good": 1, "bad": 0}), timeout_s (3600), timeout_reward (0), project; the token comes from LABEL_STUDIO_API_KEY"""
+
     # -- algorithm
     advantage: str = "grpo"
     """advantage estimator: {ADVANTAGES}, or module.function"""
@@ -218,6 +233,7 @@ def _field_help() -> tuple[dict[str, str], dict[str, str]]:
     names of losses.py's registries filled in, and the group of each field (the
     `# -- title` comment above it)."""
     import losses
+    import pipelines
 
     src = inspect.getsource(Config)
     body = ast.parse(src).body[0].body
@@ -225,6 +241,8 @@ def _field_help() -> tuple[dict[str, str], dict[str, str]]:
              if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
     for name in ("ADVANTAGES", "POLICY_LOSSES", "AGGREGATIONS", "KL_ESTIMATORS", "FILTERS"):  # names from the registries
         helps = {k: v.replace("{" + name + "}", ", ".join(getattr(losses, name))) for k, v in helps.items()}
+    for name in ("TASK_OPS", "SELECTORS", "EXPERIENCE_OPS"):
+        helps = {k: v.replace("{" + name + "}", ", ".join(getattr(pipelines, name))) for k, v in helps.items()}
     groups, title = {}, "other"
     for line in src.splitlines():
         if line.startswith("    # -- "):
@@ -240,9 +258,9 @@ def _coerce(name: str, value, typ: str):
         if not isinstance(value, bool):
             raise ValueError(f"config key {name!r}: expected true/false, got {value!r}")
         return value
-    if typ == "dict":
-        if not isinstance(value, dict):
-            raise ValueError(f"config key {name!r}: expected a table, got {value!r}")
+    if typ in ("dict", "list"):
+        if not isinstance(value, {"dict": dict, "list": list}[typ]):
+            raise ValueError(f"config key {name!r}: expected a {'table' if typ == 'dict' else 'list'}, got {value!r}")
         return value
     try:
         return kinds[typ](value)
@@ -273,13 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         group = sections.get(groups[f.name]) or sections.setdefault(groups[f.name], p.add_argument_group(groups[f.name]))
-        shown = json.dumps(default) if f.type in ("bool", "dict") or default == "" else default
+        shown = json.dumps(default) if f.type in ("bool", "dict", "list") or default == "" else default
         text = helps[f.name] if "(default:" in helps[f.name] else f"{helps[f.name]} (default: {shown})"
         text = text.replace("%", "%%")
         if f.type == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            group.add_argument(flag, type=_json_arg if f.type == "dict" else None, default=None, help=text,
+            group.add_argument(flag, type=_json_arg if f.type in ("dict", "list") else None, default=None, help=text,
                                choices=CHOICES.get(f.name))
     return p
 
@@ -727,9 +745,12 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device, lay
     start = trainer.load_state(state) if state else 0
     io, explorer, weights = LoopIO(), None, None
     if rank == 0:
-        io = loop_io(cfg, trainer, start)
+        io = loop_io(cfg, trainer, start, model_path)
     loop = TrainLoop(cfg, trainer, start, io, rank, world)
+    annotating = threading.Event()
     try:
+        if rank == 0 and cfg.annotation:
+            io.extra_metrics = start_annotator(cfg, trainer.tokenizer, annotating)
         if rank == 0 and cfg.mode == "both":
             explorer, weights = start_explorer(cfg, io, str(state / "hf") if state else model_path, trainer.version, layout)
         if cfg.mode == "train" and cfg.sync_method == "broadcast":
@@ -745,13 +766,50 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device, lay
             stop_explorer(explorer, loop)
         raise
     finally:
+        annotating.set()
         if io.metrics is not None:
             io.metrics.close()
 
 
-def loop_io(cfg: Config, trainer, start: int):
+def label_studio(cfg: Config):
+    """pipelines.LabelStudio for cfg.annotation["url"] with the token in LABEL_STUDIO_API_KEY;
+    ValueError (one line) when either is missing."""
+    from pipelines import LabelStudio
+
+    token = os.environ.get("LABEL_STUDIO_API_KEY", "")
+    if not cfg.annotation.get("url") or not token:
+        raise ValueError("annotation needs {\"url\": \"http://HOST:PORT\"} and the Label Studio token in "
+                         "LABEL_STUDIO_API_KEY (a legacy token: label-studio start --enable-legacy-api-token)")
+    return LabelStudio(cfg.annotation["url"], token)
+
+
+def start_annotator(cfg: Config, tokenizer, stop: threading.Event):
+    """Rank 0: a daemon thread that sends rollouts waiting for a reward to Label Studio and
+    writes the labels back as rewards (pipelines.Annotator, its own buffer connection)
+    until `stop` is set. Returns a callable giving its latest metrics."""
+    from buffer import open_buffer
+    from pipelines import Annotator
+
+    latest: dict = {}
+    label_studio(cfg)  # ValueError without url or token
+    kwargs = {k: v for k, v in cfg.annotation.items() if k != "url"}
+
+    def work():
+        buf = open_buffer(cfg.buffer, cfg.run_dir)
+        try:
+            Annotator(buf, tokenizer, cfg.annotation["url"], os.environ["LABEL_STUDIO_API_KEY"], cfg.run_dir,
+                      **kwargs).run(stop, log=latest.update)
+        finally:
+            buf.close()
+
+    threading.Thread(target=work, name="annotator", daemon=True).start()
+    return lambda: dict(latest)
+
+
+def loop_io(cfg: Config, trainer, start: int, model_path: str):
     """Rank 0's trainer.LoopIO: the buffer (experiences served after step `start` go back
-    on --resume), the metrics log, offline / expert data (drawn on to `start` for a resume),
+    on --resume), the experience pipeline, the metrics log, offline / expert data (drawn on
+    to `start` for a resume),
     and in mode train the explorers' evaluations from the buffer. Mode both adds the
     explorer in `start_explorer`; mode train with broadcast sync the explorers' group in
     `connect_explorers`."""
@@ -761,6 +819,10 @@ def loop_io(cfg: Config, trainer, start: int):
 
     run_dir = Path(cfg.run_dir)
     io = LoopIO(buffer=open_buffer(cfg.buffer, run_dir))
+    if cfg.experience_pipeline:
+        from pipelines import ExperiencePipeline
+
+        io.shape = ExperiencePipeline(cfg.experience_pipeline, cfg.steps, trainer.tokenizer, model_path)
     io.buffer.set_run_state("trainer_done", None)  # a trainer is running (again)
     if cfg.resume:
         released = io.buffer.release_after(start)
@@ -923,6 +985,35 @@ def check_modes(cfg: Config) -> None:
         raise FileNotFoundError(f"--resume: no run to resume in {cfg.run_dir} (no such directory)")
 
 
+def check_pipelines(cfg: Config) -> None:
+    """Raise ValueError (one line) for a mis-configured task or experience pipeline,
+    selector, replay or annotation setting (pipelines.py); ConnectionError when the Label
+    Studio server of cfg.annotation cannot be reached."""
+    import pipelines
+    from losses import resolve
+
+    pipelines.parse_ops(cfg.task_pipeline, pipelines.TASK_OPS, "task_pipeline")
+    pipelines.parse_ops(cfg.experience_pipeline, pipelines.EXPERIENCE_OPS, "experience_pipeline")
+    resolve(cfg.selector, pipelines.SELECTORS, "selector", cfg.selector_kwargs)
+    if cfg.selector == "easy2hard" and not cfg.task_pipeline:
+        raise ValueError("selector easy2hard needs a difficulty for every task: add metadata_difficulty, "
+                         "pass_rate_difficulty, model_difficulty or your own operator to task_pipeline")
+    if cfg.selector == "diff_based" and (cfg.pool_easy <= 1 or cfg.pool_hard >= 0):
+        raise ValueError("selector diff_based already targets a difficulty: leave pool_easy / pool_hard unset")
+    for name, value, known in (("replay", cfg.replay, {"groups", "decay", "use_count_limit"}),
+                               ("annotation", cfg.annotation, {"url", "mode", "choices", "timeout_s", "timeout_reward",
+                                                               "project"})):
+        if set(value) - known:
+            raise ValueError(f"{name}: unknown key(s) {sorted(set(value) - known)}; known: {sorted(known)}")
+    if cfg.replay and not (isinstance(cfg.replay.get("groups", 1), int) and cfg.replay.get("groups", 1) >= 1
+                           and cfg.replay.get("use_count_limit", 3) >= 2 and cfg.replay.get("decay", 2.0) >= 0):
+        raise ValueError(f"replay: need groups >= 1 (an integer), use_count_limit >= 2 and decay >= 0, got {cfg.replay}")
+    if cfg.annotation:
+        if cfg.annotation.get("mode", "rating") not in ("rating", "pairwise"):
+            raise ValueError(f"annotation mode must be rating or pairwise, got {cfg.annotation['mode']!r}")
+        label_studio(cfg).call("GET", "/api/projects?page_size=1")
+
+
 def check_buffer(cfg: Config) -> None:
     """Open the run's buffer once before any process starts: ValueError for a file that is
     not a SQLite database or a PostgreSQL server out of reach. A new run in mode both on a
@@ -948,6 +1039,7 @@ def prepare(cfg: Config, rank: int) -> str:
 
     check_modes(cfg)
     check_algorithm(cfg)
+    check_pipelines(cfg)
     trackers(cfg)
     layout = place(gpu_count(), int(os.environ.get("WORLD_SIZE", "1")), cfg.mode)  # ValueError: a layout that cannot work
     model_path = resolve_model(cfg.model) if rank == 0 else None

@@ -482,11 +482,12 @@ ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this m
 REWARD_ERROR_STEPS = 3  # stop when the reward function failed on every rollout of this many consecutive steps
 
 
-def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, int]:
-    """Rank 0: the groups of trainer step `step`, and how many groups were dropped for
-    staleness (trainer `version` - experience version > cfg.max_staleness). In mode train
-    dropped groups are replaced by newer ones from the buffer; in mode both the schedule
-    already bounds staleness (run.check_modes)."""
+def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]:
+    """Rank 0: the groups of trainer step `step` and their metrics: how many groups were
+    dropped for staleness (trainer `version` - experience version > cfg.max_staleness; in
+    mode train they are replaced by newer ones from the buffer, in mode both the schedule
+    already bounds staleness: run.check_modes) and, with cfg.replay, the replayed groups
+    added after the fresh ones (buffer.Buffer.replay)."""
     groups, dropped = [], 0
     while len(groups) < cfg.batch_size:
         got = buffer.read(cfg.batch_size - len(groups), cfg.buffer_timeout_s, alive, step=step)
@@ -494,7 +495,15 @@ def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, int]:
                  or version - min(e.model_version for e in g) <= cfg.max_staleness]
         dropped += len(got) - len(fresh)
         groups += fresh
-    return groups, dropped
+    m = {"staleness/dropped_groups": dropped}
+    if cfg.replay:
+        r = cfg.replay
+        again, eligible = buffer.replay(r.get("groups", 1), step, r.get("decay", 2.0), r.get("use_count_limit", 3))
+        groups += again
+        m.update({"replay/groups": len(again), "replay/eligible_groups": eligible,
+                  "replay/use_count_mean": sum(g[0].info["use_count"] for g in again) / max(1, len(again)),
+                  "replay/priority_mean": sum(g[0].info["priority"] for g in again) / max(1, len(again))})
+    return groups, m
 
 
 def explorer_shares(groups: list, version: int) -> dict[str, float]:
@@ -520,7 +529,9 @@ class LoopIO:
     run's buffer.Buffer; offline / expert: workflows.OfflineSampler of offline (SFT, DPO)
     and expert (MIX) data, or None; metrics: an object with write(record) (run.Metrics);
     records(): the explorers' new records (batch stats, evaluations, weight receipts,
-    errors); send_weights(version, buckets) -> checksum: the broadcast to the explorers
+    errors); shape(groups, step) -> (groups, metrics): the experience pipeline
+    (pipelines.ExperiencePipeline) or None; extra_metrics(): more metrics for each step
+    (the annotator's); send_weights(version, buckets) -> checksum: the broadcast to the explorers
     (sync.WeightSync.send), or None: weights are published as checkpoints in the run dir
     (not with offline data);
     alive(): False once the explorer this loop waits for has died."""
@@ -530,6 +541,8 @@ class LoopIO:
     expert: Any = None
     metrics: Any = None
     records: Callable[[], list[dict]] = list
+    shape: Callable[[list, int], tuple[list, dict]] | None = None
+    extra_metrics: Callable[[], dict] = dict
     send_weights: Callable[[int, Any], float] | None = None
     alive: Callable[[], bool] = lambda: True  # noqa: E731
 
@@ -565,12 +578,15 @@ class TrainLoop:
 
     def step(self, step: int) -> None:
         cfg, io, t0 = self.cfg, self.io, time.perf_counter()
-        groups, dropped = [None], 0
+        groups, read_m = [None], {}
         if self.rank == 0:
             if io.offline:
                 groups = [io.offline.draw(cfg.batch_size)]
             else:
-                groups[0], dropped = read_batch(cfg, io.buffer, step, self.trainer.version, io.alive)
+                groups[0], read_m = read_batch(cfg, io.buffer, step, self.trainer.version, io.alive)
+                if io.shape:
+                    groups[0], shaped = io.shape(groups[0], step)
+                    read_m.update(shaped)
             if io.expert:  # MIX: this fraction of the batch's sequences is expert data
                 n = sum(map(len, groups[0]))
                 groups[0] += io.expert.draw(max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction))))
@@ -583,7 +599,7 @@ class TrainLoop:
         if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step < cfg.steps - 1:
             self.trainer.save_state(cfg.run_dir, step + 1)
         if self.rank == 0:
-            m.update({"time/wait_s": wait_s, "staleness/dropped_groups": dropped, "time/sync_s": time.perf_counter() - t1})
+            m.update({"time/wait_s": wait_s, "time/sync_s": time.perf_counter() - t1, **read_m, **io.extra_metrics()})
             self.log(step, m, [g for g in groups[0] if not g[0].info.get("offline")])
 
     def publish(self, step: int, m: dict) -> None:

@@ -49,6 +49,7 @@ class Task:
     question: str
     answer: str
     entry: dict = field(default_factory=dict)
+    difficulty: float | None = None  # higher = harder; set by a task pipeline operator (pipelines.py)
 
 
 # ----------------------------------------------------------------------------- sources
@@ -373,7 +374,7 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 
 def load_reward_fn(path: str, kwargs: dict | None = None) -> Callable[[Task, str, Any], float]:
     """`"reasoning_gym"`, `"judge"` (an LLM judge, see `judge_reward`), `"math_verify"`
-    (`math_verify_reward`) or an import path
+    (`math_verify_reward`), `"human"` (`human_reward`) or an import path
     `"module.function"` with the signature fn(task, completion, dataset, **kwargs) -> float
     (or None: lagged reward). `kwargs` (cfg.reward_kwargs) are bound here. Raises ValueError
     (one line) for a bad path or keyword."""
@@ -381,35 +382,40 @@ def load_reward_fn(path: str, kwargs: dict | None = None) -> Callable[[Task, str
 
     from losses import resolve
 
-    fn = resolve(path, {"reasoning_gym": reasoning_gym_reward, "judge": judge_reward, "math_verify": math_verify_reward},
-                 "reward_fn", kwargs)
+    fn = resolve(path, {"reasoning_gym": reasoning_gym_reward, "judge": judge_reward, "math_verify": math_verify_reward,
+                        "human": human_reward}, "reward_fn", kwargs)
     return partial(fn, **kwargs) if kwargs else fn
+
+
+def human_reward(task: Task, completion: str, dataset: Any) -> None:
+    """No reward yet: every rollout waits in the buffer (reward NULL) for a human label,
+    from Label Studio (the annotation setting, pipelines.Annotator) or from
+    `python buffer.py RUN_DIR set-reward`."""
+    return None
 
 
 _JUDGES: dict = {}
 
 
-def judge_reward(task: Task, completion: str, dataset: Any, model: str = "", url: str = "",
-                 timeout_s: float = 60.0) -> float:
-    """LLM-as-judge reward in [0, 1]: asks a second model whether the completion answers the
-    task correctly (reference answer given) and returns P("yes") / (P("yes") + P("no"))
-    for a local Hugging Face model directory `model` (loaded once per process, CPU or CUDA),
-    or 1.0 / 0.0 from the reply of an OpenAI-compatible endpoint `url` (POST
-    {url}/chat/completions with `model`). Raises ValueError without either; errors of the
-    endpoint propagate (the workflow scores 0 and counts a reward error)."""
-    question = (f"Question: {task.question}\nReference answer: {task.answer}\nStudent answer: {completion}\n"
-                "Is the student answer correct? Reply with yes or no.")
-    msgs = [{"role": "user", "content": question}]
+def ask_judge(messages: list[dict], choices: tuple[str, ...], model: str = "", url: str = "",
+              timeout_s: float = 60.0) -> list[float]:
+    """The judge's probability of starting its reply with each of `choices` (strings whose
+    first token differs): for a local Hugging Face model directory `model` (loaded once per
+    process), the softmax of the next-token logits over the choices' first tokens; for an
+    OpenAI-compatible endpoint `url` (POST {url}/chat/completions with `model`, greedy),
+    1.0 for the choice its reply starts with (case ignored) and 0.0 for the others (all 0.0
+    when none matches). Raises ValueError without `model` or `url`; the endpoint's errors
+    propagate."""
     if url:
         import urllib.request
 
-        body = json.dumps({"model": model, "messages": msgs, "max_tokens": 4, "temperature": 0}).encode()
+        body = json.dumps({"model": model, "messages": messages, "max_tokens": 4, "temperature": 0}).encode()
         req = urllib.request.Request(url.rstrip("/") + "/chat/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            reply = json.loads(r.read())["choices"][0]["message"]["content"]
-        return float(reply.strip().lower().startswith("yes"))
+            reply = json.loads(r.read())["choices"][0]["message"]["content"].strip().lower()
+        return [float(reply.startswith(c.lower())) for c in choices]
     if not model:
-        raise ValueError("judge reward needs reward_kwargs model (a local model directory) or url")
+        raise ValueError("a judge needs a local model directory (model) or an OpenAI-compatible endpoint (url)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -417,11 +423,25 @@ def judge_reward(task: Task, completion: str, dataset: Any, model: str = "", url
         tok = AutoTokenizer.from_pretrained(model)
         _JUDGES[model] = tok, AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     tok, lm = _JUDGES[model]
-    ids = torch.tensor([_template(tok, msgs, True)])
+    ids = torch.tensor([_template(tok, messages, True)])
     with torch.no_grad():
-        logits = lm(input_ids=ids).logits[0, -1]
-    yes, no = (tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no"))
-    return float(torch.softmax(logits[[yes, no]], -1)[0])
+        logits = lm(input_ids=ids).logits[0, -1]                                     # [vocab]
+    first = [tok.encode(c, add_special_tokens=False)[0] for c in choices]
+    return torch.softmax(logits[first].float(), -1).tolist()
+
+
+def judge_reward(task: Task, completion: str, dataset: Any, model: str = "", url: str = "",
+                 timeout_s: float = 60.0) -> float:
+    """LLM-as-judge reward in [0, 1]: asks a second model (`ask_judge`) whether the
+    completion answers the task correctly (reference answer given) and returns
+    P("yes") / (P("yes") + P("no")) for a local model directory `model`, or 1.0 / 0.0 from
+    the reply of an OpenAI-compatible endpoint `url`. Raises ValueError without either;
+    errors of the endpoint propagate (the workflow scores 0 and counts a reward error)."""
+    question = (f"Question: {task.question}\nReference answer: {task.answer}\nStudent answer: {completion}\n"
+                "Is the student answer correct? Reply with yes or no.")
+    if not (model or url):
+        raise ValueError("judge reward needs reward_kwargs model (a local model directory) or url")
+    return ask_judge([{"role": "user", "content": question}], ("yes", "no"), model, url, timeout_s)[0]
 
 
 # ----------------------------------------------------------------------------- workflows
@@ -506,8 +526,8 @@ class MathWorkflow(Workflow):
         texts = [self.tokenizer.decode(out.tokens, skip_special_tokens=True) for out in outs]
         scores = await asyncio.gather(*(self.score(task, text) for text in texts))
         for out, text, (reward, error) in zip(outs, texts, scores):
-            info = {"finish_reason": out.finish_reason, "response": text, "answer": task.answer,
-                    "versions": list(out.versions)}
+            info = {"finish_reason": out.finish_reason, "question": task.question, "response": text,
+                    "answer": task.answer, "versions": list(out.versions)}
             if error:
                 info["reward_error"] = error
             group.append(Experience(
