@@ -7,6 +7,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,57 @@ def buffer_url(request, tmp_path) -> str:
     import uuid
 
     return f"{request.getfixturevalue('postgres')}?schema=t_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def label_studio(tmp_path_factory) -> tuple[str, str]:
+    """(URL, legacy token) of a real Label Studio server started for this test session in a
+    temporary data directory (`label-studio start --enable-legacy-api-token`, the admin
+    user and its token from LABEL_STUDIO_USERNAME / _PASSWORD / _USER_TOKEN). The server
+    lives in a venv of its own (it pins numpy 2.2): NANORFT_LABEL_STUDIO names its
+    executable, else `label-studio` on PATH. Skips when there is none, unless
+    NANORFT_REQUIRE_LABEL_STUDIO=1 (CI installs it: then it fails)."""
+    import shutil
+    import socket
+    import subprocess
+    import urllib.request
+    import uuid
+
+    exe = os.environ.get("NANORFT_LABEL_STUDIO") or shutil.which("label-studio")
+    if not exe:
+        why = "Label Studio not installed (python -m venv LS && LS/bin/pip install label-studio; NANORFT_LABEL_STUDIO=LS/bin/label-studio)"
+        if os.environ.get("NANORFT_REQUIRE_LABEL_STUDIO") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    data = tmp_path_factory.mktemp("label-studio")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env.update(LABEL_STUDIO_USERNAME="rater@example.com", LABEL_STUDIO_PASSWORD=uuid.uuid4().hex,
+               LABEL_STUDIO_USER_TOKEN=token, LABEL_STUDIO_DISABLE_SIGNUP_WITHOUT_LINK="true")
+    log = (data / "server.log").open("w")
+    proc = subprocess.Popen([exe, "start", "--no-browser", "--port", str(port), "--data-dir", str(data / "data"),
+                             "--enable-legacy-api-token"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:  # first start: database migrations, then the server answers
+        try:
+            req = urllib.request.Request(url + "/api/projects?page_size=1", headers={"Authorization": f"Token {token}"})
+            with urllib.request.urlopen(req, timeout=5) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"Label Studio did not start: {(data / 'server.log').read_text()[-2000:]}")
+        time.sleep(0.5)
+    yield url, token
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
