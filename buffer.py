@@ -205,7 +205,7 @@ class _Postgres:
             # collide), and only when missing (CREATE INDEX waits for every open transaction on the table)
             with self.conn.transaction():
                 self.conn.execute("SELECT pg_advisory_xact_lock(hashtext('nanorft schema'))")
-                if self.conn.execute("SELECT to_regclass('explorer_records')").fetchone()[0] is None:
+                if self.conn.execute("SELECT to_regclass('replays')").fetchone()[0] is None:  # the newest table
                     self.conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
                     self.conn.execute(_SCHEMA.format(id="BIGSERIAL PRIMARY KEY", blob="BYTEA"))
         except psycopg.Error as e:

@@ -516,6 +516,7 @@ class LabelStudio:
         self.headers = {"Authorization": f"Token {token}", "Content-Type": "application/json"}
 
     def call(self, method: str, path: str, body=None):
+        """`method` `path` (with its query) with a JSON `body`; returns the decoded JSON reply."""
         req = urllib.request.Request(self.url + path, None if body is None else json.dumps(body).encode(),
                                      self.headers, method=method)
         try:

@@ -63,7 +63,7 @@ class Sink:
 def explore_rate(ex, rnd):
     """Explore batch `rnd` with Explorer `ex`; returns (generated tokens/s, groups)."""
     sink = Sink()
-    ex.cursor = rnd * ex.cfg.batch_size  # the tasks of batch rnd
+    ex.selector.cursor = rnd * ex.cfg.batch_size  # the tasks of batch rnd
     t = time.perf_counter()
     ex.rollout_batch(rnd, sink)
     return sum(len(e.logprobs) for g in sink.groups for e in g) / (time.perf_counter() - t), sink.groups

@@ -53,7 +53,7 @@ def main():
     ex_h = Explorer(cfg, hf_engine, train, held, ds, print)
     rows = {"nanorft_vllm": [], "raw_vllm": [], "hf": []}
     for rnd in range(args.rounds):
-        ex_v.cursor = rnd * cfg.batch_size
+        ex_v.selector.cursor = rnd * cfg.batch_size
         prompts = [ex_v.workflow.prompt_ids(t) for t in ex_v.next_tasks(cfg.batch_size, {})]
         rows["nanorft_vllm"].append(explore_rate(ex_v, rnd)[0])
         rows["raw_vllm"].append(raw_rate(vllm_engine.llm, prompts, cfg.group_size, cfg))

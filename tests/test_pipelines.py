@@ -6,16 +6,14 @@ import json
 import random
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import numpy as np
 import pytest
 
 import run
 from buffer import Buffer, Experience
-from conftest import ROOT, run_py, subprocess_env
+from conftest import ROOT, chat_endpoint, run_py, subprocess_env
 from pipelines import (Annotator, DiffBased, Easy2Hard, ExperienceContext, ExperiencePipeline, LabelStudio,
                        RandomTasks, Sequential, Shuffle, TaskContext, clean, diversity_reward, make_selector,
                        quality_reward, run_task_pipeline)
@@ -162,26 +160,11 @@ def test_clean_drops_long_repetitive_and_duplicate_rollouts(tok):
                            "pipeline/clean/dropped_duplicate": 1}
 
 
-class Rater(BaseHTTPRequestHandler):
-    def do_POST(self):  # noqa: N802 - an OpenAI-compatible /chat/completions endpoint rating answers
-        text = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["messages"][-1]["content"]
-        data = json.dumps({"choices": [{"message": {"content": "4" if "Answer: 12" in text else "1"}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
 def test_quality_reward_scales_the_rating_to_plus_minus_half(tok, tiny_model):
-    server = HTTPServer(("127.0.0.1", 0), Rater)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     g = group(tok, ["12", "13"], [1.0, 0.0])
     ctx = ExperienceContext(tokenizer=tok)
-    quality_reward([g], ctx, url=f"http://127.0.0.1:{server.server_port}/v1", model="rater", weight=2.0)
-    server.shutdown()
+    with chat_endpoint(lambda text: "4" if "Answer: 12" in text else "1") as url:  # an OpenAI-compatible rater
+        quality_reward([g], ctx, url=url, model="rater", weight=2.0)
     assert [e.info["shaping"]["quality"] for e in g] == [2.0 * (4 - 3) / 4, 2.0 * (1 - 3) / 4]
     assert [e.reward for e in g] == [1.5, -1.0]
     assert ctx.metrics["pipeline/quality_reward/rating_mean"] == 2.5

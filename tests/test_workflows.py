@@ -3,13 +3,11 @@ timeouts and retries, judge rewards, reflection, workflows by import path."""
 import asyncio
 import json
 import sqlite3
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import run_py
+from conftest import chat_endpoint, run_py
 from explorer import Completion, Engine, Sampling
 from test_e2e import metrics
 from workflows import GuessNumberWorkflow, MultiTurnWorkflow, ReflectWorkflow, Task, judge_reward, last_number
@@ -191,29 +189,11 @@ def test_skipped_tasks_are_replaced_then_a_clear_error(tiny_model, tmp_path):
     assert res.returncode != 0 and "groups after 0 refill rounds" in res.stderr
 
 
-class Judge(BaseHTTPRequestHandler):
-    def do_POST(self):  # noqa: N802 - an OpenAI-compatible /chat/completions stub
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        text = body["messages"][-1]["content"]
-        reply = "yes" if "Student answer: 12\n" in text else "no"
-        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
 def test_judge_reward_over_http_and_with_a_local_model(tiny_model):
-    server = HTTPServer(("127.0.0.1", 0), Judge)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_port}/v1"
-    task = Task("t", "5+7?", "12")
-    assert judge_reward(task, "12", None, model="judge", url=url) == 1.0
-    assert judge_reward(task, "13", None, model="judge", url=url) == 0.0
-    server.shutdown()
+    with chat_endpoint(lambda text: "yes" if "Student answer: 12\n" in text else "no") as url:
+        task = Task("t", "5+7?", "12")
+        assert judge_reward(task, "12", None, model="judge", url=url) == 1.0
+        assert judge_reward(task, "13", None, model="judge", url=url) == 0.0
     p = judge_reward(task, "12", None, model=tiny_model)  # a local model: P(yes) among yes/no
     assert 0.0 < p < 1.0
     with pytest.raises(ValueError, match="needs reward_kwargs model"):
