@@ -505,8 +505,9 @@ class Explorer:
         return asyncio.run(run_all())
 
     def state(self) -> dict:
-        """Resume state: the selector's (task cursor, BOTS beliefs), the lift sampler's RNG and the engine's sampling RNG
-        (HF engine; vLLM keeps its own), so a restarted explorer continues exactly."""
+        """Resume state: the selector's (task cursor; BOTS beliefs), the lift sampler's RNG
+        and the engine's sampling RNG (HF engine; vLLM keeps its own), so a restarted
+        explorer continues exactly."""
         sampler = self.engine.rng_state()
         return {"selector": self.selector.state(), "rng": self.rng.getstate(),
                 "sampler": base64.b64encode(sampler).decode() if sampler is not None else None}

@@ -26,6 +26,7 @@ samples and in the metrics.
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import threading
@@ -279,7 +280,7 @@ class DiffBased(Selector):
         self.target, self.tau, self.do_sample, self.m, self.lamb, self.rho = target, tau, do_sample, m, lamb, rho
         self.adaptive_rho = adaptive_rho
         d = np.array([0.5 if t.difficulty is None else t.difficulty for t in tasks], dtype=float)  # [n]
-        span = d.max() - d.min()
+        span = d.max() - d.min() if len(d) else 0.0
         prior = 1 - (d - d.min()) / span if span > 0 else np.full(len(d), 0.5)                   # [n]
         self.features = np.stack([np.zeros(len(d)), prior], 1)                                   # [n, 2] (f0, f1)
         self.alphas, self.betas = np.ones(len(d)), np.ones(len(d))                               # [n]
@@ -646,3 +647,65 @@ class Annotator:
             except ConnectionError as e:
                 print(f"annotation: {e}; retrying", file=sys.stderr, flush=True)
             stop.wait(poll_s)
+
+
+# ----------------------------------------------------------------------------- from the config
+
+def check_config(cfg) -> None:
+    """Raise ValueError (one line) for a mis-configured task or experience pipeline,
+    selector, replay or annotation setting of run.Config `cfg`; ConnectionError when the
+    Label Studio server of cfg.annotation cannot be reached (run.prepare, before any
+    process starts)."""
+    parse_ops(cfg.task_pipeline, TASK_OPS, "task_pipeline")
+    parse_ops(cfg.experience_pipeline, EXPERIENCE_OPS, "experience_pipeline")
+    resolve(cfg.selector, SELECTORS, "selector", cfg.selector_kwargs)
+    if cfg.selector == "easy2hard" and not cfg.task_pipeline:
+        raise ValueError("selector easy2hard needs a difficulty for every task: add metadata_difficulty, "
+                         "pass_rate_difficulty, model_difficulty or your own operator to task_pipeline")
+    if cfg.selector == "diff_based" and (cfg.pool_easy <= 1 or cfg.pool_hard >= 0):
+        raise ValueError("selector diff_based already targets a difficulty: leave pool_easy / pool_hard unset")
+    for name, value, known in (("replay", cfg.replay, {"groups", "decay", "use_count_limit"}),
+                               ("annotation", cfg.annotation, {"url", "mode", "choices", "timeout_s", "timeout_reward",
+                                                               "project"})):
+        if set(value) - known:
+            raise ValueError(f"{name}: unknown key(s) {sorted(set(value) - known)}; known: {sorted(known)}")
+    r = cfg.replay
+    if r and not (isinstance(r.get("groups", 1), int) and r.get("groups", 1) >= 1 and r.get("use_count_limit", 3) >= 2
+                  and r.get("decay", 2.0) >= 0):
+        raise ValueError(f"replay: need groups >= 1 (an integer), use_count_limit >= 2 and decay >= 0, got {r}")
+    if cfg.annotation:
+        if cfg.annotation.get("mode", "rating") not in ("rating", "pairwise"):
+            raise ValueError(f"annotation mode must be rating or pairwise, got {cfg.annotation['mode']!r}")
+        label_studio(cfg).call("GET", "/api/projects?page_size=1")
+
+
+def label_studio(cfg) -> LabelStudio:
+    """LabelStudio for cfg.annotation["url"] with the token in LABEL_STUDIO_API_KEY (kept out
+    of the config, which is saved in the run directory); ValueError (one line) when either
+    is missing."""
+    token = os.environ.get("LABEL_STUDIO_API_KEY", "")
+    if not cfg.annotation.get("url") or not token:
+        raise ValueError("annotation needs {\"url\": \"http://HOST:PORT\"} and the Label Studio token in "
+                         "LABEL_STUDIO_API_KEY (a legacy token: label-studio start --enable-legacy-api-token)")
+    return LabelStudio(cfg.annotation["url"], token)
+
+
+def start_annotator(cfg, tokenizer, stop: threading.Event) -> Callable[[], dict]:
+    """Trainer rank 0: a daemon thread running an Annotator (cfg.annotation, its own buffer
+    connection) until `stop` is set. Returns a callable giving its latest metrics."""
+    from buffer import open_buffer
+
+    latest: dict = {}
+    url = label_studio(cfg).url  # ValueError without url or token
+    kwargs = {k: v for k, v in cfg.annotation.items() if k != "url"}
+
+    def work():
+        buf = open_buffer(cfg.buffer, cfg.run_dir)
+        try:
+            Annotator(buf, tokenizer, url, os.environ["LABEL_STUDIO_API_KEY"], cfg.run_dir,
+                      **kwargs).run(stop, log=latest.update)
+        finally:
+            buf.close()
+
+    threading.Thread(target=work, name="annotator", daemon=True).start()
+    return lambda: dict(latest)

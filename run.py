@@ -750,6 +750,8 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device, lay
     annotating = threading.Event()
     try:
         if rank == 0 and cfg.annotation:
+            from pipelines import start_annotator
+
             io.extra_metrics = start_annotator(cfg, trainer.tokenizer, annotating)
         if rank == 0 and cfg.mode == "both":
             explorer, weights = start_explorer(cfg, io, str(state / "hf") if state else model_path, trainer.version, layout)
@@ -769,41 +771,6 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device, lay
         annotating.set()
         if io.metrics is not None:
             io.metrics.close()
-
-
-def label_studio(cfg: Config):
-    """pipelines.LabelStudio for cfg.annotation["url"] with the token in LABEL_STUDIO_API_KEY;
-    ValueError (one line) when either is missing."""
-    from pipelines import LabelStudio
-
-    token = os.environ.get("LABEL_STUDIO_API_KEY", "")
-    if not cfg.annotation.get("url") or not token:
-        raise ValueError("annotation needs {\"url\": \"http://HOST:PORT\"} and the Label Studio token in "
-                         "LABEL_STUDIO_API_KEY (a legacy token: label-studio start --enable-legacy-api-token)")
-    return LabelStudio(cfg.annotation["url"], token)
-
-
-def start_annotator(cfg: Config, tokenizer, stop: threading.Event):
-    """Rank 0: a daemon thread that sends rollouts waiting for a reward to Label Studio and
-    writes the labels back as rewards (pipelines.Annotator, its own buffer connection)
-    until `stop` is set. Returns a callable giving its latest metrics."""
-    from buffer import open_buffer
-    from pipelines import Annotator
-
-    latest: dict = {}
-    label_studio(cfg)  # ValueError without url or token
-    kwargs = {k: v for k, v in cfg.annotation.items() if k != "url"}
-
-    def work():
-        buf = open_buffer(cfg.buffer, cfg.run_dir)
-        try:
-            Annotator(buf, tokenizer, cfg.annotation["url"], os.environ["LABEL_STUDIO_API_KEY"], cfg.run_dir,
-                      **kwargs).run(stop, log=latest.update)
-        finally:
-            buf.close()
-
-    threading.Thread(target=work, name="annotator", daemon=True).start()
-    return lambda: dict(latest)
 
 
 def loop_io(cfg: Config, trainer, start: int, model_path: str):
@@ -985,35 +952,6 @@ def check_modes(cfg: Config) -> None:
         raise FileNotFoundError(f"--resume: no run to resume in {cfg.run_dir} (no such directory)")
 
 
-def check_pipelines(cfg: Config) -> None:
-    """Raise ValueError (one line) for a mis-configured task or experience pipeline,
-    selector, replay or annotation setting (pipelines.py); ConnectionError when the Label
-    Studio server of cfg.annotation cannot be reached."""
-    import pipelines
-    from losses import resolve
-
-    pipelines.parse_ops(cfg.task_pipeline, pipelines.TASK_OPS, "task_pipeline")
-    pipelines.parse_ops(cfg.experience_pipeline, pipelines.EXPERIENCE_OPS, "experience_pipeline")
-    resolve(cfg.selector, pipelines.SELECTORS, "selector", cfg.selector_kwargs)
-    if cfg.selector == "easy2hard" and not cfg.task_pipeline:
-        raise ValueError("selector easy2hard needs a difficulty for every task: add metadata_difficulty, "
-                         "pass_rate_difficulty, model_difficulty or your own operator to task_pipeline")
-    if cfg.selector == "diff_based" and (cfg.pool_easy <= 1 or cfg.pool_hard >= 0):
-        raise ValueError("selector diff_based already targets a difficulty: leave pool_easy / pool_hard unset")
-    for name, value, known in (("replay", cfg.replay, {"groups", "decay", "use_count_limit"}),
-                               ("annotation", cfg.annotation, {"url", "mode", "choices", "timeout_s", "timeout_reward",
-                                                               "project"})):
-        if set(value) - known:
-            raise ValueError(f"{name}: unknown key(s) {sorted(set(value) - known)}; known: {sorted(known)}")
-    if cfg.replay and not (isinstance(cfg.replay.get("groups", 1), int) and cfg.replay.get("groups", 1) >= 1
-                           and cfg.replay.get("use_count_limit", 3) >= 2 and cfg.replay.get("decay", 2.0) >= 0):
-        raise ValueError(f"replay: need groups >= 1 (an integer), use_count_limit >= 2 and decay >= 0, got {cfg.replay}")
-    if cfg.annotation:
-        if cfg.annotation.get("mode", "rating") not in ("rating", "pairwise"):
-            raise ValueError(f"annotation mode must be rating or pairwise, got {cfg.annotation['mode']!r}")
-        label_studio(cfg).call("GET", "/api/projects?page_size=1")
-
-
 def check_buffer(cfg: Config) -> None:
     """Open the run's buffer once before any process starts: ValueError for a file that is
     not a SQLite database or a PostgreSQL server out of reach. A new run in mode both on a
@@ -1035,11 +973,12 @@ def check_buffer(cfg: Config) -> None:
 def prepare(cfg: Config, rank: int) -> str:
     """Validate inputs before any process starts: modes, algorithm, model, tasks, reward
     function, offline data, run dir. Returns the model directory (rank 0)."""
+    import pipelines
     from workflows import load_chat_jsonl, load_offline_jsonl, load_reward_fn, load_tasks, load_workflow
 
     check_modes(cfg)
     check_algorithm(cfg)
-    check_pipelines(cfg)
+    pipelines.check_config(cfg)
     trackers(cfg)
     layout = place(gpu_count(), int(os.environ.get("WORLD_SIZE", "1")), cfg.mode)  # ValueError: a layout that cannot work
     model_path = resolve_model(cfg.model) if rank == 0 else None
