@@ -538,7 +538,7 @@ class Explorer:
             return not cfg.difficulty_filter or len({e.reward for e in g}) > 1
 
         generated, kept, rounds = [], [], 0
-        tasks = self.next_tasks(cfg.batch_size, retired)
+        tasks = picked = self.next_tasks(cfg.batch_size, retired)
         while True:
             got = [g for g in self._rollouts(tasks) if g]
             generated += got
@@ -547,6 +547,7 @@ class Explorer:
                 break
             rounds += 1
             tasks = self.next_tasks(cfg.batch_size - len(kept), retired)
+            picked = picked + tasks
         dropped = [g for g in generated if not informative(g)]
         short = max(0, cfg.batch_size - len(kept))
         groups = kept[:cfg.batch_size] + dropped[:short]
@@ -575,6 +576,10 @@ class Explorer:
                   "pool/size_retired": len(retired), "rollout/reward_pending": sum(e.reward is None for e in exps),
                   **{f"rollout/{k}": v for k, v in self.counts.items()}, **self.curation}
         self.curation = {}
+        difficulties = [t.difficulty for t in picked if t.difficulty is not None]
+        if difficulties:
+            record["selector/difficulty_mean"] = sum(difficulties) / len(difficulties)
+        record.update(self.selector.metrics())
         trajectories = {e.info["trajectory_id"]: e.info for e in exps if "trajectory_id" in e.info}
         if trajectories:  # multi-turn
             record["rollout/samples_per_trajectory"] = sum(i["samples"] for i in trajectories.values()) / len(trajectories)

@@ -209,6 +209,10 @@ class Selector:
     def update(self, pass_rates: dict[str, float]) -> None:
         """task_id -> mean reward of its latest group; unused by rule-based selectors."""
 
+    def metrics(self) -> dict:
+        """Metrics of the latest choice (namespaced selector/...)."""
+        return {}
+
     def state(self) -> dict:
         """JSON-able resume state."""
         return {"cursor": self.cursor}
@@ -285,6 +289,7 @@ class DiffBased(Selector):
         self.features = np.stack([np.zeros(len(d)), prior], 1)                                   # [n, 2] (f0, f1)
         self.alphas, self.betas = np.ones(len(d)), np.ones(len(d))                               # [n]
         self.cap: float | None = None
+        self.picked_pass_rate: float | None = None
         self.rng = np.random.default_rng(seed)
         self.index = {t.task_id: i for i, t in enumerate(tasks)}
 
@@ -296,12 +301,20 @@ class DiffBased(Selector):
 
     def next(self, k: int) -> list[int]:
         k = min(k, len(self.tasks))
-        scores = -np.abs(self.target - self.predict())                                          # [n]
+        predicted = self.predict()                                                              # [n]
+        scores = -np.abs(self.target - predicted)                                               # [n]
         self.cursor += k
         if self.tau == 0:
-            return np.argsort(-scores, kind="stable")[:k].tolist()
-        p = np.exp((scores - scores.max()) / self.tau)
-        return self.rng.choice(len(scores), k, replace=False, p=p / p.sum()).tolist()
+            out = np.argsort(-scores, kind="stable")[:k].tolist()
+        else:
+            p = np.exp((scores - scores.max()) / self.tau)
+            out = self.rng.choice(len(scores), k, replace=False, p=p / p.sum()).tolist()
+        self.picked_pass_rate = float(predicted[out].mean()) if out else None
+        return out
+
+    def metrics(self) -> dict:
+        """selector/predicted_pass_rate: the mean predicted pass rate of the latest picks."""
+        return {} if self.picked_pass_rate is None else {"selector/predicted_pass_rate": self.picked_pass_rate}
 
     def update(self, pass_rates: dict[str, float]) -> None:
         idx = [self.index[t] for t in pass_rates if t in self.index]
