@@ -153,3 +153,10 @@ class WaitForCheckpoint(WaitForPublish):
     def announced(self, engine) -> int:
         latest = sync.latest_checkpoint(self.run_dir)
         return latest[0] if latest else -1
+
+
+def difficulty_by_length(tasks, ctx):
+    """A task-pipeline plug-in: difficulty = the question's length in characters."""
+    for t in tasks:
+        t.difficulty = float(len(t.question))
+    return tasks

@@ -57,6 +57,13 @@ def test_task_pipeline_dedups_filters_by_length_and_scores_difficulty(tok):
     assert ctx.metrics["pipeline/metadata_difficulty/mean"] == 4.0
 
 
+def test_a_plug_in_operator_scores_by_a_user_function(tok):
+    tasks = [Task("long", "What is 100 + 200 + 300?", "600"), Task("short", "1 + 1?", "2")]
+    out = run_task_pipeline([{"op": "tests.plugins.difficulty_by_length"}], tasks, TaskContext(tok))
+    assert [t.task_id for t in out] == ["long", "short"] and [t.difficulty for t in out] == [24.0, 6.0]
+    assert Easy2Hard(out, 0).next(2) == [1, 0]
+
+
 @pytest.mark.parametrize("spec,message", [
     ([{"op": "metadata_difficulty", "keys": ["num_carries"]}], r"task a has no numeric \['num_carries'\]"),
     ([{"op": "nope"}], "unknown task_pipeline 'nope'"),
