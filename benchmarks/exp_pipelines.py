@@ -122,12 +122,14 @@ def main() -> None:
     p.add_argument("--part", choices=sorted(PARTS), required=True)
     p.add_argument("--model", default="", help="model (default: the default model)")
     p.add_argument("--plot-only", action="store_true", help="plot the saved metrics again")
+    p.add_argument("--arms", default="", help="comma-separated arms to run again (the others are read from results)")
     args = p.parse_args()
     spec, runs = PARTS[args.part], {}
+    again = set(args.arms.split(",")) if args.arms else set(spec["arms"])
     for seed in spec["seeds"]:
         for arm, flags in spec["arms"].items():
             path = RESULTS / f"{args.part}_{arm}_s{seed}.jsonl"
-            if not args.plot_only:
+            if not args.plot_only and arm in again:
                 path = run_arm(args.part, arm, seed, spec["flags"] + flags, args.model)
             runs[arm, seed] = curves(path)
     summary = {f"{arm} seed {seed}": {"accuracy_by_version": dict(zip(c["versions"], c["accuracy"])),
