@@ -1063,8 +1063,28 @@ def main(argv: list[str] | None = None) -> int:
             log = "not saved"
         if rank == 0:
             print(f"run.py: error: {' '.join(str(e).split())} (traceback: {log})", file=sys.stderr)
+        exit_within(EXIT_GRACE_S, log)
         return 1
     return 0
+
+
+# a failed run's time to release its groups, stores and files on the way out (seconds; the tests shorten it)
+EXIT_GRACE_S = float(os.environ.get("NANORFT_EXIT_GRACE_S", "60"))
+
+
+def exit_within(seconds: float, log) -> None:
+    """A failed run must not hang on its way out: the destructors of what it leaves behind
+    (a weight-sync group with a broadcast pending to a peer that is gone) run after the
+    error line. If the process is still alive `seconds` from now, the stacks of its threads
+    are appended to `log` (the run's error log, else stderr) and it exits with code 1
+    (faulthandler.dump_traceback_later)."""
+    import faulthandler
+
+    try:
+        out = open(log, "a") if log != "not saved" else sys.stderr
+    except OSError:
+        out = sys.stderr
+    faulthandler.dump_traceback_later(seconds, exit=True, file=out)
 
 
 def run(cfg: Config, model_path: str) -> None:

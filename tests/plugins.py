@@ -112,6 +112,17 @@ def failing_loss(inp: LossInputs) -> dict[str, torch.Tensor]:
     return {"loss": -inp.advantages * inp.logprobs}
 
 
+def failing_loss_that_hangs_on_exit(inp: LossInputs) -> dict[str, torch.Tensor]:
+    """A policy loss that raises on its first call and leaves behind something that never
+    lets the process finish (an exit handler that waits forever, as a destructor waiting
+    on a dead peer would)."""
+    import atexit
+    import threading
+
+    atexit.register(threading.Event().wait)
+    raise FloatingPointError("loss diverged")
+
+
 class WaitForPublish(MathWorkflow):
     """In-flight test workflow: from the explorer's second generate call on, each call
     pauses at its 3rd decode step (inside the engine's step hook) until the trainer has

@@ -278,6 +278,19 @@ def test_a_failing_side_ends_the_run_with_one_line(tiny_model, tmp_path, args, m
     assert "did not stop" not in res.stderr
 
 
+def test_a_failed_run_that_cannot_finish_still_exits(tiny_model, tmp_path, monkeypatch):
+    """Something left behind blocks the interpreter's exit (here an exit handler that waits
+    forever): the failed run still ends, with its one error line, within the grace period,
+    and the stacks of what blocked it go to its error log."""
+    monkeypatch.setenv("NANORFT_EXIT_GRACE_S", "3")
+    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", tmp_path / "r", "--eval-size", 0,
+                 "--policy-loss", "tests.plugins.failing_loss_that_hangs_on_exit", timeout=240)
+    lines = [x for x in res.stderr.strip().splitlines() if x.startswith("run.py: error:")]
+    assert res.returncode == 1 and len(lines) == 1 and "loss diverged" in lines[0], res.stderr[-3000:]
+    log = (tmp_path / "r" / "error.log").read_text()
+    assert "FloatingPointError: loss diverged" in log and "Timeout (0:00:03)!" in log
+
+
 def test_two_trainer_ranks_publish_checkpoints(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir, "--steps", 2,
