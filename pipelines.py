@@ -453,8 +453,9 @@ def diversity_reward(groups: list[list[Experience]], ctx: ExperienceContext, mod
     embed each rollout's response (`embed`, default model: the run's own), take the cosine
     similarity sim_i to its group's mean embedding, and add
         w_t * (max_j sim_j - sim_i) / (max_j sim_j - min_j sim_j)
-    (0 when the group's similarities are equal), so the least typical rollout gets w_t and
-    the most typical 0. w_t goes linearly from `weight` to `final_weight` over
+    (0 when the group's similarities are equal; Data-Juicer's score is 0.5 times this
+    ratio, here the weight scales it), so the least typical rollout gets w_t and the most
+    typical 0. w_t goes linearly from `weight` to `final_weight` over
     `decay_steps` steps (e.g. 0.5 -> 0.3). Metrics: weight, similarity_mean, bonus_mean."""
     import torch
 
