@@ -440,11 +440,11 @@ class Buffer:
                             f"({marks})", [step + 1, *ids])
         return self._groups(ids, rows)
 
-    def replay(self, num_groups: int, step: int, decay: float = 2.0, use_count_limit: int = 3
+    def replay(self, groups: int, step: int, decay: float = 2.0, use_count_limit: int = 3
                ) -> tuple[list[list[Experience]], int]:
         """Prioritised experience replay (Trinity-RFT trinity/buffer/storage/queue.py @
         5a4234ec, priority model_version - decay * use_count, an item reused at most up to
-        its use-count limit): take up to `num_groups` groups consumed before trainer step
+        its use-count limit): take up to `groups` groups consumed before trainer step
         `step` whose use_count < `use_count_limit`, highest priority first (ties: newest),
         count the use and record it for `release_after`. Each experience carries
         info["use_count"] (uses before this one) and info["priority"]. Returns (groups,
@@ -454,7 +454,7 @@ class Buffer:
                 "SELECT group_id, MIN(model_version) - ? * MAX(use_count) AS priority FROM experiences "
                 "WHERE consumed BETWEEN 1 AND ? GROUP BY group_id HAVING MAX(use_count) < ? "
                 "ORDER BY priority DESC, MIN(id) DESC", (decay, step, use_count_limit)).fetchall()
-            chosen = eligible[:num_groups]
+            chosen = eligible[:groups]
             ids, priority = [g for g, _ in chosen], dict(chosen)
             if not ids:
                 return [], len(eligible)
@@ -463,12 +463,12 @@ class Buffer:
                                    "ORDER BY id", ids).fetchall()
             self.db.execute(f"UPDATE experiences SET use_count = use_count + 1 WHERE group_id IN ({marks})", ids)
             self.db.executemany("INSERT INTO replays VALUES (?, ?)", [(step, g) for g in ids])
-        groups = self._groups(ids, [r[:-1] for r in rows])
+        out = self._groups(ids, [r[:-1] for r in rows])
         uses = {r[0]: r[-1] for r in rows}
-        for g in groups:
+        for g in out:
             for e in g:
                 e.info.update(use_count=uses[e.group_id], priority=float(priority[e.group_id]))
-        return groups, len(eligible)
+        return out, len(eligible)
 
     @staticmethod
     def _groups(ids: list[str], rows) -> list[list[Experience]]:

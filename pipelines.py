@@ -34,6 +34,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -68,11 +69,10 @@ class TaskContext:
 @dataclass
 class ExperienceContext:
     """What an experience operator may use. step: the trainer step (0-based) of the batch;
-    steps: the run's steps; tokenizer: the policy's; model: the run's model directory (the
-    default embedding model); metrics: filled by operators."""
+    tokenizer: the policy's; model: the run's model directory (the default embedding
+    model); metrics: filled by operators."""
 
     step: int = 0
-    steps: int = 1
     tokenizer: Any = None
     model: str = ""
     metrics: dict = field(default_factory=dict)
@@ -245,6 +245,10 @@ class RandomTasks(Selector):
         return (out * (k // len(out) + 1))[:k]
 
 
+NEEDS_DIFFICULTY = ("selector easy2hard needs a difficulty for every task: add metadata_difficulty, "
+                    "pass_rate_difficulty, model_difficulty or your own operator to task_pipeline")
+
+
 class Easy2Hard(Selector):
     """Easy -> hard: the tasks sorted by ascending difficulty (ties: list order), cycled
     (Trinity-RFT's offline_easy2hard, which sorts by pass-rate features, highest first).
@@ -253,8 +257,7 @@ class Easy2Hard(Selector):
     def __init__(self, tasks: list[Task], seed: int):
         super().__init__(tasks, seed)
         if any(t.difficulty is None for t in tasks):
-            raise ValueError("selector easy2hard needs a difficulty for every task: add metadata_difficulty, "
-                             "pass_rate_difficulty, model_difficulty or your own operator to task_pipeline")
+            raise ValueError(NEEDS_DIFFICULTY)
         self.order = sorted(range(len(tasks)), key=lambda i: tasks[i].difficulty)
 
 
@@ -369,12 +372,12 @@ class ExperiencePipeline:
     metrics)`; groups that an operator empties are dropped (counted), RuntimeError when
     none is left; metrics add pipeline/reward_raw_mean (the rewards before shaping)."""
 
-    def __init__(self, specs: list, steps: int, tokenizer=None, model: str = ""):
+    def __init__(self, specs: list, tokenizer=None, model: str = ""):
         self.ops = parse_ops(specs, EXPERIENCE_OPS, "experience_pipeline")
-        self.steps, self.tokenizer, self.model = steps, tokenizer, model
+        self.tokenizer, self.model = tokenizer, model
 
     def __call__(self, groups: list[list[Experience]], step: int) -> tuple[list[list[Experience]], dict]:
-        ctx = ExperienceContext(step, self.steps, self.tokenizer, self.model)
+        ctx = ExperienceContext(step, self.tokenizer, self.model)
         for name, fn, kwargs in self.ops:
             before = len(groups)
             groups = [g for g in fn(groups, ctx, **kwargs) if g]
@@ -564,6 +567,12 @@ class LabelStudio:
             page += 1
 
 
+def check_mode(mode: str) -> None:
+    """ValueError (one line) unless `mode` is an annotation mode: rating or pairwise."""
+    if mode not in ("rating", "pairwise"):
+        raise ValueError(f"annotation mode must be rating or pairwise, got {mode!r}")
+
+
 class Annotator:
     """Human labels as lagged rewards (Trinity-RFT report 2.3.4 and 3.5; its tool is Label
     Studio, as in Data-Juicer's human_preference_annotation_mapper).
@@ -584,15 +593,14 @@ class Annotator:
     def __init__(self, buffer, tokenizer, url: str, token: str, run_dir: str, mode: str = "rating",
                  choices: dict | None = None, timeout_s: float = 3600.0, timeout_reward: float = 0.0,
                  project: str = ""):
-        if mode not in ("rating", "pairwise"):
-            raise ValueError(f"annotation mode must be rating or pairwise, got {mode!r}")
+        check_mode(mode)
         self.buffer, self.tokenizer, self.mode, self.run_dir = buffer, tokenizer, mode, run_dir
         self.choices = choices or {"good": 1.0, "bad": 0.0}
         self.timeout_s, self.timeout_reward = timeout_s, timeout_reward
         self.ls = LabelStudio(url, token)
         config = PAIR_CONFIG if mode == "pairwise" else RATING_CONFIG.format(
             choices="".join(f'<Choice value="{c}"/>' for c in self.choices))
-        self.project = self.ls.project(project or f"nanorft {run_dir.rstrip('/').rpartition('/')[2]}", config)
+        self.project = self.ls.project(project or f"nanorft {Path(run_dir).name}", config)
         self.sent = {t["data"]["group_id"]: time.time() for t in self.ls.tasks(self.project)}  # after a restart
         self.done: set[str] = set()
         self.metrics = {"annotation/sent": 0, "annotation/labelled": 0, "annotation/timed_out": 0,
@@ -674,8 +682,7 @@ def check_config(cfg) -> None:
     parse_ops(cfg.experience_pipeline, EXPERIENCE_OPS, "experience_pipeline")
     resolve(cfg.selector, SELECTORS, "selector", cfg.selector_kwargs)
     if cfg.selector == "easy2hard" and not cfg.task_pipeline:
-        raise ValueError("selector easy2hard needs a difficulty for every task: add metadata_difficulty, "
-                         "pass_rate_difficulty, model_difficulty or your own operator to task_pipeline")
+        raise ValueError(NEEDS_DIFFICULTY)
     if cfg.selector == "diff_based" and (cfg.pool_easy <= 1 or cfg.pool_hard >= 0):
         raise ValueError("selector diff_based already targets a difficulty: leave pool_easy / pool_hard unset")
     for name, value, known in (("replay", cfg.replay, {"groups", "decay", "use_count_limit"}),
@@ -688,8 +695,7 @@ def check_config(cfg) -> None:
                   and r.get("decay", 2.0) >= 0):
         raise ValueError(f"replay: need groups >= 1 (an integer), use_count_limit >= 2 and decay >= 0, got {r}")
     if cfg.annotation:
-        if cfg.annotation.get("mode", "rating") not in ("rating", "pairwise"):
-            raise ValueError(f"annotation mode must be rating or pairwise, got {cfg.annotation['mode']!r}")
+        check_mode(cfg.annotation.get("mode", "rating"))
         label_studio(cfg).call("GET", "/api/projects?page_size=1")
 
 

@@ -776,8 +776,7 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device, lay
 def loop_io(cfg: Config, trainer, start: int, model_path: str):
     """Rank 0's trainer.LoopIO: the buffer (experiences served after step `start` go back
     on --resume), the experience pipeline, the metrics log, offline / expert data (drawn on
-    to `start` for a resume),
-    and in mode train the explorers' evaluations from the buffer. Mode both adds the
+    to `start` for a resume), and in mode train the explorers' evaluations from the buffer. Mode both adds the
     explorer in `start_explorer`; mode train with broadcast sync the explorers' group in
     `connect_explorers`."""
     from buffer import open_buffer
@@ -789,7 +788,7 @@ def loop_io(cfg: Config, trainer, start: int, model_path: str):
     if cfg.experience_pipeline:
         from pipelines import ExperiencePipeline
 
-        io.shape = ExperiencePipeline(cfg.experience_pipeline, cfg.steps, trainer.tokenizer, model_path)
+        io.shape = ExperiencePipeline(cfg.experience_pipeline, trainer.tokenizer, model_path)
     io.buffer.set_run_state("trainer_done", None)  # a trainer is running (again)
     if cfg.resume:
         released = io.buffer.release_after(start)

@@ -497,8 +497,7 @@ def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]
         groups += fresh
     m = {"staleness/dropped_groups": dropped}
     if cfg.replay:
-        r = cfg.replay
-        again, eligible = buffer.replay(r.get("groups", 1), step, r.get("decay", 2.0), r.get("use_count_limit", 3))
+        again, eligible = buffer.replay(step=step, **{"groups": 1, **cfg.replay})
         groups += again
         m.update({"replay/groups": len(again), "replay/eligible_groups": eligible,
                   "replay/use_count_mean": sum(g[0].info["use_count"] for g in again) / max(1, len(again)),

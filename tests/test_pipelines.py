@@ -147,7 +147,7 @@ def test_diff_based_sampling_resumes_exactly():
 def test_diversity_reward_rewards_the_least_typical_rollout(tok, tiny_model):
     groups = [group(tok, ["7", "7", "the answer is 42 because"], [1.0, 0.0, 0.0], group_id="g1"),
               group(tok, ["5", "5"], [0.0, 0.0], group_id="g2")]
-    ctx = ExperienceContext(step=10, steps=20, tokenizer=tok, model=tiny_model)
+    ctx = ExperienceContext(step=10, tokenizer=tok, model=tiny_model)
     diversity_reward(groups, ctx, weight=0.5, final_weight=0.3, decay_steps=20)  # weight 0.4 at step 10
     g1, g2 = groups
     assert [e.info["shaping"]["diversity"] for e in g1] == pytest.approx([0.0, 0.0, 0.4])
@@ -182,7 +182,7 @@ def test_quality_reward_scales_the_rating_to_plus_minus_half(tok, tiny_model):
 
 def test_experience_pipeline_composes_and_refuses_an_empty_batch(tok, tiny_model):
     pipe = ExperiencePipeline([{"op": "clean", "max_tokens": 2}, {"op": "diversity_reward", "weight": 1.0}],
-                              steps=4, tokenizer=tok, model=tiny_model)
+                              tokenizer=tok, model=tiny_model)
     groups = [group(tok, ["1", "the answer is 42 because"], [1.0, 0.0], group_id="a"),
               group(tok, ["one two three four", "five six seven eight"], [0.0, 1.0], group_id="b")]
     out, m = pipe(groups, 0)
@@ -191,7 +191,7 @@ def test_experience_pipeline_composes_and_refuses_an_empty_batch(tok, tiny_model
     with pytest.raises(RuntimeError, match="clean dropped every group of step 3"):
         pipe([group(tok, ["one two three four"], [1.0])], 3)
     with pytest.raises(ValueError, match="unknown experience_pipeline 'novelty'"):
-        ExperiencePipeline([{"op": "novelty"}], 4)
+        ExperiencePipeline([{"op": "novelty"}])
 
 
 # ----------------------------------------------------------------------------- replay
