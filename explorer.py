@@ -68,13 +68,17 @@ class Engine:
     and load it in place; the checksum is `sync.checksum` of the received tensors) and
     `load_checkpoint(path, version) -> checksum` (load a safetensors directory in place).
     `version` is the weight version loaded now. `step_hook`, when set, is called between
-    two decode steps (in-flight weight updates); it may replace the weights.
+    two decode steps (in-flight weight updates); it may replace the weights. `cores`, when
+    set (sync.CoreShare), sets the torch threads before each forward pass (HF engine).
     """
 
     def __init__(self):
         self._pending: dict[Sampling, list] = {}
         self.version = 0
         self.step_hook = None
+        self.cores = None
+        self.status = lambda text: None  # a line saying what the engine is doing (mode both: to the trainer's bar)
+        self.label = ""  # what the current generate calls are for ("batch 3", "evaluation of version 10")
 
     async def generate(self, prompt_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
         """Sample `n` completions of one prompt; awaits the batched call."""
@@ -215,6 +219,7 @@ class HFEngine(Engine):
         seqs = [p for p, n in zip(prompts, ns) for _ in range(n)]
         flat: list[Completion] = []
         for i in range(0, len(seqs), self.max_batch):
+            self.status(f"{self.label}: sequences {i}-{min(len(seqs), i + self.max_batch)} of {len(seqs)}")
             flat += self._sample(seqs[i:i + self.max_batch], sampling)
         out, i = [], 0
         for n in ns:
@@ -232,6 +237,8 @@ class HFEngine(Engine):
         B = len(prompts)
         ids, attn, pos = (x.to(self.device) for x in left_pad(prompts, self.pad))  # [B, P] each
         cache = DynamicCache()
+        if self.cores is not None:
+            self.cores.apply()
         logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         tokens, logprobs = [], []
@@ -250,6 +257,8 @@ class HFEngine(Engine):
                 break
             if self.step_hook is not None:
                 self.step_hook()  # in-flight: may load new weights; the KV cache is kept
+            if self.cores is not None:
+                self.cores.apply()
             attn = torch.cat([attn, attn.new_ones((B, 1))], dim=1)
             pos = pos[:, -1:] + 1
             logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
@@ -290,6 +299,7 @@ class VLLMEngine(Engine):
         if threads and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # CPU build: bind to the last cores
             cores = sorted(os.sched_getaffinity(0))[-threads:]
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines (dozens per start) unless asked for
         if inflight:  # the engine core runs in this process, so it stops between two step() calls
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.llm = LLM(model=model_path, dtype="bfloat16" if bf16 else "float32", seed=seed,
@@ -388,12 +398,12 @@ def make_engine(cfg, model_path: str, device: str = "", colocated: bool = False)
     (`use_gpu`); the HF engine holds bf16 weights when `colocated` with the trainer on a GPU."""
     torch.set_num_threads(cfg.explorer_threads)
     if cfg.engine == "vllm" or (cfg.engine == "auto" and vllm_available()):
-        return VLLMEngine(model_path, seed=explorer_seed(cfg.seed, cfg.explorer_name) + 1, bf16=cfg.bf16,
+        return VLLMEngine(model_path, seed=explorer_seed(cfg.seed, cfg.explorer_name) + 1, bf16=cfg.dtype == "bfloat16",
                           threads=cfg.explorer_threads,
                           memory_fraction=cfg.vllm_memory_fraction, inflight=cfg.inflight)
     half = colocated and device.startswith("cuda")
     return HFEngine(model_path, max_batch=cfg.explorer_max_batch, seed=explorer_seed(cfg.seed, cfg.explorer_name) + 1,
-                    bf16=cfg.bf16, device=device, dtype=torch.bfloat16 if half else torch.float32)
+                    bf16=cfg.dtype == "bfloat16", device=device, dtype=torch.bfloat16 if half else torch.float32)
 
 
 def use_gpu(device: str) -> str:
@@ -532,6 +542,7 @@ class Explorer:
         error. Every group with known rewards updates the task pools."""
         cfg, t0, version = self.cfg, time.perf_counter(), self.engine.version
         self.counts = dict.fromkeys(self.counts, 0)
+        self.engine.label = f"batch {batch} (version {version})"
         retired = buffer.retired()
 
         def informative(g):
@@ -568,6 +579,7 @@ class Explorer:
         self._write_samples(batch, version, groups)
         record = {"batch": batch, "explorer/version": version, "time/explore_s": seconds,
                   "explorer/gen_tokens": gen_tokens, "explorer/tokens_per_s": gen_tokens / seconds,
+                  "memory/explorer_peak_rss_gib": sync.peak_rss_gib(),
                   "rollout/reward_errors": sum("reward_error" in e.info for e in exps),
                   "rollout/truncated_frac": sum(e.info["finish_reason"] == "length" for e in exps) / len(exps),
                   "inflight/multi_version_seqs": sum(e.info["versions"][0] != e.info["versions"][1] for e in exps
@@ -595,6 +607,7 @@ class Explorer:
         if not self.held_out:
             return None
         t0 = time.perf_counter()
+        self.engine.label = f"evaluation of version {version}"
         groups = self._rollouts(self.held_out, self.eval_workflow, 1)
         exps = [g[0] for g in groups if g]
         rewards = [e.reward or 0.0 for e in exps] + [0.0] * (len(groups) - len(exps))  # skipped / lagged: 0
@@ -645,14 +658,16 @@ def exit_quietly(*_) -> None:
 
 
 def run_mode_both(cfg, model_path: str, port: int, total_steps: int, queue, start_version: int = 0,
-                  device: str = "", sync_device: str = "cpu") -> None:
+                  device: str = "", sync_device: str = "cpu", core_flags=None) -> None:
     """Mode both: the explorer process, spawned by trainer rank 0 (`start_version` = the
     weights in `model_path`), on `device` with its weight-sync group on `sync_device`
     (run.place: "cpu" on CPU machines and when it shares the trainer's GPU). Before batch e it receives weights until it holds
     sync.required_version(e), over the weight-sync group (rank 1, `port`) or, with
     --sync-method checkpoint, from the checkpoints the trainer publishes; with cfg.inflight
     it also takes each publish between two decode steps, without pausing its batch. Puts
-    metric records (and an error line if it fails: exit code 1) on `queue`."""
+    metric records (and an error line if it fails: exit code 1) on `queue`. `core_flags`: the
+    shared busy flags of sync.CoreShare (the HF engine borrows the trainer's threads while
+    it waits for a batch), or None."""
     parent = os.getppid()
     alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
     by_checkpoint = cfg.sync_method == "checkpoint"
@@ -675,8 +690,13 @@ def run_mode_both(cfg, model_path: str, port: int, total_steps: int, queue, star
 
     last = sync.published_versions(total_steps, cfg.sync_interval)[-1]
     signal.signal(signal.SIGTERM, exit_quietly)
+    signal.signal(signal.SIGINT, exit_quietly)  # Ctrl-C: the trainer says how to resume; no second report
     try:
+        queue.put({"status": f"starting the {cfg.engine} engine"})
         engine = make_engine(cfg, model_path, use_gpu(device), colocated=device.startswith("cuda") and sync_device == "cpu")
+        engine.status = lambda text: queue.put({"status": text})
+        if core_flags is not None and isinstance(engine, HFEngine):
+            engine.cores = sync.CoreShare(core_flags, 1, cfg.explorer_threads, cfg.trainer_threads)
         explore_loop(cfg, engine, queue.put, total_steps, start_version, connect, before_batch, inflight,
                      lambda receiver: receiver.until(last), open_buffer(cfg.buffer, cfg.run_dir))
     except Exception as e:  # reported by the trainer as one line; the process exits with code 1
@@ -801,12 +821,17 @@ def explore_loop(cfg, engine: Engine, log, total: int, start_version: int, conne
                 engine.step_hook = hook
                 last_eval = v
 
+        busy = engine.cores.busy if engine.cores is not None else (lambda flag: None)
+        busy(True)
         maybe_eval()
         for batch in range(first, total):
+            busy(False)  # waiting for weights or for the trainer: the trainer may use our cores
             if not before_batch(receiver, batch):
                 break
+            busy(True)
             maybe_eval()
             log(explorer.rollout_batch(batch, buffer))
+        busy(False)
         engine.step_hook = None
         finish(receiver)
         maybe_eval(final=True)

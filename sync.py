@@ -65,6 +65,38 @@ def published_versions(total_steps: int, sync_interval: int) -> list[int]:
     return [t + 1 for t in range(total_steps) if publishes_after(t, sync_interval, total_steps)]
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident memory (GiB) so far (getrusage; Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+class CoreShare:
+    """The schedule leaves one side idle at times (the explorer waiting for weights, the
+    trainer waiting for a batch); the idle side lends its CPU threads to the busy one.
+
+    `flags` is a shared array of two ints (torch.multiprocessing `Array("i", 2)`: trainer
+    busy, explorer busy), `side` 0 (trainer rank 0) or 1 (explorer), `own` / `other` the
+    thread counts of the two sides. `busy(flag)` marks this side; `apply()` sets this
+    process's torch threads to own + other while the other side is idle, else own. Both
+    sides call `apply()` before each unit of work (a micro-batch, a decode step), so a
+    borrowed core goes back within one unit once its owner is busy again. Returns the
+    thread count it set."""
+
+    def __init__(self, flags, side: int, own: int, other: int):
+        self.flags, self.side, self.own, self.other = flags, side, own, other
+
+    def busy(self, flag: bool) -> None:
+        self.flags[self.side] = int(flag)
+
+    def apply(self) -> int:
+        n = self.own if self.flags[1 - self.side] else self.own + self.other
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        return n
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` exists (a liveness check for a peer that is not our parent)."""
     try:

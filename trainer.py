@@ -22,18 +22,62 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import MethodType
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 import sync
 from buffer import Experience
 from losses import (ADVANTAGES, AGGREGATIONS, FILTERS, KL_ESTIMATORS, POLICY_LOSSES, LossInputs, accepts, aggregate,
-                    kl_estimate, left_pad, length_penalty, masked_sum, part_totals, position_ids, resolve,
-                    token_entropy)
+                    chunked_logprobs, kl_estimate, length_penalty, masked_sum, part_totals, resolve)
+
+
+def limit_heap_fragmentation() -> None:
+    """glibc only: allocations of 64 KiB and more get their own mmap, returned to the system
+    when freed. glibc's default threshold grows up to 32 MiB as large blocks are freed, after
+    which the activations of each micro-batch come from the heap and leave it fragmented:
+    the default job's trainer peaked at 4.1 GiB instead of 2.9 GiB (benchmarks/bench_step.py).
+    No effect elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def native_bf16(device_type: str) -> bool:
+    """Whether the device computes bf16 natively: a CUDA device with bf16 support, or a CPU
+    whose oneDNN has bf16 kernels (AVX512-BF16 or AMX; it honours ONEDNN_MAX_CPU_ISA).
+    NANORFT_CPU_BF16=1/0 forces the CPU's answer."""
+    if device_type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    forced = os.environ.get("NANORFT_CPU_BF16")
+    return forced == "1" if forced in ("0", "1") else bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def choose_dtype(requested: str, device_type: str) -> tuple[str, str]:
+    """The compute precision of the trainer and the engines: `requested` (auto, bfloat16,
+    float32) on `device_type` (cpu, cuda) -> (bfloat16 or float32, the reason, for the
+    start banner). auto picks bfloat16 only where the device computes it natively
+    (`native_bf16`): on a CPU without it bf16 is emulated, about 14x slower than float32
+    (8 x 64 tokens of SmolLM2-135M forward + backward on an AVX2 CPU: 7.4 s float32,
+    110-118 s bf16 autocast). An explicit bfloat16 there runs, and its reason is a warning."""
+    where = "CUDA device" if device_type == "cuda" else f"this CPU ({torch.backends.cpu.get_cpu_capability()})"
+    native = native_bf16(device_type)
+    if requested == "auto":
+        return ("bfloat16", f"{where} computes bf16 natively") if native else \
+            ("float32", f"{where} has no native bf16: emulated bf16 is many times slower")
+    if requested == "bfloat16" and not native:
+        return requested, f"--dtype; warning: {where} has no native bf16, so bf16 is emulated and about 14x slower " \
+                          "than float32 (--dtype auto picks float32 here)"
+    return requested, "--dtype"
 
 
 def resume_state(run_dir: str | Path) -> Path | None:
@@ -43,66 +87,126 @@ def resume_state(run_dir: str | Path) -> Path | None:
     return marker.parent / marker.read_text().strip() if marker.is_file() else None
 
 
-def pack(exps: list[Experience], pad: int) -> dict[str, torch.Tensor]:
-    """Pad a list of experiences into tensors: prompts left-padded to P, responses
-    right-padded to R, so every response starts at column P.
+def share_prompts(exps: list[Experience], row_tokens: int = 0) -> list[tuple[list[int], list[int]]]:
+    """Rows of a shared-prefix packing: consecutive experiences with the same prompt (the
+    rollouts of one group) share one row, the prompt once and their responses after it,
+    while the row stays within `row_tokens` tokens (0 = no bound; a row always takes at
+    least one response). Returns (prompt ids, indices into `exps`) per row."""
+    rows: list[tuple[list[int], list[int]]] = []
+    for i, e in enumerate(exps):
+        prompt, n = e.tokens[:e.prompt_length], len(e.tokens) - e.prompt_length
+        if rows and rows[-1][0] == prompt:
+            used = len(prompt) + sum(len(exps[j].tokens) - exps[j].prompt_length for j in rows[-1][1])
+            if not row_tokens or used + n <= row_tokens:
+                rows[-1][1].append(i)
+                continue
+        rows.append((prompt, [i]))
+    return rows
 
-    Returns input_ids / attention_mask / position_ids [B, P + R] and, over the response
-    region, response_ids / old_logprobs / mask [B, R]. R >= 1 (an empty response gets one
-    masked pad token).
-    """
+
+def packed_tokens(exps: list[Experience], row_tokens: int = 0) -> int:
+    """Tokens a forward pass over `pack(exps, pad, row_tokens)` computes: rows x the
+    longest row."""
+    rows = share_prompts(exps, row_tokens)
+    return len(rows) * max(len(p) + sum(len(exps[i].tokens) - len(p) for i in m) for p, m in rows)
+
+
+def pack(exps: list[Experience], pad: int, row_tokens: int = 0) -> dict[str, torch.Tensor]:
+    """Shared-prefix packing of a micro-batch: each row holds one prompt and the responses
+    that continue it (`share_prompts`: a group of 8 rollouts of a 40-token prompt costs
+    40 + 8 x R tokens instead of 8 x (40 + R)). A block mask lets every response attend
+    to the prompt and to its own earlier tokens only, and its position ids continue the
+    prompt's, so each response's log-probs are exactly those of prompt + response alone.
+
+    Returns the model input input_ids [N, L] long, attention_mask [N, 1, L, L] bool (True
+    = attend; padding attends to itself only) and position_ids [N, L]; for every response
+    token (T in all) its row, the position whose hidden state predicts it (the prompt's
+    last position for a response's first token) and its id: rows / positions / targets
+    [T] long, and where it goes in the [B, R] response layout: seq / col [T] long; over
+    the response region response_ids / old_logprobs / mask [B, R] (R >= 1: an empty
+    response gets one masked pad token)."""
     B = len(exps)
     R = max(1, max(len(e.tokens) - e.prompt_length for e in exps))
-    prompt_ids, prompt_attn, _ = left_pad([e.tokens[:e.prompt_length] for e in exps], pad)  # [B, P]
+    rows = share_prompts(exps, row_tokens)
+    L = max(len(p) + sum(len(exps[i].tokens) - len(p) for i in m) for p, m in rows)
+    ids = torch.full((len(rows), L), pad, dtype=torch.long)
+    pos = torch.zeros((len(rows), L), dtype=torch.long)
+    seg = torch.full((len(rows), L), -1, dtype=torch.long)  # 0 = prompt, k = k-th response of the row, -1 = pad
+    index: list[tuple[int, int, int, int]] = []  # (row, predicting position, sequence, column) per response token
+    for r, (prompt, members) in enumerate(rows):
+        P = len(prompt)
+        ids[r, :P], pos[r, :P], seg[r, :P] = torch.tensor(prompt, dtype=torch.long), torch.arange(P), 0
+        s = P
+        for k, i in enumerate(members, 1):
+            n = len(exps[i].tokens) - P
+            ids[r, s:s + n] = torch.tensor(exps[i].tokens[P:], dtype=torch.long)
+            pos[r, s:s + n], seg[r, s:s + n] = torch.arange(P, P + n), k
+            index += [(r, P - 1 if j == 0 else s + j - 1, i, j) for j in range(n)]
+            s += n
+    q, k = seg[:, :, None], seg[:, None, :]                                              # [N, L, 1], [N, 1, L]
+    causal = torch.ones(L, L, dtype=torch.bool).tril()                                   # [L, L]
+    attn = causal & (q >= 0) & ((k == 0) | (k == q)) | torch.eye(L, dtype=torch.bool)    # [N, L, L]
+    rows_i, positions, seq, col = (torch.tensor(x, dtype=torch.long) for x in zip(*index)) if index else \
+        (torch.zeros(0, dtype=torch.long),) * 4
     response = torch.full((B, R), pad, dtype=torch.long)
-    response_attn = torch.zeros((B, R), dtype=torch.long)
-    old = torch.zeros((B, R))
-    mask = torch.zeros((B, R))
+    old, mask = torch.zeros((B, R)), torch.zeros((B, R))
     for b, e in enumerate(exps):
         r = len(e.tokens) - e.prompt_length
         response[b, :r] = torch.tensor(e.tokens[e.prompt_length:], dtype=torch.long)
-        response_attn[b, :r] = 1
         old[b, :r] = torch.tensor(e.logprobs)
         mask[b, :r] = torch.tensor(e.action_mask, dtype=torch.float)
-    ids, attn = torch.cat([prompt_ids, response], 1), torch.cat([prompt_attn, response_attn], 1)
-    pos = position_ids(attn)
-    return {"input_ids": ids, "attention_mask": attn, "position_ids": pos,
+    return {"input_ids": ids, "attention_mask": attn[:, None], "position_ids": pos, "rows": rows_i,
+            "positions": positions, "targets": response[seq, col], "seq": seq, "col": col,
             "response_ids": response, "old_logprobs": old, "mask": mask}
 
 
 def micro_batches(units: list[list[Experience]], token_budget: int) -> list[list[Experience]]:
     """Split consecutive units (single experiences, or whole groups for group-level losses)
-    into micro-batches whose padded size B * (P + R) stays within `token_budget` tokens;
-    a unit is never split (a single larger unit gets a micro-batch of its own)."""
+    into micro-batches whose packed size (`packed_tokens`: rows x longest row, the
+    rollouts of a group sharing their prompt) stays within `token_budget` tokens; a unit is
+    never split (a single larger unit gets a micro-batch of its own)."""
     out: list[list[Experience]] = []
     cur: list[Experience] = []
     for unit in units:
         grown = cur + unit
-        P = max(e.prompt_length for e in grown)
-        R = max(len(e.tokens) - e.prompt_length for e in grown)
-        if cur and len(grown) * (P + R) > token_budget:
+        if cur and packed_tokens(grown, token_budget) > token_budget:
             out.append(cur)
             grown = list(unit)
         cur = grown
     return out + [cur] if cur else out
 
 
+def packed_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                    rows: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor, temperature: float,
+                    entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The decoder over a `pack` batch, then the LM head on the hidden states that predict
+    response tokens only, in chunks (losses.chunked_logprobs): log-probs [T] and entropy
+    [T] or None. Trainer models get it as an FSDP forward method (`nanorft_logprobs`), so
+    FSDP gathers the root's parameters (embeddings, final norm, LM head) around it."""
+    mask = attention_mask
+    if model.config._attn_implementation == "eager":  # eager attention adds its mask; sdpa takes booleans
+        mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float).min)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=mask,
+                                 position_ids=position_ids, use_cache=False).last_hidden_state  # [N, L, H]
+    head = model.get_output_embeddings()
+    return chunked_logprobs(hidden[rows, positions], head.weight, targets, temperature, entropy, bias=head.bias)
+
+
 def response_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
                       entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, R] of `response_ids` under `model` at `temperature` (no top-p), from
     a batch made by `pack`, and the token entropy [B, R] (nats) when `entropy` (with a
-    gradient only when `entropy_grad`: the softmax over the vocabulary is not kept for
-    the backward pass otherwise). Only the R + 1 last positions go through the LM head."""
-    R = batch["response_ids"].shape[1]
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], logits_to_keep=R + 1).logits[:, :R]  # [B, R, V]
-    logits = logits.float() / temperature
-    picked = logits.gather(-1, batch["response_ids"][..., None]).squeeze(-1)              # [B, R]
-    lp = picked - torch.logsumexp(logits, dim=-1)                                          # [B, R]
+    gradient only when `entropy_grad`). Padding gets 0."""
+    forward = getattr(model, "nanorft_logprobs", None) or (lambda *a: packed_logprobs(model, *a))
+    lp, ent = forward(batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["rows"],
+                      batch["positions"], batch["targets"], temperature, entropy)            # [T], [T]
+    B, R = batch["response_ids"].shape
+    where = batch["seq"] * R + batch["col"]                                                  # [T]
+    out = lp.new_zeros(B * R).index_put((where,), lp).view(B, R)                             # [B, R]
     if not entropy:
-        return lp, None
-    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-        return lp, token_entropy(logits if entropy_grad else logits.detach())
+        return out, None
+    ent = ent if entropy_grad and torch.is_grad_enabled() else ent.detach()
+    return out, ent.new_zeros(B * R).index_put((where,), ent).view(B, R)
 
 
 LENGTH_UNITS = {"tokens": lambda e: sum(e.action_mask), "turns": lambda e: e.info.get("turns", 1)}
@@ -165,7 +269,7 @@ class Trainer:
     """FSDP2 policy + AdamW on this rank (and a frozen FSDP2 reference model when a KL term
     or DPO needs one).
 
-    cfg: run.Config (lr, weight_decay, max_grad_norm, token_budget, temperature, bf16,
+    cfg: run.Config (lr, weight_decay, max_grad_norm, token_budget, temperature, dtype (resolved: bfloat16 or float32),
     activation_checkpointing, save_dtype,
     advantage(_kwargs), policy_loss(_kwargs), loss_agg, kl_loss_coef, kl_estimator,
     kl_reward_coef, entropy_coef, length_penalty, length_unit, filters, seed). Requires an
@@ -182,7 +286,14 @@ class Trainer:
         self.advantage_fn, self.loss_fn, self.agg, self.filters = resolve_algorithm(cfg)
         self.masked_filters = {name for name, fn in self.filters.items() if accepts(fn, "action_mask")}
         self.adv_counts = accepts(self.advantage_fn, "token_counts")  # REINFORCE++ whitens over tokens
-        self.fsdp_bf16 = cfg.bf16 and device.type == "cuda"  # FSDP2 mixed precision on CUDA, autocast on CPU
+        bf16 = cfg.dtype == "bfloat16"
+        self.fsdp_bf16 = bf16 and device.type == "cuda"  # FSDP2 mixed precision on CUDA, autocast on CPU
+        self.autocast = bf16 and not self.fsdp_bf16
+        self.computed_tokens = 0  # tokens the forward passes computed (packed rows x length, padding included)
+        self.cores = None  # sync.CoreShare: threads lent by an idle explorer (set by TrainLoop)
+        self.progress: Callable[[str], None] = lambda text: None  # rank 0's step bar shows where the step is
+        if device.type == "cpu":
+            limit_heap_fragmentation()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.model = self._load(model_path)
@@ -200,15 +311,21 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
-        if self.cfg.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.fsdp_bf16 else \
             MixedPrecisionPolicy()
         blocks = set(model._no_split_modules or [])
+        if self.cfg.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for m in model.modules():
             if type(m).__name__ in blocks:
+                # transformers recomputes a block only when the block is in training mode; its submodules
+                # stay in eval mode (no dropout: the behaviour policy sampled without it)
+                m.training = self.cfg.activation_checkpointing
                 fully_shard(m, mp_policy=policy)
-        return fully_shard(model, mp_policy=policy)
+        model = fully_shard(model, mp_policy=policy)
+        model.nanorft_logprobs = MethodType(packed_logprobs, model)
+        register_fsdp_forward_method(model, "nanorft_logprobs")
+        return model
 
     def full_parameters(self) -> list[torch.Tensor]:
         """All parameters as full tensors in `named_parameters()` order. Collective: every
@@ -222,7 +339,8 @@ class Trainer:
         it as far as the others."""
         params = [p for _, p in self.model.named_parameters()]
         for r in sync.bucket_ranges([p.numel() for p in params], bucket_elems):
-            yield [params[i].full_tensor() if isinstance(params[i], DTensor) else params[i].detach() for i in r]
+            yield [(params[i].detach().to_local() if self.world == 1 else params[i].full_tensor())  # one rank: no copy
+                   if isinstance(params[i], DTensor) else params[i].detach() for i in r]
 
     def _plan(self, units: list[list[Experience]], dummy: Experience) -> list[tuple[list[Experience], bool]]:
         """Micro-batches of this rank's units, padded with masked copies of `dummy` (flag
@@ -233,9 +351,12 @@ class Trainer:
         return mbs + [([dummy], False)] * (int(n) - len(mbs))
 
     def _forward(self, model, mb: list[Experience], real: bool, entropy: bool = False):
-        b = {k: v.to(self.device) for k, v in pack(mb, self.pad).items()}
+        if self.cores is not None:
+            self.cores.apply()
+        b = {k: v.to(self.device) for k, v in pack(mb, self.pad, self.cfg.token_budget).items()}
         b["mask"] = b["mask"] * real
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16 and not self.fsdp_bf16):
+        self.computed_tokens += b["input_ids"].numel()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             lp, ent = response_logprobs(model, b, self.cfg.temperature, entropy,
                                         entropy_grad=bool(self.cfg.entropy_coef))  # [B, R]
         return b, lp, ent
@@ -262,9 +383,12 @@ class Trainer:
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        self.computed_tokens = 0
         batch = StepBatch.of(groups)
         by_group = getattr(self.loss_fn, "needs_groups", False)
-        units = [list(g) for g in groups] if by_group else [[e] for e in sorted(batch.exps, key=lambda e: len(e.tokens))]
+        units = [list(g) for g in groups] if by_group else sorted(  # one unit per shared-prompt row, by length
+            ([g[i] for i in members] for g in groups for _, members in share_prompts(g, self.cfg.token_budget)),
+            key=packed_tokens)
         mine = units[self.rank::self.world]
         ref = self._ref_logprobs(mine, batch.exps[0]) if self.ref is not None else {}
         rewards, m = self.shape_rewards(batch, mine, ref)
@@ -284,7 +408,9 @@ class Trainer:
                   "loss/grad_norm": grad_norm, "filter/kept": int(keep.sum()),
                   "train/expert_seqs": int(batch.offline.sum()), "train/micro_batches": len(plan),
                   "response/len_mean": sum(lengths) / len(lengths), "response/len_max": max(lengths),
-                  "time/train_s": train_s, "train/tokens_per_s": sum(len(e.tokens) for e in batch.exps) / train_s})
+                  "time/train_s": train_s, "train/tokens_per_s": sum(len(e.tokens) for e in batch.exps) / train_s,
+                  "train/computed_tokens": self.computed_tokens, "train/sequence_tokens": sum(len(e.tokens) for e in batch.exps),
+                  "memory/trainer_peak_rss_gib": sync.peak_rss_gib()})
         if self.device.type == "cuda":
             m["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             m["memory/reserved_gib"] = torch.cuda.memory_reserved(self.device) / 2**30
@@ -359,7 +485,8 @@ class Trainer:
         cfg, dev = self.cfg, lambda x: x.to(self.device)
         sums: dict[str, torch.Tensor] = {}
         objective = 0.0  # the aggregated policy loss (without KL and entropy terms)
-        for mb, real in plan:
+        for i, (mb, real) in enumerate(plan):
+            self.progress(f"micro-batch {i + 1}/{len(plan)}")
             b, lp, ent = self._forward(self.model, mb, real, entropy=True)
             mask, old = b["mask"], b["old_logprobs"]                                      # [B, R]
             rows = torch.tensor([batch.row[id(e)] for e in mb])
@@ -482,6 +609,24 @@ ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this m
 REWARD_ERROR_STEPS = 3  # stop when the reward function failed on every rollout of this many consecutive steps
 
 
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) used so far by this process and its children (the
+    explorer of mode both): cpu/utilisation_pct = 100 x its growth / wall seconds, so 200
+    means two cores busy."""
+    import psutil
+
+    procs = [psutil.Process()]
+    procs += procs[0].children(recursive=True)
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:  # a child that just ended
+            pass
+    return total
+
+
 def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]:
     """Rank 0: the groups of trainer step `step` and their metrics: how many groups were
     dropped for staleness (trainer `version` - experience version > cfg.max_staleness; in
@@ -533,7 +678,8 @@ class LoopIO:
     (the annotator's); send_weights(version, buckets) -> checksum: the broadcast to the explorers
     (sync.WeightSync.send), or None: weights are published as checkpoints in the run dir
     (not with offline data);
-    alive(): False once the explorer this loop waits for has died."""
+    alive(): False once the explorer this loop waits for has died; cores: the sync.CoreShare
+    of a one-rank trainer and its CPU explorer (threads lent while one side waits), or None."""
 
     buffer: Any = None
     offline: Any = None
@@ -544,6 +690,7 @@ class LoopIO:
     extra_metrics: Callable[[], dict] = dict
     send_weights: Callable[[int, Any], float] | None = None
     alive: Callable[[], bool] = lambda: True  # noqa: E731
+    cores: Any = None
 
 
 class TrainLoop:
@@ -559,15 +706,19 @@ class TrainLoop:
         from tqdm import tqdm
 
         self.cfg, self.trainer, self.start, self.io, self.rank, self.world = cfg, trainer, start, io, rank, world
+        trainer.progress = lambda text: self.bar.set_postfix_str(text)
+        self.status_at = 0.0  # when rank 0 last looked for explorer status while waiting for a batch
         self.pending: dict[int, dict] = {}  # explorer batch records by batch index, merged into that step
         self.last_eval: dict = {}
         self.errors: list[str] = []
         self.zero_adv_steps = self.errored_steps = 0  # consecutive steps with every advantage 0 / every reward errored
         self.bar = tqdm(total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True)
+        self.cpu_mark = (cpu_seconds(), time.perf_counter())  # for cpu/utilisation_pct between two steps
 
     def run(self) -> None:
         """Steps start .. cfg.steps - 1. Raises RuntimeError when the reward function failed on
         every rollout of REWARD_ERROR_STEPS steps in a row."""
+        self.trainer.cores = self.io.cores  # (mode both: set once the explorer has started)
         try:
             self.t_start = time.perf_counter()
             for step in range(self.start, self.cfg.steps):
@@ -582,7 +733,9 @@ class TrainLoop:
             if io.offline:
                 groups = [io.offline.draw(cfg.batch_size)]
             else:
-                groups[0], read_m = read_batch(cfg, io.buffer, step, self.trainer.version, io.alive)
+                groups[0], read_m = read_batch(cfg, io.buffer, step, self.trainer.version, self.waiting)
+            if io.cores is not None:
+                io.cores.busy(True)
                 if io.shape:
                     groups[0], shaped = io.shape(groups[0], step)
                     read_m.update(shaped)
@@ -597,6 +750,8 @@ class TrainLoop:
             self.publish(step, m)
         if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step < cfg.steps - 1:
             self.trainer.save_state(cfg.run_dir, step + 1)
+        if io.cores is not None:
+            io.cores.busy(False)  # waiting for the next batch: the explorer may use our cores
         if self.rank == 0:
             m.update({"time/wait_s": wait_s, "time/sync_s": time.perf_counter() - t1, **read_m, **io.extra_metrics()})
             self.log(step, m, [g for g in groups[0] if not g[0].info.get("offline")])
@@ -625,6 +780,14 @@ class TrainLoop:
             params = params if params is not None else self.trainer.full_parameters()
             self.trainer.save(Path(cfg.run_dir) / "final", params, self.trainer.final_dtype)
 
+    def waiting(self) -> bool:
+        """Rank 0's poll while it waits for a batch: show the explorer's status lines (twice
+        a second at most); False once the explorer has died (io.alive)."""
+        if time.perf_counter() - self.status_at > 0.5:
+            self.status_at = time.perf_counter()
+            self.drain()
+        return self.io.alive()
+
     def drain(self) -> None:
         """Rank 0: the explorers' new records. Batch stats join their step's record;
         evaluations and weight receipts are written as records of their own, at step =
@@ -641,6 +804,8 @@ class TrainLoop:
                 self.io.metrics.write({"step": r["explorer/received_version"], **r})
             elif "error" in r:
                 self.errors.append(r["error"])
+            elif "status" in r:  # what the explorer is doing while the trainer waits for it
+                self.bar.set_postfix_str(f"waiting for the explorer: {r['status']}")
 
     def log(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
         """Rank 0: complete the step's metrics (the explorer's batch record, buffer counts,
@@ -652,6 +817,9 @@ class TrainLoop:
         m.update({f"buffer/{k}": v for k, v in self.io.buffer.counts().items()})
         if rollouts:
             self.check_learning(step, m, rollouts)
+        cpu_s, now = cpu_seconds(), time.perf_counter()
+        m["cpu/utilisation_pct"] = 100 * (cpu_s - self.cpu_mark[0]) / max(1e-9, now - self.cpu_mark[1])
+        self.cpu_mark = (cpu_s, now)
         m.update({"step": step, "version": self.trainer.version, "time/elapsed_s": time.perf_counter() - self.t_start,
                   "threads/trainer": cfg.trainer_threads, "threads/explorer": cfg.explorer_threads,
                   "trainer/ranks": self.world, "eval/last_accuracy": self.last_eval.get("eval/accuracy")})

@@ -105,7 +105,7 @@ def components(args, extra):
     path = run.resolve_model(cfg.model)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     train, held, ds = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, 1, cfg.seed)
-    engine = HFEngine(path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=cfg.bf16)
+    engine = HFEngine(path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=cfg.dtype == "bfloat16")
     ex = Explorer(cfg, engine, train, held, ds, print)
     trainer = Trainer(cfg, path, torch.device("cpu"))
     raw = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -117,7 +117,7 @@ def components(args, extra):
         rate, groups = explore_rate(ex, rnd)
         rows["explore"].append(rate)
         t = time.perf_counter()
-        n_tok = raw_generate(raw, prompts, cfg.group_size, cfg.max_tokens, engine.pad, cfg.bf16)
+        n_tok = raw_generate(raw, prompts, cfg.group_size, cfg.max_tokens, engine.pad, cfg.dtype == "bfloat16")
         rows["generate"].append(n_tok / (time.perf_counter() - t))
         exps = [e for g in groups for e in g]
         tokens = sum(len(e.tokens) for e in exps)
@@ -125,7 +125,7 @@ def components(args, extra):
         trainer.step(groups)
         rows["train"].append(tokens / (time.perf_counter() - t))
         t = time.perf_counter()
-        raw_train(raw, raw_opt, exps, cfg.token_budget, trainer.pad, cfg.bf16)
+        raw_train(raw, raw_opt, exps, cfg.token_budget, trainer.pad, cfg.dtype == "bfloat16")
         rows["fwd_bwd"].append(tokens / (time.perf_counter() - t))
     med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
     print(f"components ({args.threads} thread(s), batch {cfg.batch_size} tasks x {cfg.group_size} rollouts, "

@@ -47,8 +47,8 @@ def main():
     cfg = run.parse_config(extra + ["--run-dir", tempfile.mkdtemp()] + (["--model", args.model] if args.model else []))
     path = run.resolve_model(cfg.model)
     train, held, ds = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, 1, cfg.seed)
-    vllm_engine = VLLMEngine(path, seed=cfg.seed, bf16=cfg.bf16, threads=args.threads)
-    hf_engine = HFEngine(path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=cfg.bf16)
+    vllm_engine = VLLMEngine(path, seed=cfg.seed, bf16=cfg.dtype == "bfloat16", threads=args.threads)
+    hf_engine = HFEngine(path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=cfg.dtype == "bfloat16")
     ex_v = Explorer(cfg, vllm_engine, train, held, ds, print)
     ex_h = Explorer(cfg, hf_engine, train, held, ds, print)
     rows = {"nanorft_vllm": [], "raw_vllm": [], "hf": []}

@@ -26,8 +26,8 @@ def test_help_groups_every_flag_by_stage_with_one_default():
     flat = " ".join(text.split())  # argparse wraps lines
     assert flat.count("(default:") == len(run.dataclasses.fields(run.Config))
     assert "(default: None)" not in flat
-    assert "--bf16, --no-bf16 bf16 compute, float32 weights and AdamW: on CPU forward passes under bf16 autocast" in flat
-    assert "(default: true)" in flat and "--overwrite, --no-overwrite delete an existing run_dir first (default: false)" in flat
+    assert "--dtype {auto,bfloat16,float32} compute precision of trainer and engines: auto (bfloat16 where" in flat
+    assert "--overwrite, --no-overwrite delete an existing run_dir first (default: false)" in flat
     _, groups = run._field_help()
     assert set(groups) == {f.name for f in run.dataclasses.fields(run.Config)} and "other" not in groups.values()
 

@@ -73,7 +73,7 @@ def test_activation_checkpointing_gives_the_same_step(tiny_model):
              for i in range(4)]
     out = []
     for flag in ([], ["--activation-checkpointing"]):
-        cfg = run.parse_config(["--config", "configs/tiny.toml", "--no-bf16", *flag])
+        cfg = run.parse_config(["--config", "configs/tiny.toml", "--dtype", "float32", *flag])
         trainer = Trainer(cfg, tiny_model, torch.device("cpu"))
         assert trainer.model.is_gradient_checkpointing == bool(flag)
         m = trainer.step([list(group)])

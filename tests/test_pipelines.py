@@ -266,7 +266,7 @@ def test_pipelines_preset_runs_on_the_default_job(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     res = run_py("--config", "configs/pipelines.toml", "--model", tiny_model, "--run-dir", run_dir, "--steps", "3",
                  "--batch-size", "2", "--group-size", "4", "--max-tokens", "8", "--train-size", "12", "--eval-size", "0",
-                 "--no-bf16", "--engine", "hf", "--reward-fn", "tests.rewards.length_parity",
+                 "--dtype", "float32", "--engine", "hf", "--reward-fn", "tests.rewards.length_parity",
                  "--task-pipeline", '[{"op": "dedup"}, {"op": "pass_rate_difficulty", "k": 2}]', "--log", "none")
     assert res.returncode == 0, res.stderr[-3000:]
     buf = Buffer(run_dir / "buffer.sqlite")
@@ -350,7 +350,7 @@ def test_human_labels_train_the_default_job(label_studio, tiny_model, tmp_path, 
     proc = subprocess.Popen(
         [sys.executable, "run.py", "--config", "configs/human.toml", "--model", tiny_model, "--run-dir", str(run_dir),
          "--annotation", json.dumps({"url": url, "timeout_s": 600}), "--steps", "2", "--batch-size", "2",
-         "--group-size", "3", "--max-tokens", "6", "--train-size", "20", "--no-bf16", "--engine", "hf",
+         "--group-size", "3", "--max-tokens", "6", "--train-size", "20", "--dtype", "float32", "--engine", "hf",
          "--log", "none"], cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ls, project, labelled = LabelStudio(url, token), None, 0
     deadline = time.monotonic() + 300

@@ -112,7 +112,7 @@ def _trainer(tiny_model, run_dir, port):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     from trainer import Trainer
 
-    return Trainer(Config(run_dir=str(run_dir), bf16=False, save_dtype="float32"), tiny_model, torch.device("cpu"))
+    return Trainer(Config(run_dir=str(run_dir), dtype="float32", save_dtype="float32"), tiny_model, torch.device("cpu"))
 
 
 def test_resume_state_is_replaced_atomically(tiny_model, tmp_path):

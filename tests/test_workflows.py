@@ -120,7 +120,7 @@ def test_reflect_keeps_one_correct_reflection(tok):
 def test_guess_number_game_trains_on_cpu(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     res = run_py("--config", "configs/guess.toml", "--model", tiny_model, "--run-dir", run_dir, "--steps", 2,
-                 "--batch-size", 2, "--group-size", 4, "--eval-size", 4, "--no-bf16", "--engine", "hf",
+                 "--batch-size", 2, "--group-size", 4, "--eval-size", 4, "--dtype", "float32", "--engine", "hf",
                  "--lr", "1e-3", "--explorer-max-batch", 64)
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r for r in metrics(run_dir) if "loss/grad_norm" in r]
