@@ -489,7 +489,8 @@ def init_distributed():
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timedelta(hours=1))
+        # gloo beside NCCL: a CPU tensor in a collective (a resume's checkpoint metadata, say) would otherwise raise
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=timedelta(hours=1))
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timedelta(hours=1))

@@ -346,7 +346,7 @@ class Trainer:
         """Micro-batches of this rank's units, padded with masked copies of `dummy` (flag
         False) to the largest count over the ranks, so FSDP's collectives stay in step."""
         mbs = [(mb, True) for mb in micro_batches(units, self.cfg.token_budget)]
-        n = torch.tensor(len(mbs))
+        n = torch.tensor(len(mbs), device=self.device)  # NCCL takes device tensors only
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         return mbs + [([dummy], False)] * (int(n) - len(mbs))
 
@@ -531,7 +531,7 @@ class Trainer:
         """Sum over ranks: `loss/policy` (the aggregated policy loss of the global batch) and
         each per-token metric as a mean over the global batch's trained tokens. Collective."""
         names = sorted(sums)
-        flat = torch.tensor([objective] + [float(sums[k]) for k in names], dtype=torch.float64)
+        flat = torch.tensor([objective] + [float(sums[k]) for k in names], dtype=torch.float64, device=self.device)
         dist.all_reduce(flat)
         m = {"loss/policy": float(flat[0])}
         if names:

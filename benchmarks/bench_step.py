@@ -26,7 +26,8 @@ import torch.distributed as dist  # noqa: E402
 
 import run  # noqa: E402
 from explorer import Explorer, HFEngine  # noqa: E402
-from trainer import Trainer, micro_batches, pack  # noqa: E402
+from losses import left_pad  # noqa: E402
+from trainer import Trainer  # noqa: E402
 from workflows import load_tasks  # noqa: E402
 
 
@@ -83,14 +84,16 @@ def raw_generate(model, prompts, n, max_tokens, pad, bf16):
 
 
 def raw_train(model, opt, exps, token_budget, pad, bf16):
-    for mb in micro_batches([[e] for e in exps], token_budget):
-        b = pack(mb, pad)
-        labels = b["input_ids"].clone()
-        labels[b["attention_mask"] == 0] = -100
-        labels[:, : b["input_ids"].shape[1] - b["mask"].shape[1]] = -100
+    """The plain way: every sequence padded in full (prompt included), HF's loss on the responses."""
+    per_mb = max(1, token_budget // max(len(e.tokens) for e in exps))
+    for i in range(0, len(exps), per_mb):
+        mb = exps[i:i + per_mb]
+        ids, attn, pos = left_pad([e.tokens for e in mb], pad)                     # [B, L]
+        labels = ids.masked_fill(attn == 0, -100)
+        for b, e in enumerate(mb):  # prompts are not trained on
+            labels[b, : ids.shape[1] - len(e.tokens) + e.prompt_length] = -100
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                         position_ids=b["position_ids"], labels=labels).loss
+            loss = model(input_ids=ids, attention_mask=attn, position_ids=pos, labels=labels).loss
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()

@@ -46,15 +46,15 @@ def subprocess_env() -> dict:
     return {**env, "PYTHONUNBUFFERED": "1"}
 
 
-def run_py(*args, timeout=600, nproc: int = 0):
-    """Run run.py (or torchrun run.py) in a subprocess; returns CompletedProcess. Raises
-    subprocess.TimeoutExpired after `timeout` seconds."""
+def run_py(*args, timeout=600, nproc: int = 0, env: dict | None = None):
+    """Run run.py (or torchrun run.py) in a subprocess (with `env` added to its environment);
+    returns CompletedProcess. Raises subprocess.TimeoutExpired after `timeout` seconds."""
     import subprocess
 
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "run.py"]
            if nproc else [sys.executable, "run.py"])
     return subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=subprocess_env())
+                          timeout=timeout, env={**subprocess_env(), **(env or {})})
 
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]  # different lengths: exercises padding

@@ -122,3 +122,51 @@ def test_model_by_hub_id_from_the_local_cache_and_a_clear_offline_error(tiny_mod
     with pytest.raises(FileNotFoundError, match="model 'other-org/missing' is neither a local path nor in the local Hugging Face cache .* "
                                                 "`hf download other-org/missing`"):
         run.resolve_model("other-org/missing")
+
+
+@pytest.mark.parametrize("device,native,requested,dtype,says", [
+    ("cpu", True, "auto", "bfloat16", "computes bf16 natively"),
+    ("cpu", False, "auto", "float32", "has no native bf16"),
+    ("cpu", False, "bfloat16", "bfloat16", "warning"),          # asked for: it runs, with a warning
+    ("cpu", True, "float32", "float32", "--dtype"),
+    ("cuda", True, "auto", "bfloat16", "CUDA device computes bf16 natively"),
+    ("cuda", False, "auto", "float32", "CUDA device has no native bf16"),
+])
+def test_precision_follows_the_hardware(monkeypatch, device, native, requested, dtype, says):
+    import trainer
+
+    monkeypatch.setattr(trainer, "native_bf16", lambda device_type: native)
+    got, why = trainer.choose_dtype(requested, device)
+    assert got == dtype and says in why
+
+
+@pytest.mark.parametrize("forced,expected", [("0", False), ("1", True)])
+def test_cpu_bf16_probe_can_be_forced(monkeypatch, forced, expected):
+    import trainer
+
+    monkeypatch.setenv("NANORFT_CPU_BF16", forced)
+    assert trainer.native_bf16("cpu") is expected
+
+
+def test_the_old_bf16_flags_get_one_line_naming_the_new_one(tmp_path):
+    for argv in (["--bf16"], ["--no-bf16"]):
+        with pytest.raises(ValueError, match="replaced by --dtype"):
+            run.parse_config(argv)
+    preset = tmp_path / "old.toml"
+    preset.write_text("bf16 = false\n")
+    with pytest.raises(ValueError, match="old.toml: --bf16 / --no-bf16 were replaced by --dtype"):
+        run.parse_config(["--config", str(preset)])
+
+
+def test_the_chosen_precision_is_in_the_banner_and_config_json(tiny_model, tmp_path):
+    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", tmp_path / "r",
+                 "--dtype", "auto", "--steps", 1, "--eval-size", 0, env={"NANORFT_CPU_BF16": "0"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "precision float32 (this CPU" in res.stdout and "has no native bf16" in res.stdout
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert saved["dtype"] == "float32" and "no native bf16" in saved["precision"]
+    step = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+            if "loss/grad_norm" in x][0]
+    assert 0 < step["memory/trainer_peak_rss_gib"] < 24 and 0 < step["memory/explorer_peak_rss_gib"] < 24
+    assert 0 < step["cpu/utilisation_pct"] and 0 < step["train/computed_tokens"] < step["train/sequence_tokens"]
+    assert "Loading weights" not in res.stdout + res.stderr  # transformers' bars stay out of the step bar

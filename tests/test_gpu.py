@@ -38,8 +38,11 @@ def test_placement_is_recorded_in_config_json(tiny_model, tmp_path):
     cfg = run.parse_config(["--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", str(tmp_path / "r")])
     run.prepare(cfg, 0)
     saved = json.loads((tmp_path / "r" / "config.json").read_text())
-    assert saved["placement"] == {"trainer": ["cpu"], "explorer": "cpu", "colocated": False, "sync_device": "cpu",
-                                  "unused_gpus": 0} or torch.cuda.is_available()
+    expected = run.place(run.gpu_count(), 1, "both")  # this machine's layout, CPU or GPU
+    assert saved["placement"] == json.loads(json.dumps(run.dataclasses.asdict(expected)))
+    if not torch.cuda.is_available():
+        assert saved["placement"] == {"trainer": ["cpu"], "explorer": "cpu", "colocated": False, "sync_device": "cpu",
+                                      "unused_gpus": 0}
 
 
 @needs_cuda
@@ -61,7 +64,8 @@ def test_colocated_mode_both_on_one_gpu(tiny_model, tmp_path, monkeypatch):
 
 
 def test_activation_checkpointing_gives_the_same_step(tiny_model):
-    # recomputing the activations in the backward pass changes memory, not the numbers
+    # recomputing the activations in the backward pass changes memory, not the numbers; and it does recompute
+    # (it once did not: transformers recomputes only blocks in training mode, and the model stayed in eval mode)
     import torch.distributed as dist
 
     from buffer import Experience
@@ -72,11 +76,19 @@ def test_activation_checkpointing_gives_the_same_step(tiny_model):
     group = [Experience([5, 6, 7] + [20 + i, 30, 31 + i], 3, [-2.0, -1.5, -1.0], [1, 1, 1], float(i % 2), "g", "t", 0)
              for i in range(4)]
     out = []
-    for flag in ([], ["--activation-checkpointing"]):
-        cfg = run.parse_config(["--config", "configs/tiny.toml", "--dtype", "float32", *flag])
+    for on in (False, True):
+        flag = "--activation-checkpointing" if on else "--no-activation-checkpointing"
+        cfg = run.parse_config(["--config", "configs/tiny.toml", "--dtype", "float32", flag])
         trainer = Trainer(cfg, tiny_model, torch.device("cpu"))
-        assert trainer.model.is_gradient_checkpointing == bool(flag)
+        assert trainer.model.is_gradient_checkpointing == on
+        calls = []
+        blocks = [m for m in trainer.model.modules() if type(m).__name__.endswith("LlamaDecoderLayer")]
+        hooks = [b.register_forward_pre_hook(lambda *a: calls.append(1)) for b in blocks]
         m = trainer.step([list(group)])
+        for h in hooks:
+            h.remove()
+        assert len(calls) == len(blocks) * m["train/micro_batches"] * (2 if on else 1)  # forward, + recompute
+        assert not any(x.training for b in blocks for x in b.modules() if x is not b)  # no dropout
         out.append((m["loss/policy"], m["loss/grad_norm"], [p.detach().clone() for p in trainer.full_parameters()]))
     assert out[0][0] == pytest.approx(out[1][0], abs=1e-6) and out[0][1] == pytest.approx(out[1][1], rel=1e-5)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(out[0][2], out[1][2]))

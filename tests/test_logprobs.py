@@ -68,3 +68,57 @@ def test_chat_jsonl_masks_exactly_the_assistant_turns(tiny_model, tmp_path):
     path.write_text('{"messages": "hi"}\n')
     with pytest.raises(ValueError, match="line 1: needs"):
         load_chat_jsonl(path, tok)
+
+
+def test_chunked_logprobs_and_their_gradient_equal_the_unchunked_ones():
+    from losses import chunked_logprobs, token_entropy
+
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)                   # [T, H]
+    weight = torch.randn(50, 16, requires_grad=True)                   # [V, H]
+    targets = torch.randint(0, 50, (37,))
+    g_lp, g_ent = torch.randn(37), torch.randn(37)                     # an arbitrary upstream gradient
+    results = []
+    for chunk in (None, 50 * 4):                                       # None: the plain expression; 4 rows a chunk
+        if chunk is None:
+            logits = (hidden @ weight.T) / 0.7                         # [T, V]
+            lp = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+            ent = token_entropy(logits)
+        else:
+            lp, ent = chunked_logprobs(hidden, weight, targets, 0.7, entropy=True, chunk_elems=chunk)
+        gh, gw = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (hidden, weight))
+        results.append((lp.detach(), ent.detach(), gh, gw))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    assert results[0][2].abs().sum() > 0
+
+
+def test_shared_prompt_packing_gives_each_sequences_own_logprobs_and_gradient(tiny_model):
+    # a group's rollouts share one row (the prompt once); log-probs and gradients equal those of each
+    # sequence computed alone; a sequence with another prompt gets a row of its own
+    from transformers import AutoModelForCausalLM
+
+    from trainer import packed_tokens
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    exps = [Experience([5, 6, 7, 8] + r, 4, [0.0] * len(r), [1] * len(r), 0.0, "g", "t", 0)
+            for r in ([20, 21, 22], [23], [24, 25], [])] + \
+        [Experience([9, 10] + [26, 27], 2, [0.0, 0.0], [1, 1], 0.0, "h", "t", 0)]
+    b = pack(exps, 2)
+    assert b["input_ids"].shape == (2, 10)                     # rows: 4 + 3 + 1 + 2 + 0 tokens; 2 + 2
+    assert packed_tokens(exps) == 20 < 5 * (4 + 3)              # the padded layout: B x (P + R)
+    lp, _ = response_logprobs(model, b, 0.8)
+    (lp * b["mask"]).sum().backward()
+    packed_grad = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    total = 0
+    for i, e in enumerate(exps):                               # each alone, as one ordinary sequence
+        ids = torch.tensor([e.tokens])
+        logits = model(input_ids=ids).logits[0, e.prompt_length - 1:-1] / 0.8     # [R, V]
+        alone = logits.log_softmax(-1).gather(-1, ids[0, e.prompt_length:, None]).squeeze(-1)
+        R = len(e.tokens) - e.prompt_length
+        assert torch.allclose(lp[i, :R], alone, atol=1e-5), (i, lp[i, :R], alone)
+        total = total + alone.sum()
+    total.backward()
+    diffs = [((a - p.grad).abs().max() / p.grad.abs().max()).item() for a, p in zip(packed_grad, model.parameters())]
+    assert max(diffs) < 1e-4, diffs

@@ -373,3 +373,31 @@ def test_an_explorer_name_is_held_until_its_process_dies(buffer_url):
     p.kill()  # SIGKILL: no clean-up code runs
     p.wait()
     assert other.hold("e1") is True  # blocks until the kernel / the server has dropped the old holder
+
+
+def test_ctrl_c_says_how_to_resume_in_one_line(tiny_model, tmp_path):
+    # SIGINT (Ctrl-C) once the run has written its first step: one line naming --resume, exit code 130,
+    # no traceback from the trainer or the explorer; the resume itself then works
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, subprocess_env
+
+    run_dir = tmp_path / "r"
+    args = ["--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", str(run_dir), "--steps", "200",
+            "--eval-size", "0", "--checkpoint-interval", "1"]
+    proc = subprocess.Popen([sys.executable, "run.py", *args], cwd=ROOT, env=subprocess_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and "loss/grad_norm" in metrics.read_text()):  # a condition, not a duration
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # the terminal sends it to the whole process group
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted; to continue: the same command with --resume" in err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    res = run_py(*args[:-4], "--steps", 3, "--eval-size", 0, "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]

@@ -141,3 +141,21 @@ def test_bucketed_sync_equals_unbucketed_and_holds_one_bucket(bucket_elems, dtyp
     assert digest == pytest.approx(received_digest, rel=1e-12)
     if bucket_elems:  # 15 | 40 | 4 elements: three buckets; the 2nd and 3rd are built with nothing in flight
         assert built == [1, 0, 0]
+
+
+def test_the_idle_side_lends_its_threads_to_the_busy_one():
+    flags = mp.get_context("spawn").Array("i", 2)
+    trainer, explorer = sync.CoreShare(flags, 0, 1, 1), sync.CoreShare(flags, 1, 1, 1)
+    before = torch.get_num_threads()
+    try:
+        explorer.busy(True)
+        assert trainer.apply() == 1 and torch.get_num_threads() == 1   # the explorer generates: one each
+        trainer.busy(True)
+        assert explorer.apply() == 1
+        explorer.busy(False)                                             # the explorer waits for weights
+        assert trainer.apply() == 2 and torch.get_num_threads() == 2
+        trainer.busy(False)                                              # the trainer waits for a batch
+        explorer.busy(True)
+        assert explorer.apply() == 2
+    finally:
+        torch.set_num_threads(before)
