@@ -358,7 +358,7 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
         logits = torch.nn.functional.linear(h, weight, bias).float() / temperature    # [c, V]
         logz = torch.logsumexp(logits, -1)                                             # [c]
         lp = logits.gather(-1, t[:, None]).squeeze(-1) - logz                          # [c]
-        ent = logz - (torch.softmax(logits, -1) * logits).sum(-1) if entropy else lp.new_zeros(0)
+        ent = token_entropy(logits) if entropy else lp.new_zeros(0)                   # [c]
         return lp, ent
 
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)

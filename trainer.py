@@ -40,7 +40,8 @@ def limit_heap_fragmentation() -> None:
     """glibc only: allocations of 64 KiB and more get their own mmap, returned to the system
     when freed. glibc's default threshold grows up to 32 MiB as large blocks are freed, after
     which the activations of each micro-batch come from the heap and leave it fragmented:
-    the default job's trainer peaked at 4.1 GiB instead of 2.9 GiB (benchmarks/bench_step.py).
+    a memory probe of the default job's batch (trainer alone, one thread, float32, AVX-512 CPU)
+    peaked at 4.1 GiB without this and 2.9 GiB with it.
     No effect elsewhere."""
     import ctypes
     import ctypes.util
@@ -104,11 +105,16 @@ def share_prompts(exps: list[Experience], row_tokens: int = 0) -> list[tuple[lis
     return rows
 
 
+def longest_row(exps: list[Experience], rows: list[tuple[list[int], list[int]]]) -> int:
+    """Tokens in the longest of `share_prompts` rows: its prompt and its responses."""
+    return max(len(p) + sum(len(exps[i].tokens) - len(p) for i in m) for p, m in rows)
+
+
 def packed_tokens(exps: list[Experience], row_tokens: int = 0) -> int:
     """Tokens a forward pass over `pack(exps, pad, row_tokens)` computes: rows x the
     longest row."""
     rows = share_prompts(exps, row_tokens)
-    return len(rows) * max(len(p) + sum(len(exps[i].tokens) - len(p) for i in m) for p, m in rows)
+    return len(rows) * longest_row(exps, rows)
 
 
 def pack(exps: list[Experience], pad: int, row_tokens: int = 0) -> dict[str, torch.Tensor]:
@@ -128,7 +134,7 @@ def pack(exps: list[Experience], pad: int, row_tokens: int = 0) -> dict[str, tor
     B = len(exps)
     R = max(1, max(len(e.tokens) - e.prompt_length for e in exps))
     rows = share_prompts(exps, row_tokens)
-    L = max(len(p) + sum(len(exps[i].tokens) - len(p) for i in m) for p, m in rows)
+    L = longest_row(exps, rows)
     ids = torch.full((len(rows), L), pad, dtype=torch.long)
     pos = torch.zeros((len(rows), L), dtype=torch.long)
     seg = torch.full((len(rows), L), -1, dtype=torch.long)  # 0 = prompt, k = k-th response of the row, -1 = pad
