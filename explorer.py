@@ -32,7 +32,7 @@ import sync
 from buffer import Buffer, Experience, open_buffer, pool_for
 from losses import left_pad
 from pipelines import TaskContext, make_selector, run_task_pipeline
-from workflows import Task, load_reward_fn, load_tasks, load_workflow
+from workflows import Task, load_reward_fn, load_workflow
 
 DEFAULT_EXPLORER = "explorer0"
 
@@ -657,10 +657,10 @@ def exit_quietly(*_) -> None:
     sys.exit(1)
 
 
-def run_mode_both(cfg, model_path: str, port: int, total_steps: int, queue, start_version: int = 0,
+def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: int, queue, start_version: int = 0,
                   device: str = "", sync_device: str = "cpu", core_flags=None) -> None:
     """Mode both: the explorer process, spawned by trainer rank 0 (`start_version` = the
-    weights in `model_path`), on `device` with its weight-sync group on `sync_device`
+    weights in `model_path`; `tasks` = workflows.load_tasks's triple, built by run.prepare), on `device` with its weight-sync group on `sync_device`
     (run.place: "cpu" on CPU machines and when it shares the trainer's GPU). Before batch e it receives weights until it holds
     sync.required_version(e), over the weight-sync group (rank 1, `port`) or, with
     --sync-method checkpoint, from the checkpoints the trainer publishes; with cfg.inflight
@@ -697,7 +697,7 @@ def run_mode_both(cfg, model_path: str, port: int, total_steps: int, queue, star
         engine.status = lambda text: queue.put({"status": text})
         if core_flags is not None and isinstance(engine, HFEngine):
             engine.cores = sync.CoreShare(core_flags, 1, cfg.explorer_threads, cfg.trainer_threads)
-        explore_loop(cfg, engine, queue.put, total_steps, start_version, connect, before_batch, inflight,
+        explore_loop(cfg, engine, tasks, queue.put, total_steps, start_version, connect, before_batch, inflight,
                      lambda receiver: receiver.until(last), open_buffer(cfg.buffer, cfg.run_dir))
     except Exception as e:  # reported by the trainer as one line; the process exits with code 1
         (Path(cfg.run_dir) / f"error_{cfg.explorer_name}.log").write_text(traceback.format_exc())
@@ -711,7 +711,7 @@ def run_mode_both(cfg, model_path: str, port: int, total_steps: int, queue, star
         os._exit(1)
 
 
-def run_mode_explore(cfg, model_path: str, log) -> None:
+def run_mode_explore(cfg, model_path: str, tasks: tuple, log) -> None:
     """Mode explore (a separate launch, fully asynchronous): generate batches into the
     run's buffer (cfg.buffer: SQLite in the run directory, or PostgreSQL from another host)
     until the trainer has finished (run state "trainer_done" in the buffer); at the start,
@@ -758,7 +758,7 @@ def run_mode_explore(cfg, model_path: str, log) -> None:
     # broadcast: the trainer sets trainer_done only once every receiver has its last publish
     finish = (lambda receiver: None) if by_broadcast else sync.Receiver.catch_up
     try:
-        explore_loop(cfg, make_engine(cfg, model_path), log_and_share, sys.maxsize, 0, connect, before_batch,
+        explore_loop(cfg, make_engine(cfg, model_path), tasks, log_and_share, sys.maxsize, 0, connect, before_batch,
                      sync.Receiver.catch_up, finish, buffer)
     finally:
         buffer.close()
@@ -766,11 +766,11 @@ def run_mode_explore(cfg, model_path: str, log) -> None:
             receiver.leave()
 
 
-def run_mode_bench(cfg, models: list[str]) -> list[dict]:
+def run_mode_bench(cfg, models: list[str], tasks: tuple) -> list[dict]:
     """Mode bench: for each model directory, avg@k / pass@k / pass@1 on the held-out tasks
-    (k = cfg.bench_k samples per task at cfg.temperature); prints a table and returns one
+    of `tasks` (workflows.load_tasks's triple; k = cfg.bench_k samples per task at cfg.temperature); prints a table and returns one
     row per model."""
-    _, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
+    _, held_out, dataset = tasks
     rows, k = [], cfg.bench_k
     for path in models:
         engine = make_engine(cfg, path)
@@ -786,17 +786,17 @@ def run_mode_bench(cfg, models: list[str]) -> list[dict]:
     return rows
 
 
-def explore_loop(cfg, engine: Engine, log, total: int, start_version: int, connect, before_batch, inflight,
+def explore_loop(cfg, engine: Engine, tasks: tuple, log, total: int, start_version: int, connect, before_batch, inflight,
                  finish, buffer: Buffer) -> None:
-    """The rollout loop of modes both and explore (it closes `engine` at the end): the
-    engine holds `start_version`, `connect(engine)` -> its sync.Receiver, the explorer name
+    """The rollout loop of modes both and explore (it closes `engine` at the end) on `tasks`
+    (workflows.load_tasks's triple): the engine holds `start_version`, `connect(engine)` -> its sync.Receiver, the explorer name
     held in `buffer` and the resume position read from it, then batches up to `total`, each
     after `before_batch(receiver, batch)` (False: stop); an evaluation every eval_interval
     versions and at the end, after `finish(receiver)`; with cfg.inflight,
     `inflight(receiver)` between decode steps. Records go to `log`."""
     engine.version = start_version
     try:
-        train, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
+        train, held_out, dataset = tasks
         receiver = connect(engine)
         explorer = Explorer(cfg, engine, train, held_out, dataset, log)
         buffer.hold(cfg.explorer_name)

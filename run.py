@@ -738,10 +738,11 @@ def queued(queue) -> list[dict]:
     return out
 
 
-def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device, layout: Placement) -> None:
+def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device, layout: Placement,
+                tasks: tuple) -> None:
     """Modes both and train on every trainer rank: build the Trainer (resumed with
     --resume) and, on rank 0, what its loop talks to (`loop_io`) and, in mode both, the
-    explorer process (`start_explorer`); run the loop (trainer.TrainLoop); then, on rank 0,
+    explorer process (`start_explorer`, handed `tasks`); run the loop (trainer.TrainLoop); then, on rank 0,
     wait for the explorer and write the final files and the plot (`finish`)."""
     import torch
 
@@ -762,7 +763,8 @@ def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device, lay
 
             io.extra_metrics = start_annotator(cfg, trainer.tokenizer, annotating)
         if rank == 0 and cfg.mode == "both":
-            explorer, weights = start_explorer(cfg, io, str(state / "hf") if state else model_path, trainer.version, layout)
+            explorer, weights = start_explorer(cfg, io, str(state / "hf") if state else model_path, trainer.version,
+                                               layout, tasks)
         if cfg.mode == "train" and cfg.sync_method == "broadcast":
             params = trainer.full_parameters() if trainer.version else None  # every rank gathers
             if rank == 0:
@@ -820,9 +822,9 @@ def loop_io(cfg: Config, trainer, start: int, model_path: str):
     return io
 
 
-def start_explorer(cfg: Config, io, model_path: str, version: int, layout: Placement):
+def start_explorer(cfg: Config, io, model_path: str, version: int, layout: Placement, tasks: tuple):
     """Mode both, rank 0: spawn the explorer process (explorer.run_mode_both) on the weights
-    in `model_path` (= `version`) on the device `layout` gives it, join the weight-sync group with it (or, with checkpoint
+    in `model_path` (= `version`) and the `tasks` prepare built on the device `layout` gives it, join the weight-sync group with it (or, with checkpoint
     sync, wait until it has loaded them), and connect `io` to it. Returns (process, the
     sync.WeightSync or None)."""
     import torch.multiprocessing as mp
@@ -835,7 +837,7 @@ def start_explorer(cfg: Config, io, model_path: str, version: int, layout: Place
     share = layout.explorer == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) == 1  # cores of one machine, one rank
     flags = ctx.Array("i", 2) if share else None
     explorer = ctx.Process(target=run_mode_both, name="explorer",
-                           args=(cfg, model_path, weights.port if weights else 0, cfg.steps, queue, version,
+                           args=(cfg, model_path, tasks, weights.port if weights else 0, cfg.steps, queue, version,
                                  layout.explorer, layout.sync_device, flags))
     explorer.start()
     if flags is not None:
@@ -984,9 +986,11 @@ def check_buffer(cfg: Config) -> None:
         buf.close()
 
 
-def prepare(cfg: Config, rank: int) -> str:
+def prepare(cfg: Config, rank: int) -> tuple[str, tuple]:
     """Validate inputs before any process starts: modes, algorithm, model, tasks, reward
-    function, offline data, run dir. Returns the model directory (rank 0)."""
+    function, offline data, run dir. Returns the model directory (rank 0) and the tasks
+    (workflows.load_tasks: train, held-out, verifier dataset), built here once for every
+    process of this launch (a countdown set of 2,000 takes about 35 s)."""
     import pipelines
     from workflows import load_chat_jsonl, load_offline_jsonl, load_reward_fn, load_tasks, load_workflow
 
@@ -1001,7 +1005,7 @@ def prepare(cfg: Config, rank: int) -> str:
     print0(f"nanorft: preparing mode {cfg.mode}: precision {cfg.dtype} ({why}); model {cfg.model}; "
            f"task {cfg.task} ({cfg.train_size} training + {cfg.eval_size} held-out tasks)")
     model_path = resolve_model(cfg.model) if rank == 0 else None
-    train, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
+    tasks = train, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
     if not train:
         raise ValueError(f"task {cfg.task!r} produced no training tasks")
     if cfg.mode == "bench" and not held_out:
@@ -1042,10 +1046,10 @@ def prepare(cfg: Config, rank: int) -> str:
         (run_dir / name).write_text(json.dumps({**dataclasses.asdict(cfg), "placement": dataclasses.asdict(layout),
                                                 "precision": why},
                                                indent=2))
-    return model_path
+    return model_path, tasks
 
 
-def bench(cfg: Config) -> None:
+def bench(cfg: Config, tasks: tuple) -> None:
     """Mode bench: print a table of avg@k / pass@k per model and save RUN_DIR/bench.json."""
     from explorer import run_mode_bench
 
@@ -1054,7 +1058,7 @@ def bench(cfg: Config) -> None:
     cfg.explorer_threads = cfg.explorer_threads or (os.cpu_count() or 1)
     print(f"nanorft: mode bench, engine {cfg.engine}, {len(paths)} model(s), {cfg.bench_k} samples per task")
     out = Path(cfg.run_dir) / "bench.json"
-    out.write_text(json.dumps(run_mode_bench(cfg, paths), indent=2))
+    out.write_text(json.dumps(run_mode_bench(cfg, paths, tasks), indent=2))
     print(f"saved {out}")
 
 
@@ -1066,15 +1070,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading bars would break the step bar
     try:
         cfg = parse_config(argv)
-        model_path = prepare(cfg, rank)
+        model_path, tasks = prepare(cfg, rank)
         if cfg.mode == "bench":
-            bench(cfg)
+            bench(cfg, tasks)
             return 0
     except (ValueError, OSError) as e:  # bad input: flags, files, directories
         print(f"run.py: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     try:
-        run(cfg, model_path)
+        run(cfg, model_path, tasks)
     except KeyboardInterrupt:
         if rank == 0:
             print(f"\nrun.py: interrupted; to continue: the same command with --resume (run dir {cfg.run_dir})",
@@ -1113,8 +1117,8 @@ def exit_within(seconds: float, log) -> None:
     faulthandler.dump_traceback_later(seconds, exit=True, file=out)
 
 
-def run(cfg: Config, model_path: str) -> None:
-    """Run mode explore, or start the trainer ranks (modes both and train)."""
+def run(cfg: Config, model_path: str, tasks: tuple) -> None:
+    """Run mode explore, or start the trainer ranks (modes both and train) on `tasks` (prepare)."""
     if cfg.mode == "explore":
         from explorer import run_mode_explore
 
@@ -1123,7 +1127,7 @@ def run(cfg: Config, model_path: str) -> None:
               f"run dir {cfg.run_dir}")
         log = JsonlLog(Path(cfg.run_dir) / f"explorer_{cfg.explorer_name}.jsonl")
         try:
-            run_mode_explore(cfg, model_path, log.write)
+            run_mode_explore(cfg, model_path, tasks, log.write)
         finally:
             log.close()
         return
@@ -1138,7 +1142,7 @@ def run(cfg: Config, model_path: str) -> None:
     print0(f"nanorft: mode {cfg.mode}, {world} trainer rank(s) x {cfg.trainer_threads} threads, {explorer}, "
            f"model {shared[0]}, run dir {cfg.run_dir}\nplacement: {layout.describe()}")
     try:
-        run_trainer(cfg, shared[0], rank, world, device, layout)
+        run_trainer(cfg, shared[0], rank, world, device, layout, tasks)
         dist.barrier()  # the ranks leave together: none tears the group down while rank 0 still finishes
     finally:
         dist.destroy_process_group()

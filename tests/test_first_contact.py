@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 import run
-from conftest import run_py
+from conftest import ROOT, run_py
 from workflows import extract_answer, load_tasks
 
 
@@ -159,9 +159,13 @@ def test_the_old_bf16_flags_get_one_line_naming_the_new_one(tmp_path):
 
 
 def test_the_chosen_precision_is_in_the_banner_and_config_json(tiny_model, tmp_path):
+    builds = tmp_path / "builds.txt"  # tests/count_builds: a line per reasoning-gym dataset built, in any process
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", tmp_path / "r",
-                 "--dtype", "auto", "--steps", 1, "--eval-size", 0, env={"NANORFT_CPU_BF16": "0"})
+                 "--dtype", "auto", "--steps", 1, "--eval-size", 0,
+                 env={"NANORFT_CPU_BF16": "0", "NANORFT_BUILD_LOG": str(builds),
+                      "PYTHONPATH": str(ROOT / "tests" / "count_builds")})
     assert res.returncode == 0, res.stderr[-3000:]
+    assert len(builds.read_text().splitlines()) == 2  # the tasks are built once (train + held-out), not again by the explorer
     assert "precision float32 (this CPU" in res.stdout and "has no native bf16" in res.stdout
     saved = json.loads((tmp_path / "r" / "config.json").read_text())
     assert saved["dtype"] == "float32" and "no native bf16" in saved["precision"]
