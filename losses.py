@@ -333,7 +333,7 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return logz - (torch.softmax(logits, -1) * logits).sum(-1)          # [B, T]
 
 
-LOGIT_CHUNK_ELEMS = 2 ** 24  # float32 logits held at once by chunked_logprobs: 64 MiB
+LOGIT_CHUNK_ELEMS = 2 ** 22  # float32 logits held at once by chunked_logprobs: 16 MiB
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,

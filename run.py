@@ -138,8 +138,8 @@ class Config:
     """address of the weight-sync store: trainer rank 0 listens there, explorers connect to it (the trainer host's address for explorers on other hosts)"""
     sync_port: int = 0
     """port of the weight-sync store (0 = a free one, mode both); modes train and explore with broadcast sync: the same port on both sides"""
-    sync_bucket_mb: float = 0.0
-    """broadcast sync in buckets of at most this many MiB of float32 parameters, gathered, cast to the explorer's dtype and sent one at a time (O(bucket) extra memory; the trainer then waits for the explorers to take each publish); 0 = the whole model in one buffer, sent while the trainer goes on"""
+    sync_bucket_mb: float = 64.0
+    """broadcast sync in buckets of at most this many MiB of float32 parameters, gathered, cast to the explorer's dtype and sent one at a time (O(bucket) extra memory on both sides; the trainer waits for the explorers to take each publish); 0 = the whole model in one buffer, a second copy of the weights on both sides, sent while the trainer goes on"""
     num_explorers: int = 1
     """mode train with broadcast sync: the explorers that join the weight-sync group (the trainer waits for all before step 0)"""
     sync_interval: int = 2
@@ -212,7 +212,7 @@ class Config:
     """compute precision of trainer and engines: auto (bfloat16 where the device computes it natively: a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX; else float32), bfloat16 (float32 weights and AdamW; CPU: bf16 autocast; CUDA: FSDP2 MixedPrecisionPolicy), float32"""
     activation_checkpointing: bool = True
     """recompute each decoder block's activations in the backward pass (the default job's trainer: 2.9 instead of 3.8 GiB peak RSS, for some 20% more compute)"""
-    token_budget: int = 1024
+    token_budget: int = 2048
     """max tokens one forward pass computes (a micro-batch: packed rows x the longest row, the rollouts of a group sharing their prompt)"""
     trainer_threads: int = 0
     """torch threads per trainer rank (0 = split the cores between ranks and explorer)"""

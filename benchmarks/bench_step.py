@@ -1,14 +1,19 @@
-"""Seconds per step and its split, next to raw PyTorch/transformers loops on the same batch.
+"""Seconds per step and its split, next to raw PyTorch/transformers loops on the same batch,
+in float32 and in bf16 on this machine.
 
     python benchmarks/bench_step.py                      # default model and task
     python benchmarks/bench_step.py --model DIR --steps 4 --threads 1 [run.py flags...]
+    python benchmarks/bench_step.py --steps 0 --dtypes float32   # components only, one precision
 
-Part 1 runs `run.py --mode both` for a few steps and prints the mean seconds per step and
-where they went (explore / train / sync / trainer waiting), from metrics.jsonl.
+It first prints the CPU capability and the precision `--dtype auto` picks here (and why).
+Part 1 runs `run.py --mode both` for a few steps (precision auto) and prints the mean
+seconds per step and where they went (explore / train / sync / trainer waiting), the peak
+RSS of each process and the CPU utilisation of the job, from metrics.jsonl.
 Part 2 times, in this process with the same thread count and interleaved (this machine is
 shared and noisy), nanorft's explorer on one batch vs raw `model.generate` on the same
 prompts, and nanorft's trainer step vs a raw forward/backward/AdamW loop on the same
-sequences; it prints tokens/s and the ratios nanorft / raw.
+sequences, in each precision of --dtypes; it prints tokens/s, the ratios nanorft / raw and,
+side by side, bf16 / float32 for each.
 """
 import argparse
 import json
@@ -27,8 +32,18 @@ import torch.distributed as dist  # noqa: E402
 import run  # noqa: E402
 from explorer import Explorer, HFEngine  # noqa: E402
 from losses import left_pad  # noqa: E402
-from trainer import Trainer  # noqa: E402
+from trainer import Trainer, choose_dtype  # noqa: E402
 from workflows import load_tasks  # noqa: E402
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
+    import platform
+
+    try:
+        return next(x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
 
 
 def pipeline(args, extra):
@@ -40,12 +55,16 @@ def pipeline(args, extra):
         recs = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "reward/mean" in r][1:]  # drop the first step (start-up)
     mean = lambda k: sum(r.get(k, 0.0) for r in steps) / len(steps)  # noqa: E731
+    peak = lambda k: max(r.get(k, 0.0) for r in steps)  # noqa: E731
     per_step = (steps[-1]["time/elapsed_s"] - steps[0]["time/elapsed_s"]) / max(1, len(steps) - 1)
     print(f"pipeline ({args.steps} steps, {args.threads} thread(s) each for explorer and trainer):")
     print(f"  seconds per step            {per_step:8.1f}")
     for k in ("time/explore_s", "time/train_s", "time/sync_s", "time/wait_s"):
         print(f"  {k:<28}{mean(k):8.1f}   (explorer runs concurrently with the trainer)"
               if k == "time/explore_s" else f"  {k:<28}{mean(k):8.1f}")
+    print(f"  trainer peak RSS            {peak('memory/trainer_peak_rss_gib'):8.2f} GiB")
+    print(f"  explorer peak RSS           {peak('memory/explorer_peak_rss_gib'):8.2f} GiB")
+    print(f"  CPU utilisation             {mean('cpu/utilisation_pct'):8.0f} %   (both processes; 100 % = one core)")
 
 
 class Sink:
@@ -100,43 +119,58 @@ def raw_train(model, opt, exps, token_budget, pad, bf16):
     opt.zero_grad(set_to_none=True)
 
 
-def components(args, extra):
+def setup(args, extra, dtype: str) -> dict:
+    """nanorft's explorer and trainer and a raw model + AdamW, all in `dtype`."""
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(args.threads)
-    cfg = run.parse_config(extra + ["--run-dir", tempfile.mkdtemp()] + (["--model", args.model] if args.model else []))
+    cfg = run.parse_config(extra + ["--run-dir", tempfile.mkdtemp(), "--dtype", dtype]
+                           + (["--model", args.model] if args.model else []))
     path = run.resolve_model(cfg.model)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     train, held, ds = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, 1, cfg.seed)
-    engine = HFEngine(path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=cfg.dtype == "bfloat16")
-    ex = Explorer(cfg, engine, train, held, ds, print)
-    trainer = Trainer(cfg, path, torch.device("cpu"))
+    engine = HFEngine(path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=dtype == "bfloat16")
     raw = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    raw_opt = torch.optim.AdamW(raw.parameters(), lr=0.0)
-    prompts = [ex.workflow.prompt_ids(t) for t in ex.next_tasks(cfg.batch_size, {})]
-    rows = {"explore": [], "generate": [], "train": [], "fwd_bwd": []}
+    return {"cfg": cfg, "ex": Explorer(cfg, engine, train, held, ds, print), "pad": engine.pad,
+            "trainer": Trainer(cfg, path, torch.device("cpu")), "raw": raw,
+            "raw_opt": torch.optim.AdamW(raw.parameters(), lr=0.0)}
 
+
+def components(args, extra):
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dtypes = args.dtypes.split(",")
+    setups = {d: setup(args, extra, d) for d in dtypes}
+    rows = {(d, k): [] for d in dtypes for k in ("explore", "generate", "train", "fwd_bwd")}
     for rnd in range(args.rounds):
-        rate, groups = explore_rate(ex, rnd)
-        rows["explore"].append(rate)
-        t = time.perf_counter()
-        n_tok = raw_generate(raw, prompts, cfg.group_size, cfg.max_tokens, engine.pad, cfg.dtype == "bfloat16")
-        rows["generate"].append(n_tok / (time.perf_counter() - t))
-        exps = [e for g in groups for e in g]
-        tokens = sum(len(e.tokens) for e in exps)
-        t = time.perf_counter()
-        trainer.step(groups)
-        rows["train"].append(tokens / (time.perf_counter() - t))
-        t = time.perf_counter()
-        raw_train(raw, raw_opt, exps, cfg.token_budget, trainer.pad, cfg.dtype == "bfloat16")
-        rows["fwd_bwd"].append(tokens / (time.perf_counter() - t))
+        for d, s in setups.items():  # the precisions interleaved, round by round
+            cfg, bf16 = s["cfg"], d == "bfloat16"
+            rate, groups = explore_rate(s["ex"], rnd)
+            rows[d, "explore"].append(rate)
+            prompts = [g[0].tokens[:g[0].prompt_length] for g in groups]  # the tasks just explored
+            t = time.perf_counter()
+            n_tok = raw_generate(s["raw"], prompts, cfg.group_size, cfg.max_tokens, s["pad"], bf16)
+            rows[d, "generate"].append(n_tok / (time.perf_counter() - t))
+            exps = [e for g in groups for e in g]
+            tokens = sum(len(e.tokens) for e in exps)
+            t = time.perf_counter()
+            s["trainer"].step(groups)
+            rows[d, "train"].append(tokens / (time.perf_counter() - t))
+            t = time.perf_counter()
+            raw_train(s["raw"], s["raw_opt"], exps, cfg.token_budget, s["trainer"].pad, bf16)
+            rows[d, "fwd_bwd"].append(tokens / (time.perf_counter() - t))
     med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
+    cfg = setups[dtypes[0]]["cfg"]
     print(f"components ({args.threads} thread(s), batch {cfg.batch_size} tasks x {cfg.group_size} rollouts, "
           f"median of {args.rounds} interleaved rounds):")
-    print(f"  nanorft explorer   {med['explore']:7.1f} generated tokens/s | raw model.generate {med['generate']:7.1f}"
-          f" | ratio {med['explore'] / med['generate']:.2f}")
-    print(f"  nanorft train step {med['train']:7.1f} tokens/s           | raw fwd/bwd+AdamW  {med['fwd_bwd']:7.1f}"
-          f" | ratio {med['train'] / med['fwd_bwd']:.2f}")
+    for d in dtypes:
+        print(f"  {d:<9} nanorft explorer   {med[d, 'explore']:7.1f} generated tokens/s | raw model.generate "
+              f"{med[d, 'generate']:7.1f} | ratio {med[d, 'explore'] / med[d, 'generate']:.2f}")
+        print(f"  {d:<9} nanorft train step {med[d, 'train']:7.1f} tokens/s           | raw fwd/bwd+AdamW  "
+              f"{med[d, 'fwd_bwd']:7.1f} | ratio {med[d, 'train'] / med[d, 'fwd_bwd']:.2f}")
+    if len(dtypes) == 2:
+        a, b = dtypes
+        for k, name in (("explore", "nanorft explorer"), ("train", "nanorft train step"),
+                        ("generate", "raw model.generate"), ("fwd_bwd", "raw fwd/bwd+AdamW")):
+            print(f"  {b} / {a} speed, {name:<19} {med[b, k] / med[a, k]:5.2f}")
 
 
 def main():
@@ -145,7 +179,13 @@ def main():
     p.add_argument("--steps", type=int, default=5, help="pipeline steps (0 skips the pipeline)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the component timing")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="precisions of the component timing, comma-separated")
     args, extra = p.parse_known_args()
+    if set(args.dtypes.split(",")) - {"float32", "bfloat16"}:
+        p.error(f"--dtypes {args.dtypes}: float32 and/or bfloat16")
+    dtype, why = choose_dtype("auto", "cpu")
+    print(f"CPU: {cpu_name()}; torch capability {torch.backends.cpu.get_cpu_capability()}, oneDNN native bf16 "
+          f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}; --dtype auto picks {dtype} ({why})")
     if args.steps:
         pipeline(args, extra)
     components(args, extra)
