@@ -295,7 +295,7 @@ class VLLMEngine(Engine):
             from vllm import LLM
         except ImportError as e:
             raise ImportError(f"--engine vllm needs vLLM (GPU: pip install vllm; CPU: see README): {e}") from None
-        self.model_path = model_path
+        self.model_path, self.inflight = model_path, inflight
         if threads and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # CPU build: bind to the last cores
             cores = sorted(os.sched_getaffinity(0))[-threads:]
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
@@ -350,11 +350,12 @@ class VLLMEngine(Engine):
                 for rid, p in zip(ids, params)]
 
     def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
-        self.llm.collective_rpc("nanorft_join", args=(self.model_path, host, port, timeout_s, os.getppid(), device))
+        """The worker joins; it watches the trainer itself (sync.StoreAlive): `alive` cannot cross to it."""
+        self.llm.collective_rpc("nanorft_join", args=(self.model_path, host, port, timeout_s, device))
 
     def receive_weights(self, alive):
         self.version, checksum = self.llm.collective_rpc("nanorft_receive")[0]
-        self.llm.reset_prefix_cache()
+        self._forget_prefixes()
         return self.version, checksum
 
     def weights_announced(self):
@@ -368,9 +369,16 @@ class VLLMEngine(Engine):
 
     def load_checkpoint(self, path, version):
         checksum = self.llm.collective_rpc("nanorft_load", args=(str(path),))[0]
-        self.llm.reset_prefix_cache()
+        self._forget_prefixes()
         self.version = version
         return checksum
+
+    def _forget_prefixes(self) -> None:
+        """Drop the KV blocks cached under the old weights. Not in flight: prefix caching is
+        off there, and vLLM refuses a reset while requests run (it logs "Failed to reset
+        prefix cache" on every publish: vllm/v1/core/block_pool.py reset_prefix_cache)."""
+        if not self.inflight:
+            self.llm.reset_prefix_cache()
 
     def close(self):
         self.llm.llm_engine.engine_core.shutdown()
@@ -719,7 +727,8 @@ def run_mode_explore(cfg, model_path: str, tasks: tuple, log) -> None:
     trainer's new weights: the newest checkpoint it published, or, with --sync-method
     broadcast, every publish it announced, over the weight-sync group whose store is at
     cfg.sync_host:cfg.sync_port (the explorer joins it as the next free rank; it also takes
-    publishes while it waits for the trainer, which waits for every receiver). Back-pressure: while the buffer holds two
+    publishes while it waits for the trainer, which waits for every receiver; RuntimeError once the trainer's
+    store stops answering while it waits for weights: sync.StoreAlive). Back-pressure: while the buffer holds two
     batches of ready groups the explorer waits (RuntimeError after buffer_timeout_s without
     the trainer taking any). Metric records go to `log` (run.py: RUN_DIR/explorer_<name>.jsonl);
     evaluation records also go to the buffer, for the trainer's metrics."""
@@ -732,7 +741,10 @@ def run_mode_explore(cfg, model_path: str, tasks: tuple, log) -> None:
             buffer.add_record(cfg.explorer_name, record)
 
     def connect(engine) -> sync.Receiver:
-        receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, log, alive=lambda: True,
+        # the trainer is no parent of ours: it is alive while its weight-sync store answers (waited for first:
+        # it may start after us); checkpoints are never waited for (catch_up only polls)
+        alive = sync.StoreAlive(cfg.sync_host, cfg.sync_port, cfg.sync_timeout_s) if by_broadcast else lambda: True
+        receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, log, alive=alive,
                                  port=cfg.sync_port if by_broadcast else None, timeout_s=cfg.sync_timeout_s,
                                  device="cuda" if torch.cuda.is_available() else "cpu", host=cfg.sync_host)
         joined.append(receiver)

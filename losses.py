@@ -285,9 +285,10 @@ def logavgexp_baseline(rewards: torch.Tensor, group_index: torch.Tensor, tau: fl
     """tau * log(mean_group(exp(r / tau))) of each member's group. [B] -> [B]."""
     G = int(group_index.max()) + 1
     scaled = rewards / tau                                                               # [B]
-    top = torch.full((G,), -math.inf, dtype=rewards.dtype).scatter_reduce(0, group_index, scaled, "amax")  # [G]
-    sums = torch.zeros(G, dtype=rewards.dtype).index_add(0, group_index, torch.exp(scaled - top[group_index]))
-    count = torch.zeros(G, dtype=rewards.dtype).index_add(0, group_index, torch.ones_like(rewards))
+    like = {"dtype": rewards.dtype, "device": rewards.device}
+    top = torch.full((G,), -math.inf, **like).scatter_reduce(0, group_index, scaled, "amax")              # [G]
+    sums = torch.zeros(G, **like).index_add(0, group_index, torch.exp(scaled - top[group_index]))        # [G]
+    count = torch.zeros(G, **like).index_add(0, group_index, torch.ones_like(rewards))                   # [G]
     return (tau * (top + torch.log(sums / count)))[group_index]                           # [B]
 
 
@@ -300,8 +301,8 @@ def stepwise_grpo_advantages(rewards, group_index, trajectory_index, eps: float 
     Source: Trinity-RFT step-wise GRPO (arXiv:2505.17826, sec. 2.2). Reference:
     modelscope/Trinity-RFT trinity/algorithm/advantage_fn/multi_step_grpo_advantage.py @ 369bf62."""
     T = int(trajectory_index.max()) + 1
-    last = torch.zeros(T, dtype=torch.long).scatter_reduce(
-        0, trajectory_index, torch.arange(len(rewards)), "amax", include_self=False)   # [T]
+    last = torch.zeros(T, dtype=torch.long, device=rewards.device).scatter_reduce(
+        0, trajectory_index, torch.arange(len(rewards), device=rewards.device), "amax", include_self=False)  # [T]
     adv = grpo_advantages(rewards[last], group_index[last], eps=eps)                      # [T]
     return adv[trajectory_index]                                                          # [B]
 
@@ -572,7 +573,8 @@ def mix_loss(inp: LossInputs, mu: float = 0.1, clip_low: float = 0.2, clip_high:
     (the J_Mix objective) @ 05ad975. Reference: modelscope/Trinity-RFT
     trinity/algorithm/policy_loss_fn/mix_policy_loss.py @ c10d414 (defaults: mu 0.1,
     clip_range 0.2, clip_ratio_c 3, token-level SFT)."""
-    expert = (inp.expert if inp.expert is not None else torch.zeros(len(inp.mask), dtype=torch.bool))[:, None]
+    expert = (inp.expert if inp.expert is not None else
+              torch.zeros(len(inp.mask), dtype=torch.bool, device=inp.mask.device))[:, None]   # [B, 1]
     ppo = ppo_clip_loss(inp, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
     loss = torch.where(expert, mu * -inp.logprobs, (1 - mu) * ppo["loss"])              # [B, T]
     return {"loss": loss, "clipped": ppo["clipped"] * ~expert, "expert": expert.float().expand_as(loss)}

@@ -873,6 +873,9 @@ def connect_explorers(cfg: Config, io, layout: Placement, version: int, params) 
     weights = weight_group(cfg, layout, cfg.num_explorers)
     print0(f"weight sync: waiting for {cfg.num_explorers} explorer(s) at {cfg.sync_host}:{weights.port}")
     weights.connect()
+    if weights.device.type != layout.sync_device:  # sync.group_backend
+        print0("weight sync: an explorer shares trainer rank 0's GPU, where NCCL cannot have two ranks: the weights "
+               "go through host memory (gloo)")
     io.send_weights = weights.send
     if params is not None:
         weights.send(version, [params])

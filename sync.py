@@ -21,14 +21,18 @@ then renamed over the old one), so a reader never sees a partial checkpoint
 
 Group. Trainer rank 0 hosts a TCPStore; a `ProcessGroupGloo` (CPU) or `ProcessGroupNCCL`
 (CUDA) is built directly on a PrefixStore("weights", store), separate from the trainer's
-FSDP group. Rank 0 = trainer, ranks 1.. = explorers. One publish = broadcast of the
+FSDP group. Rank 0 = trainer, ranks 1.. = explorers. Joining: each receiver declares the
+dtype it holds and its GPU; rank 0 then announces the wire dtype (the receivers' dtype,
+float32 when they differ: bf16 to a bf16 vLLM) and the backend (NCCL, or gloo through
+host memory when two ranks share a GPU: `group_backend`). One publish = broadcast of the
 version (int64 [1]) then of the parameters in `named_parameters()` order (identical on
 both ends: same architecture), flattened into buckets (`bucket_ranges`: consecutive
 parameters of at most `bucket_elems` elements; 0 = one bucket for all) and cast to the
-wire dtype, the dtype the receivers hold (float32 when they differ): bf16 to a bf16 vLLM.
-Unbucketed, rank 0 copies everything into one buffer and goes on while it is sent (a full
-copy of the model at the wire dtype); bucketed, it sends one bucket at a time and waits
-until every receiver has taken it (O(bucket) memory, the trainer waits for the explorers).
+wire dtype. Unbucketed, rank 0 copies everything into one buffer and goes on while it is
+sent (a full copy of the model at the wire dtype); bucketed, it sends one bucket at a time
+and waits until every receiver has taken it (O(bucket) memory, the trainer waits for the
+explorers). A process that is not the trainer's child knows the trainer is alive by its
+store answering (`StoreAlive`).
 """
 from __future__ import annotations
 
@@ -97,20 +101,48 @@ class CoreShare:
         return n
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists (a liveness check for a peer that is not our parent)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+class StoreAlive:
+    """Whether trainer rank 0 is alive, as a process that is not its child sees it: the
+    weight-sync store it serves (WeightSync rank 0) still answers. The `alive()` of an
+    explorer of another launch (mode explore) and of vLLM's worker process, which cannot
+    watch a parent. A killed trainer's sockets close with it: the next call returns False
+    (within milliseconds). A trainer host that vanishes without closing them is noticed only
+    when TCP gives up on the connection.
+
+    It holds a store client of its own (a WeightSync's may be blocked in the group's
+    rendezvous meanwhile), connected here, retrying for up to `wait_s` seconds: the trainer
+    of another launch may start later. Raises RuntimeError (one line) when no store answered
+    by then. Call it from one thread at a time."""
+
+    def __init__(self, host: str, port: int, wait_s: float):
+        try:
+            self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=wait_s))
+        except dist.DistError:
+            raise RuntimeError(f"weight sync: no trainer answered at {host}:{port} within {wait_s:.0f} s (is it "
+                               "running, with the same --sync-host/--sync-port?)") from None
+
+    def __call__(self) -> bool:
+        try:
+            return self.store.check(["world"])
+        except dist.DistError:  # "Connection was likely closed", "Broken pipe": the store is gone
+            return False
+
+
+# How long a process waits for a trainer's store that is known to exist (mode both: started
+# before the explorer; mode explore: the explorer process has reached it) before it counts as gone
+STORE_KNOWN_WAIT_S = 30.0
+
+
+# elements a checksum sums at once: the float64 copy of them it makes takes 32 MiB
+CHECKSUM_CHUNK = 2 ** 22
 
 
 def checksum(tensors: Iterable[torch.Tensor]) -> float:
-    """Float64 sum of all elements: equal weights give equal checksums (for metrics and tests)."""
-    return float(sum(t.detach().double().sum() for t in tensors))
+    """Float64 sum of all elements: equal weights give equal checksums (for metrics and tests).
+    Summed CHECKSUM_CHUNK elements at a time: a float64 sum of a float32/bf16 tensor casts
+    it first, `sum(dtype=torch.float64)` too (ATen's make_reduction: `self.to(in_dtype)`),
+    and a whole embedding's float64 copy takes GiBs of GPU memory."""
+    return float(sum(c.sum(dtype=torch.float64) for t in tensors for c in t.detach().reshape(-1).split(CHECKSUM_CHUNK)))
 
 
 def local_address(host: str) -> str:
@@ -122,6 +154,22 @@ def local_address(host: str) -> str:
         return s.getsockname()[0]
 
 
+def gpu_id(device: torch.device) -> str:
+    """The UUID of a CUDA device (the same in every process that sees the GPU, whatever
+    number CUDA_VISIBLE_DEVICES gives it there); "" for the CPU."""
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+
+
+def group_backend(gpus: list[str]) -> str:
+    """The weight-sync group's backend for ranks on `gpus` (`gpu_id` of each, rank order):
+    "nccl" when every rank has a GPU of its own, else "gloo" through host memory. NCCL
+    refuses two ranks of one group on one device ("ncclInvalidUsage: Duplicate GPU
+    detected"): an explorer of another launch on trainer rank 0's GPU gets host staging, as
+    in mode both's colocated layout. TRL compares the same UUIDs and refuses such a client
+    (trl/scripts/vllm_serve.py:83-93 @ f2cd577)."""
+    return "nccl" if all(gpus) and len(set(gpus)) == len(gpus) else "gloo"
+
+
 class WeightSync:
     """One end of the weight-sync group.
 
@@ -130,15 +178,20 @@ class WeightSync:
     size and the group's device type there. A receiver (`rank` None) connects to that store
     in `connect()` and takes the next free rank, so explorers started separately (--mode
     explore, other hosts) need only the address. `connect()` blocks until every rank has
-    called it. `timeout_s` bounds every collective. Raises RuntimeError if `alive()` turns
-    False while waiting (the peer died, even before its store was reached), so no side
-    hangs forever, and for a receiver more than the trainer expects.
+    called it and the group is built (NCCL's communicator included); afterwards `device` is
+    where the wire tensors live (the CPU when the group fell back to gloo) and `wire_dtype`
+    the dtype rank 0 announced. `device` "cuda" means this thread's current GPU.
+    `timeout_s` bounds every collective. Raises RuntimeError if `alive()` turns False while
+    waiting (the peer died, even before its store was reached), so no side hangs forever,
+    and for a receiver more than the trainer expects.
     """
 
     def __init__(self, rank: int | None, world_size: int | None = None, port: int = 0, host: str = "127.0.0.1",
                  device: str = "cpu", timeout_s: float = 3600.0, bucket_elems: int = 0,
                  wire_dtype: torch.dtype = torch.float32):
         self.rank, self.world_size, self.device, self.host = rank, world_size, torch.device(device), host
+        if self.device.type == "cuda" and self.device.index is None:  # the group's thread has a current GPU of its own
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout, self.bucket_elems, self.wire_dtype = timedelta(seconds=timeout_s), bucket_elems, wire_dtype
         self.store = None
         if rank == 0:
@@ -147,6 +200,7 @@ class WeightSync:
             self.store.set("world", str(world_size))
             self.store.set("device", self.device.type)
             self.store.set("bucket_elems", str(bucket_elems))
+            self.store.set("gpu/0", gpu_id(self.device))
         self.port = self.store.port if self.store is not None else port
         self.group, self._pending = None, None
         # rank >= 1 on CPU: the receive buffer (one bucket's size), kept between publishes (a
@@ -154,34 +208,22 @@ class WeightSync:
         self._flat: torch.Tensor | None = None
 
     def connect(self, alive: Callable[[], bool] = lambda: True) -> "WeightSync":
-        """Build the process group; blocks until every rank has called it (rank 0 calls it
-        after starting the explorers it passed `.port` to). Raises RuntimeError if
-        `alive()` turns False meanwhile, or when the group is full."""
+        """Join (a receiver: `_join`; rank 0: `_announce`) and build the process group; blocks
+        until every rank has called it (rank 0 calls it after starting the explorers it passed
+        `.port` to). Every wait of it runs in a thread while this one polls `alive()`: raises
+        RuntimeError if `alive()` turns False meanwhile, or when the group is full."""
         done: list = []  # the group, or the exception that building it raised
 
         def build():
             try:
-                if self.store is None:  # reaching rank 0's store retries until the timeout: alive() is checked meanwhile
-                    self.store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
-                    self.world_size = int(self.store.get("world"))
-                    self.rank = self.store.add("joined", 1)
-                    if self.rank >= self.world_size:
-                        raise RuntimeError(f"the trainer expects {self.world_size - 1} explorer(s) (--num-explorers) "
-                                           "and all have joined")
-                    if self.store.get("device").decode() != self.device.type:
-                        raise RuntimeError(f"the trainer syncs on {self.store.get('device').decode()}, this explorer "
-                                           f"on {self.device.type}")
-                    self.bucket_elems = int(self.store.get("bucket_elems"))
-                    self.store.set(f"wire_dtype/{self.rank}", str(self.wire_dtype).removeprefix("torch."))
-                prefixed = dist.PrefixStore("weights", self.store)
-                if self.device.type == "cuda":
-                    group = dist.ProcessGroupNCCL(prefixed, self.rank, self.world_size, timeout=self.timeout)
-                else:  # gloo's sockets on the address that reaches rank 0's store, not the hostname's (loopback?)
-                    opts = dist.ProcessGroupGloo._Options()
-                    opts._timeout = self.timeout
-                    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(self.host))]
-                    group = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, opts)
-                done.append(group)
+                if self.store is None:
+                    self._join()
+                else:
+                    self._announce()
+                self.wire_dtype = getattr(torch, self.store.get("wire_dtype").decode())
+                if self.store.get("backend").decode() == "gloo":
+                    self.device = torch.device("cpu")  # staged through host memory
+                done.append(self._group())
             except Exception as e:  # reported by connect(), not lost in the thread
                 done.append(e)
 
@@ -194,10 +236,52 @@ class WeightSync:
         if isinstance(done[0], Exception):
             raise RuntimeError(f"weight sync: building the process group failed: {done[0]}")
         self.group = done[0]
-        if self.rank == 0:  # every receiver has declared its dtype before the group could form
-            names = {self.store.get(f"wire_dtype/{r}").decode() for r in range(1, self.world_size)}
-            self.wire_dtype = getattr(torch, names.pop()) if len(names) == 1 else torch.float32
         return self
+
+    def _join(self) -> None:
+        """A receiver: reach rank 0's store (retrying until the timeout), take the next rank,
+        check the group's device type and declare this rank's GPU and dtype."""
+        self.store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
+        self.world_size = int(self.store.get("world"))
+        self.rank = self.store.add("joined", 1)
+        if self.rank >= self.world_size:
+            raise RuntimeError(f"the trainer expects {self.world_size - 1} explorer(s) (--num-explorers) "
+                               "and all have joined")
+        if self.store.get("device").decode() != self.device.type:
+            raise RuntimeError(f"the trainer syncs on {self.store.get('device').decode()}, this explorer "
+                               f"on {self.device.type}")
+        self.bucket_elems = int(self.store.get("bucket_elems"))
+        self.store.set(f"gpu/{self.rank}", gpu_id(self.device))
+        self.store.set(f"wire_dtype/{self.rank}", str(self.wire_dtype).removeprefix("torch."))  # declared last
+
+    def _announce(self) -> None:
+        """Rank 0, once every receiver has declared itself: the wire dtype (theirs, float32
+        when they differ) and the backend (`group_backend`), for every rank to read."""
+        receivers = range(1, self.world_size)
+        self.store.wait([f"wire_dtype/{r}" for r in receivers])
+        names = {self.store.get(f"wire_dtype/{r}").decode() for r in receivers}
+        self.store.set("wire_dtype", names.pop() if len(names) == 1 else "float32")
+        self.store.set("backend", group_backend([self.store.get(f"gpu/{r}").decode() for r in range(self.world_size)]))
+
+    def _group(self):
+        """The process group on a PrefixStore("weights", store): NCCL with its communicator
+        created now (ncclCommInitRank is otherwise lazy: it would run at the first broadcast,
+        on the main thread, where no `alive()` is watched), as torch's own NCCL factory does
+        (torch/distributed/_dist2.py `_nccl_factory`) and TRL's async weight transfer
+        (trl/experimental/async_grpo/weight_transfer.py:48-74 @ f2cd577); or gloo, whose
+        constructor connects every pair."""
+        prefixed = dist.PrefixStore("weights", self.store)
+        if self.device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            group = dist.ProcessGroupNCCL(prefixed, self.rank, self.world_size, opts)
+            group.eager_connect_single_device(self.device)
+            return group
+        # gloo's sockets on the address that reaches rank 0's store, not the hostname's (loopback?)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = self.timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(self.host))]
+        return dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, opts)
 
     def leave(self) -> None:
         """Rank >= 1: this receiver will not touch the store again (`wait_left`)."""
@@ -244,7 +328,7 @@ class WeightSync:
         for tensors in buckets:
             flat = torch.cat([t.detach().reshape(-1).to(self.device, self.wire_dtype) for t in tensors])  # [bucket]
             self._pending.append(self._broadcast(flat))
-            digest += float(flat.sum(dtype=torch.float64))  # while it is on its way (read only)
+            digest += checksum([flat])  # while it is on its way (read only)
             if self.bucket_elems:
                 self.wait(alive)
         return digest
@@ -424,17 +508,26 @@ class Receiver:
 
     def receive(self) -> None:
         """Block until the next version is loaded (broadcast: the next publish; checkpoint:
-        a checkpoint newer than the engine's weights)."""
+        a checkpoint newer than the engine's weights). Broadcast: the receive is posted only
+        once that publish is announced (an NCCL receive posted early counts against the
+        group's timeout while the trainer still trains, and its watchdog then kills the
+        process); until then `alive()` is polled."""
         t0 = time.perf_counter()
         if self.port is not None:
+            while self.newest() <= self.engine.version:
+                self._check_alive()
+                time.sleep(0.05)
             _, digest = self.engine.receive_weights(self.alive)
         else:
             while (got := self._load_newer()) is None:
-                if not self.alive():
-                    raise RuntimeError("explorer: the trainer died")
+                self._check_alive()
                 time.sleep(0.05)
             digest = got[1]
         self._logged(t0, digest)
+
+    def _check_alive(self) -> None:
+        if not self.alive():
+            raise RuntimeError("explorer: the trainer died")
 
     def poll(self) -> None:
         """Load the newest checkpoint if it is newer than the engine's weights (never waits
@@ -474,22 +567,25 @@ class VLLMWeightReceiver:
     `model.load_weights`, inside vLLM's layerwise-reload helpers (needed on CPU, where
     linear weights are prepacked and a bare load can have no effect)."""
 
-    def nanorft_join(self, model_path: str, host: str, port: int, timeout_s: float, trainer_pid: int,
-                     sync_device: str) -> None:
+    def nanorft_join(self, model_path: str, host: str, port: int, timeout_s: float, sync_device: str) -> None:
+        """Join the group whose store is at `host`:`port` (sync_device "cuda": on this
+        worker's GPU; "cpu": through host memory). The trainer's liveness, here and in every
+        receive, is its store answering (`StoreAlive`): this process is vLLM's, not the
+        trainer's child, and in mode explore the explorer is not its child either."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        dtype = self.vllm_config.model_config.dtype  # the wire carries it: bf16 to a bf16 vLLM
+        dtype = self.vllm_config.model_config.dtype  # the dtype it holds: bf16 to a bf16 vLLM
         with torch.device("meta"):  # names and shapes of the HF checkpoint, in wire order
             hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
         device = self.device if self.device.type == "cuda" and sync_device == "cuda" else torch.device("cpu")
         self.nanorft_named = [(n, torch.empty(p.shape, dtype=p.dtype, device=device)) for n, p in hf.named_parameters()]
-        self.nanorft_sync = WeightSync(None, port=port, host=host, device=device.type, timeout_s=timeout_s,
-                                       wire_dtype=dtype).connect(
-            lambda: pid_alive(trainer_pid))
+        self.nanorft_alive = StoreAlive(host, port, STORE_KNOWN_WAIT_S)
+        self.nanorft_sync = WeightSync(None, port=port, host=host, device=str(device), timeout_s=timeout_s,
+                                       wire_dtype=dtype).connect(self.nanorft_alive)
 
     def nanorft_receive(self) -> tuple[int, float]:
         tensors = [t for _, t in self.nanorft_named]
-        version = self.nanorft_sync.recv(tensors)
+        version = self.nanorft_sync.recv(tensors, self.nanorft_alive)
         self._nanorft_load(self.nanorft_named)
         return version, checksum(tensors)
 
@@ -512,7 +608,7 @@ class VLLMWeightReceiver:
     def _nanorft_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        model = self.model_runner.model
+        model = self.model_runner.get_model()  # not `.model`: on CUDA that is vLLM's CUDAGraphWrapper around it
         dtype = self.vllm_config.model_config.dtype  # a checkpoint may hold float32; vLLM may hold bf16
         tied = self.vllm_config.model_config.hf_config.tie_word_embeddings
         expected = ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)

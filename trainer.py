@@ -6,12 +6,12 @@ them; every rank takes the step; the weights go to the explorer by broadcast or 
 checkpoint after the steps the sync schedule names; rank 0 writes the metrics.
 
 The model is sharded with FSDP2 `fully_shard` per decoder block and at the root, over
-the default process group (gloo on CPU, NCCL on CUDA). `Trainer.step` is a short
-sequence of stages, each a method: rewards shaped (KL and length penalties), advantages
-(losses.ADVANTAGES), filters, the sequences split over the ranks and into micro-batches of
-at most `token_budget` padded tokens, the response logprobs recomputed under the current
-policy and the policy loss (losses.POLICY_LOSSES) aggregated over the whole batch, then
-grad-norm clipping and AdamW.
+the default process group (gloo on CPU, NCCL on CUDA) as a device mesh of the trainer's
+device type. `Trainer.step` is a short sequence of stages, each a method: rewards
+shaped (KL and length penalties), advantages (losses.ADVANTAGES), filters, the sequences
+split over the ranks and into micro-batches of at most `token_budget` padded tokens, the
+response logprobs recomputed under the current policy and the policy loss
+(losses.POLICY_LOSSES) aggregated over the whole batch, then grad-norm clipping and AdamW.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
@@ -288,6 +289,8 @@ class Trainer:
 
         self.cfg, self.device = cfg, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # FSDP2's default mesh is the accelerator's (CUDA wherever a GPU is visible), whatever `device` says
+        self.mesh = init_device_mesh(device.type, (self.world,))
         torch.manual_seed(cfg.seed)
         self.advantage_fn, self.loss_fn, self.agg, self.filters = resolve_algorithm(cfg)
         self.masked_filters = {name for name, fn in self.filters.items() if accepts(fn, "action_mask")}
@@ -314,9 +317,13 @@ class Trainer:
         self.before_resume_marker = None  # tests: called after a resume state is written, before it is named
 
     def _load(self, model_path: str):
+        """The model at `model_path` in float32 on `device`, sharded over `mesh`. Attention is
+        sdpa whatever the checkpoint's config asks: `pack`'s [N, 1, L, L] boolean mask is one
+        that sdpa (and eager) take; flash-attention and flex-attention reject or misread it."""
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                     attn_implementation="sdpa").to(self.device)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.fsdp_bf16 else \
             MixedPrecisionPolicy()
         blocks = set(model._no_split_modules or [])
@@ -327,8 +334,8 @@ class Trainer:
                 # transformers recomputes a block only when the block is in training mode; its submodules
                 # stay in eval mode (no dropout: the behaviour policy sampled without it)
                 m.training = self.cfg.activation_checkpointing
-                fully_shard(m, mp_policy=policy)
-        model = fully_shard(model, mp_policy=policy)
+                fully_shard(m, mesh=self.mesh, mp_policy=policy)
+        model = fully_shard(model, mesh=self.mesh, mp_policy=policy)
         model.nanorft_logprobs = MethodType(packed_logprobs, model)
         register_fsdp_forward_method(model, "nanorft_logprobs")
         return model
@@ -338,11 +345,12 @@ class Trainer:
         rank must call it; every rank gets the tensors."""
         return next(self.parameter_buckets(0))
 
+    @torch.no_grad()  # full_tensor() of a parameter would otherwise record the gather for autograd
     def parameter_buckets(self, bucket_elems: int):
         """The parameters as full tensors in `named_parameters()` order, gathered one bucket
         (sync.bucket_ranges: at most `bucket_elems` elements; 0 = all) at a time as the
-        generator is advanced: O(bucket) extra memory. Collective: every rank must advance
-        it as far as the others."""
+        generator is advanced: O(bucket) extra memory; no gradient. Collective: every rank
+        must advance it as far as the others."""
         params = [p for _, p in self.model.named_parameters()]
         for r in sync.bucket_ranges([p.numel() for p in params], bucket_elems):
             yield [(params[i].detach().to_local() if self.world == 1 else params[i].full_tensor())  # one rank: no copy

@@ -57,8 +57,9 @@ class Task:
 def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: int) -> tuple[list[Task], list[Task], Any]:
     """Return (train tasks, held-out tasks, verifier dataset or None).
 
-    Raises ValueError for an unknown reasoning-gym dataset, bad kwargs, or a malformed
-    JSONL row (the message names the file and line); FileNotFoundError for a missing file.
+    Raises ValueError for an unknown reasoning-gym dataset, bad kwargs, a reasoning-gym
+    task without reasoning-gym installed, or a malformed JSONL row (the message names the
+    file and line); FileNotFoundError for a missing file.
     """
     if name == "guess_number":
         return (*guess_number_tasks(kwargs, train_size, eval_size, seed), None)
@@ -66,8 +67,11 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
         return (*_hold_out(name, _read_jsonl_tasks(Path(name)), eval_size), None)
     if Path(name).suffix in DATA_FILE_BUILDERS or Path(name).is_dir() or name.count("/") == 1:
         return (*hf_dataset_tasks(name, kwargs, train_size, eval_size), None)
-    import reasoning_gym
-
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ValueError(f"task {name!r} is a reasoning-gym dataset, and reasoning-gym is not installed: pip install "
+                         "reasoning-gym, or --task guess_number, a .jsonl file or a Hugging Face dataset") from None
     try:
         train_ds = reasoning_gym.create_dataset(name, size=train_size, seed=seed, **kwargs)
         # draw extra candidates: small task spaces repeat questions, and repeats are dropped

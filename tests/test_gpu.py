@@ -1,5 +1,6 @@
 """Placement of trainer ranks and explorer on GPUs (unit tests on CPU), and the CUDA paths,
-which run only where a GPU is visible (skipped with a reason elsewhere)."""
+which run only where a GPU is visible (skipped with a reason elsewhere). On a GPU machine
+`python benchmarks/gpu_check.py` runs this file as its first stage."""
 import json
 
 import pytest
@@ -9,6 +10,15 @@ import run
 from conftest import run_py
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible here)")
+
+
+@pytest.fixture
+def tasks(tmp_path) -> str:
+    """A JSONL file of 64 sums, scored by exact match: the GPU machine has no reasoning-gym."""
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
+                            for a in range(8) for b in range(8)))
+    return str(path)
 
 
 @pytest.mark.parametrize("gpus,ranks,mode,trainer,explorer,colocated,sync_device,unused", [
@@ -34,8 +44,9 @@ def test_placement_that_cannot_work_is_one_line():
     assert "colocated with trainer rank 0" in run.place(1, 1, "both").describe()
 
 
-def test_placement_is_recorded_in_config_json(tiny_model, tmp_path):
-    cfg = run.parse_config(["--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", str(tmp_path / "r")])
+def test_placement_is_recorded_in_config_json(tiny_model, tasks, tmp_path):
+    cfg = run.parse_config(["--config", "configs/tiny.toml", "--model", tiny_model, "--task", tasks,
+                            "--run-dir", str(tmp_path / "r")])
     run.prepare(cfg, 0)
     saved = json.loads((tmp_path / "r" / "config.json").read_text())
     expected = run.place(run.gpu_count(), 1, "both")  # this machine's layout, CPU or GPU
@@ -46,12 +57,12 @@ def test_placement_is_recorded_in_config_json(tiny_model, tmp_path):
 
 
 @needs_cuda
-def test_colocated_mode_both_on_one_gpu(tiny_model, tmp_path, monkeypatch):
+def test_colocated_mode_both_on_one_gpu(tiny_model, tasks, tmp_path, monkeypatch):
     # trainer rank 0 and the HF explorer share cuda:0; weights go over gloo through host memory;
     # after every sync the explorer's weights equal the trainer's (checksums)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", tmp_path / "r", "--engine", "hf",
-                 "--steps", 4, "--sync-interval", 2, nproc=1)
+    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--task", tasks, "--run-dir", tmp_path / "r",
+                 "--engine", "hf", "--steps", 4, "--sync-interval", 2, nproc=1)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "colocated with trainer rank 0" in res.stdout
     records = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
@@ -61,6 +72,54 @@ def test_colocated_mode_both_on_one_gpu(tiny_model, tmp_path, monkeypatch):
     assert all(got[v] == pytest.approx(sent[v], rel=1e-6) for v in sent)
     steps = [r for r in records if "loss/grad_norm" in r]
     assert all(0 < r["memory/peak_allocated_gib"] < 80 for r in steps)  # torch.cuda figures in the metrics
+
+
+@pytest.mark.parametrize("device,dtype", [
+    ("cpu", torch.float32),
+    pytest.param("cuda:0", torch.float32, marks=needs_cuda),
+    pytest.param("cuda:0", torch.bfloat16, marks=needs_cuda),  # as colocated on one GPU: the engine holds bf16
+], ids=["cpu-float32", "cuda-float32", "cuda-bf16"])
+def test_hf_engine_follows_a_perturbed_sync(tiny_model, device, dtype):
+    # the explorer's log-probs follow the trainer's new weights: deliberately perturbed weights published over the
+    # weight-sync group (gloo, staged through host memory, as on one GPU) reach the HF engine on `device`, which then
+    # samples from exactly the perturbed model (its recomputation, as the trainer computes it) and no longer the old
+    import threading
+
+    import sync
+    from conftest import PROMPTS, rollouts
+    from explorer import HFEngine, Sampling
+    from trainer import pack, response_logprobs
+    from transformers import AutoModelForCausalLM
+
+    bf16 = dtype == torch.bfloat16
+    engine = HFEngine(tiny_model, max_batch=16, seed=0, bf16=bf16, device=device, dtype=dtype)
+    old, new = (AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).to(device) for _ in range(2))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ws = sync.WeightSync(0, 2, port=0, timeout_s=120)
+    joiner = threading.Thread(target=ws.connect)
+    joiner.start()
+    engine.join_weight_sync("127.0.0.1", ws.port, 120, lambda: True)
+    joiner.join()
+    assert ws.wire_dtype == dtype  # the engine declared the dtype it holds
+    sent = ws.send(7, [[p for _, p in new.named_parameters()]])
+    version, got = engine.receive_weights(lambda: True)
+    ws.wait()
+    assert version == 7 and got == pytest.approx(sent, rel=1e-9)
+
+    exps = rollouts(engine, PROMPTS, 4, Sampling(max_tokens=12, temperature=1.0))
+    batch = {k: v.to(device) for k, v in pack(exps, engine.pad).items()}
+
+    def gap(model) -> float:  # max |engine's log-prob - the model's recomputation| over the sampled tokens
+        with torch.no_grad(), torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+            lp, _ = response_logprobs(model.to(dtype), batch, 1.0)                       # [B, R]
+        return ((lp.float() - batch["old_logprobs"]).abs() * batch["mask"]).max().item()
+
+    after, before = gap(new), gap(old)
+    assert after < (5e-2 if bf16 else 1e-3), after
+    assert before > 20 * max(after, 1e-5), (before, after)  # the old weights are far off: the sync took effect
 
 
 def test_activation_checkpointing_gives_the_same_step(tiny_model):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from explorer import sample_token
-from losses import LossInputs, grpo_advantages, kl_estimate, masked_sum, ppo_clip_loss
+from losses import (LossInputs, grpo_advantages, kl_estimate, masked_sum, mix_loss, opmd_advantages, ppo_clip_loss,
+                    stepwise_grpo_advantages)
 
 
 def inputs(lp, old, adv, mask=None, rewards=None, group_index=None, ref=None, expert=None):
@@ -92,3 +93,16 @@ def test_sample_token_logprob_is_exact_nucleus_distribution():
                 mass += probs[i]
             assert tok[b].item() in kept
             assert abs(math.exp(lp[b].item()) - probs[tok[b]] / mass) < 1e-5
+
+
+def test_helpers_make_their_tensors_on_their_inputs_device():
+    # CUDA inputs must not meet CPU helper tensors. Stand-ins for a second device on a CPU machine: CPU inputs
+    # while torch's default device is "meta" (a helper tensor made without device= lands there), and meta inputs
+    rewards, groups = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    trajectories = torch.tensor([0, 1, 2, 2])
+    with torch.device("meta"):
+        assert opmd_advantages(rewards, groups, baseline="logavgexp").device.type == "cpu"
+        assert stepwise_grpo_advantages(rewards, groups, trajectories).device.type == "cpu"
+    lp = torch.randn(4, 3, device="meta")
+    out = mix_loss(inputs(lp, lp, lp, mask=torch.ones(4, 3, device="meta")))  # no expert mask given: made here
+    assert out["loss"].device.type == "meta"

@@ -1,5 +1,7 @@
 """Sync schedule (hand-written tables) and the weight-sync process group."""
 import multiprocessing as mp
+import time
+import types
 
 import pytest
 import torch
@@ -66,8 +68,8 @@ def test_a_receiver_stops_waiting_when_the_trainer_died_before_its_store_was_rea
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(RuntimeError, match="died before joining"):
-        sync.WeightSync(None, port=port, timeout_s=30).connect(lambda: False)
+    with pytest.raises(RuntimeError, match="died before joining"):  # its joining thread, left behind, gives up
+        sync.WeightSync(None, port=port, timeout_s=2).connect(lambda: False)  # soon: not as the test process exits
 
 
 def leaving_receiver(host, port, q):
@@ -159,3 +161,161 @@ def test_the_idle_side_lends_its_threads_to_the_busy_one():
         assert explorer.apply() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def dtype_receiver(port, dtype, q):
+    ws = sync.WeightSync(None, port=port, timeout_s=60, wire_dtype=dtype).connect()
+    params = [torch.zeros(3, 5, dtype=dtype), torch.zeros(7, dtype=dtype)]
+    ws.recv(params)
+    q.put((str(dtype), ws.wire_dtype, [p.float().tolist() for p in params]))
+
+
+def test_receivers_holding_different_dtypes_take_the_wire_dtype_rank_0_announces():
+    # a bf16 engine and a float32 engine in one group: the wire carries float32, and both allocate their receive
+    # buffers in it (each allocating its own dtype made the broadcasts' sizes differ)
+    ws = sync.WeightSync(0, 3, port=0, timeout_s=60)
+    q = mp.get_context("spawn").Queue()
+    procs = [mp.get_context("spawn").Process(target=dtype_receiver, args=(ws.port, d, q))
+             for d in (torch.bfloat16, torch.float32)]
+    for p in procs:
+        p.start()
+    try:
+        ws.connect(lambda: all(p.is_alive() for p in procs))
+        assert ws.wire_dtype == torch.float32
+        torch.manual_seed(0)
+        params = [torch.randn(3, 5), torch.randn(7)]
+        ws.send(1, [params])
+        got = dict((d, (wire, values)) for d, wire, values in (q.get(timeout=60) for _ in procs))
+        ws.wait()
+        for dtype in (torch.bfloat16, torch.float32):
+            assert got[str(dtype)] == (torch.float32, [p.to(dtype).float().tolist() for p in params])
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_the_backend_is_nccl_only_when_every_rank_has_a_gpu_of_its_own():
+    # NCCL refuses two ranks of one group on one GPU ("Duplicate GPU detected"): an explorer of another launch on
+    # trainer rank 0's GPU gets host staging over gloo instead
+    assert sync.group_backend(["GPU-a", "GPU-b", "GPU-c"]) == "nccl"
+    assert sync.group_backend(["GPU-a", "GPU-b", "GPU-a"]) == "gloo"
+    assert sync.group_backend(["", ""]) == "gloo"  # CPU ranks
+
+
+def test_a_checksum_holds_no_float64_copy_of_a_whole_tensor(monkeypatch):
+    # a float64 sum casts its input first (also sum(dtype=torch.float64)): of a whole embedding, GiBs of GPU memory
+    monkeypatch.setattr(sync, "CHECKSUM_CHUNK", 2 ** 16)
+    t = torch.full((2 ** 20,), 0.5)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        digest = sync.checksum([t, torch.ones(3, dtype=torch.bfloat16), torch.arange(4)])
+    assert digest == 2 ** 19 + 3 + 6
+    assert max(e.cpu_memory_usage for e in prof.events()) <= 8 * 2 ** 16
+
+
+@pytest.fixture
+def trainer_store():
+    """A trainer rank 0's weight-sync store (sync.WeightSync rank 0) in a process of its own: (port, process)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); import sync; "
+            "ws = sync.WeightSync(0, 2, port=0); print(ws.port, flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(ROOT)], stdout=subprocess.PIPE, text=True)
+    try:
+        yield int(proc.stdout.readline()), proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def gone_within(alive, seconds: float) -> bool:
+    """Whether `alive()` turns False within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while alive():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_trainer_is_alive_while_its_store_answers(trainer_store):
+    port, proc = trainer_store
+    alive = sync.StoreAlive("127.0.0.1", port, 30)
+    assert alive() and alive()
+    proc.kill()
+    proc.wait()
+    assert gone_within(alive, 2)
+    with pytest.raises(RuntimeError, match=f"no trainer answered at 127.0.0.1:{port} within 1 s"):
+        sync.StoreAlive("127.0.0.1", port, 1)
+
+
+def test_mode_explore_watches_the_trainer_of_the_other_launch(trainer_store, tmp_path, monkeypatch):
+    # --mode explore --sync-method broadcast: the trainer is no parent of the explorer. What its receiver (and its
+    # engine's receives, NCCL ones included) watches is the trainer's store, not a constant
+    import explorer
+    import run
+
+    port, proc = trainer_store
+    cfg = run.parse_config(["--config", "configs/tiny.toml", "--mode", "explore", "--sync-method", "broadcast",
+                            "--sync-port", str(port), "--run-dir", str(tmp_path)])
+
+    class Engine:
+        version = 0
+
+        def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
+            self.alive = alive
+
+        def weights_announced(self):
+            return -1
+
+        def weights_joined(self):
+            return False
+
+    receivers = []
+    monkeypatch.setattr(explorer, "open_buffer", lambda *a: types.SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(explorer, "make_engine", lambda *a: Engine())
+    monkeypatch.setattr(explorer, "explore_loop", lambda cfg, engine, tasks, log, total, start, connect, *rest:
+                        receivers.append(connect(engine)))
+    explorer.run_mode_explore(cfg, "model", ([], [], None), lambda record: None)
+    receiver, = receivers
+    assert receiver.engine.alive is receiver.alive and receiver.alive()
+    proc.kill()
+    proc.wait()
+    assert gone_within(receiver.alive, 2)
+
+
+class AnnouncingEngine:
+    """An engine whose trainer announces publishes through `announced`; records its receives."""
+
+    def __init__(self):
+        self.version, self.announced, self.received = 0, -1, []
+
+    def weights_announced(self):
+        return self.announced
+
+    def receive_weights(self, alive):
+        self.version = self.announced
+        self.received.append(self.version)
+        return self.version, 0.0
+
+
+def test_a_receive_is_posted_only_once_its_publish_is_announced(tmp_path):
+    # mode both: an NCCL receive posted while the trainer still trains counts against the group's timeout (its
+    # watchdog then kills the explorer); the receiver waits for the announcement, watching the trainer meanwhile
+    import threading
+
+    engine, trainer = AnnouncingEngine(), {"alive": True}
+    receiver = sync.Receiver(engine, tmp_path, "e", lambda record: None, lambda: trainer["alive"], port=1)
+    waiting = threading.Thread(target=receiver.until, args=(2,))
+    waiting.start()
+    time.sleep(0.3)
+    assert engine.received == [] and waiting.is_alive()
+    engine.announced = 2
+    waiting.join(5)
+    assert engine.received == [2] and not waiting.is_alive()
+    trainer["alive"] = False
+    with pytest.raises(RuntimeError, match="the trainer died"):
+        receiver.until(4)
+    assert engine.received == [2]

