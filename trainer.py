@@ -334,6 +334,7 @@ class Trainer:
                 # transformers recomputes a block only when the block is in training mode; its submodules
                 # stay in eval mode (no dropout: the behaviour policy sampled without it)
                 m.training = self.cfg.activation_checkpointing
+                m.register_forward_pre_hook(self._lent_cores)  # also runs in each recompute of the backward pass
                 fully_shard(m, mesh=self.mesh, mp_policy=policy)
         model = fully_shard(model, mesh=self.mesh, mp_policy=policy)
         model.nanorft_logprobs = MethodType(packed_logprobs, model)
@@ -364,9 +365,15 @@ class Trainer:
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         return mbs + [([dummy], False)] * (int(n) - len(mbs))
 
-    def _forward(self, model, mb: list[Experience], real: bool, entropy: bool = False):
+    def _lent_cores(self, *_) -> None:
+        """Before each decoder block (forward and recompute): take or give back the threads
+        an idle explorer lends (sync.CoreShare), so that a core lent or reclaimed in the
+        middle of a step is used within one block, not at the next micro-batch."""
         if self.cores is not None:
             self.cores.apply()
+
+    def _forward(self, model, mb: list[Experience], real: bool, entropy: bool = False):
+        self._lent_cores()
         b = {k: v.to(self.device) for k, v in pack(mb, self.pad, self.cfg.token_budget).items()}
         b["mask"] = b["mask"] * real
         self.computed_tokens += b["input_ids"].numel()

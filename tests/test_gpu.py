@@ -154,6 +154,37 @@ def test_activation_checkpointing_gives_the_same_step(tiny_model):
     assert out[0][1] > 0
 
 
+def test_cores_lent_in_the_middle_of_a_step_are_taken_at_the_next_block(tiny_model):
+    # with one micro-batch per step, taking lent cores only before a micro-batch left them idle until the next step
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    import sync
+    from buffer import Experience
+    from trainer import Trainer
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    before = torch.get_num_threads()
+    cfg = run.parse_config(["--config", "configs/tiny.toml", "--dtype", "float32"])
+    trainer = Trainer(cfg, tiny_model, torch.device("cpu"))
+    flags = mp.get_context("spawn").Array("i", 2)
+    trainer.cores, explorer = sync.CoreShare(flags, 0, 1, 1), sync.CoreShare(flags, 1, 1, 1)
+    blocks = [m for m in trainer.model.modules() if type(m).__name__.endswith("LlamaDecoderLayer")]
+    seen = []
+    blocks[0].register_forward_pre_hook(lambda *a: explorer.busy(False))  # the explorer goes idle during block 0
+    blocks[-1].register_forward_pre_hook(lambda *a: seen.append(torch.get_num_threads()))
+    group = [Experience([5, 6, 7, 20 + i, 30], 3, [-2.0, -1.5], [1, 1], float(i % 2), "g", "t", 0) for i in range(4)]
+    try:
+        explorer.busy(True)
+        trainer.cores.busy(True)
+        m = trainer.step([group])
+    finally:
+        torch.set_num_threads(before)
+    assert m["train/micro_batches"] == 1 and seen and seen[0] == 2  # the last block already runs on both cores
+
+
 def bf16_engine_receiver(model, port, q):
     from explorer import HFEngine
 
