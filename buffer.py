@@ -507,6 +507,22 @@ class Buffer:
         return dict(self.db.execute("SELECT task_id, pool FROM task_pool").fetchall())
 
 
+def check_config(cfg) -> None:
+    """Open the run's buffer once before any process starts: ValueError for a file that is
+    not a SQLite database or a PostgreSQL server out of reach. A new run in mode both on a
+    PostgreSQL schema that holds experiences: FileExistsError, or with --overwrite the schema
+    is emptied (as the run directory is deleted)."""
+    buf = open_buffer(cfg.buffer, cfg.run_dir)
+    try:
+        if cfg.buffer and cfg.mode == "both" and not cfg.resume and buf.counts()["total"]:
+            if not cfg.overwrite:
+                raise FileExistsError(f"buffer {buf.where} holds experiences of another run "
+                                      "(use --overwrite, --resume or another ?schema=)")
+            buf.clear()
+    finally:
+        buf.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line for lagged rewards (BUFFER: the file, or the PostgreSQL URL with ?schema=):
         python buffer.py RUN_DIR/buffer.sqlite pending

@@ -400,6 +400,26 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def check_config(cfg, model_path: str | None, dataset) -> None:
+    """Resolve cfg.engine ("auto": vllm where installed, else hf) and, where the model is
+    at hand (`model_path`, rank 0), create the workflow once, so that one that cannot be
+    created fails here and not in the explorer process. Raises ValueError (one line)."""
+    if cfg.engine == "vllm" and not vllm_available():
+        raise ValueError("--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)")
+    if cfg.engine == "auto":
+        cfg.engine = "vllm" if vllm_available() else "hf"
+    if model_path is None:
+        return
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    try:
+        load_workflow(cfg.workflow)(tok, load_reward_fn(cfg.reward_fn, cfg.reward_kwargs), dataset,
+                                    cfg.system_prompt, Sampling(cfg.max_tokens), run_dir=cfg.run_dir)
+    except Exception as e:
+        raise ValueError(f"workflow {cfg.workflow!r} cannot be created: {type(e).__name__}: {e}") from None
+
+
 def make_engine(cfg, model_path: str, device: str = "", colocated: bool = False) -> Engine:
     """The engine named by cfg.engine: hf, vllm, or auto (vllm when installed, else hf), on
     `device` (run.place; "" = the default). vLLM takes the first GPU this process sees

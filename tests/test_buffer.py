@@ -155,7 +155,8 @@ def test_unreachable_or_bad_buffers_are_one_line(tmp_path):
 def test_a_new_run_does_not_mix_into_a_used_postgres_schema(postgres, tmp_path):
     # mode both refuses a schema holding another run's experiences (as it refuses a non-empty run dir);
     # --overwrite empties it, --resume and the fully asynchronous modes share it
-    from run import Config, check_buffer
+    from buffer import check_config as check_buffer
+    from run import Config
 
     run_dir = tmp_path / "shared"
     url = f"{postgres}?schema=t_reuse_{tmp_path.name[-8:].lower().replace('-', '_')}"

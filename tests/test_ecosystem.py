@@ -11,6 +11,7 @@ import struct
 
 import pytest
 
+import metrics
 from conftest import run_py
 from workflows import Task, load_tasks, math_verify_reward
 
@@ -179,9 +180,9 @@ def test_tracker_errors_are_one_line(monkeypatch):
     import run
 
     with pytest.raises(ValueError, match="--log: unknown tracker 'tensorbord'"):
-        run.trackers(run.Config(log="tensorbord"))
+        metrics.trackers(run.Config(log="tensorbord"))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ValueError, match=r"--log wandb: the wandb package is not installed \(pip install wandb\)"):
-        run.trackers(run.Config(log="tensorboard, wandb"))
-    assert run.trackers(run.Config(log="none")) == [] and run.trackers(run.Config(log="tensorboard")) == ["tensorboard"]
+        metrics.trackers(run.Config(log="tensorboard, wandb"))
+    assert metrics.trackers(run.Config(log="none")) == [] and metrics.trackers(run.Config(log="tensorboard")) == ["tensorboard"]

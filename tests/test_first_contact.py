@@ -7,7 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import metrics
 import run
+import trainer
 from conftest import ROOT, run_py
 from workflows import extract_answer, load_tasks
 
@@ -70,7 +72,7 @@ def test_extract_answer(completion, reference, expected):
 
 
 def test_metrics_are_valid_json(tmp_path):
-    m = run.Metrics(tmp_path)
+    m = metrics.Metrics(tmp_path)
     m.write({"step": 0, "eval/last_accuracy": float("nan"), "x": [float("inf"), 1.0]})
     assert strict_json_lines(tmp_path / "metrics.jsonl") == [{"step": 0, "eval/last_accuracy": None, "x": [None, 1.0]}]
 
@@ -109,8 +111,6 @@ def test_bench_takes_the_model_names_of_model(tiny_model, tmp_path, monkeypatch)
 
 def test_model_by_hub_id_from_the_local_cache_and_a_clear_offline_error(tiny_model, tmp_path, monkeypatch):
     # a Hugging Face cache populated as huggingface_hub lays it out (refs/main -> snapshots/<commit>/files)
-    import run
-
     repo = tmp_path / "hub" / "models--tiny-org--tiny-llama"
     snapshot = repo / "snapshots" / ("0" * 40)
     shutil.copytree(tiny_model, snapshot)
@@ -119,10 +119,10 @@ def test_model_by_hub_id_from_the_local_cache_and_a_clear_offline_error(tiny_mod
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-    assert run.resolve_model("tiny-org/tiny-llama") == str(snapshot)
+    assert trainer.resolve_model("tiny-org/tiny-llama") == str(snapshot)
     with pytest.raises(FileNotFoundError, match="model 'other-org/missing' is neither a local path nor in the local Hugging Face cache .* "
                                                 "`hf download other-org/missing`"):
-        run.resolve_model("other-org/missing")
+        trainer.resolve_model("other-org/missing")
 
 
 @pytest.mark.parametrize("device,native,requested,dtype,says", [

@@ -1,0 +1,39 @@
+"""The W&B tracker adapter (`--log wandb`); metrics.Metrics imports it by its
+path in metrics.TRACKERS only when a run asks for it."""
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+
+class WandbLog:
+    """A W&B run (project $WANDB_PROJECT, default "nanorft"; named after the run dir; its id
+    kept in RUN_DIR/wandb/nanorft_run_id so --resume continues it). Without WANDB_MODE, a
+    WANDB_API_KEY or a `wandb login`, it runs offline in RUN_DIR/wandb: upload it later with
+    `wandb sync`. Every metric is plotted against the record's `step`."""
+
+    def __init__(self, run_dir: Path, config: dict):
+        import netrc
+
+        import wandb
+
+        try:
+            logged_in = bool(os.environ.get("WANDB_API_KEY") or netrc.netrc().authenticators("api.wandb.ai"))
+        except (OSError, netrc.NetrcParseError):
+            logged_in = False
+        (run_dir / "wandb").mkdir(exist_ok=True)
+        id_file = run_dir / "wandb" / "nanorft_run_id"
+        if not id_file.is_file():
+            id_file.write_text(uuid.uuid4().hex[:12])
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "nanorft"), name=run_dir.name, dir=str(run_dir),
+                              config=config, id=id_file.read_text().strip(), resume="allow",
+                              mode=os.environ.get("WANDB_MODE") or ("online" if logged_in else "offline"))
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log({**scalars, "step": step})
+
+    def close(self) -> None:
+        self.run.finish()

@@ -1,0 +1,169 @@
+"""Where a run's numbers go: RUN_DIR/metrics.jsonl (always), the experiment trackers of
+--log (TensorBoard here; W&B and MLflow in extras/, imported only when asked for) and
+RUN_DIR/plot.png. Used by trainer rank 0 (`Metrics`) and by `--mode explore` launches
+(`JsonlLog`, RUN_DIR/explorer_NAME.jsonl).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import json
+import math
+import numbers
+import os
+from pathlib import Path
+
+
+def print0(*args) -> None:
+    """print on rank 0 only."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args, flush=True)
+
+
+def json_safe(x):
+    """NaN and infinities become null (JSON has no NaN)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    return [json_safe(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+TRACKER_INSTALL = {"tensorboard": "pip install tensorboard", "wandb": "pip install wandb",
+                   "mlflow": "pip install mlflow-skinny sqlalchemy alembic"}
+
+
+def trackers(cfg) -> list[str]:
+    """The trackers named by cfg.log. Raises ValueError (one line) for an unknown name or
+    one whose package is not installed."""
+    names = [x.strip() for x in cfg.log.split(",") if x.strip() and x.strip() != "none"]
+    for name in names:
+        if name not in TRACKER_PACKAGES:
+            raise ValueError(f"--log: unknown tracker {name!r} (choose from {', '.join(TRACKER_PACKAGES)}, or none)")
+        if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
+            raise ValueError(f"--log {name}: the {TRACKER_PACKAGES[name]} package is not installed ({TRACKER_INSTALL[name]})")
+    return names
+
+
+class TensorBoardLog:
+    """Scalars as TensorBoard event files in RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`)."""
+
+    def __init__(self, run_dir: Path, config: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.writer.add_text("config", "    " + json.dumps(config, indent=2).replace("\n", "\n    "))
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for k, v in scalars.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# name -> the adapter's import path (W&B and MLflow are optional: imported only when asked for)
+TRACKERS = {"tensorboard": "metrics.TensorBoardLog", "wandb": "extras.wandb_log.WandbLog",
+            "mlflow": "extras.mlflow_log.MLflowLog"}
+
+
+def _adapter(name: str):
+    """The tracker class registered as `name` in TRACKERS, imported on first use."""
+    module, _, cls = TRACKERS[name].rpartition(".")
+    return getattr(importlib.import_module(module), cls)
+
+
+class JsonlLog:
+    """Appends records to a JSONL file, each flushed at once (readable while the run goes
+    on); NaN and infinities are written as null (JSON has none)."""
+
+    def __init__(self, path: Path):
+        self.file = path.open("a")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class Metrics:
+    """Rank 0's metrics log: every record is appended to RUN_DIR/metrics.jsonl (always), and
+    its finite numbers go to each tracker of cfg.log under the same namespaced keys
+    ("reward/mean", "eval/accuracy", ...) at the record's `step`. Without trackers this is
+    the JSONL file alone (nanochat's null-logger pattern: callers never check)."""
+
+    def __init__(self, run_dir: Path, cfg=None):
+        self.jsonl = JsonlLog(run_dir / "metrics.jsonl")
+        config = dataclasses.asdict(cfg) if cfg else {}
+        self.trackers = [_adapter(name)(run_dir, config) for name in (trackers(cfg) if cfg else [])]
+
+    def write(self, record: dict) -> None:
+        """Append one record (valid JSON: NaN is written as null) and flush (readable
+        while the run goes on); send its finite numbers to the trackers."""
+        self.jsonl.write(record)
+        scalars = {k: float(v) for k, v in record.items()
+                   if k != "step" and isinstance(v, numbers.Real) and math.isfinite(v)}
+        for t in self.trackers:
+            t.log(scalars, int(record["step"]))
+
+    def close(self) -> None:
+        """Finish the tracker runs (W&B and MLflow mark them finished)."""
+        self.jsonl.close()
+        for t in self.trackers:
+            t.close()
+
+
+def plot(run_dir: Path) -> Path:
+    """Plot RUN_DIR/metrics.jsonl against trainer step into RUN_DIR/plot.png; returns its
+    path. Panels: train reward (rollouts only) and held-out accuracy; mean response length;
+    policy loss and KL to the reference / behaviour policy; entropy and grad norm. Curves
+    whose metric the run does not have are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [r for r in recs if "loss/grad_norm" in r]
+    evals = [r for r in recs if r.get("eval/accuracy") is not None]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7))
+
+    def curve(ax, key, label, **kw):
+        xs = [(r["step"], r[key]) for r in steps if r.get(key) is not None]
+        if xs:
+            ax.plot(*zip(*xs), label=label, **kw)
+        return bool(xs)
+
+    ax = axes[0, 0]
+    curve(ax, "reward/mean", "train reward (mean)", alpha=0.7)
+    if evals:
+        ax.plot([r["eval/version"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="held-out accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("reward and held-out accuracy" if steps and "reward/mean" in steps[-1] else "held-out accuracy")
+    curve(axes[0, 1], "response/len_mean", "mean response length (tokens)", color="tab:green")
+    axes[0, 1].set_title("response length (tokens)")
+    curve(axes[1, 0], "loss/policy", "policy loss")
+    curve(axes[1, 0], "loss/kl_ref", "KL to reference")
+    curve(axes[1, 0], "loss/kl_behaviour", "KL to behaviour policy")
+    axes[1, 0].set_title("loss")
+    curve(axes[1, 1], "loss/entropy", "token entropy (nats)")
+    curve(axes[1, 1], "loss/grad_norm", "grad norm (before clipping)")
+    axes[1, 1].set_title("entropy and gradient norm")
+    for a in axes.flat:
+        a.set_xlabel("trainer step (weight version)")
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
+    fig.suptitle(run_dir.name)
+    out = run_dir / "plot.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
