@@ -3,7 +3,7 @@
 Two backends, one code path: a SQLite file (stdlib sqlite3, WAL journal; the default,
 RUN_DIR/buffer.sqlite, one host) or a PostgreSQL database (`postgresql://user@host:port/db`,
 explorers and trainer on several hosts; needs `pip install "psycopg[binary]"`). Every
-statement is written once; `_SQLite` and `_Postgres` below differ only in what SQL itself
+statement is written once; `_SQLite` below and extras/postgres.py's `Postgres` differ only in what SQL itself
 does not share: placeholders, two column types, how a transaction excludes other writers,
 and the lock that holds an explorer name. (Why not SQLAlchemy Core: a dozen statements do
 not need a query builder, the default path keeps the stdlib's sqlite3, and the locking
@@ -62,9 +62,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
-_SCHEMA = """
+SCHEMA = """
 CREATE TABLE IF NOT EXISTS experiences (
     id {id}, group_id TEXT NOT NULL, task_id TEXT NOT NULL, model_version INTEGER NOT NULL,
     prompt_length INTEGER NOT NULL, tokens {blob} NOT NULL, logprobs {blob} NOT NULL,
@@ -139,7 +139,7 @@ class _SQLite:
             self.conn = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute("PRAGMA synchronous=NORMAL")
-            self.conn.executescript(_SCHEMA.format(id="INTEGER PRIMARY KEY AUTOINCREMENT", blob="BLOB"))
+            self.conn.executescript(SCHEMA.format(id="INTEGER PRIMARY KEY AUTOINCREMENT", blob="BLOB"))
         except sqlite3.DatabaseError as e:
             raise ValueError(f"buffer {self.where}: not a usable SQLite database ({e})") from None
         self._held = []
@@ -178,66 +178,6 @@ class _SQLite:
         self.conn.close()
 
 
-class _Postgres:
-    """The PostgreSQL dialect (psycopg 3, autocommit outside explicit transactions): the
-    run's tables in schema `schema`; readers taking groups serialise on a transaction-level
-    advisory lock; an explorer name is a session advisory lock, released by the server when
-    the connection closes (kill -9 included)."""
-
-    def __init__(self, url: str, timeout_s: float):
-        parts = urlsplit(url)
-        query = dict(parse_qsl(parts.query))
-        schema = query.pop("schema", "nanorft")
-        if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", schema):
-            raise ValueError(f"buffer schema {schema!r}: use lower-case letters, digits and _ (at most 63)")
-        self.schema = schema
-        self.where = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1], query=""))
-        self.where += f" (schema {schema})"  # no password in messages
-        try:
-            import psycopg
-        except ImportError:
-            raise ValueError(f"buffer {self.where}: PostgreSQL needs psycopg: pip install \"psycopg[binary]\"") from None
-        dsn = urlunsplit(parts._replace(query=urlencode(query)))
-        try:
-            self.conn = psycopg.connect(dsn, autocommit=True, connect_timeout=max(1, int(min(timeout_s, 60))))
-            self.conn.execute(f"SET search_path TO {schema}")
-            # creating the tables: one process at a time (concurrent CREATE ... IF NOT EXISTS can
-            # collide), and only when missing (CREATE INDEX waits for every open transaction on the table)
-            with self.conn.transaction():
-                self.conn.execute("SELECT pg_advisory_xact_lock(hashtext('nanorft schema'))")
-                if self.conn.execute("SELECT to_regclass('replays')").fetchone()[0] is None:  # the newest table
-                    self.conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
-                    self.conn.execute(_SCHEMA.format(id="BIGSERIAL PRIMARY KEY", blob="BYTEA"))
-        except psycopg.Error as e:
-            raise ValueError(f"buffer {self.where}: {' '.join(str(e).split())}") from None
-
-    def execute(self, sql: str, params=()):
-        return self.conn.execute(sql.replace("?", "%s"), params)
-
-    def executemany(self, sql: str, rows) -> None:
-        self.conn.cursor().executemany(sql.replace("?", "%s"), list(rows))
-
-    @contextmanager
-    def transaction(self, readers: bool = False):
-        """One transaction (READ COMMITTED); `readers`: serialised with the other readers
-        of this run (advisory lock held until COMMIT/ROLLBACK)."""
-        with self.conn.transaction():
-            if readers:
-                self.execute("SELECT pg_advisory_xact_lock(hashtext(?))", (f"{self.schema} readers",))
-            yield
-
-    def hold(self, name: str, wait: bool) -> bool:
-        key = (f"{self.schema} explorer {name}",)
-        if self.execute("SELECT pg_try_advisory_lock(hashtext(?))", key).fetchone()[0]:
-            return True
-        if wait:
-            self.execute("SELECT pg_advisory_lock(hashtext(?))", key)
-        return wait
-
-    def close(self) -> None:
-        self.conn.close()
-
-
 POSTGRES = ("postgresql://", "postgres://")  # URL prefixes of the PostgreSQL backend
 
 
@@ -265,8 +205,12 @@ class Buffer:
 
     def __init__(self, url: str | Path, timeout_s: float = 60.0):
         url = str(url)
-        self.db = _Postgres(url, timeout_s) if url.startswith(POSTGRES) else _SQLite(url.removeprefix("sqlite:///"),
-                                                                                     timeout_s)
+        if url.startswith(POSTGRES):
+            from extras.postgres import Postgres  # optional: psycopg, several hosts
+
+            self.db = Postgres(url, timeout_s, SCHEMA)
+        else:
+            self.db = _SQLite(url.removeprefix("sqlite:///"), timeout_s)
         self.where = self.db.where
         self.before_commit: Callable[[], None] | None = None  # tests: runs inside each write transaction
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import sync
 from buffer import Experience, open_buffer
 from metrics import Metrics, plot, print0, trackers
-from trainer import Trainer, resume_state
+from trainer import Trainer, delete_resume_states, resume_state
 
 ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this many consecutive steps
 REWARD_ERROR_STEPS = 3  # stop when the reward function failed on every rollout of this many consecutive steps
@@ -100,7 +100,9 @@ class LoopIO:
     records(): the explorers' new records (batch stats, evaluations, weight receipts,
     errors); shape(groups, step) -> (groups, metrics): the experience pipeline
     (pipelines.ExperiencePipeline) or None; extra_metrics(): more metrics for each step
-    (the annotator's); send_weights(version, buckets) -> checksum: the broadcast to the explorers
+    (the annotator's), also called at every poll while waiting for a batch: it raises
+    RuntimeError once what produces them has failed; send_weights(version, buckets) ->
+    checksum: the broadcast to the explorers
     (sync.WeightSync.send), or None: weights are published as checkpoints in the run dir
     (not with offline data);
     alive(): False once the explorer this loop waits for has died; cores: the sync.CoreShare
@@ -161,12 +163,14 @@ class TrainLoop:
                 groups[0], read_m = read_batch(cfg, io.buffer, step, self.trainer.version, self.waiting)
             if io.cores is not None:
                 io.cores.busy(True)
-                if io.shape:
-                    groups[0], shaped = io.shape(groups[0], step)
-                    read_m.update(shaped)
+            if io.shape:
+                groups[0], shaped = io.shape(groups[0], step)
+                read_m.update(shaped)
             if io.expert:  # MIX: this fraction of the batch's sequences is expert data
                 n = sum(map(len, groups[0]))
                 groups[0] += io.expert.draw(max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction))))
+                # n varies (shaping, replay, multi-turn groups): the resume state records how far the sampler is
+                self.trainer.loop_state["expert_drawn"] = io.expert.drawn
         dist.broadcast_object_list(groups, src=0)
         wait_s = time.perf_counter() - t0
         m = self.trainer.step(groups[0])
@@ -207,10 +211,13 @@ class TrainLoop:
 
     def waiting(self) -> bool:
         """Rank 0's poll while it waits for a batch: show the explorer's status lines (twice
-        a second at most); False once the explorer has died (io.alive)."""
+        a second at most); False once the explorer has died (io.alive). Raises what
+        io.extra_metrics raises (RuntimeError: the annotator, whose rewards the batch waits
+        for, has failed)."""
         if time.perf_counter() - self.status_at > 0.5:
             self.status_at = time.perf_counter()
             self.drain()
+        self.io.extra_metrics()
         return self.io.alive()
 
     def drain(self) -> None:
@@ -349,12 +356,33 @@ def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout,
             io.metrics.close()
 
 
+def kept_on_resume(start: int, evals_from_buffer: bool) -> Callable[[dict], bool]:
+    """On --resume from step `start`: which records already in metrics.jsonl stay, so that
+    the resumed run logs each step and each evaluation once. Kept: step records of steps <
+    `start` (the later ones are trained again), weight receipts of versions <= `start` (the
+    explorer starts with version `start`), evaluations of versions < `start` (mode both: the
+    respawned explorer evaluates its start weights again); with `evals_from_buffer` (mode
+    train with explorers: the trainer reads all their evaluations from the buffer again) no
+    evaluation."""
+
+    def keep(r: dict) -> bool:
+        if "eval/accuracy" in r:
+            return not evals_from_buffer and r.get("eval/version", r.get("step", 0)) < start
+        if "explorer/received_version" in r:
+            return r["explorer/received_version"] <= start
+        return r.get("step", 0) < start
+
+    return keep
+
+
 def loop_io(cfg, trainer, start: int, model_path: str):
     """Rank 0's `LoopIO`: the buffer (experiences served after step `start` go back
-    on --resume), the experience pipeline, the metrics log, offline / expert data (drawn on
-    to `start` for a resume), and in mode train the explorers' evaluations from the buffer. Mode both adds the
-    explorer in `start_explorer`; mode train with broadcast sync the explorers' group in
-    `connect_explorers`."""
+    on --resume), the experience pipeline, the metrics log (on --resume without the
+    records of what is done again: `kept_on_resume`), offline / expert data (drawn on to
+    `start` for a resume: the expert sampler as far as trainer.loop_state["expert_drawn"]
+    of the resume state says), and in mode train the explorers' evaluations from the
+    buffer. Mode both adds the explorer in `start_explorer`; mode train with broadcast sync
+    the explorers' group in `connect_explorers`."""
     from workflows import OfflineSampler, load_chat_jsonl, load_offline_jsonl
 
     run_dir = Path(cfg.run_dir)
@@ -367,9 +395,11 @@ def loop_io(cfg, trainer, start: int, model_path: str):
     if cfg.resume:
         released = io.buffer.release_after(start)
         print0(f"resumed at step {start} (version {trainer.version}); {released} experiences served again")
-    io.metrics = Metrics(run_dir, cfg)
+    evals_from_buffer = cfg.mode == "train" and not cfg.train_data  # (records() below reads them all again)
+    io.metrics = Metrics(run_dir, cfg, kept_on_resume(start, evals_from_buffer) if cfg.resume else None)
     if cfg.expert_fraction:
         io.expert = OfflineSampler(load_chat_jsonl(cfg.expert_data, trainer.tokenizer), cfg.seed)
+        io.expert.draw(trainer.loop_state.get("expert_drawn", 0))  # the same order as an uninterrupted run
     if cfg.train_data:
         io.offline = OfflineSampler(load_offline_jsonl(cfg.train_data, trainer.tokenizer), cfg.seed)
         for _ in range(start):  # the same order as an uninterrupted run
@@ -444,15 +474,15 @@ def connect_explorers(cfg, io, layout, version: int, params) -> "object":
 def finish(cfg, loop, explorer, weights) -> None:
     """Rank 0 after the last step: wait until the explorer has the final weights and has
     ended (RuntimeError with its error line if it failed), then set trainer_done in the buffer, write the
-    config next to the final weights, and the plot. Mode train with broadcast sync: the
+    config next to the final weights, delete the resume states (unless cfg.keep_resume_state; one line
+    says so) and write the plot. Mode train with broadcast sync: the
     explorers have the final weights, and trainer_done tells them to leave the group; the
     store (in this process) stays until they have, up to sync_timeout_s."""
     run_dir = Path(cfg.run_dir)
     if weights:
         weights.wait(loop.io.alive)
     if explorer:
-        explorer.join()
-        loop.drain()
+        join_draining(explorer, loop.drain)  # drained while it exits: join, then drain, can deadlock
         if explorer.exitcode != 0:
             raise RuntimeError(f"explorer failed: {loop.errors[0] if loop.errors else explorer.exitcode}")
     loop.io.buffer.set_run_state("trainer_done", str(loop.trainer.version))
@@ -460,8 +490,27 @@ def finish(cfg, loop, explorer, weights) -> None:
         print(f"run.py: warning: not every explorer left the weight-sync group within {cfg.sync_timeout_s:.0f} s",
               file=sys.stderr)
     (run_dir / "final" / "nanorft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    if not cfg.keep_resume_state and (freed := delete_resume_states(run_dir)):
+        print0(f"resume state deleted ({freed / 2 ** 20:.0f} MiB), the run has finished: --keep-resume-state keeps it")
     board = f" (TensorBoard: tensorboard --logdir {run_dir})" if "tensorboard" in trackers(cfg) else ""
     print0(f"final weights: {run_dir / 'final'}\nplot: {plot(run_dir)}\nmetrics: {run_dir / 'metrics.jsonl'}{board}")
+
+
+def join_draining(process, drain: Callable[[], Any], timeout_s: float | None = None) -> bool:
+    """Wait until `process` has exited, calling `drain()` (which reads its queue) while
+    waiting and once more after: a process that has put items on a multiprocessing queue
+    does not exit until they are read (the multiprocessing docs' "joining processes that
+    use queues"), so join-then-drain can deadlock. Gives up after `timeout_s` seconds (None:
+    no limit). Returns whether it has exited."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        drain()
+        process.join(0.05)
+        if not process.is_alive():
+            drain()
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
 
 
 def stop_explorer(explorer, loop) -> None:
@@ -469,8 +518,7 @@ def stop_explorer(explorer, loop) -> None:
     its error line (RuntimeError) instead."""
     if explorer.is_alive():
         explorer.terminate()
-        explorer.join(30)
-        if explorer.is_alive():
+        if not join_draining(explorer, loop.io.records, 30):  # its records are dropped: the trainer's error counts
             print("run.py: warning: the explorer did not stop within 30 s of SIGTERM; killed", file=sys.stderr)
             explorer.kill()
             explorer.join()

@@ -38,6 +38,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import os
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -101,7 +103,7 @@ def resolve(name: str, registry: dict, what: str, kwargs: dict | None = None) ->
         try:
             fn = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"{what} {name!r} cannot be imported: {e}") from None
+            raise ValueError(f"{what} {name!r} cannot be imported: {e} ({import_dirs()})") from None
         if not callable(fn):
             raise ValueError(f"{what} {name!r} is not callable")
     params = inspect.signature(fn).parameters
@@ -110,6 +112,22 @@ def resolve(name: str, registry: dict, what: str, kwargs: dict | None = None) ->
         if bad:
             raise ValueError(f"{what} {name!r} takes no argument(s) {bad}; it takes {sorted(params)}")
     return fn
+
+
+def import_dirs() -> str:
+    """Where an import path (`module.function`) is looked up, in order, for error lines:
+    sys.path (nanorft's directory, PYTHONPATH, the installed packages, the working
+    directory that run.main appends), the Python installation's entries named once."""
+    installed = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    cwd, dirs = os.getcwd(), []
+    for p in map(os.path.abspath, (p or "." for p in sys.path)):
+        if any(p == x or p.startswith(x + os.sep) for x in installed):
+            p = "the installed packages"
+        elif p == cwd:
+            p += " (the working directory)"
+        if p not in dirs:
+            dirs.append(p)
+    return f"modules are looked up in {', '.join(dirs)}; add a module's directory to PYTHONPATH"
 
 
 def accepts(fn: Callable, param: str) -> bool:

@@ -13,12 +13,20 @@ import math
 import numbers
 import os
 from pathlib import Path
+from typing import Callable
 
 
 def print0(*args) -> None:
     """print on rank 0 only."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(*args, flush=True)
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory (GiB) so far (getrusage; Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
 def json_safe(x):
@@ -78,9 +86,24 @@ def _adapter(name: str):
 
 class JsonlLog:
     """Appends records to a JSONL file, each flushed at once (readable while the run goes
-    on); NaN and infinities are written as null (JSON has none)."""
+    on); NaN and infinities are written as null (JSON has none). With `keep` (a resume:
+    loop.kept_on_resume), the records already in the file for which keep(record) is False
+    are dropped first, and so is a line a kill cut short (the kept lines are written to a
+    temporary file that is then renamed over the old one)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, keep: Callable[[dict], bool] | None = None):
+        if keep is not None and path.is_file():
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # blank, or half-written when the run was killed
+                    continue
+                if isinstance(record, dict) and keep(record):
+                    kept.append(line + "\n")
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
         self.file = path.open("a")
 
     def write(self, record: dict) -> None:
@@ -95,10 +118,12 @@ class Metrics:
     """Rank 0's metrics log: every record is appended to RUN_DIR/metrics.jsonl (always), and
     its finite numbers go to each tracker of cfg.log under the same namespaced keys
     ("reward/mean", "eval/accuracy", ...) at the record's `step`. Without trackers this is
-    the JSONL file alone (nanochat's null-logger pattern: callers never check)."""
+    the JSONL file alone (nanochat's null-logger pattern: callers never check). `keep`: on
+    a resume, which records already in metrics.jsonl stay (JsonlLog; the trackers' own
+    files are not rewritten)."""
 
-    def __init__(self, run_dir: Path, cfg=None):
-        self.jsonl = JsonlLog(run_dir / "metrics.jsonl")
+    def __init__(self, run_dir: Path, cfg=None, keep: Callable[[dict], bool] | None = None):
+        self.jsonl = JsonlLog(run_dir / "metrics.jsonl", keep)
         config = dataclasses.asdict(cfg) if cfg else {}
         self.trackers = [_adapter(name)(run_dir, config) for name in (trackers(cfg) if cfg else [])]
 
@@ -119,16 +144,30 @@ class Metrics:
 
 
 def plot(run_dir: Path) -> Path:
-    """Plot RUN_DIR/metrics.jsonl against trainer step into RUN_DIR/plot.png; returns its
-    path. Panels: train reward (rollouts only) and held-out accuracy; mean response length;
-    policy loss and KL to the reference / behaviour policy; entropy and grad norm. Curves
-    whose metric the run does not have are left out."""
+    """Plot RUN_DIR/metrics.jsonl against trainer step into RUN_DIR/plot.png (`figure`);
+    returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    fig = figure(recs, run_dir.name)
+    out = run_dir / "plot.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def figure(recs: list[dict], title: str = ""):
+    """The matplotlib Figure of `plot` for the metric records `recs` (metrics.jsonl's),
+    2 x 2 panels against trainer step: train reward (rollouts only) and held-out accuracy,
+    or, in a run without either (offline SFT / DPO data), the training loss (and DPO's pair
+    accuracy); mean response length; policy loss and KL to the reference / behaviour
+    policy; entropy and grad norm. Curves whose metric the run does not have are left
+    out. The caller closes it (matplotlib.pyplot.close)."""
+    import matplotlib.pyplot as plt
+
     steps = [r for r in recs if "loss/grad_norm" in r]
     evals = [r for r in recs if r.get("eval/accuracy") is not None]
     fig, axes = plt.subplots(2, 2, figsize=(12, 7))
@@ -140,11 +179,16 @@ def plot(run_dir: Path) -> Path:
         return bool(xs)
 
     ax = axes[0, 0]
-    curve(ax, "reward/mean", "train reward (mean)", alpha=0.7)
+    rewards = curve(ax, "reward/mean", "train reward (mean)", alpha=0.7)
     if evals:
         ax.plot([r["eval/version"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="held-out accuracy")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title("reward and held-out accuracy" if steps and "reward/mean" in steps[-1] else "held-out accuracy")
+    if rewards or evals:
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title("reward and held-out accuracy" if rewards else "held-out accuracy")
+    else:  # offline data (SFT, DPO): no rollouts to reward, no evaluations
+        curve(ax, "loss/policy", "training loss", color="tab:red")
+        curve(ax, "loss/pair_correct", "pairs ranked right (DPO)", color="tab:purple")
+        ax.set_title("training loss (offline data: no rewards)")
     curve(axes[0, 1], "response/len_mean", "mean response length (tokens)", color="tab:green")
     axes[0, 1].set_title("response length (tokens)")
     curve(axes[1, 0], "loss/policy", "policy loss")
@@ -159,11 +203,8 @@ def plot(run_dir: Path) -> Path:
         a.grid(alpha=0.3)
         if a.get_legend_handles_labels()[0]:
             a.legend(fontsize=8)
-    fig.suptitle(run_dir.name)
-    out = run_dir / "plot.png"
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return fig
 
 

@@ -712,20 +712,34 @@ def label_studio(cfg) -> LabelStudio:
 
 def start_annotator(cfg, tokenizer, stop: threading.Event) -> Callable[[], dict]:
     """Trainer rank 0: a daemon thread running an Annotator (cfg.annotation, its own buffer
-    connection) until `stop` is set. Returns a callable giving its latest metrics."""
+    connection) until `stop` is set. Returns a callable giving its latest metrics (the
+    loop's LoopIO.extra_metrics, also called while the trainer waits for a batch); it
+    raises RuntimeError (one line naming the error) once the thread has died of any error
+    (a failed poll that is not a ConnectionError, or a failed start): the rewards the
+    trainer waits for would never come."""
     from buffer import open_buffer
 
     latest: dict = {}
+    failed: list[Exception] = []
     url = label_studio(cfg).url  # ValueError without url or token
     kwargs = {k: v for k, v in cfg.annotation.items() if k != "url"}
 
     def work():
-        buf = open_buffer(cfg.buffer, cfg.run_dir)
         try:
-            Annotator(buf, tokenizer, url, os.environ["LABEL_STUDIO_API_KEY"], cfg.run_dir,
-                      **kwargs).run(stop, log=latest.update)
-        finally:
-            buf.close()
+            buf = open_buffer(cfg.buffer, cfg.run_dir)
+            try:
+                Annotator(buf, tokenizer, url, os.environ["LABEL_STUDIO_API_KEY"], cfg.run_dir,
+                          **kwargs).run(stop, log=latest.update)
+            finally:
+                buf.close()
+        except Exception as e:  # any error, not only the ConnectionError that run() retries: metrics() raises it
+            failed.append(e)
+
+    def metrics() -> dict:
+        if failed:
+            e = failed[0]
+            raise RuntimeError(f"annotator failed: {type(e).__name__}: {' '.join(str(e).split())}") from e
+        return dict(latest)
 
     threading.Thread(target=work, name="annotator", daemon=True).start()
-    return lambda: dict(latest)
+    return metrics

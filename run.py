@@ -7,7 +7,10 @@
 
 Settings: dataclass defaults < `--config FILE.toml` < command-line flags. Every field of
 `Config` is a flag (`sync_interval` -> `--sync-interval`); dict fields take JSON. The
-resolved config is saved to RUN_DIR/config.json and next to the final weights.
+resolved config is saved to RUN_DIR/config.json (modes both and train with --train-data;
+the launches of the fully asynchronous modes train and explore, which share RUN_DIR, write
+config_train.json and config_explore.json, mode bench config_bench.json) and next to the
+final weights (final/nanorft_config.json).
 
 Processes: each trainer rank runs `main`. Rank 0 creates the run directory and the
 buffer, hosts the weight-sync TCPStore and spawns the explorer process
@@ -44,13 +47,15 @@ OTHER_TASK_DEFAULTS = {"task_kwargs": {}, "system_prompt": "Give only the final 
 class Config:
     """Every setting of a run. Each field is a --flag; the `# -- title` comments group them in --help."""
 
+    given = frozenset()  # (not a setting) the names set in --config or by flag: parse_config records them
+
     # -- mode and run
     mode: str = "both"
     """both = trainer ranks + a spawned explorer; explore / train = one side each, separate launches sharing run_dir (fully async); bench = evaluate models"""
     run_dir: str = "runs/default"
     """output directory (metrics, samples, buffer, plot, final weights); must not hold another run"""
     overwrite: bool = False
-    """delete an existing run_dir first"""
+    """delete an existing run_dir first (mode both, offline mode train; not the run_dir that explore / train launches share)"""
     resume: bool = False
     """continue a killed run from its last resume state in RUN_DIR/checkpoints (weights, optimizer, step, RNG; from step 0 if none was saved yet) and its buffer"""
     steps: int = 30
@@ -213,6 +218,8 @@ class Config:
     """torch threads per trainer rank (0 = split the cores between ranks and explorer)"""
     checkpoint_interval: int = 10
     """save the resume state every this many trainer steps (0 = never)"""
+    keep_resume_state: bool = False
+    """keep the last resume state (RUN_DIR/checkpoints/resume-*: float32 weights + AdamW moments, 12 bytes per parameter) after the run has finished; by default it is deleted then"""
 
     # -- outputs
     log_samples: int = 2
@@ -300,7 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str]) -> Config:
-    """Build a Config from defaults, an optional TOML file and flags.
+    """Build a Config from defaults, an optional TOML file and flags; its `given` holds
+    the names of the fields set in the TOML file or by flag (not defaults, not the
+    OTHER_TASK_DEFAULTS that another task brings).
 
     Raises ValueError naming an unknown TOML key or a bad value, FileNotFoundError for a
     missing config file; unknown flags exit via argparse with one error line.
@@ -326,11 +335,13 @@ def parse_config(argv: list[str]) -> Config:
         if unknown:
             raise ValueError(f"{path}: unknown config key(s) {sorted(unknown)}")
     values.update({k: v for k, v in vars(args).items() if k != "config" and v is not None})
+    given = frozenset(values)
     if values.get("task", DEFAULT_TASK) != DEFAULT_TASK:
         for k, v in OTHER_TASK_DEFAULTS.items():
             values.setdefault(k, v)
     types = {f.name: f.type for f in dataclasses.fields(Config)}
     cfg = Config(**{k: _coerce(k, v, types[k]) for k, v in values.items()})
+    cfg.given = given
     for name in ("steps", "batch_size", "group_size", "max_tokens", "sync_interval", "eval_interval", "token_budget",
                  "bench_k", "num_explorers"):
         if getattr(cfg, name) < 1:
@@ -453,17 +464,30 @@ def check_modes(cfg: Config) -> None:
         raise ValueError("--train-data is for --mode train (offline SFT / DPO)")
     if cfg.train_data and cfg.sync_method == "broadcast":
         raise ValueError("--train-data trains offline, with no explorer to sync with: leave out --sync-method broadcast")
-    if cfg.overwrite and cfg.mode in ("explore", "train"):
+    if cfg.overwrite and cfg.mode in ("explore", "train") and not cfg.train_data:  # (offline: no other side)
         raise ValueError(f"--overwrite would delete a run directory shared with the other side (mode {cfg.mode})")
     if cfg.resume and cfg.mode in ("both", "train") and not Path(cfg.run_dir).is_dir():
         # (a run directory without a buffer yet, killed while starting, resumes from step 0)
         raise FileNotFoundError(f"--resume: no run to resume in {cfg.run_dir} (no such directory)")
 
 
+def finished_run(cfg: Config) -> bool:
+    """Whether --resume (modes both and train) names a run that has finished: its final
+    config written (final/nanorft_config.json) and its resume state deleted. main then says
+    so and exits 0; resuming it from step 0 would train the finished run again."""
+    from trainer import resume_state
+
+    return (cfg.resume and cfg.mode in ("both", "train") and resume_state(cfg.run_dir) is None
+            and (Path(cfg.run_dir) / "final" / "nanorft_config.json").is_file())
+
+
 def prepare(cfg: Config, rank: int) -> tuple[str, tuple]:
     """Validate inputs before any process starts, each module its own settings (modes and
     sync, algorithm, pipelines, trackers, placement, model, tasks, engine, workflow,
-    offline data), then the run dir. Returns the model directory (rank 0) and the tasks
+    offline data), then the run dir: a run of its own (mode both, offline mode train) refuses
+    a non-empty one (FileExistsError) unless --resume, or --overwrite, which deletes it
+    first; the resolved config goes to RUN_DIR/config.json there, else (the fully
+    asynchronous launches sharing it, bench) to config_<mode>.json. Returns the model directory (rank 0) and the tasks
     (workflows.prepare_tasks: train, held-out, verifier dataset), built here once for every
     process of this launch (a countdown set of 2,000 takes about 35 s)."""
     import buffer
@@ -487,29 +511,69 @@ def prepare(cfg: Config, rank: int) -> tuple[str, tuple]:
         workflows.check_offline_data(cfg, model_path)
     run_dir = Path(cfg.run_dir)
     if rank == 0:
-        if cfg.mode == "both" and not cfg.resume and run_dir.exists() and any(run_dir.iterdir()):
+        alone = cfg.mode == "both" or bool(cfg.train_data)  # a run dir of its own (offline train: no explorers)
+        if alone and not cfg.resume and run_dir.exists() and any(run_dir.iterdir()):
             if not cfg.overwrite:
                 raise FileExistsError(f"run_dir {run_dir} is not empty (use --overwrite, --resume or another --run-dir)")
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.mode != "bench":
             buffer.check_config(cfg)
-        name = "config.json" if cfg.mode == "both" else f"config_{cfg.mode}.json"
+        # the fully asynchronous launches share the run dir: each side writes a file of its own (bench too)
+        name = "config.json" if alone else f"config_{cfg.mode}.json"
         (run_dir / name).write_text(json.dumps({**dataclasses.asdict(cfg), "placement": dataclasses.asdict(layout),
                                                 "precision": why},
                                                indent=2))
     return model_path, tasks
 
 
+# what mode bench on a run directory takes from the run's saved config (bench_run_settings)
+RUN_TASK_SETTINGS = ("task", "task_kwargs", "system_prompt", "reward_fn", "reward_kwargs", "workflow", "eval_size",
+                     "seed", "max_tokens")
+
+
+def bench_run_settings(cfg: Config) -> None:
+    """Mode bench on a run directory (no --bench-models: it evaluates RUN_DIR/final): set
+    each of RUN_TASK_SETTINGS that was not given in --config or by flag (cfg.given) to the
+    run's own, from its saved config RUN_DIR/final/nanorft_config.json, else
+    RUN_DIR/config.json (neither: nothing changes), and print one line naming them. With a
+    task given that differs from the run's, task_kwargs and system_prompt stay the given
+    task's. Raises ValueError (one line) for a saved config that cannot be read or holds a
+    bad value."""
+    if cfg.mode != "bench" or cfg.bench_models:
+        return
+    run_dir = Path(cfg.run_dir)
+    src = next((p for p in (run_dir / "final" / "nanorft_config.json", run_dir / "config.json") if p.is_file()), None)
+    if src is None:
+        return
+    try:
+        saved = json.loads(src.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{src}: not a saved config ({e})") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{src}: not a saved config (a JSON object)")
+    same_task = "task" not in cfg.given or cfg.task == saved.get("task")
+    types = {f.name: f.type for f in dataclasses.fields(Config)}
+    taken = [name for name in RUN_TASK_SETTINGS if name in saved and name not in cfg.given
+             and (same_task or name not in OTHER_TASK_DEFAULTS)]
+    for name in taken:
+        setattr(cfg, name, _coerce(name, saved[name], types[name]))
+    if taken:
+        print(f"nanorft: mode bench on {run_dir / 'final'}: task {cfg.task}; {', '.join(taken)} from {src} "
+              "(a flag or --config sets any of them)")
+
+
 def bench(cfg: Config, tasks: tuple) -> None:
-    """Mode bench: print a table of avg@k / pass@k per model and save RUN_DIR/bench.json."""
+    """Mode bench: print a table of avg@k / pass@k per model on the held-out tasks of
+    cfg.task (named in the table and in each row) and save RUN_DIR/bench.json."""
     from explorer import run_mode_bench
     from trainer import resolve_model
 
     models = [m.strip() for m in cfg.bench_models.split(",") if m.strip()] or [str(Path(cfg.run_dir) / "final")]
     paths = [resolve_model(m) for m in models]
     cfg.explorer_threads = cfg.explorer_threads or (os.cpu_count() or 1)
-    print(f"nanorft: mode bench, engine {cfg.engine}, {len(paths)} model(s), {cfg.bench_k} samples per task")
+    print(f"nanorft: mode bench, task {cfg.task}, engine {cfg.engine}, {len(paths)} model(s), {cfg.bench_k} samples "
+          "per task")
     out = Path(cfg.run_dir) / "bench.json"
     out.write_text(json.dumps(run_mode_bench(cfg, paths, tasks), indent=2))
     print(f"saved {out}")
@@ -517,12 +581,23 @@ def bench(cfg: Config, tasks: tuple) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the config, validate inputs, run the mode; returns the exit code (2 with one
-    error line for bad input)."""
+    error line for bad input). Appends the working directory to sys.path (plug-ins by
+    import path)."""
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
+    # plug-ins by import path (--workflow mymod.MyWorkflow) from the working directory: sys.path[0] is run.py's
+    # directory; the working directory goes last, so that it never shadows a module nanorft imports. Spawned
+    # processes (the explorer) get this sys.path from multiprocessing.
+    if not any(os.path.abspath(p or ".") == os.getcwd() for p in sys.path):
+        sys.path.append(os.getcwd())
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading bars would break the step bar
     try:
         cfg = parse_config(argv)
+        if finished_run(cfg):
+            print0(f"nanorft: the run in {cfg.run_dir} has finished (final weights in {Path(cfg.run_dir) / 'final'}): "
+                   "nothing to resume")
+            return 0
+        bench_run_settings(cfg)  # mode bench on a run dir: its task, unless given
         model_path, tasks = prepare(cfg, rank)
         if cfg.mode == "bench":
             bench(cfg, tasks)

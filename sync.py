@@ -37,7 +37,6 @@ store answering (`StoreAlive`).
 from __future__ import annotations
 
 import fcntl
-import logging
 import os
 import shutil
 import socket
@@ -87,13 +86,6 @@ def check_config(cfg) -> None:
                          "in mode both the schedule itself produces experiences that old")
     if cfg.max_staleness < -1:
         raise ValueError(f"max_staleness must be >= 0, or -1 for no bound, got {cfg.max_staleness}")
-
-
-def peak_rss_gib() -> float:
-    """This process's peak resident memory (GiB) so far (getrusage; Linux reports KiB)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
 class CoreShare:
@@ -483,7 +475,7 @@ def load_latest_checkpoint(run_dir: str | Path, reader: str, load: Callable[[Pat
 
 class Receiver:
     """The explorer's end of the protocol: takes the trainer's published weights into
-    `engine` (explorer.Engine: join_weight_sync, receive_weights, weights_announced,
+    `engine` (engines.Engine: join_weight_sync, receive_weights, weights_announced,
     load_checkpoint, version) and logs each receipt as {"explorer/received_version",
     "time/explorer_wait_sync_s", "sync/explorer_checksum"} through `log`.
 
@@ -567,80 +559,3 @@ class Receiver:
     def _logged(self, t0: float, digest: float) -> None:
         self.log({"explorer/received_version": self.engine.version, "time/explorer_wait_sync_s": time.perf_counter() - t0,
                   "sync/explorer_checksum": digest})
-
-
-def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the *.safetensors files of a checkpoint directory (CPU). Raises
-    FileNotFoundError when there are none."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors files in {path}")
-    return {k: v for f in files for k, v in load_file(f).items()}
-
-
-class VLLMWeightReceiver:
-    """vLLM worker extension (`worker_extension_cls="sync.VLLMWeightReceiver"`): the
-    vLLM worker joins the weight-sync group as rank 1 (NCCL on its GPU, or gloo through host
-    memory: `sync_device` "cpu", also when it shares a GPU with the trainer) and loads each publish in place with
-    `model.load_weights`, inside vLLM's layerwise-reload helpers (needed on CPU, where
-    linear weights are prepacked and a bare load can have no effect)."""
-
-    def nanorft_join(self, model_path: str, host: str, port: int, timeout_s: float, sync_device: str) -> None:
-        """Join the group whose store is at `host`:`port` (sync_device "cuda": on this
-        worker's GPU; "cpu": through host memory). The trainer's liveness, here and in every
-        receive, is its store answering (`StoreAlive`): this process is vLLM's, not the
-        trainer's child, and in mode explore the explorer is not its child either."""
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        dtype = self.vllm_config.model_config.dtype  # the dtype it holds: bf16 to a bf16 vLLM
-        with torch.device("meta"):  # names and shapes of the HF checkpoint, in wire order
-            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
-        device = self.device if self.device.type == "cuda" and sync_device == "cuda" else torch.device("cpu")
-        self.nanorft_named = [(n, torch.empty(p.shape, dtype=p.dtype, device=device)) for n, p in hf.named_parameters()]
-        self.nanorft_alive = StoreAlive(host, port, STORE_KNOWN_WAIT_S)
-        self.nanorft_sync = WeightSync(None, port=port, host=host, device=str(device), timeout_s=timeout_s,
-                                       wire_dtype=dtype).connect(self.nanorft_alive)
-
-    def nanorft_receive(self) -> tuple[int, float]:
-        tensors = [t for _, t in self.nanorft_named]
-        version = self.nanorft_sync.recv(tensors, self.nanorft_alive)
-        self._nanorft_load(self.nanorft_named)
-        return version, checksum(tensors)
-
-    def nanorft_announced(self) -> int:
-        """The newest version the trainer has started to publish (never blocks)."""
-        return self.nanorft_sync.announced()
-
-    def nanorft_joined(self) -> bool:
-        return getattr(self, "nanorft_sync", None) is not None
-
-    def nanorft_leave(self) -> None:
-        self.nanorft_sync.leave()
-
-    def nanorft_load(self, path: str) -> float:
-        """Load a safetensors checkpoint directory in place; returns its checksum."""
-        named = list(read_safetensors(path).items())
-        self._nanorft_load(named)
-        return checksum(t for _, t in named)
-
-    def _nanorft_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-        model = self.model_runner.get_model()  # not `.model`: on CUDA that is vLLM's CUDAGraphWrapper around it
-        dtype = self.vllm_config.model_config.dtype  # a checkpoint may hold float32; vLLM may hold bf16
-        tied = self.vllm_config.model_config.hf_config.tie_word_embeddings
-        expected = ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
-        # layers a publish has no tensors for (no weights; the tied lm_head comes as the embedding)
-        # keep theirs, as intended: vLLM's "<layer>: Failed to load weights" for them is noise
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").filters = [
-            lambda r: r.getMessage() not in {f"{name}: Failed to load weights" for name in expected}]
-        initialize_layerwise_reload(model)
-        model.load_weights((n, t.to(dtype) if t.is_floating_point() else t) for n, t in named)
-        finalize_layerwise_reload(model, self.vllm_config.model_config)
-        lm_head = getattr(model, "lm_head", None)
-        if self.vllm_config.model_config.hf_config.tie_word_embeddings and hasattr(lm_head, "quant_method"):
-            # the reload reprocesses only embed_tokens; the tied lm_head keeps its own
-            # prepacked copy on CPU unless it is processed again
-            lm_head.quant_method.process_weights_after_loading(lm_head)

@@ -31,6 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from torch.distributed.tensor import DTensor
 
 import sync
+from metrics import peak_rss_gib
 from buffer import Experience
 from losses import (ADVANTAGES, AGGREGATIONS, FILTERS, KL_ESTIMATORS, POLICY_LOSSES, LossInputs, accepts, aggregate,
                     chunked_logprobs, kl_estimate, length_penalty, masked_sum, part_totals, resolve)
@@ -143,6 +144,22 @@ def resume_state(run_dir: str | Path) -> Path | None:
     None when the run has none yet."""
     marker = Path(run_dir) / "checkpoints" / "resume-latest"
     return marker.parent / marker.read_text().strip() if marker.is_file() else None
+
+
+def delete_resume_states(run_dir: str | Path) -> int:
+    """Delete a finished run's resume states (checkpoints/resume-*, the marker first, so
+    that no moment names a partly deleted state) and checkpoints/ itself if that leaves it
+    empty. Returns the bytes freed (0: there were none)."""
+    root = Path(run_dir) / "checkpoints"
+    states = sorted(root.glob("resume-[0-9]*"))
+    freed = sum(f.stat().st_size for d in states for f in d.rglob("*") if f.is_file())
+    (root / "resume-latest").unlink(missing_ok=True)
+    (root / ".resume-latest.tmp").unlink(missing_ok=True)
+    for d in states:
+        shutil.rmtree(d, ignore_errors=True)
+    if root.is_dir() and not any(root.iterdir()):
+        root.rmdir()
+    return freed
 
 
 def share_prompts(exps: list[Experience], row_tokens: int = 0) -> list[tuple[list[int], list[int]]]:
@@ -391,6 +408,9 @@ class Trainer:
                                      betas=(0.9, 0.99))
         self.version = 0
         self.before_resume_marker = None  # tests: called after a resume state is written, before it is named
+        # rank 0: the loop's own position, saved with the resume state (trainer.pt) and restored by load_state
+        # (loop.TrainLoop: "expert_drawn", the groups the MIX expert sampler has drawn)
+        self.loop_state: dict = {}
 
     def _load(self, model_path: str):
         """The model at `model_path` in float32 on `device`, sharded over `mesh`. Attention is
@@ -507,7 +527,7 @@ class Trainer:
                   "response/len_mean": sum(lengths) / len(lengths), "response/len_max": max(lengths),
                   "time/train_s": train_s, "train/tokens_per_s": sum(len(e.tokens) for e in batch.exps) / train_s,
                   "train/computed_tokens": self.computed_tokens, "train/sequence_tokens": sum(len(e.tokens) for e in batch.exps),
-                  "memory/trainer_peak_rss_gib": sync.peak_rss_gib()})
+                  "memory/trainer_peak_rss_gib": peak_rss_gib()})
         if self.device.type == "cuda":
             m["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             m["memory/reserved_gib"] = torch.cuda.memory_reserved(self.device) / 2**30
@@ -637,15 +657,17 @@ class Trainer:
         return m
 
     def save_state(self, run_dir: str | Path, step: int) -> Path:
-        """Resume state after `step` steps: model and optimizer (torch.distributed.checkpoint,
-        sharded as they are), version and RNG, plus full HF weights in hf/ for the explorer.
-        Collective. Written to RUN_DIR/checkpoints/resume-{step:06d}/; only when it is
+        """Resume state after `step` steps: the weights once, as a float32 HF directory hf/
+        (exactly the trained weights; the explorer of a resumed run starts from it), the
+        optimizer state (torch.distributed.checkpoint in dcp/, sharded as it is), version,
+        RNG and `loop_state` (rank 0's): about 12 bytes per parameter (4 weights + 8 AdamW
+        moments) plus the tokenizer. Collective. Written to RUN_DIR/checkpoints/resume-{step:06d}/; only when it is
         complete does the marker checkpoints/resume-latest (written to a temporary file, then
         renamed over the old one) name it, and only then are older states deleted: at every
         moment the marker names a complete state, whatever is killed when. Returns the
         directory."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         root = Path(run_dir) / "checkpoints"
         path = root / f"resume-{step:06d}"
@@ -653,11 +675,13 @@ class Trainer:
             shutil.rmtree(path, ignore_errors=True)  # a partial state left by a crash
             path.mkdir(parents=True)
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(self.model, self.opt)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
+        # one copy of the weights: hf/ in float32 (the trainer's own, so the resume is exact), which the explorer
+        # also starts from; DCP holds only the optimizer (AdamW's two float32 moments: 8 bytes per parameter)
+        dcp.save({"optim": get_optimizer_state_dict(self.model, self.opt)}, checkpoint_id=str(path / "dcp"))
         self.save(path / "hf")
         if self.rank == 0:
-            torch.save({"step": step, "version": self.version, "rng": torch.get_rng_state()}, path / "trainer.pt")
+            torch.save({"step": step, "version": self.version, "rng": torch.get_rng_state(), "loop": self.loop_state},
+                       path / "trainer.pt")
             if self.before_resume_marker is not None:
                 self.before_resume_marker()
             tmp = root / ".resume-latest.tmp"
@@ -670,17 +694,32 @@ class Trainer:
         return path
 
     def load_state(self, path: str | Path) -> int:
-        """Load a `save_state` directory (`resume_state(run_dir)`); returns the number of
-        steps it had done. Collective."""
+        """Load a `save_state` directory (`resume_state(run_dir)`) and its `loop_state` ({}
+        from a state saved before it had one); returns the number of steps it had done: the
+        weights from hf/ (float32, read by every rank, sharded here), the optimizer from
+        dcp/ (a state that also holds the weights in dcp/, as saved before, loads the same
+        way). Collective. Raises ValueError when hf/ lacks a parameter of the model."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                             set_model_state_dict, set_optimizer_state_dict)
 
-        model_sd, optim_sd = get_state_dict(self.model, self.opt)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {"optim": get_optimizer_state_dict(self.model, self.opt)}
         dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
-        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_optimizer_state_dict(self.model, self.opt, state["optim"])
+        full: dict[str, torch.Tensor] = {}
+        for f in sorted((Path(path) / "hf").glob("*.safetensors")):  # (save_pretrained shards a large model)
+            full.update(load_file(f))
+        names = [n for n, _ in self.model.named_parameters()]  # the names `save` writes
+        if missing := [n for n in names if n not in full]:
+            raise ValueError(f"resume state {path}: hf/ has no weights for {missing[:3]} ({len(missing)} parameters)")
+        # strict=False: the tied alias of a weight (lm_head.weight) is not a parameter of its own
+        set_model_state_dict(self.model, {n: full[n] for n in names},
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+        del full
         meta = torch.load(Path(path) / "trainer.pt", weights_only=False)
         self.version = meta["version"]
+        self.loop_state = dict(meta.get("loop", {}))
         torch.set_rng_state(meta["rng"])
         return meta["step"]
 

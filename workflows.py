@@ -214,16 +214,19 @@ class OfflineSampler:
     """Sampling strategy for offline data (SFT chats, DPO pairs, MIX expert data): draws
     groups in a seeded shuffled order, cycling through epochs. Each drawn experience is a
     copy marked info["offline"] (offline data has no behaviour log-probs and is never
-    filtered). Raises ValueError for no data."""
+    filtered). `drawn`: groups drawn so far (drawing as many from a new sampler of the same
+    data and seed continues in the same order: a resume). Raises ValueError for no data."""
 
     def __init__(self, groups: list[list[Experience]], seed: int):
         if not groups:
             raise ValueError("offline data is empty")
         self.groups, self.rng, self.order = groups, random.Random(seed), []
+        self.drawn = 0
 
     def draw(self, n: int) -> list[list[Experience]]:
         """The next n groups."""
         out = []
+        self.drawn += n
         for _ in range(n):
             if not self.order:
                 self.order = self.rng.sample(range(len(self.groups)), len(self.groups))
@@ -482,7 +485,7 @@ class Workflow:
     with `--workflow module.Class` (or adding it to WORKFLOWS).
 
     Subclasses implement `async run(task, engine, n) -> list[Experience]`; they call
-    `await engine.generate(prompt_ids, n, sampling)` (see explorer.Engine), which batches
+    `await engine.generate(prompt_ids, n, sampling)` (see engines.Engine), which batches
     the requests of all workflows in flight. A reward of None means "not known yet"
     (lagged reward): the buffer stores it as NULL and never serves the group until
     `Buffer.set_rewards` fills it. The explorer applies timeouts and retries around `run`.

@@ -30,7 +30,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import run  # noqa: E402
-from explorer import Explorer, HFEngine  # noqa: E402
+from engines import HFEngine  # noqa: E402
+from explorer import Explorer  # noqa: E402
 from losses import left_pad  # noqa: E402
 import trainer  # noqa: E402
 from trainer import Trainer, choose_dtype  # noqa: E402

@@ -515,7 +515,8 @@ def bench_model(work: Path, name: str, device, rounds: int) -> dict:
 
     import run
     from bench_step import explore_rate  # the CPU benchmark's explorer timing: one batch through Explorer
-    from explorer import Explorer, HFEngine
+    from engines import HFEngine
+    from explorer import Explorer
     from trainer import Trainer, choose_dtype
     from workflows import load_tasks
 

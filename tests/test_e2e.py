@@ -99,6 +99,34 @@ def test_bad_input_is_one_error_line(tmp_path, args, message):
     assert "Traceback" not in res.stderr
 
 
+def test_plugins_from_the_working_directory(tiny_model, tmp_path, monkeypatch, capsys):
+    # `--workflow mymod.MyWorkflow` from the directory holding mymod.py: sys.path[0] is run.py's directory, so
+    # this failed with "No module named 'mymod'" and no hint; run.main puts the working directory on the path
+    # (the spawned explorer inherits sys.path), and an import path that still fails says where modules are looked up
+    import sys
+
+    import run
+    from conftest import ROOT
+
+    (tmp_path / "cwd_plugins_e2e.py").write_text(
+        "from workflows import MathWorkflow\n\n\n"
+        "class MyWorkflow(MathWorkflow):\n    pass\n\n\n"
+        "def always_right(task, completion, dataset):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    argv = ["--config", str(ROOT / "configs" / "tiny.toml"), "--model", tiny_model, "--mode", "bench", "--run-dir",
+            str(tmp_path / "r"), "--bench-models", tiny_model, "--bench-k", "1", "--eval-size", "2",
+            "--train-size", "8", "--explorer-threads", str(torch.get_num_threads())]  # (in this process: leave its thread count)
+    assert run.main([*argv, "--workflow", "cwd_plugins_e2e.MyWorkflow", "--reward-fn",
+                     "cwd_plugins_e2e.always_right"]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "r" / "bench.json").read_text())[0]["avg@1"] == 1.0  # the plug-in's reward
+    capsys.readouterr()
+    assert run.main([*argv, "--workflow", "not_here_e2e.MyWorkflow"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "workflow 'not_here_e2e.MyWorkflow' cannot be imported: No module named" in err
+    assert "modules are looked up in " in err and f"{tmp_path} (the working directory)" in err, err
+
+
 def test_bad_config_and_jsonl(tmp_path):
     toml = tmp_path / "bad.toml"
     toml.write_text('lr = 1e-5\nlearning_rate = 3\n')

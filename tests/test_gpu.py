@@ -87,7 +87,7 @@ def test_hf_engine_follows_a_perturbed_sync(tiny_model, device, dtype):
 
     import sync
     from conftest import PROMPTS, rollouts
-    from explorer import HFEngine, Sampling
+    from engines import HFEngine, Sampling
     from trainer import pack, response_logprobs
     from transformers import AutoModelForCausalLM
 
@@ -186,7 +186,7 @@ def test_cores_lent_in_the_middle_of_a_step_are_taken_at_the_next_block(tiny_mod
 
 
 def bf16_engine_receiver(model, port, q):
-    from explorer import HFEngine
+    from engines import HFEngine
 
     engine = HFEngine(model, dtype=torch.bfloat16, device="cpu")
     engine.join_weight_sync("127.0.0.1", port, 60, lambda: True, "cpu")

@@ -69,13 +69,13 @@ class FakeModel:
 
 def test_the_vllm_worker_loads_into_the_model_not_its_cuda_graph_wrapper(monkeypatch):
     # on CUDA, model_runner.model is vLLM's CUDAGraphWrapper; get_model() is the model (vLLM's own reload uses it)
-    import sync
+    import engines
 
     calls = []
     fake_vllm_reload(monkeypatch, calls)
     model = FakeModel()
     config = types.SimpleNamespace(dtype=torch.bfloat16, hf_config=types.SimpleNamespace(tie_word_embeddings=False))
-    worker = sync.VLLMWeightReceiver()
+    worker = engines.VLLMWeightReceiver()
     worker.vllm_config = types.SimpleNamespace(model_config=config)
     worker.model_runner = types.SimpleNamespace(model=object(), get_model=lambda: model)  # .model: the wrapper
     worker._nanorft_load([("w", torch.ones(2)), ("ids", torch.arange(2))])
@@ -99,7 +99,7 @@ class FakeLLM:
 def test_vllm_keeps_its_prefix_cache_only_in_flight(inflight):
     # in flight, requests are running when weights arrive: vLLM refuses the reset (a warning on every publish),
     # and prefix caching is off there anyway
-    from explorer import VLLMEngine
+    from engines import VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.llm, engine.inflight, engine.version = FakeLLM(), inflight, 0
@@ -129,12 +129,13 @@ def test_the_vllm_worker_watches_the_trainers_store_in_every_receive(tiny_model,
     # store while it joins and while it receives; a receive without it waited for the group's timeout (1 h)
     import multiprocessing as mp
 
+    import engines
     import sync
 
     fake_vllm_reload(monkeypatch, [])
     model = FakeModel()
     config = types.SimpleNamespace(dtype=torch.float32, hf_config=types.SimpleNamespace(tie_word_embeddings=True))
-    worker = sync.VLLMWeightReceiver()
+    worker = engines.VLLMWeightReceiver()
     worker.vllm_config, worker.device = types.SimpleNamespace(model_config=config), torch.device("cpu")
     worker.model_runner = types.SimpleNamespace(get_model=lambda: model)
     watched = []

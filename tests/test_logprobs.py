@@ -6,7 +6,7 @@ import torch.distributed as dist
 import run
 from buffer import Experience
 from conftest import PROMPTS, rollouts
-from explorer import HFEngine, Sampling
+from engines import HFEngine, Sampling
 from trainer import Trainer, pack, response_logprobs
 
 

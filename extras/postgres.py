@@ -1,0 +1,71 @@
+"""The PostgreSQL backend of buffer.Buffer (`--buffer postgresql://user@host:port/db`):
+explorers and trainer on several hosts. buffer.Buffer imports it only for such a URL;
+it needs `pip install "psycopg[binary]"`.
+"""
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+
+class Postgres:
+    """The PostgreSQL dialect (psycopg 3, autocommit outside explicit transactions): the
+    run's tables in schema `schema`; readers taking groups serialise on a transaction-level
+    advisory lock; an explorer name is a session advisory lock, released by the server when
+    the connection closes (kill -9 included). `schema_sql`: buffer.SCHEMA, the tables'
+    CREATE statements with {id} and {blob} column types to fill. Raises ValueError (one
+    line) for a bad schema name, missing psycopg or a server out of reach."""
+
+    def __init__(self, url: str, timeout_s: float, schema_sql: str):
+        parts = urlsplit(url)
+        query = dict(parse_qsl(parts.query))
+        schema = query.pop("schema", "nanorft")
+        if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", schema):
+            raise ValueError(f"buffer schema {schema!r}: use lower-case letters, digits and _ (at most 63)")
+        self.schema = schema
+        self.where = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1], query=""))
+        self.where += f" (schema {schema})"  # no password in messages
+        try:
+            import psycopg
+        except ImportError:
+            raise ValueError(f"buffer {self.where}: PostgreSQL needs psycopg: pip install \"psycopg[binary]\"") from None
+        dsn = urlunsplit(parts._replace(query=urlencode(query)))
+        try:
+            self.conn = psycopg.connect(dsn, autocommit=True, connect_timeout=max(1, int(min(timeout_s, 60))))
+            self.conn.execute(f"SET search_path TO {schema}")
+            # creating the tables: one process at a time (concurrent CREATE ... IF NOT EXISTS can
+            # collide), and only when missing (CREATE INDEX waits for every open transaction on the table)
+            with self.conn.transaction():
+                self.conn.execute("SELECT pg_advisory_xact_lock(hashtext('nanorft schema'))")
+                if self.conn.execute("SELECT to_regclass('replays')").fetchone()[0] is None:  # the newest table
+                    self.conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
+                    self.conn.execute(schema_sql.format(id="BIGSERIAL PRIMARY KEY", blob="BYTEA"))
+        except psycopg.Error as e:
+            raise ValueError(f"buffer {self.where}: {' '.join(str(e).split())}") from None
+
+    def execute(self, sql: str, params=()):
+        return self.conn.execute(sql.replace("?", "%s"), params)
+
+    def executemany(self, sql: str, rows) -> None:
+        self.conn.cursor().executemany(sql.replace("?", "%s"), list(rows))
+
+    @contextmanager
+    def transaction(self, readers: bool = False):
+        """One transaction (READ COMMITTED); `readers`: serialised with the other readers
+        of this run (advisory lock held until COMMIT/ROLLBACK)."""
+        with self.conn.transaction():
+            if readers:
+                self.execute("SELECT pg_advisory_xact_lock(hashtext(?))", (f"{self.schema} readers",))
+            yield
+
+    def hold(self, name: str, wait: bool) -> bool:
+        key = (f"{self.schema} explorer {name}",)
+        if self.execute("SELECT pg_try_advisory_lock(hashtext(?))", key).fetchone()[0]:
+            return True
+        if wait:
+            self.execute("SELECT pg_advisory_lock(hashtext(?))", key)
+        return wait
+
+    def close(self) -> None:
+        self.conn.close()

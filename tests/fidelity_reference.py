@@ -1,0 +1,1063 @@
+"""The golden numbers of tests/test_fidelity.py, recomputed from the reference implementations.
+
+Every function below re-implements one reference function line by line, as its source does
+(same operations, same order, same epsilons and clamps), and cites in its docstring the
+repository, file, function and commit it follows. Only what cannot run here is replaced:
+framework plumbing (DataProto, Experience objects, configs, packing, the model's forward) is
+reduced to the tensors the function reads, and every tensor is float64 (the references use
+float32 or the model's dtype; the goldens are float64: compute() sets torch's default dtype to
+float64 while it runs and restores it after). Nothing here imports the project's
+losses.py: this is the independent side of the comparison.
+
+The fixed inputs of tests/test_fidelity.py live here, at module level, and the test imports
+them, so both sides use one copy. `compute()` returns {constant name: value} with the names
+test_fidelity.py uses; running this file prints them:
+
+    .venv/bin/python tests/fidelity_reference.py
+
+Sources read (each at the commit test_fidelity.py names, except where noted):
+  PrimeIntellect-ai/prime-rl @ 559b447: src/prime_rl/trainer/rl/loss.py, src/prime_rl/trainer/rl/train.py,
+      packages/prime-rl-configs/src/prime_rl/configs/trainer.py
+  volcengine/verl @ b178a3c: verl/trainer/ppo/core_algos.py, verl/utils/torch_functional.py
+  modelscope/Trinity-RFT: policy_loss_fn/mix_policy_loss.py @ c10d414, ppo_policy_loss.py @ 5a4234e,
+      sft_loss.py @ 51d229f, opmd_policy_loss.py @ 70c21ac, advantage_fn/opmd_advantage.py @ 547adf1,
+      advantage_fn/multi_step_grpo_advantage.py @ 369bf62; trinity/algorithm/utils.py (masked_mean,
+      aggregate_loss) could not be read at 5a4234e: read in the fork pan-x-c/Trinity-RFT @ edb802e
+  yaochaorui/Trinity-RFT @ 50aba82: trinity/trainer/verl/core_algos.py
+  ServiceNow/PipelineRL @ 58d3934: pipelinerl/finetune/rl/__init__.py, pipelinerl/finetune/rl/utils.py,
+      conf/finetune/base.yaml
+  huggingface/trl @ f2cd577: trl/trainer/dpo_trainer.py, trl/trainer/dpo_config.py
+  Le Roux et al., arXiv:2503.14286, sec. 3 (TOPR has no reference code)
+
+Dependencies: torch and numpy only.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+F64 = torch.float64
+
+# ----------------------------------------------------------------------------- fixed inputs
+
+# B = 4 sequences, T = 4 tokens; sequence 1 has a token with ratio e^1.5 and A < 0 (dual clip),
+# sequence 3 a sequence-level ratio e^-0.4 with A < 0 (TOPR's taper)
+LP = [[-1.0, -0.1, -2.0, -0.3],
+      [-0.7, -1.2, -0.1, -0.5],
+      [-0.2, -0.9, -1.5, -0.6],
+      [-1.0, -0.8, -0.4, -2.2]]
+OLD = [[-1.3, -0.6, -1.0, -0.3],
+       [-0.2, -1.2, -0.6, -2.0],
+       [-0.25, -1.9, -1.4, -0.1],
+       [-0.9, -0.5, -0.6, -2.0]]
+ADV = [1.5, -0.8, 0.6, -0.4]
+MASK = [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]]
+R4, G4 = [1.0, 0.0, 0.5, 0.2], [0, 0, 1, 1]   # rewards and groups of the four sequences
+
+# advantages: 10 sequences in groups of 3, 4, 2 and 1, with their trained-token counts
+R10 = [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.2, 0.7, 0.9, 0.4]
+G10 = [0, 0, 0, 1, 1, 1, 1, 2, 2, 3]
+COUNTS10 = [3, 4, 2, 4, 1, 5, 2, 3, 4, 2]
+
+# step-wise GRPO: 7 samples; task 0 = runs 0, 1, 2 of 3, 1 and 2 steps (final rewards 1, 0, 0.5),
+# task 1 = run 3 of one step (reward 0.3)
+STEP_R = [0.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.3]
+STEP_G = [0, 0, 0, 0, 0, 0, 1]
+STEP_T = [0, 0, 0, 1, 2, 2, 3]
+
+# KL estimators: log p (the sampled policy) and log q (the reference), log-ratios up to +-30
+KL_LOGP = [[0.0, -1.0, -2.0, 0.0, -0.3, 0.0]]
+KL_LOGQ = [[30.0, -4.0, -0.5, -30.0, -0.2, 2.5]]
+
+# PPO on log-ratios -25, 0, 22 with A = -1 (verl clamps the log-ratio to [-20, 20])
+PPO_EXTREME_LP = [[0.0, -0.5, -1.0]]
+PPO_EXTREME_OLD = [[-25.0, -0.5, 22.0]]
+
+# GSPO on a sequence whose mean log-ratio is 15 (> 10), A = 1, clip 0.1 / 1e9
+GSPO_EXTREME_LP = [[0.0, -0.5]]
+GSPO_EXTREME_OLD = [[-30.0, -0.5]]
+
+MIX_EXPERT = [False, True, False, True]     # MIX: sequences 1 and 3 are expert (SFT) data
+DPO_REWARDS = [1.0, 0.0, 0.0, 1.0]          # DPO: pairs (chosen 0, rejected 1), (chosen 3, rejected 2)
+
+ENTROPY_LOGITS = [[[1.0, -0.5, 2.0, 0.3], [0.0, 0.0, 0.0, 0.0]], [[-3.0, 1.0, 0.5, 0.5], [4.0, -2.0, 1.0, 0.0]]]
+
+
+def _t(x, dtype=F64) -> torch.Tensor:
+    return torch.tensor(x, dtype=dtype)
+
+
+def _lp() -> torch.Tensor:
+    """A fresh float64 leaf of LP that records its gradient."""
+    return _t(LP).requires_grad_(True)
+
+
+def _adv_matrix(adv) -> torch.Tensor:
+    """A per-sequence advantage [B] broadcast over the T tokens (as the trainers store it)."""
+    return _t(adv)[:, None].expand(len(adv), len(LP[0])).clone()
+
+
+def _outcome_rewards(rewards, lengths, width) -> torch.Tensor:
+    """verl's token_level_rewards: each sequence's reward on its last response token. [B, width]"""
+    out = torch.zeros(len(rewards), width, dtype=F64)
+    for i, (r, n) in enumerate(zip(rewards, lengths)):
+        out[i, int(n) - 1] = r
+    return out
+
+
+def _response_mask(lengths, width) -> torch.Tensor:
+    return (torch.arange(width)[None, :] < _t(lengths)[:, None]).to(F64)
+
+
+# ----------------------------------------------------------------------------- verl
+
+def verl_masked_sum(values, mask, axis=None):
+    """volcengine/verl verl/utils/torch_functional.py masked_sum @ b178a3c."""
+    # If NaNs exist out of mask, replace NaNs in values with a value that won't affect the sum
+    valid_values = torch.where(mask.bool(), values, 0.0)
+    return (valid_values * mask).sum(axis=axis)
+
+
+def verl_masked_mean(values, mask, axis=None):
+    """volcengine/verl verl/utils/torch_functional.py masked_mean @ b178a3c."""
+    s = verl_masked_sum(values, mask, axis)
+    return s / (mask.sum(axis=axis) + 1e-8)
+
+
+def verl_masked_var(values, mask, unbiased=True):
+    """volcengine/verl verl/utils/torch_functional.py masked_var @ b178a3c."""
+    mean = verl_masked_mean(values, mask)
+    centered_values = values - mean
+    variance = verl_masked_mean(centered_values**2, mask)
+    if unbiased:
+        mask_sum = mask.sum()
+        if mask_sum == 0:
+            raise ValueError("At least one element in the mask has to be 1.")
+        if mask_sum == 1:
+            raise ValueError("The sum of the mask is one, which can cause a division by zero.")
+        bessel_correction = mask_sum / (mask_sum - 1)
+        variance = variance * bessel_correction
+    return variance
+
+
+def verl_masked_whiten(values, mask, shift_mean=True):
+    """volcengine/verl verl/utils/torch_functional.py masked_whiten @ b178a3c."""
+    mean, var = verl_masked_mean(values, mask), verl_masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened += mean
+    return whitened
+
+
+def verl_entropy_from_logits(logits: torch.Tensor):
+    """volcengine/verl verl/utils/torch_functional.py entropy_from_logits @ b178a3c."""
+    pd = torch.nn.functional.softmax(logits, dim=-1)
+    entropy = torch.logsumexp(logits, dim=-1) - torch.sum(pd * logits, dim=-1)
+    return entropy
+
+
+def verl_agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
+                  loss_scale_factor=None):
+    """volcengine/verl verl/trainer/ppo/core_algos.py agg_loss @ b178a3c. The policy losses call
+    it with **config.global_batch_info, {} by default (ActorConfig, verl/workers/config/actor.py):
+    one rank whose micro-batch is the global batch."""
+    if loss_agg_mode == "token-mean":
+        if batch_num_tokens is None:
+            batch_num_tokens = loss_mask.sum()
+        loss = verl_masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
+    elif loss_agg_mode == "seq-mean-token-sum":
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)  # token-sum
+        seq_mask = (torch.sum(loss_mask, dim=-1) > 0).float()  # exclude fully masked sequences
+        if global_batch_size is None:
+            global_batch_size = seq_mask.sum()
+        loss = verl_masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size  # seq-mean
+    elif loss_agg_mode == "seq-mean-token-mean":
+        seq_mask = torch.sum(loss_mask, dim=-1)  # per-sequence token count
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_mask + 1e-8)  # token-mean
+        seq_mask = (seq_mask > 0).float()  # exclude fully masked sequences
+        if global_batch_size is None:
+            global_batch_size = seq_mask.sum()
+        loss = verl_masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size  # seq-mean
+    elif loss_agg_mode == "seq-mean-token-sum-norm":
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+        if loss_scale_factor is None:
+            loss_scale_factor = loss_mask.shape[-1]
+        loss = torch.sum(seq_losses) / loss_scale_factor
+    else:
+        raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
+    return loss
+
+
+def verl_kl_penalty_forward(logprob, ref_logprob, kl_penalty):
+    """volcengine/verl verl/trainer/ppo/core_algos.py kl_penalty_forward @ b178a3c."""
+    if kl_penalty in ("kl", "k1"):
+        return logprob - ref_logprob
+    if kl_penalty == "abs":
+        return (logprob - ref_logprob).abs()
+    if kl_penalty in ("mse", "k2"):
+        return 0.5 * (logprob - ref_logprob).square()
+    # J. Schulman. Approximating kl divergence, 2020.
+    if kl_penalty in ("low_var_kl", "k3"):
+        kl = ref_logprob - logprob
+        # For numerical stability
+        kl = torch.clamp(kl, min=-20, max=20)
+        ratio = torch.exp(kl)
+        kld = (ratio - kl - 1).contiguous()
+        return torch.clamp(kld, min=-10, max=10)
+    raise NotImplementedError
+
+
+def verl_compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                                     clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0):
+    """volcengine/verl verl/trainer/ppo/core_algos.py compute_policy_loss_vanilla @ b178a3c
+    (config.clip_ratio / clip_ratio_low / clip_ratio_high / clip_ratio_c as arguments; no
+    rollout importance weights; the logging-only metrics left out). Returns (pg_loss, pg_losses [B, T])."""
+    clip_ratio_low = clip_ratio_low if clip_ratio_low is not None else clip_ratio
+    clip_ratio_high = clip_ratio_high if clip_ratio_high is not None else clip_ratio
+    cliprange = clip_ratio
+    cliprange_low = clip_ratio_low
+    cliprange_high = clip_ratio_high
+    assert clip_ratio_c > 1.0
+    negative_approx_kl = log_prob - old_log_prob
+    # Clamp negative_approx_kl for stability
+    negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    if cliprange_low is None:
+        cliprange_low = cliprange
+    if cliprange_high is None:
+        cliprange_high = cliprange
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    pg_loss = verl_agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode)
+    return pg_loss, pg_losses
+
+
+def verl_compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
+                                  loss_agg_mode="seq-mean-token-mean", clip_ratio_low=3e-4, clip_ratio_high=4e-4):
+    """volcengine/verl verl/trainer/ppo/core_algos.py compute_policy_loss_gspo @ b178a3c."""
+    negative_approx_kl = log_prob - old_log_prob
+    # compute sequence-level importance ratio
+    seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
+    negative_approx_kl_seq = torch.sum(negative_approx_kl * response_mask, dim=-1) / seq_lengths
+    # Combined ratio at token level: s_i,t(theta) = sg[s_i(theta)] * pi(y_i,t) / sg[pi(y_i,t)]
+    log_seq_importance_ratio = log_prob - log_prob.detach() + negative_approx_kl_seq.detach().unsqueeze(-1)
+    log_seq_importance_ratio = torch.clamp(log_seq_importance_ratio, max=10.0)  # clamp for numerical stability
+    seq_importance_ratio = torch.exp(log_seq_importance_ratio)
+    pg_losses1 = -advantages * seq_importance_ratio
+    pg_losses2 = -advantages * torch.clamp(seq_importance_ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    # for GSPO, we need to aggregate the loss at the sequence level (seq-mean-token-mean)
+    pg_loss = verl_agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode="seq-mean-token-mean")
+    return pg_loss
+
+
+def verl_compute_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                                   clip_ratio_low=1.0, clip_ratio_high=0.28):
+    """volcengine/verl verl/trainer/ppo/core_algos.py compute_policy_loss_cispo @ b178a3c."""
+    negative_approx_kl = log_prob - old_log_prob
+    negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    clipped_ratio = torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    clipped_ratio_sg = clipped_ratio.detach()
+    pg_losses = -clipped_ratio_sg * advantages * log_prob
+    pg_loss = verl_agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode)
+    return pg_loss
+
+
+def verl_compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
+                                        norm_adv_by_std_in_grpo=True):
+    """volcengine/verl verl/trainer/ppo/core_algos.py compute_grpo_outcome_advantage @ b178a3c."""
+    scores = token_level_rewards.sum(dim=-1)
+    id2score = defaultdict(list)
+    id2mean = {}
+    id2std = {}
+    with torch.no_grad():
+        bsz = scores.shape[0]
+        for i in range(bsz):
+            id2score[index[i]].append(scores[i])
+        for idx in id2score:
+            if len(id2score[idx]) == 1:
+                id2mean[idx] = torch.tensor(0.0)
+                id2std[idx] = torch.tensor(1.0)
+            elif len(id2score[idx]) > 1:
+                scores_tensor = torch.stack(id2score[idx])
+                id2mean[idx] = torch.mean(scores_tensor)
+                id2std[idx] = torch.std(scores_tensor)
+            else:
+                raise ValueError(f"no score in prompt index: {idx}")
+        for i in range(bsz):
+            if norm_adv_by_std_in_grpo:
+                scores[i] = (scores[i] - id2mean[index[i]]) / (id2std[index[i]] + epsilon)
+            else:
+                scores[i] = scores[i] - id2mean[index[i]]
+        scores = scores.unsqueeze(-1) * response_mask
+    return scores, scores
+
+
+def verl_compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6):
+    """volcengine/verl verl/trainer/ppo/core_algos.py compute_rloo_outcome_advantage @ b178a3c."""
+    scores = token_level_rewards.sum(dim=-1)
+    id2score = defaultdict(list)
+    id2mean = {}
+    with torch.no_grad():
+        bsz = scores.shape[0]
+        for i in range(bsz):
+            id2score[index[i]].append(scores[i])
+        for idx in id2score:
+            if len(id2score[idx]) == 1:
+                id2mean[idx] = torch.tensor(0.0)
+            elif len(id2score[idx]) > 1:
+                id2mean[idx] = torch.mean(torch.stack(id2score[idx]))
+            else:
+                raise ValueError(f"no score in prompt index: {idx}")
+        for i in range(bsz):
+            response_num = len(id2score[index[i]])
+            if response_num > 1:
+                scores[i] = scores[i] * response_num / (response_num - 1) - id2mean[index[i]] * response_num / (
+                    response_num - 1
+                )
+        scores = scores.unsqueeze(-1) * response_mask
+    return scores, scores
+
+
+def verl_compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index,
+                                                                epsilon=1e-6):
+    """volcengine/verl verl/trainer/ppo/core_algos.py
+    compute_reinforce_plus_plus_baseline_outcome_advantage @ b178a3c."""
+    response_length = token_level_rewards.shape[-1]
+    scores = token_level_rewards.sum(dim=-1)
+    id2score = defaultdict(list)
+    id2mean = {}
+    with torch.no_grad():
+        bsz = scores.shape[0]
+        for i in range(bsz):
+            id2score[index[i]].append(scores[i])
+        for idx in id2score:
+            if len(id2score[idx]) == 1:
+                id2mean[idx] = torch.tensor(0.0)
+            elif len(id2score[idx]) > 1:
+                id2mean[idx] = torch.mean(torch.stack(id2score[idx]))
+            else:
+                raise ValueError(f"no score in prompt index: {idx}")
+        for i in range(bsz):
+            scores[i] = scores[i] - id2mean[index[i]]
+        scores = scores.unsqueeze(-1).tile([1, response_length]) * response_mask
+        scores = verl_masked_whiten(scores, response_mask) * response_mask
+    return scores, scores
+
+
+def verl_compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma=1.0):
+    """volcengine/verl verl/trainer/ppo/core_algos.py compute_reinforce_plus_plus_outcome_advantage
+    @ b178a3c (config.gamma as an argument)."""
+    with torch.no_grad():
+        returns = torch.zeros_like(token_level_rewards)
+        running_return = 0
+        for t in reversed(range(token_level_rewards.shape[1])):
+            running_return = token_level_rewards[:, t] + gamma * running_return
+            returns[:, t] = running_return
+            # Reset after EOS
+            running_return = running_return * response_mask[:, t]
+        advantages = verl_masked_whiten(returns, response_mask)
+        advantages = advantages * response_mask
+    return advantages, returns
+
+
+# ----------------------------------------------------------------------------- prime-rl
+
+def primerl_compute_importance_ratio_and_mismatch_kl(trainer_logprobs, inference_logprobs):
+    """PrimeIntellect-ai/prime-rl src/prime_rl/trainer/rl/loss.py
+    compute_importance_ratio_and_mismatch_kl @ 559b447."""
+    log_importance_ratio = trainer_logprobs - inference_logprobs
+    importance_ratio = torch.exp(log_importance_ratio)
+    mismatch_kl = importance_ratio - log_importance_ratio - 1
+    return log_importance_ratio, importance_ratio, mismatch_kl
+
+
+def primerl_default_loss_fn(inputs, loss_config):
+    """PrimeIntellect-ai/prime-rl src/prime_rl/trainer/rl/loss.py default_loss_fn @ 559b447
+    (DPPO-Binary-TV + Kimi-K2.5 KL; per sample, summed). Returns (loss, is_masked); the
+    metrics are left out."""
+    trainer_logprobs = inputs.trainer_logprobs
+    inference_logprobs = inputs.inference_logprobs
+    advantages = inputs.advantages
+    loss_mask = inputs.loss_mask
+
+    log_importance_ratio, importance_ratio, mismatch_kl = primerl_compute_importance_ratio_and_mismatch_kl(
+        trainer_logprobs, inference_logprobs
+    )
+
+    probs_diff = torch.exp(trainer_logprobs) - torch.exp(inference_logprobs)
+    dppo_invalid_mask_high = probs_diff > loss_config.dppo_mask_high
+    dppo_invalid_mask_low = probs_diff < -loss_config.dppo_mask_low
+    positive_advantages = advantages > 0
+    dppo_invalid_mask = torch.where(positive_advantages, dppo_invalid_mask_high, dppo_invalid_mask_low)
+
+    is_masked = dppo_invalid_mask
+    keep_mask = loss_mask & ~is_masked
+
+    advantages = loss_config.adv_tau * advantages
+    pg_loss = keep_mask * advantages * importance_ratio
+    kl_loss = loss_mask * log_importance_ratio**2
+    per_token_loss = -pg_loss + loss_config.kl_tau * kl_loss
+    if inputs.loss_weights is not None:
+        per_token_loss = per_token_loss * inputs.loss_weights
+    loss = per_token_loss.sum()
+    return loss, is_masked
+
+
+def primerl_compute_loss(trainer_logprobs, inference_logprobs, advantages, loss_mask, loss_config, rl_scale):
+    """PrimeIntellect-ai/prime-rl src/prime_rl/trainer/rl/loss.py compute_loss @ 559b447 with
+    only the rl component (no rl/ce/ref_kl weight streams): the per-sample losses summed and
+    divided by rl_scale, the global count of loss tokens."""
+    rl_loss = trainer_logprobs[0].sum() * 0.0
+    ce_loss = 0.0
+    ref_kl_loss = 0.0
+    masked = []
+    for t_logp, i_logp, adv, mask in zip(trainer_logprobs, inference_logprobs, advantages, loss_mask):
+        inputs = SimpleNamespace(trainer_logprobs=t_logp, inference_logprobs=i_logp, ref_logprobs=None,
+                                 advantages=adv, loss_mask=mask, loss_weights=None)
+        loss, is_masked = primerl_default_loss_fn(inputs, loss_config)
+        rl_loss = rl_loss + loss
+        masked.append(is_masked)
+    ce_scale = ref_kl_scale = 1  # train.py @ 559b447: max(global count, 1) of the empty ce / ref_kl components
+    scaled_loss = rl_loss / rl_scale + ce_loss / ce_scale + ref_kl_loss / ref_kl_scale
+    return scaled_loss, masked
+
+
+# DefaultLossConfig defaults, packages/prime-rl-configs/src/prime_rl/configs/trainer.py @ 559b447
+PRIMERL_DEFAULT_LOSS_CONFIG = SimpleNamespace(dppo_mask_low=0.2, dppo_mask_high=0.2, adv_tau=1.0, kl_tau=1e-3)
+
+
+def dppo():
+    lp = _lp()
+    mask = _t(MASK, torch.bool)
+    adv = _adv_matrix(ADV)
+    loss, masked = primerl_compute_loss(list(lp), list(_t(OLD)), list(adv), list(mask),
+                                        PRIMERL_DEFAULT_LOSS_CONFIG, rl_scale=int(mask.sum()))
+    loss.backward()
+    return {"DPPO_LOSS": loss.item(), "DPPO_GRAD": lp.grad.tolist(),
+            "DPPO_MASKED": (torch.stack(masked) & mask).long().tolist()}
+
+
+# ----------------------------------------------------------------------------- TOPR (paper)
+
+def topr_objective(logprobs, old_logprobs, rewards, mask):
+    """Le Roux et al., "Tapered Off-Policy REINFORCE", arXiv:2503.14286, sec. 3 (no reference
+    code): the loss whose gradient is the TOPR estimator on trajectories sampled from mu,
+        grad J = mean_tau [ 1{R >= 0} R grad log pi(tau) + 1{R < 0} [pi(tau) / mu(tau)]_0^1 R grad log pi(tau) ],
+    i.e. mean over trajectories of -w R log pi(tau), w = sg(clip(pi / mu, 0, 1)) for R < 0, 1 otherwise,
+    log pi(tau) = sum_t logprobs, pi(tau) / mu(tau) = exp(sum_t (logprobs - old_logprobs)).
+    Written out per trajectory. Returns (loss, weights [B])."""
+    losses, weights = [], []
+    for b in range(len(rewards)):
+        m = mask[b].bool()
+        log_pi = logprobs[b][m].sum()
+        log_mu = old_logprobs[b][m].sum()
+        R = rewards[b]
+        if R >= 0:
+            w = torch.tensor(1.0, dtype=F64)
+        else:
+            w = torch.clamp(torch.exp(log_pi - log_mu), 0.0, 1.0).detach()
+        losses.append(-w * R * log_pi)
+        weights.append(w)
+    return torch.stack(losses).mean(), torch.stack(weights)
+
+
+def topr():
+    lp = _lp()
+    loss, w = topr_objective(lp, _t(OLD), ADV, _t(MASK))
+    loss.backward()
+    return {"TOPR_WEIGHTS": w.tolist(), "TOPR_LOSS": loss.item(), "TOPR_GRAD": lp.grad.tolist()}
+
+
+# ----------------------------------------------------------------------------- Trinity-RFT
+
+def trinity_masked_sum(values, mask, axis=None):
+    """trinity/algorithm/utils.py masked_sum (read in the fork pan-x-c/Trinity-RFT @ edb802e:
+    modelscope/Trinity-RFT's own history is not readable here at 5a4234e)."""
+    return (values * mask).sum(axis=axis)
+
+
+def trinity_masked_mean(values, mask, axis=None):
+    """trinity/algorithm/utils.py masked_mean (pan-x-c/Trinity-RFT @ edb802e; the same line in
+    modelscope/Trinity-RFT @ e5624fd and b458e2c)."""
+    return (values * mask).sum(axis=axis) / (mask.sum(axis=axis) + 1e-8)
+
+
+def trinity_aggregate_loss(values, mask, loss_agg_mode="token-mean", normalizer=None):
+    """trinity/algorithm/utils.py aggregate_loss (pan-x-c/Trinity-RFT @ edb802e; named masked_loss
+    in modelscope/Trinity-RFT @ e5624fd)."""
+    if loss_agg_mode == "token-mean":
+        return trinity_masked_mean(values, mask)
+    elif loss_agg_mode == "seq-mean-token-sum":
+        seq_losses = trinity_masked_sum(values, mask, axis=-1)  # [batch]
+        return seq_losses.mean()
+    elif loss_agg_mode == "seq-mean-token-mean":
+        seq_losses = trinity_masked_mean(values, mask, axis=-1)  # [batch]
+        return seq_losses.mean()
+    elif loss_agg_mode == "seq-mean-token-sum-norm":
+        total_token_sum = trinity_masked_sum(values, mask)  # scalar
+        norm = normalizer if normalizer is not None else mask.shape[-1]
+        return total_token_sum / (norm + 1e-8)
+    raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
+
+
+class TrinityPPOPolicyLossFn:
+    """modelscope/Trinity-RFT trinity/algorithm/policy_loss_fn/ppo_policy_loss.py PPOPolicyLossFn
+    @ 5a4234e (enable_sequence_masking False, its default; metrics left out)."""
+
+    def __init__(self, clip_range=None, clip_range_low=None, clip_range_high=None, clip_ratio_c=3.0,
+                 loss_agg_mode="token-mean"):
+        self.clip_range_low = clip_range if clip_range_low is None else clip_range_low
+        self.clip_range_high = clip_range if clip_range_high is None else clip_range_high
+        self.clip_ratio_c = clip_ratio_c
+        assert clip_ratio_c > 1.0, "clip_ratio_c must be greater than 1.0."
+        self.loss_agg_mode = loss_agg_mode
+
+    def __call__(self, logprob, old_logprob, action_mask, advantages, **kwargs):
+        negative_approx_kl = logprob - old_logprob
+        # Clamp negative_approx_kl for stability
+        negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
+        ratio = torch.exp(negative_approx_kl)
+        pg_losses1 = -advantages * ratio
+        pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - self.clip_range_low, 1.0 + self.clip_range_high)
+        clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+        pg_losses3 = -advantages * self.clip_ratio_c
+        clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+        pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+        pg_loss = trinity_aggregate_loss(pg_losses, action_mask, loss_agg_mode=self.loss_agg_mode)
+        return pg_loss, {}
+
+
+class TrinitySFTLossFn:
+    """modelscope/Trinity-RFT trinity/algorithm/policy_loss_fn/sft_loss.py SFTLossFn @ 51d229f."""
+
+    def __init__(self, use_token_level_loss=True):
+        self.use_token_level_loss = use_token_level_loss
+
+    def __call__(self, logprob, action_mask, **kwargs):
+        if self.use_token_level_loss:
+            sft_loss = trinity_masked_mean(-logprob, action_mask)
+        else:
+            sft_loss = trinity_masked_mean(-logprob, action_mask, axis=1).mean()
+        return sft_loss, {}
+
+
+class TrinityMIXPolicyLossFn:
+    """modelscope/Trinity-RFT trinity/algorithm/policy_loss_fn/mix_policy_loss.py MIXPolicyLossFn
+    @ c10d414 (use_dynamic_bsz False; the sizes are given so that gradient_accumulation is 1)."""
+
+    def __init__(self, mu=0.1, clip_range=None, clip_range_low=None, clip_range_high=None, use_dynamic_bsz=None,
+                 repeat_times=None, ppo_mini_batch_size=None, ppo_micro_batch_size_per_gpu=None, ngpus_trainer=None,
+                 read_batch_size_usual=None, read_batch_size_expert=None, use_token_level_loss_in_sft=True):
+        self.mu = mu
+        self.use_dynamic_bsz = use_dynamic_bsz
+        self.experience_per_gpu = ppo_mini_batch_size * repeat_times // ngpus_trainer
+        self.gradient_accumulation = ppo_mini_batch_size * repeat_times // ppo_micro_batch_size_per_gpu
+        self.read_batch_size_usual = read_batch_size_usual
+        self.read_batch_size_expert = read_batch_size_expert
+        self.grpo_loss_fn = TrinityPPOPolicyLossFn(clip_range=clip_range, clip_range_low=clip_range_low,
+                                                   clip_range_high=clip_range_high)
+        self.sft_loss_fn = TrinitySFTLossFn(use_token_level_loss=use_token_level_loss_in_sft)
+
+    def __call__(self, logprob, old_logprob, action_mask, advantages, **kwargs):
+        is_expert_mask = kwargs.get("is_expert_mask", None)
+        if is_expert_mask is None:
+            raise ValueError("is_expert_mask is required in MIX")
+        assert len(is_expert_mask) == logprob.shape[0]
+
+        n_usual_exp = torch.sum(~is_expert_mask).item()
+        n_expert_exp = torch.sum(is_expert_mask).item()
+
+        if self.use_dynamic_bsz:
+            per_micro_batch_weight_usual = self.experience_per_gpu / (logprob.shape[0] * self.read_batch_size_usual)
+            per_micro_batch_weight_expert = self.experience_per_gpu / (logprob.shape[0] * self.read_batch_size_expert)
+        else:
+            per_micro_batch_weight_usual = self.gradient_accumulation / self.read_batch_size_usual
+            per_micro_batch_weight_expert = self.gradient_accumulation / self.read_batch_size_expert
+
+        if n_usual_exp > 0:
+            grpo_loss, _ = self.grpo_loss_fn(logprob[~is_expert_mask], old_logprob[~is_expert_mask],
+                                             action_mask[~is_expert_mask], advantages[~is_expert_mask], **kwargs)
+            grpo_loss = grpo_loss * n_usual_exp * per_micro_batch_weight_usual
+        else:
+            grpo_loss = torch.tensor(0.0, device=logprob.device)
+
+        # SFT Loss (expert)
+        if n_expert_exp > 0:
+            sft_loss, _ = self.sft_loss_fn(logprob[is_expert_mask], action_mask[is_expert_mask])
+            sft_loss = sft_loss * n_expert_exp * per_micro_batch_weight_expert
+        else:
+            sft_loss = torch.tensor(0.0, device=logprob.device)
+
+        loss = (1 - self.mu) * grpo_loss + self.mu * sft_loss
+        return loss, {}
+
+
+def mix():
+    expert = _t(MIX_EXPERT, torch.bool)
+    n_usual, n_expert = int((~expert).sum()), int(expert.sum())
+    # one micro-batch holding the whole batch: ppo_mini_batch_size * repeat_times // micro = 1
+    fn = TrinityMIXPolicyLossFn(mu=0.25, clip_range=0.2, use_dynamic_bsz=False, repeat_times=len(LP),
+                                ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=len(LP), ngpus_trainer=1,
+                                read_batch_size_usual=n_usual, read_batch_size_expert=n_expert)
+    lp = _lp()
+    loss, _ = fn(lp, _t(OLD), _t(MASK), _adv_matrix(ADV), is_expert_mask=expert)
+    loss.backward()
+    return {"MIX_LOSS": loss.item(), "MIX_GRAD": lp.grad.tolist()}
+
+
+def trinity_opmd_group_advantage(rewards, groups, opmd_baseline="mean", tau=1.0):
+    """modelscope/Trinity-RFT trinity/algorithm/advantage_fn/opmd_advantage.py
+    OPMDGroupAdvantage.calculate_group_advantage @ 547adf1, applied to each task group
+    (group_experiences = group_by(exps, "task")); one advantage per experience (its
+    action_mask is all ones). float64 instead of the source's float32."""
+    by_group = defaultdict(list)
+    for i, g in enumerate(groups):
+        by_group[g].append(i)
+    adv = [None] * len(rewards)
+    for members in by_group.values():
+        with torch.no_grad():
+            group_rewards = torch.tensor([rewards[i] for i in members], dtype=F64)
+            if len(members) == 1:
+                group_baseline = torch.tensor(0.0)
+            else:
+                if opmd_baseline == "mean":
+                    group_baseline = torch.mean(group_rewards)
+                else:
+                    group_baseline = tau * (
+                        torch.logsumexp(group_rewards / tau, dim=-1) - torch.log(torch.tensor(len(members), dtype=F64))
+                    )
+            for i in members:
+                adv[i] = float(rewards[i] - group_baseline)
+    return adv
+
+
+def trinity_opmd_policy_loss(logprob, old_log_probs, response_mask, advantages, tau=1.0):
+    """modelscope/Trinity-RFT trinity/algorithm/policy_loss_fn/opmd_policy_loss.py
+    OPMDPolicyLossFn.__call__ @ 70c21ac."""
+    pg_losses = -advantages * logprob
+    opmd_loss = trinity_masked_mean(pg_losses, response_mask)
+    opmd_loss = opmd_loss / (1.0 + tau)  # for regularization (w.r.t. current pi_theta)
+    return opmd_loss
+
+
+def opmd_simple():
+    adv = trinity_opmd_group_advantage(R4, G4)
+    lp = _lp()
+    loss = trinity_opmd_policy_loss(lp, _t(OLD), _t(MASK), _adv_matrix(adv), tau=0.5)
+    loss.backward()
+    return {"SIMPLE_LOSS": loss.item(), "SIMPLE_GRAD": lp.grad.tolist()}
+
+
+def yaochaorui_compute_policy_loss_opmd_v0(old_log_prob, log_prob, advantages, eos_mask, tau):
+    """Trinity-RFT trinity/trainer/verl/core_algos.py compute_policy_loss_opmd, the commented-out
+    "version 0: kimi-opmd" block, read in the fork yaochaorui/Trinity-RFT @ 50aba82
+    (verl_F.masked_sum is (values * mask).sum())."""
+    log_prob_diff = log_prob - old_log_prob
+    # the original quadratic loss in OPMD can be reformulated as follows
+    pg_losses = -advantages * log_prob
+    pg_loss = verl_masked_sum(pg_losses, eos_mask)
+    reg_losses = (log_prob_diff * eos_mask).sum(dim=-1).square()
+    reg_loss = reg_losses.sum()
+    opmd_loss = (pg_loss + 0.5 * tau * reg_loss) / eos_mask.sum()
+    opmd_loss = opmd_loss / max(1.0, tau)  # for stability when tau is large
+    return opmd_loss
+
+
+def kimi():
+    out = {}
+    for tau in (0.7, 2.0):
+        adv = trinity_opmd_group_advantage(R4, G4, opmd_baseline="logavgexp", tau=tau)
+        lp = _lp()
+        loss = yaochaorui_compute_policy_loss_opmd_v0(_t(OLD), lp, _adv_matrix(adv), _t(MASK), tau)
+        loss.backward()
+        out[tau] = (adv, loss.item(), lp.grad.tolist())
+    return {"KIMI": out}
+
+
+def yaochaorui_compute_policy_loss_pairwise_opmd(old_log_prob, log_prob, token_level_scores, eos_mask, index, tau):
+    """Trinity-RFT trinity/trainer/verl/core_algos.py compute_policy_loss_pairwise_opmd, read in
+    the fork yaochaorui/Trinity-RFT @ 50aba82 (the logging-only pg_clipfrac / ppo_kl left out)."""
+    # loss for pairwise_opmd
+    scores = token_level_scores.sum(dim=-1)
+    action_level_log_prob = (log_prob * eos_mask).sum(dim=-1)
+    diffs = scores - tau * (action_level_log_prob - action_level_log_prob.detach())
+
+    if index is None:
+        normalizer = eos_mask.sum() * max(1.0, tau)
+        opmd_loss = (diffs - diffs.mean()).square().sum() / normalizer
+    else:
+        opmd_loss = None
+        unique_index = list(set(index.tolist()))
+        for idx in unique_index:
+            subdiff = diffs[index == idx]
+            if subdiff.shape[0] == 1:
+                continue
+            subloss = (subdiff - subdiff.mean()).square().sum()
+            if opmd_loss is None:
+                opmd_loss = subloss
+            else:
+                opmd_loss = opmd_loss + subloss
+        normalizer = eos_mask.sum() * max(1.0, tau)
+        opmd_loss = opmd_loss / normalizer
+    return opmd_loss
+
+
+def pairwise():
+    out = {}
+    lengths = _t(MASK).sum(-1)
+    for tau, groups in ((0.7, (0, 0, 1, 1)), (2.0, (0, 0, 0, 1))):
+        lp = _lp()
+        scores = _outcome_rewards(R4, lengths, len(LP[0]))
+        loss = yaochaorui_compute_policy_loss_pairwise_opmd(_t(OLD), lp, scores, _t(MASK), torch.tensor(groups), tau)
+        loss.backward()
+        out[(tau, groups)] = (loss.item(), lp.grad.tolist())
+    return {"PAIRWISE": out}
+
+
+def trinity_group_by(exps, id_type):
+    """trinity/common/experience.py group_by: experiences grouped by one part of their id, in order."""
+    grouped = defaultdict(list)
+    for exp in exps:
+        grouped[getattr(exp.eid, id_type)].append(exp)
+    return grouped
+
+
+class TrinityStepWiseGRPOAdvantageFn:
+    """modelscope/Trinity-RFT trinity/algorithm/advantage_fn/multi_step_grpo_advantage.py
+    StepWiseGRPOAdvantageFn @ 369bf62 (defaults: epsilon 1e-6, enable_step_norm False,
+    std_cal_level "group", std_threshold None; metrics left out; float64)."""
+
+    def __init__(self, epsilon=1e-6, enable_step_norm=False, std_cal_level="group", std_threshold=None):
+        self.epsilon = epsilon
+        self.enable_step_norm = enable_step_norm
+        self.std_cal_level = std_cal_level
+        self.std_threshold = std_threshold
+
+    def calculate_last_step_advantage(self, exps, precomputed_std=None):
+        with torch.no_grad():
+            if len(exps) == 1:
+                group_reward_mean = torch.tensor(0.0)
+                group_reward_std = torch.tensor(1.0)
+            else:
+                rewards = torch.tensor([exp.reward for exp in exps.values()], dtype=F64)
+                group_reward_mean = torch.mean(rewards)
+                group_reward_std = torch.std(rewards)
+            std_threshold_skipped = 0
+            if self.std_threshold is not None:
+                if len(exps) == 1 or group_reward_std <= self.std_threshold:
+                    std_threshold_skipped = 1
+            scores = {}
+            for rid, exp in exps.items():
+                if self.std_cal_level == "batch" and precomputed_std is not None:
+                    score = (exp.reward - group_reward_mean) / (precomputed_std + self.epsilon)
+                else:
+                    score = (exp.reward - group_reward_mean) / (group_reward_std + self.epsilon)
+                scores[rid] = score.item()
+        return scores, {"std_threshold_skipped": std_threshold_skipped}
+
+    def broadcast_advantages(self, run_exps, scores):
+        for run_id, exps in run_exps.items():
+            score = scores[run_id]
+            traj_length = len(exps)
+            for exp in exps:
+                exp.advantages = exp.action_mask * score
+                if self.enable_step_norm:
+                    exp.advantages /= traj_length
+                exp.returns = exp.advantages.clone()
+        return run_exps
+
+    def process(self, exps):
+        if len(exps) == 0:
+            return []
+        task_exps = trinity_group_by(exps, "task")
+        precomputed_std = None  # std_cal_level "group"
+        result_exps = []
+        for task_exp in task_exps.values():
+            run_exps = trinity_group_by(task_exp, "run")
+            last_step_exps = {run_id: step_exps[-1] for run_id, step_exps in run_exps.items()}
+            scores, metrics = self.calculate_last_step_advantage(last_step_exps, precomputed_std=precomputed_std)
+            if metrics.get("std_threshold_skipped", 0) == 1:
+                continue
+            run_exps = self.broadcast_advantages(run_exps, scores)
+            for exps_ in run_exps.values():
+                result_exps.extend(exps_)
+        return result_exps
+
+
+def stepwise():
+    exps = [SimpleNamespace(eid=SimpleNamespace(task=g, run=r), reward=x, action_mask=torch.ones(1, dtype=F64))
+            for x, g, r in zip(STEP_R, STEP_G, STEP_T)]
+    TrinityStepWiseGRPOAdvantageFn().process(exps)
+    return {"STEPWISE_ADV": [float(e.advantages[0]) for e in exps]}
+
+
+# ----------------------------------------------------------------------------- PipelineRL
+
+def pipelinerl_mask_sum(values, mask, axis=None):
+    """ServiceNow/PipelineRL pipelinerl/finetune/rl/utils.py mask_sum @ 58d3934."""
+    if axis is not None:
+        return (values * mask).nan_to_num(0).sum(axis=axis)
+    return (values * mask).nan_to_num(0).sum()
+
+
+def pipelinerl_sum_sum(values, masks, segments):
+    """ServiceNow/PipelineRL pipelinerl/finetune/rl/utils.py sum_sum @ 58d3934."""
+    is_sentinel_batch = values.shape[-1] == 1  # sentinel batch
+    if segments and not is_sentinel_batch:
+        assert values.shape[0] == 1, "seq packed samples must have dimension 0 of 1"
+        masked_sums = torch.stack([pipelinerl_mask_sum(values[0, start:end], masks[0, start:end])
+                                   for start, end in segments])
+        return masked_sums.sum()
+    return pipelinerl_mask_sum(values, masks)
+
+
+def pipelinerl_linear_decay_coef(current_step, max_step, initial_coef, final_coef):
+    """ServiceNow/PipelineRL pipelinerl/finetune/rl/__init__.py linear_decay_coef @ 58d3934."""
+    return initial_coef + (final_coef - initial_coef) * current_step / max_step
+
+
+def pipelinerl_rl_step_reinforce(new_logprobs, batch, config, current_step=0, max_step=1):
+    """ServiceNow/PipelineRL pipelinerl/finetune/rl/__init__.py rl_step @ 58d3934, policy_loss
+    "reinforce", unpacked batch (segments None), no value head, no entropy term (entropy_bonus
+    0 -> use_entropy_loss False). new_logprobs [B, L-1] stand for the model's
+    log-probs of input_ids[:, 1:]; the batch tensors are aligned with input_ids [B, L] and
+    shifted by one as in the source. Returns (final_loss, clamp indicators [B, L-1])."""
+    masks = batch.labels != -100
+    masks_shifted = masks[:, 1:]
+    segments = None
+
+    ref_logprobs = batch.ref_logprobs[:, 1:]
+    old_logprobs = batch.old_logprobs[:, 1:]
+    group_tokens = batch.group_tokens[:, 1:]
+    overflow = batch.overflow[:, 1:]
+
+    if config.group_normalization:
+        assert (group_tokens > 0).all(), "group_tokens must be greater than zero for group normalization"
+        tokens_weights = torch.ones_like(group_tokens) / group_tokens
+    else:
+        tokens_weights = torch.ones_like(group_tokens) / config.batch_size
+
+    if config.overlong_filtering:
+        tokens_weights = tokens_weights * (1 - overflow)
+
+    log_ratio_new_old = new_logprobs - old_logprobs
+    ratio_new_old = torch.exp(log_ratio_new_old)
+    log_ratio_ref_new = ref_logprobs - new_logprobs
+
+    advantages = batch.advantages[:, 1:]
+    log_p_weights = advantages.detach() if config.use_advantages else batch.rewards[:, 1:]
+    if config.relu_log_p_weights:
+        log_p_weights = torch.clamp(log_p_weights, min=0)
+
+    log_ratio_ref_new_clamp = torch.clamp(log_ratio_ref_new, min=-config.clamp_log_ratio_ref_new_value,
+                                          max=config.clamp_log_ratio_ref_new_value)
+    approx_kl = torch.exp(log_ratio_ref_new_clamp) - log_ratio_ref_new_clamp - 1  # Schulman KL approx
+    kl_coef = pipelinerl_linear_decay_coef(current_step, max_step, config.kl_coef, config.final_kl_coef)
+
+    # case "reinforce"
+    clamp_log_ratio_new_old_indicators = ratio_new_old > 1 + config.epsilon_high
+    ratio_new_old = torch.clamp(ratio_new_old, 0, 1 + config.epsilon_high)
+    policy_loss = new_logprobs * log_p_weights * ratio_new_old.detach()
+
+    loss = policy_loss - kl_coef * approx_kl
+    assert loss.shape == tokens_weights.shape
+    loss = loss * tokens_weights  # 1 x (BxL) x 1
+    policy_loss_total = -pipelinerl_sum_sum(loss, masks_shifted, segments)
+    return policy_loss_total, clamp_log_ratio_new_old_indicators
+
+
+# conf/finetune/base.yaml rl: @ 58d3934 (policy_loss reinforce, kl_coef 0, epsilon 2e-2, use_advantages,
+# no relu, clamp 5, no overlong filtering); batch_size = the 4 sequences of the batch
+PIPELINERL_CONFIG = SimpleNamespace(epsilon_low=2e-2, epsilon_high=2e-2, kl_coef=0.0, final_kl_coef=0.0,
+                                    use_advantages=True, relu_log_p_weights=False, clamp_log_ratio_ref_new_value=5,
+                                    overlong_filtering=False, group_normalization=False, batch_size=4)
+
+
+def tis():
+    B, T = len(LP), len(LP[0])
+
+    def aligned(x):  # prepend the (prompt) position the batch tensors carry before the response
+        return torch.cat([torch.zeros(B, 1, dtype=F64), _t(x)], dim=1)
+
+    labels = torch.cat([torch.full((B, 1), -100), torch.where(_t(MASK, torch.bool), 1, -100)], dim=1)
+    batch = SimpleNamespace(labels=labels, old_logprobs=aligned(OLD), ref_logprobs=aligned(OLD),
+                            advantages=aligned(_adv_matrix(ADV).tolist()), rewards=aligned([[0.0] * T] * B),
+                            group_tokens=aligned([[1.0] * T] * B), overflow=aligned([[0.0] * T] * B))
+    lp = _lp()
+    loss, truncated = pipelinerl_rl_step_reinforce(lp, batch, PIPELINERL_CONFIG)
+    loss.backward()
+    return {"TIS_LOSS": loss.item(), "TIS_GRAD": lp.grad.tolist(), "TIS_TRUNCATED": truncated.long().tolist()}
+
+
+# ----------------------------------------------------------------------------- verl: losses, estimators
+
+def kl_estimators():
+    logp, logq = _t(KL_LOGP), _t(KL_LOGQ)
+    names = {"k1": "k1", "k2": "k2", "k3": "k3", "low_var": "low_var_kl"}
+    return {"KL_REF": {k: verl_kl_penalty_forward(logp, logq, v).tolist() for k, v in names.items()}}
+
+
+def ppo():
+    lp = _lp()
+    loss, tokens = verl_compute_policy_loss_vanilla(_t(OLD), lp, _adv_matrix(ADV), _t(MASK), "token-mean",
+                                                   clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                                                   clip_ratio_c=3.0)
+    loss.backward()
+    _, extreme = verl_compute_policy_loss_vanilla(_t(PPO_EXTREME_OLD), _t(PPO_EXTREME_LP), -torch.ones(1, 3, dtype=F64),
+                                                  torch.ones(1, 3, dtype=F64))
+    return {"PPO_TOKENS": tokens.tolist(), "PPO_LOSS": loss.item(), "PPO_GRAD": lp.grad.tolist(),
+            "PPO_EXTREME": (PPO_EXTREME_LP, PPO_EXTREME_OLD, extreme.tolist())}
+
+
+def gspo():
+    out = {}
+    for clip in ((0.1, 0.2), (3e-4, 4e-4)):
+        lp = _lp()
+        loss = verl_compute_policy_loss_gspo(_t(OLD), lp, _adv_matrix(ADV), _t(MASK), clip_ratio_low=clip[0],
+                                             clip_ratio_high=clip[1])
+        loss.backward()
+        out[clip] = (loss.item(), lp.grad.tolist())
+    lp = _t(GSPO_EXTREME_LP).requires_grad_(True)
+    extreme = verl_compute_policy_loss_gspo(_t(GSPO_EXTREME_OLD), lp, torch.ones(1, 2, dtype=F64),
+                                            torch.ones(1, 2, dtype=F64), clip_ratio_low=0.1, clip_ratio_high=1e9)
+    return {"GSPO": out, "GSPO_EXTREME_LOSS": extreme.item()}
+
+
+def cispo():
+    lp = _lp()
+    loss = verl_compute_policy_loss_cispo(_t(OLD), lp, _adv_matrix(ADV), _t(MASK), clip_ratio_low=1.0,
+                                          clip_ratio_high=0.28)
+    loss.backward()
+    return {"CISPO_LOSS": loss.item(), "CISPO_GRAD": lp.grad.tolist()}
+
+
+def advantages():
+    width = max(COUNTS10)
+    index = np.array(G10)  # verl's index: the uid array of the batch (non_tensor_batch["uid"])
+    rewards = _outcome_rewards(R10, COUNTS10, width)
+    mask = _response_mask(COUNTS10, width)
+
+    def first(x):  # each sequence's (broadcast) advantage: its first token's
+        return x[:, 0].tolist()
+
+    out = {
+        "GRPO_ADV": first(verl_compute_grpo_outcome_advantage(rewards.clone(), mask, index)[0]),
+        "DR_GRPO_ADV": first(verl_compute_grpo_outcome_advantage(rewards.clone(), mask, index,
+                                                                 norm_adv_by_std_in_grpo=False)[0]),
+        "RLOO_ADV": first(verl_compute_rloo_outcome_advantage(rewards.clone(), mask, index)[0]),
+        "RPP_BASELINE_ADV": first(verl_compute_reinforce_plus_plus_baseline_outcome_advantage(rewards.clone(), mask,
+                                                                                              index)[0]),
+        "RPP_ADV": first(verl_compute_reinforce_plus_plus_outcome_advantage(rewards.clone(), mask, gamma=1.0)[0]),
+        "OPMD_ADV_MEAN": trinity_opmd_group_advantage(R10, G10),
+        "OPMD_ADV_LOGAVGEXP": trinity_opmd_group_advantage(R10, G10, opmd_baseline="logavgexp", tau=0.5),
+    }
+    five = [5] * len(R10)
+    out["RPP_BASELINE_ADV_5_TOKENS"] = first(verl_compute_reinforce_plus_plus_baseline_outcome_advantage(
+        _outcome_rewards(R10, five, 5), _response_mask(five, 5), index)[0])
+    return out
+
+
+def entropy():
+    return {"ENTROPY": verl_entropy_from_logits(_t(ENTROPY_LOGITS)).tolist()}
+
+
+# ----------------------------------------------------------------------------- TRL DPO
+
+def trl_dpo_compute_loss(per_token_logps, ref_per_token_logps, shift_completion_mask, beta=0.1,
+                         loss_types=("sigmoid",), loss_weights=None, f_divergence_type="reverse_kl"):
+    """huggingface/trl trl/trainer/dpo_trainer.py DPOTrainer._compute_loss @ f2cd577, from the
+    per-token log-probs on: the batch is [chosen..., rejected...]; ld_alpha None, reference
+    log-probs computed (not precomputed), f_divergence_type "reverse_kl", loss_type ["sigmoid"],
+    loss_weights None -> [1.0], use_weighting False, no aux loss; metrics left out. The model's
+    forward (selective_log_softmax of the shifted logits) is replaced by the given log-probs."""
+    loss_weights = loss_weights or [1.0] * len(loss_types)
+    per_token_logps = per_token_logps.clone()
+    per_token_logps[shift_completion_mask == 0] = 0.0  # mask out non-completion tokens
+    logps = per_token_logps.sum(dim=1)  # sum over sequence length
+    chosen_logps, rejected_logps = logps.chunk(2, dim=0)  # batch is [chosen, rejected]
+
+    with torch.no_grad():
+        ref_per_token_logps = ref_per_token_logps.clone()
+        ref_per_token_logps[shift_completion_mask == 0] = 0.0  # mask out non-completion tokens
+        ref_logps = ref_per_token_logps.sum(dim=1)  # sum over sequence length
+        ref_chosen_logps, ref_rejected_logps = ref_logps.chunk(2, dim=0)  # batch is [chosen, rejected]
+
+    # Get the log ratios for the chosen and rejected responses
+    chosen_logratios = chosen_logps - ref_chosen_logps
+    rejected_logratios = rejected_logps - ref_rejected_logps
+
+    if f_divergence_type == "reverse_kl":  # standard DPO
+        chosen_scores = chosen_logratios
+        rejected_scores = rejected_logratios
+    else:
+        raise NotImplementedError(f_divergence_type)
+
+    delta_score = chosen_scores - rejected_scores
+
+    loss = 0.0
+    for loss_type, loss_weight in zip(loss_types, loss_weights, strict=True):
+        if loss_type == "sigmoid":
+            per_sequence_loss = -F.logsigmoid(beta * delta_score)
+        else:
+            raise NotImplementedError(loss_type)
+        loss += per_sequence_loss.mean() * loss_weight
+    return loss
+
+
+def dpo():
+    """Pairs by reward (DPO_REWARDS): (chosen 0, rejected 1) and (chosen 3, rejected 2); reference
+    log-probs = OLD; beta 0.2. TRL's collator stacks the chosen then the rejected completions."""
+    lp = _lp()
+    rows = torch.tensor([0, 3, 1, 2])  # [chosen 0, chosen 3, rejected 1, rejected 2]
+    loss = trl_dpo_compute_loss(lp[rows], _t(OLD)[rows], _t(MASK)[rows], beta=0.2)
+    loss.backward()
+    return {"DPO_LOSS": loss.item(), "DPO_GRAD": lp.grad.tolist()}
+
+
+# ----------------------------------------------------------------------------- all of them
+
+def compute() -> dict:
+    """{name in tests/test_fidelity.py: value (number, nested list, or a dict / tuple of them)}."""
+    out = {}
+    previous = torch.get_default_dtype()
+    # float64 throughout, also for the references' dtype-less constants (torch.tensor(0.0), torch.tensor(1.0))
+    torch.set_default_dtype(torch.float64)
+    try:
+        for part in (dppo, topr, kl_estimators, mix, kimi, ppo, gspo, cispo, tis, dpo, pairwise, opmd_simple,
+                     advantages, stepwise, entropy):
+            out.update(part())
+    finally:
+        torch.set_default_dtype(previous)
+    return out
+
+
+def _fmt(x):
+    if isinstance(x, float):
+        return f"{x + 0.0:.8g}"  # + 0.0: no "-0"
+    if isinstance(x, bool):
+        return repr(x)
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, list):
+        return "[" + ", ".join(_fmt(v) for v in x) + "]"
+    if isinstance(x, tuple):
+        return "(" + ", ".join(_fmt(v) for v in x) + ("," if len(x) == 1 else "") + ")"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{_fmt(k) if not isinstance(k, str) else repr(k)}: {_fmt(v)}"
+                               for k, v in x.items()) + "}"
+    return repr(x)
+
+
+if __name__ == "__main__":
+    for name, value in compute().items():
+        print(f"{name} = {_fmt(value)}")
