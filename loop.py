@@ -8,7 +8,9 @@ metrics. On rank 0 `run_trainer` also opens what the loop talks to (`loop_io`: b
 pipelines, metrics, offline data), spawns the explorer process of mode both
 (`start_explorer`) or waits for the `--mode explore` launches of mode train
 (`connect_explorers`), and after the last step waits for them and writes the final
-files and the plot (`finish`).
+files and the plot (`finish`). A file of its own because it wires the trainer to the
+explorer process, the buffer, the weight-sync group and the metrics: it belongs to neither
+side, and run.py keeps to the config and starting the processes.
 """
 from __future__ import annotations
 
@@ -332,7 +334,7 @@ def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout,
     annotating = threading.Event()
     try:
         if rank == 0 and cfg.annotation:
-            from pipelines import start_annotator
+            from extras.label_studio import start_annotator
 
             io.extra_metrics = start_annotator(cfg, trainer.tokenizer, annotating)
         if rank == 0 and cfg.mode == "both":

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import os
 import sys
 from dataclasses import dataclass
@@ -72,8 +71,11 @@ class LossInputs:
     expert: torch.Tensor | None = None
 
 
-ADVANTAGES: dict[str, Callable] = {}
-POLICY_LOSSES: dict[str, Callable] = {}
+# name -> function; the less common ones (extras/) by import path, imported when a run names them
+ADVANTAGES: dict[str, Callable | str] = {"opmd": "extras.opmd.opmd_advantages"}
+POLICY_LOSSES: dict[str, Callable | str] = {"topr": "extras.topr.topr_loss", "opmd_kimi": "extras.opmd.opmd_kimi_loss",
+                                            "opmd_pairwise": "extras.opmd.opmd_pairwise_loss",
+                                            "opmd_simple": "extras.opmd.opmd_simple_loss"}
 FILTERS: dict[str, Callable] = {}
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var")
@@ -90,14 +92,17 @@ def register(registry: dict, name: str, agg: str = "token-mean", needs_groups: b
 
 
 def resolve(name: str, registry: dict, what: str, kwargs: dict | None = None) -> Callable:
-    """The function registered as `name`, or imported from the path `module.function`.
+    """The function registered as `name`, or imported from the path `module.function`; a
+    registry entry may itself be such a path (an optional part in extras/, imported only
+    when asked for).
 
     Checks that `kwargs` are accepted by it. Raises ValueError with one line naming the
     problem (unknown name, import failure, bad keyword)."""
-    if name in registry:
-        fn = registry[name]
+    path = registry.get(name, name)
+    if not isinstance(path, str):
+        fn = path
     else:
-        module, _, attr = name.rpartition(".")
+        module, _, attr = path.rpartition(".")
         if not module:
             raise ValueError(f"unknown {what} {name!r}; known: {sorted(registry)} or module.function")
         try:
@@ -284,32 +289,6 @@ def reinforce_pp_advantages(rewards, group_index, trajectory_index=None, group_b
     return (adv - mean) * torch.rsqrt(var + eps)                                           # [B]
 
 
-@register(ADVANTAGES, "opmd")
-def opmd_advantages(rewards, group_index, trajectory_index=None, baseline: str = "mean", tau: float = 1.0):
-    """OPMD advantages: r - b with the group baseline b = mean(r) ("mean") or
-    tau * log(mean(exp(r / tau))) ("logavgexp", the tau log Z of the KL-regularised optimum,
-    for opmd_kimi with the same tau); a group of one has b = 0. [B] -> [B].
-    Source: Trinity-RFT technical report, arXiv:2505.17826, appendix A. Reference:
-    modelscope/Trinity-RFT trinity/algorithm/advantage_fn/opmd_advantage.py @ 547adf1."""
-    if baseline == "mean":
-        return rewards - group_stats(rewards, group_index)[0]
-    if baseline != "logavgexp":
-        raise ValueError(f"opmd baseline must be mean or logavgexp, got {baseline!r}")
-    single = group_stats(rewards, group_index)[2] == 1                                    # [B]
-    return rewards - torch.where(single, 0.0, logavgexp_baseline(rewards, group_index, tau))  # [B]
-
-
-def logavgexp_baseline(rewards: torch.Tensor, group_index: torch.Tensor, tau: float) -> torch.Tensor:
-    """tau * log(mean_group(exp(r / tau))) of each member's group. [B] -> [B]."""
-    G = int(group_index.max()) + 1
-    scaled = rewards / tau                                                               # [B]
-    like = {"dtype": rewards.dtype, "device": rewards.device}
-    top = torch.full((G,), -math.inf, **like).scatter_reduce(0, group_index, scaled, "amax")              # [G]
-    sums = torch.zeros(G, **like).index_add(0, group_index, torch.exp(scaled - top[group_index]))        # [G]
-    count = torch.zeros(G, **like).index_add(0, group_index, torch.ones_like(rewards))                   # [G]
-    return (tau * (top + torch.log(sums / count)))[group_index]                           # [B]
-
-
 @register(ADVANTAGES, "grpo_stepwise")
 def stepwise_grpo_advantages(rewards, group_index, trajectory_index, eps: float = 1e-6):
     """Step-wise GRPO for multi-turn: each trajectory (one or more samples with the same
@@ -480,66 +459,6 @@ def gspo_loss(inp: LossInputs, clip_low: float = 3e-4, clip_high: float = 4e-4):
     A = inp.advantages
     clipped = torch.clamp(s, 1 - clip_low, 1 + clip_high) * A                              # [B, T]
     return {"loss": -torch.minimum(s * A, clipped), "clipped": (clipped < s * A).float()}
-
-
-@register(POLICY_LOSSES, "topr", agg="seq-mean-token-sum")
-def topr_loss(inp: LossInputs):
-    """TOPR: sequences with A >= 0 get the plain SFT-like term -A log pi(y) (no IS weight);
-    sequences with A < 0 get -sg(clip(pi(y) / mu(y), 0, 1)) A log pi(y), with the
-    sequence-level ratio pi(y) / mu(y) = exp(sum_t (logprobs - old_logprobs)). The advantage
-    plays the paper's baseline-shifted reward R - c. The trajectory objective sums tokens,
-    hence seq-mean-token-sum. Returns {"loss", "truncated" (1.0 on negative sequences whose
-    ratio was cut to 1)}: [B, T].
-    Source: Le Roux et al., "Tapered Off-Policy REINFORCE", arXiv:2503.14286, sec. 3 (no
-    reference implementation: checked against the paper's estimator)."""
-    seq_log_ratio = seq_sum(inp.logprobs - inp.old_logprobs, inp.mask).detach()          # [B]
-    taper = torch.exp(seq_log_ratio.clamp(max=0.0))[:, None]                             # [B, 1] = clip(ratio, 0, 1)
-    neg = inp.advantages < 0                                                             # [B, T]
-    w = torch.where(neg, taper, 1.0)                                                     # [B, T]
-    cut = neg & (seq_log_ratio[:, None] > 0)                                             # [B, T]
-    return {"loss": -w * inp.advantages * inp.logprobs, "truncated": cut.float()}
-
-
-@register(POLICY_LOSSES, "opmd_kimi")
-def opmd_kimi_loss(inp: LossInputs, tau: float = 1.0):
-    """Kimi k1.5 online policy mirror descent in Trinity-RFT's form: per token
-    (-A logprobs + spread(tau / 2 * s^2)) / max(1, tau), s = sum_t (logprobs - old_logprobs)
-    of the sequence, with A = r - tau log Z from ADVANTAGES["opmd"] (baseline "logavgexp",
-    the same tau). Its gradient is the gradient of Kimi's (r - tau log Z - tau s)^2 divided
-    by 2 tau max(1, tau); aggregated token-mean, as in Trinity-RFT. Returns {"loss"}: [B, T].
-    Source: Kimi k1.5, arXiv:2501.12599, sec. 2.3.2 eq. 3; Trinity-RFT report, arXiv:2505.17826,
-    appendix A.1. Reference: Trinity-RFT trinity/trainer/verl/core_algos.py
-    compute_policy_loss_opmd ("version 0: kimi-opmd"), read in the fork
-    yaochaorui/Trinity-RFT @ 50aba82."""
-    s = seq_sum(inp.logprobs - inp.old_logprobs, inp.mask)                               # [B]
-    loss = -inp.advantages * inp.logprobs + spread(0.5 * tau * s ** 2, inp.mask)          # [B, T]
-    return {"loss": loss / max(1.0, tau)}                                                # [B, T]
-
-
-@register(POLICY_LOSSES, "opmd_pairwise", needs_groups=True)
-def opmd_pairwise_loss(inp: LossInputs, tau: float = 1.0):
-    """Pairwise OPMD: with d_i = r_i - tau (log pi(y_i) - sg(log pi(y_i))) (the mirror-descent
-    step is anchored at the policy of this step, so d = r in value), tau log Z cancels in
-    pairs: sequence i's loss is (d_i - mean_group d)^2 / max(1, tau) (the group's sum of these
-    is 1/(2K) sum_ij (d_i - d_j)^2), aggregated token-mean; a group of one gives 0.
-    Returns {"loss"}: [B, T]. Source: Trinity-RFT report, arXiv:2505.17826, appendix A.
-    Reference: Trinity-RFT trinity/trainer/verl/core_algos.py compute_policy_loss_pairwise_opmd,
-    read in the fork yaochaorui/Trinity-RFT @ 50aba82."""
-    s = seq_sum(inp.logprobs, inp.mask)                                                  # [B]
-    d = inp.rewards - tau * (s - s.detach())                                             # [B]
-    same = (inp.group_index[:, None] == inp.group_index[None, :]).to(d.dtype)           # [B, B]
-    centred = d - (same @ d) / same.sum(-1)                                              # [B]
-    return {"loss": spread(centred ** 2 / max(1.0, tau), inp.mask)}                      # [B, T]
-
-
-@register(POLICY_LOSSES, "opmd_simple")
-def opmd_simple_loss(inp: LossInputs, tau: float = 1.0):
-    """Simple OPMD variant: -A logprobs / (1 + tau) with A from the "opmd" advantage (group
-    mean baseline): the mirror-descent step regularised towards the current policy, whose
-    gradient is the group-mean-baseline policy gradient scaled by 1 / (1 + tau).
-    Returns {"loss"}: [B, T]. Source: Trinity-RFT report, arXiv:2505.17826, appendix A.
-    Reference: modelscope/Trinity-RFT trinity/algorithm/policy_loss_fn/opmd_policy_loss.py @ 70c21ac."""
-    return {"loss": -inp.advantages * inp.logprobs / (1 + tau)}
 
 
 @register(POLICY_LOSSES, "sft")

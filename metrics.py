@@ -1,7 +1,8 @@
 """Where a run's numbers go: RUN_DIR/metrics.jsonl (always), the experiment trackers of
 --log (TensorBoard here; W&B and MLflow in extras/, imported only when asked for) and
 RUN_DIR/plot.png. Used by trainer rank 0 (`Metrics`) and by `--mode explore` launches
-(`JsonlLog`, RUN_DIR/explorer_NAME.jsonl).
+(`JsonlLog`, RUN_DIR/explorer_NAME.jsonl). A file of its own (the design card gives trackers
+and the plot a home outside run.py): the loop, the explorer and run.py all write here.
 """
 from __future__ import annotations
 

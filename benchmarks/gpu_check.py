@@ -517,7 +517,8 @@ def bench_model(work: Path, name: str, device, rounds: int) -> dict:
     from bench_step import explore_rate  # the CPU benchmark's explorer timing: one batch through Explorer
     from engines import HFEngine
     from explorer import Explorer
-    from trainer import Trainer, choose_dtype
+    from models import choose_dtype
+    from trainer import Trainer
     from workflows import load_tasks
 
     path = str(work / "models" / name)

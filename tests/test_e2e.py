@@ -86,10 +86,11 @@ def test_torchrun_two_trainer_ranks(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--no-such-flag"], "Unrecognized options: --no-such-flag"),
+    (["--sync-intervl", "2"], "Perhaps you meant: --sync-interval INT"),
     (["--model", "/nonexistent/model"], "model directory not found"),
     (["--task", "no_such_dataset"], "reasoning-gym dataset 'no_such_dataset'"),
-    (["--steps", "zero"], "config key 'steps': expected int"),
+    (["--steps", "zero"], "Error parsing --steps: invalid literal for int()"),
     (["--reward-fn", "no.such.module"], "reward_fn 'no.such.module' cannot be imported"),
 ])
 def test_bad_input_is_one_error_line(tmp_path, args, message):

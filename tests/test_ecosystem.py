@@ -13,7 +13,8 @@ import pytest
 
 import metrics
 from conftest import run_py
-from workflows import Task, load_tasks, math_verify_reward
+from extras.math_verify_reward import math_verify_reward
+from workflows import Task, load_tasks
 
 
 def gsm8k_style(n: int) -> dict[str, list[str]]:
@@ -186,3 +187,20 @@ def test_tracker_errors_are_one_line(monkeypatch):
     with pytest.raises(ValueError, match=r"--log wandb: the wandb package is not installed \(pip install wandb\)"):
         metrics.trackers(run.Config(log="tensorboard, wandb"))
     assert metrics.trackers(run.Config(log="none")) == [] and metrics.trackers(run.Config(log="tensorboard")) == ["tensorboard"]
+
+
+def test_optional_packages_missing_give_one_error_line(monkeypatch, tmp_path):
+    # without datasets a Hub/parquet task, and without math-verify --reward-fn math_verify, ended in a traceback
+    # (ModuleNotFoundError is not a user error to run.main); now each is one line naming the package
+    import sys
+
+    from workflows import load_reward_fn
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    monkeypatch.delitem(sys.modules, "extras.math_verify_reward", raising=False)
+    (tmp_path / "t.csv").write_text("question,answer\n1+1,2\n2+2,4\n")
+    with pytest.raises(ValueError, match="needs the datasets package: pip install datasets"):
+        load_tasks(str(tmp_path / "t.csv"), {}, 10, 1, 0)
+    with pytest.raises(ValueError, match="reward_fn 'math_verify' cannot be imported"):
+        load_reward_fn("math_verify")

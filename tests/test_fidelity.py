@@ -14,6 +14,7 @@ import torch
 
 import fidelity_reference
 import losses as L
+from extras import opmd as OPMD
 from fidelity_reference import (ADV, COUNTS10, DPO_REWARDS, ENTROPY_LOGITS, G4, G10, GSPO_EXTREME_LP,
                                 GSPO_EXTREME_OLD, KL_LOGP, KL_LOGQ, LP, MASK, MIX_EXPERT, OLD, PPO_EXTREME_LP,
                                 PPO_EXTREME_OLD, R4, R10, STEP_G, STEP_R, STEP_T)
@@ -36,7 +37,7 @@ def run(name, adv=None, rewards=R4, groups=G4, ref=None, expert=None, totals=Non
     lp = torch.tensor(LP, requires_grad=True)
     mask = torch.tensor(MASK, dtype=torch.float)
     adv = torch.tensor(ADV)[:, None].expand(4, 4) if adv is None else adv
-    fn = L.POLICY_LOSSES[name]
+    fn = L.resolve(name, L.POLICY_LOSSES, "policy_loss")
     out = fn(L.LossInputs(lp, torch.tensor(OLD), adv, mask, torch.tensor(rewards), torch.tensor(groups), ref, expert),
              **kw)
     tokens, seqs = totals if totals is not None else (mask.sum(), 4)
@@ -158,7 +159,7 @@ KIMI = {0.7: ([0.33482208, -0.66517792, 0.13405008, -0.16594992], 0.0027426246,
 @pytest.mark.parametrize("tau", KIMI)
 def test_opmd_kimi_uses_the_advantage_baseline_with_one_tau(tau):
     want_adv, want_loss, want_grad = KIMI[tau]
-    adv = L.opmd_advantages(torch.tensor(R4), torch.tensor(G4), baseline="logavgexp", tau=tau)
+    adv = OPMD.opmd_advantages(torch.tensor(R4), torch.tensor(G4), baseline="logavgexp", tau=tau)
     assert close(adv, want_adv)
     loss, grad, _ = run("opmd_kimi", adv=adv[:, None].expand(4, 4), tau=tau)
     assert close(loss, want_loss) and close(grad, want_grad)
@@ -169,7 +170,7 @@ def test_opmd_kimi_follows_the_given_advantage():
     r, g = torch.tensor(R4), torch.tensor(G4)
     grads = []
     for baseline in ("mean", "logavgexp"):
-        adv = L.opmd_advantages(r, g, baseline=baseline, tau=0.7)
+        adv = OPMD.opmd_advantages(r, g, baseline=baseline, tau=0.7)
         grads.append(run("opmd_kimi", adv=adv[:, None].expand(4, 4), tau=0.7)[1])
     assert not torch.allclose(grads[0], grads[1])
 
@@ -281,7 +282,7 @@ SIMPLE_GRAD = [[-0.025641026, -0.025641026, -0.025641026, 0], [0.025641026] * 4,
 
 
 def test_opmd_simple_is_trinity_opmd():
-    adv = L.opmd_advantages(torch.tensor(R4), torch.tensor(G4))
+    adv = OPMD.opmd_advantages(torch.tensor(R4), torch.tensor(G4))
     loss, grad, _ = run("opmd_simple", adv=adv[:, None].expand(4, 4), tau=0.5)
     assert close(loss, SIMPLE_LOSS) and close(grad, SIMPLE_GRAD)
 
@@ -326,8 +327,8 @@ def test_advantages_are_verl_and_trinity_estimators():
     assert close(L.reinforce_pp_advantages(r, g, token_counts=n), RPP_BASELINE_ADV)
     assert close(L.reinforce_pp_advantages(r, g, token_counts=torch.full((10,), 5.0)), RPP_BASELINE_ADV_5_TOKENS)
     assert close(L.reinforce_pp_advantages(r, g, group_baseline=False, token_counts=n), RPP_ADV)
-    assert close(L.opmd_advantages(r, g), OPMD_ADV_MEAN)
-    assert close(L.opmd_advantages(r, g, baseline="logavgexp", tau=0.5), OPMD_ADV_LOGAVGEXP)
+    assert close(OPMD.opmd_advantages(r, g), OPMD_ADV_MEAN)
+    assert close(OPMD.opmd_advantages(r, g, baseline="logavgexp", tau=0.5), OPMD_ADV_LOGAVGEXP)
     step = L.stepwise_grpo_advantages(torch.tensor(STEP_R), torch.tensor(STEP_G), torch.tensor(STEP_T))
     assert close(step, STEPWISE_ADV)
 

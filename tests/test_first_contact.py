@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 import metrics
+import models
 import run
-import trainer
 from conftest import ROOT, run_py
 from workflows import extract_answer, load_tasks
 
@@ -21,16 +21,22 @@ def strict_json_lines(path):
     return [json.loads(x, parse_constant=bad) for x in path.read_text().splitlines()]
 
 
-def test_help_groups_every_flag_by_stage_with_one_default():
-    text = run.build_parser().format_help()
+def test_help_groups_every_flag_by_stage_with_one_default(capsys):
+    with pytest.raises(SystemExit) as done:
+        run.parse_config(["--config", "configs/tiny.toml", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
     for title in ("mode and run", "model, task and reward", "explorer (rollouts)",
                   "sync between explorer and trainer", "algorithm", "trainer", "outputs"):
-        assert f"\n{title}:\n" in text, title
-    flat = " ".join(text.split())  # argparse wraps lines
-    assert flat.count("(default:") == len(run.dataclasses.fields(run.Config))
+        assert f"{title} options" in text, title  # one section per stage
+    flat = " ".join(text.replace("│", " ").split())  # (tyro draws boxes on a terminal)
+    assert flat.count("(default:") == len(run.dataclasses.fields(run.Config)) + 1  # and --config
     assert "(default: None)" not in flat
     assert "--dtype {auto,bfloat16,float32} compute precision of trainer and engines: auto (bfloat16 where" in flat
-    assert "--overwrite, --no-overwrite delete an existing run_dir first (default: false)" in flat
+    assert "--overwrite, --no-overwrite delete an existing run_dir first" in flat
+    assert "--steps INT trainer steps (= explorer batches) (default: 3)" in flat  # the preset's value
+    for name in ("--sync-interval", "--task-kwargs JSON", "--no-activation-checkpointing"):
+        assert name in flat, name
     _, groups = run._field_help()
     assert set(groups) == {f.name for f in run.dataclasses.fields(run.Config)} and "other" not in groups.values()
 
@@ -119,10 +125,10 @@ def test_model_by_hub_id_from_the_local_cache_and_a_clear_offline_error(tiny_mod
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-    assert trainer.resolve_model("tiny-org/tiny-llama") == str(snapshot)
+    assert models.resolve_model("tiny-org/tiny-llama") == str(snapshot)
     with pytest.raises(FileNotFoundError, match="model 'other-org/missing' is neither a local path nor in the local Hugging Face cache .* "
                                                 "`hf download other-org/missing`"):
-        trainer.resolve_model("other-org/missing")
+        models.resolve_model("other-org/missing")
 
 
 @pytest.mark.parametrize("device,native,requested,dtype,says", [
@@ -134,19 +140,15 @@ def test_model_by_hub_id_from_the_local_cache_and_a_clear_offline_error(tiny_mod
     ("cuda", False, "auto", "float32", "CUDA device has no native bf16"),
 ])
 def test_precision_follows_the_hardware(monkeypatch, device, native, requested, dtype, says):
-    import trainer
-
-    monkeypatch.setattr(trainer, "native_bf16", lambda device_type: native)
-    got, why = trainer.choose_dtype(requested, device)
+    monkeypatch.setattr(models, "native_bf16", lambda device_type: native)
+    got, why = models.choose_dtype(requested, device)
     assert got == dtype and says in why
 
 
 @pytest.mark.parametrize("forced,expected", [("0", False), ("1", True)])
 def test_cpu_bf16_probe_can_be_forced(monkeypatch, forced, expected):
-    import trainer
-
     monkeypatch.setenv("NANORFT_CPU_BF16", forced)
-    assert trainer.native_bf16("cpu") is expected
+    assert models.native_bf16("cpu") is expected
 
 
 def test_the_old_bf16_flags_get_one_line_naming_the_new_one(tmp_path):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from engines import sample_token
-from losses import (LossInputs, grpo_advantages, kl_estimate, masked_sum, mix_loss, opmd_advantages, ppo_clip_loss,
+from extras.opmd import opmd_advantages
+from losses import (LossInputs, grpo_advantages, kl_estimate, masked_sum, mix_loss, ppo_clip_loss,
                     stepwise_grpo_advantages)
 
 

@@ -14,9 +14,11 @@ import pytest
 import run
 from buffer import Buffer, Experience
 from conftest import ROOT, chat_endpoint, run_py, subprocess_env
-from pipelines import (Annotator, DiffBased, Easy2Hard, ExperienceContext, ExperiencePipeline, LabelStudio,
-                       RandomTasks, Sequential, Shuffle, TaskContext, clean, diversity_reward, make_selector,
-                       quality_reward, run_task_pipeline)
+from extras.experience_ops import clean, diversity_reward, quality_reward
+from extras.label_studio import Annotator, LabelStudio
+from extras.selectors import DiffBased, Easy2Hard
+from pipelines import (ExperienceContext, ExperiencePipeline, RandomTasks, Sequential, Shuffle, TaskContext,
+                       make_selector, run_task_pipeline)
 from workflows import Task
 
 
@@ -265,7 +267,7 @@ def test_a_failing_annotator_ends_the_trainers_wait_with_its_reason(tmp_path, mo
     import threading
     from types import SimpleNamespace
 
-    import pipelines
+    from extras import label_studio
     from loop import LoopIO, TrainLoop
 
     class Broken:  # a Label Studio client whose replies the annotator's polls cannot use
@@ -281,12 +283,12 @@ def test_a_failing_annotator_ends_the_trainers_wait_with_its_reason(tmp_path, mo
                 raise ValueError("unexpected reply from Label Studio")
             return []
 
-    monkeypatch.setattr(pipelines, "LabelStudio", Broken)
+    monkeypatch.setattr(label_studio, "LabelStudio", Broken)
     monkeypatch.setenv("LABEL_STUDIO_API_KEY", "token")
     cfg = run.parse_config(["--run-dir", str(tmp_path), "--reward-fn", "human", "--annotation",
                             '{"url": "http://127.0.0.1:9"}'])
     stop, before = threading.Event(), set(threading.enumerate())
-    extra_metrics = pipelines.start_annotator(cfg, None, stop)
+    extra_metrics = label_studio.start_annotator(cfg, None, stop)
     for t in set(threading.enumerate()) - before:  # (it may have died already)
         if t.name == "annotator":
             t.join(60)

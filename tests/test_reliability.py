@@ -316,7 +316,7 @@ def test_explorers_differ_and_one_explorer_continues_the_same_after_a_restart(ti
     (["--lr", "-1"], "lr must be >= 0, got -1.0"),
     (["--lr", "nan"], "lr must be a finite number"),
     (["--group-size", "1"], "advantage grpo compares the rollouts of a group: it needs group_size >= 2"),
-    (["--task-kwargs", "{bad"], "argument --task-kwargs: not valid JSON"),
+    (["--task-kwargs", "{bad"], "Error parsing --task-kwargs: Expecting property name"),
     (["--top-p", "0.9"], "top_p 0.9 < 1 is for mode bench only"),
     (["--bench-models", "smollm2-135m"], "--bench-models is for --mode bench"),
     (["--max-staleness", "-2"], "max_staleness must be >= 0, or -1 for no bound"),

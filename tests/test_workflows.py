@@ -10,7 +10,10 @@ from transformers import AutoTokenizer
 from conftest import chat_endpoint, run_py
 from engines import Completion, Engine, Sampling
 from test_e2e import metrics
-from workflows import GuessNumberWorkflow, MultiTurnWorkflow, ReflectWorkflow, Task, judge_reward, last_number
+from extras.judge import judge_reward
+from extras.reflect import ReflectWorkflow
+from extras.guess_number import GuessNumberWorkflow
+from workflows import MultiTurnWorkflow, Task, last_number
 
 COMMON = ["--config", "configs/tiny.toml"]
 

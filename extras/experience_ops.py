@@ -1,0 +1,120 @@
+"""The bundled experience operators of `--experience-pipeline` (pipelines.EXPERIENCE_OPS
+names them by import path): quality and diversity rewards (Trinity-RFT report 3.4.2) and
+cleaning. Signature: fn(groups, ctx: pipelines.ExperienceContext, **kwargs) -> groups.
+"""
+from __future__ import annotations
+
+from buffer import Experience
+from extras.judge import RATINGS, expected_rating
+from losses import repetition_filter
+from pipelines import ExperienceContext, response_text, shape
+
+
+def quality_reward(groups: list[list[Experience]], ctx: ExperienceContext, model: str = "", url: str = "",
+                   weight: float = 1.0, timeout_s: float = 60.0) -> list[list[Experience]]:
+    """Quality reward augmentation (Trinity-RFT report 3.4.2; Data-Juicer's
+    llm_quality_score_filter rates 1-5): an auxiliary model rates each rollout's answer to
+    its question from 1 to 5 (`expected_rating` of extras.judge.ask_judge: a local model
+    directory `model` or an OpenAI-compatible endpoint `url`); the rating scaled to
+    [-0.5, 0.5], (s - 3) / 4, times `weight` is added to the reward. Metrics: shaped,
+    bonus_mean, rating_mean."""
+    from extras.judge import ask_judge
+
+    ratings = []
+    for g in groups:
+        question = ctx.tokenizer.decode(g[0].tokens[:g[0].prompt_length], skip_special_tokens=True)
+        for e in g:
+            msgs = [{"role": "user", "content": f"Rate the quality of this answer from 1 (bad) to 5 (excellent). "
+                     f"Reply with one digit.\n{question}\nAnswer: {response_text(e, ctx.tokenizer)}"}]
+            s = expected_rating(ask_judge(msgs, RATINGS, model, url, timeout_s))
+            ratings.append(s)
+            shape(e, "quality", weight * (s - 3) / 4)
+    ctx.metrics.update({"pipeline/quality_reward/shaped": len(ratings),
+                        "pipeline/quality_reward/rating_mean": sum(ratings) / max(1, len(ratings)),
+                        "pipeline/quality_reward/bonus_mean": weight * (sum(ratings) / max(1, len(ratings)) - 3) / 4})
+    return groups
+
+
+_EMBEDDERS: dict = {}
+
+
+def embed(texts: list[str], model: str):
+    """Unit-length embeddings [N, H] (float32) of `texts`: the mean over tokens of the last
+    hidden states of the local Hugging Face model directory `model` (transformers AutoModel,
+    loaded once per process)."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    if model not in _EMBEDDERS:
+        tok = AutoTokenizer.from_pretrained(model)
+        tok.pad_token = tok.pad_token or tok.eos_token
+        _EMBEDDERS[model] = tok, AutoModel.from_pretrained(model, dtype=torch.float32).eval()
+    tok, lm = _EMBEDDERS[model]
+    batch = tok([t or " " for t in texts], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        hidden = lm(**batch).last_hidden_state                                          # [N, T, H]
+    mask = batch["attention_mask"].unsqueeze(-1).float()                                 # [N, T, 1]
+    mean = (hidden * mask).sum(1) / mask.sum(1)                                           # [N, H]
+    return torch.nn.functional.normalize(mean, dim=-1)
+
+
+def scheduled(weight: float, final_weight: float | None, decay_steps: int, step: int) -> float:
+    """`weight` moving linearly to `final_weight` over `decay_steps` steps, then constant."""
+    if final_weight is None or decay_steps <= 0:
+        return weight
+    return weight + (final_weight - weight) * min(1.0, step / decay_steps)
+
+
+def diversity_reward(groups: list[list[Experience]], ctx: ExperienceContext, model: str = "", weight: float = 0.5,
+                     final_weight: float | None = None, decay_steps: int = 0) -> list[list[Experience]]:
+    """Diversity reward (Trinity-RFT report 3.4.2; Data-Juicer's group_diversity_filter):
+    embed each rollout's response (`embed`, default model: the run's own), take the cosine
+    similarity sim_i to its group's mean embedding, and add
+        w_t * (max_j sim_j - sim_i) / (max_j sim_j - min_j sim_j)
+    (0 when the group's similarities are equal; Data-Juicer's score is 0.5 times this
+    ratio, here the weight scales it), so the least typical rollout gets w_t and the most
+    typical 0. w_t goes linearly from `weight` to `final_weight` over
+    `decay_steps` steps (e.g. 0.5 -> 0.3). Metrics: weight, similarity_mean, bonus_mean."""
+    import torch
+
+    w = scheduled(weight, final_weight, decay_steps, ctx.step)
+    sims, bonuses = [], []
+    for g in groups:
+        emb = embed([response_text(e, ctx.tokenizer) for e in g], model or ctx.model)   # [G, H]
+        sim = emb @ torch.nn.functional.normalize(emb.mean(0), dim=0)                     # [G]
+        span = float(sim.max() - sim.min())
+        for e, s in zip(g, sim.tolist()):
+            bonus = w * (float(sim.max()) - s) / span if span > 1e-6 else 0.0
+            shape(e, "diversity", bonus)
+            bonuses.append(bonus)
+        sims += sim.tolist()
+    ctx.metrics.update({"pipeline/diversity_reward/weight": w,
+                        "pipeline/diversity_reward/similarity_mean": sum(sims) / max(1, len(sims)),
+                        "pipeline/diversity_reward/bonus_mean": sum(bonuses) / max(1, len(bonuses))})
+    return groups
+
+
+def clean(groups: list[list[Experience]], ctx: ExperienceContext, max_tokens: int = 0, ngram: int = 0,
+          max_repeat_frac: float = 0.5, dedup: bool = False) -> list[list[Experience]]:
+    """Experience cleaning (Trinity-RFT report 3.4.2): drop rollouts whose response has
+    more than `max_tokens` policy tokens (0: no limit), whose `ngram`-grams repeat more
+    than `max_repeat_frac` (losses.repetition_filter; ngram 0: off), and with `dedup`,
+    rollouts whose response text repeats an earlier one of the same group. Metrics:
+    dropped_length, dropped_repetition, dropped_duplicate."""
+    counts = dict.fromkeys(("length", "repetition", "duplicate"), 0)
+    out = []
+    for g in groups:
+        kept, seen = [], set()
+        for e in g:
+            text = response_text(e, ctx.tokenizer) if dedup else None
+            why = ("length" if max_tokens and sum(e.action_mask) > max_tokens else
+                   "repetition" if ngram and not repetition_filter(e.tokens, e.logprobs, 0.0, ngram, max_repeat_frac) else
+                   "duplicate" if dedup and text in seen else None)
+            if why:
+                counts[why] += 1
+            else:
+                kept.append(e)
+                seen.add(text)
+        out.append(kept)
+    ctx.metrics.update({f"pipeline/clean/dropped_{k}": v for k, v in counts.items()})
+    return out

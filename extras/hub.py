@@ -1,0 +1,91 @@
+"""The Hugging Face Hub and datasets: models and datasets by Hub id (`hub_snapshot`: the
+local cache, else a download) and tasks from any dataset `datasets.load_dataset` reads
+(`hf_dataset_tasks`). workflows.load_tasks and models.resolve_model import it only for
+such a name.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from workflows import Task, hold_out
+
+
+DATA_FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".csv": "csv"}
+HF_TASK_KWARGS = {"config": None, "split": "train", "eval_split": None, "question": "question", "answer": "answer"}
+
+
+def hub_snapshot(repo_id: str, repo_type: str = "model") -> str:
+    """Local directory of a Hugging Face Hub model or dataset (huggingface_hub.snapshot_download:
+    the local cache, else a download on a connected machine). Raises FileNotFoundError with
+    one line when it is neither cached nor reachable (HF_HUB_OFFLINE=1, or no network), or
+    when the Hub has no such repository."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"] if repo_type == "model" else None
+    flag = "" if repo_type == "model" else f" --repo-type {repo_type}"
+    try:
+        return snapshot_download(repo_id, repo_type=repo_type, allow_patterns=patterns)
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        raise FileNotFoundError(
+            f"{repo_type} {repo_id!r} is neither a local path nor in the local Hugging Face cache ({constants.HF_HUB_CACHE}), "
+            f"and the Hub cannot be reached; on a connected machine run `hf download{flag} {repo_id}` (or copy its cache here)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"{repo_type} {repo_id!r}: no such repository on the Hugging Face Hub") from None
+
+
+def hf_dataset_tasks(name: str, kwargs: dict, train_size: int, eval_size: int) -> tuple[list[Task], list[Task]]:
+    """Tasks from a Hugging Face dataset, read with `datasets.load_dataset`.
+
+    `name` is a local .parquet / .json / .csv file, a local dataset directory, or a Hub id
+    (`owner/name`, fetched by `hub_snapshot`: the local HF cache, else a download). `kwargs`
+    (task_kwargs) may set: `config` (the dataset's configuration, e.g. "main" for GSM8K),
+    `split` (default "train"), `eval_split` (held-out split, its first `eval_size` rows;
+    without it the last `eval_size` rows of `split` are held out, as for JSONL), `question`
+    and `answer` (field names, default "question" / "answer"). The first `train_size` rows
+    become training tasks. A reference answer containing "####" keeps only what follows the
+    last "####" (GSM8K's convention, as in verl's examples/data_preprocess/gsm8k.py,
+    extract_solution, commit a147bef).
+    Raises ValueError (one line) for an unknown kwarg, config, split or field;
+    FileNotFoundError for a missing file or a Hub id that is not cached offline.
+    """
+    unknown = set(kwargs) - set(HF_TASK_KWARGS)
+    if unknown:
+        raise ValueError(f"task {name}: unknown task_kwargs {sorted(unknown)} (a Hugging Face dataset takes {sorted(HF_TASK_KWARGS)})")
+    kw = {**HF_TASK_KWARGS, **kwargs}
+    suffix = Path(name).suffix
+    if suffix in DATA_FILE_BUILDERS and not Path(name).is_file():
+        raise FileNotFoundError(f"task file not found: {name}")
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"task {name}: a Hugging Face dataset needs the datasets package: pip install datasets") from None
+
+    datasets.disable_progress_bars()
+    path, files = (DATA_FILE_BUILDERS[suffix], name) if suffix in DATA_FILE_BUILDERS else (name, None)
+    if files is None and not Path(name).is_dir():
+        path = hub_snapshot(name, "dataset")
+
+    def rows(split: str) -> list[Task]:
+        try:
+            ds = datasets.load_dataset(path, kw["config"], data_files=files, split=split)
+        except (ValueError, FileNotFoundError) as e:  # unknown config or split, unreadable file
+            raise ValueError(f"task {name}: {str(e).splitlines()[0]}") from None
+        for key in ("question", "answer"):
+            if kw[key] not in ds.column_names:
+                raise ValueError(f"task {name}: no field {kw[key]!r} (fields: {ds.column_names}); "
+                                 f"name the {key} field with task_kwargs {{\"{key}\": ...}}")
+        return [Task(f"{name}/{split}/{i}", str(r[kw["question"]]), str(r[kw["answer"]]).split("####")[-1].strip(), r)
+                for i, r in enumerate(ds)]
+
+    if kw["eval_split"]:
+        return rows(kw["split"])[:train_size], rows(kw["eval_split"])[:eval_size]
+    train, held = hold_out(name, rows(kw["split"]), eval_size)
+    return train[:train_size], held
+
+
+def is_dataset(name: str) -> bool:
+    """Whether task name `name` is a Hugging Face dataset: a local .parquet / .json / .csv
+    file, a local dataset directory, or a Hub id (owner/name)."""
+    return Path(name).suffix in DATA_FILE_BUILDERS or Path(name).is_dir() or name.count("/") == 1

@@ -1,0 +1,227 @@
+"""Human labels as lagged rewards (`annotation = {url = ...}` with `reward_fn = "human"`):
+the rollouts go to a Label Studio project, the labels come back into the buffer
+(`Annotator`, run by trainer rank 0 in a thread: `start_annotator`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable
+
+from buffer import Experience
+from pipelines import response_text
+
+
+RATING_CONFIG = """<View>
+  <Header value="$question"/>
+  <Text name="response" value="$response"/>
+  <Choices name="reward" toName="response" choice="single" showInline="true">{choices}</Choices>
+</View>"""
+PAIR_CONFIG = """<View>
+  <Header value="$question"/>
+  <Text name="a" value="$a"/>
+  <Text name="b" value="$b"/>
+  <Choices name="preferred" toName="a" choice="single" showInline="true"><Choice value="A"/><Choice value="B"/></Choices>
+</View>"""
+
+
+class LabelStudio:
+    """The four calls of Label Studio's REST API (https://labelstud.io/api) that the
+    annotator needs, with a legacy token (`label-studio start --enable-legacy-api-token`).
+    Plain HTTP rather than label-studio-sdk: the SDK (2.1) pulls in about 30 packages
+    (OpenCV, NLTK, black) and pins numpy 2.2 in the training environment, for four requests.
+    Raises ConnectionError (one line, token not shown) when the server cannot be reached
+    or refuses a request."""
+
+    def __init__(self, url: str, token: str, timeout_s: float = 30.0):
+        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self.headers = {"Authorization": f"Token {token}", "Content-Type": "application/json"}
+
+    def call(self, method: str, path: str, body=None):
+        """`method` `path` (with its query) with a JSON `body`; returns the decoded JSON reply."""
+        req = urllib.request.Request(self.url + path, None if body is None else json.dumps(body).encode(),
+                                     self.headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                return json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            raise ConnectionError(f"Label Studio at {self.url}: {method} {path.split('?')[0]} answered {e.code} "
+                                  f"{e.read()[:200].decode(errors='replace')}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise ConnectionError(f"Label Studio at {self.url} cannot be reached: {getattr(e, 'reason', e)}") from None
+
+    def project(self, title: str, label_config: str) -> int:
+        """The id of the project titled `title`, created with `label_config` if missing."""
+        found = [p for p in self.call("GET", "/api/projects?page_size=1000")["results"] if p["title"] == title]
+        return found[0]["id"] if found else self.call("POST", "/api/projects",
+                                                      {"title": title, "label_config": label_config})["id"]
+
+    def import_tasks(self, project: int, data: list[dict]) -> None:
+        """Add one labelling task per dict (its fields fill the label config's $names)."""
+        self.call("POST", f"/api/projects/{project}/import", [{"data": d} for d in data])
+
+    def tasks(self, project: int) -> list[dict]:
+        """Every task of the project with its annotations."""
+        out, page = [], 1
+        while True:
+            got = self.call("GET", f"/api/tasks/?project={project}&fields=all&page_size=500&page={page}")
+            out += got["tasks"]
+            if len(out) >= got["total"] or not got["tasks"]:
+                return out
+            page += 1
+
+
+def check_mode(mode: str) -> None:
+    """ValueError (one line) unless `mode` is an annotation mode: rating or pairwise."""
+    if mode not in ("rating", "pairwise"):
+        raise ValueError(f"annotation mode must be rating or pairwise, got {mode!r}")
+
+
+class Annotator:
+    """Human labels as lagged rewards (Trinity-RFT report 2.3.4 and 3.5; its tool is Label
+    Studio, as in Data-Juicer's human_preference_annotation_mapper).
+
+    The explorer stores rollouts with reward NULL (reward_fn "human"); each `poll()`:
+      1. sends the buffer's new pending groups to the Label Studio project (mode "rating":
+         one labelling task per rollout, question and response; mode "pairwise": the first
+         two rollouts of the group side by side);
+      2. turns finished labels into rewards: rating -> `choices[label]`; pairwise -> 1 for
+         the preferred rollout and 0 for the other (the rest of the group keeps the
+         timeout reward), and the pair is appended to RUN_DIR/preferences.jsonl as
+         {"prompt", "chosen", "rejected"} (DPO data for --train-data);
+      3. after `timeout_s` seconds a group's unlabelled rollouts get `timeout_reward`.
+    The rewards of all groups completed in one poll are committed in one transaction
+    (buffer.set_rewards_many); the trainer meanwhile trains on whatever groups are complete.
+    `metrics`: annotation/sent, labelled, timed_out (groups, since start), waiting."""
+
+    def __init__(self, buffer, tokenizer, url: str, token: str, run_dir: str, mode: str = "rating",
+                 choices: dict | None = None, timeout_s: float = 3600.0, timeout_reward: float = 0.0,
+                 project: str = ""):
+        check_mode(mode)
+        self.buffer, self.tokenizer, self.mode, self.run_dir = buffer, tokenizer, mode, run_dir
+        self.choices = choices or {"good": 1.0, "bad": 0.0}
+        self.timeout_s, self.timeout_reward = timeout_s, timeout_reward
+        self.ls = LabelStudio(url, token)
+        config = PAIR_CONFIG if mode == "pairwise" else RATING_CONFIG.format(
+            choices="".join(f'<Choice value="{c}"/>' for c in self.choices))
+        self.project = self.ls.project(project or f"nanorft {Path(run_dir).name}", config)
+        self.sent = {t["data"]["group_id"]: time.time() for t in self.ls.tasks(self.project)}  # after a restart
+        self.done: set[str] = set()
+        self.metrics = {"annotation/sent": 0, "annotation/labelled": 0, "annotation/timed_out": 0,
+                        "annotation/waiting": 0}
+
+    def poll(self) -> dict:
+        """One round of sending and collecting; returns `metrics`."""
+        groups = {g[0].group_id: g for g in self.buffer.pending_group_rows()}
+        new = [g for gid, g in groups.items() if gid not in self.sent]
+        if new:
+            self.ls.import_tasks(self.project, [d for g in new for d in self._items(g)])
+            now = time.time()
+            self.sent.update({g[0].group_id: now for g in new})
+            self.metrics["annotation/sent"] += len(new)
+        labels: dict[str, dict[int, str]] = {}
+        for t in self.ls.tasks(self.project):
+            done = [a for a in t["annotations"] if not a["was_cancelled"] and a["result"]]
+            if done:
+                labels.setdefault(t["data"]["group_id"], {})[t["data"]["index"]] = \
+                    done[-1]["result"][0]["value"]["choices"][0]
+        rewards, pairs, timed_out = {}, [], 0
+        for gid, g in groups.items():
+            got, late = labels.get(gid, {}), time.time() - self.sent.get(gid, time.time()) > self.timeout_s
+            if self.mode == "rating" and (len(got) == len(g) or late):
+                rewards[gid] = [self.choices.get(got[i], self.timeout_reward) if i in got else self.timeout_reward
+                                for i in range(len(g))]
+            elif self.mode == "pairwise" and (got or late):
+                rewards[gid] = [self.timeout_reward] * len(g)
+                if got:
+                    win = 0 if got[0] == "A" else 1
+                    rewards[gid][win], rewards[gid][1 - win] = 1.0, 0.0
+                    pairs.append(self._pair(g, win))
+            timed_out += gid in rewards and late and len(got) < (1 if self.mode == "pairwise" else len(g))
+        if rewards:
+            self.buffer.set_rewards_many(rewards)
+            if pairs:
+                with open(f"{self.run_dir}/preferences.jsonl", "a") as f:
+                    f.writelines(json.dumps(p) + "\n" for p in pairs)
+        self.metrics["annotation/labelled"] += len(rewards) - timed_out
+        self.metrics["annotation/timed_out"] += timed_out
+        self.metrics["annotation/waiting"] = len(groups) - len(rewards)
+        return self.metrics
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    def _items(self, g: list[Experience]) -> list[dict]:
+        q = g[0].info.get("question") or self._text(g[0].tokens[:g[0].prompt_length])
+        if self.mode == "pairwise":
+            return [{"question": q, "a": response_text(g[0], self.tokenizer), "b": response_text(g[1 % len(g)],
+                     self.tokenizer), "group_id": g[0].group_id, "index": 0}]
+        return [{"question": q, "response": response_text(e, self.tokenizer), "group_id": e.group_id, "index": i}
+                for i, e in enumerate(g)]
+
+    def _pair(self, g: list[Experience], win: int) -> dict:
+        return {"prompt": g[0].info.get("question") or self._text(g[0].tokens[:g[0].prompt_length]),
+                "chosen": response_text(g[win], self.tokenizer), "rejected": response_text(g[1 - win], self.tokenizer)}
+
+    def run(self, stop: threading.Event, poll_s: float = 2.0, log: Callable[[dict], None] | None = None) -> None:
+        """Poll until `stop` is set; a failed poll is reported on stderr and retried."""
+        while not stop.is_set():
+            try:
+                m = self.poll()
+                if log:
+                    log(dict(m))
+            except ConnectionError as e:
+                print(f"annotation: {e}; retrying", file=sys.stderr, flush=True)
+            stop.wait(poll_s)
+
+
+def label_studio(cfg) -> LabelStudio:
+    """LabelStudio for cfg.annotation["url"] with the token in LABEL_STUDIO_API_KEY (kept out
+    of the config, which is saved in the run directory); ValueError (one line) when either
+    is missing."""
+    token = os.environ.get("LABEL_STUDIO_API_KEY", "")
+    if not cfg.annotation.get("url") or not token:
+        raise ValueError("annotation needs {\"url\": \"http://HOST:PORT\"} and the Label Studio token in "
+                         "LABEL_STUDIO_API_KEY (a legacy token: label-studio start --enable-legacy-api-token)")
+    return LabelStudio(cfg.annotation["url"], token)
+
+
+def start_annotator(cfg, tokenizer, stop: threading.Event) -> Callable[[], dict]:
+    """Trainer rank 0: a daemon thread running an Annotator (cfg.annotation, its own buffer
+    connection) until `stop` is set. Returns a callable giving its latest metrics (the
+    loop's LoopIO.extra_metrics, also called while the trainer waits for a batch); it
+    raises RuntimeError (one line naming the error) once the thread has died of any error
+    (a failed poll that is not a ConnectionError, or a failed start): the rewards the
+    trainer waits for would never come."""
+    from buffer import open_buffer
+
+    latest: dict = {}
+    failed: list[Exception] = []
+    url = label_studio(cfg).url  # ValueError without url or token
+    kwargs = {k: v for k, v in cfg.annotation.items() if k != "url"}
+
+    def work():
+        try:
+            buf = open_buffer(cfg.buffer, cfg.run_dir)
+            try:
+                Annotator(buf, tokenizer, url, os.environ["LABEL_STUDIO_API_KEY"], cfg.run_dir,
+                          **kwargs).run(stop, log=latest.update)
+            finally:
+                buf.close()
+        except Exception as e:  # any error, not only the ConnectionError that run() retries: metrics() raises it
+            failed.append(e)
+
+    def metrics() -> dict:
+        if failed:
+            e = failed[0]
+            raise RuntimeError(f"annotator failed: {type(e).__name__}: {' '.join(str(e).split())}") from e
+        return dict(latest)
+
+    threading.Thread(target=work, name="annotator", daemon=True).start()
+    return metrics

@@ -1,0 +1,38 @@
+"""`--workflow reflect`: experience synthesis by reflection (registered in
+workflows.WORKFLOWS by import path, imported only when asked for).
+"""
+from __future__ import annotations
+
+import asyncio
+
+from buffer import Experience
+from workflows import MathWorkflow, Task, chat_ids
+
+
+class ReflectWorkflow(MathWorkflow):
+    """Experience synthesis by reflecting once (as in the Trinity-RFT technical report,
+    arXiv:2505.17826, experience synthesis / reflection example): n rollouts
+    are scored; for each wrong one the model sees verification feedback ("... is
+    incorrect") and answers once more; the first reflected answer that is correct is kept
+    as one extra sample (its prompt = question, first answer and feedback; only the
+    reflected answer is trained on; info["reflection"])."""
+
+    async def run(self, task: Task, engine, n: int) -> list[Experience]:
+        group = await super().run(task, engine, n)
+        wrong = [e for e in group if e.reward != 1.0]
+        base = self.system() + [{"role": "user", "content": task.question}]
+        prompts = [chat_ids(self.tokenizer, base + [
+            {"role": "assistant", "content": e.info["response"]},
+            {"role": "user", "content": "That answer is incorrect. Check your work and give the final answer again."}],
+            True) for e in wrong]
+        outs = await asyncio.gather(*(engine.generate(p, 1, self.sampling) for p in prompts))
+        for e, p, (out,) in zip(wrong, prompts, outs):
+            text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
+            reward, _ = await self.score(task, text)
+            if reward == 1.0:
+                group.append(Experience(p + out.tokens, len(p), out.logprobs, [1] * len(out.tokens), 1.0, e.group_id,
+                                        task.task_id, out.versions[0], {"reflection": True, "response": text,
+                                                                         "answer": task.answer, "versions": list(out.versions),
+                                                                         "finish_reason": out.finish_reason}))
+                break
+        return group
