@@ -45,6 +45,7 @@ def run_family(tiny_model, run_dir, args, steps=3):
     return [r for r in metrics(run_dir) if "loss/grad_norm" in r]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_trains(tiny_model, tmp_path, family):
     args, keys = FAMILIES[family]
@@ -63,6 +64,7 @@ def test_family_trains(tiny_model, tmp_path, family):
         assert steps[-1]["loss/kl_ref"] > 0 and steps[0]["loss/kl_ref"] == pytest.approx(0, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_mix_draws_expert_fraction(tiny_model, tmp_path):
     expert = tmp_path / "expert.jsonl"
     expert.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+1?"},
@@ -83,6 +85,7 @@ def test_mix_draws_expert_fraction(tiny_model, tmp_path):
     (["--loss-agg", "mean"], "unknown loss_agg 'mean'"),
     (["--policy-loss", "mix"], "policy_loss mix and expert_fraction > 0 go together"),
 ])
+@pytest.mark.slow
 def test_bad_algorithm_config_is_one_error_line(tmp_path, args, message):
     res = run_py("--config", "configs/tiny.toml", "--model", str(tmp_path), "--run-dir", tmp_path / "r", *args)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and message in res.stderr, res.stderr

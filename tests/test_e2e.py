@@ -25,6 +25,7 @@ def buffer_versions(run_dir, batch_size):
     return [v for _, v in groups][::batch_size]
 
 
+@pytest.mark.slow
 def test_run_trains_and_syncs(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir,
@@ -58,6 +59,7 @@ def test_run_trains_and_syncs(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("interval,offset,expected", [(1, 0, [0, 1, 2, 3]), (1, 1, [0, 0, 1, 2]),
                                                       (3, 1, [0, 0, 0, 0])])
+@pytest.mark.slow
 def test_sync_schedule_versions_in_buffer(tiny_model, tmp_path, interval, offset, expected):
     run_dir = tmp_path / "run"
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir, "--steps", 4,
@@ -68,6 +70,7 @@ def test_sync_schedule_versions_in_buffer(tiny_model, tmp_path, interval, offset
     assert [r["staleness/max"] for r in steps] == [t - v for t, v in enumerate(expected)]
 
 
+@pytest.mark.slow
 def test_torchrun_two_trainer_ranks(tiny_model, tmp_path):
     # FSDP over 2 ranks with bucketed sync: every rank gathers one bucket (0.05 MiB) at a time, rank 0 sends it
     run_dir = tmp_path / "run"
@@ -93,6 +96,7 @@ def test_torchrun_two_trainer_ranks(tiny_model, tmp_path):
     (["--steps", "zero"], "Error parsing --steps: invalid literal for int()"),
     (["--reward-fn", "no.such.module"], "reward_fn 'no.such.module' cannot be imported"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_one_error_line(tmp_path, args, message):
     res = run_py("--run-dir", tmp_path / "r", *args, timeout=120)
     lines = res.stderr.strip().splitlines()

@@ -50,6 +50,7 @@ def test_task_by_name_uses_its_own_defaults():
     assert given.task_kwargs == {"min_terms": 3} and given.system_prompt == "S"
 
 
+@pytest.mark.slow
 def test_every_reasoning_gym_dataset_loads_by_name():
     from reasoning_gym.factory import DATASETS
 
@@ -83,6 +84,7 @@ def test_metrics_are_valid_json(tmp_path):
     assert strict_json_lines(tmp_path / "metrics.jsonl") == [{"step": 0, "eval/last_accuracy": None, "x": [None, 1.0]}]
 
 
+@pytest.mark.slow
 def test_another_task_that_cannot_learn_warns_and_saves_in_the_model_dtype(tiny_model, tmp_path):
     model = tmp_path / "bf16_model"  # a model whose own dtype is bfloat16 (weights stored in float32)
     shutil.copytree(tiny_model, model)
@@ -102,6 +104,7 @@ def test_another_task_that_cannot_learn_warns_and_saves_in_the_model_dtype(tiny_
     assert "[prompt]" in samples and "legs" in samples and "[policy]" in samples
 
 
+@pytest.mark.slow
 def test_bench_takes_the_model_names_of_model(tiny_model, tmp_path, monkeypatch):
     cache = tmp_path / "cache"  # a converted default model in the cache: here the tiny model stands in
     shutil.copytree(tiny_model, cache / "SmolLM2-135M-Instruct")
@@ -161,6 +164,7 @@ def test_the_old_bf16_flags_get_one_line_naming_the_new_one(tmp_path):
         run.parse_config(["--config", str(preset)])
 
 
+@pytest.mark.slow
 def test_the_chosen_precision_is_in_the_banner_and_config_json(tiny_model, tmp_path):
     builds = tmp_path / "builds.txt"  # tests/count_builds: a line per reasoning-gym dataset built, in any process
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", tmp_path / "r",

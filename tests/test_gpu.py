@@ -194,6 +194,7 @@ def bf16_engine_receiver(model, port, q):
     q.put((version, digest, [p.float().tolist() for p in engine.parameters()]))
 
 
+@pytest.mark.slow
 def test_an_engine_holding_bf16_weights_receives_the_trainers_float32(tiny_model):
     # the colocated HF engine holds bf16 weights; the trainer holds float32: the engine declares bf16, the
     # trainer casts on the wire, and the engine receives exactly the bf16 rounding of the trainer's weights

@@ -124,6 +124,7 @@ def publishing_trainer(model: str, q) -> None:
     time.sleep(600)
 
 
+@pytest.mark.slow
 def test_the_vllm_worker_watches_the_trainers_store_in_every_receive(tiny_model, monkeypatch):
     # vLLM's worker is no child of the trainer (nor, in mode explore, is the explorer): it watches the trainer's
     # store while it joins and while it receives; a receive without it waited for the group's timeout (1 h)

@@ -64,6 +64,7 @@ def pause(p, run_dir):
             db.close()
 
 
+@pytest.mark.slow
 def test_async_two_explorers_and_a_trainer_with_max_staleness(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -111,6 +112,7 @@ def test_async_two_explorers_and_a_trainer_with_max_staleness(tiny_model, tmp_pa
     assert (run_dir / "plot.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_both_with_checkpoint_sync_follows_the_schedule(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     res = run_py(*COMMON, "--model", tiny_model, "--run-dir", run_dir, "--steps", 4, "--sync-interval", 2,
@@ -123,6 +125,7 @@ def test_both_with_checkpoint_sync_follows_the_schedule(tiny_model, tmp_path):
     assert receipt["sync/explorer_checksum"] == pytest.approx(sum(t.double().sum().item() for t in final.values()), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_inflight_updates_mark_sequences_spanning_versions(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     # the workflow pauses each batch from the second on at its 3rd decode step until the trainer has announced
@@ -140,6 +143,7 @@ def test_inflight_updates_mark_sequences_spanning_versions(tiny_model, tmp_path)
     assert all(r["staleness/max"] <= 1 for r in steps)
 
 
+@pytest.mark.slow
 def test_inflight_engine_switches_weights_between_decode_steps(tiny_model, tmp_path):
     from conftest import make_tiny_model
     from engines import HFEngine, Sampling
@@ -169,6 +173,7 @@ def test_inflight_engine_switches_weights_between_decode_steps(tiny_model, tmp_p
     assert not torch.allclose(ref[3:], torch.tensor(c.logprobs[3:]), atol=1e-2)
 
 
+@pytest.mark.slow
 def test_offline_sft_and_dpo_train_only(tiny_model, tmp_path):
     sft, dpo = tmp_path / "sft.jsonl", tmp_path / "dpo.jsonl"
     sft.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+{i}?"},
@@ -254,6 +259,7 @@ def test_offline_train_writes_config_json_and_the_async_trainer_config_train_jso
     assert sorted(p.name for p in (tmp_path / "a").glob("config*.json")) == ["config_train.json"]
 
 
+@pytest.mark.slow
 def test_bench_table_and_json(tiny_model, tmp_path):
     res = run_py(*COMMON, "--model", tiny_model, "--run-dir", tmp_path / "b", "--mode", "bench",
                  "--bench-models", f"{tiny_model},{tiny_model}", "--bench-k", 3)
@@ -300,6 +306,7 @@ def test_bench_on_a_run_dir_takes_the_runs_task(tiny_model, tmp_path, capsys, mo
 # (and the finished run deletes its resume state, unless --keep-resume-state)
 @pytest.mark.parametrize("sync", [["--checkpoint-interval", 2],
                                   ["--checkpoint-interval", 1, "--sync-method", "checkpoint", "--keep-resume-state"]])
+@pytest.mark.slow
 def test_resume_after_kill_loses_and_repeats_nothing(tiny_model, tmp_path, sync):
     run_dir = tmp_path / "run"
     args = ["--model", tiny_model, "--run-dir", run_dir, "--steps", 6, *sync, "--sync-interval", 1, "--sync-offset", 1]
@@ -346,6 +353,7 @@ def test_resume_after_kill_loses_and_repeats_nothing(tiny_model, tmp_path, sync)
      "--train-data trains offline, with no explorer to sync with"),
     (["--resume"], "--resume: no run to resume in"),
 ])
+@pytest.mark.slow
 def test_bad_mode_config_is_one_error_line(tmp_path, args, message):
     res = run_py(*COMMON, "--model", str(tmp_path), "--run-dir", tmp_path / "r", *args)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and message in res.stderr, res.stderr
@@ -361,6 +369,7 @@ def host_address() -> str:
         return "127.0.0.1"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["broadcast", "checkpoint"])
 def test_async_explorers_and_trainer_on_a_postgres_buffer(tiny_model, tmp_path, postgres, method):
     # separate launches as on separate hosts: the buffer is a PostgreSQL server reached at this machine's

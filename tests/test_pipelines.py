@@ -312,6 +312,7 @@ def test_a_failing_annotator_ends_the_trainers_wait_with_its_reason(tmp_path, mo
         buf.close()
 
 
+@pytest.mark.slow
 def test_pipelines_preset_runs_on_the_default_job(tiny_model, tmp_path):
     """configs/pipelines.toml on the default job (tiny model, small budget): tasks scored by
     their policy pass rate and served easy -> hard, cleaned and diversity-shaped

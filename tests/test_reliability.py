@@ -29,6 +29,7 @@ def _die_before_commit(path, gid):
     buf.write_batch([group(gid, 64)], "w", {"batch": 1}, [(f"task-{gid}", 1.0, 0.5, 0.0)])
 
 
+@pytest.mark.slow
 def test_a_writer_killed_mid_write_leaves_nothing(buffer_url):
     path = buffer_url
     Buffer(path).write_batch([group("old")], "w", {"batch": 0})
@@ -58,6 +59,7 @@ def _writer(path, name, groups, size):
         buf.write_batch([group(f"{name}-{i}", size, explorer=name)], name, {"batch": i + 1})
 
 
+@pytest.mark.slow
 def test_concurrent_writers_and_a_reader_lose_and_repeat_nothing(buffer_url):
     path = buffer_url
     Buffer(path)
@@ -215,6 +217,7 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
     assert not loop.kept_on_resume(2, evals_from_buffer=True)({"step": 0, "eval/version": 0, "eval/accuracy": 0.1})
 
 
+@pytest.mark.slow
 def test_mix_expert_data_continues_the_same_after_a_resume(tiny_model, tmp_path):
     # MIX adds round(f * n / (1 - f)) expert groups to a batch of n sequences, and n varies (here groups of 2 and
     # 4 sequences; shaping, replay and multi-turn workflows do the same): a resumed run continues the expert order
@@ -322,6 +325,7 @@ def test_explorers_differ_and_one_explorer_continues_the_same_after_a_restart(ti
     (["--max-staleness", "-2"], "max_staleness must be >= 0, or -1 for no bound"),
     (["--buffer", "postgresql://u:pw@127.0.0.1:1/db"], "buffer postgresql://127.0.0.1:1/db (schema nanorft_r): "),
 ])
+@pytest.mark.slow
 def test_bad_settings_are_one_error_line(tiny_model, tmp_path, args, message):
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", tmp_path / "r", *args, timeout=120)
     assert res.returncode == 2 and message in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
@@ -350,6 +354,7 @@ def _bad_inputs(tiny_model, tmp_path):
              "empty.jsonl: no conversations")]
 
 
+@pytest.mark.slow
 def test_bad_files_are_one_error_line(tiny_model, tmp_path):
     for args, message in _bad_inputs(tiny_model, tmp_path):
         res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", tmp_path / "r", *args,
@@ -381,6 +386,7 @@ def test_jsonl_tasks_with_no_held_out_set(tmp_path):
     (["--workflow", "tests.plugins.FailingLaterWorkflow", "--workflow-retries", 0, "--refill-rounds", 0, "--steps", 6],
      "explorer failed: RuntimeError: explorer: only"),
 ])
+@pytest.mark.slow
 def test_a_failing_side_ends_the_run_with_one_line(tiny_model, tmp_path, args, message):
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", tmp_path / "r",
                  "--eval-size", 0, *args, timeout=300)
@@ -393,6 +399,7 @@ def test_a_failing_side_ends_the_run_with_one_line(tiny_model, tmp_path, args, m
     assert "did not stop" not in res.stderr
 
 
+@pytest.mark.slow
 def test_a_failed_run_that_cannot_finish_still_exits(tiny_model, tmp_path, monkeypatch):
     """Something left behind blocks the interpreter's exit (here an exit handler that waits
     forever): the failed run still ends, with its one error line, within the grace period,
@@ -406,6 +413,7 @@ def test_a_failed_run_that_cannot_finish_still_exits(tiny_model, tmp_path, monke
     assert "FloatingPointError: loss diverged" in log and "Timeout (0:00:03)!" in log
 
 
+@pytest.mark.slow
 def test_two_trainer_ranks_publish_checkpoints(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir, "--steps", 2,
@@ -416,6 +424,7 @@ def test_two_trainer_ranks_publish_checkpoints(tiny_model, tmp_path):
     assert [r["trainer/ranks"] for r in steps] == [2, 2] and not math.isnan(steps[-1]["loss/policy"])
 
 
+@pytest.mark.slow
 def test_fault_benchmark_fast_subset(tiny_model):
     """benchmarks/faults.py, its quick parts: concurrent writers with a reader, and every
     malformed flag value refused while parsing (the whole benchmark: README "Reliability")."""
@@ -513,6 +522,7 @@ def test_a_stopped_explorer_unwinds_without_a_second_report():
         assert open(mark).read() == "unwound"  # finally blocks ran (the engine is closed there)
 
 
+@pytest.mark.slow
 def test_a_run_killed_while_starting_can_be_resumed(tiny_model, tmp_path):
     # killed while starting, before the buffer existed: --resume starts it from step 0
     run_dir = tmp_path / "run"
@@ -542,6 +552,7 @@ def test_an_explorer_name_is_held_until_its_process_dies(buffer_url):
     assert other.hold("e1") is True  # blocks until the kernel / the server has dropped the old holder
 
 
+@pytest.mark.slow
 def test_ctrl_c_says_how_to_resume_in_one_line(tiny_model, tmp_path):
     # SIGINT (Ctrl-C) once the run has written its first step: one line naming --resume, exit code 130,
     # no traceback from the trainer or the explorer; the resume itself then works

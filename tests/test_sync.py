@@ -115,6 +115,7 @@ def bucket_receiver(port, dtype, q):
     q.put((version, ws.bucket_elems, [p.float().tolist() for p in params], sync.checksum(params)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bucket_elems,dtype", [(0, torch.float32), (16, torch.float32), (16, torch.bfloat16)])
 def test_bucketed_sync_equals_unbucketed_and_holds_one_bucket(bucket_elems, dtype):
     # gloo, two processes: the receiver gets the same tensors whatever the bucket size, cast on the
@@ -240,6 +241,7 @@ def gone_within(alive, seconds: float) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_a_trainer_is_alive_while_its_store_answers(trainer_store):
     port, proc = trainer_store
     alive = sync.StoreAlive("127.0.0.1", port, 30)

@@ -120,6 +120,7 @@ def test_reflect_keeps_one_correct_reflection(tok):
     assert tok.decode(ref.tokens[ref.prompt_length:], skip_special_tokens=True) == "12"
 
 
+@pytest.mark.slow
 def test_guess_number_game_trains_on_cpu(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     res = run_py("--config", "configs/guess.toml", "--model", tiny_model, "--run-dir", run_dir, "--steps", 2,
@@ -136,6 +137,7 @@ def test_guess_number_game_trains_on_cpu(tiny_model, tmp_path):
     assert "[prompt]" in samples and "[policy]" in samples and "[env]" in samples
 
 
+@pytest.mark.slow
 def test_lagged_rewards_train_and_nothing_unready_is_served(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     res = run_py(*COMMON, "--model", tiny_model, "--run-dir", run_dir, "--workflow", "tests.plugins.LaggedRewardWorkflow",
@@ -174,6 +176,7 @@ def test_buffer_command_line_sets_lagged_rewards(buffer_url):
     assert [e.reward for e in group] == [1.0, 0.0]
 
 
+@pytest.mark.slow
 def test_timeouts_retries_and_crashes_do_not_block_the_run(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     res = run_py(*COMMON, "--model", tiny_model, "--run-dir", run_dir, "--workflow", "tests.plugins.FlakyWorkflow",
@@ -186,6 +189,7 @@ def test_timeouts_retries_and_crashes_do_not_block_the_run(tiny_model, tmp_path)
     assert len([r for r in metrics(run_dir) if "loss/grad_norm" in r]) == 3
 
 
+@pytest.mark.slow
 def test_skipped_tasks_are_replaced_then_a_clear_error(tiny_model, tmp_path):
     res = run_py(*COMMON, "--model", tiny_model, "--run-dir", tmp_path / "run", "--workflow", "tests.plugins.FlakyWorkflow",
                  "--steps", 1, "--eval-size", 0, "--workflow-timeout-s", 1, "--workflow-retries", 0, "--refill-rounds", 0)
@@ -209,6 +213,7 @@ def test_judge_reward_over_http_and_with_a_local_model(tiny_model):
     (["--reward-fn", "judge", "--reward-kwargs", '{"modle": "x"}'], "takes no argument(s) ['modle']"),
     (["--workflow-retries", "-1"], "workflow_retries >= 0"),
 ])
+@pytest.mark.slow
 def test_bad_workflow_config_is_one_error_line(tiny_model, tmp_path, args, message):
     res = run_py(*COMMON, "--model", tiny_model, "--run-dir", tmp_path / "r", *args)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and message in res.stderr, res.stderr
