@@ -46,21 +46,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def check_config(cfg, model_path: str | None, dataset) -> None:
+def check_config(cfg, tokenizer, dataset) -> None:
     """Resolve cfg.engine ("auto": vllm where installed, else hf) and, where the model is
-    at hand (`model_path`, rank 0), create the workflow once, so that one that cannot be
+    at hand (`tokenizer` of the model, rank 0; None elsewhere), create the workflow once, so that one that cannot be
     created fails here and not in the explorer process. Raises ValueError (one line)."""
     if cfg.engine == "vllm" and not vllm_available():
         raise ValueError("--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)")
     if cfg.engine == "auto":
         cfg.engine = "vllm" if vllm_available() else "hf"
-    if model_path is None:
+    if tokenizer is None:
         return
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_path)
     try:
-        load_workflow(cfg.workflow)(tok, load_reward_fn(cfg.reward_fn, cfg.reward_kwargs), dataset,
+        load_workflow(cfg.workflow)(tokenizer, load_reward_fn(cfg.reward_fn, cfg.reward_kwargs), dataset,
                                     cfg.system_prompt, Sampling(cfg.max_tokens), run_dir=cfg.run_dir)
     except Exception as e:
         raise ValueError(f"workflow {cfg.workflow!r} cannot be created: {type(e).__name__}: {e}") from None

@@ -523,6 +523,7 @@ def prepare(cfg: Config, rank: int) -> tuple[str, tuple]:
     import pipelines
     import trainer
     import workflows
+    from transformers import AutoTokenizer
 
     check_modes(cfg)
     trainer.check_config(cfg)
@@ -534,9 +535,10 @@ def prepare(cfg: Config, rank: int) -> tuple[str, tuple]:
            f"task {cfg.task} ({cfg.train_size} training + {cfg.eval_size} held-out tasks)")
     model_path = models.resolve_model(cfg.model) if rank == 0 else None
     tasks = workflows.prepare_tasks(cfg)
-    explorer.check_config(cfg, model_path, tasks[2])
+    tok = AutoTokenizer.from_pretrained(model_path) if rank == 0 else None  # loaded once for the checks below
+    explorer.check_config(cfg, tok, tasks[2])
     if rank == 0:
-        workflows.check_offline_data(cfg, model_path)
+        workflows.check_offline_data(cfg, tok)
     run_dir = Path(cfg.run_dir)
     if rank == 0:
         alone = cfg.mode == "both" or bool(cfg.train_data)  # a run dir of its own (offline train: no explorers)

@@ -495,14 +495,10 @@ def prepare_tasks(cfg) -> tuple[list[Task], list[Task], Any]:
     return tasks
 
 
-def check_offline_data(cfg, model_path: str) -> None:
+def check_offline_data(cfg, tok) -> None:
     """Raise ValueError (one line) for --expert-data or --train-data files that hold no
-    rows under the model's chat template (FileNotFoundError: a missing file)."""
-    if not cfg.expert_fraction and not cfg.train_data:
-        return
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_path)
+    rows under the chat template of `tok` (the model's tokenizer; FileNotFoundError: a
+    missing file)."""
     if cfg.expert_fraction and not load_chat_jsonl(cfg.expert_data, tok):
         raise ValueError(f"expert_data {cfg.expert_data}: no conversations")
     if cfg.train_data and not load_offline_jsonl(cfg.train_data, tok):
