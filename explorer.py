@@ -99,7 +99,7 @@ def explorer_seed(seed: int, name: str) -> int:
 class Explorer:
     """Rollout loop over a task list with one engine and one workflow class.
 
-    cfg: run.Config (fields used: batch_size, group_size, max_tokens, temperature, top_p,
+    cfg: config.Config (fields used: batch_size, group_size, max_tokens, temperature, top_p,
     eval_size, eval_temperature, workflow, system_prompt, seed, explorer_name).
     log: callable(dict) receiving metric records.
     """

@@ -214,7 +214,7 @@ def response_text(e: Experience, tokenizer) -> str:
 
 def check_config(cfg) -> None:
     """Raise ValueError (one line) for a mis-configured task or experience pipeline,
-    selector, replay or annotation setting of run.Config `cfg`; ConnectionError when the
+    selector, replay or annotation setting of config.Config `cfg`; ConnectionError when the
     Label Studio server of cfg.annotation cannot be reached (run.prepare, before any
     process starts)."""
     parse_ops(cfg.task_pipeline, TASK_OPS, "task_pipeline")

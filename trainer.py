@@ -225,7 +225,7 @@ class StepBatch:
 
 
 def resolve_algorithm(cfg) -> tuple[Callable, Callable, str, dict[str, Callable]]:
-    """(advantage function, policy loss, loss aggregation, filters by name) of run.Config
+    """(advantage function, policy loss, loss aggregation, filters by name) of config.Config
     `cfg` (advantage(_kwargs), policy_loss(_kwargs), loss_agg, filters, kl_estimator,
     length_unit), resolved from the registries of losses.py or import paths. Raises
     ValueError (one line) for an unknown name or keyword."""
@@ -270,7 +270,7 @@ class Trainer:
     """FSDP2 policy + AdamW on this rank (and a frozen FSDP2 reference model when a KL term
     or DPO needs one).
 
-    cfg: run.Config (lr, weight_decay, max_grad_norm, token_budget, temperature, dtype (resolved: bfloat16 or float32),
+    cfg: config.Config (lr, weight_decay, max_grad_norm, token_budget, temperature, dtype (resolved: bfloat16 or float32),
     activation_checkpointing, save_dtype,
     advantage(_kwargs), policy_loss(_kwargs), loss_agg, kl_loss_coef, kl_estimator,
     kl_reward_coef, entropy_coef, length_penalty, length_unit, filters, seed). Requires an

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import config
 import metrics
 import models
 import run
@@ -37,7 +38,7 @@ def test_help_groups_every_flag_by_stage_with_one_default(capsys):
     assert "--steps INT trainer steps (= explorer batches) (default: 3)" in flat  # the preset's value
     for name in ("--sync-interval", "--task-kwargs JSON", "--no-activation-checkpointing"):
         assert name in flat, name
-    _, groups = run._field_help()
+    _, groups = config._field_help()
     assert set(groups) == {f.name for f in run.dataclasses.fields(run.Config)} and "other" not in groups.values()
 
 
