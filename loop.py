@@ -27,10 +27,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+import checkpoints
 import sync
 from buffer import Experience, open_buffer
+from checkpoints import delete_resume_states, resume_state
 from metrics import Metrics, plot, print0, trackers
-from trainer import Trainer, delete_resume_states, resume_state
+from trainer import Trainer
 
 ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this many consecutive steps
 REWARD_ERROR_STEPS = 3  # stop when the reward function failed on every rollout of this many consecutive steps
@@ -205,7 +207,7 @@ class TrainLoop:
             if self.rank == 0 and io.send_weights:
                 m["sync/trainer_checksum"] = io.send_weights(version, [params])
             elif self.rank == 0 and not io.offline:
-                sync.publish_checkpoint(Path(cfg.run_dir), version, lambda d: self.trainer.save(d, params))
+                checkpoints.publish_checkpoint(Path(cfg.run_dir), version, lambda d: self.trainer.save(d, params))
                 m["sync/trainer_checksum"] = sync.checksum(params)
         if step == cfg.steps - 1:
             params = params if params is not None else self.trainer.full_parameters()

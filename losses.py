@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -322,54 +321,6 @@ def kl_estimate(logp: torch.Tensor, logq: torch.Tensor, kind: str = "k3") -> tor
         raise ValueError(f"unknown KL estimator {kind!r}; known: {', '.join(KL_ESTIMATORS)}")
     log_r = (logq - logp).clamp(-20, 20)                                 # [B, T]
     return (torch.expm1(log_r) - log_r).clamp(-10, 10)                   # [B, T]
-
-
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy (nats) of the next-token distribution. logits [B, T, V] -> [B, T].
-    Reference: volcengine/verl verl/utils/torch_functional.py entropy_from_logits @ b178a3c."""
-    logz = torch.logsumexp(logits, -1)                                  # [B, T]
-    return logz - (torch.softmax(logits, -1) * logits).sum(-1)          # [B, T]
-
-
-LOGIT_CHUNK_ELEMS = 2 ** 22  # float32 logits held at once by chunked_logprobs: 16 MiB
-
-
-def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                     entropy: bool = False, chunk_elems: int = LOGIT_CHUNK_ELEMS,
-                     bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each target token under softmax((hidden @ weight.T + bias) / temperature)
-    in float32, and the token entropy (nats) when `entropy`; the logits of at most
-    `chunk_elems` elements exist at any time. hidden [T, H]; weight [V, H] (the LM head);
-    targets [T] long -> logprobs [T], entropy [T] or None.
-
-    The logits of a whole micro-batch (T x V float32: 300 MB for 1,600 tokens of a 49k
-    vocabulary, and as much again for each copy autograd keeps) are never materialised:
-    each chunk of rows is computed, reduced and dropped, and under autograd recomputed in
-    the backward pass (torch.utils.checkpoint, non-reentrant), so the gradient is exactly
-    that of the unchunked expression. Same idea as Liger-Kernel's fused linear cross
-    entropy (linkedin/Liger-Kernel src/liger_kernel/ops/fused_linear_cross_entropy.py),
-    which cannot be used here: the RL loss needs the log-probs themselves, not a cross
-    entropy, and its kernels need Triton (GPU)."""
-    rows = max(1, chunk_elems // weight.shape[0])
-
-    def part(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = torch.nn.functional.linear(h, weight, bias).float() / temperature    # [c, V]
-        logz = torch.logsumexp(logits, -1)                                             # [c]
-        lp = logits.gather(-1, t[:, None]).squeeze(-1) - logz                          # [c]
-        ent = token_entropy(logits) if entropy else lp.new_zeros(0)                   # [c]
-        return lp, ent
-
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    lps, ents = [], []
-    for i in range(0, hidden.shape[0], rows):
-        h, t = hidden[i:i + rows], targets[i:i + rows]
-        lp, ent = checkpoint(part, h, t, use_reentrant=False) if grad else part(h, t)
-        lps.append(lp)
-        ents.append(ent)
-    if not lps:
-        empty = hidden.new_zeros(0, dtype=torch.float)
-        return empty, (empty if entropy else None)
-    return torch.cat(lps), (torch.cat(ents) if entropy else None)
 
 
 # ----------------------------------------------------------------------------- policy losses

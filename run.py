@@ -145,7 +145,7 @@ def finished_run(cfg: Config) -> bool:
     """Whether --resume (modes both and train) names a run that has finished: its final
     config written (final/nanorft_config.json) and its resume state deleted. main then says
     so and exits 0; resuming it from step 0 would train the finished run again."""
-    from trainer import resume_state
+    from checkpoints import resume_state
 
     return (cfg.resume and cfg.mode in ("both", "train") and resume_state(cfg.run_dir) is None
             and (Path(cfg.run_dir) / "final" / "nanorft_config.json").is_file())

@@ -13,11 +13,8 @@ In-flight updates (PipelineRL): rank 0 announces each publish in the store (key
 "published") before broadcasting it, so an explorer can check between two decode steps,
 without blocking, whether new weights are on the way (`announced`).
 
-Checkpoint method (fully asynchronous mode, separate launches): the trainer writes a
-Hugging Face safetensors directory RUN_DIR/checkpoints/v{version:06d} (written under a
-temporary name, then renamed) and then the marker RUN_DIR/checkpoints/latest (written,
-then renamed over the old one), so a reader never sees a partial checkpoint
-(`publish_checkpoint`, `latest_checkpoint`).
+Checkpoint method (fully asynchronous mode, separate launches): checkpoints.py writes and
+reads the checkpoints; the Receiver here loads the newest one.
 
 Group. Trainer rank 0 hosts a TCPStore; a `ProcessGroupGloo` (CPU) or `ProcessGroupNCCL`
 (CUDA) is built directly on a PrefixStore("weights", store), separate from the trainer's
@@ -36,19 +33,17 @@ store answering (`StoreAlive`).
 """
 from __future__ import annotations
 
-import fcntl
-import os
-import shutil
 import socket
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from contextlib import contextmanager
 from typing import Callable, Iterable, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from checkpoints import latest_checkpoint, load_latest_checkpoint
 
 T = TypeVar("T")
 
@@ -393,84 +388,6 @@ def _unflatten(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
     for p in params:
         p.copy_(flat[offset:offset + p.numel()].view_as(p))
         offset += p.numel()
-
-
-@contextmanager
-def _checkpoint_lock(root: Path):
-    """Exclusive lock (flock on root/.lock) between retention and readers taking a lease."""
-    root.mkdir(parents=True, exist_ok=True)
-    with (root / ".lock").open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _leased(root: Path) -> set[int]:
-    """Versions a reader is loading now (files root/loading/<reader> holding a version)."""
-    out = set()
-    for lease in (root / "loading").glob("*"):
-        try:
-            out.add(int(lease.read_text()))
-        except (OSError, ValueError):  # removed meanwhile, or a lease being written
-            pass
-    return out
-
-
-def publish_checkpoint(run_dir: str | Path, version: int, save: Callable[[Path], None], keep: int = 3) -> Path:
-    """Write checkpoint `version` with `save(directory)` atomically (temporary directory,
-    rename, then the `latest` marker written and renamed), and delete all but the `keep`
-    newest checkpoints, except any a reader is loading (`load_latest_checkpoint` leases).
-    Call it on one process only (trainer rank 0). Returns the checkpoint directory."""
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final, tmp = root / f"v{version:06d}", root / f".tmp-v{version:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
-    save(tmp)
-    with _checkpoint_lock(root):
-        if final.exists() and version in _leased(root):  # republished after a resume while being read: keep it
-            shutil.rmtree(tmp)
-        else:
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
-        marker = root / ".latest.tmp"
-        marker.write_text(str(version))
-        os.replace(marker, root / "latest")
-        protected = _leased(root) | {version}
-        for old in sorted(root.glob("v[0-9]*"))[:-keep]:
-            if int(old.name[1:]) not in protected:
-                shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
-    """(version, directory) of the newest published checkpoint, or None."""
-    marker = Path(run_dir) / "checkpoints" / "latest"
-    if not marker.is_file():
-        return None
-    version = int(marker.read_text())
-    return version, Path(run_dir) / "checkpoints" / f"v{version:06d}"
-
-
-def load_latest_checkpoint(run_dir: str | Path, reader: str, load: Callable[[Path, int], T],
-                           newer_than: int = -1) -> tuple[int, T] | None:
-    """If the newest published checkpoint is newer than `newer_than`, load it with
-    `load(directory, version)` and return (version, its result); else None. While it
-    loads, `reader` holds a lease (RUN_DIR/checkpoints/loading/<reader>, taken under the
-    checkpoint lock) so retention cannot delete the directory under it."""
-    root = Path(run_dir) / "checkpoints"
-    lease = root / "loading" / reader
-    with _checkpoint_lock(root):
-        latest = latest_checkpoint(run_dir)
-        if latest is None or latest[0] <= newer_than:
-            return None
-        lease.parent.mkdir(exist_ok=True)
-        lease.write_text(str(latest[0]))
-    try:
-        return latest[0], load(latest[1], latest[0])
-    finally:
-        lease.unlink(missing_ok=True)
 
 
 class Receiver:

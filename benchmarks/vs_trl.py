@@ -188,7 +188,7 @@ def run_nanorft(args, dtype: str, model: str, run_dir: Path) -> dict:
     """nanorft's default job (`torchrun run.py --mode both --sync-interval 2`) for the budget,
     saving its resume state every save_interval steps; returns the measurements, the
     steps done and the weights of its last save (RUN_DIR/checkpoints/resume-N/hf)."""
-    from trainer import resume_state
+    from checkpoints import resume_state
 
     explorer = max(1, args.threads // 2)  # as run.split_threads splits the cores
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "run.py", "--mode", "both",

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-import sync
+import checkpoints
 from buffer import Buffer
 from losses import LossInputs
 from workflows import MathWorkflow, MultiTurnWorkflow, in_thread, last_number
@@ -162,7 +162,7 @@ class WaitForCheckpoint(WaitForPublish):
     """WaitForPublish for --sync-method checkpoint: waits for a newer published checkpoint."""
 
     def announced(self, engine) -> int:
-        latest = sync.latest_checkpoint(self.run_dir)
+        latest = checkpoints.latest_checkpoint(self.run_dir)
         return latest[0] if latest else -1
 
 

@@ -14,6 +14,7 @@ import torch
 
 import fidelity_reference
 import losses as L
+from packing import token_entropy
 from extras import opmd as OPMD
 from fidelity_reference import (ADV, COUNTS10, DPO_REWARDS, ENTROPY_LOGITS, G4, G10, GSPO_EXTREME_LP,
                                 GSPO_EXTREME_OLD, KL_LOGP, KL_LOGQ, LP, MASK, MIX_EXPERT, OLD, PPO_EXTREME_LP,
@@ -338,7 +339,7 @@ ENTROPY = [[1.0314429, 1.3862944], [1.1072708, 0.2900405]]
 
 
 def test_entropy_is_verl_entropy_from_logits():
-    assert close(L.token_entropy(torch.tensor(ENTROPY_LOGITS)), ENTROPY)
+    assert close(token_entropy(torch.tensor(ENTROPY_LOGITS)), ENTROPY)
 
 
 # ----------------------------------------------------------------------------- the goldens' provenance
@@ -400,7 +401,7 @@ def exp(tokens, prompt_length, mask, reward, group, offline=False):
 def own_logprobs(trainer, exps):
     """The trainer's log-probs of each response [R], written into the experiences as their
     behaviour log-probs where action_mask is 1 (on-policy); 0.0 placeholders elsewhere."""
-    from trainer import pack, response_logprobs
+    from packing import pack, response_logprobs
 
     with torch.no_grad():
         lp, _ = response_logprobs(trainer.model, pack(exps, trainer.pad), trainer.cfg.temperature)

@@ -88,7 +88,7 @@ def test_hf_engine_follows_a_perturbed_sync(tiny_model, device, dtype):
     import sync
     from conftest import PROMPTS, rollouts
     from engines import HFEngine, Sampling
-    from trainer import pack, response_logprobs
+    from packing import pack, response_logprobs
     from transformers import AutoModelForCausalLM
 
     bf16 = dtype == torch.bfloat16

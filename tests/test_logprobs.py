@@ -7,7 +7,8 @@ import run
 from buffer import Experience
 from conftest import PROMPTS, rollouts
 from engines import HFEngine, Sampling
-from trainer import Trainer, pack, response_logprobs
+from packing import pack, response_logprobs
+from trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_chat_jsonl_masks_exactly_the_assistant_turns(tiny_model, tmp_path):
 
 
 def test_chunked_logprobs_and_their_gradient_equal_the_unchunked_ones():
-    from losses import chunked_logprobs, token_entropy
+    from packing import chunked_logprobs, token_entropy
 
     torch.manual_seed(0)
     hidden = torch.randn(37, 16, requires_grad=True)                   # [T, H]
@@ -98,7 +99,7 @@ def test_shared_prompt_packing_gives_each_sequences_own_logprobs_and_gradient(ti
     # sequence computed alone; a sequence with another prompt gets a row of its own
     from transformers import AutoModelForCausalLM
 
-    from trainer import packed_tokens
+    from packing import packed_tokens
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     exps = [Experience([5, 6, 7, 8] + r, 4, [0.0] * len(r), [1] * len(r), 0.0, "g", "t", 0)

