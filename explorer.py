@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import functools
 import json
 import multiprocessing.util
 import os
@@ -28,9 +29,9 @@ from pathlib import Path
 import torch
 
 import sync
-from metrics import peak_rss_gib
 from buffer import Buffer, Experience, open_buffer, pool_for
-from engines import Engine, HFEngine, Sampling, VLLMEngine, vllm_available
+from engines import Engine, HFEngine, Sampling, make_engine, use_gpu, vllm_available
+from metrics import peak_rss_gib
 from pipelines import TaskContext, make_selector, run_task_pipeline
 from workflows import Task, load_reward_fn, load_workflow
 
@@ -63,37 +64,16 @@ def check_config(cfg, tokenizer, dataset) -> None:
         raise ValueError(f"workflow {cfg.workflow!r} cannot be created: {type(e).__name__}: {e}") from None
 
 
-def make_engine(cfg, model_path: str, device: str = "", colocated: bool = False) -> Engine:
-    """The engine named by cfg.engine: hf, vllm, or auto (vllm when installed, else hf), on
-    `device` (run.place; "" = the default). vLLM takes the first GPU this process sees
-    (`use_gpu`); the HF engine holds bf16 weights when `colocated` with the trainer on a GPU."""
-    torch.set_num_threads(cfg.explorer_threads)
-    if cfg.engine == "vllm" or (cfg.engine == "auto" and vllm_available()):
-        return VLLMEngine(model_path, seed=explorer_seed(cfg.seed, cfg.explorer_name) + 1, bf16=cfg.dtype == "bfloat16",
-                          threads=cfg.explorer_threads,
-                          memory_fraction=cfg.vllm_memory_fraction, inflight=cfg.inflight)
-    half = colocated and device.startswith("cuda")
-    return HFEngine(model_path, max_batch=cfg.explorer_max_batch, seed=explorer_seed(cfg.seed, cfg.explorer_name) + 1,
-                    bf16=cfg.dtype == "bfloat16", device=device, dtype=torch.bfloat16 if half else torch.float32)
-
-
-def use_gpu(device: str) -> str:
-    """Make `device` ("cuda:N" among the visible GPUs) the only GPU this process sees, before
-    CUDA starts here (vLLM puts its worker on the first visible GPU); returns the device's
-    name in this process ("cuda:0"), or `device` unchanged when it is not a GPU."""
-    if not device.startswith("cuda:"):
-        return device
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ids[int(device.split(":")[1])]
-    return "cuda:0"
-
-
 def explorer_seed(seed: int, name: str) -> int:
     """The seed of explorer `name` (task order, lift sampling, token sampling): explorers
     with different names get different data, the same explorer the same data on every
     restart. The default explorer (mode both) keeps `seed` itself."""
     return seed if name == DEFAULT_EXPLORER else seed + zlib.crc32(name.encode())
+
+
+def engine_seed(cfg) -> int:
+    """The engine's sampling seed for this explorer (`explorer_seed` + 1)."""
+    return explorer_seed(cfg.seed, cfg.explorer_name) + 1
 
 
 class Explorer:
@@ -215,22 +195,9 @@ class Explorer:
         self.counts = dict.fromkeys(self.counts, 0)
         self.engine.label = f"batch {batch} (version {version})"
         retired = buffer.retired()
-
-        def informative(g):
-            return not cfg.difficulty_filter or len({e.reward for e in g}) > 1
-
-        generated, kept, rounds = [], [], 0
-        tasks = picked = self.next_tasks(cfg.batch_size, retired)
-        while True:
-            got = [g for g in self._rollouts(tasks) if g]
-            generated += got
-            kept += [g for g in got if informative(g)]
-            if len(kept) >= cfg.batch_size or rounds >= cfg.refill_rounds:
-                break
-            rounds += 1
-            tasks = self.next_tasks(cfg.batch_size - len(kept), retired)
-            picked = picked + tasks
-        dropped = [g for g in generated if not informative(g)]
+        generated, kept, rounds, picked = self._fill(retired)
+        informative = {id(g) for g in kept}
+        dropped = [g for g in generated if id(g) not in informative]
         short = max(0, cfg.batch_size - len(kept))
         groups = kept[:cfg.batch_size] + dropped[:short]
         if len(groups) < cfg.batch_size:
@@ -239,15 +206,44 @@ class Explorer:
         seconds = time.perf_counter() - t0
         updates = [(g[0].task_id, sum(e.reward for e in g) / len(g), cfg.pool_easy, cfg.pool_hard)
                    for g in generated if all(e.reward is not None for e in g)]
-        pools = [pool_for(*u[1:]) for u in updates]
         self.selector.update({task: mean for task, mean, *_ in updates})
         for g in groups:
             for e in g:  # who generated it, in which of its batches: resume and the fault benchmark check these
                 e.explorer, e.info["batch"] = cfg.explorer_name, batch
         buffer.write_batch(groups, cfg.explorer_name, {"batch": batch + 1, **self.state()}, updates)
-        exps = [e for g in generated for e in g]
-        gen_tokens = sum(len(e.logprobs) for e in exps)
         self._write_samples(batch, version, groups)
+        record = self._batch_record(batch, version, seconds, [e for g in generated for e in g],
+                                    [pool_for(*u[1:]) for u in updates], len(retired), picked)
+        if cfg.difficulty_filter:
+            record.update({"filter/difficulty_dropped": len(generated) - len(kept),
+                           "filter/difficulty_rounds": rounds, "filter/difficulty_short": short})
+        return record
+
+    def _fill(self, retired: set) -> tuple[list, list, int, list]:
+        """Roll out batch_size new tasks, then, while fewer than batch_size groups are
+        kept (skipped tasks; with cfg.difficulty_filter, groups whose rewards are all
+        equal), new tasks for the missing ones, for up to cfg.refill_rounds rounds.
+        Returns (every group generated, the groups kept, refill rounds, tasks picked)."""
+        cfg = self.cfg
+        generated, kept, rounds = [], [], 0
+        tasks = picked = self.next_tasks(cfg.batch_size, retired)
+        while True:
+            got = [g for g in self._rollouts(tasks) if g]
+            generated += got
+            kept += [g for g in got if not cfg.difficulty_filter or len({e.reward for e in g}) > 1]
+            if len(kept) >= cfg.batch_size or rounds >= cfg.refill_rounds:
+                return generated, kept, rounds, picked
+            rounds += 1
+            tasks = self.next_tasks(cfg.batch_size - len(kept), retired)
+            picked = picked + tasks
+
+    def _batch_record(self, batch: int, version: int, seconds: float, exps: list[Experience], pools: list,
+                      retired: int, picked: list) -> dict:
+        """The metrics record of one batch: generation speed (tokens/s), rollout outcomes
+        (reward errors, truncation, timeouts, retries, skips), in-flight sequences, task
+        pools, curation and selector metrics, and for multi-turn workflows samples and turns
+        per trajectory."""
+        gen_tokens = sum(len(e.logprobs) for e in exps)
         record = {"batch": batch, "explorer/version": version, "time/explore_s": seconds,
                   "explorer/gen_tokens": gen_tokens, "explorer/tokens_per_s": gen_tokens / seconds,
                   "memory/explorer_peak_rss_gib": peak_rss_gib(),
@@ -256,7 +252,7 @@ class Explorer:
                   "inflight/multi_version_seqs": sum(e.info["versions"][0] != e.info["versions"][1] for e in exps
                                                      if "versions" in e.info),
                   "pool/retired_easy": pools.count("easy"), "pool/retired_hard": pools.count("hard"),
-                  "pool/size_retired": len(retired), "rollout/reward_pending": sum(e.reward is None for e in exps),
+                  "pool/size_retired": retired, "rollout/reward_pending": sum(e.reward is None for e in exps),
                   **{f"rollout/{k}": v for k, v in self.counts.items()}, **self.curation}
         self.curation = {}
         difficulties = [t.difficulty for t in picked if t.difficulty is not None]
@@ -267,9 +263,6 @@ class Explorer:
         if trajectories:  # multi-turn
             record["rollout/samples_per_trajectory"] = sum(i["samples"] for i in trajectories.values()) / len(trajectories)
             record["rollout/turns_mean"] = sum(i["turns"] for i in trajectories.values()) / len(trajectories)
-        if cfg.difficulty_filter:
-            record.update({"filter/difficulty_dropped": len(generated) - len(kept),
-                           "filter/difficulty_rounds": rounds, "filter/difficulty_short": short})
         return record
 
     def evaluate(self, version: int) -> dict | None:
@@ -364,7 +357,7 @@ def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: in
     signal.signal(signal.SIGINT, exit_quietly)  # Ctrl-C: the trainer says how to resume; no second report
     try:
         queue.put({"status": f"starting the {cfg.engine} engine"})
-        engine = make_engine(cfg, model_path, use_gpu(device), colocated=device.startswith("cuda") and sync_device == "cpu")
+        engine = make_engine(cfg, model_path, engine_seed(cfg), use_gpu(device), colocated=device.startswith("cuda") and sync_device == "cpu")
         engine.status = lambda text: queue.put({"status": text})
         if core_flags is not None and isinstance(engine, HFEngine):
             engine.cores = sync.CoreShare(core_flags, 1, cfg.explorer_threads, cfg.trainer_threads)
@@ -380,6 +373,27 @@ def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: in
         queue.cancel_join_thread()  # handlers of multiprocessing, then leave without tearing down the weight-sync
         multiprocessing.util._exit_function()  # group: its destructor would wait for a broadcast that never comes
         os._exit(1)
+
+
+def room_in_buffer(cfg, buffer: Buffer, receiver: sync.Receiver, batch: int) -> bool:
+    """Mode explore, before batch `batch`: False once the trainer has finished (run state
+    "trainer_done"); else wait while the buffer holds two batches of ready groups (taking
+    publishes meanwhile with --sync-method broadcast: the trainer may be waiting for this
+    explorer), take new weights every sync_interval batches, and return True. RuntimeError
+    after buffer_timeout_s seconds without the trainer taking any group."""
+    since = time.monotonic()
+    while (not (done := buffer.run_state("trainer_done"))
+           and buffer.counts()["ready"] >= 2 * cfg.batch_size * cfg.group_size):
+        if time.monotonic() - since > cfg.buffer_timeout_s:
+            raise RuntimeError(f"explorer {cfg.explorer_name}: no trainer took a batch for {cfg.buffer_timeout_s:.0f} s")
+        if cfg.sync_method == "broadcast":
+            receiver.catch_up()
+        time.sleep(0.1)
+    if done:
+        return False
+    if batch % cfg.sync_interval == 0:
+        receiver.catch_up()
+    return True
 
 
 def run_mode_explore(cfg, model_path: str, tasks: tuple, log) -> None:
@@ -415,26 +429,11 @@ def run_mode_explore(cfg, model_path: str, tasks: tuple, log) -> None:
         receiver.catch_up()
         return receiver
 
-    def before_batch(receiver, batch):
-        since = time.monotonic()
-        while (not (done := buffer.run_state("trainer_done"))
-               and buffer.counts()["ready"] >= 2 * cfg.batch_size * cfg.group_size):
-            if time.monotonic() - since > cfg.buffer_timeout_s:
-                raise RuntimeError(f"explorer {cfg.explorer_name}: no trainer took a batch for {cfg.buffer_timeout_s:.0f} s")
-            if by_broadcast:  # the trainer may be waiting for this explorer to take a publish
-                receiver.catch_up()
-            time.sleep(0.1)
-        if done:
-            return False
-        if batch % cfg.sync_interval == 0:
-            receiver.catch_up()
-        return True
-
     # broadcast: the trainer sets trainer_done only once every receiver has its last publish
     finish = (lambda receiver: None) if by_broadcast else sync.Receiver.catch_up
     try:
-        explore_loop(cfg, make_engine(cfg, model_path), tasks, log_and_share, sys.maxsize, 0, connect, before_batch,
-                     sync.Receiver.catch_up, finish, buffer)
+        explore_loop(cfg, make_engine(cfg, model_path, engine_seed(cfg)), tasks, log_and_share, sys.maxsize, 0, connect,
+                     functools.partial(room_in_buffer, cfg, buffer), sync.Receiver.catch_up, finish, buffer)
     finally:
         buffer.close()
         for receiver in joined:  # the trainer may go (its store with it) once every explorer has left
@@ -448,7 +447,7 @@ def run_mode_bench(cfg, models: list[str], tasks: tuple) -> list[dict]:
     _, held_out, dataset = tasks
     rows, k = [], cfg.bench_k
     for path in models:
-        engine = make_engine(cfg, path)
+        engine = make_engine(cfg, path, engine_seed(cfg))
         try:
             t0 = time.perf_counter()
             row = Explorer(cfg, engine, [], held_out, dataset, print).bench(k)

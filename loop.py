@@ -31,29 +31,11 @@ import checkpoints
 import sync
 from buffer import Experience, open_buffer
 from checkpoints import delete_resume_states, resume_state
-from metrics import Metrics, plot, print0, trackers
+from metrics import Metrics, cpu_seconds, plot, print0, trackers
 from trainer import Trainer
 
 ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this many consecutive steps
 REWARD_ERROR_STEPS = 3  # stop when the reward function failed on every rollout of this many consecutive steps
-
-
-def cpu_seconds() -> float:
-    """CPU seconds (user + system) used so far by this process and its children (the
-    explorer of mode both): cpu/utilisation_pct = 100 x its growth / wall seconds, so 200
-    means two cores busy."""
-    import psutil
-
-    procs = [psutil.Process()]
-    procs += procs[0].children(recursive=True)
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:  # a child that just ended
-            pass
-    return total
 
 
 def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]:

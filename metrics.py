@@ -30,6 +30,24 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) used so far by this process and its children (the
+    explorer of mode both): cpu/utilisation_pct = 100 x its growth / wall seconds, so 200
+    means two cores busy."""
+    import psutil
+
+    procs = [psutil.Process()]
+    procs += procs[0].children(recursive=True)
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:  # a child that just ended
+            pass
+    return total
+
+
 def json_safe(x):
     """NaN and infinities become null (JSON has no NaN)."""
     if isinstance(x, float) and not math.isfinite(x):

@@ -537,7 +537,7 @@ def bench_model(work: Path, name: str, device, rounds: int) -> dict:
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     train, held, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, 1, cfg.seed)
     engine = HFEngine(path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=cfg.dtype == "bfloat16",
-                      device=str(device), dtype=torch.bfloat16)  # as explorer.make_engine makes it, colocated
+                      device=str(device), dtype=torch.bfloat16)  # as engines.make_engine makes it, colocated
     explorer = Explorer(cfg, engine, train, held, dataset, lambda record: None)
     trainer = Trainer(cfg, path, device)
     gen_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()

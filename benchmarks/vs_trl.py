@@ -269,11 +269,12 @@ def train_trl(args) -> None:
 def evaluate(cfg: run.Config, model_dir: str) -> dict:
     """Held-out accuracy of a model directory by nanorft's evaluation (Explorer.evaluate:
     greedy, the HF engine, the reward function of the job) on cfg.eval_size tasks."""
-    from explorer import Explorer, make_engine
+    from engines import make_engine
+    from explorer import Explorer, engine_seed
     from workflows import load_tasks
 
     _, held_out, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
-    engine = make_engine(cfg, model_dir)
+    engine = make_engine(cfg, model_dir, engine_seed(cfg))
     try:
         r = Explorer(cfg, engine, [], held_out, dataset, print).evaluate(0)
     finally:
