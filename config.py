@@ -206,6 +206,16 @@ class Config:
     keep_resume_state: bool = False
     """keep the last resume state (RUN_DIR/checkpoints/resume-*: float32 weights + AdamW moments, 12 bytes per parameter) after the run has finished; by default it is deleted then"""
 
+    # -- LoRA (peft)
+    lora_rank: int = 0
+    """LoRA rank r: > 0 trains LoRA adapters (peft) on the frozen model and sends the explorer only the adapters; 0 = full fine-tuning. LoRA usually wants a learning rate about 10x full fine-tuning's (--lr)"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator: the adapters add (lora_alpha / lora_rank) B A to each adapted weight"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input while training (0: the trainer computes the same log-probs as the explorer)"""
+    lora_target_modules: str = "all-linear"
+    """layers that get adapters: all-linear (every linear layer but the LM head) or comma-separated module names (q_proj,v_proj)"""
+
     # -- outputs
     log_samples: int = 2
     """groups per batch written to samples.log"""
@@ -373,7 +383,8 @@ def check_values(cfg: Config) -> None:
                  "eval_temperature", "buffer_timeout_s", "sync_timeout_s", "sync_bucket_mb"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
-    for name in ("train_size", "eval_size", "checkpoint_interval", "log_samples", "trainer_threads", "explorer_threads"):
+    for name in ("train_size", "eval_size", "checkpoint_interval", "log_samples", "trainer_threads", "explorer_threads",
+                 "lora_rank"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
 

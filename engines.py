@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+import models
 import sync
 from losses import left_pad
 
@@ -153,17 +154,30 @@ class HFEngine(Engine):
     model_path: local HF model directory. max_batch: sequences per forward pass.
     bf16: forward passes under bf16 autocast (sampling and logprobs stay float32).
     device: where it runs (default: the first CUDA device when there is one, else the
-    CPU); dtype: of the weights (bf16 when it shares a GPU with the trainer).
+    CPU); dtype: of the weights (bf16 when it shares a GPU with the trainer). lora: the
+    peft LoraConfig of a LoRA run (models.lora_config): the model gets adapters as the
+    trainer's (unmerged, so that its log-probs are computed as the trainer's are), and
+    weight syncs carry the adapters only. `model_path` may be a peft adapter directory (a
+    LoRA run's checkpoint or resume state): its base is loaded with it.
     """
 
     def __init__(self, model_path: str, max_batch: int = 64, seed: int = 0, bf16: bool = False, device: str = "",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, lora=None):
         super().__init__()
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
+        adapter = models.is_adapter(model_path)
+        base = models.adapter_base(model_path) if adapter else model_path
+        self.model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype).to(self.device).eval()
+        self.lora = lora
+        if lora is not None:
+            from peft import get_peft_model
+
+            self.model = get_peft_model(self.model, lora).eval()
+            if adapter:
+                models.load_adapter(self.model, model_path)
         self.max_batch, self.bf16 = max_batch, bf16
         gen_eos = self.model.generation_config.eos_token_id
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
@@ -179,8 +193,9 @@ class HFEngine(Engine):
         self.generator.set_state(torch.tensor(list(state), dtype=torch.uint8))
 
     def parameters(self) -> list[torch.Tensor]:
-        """Weights in `named_parameters()` order (the wire order of sync.WeightSync)."""
-        return [p for _, p in self.model.named_parameters()]
+        """What a weight sync carries, in `named_parameters()` order (the wire order of
+        sync.WeightSync): every weight, or with LoRA the adapters."""
+        return [p for _, p in (models.lora_parameters(self.model) if self.lora else self.model.named_parameters())]
 
     def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
         self.weights = sync.WeightSync(None, port=port, host=host, device=device, timeout_s=timeout_s,
@@ -194,10 +209,13 @@ class HFEngine(Engine):
         return self.version, sync.checksum(params)
 
     def load_checkpoint(self, path, version):
-        state = read_safetensors(path)
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                p.copy_(state[name])
+        if self.lora:  # a peft adapter directory
+            models.load_adapter(self.model, path)
+        else:
+            state = read_safetensors(path)
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    p.copy_(state[name])
         self.version = version
         return sync.checksum(self.parameters())
 
@@ -464,8 +482,8 @@ def make_engine(cfg, model_path: str, seed: int, device: str = "", colocated: bo
                           threads=cfg.explorer_threads,
                           memory_fraction=cfg.vllm_memory_fraction, inflight=cfg.inflight)
     half = colocated and device.startswith("cuda")
-    return HFEngine(model_path, max_batch=cfg.explorer_max_batch, seed=seed,
-                    bf16=cfg.dtype == "bfloat16", device=device, dtype=torch.bfloat16 if half else torch.float32)
+    return HFEngine(model_path, max_batch=cfg.explorer_max_batch, seed=seed, bf16=cfg.dtype == "bfloat16",
+                    device=device, dtype=torch.bfloat16 if half else torch.float32, lora=models.lora_config(cfg))
 
 
 def use_gpu(device: str) -> str:

@@ -193,7 +193,7 @@ class TrainLoop:
                 m["sync/trainer_checksum"] = sync.checksum(params)
         if step == cfg.steps - 1:
             params = params if params is not None else self.trainer.full_parameters()
-            self.trainer.save(Path(cfg.run_dir) / "final", params, self.trainer.final_dtype)
+            self.trainer.save_final(Path(cfg.run_dir) / "final", params)
 
     def waiting(self) -> bool:
         """Rank 0's poll while it waits for a batch: show the explorer's status lines (twice

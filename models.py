@@ -111,3 +111,83 @@ def resolve_model(name: str) -> str:
     tok.save_pretrained(tmp)
     tmp.replace(out)
     return str(out)
+
+
+# ----------------------------------------------------------------------------- LoRA (peft)
+
+def lora_config(cfg, base: str = ""):
+    """The peft `LoraConfig` of cfg's --lora-* settings (rank r = cfg.lora_rank, scaling
+    lora_alpha / r, dropout, target modules: "all-linear" = every linear layer but the LM
+    head, else comma-separated module names), recording `base` (the model directory) as
+    its base model; None when cfg.lora_rank is 0 (full fine-tuning). LoRA: Hu et al.,
+    "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685, section 4.1
+    (W + (alpha / r) B A, B initialised to 0, so a fresh adapter leaves the model as it is).
+    Raises ValueError (one line) when peft is not installed."""
+    if not cfg.lora_rank:
+        return None
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        raise ValueError("--lora-rank needs peft: pip install peft") from None
+    targets = cfg.lora_target_modules.strip()
+    targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=targets, task_type="CAUSAL_LM", base_model_name_or_path=base or None)
+
+
+def is_adapter(path: str | Path) -> bool:
+    """Whether `path` is a peft adapter directory (adapter_config.json): what a LoRA run
+    publishes, saves in resume states and writes to final/adapter."""
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def adapter_base(path: str | Path) -> str:
+    """The base model directory that the peft adapter at `path` was trained on."""
+    from peft import PeftConfig
+
+    return PeftConfig.from_pretrained(str(path)).base_model_name_or_path
+
+
+def lora_parameters(model) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) of the LoRA adapters of a peft model in `named_parameters()` order:
+    what a LoRA run trains, publishes to the explorer and saves (A [r, in] and B [out, r] of
+    every adapted layer)."""
+    return [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
+
+
+def save_adapter(model, path: str | Path, named: list[tuple[str, torch.Tensor]], config) -> None:
+    """Write the adapters `named` (model's own names -> CPU tensors) of the peft `model` as
+    a peft adapter directory at `path` (adapter_model.safetensors in peft's naming,
+    adapter_config.json from `config`), loadable by `PeftModel.from_pretrained`."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    state = get_peft_model_state_dict(model, state_dict=dict(named))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(Path(path) / "adapter_model.safetensors"))
+    config.save_pretrained(str(path))
+
+
+def load_adapter(model, path: str | Path) -> None:
+    """Load the peft adapter directory `path` into the adapters of the (unsharded) peft
+    `model`, in place. Raises ValueError when it leaves an adapter of the model unset."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    result = set_peft_model_state_dict(model, load_file(str(Path(path) / "adapter_model.safetensors")))
+    if missing := [k for k in result.missing_keys if ".lora_" in k]:
+        raise ValueError(f"adapter {path} has no weights for {missing[:3]} ({len(missing)} tensors)")
+
+
+def merge_adapter(adapter: str | Path, out: str | Path, dtype: torch.dtype) -> None:
+    """Write the model of the peft `adapter` directory merged into its base (W + (alpha / r)
+    B A: peft's merge_and_unload) at `out` as a Hugging Face directory in `dtype`, loadable
+    by `AutoModelForCausalLM.from_pretrained`. Loads the base model once more (CPU)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(adapter_base(adapter), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    merged = merged.to(dtype)
+    merged.config.dtype = dtype  # (the config would record the float32 it was loaded in)
+    merged.save_pretrained(str(out))

@@ -12,6 +12,7 @@ Here too: the algorithm's settings checked (`check_config`) and the resume state
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -30,7 +31,7 @@ from torch.distributed.tensor import DTensor
 import sync
 from metrics import peak_rss_gib
 from buffer import Experience
-from models import limit_heap_fragmentation
+import models
 from packing import micro_batches, pack, packed_logprobs, packed_tokens, response_logprobs, share_prompts
 from losses import (ADVANTAGES, AGGREGATIONS, FILTERS, KL_ESTIMATORS, POLICY_LOSSES, LossInputs, accepts, aggregate,
                     kl_estimate, length_penalty, masked_sum, part_totals, resolve)
@@ -115,6 +116,11 @@ def check_config(cfg) -> None:
         raise ValueError("policy_loss mix and expert_fraction > 0 go together (with expert_data)")
     if cfg.expert_fraction > 0 and not Path(cfg.expert_data).is_file():
         raise FileNotFoundError(f"expert_data file not found: {cfg.expert_data!r}")
+    if cfg.lora_rank and (cfg.lora_alpha <= 0 or not 0 <= cfg.lora_dropout < 1 or not cfg.lora_target_modules.strip()):
+        raise ValueError("LoRA needs lora_alpha > 0, 0 <= lora_dropout < 1 and lora_target_modules")
+    if cfg.lora_rank and cfg.engine == "vllm":
+        raise ValueError("--lora-rank with --engine vllm is not supported yet: use --engine hf")
+    models.lora_config(cfg)  # ValueError without peft
 
 
 class Trainer:
@@ -147,16 +153,19 @@ class Trainer:
         self.cores = None  # sync.CoreShare: threads lent by an idle explorer (set by TrainLoop)
         self.progress: Callable[[str], None] = lambda text: None  # rank 0's step bar shows where the step is
         if device.type == "cpu":
-            limit_heap_fragmentation()
+            models.limit_heap_fragmentation()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.model = self._load(model_path)
+        self.model_path = model_path
+        self.lora = models.lora_config(cfg, model_path)  # None: full fine-tuning
+        self.model = self._load(model_path, self.lora)
         own = AutoConfig.from_pretrained(model_path).dtype
         own = getattr(torch, own) if isinstance(own, str) else own or torch.float32
         self.final_dtype = own if cfg.save_dtype == "auto" else getattr(torch, cfg.save_dtype)
-        needs_ref = cfg.kl_loss_coef or cfg.kl_reward_coef or getattr(self.loss_fn, "needs_ref", False)
-        self.ref = self._load(model_path).requires_grad_(False).eval() if needs_ref else None
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+        self.needs_ref = bool(cfg.kl_loss_coef or cfg.kl_reward_coef or getattr(self.loss_fn, "needs_ref", False))
+        # the reference policy: a frozen copy of the model, or with LoRA the model with its adapters disabled
+        self.ref = self._load(model_path).requires_grad_(False).eval() if self.needs_ref and not self.lora else None
+        self.opt = torch.optim.AdamW([p for _, p in self.published()], lr=cfg.lr, weight_decay=cfg.weight_decay,
                                      betas=(0.9, 0.99))
         self.version = 0
         self.before_resume_marker = None  # tests: called after a resume state is written, before it is named
@@ -164,14 +173,20 @@ class Trainer:
         # (loop.TrainLoop: "expert_drawn", the groups the MIX expert sampler has drawn)
         self.loop_state: dict = {}
 
-    def _load(self, model_path: str):
-        """The model at `model_path` in float32 on `device`, sharded over `mesh`. Attention is
-        sdpa whatever the checkpoint's config asks: `pack`'s [N, 1, L, L] boolean mask is one
-        that sdpa (and eager) take; flash-attention and flex-attention reject or misread it."""
+    def _load(self, model_path: str, lora=None):
+        """The model at `model_path` in float32 on `device`, sharded over `mesh`; with a peft
+        `lora` config, fresh LoRA adapters on it (peft.get_peft_model: the base frozen, each
+        block sharded with its adapters). Attention is sdpa whatever the checkpoint's config
+        asks: `pack`'s [N, 1, L, L] boolean mask is one that sdpa (and eager) take;
+        flash-attention and flex-attention reject or misread it."""
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                      attn_implementation="sdpa").to(self.device)
+        if lora is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.fsdp_bf16 else \
             MixedPrecisionPolicy()
         blocks = set(model._no_split_modules or [])
@@ -182,6 +197,8 @@ class Trainer:
                 # transformers recomputes a block only when the block is in training mode; its submodules
                 # stay in eval mode (no dropout: the behaviour policy sampled without it)
                 m.training = self.cfg.activation_checkpointing
+                for name, sub in m.named_modules():  # LoRA dropout, when asked for, applies while training
+                    sub.training = sub.training or (isinstance(sub, torch.nn.Dropout) and "lora_dropout" in name)
                 m.register_forward_pre_hook(self._lent_cores)  # also runs in each recompute of the backward pass
                 fully_shard(m, mesh=self.mesh, mp_policy=policy)
         model = fully_shard(model, mesh=self.mesh, mp_policy=policy)
@@ -189,18 +206,23 @@ class Trainer:
         register_fsdp_forward_method(model, "nanorft_logprobs")
         return model
 
+    def published(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, parameter) of what this trainer trains and sends the explorer, in
+        `named_parameters()` order: every parameter, or with LoRA the adapters only."""
+        return models.lora_parameters(self.model) if self.lora else list(self.model.named_parameters())
+
     def full_parameters(self) -> list[torch.Tensor]:
-        """All parameters as full tensors in `named_parameters()` order. Collective: every
-        rank must call it; every rank gets the tensors."""
+        """The `published` parameters as full tensors. Collective: every rank must call it;
+        every rank gets the tensors."""
         return next(self.parameter_buckets(0))
 
     @torch.no_grad()  # full_tensor() of a parameter would otherwise record the gather for autograd
     def parameter_buckets(self, bucket_elems: int):
-        """The parameters as full tensors in `named_parameters()` order, gathered one bucket
+        """The `published` parameters as full tensors, gathered one bucket
         (sync.bucket_ranges: at most `bucket_elems` elements; 0 = all) at a time as the
         generator is advanced: O(bucket) extra memory; no gradient. Collective: every rank
         must advance it as far as the others."""
-        params = [p for _, p in self.model.named_parameters()]
+        params = [p for _, p in self.published()]
         for r in sync.bucket_ranges([p.numel() for p in params], bucket_elems):
             yield [(params[i].detach().to_local() if self.world == 1 else params[i].full_tensor())  # one rank: no copy
                    if isinstance(params[i], DTensor) else params[i].detach() for i in r]
@@ -233,9 +255,10 @@ class Trainer:
     def _ref_logprobs(self, units: list[list[Experience]], dummy: Experience) -> dict[int, torch.Tensor]:
         """Reference-model log-probs of this rank's sequences: id(experience) -> [R]."""
         out = {}
-        with torch.no_grad():
+        off = self.model.disable_adapter() if self.lora else contextlib.nullcontext()  # LoRA: the base is the reference
+        with torch.no_grad(), off:
             for mb, real in self._plan(units, dummy):
-                _, lp, _ = self._forward(self.ref, mb, real)
+                _, lp, _ = self._forward(self.ref if self.ref is not None else self.model, mb, real)
                 for i, e in enumerate(mb if real else []):
                     out[id(e)] = lp[i, :len(e.logprobs)].float().cpu()
         return out
@@ -259,7 +282,7 @@ class Trainer:
             ([g[i] for i in members] for g in groups for _, members in share_prompts(g, self.cfg.token_budget)),
             key=packed_tokens)
         mine = units[self.rank::self.world]
-        ref = self._ref_logprobs(mine, batch.exps[0]) if self.ref is not None else {}
+        ref = self._ref_logprobs(mine, batch.exps[0]) if self.needs_ref else {}
         rewards, m = self.shape_rewards(batch, mine, ref)
         adv = self.advantages(batch, rewards)
         keep, filtered = self.apply_filters(batch, adv)
@@ -360,7 +383,7 @@ class Trainer:
             mask, old = b["mask"], b["old_logprobs"]                                      # [B, R]
             rows = torch.tensor([batch.row[id(e)] for e in mb])
             ref_lp = None
-            if self.ref is not None:
+            if self.needs_ref:
                 ref_lp = torch.zeros_like(old)
                 for i, e in enumerate(mb if real else []):
                     ref_lp[i, :len(e.logprobs)] = ref[id(e)].to(self.device)
@@ -413,7 +436,8 @@ class Trainer:
         (exactly the trained weights; the explorer of a resumed run starts from it), the
         optimizer state (torch.distributed.checkpoint in dcp/, sharded as it is), version,
         RNG and `loop_state` (rank 0's): about 12 bytes per parameter (4 weights + 8 AdamW
-        moments) plus the tokenizer. Collective. Written to RUN_DIR/checkpoints/resume-{step:06d}/; only when it is
+        moments) plus the tokenizer; with LoRA, the adapters only (hf/ a peft adapter
+        directory, and in dcp/ with their AdamW moments). Collective. Written to RUN_DIR/checkpoints/resume-{step:06d}/; only when it is
         complete does the marker checkpoints/resume-latest (written to a temporary file, then
         renamed over the old one) name it, and only then are older states deleted: at every
         moment the marker names a complete state, whatever is killed when. Returns the
@@ -429,7 +453,8 @@ class Trainer:
         dist.barrier()
         # one copy of the weights: hf/ in float32 (the trainer's own, so the resume is exact), which the explorer
         # also starts from; DCP holds only the optimizer (AdamW's two float32 moments: 8 bytes per parameter)
-        dcp.save({"optim": get_optimizer_state_dict(self.model, self.opt)}, checkpoint_id=str(path / "dcp"))
+        dcp.save({"optim": get_optimizer_state_dict(self.model, self.opt), **self._adapter_state()},
+                 checkpoint_id=str(path / "dcp"))
         self.save(path / "hf")
         if self.rank == 0:
             torch.save({"step": step, "version": self.version, "rng": torch.get_rng_state(), "loop": self.loop_state},
@@ -450,38 +475,53 @@ class Trainer:
         from a state saved before it had one); returns the number of steps it had done: the
         weights from hf/ (float32, read by every rank, sharded here), the optimizer from
         dcp/ (a state that also holds the weights in dcp/, as saved before, loads the same
-        way). Collective. Raises ValueError when hf/ lacks a parameter of the model."""
+        way); with LoRA, adapters and optimizer from dcp/. Collective. Raises ValueError when
+        hf/ lacks a parameter of the model."""
         import torch.distributed.checkpoint as dcp
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                             set_model_state_dict, set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-        state = {"optim": get_optimizer_state_dict(self.model, self.opt)}
-        dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
+        state = {"optim": get_optimizer_state_dict(self.model, self.opt), **self._adapter_state()}
+        dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))  # LoRA: the adapters in place, as sharded
         set_optimizer_state_dict(self.model, self.opt, state["optim"])
-        full: dict[str, torch.Tensor] = {}
-        for f in sorted((Path(path) / "hf").glob("*.safetensors")):  # (save_pretrained shards a large model)
-            full.update(load_file(f))
-        names = [n for n, _ in self.model.named_parameters()]  # the names `save` writes
-        if missing := [n for n in names if n not in full]:
-            raise ValueError(f"resume state {path}: hf/ has no weights for {missing[:3]} ({len(missing)} parameters)")
-        # strict=False: the tied alias of a weight (lm_head.weight) is not a parameter of its own
-        set_model_state_dict(self.model, {n: full[n] for n in names},
-                             options=StateDictOptions(full_state_dict=True, strict=False))
-        del full
+        if not self.lora:
+            self._load_weights(Path(path) / "hf")
         meta = torch.load(Path(path) / "trainer.pt", weights_only=False)
         self.version = meta["version"]
         self.loop_state = dict(meta.get("loop", {}))
         torch.set_rng_state(meta["rng"])
         return meta["step"]
 
+    def _adapter_state(self) -> dict:
+        """With LoRA, the adapters for DCP to save or load in place ({} otherwise)."""
+        return {"adapters": {n: p for n, p in self.published()}} if self.lora else {}
+
+    def _load_weights(self, hf: Path) -> None:
+        """Load the float32 HF directory `hf` (a resume state's) into the sharded model."""
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full: dict[str, torch.Tensor] = {}
+        for f in sorted(hf.glob("*.safetensors")):  # (save_pretrained shards a large model)
+            full.update(load_file(f))
+        names = [n for n, _ in self.model.named_parameters()]  # the names `save` writes
+        if missing := [n for n in names if n not in full]:
+            raise ValueError(f"resume state {hf}: no weights for {missing[:3]} ({len(missing)} parameters)")
+        # strict=False: the tied alias of a weight (lm_head.weight) is not a parameter of its own
+        set_model_state_dict(self.model, {n: full[n] for n in names},
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+
     def save(self, path: str | Path, params: list[torch.Tensor] | None = None,
              dtype: torch.dtype = torch.float32) -> None:
         """Write a Hugging Face safetensors directory with the weights cast to `dtype`
         (float32 = exactly the trained weights; rank 0 writes; collective unless `params`
-        from `full_parameters` is given)."""
+        from `full_parameters` is given); with LoRA, a peft adapter directory of the adapters
+        (models.save_adapter) and the tokenizer."""
         params = params if params is not None else self.full_parameters()
-        if self.rank == 0:
+        if self.rank == 0 and self.lora:
+            named = [(n, p.detach().to("cpu", dtype)) for (n, _), p in zip(self.published(), params)]
+            models.save_adapter(self.model, path, named, self.lora)
+            self.tokenizer.save_pretrained(str(path))
+        elif self.rank == 0:
             names = [n for n, _ in self.model.named_parameters()]
             state = {n: p.detach().to("cpu", dtype).contiguous() for n, p in zip(names, params)}
             self.model.save_pretrained(str(path), state_dict=state)
@@ -489,3 +529,14 @@ class Trainer:
             conf = Path(path) / "config.json"  # save_pretrained records the live model's float32
             conf.write_text(json.dumps({**json.loads(conf.read_text()), "dtype": str(dtype).removeprefix("torch.")},
                                        indent=2))
+
+    def save_final(self, path: str | Path, params: list[torch.Tensor] | None = None) -> None:
+        """The run's final weights at `path` in `final_dtype`: a Hugging Face directory; with
+        LoRA, the adapters (float32) in path/adapter (peft) and the model with them merged
+        (models.merge_adapter) at `path`. Collective unless `params` is given."""
+        if not self.lora:
+            return self.save(path, params, self.final_dtype)
+        self.save(Path(path) / "adapter", params)
+        if self.rank == 0:
+            models.merge_adapter(Path(path) / "adapter", path, self.final_dtype)
+            self.tokenizer.save_pretrained(str(path))
