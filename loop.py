@@ -30,7 +30,7 @@ import torch.distributed as dist
 import checkpoints
 import sync
 from buffer import Experience, open_buffer
-from checkpoints import delete_resume_states, resume_state
+from checkpoints import delete_resume_states, load_resume_state, resume_state, save_resume_state
 from metrics import Metrics, cpu_seconds, plot, print0, trackers
 from trainer import Trainer
 
@@ -164,7 +164,7 @@ class TrainLoop:
         if sync.publishes_after(step, cfg.sync_interval, cfg.steps):
             self.publish(step, m)
         if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step < cfg.steps - 1:
-            self.trainer.save_state(cfg.run_dir, step + 1)
+            save_resume_state(self.trainer, cfg.run_dir, step + 1)
         if io.cores is not None:
             io.cores.busy(False)  # waiting for the next batch: the explorer may use our cores
         if self.rank == 0:
@@ -310,7 +310,7 @@ def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout,
     torch.set_num_threads(cfg.trainer_threads)
     trainer = Trainer(cfg, model_path, device)
     state = resume_state(cfg.run_dir) if cfg.resume else None
-    start = trainer.load_state(state) if state else 0
+    start = load_resume_state(trainer, state) if state else 0
     io, explorer, weights = LoopIO(), None, None
     if rank == 0:
         io = loop_io(cfg, trainer, start, model_path)
@@ -426,7 +426,7 @@ def start_explorer(cfg, io, model_path: str, version: int, layout, tasks: tuple)
     if weights:
         weights.connect(io.alive)
         io.send_weights = lambda v, buckets: weights.send(v, buckets, io.alive)
-    else:  # it may start from a resume state that the first save_state deletes: wait until it is loaded
+    else:  # it may start from a resume state that the first save_resume_state deletes: wait until it is loaded
         wait_until_loaded(explorer, queue)
     return explorer, weights
 

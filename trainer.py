@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,7 +167,7 @@ class Trainer:
                                      betas=(0.9, 0.99))
         self.version = 0
         self.before_resume_marker = None  # tests: called after a resume state is written, before it is named
-        # rank 0: the loop's own position, saved with the resume state (trainer.pt) and restored by load_state
+        # rank 0: the loop's own position, saved with the resume state (trainer.pt) and restored by checkpoints.load_resume_state
         # (loop.TrainLoop: "expert_drawn", the groups the MIX expert sampler has drawn)
         self.loop_state: dict = {}
 
@@ -430,85 +428,6 @@ class Trainer:
             tok = max(float(flat[1 + names.index("tokens")]), 1.0)
             m.update({k: float(v) / tok for k, v in zip(names, flat[1:]) if k != "tokens"})
         return m
-
-    def save_state(self, run_dir: str | Path, step: int) -> Path:
-        """Resume state after `step` steps: the weights once, as a float32 HF directory hf/
-        (exactly the trained weights; the explorer of a resumed run starts from it), the
-        optimizer state (torch.distributed.checkpoint in dcp/, sharded as it is), version,
-        RNG and `loop_state` (rank 0's): about 12 bytes per parameter (4 weights + 8 AdamW
-        moments) plus the tokenizer; with LoRA, the adapters only (hf/ a peft adapter
-        directory, and in dcp/ with their AdamW moments). Collective. Written to RUN_DIR/checkpoints/resume-{step:06d}/; only when it is
-        complete does the marker checkpoints/resume-latest (written to a temporary file, then
-        renamed over the old one) name it, and only then are older states deleted: at every
-        moment the marker names a complete state, whatever is killed when. Returns the
-        directory."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        root = Path(run_dir) / "checkpoints"
-        path = root / f"resume-{step:06d}"
-        if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)  # a partial state left by a crash
-            path.mkdir(parents=True)
-        dist.barrier()
-        # one copy of the weights: hf/ in float32 (the trainer's own, so the resume is exact), which the explorer
-        # also starts from; DCP holds only the optimizer (AdamW's two float32 moments: 8 bytes per parameter)
-        dcp.save({"optim": get_optimizer_state_dict(self.model, self.opt), **self._adapter_state()},
-                 checkpoint_id=str(path / "dcp"))
-        self.save(path / "hf")
-        if self.rank == 0:
-            torch.save({"step": step, "version": self.version, "rng": torch.get_rng_state(), "loop": self.loop_state},
-                       path / "trainer.pt")
-            if self.before_resume_marker is not None:
-                self.before_resume_marker()
-            tmp = root / ".resume-latest.tmp"
-            tmp.write_text(path.name)
-            os.replace(tmp, root / "resume-latest")
-            for old in root.glob("resume-[0-9]*"):
-                if old != path:
-                    shutil.rmtree(old, ignore_errors=True)
-        dist.barrier()
-        return path
-
-    def load_state(self, path: str | Path) -> int:
-        """Load a `save_state` directory (`resume_state(run_dir)`) and its `loop_state` ({}
-        from a state saved before it had one); returns the number of steps it had done: the
-        weights from hf/ (float32, read by every rank, sharded here), the optimizer from
-        dcp/ (a state that also holds the weights in dcp/, as saved before, loads the same
-        way); with LoRA, adapters and optimizer from dcp/. Collective. Raises ValueError when
-        hf/ lacks a parameter of the model."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-        state = {"optim": get_optimizer_state_dict(self.model, self.opt), **self._adapter_state()}
-        dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))  # LoRA: the adapters in place, as sharded
-        set_optimizer_state_dict(self.model, self.opt, state["optim"])
-        if not self.lora:
-            self._load_weights(Path(path) / "hf")
-        meta = torch.load(Path(path) / "trainer.pt", weights_only=False)
-        self.version = meta["version"]
-        self.loop_state = dict(meta.get("loop", {}))
-        torch.set_rng_state(meta["rng"])
-        return meta["step"]
-
-    def _adapter_state(self) -> dict:
-        """With LoRA, the adapters for DCP to save or load in place ({} otherwise)."""
-        return {"adapters": {n: p for n, p in self.published()}} if self.lora else {}
-
-    def _load_weights(self, hf: Path) -> None:
-        """Load the float32 HF directory `hf` (a resume state's) into the sharded model."""
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        full: dict[str, torch.Tensor] = {}
-        for f in sorted(hf.glob("*.safetensors")):  # (save_pretrained shards a large model)
-            full.update(load_file(f))
-        names = [n for n, _ in self.model.named_parameters()]  # the names `save` writes
-        if missing := [n for n in names if n not in full]:
-            raise ValueError(f"resume state {hf}: no weights for {missing[:3]} ({len(missing)} parameters)")
-        # strict=False: the tied alias of a weight (lm_head.weight) is not a parameter of its own
-        set_model_state_dict(self.model, {n: full[n] for n in names},
-                             options=StateDictOptions(full_state_dict=True, strict=False))
 
     def save(self, path: str | Path, params: list[torch.Tensor] | None = None,
              dtype: torch.dtype = torch.float32) -> None:

@@ -11,7 +11,8 @@ import sync
 from buffer import Experience
 from conftest import PROMPTS, rollouts, run_py
 from engines import HFEngine, Sampling
-from models import lora_config, lora_parameters
+from checkpoints import load_resume_state, save_resume_state
+from models import lora_config
 from packing import pack, response_logprobs
 from trainer import Trainer
 
@@ -125,14 +126,14 @@ def test_final_adapter_loads_in_peft_and_merged_model_in_transformers(tiny_model
 
 def test_resume_state_holds_adapters_and_their_optimizer_only(tiny_model, trained, tmp_path):
     cfg, tr = trained
-    path = tr.save_state(tmp_path, step=2)
+    path = save_resume_state(tr, tmp_path, step=2)
     hf = path / "hf"
     assert (hf / "adapter_model.safetensors").is_file() and not list(hf.glob("model*.safetensors"))
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and "tokenizer" not in f.name)
     adapters = sum(p.numel() for _, p in tr.published())
     assert size < 4 * 12 * adapters + 2 ** 20  # about 12 bytes per adapter parameter, nothing of the base
     _, fresh = make_trainer(tiny_model)
-    assert fresh.load_state(path) == 2 and fresh.version == tr.version
+    assert load_resume_state(fresh, path) == 2 and fresh.version == tr.version
     assert all(torch.equal(a, b) for a, b in zip(fresh.full_parameters(), tr.full_parameters()))
     m1, m2 = fresh.step(batch(3)), tr.step(batch(3))
     assert m1["loss/policy"] == pytest.approx(m2["loss/policy"], abs=1e-6)

@@ -302,7 +302,7 @@ def test_bench_on_a_run_dir_takes_the_runs_task(tiny_model, tmp_path, capsys, mo
 
 
 # checkpoint sync, interval 1: the resumed explorer starts from the resume state that the resumed trainer's
-# first save_state deletes (the fault benchmark found it failing to load); the trainer waits until it has loaded
+# first save_resume_state deletes (the fault benchmark found it failing to load); the trainer waits until it has loaded
 # (and the finished run deletes its resume state, unless --keep-resume-state)
 @pytest.mark.parametrize("sync", [["--checkpoint-interval", 2],
                                   ["--checkpoint-interval", 1, "--sync-method", "checkpoint", "--keep-resume-state"]])

@@ -119,10 +119,10 @@ def _trainer(tiny_model, run_dir, port):
 
 def test_resume_state_is_replaced_atomically(tiny_model, tmp_path):
     from run import _free_port
-    from checkpoints import resume_state
+    from checkpoints import load_resume_state, resume_state, save_resume_state
 
     trainer = _trainer(tiny_model, tmp_path, _free_port())
-    first = trainer.save_state(tmp_path, 2)
+    first = save_resume_state(trainer, tmp_path, 2)
     assert resume_state(tmp_path) == first
 
     def crash():
@@ -130,11 +130,11 @@ def test_resume_state_is_replaced_atomically(tiny_model, tmp_path):
 
     trainer.before_resume_marker = crash
     with pytest.raises(KeyboardInterrupt):
-        trainer.save_state(tmp_path, 4)
+        save_resume_state(trainer, tmp_path, 4)
     assert resume_state(tmp_path) == first and (tmp_path / "checkpoints" / "resume-000004").is_dir()
-    assert trainer.load_state(resume_state(tmp_path)) == 2  # the complete old state still loads
+    assert load_resume_state(trainer, resume_state(tmp_path)) == 2  # the complete old state still loads
     trainer.before_resume_marker = None
-    trainer.save_state(tmp_path, 4)  # the partial directory is rewritten, then named; the old one goes
+    save_resume_state(trainer, tmp_path, 4)  # the partial directory is rewritten, then named; the old one goes
     assert resume_state(tmp_path).name == "resume-000004" and not first.exists()
     import torch.distributed as dist
     dist.destroy_process_group()
@@ -146,12 +146,12 @@ def test_resume_state_holds_the_weights_once_and_resumes_exactly(tiny_model, tmp
     import torch.distributed as dist
 
     from run import _free_port
-    from checkpoints import resume_state
+    from checkpoints import load_resume_state, resume_state, save_resume_state
 
     a = _trainer(tiny_model, tmp_path, _free_port())
     exps = [Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0) for i in range(4)]
     a.step([exps])  # AdamW moments that are not zero
-    state = a.save_state(tmp_path, 1)
+    state = save_resume_state(a, tmp_path, 1)
     n = sum(p.numel() for p in a.model.parameters())  # (the tied embedding once)
     files = {f.relative_to(state).as_posix(): f.stat().st_size for f in state.rglob("*") if f.is_file()}
     tokenizer = sum(size for name, size in files.items()
@@ -161,7 +161,7 @@ def test_resume_state_holds_the_weights_once_and_resumes_exactly(tiny_model, tmp
     assert sum(files.values()) <= 12 * n + tokenizer + 256 * 1024, files
     a.step([exps])
     b = _trainer(tiny_model, tmp_path, 0)  # a fresh trainer, resumed: the next step is the same, bit for bit
-    assert b.load_state(resume_state(tmp_path)) == 1 and b.version == 1
+    assert load_resume_state(b, resume_state(tmp_path)) == 1 and b.version == 1
     b.step([exps])
     assert all(torch.equal(x, y) for x, y in zip(a.full_parameters(), b.full_parameters()))
     dist.destroy_process_group()
@@ -228,7 +228,7 @@ def test_mix_expert_data_continues_the_same_after_a_resume(tiny_model, tmp_path)
 
     import loop
     from run import Config, _free_port
-    from checkpoints import resume_state
+    from checkpoints import load_resume_state, resume_state
     from trainer import Trainer
 
     expert = tmp_path / "expert.jsonl"
@@ -249,7 +249,7 @@ def test_mix_expert_data_continues_the_same_after_a_resume(tiny_model, tmp_path)
     def run_loop(start, resume):  # steps start..3 in this process: the expert sequences of each
         c = dataclasses.replace(cfg, resume=resume)
         trainer = Trainer(c, tiny_model, torch.device("cpu"))
-        assert (trainer.load_state(resume_state(run_dir)) if resume else 0) == start
+        assert (load_resume_state(trainer, resume_state(run_dir)) if resume else 0) == start
         io = loop.loop_io(c, trainer, start, tiny_model)
         drawn, draw = [], io.expert.draw
 
