@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -288,28 +290,55 @@ class VLLMEngine(Engine):
     the last cores (unless VLLM_CPU_OMP_THREADS_BIND is set). `memory_fraction` of the
     device's memory (on CPU: of RAM) is reserved for weights and KV cache; the trainer
     shares the device. `inflight` runs vLLM's engine core in this process and steps it
-    by hand (see `_generate_inflight`). Raises ImportError (one line) when vllm is not
-    installed.
+    by hand (see `_generate_inflight`). `lora` (the peft LoraConfig of a LoRA run): vLLM's
+    LoRA support (enable_lora) with one adapter per weight version, a `LoRARequest` for a
+    peft adapter directory: one the worker writes from a publish (`VLLMWeightReceiver`), or a
+    copy of a published checkpoint; `model_path` may itself be an adapter directory (a
+    resumed LoRA run). Raises ImportError (one line) when vllm is not installed.
     """
 
     def __init__(self, model_path: str, seed: int = 0, bf16: bool = False, threads: int = 0,
-                 memory_fraction: float = 0.2, inflight: bool = False):
+                 memory_fraction: float = 0.2, inflight: bool = False, lora=None):
         super().__init__()
         try:
             from vllm import LLM
         except ImportError as e:
             raise ImportError(f"--engine vllm needs vLLM (GPU: pip install vllm; CPU: see README): {e}") from None
-        self.model_path, self.inflight = model_path, inflight
+        adapter = models.is_adapter(model_path)
+        self.model_path, self.inflight, self.lora = models.adapter_base(model_path) if adapter else model_path, inflight, lora
+        self.lora_request, self.lora_root = None, tempfile.mkdtemp(prefix="nanorft-lora-") if lora else ""
+        # vLLM takes a max_lora_rank of 1, 8, 16, 32, 64, 128, 256, 320 or 512
+        lora_args = {"enable_lora": True, "max_loras": 1, "max_lora_rank": next(
+            x for x in (1, 8, 16, 32, 64, 128, 256, 320, 512) if x >= lora.r)} if lora else {}
         if threads and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # CPU build: bind to the last cores
             cores = sorted(os.sched_getaffinity(0))[-threads:]
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines (dozens per start) unless asked for
         if inflight:  # the engine core runs in this process, so it stops between two step() calls
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self.llm = LLM(model=model_path, dtype="bfloat16" if bf16 else "float32", seed=seed,
+        self.llm = LLM(model=self.model_path, dtype="bfloat16" if bf16 else "float32", seed=seed,
                        logprobs_mode="processed_logprobs", gpu_memory_utilization=memory_fraction,
-                       worker_extension_cls="engines.VLLMWeightReceiver", enable_prefix_caching=not inflight)
+                       worker_extension_cls="engines.VLLMWeightReceiver", enable_prefix_caching=not inflight,
+                       **lora_args)
         self.tokenizer = self.llm.get_tokenizer()
+        if adapter and lora:
+            self._use_adapter(model_path, 0, copy=True)
+
+    def _use_adapter(self, path: str | Path, version: int, copy: bool = False) -> None:
+        """Sample with the peft adapter directory `path` (weight `version`) from now on: a new
+        LoRARequest (vLLM loads an adapter once per id); `copy` first copies it into this
+        engine's own directory (a published checkpoint may be deleted before vLLM reads it).
+        Older adapter directories of this engine are deleted."""
+        from vllm.lora.request import LoRARequest
+
+        own = Path(self.lora_root) / f"v{version:06d}"
+        if copy:
+            shutil.rmtree(own, ignore_errors=True)
+            shutil.copytree(path, own)
+        self.lora_request = LoRARequest(f"nanorft-v{version}", version + 1, str(own))
+        for old in Path(self.lora_root).glob("v*"):
+            if old != own:
+                shutil.rmtree(old, ignore_errors=True)
 
     def generate_batch(self, prompts, ns, sampling):
         from vllm import SamplingParams
@@ -320,7 +349,7 @@ class VLLMEngine(Engine):
         inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         if self.step_hook is not None:
             return self._generate_inflight(inputs, params)
-        outs = self.llm.generate(inputs, params, use_tqdm=False)
+        outs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self.lora_request)
         v = (self.version, self.version)
         return [[self._completion(c, v) for c in out.outputs] for out in outs]
 
@@ -337,7 +366,7 @@ class VLLMEngine(Engine):
         self.calls = getattr(self, "calls", 0) + 1
         ids = [f"nanorft-{self.calls}-{i}" for i in range(len(inputs))]
         for rid, inp, p in zip(ids, inputs, params):
-            engine.add_request(rid, inp, p)
+            engine.add_request(rid, inp, p, lora_request=self.lora_request)
         seen: dict[tuple[str, int], int] = {}
         last: dict[tuple[str, int], int] = {}
         done: dict[tuple[str, int], object] = {}
@@ -355,10 +384,14 @@ class VLLMEngine(Engine):
 
     def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
         """The worker joins; it watches the trainer itself (sync.StoreAlive): `alive` cannot cross to it."""
-        self.llm.collective_rpc("nanorft_join", args=(self.model_path, host, port, timeout_s, device))
+        lora = self.lora.to_dict() if self.lora else None  # (collective_rpc sends plain data)
+        self.llm.collective_rpc("nanorft_join", args=(self.model_path, host, port, timeout_s, device, lora,
+                                                      self.lora_root))
 
     def receive_weights(self, alive):
         self.version, checksum = self.llm.collective_rpc("nanorft_receive")[0]
+        if self.lora:  # the worker wrote the adapters to lora_root/v{version}
+            self._use_adapter(Path(self.lora_root) / f"v{self.version:06d}", self.version)
         self._forget_prefixes()
         return self.version, checksum
 
@@ -372,7 +405,11 @@ class VLLMEngine(Engine):
         self.llm.collective_rpc("nanorft_leave")
 
     def load_checkpoint(self, path, version):
-        checksum = self.llm.collective_rpc("nanorft_load", args=(str(path),))[0]
+        if self.lora:  # a peft adapter directory
+            checksum = sync.checksum(read_safetensors(path).values())
+            self._use_adapter(path, version, copy=True)
+        else:
+            checksum = self.llm.collective_rpc("nanorft_load", args=(str(path),))[0]
         self._forget_prefixes()
         self.version = version
         return checksum
@@ -386,6 +423,8 @@ class VLLMEngine(Engine):
 
     def close(self):
         self.llm.llm_engine.engine_core.shutdown()
+        if self.lora_root:
+            shutil.rmtree(self.lora_root, ignore_errors=True)
 
 
 def vllm_available() -> bool:
@@ -413,18 +452,28 @@ class VLLMWeightReceiver:
     `model.load_weights`, inside vLLM's layerwise-reload helpers (needed on CPU, where
     linear weights are prepacked and a bare load can have no effect)."""
 
-    def nanorft_join(self, model_path: str, host: str, port: int, timeout_s: float, sync_device: str) -> None:
+    def nanorft_join(self, model_path: str, host: str, port: int, timeout_s: float, sync_device: str,
+                     lora: dict | None = None, lora_root: str = "") -> None:
         """Join the group whose store is at `host`:`port` (sync_device "cuda": on this
         worker's GPU; "cpu": through host memory). The trainer's liveness, here and in every
         receive, is its store answering (`StoreAlive`): this process is vLLM's, not the
-        trainer's child, and in mode explore the explorer is not its child either."""
+        trainer's child, and in mode explore the explorer is not its child either. With a
+        peft `lora` config (LoraConfig.to_dict()), publishes carry the adapters, which each receive writes as a peft
+        adapter directory lora_root/v{version:06d} for the engine's next LoRARequest."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         dtype = self.vllm_config.model_config.dtype  # the dtype it holds: bf16 to a bf16 vLLM
-        with torch.device("meta"):  # names and shapes of the HF checkpoint, in wire order
+        with torch.device("meta"):  # names and shapes of the HF checkpoint (or of its adapters), in wire order
             hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+            if lora is not None:
+                from peft import LoraConfig, get_peft_model
+
+                lora = LoraConfig.from_peft_type(**lora)
+                hf = get_peft_model(hf, lora)
+        self.nanorft_lora, self.nanorft_meta, self.nanorft_root = lora, hf, lora_root
         device = self.device if self.device.type == "cuda" and sync_device == "cuda" else torch.device("cpu")
-        self.nanorft_named = [(n, torch.empty(p.shape, dtype=p.dtype, device=device)) for n, p in hf.named_parameters()]
+        named = models.lora_parameters(hf) if lora is not None else hf.named_parameters()
+        self.nanorft_named = [(n, torch.empty(p.shape, dtype=dtype, device=device)) for n, p in named]
         self.nanorft_alive = sync.StoreAlive(host, port, sync.STORE_KNOWN_WAIT_S)
         self.nanorft_sync = sync.WeightSync(None, port=port, host=host, device=str(device), timeout_s=timeout_s,
                                        wire_dtype=dtype).connect(self.nanorft_alive)
@@ -432,7 +481,11 @@ class VLLMWeightReceiver:
     def nanorft_receive(self) -> tuple[int, float]:
         tensors = [t for _, t in self.nanorft_named]
         version = self.nanorft_sync.recv(tensors, self.nanorft_alive)
-        self._nanorft_load(self.nanorft_named)
+        if self.nanorft_lora is not None:
+            models.save_adapter(self.nanorft_meta, Path(self.nanorft_root) / f"v{version:06d}",
+                                [(n, t.cpu()) for n, t in self.nanorft_named], self.nanorft_lora)
+        else:
+            self._nanorft_load(self.nanorft_named)
         return version, sync.checksum(tensors)
 
     def nanorft_announced(self) -> int:
@@ -478,7 +531,7 @@ def make_engine(cfg, model_path: str, seed: int, device: str = "", colocated: bo
     (`use_gpu`); the HF engine holds bf16 weights when `colocated` with the trainer on a GPU."""
     torch.set_num_threads(cfg.explorer_threads)
     if cfg.engine == "vllm" or (cfg.engine == "auto" and vllm_available()):
-        return VLLMEngine(model_path, seed=seed, bf16=cfg.dtype == "bfloat16",
+        return VLLMEngine(model_path, seed=seed, bf16=cfg.dtype == "bfloat16", lora=models.lora_config(cfg),
                           threads=cfg.explorer_threads,
                           memory_fraction=cfg.vllm_memory_fraction, inflight=cfg.inflight)
     half = colocated and device.startswith("cuda")

@@ -55,6 +55,9 @@ def check_config(cfg, tokenizer, dataset) -> None:
         raise ValueError("--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)")
     if cfg.engine == "auto":
         cfg.engine = "vllm" if vllm_available() else "hf"
+    if cfg.engine == "vllm" and cfg.lora_rank and cfg.inflight:
+        raise ValueError("--inflight with --lora-rank needs --engine hf: a vLLM request keeps the LoRA adapter it "
+                         "started with, so new adapters cannot reach sequences in flight")
     if tokenizer is None:
         return
     try:

@@ -116,8 +116,6 @@ def check_config(cfg) -> None:
         raise FileNotFoundError(f"expert_data file not found: {cfg.expert_data!r}")
     if cfg.lora_rank and (cfg.lora_alpha <= 0 or not 0 <= cfg.lora_dropout < 1 or not cfg.lora_target_modules.strip()):
         raise ValueError("LoRA needs lora_alpha > 0, 0 <= lora_dropout < 1 and lora_target_modules")
-    if cfg.lora_rank and cfg.engine == "vllm":
-        raise ValueError("--lora-rank with --engine vllm is not supported yet: use --engine hf")
     models.lora_config(cfg)  # ValueError without peft
 
 

