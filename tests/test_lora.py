@@ -160,7 +160,8 @@ def test_lora_settings_are_checked(tiny_model, monkeypatch):
 def test_mode_both_with_lora_syncs_adapters_with_equal_checksums(tmp_path):
     out = tmp_path / "run"
     res = run_py("--config", "configs/tiny.toml", "--model", _tiny(tmp_path), "--run-dir", out, "--steps", "3",
-                 "--sync-interval", "1", "--lora-rank", "4", "--kl-loss-coef", "0.05", "--eval-size", "0")
+                 "--sync-interval", "1", "--lora-rank", "4", "--kl-loss-coef", "0.05", "--eval-size", "0",
+                 "--reward-fn", "tests.rewards.length_parity")
     assert res.returncode == 0, res.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     sent = {r["version"]: r["sync/trainer_checksum"] for r in records if "sync/trainer_checksum" in r}
@@ -169,6 +170,24 @@ def test_mode_both_with_lora_syncs_adapters_with_equal_checksums(tmp_path):
     assert sent and all(got[v] == c for v, c in sent.items() if v in got) and set(sent) - {3} <= set(got)
     assert (out / "final" / "adapter" / "adapter_config.json").is_file() and (out / "final" / "config.json").is_file()
     assert json.loads((out / "config.json").read_text())["lora_rank"] == 4
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_train_lora_with_checkpoint_sync(tiny_model, tmp_path):
+    """Two trainer ranks shard base and adapters; each checkpoint is a peft adapter directory."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", out, "--steps", "2",
+                 "--sync-interval", "1", "--lora-rank", "4", "--sync-method", "checkpoint", "--eval-size", "0",
+                 "--reward-fn", "tests.rewards.length_parity", "--lr", "1e-2", nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    got = {r["explorer/received_version"]: r["sync/explorer_checksum"] for r in records
+           if "explorer/received_version" in r}
+    adapter = load_file(out / "final" / "adapter" / "adapter_model.safetensors")
+    assert all(".lora_" in k for k in adapter) and got[1] != 0
+    assert any(float(v.abs().sum()) > 0 for k, v in adapter.items() if ".lora_B." in k)  # trained: B is no longer 0
 
 
 def _tiny(tmp_path) -> str:
@@ -224,7 +243,8 @@ def test_vllm_samples_with_the_published_adapters(tiny_model, trained, tmp_path)
 def test_mode_both_with_lora_on_vllm(tiny_model, tmp_path):
     out = tmp_path / "run"
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", out, "--steps", "2",
-                 "--sync-interval", "1", "--lora-rank", "4", "--engine", "vllm", "--eval-size", "0")
+                 "--sync-interval", "1", "--lora-rank", "4", "--engine", "vllm", "--eval-size", "0",
+                 "--reward-fn", "tests.rewards.length_parity")
     assert res.returncode == 0, res.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     sent = {r["version"]: r["sync/trainer_checksum"] for r in records if "sync/trainer_checksum" in r}
