@@ -69,13 +69,13 @@ class FakeModel:
 
 def test_the_vllm_worker_loads_into_the_model_not_its_cuda_graph_wrapper(monkeypatch):
     # on CUDA, model_runner.model is vLLM's CUDAGraphWrapper; get_model() is the model (vLLM's own reload uses it)
-    import engines
+    import vllm_worker
 
     calls = []
     fake_vllm_reload(monkeypatch, calls)
     model = FakeModel()
     config = types.SimpleNamespace(dtype=torch.bfloat16, hf_config=types.SimpleNamespace(tie_word_embeddings=False))
-    worker = engines.VLLMWeightReceiver()
+    worker = vllm_worker.VLLMWeightReceiver()
     worker.vllm_config = types.SimpleNamespace(model_config=config)
     worker.model_runner = types.SimpleNamespace(model=object(), get_model=lambda: model)  # .model: the wrapper
     worker._nanorft_load([("w", torch.ones(2)), ("ids", torch.arange(2))])
@@ -102,7 +102,7 @@ def test_vllm_keeps_its_prefix_cache_only_in_flight(inflight):
     from engines import VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)
-    engine.llm, engine.inflight, engine.version = FakeLLM(), inflight, 0
+    engine.llm, engine.inflight, engine.version, engine.lora = FakeLLM(), inflight, 0, None
     assert engine.receive_weights(lambda: True) == (3, 1.5)
     assert engine.load_checkpoint("ckpt", 4) == 2.5 and engine.version == 4
     assert engine.llm.resets == (0 if inflight else 2)
@@ -130,13 +130,13 @@ def test_the_vllm_worker_watches_the_trainers_store_in_every_receive(tiny_model,
     # store while it joins and while it receives; a receive without it waited for the group's timeout (1 h)
     import multiprocessing as mp
 
-    import engines
+    import vllm_worker
     import sync
 
     fake_vllm_reload(monkeypatch, [])
     model = FakeModel()
     config = types.SimpleNamespace(dtype=torch.float32, hf_config=types.SimpleNamespace(tie_word_embeddings=True))
-    worker = engines.VLLMWeightReceiver()
+    worker = vllm_worker.VLLMWeightReceiver()
     worker.vllm_config, worker.device = types.SimpleNamespace(model_config=config), torch.device("cpu")
     worker.model_runner = types.SimpleNamespace(get_model=lambda: model)
     watched = []

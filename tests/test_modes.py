@@ -147,7 +147,7 @@ def test_inflight_updates_mark_sequences_spanning_versions(tiny_model, tmp_path)
 def test_inflight_engine_switches_weights_between_decode_steps(tiny_model, tmp_path):
     from conftest import make_tiny_model
     from engines import HFEngine, Sampling
-    from engines import read_safetensors
+    from vllm_worker import read_safetensors
 
     engine = HFEngine(tiny_model, seed=0)
     other = read_safetensors(make_tiny_model(tmp_path / "other", seed=1))
