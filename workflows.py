@@ -16,14 +16,18 @@ Task sources:
     like one, or a local .parquet / .json / .csv file; see extras/hub.py. Score math
     answers with `reward_fn = "math_verify"` (extras/math_verify_reward.py).
   - the bundled multi-turn game `guess_number` (extras/guess_number.py).
+  - an installed verifiers environment's tasks, `task = "verifiers:NAME"`, run with
+    `workflow = "verifiers:NAME"` (extras/verifiers_env.py).
 
 Offline data (SFT chats, DPO preference pairs, MIX expert data) is read by
 `load_chat_jsonl`, `load_preference_jsonl` and `load_offline_jsonl` and drawn by
 `OfflineSampler`.
 
 Add a scenario by subclassing `Workflow` and adding it to `WORKFLOWS` (or give its import
-path: `--workflow mymod.MyWorkflow`). Optional parts (the Hub, the LLM judge, math-verify,
-reflection, the guess-number game) live in extras/ and are registered by import path.
+path: `--workflow mymod.MyWorkflow`); an agent written against the `openai` client is
+`--workflow agent:mymod.my_agent` (extras/agent.py). Optional parts (the Hub, the LLM judge,
+math-verify, reflection, the guess-number game, agents) live in extras/ and are registered by
+import path.
 """
 from __future__ import annotations
 
@@ -67,6 +71,10 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
         from extras.guess_number import guess_number_tasks
 
         return (*guess_number_tasks(kwargs, train_size, eval_size, seed), None)
+    if name.startswith("verifiers:"):  # an installed verifiers environment's tasks (extras/verifiers_env.py)
+        from extras.verifiers_env import verifiers_tasks
+
+        return (*verifiers_tasks(name.partition(":")[2], train_size, eval_size), None)
     if name.endswith(".jsonl"):
         return (*hold_out(name, _read_jsonl_tasks(Path(name)), eval_size), None)
     from extras import hub  # Hugging Face datasets: imported only for such a task
@@ -467,14 +475,21 @@ class MultiTurnWorkflow(Workflow):
 # name -> class, or the import path of an optional one (extras/)
 WORKFLOWS: dict[str, type[Workflow] | str] = {"math": MathWorkflow, "guess_number": "extras.guess_number.GuessNumberWorkflow",
                                               "reflect": "extras.reflect.ReflectWorkflow"}
+# prefix -> import path of a factory(text after the prefix) -> Workflow subclass (optional parts in extras/)
+WORKFLOW_PREFIXES = {"agent": "extras.agent.agent_workflow", "verifiers": "extras.verifiers_env.verifiers_workflow"}
 
 
 def load_workflow(name: str) -> type[Workflow]:
-    """A registered workflow class or one given as `module.Class`; ValueError (one line)
+    """A registered workflow class, one given as `module.Class`, or one made by a prefix
+    (`agent:module.function`, `verifiers:NAME`: WORKFLOW_PREFIXES); ValueError (one line)
     otherwise."""
     from losses import resolve
 
-    cls = resolve(name, WORKFLOWS, "workflow")
+    prefix, colon, rest = name.partition(":")
+    if colon and prefix in WORKFLOW_PREFIXES:
+        cls = resolve(WORKFLOW_PREFIXES[prefix], {}, "workflow")(rest)
+    else:
+        cls = resolve(name, WORKFLOWS, "workflow")
     if not (isinstance(cls, type) and issubclass(cls, Workflow)):
         raise ValueError(f"workflow {name!r} is not a subclass of workflows.Workflow")
     return cls

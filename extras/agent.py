@@ -1,0 +1,149 @@
+"""`--workflow agent:module.function`: train an agent written against the `openai` package.
+
+    async def my_agent(client: openai.AsyncOpenAI, task: workflows.Task) -> float | None:
+        reply = await client.chat.completions.create(model="nanorft", messages=[...], tools=[...])
+        ...                                  # as many calls, tools and turns as it likes
+        return 1.0 if ... else 0.0           # its reward; None = lagged (set later, buffer.py)
+
+Each of a task's group_size rollouts is one episode of the explorer engine's
+OpenAI-compatible endpoint (extras/openai_endpoint.py): the agent gets a client whose base
+URL names the episode, so its calls are attributed to it, and the calls of all episodes in
+flight are batched by the engine. When the agent returns, its calls become experiences by
+the multi-turn rule of workflows.MultiTurnWorkflow (`call_samples`): a call whose prompt
+extends an earlier call's prompt + completion as an exact token prefix joins that sample
+(the tokens in between, tool results and user turns, with action_mask 0 and logprob 0);
+any other call starts a new sample. Every sample of the episode carries the agent's
+reward. Timeouts, retries and skips are the explorer's, as for any workflow.
+
+Needs `pip install openai fastapi uvicorn`. Subclass `AgentWorkflow` (and name the class
+with --workflow module.Class) to change `tool_parser` or `batch_wait_s`.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+import uuid
+
+from buffer import Experience
+from workflows import Task, Workflow
+
+
+def call_samples(calls) -> list[dict]:
+    """The samples of one episode's calls (openai_endpoint.Call, in arrival order): dicts
+    with tokens, prompt_length, logprobs and mask (each [len(tokens) - prompt_length]),
+    versions (weight versions of their tokens) and texts (the completions' texts). A call's
+    first choice extends the longest sample whose tokens are a prefix of its prompt;
+    other choices, and calls that extend none, start a sample at their prompt."""
+    samples: list[dict] = []
+    for call in calls:
+        for j, ch in enumerate(call.choices):
+            base = None
+            if j == 0:
+                fits = [s for s in samples if len(s["tokens"]) <= len(call.prompt)
+                        and call.prompt[:len(s["tokens"])] == s["tokens"]]
+                base = max(fits, key=lambda s: len(s["tokens"]), default=None)
+            if base is None:
+                base = {"tokens": list(call.prompt), "prompt_length": len(call.prompt), "logprobs": [], "mask": [],
+                        "versions": [], "texts": []}
+                samples.append(base)
+            else:
+                extra = call.prompt[len(base["tokens"]):]  # tool results, user turns: not trained on
+                base["tokens"] += extra
+                base["logprobs"] += [0.0] * len(extra)
+                base["mask"] += [0] * len(extra)
+            base["tokens"] += ch.tokens
+            base["logprobs"] += ch.logprobs
+            base["mask"] += [1] * len(ch.tokens)
+            base["versions"] += list(ch.versions)
+            base["texts"].append(ch.text)
+    return samples
+
+
+def check_reward(r) -> tuple[float | None, str | None]:
+    """(reward, error) of what an agent returned: a finite real number, or None (lagged);
+    anything else scores 0 with the error text (as workflows.Workflow.score does)."""
+    if r is None:
+        return None, None
+    if isinstance(r, numbers.Real) and not isinstance(r, bool) and math.isfinite(r):
+        return float(r), None
+    return 0.0, f"the agent returned {r!r}, not a finite number or None"
+
+
+class AgentWorkflow(Workflow):
+    """Runs `agent(client, task)` once per rollout against the engine's endpoint and turns
+    each episode's calls into experiences (see the module docstring). `agent` is set by
+    `agent_workflow`; sampling: the run's temperature/top-p, and max_tokens as the cap of a
+    request's own. Raises RuntimeError for an episode whose agent made no model call."""
+
+    agent = None
+    tool_parser = "hermes"  # extras.chat_tools.TOOL_PARSERS name or module.function
+    batch_wait_s = 0.1  # seconds a call waits for the other episodes' calls (engine batching)
+
+    async def run(self, task: Task, engine, n: int) -> list[Experience]:
+        from extras.openai_endpoint import endpoint_for
+
+        endpoint = endpoint_for(engine)
+        group_id = uuid.uuid4().hex
+        tasks = [asyncio.ensure_future(self.episode(endpoint, task, group_id, f"{group_id}/{i}")) for i in range(n)]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:  # one episode failed or the run timed out: end the others too
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return [e for r in results for e in r]
+
+    async def play(self, client, task: Task):
+        """The agent's reward for one episode (override for other agent signatures)."""
+        return await type(self).agent(client, task)
+
+    async def episode(self, endpoint, task: Task, group_id: str, trajectory_id: str) -> list[Experience]:
+        """One agent rollout -> its samples, all with its reward."""
+        import openai
+
+        ep = endpoint.open_episode(self.sampling, self.tool_parser, self.batch_wait_s)
+        client = openai.AsyncOpenAI(base_url=ep.url, api_key="nanorft", max_retries=0)
+        try:
+            reward, error = check_reward(await self.play(client, task))
+        finally:
+            calls = endpoint.close_episode(ep)
+            await client.close()
+        if not calls:
+            raise RuntimeError("the agent made no model call (it must call the client it is given)")
+        return self.experiences(calls, reward, error, task, group_id, trajectory_id)
+
+    def experiences(self, calls, reward, error, task: Task, group_id: str, trajectory_id: str) -> list[Experience]:
+        """Experiences of one episode's calls (`call_samples`), info as multi-turn workflows'."""
+        samples = call_samples(calls)
+        last = calls[-1].choices[0] if calls[-1].choices else None
+        out = []
+        for s in samples:
+            info = {"trajectory_id": trajectory_id, "turns": len(calls), "samples": len(samples),
+                    "versions": [min(s["versions"], default=0), max(s["versions"], default=0)],
+                    "finish_reason": last.finish_reason if last else "stop", "answer": task.answer,
+                    "question": task.question, "response": " | ".join(t.strip() for t in s["texts"])[:4000]}
+            if error:
+                info["reward_error"] = error
+            out.append(Experience(s["tokens"], s["prompt_length"], s["logprobs"], s["mask"], reward, group_id,
+                                  task.task_id, info["versions"][0], info))
+        return out
+
+
+def agent_workflow(path: str) -> type[AgentWorkflow]:
+    """The workflow class of `--workflow agent:module.function` (`path` after the prefix):
+    an AgentWorkflow running that async function. Raises ValueError (one line) when the
+    packages are missing, the path cannot be imported or is not an async function."""
+    from extras.openai_endpoint import require_packages
+    from losses import resolve
+
+    require_packages(f"--workflow agent:{path}")
+    fn = resolve(path, {}, "agent")
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"agent {path!r} must be an async function (client, task) -> float | None")
+    if len(inspect.signature(fn).parameters) < 2:
+        raise ValueError(f"agent {path!r} must take (client, task)")
+    return type(f"Agent_{fn.__name__}", (AgentWorkflow,), {"agent": staticmethod(fn), "__module__": __name__,
+                                                           "__qualname__": f"Agent_{fn.__name__}"})

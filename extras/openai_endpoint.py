@@ -1,0 +1,394 @@
+"""An OpenAI-compatible endpoint served by the explorer's engine (HF or vLLM), for agents
+written against the `openai` package (extras/agent.py, extras/verifiers_env.py).
+
+    endpoint = Endpoint(engine)                      # a local port, a server thread (FastAPI + uvicorn)
+    episode = endpoint.open_episode(Sampling(...))   # inside the event loop that runs the agent
+    client = openai.AsyncOpenAI(base_url=episode.url, api_key="-")   # .../e/EPISODE/v1
+    ...                                              # the agent's calls
+    calls = endpoint.close_episode(episode)          # every delivered call: exact token ids, logprobs
+
+Routes: `POST /e/{episode}/v1/chat/completions`, `GET /e/{episode}/v1/models`, and the same
+under `/v1/` with the episode in an `X-Episode-Id` header. A request is checked and its
+messages (and tools) rendered into prompt token ids (extras/chat_tools.py); the engine
+samples them with the episode's sampling (the run's temperature and top-p: the trainer's
+log-probs assume them, so a request's own are ignored; its max_tokens and stop cut the
+completion after sampling, at token granularity). Each call is recorded as the prompt ids
+the engine saw and, per choice, the ids it sampled with their behaviour log-probs; the
+returned text is never tokenised again. An assistant message that this episode returned is
+rendered, when a client sends it back, as the exact text the model generated (its tool-call
+blocks and stop string included), so the next prompt extends the previous prompt +
+completion token for token where the tokenizer allows.
+
+Threads: uvicorn runs in a daemon thread with its own event loop; the tokenizer and the
+engine are used only in the episode's event loop (the explorer's), where a coroutine per
+call runs through `run_coroutine_threadsafe`. Calls of all open episodes of one event loop
+are held at a gate until every open episode is waiting for the model (or `batch_wait_s`
+has passed since the first one) and then reach `engine.generate` together, so the engine
+batches them into one generate call. A malformed request gets a 4xx with a message; one
+whose client went away is dropped unrecorded; a request for an episode that is over gets
+404 / 409. Nothing a client sends reaches the explorer's loop except a checked request.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import json
+import socket
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+
+from extras.chat_tools import (RequestError, load_tool_parser, openai_tool_calls, parse_request, prompt_ids,
+                               reply_key, stream_events)
+
+MAX_BODY_BYTES = 8 << 20
+
+
+def require_packages(what: str) -> None:
+    """Raise ValueError (one line) naming the pip install when fastapi, uvicorn or openai is
+    missing."""
+    import importlib.util
+
+    missing = [p for p in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(p) is None]
+    if missing:
+        raise ValueError(f"{what} needs {', '.join(missing)}: pip install openai fastapi uvicorn")
+
+
+@dataclass
+class Choice:
+    """One sampled completion as recorded: tokens [R] and behaviour logprobs [R] (cut at
+    max_tokens / a stop string), weight versions (first token, last token), finish_reason
+    ("stop", "length" or "tool_calls") and the text returned for it."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    versions: tuple[int, int]
+    finish_reason: str
+    text: str
+
+
+@dataclass
+class Call:
+    """One delivered chat completion: `seq` (arrival order within the episode), `prompt`
+    (the token ids the engine saw) and its choices."""
+
+    seq: int
+    prompt: list[int]
+    choices: list[Choice]
+
+
+@dataclass
+class Episode:
+    """The calls of one agent rollout. `url`: the base URL to give its OpenAI client."""
+
+    id: str
+    url: str
+    loop: asyncio.AbstractEventLoop
+    sampling: object  # engines.Sampling
+    parser: object  # text -> (content, calls)
+    wait_s: float  # the longest its calls wait at the gate for the other episodes' (seconds)
+    calls: list[Call] = field(default_factory=list)
+    replies: dict[str, str] = field(default_factory=dict)  # reply_key -> the model's exact text
+    closed: bool = False
+    seq: itertools.count = field(default_factory=itertools.count)
+
+
+class _Gate:
+    """Holds the calls of one event loop until every open episode of it waits for the
+    model (or the first waiting call's episode's `wait_s` has passed), then lets them all
+    through."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.open = loop, 0
+        self.waiting: list[tuple[Episode, asyncio.Future]] = []
+        self.timer = None
+
+    async def passage(self, ep: Episode) -> None:
+        fut = self.loop.create_future()
+        self.waiting.append((ep, fut))
+        self.check()
+        if not fut.done() and self.timer is None:
+            self.timer = self.loop.call_later(ep.wait_s, self.release)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.waiting = [w for w in self.waiting if w[1] is not fut]
+            raise
+
+    def check(self) -> None:
+        if self.waiting and len({id(ep) for ep, _ in self.waiting}) >= self.open:
+            self.release()
+
+    def release(self) -> None:
+        waiting, self.waiting = self.waiting, []
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        for _, fut in waiting:
+            if not fut.done():
+                fut.set_result(None)
+
+    def drop(self, ep: Episode) -> None:
+        """An episode ended: its waiting calls are cancelled, the others may now pass."""
+        self.open -= 1
+        for e, fut in self.waiting:
+            if e is ep:
+                fut.cancel()
+        self.waiting = [w for w in self.waiting if w[0] is not ep]
+        self.check()
+
+
+def context_length(engine) -> int | None:
+    """The most tokens (prompt + completion) the engine's model takes, or None if unknown."""
+    try:
+        if getattr(engine, "llm", None) is not None:  # VLLMEngine
+            return int(engine.llm.llm_engine.model_config.max_model_len)
+        return int(engine.model.config.max_position_embeddings)  # HFEngine
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+class Endpoint:
+    """The OpenAI-compatible server of one engine (see the module docstring).
+
+    host/port: where it listens (port 0: a free one; `url` tells). batch_wait_s: the
+    longest a call waits at the gate for the other open episodes (seconds). model_name:
+    what `GET /v1/models` lists (requests may name any model). Raises ValueError (one
+    line) when fastapi, uvicorn or openai is missing, OSError when the port is taken."""
+
+    def __init__(self, engine, host: str = "127.0.0.1", port: int = 0, batch_wait_s: float = 0.1,
+                 model_name: str = "nanorft"):
+        require_packages("the OpenAI-compatible endpoint")
+        import uvicorn
+
+        self.engine, self.batch_wait_s, self.model_name = engine, batch_wait_s, model_name
+        self.max_len = context_length(engine)
+        self._episodes: dict[str, Episode] = {}
+        self._gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(512)  # connections queue here until the server thread accepts them
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://{host if ':' not in host else f'[{host}]'}:{self.port}"
+        config = uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off", loop="asyncio",
+                                timeout_graceful_shutdown=2)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True,
+                                        name=f"nanorft-endpoint-{self.port}")
+        self._thread.start()
+
+    # ------------------------------------------------------------------ episodes (the explorer's loop)
+
+    def open_episode(self, sampling, tool_parser: str = "hermes", batch_wait_s: float | None = None) -> Episode:
+        """Open an episode in the running event loop (its calls run there). sampling:
+        engines.Sampling of every call (max_tokens is the cap of a request's own);
+        tool_parser: a chat_tools.TOOL_PARSERS name or import path; batch_wait_s: the
+        endpoint's unless given."""
+        loop = asyncio.get_running_loop()
+        eid = uuid.uuid4().hex
+        wait_s = self.batch_wait_s if batch_wait_s is None else batch_wait_s
+        ep = Episode(eid, f"{self.url}/e/{eid}/v1", loop, sampling, load_tool_parser(tool_parser), wait_s)
+        with self._lock:
+            self._episodes[eid] = ep
+            gate = self._gates.get(loop)
+            if gate is None:
+                gate = self._gates[loop] = _Gate(loop)
+            gate.open += 1
+        return ep
+
+    def close_episode(self, ep: Episode) -> list[Call]:
+        """End an episode (in its event loop): later calls to it get 404, calls still
+        running are not recorded. Returns its delivered calls in arrival order."""
+        with self._lock:
+            if ep.closed:
+                return sorted(ep.calls, key=lambda c: c.seq)
+            ep.closed = True
+            self._episodes.pop(ep.id, None)
+            gate = self._gates.get(ep.loop)
+        if gate is not None:
+            gate.drop(ep)
+        return sorted(ep.calls, key=lambda c: c.seq)
+
+    def close(self) -> None:
+        """Stop the server thread (within a few seconds) and free the port."""
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+    async def _complete(self, ep: Episode, req) -> tuple[Call, dict]:
+        """In the episode's loop: render, wait at the gate, sample, cut, parse."""
+        tok, seq = self.engine.tokenizer, next(ep.seq)
+        msgs = [{"role": "assistant", "content": ep.replies[key]}
+                if m["role"] == "assistant" and (key := reply_key(m["content"], m["tool_calls"])) in ep.replies else m
+                for m in req.messages]
+        prompt = prompt_ids(tok, msgs, req.tools)
+        cap = ep.sampling.max_tokens
+        if self.max_len is not None and len(prompt) + cap > self.max_len:
+            raise RequestError(f"the prompt is {len(prompt)} tokens; with up to {cap} completion tokens that is "
+                               f"over the model's {self.max_len}")
+        with self._lock:
+            if ep.closed:
+                raise RequestError(f"episode {ep.id} is over", 404)
+            gate = self._gates[ep.loop]
+        await gate.passage(ep)
+        outs = await self.engine.generate(prompt, req.n, ep.sampling)
+        choices = [self._cut(out, req, tok) for out in outs]
+        sampled = sum(len(c.tokens) for c in choices)
+        body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": req.model or self.model_name,
+                "choices": [self._choice(i, c, req, ep, tok) for i, c in enumerate(choices)],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": sampled, "total_tokens": len(prompt) + sampled}}
+        return Call(seq, prompt, choices), body
+
+    @staticmethod
+    def _cut(out, req, tok) -> Choice:
+        """The completion cut at the request's max_tokens, then after the token that
+        completes its first stop string (the returned text ends before it)."""
+        tokens, logprobs, reason = list(out.tokens), list(out.logprobs), out.finish_reason
+        if req.max_tokens is not None and len(tokens) > req.max_tokens:
+            tokens, logprobs, reason = tokens[:req.max_tokens], logprobs[:req.max_tokens], "length"
+        text = tok.decode(tokens, skip_special_tokens=True)
+        hits = [text.find(s) for s in req.stop if s in text]
+        if hits:
+            at = min(hits)
+            lo, hi = 1, len(tokens)  # the fewest tokens whose text holds a stop string
+            while lo < hi:
+                mid = (lo + hi) // 2
+                part = tok.decode(tokens[:mid], skip_special_tokens=True)
+                lo, hi = (lo, mid) if any(s in part for s in req.stop) else (mid + 1, hi)
+            tokens, logprobs, reason, text = tokens[:lo], logprobs[:lo], "stop", text[:at]
+        return Choice(tokens, logprobs, tuple(out.versions), reason, text)
+
+    def _choice(self, i: int, c: Choice, req, ep: Episode, tok) -> dict:
+        raw = tok.decode(c.tokens, skip_special_tokens=True)  # what the model wrote, stop string included
+        content, calls = (c.text, []) if not req.tools or req.tool_choice == "none" else ep.parser(c.text)
+        tool_calls = openai_tool_calls(calls)
+        if tool_calls and c.finish_reason == "stop":
+            c.finish_reason = "tool_calls"
+        ep.replies[reply_key(content, tool_calls)] = raw
+        message = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice = {"index": i, "message": message, "finish_reason": c.finish_reason, "logprobs": None}
+        if req.logprobs:
+            pieces = [tok.decode([t]) for t in c.tokens]
+            choice["logprobs"] = {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
+                                              for p, lp in zip(pieces, c.logprobs)]}
+        return choice
+
+    # ------------------------------------------------------------------ HTTP (the server thread)
+
+    def _app(self):
+        """The FastAPI app: plain Starlette routes (request -> response), no schema layer."""
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse, Response
+
+        app = FastAPI(title="nanorft endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+        error = lambda status, message: JSONResponse(  # noqa: E731 - OpenAI's error shape
+            {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                       "param": None, "code": status}}, status_code=status)
+        models = {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                              "owned_by": "nanorft"}]}
+
+        async def list_models(request):
+            return JSONResponse(models)
+
+        async def chat(request):
+            eid = request.path_params.get("eid") or request.headers.get("x-episode-id", "")
+            try:
+                req, body = await self._chat(request, eid)
+                if req.stream:
+                    return Response(stream_events(body, req.stream_usage), media_type="text/event-stream")
+                return JSONResponse(body)
+            except RequestError as e:
+                return error(e.status, str(e))
+            except _Gone:
+                return JSONResponse({}, status_code=499)  # the client went away: nobody reads this
+            except Exception as e:  # an engine failure: this call fails, the server goes on
+                return error(500, f"{type(e).__name__}: {e}")
+
+        for prefix in ("", "/e/{eid}"):
+            app.add_route(prefix + "/v1/models", list_models, methods=["GET"])
+            app.add_route(prefix + "/v1/chat/completions", chat, methods=["POST"])
+        return app
+
+    async def _chat(self, request, eid: str) -> tuple:
+        """(the checked request, the response body) of one call, recorded once delivered."""
+        with self._lock:
+            ep = self._episodes.get(eid)
+        if ep is None:
+            raise RequestError(f"no open episode {eid[:64]!r}: use the base URL a rollout was given "
+                               "(.../e/EPISODE/v1) or an X-Episode-Id header" if eid else
+                               "no episode: use the base URL a rollout was given (.../e/EPISODE/v1)", 404)
+        req = parse_request(await _read_json(request))
+        try:
+            fut = asyncio.run_coroutine_threadsafe(self._complete(ep, req), ep.loop)
+        except RuntimeError:  # its event loop is closed
+            raise RequestError(f"episode {eid} is over", 409) from None
+        try:
+            call, body = await asyncio.wrap_future(fut)
+        except (asyncio.CancelledError, concurrent.futures.CancelledError):
+            if not fut.cancelled():
+                raise
+            raise RequestError(f"episode {eid} ended before this completion", 409) from None
+        if await request.is_disconnected():
+            raise _Gone()
+        with self._lock:
+            if ep.closed:
+                raise RequestError(f"episode {eid} ended before this completion", 409)
+            ep.calls.append(call)
+        return req, body
+
+
+class _Gone(Exception):
+    """The client disconnected before its response."""
+
+
+async def _read_json(request):
+    """The request body as JSON: RequestError 413 past MAX_BODY_BYTES, 400 for bad JSON."""
+    from starlette.requests import ClientDisconnect
+
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise RequestError(f"request body over {MAX_BODY_BYTES} bytes", 413)
+    chunks, total = [], 0
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > MAX_BODY_BYTES:
+                raise RequestError(f"request body over {MAX_BODY_BYTES} bytes", 413)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise _Gone() from None
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not JSON: {e}") from None
+
+
+_ENDPOINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ENDPOINTS_LOCK = threading.Lock()
+
+
+def endpoint_for(engine, **kwargs) -> Endpoint:
+    """The endpoint of `engine`, started on first use (kwargs: Endpoint's); it stops when
+    the engine is closed (`engine.close` is wrapped)."""
+    with _ENDPOINTS_LOCK:
+        endpoint = _ENDPOINTS.get(engine)
+        if endpoint is None:
+            endpoint = _ENDPOINTS[engine] = Endpoint(engine, **kwargs)
+            close = engine.close
+
+            def close_both():
+                with _ENDPOINTS_LOCK:
+                    _ENDPOINTS.pop(engine, None)
+                endpoint.close()
+                close()
+
+            engine.close = close_both
+    return endpoint

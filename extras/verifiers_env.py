@@ -1,0 +1,126 @@
+"""`--task verifiers:NAME --workflow verifiers:NAME`: train on an installed `verifiers`
+environment (prime-rl's environment library, verifiers >= 0.4: `pip install verifiers`,
+then the environment's package).
+
+NAME is a verifiers taskset id (the package name of an installed environment, as for
+`vf-eval`). The task source yields the taskset's tasks (the last eval_size held out);
+the workflow runs each rollout as a verifiers episode (`Env.run_episode`: the taskset's
+harness program, or verifiers' `null` chat loop for a taskset without one, started by
+verifiers in a local subprocess runtime) whose model calls
+go to the explorer engine's OpenAI-compatible endpoint (extras/openai_endpoint.py), so
+they are recorded token for token like any agent's (extras/agent.py); the reward is the
+episode's, from the taskset's rubric (`@vf.reward` methods: the mean over its traces).
+An episode that verifiers reports as failed raises, and the explorer retries or skips it.
+
+verifiers starts its harness programs with `uv` (it installs uv with pip when it is
+missing) and syncs their dependencies from the package index on first use; later runs
+reuse uv's cache.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from extras.agent import AgentWorkflow
+from workflows import Task, hold_out
+
+RUNTIME = {"type": "subprocess"}  # where verifiers runs the harness program: a local subprocess
+
+
+def require_verifiers(what: str) -> None:
+    """ValueError (one line) when verifiers (or the endpoint's packages) is missing."""
+    from extras.openai_endpoint import require_packages
+
+    if importlib.util.find_spec("verifiers") is None:
+        raise ValueError(f"{what} needs verifiers: pip install verifiers openai fastapi uvicorn")
+    require_packages(what)
+
+
+def load_env(name: str, harness: str | None = None):
+    """The verifiers Env of taskset `name`, its agent in a local subprocess runtime, with
+    `harness`, else the taskset's own harness, else verifiers' `null` harness (a chat loop
+    that runs no code: verifiers' own default, `bash`, would run the model's shell commands
+    on this machine). Raises ValueError (one line) when it cannot be loaded."""
+    require_verifiers(f"verifiers:{name}")
+    from verifiers.v1.configs.env import EnvConfig
+    from verifiers.v1.env import Env
+    from verifiers.v1.envs.single_agent import SingleAgentEnvConfig
+    from verifiers.v1.utils.generic import concrete_type
+    from verifiers.v1.utils.loaders import default_harness_id, environment_class
+
+    try:
+        own = default_harness_id(name)
+        agent = {"runtime": RUNTIME, "harness": {"id": harness or (own if own != "bash" else "null")}}
+        cls = environment_class(name)
+        config_cls = concrete_type(cls, EnvConfig, origin=Env) or SingleAgentEnvConfig
+        return cls(config_cls(taskset={"id": name}, agent=agent))
+    except Exception as e:  # verifiers raises many kinds for a missing or broken environment
+        raise ValueError(f"verifiers environment {name!r} cannot be loaded: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def verifiers_tasks(name: str, train_size: int, eval_size: int) -> tuple[list[Task], list[Task]]:
+    """The first train_size + eval_size tasks of taskset `name` as nanorft Tasks (question:
+    the prompt's text; entry["verifiers_idx"]: the task's position), the last eval_size
+    held out. Raises ValueError (one line)."""
+    env = load_env(name)
+    tasks = []
+    for t in env.taskset:
+        if len(tasks) >= train_size + eval_size:
+            break
+        prompt = t.data.prompt
+        text = prompt if isinstance(prompt, str) else str(prompt[-1].get("content", "")) if prompt else ""
+        answer = getattr(t.data, "answer", "")
+        tasks.append(Task(f"verifiers/{name}/{t.data.idx}", text, str(answer), {"verifiers_idx": t.data.idx}))
+    return hold_out(f"verifiers:{name}", tasks, eval_size)
+
+
+class VerifiersWorkflow(AgentWorkflow):
+    """Rollouts of a verifiers environment against the endpoint (see the module docstring).
+    `env_name` is set by `verifiers_workflow`; `harness`: a verifiers harness id instead of
+    the taskset's own or `null` (one that executes code, such as `bash`, runs the model's
+    commands on this machine). Raises RuntimeError for a task not from `--task verifiers:NAME`
+    and for an episode verifiers reports as failed (its first error)."""
+
+    env_name = ""
+    harness: str | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.env = load_env(self.env_name, self.harness)
+        self._tasks: dict[int, object] = {}
+
+    def vf_task(self, task: Task):
+        """The verifiers task behind a nanorft task (by its position in the taskset)."""
+        idx = task.entry.get("verifiers_idx") if isinstance(task.entry, dict) else None
+        if idx is None:
+            name = self.env_name
+            raise RuntimeError(f"--workflow verifiers:{name} needs its tasks: --task verifiers:{name}")
+        if idx not in self._tasks:
+            for t in self.env.taskset:
+                self._tasks[t.data.idx] = t
+                if t.data.idx >= idx:
+                    break
+        return self._tasks[idx]
+
+    async def play(self, client, task: Task):
+        import verifiers.v1 as vf
+
+        ctx = vf.ModelContext(model="nanorft", client=vf.EvalClientConfig(base_url=str(client.base_url).rstrip("/"),
+                                                                          api_key_var="NANORFT_ENDPOINT_KEY"))
+        env = load_env(self.env_name, self.harness)  # serving() holds per-env state: one env per episode
+        async with env.serving():
+            episode = await env.run_episode(self.vf_task(task), ctx)
+        errors = list(episode.errors) + [e for t in episode.traces for e in t.errors]
+        if errors or not episode.traces:
+            first = errors[0] if errors else None
+            raise RuntimeError(f"verifiers episode failed: {first.type}: {first.message}" if first
+                               else "verifiers episode has no trace")
+        return sum(t.reward for t in episode.traces) / len(episode.traces)
+
+
+def verifiers_workflow(name: str) -> type[VerifiersWorkflow]:
+    """The workflow class of `--workflow verifiers:NAME`; ValueError (one line) when
+    verifiers or the environment is missing."""
+    load_env(name)
+    return type(f"Verifiers_{name}", (VerifiersWorkflow,), {"env_name": name, "__module__": __name__,
+                                                           "__qualname__": f"Verifiers_{name}"})
