@@ -163,10 +163,7 @@ def test_mode_both_with_lora_syncs_adapters_with_equal_checksums(tmp_path):
                  "--sync-interval", "1", "--lora-rank", "4", "--kl-loss-coef", "0.05", "--eval-size", "0",
                  "--reward-fn", "tests.rewards.length_parity")
     assert res.returncode == 0, res.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    sent = {r["version"]: r["sync/trainer_checksum"] for r in records if "sync/trainer_checksum" in r}
-    got = {r["explorer/received_version"]: r["sync/explorer_checksum"] for r in records
-           if "explorer/received_version" in r}
+    sent, got = checksums(out)
     assert sent and all(got[v] == c for v, c in sent.items() if v in got) and set(sent) - {3} <= set(got)
     assert (out / "final" / "adapter" / "adapter_config.json").is_file() and (out / "final" / "config.json").is_file()
     assert json.loads((out / "config.json").read_text())["lora_rank"] == 4
@@ -182,12 +179,18 @@ def test_two_fsdp_ranks_train_lora_with_checkpoint_sync(tiny_model, tmp_path):
                  "--sync-interval", "1", "--lora-rank", "4", "--sync-method", "checkpoint", "--eval-size", "0",
                  "--reward-fn", "tests.rewards.length_parity", "--lr", "1e-2", nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    got = {r["explorer/received_version"]: r["sync/explorer_checksum"] for r in records
-           if "explorer/received_version" in r}
+    _, got = checksums(out)
     adapter = load_file(out / "final" / "adapter" / "adapter_model.safetensors")
     assert all(".lora_" in k for k in adapter) and got[1] != 0
     assert any(float(v.abs().sum()) > 0 for k, v in adapter.items() if ".lora_B." in k)  # trained: B is no longer 0
+
+
+def checksums(run_dir) -> tuple[dict, dict]:
+    """(version -> trainer checksum of what it sent, version -> explorer checksum of what it applied) of a run."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return ({r["version"]: r["sync/trainer_checksum"] for r in records if "sync/trainer_checksum" in r},
+            {r["explorer/received_version"]: r["sync/explorer_checksum"] for r in records
+             if "explorer/received_version" in r})
 
 
 def _tiny(tmp_path) -> str:
@@ -246,9 +249,6 @@ def test_mode_both_with_lora_on_vllm(tiny_model, tmp_path):
                  "--sync-interval", "1", "--lora-rank", "4", "--engine", "vllm", "--eval-size", "0",
                  "--reward-fn", "tests.rewards.length_parity")
     assert res.returncode == 0, res.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    sent = {r["version"]: r["sync/trainer_checksum"] for r in records if "sync/trainer_checksum" in r}
-    got = {r["explorer/received_version"]: r["sync/explorer_checksum"] for r in records
-           if "explorer/received_version" in r}
+    sent, got = checksums(out)
     assert 1 in got and got[1] == pytest.approx(sent[1], rel=1e-12)
     assert (out / "final" / "adapter" / "adapter_model.safetensors").is_file()
