@@ -185,6 +185,24 @@ def test_two_fsdp_ranks_train_lora_with_checkpoint_sync(tiny_model, tmp_path):
     assert any(float(v.abs().sum()) > 0 for k, v in adapter.items() if ".lora_B." in k)  # trained: B is no longer 0
 
 
+@pytest.mark.slow
+def test_inflight_updates_with_lora_on_the_hf_engine(tiny_model, tmp_path):
+    """New adapters reach sequences in flight: the workflow pauses each batch from the second on at its 3rd
+    decode step until the trainer has announced a publish (tests.plugins.WaitForPublish), whichever process
+    is faster."""
+    out = tmp_path / "run"
+    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", out, "--steps", "3",
+                 "--sync-interval", "1", "--sync-offset", "1", "--inflight", "--max-tokens", "24", "--eval-size", "0",
+                 "--lora-rank", "4", "--reward-fn", "tests.rewards.length_parity", "--workflow",
+                 "tests.plugins.WaitForPublish")
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/mean" in r]
+    assert all(r["inflight/multi_version_seqs"] > 0 for r in steps[1:])
+    sent, got = checksums(out)
+    assert all(got[v] == c for v, c in sent.items() if v in got) and len(set(sent) & set(got)) >= 2
+
+
 def checksums(run_dir) -> tuple[dict, dict]:
     """(version -> trainer checksum of what it sent, version -> explorer checksum of what it applied) of a run."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
