@@ -1,4 +1,6 @@
 """Plug-ins given to run.py by import path in the end-to-end tests (and shown in the README)."""
+import asyncio
+import os
 import threading
 import time
 from pathlib import Path
@@ -121,6 +123,23 @@ def failing_loss_that_hangs_on_exit(inp: LossInputs) -> dict[str, torch.Tensor]:
 
     atexit.register(threading.Event().wait)
     raise FloatingPointError("loss diverged")
+
+
+class AllExplorersStarted(MathWorkflow):
+    """A start barrier for separate explorer launches: each explorer's first rollout waits until
+    `explorers` (2) explorers of the run have reached theirs (a file per process in RUN_DIR), so
+    every explorer takes part in the run however late its process started."""
+
+    explorers = 2
+
+    async def run(self, task, engine, n):
+        if not getattr(self, "started", False):
+            root = Path(self.run_dir)
+            (root / f"explorer-started-{os.getpid()}").touch()
+            while len(list(root.glob("explorer-started-*"))) < self.explorers:
+                await asyncio.sleep(0.05)
+            self.started = True
+        return await super().run(task, engine, n)
 
 
 class WaitForPublish(MathWorkflow):

@@ -185,7 +185,11 @@ def test_timeouts_retries_and_crashes_do_not_block_the_run(tiny_model, tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     recs = [r for r in metrics(run_dir) if "rollout/timeouts" in r]
     assert sum(r["rollout/timeouts"] for r in recs) > 0 and sum(r["rollout/errors"] for r in recs) > 0
-    assert sum(r["rollout/retries"] for r in recs) == sum(r["rollout/timeouts"] + r["rollout/errors"] for r in recs)
+    # every failure is retried, or skipped once its retries are used up (on a loaded machine a retry too can
+    # time out: the 2 s limit counts real generation)
+    assert sum(r["rollout/retries"] for r in recs) > 0
+    assert sum(r["rollout/retries"] + r["rollout/skipped"] for r in recs) == sum(
+        r["rollout/timeouts"] + r["rollout/errors"] for r in recs)
     assert len([r for r in metrics(run_dir) if "loss/grad_norm" in r]) == 3
 
 
