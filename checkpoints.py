@@ -9,7 +9,8 @@ while it loads, so that retention never deletes a checkpoint under it
 
 Resume states (`save_resume_state`, `load_resume_state`): RUN_DIR/checkpoints/resume-{step:06d}, named by the
 marker checkpoints/resume-latest once complete (`resume_state`); a finished run deletes
-them (`delete_resume_states`).
+them (`delete_resume_states`). A file of its own: trainer ranks, the explorer's Receiver
+(sync.py) and run.py all read and write these directories.
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ Settings: dataclass defaults < `--config FILE.toml` < command-line flags. Every 
 `Config` is a flag (`sync_interval` -> `--sync-interval`), read by tyro from the field and
 the docstring under it; the `# -- title` comments group the flags in `--help`; dict and
 list fields take JSON. `parse_config` is the one entry point (run.py calls it); bad values
-raise ValueError with one line naming the setting.
+raise ValueError with one line naming the setting. A file of its own: the settings and their
+command line are as long as the rest of run.py, which starts the processes.
 """
 from __future__ import annotations
 

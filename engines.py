@@ -197,7 +197,7 @@ class HFEngine(Engine):
     def parameters(self) -> list[torch.Tensor]:
         """What a weight sync carries, in `named_parameters()` order (the wire order of
         sync.WeightSync): every weight, or with LoRA the adapters."""
-        return [p for _, p in (models.lora_parameters(self.model) if self.lora else self.model.named_parameters())]
+        return [p for _, p in models.published_parameters(self.model, self.lora is not None)]
 
     def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
         self.weights = sync.WeightSync(None, port=port, host=host, device=device, timeout_s=timeout_s,

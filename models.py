@@ -148,11 +148,12 @@ def adapter_base(path: str | Path) -> str:
     return PeftConfig.from_pretrained(str(path)).base_model_name_or_path
 
 
-def lora_parameters(model) -> list[tuple[str, torch.Tensor]]:
-    """(name, parameter) of the LoRA adapters of a peft model in `named_parameters()` order:
-    what a LoRA run trains, publishes to the explorer and saves (A [r, in] and B [out, r] of
-    every adapted layer)."""
-    return [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
+def published_parameters(model, lora: bool) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) of what a weight sync carries, in `named_parameters()` order, the
+    same on trainer and engines: every parameter, or with `lora` (a peft model) the LoRA
+    adapters only (A [r, in] and B [out, r] of every adapted layer), which is also what a
+    LoRA run trains and saves."""
+    return [(n, p) for n, p in model.named_parameters() if not lora or ".lora_" in n]
 
 
 def save_adapter(model, path: str | Path, named: list[tuple[str, torch.Tensor]], config) -> None:

@@ -6,7 +6,8 @@ responses after it, with a block mask so that each response sees the prompt and 
 only; `micro_batches` splits a batch so that each packed forward pass stays within the
 token budget; `response_logprobs` runs the model over a packed batch and returns the
 log-probs of the response tokens, the LM head applied in chunks (`chunked_logprobs`) so
-that the logits of a micro-batch never exist at once.
+that the logits of a micro-batch never exist at once. A file of its own: the trainer's step
+(trainer.py) uses it as a black box, and the log-probs tests and benchmarks call it directly.
 """
 from __future__ import annotations
 

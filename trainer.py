@@ -205,7 +205,7 @@ class Trainer:
     def published(self) -> list[tuple[str, torch.Tensor]]:
         """(name, parameter) of what this trainer trains and sends the explorer, in
         `named_parameters()` order: every parameter, or with LoRA the adapters only."""
-        return models.lora_parameters(self.model) if self.lora else list(self.model.named_parameters())
+        return models.published_parameters(self.model, self.lora is not None)
 
     def full_parameters(self) -> list[torch.Tensor]:
         """The `published` parameters as full tensors. Collective: every rank must call it;

@@ -1,7 +1,8 @@
 """What runs inside vLLM's worker process: the weight-sync receiver, loaded by vLLM as its
 worker extension (`worker_extension_cls="vllm_worker.VLLMWeightReceiver"`, engines.VLLMEngine),
 and reading safetensors checkpoints. Only control messages cross `collective_rpc`; the
-tensors come over the weight-sync group (sync.WeightSync)."""
+tensors come over the weight-sync group (sync.WeightSync). A file of its own: vLLM imports it
+by name in its worker process, apart from the engine that runs in the explorer."""
 from __future__ import annotations
 
 import logging
@@ -51,7 +52,7 @@ class VLLMWeightReceiver:
                 hf = get_peft_model(hf, lora)
         self.nanorft_lora, self.nanorft_meta, self.nanorft_root = lora, hf, lora_root
         device = self.device if self.device.type == "cuda" and sync_device == "cuda" else torch.device("cpu")
-        named = models.lora_parameters(hf) if lora is not None else hf.named_parameters()
+        named = models.published_parameters(hf, lora is not None)
         self.nanorft_named = [(n, torch.empty(p.shape, dtype=dtype, device=device)) for n, p in named]
         self.nanorft_alive = sync.StoreAlive(host, port, sync.STORE_KNOWN_WAIT_S)
         self.nanorft_sync = sync.WeightSync(None, port=port, host=host, device=str(device), timeout_s=timeout_s,

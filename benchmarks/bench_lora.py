@@ -45,10 +45,8 @@ def published_megabytes(model_path: str, rank: int, targets: str) -> float:
         cfg = run.parse_config(["--lora-rank", str(rank), "--lora-target-modules", targets])
         from peft import get_peft_model
 
-        named = models.lora_parameters(get_peft_model(model, models.lora_config(cfg)))
-    else:
-        named = list(model.named_parameters())
-    return sum(p.numel() for _, p in named) * 4 / 2 ** 20
+        model = get_peft_model(model, models.lora_config(cfg))
+    return sum(p.numel() for _, p in models.published_parameters(model, bool(rank))) * 4 / 2 ** 20
 
 
 def job(rank: int, args, extra: list[str]) -> dict:
@@ -73,7 +71,7 @@ def generation(model_path: str, rank: int, rounds: int, threads: int) -> dict:
     cfg = run.parse_config(["--lora-rank", str(rank)])
     unmerged = HFEngine(model_path, max_batch=128, lora=models.lora_config(cfg))
     with torch.no_grad():
-        for _, p in models.lora_parameters(unmerged.model):
+        for _, p in models.published_parameters(unmerged.model, True):
             p.normal_(0, 0.01)
     merged = HFEngine(model_path, max_batch=128)
     merged.model = copy.deepcopy(unmerged.model).merge_and_unload().eval()
