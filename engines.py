@@ -24,6 +24,7 @@ import models
 import sync
 from vllm_worker import read_safetensors
 from losses import left_pad
+from metrics import generate_flops, matmul_params
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ class Engine:
         self.cores = None
         self.status = lambda text: None  # a line saying what the engine is doing (mode both: to the trainer's bar)
         self.label = ""  # what the current generate calls are for ("batch 3", "evaluation of version 10")
+        self.matmul = (0, 0)  # (body, head) parameters per token (metrics.matmul_params; make_engine sets them)
+        self.model_flops = 0.0  # model FLOPs of every generate_batch so far (metrics.generate_flops)
 
     async def generate(self, prompt_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
         """Sample `n` completions of one prompt; awaits the batched call."""
@@ -89,6 +92,9 @@ class Engine:
                 if not fut.done():
                     fut.set_exception(e)
             return
+        prompts = {tuple(p) for p, _, _ in batch}  # each distinct prompt is prefilled once
+        self.model_flops += generate_flops(*self.matmul, sum(map(len, prompts)),
+                                           sum(len(c.tokens) for out in outs for c in out))
         for (_, _, fut), out in zip(batch, outs):
             if not fut.done():  # a workflow that timed out has cancelled its future
                 fut.set_result(out)
@@ -238,15 +244,25 @@ class HFEngine(Engine):
             return self._sample_loop(prompts, s)
 
     def _sample_loop(self, prompts: list[list[int]], s: Sampling) -> list[Completion]:
+        """Sample one completion per entry of `prompts`: each distinct prompt is prefilled
+        once (the n rollouts of a group share it: 8x less prefill in the default job), its
+        KV cache copied to its rollouts, then all decode together."""
         from transformers import DynamicCache
 
         B = len(prompts)
-        ids, attn, pos = (x.to(self.device) for x in left_pad(prompts, self.pad))  # [B, P] each
+        distinct = list(dict.fromkeys(map(tuple, prompts)))  # the rollouts of a group share their prompt
+        row = {p: i for i, p in enumerate(distinct)}
+        of = torch.tensor([row[tuple(p)] for p in prompts], device=self.device)  # [B] its prompt's row
+        ids, attn, pos = (x.to(self.device) for x in left_pad([list(p) for p in distinct], self.pad))  # [U, P] each
         cache = DynamicCache()
         if self.cores is not None:
             self.cores.apply()
         logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [U, V]
+        if len(distinct) < B:  # each prompt prefilled once; its rollouts start from copies of its KV
+            cache.reorder_cache(of)
+            logits = logits[of]                                                                      # [B, V]
+        attn, pos = attn[of], pos[of]                                                                # [B, P]
         tokens, logprobs = [], []
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         first = self.version
@@ -439,6 +455,12 @@ def make_engine(cfg, model_path: str, seed: int, device: str = "", colocated: bo
     `device` (run.place; "" = the default). vLLM takes the first GPU this process sees
     (`use_gpu`); the HF engine holds bf16 weights when `colocated` with the trainer on a GPU."""
     torch.set_num_threads(cfg.explorer_threads)
+    engine = _engine(cfg, model_path, seed, device, colocated)
+    engine.matmul = matmul_params(model_path)
+    return engine
+
+
+def _engine(cfg, model_path: str, seed: int, device: str, colocated: bool) -> Engine:
     if cfg.engine == "vllm" or (cfg.engine == "auto" and vllm_available()):
         return VLLMEngine(model_path, seed=seed, bf16=cfg.dtype == "bfloat16", lora=models.lora_config(cfg),
                           threads=cfg.explorer_threads,

@@ -31,7 +31,7 @@ import torch
 import sync
 from buffer import Buffer, Experience, open_buffer, pool_for
 from engines import Engine, HFEngine, Sampling, make_engine, use_gpu, vllm_available
-from metrics import peak_rss_gib
+from metrics import cpu_seconds, mfu, peak_rss_gib, unit_peak
 from pipelines import TaskContext, make_selector, run_task_pipeline
 from workflows import Task, load_reward_fn, load_workflow
 
@@ -104,6 +104,18 @@ class Explorer:
         self.rng = random.Random(self.seed + 1)
         self.samples = Path(cfg.run_dir) / "samples.log"
         self.curation: dict = {}  # the task pipeline's metrics, reported with the next batch
+        device = getattr(engine, "device", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        self.on_cpu = device.type == "cpu"
+        self.peak = unit_peak(device.type, cfg.dtype)  # FLOP/s of one core (CPU) or device (CUDA)
+
+    def utilisation(self, since: tuple[float, float], wall_s: float, prefix: str) -> dict[str, float]:
+        """PREFIX_model_flops (the engine's model FLOPs since `since` = (engine.model_flops,
+        metrics.cpu_seconds()) was taken) and PREFIX_mfu: those FLOPs over the peak of what the
+        explorer used, its CPU seconds (vLLM's engine process included) x one core's peak on a
+        CPU, `wall_s` x the device's peak on CUDA."""
+        flops = self.engine.model_flops - since[0]
+        busy = cpu_seconds() - since[1] if self.on_cpu else wall_s
+        return {f"{prefix}_model_flops": flops, f"{prefix}_mfu": mfu(flops, busy, self.peak)}
 
     def curate(self, buffer: Buffer) -> None:
         """Run cfg.task_pipeline (pipelines.py) on the training tasks, once per run and
@@ -195,6 +207,7 @@ class Explorer:
         groups; a batch that cannot be filled raises RuntimeError naming the last workflow
         error. Every group with known rewards updates the task pools."""
         cfg, t0, version = self.cfg, time.perf_counter(), self.engine.version
+        since = (self.engine.model_flops, cpu_seconds())
         self.counts = dict.fromkeys(self.counts, 0)
         self.engine.label = f"batch {batch} (version {version})"
         retired = buffer.retired()
@@ -217,6 +230,7 @@ class Explorer:
         self._write_samples(batch, version, groups)
         record = self._batch_record(batch, version, seconds, [e for g in generated for e in g],
                                     [pool_for(*u[1:]) for u in updates], len(retired), picked)
+        record.update(self.utilisation(since, seconds, "perf/explorer"))
         if cfg.difficulty_filter:
             record.update({"filter/difficulty_dropped": len(generated) - len(kept),
                            "filter/difficulty_rounds": rounds, "filter/difficulty_short": short})
@@ -273,7 +287,7 @@ class Explorer:
         when there are no held-out tasks."""
         if not self.held_out:
             return None
-        t0 = time.perf_counter()
+        t0, since = time.perf_counter(), (self.engine.model_flops, cpu_seconds())
         self.engine.label = f"evaluation of version {version}"
         groups = self._rollouts(self.held_out, self.eval_workflow, 1)
         exps = [g[0] for g in groups if g]
@@ -281,7 +295,8 @@ class Explorer:
         return {"eval/version": version, "eval/accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
                 "eval/reward_mean": sum(rewards) / len(rewards), "eval/n": len(rewards), "eval/skipped": len(groups) - len(exps),
                 "eval/response_len": sum(len(e.logprobs) for e in exps) / max(1, len(exps)),
-                "eval/seconds": time.perf_counter() - t0}
+                "eval/seconds": time.perf_counter() - t0,
+                **self.utilisation(since, time.perf_counter() - t0, "perf/eval")}
 
     def bench(self, k: int) -> dict:
         """avg@k (mean reward-1 rate over k samples per held-out task) and pass@k (a task
@@ -470,7 +485,8 @@ def explore_loop(cfg, engine: Engine, tasks: tuple, log, total: int, start_versi
     (workflows.load_tasks's triple): the engine holds `start_version`, `connect(engine)` -> its sync.Receiver, the explorer name
     held in `buffer` and the resume position read from it, then batches up to `total`, each
     after `before_batch(receiver, batch)` (False: stop); an evaluation every eval_interval
-    versions and at the end, after `finish(receiver)`; with cfg.inflight,
+    versions, each after the first batch of its version (so that the trainer trains on that
+    batch while the explorer evaluates), and at the end, after `finish(receiver)`; with cfg.inflight,
     `inflight(receiver)` between decode steps. Records go to `log`."""
     engine.version = start_version
     try:
@@ -500,15 +516,13 @@ def explore_loop(cfg, engine: Engine, tasks: tuple, log, total: int, start_versi
                 last_eval = v
 
         busy = engine.cores.busy if engine.cores is not None else (lambda flag: None)
-        busy(True)
-        maybe_eval()
         for batch in range(first, total):
             busy(False)  # waiting for weights or for the trainer: the trainer may use our cores
             if not before_batch(receiver, batch):
                 break
             busy(True)
-            maybe_eval()
             log(explorer.rollout_batch(batch, buffer))
+            maybe_eval()  # after the batch: the trainer trains on it meanwhile
         busy(False)
         engine.step_hook = None
         finish(receiver)

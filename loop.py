@@ -31,7 +31,7 @@ import checkpoints
 import sync
 from buffer import Experience, open_buffer
 from checkpoints import delete_resume_states, load_resume_state, resume_state, save_resume_state
-from metrics import Metrics, cpu_seconds, plot, print0, trackers
+from metrics import Metrics, cpu_seconds, job_units, mfu, plot, print0, trackers
 from trainer import Trainer
 
 ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this many consecutive steps
@@ -127,6 +127,7 @@ class TrainLoop:
         self.zero_adv_steps = self.errored_steps = 0  # consecutive steps with every advantage 0 / every reward errored
         self.bar = tqdm(total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True)
         self.cpu_mark = (cpu_seconds(), time.perf_counter())  # for cpu/utilisation_pct between two steps
+        self.explorer_flops = 0.0  # the explorers' model FLOPs (batches and evaluations) reported since the last step
 
     def run(self) -> None:
         """Steps start .. cfg.steps - 1. Raises RuntimeError when the reward function failed on
@@ -211,6 +212,7 @@ class TrainLoop:
         evaluations and weight receipts are written as records of their own, at step =
         their weight version; errors are kept in `errors`."""
         for r in self.io.records():
+            self.explorer_flops += r.get("perf/explorer_model_flops", 0.0) + r.get("perf/eval_model_flops", 0.0)
             if "batch" in r:
                 self.pending[r["batch"]] = r
             elif "eval/accuracy" in r:
@@ -237,7 +239,10 @@ class TrainLoop:
             self.check_learning(step, m, rollouts)
         cpu_s, now = cpu_seconds(), time.perf_counter()
         m["cpu/utilisation_pct"] = 100 * (cpu_s - self.cpu_mark[0]) / max(1e-9, now - self.cpu_mark[1])
-        self.cpu_mark = (cpu_s, now)
+        job_peak = self.trainer.peak * job_units(self.trainer.device.type)  # every core (CPU) or GPU of the machine
+        m["perf/job_mfu"] = mfu(m.get("perf/trainer_model_flops", 0.0) + self.explorer_flops, now - self.cpu_mark[1],
+                                job_peak)
+        self.cpu_mark, self.explorer_flops = (cpu_s, now), 0.0
         m.update({"step": step, "version": self.trainer.version, "time/elapsed_s": time.perf_counter() - self.t_start,
                   "threads/trainer": cfg.trainer_threads, "threads/explorer": cfg.explorer_threads,
                   "trainer/ranks": self.world, "eval/last_accuracy": self.last_eval.get("eval/accuracy")})

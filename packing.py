@@ -46,6 +46,12 @@ def packed_tokens(exps: list[Experience], row_tokens: int = 0) -> int:
     return len(rows) * longest_row(exps, rows)
 
 
+def unpadded_tokens(exps: list[Experience], row_tokens: int = 0) -> int:
+    """Tokens of the `share_prompts` rows of `exps` without their padding: each shared prompt
+    once, every response (what a forward pass over `pack` needs to compute)."""
+    return sum(len(p) + sum(len(exps[i].tokens) - len(p) for i in m) for p, m in share_prompts(exps, row_tokens))
+
+
 def pack(exps: list[Experience], pad: int, row_tokens: int = 0) -> dict[str, torch.Tensor]:
     """Shared-prefix packing of a micro-batch: each row holds one prompt and the responses
     that continue it (`share_prompts`: a group of 8 rollouts of a 40-token prompt costs

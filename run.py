@@ -31,7 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from config import OTHER_TASK_DEFAULTS, Config, coerce, parse_config
-from metrics import JsonlLog, print0, trackers
+from metrics import JsonlLog, job_units, print0, trackers, unit_peak
 
 # ----------------------------------------------------------------------------- processes
 
@@ -176,6 +176,13 @@ def prepare(cfg: Config, rank: int) -> tuple[str, tuple]:
     cfg.dtype, why = models.choose_dtype(cfg.dtype, "cuda" if gpu_count() else "cpu")
     print0(f"nanorft: preparing mode {cfg.mode}: precision {cfg.dtype} ({why}); model {cfg.model}; "
            f"task {cfg.task} ({cfg.train_size} training + {cfg.eval_size} held-out tasks)")
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # measured once per machine, before any process uses it
+        device = "cuda" if gpu_count() else "cpu"
+        units = job_units(device)
+        peak = unit_peak(device, cfg.dtype) * units
+        print0(f"nanorft: MFU is measured against {peak / 1e12:.3g} TFLOP/s, " + (
+            f"the nominal {cfg.dtype} peak of {units} GPU(s)" if device == "cuda" else
+            f"{cfg.dtype} matrix products measured on {units} core(s) (once per CPU, cached in {models.cache_dir()})"))
     model_path = models.resolve_model(cfg.model) if rank == 0 else None
     tasks = workflows.prepare_tasks(cfg)
     tok = AutoTokenizer.from_pretrained(model_path) if rank == 0 else None  # loaded once for the checks below

@@ -27,10 +27,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from torch.distributed.tensor import DTensor
 
 import sync
-from metrics import peak_rss_gib
+from metrics import mfu, peak_rss_gib, train_flops, unit_peak, matmul_params
 from buffer import Experience
 import models
-from packing import micro_batches, pack, packed_logprobs, packed_tokens, response_logprobs, share_prompts
+from packing import (micro_batches, pack, packed_logprobs, packed_tokens, response_logprobs, share_prompts,
+                     unpadded_tokens)
 from losses import (ADVANTAGES, AGGREGATIONS, FILTERS, KL_ESTIMATORS, POLICY_LOSSES, LossInputs, accepts, aggregate,
                     kl_estimate, length_penalty, masked_sum, part_totals, resolve)
 
@@ -164,6 +165,8 @@ class Trainer:
         self.opt = torch.optim.AdamW([p for _, p in self.published()], lr=cfg.lr, weight_decay=cfg.weight_decay,
                                      betas=(0.9, 0.99))
         self.version = 0
+        self.matmul = matmul_params(model_path)  # (body, head) parameters per token: model FLOPs for perf/trainer_mfu
+        self.peak = unit_peak(device.type, cfg.dtype)  # FLOP/s of one core (CPU) or device (CUDA)
         self.before_resume_marker = None  # tests: called after a resume state is written, before it is named
         # rank 0: the loop's own position, saved with the resume state (trainer.pt) and restored by checkpoints.load_resume_state
         # (loop.TrainLoop: "expert_drawn", the groups the MIX expert sampler has drawn)
@@ -268,7 +271,7 @@ class Trainer:
         -> `advantages` -> `apply_filters` -> micro-batches of the kept sequences ->
         `accumulate_gradients` (loss + KL to the reference - entropy bonus, aggregated over
         the global batch) -> `optimizer_step` (clip, AdamW) -> `reduce_metrics`."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.computed_tokens = 0
@@ -289,6 +292,7 @@ class Trainer:
         self.version += 1
         lengths = [len(e.logprobs) for e in batch.exps]
         train_s = time.perf_counter() - t0
+        m.update(self.utilisation(mine, train_s, time.process_time() - cpu0))
         rollout = ~batch.offline
         if rollout.any():
             m.update({"advantage/mean": float(adv[rollout].mean()), "advantage/abs_mean": float(adv[rollout].abs().mean())})
@@ -303,6 +307,21 @@ class Trainer:
             m["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             m["memory/reserved_gib"] = torch.cuda.memory_reserved(self.device) / 2**30
         return m
+
+    def utilisation(self, units: list[list[Experience]], wall_s: float, cpu_s: float) -> dict[str, float]:
+        """perf/trainer_model_flops (metrics.train_flops of the trained `units` of every
+        rank, a reference pass counted at 2N per token) and perf/trainer_mfu: those FLOPs over
+        the peak of what the ranks used, CPU seconds x one core's peak on a CPU (lent cores
+        count), `wall_s` x the device's peak on CUDA. Collective."""
+        exps = [e for u in units for e in u]
+        tokens = unpadded_tokens(exps, self.cfg.token_budget)
+        predicted = sum(len(e.tokens) - e.prompt_length for e in exps)
+        flops = train_flops(*self.matmul, tokens, predicted, passes=3 + self.needs_ref)
+        busy = cpu_s if self.device.type == "cpu" else wall_s
+        total = torch.tensor([flops, busy], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return {"perf/trainer_model_flops": float(total[0]),
+                "perf/trainer_mfu": mfu(float(total[0]), float(total[1]), self.peak)}
 
     def shape_rewards(self, batch: StepBatch, mine: list[list[Experience]],
                       ref: dict[int, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:

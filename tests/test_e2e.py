@@ -40,6 +40,10 @@ def test_run_trains_and_syncs(tiny_model, tmp_path):
                 "response/len_mean", "staleness/mean", "time/train_s", "time/explore_s", "time/wait_s",
                 "time/sync_s", "train/tokens_per_s", "explorer/tokens_per_s", "buffer/consumed"):
         assert key in steps[-1], key
+    for key in ("perf/trainer_model_flops", "perf/trainer_mfu", "perf/explorer_model_flops", "perf/explorer_mfu",
+                "perf/job_mfu"):
+        assert all(r[key] > 0 for r in steps), key
+    assert all(r["perf/eval_model_flops"] > 0 and r["perf/eval_mfu"] > 0 for r in evals)
     # a raising reward function is caught, scored 0 and counted; the run went on
     assert sum(r["rollout/reward_errors"] for r in steps) > 0
     assert [r["buffer/consumed"] for r in steps] == [8, 16, 24, 32]  # 2 groups of 4 per step

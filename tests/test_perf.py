@@ -1,0 +1,125 @@
+"""Model FLOPs, the measured peak and MFU (metrics.py); prefill once per distinct prompt
+(engines.HFEngine); evaluations after their version's first batch (explorer.explore_loop)."""
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import explorer
+import metrics
+import run
+from buffer import Experience
+from engines import HFEngine, Sampling
+from trainer import Trainer
+
+
+def test_flop_formulas_against_hand_computed_values():
+    # 6 x (body x tokens + head x predicted): 6 x (10 x 7 + 3 x 4) = 492
+    assert metrics.train_flops(10, 3, tokens=7, predicted=4) == 492
+    assert metrics.train_flops(10, 3, tokens=7, predicted=4, passes=4) == 656  # + a reference forward
+    # 2 x (body x prompt + (body + head) x sampled): 2 x (10 x 5 + 13 x 2) = 152
+    assert metrics.generate_flops(10, 3, prompt_tokens=5, sampled=2) == 152
+    assert metrics.mfu(1e9, 2.0, 1e9) == 0.5
+    assert metrics.mfu(1e9, 0.0, 1e9) == 0.0 and metrics.mfu(1e9, 1.0, 0.0) == 0.0
+
+
+def test_matmul_params_of_the_tiny_model(tiny_model):
+    # 2 layers, hidden 64, 2 heads of 32 (q, o: 64 x 64), 1 KV head (k, v: 32 x 64), MLP 3 x 64 x 128; tied head
+    vocab = json.load(open(f"{tiny_model}/config.json"))["vocab_size"]
+    body = 2 * (64 * 64 * 2 + 32 * 64 * 2 + 3 * 64 * 128)
+    assert metrics.matmul_params(tiny_model) == (body, vocab * 64)
+
+
+def test_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANORFT_CACHE", str(tmp_path))
+    peak = metrics.peak_flops("cpu", "float32", 1)
+    assert peak > 1e8  # any CPU that runs torch multiplies faster than 0.1 GFLOP/s
+    cached = json.loads((tmp_path / "peak.json").read_text())
+    assert list(cached.values()) == [peak]
+    key = next(iter(cached))
+    (tmp_path / "peak.json").write_text(json.dumps({key: 123.0}))
+    assert metrics.peak_flops("cpu", "float32", 1) == 123.0  # read back, not measured again
+    assert metrics.unit_peak("cpu", "float32") > 0
+
+
+def test_each_distinct_prompt_is_prefilled_once(tiny_model):
+    engine = HFEngine(tiny_model, max_batch=64, seed=0)
+    engine.matmul = metrics.matmul_params(tiny_model)
+    rows = []
+    engine.model.register_forward_pre_hook(lambda m, a, kw: rows.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    prompts = [[5, 6, 7], [8, 9]]
+    out = engine.generate_batch(prompts, [4, 3], Sampling(max_tokens=5))
+    assert [len(o) for o in out] == [4, 3]
+    assert rows[0] == (2, 3)  # the prefill: 2 distinct prompts, not 7 rollouts
+    assert all(r[0] == 7 and r[1] == 1 for r in rows[1:])  # then every rollout decodes
+    # the engine's model FLOPs count each prompt once
+
+    from conftest import rollouts
+
+    engine.model_flops = 0.0
+    exps = rollouts(engine, prompts, 3, Sampling(max_tokens=5))
+    sampled = sum(len(e.logprobs) for e in exps)
+    assert engine.model_flops == metrics.generate_flops(*engine.matmul, 5, sampled)
+
+
+def test_trainer_step_reports_its_model_flops_and_mfu(tiny_model):
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    cfg = run.parse_config(["--config", "configs/tiny.toml"])
+    tr = Trainer(cfg, tiny_model, torch.device("cpu"))
+    # one group: a 3-token prompt and 4 responses of 2 tokens: 3 + 8 tokens computed, 8 predicted
+    exps = [Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0) for i in range(4)]
+    m = tr.step([exps])
+    body, head = metrics.matmul_params(tiny_model)
+    assert m["perf/trainer_model_flops"] == 6 * (body * 11 + head * 8)
+    assert 0 < m["perf/trainer_mfu"] < 1
+
+
+class Fake:
+    """Stand-ins for explore_loop: an engine, an Explorer that records what it is asked, a buffer."""
+
+    def __init__(self):
+        self.calls, self.version, self.step_hook, self.cores = [], 0, None, None
+
+    def close(self):
+        pass
+
+
+def test_an_evaluation_runs_after_its_versions_first_batch(monkeypatch):
+    engine = Fake()
+
+    class Recorder:
+        def __init__(self, *a):
+            pass
+
+        def curate(self, buffer):
+            pass
+
+        def rollout_batch(self, batch, buffer):
+            engine.calls.append(("batch", batch, engine.version))
+            return {}
+
+        def evaluate(self, version):
+            engine.calls.append(("eval", version))
+            return None
+
+    class Buf:
+        hold = curate = lambda *a: None
+        explorer_state = lambda *a: None  # noqa: E731
+
+    monkeypatch.setattr(explorer, "Explorer", Recorder)
+    cfg = run.parse_config(["--eval-interval", "2", "--sync-interval", "2"])
+
+    def before_batch(receiver, batch):
+        engine.version = 2 * (batch // 2)  # sync.required_version with interval 2, offset 0
+        return True
+
+    def finish(receiver):
+        engine.version = 4
+
+    explorer.explore_loop(cfg, engine, ([], [], None), lambda r: None, 4, 0, lambda e: None, before_batch,
+                          None, finish, Buf())
+    # the trainer trains on batch 0 (2) while the explorer evaluates version 0 (2)
+    assert engine.calls == [("batch", 0, 0), ("eval", 0), ("batch", 1, 0), ("batch", 2, 2), ("eval", 2),
+                            ("batch", 3, 2), ("eval", 4)]
