@@ -104,8 +104,8 @@ def peak_flops(device: str = "cpu", dtype: str = "float32", threads: int = 1) ->
         for key, (bf16, fp32) in CUDA_PEAKS.items():
             if key in name:
                 return bf16 if dt == torch.bfloat16 else fp32
-        return _measure_matmul(torch.device(device), dt, 8192)
-    key = "|".join([_cpu_model(), torch.backends.cpu.get_cpu_capability(), torch.__version__, dtype, str(threads)] +
+        return measure_matmul(torch.device(device), dt, 8192)
+    key = "|".join([cpu_model(), torch.backends.cpu.get_cpu_capability(), torch.__version__, dtype, str(threads)] +
                    [os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")])
     path = models.cache_dir() / "peak.json"
     try:
@@ -116,7 +116,7 @@ def peak_flops(device: str = "cpu", dtype: str = "float32", threads: int = 1) ->
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            cached[key] = _measure_matmul(torch.device("cpu"), dt, 1024)
+            cached[key] = measure_matmul(torch.device("cpu"), dt, 1024)
         finally:
             torch.set_num_threads(before)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,7 +126,7 @@ def peak_flops(device: str = "cpu", dtype: str = "float32", threads: int = 1) ->
     return cached[key]
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo ("" where there is none)."""
     try:
         return next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "")
@@ -134,7 +134,7 @@ def _cpu_model() -> str:
         return ""
 
 
-def _measure_matmul(device, dtype, n: int, trials: int = 5, trial_s: float = 0.15) -> float:
+def measure_matmul(device, dtype, n: int, trials: int = 5, trial_s: float = 0.15) -> float:
     """FLOP/s of n x n matrix products on `device` in `dtype` (torch's): the best of
     `trials` runs of about `trial_s` seconds."""
     import time

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import models  # noqa: E402
 import run  # noqa: E402
-from bench_step import cpu_name  # noqa: E402
+from metrics import cpu_model  # noqa: E402
 from engines import HFEngine, Sampling  # noqa: E402
 
 
@@ -97,7 +97,7 @@ def main():
     ranks = [int(r) for r in args.ranks.split(",")]
     model_path = models.resolve_model(run.parse_config(extra).model)
     dtype, why = models.choose_dtype("auto", "cpu")
-    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; precision auto: {dtype} ({why})")
+    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads; precision auto: {dtype} ({why})")
     rows = []
     for rank in [0] + ranks:
         r = job(rank, args, extra)
@@ -116,7 +116,7 @@ def main():
     gen = generation(model_path, ranks[len(ranks) // 2], args.rounds, 1)
     print(f"HF engine, LoRA r={gen['rank']}, one batch: unmerged {gen['unmerged_tokens_per_s']:.0f} tokens/s, "
           f"merged {gen['merged_tokens_per_s']:.0f} tokens/s, unmerged / merged {gen['unmerged_over_merged']:.2f}")
-    Path(args.out).write_text(json.dumps({"cpu": cpu_name(), "precision": dtype, "steps": args.steps, "jobs": rows,
+    Path(args.out).write_text(json.dumps({"cpu": cpu_model(), "precision": dtype, "steps": args.steps, "jobs": rows,
                                           "generation": gen}, indent=2))
     print(f"saved {args.out}")
 

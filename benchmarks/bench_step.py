@@ -5,10 +5,12 @@ in float32 and in bf16 on this machine.
     python benchmarks/bench_step.py --model DIR --steps 4 --threads 1 [run.py flags...]
     python benchmarks/bench_step.py --steps 0 --dtypes float32   # components only, one precision
 
-It first prints the CPU capability and the precision `--dtype auto` picks here (and why).
+It first prints the CPU capability and the precision `--dtype auto` picks here (and why),
+then the machine's limit: matrix-product GFLOP/s and memory bandwidth for 1 .. all cores.
 Part 1 runs `run.py --mode both` for a few steps (precision auto) and prints the mean
 seconds per step and where they went (explore / train / sync / trainer waiting), the peak
-RSS of each process and the CPU utilisation of the job, from metrics.jsonl.
+RSS of each process, the CPU utilisation of the job, the model FLOPs of one step and the
+MFU of trainer, explorer and job, from metrics.jsonl.
 Part 2 times, in this process with the same thread count and interleaved (this machine is
 shared and noisy), nanorft's explorer on one batch vs raw `model.generate` on the same
 prompts, and nanorft's trainer step vs a raw forward/backward/AdamW loop on the same
@@ -17,6 +19,7 @@ side by side, bf16 / float32 for each.
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -34,19 +37,10 @@ from engines import HFEngine  # noqa: E402
 from explorer import Explorer  # noqa: E402
 from losses import left_pad  # noqa: E402
 import models  # noqa: E402
+from metrics import cpu_model, measure_matmul  # noqa: E402
 from models import choose_dtype  # noqa: E402
 from trainer import Trainer  # noqa: E402
 from workflows import load_tasks  # noqa: E402
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
-    import platform
-
-    try:
-        return next(x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def pipeline(args, extra):
@@ -68,6 +62,32 @@ def pipeline(args, extra):
     print(f"  trainer peak RSS            {peak('memory/trainer_peak_rss_gib'):8.2f} GiB")
     print(f"  explorer peak RSS           {peak('memory/explorer_peak_rss_gib'):8.2f} GiB")
     print(f"  CPU utilisation             {mean('cpu/utilisation_pct'):8.0f} %   (both processes; 100 % = one core)")
+    flops = mean("perf/trainer_model_flops") + mean("perf/explorer_model_flops")
+    print(f"  model FLOPs per step        {flops / 1e12:8.3f} T   (trainer {mean('perf/trainer_model_flops') / 1e12:.3f}, "
+          f"explorer {mean('perf/explorer_model_flops') / 1e12:.3f}; 6N per trained token, 2N per prefilled or sampled)")
+    for k in ("perf/trainer_mfu", "perf/explorer_mfu", "perf/job_mfu"):
+        print(f"  {k:<28}{mean(k):8.3f}")
+
+
+def limit(max_threads: int) -> None:
+    """The machine's limit: matrix-product FLOP/s per thread count (float32; bf16 where
+    native) and memory bandwidth (a copy of 256 MiB)."""
+    print("the limit:")
+    dtypes = [torch.float32] + ([torch.bfloat16] if models.native_bf16("cpu") else [])
+    before = torch.get_num_threads()
+    for threads in range(1, max_threads + 1):
+        torch.set_num_threads(threads)
+        rates = ", ".join(f"{str(d).split('.')[1]} {measure_matmul(torch.device('cpu'), d, 1024) / 1e9:6.1f}"
+                          for d in dtypes)
+        print(f"  {threads} thread(s): matrix products (1024 x 1024) GFLOP/s: {rates}")
+        a = torch.empty(2 ** 26)
+        b = torch.empty_like(a)
+        b.copy_(a)
+        t = time.perf_counter()
+        for _ in range(5):
+            b.copy_(a)
+        print(f"  {threads} thread(s): memory bandwidth (copy of 256 MiB) {2 * 5 * a.nbytes / (time.perf_counter() - t) / 1e9:6.1f} GB/s")
+    torch.set_num_threads(before)
 
 
 class Sink:
@@ -187,8 +207,9 @@ def main():
     if set(args.dtypes.split(",")) - {"float32", "bfloat16"}:
         p.error(f"--dtypes {args.dtypes}: float32 and/or bfloat16")
     dtype, why = choose_dtype("auto", "cpu")
-    print(f"CPU: {cpu_name()}; torch capability {torch.backends.cpu.get_cpu_capability()}, oneDNN native bf16 "
+    print(f"CPU: {cpu_model()}; torch capability {torch.backends.cpu.get_cpu_capability()}, oneDNN native bf16 "
           f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}; --dtype auto picks {dtype} ({why})")
+    limit(len(os.sched_getaffinity(0)))
     if args.steps:
         pipeline(args, extra)
     components(args, extra)

@@ -96,6 +96,22 @@ def test_sample_token_logprob_is_exact_nucleus_distribution():
             assert abs(math.exp(lp[b].item()) - probs[tok[b]] / mass) < 1e-5
 
 
+def test_sampled_tokens_follow_the_nucleus_distribution():
+    # 20,000 draws of one row: each kept token's frequency within 4 standard errors of its probability;
+    # tokens outside the nucleus (probability 0 after top-p) are never drawn
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n, top_p = 20000, 0.8
+    g = torch.Generator().manual_seed(1)
+    tok, _ = sample_token(logits.expand(n, -1), 1.0, top_p, g)
+    probs = torch.softmax(logits, -1)
+    kept = (probs.cumsum(-1) - probs) < top_p                 # the smallest prefix reaching top_p (sorted already)
+    expected = torch.where(kept, probs, 0.0) / probs[kept].sum()
+    freq = torch.bincount(tok, minlength=6).double() / n
+    assert (freq[~kept] == 0).all()
+    se = (expected * (1 - expected) / n).sqrt()
+    assert ((freq - expected).abs() <= 4 * se + 1e-12).all(), (freq, expected)
+
+
 def test_helpers_make_their_tensors_on_their_inputs_device():
     # CUDA inputs must not meet CPU helper tensors. Stand-ins for a second device on a CPU machine: CPU inputs
     # while torch's default device is "meta" (a helper tensor made without device= lands there), and meta inputs

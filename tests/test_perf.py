@@ -123,3 +123,18 @@ def test_an_evaluation_runs_after_its_versions_first_batch(monkeypatch):
     # the trainer trains on batch 0 (2) while the explorer evaluates version 0 (2)
     assert engine.calls == [("batch", 0, 0), ("eval", 0), ("batch", 1, 0), ("batch", 2, 2), ("eval", 2),
                             ("batch", 3, 2), ("eval", 4)]
+
+
+def test_the_engines_grouped_query_attention_equals_transformers_sdpa(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from losses import left_pad
+
+    engine = HFEngine(tiny_model, seed=0)
+    assert engine.model.config._attn_implementation == "nanorft_gqa_sdpa"
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa").eval()
+    ids, attn, pos = left_pad([[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]], engine.pad)  # padding: a mask
+    with torch.no_grad():
+        a = engine.model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+        b = ref(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+    assert torch.allclose(a, b, atol=1e-5) and a.abs().max() > 0
