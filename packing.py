@@ -12,7 +12,6 @@ that the logits of a micro-batch never exist at once. A file of its own: the tra
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from buffer import Experience
 
@@ -170,29 +169,78 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
 
     The logits of a whole micro-batch (T x V float32: 300 MB for 1,600 tokens of a 49k
     vocabulary, and as much again for each copy autograd keeps) are never materialised:
-    each chunk of rows is computed, reduced and dropped, and under autograd recomputed in
-    the backward pass (torch.utils.checkpoint, non-reentrant), so the gradient is exactly
-    that of the unchunked expression. Same idea as Liger-Kernel's fused linear cross
-    entropy (linkedin/Liger-Kernel src/liger_kernel/ops/fused_linear_cross_entropy.py),
-    which cannot be used here: the RL loss needs the log-probs themselves, not a cross
-    entropy, and its kernels need Triton (GPU)."""
-    rows = max(1, chunk_elems // weight.shape[0])
-
-    def part(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = torch.nn.functional.linear(h, weight, bias).float() / temperature    # [c, V]
-        logz = torch.logsumexp(logits, -1)                                             # [c]
-        lp = logits.gather(-1, t[:, None]).squeeze(-1) - logz                          # [c]
-        ent = token_entropy(logits) if entropy else lp.new_zeros(0)                   # [c]
-        return lp, ent
-
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    lps, ents = [], []
-    for i in range(0, hidden.shape[0], rows):
-        h, t = hidden[i:i + rows], targets[i:i + rows]
-        lp, ent = checkpoint(part, h, t, use_reentrant=False) if grad else part(h, t)
-        lps.append(lp)
-        ents.append(ent)
-    if not lps:
+    each chunk of rows is computed, reduced and dropped, and recomputed in the backward
+    pass, whose gradient is written out by hand (`HeadLogprobs`): exactly that of the
+    unchunked expression, in a third of the passes over the logits that autograd through a
+    recomputed chunk takes. Same idea as Liger-Kernel's fused linear cross entropy
+    (linkedin/Liger-Kernel src/liger_kernel/ops/fused_linear_cross_entropy.py), which
+    cannot be used here: the RL loss needs the log-probs themselves, not a cross entropy,
+    and its kernels need Triton (GPU)."""
+    if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float)
         return empty, (empty if entropy else None)
-    return torch.cat(lps), (torch.cat(ents) if entropy else None)
+    rows = max(1, chunk_elems // weight.shape[0])
+    lp, ent = HeadLogprobs.apply(hidden, weight, bias, targets, temperature, rows, entropy)
+    return lp, (ent if entropy else None)
+
+
+def _head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    return torch.nn.functional.linear(h, weight, bias).float().div_(temperature)        # [c, V]
+
+
+class HeadLogprobs(torch.autograd.Function):
+    """`chunked_logprobs`'s forward and backward, `rows` rows of logits at a time.
+    Forward: logits z = (h W^T + b) / temperature, log Z = logsumexp(z), log-prob z_t - log Z,
+    and (when `entropy`) H = log Z - sum_v p_v z_v with p = softmax(z). Backward, from the
+    logits recomputed: dz_v = g_lp (1[v = t] - p_v) - g_H p_v (z_v - (log Z - H)), then
+    dh = dz W / temperature, dW = dz^T h / temperature, db = sum dz / temperature (the
+    cross-entropy gradient of Liger-Kernel's fused linear cross entropy, plus the
+    entropy's). Runs under the autocast state of the forward (bf16 products on a CPU
+    with native bf16)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, rows, entropy):
+        lps, logzs, ents = [], [], []
+        for i in range(0, hidden.shape[0], rows):
+            z = _head_logits(hidden[i:i + rows], weight, bias, temperature)           # [c, V]
+            logz = torch.logsumexp(z, -1)                                             # [c]
+            lps.append(z.gather(-1, targets[i:i + rows, None]).squeeze(-1) - logz)   # [c]
+            logzs.append(logz)
+            if entropy:
+                ents.append(logz - torch.softmax(z, -1).mul_(z).sum(-1))                 # [c] (token_entropy)
+        lp, logz = torch.cat(lps), torch.cat(logzs)                                   # [T], [T]
+        ent = torch.cat(ents) if entropy else lp.new_zeros(0)                         # [T] or [0]
+        device = hidden.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+        ctx.temperature, ctx.rows = temperature, rows
+        ctx.set_materialize_grads(False)  # an output nobody differentiates brings None, not zeros
+        ctx.save_for_backward(hidden, weight, bias, targets, logz, ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, bias, targets, logz, ent = ctx.saved_tensors
+        device, dtype, enabled = ctx.autocast
+        gh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        gw = torch.zeros_like(weight, dtype=torch.float) if ctx.needs_input_grad[1] else None
+        gb = torch.zeros_like(bias, dtype=torch.float) if bias is not None and ctx.needs_input_grad[2] else None
+        g_lp = torch.zeros_like(logz) if g_lp is None else g_lp.float()              # [T]
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            for i in range(0, hidden.shape[0], ctx.rows):
+                c = slice(i, i + ctx.rows)
+                h, t = hidden[c], targets[c]
+                z = _head_logits(h, weight, bias, ctx.temperature)                    # [c, V]
+                p = (z - logz[c, None]).exp_()                                        # [c, V]
+                scale = g_lp[c, None]                                                 # [c, 1]
+                if g_ent is not None:
+                    scale = scale + g_ent[c, None].float() * (z - (logz[c] - ent[c])[:, None])  # [c, V]
+                dz = p.mul_(scale).neg_().scatter_add_(-1, t[:, None], g_lp[c, None]).div_(ctx.temperature)
+                dz = dz if enabled else dz.to(weight.dtype)                           # [c, V]
+                if gh is not None:
+                    gh[c] = (dz @ weight).to(gh.dtype)                                # [c, H]
+                if gw is not None:
+                    gw += (dz.T @ (h if enabled else h.to(weight.dtype))).float()     # [V, H]
+                if gb is not None:
+                    gb += dz.float().sum(0)                                           # [V]
+        return (gh, None if gw is None else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype),
+                None, None, None, None)

@@ -2,7 +2,7 @@
 
 The model is sharded with FSDP2 `fully_shard` per decoder block and at the root, over
 the default process group (gloo on CPU, NCCL on CUDA) as a device mesh of the trainer's
-device type. `Trainer.step` is a short sequence of stages, each a method: rewards
+device type (a single CPU rank, with nothing to shard, keeps the plain model). `Trainer.step` is a short sequence of stages, each a method: rewards
 shaped (KL and length penalties), advantages (losses.ADVANTAGES), filters, the sequences
 split over the ranks and into micro-batches of at most `token_budget` padded tokens, the
 response logprobs recomputed under the current policy and the policy loss
@@ -146,6 +146,9 @@ class Trainer:
         bf16 = cfg.dtype == "bfloat16"
         self.fsdp_bf16 = bf16 and device.type == "cuda"  # FSDP2 mixed precision on CUDA, autocast on CPU
         self.autocast = bf16 and not self.fsdp_bf16
+        # one CPU rank has nothing to shard: FSDP2 would only copy the weights into and out of its buffers
+        # (the default job's step: 18.6 instead of 16.5 s, 0.24 GiB more; docs/benchmarks.md "The limit and MFU")
+        self.sharded = self.world > 1 or device.type != "cpu"
         self.computed_tokens = 0  # tokens the forward passes computed (packed rows x length, padding included)
         self.cores = None  # sync.CoreShare: threads lent by an idle explorer (set by TrainLoop)
         self.progress: Callable[[str], None] = lambda text: None  # rank 0's step bar shows where the step is
@@ -173,9 +176,9 @@ class Trainer:
         self.loop_state: dict = {}
 
     def _load(self, model_path: str, lora=None):
-        """The model at `model_path` in float32 on `device`, sharded over `mesh`; with a peft
-        `lora` config, fresh LoRA adapters on it (peft.get_peft_model: the base frozen, each
-        block sharded with its adapters). Attention is sdpa whatever the checkpoint's config
+        """The model at `model_path` in float32 on `device`, sharded over `mesh` (FSDP2, unless
+        a single CPU rank: `sharded`); with a peft `lora` config, fresh LoRA adapters on it
+        (peft.get_peft_model: the base frozen, each block sharded with its adapters). Attention is sdpa whatever the checkpoint's config
         asks: `pack`'s [N, 1, L, L] boolean mask is one that sdpa (and eager) take;
         flash-attention and flex-attention reject or misread it."""
         from transformers import AutoModelForCausalLM
@@ -199,10 +202,12 @@ class Trainer:
                 for name, sub in m.named_modules():  # LoRA dropout, when asked for, applies while training
                     sub.training = sub.training or (isinstance(sub, torch.nn.Dropout) and "lora_dropout" in name)
                 m.register_forward_pre_hook(self._lent_cores)  # also runs in each recompute of the backward pass
-                fully_shard(m, mesh=self.mesh, mp_policy=policy)
-        model = fully_shard(model, mesh=self.mesh, mp_policy=policy)
+                if self.sharded:
+                    fully_shard(m, mesh=self.mesh, mp_policy=policy)
         model.nanorft_logprobs = MethodType(packed_logprobs, model)
-        register_fsdp_forward_method(model, "nanorft_logprobs")
+        if self.sharded:
+            model = fully_shard(model, mesh=self.mesh, mp_policy=policy)
+            register_fsdp_forward_method(model, "nanorft_logprobs")
         return model
 
     def published(self) -> list[tuple[str, torch.Tensor]]:

@@ -63,13 +63,17 @@ def test_each_distinct_prompt_is_prefilled_once(tiny_model):
     assert engine.model_flops == metrics.generate_flops(*engine.matmul, 5, sampled)
 
 
-def test_trainer_step_reports_its_model_flops_and_mfu(tiny_model):
+def test_a_single_cpu_rank_trains_the_plain_model_and_reports_its_model_flops(tiny_model):
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = run.parse_config(["--config", "configs/tiny.toml"])
     tr = Trainer(cfg, tiny_model, torch.device("cpu"))
     # one group: a 3-token prompt and 4 responses of 2 tokens: 3 + 8 tokens computed, 8 predicted
     exps = [Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0) for i in range(4)]
+    # one CPU rank keeps the plain model: FSDP2 would only copy weights into and out of its buffers
+    from torch.distributed.tensor import DTensor
+
+    assert not any(isinstance(p, DTensor) for p in tr.model.parameters())
     m = tr.step([exps])
     body, head = metrics.matmul_params(tiny_model)
     assert m["perf/trainer_model_flops"] == 6 * (body * 11 + head * 8)
