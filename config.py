@@ -197,7 +197,7 @@ class Config:
     dtype: str = "auto"
     """compute precision of trainer and engines: auto (bfloat16 where the device computes it natively: a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX; else float32), bfloat16 (float32 weights and AdamW; CPU: bf16 autocast; CUDA: FSDP2 MixedPrecisionPolicy), float32"""
     activation_checkpointing: bool = True
-    """recompute each decoder block's activations in the backward pass (the default job's trainer: 2.9 instead of 3.8 GiB peak RSS, for some 20% more compute)"""
+    """recompute each decoder block's activations in the backward pass (the default job's trainer, float32: 2.7 instead of 4.8 GiB peak RSS; 6 steps were no faster without it on 2 CPU cores: docs/benchmarks.md)"""
     token_budget: int = 2048
     """max tokens one forward pass computes (a micro-batch: packed rows x the longest row, the rollouts of a group sharing their prompt)"""
     trainer_threads: int = 0

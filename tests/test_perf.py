@@ -129,6 +129,25 @@ def test_an_evaluation_runs_after_its_versions_first_batch(monkeypatch):
                             ("batch", 3, 2), ("eval", 4)]
 
 
+def test_a_prefix_common_to_all_prompts_is_prefilled_once_and_logprobs_stay_exact(tiny_model):
+    from buffer import Experience
+    from packing import pack, response_logprobs
+
+    engine = HFEngine(tiny_model, max_batch=64, seed=0)
+    rows = []
+    engine.model.register_forward_pre_hook(lambda m, a, kw: rows.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    prompts = [[5, 6, 7, 8, 9, 20, 21], [5, 6, 7, 8, 9, 30], [5, 6, 7, 8, 9, 40, 41, 42]]  # 5 tokens in common
+    out = engine.generate_batch(prompts, [2, 2, 2], Sampling(max_tokens=6))
+    assert rows[:2] == [(1, 5), (3, 3)]  # the common prefix once, then each prompt's own tokens once
+    exps = [Experience(p + c.tokens, len(p), c.logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0)
+            for i, (p, cs) in enumerate(zip(prompts, out)) for c in cs]
+    b = pack(exps, engine.pad)
+    with torch.no_grad():
+        lp, _ = response_logprobs(engine.model, b, 1.0)  # each sequence computed from scratch
+    assert ((lp - b["old_logprobs"]).abs() * b["mask"]).max() < 1e-4
+    assert (b["old_logprobs"] * b["mask"]).min() < -0.1
+
+
 def test_the_engines_grouped_query_attention_equals_transformers_sdpa(tiny_model):
     from transformers import AutoModelForCausalLM
 
