@@ -86,7 +86,8 @@ def generate_flops(body: int, head: int, prompt_tokens: int, sampled: int) -> fl
 
 
 # nominal dense peak FLOP/s of CUDA devices by name (bf16 tensor cores, float32 without TF32)
-CUDA_PEAKS = {"H200": (989e12, 67e12), "H100": (989e12, 67e12), "A100": (312e12, 19.5e12)}
+CUDA_PEAKS = {"H200": (989e12, 67e12), "H100 PCIe": (756e12, 51e12), "H100": (989e12, 67e12),
+              "A100": (312e12, 19.5e12)}
 
 
 def peak_flops(device: str = "cpu", dtype: str = "float32", threads: int = 1) -> float:
@@ -119,10 +120,13 @@ def peak_flops(device: str = "cpu", dtype: str = "float32", threads: int = 1) ->
             cached[key] = measure_matmul(torch.device("cpu"), dt, 1024)
         finally:
             torch.set_num_threads(before)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".peak.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        os.replace(tmp, path)
+        try:  # best effort: a cache that cannot be written means measuring again next time
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".peak.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cached, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass
     return cached[key]
 
 

@@ -41,6 +41,10 @@ def test_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
     (tmp_path / "peak.json").write_text(json.dumps({key: 123.0}))
     assert metrics.peak_flops("cpu", "float32", 1) == 123.0  # read back, not measured again
     assert metrics.unit_peak("cpu", "float32") > 0
+    # a cache that cannot be written (here a file where the directory should be) only means measuring again
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("NANORFT_CACHE", str(tmp_path / "file" / "cache"))
+    assert metrics.peak_flops("cpu", "float32", 1) > 1e8
 
 
 def test_each_distinct_prompt_is_prefilled_once(tiny_model):
