@@ -196,6 +196,8 @@ class Config:
     """gradient-norm clipping"""
     dtype: str = "auto"
     """compute precision of trainer and engines: auto (bfloat16 where the device computes it natively: a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX; else float32), bfloat16 (float32 weights and AdamW; CPU: bf16 autocast; CUDA: FSDP2 MixedPrecisionPolicy), float32"""
+    allocator: str = "auto"
+    """memory allocator of the job's processes on a CPU: auto (tcmalloc where its library is installed, e.g. Debian's libtcmalloc-minimal4: the trainer's step took 0.70x the time of the C library's malloc, which returns and re-faults gigabytes of pages every step: docs/benchmarks.md; the C library's malloc otherwise, and on a GPU), tcmalloc (an error if it is not installed), system"""
     activation_checkpointing: bool = True
     """recompute each decoder block's activations in the backward pass (the default job's trainer, float32: 2.7 instead of 4.8 GiB peak RSS; 6 steps were no faster without it on 2 CPU cores: docs/benchmarks.md)"""
     token_budget: int = 2048
@@ -253,7 +255,8 @@ def _field_help() -> tuple[dict[str, str], dict[str, str]]:
 TYPES = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "list": list}
 CHOICES = {"mode": ("both", "explore", "train", "bench"), "engine": ("auto", "hf", "vllm"),
            "sync_method": ("auto", "broadcast", "checkpoint"),
-           "save_dtype": ("auto", "float32", "bfloat16", "float16"), "dtype": ("auto", "bfloat16", "float32")}
+           "save_dtype": ("auto", "float32", "bfloat16", "float16"), "dtype": ("auto", "bfloat16", "float32"),
+           "allocator": ("auto", "tcmalloc", "system")}
 OLD_FLAGS = {"bf16": "--bf16 / --no-bf16 were replaced by --dtype auto|bfloat16|float32 (auto: bfloat16 only where the "
                      "hardware computes it natively)"}
 

@@ -6,6 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import run
+from config import parse_config
 from conftest import run_py
 
 
@@ -31,6 +33,8 @@ def test_run_trains_and_syncs(tiny_model, tmp_path):
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir,
                  "--reward-fn", "tests.rewards.length_parity", "--steps", 4, "--sync-interval", 2)
     assert res.returncode == 0, res.stderr[-3000:]
+    # run.py re-executes itself with tcmalloc preloaded where it is installed (CI installs it), else says how
+    assert ("memory allocator tcmalloc;" if run.tcmalloc(parse_config([])) else "install libtcmalloc") in res.stdout
     recs = metrics(run_dir)
     steps = [r for r in recs if "reward/mean" in r]
     evals = [r for r in recs if "eval/accuracy" in r]

@@ -1,5 +1,6 @@
 """Model FLOPs, the measured peak and MFU (metrics.py); prefill once per distinct prompt
-(engines.HFEngine); evaluations after their version's first batch (explorer.explore_loop)."""
+(engines.HFEngine); evaluations after their version's first batch (explorer.explore_loop);
+the choice of the memory allocator (run.tcmalloc)."""
 import json
 
 import pytest
@@ -165,3 +166,20 @@ def test_the_engines_grouped_query_attention_equals_transformers_sdpa(tiny_model
         a = engine.model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
         b = ref(input_ids=ids, attention_mask=attn, position_ids=pos).logits
     assert torch.allclose(a, b, atol=1e-5) and a.abs().max() > 0
+
+
+def test_tcmalloc_is_chosen_where_installed_and_refused_where_missing(monkeypatch):
+    from config import parse_config
+
+    monkeypatch.setattr(run, "gpu_count", lambda: 0)
+    found = {"tcmalloc_minimal": "libtcmalloc_minimal.so.4"}
+    monkeypatch.setattr(run.ctypes.util, "find_library", found.get)
+    assert run.tcmalloc(parse_config([])) == "libtcmalloc_minimal.so.4"
+    assert run.tcmalloc(parse_config(["--allocator", "system"])) is None
+    monkeypatch.setattr(run, "gpu_count", lambda: 1)  # auto keeps the C library's malloc on a GPU machine
+    assert run.tcmalloc(parse_config([])) is None
+    assert run.tcmalloc(parse_config(["--allocator", "tcmalloc"])) == "libtcmalloc_minimal.so.4"
+    found.clear()  # not installed
+    assert run.tcmalloc(parse_config([])) is None
+    with pytest.raises(ValueError, match="no tcmalloc library found .*libtcmalloc-minimal4"):
+        run.tcmalloc(parse_config(["--allocator", "tcmalloc"]))
