@@ -434,7 +434,8 @@ def dpo_loss(inp: LossInputs, beta: float = 0.1):
     if inp.ref_logprobs is None:
         raise ValueError("dpo needs ref_logprobs (a reference model)")
     logit = beta * seq_sum(inp.logprobs - inp.ref_logprobs, inp.mask)                # [B]
-    per_seq = torch.zeros_like(logit)                                                 # [B]
+    # 0 where no pair, but in the graph: a micro-batch without a pair still runs backward (FSDP2's reduce-scatter)
+    per_seq = logit * 0                                                               # [B]
     correct = torch.zeros_like(logit)                                                 # [B]
     for g in inp.group_index.unique():
         members = (inp.group_index == g).nonzero().squeeze(-1)

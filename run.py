@@ -24,8 +24,10 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -327,25 +329,45 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # bad input: flags, files, directories
         print(f"run.py: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    sigints = []  # Ctrl-C seen: a library may wrap its KeyboardInterrupt (torch.distributed.checkpoint does)
+
+    def on_sigint(*_):
+        sigints.append(1)
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
     try:
-        run(cfg, model_path, tasks)
+        try:
+            run(cfg, model_path, tasks)
+        except Exception as e:  # a failed run: one line here, the traceback in RUN_DIR/error*.log
+            if sigints:
+                raise KeyboardInterrupt from e
+            failed(cfg, rank, e)
+            return 1
     except KeyboardInterrupt:
         if rank == 0:
             print(f"\nrun.py: interrupted; to continue: the same command with --resume (run dir {cfg.run_dir})",
                   file=sys.stderr)
         return 130
-    except Exception as e:  # a failed run: one line here, the traceback in RUN_DIR/error*.log
-        name = f"error_{cfg.explorer_name}.log" if cfg.mode == "explore" else f"error_rank{rank}.log" if rank else "error.log"
-        log = Path(cfg.run_dir) / name
-        try:
-            log.write_text(traceback.format_exc())
-        except OSError:
-            log = "not saved"
-        if rank == 0:
-            print(f"run.py: error: {' '.join(str(e).split())} (traceback: {log})", file=sys.stderr)
-        exit_within(EXIT_GRACE_S, log)
-        return 1
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, before)
     return 0
+
+
+def failed(cfg: Config, rank: int, e: Exception) -> None:
+    """A failed run: the traceback to RUN_DIR/error*.log, one line naming it on rank 0; then
+    exit within EXIT_GRACE_S even if a thread hangs."""
+    name = f"error_{cfg.explorer_name}.log" if cfg.mode == "explore" else f"error_rank{rank}.log" if rank else "error.log"
+    log = Path(cfg.run_dir) / name
+    try:
+        log.write_text(traceback.format_exc())
+    except OSError:
+        log = "not saved"
+    if rank == 0:
+        print(f"run.py: error: {' '.join(str(e).split())} (traceback: {log})", file=sys.stderr)
+    exit_within(EXIT_GRACE_S, log)
 
 
 # a failed run's time to release its groups, stores and files on the way out (seconds; the tests shorten it)

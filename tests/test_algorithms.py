@@ -268,6 +268,9 @@ def test_sft_and_dpo_reference():
     assert sums == pytest.approx([pair, pair, 0.0, 0.0], abs=1e-5)
     with pytest.raises(ValueError, match="ref_logprobs"):
         L.dpo_loss(inputs(lp, lp.detach(), torch.zeros(4, 5), mask, rewards, index))
+    # a micro-batch without a pair (no reward gap) still has a loss in the graph: every FSDP2 rank must run backward
+    flat = L.dpo_loss(inputs(lp, lp.detach(), torch.zeros(4, 5), mask, torch.zeros(4), index, ref))["loss"]
+    assert flat.requires_grad and float((flat * mask).sum()) == 0.0
 
 
 def test_mix_weights_expert_sft_and_rollout_ppo():

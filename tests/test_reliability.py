@@ -553,6 +553,27 @@ def test_an_explorer_name_is_held_until_its_process_dies(buffer_url):
     assert other.hold("e1") is True  # blocks until the kernel / the server has dropped the old holder
 
 
+def test_ctrl_c_wrapped_by_a_library_still_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    # torch.distributed.checkpoint turns a KeyboardInterrupt inside a save into a CheckpointException: Ctrl-C
+    # during a resume-state write must still end as an interruption (130, the --resume line), not as a failure
+    import run
+
+    def run_that_is_interrupted_in_a_library(*_):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # the handler raises at the next bytecode: inside this try
+            for _ in range(1000):
+                pass
+        except KeyboardInterrupt as e:
+            raise RuntimeError("CheckpointException ranks:dict_keys([0])") from e
+
+    monkeypatch.setattr(run, "prepare", lambda cfg, rank: ("model", ()))
+    monkeypatch.setattr(run, "run", run_that_is_interrupted_in_a_library)
+    assert run.main(["--run-dir", str(tmp_path / "r")]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted; to continue: the same command with --resume" in err and "error" not in err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's own handler given back
+
+
 @pytest.mark.slow
 def test_ctrl_c_says_how_to_resume_in_one_line(tiny_model, tmp_path):
     # SIGINT (Ctrl-C) once the run has written its first step: one line naming --resume, exit code 130,
