@@ -335,12 +335,17 @@ def main(argv: list[str] | None = None) -> int:
         sigints.append(1)
         raise KeyboardInterrupt
 
-    main_thread = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
+    # Python's own Ctrl-C handler only (not in a thread, nor where SIGINT is ignored: a job started with nohup ... &)
+    ours = (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    before = signal.signal(signal.SIGINT, on_sigint) if ours else None
     try:
         try:
             run(cfg, model_path, tasks)
-        except Exception as e:  # a failed run: one line here, the traceback in RUN_DIR/error*.log
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # a failed run: one line here, the traceback in RUN_DIR/error*.log; also
+            # torch.distributed.checkpoint's CheckpointException, a BaseException
             if sigints:
                 raise KeyboardInterrupt from e
             failed(cfg, rank, e)
@@ -351,12 +356,12 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
         return 130
     finally:
-        if main_thread:
+        if ours:
             signal.signal(signal.SIGINT, before)
     return 0
 
 
-def failed(cfg: Config, rank: int, e: Exception) -> None:
+def failed(cfg: Config, rank: int, e: BaseException) -> None:
     """A failed run: the traceback to RUN_DIR/error*.log, one line naming it on rank 0; then
     exit within EXIT_GRACE_S even if a thread hangs."""
     name = f"error_{cfg.explorer_name}.log" if cfg.mode == "explore" else f"error_rank{rank}.log" if rank else "error.log"

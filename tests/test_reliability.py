@@ -556,6 +556,8 @@ def test_an_explorer_name_is_held_until_its_process_dies(buffer_url):
 def test_ctrl_c_wrapped_by_a_library_still_says_how_to_resume(tmp_path, monkeypatch, capsys):
     # torch.distributed.checkpoint turns a KeyboardInterrupt inside a save into a CheckpointException: Ctrl-C
     # during a resume-state write must still end as an interruption (130, the --resume line), not as a failure
+    from torch.distributed.checkpoint.api import CheckpointException
+
     import run
 
     def run_that_is_interrupted_in_a_library(*_):
@@ -564,14 +566,19 @@ def test_ctrl_c_wrapped_by_a_library_still_says_how_to_resume(tmp_path, monkeypa
             for _ in range(1000):
                 pass
         except KeyboardInterrupt as e:
-            raise RuntimeError("CheckpointException ranks:dict_keys([0])") from e
+            raise CheckpointException("write", {0: e}) from e  # a BaseException, not an Exception
 
     monkeypatch.setattr(run, "prepare", lambda cfg, rank: ("model", ()))
     monkeypatch.setattr(run, "run", run_that_is_interrupted_in_a_library)
-    assert run.main(["--run-dir", str(tmp_path / "r")]) == 130
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores it)
+    try:
+        assert run.main(["--run-dir", str(tmp_path / "r")]) == 130
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler before run.main, back
+    finally:
+        signal.signal(signal.SIGINT, before)
     err = capsys.readouterr().err
     assert "interrupted; to continue: the same command with --resume" in err and "error" not in err
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's own handler given back
 
 
 @pytest.mark.slow
@@ -588,7 +595,8 @@ def test_ctrl_c_says_how_to_resume_in_one_line(tiny_model, tmp_path):
     args = ["--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", str(run_dir), "--steps", "200",
             "--eval-size", "0", "--checkpoint-interval", "1"]
     proc = subprocess.Popen([sys.executable, "run.py", *args], cwd=ROOT, env=subprocess_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.is_file() and "loss/grad_norm" in metrics.read_text()):  # a condition, not a duration
