@@ -121,7 +121,7 @@ def preload_allocator(argv: list[str]) -> None:
     """Re-execute this process (same pid, arguments and environment, so under torchrun too)
     with tcmalloc in LD_PRELOAD when `tcmalloc` chooses it and it is not loaded yet; the
     explorer process inherits it. Bad flags are left to `main` to report."""
-    if "tcmalloc" in os.environ.get("LD_PRELOAD", "") or {"-h", "--help"} & set(argv):
+    if allocator_in_use() == "tcmalloc" or {"-h", "--help"} & set(argv):
         return
     try:
         lib = tcmalloc(parse_config(argv))
