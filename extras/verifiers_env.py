@@ -12,13 +12,16 @@ they are recorded token for token like any agent's (extras/agent.py); the reward
 episode's, from the taskset's rubric (`@vf.reward` methods: the mean over its traces).
 An episode that verifiers reports as failed raises, and the explorer retries or skips it.
 
-verifiers starts its harness programs with `uv` (it installs uv with pip when it is
-missing) and syncs their dependencies from the package index on first use; later runs
-reuse uv's cache.
+verifiers starts its harness programs with `uv` and syncs their dependencies from the
+package index on first use (later runs reuse uv's cache); uv must be on PATH (`pip install
+uv`): verifiers' own fallback (`pip install --user uv`, else a download from astral.sh)
+fails inside a virtual environment or offline.
 """
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 
 from extras.agent import AgentWorkflow
 from workflows import Task, hold_out
@@ -27,11 +30,15 @@ RUNTIME = {"type": "subprocess"}  # where verifiers runs the harness program: a 
 
 
 def require_verifiers(what: str) -> None:
-    """ValueError (one line) when verifiers (or the endpoint's packages) is missing."""
+    """ValueError (one line) when verifiers, `uv` (on PATH or in ~/.local/bin, where
+    verifiers looks) or the endpoint's packages are missing."""
     from extras.openai_endpoint import require_packages
 
     if importlib.util.find_spec("verifiers") is None:
-        raise ValueError(f"{what} needs verifiers: pip install verifiers openai fastapi uvicorn")
+        raise ValueError(f"{what} needs verifiers: pip install verifiers uv openai fastapi uvicorn")
+    search = os.pathsep.join([os.environ.get("PATH", ""), os.path.expanduser("~/.local/bin")])
+    if shutil.which("uv", path=search) is None:
+        raise ValueError(f"{what} needs uv on PATH (verifiers runs its harness programs with it): pip install uv")
     require_packages(what)
 
 

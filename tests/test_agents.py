@@ -6,6 +6,7 @@ import asyncio
 import importlib.util
 import json
 import re
+import shutil
 import socket
 import sqlite3
 import threading
@@ -220,6 +221,17 @@ def test_agent_workflow_names(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openai" else find(name, *a))
     with pytest.raises(ValueError, match=r"needs openai: pip install openai fastapi uvicorn"):
         load_workflow("agent:extras.calculator_agent.calculator_agent")
+
+
+def test_verifiers_without_uv_is_one_error_line(monkeypatch, tmp_path):
+    # verifiers runs its harness programs with uv; with none on PATH its fallback (pip --user, then curl from
+    # astral.sh) failed inside a venv offline, and every episode ended in a RuntimeError: now one line up front
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "verifiers" else find(name, *a))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ValueError, match=r"^verifiers:x needs uv on PATH .*: pip install uv$"):
+        load_workflow("verifiers:x")
 
 
 def test_core_modules_import_without_the_agent_packages():
@@ -532,6 +544,8 @@ __all__ = ["EchoTaskset"]
 @needs_packages
 def test_verifiers_environment_rollouts_go_through_the_endpoint(engine, tok, seen, trainer, tmp_path, monkeypatch):
     pytest.importorskip("verifiers")
+    if shutil.which("uv") is None:
+        pytest.skip("verifiers runs its harness programs with uv: pip install uv")
     (tmp_path / "nanorft_echo_env").mkdir()
     (tmp_path / "nanorft_echo_env" / "__init__.py").write_text(VF_TASKSET)
     monkeypatch.syspath_prepend(str(tmp_path))
