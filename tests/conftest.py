@@ -27,6 +27,8 @@ CARRIED_TOKENIZER = ROOT / "benchmarks" / "gpu_check_files" / "tokenizer"
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end to end (starts run.py processes, servers, a real model) or longer "
                                        "than a few seconds; the quick unit tier is `python -m pytest -q tests -m \"not slow\"`")
+    if config.option.durations is None:  # every run, CI's included, ends with its slowest tests
+        config.option.durations = 20
 
 
 def smollm2_tokenizer():
