@@ -94,6 +94,8 @@ class Config:
     """nucleus sampling (mode bench only: training needs 1, the trainer's logprobs are over the full softmax)"""
     eval_temperature: float = 0.0
     """temperature for held-out evaluation (0 = greedy)"""
+    eval_k: int = 4
+    """samples per held-out task at the rollouts' sampling settings at each evaluation, for avg@k and its standard error (0 = greedy only); at version 0 max(eval_k, group_size), for the base model's pass@k"""
     eval_interval: int = 10
     """evaluate held-out accuracy every this many weight versions (and at the start and end)"""
     workflow_timeout_s: float = 600.0
@@ -388,7 +390,7 @@ def check_values(cfg: Config) -> None:
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     for name in ("train_size", "eval_size", "checkpoint_interval", "log_samples", "trainer_threads", "explorer_threads",
-                 "lora_rank"):
+                 "lora_rank", "eval_k"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
 

@@ -31,20 +31,11 @@ import torch
 import sync
 from buffer import Buffer, Experience, open_buffer, pool_for
 from engines import Engine, HFEngine, Sampling, make_engine, use_gpu, vllm_available
-from metrics import cpu_seconds, mfu, peak_rss_gib, unit_peak
+from metrics import cpu_seconds, mean_stderr, mfu, pass_at_k, peak_rss_gib, sampled_eval, unit_peak
 from pipelines import TaskContext, make_selector, run_task_pipeline
-from workflows import Task, load_reward_fn, load_workflow
+from workflows import Task, load_reward_fn, load_workflow, readable
 
 DEFAULT_EXPLORER = "explorer0"
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct: 1 - C(n - c, k) / C(n, k).
-    Source: Chen et al., "Evaluating Large Language Models Trained on Code",
-    arXiv:2107.03374, eq. 1."""
-    import math
-
-    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def check_config(cfg, tokenizer, dataset) -> None:
@@ -283,27 +274,39 @@ class Explorer:
         return record
 
     def evaluate(self, version: int) -> dict | None:
-        """Held-out accuracy (fraction with reward 1) and mean reward at `version`; None
-        when there are no held-out tasks."""
+        """Held-out evaluation at `version`; None when there are no held-out tasks. Greedy
+        (cfg.eval_temperature): eval/accuracy (fraction with reward 1) with
+        eval/accuracy_stderr, eval/reward_mean, eval/format_rate (`workflows.readable`).
+        Then cfg.eval_k samples per task at the rollouts' sampling settings (at version 0
+        max(eval_k, group_size), for the base model's pass@k up to the group size):
+        `metrics.sampled_eval`'s avg@k with its standard error and pass@J, and
+        eval/sampled_format_rate. A skipped task counts as wrong."""
         if not self.held_out:
             return None
+        cfg = self.cfg
         t0, since = time.perf_counter(), (self.engine.model_flops, cpu_seconds())
         self.engine.label = f"evaluation of version {version}"
         groups = self._rollouts(self.held_out, self.eval_workflow, 1)
         exps = [g[0] for g in groups if g]
         rewards = [e.reward or 0.0 for e in exps] + [0.0] * (len(groups) - len(exps))  # skipped / lagged: 0
-        return {"eval/version": version, "eval/accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
-                "eval/reward_mean": sum(rewards) / len(rewards), "eval/n": len(rewards), "eval/skipped": len(groups) - len(exps),
-                "eval/response_len": sum(len(e.logprobs) for e in exps) / max(1, len(exps)),
-                "eval/seconds": time.perf_counter() - t0,
+        record = {"eval/version": version, "eval/n": len(rewards), "eval/skipped": len(groups) - len(exps),
+                  "eval/reward_mean": sum(rewards) / len(rewards),
+                  "eval/response_len": sum(len(e.logprobs) for e in exps) / max(1, len(exps)),
+                  **format_rate(exps, "eval/format_rate")}
+        record["eval/accuracy"], record["eval/accuracy_stderr"] = mean_stderr([float(r == 1.0) for r in rewards])
+        if n := max(cfg.eval_k, cfg.group_size) if version == 0 and cfg.eval_k else cfg.eval_k:
+            self.engine.label = f"evaluation of version {version}, {n} samples per task"
+            sampled = self._rollouts(self.held_out, n=n)
+            record.update(sampled_eval(correct_counts(sampled), n, cfg.eval_k),
+                          **format_rate([e for g in sampled if g for e in g], "eval/sampled_format_rate"))
+        return {**record, "eval/seconds": time.perf_counter() - t0,
                 **self.utilisation(since, time.perf_counter() - t0, "perf/eval")}
 
     def bench(self, k: int) -> dict:
         """avg@k (mean reward-1 rate over k samples per held-out task) and pass@k (a task
         counts when any of its k samples has reward 1), sampling at cfg.temperature; "correct"
         lists the samples with reward 1 of each task."""
-        correct = [len({e.info.get("trajectory_id", id(e)) for e in g or [] if e.reward == 1.0
-                        and not e.info.get("reflection")}) for g in self._rollouts(self.held_out, n=k)]
+        correct = correct_counts(self._rollouts(self.held_out, n=k))
         return {"tasks": len(correct), "k": k, "correct": correct, f"avg@{k}": sum(correct) / (k * len(correct)),
                 f"pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / len(correct),
                 "pass@1": sum(pass_at_k(k, c, 1) for c in correct) / len(correct)}
@@ -328,6 +331,20 @@ class Explorer:
                         if i == len(mask) or mask[i] != mask[start]:
                             f.write(f"[{'policy' if mask[start] else 'env'}] {decode(response[start:i])}\n")
                             start = i
+
+
+def correct_counts(groups: list[list[Experience] | None]) -> list[int]:
+    """Per task, its samples with reward 1 (a multi-turn trajectory counts once; a
+    reflection sample not at all; a skipped task: 0)."""
+    return [len({e.info.get("trajectory_id", id(e)) for e in g or [] if e.reward == 1.0
+                 and not e.info.get("reflection")}) for g in groups]
+
+
+def format_rate(exps: list[Experience], key: str) -> dict[str, float]:
+    """{key: the fraction of `exps` with a readable reply (`workflows.readable`)}; {} when
+    no sample records its reply."""
+    marks = [m for m in (readable(e.info) for e in exps) if m is not None]
+    return {key: sum(marks) / len(marks)} if marks else {}
 
 
 def exit_quietly(*_) -> None:

@@ -31,7 +31,7 @@ import checkpoints
 import sync
 from buffer import Experience, open_buffer
 from checkpoints import delete_resume_states, load_resume_state, resume_state, save_resume_state
-from metrics import Metrics, cpu_seconds, job_units, mfu, plot, print0, trackers
+from metrics import Metrics, cpu_seconds, eval_line, job_units, mfu, plot, print0, trackers
 from trainer import Trainer
 
 ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this many consecutive steps
@@ -218,7 +218,7 @@ class TrainLoop:
             elif "eval/accuracy" in r:
                 self.io.metrics.write({"step": r["eval/version"], **r})
                 who = f" ({r['explorer']})" if "explorer" in r else ""
-                self.bar.write(f"eval @ version {r['eval/version']}{who}: held-out accuracy {r['eval/accuracy']:.3f}")
+                self.bar.write(f"eval @ version {r['eval/version']}{who}: {eval_line(r)}")
                 self.last_eval.update(r)
             elif "explorer/received_version" in r:
                 self.io.metrics.write({"step": r["explorer/received_version"], **r})

@@ -182,6 +182,57 @@ def mfu(flops: float, seconds: float, peak: float) -> float:
     return flops / (seconds * peak) if seconds > 0 and peak > 0 else 0.0
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one task from n samples with c correct: 1 - C(n - c, k) / C(n, k).
+    Source: Chen et al., "Evaluating Large Language Models Trained on Code",
+    arXiv:2107.03374, section 2.1, eq. 1."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def mean_stderr(xs: list[float]) -> tuple[float, float]:
+    """(mean, standard error of the mean) of per-task scores: sample standard deviation
+    (n - 1) / sqrt(n), 0 for a single task. Scores of the k samples of one task are averaged
+    first (the task is the unit), the clustered standard error of Miller, "Adding Error Bars
+    to Evals", arXiv:2411.00640, section 2. Raises ValueError for an empty list."""
+    if not xs:
+        raise ValueError("mean_stderr of no scores")
+    mean = sum(xs) / len(xs)
+    if len(xs) == 1:
+        return mean, 0.0
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+
+
+def sampled_eval(correct: list[int], n: int, k: int) -> dict[str, float]:
+    """The eval/* metrics of n samples per held-out task with correct[i] right answers for
+    task i: eval/avg_at_k (avg@k, the mean over tasks of c_i / n: with n = k samples the
+    mean accuracy of k samples per task, with more an unbiased estimate of the same),
+    eval/avg_at_k_stderr (`mean_stderr`), eval/k = k, eval/samples = n, and
+    eval/pass_at_J (`pass_at_k`) for J = 1, 2, 4, ... up to n (n itself included).
+    Raises ValueError when n < k or there are no tasks."""
+    if n < k or not correct:
+        raise ValueError(f"sampled_eval needs n >= k and tasks (n={n}, k={k}, {len(correct)} tasks)")
+    avg, err = mean_stderr([c / n for c in correct])
+    out = {"eval/avg_at_k": avg, "eval/avg_at_k_stderr": err, "eval/k": k, "eval/samples": n}
+    for j in sorted({2 ** i for i in range(n.bit_length())} | {n}):
+        out[f"eval/pass_at_{j}"] = sum(pass_at_k(n, c, j) for c in correct) / len(correct)
+    return out
+
+
+def eval_line(r: dict) -> str:
+    """One line for an evaluation record (`explorer.Explorer.evaluate`'s): greedy accuracy
+    +- its standard error, avg@k +- its standard error, the format rate and, where
+    measured (version 0), the largest pass@J."""
+    line = f"held-out accuracy {r['eval/accuracy']:.3f} +- {r.get('eval/accuracy_stderr', 0):.3f} (greedy)"
+    if "eval/avg_at_k" in r:
+        line += f", avg@{r['eval/k']} {r['eval/avg_at_k']:.3f} +- {r['eval/avg_at_k_stderr']:.3f}"
+    if "eval/format_rate" in r:
+        line += f", format {r['eval/format_rate']:.2f}"
+    n = r.get("eval/samples", 0)
+    if n > r.get("eval/k", 0):
+        line += f", pass@{n} {r[f'eval/pass_at_{n}']:.3f}"
+    return line
+
+
 def json_safe(x):
     """NaN and infinities become null (JSON has no NaN)."""
     if isinstance(x, float) and not math.isfinite(x):
@@ -312,9 +363,33 @@ def plot(run_dir: Path) -> Path:
     return out
 
 
+def eval_curves(ax, evals: list[dict]) -> None:
+    """Draw evaluation records on `ax` against weight version: greedy accuracy, avg@k with
+    error bars of +- one standard error, the format rate (dashed) and the base model's
+    largest pass@J measured at version 0 (a horizontal line: the ceiling that RL of this
+    kind mostly moves pass@1 towards)."""
+    versions = [r["eval/version"] for r in evals]
+    ax.errorbar(versions, [r["eval/accuracy"] for r in evals], [r.get("eval/accuracy_stderr", 0) for r in evals],
+                fmt="o-", capsize=3, label="held-out accuracy (greedy)")
+    sampled = [r for r in evals if "eval/avg_at_k" in r]
+    if sampled:
+        ax.errorbar([r["eval/version"] for r in sampled], [r["eval/avg_at_k"] for r in sampled],
+                    [r["eval/avg_at_k_stderr"] for r in sampled], fmt="s-", capsize=3,
+                    label=f"held-out avg@{sampled[0]['eval/k']} (+- 1 s.e.)")
+    fmt = [r for r in evals if "eval/format_rate" in r]
+    if fmt:
+        ax.plot([r["eval/version"] for r in fmt], [r["eval/format_rate"] for r in fmt], "^--", alpha=0.6,
+                label="format rate (greedy)")
+    base = [r for r in evals if r["eval/version"] == 0 and r.get("eval/samples", 0) > r.get("eval/k", 0)]
+    if base:
+        n = base[0]["eval/samples"]
+        ax.axhline(base[0][f"eval/pass_at_{n}"], color="gray", linestyle=":", label=f"base model pass@{n}")
+
+
 def figure(recs: list[dict], title: str = ""):
     """The matplotlib Figure of `plot` for the metric records `recs` (metrics.jsonl's),
-    2 x 2 panels against trainer step: train reward (rollouts only) and held-out accuracy,
+    2 x 2 panels against trainer step: train reward (rollouts only) and held-out accuracy
+    (`eval_curves`),
     or, in a run without either (offline SFT / DPO data), the training loss (and DPO's pair
     accuracy); mean response length; policy loss and KL to the reference / behaviour
     policy; entropy and grad norm. Curves whose metric the run does not have are left
@@ -334,7 +409,7 @@ def figure(recs: list[dict], title: str = ""):
     ax = axes[0, 0]
     rewards = curve(ax, "reward/mean", "train reward (mean)", alpha=0.7)
     if evals:
-        ax.plot([r["eval/version"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="held-out accuracy")
+        eval_curves(ax, evals)
     if rewards or evals:
         ax.set_ylim(-0.02, 1.02)
         ax.set_title("reward and held-out accuracy" if rewards else "held-out accuracy")

@@ -264,6 +264,16 @@ def extract_answer(completion: str, reference: str) -> str | None:
     return lines[-1] if lines else None
 
 
+def readable(info: dict) -> bool | None:
+    """Whether a single-turn reply (an Experience's info, as `MathWorkflow` records it) is
+    in a form a reward can read: it ended within the token budget (finish_reason "stop")
+    and `extract_answer` finds an answer in it. None for a sample without a recorded reply
+    (multi-turn, agents). The format rate of evaluations (eval/format_rate)."""
+    if "response" not in info:
+        return None
+    return info.get("finish_reason") == "stop" and extract_answer(info["response"], info.get("answer", "")) is not None
+
+
 def reasoning_gym_reward(task: Task, completion: str, dataset: Any) -> float:
     """Reward in [0, 1]: the dataset's own `score_answer` on the completion's answer
     (`extract_answer`); for JSONL tasks (`dataset` None) exact match of that answer."""

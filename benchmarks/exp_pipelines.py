@@ -23,9 +23,9 @@ benchmarks/results/<part>.png, a summary to benchmarks/results/<part>.json.
 import argparse
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
+
+from seeds import records, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -50,19 +50,10 @@ PARTS = {
 }
 
 
-def records(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()]
-
-
 def run_arm(part: str, arm: str, seed: int, flags: list[str], model: str) -> Path:
     run_dir = ROOT / "runs" / f"exp_{part}_{arm}_s{seed}"
-    cmd = [sys.executable, "run.py", "--run-dir", str(run_dir), "--overwrite", "--seed", str(seed), *COMMON, *flags]
-    if model:
-        cmd += ["--model", model]
-    print(" ".join(cmd), flush=True)
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if res.returncode:
-        sys.exit(f"{part}/{arm}/seed {seed} failed:\n{res.stderr[-2000:]}")
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    run_job(run_dir, [*COMMON, *flags, *(["--model", model] if model else [])], seed, run_dir.parent / f"{run_dir.name}.log")
     out = RESULTS / f"{part}_{arm}_s{seed}.jsonl"
     shutil.copy(run_dir / "metrics.jsonl", out)
     return out

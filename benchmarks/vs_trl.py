@@ -85,7 +85,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def job_config(dtype: str, eval_tasks: int, run_dir: str) -> run.Config:
     """nanorft's default job as a run.Config (its defaults), with the precision, the
     held-out set size and the HF engine of this comparison."""
-    return run.parse_config(["--dtype", dtype, "--eval-size", str(eval_tasks), "--engine", "hf", "--run-dir", run_dir])
+    return run.parse_config(["--dtype", dtype, "--eval-size", str(eval_tasks), "--eval-k", "0", "--engine", "hf",
+                             "--run-dir", run_dir])
 
 
 # ----------------------------------------------------------------------------- measuring from outside

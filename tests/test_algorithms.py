@@ -1,12 +1,14 @@
 """The algorithm zoo of losses.py against references written out element by element, plus
 gradient-level checks where the theory gives one and a one-step direction check of every
 policy loss. tests/test_fidelity.py pins each one to numbers from its reference code."""
+import json
 import math
 
 import pytest
 import torch
 
 import losses as L
+from buffer import Experience
 from packing import token_entropy
 from extras import opmd as OPMD
 from test_losses import inputs
@@ -369,8 +371,78 @@ def test_one_step_raises_positive_and_lowers_negative_sequences(name):
 
 
 def test_pass_at_k_is_the_unbiased_estimator():
-    from explorer import pass_at_k
+    from metrics import pass_at_k
 
     # Chen et al. 2021, eq. 1, worked by hand: 1 - C(n - c, k) / C(n, k)
     assert pass_at_k(10, 3, 5) == pytest.approx(1 - 21 / 252)
     assert pass_at_k(10, 3, 1) == pytest.approx(0.3) and pass_at_k(4, 0, 2) == 0.0 and pass_at_k(4, 3, 2) == 1.0
+
+
+
+def test_avg_at_k_stderr_and_pass_at_k_by_hand():
+    from metrics import eval_line, mean_stderr, sampled_eval
+
+    # 4 tasks, 4 samples each, 0 / 1 / 4 / 2 right: per-task means 0, .25, 1, .5
+    r = sampled_eval([0, 1, 4, 2], 4, 4)
+    assert r["eval/avg_at_k"] == pytest.approx(0.4375) and r["eval/samples"] == 4 and r["eval/k"] == 4
+    # squared deviations .19140625 + .03515625 + .31640625 + .00390625 = .546875; / (4 - 1) / 4, square root
+    assert r["eval/avg_at_k_stderr"] == pytest.approx((0.546875 / 3 / 4) ** 0.5)
+    # pass@2 per task: 0, 1 - C(3,2)/C(4,2) = .5, 1, 1 - C(2,2)/C(4,2) = 5/6
+    assert r["eval/pass_at_2"] == pytest.approx((0 + 0.5 + 1 + 5 / 6) / 4)
+    assert r["eval/pass_at_1"] == pytest.approx(r["eval/avg_at_k"]) and r["eval/pass_at_4"] == pytest.approx(0.75)
+    # 6 samples (version 0: the group size) for avg@4: pass@J for J = 1, 2, 4 and 6
+    r = sampled_eval([1, 2, 3], 6, 4)
+    assert sorted(k for k in r if k.startswith("eval/pass_at_")) == [f"eval/pass_at_{j}" for j in (1, 2, 4, 6)]
+    assert r["eval/pass_at_4"] == pytest.approx((1 - 5 / 15 + 1 - 1 / 15 + 1) / 3)  # C(5,4)=5, C(4,4)=1, C(6,4)=15
+    assert r["eval/pass_at_6"] == 1.0
+    assert mean_stderr([0.5]) == (0.5, 0.0)
+    with pytest.raises(ValueError):
+        sampled_eval([1], 2, 4)
+    line = eval_line({"eval/accuracy": 0.25, "eval/accuracy_stderr": 0.03, **r, "eval/format_rate": 0.9})
+    assert line == ("held-out accuracy 0.250 +- 0.030 (greedy), avg@4 0.333 +- 0.096, format 0.90, pass@6 1.000")
+
+
+def test_format_rate_counts_replies_a_reward_can_read():
+    from explorer import format_rate
+    from workflows import readable
+
+    assert readable({"response": "5 + 3 = 8", "answer": "8", "finish_reason": "stop"}) is True
+    assert readable({"response": "5 + 3 = 8 and then", "answer": "8", "finish_reason": "length"}) is False
+    assert readable({"response": "I cannot say", "answer": "8", "finish_reason": "stop"}) is False
+    assert readable({"turns": 2}) is None
+    exps = [Experience([1, 2], 1, [0.0], [1], 1.0, "g", "t", 0, info) for info in (
+        {"response": "8", "answer": "8", "finish_reason": "stop"}, {"response": "eight", "answer": "8", "finish_reason": "stop"},
+        {"turns": 2})]
+    assert format_rate(exps, "eval/format_rate") == {"eval/format_rate": 0.5}
+    assert format_rate(exps[2:], "eval/format_rate") == {}
+
+
+def test_seeds_summary_and_sweep_table(tmp_path, monkeypatch):
+    from conftest import ROOT
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import seeds
+
+    monkeypatch.setattr(seeds, "RESULTS", tmp_path)
+
+    def ev(v, greedy, avg, **more):
+        return {"step": v, "eval/version": v, "eval/accuracy": greedy, "eval/avg_at_k": avg, "eval/avg_at_k_stderr": 0.02,
+                "eval/k": 4, "eval/samples": 4, **more}
+
+    runs = {0: [ev(0, 0.0, 0.2, **{"eval/samples": 8, "eval/pass_at_8": 0.5}), ev(10, 0.3, 0.4),
+                {"step": 0, "loss/grad_norm": 1.0, "loss/entropy": 1.5, "batch": 0}],
+            1: [ev(0, 0.1, 0.4, **{"eval/samples": 8, "eval/pass_at_8": 0.7}), ev(10, 0.5, 0.6)]}
+    kept = {s: seeds.keep(r) for s, r in runs.items()}
+    assert kept[0][-1] == {"step": 0, "loss/grad_norm": 1.0, "loss/entropy": 1.5}  # a step keeps only STEP_KEYS
+    summary = seeds.summarize("base", kept, ["--lr", "1e-5"], {0: 60.0, 1: 120.0})
+    v0, v10 = summary["curve"]
+    assert v0["avg_at_k"]["mean"] == pytest.approx(0.3) and v0["avg_at_k"]["std"] == pytest.approx(0.02 ** 0.5)
+    assert v0["pass_at_8"]["mean"] == pytest.approx(0.6) and "pass_at_8" not in v10
+    assert v10["greedy"] == pytest.approx({"mean": 0.4, "std": 0.02 ** 0.5, "min": 0.3, "max": 0.5})
+    (tmp_path / "base.json").write_text(json.dumps(summary))
+    for s, recs in kept.items():
+        (tmp_path / f"base_s{s}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert seeds.plot(summary, kept, tmp_path / "base.png").stat().st_size > 0
+    table = seeds.compare(["base"], "sweep")
+    assert "| base | `--lr 1e-5` | 2 | 0.500 +- 0.141 | 0.500 (v10) | 0.400 +- 0.141 | 1.5 |" in table
+    assert (tmp_path / "sweep.png").exists() and (tmp_path / "sweep.md").read_text().strip() == table

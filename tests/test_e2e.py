@@ -31,7 +31,7 @@ def buffer_versions(run_dir, batch_size):
 def test_run_trains_and_syncs(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir,
-                 "--reward-fn", "tests.rewards.length_parity", "--steps", 4, "--sync-interval", 2)
+                 "--reward-fn", "tests.rewards.length_parity", "--steps", 4, "--sync-interval", 2, "--eval-k", 2)
     assert res.returncode == 0, res.stderr[-3000:]
     # run.py re-executes itself with tcmalloc preloaded where it is installed (CI installs it), else says how
     assert ("memory allocator tcmalloc;" if run.tcmalloc(parse_config([])) else "install libtcmalloc") in res.stdout
@@ -48,6 +48,12 @@ def test_run_trains_and_syncs(tiny_model, tmp_path):
                 "perf/job_mfu"):
         assert all(r[key] > 0 for r in steps), key
     assert all(r["perf/eval_model_flops"] > 0 and r["perf/eval_mfu"] > 0 for r in evals)
+    # avg@2 with its standard error at every evaluation; at version 0 group_size (4) samples, for pass@4
+    assert [r["eval/samples"] for r in evals] == [4, 2, 2] and all(r["eval/k"] == 2 for r in evals)
+    assert all(0 <= r["eval/avg_at_k"] <= 1 and r["eval/avg_at_k_stderr"] >= 0 for r in evals)
+    assert "eval/pass_at_4" in evals[0] and "eval/pass_at_4" not in evals[1]
+    assert all(0 <= r["eval/format_rate"] <= 1 and 0 <= r["eval/accuracy_stderr"] for r in evals)
+    assert "avg@2" in res.stdout + res.stderr
     # a raising reward function is caught, scored 0 and counted; the run went on
     assert sum(r["rollout/reward_errors"] for r in steps) > 0
     assert [r["buffer/consumed"] for r in steps] == [8, 16, 24, 32]  # 2 groups of 4 per step
