@@ -192,6 +192,12 @@ class Config:
     # -- trainer
     lr: float = 3e-5
     """AdamW learning rate"""
+    lr_schedule: str = "constant"
+    """learning-rate schedule over --steps, a name of transformers' get_scheduler: constant, cosine (to 0 at the last step), cosine_with_min_lr (to lr x min_lr_rate of lr_schedule_kwargs), linear, constant_with_warmup, ..."""
+    lr_warmup_steps: int = 0
+    """steps of linear warm-up from 0 to lr before the schedule (schedules with warm-up)"""
+    lr_schedule_kwargs: dict = field(default_factory=dict)
+    """keyword arguments of the schedule (JSON), e.g. {"min_lr_rate": 0.1} for cosine_with_min_lr"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -390,7 +396,7 @@ def check_values(cfg: Config) -> None:
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     for name in ("train_size", "eval_size", "checkpoint_interval", "log_samples", "trainer_threads", "explorer_threads",
-                 "lora_rank", "eval_k"):
+                 "lora_rank", "eval_k", "lr_warmup_steps"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
 

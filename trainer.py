@@ -120,6 +120,26 @@ def check_config(cfg) -> None:
     models.lora_config(cfg)  # ValueError without peft
 
 
+def lr_schedule(cfg, opt) -> Callable[[int], float]:
+    """The factor of cfg.lr at each trainer step (0-based) under cfg.lr_schedule, from
+    transformers' get_scheduler (the schedules of its Trainer and of TRL) over cfg.steps
+    steps with cfg.lr_warmup_steps of warm-up and cfg.lr_schedule_kwargs. Raises ValueError
+    (one line) for an unknown schedule or keyword."""
+    from transformers import get_scheduler
+
+    try:
+        sched = get_scheduler(cfg.lr_schedule, opt, num_warmup_steps=cfg.lr_warmup_steps,
+                              num_training_steps=cfg.steps, scheduler_specific_kwargs=cfg.lr_schedule_kwargs)
+        factor = sched.lr_lambdas[0]
+        factor(0)
+    except (ValueError, TypeError, AttributeError, KeyError) as e:
+        raise ValueError(f"lr_schedule {cfg.lr_schedule!r} with {cfg.lr_schedule_kwargs}: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    for group in opt.param_groups:  # get_scheduler applied factor(0); optimizer_step sets each step's own
+        group["lr"] = cfg.lr
+    return factor
+
+
 class Trainer:
     """FSDP2 policy + AdamW on this rank (and a frozen FSDP2 reference model when a KL term
     or DPO needs one).
@@ -169,6 +189,7 @@ class Trainer:
         # the default job: docs/benchmarks.md); FSDP2's sharded parameters keep the default implementation
         self.opt = torch.optim.AdamW([p for _, p in self.published()], lr=cfg.lr, weight_decay=cfg.weight_decay,
                                      betas=(0.9, 0.99), fused=not self.sharded or None)
+        self.lr_factor = lr_schedule(cfg, self.opt)
         self.version = 0
         self.matmul = matmul_params(model_path)  # (body, head) parameters per token: model FLOPs for perf/trainer_mfu
         self.peak = unit_peak(device.type, cfg.dtype)  # FLOP/s of one core (CPU) or device (CUDA)
@@ -304,7 +325,7 @@ class Trainer:
         if rollout.any():
             m.update({"advantage/mean": float(adv[rollout].mean()), "advantage/abs_mean": float(adv[rollout].abs().mean())})
         m.update({**filtered, **self.reduce_metrics(objective, sums),
-                  "loss/grad_norm": grad_norm, "filter/kept": int(keep.sum()),
+                  "loss/grad_norm": grad_norm, "train/lr": self.opt.param_groups[0]["lr"], "filter/kept": int(keep.sum()),
                   "train/expert_seqs": int(batch.offline.sum()), "train/micro_batches": len(plan),
                   "response/len_mean": sum(lengths) / len(lengths), "response/len_max": max(lengths),
                   "time/train_s": train_s, "train/tokens_per_s": sum(len(e.tokens) for e in batch.exps) / train_s,
@@ -433,10 +454,13 @@ class Trainer:
         return objective, sums
 
     def optimizer_step(self) -> float:
-        """Clip the gradient norm to max_grad_norm, AdamW step, zero the gradients; returns
-        the norm before clipping."""
+        """Clip the gradient norm to max_grad_norm, AdamW step at this step's learning rate
+        (cfg.lr x `lr_schedule`'s factor of self.version), zero the gradients; returns the
+        norm before clipping."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        for group in self.opt.param_groups:  # a function of the step: a resumed run goes on where it was
+            group["lr"] = self.cfg.lr * self.lr_factor(self.version)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return float(grad_norm)

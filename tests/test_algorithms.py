@@ -446,3 +446,23 @@ def test_seeds_summary_and_sweep_table(tmp_path, monkeypatch):
     table = seeds.compare(["base"], "sweep")
     assert "| base | `--lr 1e-5` | 2 | 0.500 +- 0.141 | 0.500 (v10) | 0.400 +- 0.141 | 1.5 |" in table
     assert (tmp_path / "sweep.png").exists() and (tmp_path / "sweep.md").read_text().strip() == table
+
+
+def test_lr_schedules_are_transformers_and_bad_ones_one_error_line():
+    from transformers import get_cosine_schedule_with_warmup
+
+    from run import Config
+    from trainer import lr_schedule
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    factor = lr_schedule(Config(lr=1e-3, lr_schedule="cosine", lr_warmup_steps=2, steps=10), opt)
+    reference = get_cosine_schedule_with_warmup(torch.optim.AdamW(model.parameters(), lr=1e-3), 2, 10).lr_lambdas[0]
+    assert [factor(i) for i in range(10)] == [reference(i) for i in range(10)]
+    assert factor(1) == 0.5 and factor(6) == pytest.approx(0.5 * (1 + math.cos(math.pi * 4 / 8)))  # by hand
+    assert opt.param_groups[0]["lr"] == 1e-3  # the optimiser keeps cfg.lr until its first step
+    assert lr_schedule(Config(), opt)(29) == 1.0  # the default: constant
+    with pytest.raises(ValueError, match=r"^lr_schedule 'nope' with \{\}: ValueError: "):
+        lr_schedule(Config(lr_schedule="nope"), opt)
+    with pytest.raises(ValueError, match=r"^lr_schedule 'cosine_with_min_lr' with \{'floor': 1\}: TypeError"):
+        lr_schedule(Config(lr_schedule="cosine_with_min_lr", lr_schedule_kwargs={"floor": 1}), opt)

@@ -105,7 +105,7 @@ def test_workflow_scores_check_what_the_reward_function_returns(value, expected)
         assert reward == value and error is None
 
 
-def _trainer(tiny_model, run_dir, port):
+def _trainer(tiny_model, run_dir, port, **settings):
     import torch.distributed as dist
 
     from run import Config
@@ -114,7 +114,8 @@ def _trainer(tiny_model, run_dir, port):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     from trainer import Trainer
 
-    return Trainer(Config(run_dir=str(run_dir), dtype="float32", save_dtype="float32"), tiny_model, torch.device("cpu"))
+    return Trainer(Config(run_dir=str(run_dir), dtype="float32", save_dtype="float32", **settings), tiny_model,
+                   torch.device("cpu"))
 
 
 def test_resume_state_is_replaced_atomically(tiny_model, tmp_path):
@@ -148,9 +149,11 @@ def test_resume_state_holds_the_weights_once_and_resumes_exactly(tiny_model, tmp
     from run import _free_port
     from checkpoints import load_resume_state, resume_state, save_resume_state
 
-    a = _trainer(tiny_model, tmp_path, _free_port())
+    # a learning-rate schedule goes on where it was: lr 0 at step 0 (warm-up), lr at step 1, then a cosine decay
+    schedule = {"lr_schedule": "cosine", "lr_warmup_steps": 1, "steps": 4}
+    a = _trainer(tiny_model, tmp_path, _free_port(), **schedule)
     exps = [Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0) for i in range(4)]
-    a.step([exps])  # AdamW moments that are not zero
+    assert a.step([exps])["train/lr"] == 0.0  # AdamW moments that are not zero
     state = save_resume_state(a, tmp_path, 1)
     n = sum(p.numel() for p in a.model.parameters())  # (the tied embedding once)
     files = {f.relative_to(state).as_posix(): f.stat().st_size for f in state.rglob("*") if f.is_file()}
@@ -159,10 +162,10 @@ def test_resume_state_holds_the_weights_once_and_resumes_exactly(tiny_model, tmp
     # float32 weights (4 bytes per parameter) + AdamW's two float32 moments (8), the tokenizer and configs for
     # the explorer, and some metadata (DCP's, safetensors' header, trainer.pt)
     assert sum(files.values()) <= 12 * n + tokenizer + 256 * 1024, files
-    a.step([exps])
-    b = _trainer(tiny_model, tmp_path, 0)  # a fresh trainer, resumed: the next step is the same, bit for bit
+    assert a.step([exps])["train/lr"] == a.cfg.lr
+    b = _trainer(tiny_model, tmp_path, 0, **schedule)  # a fresh trainer, resumed: the next step is the same, bit for bit
     assert load_resume_state(b, resume_state(tmp_path)) == 1 and b.version == 1
-    b.step([exps])
+    assert b.step([exps])["train/lr"] == a.cfg.lr
     assert all(torch.equal(x, y) for x, y in zip(a.full_parameters(), b.full_parameters()))
     dist.destroy_process_group()
 
