@@ -3,12 +3,14 @@ sweep, several configurations side by side.
 
     python benchmarks/seeds.py default --seeds 0 1 2                  # the default job, 3 seeds
     python benchmarks/seeds.py lr1e-5 --seeds 0 1 2 -- --lr 1e-5      # run.py flags after --
+    python benchmarks/seeds.py default --seeds 3 4                    # two more seeds, same flags
     python benchmarks/seeds.py default --plot-only                    # summary and plot again
     python benchmarks/seeds.py --compare default lr1e-5 --out sweep   # a sweep: table and plot
 
 Each seed runs `python run.py FLAGS --seed S --run-dir runs/seeds/NAME_sS` (the default
 mode, both: one trainer rank and an explorer), one after the other: one run already keeps
-the machine's cores busy. The run directory's name carries the seed, so tracker runs
+the machine's cores busy; seeds saved earlier under NAME with the same flags are kept and the
+new ones added. The run directory's name carries the seed, so tracker runs
 (TensorBoard, W&B, MLflow: `--log`) name it too. Kept per seed in
 benchmarks/results/seeds/NAME_sS.jsonl: the evaluation records and a few metrics of each
 step (reward, entropy, response length, grad norm, elapsed seconds). NAME.json: the
@@ -159,6 +161,19 @@ def compare(names: list[str], out: str) -> str:
     return table
 
 
+def earlier(name: str, flags: list[str]) -> tuple[dict[int, list[dict]], dict[int, float]]:
+    """The seeds already saved under `name` with the same flags (kept records, wall
+    seconds), so a later call adds seeds to them; none when there are none or the flags
+    differ (the new runs replace them)."""
+    if not (RESULTS / f"{name}.json").exists():
+        return {}, {}
+    summary, seeds = load(name)
+    if summary["flags"] != flags:
+        print(f"{name}: the saved seeds ran with other flags ({' '.join(summary['flags'])}): replaced")
+        return {}, {}
+    return seeds, {int(s): w for s, w in summary["wall_s"].items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("name", nargs="?", help="name of this configuration (files NAME_sS.jsonl, NAME.json, NAME.png)")
@@ -177,7 +192,7 @@ def main() -> None:
     if args.plot_only:
         summary, seeds = load(args.name)
     else:
-        seeds, wall = {}, {}
+        seeds, wall = earlier(args.name, flags)
         for s in args.seeds:
             run_dir = ROOT / "runs" / "seeds" / f"{args.name}_s{s}"
             run_dir.parent.mkdir(parents=True, exist_ok=True)

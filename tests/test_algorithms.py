@@ -443,6 +443,9 @@ def test_seeds_summary_and_sweep_table(tmp_path, monkeypatch):
     for s, recs in kept.items():
         (tmp_path / f"base_s{s}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert seeds.plot(summary, kept, tmp_path / "base.png").stat().st_size > 0
+    # a later call with the same flags adds its seeds to these; with other flags it starts afresh
+    assert seeds.earlier("base", ["--lr", "1e-5"]) == (kept, {0: 60.0, 1: 120.0})
+    assert seeds.earlier("base", ["--lr", "2e-5"]) == ({}, {}) and seeds.earlier("other", []) == ({}, {})
     table = seeds.compare(["base"], "sweep")
     assert "| base | `--lr 1e-5` | 2 | 0.500 +- 0.141 | 0.500 (v10) | 0.400 +- 0.141 | 1.5 |" in table
     assert (tmp_path / "sweep.png").exists() and (tmp_path / "sweep.md").read_text().strip() == table
