@@ -366,8 +366,8 @@ def plot(run_dir: Path) -> Path:
 def eval_curves(ax, evals: list[dict]) -> None:
     """Draw evaluation records on `ax` against weight version: greedy accuracy, avg@k with
     error bars of +- one standard error, the format rate (dashed) and the base model's
-    largest pass@J measured at version 0 (a horizontal line: the ceiling that RL of this
-    kind mostly moves pass@1 towards)."""
+    largest pass@J measured at version 0 (a horizontal line: RL of this kind mostly moves
+    pass@1 towards it, unless, as in the default job, the base model fails on form)."""
     versions = [r["eval/version"] for r in evals]
     ax.errorbar(versions, [r["eval/accuracy"] for r in evals], [r.get("eval/accuracy_stderr", 0) for r in evals],
                 fmt="o-", capsize=3, label="held-out accuracy (greedy)")
