@@ -31,7 +31,7 @@ import torch
 import sync
 from buffer import Buffer, Experience, open_buffer, pool_for
 from engines import Engine, HFEngine, Sampling, make_engine, use_gpu, vllm_available
-from metrics import cpu_seconds, mean_stderr, mfu, pass_at_k, peak_rss_gib, sampled_eval, unit_peak
+from metrics import cpu_seconds, mean_stderr, mfu, peak_rss_gib, sampled_eval, unit_peak
 from pipelines import TaskContext, make_selector, run_task_pipeline
 from workflows import Task, load_reward_fn, load_workflow, readable
 
@@ -307,9 +307,9 @@ class Explorer:
         counts when any of its k samples has reward 1), sampling at cfg.temperature; "correct"
         lists the samples with reward 1 of each task."""
         correct = correct_counts(self._rollouts(self.held_out, n=k))
-        return {"tasks": len(correct), "k": k, "correct": correct, f"avg@{k}": sum(correct) / (k * len(correct)),
-                f"pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / len(correct),
-                "pass@1": sum(pass_at_k(k, c, 1) for c in correct) / len(correct)}
+        r = sampled_eval(correct, k, k)
+        return {"tasks": len(correct), "k": k, "correct": correct, f"avg@{k}": r["eval/avg_at_k"],
+                f"pass@{k}": r[f"eval/pass_at_{k}"], "pass@1": r["eval/pass_at_1"]}
 
     def _write_samples(self, batch: int, version: int, groups) -> None:
         """samples.log: for the first log_samples groups, the prompt once and two samples,
