@@ -31,7 +31,7 @@ import torch
 import sync
 from buffer import Buffer, Experience, open_buffer, pool_for
 from engines import Engine, HFEngine, Sampling, make_engine, use_gpu, vllm_available
-from metrics import cpu_seconds, mean_stderr, mfu, peak_rss_gib, sampled_eval, unit_peak
+from metrics import cpu_seconds, episode_means, mean_stderr, mfu, peak_rss_gib, sampled_eval, unit_peak
 from pipelines import TaskContext, make_selector, run_task_pipeline
 from workflows import Task, load_reward_fn, load_workflow, readable
 
@@ -271,6 +271,7 @@ class Explorer:
         if trajectories:  # multi-turn
             record["rollout/samples_per_trajectory"] = sum(i["samples"] for i in trajectories.values()) / len(trajectories)
             record["rollout/turns_mean"] = sum(i["turns"] for i in trajectories.values()) / len(trajectories)
+        record.update(episode_means([e.info for e in exps], "rollout/"))
         return record
 
     def evaluate(self, version: int) -> dict | None:
@@ -292,7 +293,7 @@ class Explorer:
         record = {"eval/version": version, "eval/n": len(rewards), "eval/skipped": len(groups) - len(exps),
                   "eval/reward_mean": sum(rewards) / len(rewards),
                   "eval/response_len": sum(len(e.logprobs) for e in exps) / max(1, len(exps)),
-                  **format_rate(exps, "eval/format_rate")}
+                  **format_rate(exps, "eval/format_rate"), **episode_means([e.info for e in exps], "eval/")}
         record["eval/accuracy"], record["eval/accuracy_stderr"] = mean_stderr([float(r == 1.0) for r in rewards])
         if n := max(cfg.eval_k, cfg.group_size) if version == 0 and cfg.eval_k else cfg.eval_k:
             self.engine.label = f"evaluation of version {version}, {n} samples per task"

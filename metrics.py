@@ -218,6 +218,21 @@ def sampled_eval(correct: list[int], n: int, k: int) -> dict[str, float]:
     return out
 
 
+def episode_means(infos: list[dict], prefix: str) -> dict[str, float]:
+    """{prefix + NAME: mean} of the metrics that episodes recorded themselves (info["metrics"],
+    e.g. an agent's tool calls: extras/agent.py), each over the episodes that recorded it; the
+    samples of one trajectory (same info["trajectory_id"]) count once."""
+    seen, sums = set(), {}
+    for info in infos:
+        if "metrics" not in info or info.get("trajectory_id", id(info)) in seen:
+            continue
+        seen.add(info.get("trajectory_id", id(info)))
+        for k, v in info["metrics"].items():
+            total, n = sums.get(k, (0.0, 0))
+            sums[k] = (total + v, n + 1)
+    return {prefix + k: total / n for k, (total, n) in sums.items()}
+
+
 def eval_line(r: dict) -> str:
     """One line for an evaluation record (`explorer.Explorer.evaluate`'s): greedy accuracy
     +- its standard error, avg@k +- its standard error, the format rate and, where

@@ -173,9 +173,11 @@ def _is_messages(msgs) -> bool:
 def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
     """SFT / expert data: one {"messages": [{"role", "content"}, ...]} per line -> one group
     of one Experience per conversation, tokenised with the chat template, action_mask 1
-    exactly on the assistant turns' tokens (each turn = template(messages[:i+1]) minus
-    template(messages[:i], generation prompt)), reward 1.0, logprobs 0 (no behaviour
-    policy), info["offline"]. Raises FileNotFoundError, or ValueError naming the file and
+    exactly on what the model generates in each assistant turn: template(messages[:i+1])
+    minus template(messages[:i], generation prompt), up to and including the end-of-turn
+    token (the tokenizer's eos; the template's newline after it is not generated), and the
+    sequence ending there: the tokens an engine would have sampled and recorded. Reward 1.0,
+    logprobs 0 (no behaviour policy), info["offline"]. Raises FileNotFoundError, or ValueError naming the file and
     line (bad JSON, no assistant turn, or turns that are not token prefixes of each other)."""
     out = []
     for path, n, row in _jsonl_rows(path, "chat data"):
@@ -189,11 +191,14 @@ def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
             prompt, full = chat_ids(tokenizer, msgs[:i], True), chat_ids(tokenizer, msgs[: i + 1], False)
             if prompt[: len(tokens)] != tokens or full[: len(prompt)] != prompt:
                 raise ValueError(f"{path} line {n}: chat template output is not a token prefix across turns")
-            mask += [0] * (len(prompt) - len(tokens)) + [1] * (len(full) - len(prompt))
+            turn = full[len(prompt):]
+            end = turn.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in turn else len(turn)
+            mask += [0] * (len(prompt) - len(tokens)) + [1] * end + [0] * (len(turn) - end)
             tokens = full
         if 1 not in mask:
             raise ValueError(f"{path} line {n}: no assistant message")
-        p = mask.index(1)
+        p, last = mask.index(1), len(mask) - mask[::-1].index(1)
+        tokens, mask = tokens[:last], mask[:last]
         out.append([Experience(tokens, p, [0.0] * (len(tokens) - p), mask[p:], 1.0, f"{path.stem}/{n}",
                                f"{path.stem}/{n}", 0, {"offline": True})])
     return out

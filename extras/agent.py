@@ -1,9 +1,10 @@
 """`--workflow agent:module.function`: train an agent written against the `openai` package.
 
-    async def my_agent(client: openai.AsyncOpenAI, task: workflows.Task) -> float | None:
+    async def my_agent(client: openai.AsyncOpenAI, task: workflows.Task) -> float | None | dict:
         reply = await client.chat.completions.create(model="nanorft", messages=[...], tools=[...])
         ...                                  # as many calls, tools and turns as it likes
         return 1.0 if ... else 0.0           # its reward; None = lagged (set later, buffer.py)
+        # or {"reward": 1.0, "tool_calls": 2}: the reward and the episode's own metrics
 
 Each of a task's group_size rollouts is one episode of the explorer engine's
 OpenAI-compatible endpoint (extras/openai_endpoint.py): the agent gets a client whose base
@@ -61,14 +62,26 @@ def call_samples(calls) -> list[dict]:
     return samples
 
 
-def check_reward(r) -> tuple[float | None, str | None]:
-    """(reward, error) of what an agent returned: a finite real number, or None (lagged);
-    anything else scores 0 with the error text (as workflows.Workflow.score does)."""
+def check_reward(r) -> tuple[float | None, str | None, dict]:
+    """(reward, error, metrics) of what an agent returned: a finite real number or None
+    (lagged), or a dict {"reward": that, NAME: number, ...} whose other entries are the
+    episode's own metrics (the explorer logs their means as rollout/NAME and eval/NAME).
+    Anything else scores 0 with the error text (as workflows.Workflow.score does)."""
+    metrics = {}
+    if isinstance(r, dict):
+        metrics = {k: float(v) for k, v in r.items() if k != "reward" and _finite(v)}
+        if bad := sorted(set(r) - set(metrics) - {"reward"}):
+            return 0.0, f"the agent returned metrics {bad} that are not finite numbers", metrics
+        r = r.get("reward", "no reward")
     if r is None:
-        return None, None
-    if isinstance(r, numbers.Real) and not isinstance(r, bool) and math.isfinite(r):
-        return float(r), None
-    return 0.0, f"the agent returned {r!r}, not a finite number or None"
+        return None, None, metrics
+    if _finite(r):
+        return float(r), None, metrics
+    return 0.0, f"the agent returned {r!r}, not a finite number or None", metrics
+
+
+def _finite(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 class AgentWorkflow(Workflow):
@@ -107,16 +120,18 @@ class AgentWorkflow(Workflow):
         ep = endpoint.open_episode(self.sampling, self.tool_parser, self.batch_wait_s)
         client = openai.AsyncOpenAI(base_url=ep.url, api_key="nanorft", max_retries=0)
         try:
-            reward, error = check_reward(await self.play(client, task))
+            reward, error, metrics = check_reward(await self.play(client, task))
         finally:
             calls = endpoint.close_episode(ep)
             await client.close()
         if not calls:
             raise RuntimeError("the agent made no model call (it must call the client it is given)")
-        return self.experiences(calls, reward, error, task, group_id, trajectory_id)
+        return self.experiences(calls, reward, error, task, group_id, trajectory_id, metrics)
 
-    def experiences(self, calls, reward, error, task: Task, group_id: str, trajectory_id: str) -> list[Experience]:
-        """Experiences of one episode's calls (`call_samples`), info as multi-turn workflows'."""
+    def experiences(self, calls, reward, error, task: Task, group_id: str, trajectory_id: str,
+                    metrics: dict | None = None) -> list[Experience]:
+        """Experiences of one episode's calls (`call_samples`), info as multi-turn workflows',
+        plus info["metrics"]: the agent's own (`check_reward`)."""
         samples = call_samples(calls)
         last = calls[-1].choices[0] if calls[-1].choices else None
         out = []
@@ -127,6 +142,8 @@ class AgentWorkflow(Workflow):
                     "question": task.question, "response": " | ".join(t.strip() for t in s["texts"])[:4000]}
             if error:
                 info["reward_error"] = error
+            if metrics:
+                info["metrics"] = metrics
             out.append(Experience(s["tokens"], s["prompt_length"], s["logprobs"], s["mask"], reward, group_id,
                                   task.task_id, info["versions"][0], info))
         return out

@@ -5,7 +5,13 @@ example of `--workflow agent:...` (docs/agents.md):
 
 It offers the model one tool, `calculate`, runs the model's tool calls, sends the results
 back, and returns reward 1 when the final answer's last number is the task's answer (0
-otherwise). Any task with a numeric answer works (the default basic_arithmetic).
+otherwise), with its tool calls and tool errors as metrics. Any task with a numeric answer
+works; configs/calculator.toml is the task where the tool matters (three terms of up to
+three digits with + - *).
+
+Demonstrations for a supervised warm start (written by code: the task's own expression):
+
+    python -m extras.calculator_agent runs/calculator_demos.jsonl --n 300 --config configs/calculator.toml
 """
 from __future__ import annotations
 
@@ -58,11 +64,12 @@ def run_tool(name: str, arguments: str) -> str:
     return calculate(str(args.get("expression", "")))
 
 
-async def calculator_agent(client, task) -> float:
-    """One episode: up to MAX_TURNS model calls, each tool call answered; reward 1 when the
-    final reply's last number equals the task's answer."""
+async def calculator_agent(client, task) -> dict:
+    """One episode: up to MAX_TURNS model calls, each tool call answered. Returns the reward
+    (1 when the final reply's last number equals the task's answer) and the episode's
+    metrics: used_tool (0/1), tool_calls, tool_errors (calls the tool answered with an error)."""
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.question}]
-    content = ""
+    content, calls, errors = "", 0, 0
     for _ in range(MAX_TURNS):
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         message = reply.choices[0].message
@@ -71,7 +78,60 @@ async def calculator_agent(client, task) -> float:
         if not message.tool_calls:
             break
         for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": run_tool(call.function.name, call.function.arguments)})
+            result = run_tool(call.function.name, call.function.arguments)
+            calls, errors = calls + 1, errors + result.startswith("error")
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     answer = last_number(content)
-    return float(answer is not None and answer == last_number(task.answer))
+    return {"reward": float(answer is not None and answer == last_number(task.answer)),
+            "used_tool": float(calls > 0), "tool_calls": calls, "tool_errors": errors}
+
+
+def demonstration(task) -> dict:
+    """The transcript of a perfect episode on a reasoning-gym arithmetic `task` (its
+    entry["metadata"]["expression"]): one `calculate` call with the task's expression, the
+    tool's result, the result as the final answer. As {"messages": [...]} in exactly the
+    text the endpoint renders for a chat template without tool support (SmolLM2's:
+    chat_tools.hermes_messages: the tool schemas in the system message, `<tool_call>` and
+    `<tool_response>` blocks), for `--mode train --train-data FILE --policy-loss sft`.
+    Raises ValueError for a task without an expression."""
+    from extras.chat_tools import hermes_messages
+
+    expression = (task.entry.get("metadata") or {}).get("expression")
+    if not isinstance(expression, str):
+        raise ValueError(f"task {task.task_id}: no metadata.expression (a reasoning-gym arithmetic task has one)")
+    result = calculate(expression)
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "calculate", "arguments": json.dumps({"expression": expression})}}
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.question},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": result},
+                {"role": "assistant", "content": result}]
+    return {"messages": hermes_messages(messages, TOOLS)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m extras.calculator_agent OUT.jsonl --n 300 [run.py flags]`: write the
+    demonstrations of the first n training tasks of the run those flags describe (its task,
+    task_kwargs, train_size and seed: the held-out tasks are never among them)."""
+    import argparse
+
+    from config import parse_config
+    from workflows import load_tasks
+
+    ap = argparse.ArgumentParser(prog="python -m extras.calculator_agent", description=main.__doc__)
+    ap.add_argument("out", help="the JSONL file to write")
+    ap.add_argument("--n", type=int, default=300, help="number of transcripts (the first n training tasks)")
+    args, rest = ap.parse_known_args(argv)
+    cfg = parse_config(rest)
+    train, _, _ = load_tasks(cfg.task, cfg.task_kwargs, max(cfg.train_size, args.n), 0, cfg.seed)
+    try:
+        rows = [demonstration(t) for t in train[:args.n]]
+    except ValueError as e:
+        raise SystemExit(f"extras.calculator_agent: {e}") from None
+    with open(args.out, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    print(f"{len(rows)} demonstrations of {cfg.task} -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

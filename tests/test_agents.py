@@ -17,6 +17,7 @@ import torch
 import engines
 from engines import HFEngine, Sampling, vllm_available
 from extras.agent import AgentWorkflow, call_samples, check_reward
+from conftest import ROOT
 from extras.chat_tools import RequestError, hermes_tool_calls, parse_request, prompt_ids
 from extras.openai_endpoint import Call, Choice
 from workflows import Task, load_workflow
@@ -203,8 +204,25 @@ def test_calls_become_samples_by_exact_token_prefix():
 
 
 def test_agent_rewards_are_checked():
-    assert check_reward(1) == (1.0, None) and check_reward(None) == (None, None)
+    assert check_reward(1) == (1.0, None, {}) and check_reward(None) == (None, None, {})
     assert check_reward(float("nan"))[0] == 0.0 and "not a finite number" in check_reward("1")[1]
+    assert check_reward({"reward": 1, "tool_calls": 2}) == (1.0, None, {"tool_calls": 2.0})
+    assert check_reward({"reward": None, "turns": 1}) == (None, None, {"turns": 1.0})
+    reward, error, _ = check_reward({"reward": 1, "calls": "two"})
+    assert reward == 0.0 and "['calls'] that are not finite numbers" in error
+    assert "'no reward'" in check_reward({"tool_calls": 1})[1]
+
+
+def test_episode_metrics_are_averaged_per_trajectory():
+    from metrics import episode_means
+
+    infos = [{"trajectory_id": "a", "metrics": {"tool_calls": 2.0, "used_tool": 1.0}},
+             {"trajectory_id": "a", "metrics": {"tool_calls": 2.0, "used_tool": 1.0}},  # a's second sample
+             {"trajectory_id": "b", "metrics": {"tool_calls": 0.0, "used_tool": 0.0}},
+             {"trajectory_id": "c", "metrics": {"tool_errors": 1.0}}, {"turns": 1}]
+    assert episode_means(infos, "rollout/") == {"rollout/tool_calls": 1.0, "rollout/used_tool": 0.5,
+                                                "rollout/tool_errors": 1.0}
+    assert episode_means([{"turns": 2}], "eval/") == {}
 
 
 @needs_packages
@@ -256,6 +274,34 @@ def test_calculator_tool_evaluates_arithmetic_only():
     assert run_tool("calculate", '{"expression": "2+2"}') == "4" and run_tool("rm", "{}").startswith("error")
 
 
+def test_calculator_demonstrations_are_written_by_code(tmp_path, monkeypatch):
+    from extras.calculator_agent import calculate, demonstration, main
+
+    monkeypatch.chdir(tmp_path)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"question": f"Calculate {a} * 3.", "answer": str(3 * a)}) + "\n"
+                             for a in range(10)))
+    with pytest.raises(SystemExit, match="no metadata.expression"):  # a task whose expression the code cannot know
+        main(["demos.jsonl", "--n", "4", "--task", str(tasks), "--eval-size", "2"])
+    pytest.importorskip("reasoning_gym")
+    main(["demos.jsonl", "--n", "5", "--config", f"{ROOT}/configs/calculator.toml"])
+    from config import parse_config
+    from workflows import load_tasks
+
+    cfg = parse_config(["--config", f"{ROOT}/configs/calculator.toml"])
+    train, held_out, _ = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
+    rows = [json.loads(x) for x in (tmp_path / "demos.jsonl").read_text().splitlines()]
+    assert len(rows) == 5 and {q.question for q in held_out}.isdisjoint(r["messages"][1]["content"] for r in rows)
+    for row, task in zip(rows, train):
+        system, user, call, result, answer = row["messages"]
+        assert [m["role"] for m in row["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+        assert "<tools>" in system["content"] and user["content"] == task.question
+        _, (parsed,) = hermes_tool_calls(call["content"])
+        assert parsed["name"] == "calculate" and calculate(parsed["arguments"]["expression"]) == task.answer
+        assert result["content"] == f"<tool_response>\n{task.answer}\n</tool_response>" and answer["content"] == task.answer
+    assert demonstration(train[0]) == rows[0]
+
+
 # ----------------------------------------------------------------------------- slow: a real server, real clients
 
 async def tool_agent(client, task):
@@ -287,6 +333,23 @@ def test_two_turn_tool_agent_is_token_exact(engine, tok, seen, script, trainer):
     assert "<tools>" in tok.decode(p1) and '"name": "add"' in tok.decode(p1)
     assert_logprobs_match_trainer(trainer, [e], 0.8)
     assert min(e.logprobs) < -1.0  # real log-probs of the random model, not zeros
+
+
+@pytest.mark.slow
+@needs_packages
+def test_demonstrations_are_the_tokens_the_endpoint_records(engine, tok, script, tmp_path):
+    # the SFT warm start trains on exactly the tokens (and action_mask) that RL later samples and records
+    from extras.calculator_agent import calculator_agent, demonstration
+    from workflows import load_chat_jsonl
+
+    task = Task("t/0", "Calculate 12 + 3 * 4.", "24", {"metadata": {"expression": "12 + 3 * 4"}})
+    demo = demonstration(task)
+    (tmp_path / "demo.jsonl").write_text(json.dumps(demo) + "\n")
+    ((sft,),) = load_chat_jsonl(tmp_path / "demo.jsonl", tok)
+    script += [m["content"] for m in demo["messages"] if m["role"] == "assistant"]  # the model acts as demonstrated
+    (e,) = asyncio.run(workflow(tok, calculator_agent).run(task, engine, 1))
+    assert e.reward == 1.0 and e.info["metrics"] == {"used_tool": 1.0, "tool_calls": 1.0, "tool_errors": 0.0}
+    assert e.tokens == sft.tokens and e.prompt_length == sft.prompt_length and e.action_mask == sft.action_mask
 
 
 async def marked_agent(client, task, stagger: int = 0):

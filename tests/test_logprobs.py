@@ -63,9 +63,10 @@ def test_chat_jsonl_masks_exactly_the_assistant_turns(tiny_model, tmp_path):
     ((e,),) = load_chat_jsonl(path, tok)
     resp = e.tokens[e.prompt_length:]
     trained = tok.decode([t for t, m in zip(resp, e.action_mask) if m])
-    assert trained.replace("<|im_end|>", "").split() == ["4", "6"]
+    assert trained == "4<|im_end|>6<|im_end|>"  # what the model generates: not the template's newline after it
     assert "and 3+3?" in tok.decode([t for t, m in zip(resp, e.action_mask) if not m])
-    assert e.tokens == list(tok.apply_chat_template(msgs, tokenize=True, return_dict=False))
+    full = list(tok.apply_chat_template(msgs, tokenize=True, return_dict=False))
+    assert e.tokens == full[:-1] and tok.decode(full[-1:]) == "\n"  # the sequence ends with the last turn's end
     path.write_text('{"messages": "hi"}\n')
     with pytest.raises(ValueError, match="line 1: needs"):
         load_chat_jsonl(path, tok)
