@@ -154,12 +154,15 @@ def init_distributed():
 
 
 def split_threads(cfg: Config, world: int) -> None:
-    """Fill 0 thread counts: the explorer and the `world` trainer ranks share the cores."""
+    """Fill 0 thread counts: the explorer and the `world` trainer ranks share the cores (an
+    explore launch leaves the trainer's share to a train launch beside it); offline training
+    (mode train with --train-data) has no explorer, and its ranks take all the cores."""
     cores = os.cpu_count() or 1
+    offline = cfg.mode == "train" and bool(cfg.train_data)
     if cfg.explorer_threads == 0:
         cfg.explorer_threads = max(1, cores // (world + 1))
     if cfg.trainer_threads == 0:
-        cfg.trainer_threads = max(1, (cores - cfg.explorer_threads) // world)
+        cfg.trainer_threads = max(1, (cores - (0 if offline else cfg.explorer_threads)) // world)
 
 
 def check_modes(cfg: Config) -> None:

@@ -183,3 +183,19 @@ def test_tcmalloc_is_chosen_where_installed_and_refused_where_missing(monkeypatc
     assert run.tcmalloc(parse_config([])) is None
     with pytest.raises(ValueError, match="no tcmalloc library found .*libtcmalloc-minimal4"):
         run.tcmalloc(parse_config(["--allocator", "tcmalloc"]))
+
+
+def test_offline_training_takes_all_the_cores(monkeypatch):
+    # SFT / DPO (mode train with --train-data) has no explorer beside it: it left half the cores idle
+    from config import parse_config
+
+    monkeypatch.setattr(run.os, "cpu_count", lambda: 4)
+    threads = {}
+    for name, argv, world in [("both", [], 1), ("async train", ["--mode", "train"], 1),
+                              ("explore", ["--mode", "explore"], 1), ("sft", ["--mode", "train", "--train-data", "x.jsonl"], 1),
+                              ("sft, 2 ranks", ["--mode", "train", "--train-data", "x.jsonl"], 2)]:
+        cfg = parse_config(argv)
+        run.split_threads(cfg, world)
+        threads[name] = (cfg.trainer_threads, cfg.explorer_threads)
+    assert threads["both"] == threads["async train"] == (2, 2) and threads["explore"][1] == 2
+    assert threads["sft"][0] == 4 and threads["sft, 2 ranks"][0] == 2
