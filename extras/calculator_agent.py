@@ -7,7 +7,7 @@ It offers the model one tool, `calculate`, runs the model's tool calls, sends th
 back, and returns reward 1 when the final answer's last number is the task's answer (0
 otherwise), with its tool calls and tool errors as metrics. Any task with a numeric answer
 works; configs/calculator.toml is the task where the tool matters (three terms of up to
-three digits with + - *).
+three digits with + - *, negative numbers and parentheses).
 
 Demonstrations for a supervised warm start (written by code: the task's own expression):
 
@@ -93,13 +93,17 @@ def demonstration(task) -> dict:
     text the endpoint renders for a chat template without tool support (SmolLM2's:
     chat_tools.hermes_messages: the tool schemas in the system message, `<tool_call>` and
     `<tool_response>` blocks), for `--mode train --train-data FILE --policy-loss sft`.
-    Raises ValueError for a task without an expression."""
+    Raises ValueError for a task without an expression, or one whose answer is not what
+    its expression evaluates to (no wrong demonstration is written)."""
     from extras.chat_tools import hermes_messages
 
     expression = (task.entry.get("metadata") or {}).get("expression")
     if not isinstance(expression, str):
         raise ValueError(f"task {task.task_id}: no metadata.expression (a reasoning-gym arithmetic task has one)")
     result = calculate(expression)
+    if last_number(result) != last_number(task.answer):
+        raise ValueError(f"task {task.task_id}: its expression {expression!r} is {result}, its answer {task.answer} "
+                         "(reasoning-gym's basic_arithmetic without allow_parentheses evaluates * left to right)")
     call = {"id": "call_0", "type": "function",
             "function": {"name": "calculate", "arguments": json.dumps({"expression": expression})}}
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.question},

@@ -284,14 +284,17 @@ def test_calculator_demonstrations_are_written_by_code(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="no metadata.expression"):  # a task whose expression the code cannot know
         main(["demos.jsonl", "--n", "4", "--task", str(tasks), "--eval-size", "2"])
     pytest.importorskip("reasoning_gym")
-    main(["demos.jsonl", "--n", "5", "--config", f"{ROOT}/configs/calculator.toml"])
+    with pytest.raises(SystemExit, match="evaluates \\* left to right"):  # reasoning-gym's answers without parentheses
+        main(["demos.jsonl", "--n", "40", "--config", f"{ROOT}/configs/calculator.toml", "--task-kwargs",
+              '{"min_terms": 3, "max_terms": 3, "operators": ["+", "*"], "allow_parentheses": false}'])
+    main(["demos.jsonl", "--n", "40", "--config", f"{ROOT}/configs/calculator.toml"])
     from config import parse_config
     from workflows import load_tasks
 
     cfg = parse_config(["--config", f"{ROOT}/configs/calculator.toml"])
     train, held_out, _ = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
     rows = [json.loads(x) for x in (tmp_path / "demos.jsonl").read_text().splitlines()]
-    assert len(rows) == 5 and {q.question for q in held_out}.isdisjoint(r["messages"][1]["content"] for r in rows)
+    assert len(rows) == 40 and {q.question for q in held_out}.isdisjoint(r["messages"][1]["content"] for r in rows)
     for row, task in zip(rows, train):
         system, user, call, result, answer = row["messages"]
         assert [m["role"] for m in row["messages"]] == ["system", "user", "assistant", "user", "assistant"]
