@@ -179,6 +179,7 @@ class _SQLite:
 
 
 POSTGRES = ("postgresql://", "postgres://")  # URL prefixes of the PostgreSQL backend
+POSTGRES_BACKEND = "extras.postgres.Postgres"  # optional (psycopg), for several hosts: by import path
 
 
 def open_buffer(url: str, run_dir: str | Path, timeout_s: float = 60.0) -> "Buffer":
@@ -206,9 +207,9 @@ class Buffer:
     def __init__(self, url: str | Path, timeout_s: float = 60.0):
         url = str(url)
         if url.startswith(POSTGRES):
-            from extras.postgres import Postgres  # optional: psycopg, several hosts
+            from losses import resolve
 
-            self.db = Postgres(url, timeout_s, SCHEMA)
+            self.db = resolve(POSTGRES_BACKEND, {}, "buffer backend")(url, timeout_s, SCHEMA)
         else:
             self.db = _SQLite(url.removeprefix("sqlite:///"), timeout_s)
         self.where = self.db.where

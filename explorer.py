@@ -251,7 +251,7 @@ class Explorer:
         (reward errors, truncation, timeouts, retries, skips), in-flight sequences, task
         pools, curation and selector metrics, and for multi-turn workflows samples and turns
         per trajectory."""
-        gen_tokens = sum(len(e.logprobs) for e in exps)
+        gen_tokens = sum(sum(e.action_mask) for e in exps)  # sampled: not a multi-turn sample's environment tokens
         record = {"batch": batch, "explorer/version": version, "time/explore_s": seconds,
                   "explorer/gen_tokens": gen_tokens, "explorer/tokens_per_s": gen_tokens / seconds,
                   "memory/explorer_peak_rss_gib": peak_rss_gib(),

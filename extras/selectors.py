@@ -24,6 +24,12 @@ class Easy2Hard(Selector):
             raise ValueError(NEEDS_DIFFICULTY)
         self.order = sorted(range(len(tasks)), key=lambda i: tasks[i].difficulty)
 
+    @staticmethod
+    def check_config(cfg) -> None:
+        """The difficulties come from a task pipeline operator: ValueError without one."""
+        if not cfg.task_pipeline:
+            raise ValueError(NEEDS_DIFFICULTY)
+
 
 class DiffBased(Selector):
     """Difficulty-targeted selection (BOTS, Trinity-RFT `diff_based`: trinity/buffer/selector/
@@ -44,6 +50,12 @@ class DiffBased(Selector):
     do_sample); tau = 0 takes the top k, else k without replacement from softmax(score/tau).
     Defaults: the BOTS example (target 0.5, tau 0, do_sample) with the estimator's m 16,
     lamb 0.2, rho 0.2."""
+
+    @staticmethod
+    def check_config(cfg) -> None:
+        """It targets a difficulty itself: ValueError with task pools (pool_easy / pool_hard) set."""
+        if cfg.pool_easy <= 1 or cfg.pool_hard >= 0:
+            raise ValueError("selector diff_based already targets a difficulty: leave pool_easy / pool_hard unset")
 
     def __init__(self, tasks: list[Task], seed: int, target: float = 0.5, tau: float = 0.0, do_sample: bool = True,
                  m: int = 16, lamb: float = 0.2, rho: float = 0.2, adaptive_rho: bool = False):

@@ -266,12 +266,41 @@ def test_core_modules_import_without_the_agent_packages():
     assert out.stdout.strip().endswith("needs fastapi, uvicorn, openai: pip install openai fastapi uvicorn"), out.stdout
 
 
+def test_the_core_names_extras_only_by_import_path():
+    # registries of import paths (as losses.py's) instead of imports: no import circle core -> extras -> core
+    import ast
+
+    core = sorted(p for p in ROOT.glob("*.py"))
+    assert len(core) > 10
+    for path in core:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] \
+                if isinstance(node, ast.ImportFrom) else []
+            assert not any(n == "extras" or n.startswith("extras.") for n in names), f"{path.name}:{node.lineno}"
+
+
 def test_calculator_tool_evaluates_arithmetic_only():
     from extras.calculator_agent import calculate, run_tool
 
     assert calculate("(2 + 3) * 4 - 1") == "19" and calculate("7 / 2") == "3.5" and calculate("-3") == "-3"
     assert calculate("__import__('os')").startswith("error") and calculate("1/0").startswith("error")
     assert run_tool("calculate", '{"expression": "2+2"}') == "4" and run_tool("rm", "{}").startswith("error")
+
+
+def test_generated_tokens_are_the_sampled_ones_only():
+    # a multi-turn sample's environment tokens (tool results, turn markers) are not generated: they were
+    # counted in explorer/gen_tokens and tokens_per_s
+    from types import SimpleNamespace
+
+    from buffer import Experience
+    from explorer import Explorer
+
+    info = {"trajectory_id": "a", "turns": 2, "samples": 1, "finish_reason": "stop", "versions": [0, 0]}
+    e = Experience([1, 2, 3, 4, 5, 6, 7, 8], 2, [-1.0, -1.0, 0.0, 0.0, 0.0, -1.0], [1, 1, 0, 0, 0, 1], 1.0, "g", "t",
+                   0, info)
+    me = SimpleNamespace(counts={}, curation={}, selector=SimpleNamespace(metrics=dict))
+    record = Explorer._batch_record(me, 0, 0, 2.0, [e], [], 0, [])
+    assert record["explorer/gen_tokens"] == 3 and record["explorer/tokens_per_s"] == 1.5
 
 
 def test_calculator_demonstrations_are_written_by_code(tmp_path, monkeypatch):
