@@ -44,14 +44,15 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(saved or CARRIED_TOKENIZER)
 
 
-def make_tiny_model(path: Path, seed: int = 0) -> Path:
-    """Write a 2-layer, hidden-64 Llama with the SmolLM2 tokenizer to `path`."""
+def make_tiny_model(path: Path, seed: int = 0, context: int = 512) -> Path:
+    """Write a 2-layer, hidden-64 Llama with the SmolLM2 tokenizer to `path`, `context`
+    tokens long."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = smollm2_tokenizer()
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=context,
                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(seed)
     LlamaForCausalLM(cfg).save_pretrained(path)

@@ -659,3 +659,28 @@ def test_verifiers_environment_rollouts_go_through_the_endpoint(engine, tok, see
         load_workflow("verifiers:no_such_env")
     with pytest.raises(RuntimeError, match="needs its tasks: --task verifiers:nanorft_echo_env"):
         asyncio.run(wf.run(TASK, engine, 1))
+
+
+@pytest.mark.slow
+@needs_packages
+def test_a_published_verifiers_environment_runs(tok, tmp_path):
+    # marble-v1 from the package index, as its users install it: verifiers 0.4's API, tasks generated offline,
+    # a physics simulation as the rubric (the tiny random model scores 0)
+    pytest.importorskip("marble_v1", reason="pip install marble-v1 (docs/agents.md)")
+    if shutil.which("uv") is None:
+        pytest.skip("verifiers runs its harness programs with uv: pip install uv")
+    from conftest import make_tiny_model
+    from workflows import load_tasks
+
+    engine = HFEngine(str(make_tiny_model(tmp_path / "model", context=2048)), seed=0)  # its prompts: ~630 tokens
+
+    train, held, _ = load_tasks("verifiers:marble-v1", {}, 2, 1, 0)
+    assert len(train) == 2 and len(held) == 1 and all("ring" in t.question for t in train + held)
+    wf = load_workflow("verifiers:marble-v1")(tok, None, None, "", Sampling(16))
+    try:
+        exps = asyncio.run(wf.run(train[0], engine, 2))
+    finally:
+        engine.close()
+    assert len({e.info["trajectory_id"] for e in exps}) == 2 and all(e.reward == 0.0 for e in exps)
+    assert all("passing through the ring" in tok.decode(e.tokens[:e.prompt_length]) for e in exps)
+    assert all(len(e.logprobs) == len(e.tokens) - e.prompt_length and min(e.logprobs) < 0 for e in exps)
