@@ -12,6 +12,7 @@ the engines without the explorer's loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import shutil
 import tempfile
@@ -184,6 +185,51 @@ def gqa_sdpa() -> str:
     return "nanorft_gqa_sdpa"
 
 
+@functools.cache
+def slot_layer() -> type:
+    """The KV-cache layer class of the HF engine's decoding (a transformers DynamicLayer that
+    can reserve room for the tokens still to come, see its docstring)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class SlotLayer(DynamicLayer):
+        """transformers' DynamicLayer concatenates the new keys and values to the whole cache at
+        every decode step (a copy of all of it per token); after `reserve(capacity)` each step
+        writes into its slot of a buffer [B, KV, capacity, D], keys / values being views of the
+        filled part. A step past the capacity, or a reorder, goes back to concatenation."""
+
+        room = None  # (keys, values) buffers [B, KV, capacity, D]
+
+        def reserve(self, capacity: int) -> None:
+            if not self.is_initialized or self.keys.shape[-2] >= capacity:
+                return
+            B, H, L, D = self.keys.shape
+            self.room = (self.keys.new_empty(B, H, capacity, D), self.values.new_empty(B, H, capacity, D))
+            self.room[0][:, :, :L], self.room[1][:, :, :L] = self.keys, self.values
+            self.keys, self.values = self.room[0][:, :, :L], self.room[1][:, :, :L]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if self.room is None or self.keys.shape[-2] + key_states.shape[-2] > self.room[0].shape[-2]:
+                self.room = None
+                return super().update(key_states, value_states, *args, **kwargs)
+            L, n = self.keys.shape[-2], key_states.shape[-2]
+            self.room[0][:, :, L:L + n], self.room[1][:, :, L:L + n] = key_states, value_states
+            self.keys, self.values = self.room[0][:, :, :L + n], self.room[1][:, :, :L + n]
+            return self.keys, self.values
+
+        def reorder_cache(self, beam_idx):
+            self.room = None
+            super().reorder_cache(beam_idx)
+
+    return SlotLayer
+
+
+def decode_cache():
+    """An empty KV cache of `slot_layer` layers."""
+    from transformers.cache_utils import Cache
+
+    return Cache(layer_class_to_replicate=slot_layer())
+
+
 class HFEngine(Engine):
     """transformers engine: batched sampling with a KV cache (left-padded prompts).
 
@@ -277,13 +323,11 @@ class HFEngine(Engine):
         prompts (chat template and system prompt: 20 of about 32 tokens in the default job)
         is prefilled once, then each distinct prompt's remainder once (the n rollouts of a
         group share it), its KV cache copied to its rollouts, and all decode together."""
-        from transformers import DynamicCache
-
         B = len(prompts)
         distinct = list(dict.fromkeys(map(tuple, prompts)))  # the rollouts of a group share their prompt
         row = {p: i for i, p in enumerate(distinct)}
         of = torch.tensor([row[tuple(p)] for p in prompts], device=self.device)  # [B] its prompt's row
-        cache = DynamicCache()
+        cache = decode_cache()
         if self.cores is not None:
             self.cores.apply()
         # the prefix all distinct prompts share (chat template, system prompt) is prefilled once, in one row
@@ -301,6 +345,8 @@ class HFEngine(Engine):
             cache.reorder_cache(of)
             logits = logits[of]                                                                      # [B, V]
         attn, pos = attn[of], pos[of]                                                                # [B, P]
+        for layer in cache.layers:
+            layer.reserve(attn.shape[1] + s.max_tokens)  # each decode step writes its slot: no copy of the cache
         tokens, logprobs = [], []
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         first = self.version

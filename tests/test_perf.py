@@ -199,3 +199,25 @@ def test_offline_training_takes_all_the_cores(monkeypatch):
         threads[name] = (cfg.trainer_threads, cfg.explorer_threads)
     assert threads["both"] == threads["async train"] == (2, 2) and threads["explore"][1] == 2
     assert threads["sft"][0] == 4 and threads["sft, 2 ranks"][0] == 2
+
+
+def test_the_decode_cache_writes_each_step_into_reserved_room():
+    # transformers' DynamicLayer copied the whole KV cache at every decode step (torch.cat)
+    from engines import decode_cache
+
+    torch.manual_seed(0)
+    kv = [(torch.randn(2, 1, n, 4), torch.randn(2, 1, n, 4)) for n in (3, 1, 1, 2)]  # [B, KV, tokens, D]
+    cache = decode_cache()
+    cache.update(*kv[0], 0)
+    layer = cache.layers[0]
+    layer.reserve(5)
+    room = layer.keys.data_ptr()
+    for i in (1, 2):  # within the reserved room: written in place
+        keys, values = cache.update(*kv[i], 0)
+        assert keys.data_ptr() == room
+        assert torch.equal(keys, torch.cat([k for k, _ in kv[:i + 1]], 2))
+        assert torch.equal(values, torch.cat([v for _, v in kv[:i + 1]], 2))
+    keys, values = cache.update(*kv[3], 0)  # past the room: concatenated, still right
+    assert torch.equal(keys, torch.cat([k for k, _ in kv], 2)) and cache.get_seq_length() == 7
+    cache.reorder_cache(torch.tensor([1, 1]))
+    assert torch.equal(cache.layers[0].values[0], torch.cat([v for _, v in kv], 2)[1])
