@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import json
 import operator
+from pathlib import Path
 
 from workflows import last_number
 
@@ -132,8 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         rows = [demonstration(t) for t in train[:args.n]]
     except ValueError as e:
         raise SystemExit(f"extras.calculator_agent: {e}") from None
-    with open(args.out, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)  # runs/ of a fresh clone
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"{len(rows)} demonstrations of {cfg.task} -> {args.out}")
 
 
