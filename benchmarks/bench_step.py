@@ -4,6 +4,7 @@ in float32 and in bf16 on this machine.
     python benchmarks/bench_step.py                      # default model and task
     python benchmarks/bench_step.py --model DIR --steps 4 --threads 1 [run.py flags...]
     python benchmarks/bench_step.py --steps 0 --dtypes float32   # components only, one precision
+    python benchmarks/bench_step.py --kv-cache-ab --dtypes float32 --threads 2 [run.py flags]
 
 It first prints the CPU capability and the precision `--dtype auto` picks here (and why),
 then the machine's limit: matrix-product GFLOP/s and memory bandwidth for 1 .. all cores.
@@ -196,6 +197,46 @@ def components(args, extra):
             print(f"  {b} / {a} speed, {name:<19} {med[b, k] / med[a, k]:5.2f}")
 
 
+def concat_cache():
+    """The HF engine's KV cache as transformers makes it: each decode step concatenates (the
+    lever's "off": `reserve` does nothing)."""
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class ConcatLayer(DynamicLayer):
+        def reserve(self, capacity: int) -> None:
+            pass
+
+    return Cache(layer_class_to_replicate=ConcatLayer)
+
+
+def kv_cache_ab(args, extra):
+    """--kv-cache-ab: one explorer batch with the engine's KV cache writing into reserved room
+    (engines.decode_cache) and with concatenation, interleaved, the same sampled tokens."""
+    import engines
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dtype = args.dtypes.split(",")[0]
+    ex = setup(args, extra, dtype)["ex"]
+    caches, rows = {"concatenated": concat_cache, "reserved": engines.decode_cache}, {}
+    for rnd in range(args.rounds):
+        for name, make in caches.items():
+            engines.decode_cache, seed = make, ex.engine.generator.initial_seed()
+            ex.engine.generator.manual_seed(seed + rnd)
+            t = time.perf_counter()
+            _, groups = explore_rate(ex, rnd)
+            rows.setdefault(name, []).append((time.perf_counter() - t, [e.tokens for g in groups for e in g]))
+            ex.engine.generator.manual_seed(seed)
+    engines.decode_cache = caches["reserved"]
+    same = all(a[1] == b[1] for a, b in zip(*rows.values()))
+    med = {k: sorted(t for t, _ in v)[len(v) // 2] for k, v in rows.items()}
+    cfg = ex.cfg
+    print(f"KV cache of the HF engine ({args.threads} thread(s), {dtype}, batch {cfg.batch_size} x {cfg.group_size}, "
+          f"max_tokens {cfg.max_tokens}, median of {args.rounds} interleaved rounds): concatenated "
+          f"{med['concatenated']:.2f} s, reserved {med['reserved']:.2f} s, ratio {med['reserved'] / med['concatenated']:.2f}; "
+          f"the same tokens: {same}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model directory (default: the run.py default)")
@@ -203,7 +244,11 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the component timing")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--dtypes", default="float32,bfloat16", help="precisions of the component timing, comma-separated")
+    p.add_argument("--kv-cache-ab", action="store_true",
+                   help="only time one explorer batch with the KV cache written in place vs concatenated")
     args, extra = p.parse_known_args()
+    if args.kv_cache_ab:
+        return kv_cache_ab(args, extra)
     if set(args.dtypes.split(",")) - {"float32", "bfloat16"}:
         p.error(f"--dtypes {args.dtypes}: float32 and/or bfloat16")
     dtype, why = choose_dtype("auto", "cpu")
