@@ -224,9 +224,10 @@ def episode_means(infos: list[dict], prefix: str) -> dict[str, float]:
     samples of one trajectory (same info["trajectory_id"]) count once."""
     seen, sums = set(), {}
     for info in infos:
-        if "metrics" not in info or info.get("trajectory_id", id(info)) in seen:
+        episode = info.get("trajectory_id", id(info))
+        if "metrics" not in info or episode in seen:
             continue
-        seen.add(info.get("trajectory_id", id(info)))
+        seen.add(episode)
         for k, v in info["metrics"].items():
             total, n = sums.get(k, (0.0, 0))
             sums[k] = (total + v, n + 1)

@@ -219,14 +219,14 @@ def kv_cache_ab(args, extra):
     dtype = args.dtypes.split(",")[0]
     ex = setup(args, extra, dtype)["ex"]
     caches, rows = {"concatenated": concat_cache, "reserved": engines.decode_cache}, {}
+    seed = ex.engine.generator.initial_seed()
     for rnd in range(args.rounds):
         for name, make in caches.items():
-            engines.decode_cache, seed = make, ex.engine.generator.initial_seed()
-            ex.engine.generator.manual_seed(seed + rnd)
+            engines.decode_cache = make
+            ex.engine.generator.manual_seed(seed + rnd)  # the same samples both ways
             t = time.perf_counter()
             _, groups = explore_rate(ex, rnd)
             rows.setdefault(name, []).append((time.perf_counter() - t, [e.tokens for g in groups for e in g]))
-            ex.engine.generator.manual_seed(seed)
     engines.decode_cache = caches["reserved"]
     same = all(a[1] == b[1] for a, b in zip(*rows.values()))
     med = {k: sorted(t for t, _ in v)[len(v) // 2] for k, v in rows.items()}
