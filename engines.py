@@ -220,6 +220,15 @@ def slot_layer() -> type:
             self.room = None
             super().reorder_cache(beam_idx)
 
+        def keep(self, rows: torch.Tensor) -> None:
+            """Keep only the batch rows `rows` [A] (finished sequences leave the batch),
+            with the room still reserved after them."""
+            if self.room is None:
+                return super().reorder_cache(rows)
+            L = self.keys.shape[-2]
+            self.room = (self.room[0][rows], self.room[1][rows])
+            self.keys, self.values = self.room[0][:, :, :L], self.room[1][:, :, :L]
+
     return SlotLayer
 
 
@@ -242,6 +251,8 @@ class HFEngine(Engine):
     weight syncs carry the adapters only. `model_path` may be a peft adapter directory (a
     LoRA run's checkpoint or resume state): its base is loaded with it.
     """
+
+    drop_ended = 0.25  # rows that have ended leave the decode batch once they are this fraction of it (> 1: never)
 
     def __init__(self, model_path: str, max_batch: int = 64, seed: int = 0, bf16: bool = False, device: str = "",
                  dtype: torch.dtype = torch.float32, lora=None):
@@ -322,7 +333,9 @@ class HFEngine(Engine):
         """Sample one completion per entry of `prompts`: the prefix common to all distinct
         prompts (chat template and system prompt: 20 of about 32 tokens in the default job)
         is prefilled once, then each distinct prompt's remainder once (the n rollouts of a
-        group share it), its KV cache copied to its rollouts, and all decode together."""
+        group share it), its KV cache copied to its rollouts, and all decode together. Once
+        `drop_ended` of the rows decoding have ended, they leave the batch (their KV cache rows
+        are dropped): a step's work follows the sequences still running, not the longest."""
         B = len(prompts)
         distinct = list(dict.fromkeys(map(tuple, prompts)))  # the rollouts of a group share their prompt
         row = {p: i for i, p in enumerate(distinct)}
@@ -347,17 +360,19 @@ class HFEngine(Engine):
         attn, pos = attn[of], pos[of]                                                                # [B, P]
         for layer in cache.layers:
             layer.reserve(attn.shape[1] + s.max_tokens)  # each decode step writes its slot: no copy of the cache
-        tokens, logprobs = [], []
-        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        tokens = torch.full((B, s.max_tokens), self.pad, dtype=torch.long, device=self.device)  # [B, R]
+        logprobs = torch.zeros(B, s.max_tokens, device=self.device)                               # [B, R]
+        live = torch.arange(B, device=self.device)  # [A] the row of `prompts` of each row still decoding
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)  # [A]
         first = self.version
         last = [first] * B  # version that sampled each sequence's latest token
-        for _ in range(s.max_tokens):
-            tok, lp = sample_token(logits, s.temperature, s.top_p, self.generator)  # [B], [B]
+        for step in range(s.max_tokens):
+            tok, lp = sample_token(logits, s.temperature, s.top_p, self.generator)  # [A], [A]
             tok = tok.masked_fill(done, self.pad)
-            tokens.append(tok)
-            logprobs.append(lp)
+            tokens[live, step], logprobs[live, step] = tok, lp
             if self.version != first:
-                last = [self.version if not d else v for v, d in zip(last, done.tolist())]
+                for r in live[~done].tolist():
+                    last[r] = self.version
             done = done | torch.isin(tok, self.eos)
             if done.all():
                 break
@@ -365,11 +380,16 @@ class HFEngine(Engine):
                 self.step_hook()  # in-flight: may load new weights; the KV cache is kept
             if self.cores is not None:
                 self.cores.apply()
-            attn = torch.cat([attn, attn.new_ones((B, 1))], dim=1)
+            if int(done.sum()) >= self.drop_ended * len(done):  # enough rows have ended: they leave the batch
+                keep = (~done).nonzero().squeeze(1)                                         # [A']
+                live, tok, done, attn, pos = live[keep], tok[keep], done[keep], attn[keep], pos[keep]
+                for layer in cache.layers:
+                    layer.keep(keep)
+            attn = torch.cat([attn, attn.new_ones((len(live), 1))], dim=1)
             pos = pos[:, -1:] + 1
             logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
                                 past_key_values=cache, use_cache=True).logits[:, -1]
-        toks, lps = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()  # [B, R]
+        toks, lps = tokens[:, :step + 1].tolist(), logprobs[:, :step + 1].tolist()  # [B, R]
         out = []
         eos = set(self.eos.tolist())
         for t, lp, v in zip(toks, lps, last):

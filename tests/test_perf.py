@@ -153,6 +153,37 @@ def test_a_prefix_common_to_all_prompts_is_prefilled_once_and_logprobs_stay_exac
     assert (b["old_logprobs"] * b["mask"]).min() < -0.1
 
 
+def test_ended_rows_leave_the_decode_batch_with_the_same_tokens_and_exact_logprobs(tiny_model):
+    # every decode step ran all rows until the longest sequence ended, ended ones as padding
+    from packing import pack, response_logprobs
+
+    engine = HFEngine(tiny_model, max_batch=64, seed=0)
+    prompts = [[5, 6, 7, 8 + i] for i in range(8)]
+    engine.drop_ended = 2.0  # never: the reference
+    full = [c.tokens for cs in engine.generate_batch(prompts, [1] * 8, Sampling(max_tokens=10, temperature=0)) for c in cs]
+    ends = {full[0][1], full[3][4], full[5][6]}  # sequences end at different steps
+    engine.eos = torch.tensor(sorted(ends))
+    rows = []
+    engine.model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    kept = [c.tokens for cs in engine.generate_batch(prompts, [1] * 8, Sampling(max_tokens=10, temperature=0)) for c in cs]
+    engine.drop_ended = 0.25
+    rows.clear()
+    dropped = [c.tokens for cs in engine.generate_batch(prompts, [1] * 8, Sampling(max_tokens=10, temperature=0)) for c in cs]
+    assert dropped == kept and len({len(t) for t in kept}) > 1  # greedy: the same tokens, ending at different steps
+    assert kept == [next(t[:j + 1] for j, x in enumerate(t) if x in ends) if ends & set(t) else t for t in full]
+    assert rows[-1] < 8  # the last decode steps ran the rows still going only
+    # sampled: the behaviour log-probs of each row are those of its own prompt and tokens
+    engine.eos = torch.arange(0, engine.model.config.vocab_size, 8)  # about an eighth of the random model's mass
+    out = engine.generate_batch(prompts, [3] * 8, Sampling(max_tokens=10))
+    exps = [Experience(p + c.tokens, len(p), c.logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0)
+            for i, (p, cs) in enumerate(zip(prompts, out)) for c in cs]
+    assert len({len(e.logprobs) for e in exps}) > 1
+    b = pack(exps, engine.pad)
+    with torch.no_grad():
+        lp, _ = response_logprobs(engine.model, b, 1.0)
+    assert ((lp - b["old_logprobs"]).abs() * b["mask"]).max() < 1e-4
+
+
 def test_the_engines_grouped_query_attention_equals_transformers_sdpa(tiny_model):
     from transformers import AutoModelForCausalLM
 
