@@ -5,6 +5,7 @@ in float32 and in bf16 on this machine.
     python benchmarks/bench_step.py --model DIR --steps 4 --threads 1 [run.py flags...]
     python benchmarks/bench_step.py --steps 0 --dtypes float32   # components only, one precision
     python benchmarks/bench_step.py --kv-cache-ab --dtypes float32 --threads 2 [run.py flags]
+    python benchmarks/bench_step.py --drop-ended-ab --model RUN/final --dtypes float32 --threads 2
 
 It first prints the CPU capability and the precision `--dtype auto` picks here (and why),
 then the machine's limit: matrix-product GFLOP/s and memory bandwidth for 1 .. all cores.
@@ -150,7 +151,7 @@ def setup(args, extra, dtype: str) -> dict:
     cfg = run.parse_config(extra + ["--run-dir", tempfile.mkdtemp(), "--dtype", dtype]
                            + (["--model", args.model] if args.model else []))
     path = models.resolve_model(cfg.model)
-    train, held, ds = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, 1, cfg.seed)
+    train, held, ds = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
     engine = HFEngine(path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=dtype == "bfloat16")
     raw = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return {"cfg": cfg, "ex": Explorer(cfg, engine, train, held, ds, print), "pad": engine.pad,
@@ -206,35 +207,61 @@ def concat_cache():
         def reserve(self, capacity: int) -> None:
             pass
 
+        def keep(self, rows: torch.Tensor) -> None:
+            self.reorder_cache(rows)
+
     return Cache(layer_class_to_replicate=ConcatLayer)
 
 
-def kv_cache_ab(args, extra):
-    """--kv-cache-ab: one explorer batch with the engine's KV cache writing into reserved room
-    (engines.decode_cache) and with concatenation, interleaved, the same sampled tokens."""
-    import engines
-
+def lever_ab(args, extra, name: str, variants: dict, work) -> None:
+    """Time `work(explorer, rnd)` -> (seconds, outputs) with each of `variants` (name -> a
+    function that switches the lever on or off), interleaved round by round from the same
+    sampler seed; prints the medians and whether the outputs were the same."""
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dtype = args.dtypes.split(",")[0]
     ex = setup(args, extra, dtype)["ex"]
-    caches, rows = {"concatenated": concat_cache, "reserved": engines.decode_cache}, {}
-    seed = ex.engine.generator.initial_seed()
+    seed, rows = ex.engine.generator.initial_seed(), {}
     for rnd in range(args.rounds):
-        for name, make in caches.items():
-            engines.decode_cache = make
-            ex.engine.generator.manual_seed(seed + rnd)  # the same samples both ways
-            t = time.perf_counter()
-            _, groups = explore_rate(ex, rnd)
-            rows.setdefault(name, []).append((time.perf_counter() - t, [e.tokens for g in groups for e in g]))
-    engines.decode_cache = caches["reserved"]
-    same = all(a[1] == b[1] for a, b in zip(*rows.values()))
+        for key, switch in variants.items():
+            switch(ex.engine)
+            ex.engine.generator.manual_seed(seed + rnd)
+            rows.setdefault(key, []).append(work(ex, rnd))
+    (a, ra), (b, rb) = rows.items()
+    same = all(x[1] == y[1] for x, y in zip(ra, rb))
     med = {k: sorted(t for t, _ in v)[len(v) // 2] for k, v in rows.items()}
-    cfg = ex.cfg
-    print(f"KV cache of the HF engine ({args.threads} thread(s), {dtype}, batch {cfg.batch_size} x {cfg.group_size}, "
-          f"max_tokens {cfg.max_tokens}, median of {args.rounds} interleaved rounds): concatenated "
-          f"{med['concatenated']:.2f} s, reserved {med['reserved']:.2f} s, ratio {med['reserved'] / med['concatenated']:.2f}; "
-          f"the same tokens: {same}")
+    print(f"{name} ({args.threads} thread(s), {dtype}, median of {args.rounds} interleaved rounds): {a} "
+          f"{med[a]:.2f} s, {b} {med[b]:.2f} s, ratio {med[b] / med[a]:.2f}; the same outputs: {same}")
+
+
+def kv_cache_ab(args, extra):
+    """--kv-cache-ab: one explorer batch with the engine's KV cache writing into reserved room
+    (engines.decode_cache) and with concatenation, the same sampled tokens."""
+    import engines
+
+    def batch(ex, rnd):
+        t = time.perf_counter()
+        _, groups = explore_rate(ex, rnd)
+        return time.perf_counter() - t, [e.tokens for g in groups for e in g]
+
+    reserved = engines.decode_cache
+    lever_ab(args, extra, "KV cache of the HF engine, one explorer batch",
+             {"concatenated": lambda e: setattr(engines, "decode_cache", concat_cache),
+              "reserved": lambda e: setattr(engines, "decode_cache", reserved)}, batch)
+
+
+def drop_ended_ab(args, extra):
+    """--drop-ended-ab: one held-out evaluation (greedy, then --eval-k samples per task) with
+    the rows that have ended kept in the decode batch and dropped from it; the greedy
+    replies must be the same (the samples differ: fewer rows draw fewer random numbers)."""
+    def evaluation(ex, rnd):
+        t = time.perf_counter()
+        r = ex.evaluate(1)
+        return time.perf_counter() - t, (r["eval/accuracy"], r["eval/response_len"])
+
+    lever_ab(args, extra, "ended rows in the HF engine's decode batch, one evaluation",
+             {"kept": lambda e: setattr(e, "drop_ended", 2.0), "dropped": lambda e: setattr(e, "drop_ended", 0.25)},
+             evaluation)
 
 
 def main():
@@ -246,9 +273,14 @@ def main():
     p.add_argument("--dtypes", default="float32,bfloat16", help="precisions of the component timing, comma-separated")
     p.add_argument("--kv-cache-ab", action="store_true",
                    help="only time one explorer batch with the KV cache written in place vs concatenated")
+    p.add_argument("--drop-ended-ab", action="store_true",
+                   help="only time one held-out evaluation with ended rows kept in vs dropped from the decode batch "
+                        "(give a trained --model: the base model's replies run to the budget)")
     args, extra = p.parse_known_args()
     if args.kv_cache_ab:
         return kv_cache_ab(args, extra)
+    if args.drop_ended_ab:
+        return drop_ended_ab(args, extra)
     if set(args.dtypes.split(",")) - {"float32", "bfloat16"}:
         p.error(f"--dtypes {args.dtypes}: float32 and/or bfloat16")
     dtype, why = choose_dtype("auto", "cpu")
