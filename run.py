@@ -149,8 +149,30 @@ def init_distributed():
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=timedelta(hours=1))
     else:
         device = torch.device("cpu")
+        gloo_interface()
         dist.init_process_group("gloo", timeout=timedelta(hours=1))
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def gloo_interface() -> str | None:
+    """Gloo's sockets bind the address of this machine's hostname, often loopback (Debian's
+    /etc/hosts maps it to 127.0.1.1), where the ranks of another node cannot reach them: set
+    GLOO_SOCKET_IFNAME (unless given) to the interface on the route to MASTER_ADDR, as the
+    weight-sync group does (sync.local_address). Returns the interface, or None when the
+    variable was left alone (set already; MASTER_ADDR missing, on loopback or unresolvable)."""
+    import sync
+
+    master = os.environ.get("MASTER_ADDR", "")
+    if os.environ.get("GLOO_SOCKET_IFNAME") or not master:
+        return None
+    try:
+        name = sync.interface_of(sync.local_address(master))
+    except OSError:  # no route to it: torch's own error names the address
+        return None
+    if name is None or name == "lo":
+        return None
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    return name
 
 
 def split_threads(cfg: Config, world: int) -> None:

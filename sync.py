@@ -161,6 +161,24 @@ def local_address(host: str) -> str:
         return s.getsockname()[0]
 
 
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface that holds the IPv4 `address` (e.g.
+    "eth0"; "lo" for 127.0.0.1), or None when none does (or `address` is not IPv4). Gloo
+    binds the interface that GLOO_SOCKET_IFNAME names (run.init_distributed)."""
+    import fcntl
+    import struct
+
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                got = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))[20:24]
+            except OSError:  # no IPv4 address on it
+                continue
+        if socket.inet_ntoa(got) == address:
+            return name
+    return None
+
+
 def gpu_id(device: torch.device) -> str:
     """The UUID of a CUDA device (the same in every process that sees the GPU, whatever
     number CUDA_VISIBLE_DEVICES gives it there); "" for the CPU."""
@@ -291,8 +309,13 @@ class WeightSync:
         return dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, opts)
 
     def leave(self) -> None:
-        """Rank >= 1: this receiver will not touch the store again (`wait_left`)."""
-        self.store.add("left", 1)
+        """Rank >= 1: this receiver will not touch the store again (`wait_left`). A store
+        that is gone (its trainer died) needs no goodbye: nothing is raised then, so the
+        error that ended the explorer is the one reported."""
+        try:
+            self.store.add("left", 1)
+        except dist.DistError:
+            pass
 
     def wait_left(self, timeout_s: float) -> bool:
         """Rank 0: wait until every receiver has called `leave` (the store goes with this
@@ -310,11 +333,17 @@ class WeightSync:
         return self.group.broadcast([t], opts)
 
     def wait(self, alive: Callable[[], bool] = lambda: True, poll_s: float = 0.01) -> None:
-        """Finish the send in flight (rank 0), if any."""
+        """Finish the broadcasts in flight, if any. RuntimeError (one line) when a peer
+        went away meanwhile: gloo's message, which names its address, after who it was."""
         while self._pending:
             work = self._pending[0]
             if work.is_completed():
-                work.wait()
+                try:
+                    work.wait()
+                except RuntimeError as e:  # gloo: "Connection closed by peer [ADDR]:PORT", "Read error ..."
+                    who = "an explorer" if self.rank == 0 else f"the trainer at {self.host}:{self.port}"
+                    raise RuntimeError(f"weight sync: a publish broke off, {who} went away "
+                                       f"({' '.join(str(e).split())})") from None
                 self._pending.pop(0)
             elif not alive():
                 raise RuntimeError("weight sync: the peer process died during a broadcast")
@@ -322,28 +351,38 @@ class WeightSync:
                 time.sleep(poll_s)
 
     def send(self, version: int, buckets: Iterable[list[torch.Tensor]], alive: Callable[[], bool] = lambda: True) -> float:
-        """Rank 0: publish `buckets` (full tensors, cut by `bucket_ranges` with this
-        group's bucket_elems; unbucketed: one list of all) as `version`, cast to the wire
-        dtype. Returns the checksum of what was sent, once the previous publish has
-        completed and this one is in flight (its data copied first); bucketed, once every
-        receiver has taken every bucket (a bucket is built only when the previous one is
-        taken: `buckets` may gather lazily)."""
+        """Rank 0: publish `buckets` (lists of full tensors in `named_parameters()` order:
+        the cut of `bucket_ranges` with this group's bucket_elems, or one list of all) as
+        `version`, cast to the wire dtype. Each list is cut again by `bucket_ranges`, so the
+        wire holds the receivers' cut however the caller grouped the tensors (a resumed
+        trainer's first publish passes one list of all; bucketed receivers then aborted in
+        gloo: "Received data size doesn't match expected size"). Returns the checksum of
+        what was sent, once the previous publish has completed and this one is in flight
+        (its data copied first); bucketed, once every receiver has taken every bucket (a
+        bucket is built only when the previous one is taken: `buckets` may gather lazily)."""
         self.wait(alive)
         self.store.set("published", str(version))
         self._pending = [self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))]
         digest = 0.0
-        for tensors in buckets:
-            flat = torch.cat([t.detach().reshape(-1).to(self.device, self.wire_dtype) for t in tensors])  # [bucket]
-            self._pending.append(self._broadcast(flat))
-            digest += checksum([flat])  # while it is on its way (read only)
-            if self.bucket_elems:
-                self.wait(alive)
+        for given in buckets:
+            for r in bucket_ranges([t.numel() for t in given], self.bucket_elems):
+                flat = torch.cat([given[i].detach().reshape(-1).to(self.device, self.wire_dtype)
+                                  for i in r])  # [bucket]
+                self._pending.append(self._broadcast(flat))
+                digest += checksum([flat])  # while it is on its way (read only)
+                if self.bucket_elems:
+                    self.wait(alive)
         return digest
 
     def announced(self) -> int:
         """Rank >= 1: the newest version rank 0 has started to publish (-1 before any);
-        never blocks."""
-        return int(self.store.get("published")) if self.store.check(["published"]) else -1
+        never blocks. RuntimeError (one line naming the store's address) when the store no
+        longer answers: the trainer rank 0 that hosted it is gone."""
+        try:
+            return int(self.store.get("published")) if self.store.check(["published"]) else -1
+        except dist.DistError as e:
+            raise RuntimeError(f"weight sync: the trainer's store at {self.host}:{self.port} stopped answering (the "
+                               f"trainer is gone: {' '.join(str(e).split())})") from None
 
     def recv(self, params: list[torch.Tensor], alive: Callable[[], bool] = lambda: True) -> int:
         """Rank >= 1: receive the next publish into `params` in place, bucket by bucket

@@ -124,11 +124,19 @@ def wait_gone(sid: int, timeout: float) -> int:
     return len(left)
 
 
-def audit(run_dir: Path) -> dict:
-    """Read the buffer after a run: lost / trained twice / generated twice / partial groups,
-    and whether every step trained batch_size groups."""
-    db = sqlite3.connect(run_dir / "buffer.sqlite")
-    rows = db.execute("SELECT group_id, explorer, consumed, info FROM experiences").fetchall()
+def audit(run_dir: Path, buffer: str = "", steps: int = STEPS, batch: int = BATCH, group: int = GROUP) -> dict:
+    """Read the buffer of a run of `steps` steps, `batch` groups of `group` rollouts each,
+    after it has ended (`buffer`: the run's --buffer; "" = RUN_DIR/buffer.sqlite): groups
+    lost (partial, skipped, or missing from a step), trained twice (split over steps, or a
+    step with more than `batch` groups), generated twice (an explorer batch stored more
+    than once)."""
+    from buffer import open_buffer
+
+    db = open_buffer(buffer, run_dir)
+    try:
+        rows = db.db.execute("SELECT group_id, explorer, consumed, info FROM experiences").fetchall()
+    finally:
+        db.close()
     groups: dict[str, dict] = {}
     for gid, explorer, consumed, info in rows:
         g = groups.setdefault(gid, {"explorer": explorer, "consumed": set(), "n": 0, "batch": json.loads(info)["batch"]})
@@ -142,12 +150,12 @@ def audit(run_dir: Path) -> dict:
         for c in g["consumed"] - {0}:
             per_step[c] = per_step.get(c, 0) + 1
             last_trained[g["explorer"]] = max(last_trained.get(g["explorer"], -1), g["batch"])
-    partial = sum(g["n"] != GROUP for g in groups.values())
+    partial = sum(g["n"] != group for g in groups.values())
     split = sum(len(g["consumed"]) > 1 for g in groups.values())
     skipped = sum(g["consumed"] == {0} and g["batch"] < last_trained.get(g["explorer"], -1) for g in groups.values())
-    return {"lost": partial + skipped + sum(max(0, BATCH - per_step.get(s, 0)) for s in range(1, STEPS + 1)),
-            "trained_twice": split + sum(max(0, n - BATCH) for n in per_step.values()),
-            "generated_twice": sum(max(0, n - BATCH) for n in batches.values())}
+    return {"lost": partial + skipped + sum(max(0, batch - per_step.get(s, 0)) for s in range(1, steps + 1)),
+            "trained_twice": split + sum(max(0, n - batch) for n in per_step.values()),
+            "generated_twice": sum(max(0, n - batch) for n in batches.values())}
 
 
 def kill_trial(i: int, model: str, rng: random.Random, durations: dict) -> dict:

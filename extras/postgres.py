@@ -44,17 +44,36 @@ class Postgres:
         except psycopg.Error as e:
             raise ValueError(f"buffer {self.where}: {' '.join(str(e).split())}") from None
 
+    @contextmanager
+    def _lost(self):
+        """A connection that broke (the server restarted or went away, its host unreachable)
+        raises ConnectionError, one line naming the buffer: which statements of an open
+        transaction took effect is unknown, so nothing is retried here; the run continues
+        from what the buffer holds with --resume."""
+        import psycopg
+
+        try:
+            yield
+        except psycopg.OperationalError as e:
+            if not self.conn.broken and not self.conn.closed:
+                raise
+            raise ConnectionError(f"buffer {self.where}: connection to the server lost ({' '.join(str(e).split())}); "
+                                  "when it is back, the same commands with --resume continue the run") from None
+
     def execute(self, sql: str, params=()):
-        return self.conn.execute(sql.replace("?", "%s"), params)
+        with self._lost():
+            return self.conn.execute(sql.replace("?", "%s"), params)
 
     def executemany(self, sql: str, rows) -> None:
-        self.conn.cursor().executemany(sql.replace("?", "%s"), list(rows))
+        with self._lost():
+            self.conn.cursor().executemany(sql.replace("?", "%s"), list(rows))
 
     @contextmanager
     def transaction(self, readers: bool = False):
         """One transaction (READ COMMITTED); `readers`: serialised with the other readers
-        of this run (advisory lock held until COMMIT/ROLLBACK)."""
-        with self.conn.transaction():
+        of this run (advisory lock held until COMMIT/ROLLBACK). ConnectionError when the
+        connection is lost (`_lost`)."""
+        with self._lost(), self.conn.transaction():
             if readers:
                 self.execute("SELECT pg_advisory_xact_lock(hashtext(?))", (f"{self.schema} readers",))
             yield

@@ -99,49 +99,75 @@ def rollouts(engine, prompts, n, sampling):
             for i, (p, cs) in enumerate(zip(prompts, outs)) for c in cs]
 
 
+class PostgresServer:
+    """A real PostgreSQL server (Debian's package: initdb + pg_ctl) with its data in `root`,
+    listening on every address of the network namespace it starts in, on a free port, trust
+    auth (a throwaway test server). `wrap`: a command prefix that `start` runs pg_ctl under
+    (another host: `ip netns exec NS`); `host`: the address its `url` names (database
+    "postgres" as user "nanorft"). The constructor runs initdb; `start`, `stop` (immediate
+    by default: a crash) and `restart` (a fast shutdown, then a start on the same port)
+    follow. Skips the test when the server binaries are missing, unless
+    NANORFT_REQUIRE_POSTGRES=1 (CI installs them: then it fails)."""
+
+    def __init__(self, root: Path, wrap: list[str] = (), host: str = "127.0.0.1"):
+        import glob
+        import shutil
+        import socket
+        import subprocess
+
+        bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        initdb = bins[-1] if bins else shutil.which("initdb")
+        if not initdb:
+            if os.environ.get("NANORFT_REQUIRE_POSTGRES") == "1":
+                pytest.fail("PostgreSQL server binaries not found (apt-get install postgresql)")
+            pytest.skip("PostgreSQL server binaries not found (apt-get install postgresql)")
+        self.pg_ctl, self.wrap = str(Path(initdb).with_name("pg_ctl")), list(wrap)
+        self.data = data = root / "pgdata"
+        self.as_user = []
+        root.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0:  # the server refuses to run as root: run it as the package's user
+            import pwd
+
+            pw = pwd.getpwnam("postgres")
+            root.chmod(0o755)
+            data.mkdir(mode=0o700)
+            os.chown(data, pw.pw_uid, pw.pw_gid)
+            self.as_user = ["runuser", "-u", "postgres", "--"]
+        with socket.socket() as s:
+            s.bind(("", 0))
+            self.port = s.getsockname()[1]
+        subprocess.run(self.as_user + [initdb, "-D", str(data), "-U", "nanorft", "--auth=trust", "-E", "UTF8"],
+                       check=True, capture_output=True)
+        with (data / "pg_hba.conf").open("a") as f:  # other addresses of this machine, as another host would connect
+            f.write("host all all 0.0.0.0/0 trust\n")
+        self.url = f"postgresql://nanorft@{host}:{self.port}/postgres"
+
+    def _ctl(self, *args: str, check: bool = True) -> None:
+        import subprocess
+
+        subprocess.run(self.wrap + self.as_user + [self.pg_ctl, "-D", str(self.data), *args], check=check,
+                       capture_output=True)
+
+    def start(self) -> None:
+        """Start the server and wait until it accepts connections."""
+        self._ctl("-w", "-l", str(self.data / "server.log"), "-o",
+                  f"-p {self.port} -k {self.data} -c listen_addresses='*' -c max_connections=200 -c fsync=off", "start")
+
+    def stop(self, mode: str = "immediate") -> None:
+        """Stop the server (pg_ctl's shutdown mode: immediate, fast or smart)."""
+        self._ctl("-m", mode, "stop", check=False)
+
+    def restart(self) -> None:
+        """A fast shutdown (every session is ended) and a start on the same port."""
+        self.stop("fast")
+        self.start()
+
+
 def start_postgres(root: Path) -> tuple[str, "object"]:
-    """Start a real PostgreSQL server (Debian's package: initdb + pg_ctl) with its data in
-    `root`, listening on all addresses of this machine on a free port, trust auth (a
-    throwaway test server). Returns (URL of database "postgres" as user "nanorft" on
-    127.0.0.1, a function that stops it). Skips when the server binaries are missing,
-    unless NANORFT_REQUIRE_POSTGRES=1 (CI installs them: then it fails)."""
-    import glob
-    import shutil
-    import socket
-    import subprocess
-
-    bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    initdb = bins[-1] if bins else shutil.which("initdb")
-    if not initdb:
-        if os.environ.get("NANORFT_REQUIRE_POSTGRES") == "1":
-            pytest.fail("PostgreSQL server binaries not found (apt-get install postgresql)")
-        pytest.skip("PostgreSQL server binaries not found (apt-get install postgresql)")
-    pg_ctl = str(Path(initdb).with_name("pg_ctl"))
-    data = root / "pgdata"
-    as_user = []
-    if os.geteuid() == 0:  # the server refuses to run as root: run it as the package's user
-        import pwd
-
-        pw = pwd.getpwnam("postgres")
-        root.chmod(0o755)
-        data.mkdir(mode=0o700)
-        os.chown(data, pw.pw_uid, pw.pw_gid)
-        as_user = ["runuser", "-u", "postgres", "--"]
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    subprocess.run(as_user + [initdb, "-D", str(data), "-U", "nanorft", "--auth=trust", "-E", "UTF8"],
-                   check=True, capture_output=True)
-    with (data / "pg_hba.conf").open("a") as f:  # other addresses of this machine, as another host would connect
-        f.write("host all all 0.0.0.0/0 trust\n")
-    subprocess.run(as_user + [pg_ctl, "-D", str(data), "-w", "-l", str(data / "server.log"), "-o",
-                              f"-p {port} -k {data} -c listen_addresses='*' -c max_connections=200 -c fsync=off",
-                              "start"], check=True, capture_output=True)
-
-    def stop():
-        subprocess.run(as_user + [pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
-
-    return f"postgresql://nanorft@127.0.0.1:{port}/postgres", stop
+    """Start a PostgresServer in `root` on this host; returns (its URL, a function that stops it)."""
+    server = PostgresServer(root)
+    server.start()
+    return server.url, server.stop
 
 
 @pytest.fixture(scope="session")
