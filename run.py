@@ -142,6 +142,7 @@ def init_distributed():
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
+    gloo_interface()  # on GPUs too: the gloo half of "cpu:gloo,cuda:nccl" binds as gloo alone would
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
@@ -149,7 +150,6 @@ def init_distributed():
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=timedelta(hours=1))
     else:
         device = torch.device("cpu")
-        gloo_interface()
         dist.init_process_group("gloo", timeout=timedelta(hours=1))
     return dist.get_rank(), dist.get_world_size(), device
 
