@@ -118,8 +118,24 @@ def leftovers(prefix: str = PREFIX) -> dict[str, list]:
               if line.split() and line.split()[0].startswith(prefix)]
     links = [line.split(":")[1].strip().split("@")[0] for line in run(["ip", "-o", "link"]).stdout.splitlines()
              if line.split(":")[1].strip().startswith(prefix)]
-    pids = [int(p) for ns in spaces for p in run(["ip", "netns", "pids", ns], check=False).stdout.split()]
+    pids = [p for ns in spaces for p in _pids(ns)]
     return {"namespaces": spaces, "links": links, "processes": pids}
+
+
+def _pids(ns: str) -> list[int]:
+    """The processes in network namespace `ns`."""
+    return [int(p) for p in run(["ip", "netns", "pids", ns], check=False).stdout.split()]
+
+
+def _kill_all(ns: str) -> int:
+    """kill -9 every process in network namespace `ns`; returns how many there were."""
+    pids = _pids(ns)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(pids)
 
 
 class Topology:
@@ -181,17 +197,11 @@ class Topology:
 
     def pids(self, host: str) -> list[int]:
         """The processes running on `host`."""
-        return [int(p) for p in run(["ip", "netns", "pids", self.ns[host]], check=False).stdout.split()]
+        return _pids(self.ns[host])
 
     def kill(self, host: str) -> int:
         """kill -9 every process on `host` (a host that dies); returns how many there were."""
-        pids = self.pids(host)
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return len(pids)
+        return _kill_all(self.ns[host])
 
     def link(self, host: str, up: bool) -> None:
         """Cut `host`'s link (its veth end on the bridge down: nothing reaches it or leaves
@@ -223,14 +233,8 @@ class Topology:
         for kind, name in reversed(self.made):
             if kind == "ns":
                 for _ in range(50):  # bounded: a process may be forking as we kill
-                    pids = [int(p) for p in run(["ip", "netns", "pids", name], check=False).stdout.split()]
-                    if not pids:
+                    if not _kill_all(name):
                         break
-                    for pid in pids:
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
                     time.sleep(0.1)
                 run(["ip", "netns", "del", name], check=False)
             else:
