@@ -36,6 +36,8 @@ processes together):
                   explorer colocated on one GPU: the trainer's and the explorer's checksums equal
                   after every sync; s/step (strict on-policy: explore, train and sync one after
                   the other), its split, tokens/s, the trainer's peak GPU memory
+    lora-135m     the same with --lora-rank 16 (where peft is installed): adapters under FSDP2's
+                  mixed precision, the sync carrying the adapters only, checksums equal
     bench         nanorft's explorer (HF engine, bf16 weights as when colocated) vs raw
                   `model.generate`, nanorft's train step (FSDP2, bf16 mixed precision, activations
                   recomputed) vs a raw forward + backward + AdamW loop (bf16 autocast, every
@@ -139,8 +141,13 @@ def both_flags(work: Path, model: str, steps: int, run_dir: Path) -> list[str]:
 
 
 def jobs(work: Path) -> dict[str, list[str]]:
-    """The one-GPU mode-both jobs (stages both-*), by stage name."""
-    return {f"both-{m}": both_flags(work, m, STEPS, work / "runs" / f"both-{m}") for m in MODELS}
+    """The one-GPU mode-both jobs (stages both-*, and lora-135m where peft is installed: rank-16
+    adapters under FSDP2's mixed precision, the sync carrying the adapters only), by stage name."""
+    out = {f"both-{m}": both_flags(work, m, STEPS, work / "runs" / f"both-{m}") for m in MODELS}
+    if importlib.util.find_spec("peft") is not None:
+        out["lora-135m"] = both_flags(work, "135m", STEPS, work / "runs" / "lora-135m") + [
+            "--lora-rank", "16", "--lr", "3e-4"]
+    return out
 
 
 def prepare(work: Path, env: dict) -> dict:
