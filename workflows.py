@@ -6,9 +6,10 @@ one. The training reward and the held-out accuracy both come from `Workflow.scor
 they cannot drift apart (nanochat's rule).
 
 Task sources:
-  - a reasoning-gym generator: `task = "basic_arithmetic"` with `task_kwargs`; train and
-    held-out sets are drawn with different seeds; held-out questions that also occur in
-    the train set are dropped (so the held-out set can be smaller than eval_size). The reward is the dataset's own `score_answer`.
+  - a reasoning-gym generator: `task = "basic_arithmetic"` with `task_kwargs`; the held-out
+    set is the generator's first `eval_size` tasks at another seed (a sample of the task
+    distribution as it is), and training tasks whose question is held out are dropped and
+    replaced by further draws. The reward is the dataset's own `score_answer`.
   - a JSONL file: `task = "path/to/tasks.jsonl"`, one `{"question": ..., "answer": ...}`
     per line; the last `eval_size` rows are held out. The reward is exact match.
   - a Hugging Face dataset (`datasets.load_dataset`): a Hub id (`task = "openai/gsm8k"`,
@@ -92,16 +93,22 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
         raise ValueError(f"task {name!r} is a reasoning-gym dataset, and reasoning-gym is not installed: pip install "
                          "reasoning-gym, or --task guess_number, a .jsonl file or a Hugging Face dataset") from None
     try:
-        train_ds = reasoning_gym.create_dataset(name, size=train_size, seed=seed, **kwargs)
-        # draw extra candidates: small task spaces repeat questions, and repeats are dropped
-        eval_ds = reasoning_gym.create_dataset(name, size=4 * eval_size + 1, seed=seed + 1_000_003, **kwargs)
+        eval_ds = reasoning_gym.create_dataset(name, size=max(eval_size, 1), seed=seed + 1_000_003, **kwargs)
+        # extra training candidates replace the ones whose question is held out
+        train_ds = reasoning_gym.create_dataset(name, size=2 * train_size + 16, seed=seed, **kwargs)
     except Exception as e:  # reasoning-gym raises several types for bad names/kwargs
         raise ValueError(f"reasoning-gym dataset {name!r} with {kwargs}: {e}") from None
-    train = [Task(f"{name}/train/{i}", x["question"], str(x["answer"]), x) for i, x in enumerate(train_ds)]
-    seen = {t.question for t in train}
-    held = [Task(f"{name}/eval/{i}", x["question"], str(x["answer"]), x)
-            for i, x in enumerate(eval_ds) if x["question"] not in seen]
-    return train, held[:eval_size], train_ds
+    # The held-out set is not filtered: rejecting held-out questions that training has would
+    # skew it towards the rarest (hardest) ones where the task space is small (the default task:
+    # 3% one-digit sums held out against 41% drawn). Training gives way instead.
+    held = [Task(f"{name}/eval/{i}", x["question"], str(x["answer"]), x) for i, x in enumerate(eval_ds)][:eval_size]
+    seen = {t.question for t in held}
+    train = [Task(f"{name}/train/{i}", x["question"], str(x["answer"]), x)
+             for i, x in enumerate(train_ds) if x["question"] not in seen][:train_size]
+    if len(train) < train_size:
+        raise ValueError(f"reasoning-gym dataset {name!r} with {kwargs}: only {len(train)} training tasks whose "
+                         f"question is not among the {eval_size} held-out ones; lower train_size or eval_size")
+    return train, held, train_ds
 
 
 def hold_out(name: str, tasks: list[Task], eval_size: int) -> tuple[list[Task], list[Task]]:

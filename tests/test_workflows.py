@@ -233,3 +233,37 @@ def test_readme_countdown_workflow(tok):
     engine = ScriptedEngine(tok, lambda p: "5")
     (s,) = play(Countdown(tok, None, None, "", Sampling(8)), engine, Task("c/1", "", "3"))
     assert s.reward == 0.0 and s.info["turns"] == 1
+
+
+def test_held_out_tasks_are_a_sample_of_the_task_distribution():
+    """The held-out set of a reasoning-gym task is the generator's draw at its own seed, not
+    filtered against training: in the default task's small space, rejecting the questions
+    training had left 3% one-digit sums held out against 41% drawn. Training gives way instead."""
+    import re
+
+    reasoning_gym = pytest.importorskip("reasoning_gym")
+    from config import Config
+    from workflows import load_tasks
+
+    cfg = Config()
+    train, held, _ = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
+    drawn = reasoning_gym.create_dataset(cfg.task, size=cfg.eval_size, seed=cfg.seed + 1_000_003, **cfg.task_kwargs)
+    assert [t.question for t in held] == [x["question"] for x in drawn]  # unfiltered, in the generator's order
+    assert len(train) == cfg.train_size and not {t.question for t in train} & {t.question for t in held}
+
+    def one_digit_share(questions):
+        return sum(all(len(n) == 1 for n in re.findall(r"\d+", q)) for q in questions) / len(questions)
+
+    population = reasoning_gym.create_dataset(cfg.task, size=2000, seed=12345, **cfg.task_kwargs)
+    expected = one_digit_share([x["question"] for x in population])  # about 0.4
+    assert abs(one_digit_share([t.question for t in held]) - expected) < 0.08, (expected, held[:5])
+
+
+def test_a_task_space_too_small_for_its_held_out_set_is_one_error_line():
+    pytest.importorskip("reasoning_gym")
+    from workflows import load_tasks
+
+    kw = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"],
+          "allow_parentheses": False}  # 100 distinct questions, 90 of them in a held-out draw of 300
+    with pytest.raises(ValueError, match="only .* training tasks whose question is not among the 300 held-out"):
+        load_tasks("basic_arithmetic", kw, 2000, 300, 0)
