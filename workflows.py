@@ -92,10 +92,12 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
     except ImportError:
         raise ValueError(f"task {name!r} is a reasoning-gym dataset, and reasoning-gym is not installed: pip install "
                          "reasoning-gym, or --task guess_number, a .jsonl file or a Hugging Face dataset") from None
+    # reasoning-gym draws item i with the seed `seed + i`: run seeds 0 and 1 must not share all but one task
+    base = seed * 10_000_019
     try:
-        eval_ds = reasoning_gym.create_dataset(name, size=max(eval_size, 1), seed=seed + 1_000_003, **kwargs)
+        eval_ds = reasoning_gym.create_dataset(name, size=max(eval_size, 1), seed=base + 1_000_003, **kwargs)
         # extra training candidates replace the ones whose question is held out
-        train_ds = reasoning_gym.create_dataset(name, size=2 * train_size + 16, seed=seed, **kwargs)
+        train_ds = reasoning_gym.create_dataset(name, size=2 * train_size + 16, seed=base, **kwargs)
     except Exception as e:  # reasoning-gym raises several types for bad names/kwargs
         raise ValueError(f"reasoning-gym dataset {name!r} with {kwargs}: {e}") from None
     # The held-out set is not filtered: rejecting held-out questions that training has would

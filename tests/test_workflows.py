@@ -247,7 +247,7 @@ def test_held_out_tasks_are_a_sample_of_the_task_distribution():
 
     cfg = Config()
     train, held, _ = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
-    drawn = reasoning_gym.create_dataset(cfg.task, size=cfg.eval_size, seed=cfg.seed + 1_000_003, **cfg.task_kwargs)
+    drawn = reasoning_gym.create_dataset(cfg.task, size=cfg.eval_size, seed=1_000_003, **cfg.task_kwargs)  # seed 0
     assert [t.question for t in held] == [x["question"] for x in drawn]  # unfiltered, in the generator's order
     assert len(train) == cfg.train_size and not {t.question for t in train} & {t.question for t in held}
 
@@ -267,3 +267,18 @@ def test_a_task_space_too_small_for_its_held_out_set_is_one_error_line():
           "allow_parentheses": False}  # 100 distinct questions, 90 of them in a held-out draw of 300
     with pytest.raises(ValueError, match="only .* training tasks whose question is not among the 300 held-out"):
         load_tasks("basic_arithmetic", kw, 2000, 300, 0)
+
+
+def test_run_seeds_draw_different_tasks():
+    """reasoning-gym seeds item i with `seed + i`, so generator seeds 0 and 1 give the same
+    tasks shifted by one: the run's seed must not be passed through as it is."""
+    pytest.importorskip("reasoning_gym")
+    from config import Config
+    from workflows import load_tasks
+
+    cfg = Config()
+    (train0, held0, _), (train1, held1, _) = (load_tasks(cfg.task, cfg.task_kwargs, 500, 200, s) for s in (0, 1))
+    for a, b in ((train0, train1), (held0, held1)):
+        shifted = sum(x.question == y.question for x, y in zip(a[1:], b))
+        same = sum(x.question == y.question for x, y in zip(a, b))
+        assert max(shifted, same) < len(b) // 10, (shifted, same)  # chance matches in a small space only
