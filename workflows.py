@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import random
 import math
@@ -105,8 +106,8 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
     # 3% one-digit sums held out against 41% drawn). Training gives way instead.
     held = [Task(f"{name}/eval/{i}", x["question"], str(x["answer"]), x) for i, x in enumerate(eval_ds)][:eval_size]
     seen = {t.question for t in held}
-    train = [Task(f"{name}/train/{i}", x["question"], str(x["answer"]), x)
-             for i, x in enumerate(train_ds) if x["question"] not in seen][:train_size]
+    train = list(itertools.islice((Task(f"{name}/train/{i}", x["question"], str(x["answer"]), x)
+                                   for i, x in enumerate(train_ds) if x["question"] not in seen), train_size))
     if len(train) < train_size:
         raise ValueError(f"reasoning-gym dataset {name!r} with {kwargs}: only {len(train)} training tasks whose "
                          f"question is not among the {eval_size} held-out ones; lower train_size or eval_size")
