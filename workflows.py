@@ -93,8 +93,9 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
     except ImportError:
         raise ValueError(f"task {name!r} is a reasoning-gym dataset, and reasoning-gym is not installed: pip install "
                          "reasoning-gym, or --task guess_number, a .jsonl file or a Hugging Face dataset") from None
-    # reasoning-gym draws item i with the seed `seed + i`: run seeds 0 and 1 must not share all but one task
-    base = seed * 10_000_019
+    # reasoning-gym draws item i with the seed `seed + i` (numpy's below 2**32 in some generators):
+    # run seeds 0 and 1 must not share all but one task
+    base = seed * 10_000_019 % 2**31
     try:
         eval_ds = reasoning_gym.create_dataset(name, size=max(eval_size, 1), seed=base + 1_000_003, **kwargs)
         # extra training candidates replace the ones whose question is held out

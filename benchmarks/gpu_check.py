@@ -36,8 +36,8 @@ processes together):
                   explorer colocated on one GPU: the trainer's and the explorer's checksums equal
                   after every sync; s/step (strict on-policy: explore, train and sync one after
                   the other), its split, tokens/s, the trainer's peak GPU memory
-    lora-135m     the same with --lora-rank 16 (where peft is installed): adapters under FSDP2's
-                  mixed precision, the sync carrying the adapters only, checksums equal
+    lora-135m     the same with --lora-rank 16 (SKIP without peft): adapters under FSDP2's mixed
+                  precision, the explorer's checksum of what each sync carried equal to the trainer's
     bench         nanorft's explorer (HF engine, bf16 weights as when colocated) vs raw
                   `model.generate`, nanorft's train step (FSDP2, bf16 mixed precision, activations
                   recomputed) vs a raw forward + backward + AdamW loop (bf16 autocast, every
@@ -142,7 +142,7 @@ def both_flags(work: Path, model: str, steps: int, run_dir: Path) -> list[str]:
 
 def jobs(work: Path) -> dict[str, list[str]]:
     """The one-GPU mode-both jobs (stages both-*, and lora-135m where peft is installed: rank-16
-    adapters under FSDP2's mixed precision, the sync carrying the adapters only), by stage name."""
+    adapters under FSDP2's mixed precision), by stage name."""
     out = {f"both-{m}": both_flags(work, m, STEPS, work / "runs" / f"both-{m}") for m in MODELS}
     if importlib.util.find_spec("peft") is not None:
         out["lora-135m"] = both_flags(work, "135m", STEPS, work / "runs" / "lora-135m") + [
@@ -658,6 +658,8 @@ def checks(args, work: Path, out: Path, env: dict, deadline: float, start: float
     results = summary["stages"] = {}
     if len(gpus) < 2:
         results["multi"] = {"status": "SKIP", "detail": f"{len(gpus)} GPU visible: the 2+ GPU stages need two"}
+    if importlib.util.find_spec("peft") is None:
+        results["lora"] = {"status": "SKIP", "detail": "peft is not installed: the LoRA stage needs it"}
     with (out / "gpu_check.log").open("w") as log:
         for stage in stages:
             if only and stage.name not in only:
@@ -666,8 +668,9 @@ def checks(args, work: Path, out: Path, env: dict, deadline: float, start: float
             print(f"{stage.name:<13}{r['status']} {r['seconds']:7.1f} s  {r['detail']}", flush=True)
             if r["status"] != "PASS" and r.get("tail"):
                 print("    " + "\n    ".join(r["tail"]), flush=True)
-    if "multi" in results:
-        print(f"{'multi-*':<13}SKIP          {results['multi']['detail']}", flush=True)
+    for name, label in (("multi", "multi-*"), ("lora", "lora-135m")):
+        if name in results:
+            print(f"{label:<13}SKIP          {results[name]['detail']}", flush=True)
     if results.get("cuda", {}).get("figures"):
         summary["gpu"] = ", ".join(g["name"] for g in results["cuda"]["figures"]["gpus"])
     failed = [n for n, r in results.items() if r["status"] == "FAIL"]

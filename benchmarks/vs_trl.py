@@ -236,7 +236,7 @@ def train_trl(args) -> None:
     out = Path(args.trl_child)
     out.mkdir(parents=True, exist_ok=True)
     cfg = job_config(args.dtype, 0, str(out))
-    train, _, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, 0, cfg.seed)
+    train, _, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)  # nanorft's
     reward_fn = load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     data = Dataset.from_list([{"prompt": system + [{"role": "user", "content": t.question}], "task": i}

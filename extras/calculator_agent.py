@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=300, help="number of transcripts (the first n training tasks)")
     args, rest = ap.parse_known_args(argv)
     cfg = parse_config(rest)
-    train, _, _ = load_tasks(cfg.task, cfg.task_kwargs, max(cfg.train_size, args.n), 0, cfg.seed)
+    train, _, _ = load_tasks(cfg.task, cfg.task_kwargs, max(cfg.train_size, args.n), cfg.eval_size, cfg.seed)
     try:
         rows = [demonstration(t) for t in train[:args.n]]
     except ValueError as e:

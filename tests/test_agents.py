@@ -332,6 +332,14 @@ def test_calculator_demonstrations_are_written_by_code(tmp_path, monkeypatch):
         assert parsed["name"] == "calculate" and calculate(parsed["arguments"]["expression"]) == task.answer
         assert result["content"] == f"<tool_response>\n{task.answer}\n</tool_response>" and answer["content"] == task.answer
     assert demonstration(train[0]) == rows[0]
+    # a small task space: the demonstrations are still the run's training tasks, none of them held out
+    small = ["--config", f"{ROOT}/configs/calculator.toml", "--eval-size", "60", "--task-kwargs",
+             '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"]}']
+    main(["runs/small.jsonl", "--n", "40", *small])
+    cfg = parse_config(small)
+    train, held_out, _ = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
+    asked = [json.loads(x)["messages"][1]["content"] for x in (tmp_path / "runs" / "small.jsonl").read_text().splitlines()]
+    assert asked == [t.question for t in train[:40]] and {t.question for t in held_out}.isdisjoint(asked)
 
 
 # ----------------------------------------------------------------------------- slow: a real server, real clients

@@ -264,7 +264,7 @@ def test_a_task_space_too_small_for_its_held_out_set_is_one_error_line():
     from workflows import load_tasks
 
     kw = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"],
-          "allow_parentheses": False}  # 100 distinct questions, 90 of them in a held-out draw of 300
+          "allow_parentheses": False}  # 121 distinct questions (0-10), 113 of them in a held-out draw of 300
     with pytest.raises(ValueError, match="only .* training tasks whose question is not among the 300 held-out"):
         load_tasks("basic_arithmetic", kw, 2000, 300, 0)
 
