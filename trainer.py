@@ -120,20 +120,32 @@ def check_config(cfg) -> None:
     models.lora_config(cfg)  # ValueError without peft
 
 
+def lr_schedule_kwargs(cfg) -> dict:
+    """The keyword arguments of cfg.lr_schedule: cfg.lr_schedule_kwargs, and for
+    cosine_with_min_lr min_lr_rate 0.1 (the floor, a fraction of cfg.lr) where they give
+    neither min_lr nor min_lr_rate."""
+    kwargs = dict(cfg.lr_schedule_kwargs)
+    if cfg.lr_schedule == "cosine_with_min_lr" and not {"min_lr", "min_lr_rate"} & kwargs.keys():
+        kwargs["min_lr_rate"] = 0.1
+    return kwargs
+
+
 def lr_schedule(cfg, opt) -> Callable[[int], float]:
     """The factor of cfg.lr at each trainer step (0-based) under cfg.lr_schedule, from
     transformers' get_scheduler (the schedules of its Trainer and of TRL) over cfg.steps
-    steps with cfg.lr_warmup_steps of warm-up and cfg.lr_schedule_kwargs. Raises ValueError
-    (one line) for an unknown schedule or keyword."""
+    steps with cfg.lr_warmup_steps of linear warm-up (the factor is 0 at step 0, as there)
+    and `lr_schedule_kwargs(cfg)`. Raises ValueError (one line) for an unknown schedule or
+    keyword."""
     from transformers import get_scheduler
 
+    kwargs = lr_schedule_kwargs(cfg)
     try:
         sched = get_scheduler(cfg.lr_schedule, opt, num_warmup_steps=cfg.lr_warmup_steps,
-                              num_training_steps=cfg.steps, scheduler_specific_kwargs=cfg.lr_schedule_kwargs)
+                              num_training_steps=cfg.steps, scheduler_specific_kwargs=kwargs)
         factor = sched.lr_lambdas[0]
         factor(0)
     except (ValueError, TypeError, AttributeError, KeyError) as e:
-        raise ValueError(f"lr_schedule {cfg.lr_schedule!r} with {cfg.lr_schedule_kwargs}: {type(e).__name__}: "
+        raise ValueError(f"lr_schedule {cfg.lr_schedule!r} with {kwargs}: {type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
     for group in opt.param_groups:  # get_scheduler applied factor(0); optimizer_step sets each step's own
         group["lr"] = cfg.lr

@@ -230,6 +230,7 @@ def train_trl(args) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from losses import ppo_clip_loss
+    from trainer import lr_schedule_kwargs
     from workflows import load_reward_fn, load_tasks
 
     torch.set_num_threads(args.threads)
@@ -254,7 +255,8 @@ def train_trl(args) -> None:
     conf = GRPOConfig(
         output_dir=str(out), per_device_train_batch_size=cfg.batch_size * cfg.group_size, gradient_accumulation_steps=1,
         num_generations=cfg.group_size, max_completion_length=cfg.max_tokens, temperature=cfg.temperature,
-        top_p=cfg.top_p, learning_rate=cfg.lr, lr_scheduler_type="constant", adam_beta1=ADAM_BETAS[0],
+        top_p=cfg.top_p, learning_rate=cfg.lr, lr_scheduler_type=cfg.lr_schedule,
+        warmup_steps=cfg.lr_warmup_steps, lr_scheduler_kwargs=lr_schedule_kwargs(cfg), adam_beta1=ADAM_BETAS[0],
         adam_beta2=ADAM_BETAS[1], weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, beta=cfg.kl_loss_coef,
         loss_type="dapo",  # token-mean over the batch, nanorft's aggregation of ppo_clip
         epsilon=clip["clip_low"], epsilon_high=clip["clip_high"],

@@ -464,8 +464,14 @@ def test_lr_schedules_are_transformers_and_bad_ones_one_error_line():
     assert [factor(i) for i in range(10)] == [reference(i) for i in range(10)]
     assert factor(1) == 0.5 and factor(6) == pytest.approx(0.5 * (1 + math.cos(math.pi * 4 / 8)))  # by hand
     assert opt.param_groups[0]["lr"] == 1e-3  # the optimiser keeps cfg.lr until its first step
-    assert lr_schedule(Config(), opt)(29) == 1.0  # the default: constant
+    # the default: 3 steps of warm-up from 0, then a cosine to a tenth of lr at step 30 (by hand)
+    default = lr_schedule(Config(), opt)
+    assert [default(i) for i in range(4)] == [0.0, 1 / 3, 2 / 3, 1.0]
+    assert default(29) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 26 / 27)))
+    assert default(30) == pytest.approx(0.1)
+    assert lr_schedule(Config(lr_schedule_kwargs={"min_lr_rate": 0.5}), opt)(30) == pytest.approx(0.5)
+    assert lr_schedule(Config(lr_schedule="constant"), opt)(29) == 1.0  # no floor handed to another schedule
     with pytest.raises(ValueError, match=r"^lr_schedule 'nope' with \{\}: ValueError: "):
         lr_schedule(Config(lr_schedule="nope"), opt)
-    with pytest.raises(ValueError, match=r"^lr_schedule 'cosine_with_min_lr' with \{'floor': 1\}: TypeError"):
+    with pytest.raises(ValueError, match=r"^lr_schedule 'cosine_with_min_lr' with \{'floor': 1, 'min_lr_rate': 0.1\}: TypeError"):
         lr_schedule(Config(lr_schedule="cosine_with_min_lr", lr_schedule_kwargs={"floor": 1}), opt)

@@ -42,6 +42,15 @@ def test_help_groups_every_flag_by_stage_with_one_default(capsys):
     assert set(groups) == {f.name for f in run.dataclasses.fields(run.Config)} and "other" not in groups.values()
 
 
+def test_default_toml_spells_out_the_defaults():
+    # configs/default.toml is "the default job, spelled out": a changed default must change it too
+    import dataclasses
+
+    spelled, defaults = run.parse_config(["--config", str(ROOT / "configs/default.toml")]), run.parse_config([])
+    differ = {f.name for f in dataclasses.fields(defaults) if getattr(spelled, f.name) != getattr(defaults, f.name)}
+    assert differ == set() and spelled.lr_schedule == "cosine_with_min_lr"
+
+
 def test_task_by_name_uses_its_own_defaults():
     default = run.parse_config([])
     assert default.task == "basic_arithmetic" and default.task_kwargs["operators"] == ["+", "-"]
