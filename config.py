@@ -195,7 +195,7 @@ class Config:
     lr_schedule: str = "cosine_with_min_lr"
     """learning-rate schedule over --steps, a name of transformers' get_scheduler: cosine_with_min_lr (the default: a cosine from lr down to lr x min_lr_rate at the last step, min_lr_rate 0.1 unless lr_schedule_kwargs gives min_lr or min_lr_rate; a constant rate collapsed late in 2 of 3 seeds, docs/learning.md), constant, cosine (to 0), linear, constant_with_warmup, ..."""
     lr_warmup_steps: int = 3
-    """steps of linear warm-up from 0 to lr before the schedule (schedules with warm-up)"""
+    """steps of linear warm-up from 0 to lr before the schedule (step 0 at rate 0, as in transformers; constant has none)"""
     lr_schedule_kwargs: dict = field(default_factory=dict)
     """keyword arguments of the schedule (JSON), e.g. {"min_lr_rate": 0.1} for cosine_with_min_lr"""
     weight_decay: float = 0.0
