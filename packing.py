@@ -93,7 +93,7 @@ def pack(exps: list[Experience], pad: int, row_tokens: int = 0) -> dict[str, tor
     for b, e in enumerate(exps):
         r = len(e.tokens) - e.prompt_length
         response[b, :r] = torch.tensor(e.tokens[e.prompt_length:], dtype=torch.long)
-        old[b, :r] = torch.tensor(e.logprobs)
+        old[b, :r] = torch.tensor(e.behaviour_logprobs)
         mask[b, :r] = torch.tensor(e.action_mask, dtype=torch.float)
     return {"input_ids": ids, "attention_mask": attn[:, None], "position_ids": pos, "rows": rows_i,
             "positions": positions, "targets": response[seq, col], "seq": seq, "col": col,

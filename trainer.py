@@ -299,7 +299,7 @@ class Trainer:
             for mb, real in self._plan(units, dummy):
                 _, lp, _ = self._forward(self.ref if self.ref is not None else self.model, mb, real)
                 for i, e in enumerate(mb if real else []):
-                    out[id(e)] = lp[i, :len(e.logprobs)].float().cpu()
+                    out[id(e)] = lp[i, :len(e.behaviour_logprobs)].float().cpu()
         return out
 
     def step(self, groups: list[list[Experience]]) -> dict[str, float]:
@@ -330,7 +330,7 @@ class Trainer:
         objective, sums = self.accumulate_gradients(plan, batch, adv, rewards, ref, self.loss_totals(batch, keep))
         grad_norm = self.optimizer_step()
         self.version += 1
-        lengths = [len(e.logprobs) for e in batch.exps]
+        lengths = [len(e.behaviour_logprobs) for e in batch.exps]
         train_s = time.perf_counter() - t0
         m.update(self.utilisation(mine, train_s, time.process_time() - cpu0))
         rollout = ~batch.offline
@@ -375,8 +375,9 @@ class Trainer:
             m["reward/mean"] = float(rollout_rewards.mean())
             m["reward/std"] = float(rollout_rewards.std()) if len(rollout_rewards) > 1 else 0.0
         if cfg.kl_reward_coef:
-            local = [(batch.row[id(e)], float((kl_estimate(torch.tensor(e.logprobs), ref[id(e)], "k1")
-                                               * torch.tensor(e.action_mask)).sum()))
+            local = [(batch.row[id(e)],
+                      float((kl_estimate(torch.tensor(e.behaviour_logprobs), ref[id(e)], "k1")
+                             * torch.tensor(e.action_mask)).sum()))
                      for u in mine for e in u if not batch.offline[batch.row[id(e)]]]  # offline: no behaviour logprobs
             every = [None] * self.world
             dist.all_gather_object(every, local)
@@ -407,7 +408,7 @@ class Trainer:
             dropped = 0
             for i, e in enumerate(batch.exps):
                 mask = {"action_mask": e.action_mask} if name in self.masked_filters else {}
-                if keep[i] and not batch.offline[i] and not fn(e.tokens, e.logprobs, float(adv[i]), **mask,
+                if keep[i] and not batch.offline[i] and not fn(e.tokens, e.behaviour_logprobs, float(adv[i]), **mask,
                                                                 **self.cfg.filters[name]):
                     keep[i], dropped = False, dropped + 1
             m[f"filter/{name}"] = dropped
@@ -441,7 +442,7 @@ class Trainer:
             if self.needs_ref:
                 ref_lp = torch.zeros_like(old)
                 for i, e in enumerate(mb if real else []):
-                    ref_lp[i, :len(e.logprobs)] = ref[id(e)].to(self.device)
+                    ref_lp[i, :len(e.behaviour_logprobs)] = ref[id(e)].to(self.device)
             out = self.loss_fn(LossInputs(lp, old, dev(adv[rows][:, None].expand(*mask.shape)), mask, dev(rewards[rows]),
                                           dev(torch.unique(batch.group_index[rows], return_inverse=True)[1]),
                                           ref_lp, dev(batch.offline[rows])), **cfg.policy_loss_kwargs)

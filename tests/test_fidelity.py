@@ -409,7 +409,7 @@ def own_logprobs(trainer, exps):
     for i, e in enumerate(exps):
         out.append(lp[i, :len(e.action_mask)].tolist())
         if not e.info.get("offline"):
-            e.logprobs = [x if m else 0.0 for x, m in zip(out[-1], e.action_mask)]
+            e.behaviour_logprobs = [x if m else 0.0 for x, m in zip(out[-1], e.action_mask)]
     return out
 
 

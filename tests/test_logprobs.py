@@ -24,7 +24,7 @@ def test_explorer_logprobs_match_trainer(tiny_model, trainer, temperature):
     cfg, tr = trainer
     engine = HFEngine(tiny_model, max_batch=5, seed=0)
     exps = rollouts(engine, PROMPTS, 3, Sampling(max_tokens=12, temperature=temperature))
-    assert len(exps) == 9 and any(len(e.logprobs) > 1 for e in exps)
+    assert len(exps) == 9 and any(len(e.behaviour_logprobs) > 1 for e in exps)
     b = pack(exps, tr.pad)
     with torch.no_grad():
         lp, _ = response_logprobs(tr.model, b, temperature)
