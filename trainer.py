@@ -436,14 +436,15 @@ class Trainer:
         for i, (mb, real) in enumerate(plan):
             self.progress(f"micro-batch {i + 1}/{len(plan)}")
             b, lp, ent = self._forward(self.model, mb, real, entropy=True)
-            mask, old = b["mask"], b["old_logprobs"]                                      # [B, R]
+            mask, behaviour = b["mask"], b["behaviour_logprobs"]                          # [B, R]
             rows = torch.tensor([batch.row[id(e)] for e in mb])
             ref_lp = None
             if self.needs_ref:
-                ref_lp = torch.zeros_like(old)
+                ref_lp = torch.zeros_like(behaviour)
                 for i, e in enumerate(mb if real else []):
                     ref_lp[i, :len(e.behaviour_logprobs)] = ref[id(e)].to(self.device)
-            out = self.loss_fn(LossInputs(lp, old, dev(adv[rows][:, None].expand(*mask.shape)), mask, dev(rewards[rows]),
+            out = self.loss_fn(LossInputs(lp, behaviour, dev(adv[rows][:, None].expand(*mask.shape)), mask,
+                                          dev(rewards[rows]),
                                           dev(torch.unique(batch.group_index[rows], return_inverse=True)[1]),
                                           ref_lp, dev(batch.offline[rows])), **cfg.policy_loss_kwargs)
             loss_tok = out["loss"]
@@ -456,8 +457,8 @@ class Trainer:
                 objective += float(aggregate(out["loss"], mask, self.agg, *totals(rows)))
                 rollout = ~dev(batch.offline[rows])[:, None]  # expert tokens have no behaviour log-probs
                 parts = {"loss/entropy": ent,
-                         "loss/kl_behaviour": kl_estimate(old, lp, "k3") * rollout,
-                         "loss/logprob_abs_diff": (lp - old).abs() * rollout,
+                         "loss/kl_behaviour": kl_estimate(behaviour, lp, "k3") * rollout,
+                         "loss/logprob_abs_diff": (lp - behaviour).abs() * rollout,
                          **{f"loss/{k}": v for k, v in out.items() if k != "loss"}}
                 if ref_lp is not None:
                     parts["loss/kl_ref"] = kl_estimate(lp, ref_lp, cfg.kl_estimator)

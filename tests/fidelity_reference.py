@@ -449,18 +449,18 @@ def dppo():
 
 # ----------------------------------------------------------------------------- TOPR (paper)
 
-def topr_objective(logprobs, old_logprobs, rewards, mask):
+def topr_objective(logprobs, behaviour_logprobs, rewards, mask):
     """Le Roux et al., "Tapered Off-Policy REINFORCE", arXiv:2503.14286, sec. 3 (no reference
     code): the loss whose gradient is the TOPR estimator on trajectories sampled from mu,
         grad J = mean_tau [ 1{R >= 0} R grad log pi(tau) + 1{R < 0} [pi(tau) / mu(tau)]_0^1 R grad log pi(tau) ],
     i.e. mean over trajectories of -w R log pi(tau), w = sg(clip(pi / mu, 0, 1)) for R < 0, 1 otherwise,
-    log pi(tau) = sum_t logprobs, pi(tau) / mu(tau) = exp(sum_t (logprobs - old_logprobs)).
+    log pi(tau) = sum_t logprobs, pi(tau) / mu(tau) = exp(sum_t (logprobs - behaviour_logprobs)).
     Written out per trajectory. Returns (loss, weights [B])."""
     losses, weights = [], []
     for b in range(len(rewards)):
         m = mask[b].bool()
         log_pi = logprobs[b][m].sum()
-        log_mu = old_logprobs[b][m].sum()
+        log_mu = behaviour_logprobs[b][m].sum()
         R = rewards[b]
         if R >= 0:
             w = torch.tensor(1.0, dtype=F64)

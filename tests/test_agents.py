@@ -101,8 +101,8 @@ def assert_logprobs_match_trainer(trainer, exps, temperature):
     b = pack(exps, trainer.pad)
     with torch.no_grad():
         lp, _ = response_logprobs(trainer.model, b, temperature)
-    assert ((lp - b["old_logprobs"]).abs() * b["mask"]).max().item() < 1e-4
-    assert (b["old_logprobs"] * (1 - b["mask"])).abs().max().item() == 0  # environment tokens: logprob 0
+    assert ((lp - b["behaviour_logprobs"]).abs() * b["mask"]).max().item() < 1e-4
+    assert (b["behaviour_logprobs"] * (1 - b["mask"])).abs().max().item() == 0  # environment tokens: log-prob 0
 
 
 def workflow(tok, agent, sampling=Sampling(48), **attrs):
@@ -601,8 +601,8 @@ def test_the_vllm_engine_serves_agents(tiny_model, tok):
     b = pack(exps, 2)
     with torch.no_grad():
         lp, _ = response_logprobs(model, b, 1.0)
-    assert ((lp - b["old_logprobs"]).abs() * b["mask"]).max().item() < 1e-3
-    assert (b["old_logprobs"] * b["mask"]).min() < -0.1
+    assert ((lp - b["behaviour_logprobs"]).abs() * b["mask"]).max().item() < 1e-3
+    assert (b["behaviour_logprobs"] * b["mask"]).min() < -0.1
 
 
 @pytest.mark.slow

@@ -70,7 +70,7 @@ def test_dppo_kl_is_prime_rl_default_loss():
 
 # Le Roux et al., arXiv:2503.14286, sec. 3 (no reference code): mean over trajectories of
 # -w R log pi(tau), w = 1 for R >= 0 and sg(clip(pi(tau) / mu(tau), 0, 1)) for R < 0, with the
-# trajectory ratio exp(sum_t (logprobs - old_logprobs)); written out per trajectory
+# trajectory ratio exp(sum_t (logprobs - behaviour_logprobs)); written out per trajectory
 TOPR_WEIGHTS = [1, 1, 1, 0.67032005]
 TOPR_LOSS = 0.53255918
 TOPR_GRAD = [[-0.375, -0.375, -0.375, 0], [0.2, 0.2, 0.2, 0.2], [-0.15, -0.15, 0, 0],
@@ -146,7 +146,7 @@ def test_mix_split_totals_add_up_over_micro_batches():
 
 # Trinity-RFT trinity/trainer/verl/core_algos.py compute_policy_loss_opmd, "version 0: kimi-opmd"
 # (read in the fork yaochaorui/Trinity-RFT @ 50aba82): (masked_sum(-A logprobs) + tau / 2 *
-# sum_seq (sum_t (logprobs - old_logprobs))^2) / tokens / max(1, tau), with A from
+# sum_seq (sum_t (logprobs - behaviour_logprobs))^2) / tokens / max(1, tau), with A from
 # modelscope/Trinity-RFT @ 547adf1 advantage_fn/opmd_advantage.py (opmd_baseline "logavgexp",
 # the same tau), groups {0, 1} and {2, 3}
 KIMI = {0.7: ([0.33482208, -0.66517792, 0.13405008, -0.16594992], 0.0027426246,
@@ -193,8 +193,8 @@ def test_ppo_clip_with_dual_clip_is_verl_vanilla():
     loss, grad, out = run("ppo_clip", clip_low=0.2, clip_high=0.28, dual_clip=3.0)
     assert close(out["loss"], PPO_TOKENS) and close(loss, PPO_LOSS) and close(grad, PPO_GRAD)
     assert L.ppo_clip_loss.__defaults__[2] == 3.0  # dual clip on by default, as verl's clip_ratio_c
-    lp, old, want = PPO_EXTREME
-    inp = L.LossInputs(torch.tensor(lp), torch.tensor(old), -torch.ones(1, 3), torch.ones(1, 3), torch.zeros(1),
+    lp, behaviour, want = PPO_EXTREME
+    inp = L.LossInputs(torch.tensor(lp), torch.tensor(behaviour), -torch.ones(1, 3), torch.ones(1, 3), torch.zeros(1),
                        torch.zeros(1, dtype=torch.long))
     assert close(L.ppo_clip_loss(inp)["loss"], want)
 

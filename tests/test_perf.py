@@ -149,8 +149,8 @@ def test_a_prefix_common_to_all_prompts_is_prefilled_once_and_logprobs_stay_exac
     b = pack(exps, engine.pad)
     with torch.no_grad():
         lp, _ = response_logprobs(engine.model, b, 1.0)  # each sequence computed from scratch
-    assert ((lp - b["old_logprobs"]).abs() * b["mask"]).max() < 1e-4
-    assert (b["old_logprobs"] * b["mask"]).min() < -0.1
+    assert ((lp - b["behaviour_logprobs"]).abs() * b["mask"]).max() < 1e-4
+    assert (b["behaviour_logprobs"] * b["mask"]).min() < -0.1
 
 
 def test_ended_rows_leave_the_decode_batch_with_the_same_tokens_and_exact_logprobs(tiny_model):
@@ -181,7 +181,7 @@ def test_ended_rows_leave_the_decode_batch_with_the_same_tokens_and_exact_logpro
     b = pack(exps, engine.pad)
     with torch.no_grad():
         lp, _ = response_logprobs(engine.model, b, 1.0)
-    assert ((lp - b["old_logprobs"]).abs() * b["mask"]).max() < 1e-4
+    assert ((lp - b["behaviour_logprobs"]).abs() * b["mask"]).max() < 1e-4
 
 
 def test_the_engines_grouped_query_attention_equals_transformers_sdpa(tiny_model):
