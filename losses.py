@@ -22,9 +22,9 @@ config; see README "Custom losses"):
       groups must share a micro-batch), `needs_ref` (LossInputs.ref_logprobs is filled),
       `split_expert` (rollout and expert sequences are normalised separately: aggregate
       the loss with the per-sequence totals of `part_totals`, MIX).
-  FILTERS[name](tokens, logprobs, advantage, **kw) -> bool (keep this sequence); a filter
-      with an `action_mask` parameter also gets the response's action_mask [R] (logprobs
-      are placeholders where it is 0: environment tokens).
+  FILTERS[name](tokens, behaviour_logprobs, advantage, **kw) -> bool (keep this sequence);
+      a filter with an `action_mask` parameter also gets the response's action_mask [R]
+      (behaviour_logprobs are placeholders where it is 0: environment tokens).
 
 The trainer turns per-token losses into one scalar with `aggregate` (token-mean,
 sequence-mean-token-sum or sequence-mean-token-mean over the whole global batch, or over
@@ -474,26 +474,27 @@ def mix_loss(inp: LossInputs, mu: float = 0.1, clip_low: float = 0.2, clip_high:
 # ----------------------------------------------------------------------------- filters
 
 @register(FILTERS, "zero_advantage")
-def zero_advantage_filter(tokens: list[int], logprobs: list[float], advantage: float, eps: float = 1e-8) -> bool:
+def zero_advantage_filter(tokens: list[int], behaviour_logprobs: list[float], advantage: float,
+                          eps: float = 1e-8) -> bool:
     """Keep sequences whose advantage is not (numerically) zero: they carry no policy gradient."""
     return abs(advantage) > eps
 
 
 @register(FILTERS, "gibberish")
-def gibberish_filter(tokens: list[int], logprobs: list[float], advantage: float, action_mask: list[int] | None = None,
-                     min_mean_logprob: float = -6.0) -> bool:
+def gibberish_filter(tokens: list[int], behaviour_logprobs: list[float], advantage: float,
+                     action_mask: list[int] | None = None, min_mean_logprob: float = -6.0) -> bool:
     """Keep sequences whose mean behaviour log-prob per policy token (action_mask 1; every
     token when no mask is given) is at least `min_mean_logprob` (nats): very unlikely token
     streams are usually gibberish."""
-    own = [lp for lp, m in zip(logprobs, action_mask or [1] * len(logprobs)) if m]
+    own = [lp for lp, m in zip(behaviour_logprobs, action_mask or [1] * len(behaviour_logprobs)) if m]
     return not own or sum(own) / len(own) >= min_mean_logprob
 
 
 @register(FILTERS, "repetition")
-def repetition_filter(tokens: list[int], logprobs: list[float], advantage: float, ngram: int = 4,
+def repetition_filter(tokens: list[int], behaviour_logprobs: list[float], advantage: float, ngram: int = 4,
                       max_repeat_frac: float = 0.5) -> bool:
-    """Keep responses (the last len(logprobs) tokens) in which at most `max_repeat_frac` of
-    the `ngram`-grams are repeats of an earlier n-gram."""
-    resp = tokens[len(tokens) - len(logprobs):]
+    """Keep responses (the last len(behaviour_logprobs) tokens) in which at most
+    `max_repeat_frac` of the `ngram`-grams are repeats of an earlier n-gram."""
+    resp = tokens[len(tokens) - len(behaviour_logprobs):]
     grams = [tuple(resp[i:i + ngram]) for i in range(len(resp) - ngram + 1)]
     return not grams or (len(grams) - len(set(grams))) / len(grams) <= max_repeat_frac

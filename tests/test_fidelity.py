@@ -457,6 +457,6 @@ def test_trainer_normalises_mix_parts_separately(make_trainer):
 
 
 def test_gibberish_filter_averages_the_policys_tokens_only():
-    logprobs, mask = [-1.0, 0.0, 0.0, -1.0], [1, 0, 0, 1]  # two environment tokens with placeholder 0
-    assert L.gibberish_filter([1] * 6, logprobs, 1.0, mask, min_mean_logprob=-0.8) is False
-    assert L.gibberish_filter([1] * 6, logprobs, 1.0, min_mean_logprob=-0.8) is True  # no mask: every token
+    behaviour_logprobs, mask = [-1.0, 0.0, 0.0, -1.0], [1, 0, 0, 1]  # two environment tokens with placeholder 0
+    assert L.gibberish_filter([1] * 6, behaviour_logprobs, 1.0, mask, min_mean_logprob=-0.8) is False
+    assert L.gibberish_filter([1] * 6, behaviour_logprobs, 1.0, min_mean_logprob=-0.8) is True  # no mask: every token
