@@ -23,7 +23,7 @@ Several runs share one PostgreSQL database: each run's tables live in their own 
 Schema (one row per experience):
     id (SQLite INTEGER PRIMARY KEY / PostgreSQL BIGSERIAL)  -- insertion order, the FIFO key
     group_id, task_id TEXT; model_version, prompt_length INTEGER
-    tokens (int32), logprobs (float32), action_mask (int8): BLOB / BYTEA
+    tokens (int32), behaviour_logprobs (float32), action_mask (int8): BLOB / BYTEA
     reward DOUBLE PRECISION NULL; info TEXT (JSON); explorer TEXT; created DOUBLE PRECISION (unix s)
     consumed INTEGER  -- 0 = not yet; else 1 + the trainer step that consumed it
     use_count INTEGER -- how many times the trainer took it: 1 when consumed, +1 per replay
@@ -67,7 +67,7 @@ from urllib.parse import urlsplit
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS experiences (
     id {id}, group_id TEXT NOT NULL, task_id TEXT NOT NULL, model_version INTEGER NOT NULL,
-    prompt_length INTEGER NOT NULL, tokens {blob} NOT NULL, logprobs {blob} NOT NULL,
+    prompt_length INTEGER NOT NULL, tokens {blob} NOT NULL, behaviour_logprobs {blob} NOT NULL,
     action_mask {blob} NOT NULL, reward DOUBLE PRECISION, info TEXT NOT NULL, explorer TEXT NOT NULL,
     created DOUBLE PRECISION NOT NULL, consumed INTEGER NOT NULL DEFAULT 0, use_count INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS experiences_group ON experiences (group_id);
@@ -82,31 +82,32 @@ CREATE TABLE IF NOT EXISTS replays (step INTEGER NOT NULL, group_id TEXT NOT NUL
 """
 
 
-_COLUMNS = "group_id, task_id, model_version, prompt_length, tokens, logprobs, action_mask, reward, info, explorer"
+_COLUMNS = ("group_id, task_id, model_version, prompt_length, tokens, behaviour_logprobs, action_mask, reward, info, "
+            "explorer")
 
 
 @dataclass
 class Experience:
     """One training sample (the contract between explorer and trainer).
 
-    tokens:        prompt + response token ids, length L.
-    prompt_length: P, number of prompt tokens; the response is tokens[P:], length R = L - P.
-    logprobs:      [R] behaviour-policy log-prob of each response token under the exact
-                   distribution it was sampled from (temperature applied; training needs
-                   top_p 1). Placeholder 0.0 where there is none: environment tokens
-                   (action_mask 0) and offline data.
-    action_mask:   [R] 1 where the policy generated the token and it is trained on.
-    reward:        float, or None while not known (lagged reward).
-    group_id:      the rollouts of one task share it; task_id names the task.
-    model_version: weight version (trainer steps) that generated it.
-    info:          free JSON-able dict (response text, finish reason, errors, ...);
-                   info["offline"] = True marks data not sampled from the policy (SFT chats,
-                   DPO pairs, MIX expert data): no behaviour log-probs, a fixed reward.
+    tokens:             prompt + response token ids, length L.
+    prompt_length:      P, number of prompt tokens; the response is tokens[P:], length R = L - P.
+    behaviour_logprobs: [R] log-prob of each response token under the behaviour policy,
+                        the exact distribution it was sampled from (temperature applied;
+                        training needs top_p 1). Placeholder 0.0 where there is none:
+                        environment tokens (action_mask 0) and offline data.
+    action_mask:        [R] 1 where the policy generated the token and it is trained on.
+    reward:             float, or None while not known (lagged reward).
+    group_id:           the rollouts of one task share it; task_id names the task.
+    model_version:      weight version (trainer steps) that generated it.
+    info:               free JSON-able dict (response text, finish reason, errors, ...);
+                        info["offline"] = True marks data not sampled from the policy (SFT chats,
+                        DPO pairs, MIX expert data): no behaviour log-probs, a fixed reward.
     """
 
     tokens: list[int]
     prompt_length: int
-    logprobs: list[float]
+    behaviour_logprobs: list[float]
     action_mask: list[int]
     reward: float | None
     group_id: str
@@ -119,9 +120,9 @@ class Experience:
         if self.reward is not None and not (isinstance(self.reward, (int, float)) and math.isfinite(self.reward)):
             raise ValueError(f"experience {self.task_id}: reward must be a finite number or None, got {self.reward!r}")
         r = len(self.tokens) - self.prompt_length
-        if not (len(self.logprobs) == len(self.action_mask) == r >= 0):
-            raise ValueError(f"experience {self.task_id}: response has {r} tokens but "
-                             f"{len(self.logprobs)} logprobs and {len(self.action_mask)} mask entries")
+        if not (len(self.behaviour_logprobs) == len(self.action_mask) == r >= 0):
+            raise ValueError(f"experience {self.task_id}: response has {r} tokens but {len(self.behaviour_logprobs)} "
+                             f"behaviour_logprobs and {len(self.action_mask)} mask entries")
 
 
 def pool_for(mean_reward: float, easy: float, hard: float) -> str | None:
@@ -244,13 +245,12 @@ class Buffer:
         (`update_pool` arguments) in one transaction: all of it or nothing."""
         now = time.time()
         rows = [(e.group_id, e.task_id, e.model_version, e.prompt_length,
-                 array("i", e.tokens).tobytes(), array("f", e.logprobs).tobytes(),
+                 array("i", e.tokens).tobytes(), array("f", e.behaviour_logprobs).tobytes(),
                  array("b", e.action_mask).tobytes(), e.reward, json.dumps(e.info), e.explorer, now)
                 for g in groups for e in g]
         with self._transaction():
             self.db.executemany(
-                "INSERT INTO experiences (group_id, task_id, model_version, prompt_length, tokens, "
-                "logprobs, action_mask, reward, info, explorer, created) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
+                f"INSERT INTO experiences ({_COLUMNS}, created) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
             if state is not None:
                 self.db.execute("INSERT INTO explorer_state VALUES (?, ?) ON CONFLICT (name) DO UPDATE "
                                 "SET state = excluded.state", (explorer, json.dumps(state)))

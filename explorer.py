@@ -292,7 +292,7 @@ class Explorer:
         rewards = [e.reward or 0.0 for e in exps] + [0.0] * (len(groups) - len(exps))  # skipped / lagged: 0
         record = {"eval/version": version, "eval/n": len(rewards), "eval/skipped": len(groups) - len(exps),
                   "eval/reward_mean": sum(rewards) / len(rewards),
-                  "eval/response_len": sum(len(e.logprobs) for e in exps) / max(1, len(exps)),
+                  "eval/response_len": sum(len(e.behaviour_logprobs) for e in exps) / max(1, len(exps)),
                   **format_rate(exps, "eval/format_rate"), **episode_means([e.info for e in exps], "eval/")}
         record["eval/accuracy"], record["eval/accuracy_stderr"] = mean_stderr([float(r == 1.0) for r in rewards])
         if n := max(cfg.eval_k, cfg.group_size) if version == 0 and cfg.eval_k else cfg.eval_k:

@@ -22,9 +22,9 @@ config; see README "Custom losses"):
       groups must share a micro-batch), `needs_ref` (LossInputs.ref_logprobs is filled),
       `split_expert` (rollout and expert sequences are normalised separately: aggregate
       the loss with the per-sequence totals of `part_totals`, MIX).
-  FILTERS[name](tokens, logprobs, advantage, **kw) -> bool (keep this sequence); a filter
-      with an `action_mask` parameter also gets the response's action_mask [R] (logprobs
-      are placeholders where it is 0: environment tokens).
+  FILTERS[name](tokens, behaviour_logprobs, advantage, **kw) -> bool (keep this sequence);
+      a filter with an `action_mask` parameter also gets the response's action_mask [R]
+      (behaviour_logprobs are placeholders where it is 0: environment tokens).
 
 The trainer turns per-token losses into one scalar with `aggregate` (token-mean,
 sequence-mean-token-sum or sequence-mean-token-mean over the whole global batch, or over
@@ -49,19 +49,20 @@ import torch
 class LossInputs:
     """Inputs of a policy loss on one micro-batch, all on one device.
 
-    logprobs:      [B, T] log-probs of the response tokens under the current policy (grad).
-    old_logprobs:  [B, T] behaviour-policy log-probs recorded by the explorer (no grad).
-    advantages:    [B, T] the sequence advantage broadcast over its tokens.
-    mask:          [B, T] 1.0 on trained tokens (action_mask and not padding), else 0.0.
-    rewards:       [B] scalar reward of each sequence.
-    group_index:   [B] int, sequences of one group share it (whole groups are present
-                   when the loss has `needs_groups`).
-    ref_logprobs:  [B, T] log-probs under the frozen reference model, or None.
-    expert:        [B] bool, True for expert (SFT) data mixed into the batch, or None.
+    logprobs:           [B, T] log-probs of the response tokens under the current policy (grad).
+    behaviour_logprobs: [B, T] log-probs under the behaviour policy, recorded by the explorer
+                        when it sampled the tokens (no grad).
+    advantages:         [B, T] the sequence advantage broadcast over its tokens.
+    mask:               [B, T] 1.0 on trained tokens (action_mask and not padding), else 0.0.
+    rewards:            [B] scalar reward of each sequence.
+    group_index:        [B] int, sequences of one group share it (whole groups are present
+                        when the loss has `needs_groups`).
+    ref_logprobs:       [B, T] log-probs under the frozen reference model, or None.
+    expert:             [B] bool, True for expert (SFT) data mixed into the batch, or None.
     """
 
     logprobs: torch.Tensor
-    old_logprobs: torch.Tensor
+    behaviour_logprobs: torch.Tensor
     advantages: torch.Tensor
     mask: torch.Tensor
     rewards: torch.Tensor
@@ -326,14 +327,15 @@ def kl_estimate(logp: torch.Tensor, logq: torch.Tensor, kind: str = "k3") -> tor
 # ----------------------------------------------------------------------------- policy losses
 
 def _ratio(inp: LossInputs) -> torch.Tensor:
-    """Importance ratio exp(logprobs - old_logprobs), the log-ratio clamped to [-20, 20] as verl does. [B, T]"""
-    return torch.exp((inp.logprobs - inp.old_logprobs).clamp(-20, 20))  # [B, T]
+    """Importance ratio exp(logprobs - behaviour_logprobs) [B, T], the log-ratio clamped to
+    [-20, 20] as verl does."""
+    return torch.exp((inp.logprobs - inp.behaviour_logprobs).clamp(-20, 20))  # [B, T]
 
 
 @register(POLICY_LOSSES, "ppo_clip")
 def ppo_clip_loss(inp: LossInputs, clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float | None = 3.0):
     """PPO clipped surrogate per token: -min(ratio A, clip(ratio, 1 - clip_low, 1 + clip_high) A),
-    ratio = exp(logprobs - old_logprobs). Dual clip (`dual_clip` = c > 1, verl's default 3;
+    ratio = exp(logprobs - behaviour_logprobs). Dual clip (`dual_clip` = c > 1, verl's default 3;
     None turns it off): tokens with A < 0 are bounded by -c A. Returns {"loss", "clipped"
     (1.0 where a clipped term is active)}: [B, T].
     Source: PPO arXiv:1707.06347 eq. 7; clip-higher DAPO arXiv:2503.14476 sec. 3.1; dual clip
@@ -357,15 +359,15 @@ def dppo_kl_loss(inp: LossInputs, dppo_mask_low: float = 0.2, dppo_mask_high: fl
                  kl_tau: float = 1e-3):
     """prime-rl's default loss, DPPO-Binary-TV + KL: -ratio adv_tau A on the tokens inside
     the trust region, plus kl_tau (log ratio)^2 on every token. The trust region is the
-    difference of probabilities d = exp(logprobs) - exp(old_logprobs), checked on the side
+    difference of probabilities d = exp(logprobs) - exp(behaviour_logprobs), checked on the side
     the update pushes: a token with A > 0 is masked when d > dppo_mask_high, any other
     when d < -dppo_mask_low. Returns {"loss", "masked" (1.0 on masked tokens)}: [B, T].
     Source: Qi et al., "Rethinking the Trust Region in LLM RL" (DPPO), arXiv:2602.04879
     (Binary-TV approximation); the squared log-ratio term: Kimi K2.5, arXiv:2602.02276.
     Reference: PrimeIntellect-ai/prime-rl src/prime_rl/trainer/rl/loss.py default_loss_fn and
     packages/prime-rl-configs/src/prime_rl/configs/trainer.py DefaultLossConfig @ 559b447."""
-    log_ratio = inp.logprobs - inp.old_logprobs                                           # [B, T]
-    diff = torch.exp(inp.logprobs) - torch.exp(inp.old_logprobs)                          # [B, T]
+    log_ratio = inp.logprobs - inp.behaviour_logprobs                                     # [B, T]
+    diff = torch.exp(inp.logprobs) - torch.exp(inp.behaviour_logprobs)                    # [B, T]
     masked = torch.where(inp.advantages > 0, diff > dppo_mask_high, diff < -dppo_mask_low)  # [B, T]
     pg = torch.where(masked, 0.0, adv_tau * inp.advantages * torch.exp(log_ratio))        # [B, T]
     return {"loss": -pg + kl_tau * log_ratio ** 2, "masked": masked.float()}
@@ -399,12 +401,12 @@ def cispo_loss(inp: LossInputs, clip_low: float = 1.0, clip_high: float = 0.2):
 
 @register(POLICY_LOSSES, "gspo", agg="seq-mean-token-mean")
 def gspo_loss(inp: LossInputs, clip_low: float = 3e-4, clip_high: float = 4e-4):
-    """GSPO: sequence-level ratio s = exp(mean_t(logprobs - old_logprobs)), used per token
+    """GSPO: sequence-level ratio s = exp(mean_t(logprobs - behaviour_logprobs)), used per token
     as sg(s) exp(logprobs - sg(logprobs)) (log clamped to <= 10) inside the PPO clip.
     Returns {"loss", "clipped"}: [B, T].
     Source: Zheng et al., arXiv:2507.18071, eq. 5-7 (GSPO-token). Reference: volcengine/verl
     verl/trainer/ppo/core_algos.py compute_policy_loss_gspo @ b178a3c."""
-    seq_log_ratio = seq_sum(inp.logprobs - inp.old_logprobs, inp.mask) / inp.mask.sum(-1).clamp(min=1)  # [B]
+    seq_log_ratio = seq_sum(inp.logprobs - inp.behaviour_logprobs, inp.mask) / inp.mask.sum(-1).clamp(min=1)  # [B]
     log_s = seq_log_ratio.detach()[:, None] + inp.logprobs - inp.logprobs.detach()         # [B, T]
     s = torch.exp(log_s.clamp(max=10.0))                                                   # [B, T]
     A = inp.advantages
@@ -472,26 +474,27 @@ def mix_loss(inp: LossInputs, mu: float = 0.1, clip_low: float = 0.2, clip_high:
 # ----------------------------------------------------------------------------- filters
 
 @register(FILTERS, "zero_advantage")
-def zero_advantage_filter(tokens: list[int], logprobs: list[float], advantage: float, eps: float = 1e-8) -> bool:
+def zero_advantage_filter(tokens: list[int], behaviour_logprobs: list[float], advantage: float,
+                          eps: float = 1e-8) -> bool:
     """Keep sequences whose advantage is not (numerically) zero: they carry no policy gradient."""
     return abs(advantage) > eps
 
 
 @register(FILTERS, "gibberish")
-def gibberish_filter(tokens: list[int], logprobs: list[float], advantage: float, action_mask: list[int] | None = None,
-                     min_mean_logprob: float = -6.0) -> bool:
+def gibberish_filter(tokens: list[int], behaviour_logprobs: list[float], advantage: float,
+                     action_mask: list[int] | None = None, min_mean_logprob: float = -6.0) -> bool:
     """Keep sequences whose mean behaviour log-prob per policy token (action_mask 1; every
     token when no mask is given) is at least `min_mean_logprob` (nats): very unlikely token
     streams are usually gibberish."""
-    own = [lp for lp, m in zip(logprobs, action_mask or [1] * len(logprobs)) if m]
+    own = [lp for lp, m in zip(behaviour_logprobs, action_mask or [1] * len(behaviour_logprobs)) if m]
     return not own or sum(own) / len(own) >= min_mean_logprob
 
 
 @register(FILTERS, "repetition")
-def repetition_filter(tokens: list[int], logprobs: list[float], advantage: float, ngram: int = 4,
+def repetition_filter(tokens: list[int], behaviour_logprobs: list[float], advantage: float, ngram: int = 4,
                       max_repeat_frac: float = 0.5) -> bool:
-    """Keep responses (the last len(logprobs) tokens) in which at most `max_repeat_frac` of
-    the `ngram`-grams are repeats of an earlier n-gram."""
-    resp = tokens[len(tokens) - len(logprobs):]
+    """Keep responses (the last len(behaviour_logprobs) tokens) in which at most
+    `max_repeat_frac` of the `ngram`-grams are repeats of an earlier n-gram."""
+    resp = tokens[len(tokens) - len(behaviour_logprobs):]
     grams = [tuple(resp[i:i + ngram]) for i in range(len(resp) - ngram + 1)]
     return not grams or (len(grams) - len(set(grams))) / len(grams) <= max_repeat_frac

@@ -63,8 +63,8 @@ def pack(exps: list[Experience], pad: int, row_tokens: int = 0) -> dict[str, tor
     token (T in all) its row, the position whose hidden state predicts it (the prompt's
     last position for a response's first token) and its id: rows / positions / targets
     [T] long, and where it goes in the [B, R] response layout: seq / col [T] long; over
-    the response region response_ids / old_logprobs / mask [B, R] (R >= 1: an empty
-    response gets one masked pad token)."""
+    the response region response_ids / behaviour_logprobs / mask [B, R] (R >= 1: an
+    empty response gets one masked pad token)."""
     B = len(exps)
     R = max(1, max(len(e.tokens) - e.prompt_length for e in exps))
     rows = share_prompts(exps, row_tokens)
@@ -89,15 +89,15 @@ def pack(exps: list[Experience], pad: int, row_tokens: int = 0) -> dict[str, tor
     rows_i, positions, seq, col = (torch.tensor(x, dtype=torch.long) for x in zip(*index)) if index else \
         (torch.zeros(0, dtype=torch.long),) * 4
     response = torch.full((B, R), pad, dtype=torch.long)
-    old, mask = torch.zeros((B, R)), torch.zeros((B, R))
+    behaviour, mask = torch.zeros((B, R)), torch.zeros((B, R))
     for b, e in enumerate(exps):
         r = len(e.tokens) - e.prompt_length
         response[b, :r] = torch.tensor(e.tokens[e.prompt_length:], dtype=torch.long)
-        old[b, :r] = torch.tensor(e.logprobs)
+        behaviour[b, :r] = torch.tensor(e.behaviour_logprobs)
         mask[b, :r] = torch.tensor(e.action_mask, dtype=torch.float)
     return {"input_ids": ids, "attention_mask": attn[:, None], "position_ids": pos, "rows": rows_i,
             "positions": positions, "targets": response[seq, col], "seq": seq, "col": col,
-            "response_ids": response, "old_logprobs": old, "mask": mask}
+            "response_ids": response, "behaviour_logprobs": behaviour, "mask": mask}
 
 
 def micro_batches(units: list[list[Experience]], token_budget: int) -> list[list[Experience]]:

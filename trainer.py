@@ -299,7 +299,7 @@ class Trainer:
             for mb, real in self._plan(units, dummy):
                 _, lp, _ = self._forward(self.ref if self.ref is not None else self.model, mb, real)
                 for i, e in enumerate(mb if real else []):
-                    out[id(e)] = lp[i, :len(e.logprobs)].float().cpu()
+                    out[id(e)] = lp[i, :len(e.behaviour_logprobs)].float().cpu()
         return out
 
     def step(self, groups: list[list[Experience]]) -> dict[str, float]:
@@ -330,7 +330,7 @@ class Trainer:
         objective, sums = self.accumulate_gradients(plan, batch, adv, rewards, ref, self.loss_totals(batch, keep))
         grad_norm = self.optimizer_step()
         self.version += 1
-        lengths = [len(e.logprobs) for e in batch.exps]
+        lengths = [len(e.behaviour_logprobs) for e in batch.exps]
         train_s = time.perf_counter() - t0
         m.update(self.utilisation(mine, train_s, time.process_time() - cpu0))
         rollout = ~batch.offline
@@ -375,8 +375,9 @@ class Trainer:
             m["reward/mean"] = float(rollout_rewards.mean())
             m["reward/std"] = float(rollout_rewards.std()) if len(rollout_rewards) > 1 else 0.0
         if cfg.kl_reward_coef:
-            local = [(batch.row[id(e)], float((kl_estimate(torch.tensor(e.logprobs), ref[id(e)], "k1")
-                                               * torch.tensor(e.action_mask)).sum()))
+            local = [(batch.row[id(e)],
+                      float((kl_estimate(torch.tensor(e.behaviour_logprobs), ref[id(e)], "k1")
+                             * torch.tensor(e.action_mask)).sum()))
                      for u in mine for e in u if not batch.offline[batch.row[id(e)]]]  # offline: no behaviour logprobs
             every = [None] * self.world
             dist.all_gather_object(every, local)
@@ -407,7 +408,7 @@ class Trainer:
             dropped = 0
             for i, e in enumerate(batch.exps):
                 mask = {"action_mask": e.action_mask} if name in self.masked_filters else {}
-                if keep[i] and not batch.offline[i] and not fn(e.tokens, e.logprobs, float(adv[i]), **mask,
+                if keep[i] and not batch.offline[i] and not fn(e.tokens, e.behaviour_logprobs, float(adv[i]), **mask,
                                                                 **self.cfg.filters[name]):
                     keep[i], dropped = False, dropped + 1
             m[f"filter/{name}"] = dropped
@@ -435,14 +436,15 @@ class Trainer:
         for i, (mb, real) in enumerate(plan):
             self.progress(f"micro-batch {i + 1}/{len(plan)}")
             b, lp, ent = self._forward(self.model, mb, real, entropy=True)
-            mask, old = b["mask"], b["old_logprobs"]                                      # [B, R]
+            mask, behaviour = b["mask"], b["behaviour_logprobs"]                          # [B, R]
             rows = torch.tensor([batch.row[id(e)] for e in mb])
             ref_lp = None
             if self.needs_ref:
-                ref_lp = torch.zeros_like(old)
+                ref_lp = torch.zeros_like(behaviour)
                 for i, e in enumerate(mb if real else []):
-                    ref_lp[i, :len(e.logprobs)] = ref[id(e)].to(self.device)
-            out = self.loss_fn(LossInputs(lp, old, dev(adv[rows][:, None].expand(*mask.shape)), mask, dev(rewards[rows]),
+                    ref_lp[i, :len(e.behaviour_logprobs)] = ref[id(e)].to(self.device)
+            out = self.loss_fn(LossInputs(lp, behaviour, dev(adv[rows][:, None].expand(*mask.shape)), mask,
+                                          dev(rewards[rows]),
                                           dev(torch.unique(batch.group_index[rows], return_inverse=True)[1]),
                                           ref_lp, dev(batch.offline[rows])), **cfg.policy_loss_kwargs)
             loss_tok = out["loss"]
@@ -455,8 +457,8 @@ class Trainer:
                 objective += float(aggregate(out["loss"], mask, self.agg, *totals(rows)))
                 rollout = ~dev(batch.offline[rows])[:, None]  # expert tokens have no behaviour log-probs
                 parts = {"loss/entropy": ent,
-                         "loss/kl_behaviour": kl_estimate(old, lp, "k3") * rollout,
-                         "loss/logprob_abs_diff": (lp - old).abs() * rollout,
+                         "loss/kl_behaviour": kl_estimate(behaviour, lp, "k3") * rollout,
+                         "loss/logprob_abs_diff": (lp - behaviour).abs() * rollout,
                          **{f"loss/{k}": v for k, v in out.items() if k != "loss"}}
                 if ref_lp is not None:
                     parts["loss/kl_ref"] = kl_estimate(lp, ref_lp, cfg.kl_estimator)

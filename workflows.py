@@ -193,8 +193,9 @@ def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
     minus template(messages[:i], generation prompt), up to and including the end-of-turn
     token (the tokenizer's eos; the template's newline after it is not generated), and the
     sequence ending there: the tokens an engine would have sampled and recorded. Reward 1.0,
-    logprobs 0 (no behaviour policy), info["offline"]. Raises FileNotFoundError, or ValueError naming the file and
-    line (bad JSON, no assistant turn, or turns that are not token prefixes of each other)."""
+    behaviour_logprobs 0 (no behaviour policy), info["offline"]. Raises FileNotFoundError,
+    or ValueError naming the file and line (bad JSON, no assistant turn, or turns that are
+    not token prefixes of each other)."""
     out = []
     for path, n, row in _jsonl_rows(path, "chat data"):
         msgs = row.get("messages") if isinstance(row, dict) else None
@@ -417,7 +418,7 @@ class MathWorkflow(Workflow):
             if error:
                 info["reward_error"] = error
             group.append(Experience(
-                tokens=prompt + out.tokens, prompt_length=len(prompt), logprobs=out.logprobs,
+                tokens=prompt + out.tokens, prompt_length=len(prompt), behaviour_logprobs=out.behaviour_logprobs,
                 action_mask=[1] * len(out.tokens), reward=reward, group_id=group_id,
                 task_id=task.task_id, model_version=out.versions[0], info=info))
         return group
@@ -436,8 +437,8 @@ class MultiTurnWorkflow(Workflow):
     Token streams (prime-rl's merging rule): each turn's prompt is the chat template of the
     conversation so far. While it extends the previous prompt + completion as an exact
     token prefix, the turn is appended to the same sample (the environment's tokens with
-    action_mask 0 and logprob 0, the sampled tokens with action_mask 1 and their
-    behaviour logprobs); where it does not (the template re-renders or drops history) a
+    action_mask 0 and behaviour log-prob 0, the sampled tokens with action_mask 1 and their
+    behaviour log-probs); where it does not (the template re-renders or drops history) a
     new sample starts (see `context`). The tokens of every sample are exactly those the engine saw and
     sampled. All samples of a trajectory carry its final reward, info["trajectory_id"],
     info["turns"] and info["samples"] (samples in the trajectory).
@@ -476,14 +477,15 @@ class MultiTurnWorkflow(Workflow):
                 extra = prompt[len(cur["tokens"]):]  # environment tokens: not trained on
                 cur["tokens"] += extra
                 cur["mask"] += [0] * len(extra)
-                cur["logprobs"] += [0.0] * len(extra)
+                cur["behaviour_logprobs"] += [0.0] * len(extra)
             else:
-                cur = {"tokens": list(prompt), "prompt_length": len(prompt), "mask": [], "logprobs": [], "versions": []}
+                cur = {"tokens": list(prompt), "prompt_length": len(prompt), "mask": [], "behaviour_logprobs": [],
+                       "versions": []}
                 samples.append(cur)
             out = (await engine.generate(cur["tokens"], 1, self.sampling))[0]
             cur["tokens"] += out.tokens
             cur["mask"] += [1] * len(out.tokens)
-            cur["logprobs"] += out.logprobs
+            cur["behaviour_logprobs"] += out.behaviour_logprobs
             cur["versions"] += list(out.versions)
             text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
             msgs.append({"role": "assistant", "content": text})
@@ -495,11 +497,12 @@ class MultiTurnWorkflow(Workflow):
             transcript.append(message)
         self._idle_envs.append(env)
         reward = 0.0 if reward is None else float(reward)
-        return [Experience(s["tokens"], s["prompt_length"], s["logprobs"], s["mask"], reward, group_id, task.task_id,
-                           min(s["versions"]), {"trajectory_id": trajectory_id, "turns": turns, "samples": len(samples),
-                                                "versions": [min(s["versions"]), max(s["versions"])],
-                                                "finish_reason": out.finish_reason, "answer": task.answer,
-                                                "response": " | ".join(transcript)})
+        return [Experience(s["tokens"], s["prompt_length"], s["behaviour_logprobs"], s["mask"], reward, group_id,
+                           task.task_id, min(s["versions"]),
+                           {"trajectory_id": trajectory_id, "turns": turns, "samples": len(samples),
+                            "versions": [min(s["versions"]), max(s["versions"])],
+                            "finish_reason": out.finish_reason, "answer": task.answer,
+                            "response": " | ".join(transcript)})
                 for s in samples]
 
 

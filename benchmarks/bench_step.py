@@ -111,7 +111,7 @@ def explore_rate(ex, rnd):
     ex.selector.cursor = rnd * ex.cfg.batch_size  # the tasks of batch rnd
     t = time.perf_counter()
     ex.rollout_batch(rnd, sink)
-    return sum(len(e.logprobs) for g in sink.groups for e in g) / (time.perf_counter() - t), sink.groups
+    return sum(len(e.behaviour_logprobs) for g in sink.groups for e in g) / (time.perf_counter() - t), sink.groups
 
 
 def raw_generate(model, prompts, n, max_tokens, pad, bf16):

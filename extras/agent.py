@@ -12,9 +12,9 @@ URL names the episode, so its calls are attributed to it, and the calls of all e
 flight are batched by the engine. When the agent returns, its calls become experiences by
 the multi-turn rule of workflows.MultiTurnWorkflow (`call_samples`): a call whose prompt
 extends an earlier call's prompt + completion as an exact token prefix joins that sample
-(the tokens in between, tool results and user turns, with action_mask 0 and logprob 0);
-any other call starts a new sample. Every sample of the episode carries the agent's
-reward. Timeouts, retries and skips are the explorer's, as for any workflow.
+(the tokens in between, tool results and user turns, with action_mask 0 and behaviour
+log-prob 0); any other call starts a new sample. Every sample of the episode carries the
+agent's reward. Timeouts, retries and skips are the explorer's, as for any workflow.
 
 Needs `pip install openai fastapi uvicorn`. Subclass `AgentWorkflow` (and name the class
 with --workflow module.Class) to change `tool_parser` or `batch_wait_s`.
@@ -33,7 +33,7 @@ from workflows import Task, Workflow
 
 def call_samples(calls) -> list[dict]:
     """The samples of one episode's calls (openai_endpoint.Call, in arrival order): dicts
-    with tokens, prompt_length, logprobs and mask (each [len(tokens) - prompt_length]),
+    with tokens, prompt_length, behaviour_logprobs and mask (each [len(tokens) - prompt_length]),
     versions (weight versions of their tokens) and texts (the completions' texts). A call's
     first choice extends the longest sample whose tokens are a prefix of its prompt;
     other choices, and calls that extend none, start a sample at their prompt."""
@@ -46,16 +46,16 @@ def call_samples(calls) -> list[dict]:
                         and call.prompt[:len(s["tokens"])] == s["tokens"]]
                 base = max(fits, key=lambda s: len(s["tokens"]), default=None)
             if base is None:
-                base = {"tokens": list(call.prompt), "prompt_length": len(call.prompt), "logprobs": [], "mask": [],
-                        "versions": [], "texts": []}
+                base = {"tokens": list(call.prompt), "prompt_length": len(call.prompt), "behaviour_logprobs": [],
+                        "mask": [], "versions": [], "texts": []}
                 samples.append(base)
             else:
                 extra = call.prompt[len(base["tokens"]):]  # tool results, user turns: not trained on
                 base["tokens"] += extra
-                base["logprobs"] += [0.0] * len(extra)
+                base["behaviour_logprobs"] += [0.0] * len(extra)
                 base["mask"] += [0] * len(extra)
             base["tokens"] += ch.tokens
-            base["logprobs"] += ch.logprobs
+            base["behaviour_logprobs"] += ch.behaviour_logprobs
             base["mask"] += [1] * len(ch.tokens)
             base["versions"] += list(ch.versions)
             base["texts"].append(ch.text)
@@ -144,8 +144,8 @@ class AgentWorkflow(Workflow):
                 info["reward_error"] = error
             if metrics:
                 info["metrics"] = metrics
-            out.append(Experience(s["tokens"], s["prompt_length"], s["logprobs"], s["mask"], reward, group_id,
-                                  task.task_id, info["versions"][0], info))
+            out.append(Experience(s["tokens"], s["prompt_length"], s["behaviour_logprobs"], s["mask"], reward,
+                                  group_id, task.task_id, info["versions"][0], info))
         return out
 
 

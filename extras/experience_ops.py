@@ -108,7 +108,8 @@ def clean(groups: list[list[Experience]], ctx: ExperienceContext, max_tokens: in
         for e in g:
             text = response_text(e, ctx.tokenizer) if dedup else None
             why = ("length" if max_tokens and sum(e.action_mask) > max_tokens else
-                   "repetition" if ngram and not repetition_filter(e.tokens, e.logprobs, 0.0, ngram, max_repeat_frac) else
+                   "repetition" if ngram and not repetition_filter(e.tokens, e.behaviour_logprobs, 0.0, ngram,
+                                                                   max_repeat_frac) else
                    "duplicate" if dedup and text in seen else None)
             if why:
                 counts[why] += 1

@@ -5,7 +5,7 @@ written against the `openai` package (extras/agent.py, extras/verifiers_env.py).
     episode = endpoint.open_episode(Sampling(...))   # inside the event loop that runs the agent
     client = openai.AsyncOpenAI(base_url=episode.url, api_key="-")   # .../e/EPISODE/v1
     ...                                              # the agent's calls
-    calls = endpoint.close_episode(episode)          # every delivered call: exact token ids, logprobs
+    calls = endpoint.close_episode(episode)          # every delivered call: token ids, behaviour log-probs
 
 Routes: `POST /e/{episode}/v1/chat/completions`, `GET /e/{episode}/v1/models`, and the same
 under `/v1/` with the episode in an `X-Episode-Id` header. A request is checked and its
@@ -59,12 +59,12 @@ def require_packages(what: str) -> None:
 
 @dataclass
 class Choice:
-    """One sampled completion as recorded: tokens [R] and behaviour logprobs [R] (cut at
+    """One sampled completion as recorded: tokens [R] and behaviour_logprobs [R] (cut at
     max_tokens / a stop string), weight versions (first token, last token), finish_reason
     ("stop", "length" or "tool_calls") and the text returned for it."""
 
     tokens: list[int]
-    logprobs: list[float]
+    behaviour_logprobs: list[float]
     versions: tuple[int, int]
     finish_reason: str
     text: str
@@ -249,9 +249,9 @@ class Endpoint:
     def _cut(out, req, tok) -> Choice:
         """The completion cut at the request's max_tokens, then after the token that
         completes its first stop string (the returned text ends before it)."""
-        tokens, logprobs, reason = list(out.tokens), list(out.logprobs), out.finish_reason
+        tokens, behaviour, reason = list(out.tokens), list(out.behaviour_logprobs), out.finish_reason
         if req.max_tokens is not None and len(tokens) > req.max_tokens:
-            tokens, logprobs, reason = tokens[:req.max_tokens], logprobs[:req.max_tokens], "length"
+            tokens, behaviour, reason = tokens[:req.max_tokens], behaviour[:req.max_tokens], "length"
         text = tok.decode(tokens, skip_special_tokens=True)
         hits = [text.find(s) for s in req.stop if s in text]
         if hits:
@@ -261,8 +261,8 @@ class Endpoint:
                 mid = (lo + hi) // 2
                 part = tok.decode(tokens[:mid], skip_special_tokens=True)
                 lo, hi = (lo, mid) if any(s in part for s in req.stop) else (mid + 1, hi)
-            tokens, logprobs, reason, text = tokens[:lo], logprobs[:lo], "stop", text[:at]
-        return Choice(tokens, logprobs, tuple(out.versions), reason, text)
+            tokens, behaviour, reason, text = tokens[:lo], behaviour[:lo], "stop", text[:at]
+        return Choice(tokens, behaviour, tuple(out.versions), reason, text)
 
     def _choice(self, i: int, c: Choice, req, ep: Episode, tok) -> dict:
         raw = tok.decode(c.tokens, skip_special_tokens=True)  # what the model wrote, stop string included
@@ -278,7 +278,7 @@ class Endpoint:
         if req.logprobs:
             pieces = [tok.decode([t]) for t in c.tokens]
             choice["logprobs"] = {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
-                                              for p, lp in zip(pieces, c.logprobs)]}
+                                              for p, lp in zip(pieces, c.behaviour_logprobs)]}
         return choice
 
     # ------------------------------------------------------------------ HTTP (the server thread)

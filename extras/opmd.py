@@ -41,15 +41,15 @@ def logavgexp_baseline(rewards: torch.Tensor, group_index: torch.Tensor, tau: fl
 @register(POLICY_LOSSES, "opmd_kimi")
 def opmd_kimi_loss(inp: LossInputs, tau: float = 1.0):
     """Kimi k1.5 online policy mirror descent in Trinity-RFT's form: per token
-    (-A logprobs + spread(tau / 2 * s^2)) / max(1, tau), s = sum_t (logprobs - old_logprobs)
-    of the sequence, with A = r - tau log Z from ADVANTAGES["opmd"] (baseline "logavgexp",
-    the same tau). Its gradient is the gradient of Kimi's (r - tau log Z - tau s)^2 divided
+    (-A logprobs + spread(tau / 2 * s^2)) / max(1, tau), s = sum_t (logprobs -
+    behaviour_logprobs) of the sequence, with A = r - tau log Z from ADVANTAGES["opmd"]
+    (baseline "logavgexp", the same tau). Its gradient is the gradient of Kimi's (r - tau log Z - tau s)^2 divided
     by 2 tau max(1, tau); aggregated token-mean, as in Trinity-RFT. Returns {"loss"}: [B, T].
     Source: Kimi k1.5, arXiv:2501.12599, sec. 2.3.2 eq. 3; Trinity-RFT report, arXiv:2505.17826,
     appendix A.1. Reference: Trinity-RFT trinity/trainer/verl/core_algos.py
     compute_policy_loss_opmd ("version 0: kimi-opmd"), read in the fork
     yaochaorui/Trinity-RFT @ 50aba82."""
-    s = seq_sum(inp.logprobs - inp.old_logprobs, inp.mask)                               # [B]
+    s = seq_sum(inp.logprobs - inp.behaviour_logprobs, inp.mask)                         # [B]
     loss = -inp.advantages * inp.logprobs + spread(0.5 * tau * s ** 2, inp.mask)          # [B, T]
     return {"loss": loss / max(1.0, tau)}                                                # [B, T]
 

@@ -30,9 +30,9 @@ class ReflectWorkflow(MathWorkflow):
             text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
             reward, _ = await self.score(task, text)
             if reward == 1.0:
-                group.append(Experience(p + out.tokens, len(p), out.logprobs, [1] * len(out.tokens), 1.0, e.group_id,
-                                        task.task_id, out.versions[0], {"reflection": True, "response": text,
-                                                                         "answer": task.answer, "versions": list(out.versions),
-                                                                         "finish_reason": out.finish_reason}))
+                info = {"reflection": True, "response": text, "answer": task.answer, "versions": list(out.versions),
+                        "finish_reason": out.finish_reason}
+                group.append(Experience(p + out.tokens, len(p), out.behaviour_logprobs, [1] * len(out.tokens), 1.0,
+                                        e.group_id, task.task_id, out.versions[0], info))
                 break
         return group

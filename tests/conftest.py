@@ -95,7 +95,7 @@ def rollouts(engine, prompts, n, sampling):
         return await asyncio.gather(*(engine.generate(p, n, sampling) for p in prompts))
 
     outs = asyncio.run(go())
-    return [Experience(p + c.tokens, len(p), c.logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0)
+    return [Experience(p + c.tokens, len(p), c.behaviour_logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0)
             for i, (p, cs) in enumerate(zip(prompts, outs)) for c in cs]
 
 

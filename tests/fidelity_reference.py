@@ -44,16 +44,17 @@ F64 = torch.float64
 
 # ----------------------------------------------------------------------------- fixed inputs
 
-# B = 4 sequences, T = 4 tokens; sequence 1 has a token with ratio e^1.5 and A < 0 (dual clip),
-# sequence 3 a sequence-level ratio e^-0.4 with A < 0 (TOPR's taper)
+# B = 4 sequences, T = 4 tokens: LP the current policy's log-probs, BEHAVIOUR the behaviour
+# policy's; sequence 1 has a token with ratio e^1.5 and A < 0 (dual clip), sequence 3 a
+# sequence-level ratio e^-0.4 with A < 0 (TOPR's taper)
 LP = [[-1.0, -0.1, -2.0, -0.3],
       [-0.7, -1.2, -0.1, -0.5],
       [-0.2, -0.9, -1.5, -0.6],
       [-1.0, -0.8, -0.4, -2.2]]
-OLD = [[-1.3, -0.6, -1.0, -0.3],
-       [-0.2, -1.2, -0.6, -2.0],
-       [-0.25, -1.9, -1.4, -0.1],
-       [-0.9, -0.5, -0.6, -2.0]]
+BEHAVIOUR = [[-1.3, -0.6, -1.0, -0.3],
+             [-0.2, -1.2, -0.6, -2.0],
+             [-0.25, -1.9, -1.4, -0.1],
+             [-0.9, -0.5, -0.6, -2.0]]
 ADV = [1.5, -0.8, 0.6, -0.4]
 MASK = [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]]
 R4, G4 = [1.0, 0.0, 0.5, 0.2], [0, 0, 1, 1]   # rewards and groups of the four sequences
@@ -75,11 +76,11 @@ KL_LOGQ = [[30.0, -4.0, -0.5, -30.0, -0.2, 2.5]]
 
 # PPO on log-ratios -25, 0, 22 with A = -1 (verl clamps the log-ratio to [-20, 20])
 PPO_EXTREME_LP = [[0.0, -0.5, -1.0]]
-PPO_EXTREME_OLD = [[-25.0, -0.5, 22.0]]
+PPO_EXTREME_BEHAVIOUR = [[-25.0, -0.5, 22.0]]
 
 # GSPO on a sequence whose mean log-ratio is 15 (> 10), A = 1, clip 0.1 / 1e9
 GSPO_EXTREME_LP = [[0.0, -0.5]]
-GSPO_EXTREME_OLD = [[-30.0, -0.5]]
+GSPO_EXTREME_BEHAVIOUR = [[-30.0, -0.5]]
 
 MIX_EXPERT = [False, True, False, True]     # MIX: sequences 1 and 3 are expert (SFT) data
 DPO_REWARDS = [1.0, 0.0, 0.0, 1.0]          # DPO: pairs (chosen 0, rejected 1), (chosen 3, rejected 2)
@@ -440,7 +441,7 @@ def dppo():
     lp = _lp()
     mask = _t(MASK, torch.bool)
     adv = _adv_matrix(ADV)
-    loss, masked = primerl_compute_loss(list(lp), list(_t(OLD)), list(adv), list(mask),
+    loss, masked = primerl_compute_loss(list(lp), list(_t(BEHAVIOUR)), list(adv), list(mask),
                                         PRIMERL_DEFAULT_LOSS_CONFIG, rl_scale=int(mask.sum()))
     loss.backward()
     return {"DPPO_LOSS": loss.item(), "DPPO_GRAD": lp.grad.tolist(),
@@ -449,18 +450,18 @@ def dppo():
 
 # ----------------------------------------------------------------------------- TOPR (paper)
 
-def topr_objective(logprobs, old_logprobs, rewards, mask):
+def topr_objective(logprobs, behaviour_logprobs, rewards, mask):
     """Le Roux et al., "Tapered Off-Policy REINFORCE", arXiv:2503.14286, sec. 3 (no reference
     code): the loss whose gradient is the TOPR estimator on trajectories sampled from mu,
         grad J = mean_tau [ 1{R >= 0} R grad log pi(tau) + 1{R < 0} [pi(tau) / mu(tau)]_0^1 R grad log pi(tau) ],
     i.e. mean over trajectories of -w R log pi(tau), w = sg(clip(pi / mu, 0, 1)) for R < 0, 1 otherwise,
-    log pi(tau) = sum_t logprobs, pi(tau) / mu(tau) = exp(sum_t (logprobs - old_logprobs)).
+    log pi(tau) = sum_t logprobs, pi(tau) / mu(tau) = exp(sum_t (logprobs - behaviour_logprobs)).
     Written out per trajectory. Returns (loss, weights [B])."""
     losses, weights = [], []
     for b in range(len(rewards)):
         m = mask[b].bool()
         log_pi = logprobs[b][m].sum()
-        log_mu = old_logprobs[b][m].sum()
+        log_mu = behaviour_logprobs[b][m].sum()
         R = rewards[b]
         if R >= 0:
             w = torch.tensor(1.0, dtype=F64)
@@ -473,7 +474,7 @@ def topr_objective(logprobs, old_logprobs, rewards, mask):
 
 def topr():
     lp = _lp()
-    loss, w = topr_objective(lp, _t(OLD), ADV, _t(MASK))
+    loss, w = topr_objective(lp, _t(BEHAVIOUR), ADV, _t(MASK))
     loss.backward()
     return {"TOPR_WEIGHTS": w.tolist(), "TOPR_LOSS": loss.item(), "TOPR_GRAD": lp.grad.tolist()}
 
@@ -610,7 +611,7 @@ def mix():
                                 ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=len(LP), ngpus_trainer=1,
                                 read_batch_size_usual=n_usual, read_batch_size_expert=n_expert)
     lp = _lp()
-    loss, _ = fn(lp, _t(OLD), _t(MASK), _adv_matrix(ADV), is_expert_mask=expert)
+    loss, _ = fn(lp, _t(BEHAVIOUR), _t(MASK), _adv_matrix(ADV), is_expert_mask=expert)
     loss.backward()
     return {"MIX_LOSS": loss.item(), "MIX_GRAD": lp.grad.tolist()}
 
@@ -653,7 +654,7 @@ def trinity_opmd_policy_loss(logprob, old_log_probs, response_mask, advantages, 
 def opmd_simple():
     adv = trinity_opmd_group_advantage(R4, G4)
     lp = _lp()
-    loss = trinity_opmd_policy_loss(lp, _t(OLD), _t(MASK), _adv_matrix(adv), tau=0.5)
+    loss = trinity_opmd_policy_loss(lp, _t(BEHAVIOUR), _t(MASK), _adv_matrix(adv), tau=0.5)
     loss.backward()
     return {"SIMPLE_LOSS": loss.item(), "SIMPLE_GRAD": lp.grad.tolist()}
 
@@ -678,7 +679,7 @@ def kimi():
     for tau in (0.7, 2.0):
         adv = trinity_opmd_group_advantage(R4, G4, opmd_baseline="logavgexp", tau=tau)
         lp = _lp()
-        loss = yaochaorui_compute_policy_loss_opmd_v0(_t(OLD), lp, _adv_matrix(adv), _t(MASK), tau)
+        loss = yaochaorui_compute_policy_loss_opmd_v0(_t(BEHAVIOUR), lp, _adv_matrix(adv), _t(MASK), tau)
         loss.backward()
         out[tau] = (adv, loss.item(), lp.grad.tolist())
     return {"KIMI": out}
@@ -718,7 +719,8 @@ def pairwise():
     for tau, groups in ((0.7, (0, 0, 1, 1)), (2.0, (0, 0, 0, 1))):
         lp = _lp()
         scores = _outcome_rewards(R4, lengths, len(LP[0]))
-        loss = yaochaorui_compute_policy_loss_pairwise_opmd(_t(OLD), lp, scores, _t(MASK), torch.tensor(groups), tau)
+        loss = yaochaorui_compute_policy_loss_pairwise_opmd(_t(BEHAVIOUR), lp, scores, _t(MASK), torch.tensor(groups),
+                                                            tau)
         loss.backward()
         out[(tau, groups)] = (loss.item(), lp.grad.tolist())
     return {"PAIRWISE": out}
@@ -890,7 +892,7 @@ def tis():
         return torch.cat([torch.zeros(B, 1, dtype=F64), _t(x)], dim=1)
 
     labels = torch.cat([torch.full((B, 1), -100), torch.where(_t(MASK, torch.bool), 1, -100)], dim=1)
-    batch = SimpleNamespace(labels=labels, old_logprobs=aligned(OLD), ref_logprobs=aligned(OLD),
+    batch = SimpleNamespace(labels=labels, old_logprobs=aligned(BEHAVIOUR), ref_logprobs=aligned(BEHAVIOUR),
                             advantages=aligned(_adv_matrix(ADV).tolist()), rewards=aligned([[0.0] * T] * B),
                             group_tokens=aligned([[1.0] * T] * B), overflow=aligned([[0.0] * T] * B))
     lp = _lp()
@@ -909,33 +911,33 @@ def kl_estimators():
 
 def ppo():
     lp = _lp()
-    loss, tokens = verl_compute_policy_loss_vanilla(_t(OLD), lp, _adv_matrix(ADV), _t(MASK), "token-mean",
+    loss, tokens = verl_compute_policy_loss_vanilla(_t(BEHAVIOUR), lp, _adv_matrix(ADV), _t(MASK), "token-mean",
                                                    clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28,
                                                    clip_ratio_c=3.0)
     loss.backward()
-    _, extreme = verl_compute_policy_loss_vanilla(_t(PPO_EXTREME_OLD), _t(PPO_EXTREME_LP), -torch.ones(1, 3, dtype=F64),
-                                                  torch.ones(1, 3, dtype=F64))
+    _, extreme = verl_compute_policy_loss_vanilla(_t(PPO_EXTREME_BEHAVIOUR), _t(PPO_EXTREME_LP),
+                                                  -torch.ones(1, 3, dtype=F64), torch.ones(1, 3, dtype=F64))
     return {"PPO_TOKENS": tokens.tolist(), "PPO_LOSS": loss.item(), "PPO_GRAD": lp.grad.tolist(),
-            "PPO_EXTREME": (PPO_EXTREME_LP, PPO_EXTREME_OLD, extreme.tolist())}
+            "PPO_EXTREME": (PPO_EXTREME_LP, PPO_EXTREME_BEHAVIOUR, extreme.tolist())}
 
 
 def gspo():
     out = {}
     for clip in ((0.1, 0.2), (3e-4, 4e-4)):
         lp = _lp()
-        loss = verl_compute_policy_loss_gspo(_t(OLD), lp, _adv_matrix(ADV), _t(MASK), clip_ratio_low=clip[0],
+        loss = verl_compute_policy_loss_gspo(_t(BEHAVIOUR), lp, _adv_matrix(ADV), _t(MASK), clip_ratio_low=clip[0],
                                              clip_ratio_high=clip[1])
         loss.backward()
         out[clip] = (loss.item(), lp.grad.tolist())
     lp = _t(GSPO_EXTREME_LP).requires_grad_(True)
-    extreme = verl_compute_policy_loss_gspo(_t(GSPO_EXTREME_OLD), lp, torch.ones(1, 2, dtype=F64),
+    extreme = verl_compute_policy_loss_gspo(_t(GSPO_EXTREME_BEHAVIOUR), lp, torch.ones(1, 2, dtype=F64),
                                             torch.ones(1, 2, dtype=F64), clip_ratio_low=0.1, clip_ratio_high=1e9)
     return {"GSPO": out, "GSPO_EXTREME_LOSS": extreme.item()}
 
 
 def cispo():
     lp = _lp()
-    loss = verl_compute_policy_loss_cispo(_t(OLD), lp, _adv_matrix(ADV), _t(MASK), clip_ratio_low=1.0,
+    loss = verl_compute_policy_loss_cispo(_t(BEHAVIOUR), lp, _adv_matrix(ADV), _t(MASK), clip_ratio_low=1.0,
                                           clip_ratio_high=0.28)
     loss.backward()
     return {"CISPO_LOSS": loss.item(), "CISPO_GRAD": lp.grad.tolist()}
@@ -1016,10 +1018,10 @@ def trl_dpo_compute_loss(per_token_logps, ref_per_token_logps, shift_completion_
 
 def dpo():
     """Pairs by reward (DPO_REWARDS): (chosen 0, rejected 1) and (chosen 3, rejected 2); reference
-    log-probs = OLD; beta 0.2. TRL's collator stacks the chosen then the rejected completions."""
+    log-probs = BEHAVIOUR; beta 0.2. TRL's collator stacks the chosen then the rejected completions."""
     lp = _lp()
     rows = torch.tensor([0, 3, 1, 2])  # [chosen 0, chosen 3, rejected 1, rejected 2]
-    loss = trl_dpo_compute_loss(lp[rows], _t(OLD)[rows], _t(MASK)[rows], beta=0.2)
+    loss = trl_dpo_compute_loss(lp[rows], _t(BEHAVIOUR)[rows], _t(MASK)[rows], beta=0.2)
     loss.backward()
     return {"DPO_LOSS": loss.item(), "DPO_GRAD": lp.grad.tolist()}
 

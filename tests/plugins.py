@@ -15,7 +15,7 @@ from workflows import MathWorkflow, MultiTurnWorkflow, in_thread, last_number
 
 def clipped_reinforce(inp: LossInputs, cap: float = 1.5) -> dict[str, torch.Tensor]:
     """REINFORCE with the importance ratio capped at `cap` and detached. Returns [B, T] tensors."""
-    ratio = torch.exp(inp.logprobs - inp.old_logprobs).detach()   # [B, T]
+    ratio = torch.exp(inp.logprobs - inp.behaviour_logprobs).detach()   # [B, T]
     weight = ratio.clamp(max=cap)                                   # [B, T]
     return {"loss": -weight * inp.advantages * inp.logprobs,        # [B, T], aggregated by the trainer
             "capped": (ratio > cap).float()}                        # extra metric: loss/capped

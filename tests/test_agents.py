@@ -101,8 +101,8 @@ def assert_logprobs_match_trainer(trainer, exps, temperature):
     b = pack(exps, trainer.pad)
     with torch.no_grad():
         lp, _ = response_logprobs(trainer.model, b, temperature)
-    assert ((lp - b["old_logprobs"]).abs() * b["mask"]).max().item() < 1e-4
-    assert (b["old_logprobs"] * (1 - b["mask"])).abs().max().item() == 0  # environment tokens: logprob 0
+    assert ((lp - b["behaviour_logprobs"]).abs() * b["mask"]).max().item() < 1e-4
+    assert (b["behaviour_logprobs"] * (1 - b["mask"])).abs().max().item() == 0  # environment tokens: log-prob 0
 
 
 def workflow(tok, agent, sampling=Sampling(48), **attrs):
@@ -198,7 +198,7 @@ def test_calls_become_samples_by_exact_token_prefix():
              Call(3, [1, 2, 3, 4, 9, 9, 6, 9], [ch([10])])]     # continues the fork (choice 1 of call 1)
     a, fork, b = call_samples(calls)
     assert (a["tokens"], a["prompt_length"], a["mask"]) == ([1, 2, 3, 4, 9, 9, 5], 2, [1, 1, 0, 0, 1])
-    assert a["logprobs"] == [-1.0, -1.0, 0.0, 0.0, -1.0]
+    assert a["behaviour_logprobs"] == [-1.0, -1.0, 0.0, 0.0, -1.0]
     assert (fork["tokens"], fork["prompt_length"], fork["mask"]) == ([1, 2, 3, 4, 9, 9, 6, 9, 10], 6, [1, 0, 1])
     assert (b["tokens"], b["prompt_length"], b["mask"]) == ([1, 7, 8], 2, [1])
 
@@ -372,7 +372,7 @@ def test_two_turn_tool_agent_is_token_exact(engine, tok, seen, script, trainer):
     assert tok.decode(env) == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert "<tools>" in tok.decode(p1) and '"name": "add"' in tok.decode(p1)
     assert_logprobs_match_trainer(trainer, [e], 0.8)
-    assert min(e.logprobs) < -1.0  # real log-probs of the random model, not zeros
+    assert min(e.behaviour_logprobs) < -1.0  # real log-probs of the random model, not zeros
 
 
 @pytest.mark.slow
@@ -429,7 +429,7 @@ def test_concurrent_episodes_are_batched_and_attributed(engine, tok, seen, train
         assert len(found) == 1  # every call of an episode is its own
         markers |= found
     assert len(by_trajectory) == 4 and len(markers) == 4
-    assert all(len(e.logprobs) == len(e.action_mask) == len(e.tokens) - e.prompt_length for e in exps)
+    assert all(len(e.behaviour_logprobs) == len(e.action_mask) == len(e.tokens) - e.prompt_length for e in exps)
     assert_logprobs_match_trainer(trainer, exps, 1.0)
 
 
@@ -461,7 +461,8 @@ def test_stop_max_tokens_logprobs_and_streaming(engine, tok, script):
     stopped, cut, full, streamed = asyncio.run(workflow(tok, keep).run(TASK, engine, 1))
     assert tok.decode(stopped.tokens[stopped.prompt_length:]) == "The answer is"  # through the stop string's token
     assert len(cut.tokens) - cut.prompt_length == 2
-    assert results["logprobs"] == full.logprobs and len(full.logprobs) == len(tok.encode("The answer is 5.")) + 1
+    assert results["logprobs"] == full.behaviour_logprobs
+    assert len(full.behaviour_logprobs) == len(tok.encode("The answer is 5.")) + 1
     assert streamed.tokens == full.tokens
 
 
@@ -600,8 +601,8 @@ def test_the_vllm_engine_serves_agents(tiny_model, tok):
     b = pack(exps, 2)
     with torch.no_grad():
         lp, _ = response_logprobs(model, b, 1.0)
-    assert ((lp - b["old_logprobs"]).abs() * b["mask"]).max().item() < 1e-3
-    assert (b["old_logprobs"] * b["mask"]).min() < -0.1
+    assert ((lp - b["behaviour_logprobs"]).abs() * b["mask"]).max().item() < 1e-3
+    assert (b["behaviour_logprobs"] * b["mask"]).min() < -0.1
 
 
 @pytest.mark.slow
@@ -691,4 +692,5 @@ def test_a_published_verifiers_environment_runs(tok, tmp_path):
         engine.close()
     assert len({e.info["trajectory_id"] for e in exps}) == 2 and all(e.reward == 0.0 for e in exps)
     assert all("passing through the ring" in tok.decode(e.tokens[:e.prompt_length]) for e in exps)
-    assert all(len(e.logprobs) == len(e.tokens) - e.prompt_length and min(e.logprobs) < 0 for e in exps)
+    assert all(len(e.behaviour_logprobs) == len(e.tokens) - e.prompt_length and min(e.behaviour_logprobs) < 0
+               for e in exps)

@@ -104,19 +104,19 @@ def test_length_penalty_and_aggregations():
 def rand_inputs(seed=0, B=4, T=5):
     g = torch.Generator().manual_seed(seed)
     lp = (torch.randn(B, T, generator=g) * 0.3 - 1).requires_grad_()
-    old = lp.detach() + torch.randn(B, T, generator=g) * 0.4
+    behaviour = lp.detach() + torch.randn(B, T, generator=g) * 0.4
     adv = torch.randn(B, 1, generator=g).expand(B, T)
     mask = (torch.rand(B, T, generator=g) > 0.2).float()
     mask[:, 0] = 1
-    return lp, old, adv, mask
+    return lp, behaviour, adv, mask
 
 
 def test_ppo_dual_clip_reference():
-    lp, old, adv, mask = rand_inputs(1)
-    out = L.ppo_clip_loss(inputs(lp, old, adv, mask), clip_low=0.2, clip_high=0.2, dual_clip=1.5)
+    lp, behaviour, adv, mask = rand_inputs(1)
+    out = L.ppo_clip_loss(inputs(lp, behaviour, adv, mask), clip_low=0.2, clip_high=0.2, dual_clip=1.5)
     for b in range(4):
         for t in range(5):
-            r, a = math.exp(lp[b, t].item() - old[b, t].item()), adv[b, t].item()
+            r, a = math.exp(lp[b, t].item() - behaviour[b, t].item()), adv[b, t].item()
             ref = -min(r * a, min(max(r, 0.8), 1.2) * a)
             if a < 0:
                 ref = min(ref, -1.5 * a)
@@ -124,13 +124,14 @@ def test_ppo_dual_clip_reference():
 
 
 def test_dppo_kl_masks_by_probability_difference_on_the_advantage_side():
-    lp, old, adv, mask = rand_inputs(2)
-    out = L.dppo_kl_loss(inputs(lp, old, adv, mask), dppo_mask_low=0.1, dppo_mask_high=0.05, adv_tau=2.0, kl_tau=0.1)
+    lp, behaviour, adv, mask = rand_inputs(2)
+    out = L.dppo_kl_loss(inputs(lp, behaviour, adv, mask), dppo_mask_low=0.1, dppo_mask_high=0.05, adv_tau=2.0,
+                         kl_tau=0.1)
     masked = 0
     for b in range(4):
         for t in range(5):
-            lr, a = lp[b, t].item() - old[b, t].item(), adv[b, t].item()
-            diff = math.exp(lp[b, t].item()) - math.exp(old[b, t].item())
+            lr, a = lp[b, t].item() - behaviour[b, t].item(), adv[b, t].item()
+            diff = math.exp(lp[b, t].item()) - math.exp(behaviour[b, t].item())
             outside = diff > 0.05 if a > 0 else diff < -0.1  # up-moves for A > 0, down-moves otherwise
             masked += outside
             ref = (0.0 if outside else -2.0 * a * math.exp(lr)) + 0.1 * lr ** 2
@@ -140,9 +141,9 @@ def test_dppo_kl_masks_by_probability_difference_on_the_advantage_side():
 
 
 def test_detached_weight_losses_reference_and_gradients():
-    lp, old, adv, mask = rand_inputs(3)
-    inp = inputs(lp, old, adv, mask)
-    seq_ratio = [math.exp(seq_logratio(lp, old, mask, b)) for b in range(4)]  # pi(y) / mu(y)
+    lp, behaviour, adv, mask = rand_inputs(3)
+    inp = inputs(lp, behaviour, adv, mask)
+    seq_ratio = [math.exp(seq_logratio(lp, behaviour, mask, b)) for b in range(4)]  # pi(y) / mu(y)
     for name, weight in [
         ("reinforce_tis", lambda r, a, b: min(r, 1.02)),
         ("cispo", lambda r, a, b: min(max(r, 0.0), 1.2)),
@@ -153,7 +154,7 @@ def test_detached_weight_losses_reference_and_gradients():
         (out["loss"] * mask).sum().backward()
         for b in range(4):
             for t in range(5):
-                r, a = math.exp(lp[b, t].item() - old[b, t].item()), adv[b, t].item()
+                r, a = math.exp(lp[b, t].item() - behaviour[b, t].item()), adv[b, t].item()
                 w = weight(r, a, b)
                 assert out["loss"][b, t].item() == pytest.approx(-w * a * lp[b, t].item(), abs=1e-5), name
                 # the weight is detached: d loss / d logprob = -w A
@@ -161,11 +162,11 @@ def test_detached_weight_losses_reference_and_gradients():
 
 
 def test_gspo_sequence_ratio_reference_and_on_policy_gradient():
-    lp, old, adv, mask = rand_inputs(4)
-    out = L.gspo_loss(inputs(lp, old, adv, mask), clip_low=0.1, clip_high=0.1)
+    lp, behaviour, adv, mask = rand_inputs(4)
+    out = L.gspo_loss(inputs(lp, behaviour, adv, mask), clip_low=0.1, clip_high=0.1)
     for b in range(4):
         n = mask[b].sum().item()
-        s = math.exp(sum((lp[b, t].item() - old[b, t].item()) * mask[b, t].item() for t in range(5)) / n)
+        s = math.exp(sum((lp[b, t].item() - behaviour[b, t].item()) * mask[b, t].item() for t in range(5)) / n)
         a = adv[b, 0].item()
         ref = -min(s * a, min(max(s, 0.9), 1.1) * a)
         for t in range(5):
@@ -183,24 +184,24 @@ def test_on_policy_case_reduces_to_policy_gradient(name):
     assert torch.allclose(lp.grad, -adv * mask * scale, atol=1e-6), name
 
 
-def seq_logratio(lp, old, mask, b):
-    return sum((lp[b, t].item() - old[b, t].item()) * mask[b, t].item() for t in range(lp.shape[1]))
+def seq_logratio(lp, behaviour, mask, b):
+    return sum((lp[b, t].item() - behaviour[b, t].item()) * mask[b, t].item() for t in range(lp.shape[1]))
 
 
 def test_opmd_kimi_and_pairwise_reference():
-    lp, old, _, mask = rand_inputs(6, B=5)
+    lp, behaviour, _, mask = rand_inputs(6, B=5)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0])
     index = torch.tensor([0, 0, 0, 1, 1])
     tau = 0.7
     adv = OPMD.opmd_advantages(rewards, index, baseline="logavgexp", tau=tau)
-    inp = inputs(lp, old, adv[:, None].expand(5, 5), mask, rewards, index)
+    inp = inputs(lp, behaviour, adv[:, None].expand(5, 5), mask, rewards, index)
     kimi = OPMD.opmd_kimi_loss(inp, tau=tau)["loss"]
     pair = OPMD.opmd_pairwise_loss(inp, tau=tau)["loss"]
     members = {0: [0, 1, 2], 1: [3, 4]}
     for g, ms in members.items():
         log_z = tau * math.log(mean([math.exp(rewards[j].item() / tau) for j in ms]))
         for i in ms:
-            a, s = rewards[i].item() - log_z, seq_logratio(lp, old, mask, i)
+            a, s = rewards[i].item() - log_z, seq_logratio(lp, behaviour, mask, i)
             ref_kimi = -a * sum(lp[i, t].item() * mask[i, t].item() for t in range(5)) + tau / 2 * s ** 2
             assert (kimi[i] * mask[i]).sum().item() == pytest.approx(ref_kimi, abs=1e-5)
             # in value d = r: the squared deviation of the reward from its group mean
@@ -210,25 +211,25 @@ def test_opmd_kimi_and_pairwise_reference():
 
 def test_kimi_gradient_is_the_squared_loss_gradient_over_2_tau():
     # grad of (r - tau log Z - tau s)^2 = -2 tau (r - tau log Z - tau s) grad s, s = log pi/pi_old
-    lp, old, _, mask = rand_inputs(11, B=5)
+    lp, behaviour, _, mask = rand_inputs(11, B=5)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5])
     index = torch.tensor([0, 0, 0, 1, 1])
     tau = 0.4
     adv = OPMD.opmd_advantages(rewards, index, baseline="logavgexp", tau=tau)
-    out = OPMD.opmd_kimi_loss(inputs(lp, old, adv[:, None].expand(5, 5), mask, rewards, index), tau=tau)
+    out = OPMD.opmd_kimi_loss(inputs(lp, behaviour, adv[:, None].expand(5, 5), mask, rewards, index), tau=tau)
     (out["loss"] * mask).sum().backward()
-    s = torch.tensor([seq_logratio(lp, old, mask, b) for b in range(5)])
+    s = torch.tensor([seq_logratio(lp, behaviour, mask, b) for b in range(5)])
     squared_grad = -2 * tau * (adv - tau * s)[:, None] * mask
     assert torch.allclose(lp.grad, squared_grad / (2 * tau), atol=1e-5)
 
 
 def test_simple_opmd_gradient_is_scaled_mean_baseline_policy_gradient():
-    lp, old, _, mask = rand_inputs(7, B=6)
+    lp, behaviour, _, mask = rand_inputs(7, B=6)
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.3, 1.0, 0.9])
     index = torch.tensor([0, 0, 0, 1, 1, 1])
     tau = 0.5
     adv = OPMD.opmd_advantages(rewards, index)[:, None].expand(6, 5)
-    out = OPMD.opmd_simple_loss(inputs(lp, old, adv, mask, rewards, index), tau=tau)
+    out = OPMD.opmd_simple_loss(inputs(lp, behaviour, adv, mask, rewards, index), tau=tau)
     (out["loss"] * mask).sum().backward()
     # reference: gradient of -sum_i (r_i - mean of its group) * sum_t logprob_it, times 1/(1+tau)
     for b in range(6):
@@ -243,12 +244,12 @@ def test_pairwise_opmd_gradient_is_mean_baseline_policy_gradient():
     # the loss sum_groups sum_i (d_i - mean d)^2 / (n_tokens max(1, tau)), aggregated token-mean,
     # has the gradient 2 tau / (n_tokens max(1, tau)) times the group-mean-baseline policy gradient
     # -sum_i (r_i - mean of its group) grad log pi(y_i), whatever the behaviour policy
-    lp, old, _, mask = rand_inputs(8, B=5)
+    lp, behaviour, _, mask = rand_inputs(8, B=5)
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.5, 0.9])
     index = torch.tensor([0, 0, 0, 1, 1])  # a group of 3 and a group of 2
     for tau in (0.3, 2.5):
         lp.grad = None
-        out = OPMD.opmd_pairwise_loss(inputs(lp, old, torch.zeros(5, 5), mask, rewards, index), tau=tau)
+        out = OPMD.opmd_pairwise_loss(inputs(lp, behaviour, torch.zeros(5, 5), mask, rewards, index), tau=tau)
         n_tokens = mask.sum()
         L.aggregate(out["loss"], mask, OPMD.opmd_pairwise_loss.agg, n_tokens, len(rewards)).backward()
         group_mean = torch.tensor([1 / 3] * 3 + [0.7] * 2)
@@ -276,10 +277,10 @@ def test_sft_and_dpo_reference():
 
 
 def test_mix_weights_expert_sft_and_rollout_ppo():
-    lp, old, adv, mask = rand_inputs(10)
+    lp, behaviour, adv, mask = rand_inputs(10)
     expert = torch.tensor([True, False, False, True])
-    out = L.mix_loss(inputs(lp, old, adv, mask, expert=expert), mu=0.25)
-    ppo = L.ppo_clip_loss(inputs(lp, old, adv, mask), clip_low=0.2, clip_high=0.2, dual_clip=3.0)["loss"]
+    out = L.mix_loss(inputs(lp, behaviour, adv, mask, expert=expert), mu=0.25)
+    ppo = L.ppo_clip_loss(inputs(lp, behaviour, adv, mask), clip_low=0.2, clip_high=0.2, dual_clip=3.0)["loss"]
     assert torch.allclose(out["loss"][0], -0.25 * lp[0]) and torch.allclose(out["loss"][1], 0.75 * ppo[1])
     assert out["expert"][:, 0].tolist() == [1.0, 0.0, 0.0, 1.0]
 

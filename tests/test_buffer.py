@@ -34,7 +34,7 @@ def test_two_processes_fifo_complete_groups_once(buffer_url):
     assert [g[0].group_id for g in served] == [f"g{k}" for k in range(20)]
     assert all(len(g) == 3 and g[0].model_version == int(g[0].group_id[1:]) for g in served)
     first = served[0][1]
-    assert (first.tokens, first.prompt_length, first.logprobs, first.action_mask, first.info) == \
+    assert (first.tokens, first.prompt_length, first.behaviour_logprobs, first.action_mask, first.info) == \
         ([1, 2, 3, 5], 2, [-0.5, -0.25], [1, 1], {"i": 1})
     assert reader.counts() == {"total": 63, "consumed": 60, "pending": 3, "ready": 0}
     with pytest.raises(TimeoutError):
@@ -48,7 +48,7 @@ def test_reader_does_not_hang_on_dead_writer(buffer_url):
 
 
 def test_experience_rejects_mismatched_lengths():
-    with pytest.raises(ValueError, match="2 logprobs"):
+    with pytest.raises(ValueError, match="2 behaviour_logprobs"):
         Experience([1, 2, 3], 2, [-0.1, -0.2], [1], 1.0, "g", "t", 0)
 
 

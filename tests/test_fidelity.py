@@ -16,11 +16,11 @@ import fidelity_reference
 import losses as L
 from packing import token_entropy
 from extras import opmd as OPMD
-from fidelity_reference import (ADV, COUNTS10, DPO_REWARDS, ENTROPY_LOGITS, G4, G10, GSPO_EXTREME_LP,
-                                GSPO_EXTREME_OLD, KL_LOGP, KL_LOGQ, LP, MASK, MIX_EXPERT, OLD, PPO_EXTREME_LP,
-                                PPO_EXTREME_OLD, R4, R10, STEP_G, STEP_R, STEP_T)
+from fidelity_reference import (ADV, BEHAVIOUR, COUNTS10, DPO_REWARDS, ENTROPY_LOGITS, G4, G10, GSPO_EXTREME_BEHAVIOUR,
+                                GSPO_EXTREME_LP, KL_LOGP, KL_LOGQ, LP, MASK, MIX_EXPERT, PPO_EXTREME_BEHAVIOUR,
+                                PPO_EXTREME_LP, R4, R10, STEP_G, STEP_R, STEP_T)
 
-# The fixed inputs (LP, OLD, ADV, MASK: B = 4 sequences of T = 4 tokens; R4, G4; R10, G10, COUNTS10;
+# The fixed inputs (LP, BEHAVIOUR, ADV, MASK: B = 4 sequences of T = 4 tokens; R4, G4; R10, G10, COUNTS10;
 # the KL, PPO / GSPO extreme, MIX, DPO, step-wise and entropy inputs) are defined, with their
 # description, in tests/fidelity_reference.py.
 
@@ -39,8 +39,8 @@ def run(name, adv=None, rewards=R4, groups=G4, ref=None, expert=None, totals=Non
     mask = torch.tensor(MASK, dtype=torch.float)
     adv = torch.tensor(ADV)[:, None].expand(4, 4) if adv is None else adv
     fn = L.resolve(name, L.POLICY_LOSSES, "policy_loss")
-    out = fn(L.LossInputs(lp, torch.tensor(OLD), adv, mask, torch.tensor(rewards), torch.tensor(groups), ref, expert),
-             **kw)
+    out = fn(L.LossInputs(lp, torch.tensor(BEHAVIOUR), adv, mask, torch.tensor(rewards), torch.tensor(groups), ref,
+                          expert), **kw)
     tokens, seqs = totals if totals is not None else (mask.sum(), 4)
     loss = L.aggregate(out["loss"], mask, fn.agg, tokens, seqs)
     loss.backward()
@@ -70,7 +70,7 @@ def test_dppo_kl_is_prime_rl_default_loss():
 
 # Le Roux et al., arXiv:2503.14286, sec. 3 (no reference code): mean over trajectories of
 # -w R log pi(tau), w = 1 for R >= 0 and sg(clip(pi(tau) / mu(tau), 0, 1)) for R < 0, with the
-# trajectory ratio exp(sum_t (logprobs - old_logprobs)); written out per trajectory
+# trajectory ratio exp(sum_t (logprobs - behaviour_logprobs)); written out per trajectory
 TOPR_WEIGHTS = [1, 1, 1, 0.67032005]
 TOPR_LOSS = 0.53255918
 TOPR_GRAD = [[-0.375, -0.375, -0.375, 0], [0.2, 0.2, 0.2, 0.2], [-0.15, -0.15, 0, 0],
@@ -135,7 +135,7 @@ def test_mix_split_totals_add_up_over_micro_batches():
     for rows in ([0, 1], [2, 3]):
         idx = torch.tensor(rows)
         m = torch.tensor(MASK, dtype=torch.float)[idx]
-        inp = L.LossInputs(lp[idx], torch.tensor(OLD)[idx], torch.tensor(ADV)[idx][:, None].expand(2, 4), m,
+        inp = L.LossInputs(lp[idx], torch.tensor(BEHAVIOUR)[idx], torch.tensor(ADV)[idx][:, None].expand(2, 4), m,
                            torch.zeros(2), torch.arange(2), None, expert[idx])
         total = total + L.aggregate(L.mix_loss(inp, mu=0.25)["loss"], m, "token-mean", tokens[idx], seqs[idx])
     total.backward()
@@ -146,7 +146,7 @@ def test_mix_split_totals_add_up_over_micro_batches():
 
 # Trinity-RFT trinity/trainer/verl/core_algos.py compute_policy_loss_opmd, "version 0: kimi-opmd"
 # (read in the fork yaochaorui/Trinity-RFT @ 50aba82): (masked_sum(-A logprobs) + tau / 2 *
-# sum_seq (sum_t (logprobs - old_logprobs))^2) / tokens / max(1, tau), with A from
+# sum_seq (sum_t (logprobs - behaviour_logprobs))^2) / tokens / max(1, tau), with A from
 # modelscope/Trinity-RFT @ 547adf1 advantage_fn/opmd_advantage.py (opmd_baseline "logavgexp",
 # the same tau), groups {0, 1} and {2, 3}
 KIMI = {0.7: ([0.33482208, -0.66517792, 0.13405008, -0.16594992], 0.0027426246,
@@ -186,15 +186,15 @@ PPO_LOSS = 0.06664489
 PPO_GRAD = [[0, 0, -0.042447628, 0], [0, 0.061538462, 0.10145977, 0], [-0.048520204, 0, 0, 0],
             [0.027841151, 0, 0.037581623, 0.025191715]]
 # the same on log-ratios -25, 0, 22 with A = -1: the log-ratio is clamped to [-20, 20]
-PPO_EXTREME = (PPO_EXTREME_LP, PPO_EXTREME_OLD, [[3, 1, 0.8]])
+PPO_EXTREME = (PPO_EXTREME_LP, PPO_EXTREME_BEHAVIOUR, [[3, 1, 0.8]])
 
 
 def test_ppo_clip_with_dual_clip_is_verl_vanilla():
     loss, grad, out = run("ppo_clip", clip_low=0.2, clip_high=0.28, dual_clip=3.0)
     assert close(out["loss"], PPO_TOKENS) and close(loss, PPO_LOSS) and close(grad, PPO_GRAD)
     assert L.ppo_clip_loss.__defaults__[2] == 3.0  # dual clip on by default, as verl's clip_ratio_c
-    lp, old, want = PPO_EXTREME
-    inp = L.LossInputs(torch.tensor(lp), torch.tensor(old), -torch.ones(1, 3), torch.ones(1, 3), torch.zeros(1),
+    lp, behaviour, want = PPO_EXTREME
+    inp = L.LossInputs(torch.tensor(lp), torch.tensor(behaviour), -torch.ones(1, 3), torch.ones(1, 3), torch.zeros(1),
                        torch.zeros(1, dtype=torch.long))
     assert close(L.ppo_clip_loss(inp)["loss"], want)
 
@@ -213,7 +213,7 @@ def test_gspo_is_verl_gspo(clip):
     loss, grad, _ = run("gspo", clip_low=clip[0], clip_high=clip[1])
     assert close(loss, GSPO[clip][0]) and close(grad, GSPO[clip][1])
     lp = torch.tensor(GSPO_EXTREME_LP, requires_grad=True)
-    inp = L.LossInputs(lp, torch.tensor(GSPO_EXTREME_OLD), torch.ones(1, 2), torch.ones(1, 2), torch.zeros(1),
+    inp = L.LossInputs(lp, torch.tensor(GSPO_EXTREME_BEHAVIOUR), torch.ones(1, 2), torch.ones(1, 2), torch.zeros(1),
                        torch.zeros(1, dtype=torch.long))
     out = L.aggregate(L.gspo_loss(inp, clip_low=0.1, clip_high=1e9)["loss"], torch.ones(1, 2), L.gspo_loss.agg, 2, 1)
     out.backward()
@@ -248,14 +248,14 @@ def test_reinforce_tis_is_pipelinerl_reinforce():
 
 
 # huggingface/trl @ f2cd577, trl/trainer/dpo_trainer.py (loss_type "sigmoid", beta 0.2): pairs
-# (chosen 0, rejected 1) and (chosen 3, rejected 2), reference log-probs = OLD, mean over pairs
+# (chosen 0, rejected 1) and (chosen 3, rejected 2), reference log-probs = BEHAVIOUR, mean over pairs
 DPO_LOSS = 0.86307558
 DPO_GRAD = [[-0.058419052, -0.058419052, -0.058419052, 0], [0.058419052] * 4, [0.057199613, 0.057199613, 0, 0],
             [-0.057199613] * 4]
 
 
 def test_dpo_is_trl_sigmoid_dpo():
-    loss, grad, _ = run("dpo", rewards=DPO_REWARDS, ref=torch.tensor(OLD), beta=0.2)
+    loss, grad, _ = run("dpo", rewards=DPO_REWARDS, ref=torch.tensor(BEHAVIOUR), beta=0.2)
     assert close(loss, DPO_LOSS) and close(grad, DPO_GRAD)
 
 
@@ -409,7 +409,7 @@ def own_logprobs(trainer, exps):
     for i, e in enumerate(exps):
         out.append(lp[i, :len(e.action_mask)].tolist())
         if not e.info.get("offline"):
-            e.logprobs = [x if m else 0.0 for x, m in zip(out[-1], e.action_mask)]
+            e.behaviour_logprobs = [x if m else 0.0 for x, m in zip(out[-1], e.action_mask)]
     return out
 
 
@@ -457,6 +457,6 @@ def test_trainer_normalises_mix_parts_separately(make_trainer):
 
 
 def test_gibberish_filter_averages_the_policys_tokens_only():
-    logprobs, mask = [-1.0, 0.0, 0.0, -1.0], [1, 0, 0, 1]  # two environment tokens with placeholder 0
-    assert L.gibberish_filter([1] * 6, logprobs, 1.0, mask, min_mean_logprob=-0.8) is False
-    assert L.gibberish_filter([1] * 6, logprobs, 1.0, min_mean_logprob=-0.8) is True  # no mask: every token
+    behaviour_logprobs, mask = [-1.0, 0.0, 0.0, -1.0], [1, 0, 0, 1]  # two environment tokens with placeholder 0
+    assert L.gibberish_filter([1] * 6, behaviour_logprobs, 1.0, mask, min_mean_logprob=-0.8) is False
+    assert L.gibberish_filter([1] * 6, behaviour_logprobs, 1.0, min_mean_logprob=-0.8) is True  # no mask: every token

@@ -115,7 +115,7 @@ def test_hf_engine_follows_a_perturbed_sync(tiny_model, device, dtype):
     def gap(model) -> float:  # max |engine's log-prob - the model's recomputation| over the sampled tokens
         with torch.no_grad(), torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
             lp, _ = response_logprobs(model.to(dtype), batch, 1.0)                       # [B, R]
-        return ((lp.float() - batch["old_logprobs"]).abs() * batch["mask"]).max().item()
+        return ((lp.float() - batch["behaviour_logprobs"]).abs() * batch["mask"]).max().item()
 
     after, before = gap(new), gap(old)
     assert after < (5e-2 if bf16 else 1e-3), after

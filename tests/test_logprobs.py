@@ -24,14 +24,14 @@ def test_explorer_logprobs_match_trainer(tiny_model, trainer, temperature):
     cfg, tr = trainer
     engine = HFEngine(tiny_model, max_batch=5, seed=0)
     exps = rollouts(engine, PROMPTS, 3, Sampling(max_tokens=12, temperature=temperature))
-    assert len(exps) == 9 and any(len(e.logprobs) > 1 for e in exps)
+    assert len(exps) == 9 and any(len(e.behaviour_logprobs) > 1 for e in exps)
     b = pack(exps, tr.pad)
     with torch.no_grad():
         lp, _ = response_logprobs(tr.model, b, temperature)
-    diff = ((lp - b["old_logprobs"]).abs() * b["mask"]).max().item()
+    diff = ((lp - b["behaviour_logprobs"]).abs() * b["mask"]).max().item()
     assert diff < 1e-4, diff
     # and they are real log-probs of sampled tokens: not all zero, all <= 0
-    assert (b["old_logprobs"] * b["mask"]).min() < -0.1 and (b["old_logprobs"] <= 0).all()
+    assert (b["behaviour_logprobs"] * b["mask"]).min() < -0.1 and (b["behaviour_logprobs"] <= 0).all()
 
 
 def test_trainer_step_changes_parameters(trainer):

@@ -73,11 +73,11 @@ def test_engine_logprobs_equal_the_trainers_after_an_adapter_sync(tiny_model, tr
     b = pack(exps, tr.pad)
     with torch.no_grad():
         lp, _ = response_logprobs(tr.model, b, 1.0)
-    assert ((lp - b["old_logprobs"]).abs() * b["mask"]).max().item() < 1e-4
+    assert ((lp - b["behaviour_logprobs"]).abs() * b["mask"]).max().item() < 1e-4
     # and the adapters matter: the base model alone gives other log-probs
     with torch.no_grad(), tr.model.disable_adapter():
         base_lp, _ = response_logprobs(tr.model, b, 1.0)
-    assert ((base_lp - b["old_logprobs"]).abs() * b["mask"]).max().item() > 1e-3
+    assert ((base_lp - b["behaviour_logprobs"]).abs() * b["mask"]).max().item() > 1e-3
 
 
 def test_the_reference_is_the_base_model_with_adapters_disabled(tiny_model, trained):
@@ -249,8 +249,8 @@ def test_vllm_samples_with_the_published_adapters(tiny_model, trained, tmp_path)
                 lp, _ = response_logprobs(tr.model, b, 1.0)
                 with tr.model.disable_adapter():
                     base_lp, _ = response_logprobs(tr.model, b, 1.0)
-            assert ((lp - b["old_logprobs"]).abs() * b["mask"]).max().item() < 1e-3, step
-            assert ((base_lp - b["old_logprobs"]).abs() * b["mask"]).max().item() > 1e-2, step
+            assert ((lp - b["behaviour_logprobs"]).abs() * b["mask"]).max().item() < 1e-3, step
+            assert ((base_lp - b["behaviour_logprobs"]).abs() * b["mask"]).max().item() > 1e-2, step
             tr.step(batch(4))  # new adapters, published as a checkpoint directory this time
             tr.save(tmp_path / "v6")
             assert engine.load_checkpoint(tmp_path / "v6", 6) == pytest.approx(sync.checksum(tr.full_parameters()),

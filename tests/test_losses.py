@@ -10,9 +10,9 @@ from losses import (LossInputs, grpo_advantages, kl_estimate, masked_sum, mix_lo
                     stepwise_grpo_advantages)
 
 
-def inputs(lp, old, adv, mask=None, rewards=None, group_index=None, ref=None, expert=None):
+def inputs(lp, behaviour, adv, mask=None, rewards=None, group_index=None, ref=None, expert=None):
     B = lp.shape[0]
-    return LossInputs(lp, old, adv, torch.ones_like(lp) if mask is None else mask,
+    return LossInputs(lp, behaviour, adv, torch.ones_like(lp) if mask is None else mask,
                       torch.zeros(B) if rewards is None else rewards,
                       torch.arange(B) if group_index is None else group_index, ref, expert)
 
@@ -36,11 +36,11 @@ def test_grpo_equal_rewards_give_zero_advantage():
 
 def test_ppo_clip_matches_scalar_reference():
     torch.manual_seed(1)
-    lp, old, adv = torch.randn(3, 5) * 0.3, torch.randn(3, 5) * 0.3, torch.randn(3, 5)
-    out = ppo_clip_loss(inputs(lp, old, adv), clip_low=0.2, clip_high=0.28, dual_clip=None)
+    lp, behaviour, adv = torch.randn(3, 5) * 0.3, torch.randn(3, 5) * 0.3, torch.randn(3, 5)
+    out = ppo_clip_loss(inputs(lp, behaviour, adv), clip_low=0.2, clip_high=0.28, dual_clip=None)
     for b in range(3):
         for t in range(5):
-            r = math.exp(lp[b, t].item() - old[b, t].item())
+            r = math.exp(lp[b, t].item() - behaviour[b, t].item())
             a = adv[b, t].item()
             ref = -min(r * a, min(max(r, 0.8), 1.28) * a)
             assert abs(out["loss"][b, t].item() - ref) < 1e-5

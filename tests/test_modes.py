@@ -164,13 +164,13 @@ def test_inflight_engine_switches_weights_between_decode_steps(tiny_model, tmp_p
     engine.step_hook = hook
     (c,) = engine.generate_batch([[5, 6, 7]], [1], Sampling(max_tokens=8))[0]
     assert c.versions == (0, 7) and len(c.tokens) == 8
-    # the first 3 tokens came from the old weights: their logprobs equal a fresh old model's
+    # the first 3 tokens came from the old weights: their behaviour log-probs equal a fresh old model's
     fresh = HFEngine(tiny_model, seed=0)
     with torch.no_grad():
         logits = fresh.model(torch.tensor([[5, 6, 7] + c.tokens])).logits[0, 2:-1].float()
     ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.tokens)[:, None]).squeeze(-1)
-    assert torch.allclose(ref[:3], torch.tensor(c.logprobs[:3]), atol=1e-4)
-    assert not torch.allclose(ref[3:], torch.tensor(c.logprobs[3:]), atol=1e-2)
+    assert torch.allclose(ref[:3], torch.tensor(c.behaviour_logprobs[:3]), atol=1e-4)
+    assert not torch.allclose(ref[3:], torch.tensor(c.behaviour_logprobs[3:]), atol=1e-2)
 
 
 @pytest.mark.slow

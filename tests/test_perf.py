@@ -64,7 +64,7 @@ def test_each_distinct_prompt_is_prefilled_once(tiny_model):
 
     engine.model_flops = 0.0
     exps = rollouts(engine, prompts, 3, Sampling(max_tokens=5))
-    sampled = sum(len(e.logprobs) for e in exps)
+    sampled = sum(len(e.behaviour_logprobs) for e in exps)
     assert engine.model_flops == metrics.generate_flops(*engine.matmul, 5, sampled)
 
 
@@ -144,13 +144,13 @@ def test_a_prefix_common_to_all_prompts_is_prefilled_once_and_logprobs_stay_exac
     prompts = [[5, 6, 7, 8, 9, 20, 21], [5, 6, 7, 8, 9, 30], [5, 6, 7, 8, 9, 40, 41, 42]]  # 5 tokens in common
     out = engine.generate_batch(prompts, [2, 2, 2], Sampling(max_tokens=6))
     assert rows[:2] == [(1, 5), (3, 3)]  # the common prefix once, then each prompt's own tokens once
-    exps = [Experience(p + c.tokens, len(p), c.logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0)
+    exps = [Experience(p + c.tokens, len(p), c.behaviour_logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0)
             for i, (p, cs) in enumerate(zip(prompts, out)) for c in cs]
     b = pack(exps, engine.pad)
     with torch.no_grad():
         lp, _ = response_logprobs(engine.model, b, 1.0)  # each sequence computed from scratch
-    assert ((lp - b["old_logprobs"]).abs() * b["mask"]).max() < 1e-4
-    assert (b["old_logprobs"] * b["mask"]).min() < -0.1
+    assert ((lp - b["behaviour_logprobs"]).abs() * b["mask"]).max() < 1e-4
+    assert (b["behaviour_logprobs"] * b["mask"]).min() < -0.1
 
 
 def test_ended_rows_leave_the_decode_batch_with_the_same_tokens_and_exact_logprobs(tiny_model):
@@ -175,13 +175,13 @@ def test_ended_rows_leave_the_decode_batch_with_the_same_tokens_and_exact_logpro
     # sampled: the behaviour log-probs of each row are those of its own prompt and tokens
     engine.eos = torch.arange(0, engine.model.config.vocab_size, 8)  # about an eighth of the random model's mass
     out = engine.generate_batch(prompts, [3] * 8, Sampling(max_tokens=10))
-    exps = [Experience(p + c.tokens, len(p), c.logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0)
+    exps = [Experience(p + c.tokens, len(p), c.behaviour_logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0)
             for i, (p, cs) in enumerate(zip(prompts, out)) for c in cs]
-    assert len({len(e.logprobs) for e in exps}) > 1
+    assert len({len(e.behaviour_logprobs) for e in exps}) > 1
     b = pack(exps, engine.pad)
     with torch.no_grad():
         lp, _ = response_logprobs(engine.model, b, 1.0)
-    assert ((lp - b["old_logprobs"]).abs() * b["mask"]).max() < 1e-4
+    assert ((lp - b["behaviour_logprobs"]).abs() * b["mask"]).max() < 1e-4
 
 
 def test_the_engines_grouped_query_attention_equals_transformers_sdpa(tiny_model):

@@ -36,9 +36,9 @@ def test_vllm_logprobs_match_trainer_and_follow_a_sync(tiny_model, engine):
     sampling = Sampling(max_tokens=12, temperature=1.0)
     exps = rollouts(engine, PROMPTS, 3, sampling)
     lp, b = recompute(model, exps, 1.0)
-    before = ((lp - b["old_logprobs"]).abs() * b["mask"]).max().item()
+    before = ((lp - b["behaviour_logprobs"]).abs() * b["mask"]).max().item()
     assert before < 1e-3, before
-    assert (b["old_logprobs"] * b["mask"]).min() < -0.1
+    assert (b["behaviour_logprobs"] * b["mask"]).min() < -0.1
 
     # perturb the trainer's weights deliberately and publish them over the weight-sync group
     ws = sync.WeightSync(0, 2, port=0, timeout_s=120)
@@ -58,11 +58,11 @@ def test_vllm_logprobs_match_trainer_and_follow_a_sync(tiny_model, engine):
 
     exps = rollouts(engine, PROMPTS, 3, sampling)
     lp_new, b = recompute(model, exps, 1.0)
-    after = ((lp_new - b["old_logprobs"]).abs() * b["mask"]).max().item()
+    after = ((lp_new - b["behaviour_logprobs"]).abs() * b["mask"]).max().item()
     assert after < 1e-3, after  # vLLM now samples from exactly the perturbed weights
     old_model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     lp_old, _ = recompute(old_model, exps, 1.0)
-    assert ((lp_old - b["old_logprobs"]).abs() * b["mask"]).max().item() > 100 * max(after, 1e-5)
+    assert ((lp_old - b["behaviour_logprobs"]).abs() * b["mask"]).max().item() > 100 * max(after, 1e-5)
 
 
 @needs_vllm

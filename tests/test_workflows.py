@@ -63,8 +63,8 @@ def test_multi_turn_merges_exact_token_prefixes(tok):
     env = tok.decode([t for t, m in zip(resp, sample.action_mask) if not m])
     assert tok.decode(trained, skip_special_tokens=True) == "81210"  # only the model's guesses
     assert "Higher." in env and "Lower." in env  # the environment's replies, mask 0
-    assert all(lp == 0.0 for lp, m in zip(sample.logprobs, sample.action_mask) if not m)
-    assert all(lp == -0.5 for lp, m in zip(sample.logprobs, sample.action_mask) if m)
+    assert all(lp == 0.0 for lp, m in zip(sample.behaviour_logprobs, sample.action_mask) if not m)
+    assert all(lp == -0.5 for lp, m in zip(sample.behaviour_logprobs, sample.action_mask) if m)
 
 
 class CountingEnv:
