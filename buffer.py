@@ -214,7 +214,6 @@ class Buffer:
         else:
             self.db = _SQLite(url.removeprefix("sqlite:///"), timeout_s)
         self.where = self.db.where
-        self.before_commit: Callable[[], None] | None = None  # tests: runs inside each write transaction
 
     @contextmanager
     def _transaction(self, readers: bool = False):
@@ -222,8 +221,6 @@ class Buffer:
         reader of this buffer takes groups meanwhile."""
         with self.db.transaction(readers):
             yield
-            if self.before_commit is not None:
-                self.before_commit()
 
     def close(self) -> None:
         """Close the connection (an explorer name held by `hold` is released)."""

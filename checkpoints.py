@@ -156,8 +156,6 @@ def save_resume_state(trainer, run_dir: str | Path, step: int) -> Path:
     if trainer.rank == 0:
         torch.save({"step": step, "version": trainer.version, "rng": torch.get_rng_state(), "loop": trainer.loop_state},
                    path / "trainer.pt")
-        if trainer.before_resume_marker is not None:
-            trainer.before_resume_marker()
         tmp = root / ".resume-latest.tmp"
         tmp.write_text(path.name)
         os.replace(tmp, root / "resume-latest")

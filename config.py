@@ -4,8 +4,7 @@ Settings: dataclass defaults < `--config FILE.toml` < command-line flags. Every 
 `Config` is a flag (`sync_interval` -> `--sync-interval`), read by tyro from the field and
 the docstring under it; the `# -- title` comments group the flags in `--help`; dict and
 list fields take JSON. `parse_config` is the one entry point (run.py calls it); bad values
-raise ValueError with one line naming the setting. A file of its own: the settings and their
-command line are as long as the rest of run.py, which starts the processes.
+raise ValueError with one line naming the setting.
 """
 from __future__ import annotations
 
@@ -45,7 +44,7 @@ class Config:
     resume: bool = False
     """continue a killed run from its last resume state in RUN_DIR/checkpoints (weights, optimizer, step, RNG; from step 0 if none was saved yet) and its buffer"""
     steps: int = 30
-    """trainer steps (= explorer batches)"""
+    """trainer steps of the run (= explorer batches)"""
     seed: int = 0
     """seed of task generation, task order, sampling and model init"""
     train_data: str = ""
@@ -87,7 +86,7 @@ class Config:
     group_size: int = 8
     """rollouts per task (the group of GRPO)"""
     max_tokens: int = 24
-    """max response tokens per rollout"""
+    """max tokens of a rollout's response"""
     temperature: float = 1.0
     """sampling temperature of the rollouts (the trainer's logprobs use the same)"""
     top_p: float = 1.0
@@ -113,7 +112,7 @@ class Config:
     pool_lift_fraction: float = 0.0
     """fraction of each batch drawn back from the retired tasks"""
     explorer_max_batch: int = 128
-    """max sequences per explorer forward pass"""
+    """max sequences in one forward pass of the explorer"""
     explorer_threads: int = 0
     """torch threads of the explorer (0 = split the cores)"""
     explorer_name: str = "explorer0"
@@ -131,15 +130,15 @@ class Config:
     num_explorers: int = 1
     """mode train with broadcast sync: the explorers that join the weight-sync group (the trainer waits for all before step 0)"""
     sync_interval: int = 2
-    """trainer steps per weight version sent to the explorer"""
+    """trainer steps between two weight publishes to the explorer"""
     sync_offset: int = 0
-    """explorer batches generated ahead before the first wait (1 with interval 1 = one-step off-policy)"""
+    """explorer batches generated ahead of the trainer before the first wait (1 with interval 1 = one-step off-policy)"""
     inflight: bool = False
     """in-flight updates (PipelineRL): the explorer never pauses mid-batch; new weights replace old ones between decode steps"""
     max_staleness: int = -1
     """train only on experiences at most this many versions older than the trainer (-1 = no bound); dropped groups are counted"""
     sync_timeout_s: float = 3600.0
-    """bound on any single weight-sync collective (seconds)"""
+    """longest wait of any single weight-sync collective (seconds)"""
     buffer_timeout_s: float = 1800.0
     """mode train: give up when the buffer has not delivered a batch for this long (seconds)"""
     buffer: str = ""
@@ -193,7 +192,7 @@ class Config:
     lr: float = 3e-5
     """AdamW learning rate"""
     lr_schedule: str = "cosine_with_min_lr"
-    """learning-rate schedule over --steps, a name of transformers' get_scheduler: cosine_with_min_lr (the default: a cosine from lr down to lr x min_lr_rate at the last step, min_lr_rate 0.1 unless lr_schedule_kwargs gives min_lr or min_lr_rate; a constant rate collapsed late in 2 of 3 seeds, docs/learning.md), constant, cosine (to 0), linear, constant_with_warmup, ..."""
+    """learning-rate schedule over --steps, a name of transformers' get_scheduler: cosine_with_min_lr (a cosine from lr down to lr x min_lr_rate at the last step; min_lr_rate 0.1 unless lr_schedule_kwargs gives min_lr or min_lr_rate), constant, cosine (to 0), linear, constant_with_warmup, ..."""
     lr_warmup_steps: int = 3
     """steps of linear warm-up from 0 to lr before the schedule (step 0 at rate 0, as in transformers; constant has none)"""
     lr_schedule_kwargs: dict = field(default_factory=dict)
@@ -205,11 +204,11 @@ class Config:
     dtype: str = "auto"
     """compute precision of trainer and engines: auto (bfloat16 where the device computes it natively: a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX; else float32), bfloat16 (float32 weights and AdamW; CPU: bf16 autocast; CUDA: FSDP2 MixedPrecisionPolicy), float32"""
     allocator: str = "auto"
-    """memory allocator of the job's processes on a CPU: auto (tcmalloc where its library is installed, e.g. Debian's libtcmalloc-minimal4: the trainer's step took 0.70x the time of the C library's malloc, which returns and re-faults gigabytes of pages every step: docs/benchmarks.md; the C library's malloc otherwise, and on a GPU), tcmalloc (an error if it is not installed), system"""
+    """memory allocator of the job's processes on a CPU: auto (tcmalloc where its library is installed, e.g. Debian's libtcmalloc-minimal4, which keeps freed pages for the next step; else, and on a GPU, the C library's malloc), tcmalloc (an error if it is not installed), system"""
     activation_checkpointing: bool = True
-    """recompute each decoder block's activations in the backward pass (the default job's trainer, float32: 2.7 instead of 4.8 GiB peak RSS; 6 steps were no faster without it on 2 CPU cores: docs/benchmarks.md)"""
+    """recompute each decoder block's activations in the backward pass: less memory for a little more compute"""
     token_budget: int = 2048
-    """max tokens one forward pass computes (a micro-batch: packed rows x the longest row, the rollouts of a group sharing their prompt)"""
+    """max tokens one forward pass of the trainer computes (a micro-batch: packed rows x the longest row, the rollouts of a group sharing their prompt)"""
     trainer_threads: int = 0
     """torch threads per trainer rank (0 = split the cores between ranks and explorer)"""
     checkpoint_interval: int = 10
@@ -265,8 +264,6 @@ CHOICES = {"mode": ("both", "explore", "train", "bench"), "engine": ("auto", "hf
            "sync_method": ("auto", "broadcast", "checkpoint"),
            "save_dtype": ("auto", "float32", "bfloat16", "float16"), "dtype": ("auto", "bfloat16", "float32"),
            "allocator": ("auto", "tcmalloc", "system")}
-OLD_FLAGS = {"bf16": "--bf16 / --no-bf16 were replaced by --dtype auto|bfloat16|float32 (auto: bfloat16 only where the "
-                     "hardware computes it natively)"}
 
 
 def coerce(name: str, value, typ: str):
@@ -287,15 +284,13 @@ def coerce(name: str, value, typ: str):
 
 def _read_preset(path: Path, types: dict[str, str]) -> dict:
     """The settings of the TOML preset `path`, coerced to Config's types. FileNotFoundError
-    or ValueError (one line) for a missing file, invalid TOML, an unknown or retired key."""
+    or ValueError (one line) for a missing file, invalid TOML, an unknown key."""
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     try:
         values = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: invalid TOML ({e})") from None
-    for name in set(values) & set(OLD_FLAGS):
-        raise ValueError(f"{path}: {OLD_FLAGS[name]}")
     if unknown := set(values) - set(types):
         raise ValueError(f"{path}: unknown config key(s) {sorted(unknown)}")
     return {k: coerce(k, v, types[k]) for k, v in values.items()}
@@ -341,14 +336,11 @@ def parse_config(argv: list[str]) -> Config:
     `--help` prints every flag grouped by stage, the preset's values as defaults, and exits.
 
     Raises ValueError (one line) for an unknown flag (with tyro's suggestion), a bad value,
-    an unknown TOML key or a retired flag; FileNotFoundError for a missing config file.
+    an unknown TOML key; FileNotFoundError for a missing config file.
     """
     import tyro
 
     types = {f.name: f.type for f in dataclasses.fields(Config)}
-    for name, why in OLD_FLAGS.items():
-        if f"--{name}" in argv or f"--no-{name}" in argv:
-            raise ValueError(why)
     preset = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), "")
     preset = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), preset)
     values = _read_preset(Path(preset), types) if preset else {}

@@ -25,7 +25,7 @@ import models
 import sync
 from vllm_worker import read_safetensors
 from losses import left_pad
-from metrics import generate_flops, matmul_params
+from perf import generate_flops, matmul_params
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ class Engine:
         self.cores = None
         self.status = lambda text: None  # a line saying what the engine is doing (mode both: to the trainer's bar)
         self.label = ""  # what the current generate calls are for ("batch 3", "evaluation of version 10")
-        self.matmul = (0, 0)  # (body, head) parameters per token (metrics.matmul_params; make_engine sets them)
-        self.model_flops = 0.0  # model FLOPs of every generate_batch so far (metrics.generate_flops)
+        self.matmul = (0, 0)  # (body, head) parameters per token (perf.matmul_params; make_engine sets them)
+        self.model_flops = 0.0  # model FLOPs of every generate_batch so far (perf.generate_flops)
 
     async def generate(self, prompt_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
         """Sample `n` completions of one prompt; awaits the batched call."""
@@ -558,7 +558,7 @@ def vllm_available() -> bool:
 
 def make_engine(cfg, model_path: str, seed: int, device: str = "", colocated: bool = False) -> Engine:
     """The engine named by cfg.engine, sampling with `seed`: hf, vllm, or auto (vllm when installed, else hf), on
-    `device` (run.place; "" = the default). vLLM takes the first GPU this process sees
+    `device` (launch.place; "" = the default). vLLM takes the first GPU this process sees
     (`use_gpu`); the HF engine holds bf16 weights when `colocated` with the trainer on a GPU."""
     torch.set_num_threads(cfg.explorer_threads)
     engine = _engine(cfg, model_path, seed, device, colocated)

@@ -1,8 +1,8 @@
 """Explorer: rollout loop, evaluations, receiving weights (the engines: engines.py).
 
 One entry point per mode: `run_mode_both` (the explorer process, spawned by trainer rank
-0 with torch.multiprocessing), `run_mode_explore` (a separate launch) and `run_mode_bench`;
-the first two share `explore_loop`. For explorer batch e it waits until its weights are
+0 with torch.multiprocessing) and `run_mode_explore` (a separate launch); they share
+`explore_loop`. For explorer batch e it waits until its weights are
 `sync.required_version(e)` (a `sync.Receiver` takes them from the trainer), runs one workflow per
 task of the batch concurrently (asyncio; the engine batches their generate calls into one
 forward pass), and writes each finished group to the buffer with the weight version that
@@ -31,7 +31,8 @@ import torch
 import sync
 from buffer import Buffer, Experience, open_buffer, pool_for
 from engines import Engine, HFEngine, Sampling, make_engine, use_gpu, vllm_available
-from metrics import cpu_seconds, episode_means, mean_stderr, mfu, peak_rss_gib, sampled_eval, unit_peak
+from metrics import cpu_seconds, episode_means, mean_stderr, peak_rss_gib, sampled_eval
+from perf import mfu, unit_peak
 from pipelines import TaskContext, make_selector, run_task_pipeline
 from workflows import Task, load_reward_fn, load_workflow, readable
 
@@ -215,7 +216,7 @@ class Explorer:
                    for g in generated if all(e.reward is not None for e in g)]
         self.selector.update({task: mean for task, mean, *_ in updates})
         for g in groups:
-            for e in g:  # who generated it, in which of its batches: resume and the fault benchmark check these
+            for e in g:  # provenance: which explorer, in which of its batches (the buffer alone tells a run's history)
                 e.explorer, e.info["batch"] = cfg.explorer_name, batch
         buffer.write_batch(groups, cfg.explorer_name, {"batch": batch + 1, **self.state()}, updates)
         self._write_samples(batch, version, groups)
@@ -361,7 +362,7 @@ def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: in
                   device: str = "", sync_device: str = "cpu", core_flags=None) -> None:
     """Mode both: the explorer process, spawned by trainer rank 0 (`start_version` = the
     weights in `model_path`; `tasks` = workflows.load_tasks's triple, built by run.prepare), on `device` with its weight-sync group on `sync_device`
-    (run.place: "cpu" on CPU machines and when it shares the trainer's GPU). Before batch e it receives weights until it holds
+    (launch.place: "cpu" on CPU machines and when it shares the trainer's GPU). Before batch e it receives weights until it holds
     sync.required_version(e), over the weight-sync group (rank 1, `port`) or, with
     --sync-method checkpoint, from the checkpoints the trainer publishes; with cfg.inflight
     it also takes each publish between two decode steps, without pausing its batch. Puts
@@ -474,27 +475,6 @@ def run_mode_explore(cfg, model_path: str, tasks: tuple, log) -> None:
         buffer.close()
         for receiver in joined:  # the trainer may go (its store with it) once every explorer has left
             receiver.leave()
-
-
-def run_mode_bench(cfg, models: list[str], tasks: tuple) -> list[dict]:
-    """Mode bench: for each model directory, avg@k / pass@k / pass@1 on the held-out tasks
-    of `tasks` (workflows.load_tasks's triple; k = cfg.bench_k samples per task at cfg.temperature); prints a table
-    under a line naming cfg.task and returns one row per model (its "task": cfg.task)."""
-    _, held_out, dataset = tasks
-    rows, k = [], cfg.bench_k
-    for path in models:
-        engine = make_engine(cfg, path, engine_seed(cfg))
-        try:
-            t0 = time.perf_counter()
-            row = Explorer(cfg, engine, [], held_out, dataset, print).bench(k)
-            rows.append({"model": path, "task": cfg.task, **row, "seconds": time.perf_counter() - t0})
-        finally:
-            engine.close()
-    print(f"task {cfg.task}: {len(held_out)} held-out tasks, {k} samples each at temperature {cfg.temperature}")
-    print(f"{'model':<50} {'tasks':>5} {f'avg@{k}':>8} {f'pass@{k}':>8} {'pass@1':>8}")
-    for r in rows:
-        print(f"{r['model'][-50:]:<50} {r['tasks']:>5} {r[f'avg@{k}']:>8.3f} {r[f'pass@{k}']:>8.3f} {r['pass@1']:>8.3f}")
-    return rows
 
 
 def explore_loop(cfg, engine: Engine, tasks: tuple, log, total: int, start_version: int, connect, before_batch, inflight,

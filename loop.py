@@ -31,7 +31,8 @@ import checkpoints
 import sync
 from buffer import Experience, open_buffer
 from checkpoints import delete_resume_states, load_resume_state, resume_state, save_resume_state
-from metrics import Metrics, cpu_seconds, eval_line, job_units, mfu, plot, print0, trackers
+from metrics import Metrics, cpu_seconds, eval_line, plot, print0, trackers
+from perf import job_units, mfu
 from trainer import Trainer
 
 ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this many consecutive steps

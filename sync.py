@@ -164,7 +164,7 @@ def local_address(host: str) -> str:
 def interface_of(address: str) -> str | None:
     """The name of this machine's network interface that holds the IPv4 `address` (e.g.
     "eth0"; "lo" for 127.0.0.1), or None when none does (or `address` is not IPv4). Gloo
-    binds the interface that GLOO_SOCKET_IFNAME names (run.init_distributed)."""
+    binds the interface that GLOO_SOCKET_IFNAME names (launch.init_distributed)."""
     import fcntl
     import struct
 

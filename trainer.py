@@ -27,7 +27,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from torch.distributed.tensor import DTensor
 
 import sync
-from metrics import mfu, peak_rss_gib, train_flops, unit_peak, matmul_params
+from metrics import peak_rss_gib
+from perf import matmul_params, mfu, train_flops, unit_peak
 from buffer import Experience
 import models
 from packing import (micro_batches, pack, packed_logprobs, packed_tokens, response_logprobs, share_prompts,
@@ -205,7 +206,6 @@ class Trainer:
         self.version = 0
         self.matmul = matmul_params(model_path)  # (body, head) parameters per token: model FLOPs for perf/trainer_mfu
         self.peak = unit_peak(device.type, cfg.dtype)  # FLOP/s of one core (CPU) or device (CUDA)
-        self.before_resume_marker = None  # tests: called after a resume state is written, before it is named
         # rank 0: the loop's own position, saved with the resume state (trainer.pt) and restored by checkpoints.load_resume_state
         # (loop.TrainLoop: "expert_drawn", the groups the MIX expert sampler has drawn)
         self.loop_state: dict = {}
@@ -349,7 +349,7 @@ class Trainer:
         return m
 
     def utilisation(self, units: list[list[Experience]], wall_s: float, cpu_s: float) -> dict[str, float]:
-        """perf/trainer_model_flops (metrics.train_flops of the trained `units` of every
+        """perf/trainer_model_flops (perf.train_flops of the trained `units` of every
         rank, a reference pass counted at 2N per token) and perf/trainer_mfu: those FLOPs over
         the peak of what the ranks used, CPU seconds x one core's peak on a CPU (lent cores
         count), `wall_s` x the device's peak on CUDA. Collective."""

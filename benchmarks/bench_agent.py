@@ -36,7 +36,7 @@ from bench_step import Sink  # noqa: E402
 from config import parse_config  # noqa: E402
 from engines import HFEngine  # noqa: E402
 from explorer import Explorer  # noqa: E402
-from metrics import cpu_model  # noqa: E402
+from benchmarks.peak import cpu_model  # noqa: E402
 from extras.calculator_agent import SYSTEM, TOOLS  # noqa: E402
 from extras.chat_tools import hermes_messages  # noqa: E402
 from workflows import load_tasks  # noqa: E402

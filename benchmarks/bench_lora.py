@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import models  # noqa: E402
 import run  # noqa: E402
-from metrics import cpu_model  # noqa: E402
+from benchmarks.peak import cpu_model  # noqa: E402
 from engines import HFEngine, Sampling  # noqa: E402
 
 

@@ -39,7 +39,7 @@ from engines import HFEngine  # noqa: E402
 from explorer import Explorer  # noqa: E402
 from losses import left_pad  # noqa: E402
 import models  # noqa: E402
-from metrics import cpu_model, measure_matmul  # noqa: E402
+from benchmarks.peak import cpu_model, measure_matmul  # noqa: E402
 from models import choose_dtype  # noqa: E402
 from trainer import Trainer  # noqa: E402
 from workflows import load_tasks  # noqa: E402

@@ -3,7 +3,7 @@
     python benchmarks/bench_sync.py [--model smollm2-135m] [--rounds 5] [--device cpu|cuda|colocated] [--bucket-mb 64]
 
 Two processes join one weight-sync group (sync.WeightSync: gloo on CPU, NCCL between two
-GPUs; `colocated`: both on cuda:0, gloo through host memory, as run.place lays out one GPU).
+GPUs; `colocated`: both on cuda:0, gloo through host memory, as launch.place lays out one GPU).
 Each round, interleaved: (1) nanorft: rank 0 `send` of every parameter of the model (random
 weights of its architecture, float32) and rank 1 `recv` into its parameters; (2) raw: one
 broadcast of a preallocated flat buffer of the same bytes; (3) bucketed: the publish of (1)

@@ -50,7 +50,7 @@ processes together):
                   usual benchmarks/results/sync_colocated.json)
     multi-1rank   with 2+ GPUs only: one trainer rank and the explorer on a GPU of its own (NCCL),
     multi-2ranks  two FSDP trainer ranks and the explorer (colocated with 2 GPUs, a GPU of its own
-                  with 3+), as run.place lays them out: checksums equal after every sync
+                  with 3+), as launch.place lays them out: checksums equal after every sync
     sync-nccl     with 2+ GPUs only: bench_sync.py --device cuda (NCCL between two GPUs)
 
 It prints every stage with PASS / FAIL / SKIP, its time and its figures, and writes
@@ -195,6 +195,7 @@ def validate_worker(work: Path) -> int:
     import contextlib
     import io
 
+    import launch
     import run
 
     for name, flags in jobs(work).items():
@@ -404,6 +405,7 @@ def check_sync(device: str) -> Callable[[str], tuple[str, dict]]:
 
 def plan(work: Path, gpus: list[str]) -> list[Stage]:
     """The stages for these visible GPUs (ids as CUDA_VISIBLE_DEVICES names them)."""
+    import launch
     import run
 
     me = [sys.executable, str(Path(__file__).resolve())]
@@ -416,7 +418,7 @@ def plan(work: Path, gpus: list[str]) -> list[Stage]:
     ]
     for name, flags in jobs(work).items():
         stages.append(Stage(name, torchrun(1, flags), one, 150,
-                            check_both(work / "runs" / name, run.place(1, 1, "both").describe())))
+                            check_both(work / "runs" / name, launch.place(1, 1, "both").describe())))
     stages.append(Stage("bench", me + ["--worker", "bench", "--work", str(work)], one, 240, check_bench(work)))
     for m in MODELS:
         stages.append(Stage(f"sync-{m}", [sys.executable, "benchmarks/bench_sync.py", "--device", "colocated",
@@ -426,9 +428,9 @@ def plan(work: Path, gpus: list[str]) -> list[Stage]:
         d1, d2, three = work / "runs" / "multi-1rank", work / "runs" / "multi-2ranks", gpus[:3]
         stages += [
             Stage("multi-1rank", torchrun(1, both_flags(work, "135m", MULTI_STEPS, d1)), gpus[:2], 150,
-                  check_both(d1, run.place(2, 1, "both").describe())),
+                  check_both(d1, launch.place(2, 1, "both").describe())),
             Stage("multi-2ranks", torchrun(2, both_flags(work, "135m", MULTI_STEPS, d2)), three, 150,
-                  check_both(d2, run.place(len(three), 2, "both").describe())),
+                  check_both(d2, launch.place(len(three), 2, "both").describe())),
             Stage("sync-nccl", [sys.executable, "benchmarks/bench_sync.py", "--device", "cuda", "--model",
                                 str(work / "models" / "135m"), "--rounds", "3"], gpus[:2], 90, check_sync("cuda")),
         ]
@@ -461,9 +463,10 @@ def bench_worker(work: Path, rounds: int = 3) -> None:
     import torch
     import torch.distributed as dist
 
+    import launch
     import run
 
-    run.init_distributed()  # one rank on cuda:0, NCCL + gloo: the Trainer needs the default group
+    launch.init_distributed()  # one rank on cuda:0, NCCL + gloo: the Trainer needs the default group
     out = {}
     for name in MODELS:
         out[name] = bench_model(work, name, torch.device("cuda", 0), rounds)
@@ -529,6 +532,7 @@ def bench_model(work: Path, name: str, device, rounds: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    import launch
     import run
     from bench_step import explore_rate  # the CPU benchmark's explorer timing: one batch through Explorer
     from engines import HFEngine

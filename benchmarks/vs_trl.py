@@ -191,7 +191,7 @@ def run_nanorft(args, dtype: str, model: str, run_dir: Path) -> dict:
     steps done and the weights of its last save (RUN_DIR/checkpoints/resume-N/hf)."""
     from checkpoints import resume_state
 
-    explorer = max(1, args.threads // 2)  # as run.split_threads splits the cores
+    explorer = max(1, args.threads // 2)  # as launch.split_threads splits the cores
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "run.py", "--mode", "both",
            "--sync-interval", "2", "--run-dir", str(run_dir), "--model", model, "--dtype", dtype,
            "--steps", str(ENDLESS), "--eval-size", "0", "--checkpoint-interval", str(args.save_interval),

@@ -182,6 +182,21 @@ def postgres(tmp_path_factory) -> str:
     shutil.rmtree(root, ignore_errors=True)
 
 
+def before_commit(buf, hook) -> None:
+    """Make `hook()` run inside each of `buf`'s transactions, after its statements and
+    before they commit (a crash there must leave nothing): wraps the backend's own
+    `transaction` from the outside."""
+    inner = buf.db.transaction
+
+    @contextlib.contextmanager
+    def transaction(readers: bool = False):
+        with inner(readers):
+            yield
+            hook()
+
+    buf.db.transaction = transaction
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 def buffer_url(request, tmp_path) -> str:
     """A fresh buffer in each backend: a SQLite file in tmp_path, or a new schema on the

@@ -4,6 +4,8 @@ import time
 
 import pytest
 
+from conftest import before_commit
+
 from buffer import Buffer, Experience
 
 
@@ -88,7 +90,8 @@ def test_two_readers_never_take_the_same_group(postgres):
 
     def reader(name, hook=None):  # a connection per thread (sqlite3 connections stay in their thread)
         buf = Buffer(buffer_url)
-        buf.before_commit = hook
+        if hook is not None:
+            before_commit(buf, hook)
         got[name] = buf.read(1, timeout_s=60)
 
     ta = threading.Thread(target=reader, args=("a", lambda: (inside.set(), release.wait(60))))

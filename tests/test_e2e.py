@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import launch
 import run
 from config import parse_config
 from conftest import run_py
@@ -34,7 +35,7 @@ def test_run_trains_and_syncs(tiny_model, tmp_path):
                  "--reward-fn", "tests.rewards.length_parity", "--steps", 4, "--sync-interval", 2, "--eval-k", 2)
     assert res.returncode == 0, res.stderr[-3000:]
     # run.py re-executes itself with tcmalloc preloaded where it is installed (CI installs it), else says how
-    assert ("memory allocator tcmalloc;" if run.tcmalloc(parse_config([])) else "install libtcmalloc") in res.stdout
+    assert ("memory allocator tcmalloc;" if launch.tcmalloc(parse_config([])) else "install libtcmalloc") in res.stdout
     recs = metrics(run_dir)
     steps = [r for r in recs if "reward/mean" in r]
     evals = [r for r in recs if "eval/accuracy" in r]

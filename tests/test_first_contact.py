@@ -164,16 +164,6 @@ def test_cpu_bf16_probe_can_be_forced(monkeypatch, forced, expected):
     assert models.native_bf16("cpu") is expected
 
 
-def test_the_old_bf16_flags_get_one_line_naming_the_new_one(tmp_path):
-    for argv in (["--bf16"], ["--no-bf16"]):
-        with pytest.raises(ValueError, match="replaced by --dtype"):
-            run.parse_config(argv)
-    preset = tmp_path / "old.toml"
-    preset.write_text("bf16 = false\n")
-    with pytest.raises(ValueError, match="old.toml: --bf16 / --no-bf16 were replaced by --dtype"):
-        run.parse_config(["--config", str(preset)])
-
-
 @pytest.mark.slow
 def test_the_chosen_precision_is_in_the_banner_and_config_json(tiny_model, tmp_path):
     builds = tmp_path / "builds.txt"  # tests/count_builds: a line per reasoning-gym dataset built, in any process

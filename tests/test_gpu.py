@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+import launch
 import run
 from conftest import run_py
 
@@ -31,7 +32,7 @@ def tasks(tmp_path) -> str:
     (4, 2, "train", ("cuda:0", "cuda:1"), "", False, "cuda", 2),
 ])
 def test_placement(gpus, ranks, mode, trainer, explorer, colocated, sync_device, unused):
-    layout = run.place(gpus, ranks, mode)
+    layout = launch.place(gpus, ranks, mode)
     assert (layout.trainer, layout.explorer, layout.colocated, layout.sync_device, layout.unused_gpus) == \
         (trainer, explorer, colocated, sync_device, unused)
     # NCCL never gets two ranks of the weight-sync group on one device
@@ -40,8 +41,8 @@ def test_placement(gpus, ranks, mode, trainer, explorer, colocated, sync_device,
 
 def test_placement_that_cannot_work_is_one_line():
     with pytest.raises(ValueError, match=r"2 trainer ranks need 2 GPUs, 1 visible"):
-        run.place(1, 2, "both")
-    assert "colocated with trainer rank 0" in run.place(1, 1, "both").describe()
+        launch.place(1, 2, "both")
+    assert "colocated with trainer rank 0" in launch.place(1, 1, "both").describe()
 
 
 def test_placement_is_recorded_in_config_json(tiny_model, tasks, tmp_path):
@@ -49,7 +50,7 @@ def test_placement_is_recorded_in_config_json(tiny_model, tasks, tmp_path):
                             "--run-dir", str(tmp_path / "r")])
     run.prepare(cfg, 0)
     saved = json.loads((tmp_path / "r" / "config.json").read_text())
-    expected = run.place(run.gpu_count(), 1, "both")  # this machine's layout, CPU or GPU
+    expected = launch.place(launch.gpu_count(), 1, "both")  # this machine's layout, CPU or GPU
     assert saved["placement"] == json.loads(json.dumps(run.dataclasses.asdict(expected)))
     if not torch.cuda.is_available():
         assert saved["placement"] == {"trainer": ["cpu"], "explorer": "cpu", "colocated": False, "sync_device": "cpu",

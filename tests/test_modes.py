@@ -280,6 +280,7 @@ def test_bench_on_a_run_dir_takes_the_runs_task(tiny_model, tmp_path, capsys, mo
     import shutil
 
     import run
+    from extras.bench import RUN_TASK_SETTINGS
 
     monkeypatch.chdir(ROOT)
     final = tmp_path / "run" / "final"
@@ -292,7 +293,7 @@ def test_bench_on_a_run_dir_takes_the_runs_task(tiny_model, tmp_path, capsys, mo
                      "--explorer-threads", str(torch.get_num_threads())]) == 0  # (in this process: its threads)
     out = capsys.readouterr().out
     used = json.loads((tmp_path / "run" / "config_bench.json").read_text())  # what the bench ran with
-    want = {k: getattr(saved, k) for k in run.RUN_TASK_SETTINGS} | {"eval_size": 2}
+    want = {k: getattr(saved, k) for k in RUN_TASK_SETTINGS} | {"eval_size": 2}
     assert {k: used[k] for k in want} == want
     rows = json.loads((tmp_path / "run" / "bench.json").read_text())
     assert [(r["task"], r["tasks"]) for r in rows] == [("leg_counting", 2)]

@@ -1,6 +1,6 @@
-"""Model FLOPs, the measured peak and MFU (metrics.py); prefill once per distinct prompt
+"""Model FLOPs, the measured peak and MFU (perf.py); prefill once per distinct prompt
 (engines.HFEngine); evaluations after their version's first batch (explorer.explore_loop);
-the choice of the memory allocator (run.tcmalloc)."""
+the choice of the memory allocator (launch.tcmalloc)."""
 import json
 
 import pytest
@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 import explorer
 import metrics
+import perf
+import launch
 import run
 from buffer import Experience
 from engines import HFEngine, Sampling
@@ -17,40 +19,40 @@ from trainer import Trainer
 
 def test_flop_formulas_against_hand_computed_values():
     # 6 x (body x tokens + head x predicted): 6 x (10 x 7 + 3 x 4) = 492
-    assert metrics.train_flops(10, 3, tokens=7, predicted=4) == 492
-    assert metrics.train_flops(10, 3, tokens=7, predicted=4, passes=4) == 656  # + a reference forward
+    assert perf.train_flops(10, 3, tokens=7, predicted=4) == 492
+    assert perf.train_flops(10, 3, tokens=7, predicted=4, passes=4) == 656  # + a reference forward
     # 2 x (body x prompt + (body + head) x sampled): 2 x (10 x 5 + 13 x 2) = 152
-    assert metrics.generate_flops(10, 3, prompt_tokens=5, sampled=2) == 152
-    assert metrics.mfu(1e9, 2.0, 1e9) == 0.5
-    assert metrics.mfu(1e9, 0.0, 1e9) == 0.0 and metrics.mfu(1e9, 1.0, 0.0) == 0.0
+    assert perf.generate_flops(10, 3, prompt_tokens=5, sampled=2) == 152
+    assert perf.mfu(1e9, 2.0, 1e9) == 0.5
+    assert perf.mfu(1e9, 0.0, 1e9) == 0.0 and perf.mfu(1e9, 1.0, 0.0) == 0.0
 
 
 def test_matmul_params_of_the_tiny_model(tiny_model):
     # 2 layers, hidden 64, 2 heads of 32 (q, o: 64 x 64), 1 KV head (k, v: 32 x 64), MLP 3 x 64 x 128; tied head
     vocab = json.load(open(f"{tiny_model}/config.json"))["vocab_size"]
     body = 2 * (64 * 64 * 2 + 32 * 64 * 2 + 3 * 64 * 128)
-    assert metrics.matmul_params(tiny_model) == (body, vocab * 64)
+    assert perf.matmul_params(tiny_model) == (body, vocab * 64)
 
 
 def test_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("NANORFT_CACHE", str(tmp_path))
-    peak = metrics.peak_flops("cpu", "float32", 1)
+    peak = perf.peak_flops("cpu", "float32", 1)
     assert peak > 1e8  # any CPU that runs torch multiplies faster than 0.1 GFLOP/s
     cached = json.loads((tmp_path / "peak.json").read_text())
     assert list(cached.values()) == [peak]
     key = next(iter(cached))
     (tmp_path / "peak.json").write_text(json.dumps({key: 123.0}))
-    assert metrics.peak_flops("cpu", "float32", 1) == 123.0  # read back, not measured again
-    assert metrics.unit_peak("cpu", "float32") > 0
+    assert perf.peak_flops("cpu", "float32", 1) == 123.0  # read back, not measured again
+    assert perf.unit_peak("cpu", "float32") > 0
     # a cache that cannot be written (here a file where the directory should be) only means measuring again
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("NANORFT_CACHE", str(tmp_path / "file" / "cache"))
-    assert metrics.peak_flops("cpu", "float32", 1) > 1e8
+    assert perf.peak_flops("cpu", "float32", 1) > 1e8
 
 
 def test_each_distinct_prompt_is_prefilled_once(tiny_model):
     engine = HFEngine(tiny_model, max_batch=64, seed=0)
-    engine.matmul = metrics.matmul_params(tiny_model)
+    engine.matmul = perf.matmul_params(tiny_model)
     rows = []
     engine.model.register_forward_pre_hook(lambda m, a, kw: rows.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
     prompts = [[5, 6, 7], [8, 9]]
@@ -65,7 +67,7 @@ def test_each_distinct_prompt_is_prefilled_once(tiny_model):
     engine.model_flops = 0.0
     exps = rollouts(engine, prompts, 3, Sampling(max_tokens=5))
     sampled = sum(len(e.behaviour_logprobs) for e in exps)
-    assert engine.model_flops == metrics.generate_flops(*engine.matmul, 5, sampled)
+    assert engine.model_flops == perf.generate_flops(*engine.matmul, 5, sampled)
 
 
 def test_a_single_cpu_rank_trains_the_plain_model_and_reports_its_model_flops(tiny_model):
@@ -80,7 +82,7 @@ def test_a_single_cpu_rank_trains_the_plain_model_and_reports_its_model_flops(ti
 
     assert not any(isinstance(p, DTensor) for p in tr.model.parameters())
     m = tr.step([exps])
-    body, head = metrics.matmul_params(tiny_model)
+    body, head = perf.matmul_params(tiny_model)
     assert m["perf/trainer_model_flops"] == 6 * (body * 11 + head * 8)
     assert 0 < m["perf/trainer_mfu"] < 1
 
@@ -202,31 +204,31 @@ def test_the_engines_grouped_query_attention_equals_transformers_sdpa(tiny_model
 def test_tcmalloc_is_chosen_where_installed_and_refused_where_missing(monkeypatch):
     from config import parse_config
 
-    monkeypatch.setattr(run, "gpu_count", lambda: 0)
+    monkeypatch.setattr(launch, "gpu_count", lambda: 0)
     found = {"tcmalloc_minimal": "libtcmalloc_minimal.so.4"}
-    monkeypatch.setattr(run.ctypes.util, "find_library", found.get)
-    assert run.tcmalloc(parse_config([])) == "libtcmalloc_minimal.so.4"
-    assert run.tcmalloc(parse_config(["--allocator", "system"])) is None
-    monkeypatch.setattr(run, "gpu_count", lambda: 1)  # auto keeps the C library's malloc on a GPU machine
-    assert run.tcmalloc(parse_config([])) is None
-    assert run.tcmalloc(parse_config(["--allocator", "tcmalloc"])) == "libtcmalloc_minimal.so.4"
+    monkeypatch.setattr(launch.ctypes.util, "find_library", found.get)
+    assert launch.tcmalloc(parse_config([])) == "libtcmalloc_minimal.so.4"
+    assert launch.tcmalloc(parse_config(["--allocator", "system"])) is None
+    monkeypatch.setattr(launch, "gpu_count", lambda: 1)  # auto keeps the C library's malloc on a GPU machine
+    assert launch.tcmalloc(parse_config([])) is None
+    assert launch.tcmalloc(parse_config(["--allocator", "tcmalloc"])) == "libtcmalloc_minimal.so.4"
     found.clear()  # not installed
-    assert run.tcmalloc(parse_config([])) is None
+    assert launch.tcmalloc(parse_config([])) is None
     with pytest.raises(ValueError, match="no tcmalloc library found .*libtcmalloc-minimal4"):
-        run.tcmalloc(parse_config(["--allocator", "tcmalloc"]))
+        launch.tcmalloc(parse_config(["--allocator", "tcmalloc"]))
 
 
 def test_offline_training_takes_all_the_cores(monkeypatch):
     # SFT / DPO (mode train with --train-data) has no explorer beside it: it left half the cores idle
     from config import parse_config
 
-    monkeypatch.setattr(run.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 4)
     threads = {}
     for name, argv, world in [("both", [], 1), ("async train", ["--mode", "train"], 1),
                               ("explore", ["--mode", "explore"], 1), ("sft", ["--mode", "train", "--train-data", "x.jsonl"], 1),
                               ("sft, 2 ranks", ["--mode", "train", "--train-data", "x.jsonl"], 2)]:
         cfg = parse_config(argv)
-        run.split_threads(cfg, world)
+        launch.split_threads(cfg, world)
         threads[name] = (cfg.trainer_threads, cfg.explorer_threads)
     assert threads["both"] == threads["async train"] == (2, 2) and threads["explore"][1] == 2
     assert threads["sft"][0] == 4 and threads["sft, 2 ranks"][0] == 2

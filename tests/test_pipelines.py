@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+import launch
 import run
 from buffer import Buffer, Experience
 from conftest import ROOT, chat_endpoint, run_py, subprocess_env
@@ -444,7 +445,7 @@ def test_the_experience_pipeline_runs_without_lent_cores(tiny_model, tmp_path):
     cfg = run.Config(run_dir=str(run_dir), steps=1, batch_size=1, sync_method="checkpoint", log="none",
                      dtype="float32", save_dtype="float32", eval_size=0, checkpoint_interval=0)
     if not dist.is_initialized():  # a one-rank group in this process
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{run._free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{launch.free_port()}", rank=0, world_size=1)
     trainer = Trainer(cfg, tiny_model, torch.device("cpu"))
     io = loop.loop_io(cfg, trainer, 0, tiny_model)
     shaped = []

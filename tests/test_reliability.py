@@ -25,7 +25,9 @@ def group(gid, n=4, reward=1.0, explorer="w"):
 
 def _die_before_commit(path, gid):
     buf = Buffer(path)
-    buf.before_commit = lambda: os.kill(os.getpid(), signal.SIGKILL)  # kill -9 inside the transaction
+    from conftest import before_commit
+
+    before_commit(buf, lambda: os.kill(os.getpid(), signal.SIGKILL))  # kill -9 inside the transaction
     buf.write_batch([group(gid, 64)], "w", {"batch": 1}, [(f"task-{gid}", 1.0, 0.5, 0.0)])
 
 
@@ -119,22 +121,28 @@ def _trainer(tiny_model, run_dir, port, **settings):
 
 
 def test_resume_state_is_replaced_atomically(tiny_model, tmp_path):
-    from run import _free_port
+    from launch import free_port as _free_port
     from checkpoints import load_resume_state, resume_state, save_resume_state
 
     trainer = _trainer(tiny_model, tmp_path, _free_port())
     first = save_resume_state(trainer, tmp_path, 2)
     assert resume_state(tmp_path) == first
 
-    def crash():
-        raise KeyboardInterrupt("killed between writing the new state and naming it")
+    import checkpoints
 
-    trainer.before_resume_marker = crash
-    with pytest.raises(KeyboardInterrupt):
-        save_resume_state(trainer, tmp_path, 4)
+    replace = checkpoints.os.replace
+
+    def crash(src, dst):  # the marker is named by a rename: killed just before it
+        if os.path.basename(dst) == "resume-latest":
+            raise KeyboardInterrupt("killed between writing the new state and naming it")
+        replace(src, dst)
+
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setattr(checkpoints.os, "replace", crash)
+        with pytest.raises(KeyboardInterrupt):
+            save_resume_state(trainer, tmp_path, 4)
     assert resume_state(tmp_path) == first and (tmp_path / "checkpoints" / "resume-000004").is_dir()
     assert load_resume_state(trainer, resume_state(tmp_path)) == 2  # the complete old state still loads
-    trainer.before_resume_marker = None
     save_resume_state(trainer, tmp_path, 4)  # the partial directory is rewritten, then named; the old one goes
     assert resume_state(tmp_path).name == "resume-000004" and not first.exists()
     import torch.distributed as dist
@@ -146,7 +154,7 @@ def test_resume_state_holds_the_weights_once_and_resumes_exactly(tiny_model, tmp
     # 3.2M-parameter model, 2.2 GB for SmolLM2-135M; what an exact resume needs is 12 bytes per parameter
     import torch.distributed as dist
 
-    from run import _free_port
+    from launch import free_port as _free_port
     from checkpoints import load_resume_state, resume_state, save_resume_state
 
     # a learning-rate schedule goes on where it was: lr 0 at step 0 (warm-up), lr at step 1, then a cosine decay
@@ -230,7 +238,8 @@ def test_mix_expert_data_continues_the_same_after_a_resume(tiny_model, tmp_path)
     import torch.distributed as dist
 
     import loop
-    from run import Config, _free_port
+    from run import Config
+    from launch import free_port as _free_port
     from checkpoints import load_resume_state, resume_state
     from trainer import Trainer
 
@@ -572,7 +581,7 @@ def test_ctrl_c_wrapped_by_a_library_still_says_how_to_resume(tmp_path, monkeypa
             raise CheckpointException("write", {0: e}) from e  # a BaseException, not an Exception
 
     monkeypatch.setattr(run, "prepare", lambda cfg, rank: ("model", ()))
-    monkeypatch.setattr(run, "run", run_that_is_interrupted_in_a_library)
+    monkeypatch.setitem(run.MODES, "both", run_that_is_interrupted_in_a_library)
     before = signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores it)
     try:

@@ -1,0 +1,94 @@
+"""Mode bench: avg@k, pass@k and pass@1 of one or more models on the held-out tasks, as a
+table and RUN_DIR/bench.json. Without --bench-models it evaluates RUN_DIR/final with the
+run's own task settings (`take_run_settings`).
+
+    python run.py --mode bench --bench-models base,runs/default/final --bench-k 8
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+from config import OTHER_TASK_DEFAULTS, Config, coerce
+
+# what mode bench on a run directory takes from the run's saved config
+RUN_TASK_SETTINGS = ("task", "task_kwargs", "system_prompt", "reward_fn", "reward_kwargs", "workflow", "eval_size",
+                     "seed", "max_tokens")
+
+
+def take_run_settings(cfg: Config) -> None:
+    """Mode bench on a run directory (no --bench-models): set each of RUN_TASK_SETTINGS not
+    given in --config or by flag (cfg.given) to the run's own, from RUN_DIR/final/nanorft_config.json,
+    else RUN_DIR/config.json (neither: nothing changes), and print one line naming them. With
+    a task given that differs from the run's, task_kwargs and system_prompt stay the given
+    task's. Raises ValueError (one line) for a saved config that cannot be read or holds a
+    bad value."""
+    if cfg.bench_models:
+        return
+    run_dir = Path(cfg.run_dir)
+    src = next((p for p in (run_dir / "final" / "nanorft_config.json", run_dir / "config.json") if p.is_file()), None)
+    if src is None:
+        return
+    try:
+        saved = json.loads(src.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{src}: not a saved config ({e})") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{src}: not a saved config (a JSON object)")
+    same_task = "task" not in cfg.given or cfg.task == saved.get("task")
+    types = {f.name: f.type for f in dataclasses.fields(Config)}
+    taken = [name for name in RUN_TASK_SETTINGS if name in saved and name not in cfg.given
+             and (same_task or name not in OTHER_TASK_DEFAULTS)]
+    for name in taken:
+        setattr(cfg, name, coerce(name, saved[name], types[name]))
+    if taken:
+        print(f"nanorft: mode bench on {run_dir / 'final'}: task {cfg.task}; {', '.join(taken)} from {src} "
+              "(a flag or --config sets any of them)")
+
+
+def bench(cfg: Config) -> int:
+    """Mode bench (run.MODES): take the run's task settings, check the inputs (run.prepare),
+    evaluate (`evaluate_models`); returns the exit code 0. Raises ValueError / OSError
+    (one line) for bad input."""
+    from run import prepare
+
+    take_run_settings(cfg)
+    _, tasks = prepare(cfg, 0)
+    evaluate_models(cfg, tasks)
+    return 0
+
+
+def evaluate_models(cfg: Config, tasks: tuple) -> list[dict]:
+    """Evaluate each model of --bench-models (default RUN_DIR/final) on the held-out tasks
+    of `tasks` (workflows.prepare_tasks's triple), cfg.bench_k samples per task at
+    cfg.temperature; print a table under a line naming cfg.task, save RUN_DIR/bench.json
+    and return its rows (one per model)."""
+    from engines import make_engine
+    from explorer import Explorer, engine_seed
+    from models import resolve_model
+
+    models = [m.strip() for m in cfg.bench_models.split(",") if m.strip()] or [str(Path(cfg.run_dir) / "final")]
+    paths = [resolve_model(m) for m in models]
+    cfg.explorer_threads = cfg.explorer_threads or (os.cpu_count() or 1)
+    k, (_, held_out, dataset) = cfg.bench_k, tasks
+    print(f"nanorft: mode bench, task {cfg.task}, engine {cfg.engine}, {len(paths)} model(s), {k} samples per task")
+    rows = []
+    for path in paths:
+        engine = make_engine(cfg, path, engine_seed(cfg))
+        try:
+            t0 = time.perf_counter()
+            row = Explorer(cfg, engine, [], held_out, dataset, print).bench(k)
+            rows.append({"model": path, "task": cfg.task, **row, "seconds": time.perf_counter() - t0})
+        finally:
+            engine.close()
+    print(f"task {cfg.task}: {len(held_out)} held-out tasks, {k} samples each at temperature {cfg.temperature}")
+    print(f"{'model':<50} {'tasks':>5} {f'avg@{k}':>8} {f'pass@{k}':>8} {'pass@1':>8}")
+    for r in rows:
+        print(f"{r['model'][-50:]:<50} {r['tasks']:>5} {r[f'avg@{k}']:>8.3f} {r[f'pass@{k}']:>8.3f} {r['pass@1']:>8.3f}")
+    out = Path(cfg.run_dir) / "bench.json"
+    out.write_text(json.dumps(rows, indent=2))
+    print(f"saved {out}")
+    return rows
