@@ -35,7 +35,7 @@ def test_help_groups_every_flag_by_stage_with_one_default(capsys):
     assert "(default: None)" not in flat
     assert "--dtype {auto,bfloat16,float32} compute precision of trainer and engines: auto (bfloat16 where" in flat
     assert "--overwrite, --no-overwrite delete an existing run_dir first" in flat
-    assert "--steps INT trainer steps (= explorer batches) (default: 3)" in flat  # the preset's value
+    assert "--steps INT trainer steps of the run (= explorer batches) (default: 3)" in flat  # the preset's value
     for name in ("--sync-interval", "--task-kwargs JSON", "--no-activation-checkpointing"):
         assert name in flat, name
     _, groups = config._field_help()
