@@ -24,7 +24,7 @@ import torch
 import models
 import sync
 from vllm_worker import read_safetensors
-from losses import left_pad
+from packing import left_pad
 from perf import generate_flops, matmul_params
 
 
