@@ -129,16 +129,14 @@ def load_latest_checkpoint(run_dir: str | Path, reader: str, load: Callable[[Pat
 
 
 def save_resume_state(trainer, run_dir: str | Path, step: int) -> Path:
-    """The resume state of `trainer` (trainer.Trainer) after `step` steps: the weights once, as a float32 HF directory hf/
-    (exactly the trained weights; the explorer of a resumed run starts from it), the
-    optimizer state (torch.distributed.checkpoint in dcp/, sharded as it is), version,
-    RNG and `loop_state` (rank 0's): about 12 bytes per parameter (4 weights + 8 AdamW
-    moments) plus the tokenizer; with LoRA, the adapters only (hf/ a peft adapter
-    directory, and in dcp/ with their AdamW moments). Collective. Written to RUN_DIR/checkpoints/resume-{step:06d}/; only when it is
-    complete does the marker checkpoints/resume-latest (written to a temporary file, then
-    renamed over the old one) name it, and only then are older states deleted: at every
-    moment the marker names a complete state, whatever is killed when. Returns the
-    directory."""
+    """Write the resume state of `trainer` after `step` steps to
+    RUN_DIR/checkpoints/resume-{step:06d}/ and return it: the weights once, as a float32 HF
+    directory hf/ (exact; the explorer of a resumed run starts from it), the optimizer state
+    (torch.distributed.checkpoint in dcp/, sharded as it is), version, RNG and rank 0's
+    `loop_state`: about 12 bytes per parameter; with LoRA, the adapters only (hf/ a peft
+    adapter directory, dcp/ also holding them). Only once it is complete does the marker
+    checkpoints/resume-latest (written, then renamed) name it and are older states deleted:
+    the marker always names a complete state, whatever is killed when. Collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -148,8 +146,7 @@ def save_resume_state(trainer, run_dir: str | Path, step: int) -> Path:
         shutil.rmtree(path, ignore_errors=True)  # a partial state left by a crash
         path.mkdir(parents=True)
     dist.barrier()
-    # one copy of the weights: hf/ in float32 (the trainer's own, so the resume is exact), which the explorer
-    # also starts from; DCP holds only the optimizer (AdamW's two float32 moments: 8 bytes per parameter)
+    # one copy of the weights, in hf/ (the explorer starts from it): DCP holds the optimizer (and LoRA adapters)
     dcp.save({"optim": get_optimizer_state_dict(trainer.model, trainer.opt), **_adapter_state(trainer)},
              checkpoint_id=str(path / "dcp"))
     trainer.save(path / "hf")
@@ -165,13 +162,12 @@ def save_resume_state(trainer, run_dir: str | Path, step: int) -> Path:
     dist.barrier()
     return path
 
+
 def load_resume_state(trainer, path: str | Path) -> int:
-    """Load a `save_resume_state` directory into `trainer` (`resume_state(run_dir)`) and its `loop_state` ({}
-    from a state saved before it had one); returns the number of steps it had done: the
-    weights from hf/ (float32, read by every rank, sharded here), the optimizer from
-    dcp/ (a state that also holds the weights in dcp/, as saved before, loads the same
-    way); with LoRA, adapters and optimizer from dcp/. Collective. Raises ValueError when
-    hf/ lacks a parameter of the model."""
+    """Load a `save_resume_state` directory into `trainer` and its `loop_state`; returns the
+    number of steps it had done. The weights come from hf/ (read by every rank, sharded
+    here), the optimizer (and with LoRA the adapters) from dcp/. Collective. Raises
+    ValueError when hf/ lacks a parameter of the model."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
@@ -182,13 +178,15 @@ def load_resume_state(trainer, path: str | Path) -> int:
         _load_weights(trainer, Path(path) / "hf")
     meta = torch.load(Path(path) / "trainer.pt", weights_only=False)
     trainer.version = meta["version"]
-    trainer.loop_state = dict(meta.get("loop", {}))
+    trainer.loop_state = dict(meta["loop"])
     torch.set_rng_state(meta["rng"])
     return meta["step"]
+
 
 def _adapter_state(trainer) -> dict:
     """With LoRA, the adapters for DCP to save or load in place ({} otherwise)."""
     return {"adapters": {n: p for n, p in trainer.published()}} if trainer.lora else {}
+
 
 def _load_weights(trainer, hf: Path) -> None:
     """Load the float32 HF directory `hf` (a resume state's) into the sharded model."""

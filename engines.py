@@ -247,7 +247,7 @@ class HFEngine(Engine):
     bf16: forward passes under bf16 autocast (sampling and behaviour log-probs stay float32).
     device: where it runs (default: the first CUDA device when there is one, else the
     CPU); dtype: of the weights (bf16 when it shares a GPU with the trainer). lora: the
-    peft LoraConfig of a LoRA run (models.lora_config): the model gets adapters as the
+    peft LoraConfig of a LoRA run (extras/lora.py lora_config): the model gets adapters as the
     trainer's (unmerged, so that its log-probs are computed as the trainer's are), and
     weight syncs carry the adapters only. `model_path` may be a peft adapter directory (a
     LoRA run's checkpoint or resume state): its base is loaded with it.
@@ -263,7 +263,7 @@ class HFEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         adapter = models.is_adapter(model_path)
-        base = models.adapter_base(model_path) if adapter else model_path
+        base = models.lora("adapter_base")(model_path) if adapter else model_path
         attention = {"attn_implementation": gqa_sdpa()} if self.device.type == "cpu" else {}
         self.model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **attention).to(self.device).eval()
         self.lora = lora
@@ -272,13 +272,13 @@ class HFEngine(Engine):
 
             self.model = get_peft_model(self.model, lora).eval()
             if adapter:
-                models.load_adapter(self.model, model_path)
+                models.lora("load_adapter")(self.model, model_path)
         self.max_batch, self.bf16 = max_batch, bf16
         gen_eos = self.model.generation_config.eos_token_id
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos = torch.tensor(sorted({e for e in gen_eos + [self.tokenizer.eos_token_id] if e is not None}),
                                 device=self.device)
-        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else int(self.eos[0])
+        self.pad = models.pad_token_id(self.tokenizer)
         self.generator = torch.Generator(self.device).manual_seed(seed)
 
     def rng_state(self):
@@ -290,7 +290,8 @@ class HFEngine(Engine):
     def parameters(self) -> list[torch.Tensor]:
         """What a weight sync carries, in `named_parameters()` order (the wire order of
         sync.WeightSync): every weight, or with LoRA the adapters."""
-        return [p for _, p in models.published_parameters(self.model, self.lora is not None)]
+        return [p for _, p in (models.lora("published_parameters")(self.model) if self.lora else
+                               self.model.named_parameters())]
 
     def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
         self.weights = sync.WeightSync(None, port=port, host=host, device=device, timeout_s=timeout_s,
@@ -305,7 +306,7 @@ class HFEngine(Engine):
 
     def load_checkpoint(self, path, version):
         if self.lora:  # a peft adapter directory
-            models.load_adapter(self.model, path)
+            models.lora("load_adapter")(self.model, path)
         else:
             state = read_safetensors(path)
             with torch.no_grad():
@@ -427,7 +428,7 @@ class VLLMEngine(Engine):
         except ImportError as e:
             raise ImportError(f"--engine vllm needs vLLM (GPU: pip install vllm; CPU: see README): {e}") from None
         adapter = models.is_adapter(model_path)
-        self.model_path, self.inflight, self.lora = models.adapter_base(model_path) if adapter else model_path, inflight, lora
+        self.model_path, self.inflight, self.lora = models.lora("adapter_base")(model_path) if adapter else model_path, inflight, lora
         self.lora_request, self.lora_root = None, tempfile.mkdtemp(prefix="nanorft-lora-") if lora else ""
         # vLLM takes a max_lora_rank of 1, 8, 16, 32, 64, 128, 256, 320 or 512
         lora_args = {"enable_lora": True, "max_loras": 1, "max_lora_rank": next(
@@ -568,12 +569,13 @@ def make_engine(cfg, model_path: str, seed: int, device: str = "", colocated: bo
 
 def _engine(cfg, model_path: str, seed: int, device: str, colocated: bool) -> Engine:
     if cfg.engine == "vllm" or (cfg.engine == "auto" and vllm_available()):
-        return VLLMEngine(model_path, seed=seed, bf16=cfg.dtype == "bfloat16", lora=models.lora_config(cfg),
-                          threads=cfg.explorer_threads,
+        return VLLMEngine(model_path, seed=seed, bf16=cfg.dtype == "bfloat16",
+                          lora=models.lora("lora_config")(cfg) if cfg.lora_rank else None, threads=cfg.explorer_threads,
                           memory_fraction=cfg.vllm_memory_fraction, inflight=cfg.inflight)
     half = colocated and device.startswith("cuda")
     return HFEngine(model_path, max_batch=cfg.explorer_max_batch, seed=seed, bf16=cfg.dtype == "bfloat16",
-                    device=device, dtype=torch.bfloat16 if half else torch.float32, lora=models.lora_config(cfg))
+                    device=device, dtype=torch.bfloat16 if half else torch.float32,
+                    lora=models.lora("lora_config")(cfg) if cfg.lora_rank else None)
 
 
 def use_gpu(device: str) -> str:

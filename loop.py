@@ -33,7 +33,7 @@ from buffer import Experience, open_buffer
 from checkpoints import delete_resume_states, load_resume_state, resume_state, save_resume_state
 from metrics import Metrics, cpu_seconds, eval_line, plot, print0, trackers
 from perf import job_units, mfu
-from trainer import Trainer
+from trainer import Trainer, make_trainer
 
 ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this many consecutive steps
 ANNOTATOR = "extras.label_studio.start_annotator"  # human labels (--annotation): Label Studio, by import path
@@ -315,7 +315,7 @@ def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout,
     explorer process (`start_explorer`, handed `tasks`); run the loop (`TrainLoop`); then, on rank 0,
     wait for the explorer and write the final files and the plot (`finish`)."""
     torch.set_num_threads(cfg.trainer_threads)
-    trainer = Trainer(cfg, model_path, device)
+    trainer = make_trainer(cfg, model_path, device)
     state = resume_state(cfg.run_dir) if cfg.resume else None
     start = load_resume_state(trainer, state) if state else 0
     io, explorer, weights = LoopIO(), None, None

@@ -109,6 +109,25 @@ def resolve(name: str, registry: dict, what: str, kwargs: dict | None = None) ->
     return fn
 
 
+def resolve_algorithm(cfg) -> tuple[Callable, Callable, str, dict[str, Callable]]:
+    """(advantage function, policy loss, loss aggregation, filters by name) of config.Config
+    `cfg`, from the registries or import paths. Raises ValueError (one line) for an unknown
+    name or keyword."""
+    advantage_fn = resolve(cfg.advantage, ADVANTAGES, "advantage", cfg.advantage_kwargs)
+    loss_fn = resolve(cfg.policy_loss, POLICY_LOSSES, "policy_loss", cfg.policy_loss_kwargs)
+    filters = {}
+    for name, kwargs in cfg.filters.items():
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"filters: the value of {name!r} must be a table of keyword arguments, got {kwargs!r}")
+        filters[name] = resolve(name, FILTERS, "filter", kwargs)
+    if cfg.loss_agg != "auto" and cfg.loss_agg not in AGGREGATIONS:
+        raise ValueError(f"unknown loss_agg {cfg.loss_agg!r}; known: auto, {', '.join(AGGREGATIONS)}")
+    if cfg.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {cfg.kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+    agg = getattr(loss_fn, "agg", "token-mean") if cfg.loss_agg == "auto" else cfg.loss_agg
+    return advantage_fn, loss_fn, agg, filters
+
+
 def import_dirs() -> str:
     """Where an import path (`module.function`) is looked up, in order, for error lines:
     sys.path (nanorft's directory, PYTHONPATH, the installed packages, the working

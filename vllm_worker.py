@@ -52,7 +52,7 @@ class VLLMWeightReceiver:
                 hf = get_peft_model(hf, lora)
         self.nanorft_lora, self.nanorft_meta, self.nanorft_root = lora, hf, lora_root
         device = self.device if self.device.type == "cuda" and sync_device == "cuda" else torch.device("cpu")
-        named = models.published_parameters(hf, lora is not None)
+        named = models.lora("published_parameters")(hf) if lora is not None else list(hf.named_parameters())
         self.nanorft_named = [(n, torch.empty(p.shape, dtype=dtype, device=device)) for n, p in named]
         self.nanorft_alive = sync.StoreAlive(host, port, sync.STORE_KNOWN_WAIT_S)
         self.nanorft_sync = sync.WeightSync(None, port=port, host=host, device=str(device), timeout_s=timeout_s,
@@ -62,7 +62,7 @@ class VLLMWeightReceiver:
         tensors = [t for _, t in self.nanorft_named]
         version = self.nanorft_sync.recv(tensors, self.nanorft_alive)
         if self.nanorft_lora is not None:
-            models.save_adapter(self.nanorft_meta, Path(self.nanorft_root) / f"v{version:06d}",
+            models.lora("save_adapter")(self.nanorft_meta, Path(self.nanorft_root) / f"v{version:06d}",
                                 [(n, t.cpu()) for n, t in self.nanorft_named], self.nanorft_lora)
         else:
             self._nanorft_load(self.nanorft_named)

@@ -33,6 +33,7 @@ import models  # noqa: E402
 import run  # noqa: E402
 from benchmarks.peak import cpu_model  # noqa: E402
 from engines import HFEngine, Sampling  # noqa: E402
+from extras.lora import lora_config, published_parameters  # noqa: E402
 
 
 def published_megabytes(model_path: str, rank: int, targets: str) -> float:
@@ -45,8 +46,8 @@ def published_megabytes(model_path: str, rank: int, targets: str) -> float:
         cfg = run.parse_config(["--lora-rank", str(rank), "--lora-target-modules", targets])
         from peft import get_peft_model
 
-        model = get_peft_model(model, models.lora_config(cfg))
-    return sum(p.numel() for _, p in models.published_parameters(model, bool(rank))) * 4 / 2 ** 20
+        model = get_peft_model(model, lora_config(cfg))
+    return sum(p.numel() for _, p in (published_parameters(model) if rank else model.named_parameters())) * 4 / 2 ** 20
 
 
 def job(rank: int, args, extra: list[str]) -> dict:
@@ -69,9 +70,9 @@ def generation(model_path: str, rank: int, rounds: int, threads: int) -> dict:
     adapter's cost, not a fresh one's zeros)."""
     torch.set_num_threads(threads)
     cfg = run.parse_config(["--lora-rank", str(rank)])
-    unmerged = HFEngine(model_path, max_batch=128, lora=models.lora_config(cfg))
+    unmerged = HFEngine(model_path, max_batch=128, lora=lora_config(cfg))
     with torch.no_grad():
-        for _, p in models.published_parameters(unmerged.model, True):
+        for _, p in published_parameters(unmerged.model):
             p.normal_(0, 0.01)
     merged = HFEngine(model_path, max_batch=128)
     merged.model = copy.deepcopy(unmerged.model).merge_and_unload().eval()

@@ -12,9 +12,9 @@ from buffer import Experience
 from conftest import PROMPTS, rollouts, run_py
 from engines import HFEngine, Sampling
 from checkpoints import load_resume_state, save_resume_state
-from models import lora_config
+from extras.lora import lora_config
 from packing import pack, response_logprobs
-from trainer import Trainer
+from trainer import make_trainer as build_trainer
 
 pytest.importorskip("peft", reason="LoRA needs peft (requirements.txt)")
 
@@ -23,7 +23,7 @@ def make_trainer(model, *flags):
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = run.parse_config(["--config", "configs/tiny.toml", "--lora-rank", "4", "--lr", "1e-2", *flags])
-    return cfg, Trainer(cfg, model, torch.device("cpu"))
+    return cfg, build_trainer(cfg, model, torch.device("cpu"))
 
 
 def batch(seed: int = 0) -> list[list[Experience]]:
@@ -85,7 +85,7 @@ def test_the_reference_is_the_base_model_with_adapters_disabled(tiny_model, trai
     assert tr.ref is None and tr.needs_ref  # no second copy of the model
     tr.step(batch(0))
     exps = batch(2)[0]
-    ref = tr._ref_logprobs([exps], exps[0])
+    ref = tr.reference_logprobs([exps], exps[0])
     plain = HFEngine(tiny_model, max_batch=4)  # the base model, without any adapter
     b = pack(exps, tr.pad)
     with torch.no_grad():
