@@ -1,5 +1,6 @@
 """The default algorithm's pure tensor functions (GRPO advantages, PPO clip, KL, the loss
-aggregation) and the registries every advantage, policy loss and filter is chosen from.
+aggregation) and the registries every advantage, policy loss and filter is chosen from
+(`resolve_algorithm`).
 
 No model, no process group, no I/O: each function can be checked against a slow reference
 (tests/test_fidelity.py pins each one to numbers from the reference code its docstring
@@ -51,16 +52,16 @@ class LossInputs:
     expert: torch.Tensor | None = None
 
 
-# name -> function, or the import path of one in extras/, imported when a run names it
+# name -> function, or the import path of one (in extras/: imported when a run names it); the default first
 ADVANTAGES: dict[str, Callable | str] = {
-    "dr_grpo": "extras.advantages.dr_grpo_advantages", "rloo": "extras.advantages.rloo_advantages",
-    "reinforce_pp": "extras.advantages.reinforce_pp_advantages",
+    "grpo": "losses.grpo_advantages", "dr_grpo": "extras.advantages.dr_grpo_advantages",
+    "rloo": "extras.advantages.rloo_advantages", "reinforce_pp": "extras.advantages.reinforce_pp_advantages",
     "grpo_stepwise": "extras.advantages.stepwise_grpo_advantages", "opmd": "extras.opmd.opmd_advantages"}
 POLICY_LOSSES: dict[str, Callable | str] = {
-    "dppo_kl": "extras.policy_losses.dppo_kl_loss", "reinforce_tis": "extras.policy_losses.reinforce_tis_loss",
-    "cispo": "extras.policy_losses.cispo_loss", "gspo": "extras.policy_losses.gspo_loss",
-    "sft": "extras.policy_losses.sft_loss", "dpo": "extras.policy_losses.dpo_loss",
-    "mix": "extras.policy_losses.mix_loss", "topr": "extras.topr.topr_loss",
+    "ppo_clip": "losses.ppo_clip_loss", "dppo_kl": "extras.policy_losses.dppo_kl_loss",
+    "reinforce_tis": "extras.policy_losses.reinforce_tis_loss", "cispo": "extras.policy_losses.cispo_loss",
+    "gspo": "extras.policy_losses.gspo_loss", "sft": "extras.policy_losses.sft_loss",
+    "dpo": "extras.policy_losses.dpo_loss", "mix": "extras.policy_losses.mix_loss", "topr": "extras.topr.topr_loss",
     "opmd_kimi": "extras.opmd.opmd_kimi_loss", "opmd_pairwise": "extras.opmd.opmd_pairwise_loss",
     "opmd_simple": "extras.opmd.opmd_simple_loss"}
 FILTERS: dict[str, Callable | str] = {

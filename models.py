@@ -52,7 +52,7 @@ def choose_dtype(requested: str, device_type: str) -> tuple[str, str]:
         return ("bfloat16", f"{where} computes bf16 natively") if native else \
             ("float32", f"{where} has no native bf16: emulated bf16 is many times slower")
     if requested == "bfloat16" and not native:
-        return requested, f"--dtype; warning: {where} has no native bf16, so bf16 is emulated and about 14x slower " \
+        return requested, f"--dtype; warning: {where} has no native bf16, so bf16 is emulated and many times slower " \
                           "than float32 (--dtype auto picks float32 here)"
     return requested, "--dtype"
 

@@ -179,15 +179,12 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     `chunk_elems` elements exist at any time. hidden [T, H]; weight [V, H] (the LM head);
     targets [T] long -> logprobs [T], entropy [T] or None.
 
-    The logits of a whole micro-batch (T x V float32: 300 MB for 1,600 tokens of a 49k
-    vocabulary, and as much again for each copy autograd keeps) are never materialised:
-    each chunk of rows is computed, reduced and dropped, and recomputed in the backward
-    pass, whose gradient is written out by hand (`HeadLogprobs`): exactly that of the
-    unchunked expression, in a third of the passes over the logits that autograd through a
-    recomputed chunk takes. Same idea as Liger-Kernel's fused linear cross entropy
-    (linkedin/Liger-Kernel src/liger_kernel/ops/fused_linear_cross_entropy.py), which
-    cannot be used here: the RL loss needs the log-probs themselves, not a cross entropy,
-    and its kernels need Triton (GPU)."""
+    The logits of a micro-batch (T x V float32, and a copy for each tensor autograd keeps)
+    are never materialised: each chunk is computed, reduced and dropped, and recomputed in
+    the backward pass, whose gradient is written out by hand (`HeadLogprobs`), exactly that
+    of the unchunked expression. Same idea as Liger-Kernel's fused linear cross entropy
+    (linkedin/Liger-Kernel src/liger_kernel/ops/fused_linear_cross_entropy.py), which gives
+    a cross entropy, not the log-probs, and needs Triton (GPU)."""
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float)
         return empty, (empty if entropy else None)
