@@ -72,7 +72,7 @@ def test_an_explorer_whose_trainer_vanished_says_so_in_one_line():
 
 @pytest.mark.slow
 def test_a_resumed_trainers_first_publish_reaches_bucketed_explorers():
-    # mode train resumed with broadcast sync sends its weights as one list of all parameters (loop.connect_explorers);
+    # mode train resumed with broadcast sync sends its weights as one list of all parameters (extras.train_mode.connect_explorers);
     # explorers receiving in --sync-bucket-mb buckets aborted inside gloo (the default model: 538060032 vs 113246208
     # bytes), leaving no error line and the trainer waiting. The tiny model fits one bucket: the topology missed it
     import multiprocessing as mp
