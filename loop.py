@@ -90,7 +90,7 @@ class LoopIO:
     (pipelines.ExperiencePipeline) or None; extra_metrics(): more metrics for each step
     (the annotator's), also called at every poll while waiting for a batch: it raises
     RuntimeError once what produces them has failed; send_weights(version, buckets) ->
-    checksum: the broadcast to the explorers
+    checksum (--sync-checksum) or None: the broadcast to the explorers
     (sync.WeightSync.send), or None: weights are published as checkpoints in the run dir
     (not with offline data);
     alive(): False once the explorer this loop waits for has died; cores: the sync.CoreShare
@@ -103,7 +103,7 @@ class LoopIO:
     records: Callable[[], list[dict]] = list
     shape: Callable[[list, int], tuple[list, dict]] | None = None
     extra_metrics: Callable[[], dict] = dict
-    send_weights: Callable[[int, Any], float] | None = None
+    send_weights: Callable[[int, Any], float | None] | None = None
     alive: Callable[[], bool] = lambda: True  # noqa: E731
     cores: Any = None
 
@@ -180,20 +180,22 @@ class TrainLoop:
         --sync-bucket-mb and broadcast sync, every rank gathers one bucket at a time while
         rank 0 sends it (sync.WeightSync.send)."""
         cfg, io, version = self.cfg, self.io, self.trainer.version
-        params = None
+        params = digest = None
         if cfg.sync_bucket_mb and cfg.sync_method == "broadcast":  # (run.check_modes: never with offline data)
             buckets = self.trainer.parameter_buckets(bucket_elems(cfg))
             if self.rank == 0:
-                m["sync/trainer_checksum"] = io.send_weights(version, buckets)
+                digest = io.send_weights(version, buckets)
             for _ in buckets:  # the other ranks take part in every gather
                 pass
         else:
             params = self.trainer.full_parameters()
             if self.rank == 0 and io.send_weights:
-                m["sync/trainer_checksum"] = io.send_weights(version, [params])
+                digest = io.send_weights(version, [params])
             elif self.rank == 0 and not io.offline:
                 checkpoints.publish_checkpoint(Path(cfg.run_dir), version, lambda d: self.trainer.save(d, params))
-                m["sync/trainer_checksum"] = sync.checksum(params)
+                digest = sync.checksum(params) if cfg.sync_checksum else None
+        if digest is not None:
+            m["sync/trainer_checksum"] = digest
         if step == cfg.steps - 1:
             params = params if params is not None else self.trainer.full_parameters()
             self.trainer.save_final(Path(cfg.run_dir) / "final", params)
@@ -443,7 +445,7 @@ def weight_group(cfg, layout, receivers: int):
     `receivers` explorers: its store on cfg.sync_host:cfg.sync_port, on the placement's
     sync device, with --sync-bucket-mb's buckets."""
     return sync.WeightSync(0, 1 + receivers, port=cfg.sync_port, host=cfg.sync_host, device=layout.sync_device,
-                           timeout_s=cfg.sync_timeout_s, bucket_elems=bucket_elems(cfg))
+                           timeout_s=cfg.sync_timeout_s, bucket_elems=bucket_elems(cfg), checksum=cfg.sync_checksum)
 
 
 def connect_explorers(cfg, io, layout, version: int, params) -> "object":
