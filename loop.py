@@ -75,7 +75,7 @@ class LoopIO:
     (MIX) data, or None; metrics: metrics.Metrics; records(): the explorers' new records;
     shape(groups, step) -> (groups, metrics): the experience pipeline, or None;
     extra_metrics(): the annotator's metrics (RuntimeError once it has failed);
-    send_weights(version, buckets) -> checksum: the broadcast to the explorers, or None
+    send_weights(version, buckets) -> checksum (--sync-checksum) or None: the broadcast to the explorers, or None
     (checkpoints in the run dir); alive(): False once the explorer has died; cores: the
     sync.CoreShare of a one-rank trainer and its CPU explorer, or None."""
 
@@ -86,7 +86,7 @@ class LoopIO:
     records: Callable[[], list[dict]] = list
     shape: Callable[[list, int], tuple[list, dict]] | None = None
     extra_metrics: Callable[[], dict] = dict
-    send_weights: Callable[[int, Any], float] | None = None
+    send_weights: Callable[[int, Any], float | None] | None = None
     alive: Callable[[], bool] = lambda: True  # noqa: E731
     cores: Any = None
 
@@ -163,20 +163,22 @@ class TrainLoop:
         gathers them, one bucket at a time with --sync-bucket-mb); the last step also saves
         RUN_DIR/final."""
         cfg, io, version = self.cfg, self.io, self.trainer.version
-        params = None
+        params = digest = None
         if cfg.sync_bucket_mb and cfg.sync_method == "broadcast":  # (run.check_modes: never with offline data)
             buckets = self.trainer.parameter_buckets(bucket_elems(cfg))
             if self.rank == 0:
-                m["sync/trainer_checksum"] = io.send_weights(version, buckets)
+                digest = io.send_weights(version, buckets)
             for _ in buckets:  # the other ranks take part in every gather
                 pass
         else:
             params = self.trainer.full_parameters()
             if self.rank == 0 and io.send_weights:
-                m["sync/trainer_checksum"] = io.send_weights(version, [params])
+                digest = io.send_weights(version, [params])
             elif self.rank == 0 and not io.offline:
                 checkpoints.publish_checkpoint(Path(cfg.run_dir), version, lambda d: self.trainer.save(d, params))
-                m["sync/trainer_checksum"] = sync.checksum(params)
+                digest = sync.checksum(params) if cfg.sync_checksum else None
+        if digest is not None:
+            m["sync/trainer_checksum"] = digest
         if step == cfg.steps - 1:
             params = params if params is not None else self.trainer.full_parameters()
             self.trainer.save_final(Path(cfg.run_dir) / "final", params)
@@ -391,7 +393,7 @@ def start_explorer(cfg, io, model_path: str, version: int, layout, tasks: tuple)
 def weight_group(cfg, layout, receivers: int):
     """Trainer rank 0's end (sync.WeightSync rank 0) of the weight-sync group of `receivers` explorers."""
     return sync.WeightSync(0, 1 + receivers, port=cfg.sync_port, host=cfg.sync_host, device=layout.sync_device,
-                           timeout_s=cfg.sync_timeout_s, bucket_elems=bucket_elems(cfg))
+                           timeout_s=cfg.sync_timeout_s, bucket_elems=bucket_elems(cfg), checksum=cfg.sync_checksum)
 
 
 def finish(cfg, loop, explorer, weights) -> None:
