@@ -19,7 +19,8 @@ import torch
 
 import models
 import sync
-from losses import left_pad, resolve
+from losses import resolve
+from packing import left_pad
 from perf import generate_flops, matmul_params
 
 

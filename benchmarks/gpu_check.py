@@ -494,7 +494,7 @@ def raw_generate(model, prompts: list[list[int]], n: int, max_tokens: int, pad: 
     prompt, left-padded on the model's device; returns the generated tokens (end token included)."""
     import torch
 
-    from losses import left_pad
+    from packing import left_pad
 
     ids, attn, _ = (x.to(model.device) for x in left_pad([p for p in prompts for _ in range(n)], pad))  # [B, P]
     with torch.no_grad():
@@ -510,7 +510,7 @@ def raw_train(model, opt, exps, token_budget: int, pad: int) -> None:
     token_budget, HF's loss on the response tokens under bf16 autocast, backward, clip, AdamW."""
     import torch
 
-    from losses import left_pad
+    from packing import left_pad
 
     per_mb = max(1, token_budget // max(len(e.tokens) for e in exps))
     for i in range(0, len(exps), per_mb):
