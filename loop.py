@@ -75,9 +75,8 @@ class LoopIO:
     (MIX) data, or None; metrics: metrics.Metrics; records(): the explorers' new records;
     shape(groups, step) -> (groups, metrics): the experience pipeline, or None;
     extra_metrics(): the annotator's metrics (RuntimeError once it has failed);
-    send_weights(version, buckets) -> checksum (--sync-checksum) or None: the broadcast to the explorers, or None
-    (checkpoints in the run dir); alive(): False once the explorer has died; cores: the
-    sync.CoreShare of a one-rank trainer and its CPU explorer, or None."""
+    send_weights(version, buckets) -> checksum (--sync-checksum) or None: the broadcast, or None
+    (checkpoints in the run dir); alive(): False once the explorer has died; cores: sync.CoreShare."""
 
     buffer: Any = None
     offline: Any = None
@@ -264,7 +263,6 @@ def wait_until_loaded(explorer, queue) -> None:
     """Mode both, checkpoint sync: block until the explorer has loaded its start weights.
     RuntimeError (one line) when it fails or dies first."""
     from queue import Empty
-
     while True:
         try:
             r = queue.get(timeout=1.0)
