@@ -377,12 +377,12 @@ class Receiver:
         self.port, self.timeout_s, self.device, self.host = port, timeout_s, device, host
 
     @classmethod
-    def for_config(cls, cfg, engine, log: Callable[[dict], None], alive: Callable[[], bool], port: int,
-                   device: str) -> "Receiver":
-        """The Receiver of explorer cfg.explorer_name: by broadcast to `device` over the group
-        at cfg.sync_host:`port` when cfg.sync_method is "broadcast", else from checkpoints."""
-        return cls(engine, cfg.run_dir, cfg.explorer_name, log, alive,
-                   port if cfg.sync_method == "broadcast" else None, cfg.sync_timeout_s, device, cfg.sync_host)
+    def for_config(cls, cfg, engine, log: Callable[[dict], None], alive: Callable[[], bool], device: str,
+                   port: int | None = None) -> "Receiver":
+        """Explorer cfg.explorer_name's Receiver: by broadcast to `device` over the group at cfg.sync_host:`port`
+        (default cfg.sync_port) when cfg.sync_method is "broadcast", else from checkpoints."""
+        port = (port or cfg.sync_port) if cfg.sync_method == "broadcast" else None
+        return cls(engine, cfg.run_dir, cfg.explorer_name, log, alive, port, cfg.sync_timeout_s, device, cfg.sync_host)
 
     def join(self) -> None:
         """Broadcast: join the weight-sync group on `device`; blocks until every rank is there."""

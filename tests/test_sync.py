@@ -232,7 +232,7 @@ def test_without_sync_checksum_neither_end_sums_the_weights(tiny_model, monkeypa
     joiner = threading.Thread(target=ws.connect)
     joiner.start()
     records = []
-    receiver = sync.Receiver.for_config(cfg, engine, records.append, lambda: True, ws.port, "cpu")
+    receiver = sync.Receiver.for_config(cfg, engine, records.append, lambda: True, "cpu", ws.port)
     receiver.join()
     joiner.join()
     assert ws.send(2, [[p.detach() + 1 for p in engine.parameters()]]) is None
