@@ -137,7 +137,7 @@ def both_flags(work: Path, model: str, steps: int, run_dir: Path) -> list[str]:
     """run.py flags of a mode-both job on the default job's shape with a weight sync after every step."""
     return ["--mode", "both", "--engine", "hf", "--model", str(work / "models" / model), "--task",
             str(work / "tasks.jsonl"), "--steps", str(steps), "--sync-interval", "1", "--eval-size", "16",
-            "--run-dir", str(run_dir), "--overwrite"]
+            "--run-dir", str(run_dir), "--overwrite", "--sync-checksum"]
 
 
 def jobs(work: Path) -> dict[str, list[str]]:
