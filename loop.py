@@ -376,14 +376,13 @@ def loop_io(cfg, trainer, start: int, model_path: str):
     of the resume state says), and in mode train the explorers' evaluations from the
     buffer. Mode both adds the explorer in `start_explorer`; mode train with broadcast sync
     the explorers' group in `connect_explorers`."""
-    from workflows import OfflineSampler, load_chat_jsonl, load_offline_jsonl
+    from losses import resolve
 
     run_dir = Path(cfg.run_dir)
     io = LoopIO(buffer=open_buffer(cfg.buffer, run_dir))
     if cfg.experience_pipeline:
-        from pipelines import ExperiencePipeline
-
-        io.shape = ExperiencePipeline(cfg.experience_pipeline, trainer.tokenizer, model_path)
+        io.shape = resolve("extras.pipelines.ExperiencePipeline", {}, "experience_pipeline")(
+            cfg.experience_pipeline, trainer.tokenizer, model_path)
     io.buffer.set_run_state("trainer_done", None)  # a trainer is running (again)
     if cfg.resume:
         released = io.buffer.release_after(start)
@@ -391,10 +390,11 @@ def loop_io(cfg, trainer, start: int, model_path: str):
     evals_from_buffer = cfg.mode == "train" and not cfg.train_data  # (records() below reads them all again)
     io.metrics = Metrics(run_dir, cfg, kept_on_resume(start, evals_from_buffer) if cfg.resume else None)
     if cfg.expert_fraction:
-        io.expert = OfflineSampler(load_chat_jsonl(cfg.expert_data, trainer.tokenizer), cfg.seed)
+        io.expert = resolve("extras.offline.sampler", {}, "expert_data")(cfg.expert_data, trainer.tokenizer, cfg.seed,
+                                                                          chats_only=True)
         io.expert.draw(trainer.loop_state.get("expert_drawn", 0))  # the same order as an uninterrupted run
     if cfg.train_data:
-        io.offline = OfflineSampler(load_offline_jsonl(cfg.train_data, trainer.tokenizer), cfg.seed)
+        io.offline = resolve("extras.offline.sampler", {}, "train_data")(cfg.train_data, trainer.tokenizer, cfg.seed)
         for _ in range(start):  # the same order as an uninterrupted run
             io.offline.draw(cfg.batch_size)
     elif cfg.mode == "train":  # the explorers' evaluations, from the buffer

@@ -1,4 +1,4 @@
-"""Data pipelines (pipelines.py): task operators, selectors (BOTS against numbers worked out
+"""Data pipelines (extras/pipelines.py): task operators, selectors (BOTS against numbers worked out
 by following the reference's update rule), experience operators, prioritised replay in
 both buffer backends, the pipelines from a config on the default job, and the human-label
 round trip against a real Label Studio server."""
@@ -17,10 +17,9 @@ from buffer import Buffer, Experience
 from conftest import ROOT, chat_endpoint, run_py, subprocess_env
 from extras.experience_ops import clean, diversity_reward, quality_reward
 from extras.label_studio import Annotator, LabelStudio
-from extras.selectors import DiffBased, Easy2Hard
-from pipelines import (ExperienceContext, ExperiencePipeline, RandomTasks, Sequential, Shuffle, TaskContext,
-                       make_selector, run_task_pipeline)
-from workflows import Task
+from extras.pipelines import ExperienceContext, ExperiencePipeline, TaskContext, make_selector, run_task_pipeline
+from extras.selectors import DiffBased, Easy2Hard, RandomTasks, Sequential
+from workflows import Shuffle, Task
 
 
 @pytest.fixture(scope="module")
