@@ -49,7 +49,7 @@ CREATE TABLE IF NOT EXISTS replays (step INTEGER NOT NULL, group_id TEXT NOT NUL
 """
 
 
-_COLUMNS = ("group_id, task_id, model_version, prompt_length, tokens, behaviour_logprobs, action_mask, reward, info, "
+COLUMNS = ("group_id, task_id, model_version, prompt_length, tokens, behaviour_logprobs, action_mask, reward, info, "
             "explorer")
 
 
@@ -201,7 +201,7 @@ class Buffer:
                 for g in groups for e in g]
         with self.db.transaction():
             self.db.executemany(
-                f"INSERT INTO experiences ({_COLUMNS}, created) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
+                f"INSERT INTO experiences ({COLUMNS}, created) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
             if state is not None:
                 self.db.execute("INSERT INTO explorer_state VALUES (?, ?) ON CONFLICT (name) DO UPDATE "
                                 "SET state = excluded.state", (explorer, json.dumps(state)))
@@ -243,8 +243,8 @@ class Buffer:
     def pending_group_rows(self) -> list[list[Experience]]:
         """The experiences of the groups still waiting for a reward, oldest group first."""
         ids = self.pending_groups()
-        return self._groups(ids, self.db.execute(
-            f"SELECT {_COLUMNS} FROM experiences WHERE group_id IN ({','.join('?' * len(ids))}) ORDER BY id",
+        return self.groups_of(ids, self.db.execute(
+            f"SELECT {COLUMNS} FROM experiences WHERE group_id IN ({','.join('?' * len(ids))}) ORDER BY id",
             ids).fetchall()) if ids else []
 
     def explorer_state(self, name: str) -> dict | None:
@@ -322,45 +322,15 @@ class Buffer:
             if len(ids) < num_groups:
                 return None
             marks = ",".join("?" * len(ids))
-            rows = self.db.execute(f"SELECT {_COLUMNS} FROM experiences WHERE consumed = 0 AND group_id IN ({marks}) "
+            rows = self.db.execute(f"SELECT {COLUMNS} FROM experiences WHERE consumed = 0 AND group_id IN ({marks}) "
                                    "ORDER BY id", ids).fetchall()
             self.db.execute(f"UPDATE experiences SET consumed = ?, use_count = 1 WHERE consumed = 0 AND group_id IN "
                             f"({marks})", [step + 1, *ids])
-        return self._groups(ids, rows)
-
-    def replay(self, groups: int, step: int, decay: float = 2.0, use_count_limit: int = 3
-               ) -> tuple[list[list[Experience]], int]:
-        """Prioritised experience replay (Trinity-RFT trinity/buffer/storage/queue.py @
-        5a4234ec, priority model_version - decay * use_count, an item reused at most up to
-        its use-count limit): take up to `groups` groups consumed before trainer step
-        `step` whose use_count < `use_count_limit`, highest priority first (ties: newest),
-        count the use and record it for `release_after`. Each experience carries
-        info["use_count"] (uses before this one) and info["priority"]. Returns (groups,
-        how many groups were eligible)."""
-        with self.db.transaction(readers=True):
-            eligible = self.db.execute(
-                "SELECT group_id, MIN(model_version) - ? * MAX(use_count) AS priority FROM experiences "
-                "WHERE consumed BETWEEN 1 AND ? GROUP BY group_id HAVING MAX(use_count) < ? "
-                "ORDER BY priority DESC, MIN(id) DESC", (decay, step, use_count_limit)).fetchall()
-            chosen = eligible[:groups]
-            ids, priority = [g for g, _ in chosen], dict(chosen)
-            if not ids:
-                return [], len(eligible)
-            marks = ",".join("?" * len(ids))
-            rows = self.db.execute(f"SELECT {_COLUMNS}, use_count FROM experiences WHERE group_id IN ({marks}) "
-                                   "ORDER BY id", ids).fetchall()
-            self.db.execute(f"UPDATE experiences SET use_count = use_count + 1 WHERE group_id IN ({marks})", ids)
-            self.db.executemany("INSERT INTO replays VALUES (?, ?)", [(step, g) for g in ids])
-        out = self._groups(ids, [r[:-1] for r in rows])
-        uses = {r[0]: r[-1] for r in rows}
-        for g in out:
-            for e in g:
-                e.info.update(use_count=uses[e.group_id], priority=float(priority[e.group_id]))
-        return out, len(eligible)
+        return self.groups_of(ids, rows)
 
     @staticmethod
-    def _groups(ids: list[str], rows) -> list[list[Experience]]:
-        """Rows of _COLUMNS (ordered by id) as groups, in the order of `ids`."""
+    def groups_of(ids: list[str], rows) -> list[list[Experience]]:
+        """Rows of COLUMNS (ordered by id) as groups of Experience, in the order of `ids`."""
         by_group: dict[str, list[Experience]] = {g: [] for g in ids}
         for g, task, ver, plen, tok, lp, mask, reward, info, explorer in rows:
             by_group[g].append(Experience(

@@ -43,13 +43,12 @@ def resolve_engine(cfg) -> None:
 
 
 def check_config(cfg, tokenizer, dataset) -> None:
-    """Raise ValueError (one line) for an engine that cannot work and, where the model is at
-    hand (`tokenizer`: rank 0; None elsewhere), for a workflow that cannot be created, so
-    that it fails here and not in the explorer process."""
-    vllm = cfg.engine == "vllm" or (cfg.engine == "auto" and vllm_available())
+    """Raise ValueError (one line) for an engine (after `resolve_engine`) that cannot work
+    and, where the model is at hand (`tokenizer`: rank 0; None elsewhere), for a workflow
+    that cannot be created, so that it fails here and not in the explorer process."""
     if cfg.engine == "vllm" and not vllm_available():
         raise ValueError("--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)")
-    if vllm and cfg.lora_rank and cfg.inflight:
+    if cfg.engine == "vllm" and cfg.lora_rank and cfg.inflight:
         raise ValueError("--inflight with --lora-rank needs --engine hf: a vLLM request keeps the LoRA adapter it "
                          "started with, so new adapters cannot reach sequences in flight")
     if tokenizer is None:
@@ -106,10 +105,9 @@ class Explorer:
         self.peak = unit_peak(device.type, cfg.dtype)  # FLOP/s of one core (CPU) or device (CUDA)
 
     def utilisation(self, since: tuple[float, float], wall_s: float, prefix: str) -> dict[str, float]:
-        """PREFIX_model_flops (the engine's model FLOPs since `since` = (engine.model_flops,
-        metrics.cpu_seconds())) and PREFIX_mfu: those FLOPs over the peak of what the explorer
-        used: its CPU seconds (vLLM's engine process included) x one core's peak on a CPU,
-        `wall_s` x the device's peak on CUDA."""
+        """PREFIX_model_flops since `since` = (engine.model_flops, metrics.cpu_seconds()) and
+        PREFIX_mfu: over the explorer's CPU seconds x one core's peak (CPU), `wall_s` x the
+        device's peak (CUDA)."""
         flops = self.engine.model_flops - since[0]
         busy = cpu_seconds() - since[1] if self.on_cpu else wall_s
         return {f"{prefix}_model_flops": flops, f"{prefix}_mfu": mfu(flops, busy, self.peak)}
@@ -374,12 +372,10 @@ def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: in
                   device: str = "", sync_device: str = "cpu", core_flags=None) -> None:
     """Mode both: the explorer process, spawned by trainer rank 0 (loop.start_explorer), on
     the weights in `model_path` (= `start_version`) and `tasks` (workflows.prepare_tasks's
-    triple), on `device` with its weight-sync group on `sync_device` (launch.place). It
-    receives weights over the weight-sync group (rank 1, `port`) or, with --sync-method
-    checkpoint, from the checkpoints the trainer publishes (`Schedule`). Puts metric records
-    (and an error line if it fails: exit code 1) on `queue`. `core_flags`: the shared busy
-    flags of sync.CoreShare (the HF engine borrows the trainer's threads while it waits for
-    a batch), or None."""
+    triple), on `device`, its weight-sync group (rank 1, `port`; or checkpoints with
+    --sync-method checkpoint) on `sync_device` (launch.place). Puts metric records (and an
+    error line if it fails: exit code 1) on `queue`. `core_flags`: sync.CoreShare's busy
+    flags (the HF engine borrows the trainer's threads while it waits), or None."""
     parent = os.getppid()
     alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
     last = sync.published_versions(total_steps, cfg.sync_interval)[-1]
@@ -387,7 +383,8 @@ def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: in
     signal.signal(signal.SIGINT, exit_quietly)  # Ctrl-C: the trainer says how to resume; no second report
     try:
         queue.put({"status": f"starting the {cfg.engine} engine"})
-        engine = make_engine(cfg, model_path, engine_seed(cfg), use_gpu(device), colocated=device.startswith("cuda") and sync_device == "cpu")
+        engine = make_engine(cfg, model_path, engine_seed(cfg), use_gpu(device),
+                             colocated=device.startswith("cuda") and sync_device == "cpu")
         engine.version = start_version
         engine.status = lambda text: queue.put({"status": text})
         if core_flags is not None and isinstance(engine, HFEngine):
@@ -410,13 +407,13 @@ def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: in
 
 
 def explore(cfg, engine: Engine, tasks: tuple, buffer: Buffer, pace, log, batches: int) -> None:
-    """The explorer's loop (modes both and explore) on `tasks` (train, held-out, dataset),
-    up to batch `batches`; it closes `engine` at the end. `pace` (`Schedule`) joins the
-    weight sync, says before each batch whether it may start (False: stop) after taking
-    the weights it needs, takes publishes between decode steps with cfg.inflight (`inflight`)
-    and the last weights (`final`). An evaluation every eval_interval versions, each after
-    its version's first batch (the trainer trains on that batch meanwhile), and one at the
-    end. Records go to `log`."""
+    """The explorer's loop (modes both and explore) over the batches before `batches` on
+    `tasks` (train, held-out, dataset); it closes `engine` at the end. `pace` (mode both:
+    `Schedule`) joins the weight sync (`join`), takes the weights a batch needs and says
+    whether it may start (`before_batch`; False: stop), takes publishes between decode
+    steps with cfg.inflight (`inflight`) and the last weights (`final`). Evaluations every
+    eval_interval versions, each after its version's first batch (the trainer trains on
+    that batch meanwhile), and at the end; records go to `log`."""
     try:
         pace.join()
         explorer = Explorer(cfg, engine, *tasks, log)
@@ -426,7 +423,7 @@ def explore(cfg, engine: Engine, tasks: tuple, buffer: Buffer, pace, log, batche
         evaluated = None  # the weight version last evaluated
 
         def evaluate() -> int:
-            hook, engine.step_hook = engine.step_hook, None  # one version per evaluation
+            hook, engine.step_hook = engine.step_hook, None  # no in-flight updates: one version per evaluation
             if cfg.eval_size and (record := explorer.evaluate(engine.version)) is not None:
                 log(record)
             engine.step_hook = hook

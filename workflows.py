@@ -52,12 +52,9 @@ HF_DATASETS = ("extras.hub.is_dataset", "extras.hub.hf_dataset_tasks")
 
 
 def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: int) -> tuple[list[Task], list[Task], Any]:
-    """Return (train tasks, held-out tasks, verifier dataset or None).
-
-    Raises ValueError for an unknown reasoning-gym dataset, bad kwargs, a reasoning-gym
-    task without reasoning-gym installed, or a malformed JSONL row (the message names the
-    file and line); FileNotFoundError for a missing file.
-    """
+    """(train tasks, held-out tasks, verifier dataset or None). Raises ValueError for an
+    unknown reasoning-gym dataset, bad kwargs, reasoning-gym not installed, or a malformed
+    JSONL row (naming the file and line); FileNotFoundError for a missing file."""
     from losses import resolve
 
     if name in TASK_SOURCES:  # the bundled multi-turn game
@@ -84,9 +81,8 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
         train_ds = reasoning_gym.create_dataset(name, size=2 * train_size + 16, seed=base, **kwargs)
     except Exception as e:  # reasoning-gym raises several types for bad names/kwargs
         raise ValueError(f"reasoning-gym dataset {name!r} with {kwargs}: {e}") from None
-    # The held-out set is not filtered: rejecting held-out questions that training has would
-    # skew it towards the rarest (hardest) ones where the task space is small (the default task:
-    # 3% one-digit sums held out against 41% drawn). Training gives way instead.
+    # the held-out set is not filtered (that would skew it towards the rarest, hardest questions where the task
+    # space is small): training gives way instead
     held = [Task(f"{name}/eval/{i}", x["question"], str(x["answer"]), x) for i, x in enumerate(eval_ds)][:eval_size]
     seen = {t.question for t in held}
     train = list(itertools.islice((Task(f"{name}/train/{i}", x["question"], str(x["answer"]), x)
@@ -115,6 +111,8 @@ def _read_jsonl_tasks(path: Path) -> list[Task]:
 
 
 def jsonl_rows(path: str | Path, what: str):
+    """(path, line number, parsed row) of each non-empty line of the JSONL file `path` (a
+    `what`); FileNotFoundError, or ValueError naming the file and line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{what} not found: {path}")
@@ -297,17 +295,13 @@ def _settle(fut, result, error) -> None:
 
 
 class Workflow:
-    """Base class: turn one task into a group of Experiences. Adapt nanorft to a new
-    scenario by subclassing it (multi-turn: extras.multiturn.MultiTurnWorkflow) and naming the class
-    with `--workflow module.Class` (or adding it to WORKFLOWS).
-
-    Subclasses implement `async run(task, engine, n) -> list[Experience]`; they call
-    `await engine.generate(prompt_ids, n, sampling)` (see engines.Engine), which batches
-    the requests of all workflows in flight. A reward of None means "not known yet"
-    (lagged reward): the buffer stores it as NULL and never serves the group until
-    `Buffer.set_rewards` fills it. The explorer applies timeouts and retries around `run`.
-    Attributes: tokenizer, reward_fn, dataset, system_prompt, sampling, run_dir.
-    """
+    """Base class: turn one task into a group of Experiences. A new scenario subclasses it
+    (multi-turn: extras.multiturn.MultiTurnWorkflow), named by `--workflow module.Class` or
+    in WORKFLOWS. Subclasses implement `async run(task, engine, n) -> list[Experience]`,
+    calling `await engine.generate(prompt_ids, n, sampling)` (engines.Engine: it batches the
+    requests of all workflows in flight). A reward of None is not known yet (lagged): the
+    buffer serves the group once `Buffer.set_rewards` fills it. The explorer applies
+    timeouts and retries around `run`."""
 
     def __init__(self, tokenizer, reward_fn, dataset, system_prompt: str, sampling, run_dir: str = ""):
         self.tokenizer, self.reward_fn, self.dataset = tokenizer, reward_fn, dataset

@@ -68,7 +68,8 @@ def run_mode_explore(cfg, model_path: str, tasks: tuple) -> None:
     launch.split_threads(cfg, 1)
     print(f"nanorft: mode explore ({cfg.explorer_name}), engine {cfg.engine}, {cfg.explorer_threads} threads, "
           f"run dir {cfg.run_dir}")
-    log, buffer = JsonlLog(Path(cfg.run_dir) / f"explorer_{cfg.explorer_name}.jsonl"), open_buffer(cfg.buffer, cfg.run_dir)
+    log = JsonlLog(Path(cfg.run_dir) / f"explorer_{cfg.explorer_name}.jsonl")
+    buffer = open_buffer(cfg.buffer, cfg.run_dir)
     by_broadcast = cfg.sync_method == "broadcast"
 
     def log_and_share(record: dict) -> None:

@@ -1,10 +1,10 @@
 """Data pipelines (Trinity-RFT's third pillar, arXiv:2505.17826 section 2.3, examples
-3.4-3.5): task curation before the loop and task selection (the explorer), experience
-shaping between buffer and trainer (trainer rank 0), human labels (extras/label_studio.py).
-The core reaches this file by import path when a pipeline setting is given
-(workflows.PIPELINES); the bundled operators and selectors are in extras/task_ops.py,
-extras/experience_ops.py and extras/selectors.py. Configured as lists of tables
-{op = NAME or module.function, ...kwargs} (docs/pipelines.md, configs/pipelines.toml):
+3.4-3.5): task curation and selection (the explorer), experience shaping and replay
+between buffer and trainer (trainer rank 0), human labels (extras/label_studio.py). The
+core reaches this file by import path when a pipeline setting is given (workflows.PIPELINES);
+the bundled operators and selectors are in extras/task_ops.py, experience_ops.py and
+selectors.py. Configured as lists of tables {op = NAME or module.function, ...kwargs}
+(docs/pipelines.md, configs/pipelines.toml):
 
 Task operator:       fn(tasks: list[Task], ctx: TaskContext, **kw) -> list[Task]
 Experience operator: fn(groups: list[list[Experience]], ctx: ExperienceContext, **kw) -> list[list[Experience]]
@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from buffer import Buffer, Experience
+from buffer import COLUMNS, Buffer, Experience
 from losses import resolve
 from workflows import Shuffle, Task
 
@@ -144,6 +144,38 @@ class ExperiencePipeline:
         raw = [e.info.get("reward_raw", e.reward) for g in groups for e in g]
         ctx.metrics["pipeline/reward_raw_mean"] = sum(raw) / len(raw)
         return groups, ctx.metrics
+
+
+def replay(buffer: Buffer, groups: int, step: int, decay: float = 2.0, use_count_limit: int = 3
+           ) -> tuple[list[list[Experience]], int]:
+    """Prioritised experience replay (Trinity-RFT trinity/buffer/storage/queue.py @ 5a4234ec:
+    priority model_version - decay * use_count, each item used at most use_count_limit
+    times): take up to `groups` groups consumed before trainer step `step` (loop.read_batch),
+    highest priority first (ties: newest), count the use and record it in the buffer's
+    replays table, which Buffer.release_after undoes for a resumed run. Each experience
+    carries info["use_count"] (uses before this one) and info["priority"]. Returns (groups,
+    how many were eligible)."""
+    db = buffer.db
+    with db.transaction(readers=True):
+        eligible = db.execute(
+            "SELECT group_id, MIN(model_version) - ? * MAX(use_count) AS priority FROM experiences "
+            "WHERE consumed BETWEEN 1 AND ? GROUP BY group_id HAVING MAX(use_count) < ? "
+            "ORDER BY priority DESC, MIN(id) DESC", (decay, step, use_count_limit)).fetchall()
+        chosen = eligible[:groups]
+        ids, priority = [g for g, _ in chosen], dict(chosen)
+        if not ids:
+            return [], len(eligible)
+        marks = ",".join("?" * len(ids))
+        rows = db.execute(f"SELECT {COLUMNS}, use_count FROM experiences WHERE group_id IN ({marks}) ORDER BY id",
+                          ids).fetchall()
+        db.execute(f"UPDATE experiences SET use_count = use_count + 1 WHERE group_id IN ({marks})", ids)
+        db.executemany("INSERT INTO replays VALUES (?, ?)", [(step, g) for g in ids])
+    out = buffer.groups_of(ids, [r[:-1] for r in rows])
+    uses = {r[0]: r[-1] for r in rows}
+    for g in out:
+        for e in g:
+            e.info.update(use_count=uses[e.group_id], priority=float(priority[e.group_id]))
+    return out, len(eligible)
 
 
 def response_text(e: Experience, tokenizer) -> str:
