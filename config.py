@@ -139,6 +139,8 @@ class Config:
     """train only on experiences at most this many versions older than the trainer (-1 = no bound); dropped groups are counted"""
     sync_timeout_s: float = 3600.0
     """longest wait of any single weight-sync collective (seconds)"""
+    sync_checksum: bool = False
+    """log sync/trainer_checksum and sync/explorer_checksum (a float64 sum of the published weights on each end: equal numbers show the explorer holds the trainer's weights); one extra pass over the weights on both ends per publish"""
     buffer_timeout_s: float = 1800.0
     """mode train: give up when the buffer has not delivered a batch for this long (seconds)"""
     buffer: str = ""

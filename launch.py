@@ -148,18 +148,23 @@ def gloo_interface() -> str | None:
     GLOO_SOCKET_IFNAME (unless given) to the interface on the route to MASTER_ADDR, as the
     weight-sync group does (sync.local_address). Returns the interface, or None when the
     variable was left alone (set already; MASTER_ADDR missing, on loopback or unresolvable)."""
+    import ipaddress
+
     import sync
+    from losses import resolve
 
     master = os.environ.get("MASTER_ADDR", "")
     if os.environ.get("GLOO_SOCKET_IFNAME") or not master:
         return None
     try:
-        name = sync.interface_of(sync.local_address(master))
+        address = sync.local_address(master)
     except OSError:  # no route to it: torch's own error names the address
         return None
-    if name is None or name == "lo":
+    if ipaddress.ip_address(address).is_loopback:  # one host
         return None
-    os.environ["GLOO_SOCKET_IFNAME"] = name
+    name = resolve("extras.hosts.interface_of", {}, "network interface lookup")(address)
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
     return name
 
 

@@ -1,16 +1,14 @@
-"""The trainer ranks' loop of modes both and train, and the processes around it.
+"""The train loop of modes both and train, on every trainer rank (`run_trainer`):
 
-Every trainer rank (torchrun) runs `run_trainer`: a `TrainLoop` around a trainer.Trainer.
-The loop: rank 0 reads the groups of one explorer batch from the buffer (or offline
-data) and broadcasts them; every rank takes the step; the weights go to the explorer by
-broadcast or as a checkpoint after the steps the sync schedule names; rank 0 writes the
-metrics. On rank 0 `run_trainer` also opens what the loop talks to (`loop_io`: buffer,
-pipelines, metrics, offline data), spawns the explorer process of mode both
-(`start_explorer`) or waits for the `--mode explore` launches of mode train
-(`connect_explorers`), and after the last step waits for them and writes the final
-files and the plot (`finish`). A file of its own because it wires the trainer to the
-explorer process, the buffer, the weight-sync group and the metrics: it belongs to neither
-side, and run.py keeps to the config and starting the processes.
+    for step in range(start, steps):
+        batch = read_batch(buffer)        # rank 0: one explorer batch of groups, broadcast to every rank
+        metrics = trainer.step(batch)     # advantages -> loss -> optimizer step (trainer.py)
+        publish(weights)                  # after the steps the sync schedule names: to the explorer
+        log(metrics)                      # rank 0: metrics.jsonl, trackers, the progress bar
+
+Around it, on rank 0: what the loop talks to (`loop_io`: buffer, metrics, pipelines,
+offline data), the explorer process of mode both (`start_explorer`), and after the last
+step the final files and the plot (`finish`).
 """
 from __future__ import annotations
 
@@ -31,21 +29,22 @@ import checkpoints
 import sync
 from buffer import Experience, open_buffer
 from checkpoints import delete_resume_states, load_resume_state, resume_state, save_resume_state
-from metrics import Metrics, cpu_seconds, eval_line, plot, print0, trackers
-from perf import job_units, mfu
+from losses import resolve
+from metrics import Metrics, eval_line, plot, print0, trackers
+from perf import JobMeter
 from trainer import Trainer
 
 ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this many consecutive steps
-ANNOTATOR = "extras.label_studio.start_annotator"  # human labels (--annotation): Label Studio, by import path
 REWARD_ERROR_STEPS = 3  # stop when the reward function failed on every rollout of this many consecutive steps
+ANNOTATOR = "extras.label_studio.start_annotator"  # human labels (--annotation): Label Studio
+EXPLORERS_GROUP = "extras.train_mode.connect_explorers"  # mode train: the --mode explore launches' weight-sync group
+EXPLORER_RECORDS = "extras.train_mode.records_from_buffer"  # mode train: the explorers' evaluations
 
 
 def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]:
-    """Rank 0: the groups of trainer step `step` and their metrics: how many groups were
-    dropped for staleness (trainer `version` - experience version > cfg.max_staleness; in
-    mode train they are replaced by newer ones from the buffer, in mode both the schedule
-    already bounds staleness: sync.check_config) and, with cfg.replay, the replayed groups
-    added after the fresh ones (buffer.Buffer.replay)."""
+    """Rank 0: the cfg.batch_size groups of step `step` and their metrics. Groups staler
+    than cfg.max_staleness (trainer `version` - experience version) are dropped, counted
+    and replaced; with cfg.replay, replayed groups follow the fresh ones."""
     groups, dropped = [], 0
     while len(groups) < cfg.batch_size:
         got = buffer.read(cfg.batch_size - len(groups), cfg.buffer_timeout_s, alive, step=step)
@@ -55,8 +54,6 @@ def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]
         groups += fresh
     m = {"staleness/dropped_groups": dropped}
     if cfg.replay:
-        from losses import resolve
-
         replay = resolve("extras.pipelines.replay", {}, "replay")
         again, eligible = replay(buffer, step=step, **{"groups": 1, **cfg.replay})
         groups += again
@@ -66,38 +63,22 @@ def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]
     return groups, m
 
 
-def explorer_shares(groups: list, version: int) -> dict[str, float]:
-    """Per explorer name: its share of the batch's groups and its mean staleness (steps)."""
-    out: dict[str, float] = {}
-    names = [g[0].explorer for g in groups]
-    for name in sorted(set(names)):
-        mine = [g for g, n in zip(groups, names) if n == name]
-        out[f"explorer/{name}/share"] = len(mine) / len(groups)
-        out[f"explorer/{name}/staleness"] = sum(version - g[0].model_version for g in mine) / len(mine)
-    return out
-
-
 def bucket_elems(cfg) -> int:
-    """The weight-sync bucket in elements: --sync-bucket-mb MiB of float32 (the trainer's
-    gathered parameters; on a bf16 wire a bucket takes half that); 0 = unbucketed."""
+    """The weight-sync bucket in elements: --sync-bucket-mb MiB of float32; 0 = unbucketed."""
     return int(cfg.sync_bucket_mb * 2 ** 20) // 4
 
 
 @dataclass
 class LoopIO:
-    """What the loop talks to on rank 0 (the other ranks get the defaults). buffer: the
-    run's buffer.Buffer; offline / expert: workflows.OfflineSampler of offline (SFT, DPO)
-    and expert (MIX) data, or None; metrics: an object with write(record) (metrics.Metrics);
-    records(): the explorers' new records (batch stats, evaluations, weight receipts,
-    errors); shape(groups, step) -> (groups, metrics): the experience pipeline
-    (pipelines.ExperiencePipeline) or None; extra_metrics(): more metrics for each step
-    (the annotator's), also called at every poll while waiting for a batch: it raises
-    RuntimeError once what produces them has failed; send_weights(version, buckets) ->
-    checksum: the broadcast to the explorers
-    (sync.WeightSync.send), or None: weights are published as checkpoints in the run dir
-    (not with offline data);
-    alive(): False once the explorer this loop waits for has died; cores: the sync.CoreShare
-    of a one-rank trainer and its CPU explorer (threads lent while one side waits), or None."""
+    """What the loop talks to on rank 0 (the other ranks keep the defaults).
+
+    buffer: buffer.Buffer; offline / expert: samplers of offline (SFT, DPO) and expert
+    (MIX) data, or None; metrics: metrics.Metrics; records(): the explorers' new records;
+    shape(groups, step) -> (groups, metrics): the experience pipeline, or None;
+    extra_metrics(): the annotator's metrics (RuntimeError once it has failed);
+    send_weights(version, buckets) -> checksum (--sync-checksum) or None: the broadcast to the explorers, or None
+    (checkpoints in the run dir); alive(): False once the explorer has died; cores: the
+    sync.CoreShare of a one-rank trainer and its CPU explorer, or None."""
 
     buffer: Any = None
     offline: Any = None
@@ -106,19 +87,14 @@ class LoopIO:
     records: Callable[[], list[dict]] = list
     shape: Callable[[list, int], tuple[list, dict]] | None = None
     extra_metrics: Callable[[], dict] = dict
-    send_weights: Callable[[int, Any], float] | None = None
+    send_weights: Callable[[int, Any], float | None] | None = None
     alive: Callable[[], bool] = lambda: True  # noqa: E731
     cores: Any = None
 
 
 class TrainLoop:
-    """The trainer ranks' loop of modes both and train. Every step: rank 0 reads a batch
-    (`read_batch`, or offline data; MIX adds expert sequences) and broadcasts it; every
-    rank runs `Trainer.step`; after the steps the schedule names (sync.publishes_after)
-    the weights go to the explorer (`io.send_weights`) or into a checkpoint, and the final
-    step saves RUN_DIR/final; the resume state is saved every checkpoint_interval steps;
-    rank 0 writes the step's metrics with the explorer's records of that batch.
-    `errors`: error lines the explorer reported."""
+    """The train loop (module docstring) of one trainer rank; `errors`: the error lines the
+    explorer reported."""
 
     def __init__(self, cfg, trainer: Trainer, start: int, io: LoopIO, rank: int, world: int):
         from tqdm import tqdm
@@ -131,12 +107,11 @@ class TrainLoop:
         self.errors: list[str] = []
         self.zero_adv_steps = self.errored_steps = 0  # consecutive steps with every advantage 0 / every reward errored
         self.bar = tqdm(total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True)
-        self.cpu_mark = (cpu_seconds(), time.perf_counter())  # for cpu/utilisation_pct between two steps
-        self.explorer_flops = 0.0  # the explorers' model FLOPs (batches and evaluations) reported since the last step
+        self.meter = JobMeter()  # cpu/utilisation_pct, perf/job_mfu
 
     def run(self) -> None:
-        """Steps start .. cfg.steps - 1. Raises RuntimeError when the reward function failed on
-        every rollout of REWARD_ERROR_STEPS steps in a row."""
+        """Steps start .. cfg.steps - 1. RuntimeError after REWARD_ERROR_STEPS steps in a row
+        whose rewards all failed."""
         self.trainer.cores = self.io.cores  # (mode both: set once the explorer has started)
         try:
             self.t_start = time.perf_counter()
@@ -146,26 +121,13 @@ class TrainLoop:
             self.bar.close()
 
     def step(self, step: int) -> None:
+        """One step: rank 0 reads the batch and every rank trains on it; the weights go out
+        when the schedule says so; rank 0 logs."""
         cfg, io, t0 = self.cfg, self.io, time.perf_counter()
-        groups, read_m = [None], {}
-        if self.rank == 0:
-            if io.offline:
-                groups = [io.offline.draw(cfg.batch_size)]
-            else:
-                groups[0], read_m = read_batch(cfg, io.buffer, step, self.trainer.version, self.waiting)
-            if io.cores is not None:
-                io.cores.busy(True)
-            if io.shape:
-                groups[0], shaped = io.shape(groups[0], step)
-                read_m.update(shaped)
-            if io.expert:  # MIX: this fraction of the batch's sequences is expert data
-                n = sum(map(len, groups[0]))
-                groups[0] += io.expert.draw(max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction))))
-                # n varies (shaping, replay, multi-turn groups): the resume state records how far the sampler is
-                self.trainer.loop_state["expert_drawn"] = io.expert.drawn
-        dist.broadcast_object_list(groups, src=0)
-        wait_s = time.perf_counter() - t0
-        m = self.trainer.step(groups[0])
+        batch = [self.next_batch(step) if self.rank == 0 else None]
+        dist.broadcast_object_list(batch, src=0)
+        (groups, m_read), wait_s = batch[0], time.perf_counter() - t0
+        m = self.trainer.step(groups)
         t1 = time.perf_counter()
         if sync.publishes_after(step, cfg.sync_interval, cfg.steps):
             self.publish(step, m)
@@ -174,38 +136,57 @@ class TrainLoop:
         if io.cores is not None:
             io.cores.busy(False)  # waiting for the next batch: the explorer may use our cores
         if self.rank == 0:
-            m.update({"time/wait_s": wait_s, "time/sync_s": time.perf_counter() - t1, **read_m, **io.extra_metrics()})
-            self.log(step, m, [g for g in groups[0] if not g[0].info.get("offline")])
+            m.update({"time/wait_s": wait_s, "time/sync_s": time.perf_counter() - t1, **m_read, **io.extra_metrics()})
+            self.log(step, m, [g for g in groups if not g[0].info.get("offline")])
+
+    def next_batch(self, step: int) -> tuple[list, dict]:
+        """Rank 0: the groups of `step` (the buffer's, or offline data), shaped by the
+        experience pipeline, with MIX's expert sequences added; and their metrics."""
+        cfg, io = self.cfg, self.io
+        if io.offline:
+            groups, m = io.offline.draw(cfg.batch_size), {}
+        else:
+            groups, m = read_batch(cfg, io.buffer, step, self.trainer.version, self.waiting)
+        if io.cores is not None:
+            io.cores.busy(True)
+        if io.shape:
+            groups, shaped = io.shape(groups, step)
+            m.update(shaped)
+        if io.expert:  # MIX: this fraction of the batch's sequences is expert data
+            n = sum(map(len, groups))
+            groups += io.expert.draw(max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction))))
+            # n varies (shaping, replay, multi-turn groups): the resume state records how far the sampler is
+            self.trainer.loop_state["expert_drawn"] = io.expert.drawn
+        return groups, m
 
     def publish(self, step: int, m: dict) -> None:
-        """Send the new weights to the explorers or publish them as a checkpoint (rank 0;
-        every rank gathers them); the last step also saves RUN_DIR/final. With
-        --sync-bucket-mb and broadcast sync, every rank gathers one bucket at a time while
-        rank 0 sends it (sync.WeightSync.send)."""
+        """Send the new weights to the explorers or publish them as a checkpoint (every rank
+        gathers them, one bucket at a time with --sync-bucket-mb); the last step also saves
+        RUN_DIR/final."""
         cfg, io, version = self.cfg, self.io, self.trainer.version
-        params = None
+        params = digest = None
         if cfg.sync_bucket_mb and cfg.sync_method == "broadcast":  # (run.check_modes: never with offline data)
             buckets = self.trainer.parameter_buckets(bucket_elems(cfg))
             if self.rank == 0:
-                m["sync/trainer_checksum"] = io.send_weights(version, buckets)
+                digest = io.send_weights(version, buckets)
             for _ in buckets:  # the other ranks take part in every gather
                 pass
         else:
             params = self.trainer.full_parameters()
             if self.rank == 0 and io.send_weights:
-                m["sync/trainer_checksum"] = io.send_weights(version, [params])
+                digest = io.send_weights(version, [params])
             elif self.rank == 0 and not io.offline:
                 checkpoints.publish_checkpoint(Path(cfg.run_dir), version, lambda d: self.trainer.save(d, params))
-                m["sync/trainer_checksum"] = sync.checksum(params)
+                digest = sync.checksum(params) if cfg.sync_checksum else None
+        if digest is not None:
+            m["sync/trainer_checksum"] = digest
         if step == cfg.steps - 1:
             params = params if params is not None else self.trainer.full_parameters()
             self.trainer.save_final(Path(cfg.run_dir) / "final", params)
 
     def waiting(self) -> bool:
-        """Rank 0's poll while it waits for a batch: show the explorer's status lines (twice
-        a second at most); False once the explorer has died (io.alive). Raises what
-        io.extra_metrics raises (RuntimeError: the annotator, whose rewards the batch waits
-        for, has failed)."""
+        """Rank 0's poll while it waits for a batch: the explorer's status (twice a second at
+        most); False once the explorer has died. Raises what io.extra_metrics raises."""
         if time.perf_counter() - self.status_at > 0.5:
             self.status_at = time.perf_counter()
             self.drain()
@@ -214,10 +195,9 @@ class TrainLoop:
 
     def drain(self) -> None:
         """Rank 0: the explorers' new records. Batch stats join their step's record;
-        evaluations and weight receipts are written as records of their own, at step =
-        their weight version; errors are kept in `errors`."""
+        evaluations and weight receipts are records of their own at step = their version."""
         for r in self.io.records():
-            self.explorer_flops += r.get("perf/explorer_model_flops", 0.0) + r.get("perf/eval_model_flops", 0.0)
+            self.meter.add(r)
             if "batch" in r:
                 self.pending[r["batch"]] = r
             elif "eval/accuracy" in r:
@@ -233,21 +213,16 @@ class TrainLoop:
                 self.bar.set_postfix_str(f"waiting for the explorer: {r['status']}")
 
     def log(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
-        """Rank 0: complete the step's metrics (the explorer's batch record, buffer counts,
-        staleness, shares), warn about steps that cannot learn, write the record and move
-        the progress bar."""
+        """Rank 0: complete the step's metrics, warn about steps that cannot learn, write the
+        record and move the progress bar."""
         cfg = self.cfg
         self.drain()
         m.update(self.pending.pop(step, {}))
         m.update({f"buffer/{k}": v for k, v in self.io.buffer.counts().items()})
         if rollouts:
             self.check_learning(step, m, rollouts)
-        cpu_s, now = cpu_seconds(), time.perf_counter()
-        m["cpu/utilisation_pct"] = 100 * (cpu_s - self.cpu_mark[0]) / max(1e-9, now - self.cpu_mark[1])
-        job_peak = self.trainer.peak * job_units(self.trainer.device.type)  # every core (CPU) or GPU of the machine
-        m["perf/job_mfu"] = mfu(m.get("perf/trainer_model_flops", 0.0) + self.explorer_flops, now - self.cpu_mark[1],
-                                job_peak)
-        self.cpu_mark, self.explorer_flops = (cpu_s, now), 0.0
+        m.update(self.meter.since_last(m.get("perf/trainer_model_flops", 0.0), self.trainer.peak,
+                                       self.trainer.device.type))
         m.update({"step": step, "version": self.trainer.version, "time/elapsed_s": time.perf_counter() - self.t_start,
                   "threads/trainer": cfg.trainer_threads, "threads/explorer": cfg.explorer_threads,
                   "trainer/ranks": self.world, "eval/last_accuracy": self.last_eval.get("eval/accuracy")})
@@ -261,11 +236,14 @@ class TrainLoop:
 
     def check_learning(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
         """Staleness and share metrics of the batch's rollouts; a warning once every advantage
-        has been 0 for ZERO_ADVANTAGE_WARN_STEPS steps, one per step whose rewards all failed,
-        and RuntimeError after REWARD_ERROR_STEPS such steps in a row."""
+        has been 0 for ZERO_ADVANTAGE_WARN_STEPS steps and for a step whose rewards all
+        failed; RuntimeError after REWARD_ERROR_STEPS such steps in a row."""
         v = [e.model_version for g in rollouts for e in g]
-        m.update({"staleness/mean": sum(step - x for x in v) / len(v), "staleness/max": max(step - x for x in v),
-                  **explorer_shares(rollouts, step)})
+        m.update({"staleness/mean": sum(step - x for x in v) / len(v), "staleness/max": max(step - x for x in v)})
+        for name in sorted({g[0].explorer for g in rollouts}):  # each explorer's share of the batch and staleness
+            theirs = [g for g in rollouts if g[0].explorer == name]
+            m[f"explorer/{name}/share"] = len(theirs) / len(rollouts)
+            m[f"explorer/{name}/staleness"] = sum(step - g[0].model_version for g in theirs) / len(theirs)
         self.zero_adv_steps = self.zero_adv_steps + 1 if m["advantage/abs_mean"] == 0 else 0
         errored = sum("reward_error" in e.info for g in rollouts for e in g) == len(v)
         self.errored_steps = self.errored_steps + 1 if errored else 0
@@ -283,20 +261,16 @@ class TrainLoop:
                            "see samples.log", file=sys.stderr)
 
 
-# ----------------------------------------------------------------------------- processes
-
 def wait_until_loaded(explorer, queue) -> None:
-    """Mode both, checkpoint sync: block until the spawned explorer reports its start weights
-    loaded. Raises RuntimeError (one line) when it fails or dies first."""
+    """Mode both, checkpoint sync: block until the explorer has loaded its start weights.
+    RuntimeError (one line) when it fails or dies first."""
     from queue import Empty
 
     while True:
         try:
             r = queue.get(timeout=1.0)
         except Empty:
-            if not explorer.is_alive():
-                raise RuntimeError(f"explorer failed: exit code {explorer.exitcode} before its weights were loaded")
-            continue
+            r = {} if explorer.is_alive() else {"error": f"exit code {explorer.exitcode} before its weights were loaded"}
         if "error" in r:
             raise RuntimeError(f"explorer failed: {r['error']}")
         if r.get("explorer/ready"):
@@ -305,18 +279,12 @@ def wait_until_loaded(explorer, queue) -> None:
 
 def queued(queue) -> list[dict]:
     """The records the spawned explorer has put on `queue` so far."""
-    out = []
-    while not queue.empty():
-        out.append(queue.get())
-    return out
+    return [queue.get() for _ in iter(lambda: queue.empty(), True)]
 
 
-def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout,
-                tasks: tuple) -> None:
-    """Modes both and train on every trainer rank: build the Trainer (resumed with
-    --resume) and, on rank 0, what its loop talks to (`loop_io`) and, in mode both, the
-    explorer process (`start_explorer`, handed `tasks`); run the loop (`TrainLoop`); then, on rank 0,
-    wait for the explorer and write the final files and the plot (`finish`)."""
+def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout, tasks: tuple) -> None:
+    """Modes both and train on every trainer rank: the Trainer (resumed with --resume), on
+    rank 0 `loop_io` and the explorer(s), the loop, then on rank 0 `finish`."""
     torch.set_num_threads(cfg.trainer_threads)
     trainer = Trainer(cfg, model_path, device)
     state = resume_state(cfg.run_dir) if cfg.resume else None
@@ -328,8 +296,6 @@ def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout,
     annotating = threading.Event()
     try:
         if rank == 0 and cfg.annotation:
-            from losses import resolve
-
             io.extra_metrics = resolve(ANNOTATOR, {}, "annotation")(cfg, trainer.tokenizer, annotating)
         if rank == 0 and cfg.mode == "both":
             explorer, weights = start_explorer(cfg, io, str(state / "hf") if state else model_path, trainer.version,
@@ -337,7 +303,7 @@ def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout,
         if cfg.mode == "train" and cfg.sync_method == "broadcast":
             params = trainer.full_parameters() if trainer.version else None  # every rank gathers
             if rank == 0:
-                weights = connect_explorers(cfg, io, layout, trainer.version, params)
+                weights = resolve(EXPLORERS_GROUP, {}, "mode train")(cfg, io, layout, trainer.version, params)
         loop.run()
         if rank == 0:
             finish(cfg, loop, explorer, weights)
@@ -353,13 +319,9 @@ def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout,
 
 
 def kept_on_resume(start: int, evals_from_buffer: bool) -> Callable[[dict], bool]:
-    """On --resume from step `start`: which records already in metrics.jsonl stay, so that
-    the resumed run logs each step and each evaluation once. Kept: step records of steps <
-    `start` (the later ones are trained again), weight receipts of versions <= `start` (the
-    explorer starts with version `start`), evaluations of versions < `start` (mode both: the
-    respawned explorer evaluates its start weights again); with `evals_from_buffer` (mode
-    train with explorers: the trainer reads all their evaluations from the buffer again) no
-    evaluation."""
+    """On --resume from step `start`: which records of metrics.jsonl stay, so that each
+    step and evaluation is logged once: steps < `start`, weight receipts <= `start`,
+    evaluations < `start` (none with `evals_from_buffer`: mode train reads them all again)."""
 
     def keep(r: dict) -> bool:
         if "eval/accuracy" in r:
@@ -372,15 +334,9 @@ def kept_on_resume(start: int, evals_from_buffer: bool) -> Callable[[dict], bool
 
 
 def loop_io(cfg, trainer, start: int, model_path: str):
-    """Rank 0's `LoopIO`: the buffer (experiences served after step `start` go back
-    on --resume), the experience pipeline, the metrics log (on --resume without the
-    records of what is done again: `kept_on_resume`), offline / expert data (drawn on to
-    `start` for a resume: the expert sampler as far as trainer.loop_state["expert_drawn"]
-    of the resume state says), and in mode train the explorers' evaluations from the
-    buffer. Mode both adds the explorer in `start_explorer`; mode train with broadcast sync
-    the explorers' group in `connect_explorers`."""
-    from losses import resolve
-
+    """Rank 0's `LoopIO` at step `start`: the buffer (on --resume, experiences served after
+    `start` go back), the experience pipeline, the metrics log, offline / expert data
+    (drawn on to where a resumed run was), and in mode train the explorers' records."""
     run_dir = Path(cfg.run_dir)
     io = LoopIO(buffer=open_buffer(cfg.buffer, run_dir))
     if cfg.experience_pipeline:
@@ -400,23 +356,15 @@ def loop_io(cfg, trainer, start: int, model_path: str):
         io.offline = resolve("extras.offline.sampler", {}, "train_data")(cfg.train_data, trainer.tokenizer, cfg.seed)
         for _ in range(start):  # the same order as an uninterrupted run
             io.offline.draw(cfg.batch_size)
-    elif cfg.mode == "train":  # the explorers' evaluations, from the buffer
-        last = 0
-
-        def records() -> list[dict]:
-            nonlocal last
-            last, new = io.buffer.records_after(last)
-            return new
-
-        io.records = records
+    elif cfg.mode == "train":
+        io.records = resolve(EXPLORER_RECORDS, {}, "mode train")(io.buffer)
     return io
 
 
 def start_explorer(cfg, io, model_path: str, version: int, layout, tasks: tuple):
     """Mode both, rank 0: spawn the explorer process (explorer.run_mode_both) on the weights
-    in `model_path` (= `version`) and the `tasks` prepare built on the device `layout` gives it, join the weight-sync group with it (or, with checkpoint
-    sync, wait until it has loaded them), and connect `io` to it. Returns (process, the
-    sync.WeightSync or None)."""
+    in `model_path` (= `version`), join the weight-sync group with it (checkpoint sync: wait
+    until it has loaded them) and connect `io` to it. Returns (process, sync.WeightSync or None)."""
     import torch.multiprocessing as mp
 
     from explorer import run_mode_both
@@ -442,38 +390,16 @@ def start_explorer(cfg, io, model_path: str, version: int, layout, tasks: tuple)
 
 
 def weight_group(cfg, layout, receivers: int):
-    """Trainer rank 0's end of the weight-sync group (sync.WeightSync, rank 0) for
-    `receivers` explorers: its store on cfg.sync_host:cfg.sync_port, on the placement's
-    sync device, with --sync-bucket-mb's buckets."""
+    """Trainer rank 0's end (sync.WeightSync rank 0) of the weight-sync group of `receivers` explorers."""
     return sync.WeightSync(0, 1 + receivers, port=cfg.sync_port, host=cfg.sync_host, device=layout.sync_device,
-                           timeout_s=cfg.sync_timeout_s, bucket_elems=bucket_elems(cfg))
-
-
-def connect_explorers(cfg, io, layout, version: int, params) -> "object":
-    """Mode train with broadcast sync, rank 0: host the weight-sync store on
-    cfg.sync_host:cfg.sync_port, wait (up to sync_timeout_s) until cfg.num_explorers
-    `--mode explore` launches have joined the group, send them `params` (= `version`) if
-    this trainer was resumed (they start from the model), and connect `io` to the group.
-    Returns the sync.WeightSync."""
-    weights = weight_group(cfg, layout, cfg.num_explorers)
-    print0(f"weight sync: waiting for {cfg.num_explorers} explorer(s) at {cfg.sync_host}:{weights.port}")
-    weights.connect()
-    if weights.device.type != layout.sync_device:  # sync.group_backend
-        print0("weight sync: an explorer shares trainer rank 0's GPU, where NCCL cannot have two ranks: the weights "
-               "go through host memory (gloo)")
-    io.send_weights = weights.send
-    if params is not None:
-        weights.send(version, [params])
-    return weights
+                           timeout_s=cfg.sync_timeout_s, bucket_elems=bucket_elems(cfg), checksum=cfg.sync_checksum)
 
 
 def finish(cfg, loop, explorer, weights) -> None:
     """Rank 0 after the last step: wait until the explorer has the final weights and has
-    ended (RuntimeError with its error line if it failed), then set trainer_done in the buffer, write the
-    config next to the final weights, delete the resume states (unless cfg.keep_resume_state; one line
-    says so) and write the plot. Mode train with broadcast sync: the
-    explorers have the final weights, and trainer_done tells them to leave the group; the
-    store (in this process) stays until they have, up to sync_timeout_s."""
+    ended (RuntimeError with its error line if it failed); set trainer_done in the buffer
+    (mode train: the explorers leave the weight-sync group, whose store waits for them up
+    to sync_timeout_s); write the final config, delete the resume states and draw the plot."""
     run_dir = Path(cfg.run_dir)
     if weights:
         weights.wait(loop.io.alive)
@@ -493,11 +419,10 @@ def finish(cfg, loop, explorer, weights) -> None:
 
 
 def join_draining(process, drain: Callable[[], Any], timeout_s: float | None = None) -> bool:
-    """Wait until `process` has exited, calling `drain()` (which reads its queue) while
-    waiting and once more after: a process that has put items on a multiprocessing queue
-    does not exit until they are read (the multiprocessing docs' "joining processes that
-    use queues"), so join-then-drain can deadlock. Gives up after `timeout_s` seconds (None:
-    no limit). Returns whether it has exited."""
+    """Wait until `process` has exited, calling `drain()` (which reads its queue) meanwhile
+    and once after: a process does not exit before its queued items are read (Python's
+    multiprocessing docs, "joining processes that use queues"). Gives up after `timeout_s`
+    seconds (None: never). Returns whether it has exited."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         drain()
@@ -510,8 +435,8 @@ def join_draining(process, drain: Callable[[], Any], timeout_s: float | None = N
 
 
 def stop_explorer(explorer, loop) -> None:
-    """The trainer failed: stop the explorer with it. If the explorer had failed first, raise
-    its error line (RuntimeError) instead."""
+    """The trainer failed: stop the explorer too; RuntimeError with the explorer's error line
+    if it had failed first."""
     if explorer.is_alive():
         explorer.terminate()
         if not join_draining(explorer, loop.io.records, 30):  # its records are dropped: the trainer's error counts

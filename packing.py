@@ -1,19 +1,31 @@
-"""The trainer's forward pass over a batch of experiences: shared-prompt packing,
-micro-batches by token budget, and log-probs computed in chunks.
+"""The token layouts of a batch: the trainer's forward pass (shared-prompt packing,
+micro-batches by token budget, log-probs computed in chunks) and the explorer's left-padded prompts.
 
 The rollouts of a group share their prompt: `pack` puts the prompt once in a row and the
 responses after it, with a block mask so that each response sees the prompt and itself
 only; `micro_batches` splits a batch so that each packed forward pass stays within the
-token budget; `response_logprobs` runs the model over a packed batch and returns the
-log-probs of the response tokens, the LM head applied in chunks (`chunked_logprobs`) so
-that the logits of a micro-batch never exist at once. A file of its own: the trainer's step
-(trainer.py) uses it as a black box, and the log-probs tests and benchmarks call it directly.
+token budget; `response_logprobs` returns the log-probs of the response tokens, the LM head
+applied in chunks (`chunked_logprobs`) so that the logits of a micro-batch never exist at once.
 """
 from __future__ import annotations
 
 import torch
 
 from buffer import Experience
+
+
+def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token lists left-padded with `pad` to the longest: input_ids, attention_mask and
+    position_ids, each [B, P] long (positions count real tokens only, pads get 0): the
+    model input of the explorer's prompts."""
+    B, P = len(seqs), max(map(len, seqs))
+    ids = torch.full((B, P), pad, dtype=torch.long)
+    attn = torch.zeros((B, P), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        if s:
+            ids[b, P - len(s):] = torch.tensor(s)
+            attn[b, P - len(s):] = 1
+    return ids, attn, (attn.cumsum(-1) - 1).clamp(min=0)
 
 
 def share_prompts(exps: list[Experience], row_tokens: int = 0) -> list[tuple[list[int], list[int]]]:
@@ -120,7 +132,7 @@ def packed_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     rows: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor, temperature: float,
                     entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The decoder over a `pack` batch, then the LM head on the hidden states that predict
-    response tokens only, in chunks (losses.chunked_logprobs): log-probs [T] and entropy
+    response tokens only, in chunks (`chunked_logprobs`): log-probs [T] and entropy
     [T] or None. Trainer models get it as an FSDP forward method (`nanorft_logprobs`), so
     FSDP gathers the root's parameters (embeddings, final norm, LM head) around it."""
     mask = attention_mask

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from benchmarks.peak import cpu_model, measure_matmul
-from metrics import print0
+from metrics import cpu_seconds, print0
 
 
 def matmul_params(model_path: str) -> tuple[int, int]:
@@ -123,3 +124,28 @@ def announce_peak(device: str, dtype: str) -> None:
 def mfu(flops: float, seconds: float, peak: float) -> float:
     """Model FLOPs utilisation: `flops` done in `seconds` over `peak` FLOP/s (0 when either is 0)."""
     return flops / (seconds * peak) if seconds > 0 and peak > 0 else 0.0
+
+
+class JobMeter:
+    """The whole job's use of the machine between two steps: cpu/utilisation_pct (CPU
+    seconds of this process and its children over wall seconds: 200 = two cores busy) and
+    perf/job_mfu (the trainer's and the explorers' model FLOPs over the peak of every core
+    or GPU)."""
+
+    def __init__(self):
+        self.mark = (cpu_seconds(), time.perf_counter())
+        self.explorer_flops = 0.0
+
+    def add(self, record: dict) -> None:
+        """Count the model FLOPs of an explorer's record (a batch or an evaluation)."""
+        self.explorer_flops += record.get("perf/explorer_model_flops", 0.0) + record.get("perf/eval_model_flops", 0.0)
+
+    def since_last(self, trainer_flops: float, unit_peak: float, device_type: str) -> dict[str, float]:
+        """The two metrics since the last call, the trainer's `trainer_flops` included;
+        `unit_peak`: FLOP/s of one core or device (`unit_peak`)."""
+        cpu_s, now = cpu_seconds(), time.perf_counter()
+        wall = now - self.mark[1]
+        out = {"cpu/utilisation_pct": 100 * (cpu_s - self.mark[0]) / max(1e-9, wall),
+               "perf/job_mfu": mfu(trainer_flops + self.explorer_flops, wall, unit_peak * job_units(device_type))}
+        self.mark, self.explorer_flops = (cpu_s, now), 0.0
+        return out

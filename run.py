@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import launch
 from config import Config, parse_config
@@ -26,7 +27,16 @@ from metrics import print0, trackers
 from perf import announce_peak
 
 
-def trainer_ranks(cfg: Config, model_path: str, tasks: tuple) -> None:
+class Prepared(NamedTuple):
+    """What `prepare` found: the model directory (rank 0; None elsewhere), the tasks
+    (workflows.prepare_tasks: train, held-out, verifier dataset) and the placement."""
+
+    model_path: str | None
+    tasks: tuple
+    layout: launch.Placement
+
+
+def trainer_ranks(cfg: Config, prepared: Prepared) -> None:
     """Modes both and train: every trainer rank joins the default (FSDP) group and runs the
     train loop (loop.run_trainer); in mode both rank 0 spawns the explorer process, in mode
     train the explorers are `--mode explore` launches (or there are none: offline data)."""
@@ -35,15 +45,15 @@ def trainer_ranks(cfg: Config, model_path: str, tasks: tuple) -> None:
     from loop import run_trainer
 
     rank, world, device = launch.init_distributed()
-    shared = [model_path]
+    shared = [prepared.model_path]
     dist.broadcast_object_list(shared, src=0)
     launch.split_threads(cfg, world)
-    layout = launch.place(launch.gpu_count(), world, cfg.mode)
+    layout = prepared.layout
     explorer = "no explorer" if cfg.mode == "train" else f"explorer: engine {cfg.engine} x {cfg.explorer_threads} threads"
     print0(f"nanorft: mode {cfg.mode}, {world} trainer rank(s) x {cfg.trainer_threads} threads, {explorer}, "
            f"model {shared[0]}, run dir {cfg.run_dir}\nplacement: {layout.describe()}")
     try:
-        run_trainer(cfg, shared[0], rank, world, device, layout, tasks)
+        run_trainer(cfg, shared[0], rank, world, device, layout, prepared.tasks)
         dist.barrier()  # the ranks leave together: none tears the group down while rank 0 still finishes
     finally:
         dist.destroy_process_group()
@@ -82,12 +92,11 @@ def finished_run(cfg: Config) -> bool:
             and (Path(cfg.run_dir) / "final" / "nanorft_config.json").is_file())
 
 
-def prepare(cfg: Config, rank: int) -> tuple[str, tuple]:
+def prepare(cfg: Config, rank: int) -> Prepared:
     """Check every input before any process starts, each module its own settings, then the
     run dir: a run of its own (mode both, offline mode train) refuses a non-empty one
-    (FileExistsError) unless --resume, or --overwrite, which deletes it first. Returns the
-    model directory (rank 0; None elsewhere) and the tasks (workflows.prepare_tasks: train,
-    held-out, verifier dataset), built once for every process of this launch."""
+    (FileExistsError) unless --resume, or --overwrite, which deletes it first. The tasks
+    are built here once for every process of this launch."""
     import buffer
     import explorer
     import models
@@ -128,7 +137,7 @@ def prepare(cfg: Config, rank: int) -> tuple[str, tuple]:
         name = "config.json" if alone else f"config_{cfg.mode}.json"  # launches sharing the run dir: one file each
         (run_dir / name).write_text(json.dumps({**dataclasses.asdict(cfg), "placement": dataclasses.asdict(layout),
                                                 "precision": why}, indent=2))
-    return model_path, tasks
+    return Prepared(model_path, tasks, layout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,13 +160,13 @@ def main(argv: list[str] | None = None) -> int:
             from losses import resolve
 
             return resolve(MODES["bench"], {}, "mode")(cfg)
-        model_path, tasks = prepare(cfg, rank)
+        prepared = prepare(cfg, rank)
     except (ValueError, OSError) as e:  # bad input: flags, files, directories
         print(f"run.py: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     from losses import resolve
 
-    return launch.guarded(cfg, rank, lambda: resolve(MODES[cfg.mode], {}, "mode")(cfg, model_path, tasks))
+    return launch.guarded(cfg, rank, lambda: resolve(MODES[cfg.mode], {}, "mode")(cfg, prepared))
 
 
 if __name__ == "__main__":

@@ -1,35 +1,16 @@
-"""Weight-sync protocol shared by both ends: the schedule and the process group.
+"""Weight sync, both ends: the schedule, the process group, the explorer's Receiver.
 
-This file exists because the trainer (sender) and the explorer (receiver) must agree on
-exactly the same schedule and wire format; keeping both halves in one place makes that
-agreement visible and testable.
+Schedule (Trinity-RFT semantics): explorer batch e (0-based) is generated with weight
+version required_version(e) = k * floor(max(0, e - m) / k) for sync_interval k and
+sync_offset m; the trainer's weights are version t + 1 after step t, published when
+(t + 1) % k == 0 and after the last step. In flight (PipelineRL), rank 0 announces each
+publish in its store before broadcasting it (`announced`).
 
-Schedule (Trinity-RFT semantics). Explorer batch e (0-based) is generated with weight
-version  required_version(e) = k * floor(max(0, e - m) / k)  for sync_interval k and
-sync_offset m. The trainer consumes batch t at step t; after step t its weights are
-version t + 1, and it publishes them when (t + 1) % k == 0, and after the last step.
-
-In-flight updates (PipelineRL): rank 0 announces each publish in the store (key
-"published") before broadcasting it, so an explorer can check between two decode steps,
-without blocking, whether new weights are on the way (`announced`).
-
-Checkpoint method (fully asynchronous mode, separate launches): checkpoints.py writes and
-reads the checkpoints; the Receiver here loads the newest one.
-
-Group. Trainer rank 0 hosts a TCPStore; a `ProcessGroupGloo` (CPU) or `ProcessGroupNCCL`
-(CUDA) is built directly on a PrefixStore("weights", store), separate from the trainer's
-FSDP group. Rank 0 = trainer, ranks 1.. = explorers. Joining: each receiver declares the
-dtype it holds and its GPU; rank 0 then announces the wire dtype (the receivers' dtype,
-float32 when they differ: bf16 to a bf16 vLLM) and the backend (NCCL, or gloo through
-host memory when two ranks share a GPU: `group_backend`). One publish = broadcast of the
-version (int64 [1]) then of the parameters in `named_parameters()` order (identical on
-both ends: same architecture), flattened into buckets (`bucket_ranges`: consecutive
-parameters of at most `bucket_elems` elements; 0 = one bucket for all) and cast to the
-wire dtype. Unbucketed, rank 0 copies everything into one buffer and goes on while it is
-sent (a full copy of the model at the wire dtype); bucketed, it sends one bucket at a time
-and waits until every receiver has taken it (O(bucket) memory, the trainer waits for the
-explorers). A process that is not the trainer's child knows the trainer is alive by its
-store answering (`StoreAlive`).
+Group: trainer rank 0 hosts a TCPStore; a gloo or NCCL group on PrefixStore("weights",
+store), apart from the trainer's FSDP group, rank 0 = trainer, ranks 1.. = explorers. A
+publish broadcasts the version, then the parameters in `named_parameters()` order (the
+same on both ends), in buckets (`bucket_ranges`) cast to the wire dtype. With the
+checkpoint method, checkpoints.py writes the weights and the Receiver loads the newest.
 """
 from __future__ import annotations
 
@@ -38,14 +19,12 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from checkpoints import latest_checkpoint, load_latest_checkpoint
-
-T = TypeVar("T")
 
 
 def required_version(batch: int, sync_interval: int, sync_offset: int) -> int:
@@ -64,10 +43,10 @@ def published_versions(total_steps: int, sync_interval: int) -> list[int]:
 
 
 def check_config(cfg) -> None:
-    """Resolve cfg.sync_method ("auto": broadcast in mode both, else checkpoint) and raise
-    ValueError (one line) for sync settings that cannot work in cfg.mode: broadcast
-    between separate launches without --sync-port, --inflight outside the explorer, a
-    max_staleness below what the schedule itself produces (sync_offset + sync_interval - 1)."""
+    """Resolve cfg.sync_method ("auto": broadcast in mode both, else checkpoint); ValueError
+    for sync settings that cannot work in cfg.mode: broadcast between separate launches
+    without --sync-port, --inflight outside the explorer, a max_staleness below what the
+    schedule itself produces (sync_offset + sync_interval - 1)."""
     if cfg.sync_method == "auto":
         cfg.sync_method = "broadcast" if cfg.mode == "both" else "checkpoint"
     if cfg.mode in ("explore", "train") and cfg.sync_method == "broadcast" and not cfg.sync_port:
@@ -84,16 +63,12 @@ def check_config(cfg) -> None:
 
 
 class CoreShare:
-    """The schedule leaves one side idle at times (the explorer waiting for weights, the
-    trainer waiting for a batch); the idle side lends its CPU threads to the busy one.
-
-    `flags` is a shared array of two ints (torch.multiprocessing `Array("i", 2)`: trainer
-    busy, explorer busy), `side` 0 (trainer rank 0) or 1 (explorer), `own` / `other` the
-    thread counts of the two sides. `busy(flag)` marks this side; `apply()` sets this
-    process's torch threads to own + other while the other side is idle, else own. Both
-    sides call `apply()` before each unit of work (a micro-batch, a decode step), so a
-    borrowed core goes back within one unit once its owner is busy again. Returns the
-    thread count it set."""
+    """The side that waits (the explorer for weights, the trainer for a batch) lends its CPU
+    threads to the busy one. `flags`: a shared `Array("i", 2)` (trainer busy, explorer busy);
+    `side` 0 (trainer rank 0) or 1 (explorer); `own` / `other`: the two sides' thread counts.
+    `busy(flag)` marks this side; `apply()`, called before each micro-batch / decode step,
+    sets this process's torch threads to own + other while the other side is idle, else own,
+    and returns that count."""
 
     def __init__(self, flags, side: int, own: int, other: int):
         self.flags, self.side, self.own, self.other = flags, side, own, other
@@ -109,17 +84,11 @@ class CoreShare:
 
 
 class StoreAlive:
-    """Whether trainer rank 0 is alive, as a process that is not its child sees it: the
-    weight-sync store it serves (WeightSync rank 0) still answers. The `alive()` of an
-    explorer of another launch (mode explore) and of vLLM's worker process, which cannot
-    watch a parent. A killed trainer's sockets close with it: the next call returns False
-    (within milliseconds). A trainer host that vanishes without closing them is noticed only
-    when TCP gives up on the connection.
-
-    It holds a store client of its own (a WeightSync's may be blocked in the group's
-    rendezvous meanwhile), connected here, retrying for up to `wait_s` seconds: the trainer
-    of another launch may start later. Raises RuntimeError (one line) when no store answered
-    by then. Call it from one thread at a time."""
+    """Whether trainer rank 0 is alive, for a process that is not its child (mode explore,
+    vLLM's worker): its weight-sync store still answers. A killed trainer's sockets close
+    with it; a host that vanishes is noticed when TCP gives up. A store client of its own
+    (a WeightSync's may be blocked in the rendezvous), connected here within `wait_s`
+    seconds (the trainer may start later), else RuntimeError. One thread at a time."""
 
     def __init__(self, host: str, port: int, wait_s: float):
         try:
@@ -135,8 +104,7 @@ class StoreAlive:
             return False
 
 
-# How long a process waits for a trainer's store that is known to exist (mode both: started
-# before the explorer; mode explore: the explorer process has reached it) before it counts as gone
+# how long a process waits for a trainer's store known to exist before it counts as gone
 STORE_KNOWN_WAIT_S = 30.0
 
 
@@ -145,10 +113,9 @@ CHECKSUM_CHUNK = 2 ** 22
 
 
 def checksum(tensors: Iterable[torch.Tensor]) -> float:
-    """Float64 sum of all elements: equal weights give equal checksums (for metrics and tests).
-    Summed CHECKSUM_CHUNK elements at a time: a float64 sum of a float32/bf16 tensor casts
-    it first, `sum(dtype=torch.float64)` too (ATen's make_reduction: `self.to(in_dtype)`),
-    and a whole embedding's float64 copy takes GiBs of GPU memory."""
+    """Float64 sum of all elements (--sync-checksum): equal weights give equal checksums.
+    Summed CHECKSUM_CHUNK elements at a time: a float64 sum casts the whole tensor first
+    (ATen's make_reduction), GiBs of GPU memory for an embedding."""
     return float(sum(c.sum(dtype=torch.float64) for t in tensors for c in t.detach().reshape(-1).split(CHECKSUM_CHUNK)))
 
 
@@ -161,24 +128,6 @@ def local_address(host: str) -> str:
         return s.getsockname()[0]
 
 
-def interface_of(address: str) -> str | None:
-    """The name of this machine's network interface that holds the IPv4 `address` (e.g.
-    "eth0"; "lo" for 127.0.0.1), or None when none does (or `address` is not IPv4). Gloo
-    binds the interface that GLOO_SOCKET_IFNAME names (launch.init_distributed)."""
-    import fcntl
-    import struct
-
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:  # SIOCGIFADDR: the interface's IPv4 address
-                got = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))[20:24]
-            except OSError:  # no IPv4 address on it
-                continue
-        if socket.inet_ntoa(got) == address:
-            return name
-    return None
-
-
 def gpu_id(device: torch.device) -> str:
     """The UUID of a CUDA device (the same in every process that sees the GPU, whatever
     number CUDA_VISIBLE_DEVICES gives it there); "" for the CPU."""
@@ -187,33 +136,26 @@ def gpu_id(device: torch.device) -> str:
 
 def group_backend(gpus: list[str]) -> str:
     """The weight-sync group's backend for ranks on `gpus` (`gpu_id` of each, rank order):
-    "nccl" when every rank has a GPU of its own, else "gloo" through host memory. NCCL
-    refuses two ranks of one group on one device ("ncclInvalidUsage: Duplicate GPU
-    detected"): an explorer of another launch on trainer rank 0's GPU gets host staging, as
-    in mode both's colocated layout. TRL compares the same UUIDs and refuses such a client
-    (trl/scripts/vllm_serve.py:83-93 @ f2cd577)."""
+    "nccl" when every rank has a GPU of its own, else "gloo" through host memory: NCCL
+    refuses two ranks of one group on one device (TRL compares the same UUIDs:
+    trl/scripts/vllm_serve.py:83-93 @ f2cd577)."""
     return "nccl" if all(gpus) and len(set(gpus)) == len(gpus) else "gloo"
 
 
 class WeightSync:
     """One end of the weight-sync group.
 
-    Rank 0 (the trainer: `rank` 0, `world_size` = 1 + the number of receivers) creates the
-    TCPStore on `host`:`port` (0 = pick a free one, then read `.port`) and records the world
-    size and the group's device type there. A receiver (`rank` None) connects to that store
-    in `connect()` and takes the next free rank, so explorers started separately (--mode
-    explore, other hosts) need only the address. `connect()` blocks until every rank has
-    called it and the group is built (NCCL's communicator included); afterwards `device` is
-    where the wire tensors live (the CPU when the group fell back to gloo) and `wire_dtype`
-    the dtype rank 0 announced. `device` "cuda" means this thread's current GPU.
-    `timeout_s` bounds every collective. Raises RuntimeError if `alive()` turns False while
-    waiting (the peer died, even before its store was reached), so no side hangs forever,
-    and for a receiver more than the trainer expects.
+    Rank 0 (the trainer: `rank` 0, `world_size` = 1 + the receivers) creates the TCPStore on
+    `host`:`port` (0 = a free one: read `.port`); a receiver (`rank` None) takes the next
+    free rank in `connect()`, so explorers started separately need only the address. After
+    `connect()`, `device` is where the wire tensors live (the CPU when the group is gloo)
+    and `wire_dtype` the dtype rank 0 announced. `device` "cuda": this thread's current GPU.
+    `timeout_s` bounds every collective. `checksum` (rank 0): `send` returns a checksum.
     """
 
     def __init__(self, rank: int | None, world_size: int | None = None, port: int = 0, host: str = "127.0.0.1",
                  device: str = "cpu", timeout_s: float = 3600.0, bucket_elems: int = 0,
-                 wire_dtype: torch.dtype = torch.float32):
+                 wire_dtype: torch.dtype = torch.float32, checksum: bool = False):
         self.rank, self.world_size, self.device, self.host = rank, world_size, torch.device(device), host
         if self.device.type == "cuda" and self.device.index is None:  # the group's thread has a current GPU of its own
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -227,15 +169,13 @@ class WeightSync:
             self.store.set("bucket_elems", str(bucket_elems))
             self.store.set("gpu/0", gpu_id(self.device))
         self.port = self.store.port if self.store is not None else port
-        self.group, self._pending = None, None
-        # rank >= 1 on CPU: the receive buffer (one bucket's size), kept between publishes (a
-        # fresh host allocation of the model's size page-faults on every publish: ~2x slower sync)
+        self.group, self._pending, self.checksum = None, None, checksum
+        # rank >= 1 on CPU: the receive buffer, kept (a fresh one page-faults on every publish)
         self._flat: torch.Tensor | None = None
 
     def connect(self, alive: Callable[[], bool] = lambda: True) -> "WeightSync":
         """Join (a receiver: `_join`; rank 0: `_announce`) and build the process group; blocks
-        until every rank has called it (rank 0 calls it after starting the explorers it passed
-        `.port` to). Every wait of it runs in a thread while this one polls `alive()`: raises
+        until every rank has called it, in a thread while this one polls `alive()`. Raises
         RuntimeError if `alive()` turns False meanwhile, or when the group is full."""
         done: list = []  # the group, or the exception that building it raised
 
@@ -264,8 +204,7 @@ class WeightSync:
         return self
 
     def _join(self) -> None:
-        """A receiver: reach rank 0's store (retrying until the timeout), take the next rank,
-        check the group's device type and declare this rank's GPU and dtype."""
+        """A receiver: reach rank 0's store, take the next rank, declare this rank's GPU and dtype."""
         self.store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
         self.world_size = int(self.store.get("world"))
         self.rank = self.store.add("joined", 1)
@@ -290,11 +229,9 @@ class WeightSync:
 
     def _group(self):
         """The process group on a PrefixStore("weights", store): NCCL with its communicator
-        created now (ncclCommInitRank is otherwise lazy: it would run at the first broadcast,
-        on the main thread, where no `alive()` is watched), as torch's own NCCL factory does
-        (torch/distributed/_dist2.py `_nccl_factory`) and TRL's async weight transfer
-        (trl/experimental/async_grpo/weight_transfer.py:48-74 @ f2cd577); or gloo, whose
-        constructor connects every pair."""
+        created now, not lazily at the first broadcast, where no `alive()` is watched (as
+        torch/distributed/_dist2.py `_nccl_factory` does); or gloo, whose constructor
+        connects every pair."""
         prefixed = dist.PrefixStore("weights", self.store)
         if self.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
@@ -309,17 +246,15 @@ class WeightSync:
         return dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, opts)
 
     def leave(self) -> None:
-        """Rank >= 1: this receiver will not touch the store again (`wait_left`). A store
-        that is gone (its trainer died) needs no goodbye: nothing is raised then, so the
-        error that ended the explorer is the one reported."""
+        """Rank >= 1: this receiver will not touch the store again (`wait_left`). Raises
+        nothing when the store is gone: the error that ended the explorer is reported."""
         try:
             self.store.add("left", 1)
         except dist.DistError:
             pass
 
     def wait_left(self, timeout_s: float) -> bool:
-        """Rank 0: wait until every receiver has called `leave` (the store goes with this
-        process); False after `timeout_s` seconds."""
+        """Rank 0: wait until every receiver has called `leave`; False after `timeout_s` seconds."""
         deadline = time.monotonic() + timeout_s
         while self.store.add("left", 0) < self.world_size - 1:
             if time.monotonic() > deadline:
@@ -333,8 +268,7 @@ class WeightSync:
         return self.group.broadcast([t], opts)
 
     def wait(self, alive: Callable[[], bool] = lambda: True, poll_s: float = 0.01) -> None:
-        """Finish the broadcasts in flight, if any. RuntimeError (one line) when a peer
-        went away meanwhile: gloo's message, which names its address, after who it was."""
+        """Finish the broadcasts in flight, if any. RuntimeError when a peer went away."""
         while self._pending:
             work = self._pending[0]
             if work.is_completed():
@@ -350,34 +284,32 @@ class WeightSync:
             else:
                 time.sleep(poll_s)
 
-    def send(self, version: int, buckets: Iterable[list[torch.Tensor]], alive: Callable[[], bool] = lambda: True) -> float:
-        """Rank 0: publish `buckets` (lists of full tensors in `named_parameters()` order:
-        the cut of `bucket_ranges` with this group's bucket_elems, or one list of all) as
-        `version`, cast to the wire dtype. Each list is cut again by `bucket_ranges`, so the
-        wire holds the receivers' cut however the caller grouped the tensors (a resumed
-        trainer's first publish passes one list of all; bucketed receivers then aborted in
-        gloo: "Received data size doesn't match expected size"). Returns the checksum of
-        what was sent, once the previous publish has completed and this one is in flight
-        (its data copied first); bucketed, once every receiver has taken every bucket (a
-        bucket is built only when the previous one is taken: `buckets` may gather lazily)."""
+    def send(self, version: int, buckets: Iterable[list[torch.Tensor]],
+             alive: Callable[[], bool] = lambda: True) -> float | None:
+        """Rank 0: publish `buckets` (lists of full tensors in `named_parameters()` order, in
+        any grouping: each is cut again by `bucket_ranges`, as the receivers cut) as
+        `version`, cast to the wire dtype. Returns once the previous publish has completed
+        and this one is in flight; bucketed, once every receiver has taken every bucket
+        (`buckets` may gather lazily). Returns the checksum of what was sent if
+        `self.checksum`, else None."""
         self.wait(alive)
         self.store.set("published", str(version))
         self._pending = [self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))]
-        digest = 0.0
+        digest = 0.0 if self.checksum else None
         for given in buckets:
             for r in bucket_ranges([t.numel() for t in given], self.bucket_elems):
                 flat = torch.cat([given[i].detach().reshape(-1).to(self.device, self.wire_dtype)
                                   for i in r])  # [bucket]
                 self._pending.append(self._broadcast(flat))
-                digest += checksum([flat])  # while it is on its way (read only)
+                if self.checksum:
+                    digest += checksum([flat])  # while it is on its way (read only)
                 if self.bucket_elems:
                     self.wait(alive)
         return digest
 
     def announced(self) -> int:
         """Rank >= 1: the newest version rank 0 has started to publish (-1 before any);
-        never blocks. RuntimeError (one line naming the store's address) when the store no
-        longer answers: the trainer rank 0 that hosted it is gone."""
+        never blocks. RuntimeError when the store no longer answers (the trainer is gone)."""
         try:
             return int(self.store.get("published")) if self.store.check(["published"]) else -1
         except dist.DistError as e:
@@ -430,16 +362,13 @@ def _unflatten(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
 
 
 class Receiver:
-    """The explorer's end of the protocol: takes the trainer's published weights into
-    `engine` (engines.Engine: join_weight_sync, receive_weights, weights_announced,
-    load_checkpoint, version) and logs each receipt as {"explorer/received_version",
-    "time/explorer_wait_sync_s", "sync/explorer_checksum"} through `log`.
+    """The explorer's end: takes the trainer's published weights into `engine`
+    (engines.Engine) and logs each receipt through `log` ("explorer/received_version",
+    "time/explorer_wait_sync_s", and "sync/explorer_checksum" when the engine computes it).
 
-    By broadcast over the weight-sync group whose store is at `host`:`port` (mode both; mode
-    explore with --sync-method broadcast), or, with port None, from the checkpoints in
-    `run_dir` (mode explore, and --sync-method checkpoint), loaded under `name`'s lease.
-    `alive()` turns False when the trainer has died: a blocking receive then raises
-    RuntimeError instead of waiting."""
+    By broadcast over the weight-sync group whose store is at `host`:`port`, or, with port
+    None, from the checkpoints in `run_dir`, loaded under `name`'s lease. `alive()` turns
+    False when the trainer has died: a blocking receive then raises RuntimeError."""
 
     def __init__(self, engine, run_dir: str | Path, name: str, log: Callable[[dict], None],
                  alive: Callable[[], bool], port: int | None = None, timeout_s: float = 600.0, device: str = "cpu",
@@ -447,9 +376,16 @@ class Receiver:
         self.engine, self.run_dir, self.name, self.log, self.alive = engine, run_dir, name, log, alive
         self.port, self.timeout_s, self.device, self.host = port, timeout_s, device, host
 
+    @classmethod
+    def for_config(cls, cfg, engine, log: Callable[[dict], None], alive: Callable[[], bool], port: int,
+                   device: str) -> "Receiver":
+        """The Receiver of explorer cfg.explorer_name: by broadcast to `device` over the group
+        at cfg.sync_host:`port` when cfg.sync_method is "broadcast", else from checkpoints."""
+        return cls(engine, cfg.run_dir, cfg.explorer_name, log, alive,
+                   port if cfg.sync_method == "broadcast" else None, cfg.sync_timeout_s, device, cfg.sync_host)
+
     def join(self) -> None:
-        """Broadcast: join the weight-sync group as the next receiving rank on `device`
-        ("cuda": NCCL, "cpu": gloo), blocking until the trainer and every other explorer are there."""
+        """Broadcast: join the weight-sync group on `device`; blocks until every rank is there."""
         if self.port is not None:
             self.engine.join_weight_sync(self.host, self.port, self.timeout_s, self.alive, self.device)
 
@@ -459,16 +395,14 @@ class Receiver:
             self.engine.leave_weight_sync()
 
     def catch_up(self) -> None:
-        """Take every publish announced so far (broadcast: each one, in order, as every
-        receiver must; checkpoint: the newest); never waits for one that is not announced."""
+        """Take every publish announced so far (broadcast: each, in order; checkpoint: the newest)."""
         if self.port is None:
             self.poll()
         while self.port is not None and self.newest() > self.engine.version:
             self.receive()
 
     def newest(self) -> int:
-        """The newest version the trainer has published or started to publish (-1: none);
-        never blocks."""
+        """The newest version the trainer has published or started to publish (-1: none)."""
         if self.port is not None:
             return self.engine.weights_announced()
         latest = latest_checkpoint(self.run_dir)
@@ -476,10 +410,9 @@ class Receiver:
 
     def receive(self) -> None:
         """Block until the next version is loaded (broadcast: the next publish; checkpoint:
-        a checkpoint newer than the engine's weights). Broadcast: the receive is posted only
-        once that publish is announced (an NCCL receive posted early counts against the
-        group's timeout while the trainer still trains, and its watchdog then kills the
-        process); until then `alive()` is polled."""
+        a checkpoint newer than the engine's weights), polling `alive()`. Broadcast: the
+        receive is posted only once that publish is announced (an NCCL receive posted early
+        counts against the group's timeout while the trainer still trains)."""
         t0 = time.perf_counter()
         if self.port is not None:
             while self.newest() <= self.engine.version:
@@ -498,8 +431,7 @@ class Receiver:
             raise RuntimeError("explorer: the trainer died")
 
     def poll(self) -> None:
-        """Load the newest checkpoint if it is newer than the engine's weights (never waits
-        for one)."""
+        """Load the newest checkpoint if it is newer than the engine's weights; never waits."""
         t0 = time.perf_counter()
         if (got := self._load_newer()) is not None:
             self._logged(t0, got[1])
@@ -509,9 +441,9 @@ class Receiver:
         while self.engine.version < version:
             self.receive()
 
-    def _load_newer(self) -> tuple[int, float] | None:
+    def _load_newer(self) -> tuple[int, float | None] | None:
         return load_latest_checkpoint(self.run_dir, self.name, self.engine.load_checkpoint, self.engine.version)
 
-    def _logged(self, t0: float, digest: float) -> None:
-        self.log({"explorer/received_version": self.engine.version, "time/explorer_wait_sync_s": time.perf_counter() - t0,
-                  "sync/explorer_checksum": digest})
+    def _logged(self, t0: float, digest: float | None) -> None:
+        record = {"explorer/received_version": self.engine.version, "time/explorer_wait_sync_s": time.perf_counter() - t0}
+        self.log(record if digest is None else {**record, "sync/explorer_checksum": digest})

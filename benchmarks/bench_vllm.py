@@ -23,8 +23,9 @@ import torch  # noqa: E402
 import run  # noqa: E402
 import models  # noqa: E402
 from bench_step import explore_rate, pipeline  # noqa: E402
-from engines import HFEngine, VLLMEngine  # noqa: E402
+from engines import HFEngine  # noqa: E402
 from explorer import Explorer  # noqa: E402
+from extras.vllm_engine import VLLMEngine  # noqa: E402
 from workflows import load_tasks  # noqa: E402
 
 

@@ -137,7 +137,7 @@ def both_flags(work: Path, model: str, steps: int, run_dir: Path) -> list[str]:
     """run.py flags of a mode-both job on the default job's shape with a weight sync after every step."""
     return ["--mode", "both", "--engine", "hf", "--model", str(work / "models" / model), "--task",
             str(work / "tasks.jsonl"), "--steps", str(steps), "--sync-interval", "1", "--eval-size", "16",
-            "--run-dir", str(run_dir), "--overwrite"]
+            "--run-dir", str(run_dir), "--overwrite", "--sync-checksum"]
 
 
 def jobs(work: Path) -> dict[str, list[str]]:
@@ -494,7 +494,7 @@ def raw_generate(model, prompts: list[list[int]], n: int, max_tokens: int, pad: 
     prompt, left-padded on the model's device; returns the generated tokens (end token included)."""
     import torch
 
-    from losses import left_pad
+    from packing import left_pad
 
     ids, attn, _ = (x.to(model.device) for x in left_pad([p for p in prompts for _ in range(n)], pad))  # [B, P]
     with torch.no_grad():
@@ -510,7 +510,7 @@ def raw_train(model, opt, exps, token_budget: int, pad: int) -> None:
     token_budget, HF's loss on the response tokens under bf16 autocast, backward, clip, AdamW."""
     import torch
 
-    from losses import left_pad
+    from packing import left_pad
 
     per_mb = max(1, token_budget // max(len(e.tokens) for e in exps))
     for i in range(0, len(exps), per_mb):

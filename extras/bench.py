@@ -56,8 +56,7 @@ def bench(cfg: Config) -> int:
     from run import prepare
 
     take_run_settings(cfg)
-    _, tasks = prepare(cfg, 0)
-    evaluate_models(cfg, tasks)
+    evaluate_models(cfg, prepare(cfg, 0).tasks)
     return 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from buffer import Experience
 from extras.judge import RATINGS, expected_rating
-from losses import repetition_filter
+from extras.filters import repetition_filter
 from extras.pipelines import ExperienceContext, response_text, shape
 
 
@@ -98,7 +98,7 @@ def clean(groups: list[list[Experience]], ctx: ExperienceContext, max_tokens: in
           max_repeat_frac: float = 0.5, dedup: bool = False) -> list[list[Experience]]:
     """Experience cleaning (Trinity-RFT report 3.4.2): drop rollouts whose response has
     more than `max_tokens` policy tokens (0: no limit), whose `ngram`-grams repeat more
-    than `max_repeat_frac` (losses.repetition_filter; ngram 0: off), and with `dedup`,
+    than `max_repeat_frac` (extras.filters.repetition_filter; ngram 0: off), and with `dedup`,
     rollouts whose response text repeats an earlier one of the same group. Metrics:
     dropped_length, dropped_repetition, dropped_duplicate."""
     counts = dict.fromkeys(("length", "repetition", "duplicate"), 0)

@@ -59,12 +59,13 @@ class Backpressure:
             self.receiver.catch_up()
 
 
-def run_mode_explore(cfg, model_path: str, tasks: tuple) -> None:
-    """Mode explore (run.MODES): generate batches into the run's buffer until the trainer has
-    finished. Metric records go to RUN_DIR/explorer_<name>.jsonl; evaluation records also to
-    the buffer, for the trainer's metrics. With broadcast sync the explorer joins the
-    weight-sync group whose store is at cfg.sync_host:cfg.sync_port as the next free rank
-    (RuntimeError once that store stops answering while it waits: sync.StoreAlive)."""
+def run_mode_explore(cfg, prepared) -> None:
+    """Mode explore (run.MODES) on what run.prepare found (model, tasks): generate batches
+    into the run's buffer until the trainer has finished. Metric records go to
+    RUN_DIR/explorer_<name>.jsonl, evaluation records also to the buffer (for the trainer's
+    metrics). With broadcast sync the explorer joins the weight-sync group whose store is at
+    cfg.sync_host:cfg.sync_port as the next free rank (RuntimeError once that store stops
+    answering while it waits: sync.StoreAlive)."""
     launch.split_threads(cfg, 1)
     print(f"nanorft: mode explore ({cfg.explorer_name}), engine {cfg.engine}, {cfg.explorer_threads} threads, "
           f"run dir {cfg.run_dir}")
@@ -78,7 +79,7 @@ def run_mode_explore(cfg, model_path: str, tasks: tuple) -> None:
             buffer.add_record(cfg.explorer_name, record)
 
     try:
-        engine = make_engine(cfg, model_path, engine_seed(cfg))
+        engine = make_engine(cfg, prepared.model_path, engine_seed(cfg))
         # the trainer is no parent of ours: it is alive while its weight-sync store answers (waited for first: it
         # may start after us); checkpoints are never waited for (catch_up only polls)
         alive = sync.StoreAlive(cfg.sync_host, cfg.sync_port, cfg.sync_timeout_s) if by_broadcast else lambda: True
@@ -86,7 +87,8 @@ def run_mode_explore(cfg, model_path: str, tasks: tuple) -> None:
                                  port=cfg.sync_port if by_broadcast else None, timeout_s=cfg.sync_timeout_s,
                                  device="cuda" if torch.cuda.is_available() else "cpu", host=cfg.sync_host)
         try:
-            explore(cfg, engine, tasks, buffer, Backpressure(cfg, buffer, receiver), log_and_share, sys.maxsize)
+            explore(cfg, engine, prepared.tasks, buffer, Backpressure(cfg, buffer, receiver), log_and_share,
+                    sys.maxsize)
         finally:
             receiver.leave()  # the trainer may go (its store with it) once every explorer has left
     finally:

@@ -586,8 +586,8 @@ needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not instal
 def test_the_vllm_engine_serves_agents(tiny_model, tok):
     from transformers import AutoModelForCausalLM
 
-    from engines import VLLMEngine
     from extras.openai_endpoint import context_length
+    from extras.vllm_engine import VLLMEngine
     from packing import pack, response_logprobs
 
     engine = VLLMEngine(tiny_model, seed=0, threads=1)

@@ -10,7 +10,7 @@ import torch
 import losses as L
 from buffer import Experience
 from packing import token_entropy
-from extras import opmd as OPMD
+from extras import advantages as EA, filters as EF, opmd as OPMD, policy_losses as EP
 from test_losses import inputs
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.2, 0.7, 0.9])
@@ -30,8 +30,8 @@ def mean(xs):
 
 def test_dr_grpo_rloo_opmd_advantages_reference():
     r = REWARDS.tolist()
-    dr = L.dr_grpo_advantages(REWARDS, INDEX)
-    rloo = L.rloo_advantages(REWARDS, INDEX)
+    dr = EA.dr_grpo_advantages(REWARDS, INDEX)
+    rloo = EA.rloo_advantages(REWARDS, INDEX)
     opmd = OPMD.opmd_advantages(REWARDS, INDEX, baseline="logavgexp", tau=0.5)
     for members in groups().values():
         for i in members:
@@ -43,7 +43,7 @@ def test_dr_grpo_rloo_opmd_advantages_reference():
     assert torch.equal(OPMD.opmd_advantages(REWARDS, INDEX), dr)  # mean baseline
     # a group of one has no baseline and keeps its reward (verl; Trinity-RFT's OPMD)
     lone, one = torch.tensor([3.0]), torch.tensor([0])
-    assert L.rloo_advantages(lone, one).item() == L.dr_grpo_advantages(lone, one).item() == 3.0
+    assert EA.rloo_advantages(lone, one).item() == EA.dr_grpo_advantages(lone, one).item() == 3.0
     assert L.grpo_advantages(lone, one).item() == pytest.approx(3.0 / (1 + 1e-6))
     assert OPMD.opmd_advantages(lone, one, baseline="logavgexp", tau=0.5).item() == 3.0
 
@@ -60,11 +60,11 @@ def test_reinforce_pp_batch_normalisation_reference():
     r = REWARDS.tolist()
     centred = [r[i] - mean([r[j] for j in groups()[g]]) for i, g in enumerate(INDEX.tolist())]
     counts = [3, 1, 4, 2, 2, 5, 1, 3, 2]
-    got = L.reinforce_pp_advantages(REWARDS, INDEX, token_counts=torch.tensor(counts))
+    got = EA.reinforce_pp_advantages(REWARDS, INDEX, token_counts=torch.tensor(counts))
     assert got.tolist() == pytest.approx(whiten_tokens(centred, counts), abs=1e-5)
     # without token counts every sequence counts once
-    assert L.reinforce_pp_advantages(REWARDS, INDEX).tolist() == pytest.approx(whiten_tokens(centred, [1] * 9), abs=1e-5)
-    raw = L.reinforce_pp_advantages(REWARDS, INDEX, group_baseline=False)
+    assert EA.reinforce_pp_advantages(REWARDS, INDEX).tolist() == pytest.approx(whiten_tokens(centred, [1] * 9), abs=1e-5)
+    raw = EA.reinforce_pp_advantages(REWARDS, INDEX, group_baseline=False)
     assert raw.mean().item() == pytest.approx(0, abs=1e-6) and raw.std().item() == pytest.approx(1, abs=1e-4)
 
 
@@ -74,7 +74,7 @@ def test_stepwise_grpo_counts_each_trajectory_once():
     rewards = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.5, 0.25])
     index = torch.tensor([0, 0, 0, 0, 1, 1])
     traj = torch.tensor([0, 0, 0, 1, 2, 3])
-    got = L.stepwise_grpo_advantages(rewards, index, traj)
+    got = EA.stepwise_grpo_advantages(rewards, index, traj)
     a = 0.5 / (math.sqrt(0.5) + 1e-6)  # two trajectories (1, 0): mean 0.5, unbiased std sqrt(0.5)
     b = 0.125 / (math.sqrt(2 * 0.125 ** 2) + 1e-6)
     assert got.tolist() == pytest.approx([a, a, a, -a, b, -b], abs=1e-5)
@@ -125,7 +125,7 @@ def test_ppo_dual_clip_reference():
 
 def test_dppo_kl_masks_by_probability_difference_on_the_advantage_side():
     lp, behaviour, adv, mask = rand_inputs(2)
-    out = L.dppo_kl_loss(inputs(lp, behaviour, adv, mask), dppo_mask_low=0.1, dppo_mask_high=0.05, adv_tau=2.0,
+    out = EP.dppo_kl_loss(inputs(lp, behaviour, adv, mask), dppo_mask_low=0.1, dppo_mask_high=0.05, adv_tau=2.0,
                          kl_tau=0.1)
     masked = 0
     for b in range(4):
@@ -163,7 +163,7 @@ def test_detached_weight_losses_reference_and_gradients():
 
 def test_gspo_sequence_ratio_reference_and_on_policy_gradient():
     lp, behaviour, adv, mask = rand_inputs(4)
-    out = L.gspo_loss(inputs(lp, behaviour, adv, mask), clip_low=0.1, clip_high=0.1)
+    out = EP.gspo_loss(inputs(lp, behaviour, adv, mask), clip_low=0.1, clip_high=0.1)
     for b in range(4):
         n = mask[b].sum().item()
         s = math.exp(sum((lp[b, t].item() - behaviour[b, t].item()) * mask[b, t].item() for t in range(5)) / n)
@@ -259,27 +259,27 @@ def test_pairwise_opmd_gradient_is_mean_baseline_policy_gradient():
 
 def test_sft_and_dpo_reference():
     lp, _, _, mask = rand_inputs(9, B=4)
-    out = L.sft_loss(inputs(lp, lp.detach(), torch.zeros(4, 5), mask))
+    out = EP.sft_loss(inputs(lp, lp.detach(), torch.zeros(4, 5), mask))
     assert torch.equal(out["loss"], -lp)
     ref = lp.detach() - 0.5
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])  # group 0: pair (0 chosen, 1 rejected); group 1: no gap
     index = torch.tensor([0, 0, 1, 1])
-    dpo = L.dpo_loss(inputs(lp, lp.detach(), torch.zeros(4, 5), mask, rewards, index, ref), beta=0.2)
+    dpo = EP.dpo_loss(inputs(lp, lp.detach(), torch.zeros(4, 5), mask, rewards, index, ref), beta=0.2)
     margin = 0.2 * ((seq_logratio(lp, ref, mask, 0)) - seq_logratio(lp, ref, mask, 1))
     pair = -math.log(1 / (1 + math.exp(-margin)))
     sums = (dpo["loss"] * mask).sum(-1).tolist()
     assert sums == pytest.approx([pair, pair, 0.0, 0.0], abs=1e-5)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        L.dpo_loss(inputs(lp, lp.detach(), torch.zeros(4, 5), mask, rewards, index))
+        EP.dpo_loss(inputs(lp, lp.detach(), torch.zeros(4, 5), mask, rewards, index))
     # a micro-batch without a pair (no reward gap) still has a loss in the graph: every FSDP2 rank must run backward
-    flat = L.dpo_loss(inputs(lp, lp.detach(), torch.zeros(4, 5), mask, torch.zeros(4), index, ref))["loss"]
+    flat = EP.dpo_loss(inputs(lp, lp.detach(), torch.zeros(4, 5), mask, torch.zeros(4), index, ref))["loss"]
     assert flat.requires_grad and float((flat * mask).sum()) == 0.0
 
 
 def test_mix_weights_expert_sft_and_rollout_ppo():
     lp, behaviour, adv, mask = rand_inputs(10)
     expert = torch.tensor([True, False, False, True])
-    out = L.mix_loss(inputs(lp, behaviour, adv, mask, expert=expert), mu=0.25)
+    out = EP.mix_loss(inputs(lp, behaviour, adv, mask, expert=expert), mu=0.25)
     ppo = L.ppo_clip_loss(inputs(lp, behaviour, adv, mask), clip_low=0.2, clip_high=0.2, dual_clip=3.0)["loss"]
     assert torch.allclose(out["loss"][0], -0.25 * lp[0]) and torch.allclose(out["loss"][1], 0.75 * ppo[1])
     assert out["expert"][:, 0].tolist() == [1.0, 0.0, 0.0, 1.0]
@@ -292,16 +292,16 @@ def test_entropy_reference():
 
 
 def test_filters():
-    assert not L.zero_advantage_filter([1, 2], [-0.1], 0.0) and L.zero_advantage_filter([1, 2], [-0.1], -0.5)
-    assert not L.gibberish_filter([1, 2, 3], [-9.0, -8.0], 1.0) and L.gibberish_filter([1, 2, 3], [-1.0, -2.0], 1.0)
+    assert not EF.zero_advantage_filter([1, 2], [-0.1], 0.0) and EF.zero_advantage_filter([1, 2], [-0.1], -0.5)
+    assert not EF.gibberish_filter([1, 2, 3], [-9.0, -8.0], 1.0) and EF.gibberish_filter([1, 2, 3], [-1.0, -2.0], 1.0)
     loop = [7, 8] * 10
-    assert not L.repetition_filter([1] + loop, [0.0] * len(loop), 1.0, ngram=2, max_repeat_frac=0.5)
-    assert L.repetition_filter([1] + list(range(20)), [0.0] * 20, 1.0, ngram=2, max_repeat_frac=0.5)
+    assert not EF.repetition_filter([1] + loop, [0.0] * len(loop), 1.0, ngram=2, max_repeat_frac=0.5)
+    assert EF.repetition_filter([1] + list(range(20)), [0.0] * 20, 1.0, ngram=2, max_repeat_frac=0.5)
 
 
 def test_resolve_plugins_and_errors():
     assert L.resolve("ppo_clip", L.POLICY_LOSSES, "policy_loss", {"dual_clip": 3.0}) is L.ppo_clip_loss
-    assert L.resolve("losses.sft_loss", L.POLICY_LOSSES, "policy_loss") is L.sft_loss
+    assert L.resolve("extras.policy_losses.sft_loss", L.POLICY_LOSSES, "policy_loss") is EP.sft_loss
     with pytest.raises(ValueError, match="unknown policy_loss 'nope'"):
         L.resolve("nope", L.POLICY_LOSSES, "policy_loss")
     with pytest.raises(ValueError, match="cannot be imported"):

@@ -32,7 +32,8 @@ def buffer_versions(run_dir, batch_size):
 def test_run_trains_and_syncs(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir,
-                 "--reward-fn", "tests.rewards.length_parity", "--steps", 4, "--sync-interval", 2, "--eval-k", 2)
+                 "--reward-fn", "tests.rewards.length_parity", "--steps", 4, "--sync-interval", 2, "--eval-k", 2,
+                 "--sync-checksum")
     assert res.returncode == 0, res.stderr[-3000:]
     # run.py re-executes itself with tcmalloc preloaded where it is installed (CI installs it), else says how
     assert ("memory allocator tcmalloc;" if launch.tcmalloc(parse_config([])) else "install libtcmalloc") in res.stdout
@@ -91,7 +92,7 @@ def test_torchrun_two_trainer_ranks(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir,
                  "--reward-fn", "tests.rewards.length_parity", "--steps", 2, "--eval-size", 0,
-                 "--sync-bucket-mb", 0.05, nproc=2)
+                 "--sync-bucket-mb", 0.05, "--sync-checksum", nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r for r in metrics(run_dir) if "reward/mean" in r]
     assert [r["trainer/ranks"] for r in steps] == [2, 2]

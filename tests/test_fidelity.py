@@ -15,7 +15,7 @@ import torch
 import fidelity_reference
 import losses as L
 from packing import token_entropy
-from extras import opmd as OPMD
+from extras import advantages as EA, filters as EF, opmd as OPMD, policy_losses as EP
 from fidelity_reference import (ADV, BEHAVIOUR, COUNTS10, DPO_REWARDS, ENTROPY_LOGITS, G4, G10, GSPO_EXTREME_BEHAVIOUR,
                                 GSPO_EXTREME_LP, KL_LOGP, KL_LOGQ, LP, MASK, MIX_EXPERT, PPO_EXTREME_BEHAVIOUR,
                                 PPO_EXTREME_LP, R4, R10, STEP_G, STEP_R, STEP_T)
@@ -118,7 +118,7 @@ def test_mix_normalises_rollout_and_expert_parts_separately():
     mask = torch.tensor(MASK, dtype=torch.float)
     tokens, seqs = L.part_totals(mask.sum(-1), expert, torch.ones(4, dtype=torch.bool))
     assert tokens.tolist() == [5, 8, 5, 8] and seqs.tolist() == [2, 2, 2, 2]
-    assert L.mix_loss.split_expert
+    assert EP.mix_loss.split_expert
     loss, grad, _ = run("mix", expert=expert, totals=(tokens, seqs), mu=0.25)
     assert close(loss, MIX_LOSS) and close(grad, MIX_GRAD)
 
@@ -137,7 +137,7 @@ def test_mix_split_totals_add_up_over_micro_batches():
         m = torch.tensor(MASK, dtype=torch.float)[idx]
         inp = L.LossInputs(lp[idx], torch.tensor(BEHAVIOUR)[idx], torch.tensor(ADV)[idx][:, None].expand(2, 4), m,
                            torch.zeros(2), torch.arange(2), None, expert[idx])
-        total = total + L.aggregate(L.mix_loss(inp, mu=0.25)["loss"], m, "token-mean", tokens[idx], seqs[idx])
+        total = total + L.aggregate(EP.mix_loss(inp, mu=0.25)["loss"], m, "token-mean", tokens[idx], seqs[idx])
     total.backward()
     assert close(total, MIX_LOSS) and close(lp.grad, MIX_GRAD)
 
@@ -215,7 +215,7 @@ def test_gspo_is_verl_gspo(clip):
     lp = torch.tensor(GSPO_EXTREME_LP, requires_grad=True)
     inp = L.LossInputs(lp, torch.tensor(GSPO_EXTREME_BEHAVIOUR), torch.ones(1, 2), torch.ones(1, 2), torch.zeros(1),
                        torch.zeros(1, dtype=torch.long))
-    out = L.aggregate(L.gspo_loss(inp, clip_low=0.1, clip_high=1e9)["loss"], torch.ones(1, 2), L.gspo_loss.agg, 2, 1)
+    out = L.aggregate(EP.gspo_loss(inp, clip_low=0.1, clip_high=1e9)["loss"], torch.ones(1, 2), EP.gspo_loss.agg, 2, 1)
     out.backward()
     assert close(out, GSPO_EXTREME_LOSS) and lp.grad.abs().max() == 0
 
@@ -323,14 +323,14 @@ STEPWISE_ADV = [0.99999797, 0.99999797, 0.99999797, -0.99999797, 0, 0, 0.2999997
 def test_advantages_are_verl_and_trinity_estimators():
     r, g, n = torch.tensor(R10), torch.tensor(G10), torch.tensor(COUNTS10, dtype=torch.float)
     assert close(L.grpo_advantages(r, g), GRPO_ADV)
-    assert close(L.dr_grpo_advantages(r, g), DR_GRPO_ADV)
-    assert close(L.rloo_advantages(r, g), RLOO_ADV)
-    assert close(L.reinforce_pp_advantages(r, g, token_counts=n), RPP_BASELINE_ADV)
-    assert close(L.reinforce_pp_advantages(r, g, token_counts=torch.full((10,), 5.0)), RPP_BASELINE_ADV_5_TOKENS)
-    assert close(L.reinforce_pp_advantages(r, g, group_baseline=False, token_counts=n), RPP_ADV)
+    assert close(EA.dr_grpo_advantages(r, g), DR_GRPO_ADV)
+    assert close(EA.rloo_advantages(r, g), RLOO_ADV)
+    assert close(EA.reinforce_pp_advantages(r, g, token_counts=n), RPP_BASELINE_ADV)
+    assert close(EA.reinforce_pp_advantages(r, g, token_counts=torch.full((10,), 5.0)), RPP_BASELINE_ADV_5_TOKENS)
+    assert close(EA.reinforce_pp_advantages(r, g, group_baseline=False, token_counts=n), RPP_ADV)
     assert close(OPMD.opmd_advantages(r, g), OPMD_ADV_MEAN)
     assert close(OPMD.opmd_advantages(r, g, baseline="logavgexp", tau=0.5), OPMD_ADV_LOGAVGEXP)
-    step = L.stepwise_grpo_advantages(torch.tensor(STEP_R), torch.tensor(STEP_G), torch.tensor(STEP_T))
+    step = EA.stepwise_grpo_advantages(torch.tensor(STEP_R), torch.tensor(STEP_G), torch.tensor(STEP_T))
     assert close(step, STEPWISE_ADV)
 
 
@@ -433,7 +433,7 @@ def test_trainer_gives_reinforce_pp_the_token_counts(make_trainer):
 
     batch = StepBatch.of([group])
     got = tr.advantages(batch, batch.rewards)  # the stage Trainer.step calls
-    want = L.reinforce_pp_advantages(torch.tensor(rewards), torch.zeros(4, dtype=torch.long),
+    want = EA.reinforce_pp_advantages(torch.tensor(rewards), torch.zeros(4, dtype=torch.long),
                                      token_counts=torch.tensor(lengths, dtype=torch.float))
     assert close(got.tolist(), want.tolist(), tol=1e-5)
     assert tr.step([group])["advantage/abs_mean"] == pytest.approx(float(want.abs().mean()), abs=1e-5)
@@ -458,5 +458,5 @@ def test_trainer_normalises_mix_parts_separately(make_trainer):
 
 def test_gibberish_filter_averages_the_policys_tokens_only():
     behaviour_logprobs, mask = [-1.0, 0.0, 0.0, -1.0], [1, 0, 0, 1]  # two environment tokens with placeholder 0
-    assert L.gibberish_filter([1] * 6, behaviour_logprobs, 1.0, mask, min_mean_logprob=-0.8) is False
-    assert L.gibberish_filter([1] * 6, behaviour_logprobs, 1.0, min_mean_logprob=-0.8) is True  # no mask: every token
+    assert EF.gibberish_filter([1] * 6, behaviour_logprobs, 1.0, mask, min_mean_logprob=-0.8) is False
+    assert EF.gibberish_filter([1] * 6, behaviour_logprobs, 1.0, min_mean_logprob=-0.8) is True  # no mask: every token

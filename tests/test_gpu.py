@@ -63,7 +63,7 @@ def test_colocated_mode_both_on_one_gpu(tiny_model, tasks, tmp_path, monkeypatch
     # after every sync the explorer's weights equal the trainer's (checksums)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--task", tasks, "--run-dir", tmp_path / "r",
-                 "--engine", "hf", "--steps", 4, "--sync-interval", 2, nproc=1)
+                 "--engine", "hf", "--steps", 4, "--sync-interval", 2, "--sync-checksum", nproc=1)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "colocated with trainer rank 0" in res.stdout
     records = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
@@ -94,12 +94,13 @@ def test_hf_engine_follows_a_perturbed_sync(tiny_model, device, dtype):
 
     bf16 = dtype == torch.bfloat16
     engine = HFEngine(tiny_model, max_batch=16, seed=0, bf16=bf16, device=device, dtype=dtype)
+    engine.checksum = True
     old, new = (AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).to(device) for _ in range(2))
     torch.manual_seed(0)
     with torch.no_grad():
         for p in new.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    ws = sync.WeightSync(0, 2, port=0, timeout_s=120)
+    ws = sync.WeightSync(0, 2, port=0, timeout_s=120, checksum=True)
     joiner = threading.Thread(target=ws.connect)
     joiner.start()
     engine.join_weight_sync("127.0.0.1", ws.port, 120, lambda: True)
@@ -190,6 +191,7 @@ def bf16_engine_receiver(model, port, q):
     from engines import HFEngine
 
     engine = HFEngine(model, dtype=torch.bfloat16, device="cpu")
+    engine.checksum = True
     engine.join_weight_sync("127.0.0.1", port, 60, lambda: True, "cpu")
     version, digest = engine.receive_weights(lambda: True)
     q.put((version, digest, [p.float().tolist() for p in engine.parameters()]))
@@ -205,7 +207,7 @@ def test_an_engine_holding_bf16_weights_receives_the_trainers_float32(tiny_model
     from transformers import AutoModelForCausalLM
 
     sent = [p.detach() + 0.01 for p in AutoModelForCausalLM.from_pretrained(tiny_model).parameters()]
-    ws = sync.WeightSync(0, 2, port=0, timeout_s=60)
+    ws = sync.WeightSync(0, 2, port=0, timeout_s=60, checksum=True)
     q = mp.get_context("spawn").Queue()
     proc = mp.get_context("spawn").Process(target=bf16_engine_receiver, args=(tiny_model, ws.port, q))
     proc.start()

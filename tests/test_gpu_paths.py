@@ -69,13 +69,13 @@ class FakeModel:
 
 def test_the_vllm_worker_loads_into_the_model_not_its_cuda_graph_wrapper(monkeypatch):
     # on CUDA, model_runner.model is vLLM's CUDAGraphWrapper; get_model() is the model (vLLM's own reload uses it)
-    import vllm_worker
+    from extras.vllm_engine import VLLMWeightReceiver
 
     calls = []
     fake_vllm_reload(monkeypatch, calls)
     model = FakeModel()
     config = types.SimpleNamespace(dtype=torch.bfloat16, hf_config=types.SimpleNamespace(tie_word_embeddings=False))
-    worker = vllm_worker.VLLMWeightReceiver()
+    worker = VLLMWeightReceiver()
     worker.vllm_config = types.SimpleNamespace(model_config=config)
     worker.model_runner = types.SimpleNamespace(model=object(), get_model=lambda: model)  # .model: the wrapper
     worker._nanorft_load([("w", torch.ones(2)), ("ids", torch.arange(2))])
@@ -99,10 +99,10 @@ class FakeLLM:
 def test_vllm_keeps_its_prefix_cache_only_in_flight(inflight):
     # in flight, requests are running when weights arrive: vLLM refuses the reset (a warning on every publish),
     # and prefix caching is off there anyway
-    from engines import VLLMEngine
+    from extras.vllm_engine import VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)
-    engine.llm, engine.inflight, engine.version, engine.lora = FakeLLM(), inflight, 0, None
+    engine.llm, engine.inflight, engine.version, engine.lora, engine.checksum = FakeLLM(), inflight, 0, None, True
     assert engine.receive_weights(lambda: True) == (3, 1.5)
     assert engine.load_checkpoint("ckpt", 4) == 2.5 and engine.version == 4
     assert engine.llm.resets == (0 if inflight else 2)
@@ -116,7 +116,7 @@ def publishing_trainer(model: str, q) -> None:
     import sync
     from transformers import AutoModelForCausalLM
 
-    ws = sync.WeightSync(0, 2, port=0, timeout_s=60)
+    ws = sync.WeightSync(0, 2, port=0, timeout_s=60, checksum=True)
     q.put(ws.port)
     ws.connect()
     q.put(ws.send(3, [[p.detach() + 1 for p in AutoModelForCausalLM.from_pretrained(model).parameters()]]))
@@ -130,13 +130,13 @@ def test_the_vllm_worker_watches_the_trainers_store_in_every_receive(tiny_model,
     # store while it joins and while it receives; a receive without it waited for the group's timeout (1 h)
     import multiprocessing as mp
 
-    import vllm_worker
     import sync
+    from extras.vllm_engine import VLLMWeightReceiver
 
     fake_vllm_reload(monkeypatch, [])
     model = FakeModel()
     config = types.SimpleNamespace(dtype=torch.float32, hf_config=types.SimpleNamespace(tie_word_embeddings=True))
-    worker = vllm_worker.VLLMWeightReceiver()
+    worker = VLLMWeightReceiver()
     worker.vllm_config, worker.device = types.SimpleNamespace(model_config=config), torch.device("cpu")
     worker.model_runner = types.SimpleNamespace(get_model=lambda: model)
     watched = []
@@ -148,7 +148,7 @@ def test_the_vllm_worker_watches_the_trainers_store_in_every_receive(tiny_model,
     trainer.start()
     try:
         worker.nanorft_join(tiny_model, "127.0.0.1", q.get(timeout=60), 60, "cpu")
-        version, digest = worker.nanorft_receive()
+        version, digest = worker.nanorft_receive(checksum=True)
         assert (version, digest) == (3, pytest.approx(q.get(timeout=60), rel=1e-12))
         assert len(model.loaded) == len(worker.nanorft_named) > 0
         assert watched == [worker.nanorft_alive] and worker.nanorft_alive()

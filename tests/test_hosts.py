@@ -32,20 +32,20 @@ def test_gloo_binds_the_interface_on_the_route_to_the_master(monkeypatch):
     # the FSDP group's gloo sockets bound the hostname's address (127.0.0.1 here, 127.0.1.1 on Debian), where a
     # second node cannot reach them: its rendezvous failed with "connectFullMesh ... remote=[127.0.0.1]"
     import launch
-    import sync
+    from extras.hosts import interface_of
     from test_modes import host_address
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # (recorded, so that what gloo_interface sets is undone after)
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     assert launch.gloo_interface() is None and "GLOO_SOCKET_IFNAME" not in os.environ  # one machine: as before
-    assert sync.interface_of("127.0.0.1") == "lo" and sync.interface_of("192.0.2.77") is None
+    assert interface_of("127.0.0.1") == "lo" and interface_of("192.0.2.77") is None
     addr = host_address()
     if addr == "127.0.0.1":
         pytest.skip("this machine has no network address besides loopback")
     monkeypatch.setenv("MASTER_ADDR", addr)
     name = launch.gloo_interface()
-    assert name and os.environ["GLOO_SOCKET_IFNAME"] == name and sync.interface_of(addr) == name
+    assert name and os.environ["GLOO_SOCKET_IFNAME"] == name and interface_of(addr) == name
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "given")
     assert launch.gloo_interface() is None and os.environ["GLOO_SOCKET_IFNAME"] == "given"  # the user's choice stays
 
@@ -72,7 +72,7 @@ def test_an_explorer_whose_trainer_vanished_says_so_in_one_line():
 
 @pytest.mark.slow
 def test_a_resumed_trainers_first_publish_reaches_bucketed_explorers():
-    # mode train resumed with broadcast sync sends its weights as one list of all parameters (loop.connect_explorers);
+    # mode train resumed with broadcast sync sends its weights as one list of all parameters (extras.train_mode.connect_explorers);
     # explorers receiving in --sync-bucket-mb buckets aborted inside gloo (the default model: 538060032 vs 113246208
     # bytes), leaving no error line and the trainer waiting. The tiny model fits one bucket: the topology missed it
     import multiprocessing as mp
@@ -82,7 +82,7 @@ def test_a_resumed_trainers_first_publish_reaches_bucketed_explorers():
     import sync
     from test_sync import bucket_receiver
 
-    ws = sync.WeightSync(0, 2, port=0, timeout_s=60, bucket_elems=16)
+    ws = sync.WeightSync(0, 2, port=0, timeout_s=60, bucket_elems=16, checksum=True)
     q = mp.get_context("spawn").Queue()
     proc = mp.get_context("spawn").Process(target=bucket_receiver, args=(ws.port, torch.float32, q))
     proc.start()

@@ -101,6 +101,7 @@ def test_checkpoint_sync_and_resume_start_carry_a_peft_adapter(tiny_model, train
     assert (tmp_path / "v1" / "adapter_config.json").is_file()
     assert not list((tmp_path / "v1").glob("model*.safetensors"))  # the adapters only
     engine = HFEngine(tiny_model, lora=lora_config(cfg))
+    engine.checksum = True
     assert engine.load_checkpoint(tmp_path / "v1", 1) == sync.checksum(params) and engine.version == 1
     # an explorer that starts from an adapter directory (a resumed LoRA run) loads its base and the adapter
     started = HFEngine(str(tmp_path / "v1"), lora=lora_config(cfg))
@@ -161,7 +162,7 @@ def test_mode_both_with_lora_syncs_adapters_with_equal_checksums(tmp_path):
     out = tmp_path / "run"
     res = run_py("--config", "configs/tiny.toml", "--model", _tiny(tmp_path), "--run-dir", out, "--steps", "3",
                  "--sync-interval", "1", "--lora-rank", "4", "--kl-loss-coef", "0.05", "--eval-size", "0",
-                 "--reward-fn", "tests.rewards.length_parity")
+                 "--reward-fn", "tests.rewards.length_parity", "--sync-checksum")
     assert res.returncode == 0, res.stderr[-3000:]
     sent, got = checksums(out)
     assert sent and all(got[v] == c for v, c in sent.items() if v in got) and set(sent) - {3} <= set(got)
@@ -177,7 +178,7 @@ def test_two_fsdp_ranks_train_lora_with_checkpoint_sync(tiny_model, tmp_path):
     out = tmp_path / "run"
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", out, "--steps", "2",
                  "--sync-interval", "1", "--lora-rank", "4", "--sync-method", "checkpoint", "--eval-size", "0",
-                 "--reward-fn", "tests.rewards.length_parity", "--lr", "1e-2", nproc=2)
+                 "--reward-fn", "tests.rewards.length_parity", "--lr", "1e-2", "--sync-checksum", nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
     _, got = checksums(out)
     adapter = load_file(out / "final" / "adapter" / "adapter_model.safetensors")
@@ -194,7 +195,7 @@ def test_inflight_updates_with_lora_on_the_hf_engine(tiny_model, tmp_path):
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", out, "--steps", "3",
                  "--sync-interval", "1", "--sync-offset", "1", "--inflight", "--max-tokens", "24", "--eval-size", "0",
                  "--lora-rank", "4", "--reward-fn", "tests.rewards.length_parity", "--workflow",
-                 "tests.plugins.WaitForPublish")
+                 "tests.plugins.WaitForPublish", "--sync-checksum")
     assert res.returncode == 0, res.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward/mean" in r]
@@ -226,10 +227,11 @@ needs_vllm = pytest.mark.skipif(not __import__("engines").vllm_available(),
 def test_vllm_samples_with_the_published_adapters(tiny_model, trained, tmp_path):
     import threading
 
-    from engines import VLLMEngine
+    from extras.vllm_engine import VLLMEngine
 
     cfg, tr = trained
     engine = VLLMEngine(tiny_model, seed=0, threads=1, lora=lora_config(cfg))
+    engine.checksum = True
     try:
         ws = sync.WeightSync(0, 2, port=0, timeout_s=120)
         joiner = threading.Thread(target=ws.connect)
@@ -265,7 +267,7 @@ def test_mode_both_with_lora_on_vllm(tiny_model, tmp_path):
     out = tmp_path / "run"
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", out, "--steps", "2",
                  "--sync-interval", "1", "--lora-rank", "4", "--engine", "vllm", "--eval-size", "0",
-                 "--reward-fn", "tests.rewards.length_parity")
+                 "--reward-fn", "tests.rewards.length_parity", "--sync-checksum")
     assert res.returncode == 0, res.stderr[-3000:]
     sent, got = checksums(out)
     assert 1 in got and got[1] == pytest.approx(sent[1], rel=1e-12)

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from engines import sample_token
+from extras.advantages import stepwise_grpo_advantages
 from extras.opmd import opmd_advantages
-from losses import (LossInputs, grpo_advantages, kl_estimate, masked_sum, mix_loss, ppo_clip_loss,
-                    stepwise_grpo_advantages)
+from extras.policy_losses import mix_loss
+from losses import LossInputs, grpo_advantages, kl_estimate, masked_sum, ppo_clip_loss
 
 
 def inputs(lp, behaviour, adv, mask=None, rewards=None, group_index=None, ref=None, expert=None):

@@ -116,7 +116,7 @@ def test_async_two_explorers_and_a_trainer_with_max_staleness(tiny_model, tmp_pa
 def test_both_with_checkpoint_sync_follows_the_schedule(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     res = run_py(*COMMON, "--model", tiny_model, "--run-dir", run_dir, "--steps", 4, "--sync-interval", 2,
-                 "--sync-method", "checkpoint")
+                 "--sync-method", "checkpoint", "--sync-checksum")
     assert res.returncode == 0, res.stderr[-3000:]
     assert buffer_versions(run_dir, 2) == [0, 0, 2, 2]
     from safetensors.torch import load_file
@@ -146,8 +146,7 @@ def test_inflight_updates_mark_sequences_spanning_versions(tiny_model, tmp_path)
 @pytest.mark.slow
 def test_inflight_engine_switches_weights_between_decode_steps(tiny_model, tmp_path):
     from conftest import make_tiny_model
-    from engines import HFEngine, Sampling
-    from vllm_worker import read_safetensors
+    from engines import HFEngine, Sampling, read_safetensors
 
     engine = HFEngine(tiny_model, seed=0)
     other = read_safetensors(make_tiny_model(tmp_path / "other", seed=1))
@@ -389,7 +388,7 @@ def test_async_explorers_and_trainer_on_a_postgres_buffer(tiny_model, tmp_path, 
         port = s.getsockname()[1]
     run_dir = tmp_path / "run"
     common = ["--model", tiny_model, "--run-dir", run_dir, "--buffer", url, "--sync-method", method,
-              "--sync-host", addr, "--sync-port", port]
+              "--sync-host", addr, "--sync-port", port, "--sync-checksum"]
     workflow = ["--workflow", "tests.plugins.AllExplorersStarted"]  # both take part, however late one starts
     explorers = {name: popen(*common, *workflow, "--mode", "explore", "--explorer-name", name) for name in ("e1", "e2")}
     res = run_py(*COMMON, *common, "--mode", "train", "--steps", 4, "--sync-interval", 2, "--num-explorers", 2,

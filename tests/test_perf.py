@@ -188,7 +188,7 @@ def test_ended_rows_leave_the_decode_batch_with_the_same_tokens_and_exact_logpro
 def test_the_engines_grouped_query_attention_equals_transformers_sdpa(tiny_model):
     from transformers import AutoModelForCausalLM
 
-    from losses import left_pad
+    from packing import left_pad
 
     engine = HFEngine(tiny_model, seed=0)
     assert engine.model.config._attn_implementation == "nanorft_gqa_sdpa"

