@@ -1,52 +1,17 @@
-"""Experience and the persistent buffer between explorers and trainer.
+"""Experience (the explorer/trainer contract) and the persistent buffer between them.
 
-Two backends, one code path: a SQLite file (stdlib sqlite3, WAL journal; the default,
-RUN_DIR/buffer.sqlite, one host) or a PostgreSQL database (`postgresql://user@host:port/db`,
-explorers and trainer on several hosts; needs `pip install "psycopg[binary]"`). Every
-statement is written once; `_SQLite` below and extras/postgres.py's `Postgres` differ only in what SQL itself
-does not share: placeholders, two column types, how a transaction excludes other writers,
-and the lock that holds an explorer name. (Why not SQLAlchemy Core: a dozen statements do
-not need a query builder, the default path keeps the stdlib's sqlite3, and the locking
-that the guarantees rest on -- BEGIN IMMEDIATE, advisory locks -- is dialect-specific in
-SQLAlchemy too.)
-
-Any number of explorer processes write groups of experiences; one trainer process reads
-complete groups in FIFO order (by insertion id) and marks them consumed in the same
-transaction, so a group is served at most once. A group with any experience whose reward
-is NULL (not known yet: lagged rewards) is never served. In PostgreSQL the reads are
-serialised by a transaction-level advisory lock (per run), the writes by transactions:
-a reader sees a group's rows all or none.
-
-Several runs share one PostgreSQL database: each run's tables live in their own schema,
-`?schema=NAME` in the URL (default: nanorft_<run dir name>, see `open_buffer`).
-
-Schema (one row per experience):
-    id (SQLite INTEGER PRIMARY KEY / PostgreSQL BIGSERIAL)  -- insertion order, the FIFO key
-    group_id, task_id TEXT; model_version, prompt_length INTEGER
-    tokens (int32), behaviour_logprobs (float32), action_mask (int8): BLOB / BYTEA
-    reward DOUBLE PRECISION NULL; info TEXT (JSON); explorer TEXT; created DOUBLE PRECISION (unix s)
-    consumed INTEGER  -- 0 = not yet; else 1 + the trainer step that consumed it
-    use_count INTEGER -- how many times the trainer took it: 1 when consumed, +1 per replay
-Tables explorer_state (resume position per explorer), task_pool (difficulty pools),
-run_state (key/value: "trainer_done"), explorer_records (explorers' evaluation records
-for the trainer's metrics) and replays (trainer step, group_id of every replay) complete it, so a fully asynchronous run needs no shared
-directory when weights travel by broadcast.
-
-Resume: `release_after(step)` makes the groups consumed at steps >= step servable again
-(their training was lost with the crash), and each explorer's position is saved in the same
-transaction as its batch (`write_batch`, `explorer_state`), so after a restart no
-experience is lost, generated twice or trained on twice. `hold(name)` keeps a restarted
-explorer from reading its position while an old process of that name can still write.
-
-Prioritised experience replay (`replay`, Trinity-RFT's priority queue): besides its fresh
-batch, a trainer step may take consumed groups again, highest priority model_version -
-decay * use_count first, each at most use_count_limit times in all; `release_after` undoes
-the replays of lost steps too.
-
-Difficulty pools (table task_pool, persisted with the buffer): a task whose latest group
-had a mean reward >= `easy` is retired to pool "easy", <= `hard` to pool "hard"; explorers
-skip retired tasks except for a lifted fraction, and a lifted task that lands in between
-returns to the active set.
+One code path, two backends: a SQLite file (stdlib sqlite3, WAL; the default,
+RUN_DIR/buffer.sqlite) or a PostgreSQL database (extras/postgres.py, for several hosts),
+differing only in placeholders, two column types, how a transaction excludes other writers
+and the lock that holds an explorer name. Explorers write groups; one trainer reads
+complete groups (no NULL reward: lagged rewards wait) in FIFO order and marks them consumed
+in the same transaction, so a group is served at most once. Each explorer's resume position
+and task-pool updates are written in the transaction of its batch, and `release_after(step)`
+serves again what a crashed trainer had taken, so after a restart no experience is lost,
+generated twice or trained on twice. Tables: experiences (one row per experience; consumed =
+1 + the trainer step, use_count for replay), explorer_state, task_pool, run_state,
+explorer_records (explorers' evaluations for the trainer's metrics), replays. Several runs
+share one PostgreSQL database, each in its own schema (`open_buffer`).
 """
 from __future__ import annotations
 
@@ -63,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
+
+from config import Config
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS experiences (
@@ -82,7 +49,7 @@ CREATE TABLE IF NOT EXISTS replays (step INTEGER NOT NULL, group_id TEXT NOT NUL
 """
 
 
-_COLUMNS = ("group_id, task_id, model_version, prompt_length, tokens, behaviour_logprobs, action_mask, reward, info, "
+COLUMNS = ("group_id, task_id, model_version, prompt_length, tokens, behaviour_logprobs, action_mask, reward, info, "
             "explorer")
 
 
@@ -90,19 +57,16 @@ _COLUMNS = ("group_id, task_id, model_version, prompt_length, tokens, behaviour_
 class Experience:
     """One training sample (the contract between explorer and trainer).
 
-    tokens:             prompt + response token ids, length L.
-    prompt_length:      P, number of prompt tokens; the response is tokens[P:], length R = L - P.
-    behaviour_logprobs: [R] log-prob of each response token under the behaviour policy,
-                        the exact distribution it was sampled from (temperature applied;
-                        training needs top_p 1). Placeholder 0.0 where there is none:
-                        environment tokens (action_mask 0) and offline data.
+    tokens:             prompt + response token ids, length L; the first prompt_length = P
+                        are the prompt, the response tokens[P:] has length R = L - P.
+    behaviour_logprobs: [R] log-prob of each response token under the exact distribution it
+                        was sampled from (temperature applied; training needs top_p 1); 0.0
+                        where there is none: environment tokens and offline data.
     action_mask:        [R] 1 where the policy generated the token and it is trained on.
     reward:             float, or None while not known (lagged reward).
-    group_id:           the rollouts of one task share it; task_id names the task.
-    model_version:      weight version (trainer steps) that generated it.
-    info:               free JSON-able dict (response text, finish reason, errors, ...);
-                        info["offline"] = True marks data not sampled from the policy (SFT chats,
-                        DPO pairs, MIX expert data): no behaviour log-probs, a fixed reward.
+    group_id, task_id:  the rollouts of one task share group_id; model_version: the weight
+                        version that generated it. info: free JSON-able dict; info["offline"]
+                        marks data not sampled from the policy (extras/offline.py).
     """
 
     tokens: list[int]
@@ -114,7 +78,7 @@ class Experience:
     task_id: str
     model_version: int
     info: dict = field(default_factory=dict)
-    explorer: str = "explorer0"
+    explorer: str = Config.explorer_name
 
     def __post_init__(self):
         if self.reward is not None and not (isinstance(self.reward, (int, float)) and math.isfinite(self.reward)):
@@ -197,13 +161,10 @@ def open_buffer(url: str, run_dir: str | Path, timeout_s: float = 60.0) -> "Buff
 
 
 class Buffer:
-    """The experience buffer; open one per process.
-
-    `url`: a SQLite file (a path, or sqlite:///path) or postgresql://user@host:port/db
-    [?schema=NAME]. `timeout_s`: how long a writer waits for a lock (seconds; SQLite's busy
-    timeout, PostgreSQL's connect timeout up to 60 s). Raises ValueError (one line) for a
-    file that is not a SQLite database, a server that cannot be reached or a bad schema.
-    """
+    """The experience buffer; open one per process. `url`: a SQLite file (a path, or
+    sqlite:///path) or postgresql://user@host:port/db[?schema=NAME]; `timeout_s`: how long a
+    writer waits for a lock (s). ValueError (one line) for a file that is not a SQLite
+    database, a server out of reach or a bad schema."""
 
     def __init__(self, url: str | Path, timeout_s: float = 60.0):
         url = str(url)
@@ -215,20 +176,13 @@ class Buffer:
             self.db = _SQLite(url.removeprefix("sqlite:///"), timeout_s)
         self.where = self.db.where
 
-    @contextmanager
-    def _transaction(self, readers: bool = False):
-        """The statements inside take effect together or not at all; `readers`: no other
-        reader of this buffer takes groups meanwhile."""
-        with self.db.transaction(readers):
-            yield
-
     def close(self) -> None:
         """Close the connection (an explorer name held by `hold` is released)."""
         self.db.close()
 
     def clear(self) -> None:
         """Delete everything in this buffer (every table of the run), in one transaction."""
-        with self._transaction(readers=True):
+        with self.db.transaction(readers=True):
             for table in ("experiences", "explorer_state", "task_pool", "run_state", "explorer_records", "replays"):
                 self.db.execute(f"DELETE FROM {table}")
 
@@ -239,15 +193,15 @@ class Buffer:
     def write_batch(self, groups: list[list[Experience]], explorer: str | None = None,
                     state: dict | None = None, pools: list[tuple[str, float, float, float]] = ()) -> None:
         """Append groups, (optionally) the explorer's resume state and task-pool updates
-        (`update_pool` arguments) in one transaction: all of it or nothing."""
+        ((task_id, mean reward, easy, hard): `_set_pool`) in one transaction: all or nothing."""
         now = time.time()
         rows = [(e.group_id, e.task_id, e.model_version, e.prompt_length,
                  array("i", e.tokens).tobytes(), array("f", e.behaviour_logprobs).tobytes(),
                  array("b", e.action_mask).tobytes(), e.reward, json.dumps(e.info), e.explorer, now)
                 for g in groups for e in g]
-        with self._transaction():
+        with self.db.transaction():
             self.db.executemany(
-                f"INSERT INTO experiences ({_COLUMNS}, created) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
+                f"INSERT INTO experiences ({COLUMNS}, created) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
             if state is not None:
                 self.db.execute("INSERT INTO explorer_state VALUES (?, ?) ON CONFLICT (name) DO UPDATE "
                                 "SET state = excluded.state", (explorer, json.dumps(state)))
@@ -255,10 +209,9 @@ class Buffer:
                 self._set_pool(*pool)
 
     def set_rewards(self, group_id: str, rewards: list[float] | float) -> int:
-        """Lagged rewards: fill the rewards of a group's experiences (one value for all, or
-        one per experience in insertion order); the group becomes servable once none is
-        NULL. Returns the number of rows updated; raises ValueError for an unknown group or
-        a wrong number of rewards."""
+        """Lagged rewards: fill the rewards of a group's experiences (one value for all, or one
+        per experience in insertion order). Returns the rows updated; ValueError for an
+        unknown group or a wrong number of rewards."""
         return self.set_rewards_many({group_id: rewards})
 
     def set_rewards_many(self, rewards: dict[str, list[float] | float]) -> int:
@@ -271,7 +224,7 @@ class Buffer:
                 raise ValueError(f"group {group_id!r}: rewards must be finite numbers, got {values!r}")
             checked[group_id] = vals
         n = 0
-        with self._transaction():
+        with self.db.transaction():
             for group_id, vals in checked.items():
                 ids = [r[0] for r in self.db.execute("SELECT id FROM experiences WHERE group_id = ? ORDER BY id",
                                                      (group_id,))]
@@ -290,8 +243,8 @@ class Buffer:
     def pending_group_rows(self) -> list[list[Experience]]:
         """The experiences of the groups still waiting for a reward, oldest group first."""
         ids = self.pending_groups()
-        return self._groups(ids, self.db.execute(
-            f"SELECT {_COLUMNS} FROM experiences WHERE group_id IN ({','.join('?' * len(ids))}) ORDER BY id",
+        return self.groups_of(ids, self.db.execute(
+            f"SELECT {COLUMNS} FROM experiences WHERE group_id IN ({','.join('?' * len(ids))}) ORDER BY id",
             ids).fetchall()) if ids else []
 
     def explorer_state(self, name: str) -> dict | None:
@@ -300,13 +253,10 @@ class Buffer:
         return json.loads(row[0]) if row else None
 
     def hold(self, name: str, wait: bool = True) -> bool:
-        """Take the explorer name `name` for the life of this connection (SQLite: a flock
-        on .explorer-<name>.lock beside the file; PostgreSQL: a session advisory lock; both
-        are dropped when the process dies, kill -9 included). While another process holds
-        it: wait (the default), or return False at once with wait=False. A restarted
-        explorer must not read its resume state while the old one (an orphan of a killed
-        trainer that has not noticed yet) can still store a batch, or that batch would be
-        generated twice."""
+        """Take the explorer name `name` for the life of this connection (a flock beside the
+        SQLite file, a PostgreSQL session advisory lock; dropped when the process dies). While
+        another process holds it: wait, or return False with wait=False. A restarted explorer
+        must not read its resume state while an old one can still store a batch."""
         if self.db.hold(name, wait=False):
             return True
         if wait:
@@ -316,7 +266,7 @@ class Buffer:
 
     def set_run_state(self, key: str, value: str | None) -> None:
         """Set (None: delete) a run-wide value, e.g. "trainer_done" = the final version."""
-        with self._transaction():
+        with self.db.transaction():
             self.db.execute("DELETE FROM run_state WHERE key = ?", (key,))
             if value is not None:
                 self.db.execute("INSERT INTO run_state VALUES (?, ?)", (key, value))
@@ -341,7 +291,7 @@ class Buffer:
     def release_after(self, step: int) -> int:
         """Mark groups consumed at trainer steps >= `step` as not consumed; returns the
         number of experiences released."""
-        with self._transaction(readers=True):
+        with self.db.transaction(readers=True):
             for (group_id,) in self.db.execute("SELECT group_id FROM replays WHERE step >= ?", (step,)).fetchall():
                 self.db.execute("UPDATE experiences SET use_count = use_count - 1 WHERE group_id = ?", (group_id,))
             self.db.execute("DELETE FROM replays WHERE step >= ?", (step,))
@@ -350,13 +300,9 @@ class Buffer:
 
     def read(self, num_groups: int, timeout_s: float = float("inf"),
              alive: Callable[[], bool] = lambda: True, poll_s: float = 0.05, step: int = 0) -> list[list[Experience]]:
-        """Take the `num_groups` oldest complete, unconsumed groups and mark them consumed
-        by trainer step `step`.
-
-        Blocks (polling every `poll_s` seconds) until enough are ready. Raises TimeoutError
-        after `timeout_s` seconds, RuntimeError as soon as `alive()` returns False (the
-        writer died), so a reader never hangs on a dead writer.
-        """
+        """Take the `num_groups` oldest complete, unconsumed groups and mark them consumed by
+        trainer step `step`; blocks (polling every `poll_s` s) until enough are ready. Raises
+        TimeoutError after `timeout_s` s, RuntimeError once `alive()` is False (the writer died)."""
         deadline = time.monotonic() + timeout_s
         while True:
             groups = self._take(num_groups, step)
@@ -369,52 +315,22 @@ class Buffer:
             time.sleep(poll_s)
 
     def _take(self, num_groups: int, step: int) -> list[list[Experience]] | None:
-        with self._transaction(readers=True):
+        with self.db.transaction(readers=True):
             ids = [r[0] for r in self.db.execute(
                 "SELECT group_id FROM experiences WHERE consumed = 0 GROUP BY group_id "
                 "HAVING COUNT(*) = COUNT(reward) ORDER BY MIN(id) LIMIT ?", (num_groups,))]
             if len(ids) < num_groups:
                 return None
             marks = ",".join("?" * len(ids))
-            rows = self.db.execute(f"SELECT {_COLUMNS} FROM experiences WHERE consumed = 0 AND group_id IN ({marks}) "
+            rows = self.db.execute(f"SELECT {COLUMNS} FROM experiences WHERE consumed = 0 AND group_id IN ({marks}) "
                                    "ORDER BY id", ids).fetchall()
             self.db.execute(f"UPDATE experiences SET consumed = ?, use_count = 1 WHERE consumed = 0 AND group_id IN "
                             f"({marks})", [step + 1, *ids])
-        return self._groups(ids, rows)
-
-    def replay(self, groups: int, step: int, decay: float = 2.0, use_count_limit: int = 3
-               ) -> tuple[list[list[Experience]], int]:
-        """Prioritised experience replay (Trinity-RFT trinity/buffer/storage/queue.py @
-        5a4234ec, priority model_version - decay * use_count, an item reused at most up to
-        its use-count limit): take up to `groups` groups consumed before trainer step
-        `step` whose use_count < `use_count_limit`, highest priority first (ties: newest),
-        count the use and record it for `release_after`. Each experience carries
-        info["use_count"] (uses before this one) and info["priority"]. Returns (groups,
-        how many groups were eligible)."""
-        with self._transaction(readers=True):
-            eligible = self.db.execute(
-                "SELECT group_id, MIN(model_version) - ? * MAX(use_count) AS priority FROM experiences "
-                "WHERE consumed BETWEEN 1 AND ? GROUP BY group_id HAVING MAX(use_count) < ? "
-                "ORDER BY priority DESC, MIN(id) DESC", (decay, step, use_count_limit)).fetchall()
-            chosen = eligible[:groups]
-            ids, priority = [g for g, _ in chosen], dict(chosen)
-            if not ids:
-                return [], len(eligible)
-            marks = ",".join("?" * len(ids))
-            rows = self.db.execute(f"SELECT {_COLUMNS}, use_count FROM experiences WHERE group_id IN ({marks}) "
-                                   "ORDER BY id", ids).fetchall()
-            self.db.execute(f"UPDATE experiences SET use_count = use_count + 1 WHERE group_id IN ({marks})", ids)
-            self.db.executemany("INSERT INTO replays VALUES (?, ?)", [(step, g) for g in ids])
-        out = self._groups(ids, [r[:-1] for r in rows])
-        uses = {r[0]: r[-1] for r in rows}
-        for g in out:
-            for e in g:
-                e.info.update(use_count=uses[e.group_id], priority=float(priority[e.group_id]))
-        return out, len(eligible)
+        return self.groups_of(ids, rows)
 
     @staticmethod
-    def _groups(ids: list[str], rows) -> list[list[Experience]]:
-        """Rows of _COLUMNS (ordered by id) as groups, in the order of `ids`."""
+    def groups_of(ids: list[str], rows) -> list[list[Experience]]:
+        """Rows of COLUMNS (ordered by id) as groups of Experience, in the order of `ids`."""
         by_group: dict[str, list[Experience]] = {g: [] for g in ids}
         for g, task, ver, plen, tok, lp, mask, reward, info, explorer in rows:
             by_group[g].append(Experience(
@@ -428,13 +344,9 @@ class Buffer:
             "SELECT COUNT(*), COUNT(CASE WHEN consumed > 0 THEN 1 END), COUNT(reward) FROM experiences").fetchone()
         return {"total": total, "consumed": consumed, "pending": total - known, "ready": known - consumed}
 
-    def update_pool(self, task_id: str, mean_reward: float, easy: float, hard: float) -> str | None:
-        """Record a task's latest group mean reward: retire it to "easy" (>= easy) or
-        "hard" (<= hard), else make it active again. Returns the pool or None (active)."""
-        with self._transaction():
-            return self._set_pool(task_id, mean_reward, easy, hard)
-
-    def _set_pool(self, task_id: str, mean_reward: float, easy: float, hard: float) -> str | None:
+    def _set_pool(self, task_id: str, mean_reward: float, easy: float, hard: float) -> None:
+        """Record a task's latest group mean reward: retire it to "easy" (>= easy) or "hard"
+        (<= hard), else make it active again (prime-rl's difficulty pools)."""
         pool = pool_for(mean_reward, easy, hard)
         if pool is None:
             self.db.execute("DELETE FROM task_pool WHERE task_id = ?", (task_id,))
@@ -442,7 +354,6 @@ class Buffer:
             self.db.execute("INSERT INTO task_pool VALUES (?, ?, ?, ?) ON CONFLICT (task_id) DO UPDATE SET "
                             "pool = excluded.pool, mean_reward = excluded.mean_reward, updated = excluded.updated",
                             (task_id, pool, mean_reward, time.time()))
-        return pool
 
     def retired(self) -> dict[str, str]:
         """Retired tasks: task_id -> pool ("easy" or "hard")."""

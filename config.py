@@ -241,8 +241,11 @@ def _field_help() -> tuple[dict[str, str], dict[str, str]]:
     """Field docstrings (the string under each field) of Config, for --help, with the
     names of losses.py's registries filled in, and the group of each field (the
     `# -- title` comment above it)."""
+    import importlib
+
     import losses
-    import pipelines
+
+    pipelines = importlib.import_module("extras.pipelines")  # the data pipelines' registries, by import path
 
     src = inspect.getsource(Config)
     body = ast.parse(src).body[0].body

@@ -1,21 +1,18 @@
-"""Explorer: rollout loop, evaluations, receiving weights (the engines: engines.py).
+"""Explorer: rollouts, evaluations and the weights they use (the engines: engines.py).
 
-One entry point per mode: `run_mode_both` (the explorer process, spawned by trainer rank
-0 with torch.multiprocessing) and `run_mode_explore` (a separate launch); they share
-`explore_loop`. For explorer batch e it waits until its weights are
-`sync.required_version(e)` (a `sync.Receiver` takes them from the trainer), runs one workflow per
-task of the batch concurrently (asyncio; the engine batches their generate calls into one
-forward pass), and writes each finished group to the buffer with the weight version that
-produced it. Held-out accuracy is measured on the same engine every `eval_interval`
-versions, with `Workflow.score`.
+`run_mode_both` is the explorer process of mode both, spawned by trainer rank 0 with
+torch.multiprocessing; `explore` is its loop, paced by a `Schedule`: batch e waits until
+the engine holds the weights `sync.required_version(e)` (a `sync.Receiver` takes them from
+the trainer). `Explorer.rollout_batch` runs one workflow per task concurrently (asyncio; the
+engine batches their generate calls into one forward pass) and writes the groups to the
+buffer with the weight version that produced them. Held-out accuracy is measured on the
+same engine every `eval_interval` versions, with `Workflow.score`. Mode explore runs the
+same loop paced by the buffer instead (extras/explore_mode.py).
 """
 from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
-import functools
-import json
 import multiprocessing.util
 import os
 import random
@@ -30,23 +27,27 @@ import torch
 
 import sync
 from buffer import Buffer, Experience, open_buffer, pool_for
+from config import Config
 from engines import Engine, HFEngine, Sampling, make_engine, use_gpu, vllm_available
+from losses import resolve
 from metrics import cpu_seconds, episode_means, mean_stderr, peak_rss_gib, sampled_eval
 from perf import mfu, unit_peak
-from pipelines import TaskContext, make_selector, run_task_pipeline
-from workflows import Task, load_reward_fn, load_workflow, readable
+from workflows import PIPELINES, Shuffle, Task, load_reward_fn, load_workflow, readable
 
-DEFAULT_EXPLORER = "explorer0"
+
+def resolve_engine(cfg) -> None:
+    """Set cfg.engine "auto" to the engine it means: vllm where installed, else hf (run.prepare,
+    so that the banners and config.json name it)."""
+    if cfg.engine == "auto":
+        cfg.engine = "vllm" if vllm_available() else "hf"
 
 
 def check_config(cfg, tokenizer, dataset) -> None:
-    """Resolve cfg.engine ("auto": vllm where installed, else hf) and, where the model is
-    at hand (`tokenizer` of the model, rank 0; None elsewhere), create the workflow once, so that one that cannot be
-    created fails here and not in the explorer process. Raises ValueError (one line)."""
+    """Raise ValueError (one line) for an engine (after `resolve_engine`) that cannot work
+    and, where the model is at hand (`tokenizer`: rank 0; None elsewhere), for a workflow
+    that cannot be created, so that it fails here and not in the explorer process."""
     if cfg.engine == "vllm" and not vllm_available():
         raise ValueError("--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)")
-    if cfg.engine == "auto":
-        cfg.engine = "vllm" if vllm_available() else "hf"
     if cfg.engine == "vllm" and cfg.lora_rank and cfg.inflight:
         raise ValueError("--inflight with --lora-rank needs --engine hf: a vLLM request keeps the LoRA adapter it "
                          "started with, so new adapters cannot reach sequences in flight")
@@ -61,9 +62,9 @@ def check_config(cfg, tokenizer, dataset) -> None:
 
 def explorer_seed(seed: int, name: str) -> int:
     """The seed of explorer `name` (task order, lift sampling, token sampling): explorers
-    with different names get different data, the same explorer the same data on every
-    restart. The default explorer (mode both) keeps `seed` itself."""
-    return seed if name == DEFAULT_EXPLORER else seed + zlib.crc32(name.encode())
+    with different names get different data, one explorer the same on every restart; the
+    default explorer (config.Config.explorer_name) keeps `seed` itself."""
+    return seed if name == Config.explorer_name else seed + zlib.crc32(name.encode())
 
 
 def engine_seed(cfg) -> int:
@@ -71,13 +72,16 @@ def engine_seed(cfg) -> int:
     return explorer_seed(cfg.seed, cfg.explorer_name) + 1
 
 
-class Explorer:
-    """Rollout loop over a task list with one engine and one workflow class.
+def make_selector(cfg, tasks: list[Task], seed: int):
+    """The order of the training tasks: workflows.Shuffle, or cfg.selector from
+    extras/pipelines.py (ValueError, one line, for an unknown name or keyword)."""
+    if cfg.selector == "shuffle" and not cfg.selector_kwargs:
+        return Shuffle(tasks, seed)
+    return resolve(f"{PIPELINES}.make_selector", {}, "selector")(cfg.selector, cfg.selector_kwargs, tasks, seed)
 
-    cfg: config.Config (fields used: batch_size, group_size, max_tokens, temperature, top_p,
-    eval_size, eval_temperature, workflow, system_prompt, seed, explorer_name).
-    log: callable(dict) receiving metric records.
-    """
+
+class Explorer:
+    """Rollouts of a task list with one engine and one workflow class (cfg.workflow)."""
 
     def __init__(self, cfg, engine: Engine, train: list[Task], held_out: list[Task], dataset, log):
         self.cfg, self.engine, self.train, self.held_out, self.log = cfg, engine, train, held_out, log
@@ -91,8 +95,8 @@ class Explorer:
         self.counts = dict.fromkeys(("timeouts", "errors", "retries", "skipped"), 0)
         self.last_error = ""
         self.seed = explorer_seed(cfg.seed, cfg.explorer_name)
-        # with a task pipeline the selector is built on the curated tasks (`curate`)
-        self.selector = None if cfg.task_pipeline else make_selector(cfg.selector, cfg.selector_kwargs, train, self.seed)
+        # with a task pipeline the selector is built on the curated tasks (`resume`)
+        self.selector = None if cfg.task_pipeline else make_selector(cfg, train, self.seed)
         self.rng = random.Random(self.seed + 1)
         self.samples = Path(cfg.run_dir) / "samples.log"
         self.curation: dict = {}  # the task pipeline's metrics, reported with the next batch
@@ -101,38 +105,32 @@ class Explorer:
         self.peak = unit_peak(device.type, cfg.dtype)  # FLOP/s of one core (CPU) or device (CUDA)
 
     def utilisation(self, since: tuple[float, float], wall_s: float, prefix: str) -> dict[str, float]:
-        """PREFIX_model_flops (the engine's model FLOPs since `since` = (engine.model_flops,
-        metrics.cpu_seconds()) was taken) and PREFIX_mfu: those FLOPs over the peak of what the
-        explorer used, its CPU seconds (vLLM's engine process included) x one core's peak on a
-        CPU, `wall_s` x the device's peak on CUDA."""
+        """PREFIX_model_flops since `since` = (engine.model_flops, metrics.cpu_seconds()) and
+        PREFIX_mfu: over the explorer's CPU seconds x one core's peak (CPU), `wall_s` x the
+        device's peak (CUDA)."""
         flops = self.engine.model_flops - since[0]
         busy = cpu_seconds() - since[1] if self.on_cpu else wall_s
         return {f"{prefix}_model_flops": flops, f"{prefix}_mfu": mfu(flops, busy, self.peak)}
 
-    def curate(self, buffer: Buffer) -> None:
-        """Run cfg.task_pipeline (pipelines.py) on the training tasks, once per run and
-        explorer: the curated list (task ids, difficulties) is kept in the buffer's run
-        state, so a restarted explorer continues on the same list without scoring it again.
-        Then the selector is built on it. Raises ValueError from an operator."""
-        if not self.cfg.task_pipeline:
-            return
-        key = f"tasks/{self.cfg.explorer_name}"
-        if saved := buffer.run_state(key):
-            by_id = {t.task_id: t for t in self.train}
-            self.train = [dataclasses.replace(by_id[i], difficulty=d) for i, d in json.loads(saved)]
-        else:
-            ctx = TaskContext(self.engine.tokenizer, lambda tasks, n: self._rollouts(tasks, n=n))
-            before, self.train = len(self.train), run_task_pipeline(self.cfg.task_pipeline, self.train, ctx)
-            buffer.set_run_state(key, json.dumps([[t.task_id, t.difficulty] for t in self.train]))
-            self.curation = ctx.metrics
-            print(f"explorer {self.cfg.explorer_name}: task pipeline kept {len(self.train)} of {before} tasks", flush=True)
-        self.selector = make_selector(self.cfg.selector, self.cfg.selector_kwargs, self.train, self.seed)
+    def resume(self, buffer: Buffer) -> int:
+        """Take this explorer's name in `buffer` (waiting for an old process of that name),
+        curate the training tasks with cfg.task_pipeline (extras/pipelines.py: once per run
+        and explorer) and continue from the state saved with its last batch. Returns the
+        batch to generate next."""
+        cfg = self.cfg
+        buffer.hold(cfg.explorer_name)
+        if cfg.task_pipeline:
+            self.train, self.curation = resolve(f"{PIPELINES}.curate", {}, "task_pipeline")(self, buffer)
+            self.selector = make_selector(cfg, self.train, self.seed)
+        if not (saved := buffer.explorer_state(cfg.explorer_name)):
+            return 0
+        self.restore(saved)
+        return saved["batch"]
 
     def next_tasks(self, k: int, retired: dict[str, str]) -> list[Task]:
-        """The next k training tasks from the selector (cfg.selector: default a seeded
-        shuffle, cycled), skipping retired tasks, with round(k * pool_lift_fraction) drawn
-        back from the retired ones (all of them from the retired ones if every task is
-        retired, so sampling never stalls)."""
+        """The next k training tasks from the selector, skipping retired tasks, with
+        round(k * pool_lift_fraction) drawn back from the retired ones (all of them from the
+        retired ones if every task is retired, so sampling never stalls)."""
         if len(retired) >= len(self.train):
             retired = {}
         lift = min(round(k * self.cfg.pool_lift_fraction), len(retired))
@@ -146,16 +144,17 @@ class Explorer:
                 out.append(task)
         return out
 
-    def _rollouts(self, tasks: list[Task], wf=None, n: int = 0) -> list[list[Experience] | None]:
-        """Run the workflow on each task concurrently: each run gets workflow_timeout_s
-        seconds and workflow_retries more attempts, then it is skipped (None); timeouts,
-        errors, retries and skips are counted in self.counts."""
-        cfg, wf, n = self.cfg, wf or self.workflow, n or self.cfg.group_size
+    def rollout(self, tasks: list[Task], workflow=None, n: int = 0) -> list[list[Experience] | None]:
+        """One group of `n` rollouts (default group_size) per task by `workflow` (default the
+        rollouts' one), the tasks concurrently: each run gets workflow_timeout_s seconds and
+        workflow_retries more attempts, then its task is skipped (None); timeouts, errors,
+        retries and skips are counted in self.counts."""
+        cfg, workflow, n = self.cfg, workflow or self.workflow, n or self.cfg.group_size
 
-        async def one(task):
+        async def group(task):
             for attempt in range(cfg.workflow_retries + 1):
                 try:
-                    return await asyncio.wait_for(wf.run(task, self.engine, n), cfg.workflow_timeout_s)
+                    return await asyncio.wait_for(workflow.run(task, self.engine, n), cfg.workflow_timeout_s)
                 except asyncio.TimeoutError:
                     self.counts["timeouts"] += 1
                     self.last_error = f"timeout after {cfg.workflow_timeout_s:.0f} s"
@@ -167,15 +166,14 @@ class Explorer:
             self.counts["skipped"] += 1
             return None
 
-        async def run_all():
-            return await asyncio.gather(*(one(t) for t in tasks))
+        async def groups():
+            return await asyncio.gather(*(group(t) for t in tasks))
 
-        return asyncio.run(run_all())
+        return asyncio.run(groups())
 
     def state(self) -> dict:
-        """Resume state: the selector's (task cursor; BOTS beliefs), the lift sampler's RNG
-        and the engine's sampling RNG (HF engine; vLLM keeps its own), so a restarted
-        explorer continues exactly."""
+        """Resume state: the selector's, the lift sampler's RNG and the engine's sampling RNG
+        (HF engine; vLLM keeps its own), so a restarted explorer continues exactly."""
         sampler = self.engine.rng_state()
         return {"selector": self.selector.state(), "rng": self.rng.getstate(),
                 "sampler": base64.b64encode(sampler).decode() if sampler is not None else None}
@@ -189,25 +187,30 @@ class Explorer:
             self.engine.set_rng_state(base64.b64decode(state["sampler"]))
 
     def rollout_batch(self, batch: int, buffer: Buffer) -> dict:
-        """Generate and store the batch_size groups of one batch (with the explorer's
-        resume state, in one transaction); returns its metrics record.
-
-        Skipped tasks (workflow timeouts / errors after retries) and, with
-        cfg.difficulty_filter, groups whose rewards are all equal (no group-relative signal)
-        are replaced by new tasks, for up to refill_rounds extra rounds; if still short,
-        filtered groups fill the batch (counted), so the trainer always gets batch_size
-        groups; a batch that cannot be filled raises RuntimeError naming the last workflow
-        error. Every group with known rewards updates the task pools."""
+        """Generate batch `batch`, batch_size groups, and write it to `buffer` with the
+        explorer's resume state and the task-pool updates, in one transaction; returns its
+        metrics record. Skipped tasks and, with cfg.difficulty_filter, groups whose rewards
+        are all equal (no group-relative signal) are replaced by new tasks for up to
+        refill_rounds rounds; if still short, filtered groups fill the batch (counted). A
+        batch that cannot be filled raises RuntimeError naming the last workflow error."""
         cfg, t0, version = self.cfg, time.perf_counter(), self.engine.version
         since = (self.engine.model_flops, cpu_seconds())
         self.counts = dict.fromkeys(self.counts, 0)
         self.engine.label = f"batch {batch} (version {version})"
         retired = buffer.retired()
-        generated, kept, rounds, picked = self._fill(retired)
-        informative = {id(g) for g in kept}
-        dropped = [g for g in generated if id(g) not in informative]
+        informative = lambda g: not cfg.difficulty_filter or len({e.reward for e in g}) > 1  # noqa: E731
+        tasks = picked = self.next_tasks(cfg.batch_size, retired)
+        generated, kept = [], []
+        for rounds in range(cfg.refill_rounds + 1):
+            got = [g for g in self.rollout(tasks) if g]
+            generated += got
+            kept += [g for g in got if informative(g)]
+            if len(kept) >= cfg.batch_size or rounds == cfg.refill_rounds:
+                break
+            tasks = self.next_tasks(cfg.batch_size - len(kept), retired)
+            picked = picked + tasks
         short = max(0, cfg.batch_size - len(kept))
-        groups = kept[:cfg.batch_size] + dropped[:short]
+        groups = kept[:cfg.batch_size] + [g for g in generated if not informative(g)][:short]
         if len(groups) < cfg.batch_size:
             raise RuntimeError(f"explorer: only {len(groups)} of {cfg.batch_size} groups after {rounds} refill rounds "
                                f"({self.counts['skipped']} tasks skipped; last error: {self.last_error})")
@@ -228,30 +231,10 @@ class Explorer:
                            "filter/difficulty_rounds": rounds, "filter/difficulty_short": short})
         return record
 
-    def _fill(self, retired: set) -> tuple[list, list, int, list]:
-        """Roll out batch_size new tasks, then, while fewer than batch_size groups are
-        kept (skipped tasks; with cfg.difficulty_filter, groups whose rewards are all
-        equal), new tasks for the missing ones, for up to cfg.refill_rounds rounds.
-        Returns (every group generated, the groups kept, refill rounds, tasks picked)."""
-        cfg = self.cfg
-        generated, kept, rounds = [], [], 0
-        tasks = picked = self.next_tasks(cfg.batch_size, retired)
-        while True:
-            got = [g for g in self._rollouts(tasks) if g]
-            generated += got
-            kept += [g for g in got if not cfg.difficulty_filter or len({e.reward for e in g}) > 1]
-            if len(kept) >= cfg.batch_size or rounds >= cfg.refill_rounds:
-                return generated, kept, rounds, picked
-            rounds += 1
-            tasks = self.next_tasks(cfg.batch_size - len(kept), retired)
-            picked = picked + tasks
-
     def _batch_record(self, batch: int, version: int, seconds: float, exps: list[Experience], pools: list,
                       retired: int, picked: list) -> dict:
-        """The metrics record of one batch: generation speed (tokens/s), rollout outcomes
-        (reward errors, truncation, timeouts, retries, skips), in-flight sequences, task
-        pools, curation and selector metrics, and for multi-turn workflows samples and turns
-        per trajectory."""
+        """The metrics record of one batch: speed, rollout outcomes, in-flight sequences, task
+        pools, curation, selector and multi-turn metrics."""
         gen_tokens = sum(sum(e.action_mask) for e in exps)  # sampled: not a multi-turn sample's environment tokens
         record = {"batch": batch, "explorer/version": version, "time/explore_s": seconds,
                   "explorer/gen_tokens": gen_tokens, "explorer/tokens_per_s": gen_tokens / seconds,
@@ -276,19 +259,17 @@ class Explorer:
         return record
 
     def evaluate(self, version: int) -> dict | None:
-        """Held-out evaluation at `version`; None when there are no held-out tasks. Greedy
-        (cfg.eval_temperature): eval/accuracy (fraction with reward 1) with
-        eval/accuracy_stderr, eval/reward_mean, eval/format_rate (`workflows.readable`).
-        Then cfg.eval_k samples per task at the rollouts' sampling settings (at version 0
-        max(eval_k, group_size), for the base model's pass@k up to the group size):
-        `metrics.sampled_eval`'s avg@k with its standard error and pass@J, and
-        eval/sampled_format_rate. A skipped task counts as wrong."""
+        """Held-out evaluation at `version` (None without held-out tasks): greedy
+        (cfg.eval_temperature) eval/accuracy (fraction with reward 1) and its stderr,
+        eval/reward_mean, eval/format_rate; then cfg.eval_k samples per task at the rollouts'
+        settings (at version 0 max(eval_k, group_size), for the base model's pass@k):
+        `metrics.sampled_eval`'s avg@k and pass@J. A skipped task counts as wrong."""
         if not self.held_out:
             return None
         cfg = self.cfg
         t0, since = time.perf_counter(), (self.engine.model_flops, cpu_seconds())
         self.engine.label = f"evaluation of version {version}"
-        groups = self._rollouts(self.held_out, self.eval_workflow, 1)
+        groups = self.rollout(self.held_out, self.eval_workflow, 1)
         exps = [g[0] for g in groups if g]
         rewards = [e.reward or 0.0 for e in exps] + [0.0] * (len(groups) - len(exps))  # skipped / lagged: 0
         record = {"eval/version": version, "eval/n": len(rewards), "eval/skipped": len(groups) - len(exps),
@@ -298,7 +279,7 @@ class Explorer:
         record["eval/accuracy"], record["eval/accuracy_stderr"] = mean_stderr([float(r == 1.0) for r in rewards])
         if n := max(cfg.eval_k, cfg.group_size) if version == 0 and cfg.eval_k else cfg.eval_k:
             self.engine.label = f"evaluation of version {version}, {n} samples per task"
-            sampled = self._rollouts(self.held_out, n=n)
+            sampled = self.rollout(self.held_out, n=n)
             record.update(sampled_eval(correct_counts(sampled), n, cfg.eval_k),
                           **format_rate([e for g in sampled if g for e in g], "eval/sampled_format_rate"))
         return {**record, "eval/seconds": time.perf_counter() - t0,
@@ -308,15 +289,14 @@ class Explorer:
         """avg@k (mean reward-1 rate over k samples per held-out task) and pass@k (a task
         counts when any of its k samples has reward 1), sampling at cfg.temperature; "correct"
         lists the samples with reward 1 of each task."""
-        correct = correct_counts(self._rollouts(self.held_out, n=k))
+        correct = correct_counts(self.rollout(self.held_out, n=k))
         r = sampled_eval(correct, k, k)
         return {"tasks": len(correct), "k": k, "correct": correct, f"avg@{k}": r["eval/avg_at_k"],
                 f"pass@{k}": r[f"eval/pass_at_{k}"], "pass@1": r["eval/pass_at_1"]}
 
     def _write_samples(self, batch: int, version: int, groups) -> None:
-        """samples.log: for the first log_samples groups, the prompt once and two samples,
-        the response split into the policy's tokens and, in multi-turn samples, the
-        environment's tokens (action_mask 0), each run marked."""
+        """samples.log: for the first log_samples groups, the prompt and two samples, each
+        response split into runs of the policy's and the environment's (action_mask 0) tokens."""
         decode = lambda ids: self.engine.tokenizer.decode(ids, skip_special_tokens=True).strip()  # noqa: E731
         with self.samples.open("a") as f:
             for g in groups[: self.cfg.log_samples]:
@@ -349,57 +329,71 @@ def format_rate(exps: list[Experience], key: str) -> dict[str, float]:
     return {key: sum(marks) / len(marks)} if marks else {}
 
 
+
 def exit_quietly(*_) -> None:
     """SIGTERM handler of the explorer process: the trainer failed, reported it and stops
     the explorer. Unwind (`finally` blocks close the engine) with exit code 1, and silence
-    stderr first: wherever the signal lands (inside an asyncio task, a model forward), no
-    second report reaches the user."""
+    stderr first: wherever the signal lands (an asyncio task, a model forward), no second
+    report reaches the user."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     sys.exit(1)
 
 
-def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: int, queue, start_version: int = 0,
-                  device: str = "", sync_device: str = "cpu", core_flags=None) -> None:
-    """Mode both: the explorer process, spawned by trainer rank 0 (`start_version` = the
-    weights in `model_path`; `tasks` = workflows.load_tasks's triple, built by run.prepare), on `device` with its weight-sync group on `sync_device`
-    (launch.place: "cpu" on CPU machines and when it shares the trainer's GPU). Before batch e it receives weights until it holds
-    sync.required_version(e), over the weight-sync group (rank 1, `port`) or, with
-    --sync-method checkpoint, from the checkpoints the trainer publishes; with cfg.inflight
-    it also takes each publish between two decode steps, without pausing its batch. Puts
-    metric records (and an error line if it fails: exit code 1) on `queue`. `core_flags`: the
-    shared busy flags of sync.CoreShare (the HF engine borrows the trainer's threads while
-    it waits for a batch), or None."""
-    parent = os.getppid()
-    alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
-    by_checkpoint = cfg.sync_method == "checkpoint"
+class Schedule:
+    """When a batch of mode both may start and with which weights (Trinity-RFT's sync
+    schedule): batch e waits until the engine holds sync.required_version(e); with
+    cfg.inflight a publish that has begun is taken between two decode steps; the final
+    evaluation waits for the last publish, `last`. `explore`'s `pace`, around a
+    sync.Receiver (mode explore's pace: extras/explore_mode.py)."""
 
-    def connect(engine) -> sync.Receiver:
-        receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, queue.put, alive,
-                                 None if by_checkpoint else port, cfg.sync_timeout_s, sync_device, cfg.sync_host)
-        if by_checkpoint:
-            queue.put({"explorer/ready": True})  # its start weights are loaded: the trainer may go on
-        receiver.join()
-        return receiver
+    def __init__(self, cfg, receiver: sync.Receiver, last: int):
+        self.cfg, self.receiver, self.last = cfg, receiver, last
 
-    def before_batch(receiver, batch):
-        receiver.until(sync.required_version(batch, cfg.sync_interval, cfg.sync_offset))
+    def join(self) -> None:
+        """Join the weight-sync group (checkpoint sync: report that the start weights are
+        loaded, so the trainer may go on)."""
+        if self.receiver.port is None:
+            self.receiver.log({"explorer/ready": True})
+        self.receiver.join()
+
+    def before_batch(self, batch: int) -> bool:
+        self.receiver.until(sync.required_version(batch, self.cfg.sync_interval, self.cfg.sync_offset))
         return True
 
-    def inflight(receiver):
-        if receiver.newest() > receiver.engine.version:
-            receiver.receive()
+    def inflight(self) -> None:
+        if self.receiver.newest() > self.receiver.engine.version:
+            self.receiver.receive()
 
+    def final(self) -> None:
+        self.receiver.until(self.last)
+
+
+def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: int, queue, start_version: int = 0,
+                  device: str = "", sync_device: str = "cpu", core_flags=None) -> None:
+    """Mode both: the explorer process, spawned by trainer rank 0 (loop.start_explorer), on
+    the weights in `model_path` (= `start_version`) and `tasks` (workflows.prepare_tasks's
+    triple), on `device`, its weight-sync group (rank 1, `port`; or checkpoints with
+    --sync-method checkpoint) on `sync_device` (launch.place). Puts metric records (and an
+    error line if it fails: exit code 1) on `queue`. `core_flags`: sync.CoreShare's busy
+    flags (the HF engine borrows the trainer's threads while it waits), or None."""
+    parent = os.getppid()
+    alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
     last = sync.published_versions(total_steps, cfg.sync_interval)[-1]
     signal.signal(signal.SIGTERM, exit_quietly)
     signal.signal(signal.SIGINT, exit_quietly)  # Ctrl-C: the trainer says how to resume; no second report
     try:
         queue.put({"status": f"starting the {cfg.engine} engine"})
-        engine = make_engine(cfg, model_path, engine_seed(cfg), use_gpu(device), colocated=device.startswith("cuda") and sync_device == "cpu")
+        engine = make_engine(cfg, model_path, engine_seed(cfg), use_gpu(device),
+                             colocated=device.startswith("cuda") and sync_device == "cpu")
+        engine.version = start_version
         engine.status = lambda text: queue.put({"status": text})
         if core_flags is not None and isinstance(engine, HFEngine):
             engine.cores = sync.CoreShare(core_flags, 1, cfg.explorer_threads, cfg.trainer_threads)
-        explore_loop(cfg, engine, tasks, queue.put, total_steps, start_version, connect, before_batch, inflight,
-                     lambda receiver: receiver.until(last), open_buffer(cfg.buffer, cfg.run_dir))
+        receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, queue.put, alive,
+                                 None if cfg.sync_method == "checkpoint" else port, cfg.sync_timeout_s, sync_device,
+                                 cfg.sync_host)
+        explore(cfg, engine, tasks, open_buffer(cfg.buffer, cfg.run_dir), Schedule(cfg, receiver, last), queue.put,
+                total_steps)
     except Exception as e:  # reported by the trainer as one line; the process exits with code 1
         (Path(cfg.run_dir) / f"error_{cfg.explorer_name}.log").write_text(traceback.format_exc())
         queue.put({"error": f"{type(e).__name__}: {e} (traceback: {cfg.run_dir}/error_{cfg.explorer_name}.log)"})
@@ -412,118 +406,42 @@ def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: in
         os._exit(1)
 
 
-def room_in_buffer(cfg, buffer: Buffer, receiver: sync.Receiver, batch: int) -> bool:
-    """Mode explore, before batch `batch`: False once the trainer has finished (run state
-    "trainer_done"); else wait while the buffer holds two batches of ready groups (taking
-    publishes meanwhile with --sync-method broadcast: the trainer may be waiting for this
-    explorer), take new weights every sync_interval batches, and return True. RuntimeError
-    after buffer_timeout_s seconds without the trainer taking any group."""
-    since = time.monotonic()
-    while (not (done := buffer.run_state("trainer_done"))
-           and buffer.counts()["ready"] >= 2 * cfg.batch_size * cfg.group_size):
-        if time.monotonic() - since > cfg.buffer_timeout_s:
-            raise RuntimeError(f"explorer {cfg.explorer_name}: no trainer took a batch for {cfg.buffer_timeout_s:.0f} s")
-        if cfg.sync_method == "broadcast":
-            receiver.catch_up()
-        time.sleep(0.1)
-    if done:
-        return False
-    if batch % cfg.sync_interval == 0:
-        receiver.catch_up()
-    return True
-
-
-def run_mode_explore(cfg, model_path: str, tasks: tuple, log) -> None:
-    """Mode explore (a separate launch, fully asynchronous): generate batches into the
-    run's buffer (cfg.buffer: SQLite in the run directory, or PostgreSQL from another host)
-    until the trainer has finished (run state "trainer_done" in the buffer); at the start,
-    every sync_interval batches (and with cfg.inflight between decode steps) take the
-    trainer's new weights: the newest checkpoint it published, or, with --sync-method
-    broadcast, every publish it announced, over the weight-sync group whose store is at
-    cfg.sync_host:cfg.sync_port (the explorer joins it as the next free rank; it also takes
-    publishes while it waits for the trainer, which waits for every receiver; RuntimeError once the trainer's
-    store stops answering while it waits for weights: sync.StoreAlive). Back-pressure: while the buffer holds two
-    batches of ready groups the explorer waits (RuntimeError after buffer_timeout_s without
-    the trainer taking any). Metric records go to `log` (run.py: RUN_DIR/explorer_<name>.jsonl);
-    evaluation records also go to the buffer, for the trainer's metrics."""
-    buffer = open_buffer(cfg.buffer, cfg.run_dir)
-    by_broadcast, joined = cfg.sync_method == "broadcast", []
-
-    def log_and_share(record: dict) -> None:
-        log(record)
-        if "eval/accuracy" in record:
-            buffer.add_record(cfg.explorer_name, record)
-
-    def connect(engine) -> sync.Receiver:
-        # the trainer is no parent of ours: it is alive while its weight-sync store answers (waited for first:
-        # it may start after us); checkpoints are never waited for (catch_up only polls)
-        alive = sync.StoreAlive(cfg.sync_host, cfg.sync_port, cfg.sync_timeout_s) if by_broadcast else lambda: True
-        receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, log, alive=alive,
-                                 port=cfg.sync_port if by_broadcast else None, timeout_s=cfg.sync_timeout_s,
-                                 device="cuda" if torch.cuda.is_available() else "cpu", host=cfg.sync_host)
-        joined.append(receiver)
-        receiver.join()
-        receiver.catch_up()
-        return receiver
-
-    # broadcast: the trainer sets trainer_done only once every receiver has its last publish
-    finish = (lambda receiver: None) if by_broadcast else sync.Receiver.catch_up
+def explore(cfg, engine: Engine, tasks: tuple, buffer: Buffer, pace, log, batches: int) -> None:
+    """The explorer's loop (modes both and explore) over the batches before `batches` on
+    `tasks` (train, held-out, dataset); it closes `engine` at the end. `pace` (mode both:
+    `Schedule`) joins the weight sync (`join`), takes the weights a batch needs and says
+    whether it may start (`before_batch`; False: stop), takes publishes between decode
+    steps with cfg.inflight (`inflight`) and the last weights (`final`). Evaluations every
+    eval_interval versions, each after its version's first batch (the trainer trains on
+    that batch meanwhile), and at the end; records go to `log`."""
     try:
-        explore_loop(cfg, make_engine(cfg, model_path, engine_seed(cfg)), tasks, log_and_share, sys.maxsize, 0, connect,
-                     functools.partial(room_in_buffer, cfg, buffer), sync.Receiver.catch_up, finish, buffer)
-    finally:
-        buffer.close()
-        for receiver in joined:  # the trainer may go (its store with it) once every explorer has left
-            receiver.leave()
-
-
-def explore_loop(cfg, engine: Engine, tasks: tuple, log, total: int, start_version: int, connect, before_batch, inflight,
-                 finish, buffer: Buffer) -> None:
-    """The rollout loop of modes both and explore (it closes `engine` at the end) on `tasks`
-    (workflows.load_tasks's triple): the engine holds `start_version`, `connect(engine)` -> its sync.Receiver, the explorer name
-    held in `buffer` and the resume position read from it, then batches up to `total`, each
-    after `before_batch(receiver, batch)` (False: stop); an evaluation every eval_interval
-    versions, each after the first batch of its version (so that the trainer trains on that
-    batch while the explorer evaluates), and at the end, after `finish(receiver)`; with cfg.inflight,
-    `inflight(receiver)` between decode steps. Records go to `log`."""
-    engine.version = start_version
-    try:
-        train, held_out, dataset = tasks
-        receiver = connect(engine)
-        explorer = Explorer(cfg, engine, train, held_out, dataset, log)
-        buffer.hold(cfg.explorer_name)
-        explorer.curate(buffer)
-        saved = buffer.explorer_state(cfg.explorer_name)
-        first = 0
-        if saved:
-            explorer.restore(saved)
-            first = saved["batch"]
+        pace.join()
+        explorer = Explorer(cfg, engine, *tasks, log)
+        first = explorer.resume(buffer)
         if cfg.inflight:
-            engine.step_hook = lambda: inflight(receiver)
-        last_eval = None
+            engine.step_hook = pace.inflight
+        evaluated = None  # the weight version last evaluated
 
-        def maybe_eval(final: bool = False):
-            nonlocal last_eval
-            v = engine.version
-            due = last_eval is None or v // cfg.eval_interval > last_eval // cfg.eval_interval
-            if cfg.eval_size and (due or (final and last_eval != v)):
-                hook, engine.step_hook = engine.step_hook, None  # evaluate one version
-                if (record := explorer.evaluate(v)) is not None:
-                    log(record)
-                engine.step_hook = hook
-                last_eval = v
+        def evaluate() -> int:
+            hook, engine.step_hook = engine.step_hook, None  # no in-flight updates: one version per evaluation
+            if cfg.eval_size and (record := explorer.evaluate(engine.version)) is not None:
+                log(record)
+            engine.step_hook = hook
+            return engine.version
 
         busy = engine.cores.busy if engine.cores is not None else (lambda flag: None)
-        for batch in range(first, total):
+        for batch in range(first, batches):
             busy(False)  # waiting for weights or for the trainer: the trainer may use our cores
-            if not before_batch(receiver, batch):
+            if not pace.before_batch(batch):
                 break
             busy(True)
             log(explorer.rollout_batch(batch, buffer))
-            maybe_eval()  # after the batch: the trainer trains on it meanwhile
+            if evaluated is None or engine.version // cfg.eval_interval > evaluated // cfg.eval_interval:
+                evaluated = evaluate()
         busy(False)
         engine.step_hook = None
-        finish(receiver)
-        maybe_eval(final=True)
+        pace.final()
+        if evaluated != engine.version:
+            evaluate()
     finally:
         engine.close()

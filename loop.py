@@ -54,7 +54,8 @@ def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]
         groups += fresh
     m = {"staleness/dropped_groups": dropped}
     if cfg.replay:
-        again, eligible = buffer.replay(step=step, **{"groups": 1, **cfg.replay})
+        replay = resolve("extras.pipelines.replay", {}, "replay")
+        again, eligible = replay(buffer, step=step, **{"groups": 1, **cfg.replay})
         groups += again
         m.update({"replay/groups": len(again), "replay/eligible_groups": eligible,
                   "replay/use_count_mean": sum(g[0].info["use_count"] for g in again) / max(1, len(again)),
@@ -334,14 +335,11 @@ def loop_io(cfg, trainer, start: int, model_path: str):
     """Rank 0's `LoopIO` at step `start`: the buffer (on --resume, experiences served after
     `start` go back), the experience pipeline, the metrics log, offline / expert data
     (drawn on to where a resumed run was), and in mode train the explorers' records."""
-    from workflows import OfflineSampler, load_chat_jsonl, load_offline_jsonl
-
     run_dir = Path(cfg.run_dir)
     io = LoopIO(buffer=open_buffer(cfg.buffer, run_dir))
     if cfg.experience_pipeline:
-        from pipelines import ExperiencePipeline
-
-        io.shape = ExperiencePipeline(cfg.experience_pipeline, trainer.tokenizer, model_path)
+        io.shape = resolve("extras.pipelines.ExperiencePipeline", {}, "experience_pipeline")(
+            cfg.experience_pipeline, trainer.tokenizer, model_path)
     io.buffer.set_run_state("trainer_done", None)  # a trainer is running (again)
     if cfg.resume:
         released = io.buffer.release_after(start)
@@ -349,10 +347,11 @@ def loop_io(cfg, trainer, start: int, model_path: str):
     evals_from_buffer = cfg.mode == "train" and not cfg.train_data  # (records() below reads them all again)
     io.metrics = Metrics(run_dir, cfg, kept_on_resume(start, evals_from_buffer) if cfg.resume else None)
     if cfg.expert_fraction:
-        io.expert = OfflineSampler(load_chat_jsonl(cfg.expert_data, trainer.tokenizer), cfg.seed)
+        io.expert = resolve("extras.offline.sampler", {}, "expert_data")(cfg.expert_data, trainer.tokenizer, cfg.seed,
+                                                                          chats_only=True)
         io.expert.draw(trainer.loop_state.get("expert_drawn", 0))  # the same order as an uninterrupted run
     if cfg.train_data:
-        io.offline = OfflineSampler(load_offline_jsonl(cfg.train_data, trainer.tokenizer), cfg.seed)
+        io.offline = resolve("extras.offline.sampler", {}, "train_data")(cfg.train_data, trainer.tokenizer, cfg.seed)
         for _ in range(start):  # the same order as an uninterrupted run
             io.offline.draw(cfg.batch_size)
     elif cfg.mode == "train":

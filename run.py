@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import launch
 from config import Config, parse_config
-from metrics import JsonlLog, print0, trackers
+from metrics import print0, trackers
 from perf import announce_peak
 
 
@@ -59,24 +59,9 @@ def trainer_ranks(cfg: Config, prepared: Prepared) -> None:
         dist.destroy_process_group()
 
 
-def explorer_launch(cfg: Config, prepared: Prepared) -> None:
-    """Mode explore: one explorer, a launch of its own beside a `--mode train` launch; they
-    share the run directory (buffer, checkpoints) and, with broadcast sync, a weight-sync
-    group (explorer.run_mode_explore)."""
-    from explorer import run_mode_explore
-
-    launch.split_threads(cfg, 1)
-    print(f"nanorft: mode explore ({cfg.explorer_name}), engine {cfg.engine}, {cfg.explorer_threads} threads, "
-          f"run dir {cfg.run_dir}")
-    log = JsonlLog(Path(cfg.run_dir) / f"explorer_{cfg.explorer_name}.jsonl")
-    try:
-        run_mode_explore(cfg, prepared.model_path, prepared.tasks, log.write)
-    finally:
-        log.close()
-
-
-# mode -> what it starts; bench (evaluation only, no processes to start) by import path: extras/bench.py
-MODES = {"both": trainer_ranks, "train": trainer_ranks, "explore": explorer_launch, "bench": "extras.bench.bench"}
+# mode -> what it starts; explore (one explorer beside a train launch) and bench (evaluation only) by import path
+MODES = {"both": trainer_ranks, "train": trainer_ranks, "explore": "extras.explore_mode.run_mode_explore",
+         "bench": "extras.bench.bench"}
 
 
 def check_modes(cfg: Config) -> None:
@@ -115,14 +100,14 @@ def prepare(cfg: Config, rank: int) -> Prepared:
     import buffer
     import explorer
     import models
-    import pipelines
     import trainer
     import workflows
+    from losses import resolve
     from transformers import AutoTokenizer
 
     check_modes(cfg)
     trainer.check_config(cfg)
-    pipelines.check_config(cfg)
+    workflows.check_pipelines(cfg)
     trackers(cfg)
     gpus = launch.gpu_count()
     layout = launch.place(gpus, int(os.environ.get("WORLD_SIZE", "1")), cfg.mode)  # ValueError: a layout that cannot work
@@ -135,9 +120,10 @@ def prepare(cfg: Config, rank: int) -> Prepared:
     model_path = models.resolve_model(cfg.model) if rank == 0 else None
     tasks = workflows.prepare_tasks(cfg)
     tok = AutoTokenizer.from_pretrained(model_path) if rank == 0 else None  # loaded once for the checks below
+    explorer.resolve_engine(cfg)
     explorer.check_config(cfg, tok, tasks[2])
-    if rank == 0:
-        workflows.check_offline_data(cfg, tok)
+    if rank == 0 and (cfg.expert_fraction or cfg.train_data):  # offline data: extras/offline.py
+        resolve("extras.offline.check_offline_data", {}, "offline data")(cfg, tok)
     run_dir = Path(cfg.run_dir)
     if rank == 0:
         alone = cfg.mode == "both" or bool(cfg.train_data)  # a run dir of its own (offline train: no explorers)
@@ -178,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # bad input: flags, files, directories
         print(f"run.py: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    return launch.guarded(cfg, rank, lambda: MODES[cfg.mode](cfg, prepared))
+    from losses import resolve
+
+    return launch.guarded(cfg, rank, lambda: resolve(MODES[cfg.mode], {}, "mode")(cfg, prepared))
 
 
 if __name__ == "__main__":

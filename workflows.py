@@ -1,44 +1,26 @@
-"""Tasks, reward functions and workflows: what the explorer runs for each task.
+"""Tasks, their order, rewards and workflows: what the explorer runs for each task.
 
-A `Task` is one question with its reference answer. A `Workflow` turns a task into a
-group of rollouts: it builds the prompt, asks the engine for `n` samples and scores each
-one. The training reward and the held-out accuracy both come from `Workflow.score`, so
-they cannot drift apart (nanochat's rule).
+A `Task` is one question with its reference answer; `Shuffle` gives the training tasks'
+order (other selectors: extras/selectors.py). A `Workflow` turns a task into a group of
+rollouts: it builds the prompt, asks the engine for `n` samples and scores each one. The
+training reward and the held-out accuracy both come from `Workflow.score`, so they cannot
+drift apart (nanochat's rule).
 
-Task sources:
-  - a reasoning-gym generator: `task = "basic_arithmetic"` with `task_kwargs`; the held-out
-    set is the generator's first `eval_size` tasks at another seed (a sample of the task
-    distribution as it is), and training tasks whose question is held out are dropped and
-    replaced by further draws. The reward is the dataset's own `score_answer`.
-  - a JSONL file: `task = "path/to/tasks.jsonl"`, one `{"question": ..., "answer": ...}`
-    per line; the last `eval_size` rows are held out. The reward is exact match.
-  - a Hugging Face dataset (`datasets.load_dataset`): a Hub id (`task = "openai/gsm8k"`,
-    `task_kwargs = {"config": "main", "eval_split": "test"}`), a local directory laid out
-    like one, or a local .parquet / .json / .csv file; see extras/hub.py. Score math
-    answers with `reward_fn = "math_verify"` (extras/math_verify_reward.py).
-  - the bundled multi-turn game `guess_number` (extras/guess_number.py).
-  - an installed verifiers environment's tasks, `task = "verifiers:NAME"`, run with
-    `workflow = "verifiers:NAME"` (extras/verifiers_env.py).
-
-Offline data (SFT chats, DPO preference pairs, MIX expert data) is read by
-`load_chat_jsonl`, `load_preference_jsonl` and `load_offline_jsonl` and drawn by
-`OfflineSampler`.
-
-Add a scenario by subclassing `Workflow` and adding it to `WORKFLOWS` (or give its import
-path: `--workflow mymod.MyWorkflow`); an agent written against the `openai` client is
-`--workflow agent:mymod.my_agent` (extras/agent.py). Optional parts (the Hub, the LLM judge,
-math-verify, reflection, the guess-number game, agents) live in extras/ and are registered by
-import path.
+Task sources (`load_tasks`): a reasoning-gym generator (reward: the dataset's own
+`score_answer`), a JSONL file of {"question", "answer"} rows (exact match), a Hugging Face
+dataset (extras/hub.py), the guess-number game (extras/guess_number.py), a verifiers
+environment (extras/verifiers_env.py). Add a scenario by subclassing `Workflow` (multi-turn:
+extras/multiturn.py) and naming it (`--workflow mymod.MyWorkflow`, or in `WORKFLOWS`); the
+optional parts in extras/ are registered by import path.
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import json
-import random
 import math
 import numbers
+import random
 import re
 import threading
 import uuid
@@ -57,7 +39,7 @@ class Task:
     question: str
     answer: str
     entry: dict = field(default_factory=dict)
-    difficulty: float | None = None  # higher = harder; set by a task pipeline operator (pipelines.py)
+    difficulty: float | None = None  # higher = harder; set by a task pipeline operator (extras/pipelines.py)
 
 
 # ----------------------------------------------------------------------------- sources
@@ -70,12 +52,9 @@ HF_DATASETS = ("extras.hub.is_dataset", "extras.hub.hf_dataset_tasks")
 
 
 def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: int) -> tuple[list[Task], list[Task], Any]:
-    """Return (train tasks, held-out tasks, verifier dataset or None).
-
-    Raises ValueError for an unknown reasoning-gym dataset, bad kwargs, a reasoning-gym
-    task without reasoning-gym installed, or a malformed JSONL row (the message names the
-    file and line); FileNotFoundError for a missing file.
-    """
+    """(train tasks, held-out tasks, verifier dataset or None). Raises ValueError for an
+    unknown reasoning-gym dataset, bad kwargs, reasoning-gym not installed, or a malformed
+    JSONL row (naming the file and line); FileNotFoundError for a missing file."""
     from losses import resolve
 
     if name in TASK_SOURCES:  # the bundled multi-turn game
@@ -102,9 +81,8 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
         train_ds = reasoning_gym.create_dataset(name, size=2 * train_size + 16, seed=base, **kwargs)
     except Exception as e:  # reasoning-gym raises several types for bad names/kwargs
         raise ValueError(f"reasoning-gym dataset {name!r} with {kwargs}: {e}") from None
-    # The held-out set is not filtered: rejecting held-out questions that training has would
-    # skew it towards the rarest (hardest) ones where the task space is small (the default task:
-    # 3% one-digit sums held out against 41% drawn). Training gives way instead.
+    # the held-out set is not filtered (that would skew it towards the rarest, hardest questions where the task
+    # space is small): training gives way instead
     held = [Task(f"{name}/eval/{i}", x["question"], str(x["answer"]), x) for i, x in enumerate(eval_ds)][:eval_size]
     seen = {t.question for t in held}
     train = list(itertools.islice((Task(f"{name}/train/{i}", x["question"], str(x["answer"]), x)
@@ -125,14 +103,16 @@ def hold_out(name: str, tasks: list[Task], eval_size: int) -> tuple[list[Task], 
 
 def _read_jsonl_tasks(path: Path) -> list[Task]:
     tasks = []
-    for path, i, row in _jsonl_rows(path, "task file"):
+    for path, i, row in jsonl_rows(path, "task file"):
         if not isinstance(row, dict) or "question" not in row or "answer" not in row:
             raise ValueError(f"{path} line {i}: needs 'question' and 'answer' fields")
         tasks.append(Task(str(row.get("id", f"{path.stem}/{i}")), str(row["question"]), str(row["answer"]), row))
     return tasks
 
 
-def _jsonl_rows(path: str | Path, what: str):
+def jsonl_rows(path: str | Path, what: str):
+    """(path, line number, parsed row) of each non-empty line of the JSONL file `path` (a
+    `what`); FileNotFoundError, or ValueError naming the file and line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{what} not found: {path}")
@@ -150,29 +130,58 @@ def _jsonl_rows(path: str | Path, what: str):
                 raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from None
 
 
-class OfflineSampler:
-    """Sampling strategy for offline data (SFT chats, DPO pairs, MIX expert data): draws
-    groups in a seeded shuffled order, cycling through epochs. Each drawn experience is a
-    copy marked info["offline"] (offline data has no behaviour log-probs and is never
-    filtered). `drawn`: groups drawn so far (drawing as many from a new sampler of the same
-    data and seed continues in the same order: a resume). Raises ValueError for no data."""
+# ----------------------------------------------------------------------------- task order
 
-    def __init__(self, groups: list[list[Experience]], seed: int):
-        if not groups:
-            raise ValueError("offline data is empty")
-        self.groups, self.rng, self.order = groups, random.Random(seed), []
-        self.drawn = 0
+class Selector:
+    """Chooses the indices of the next training tasks: `order`, cycled (the list's own order
+    here; Trinity-RFT trinity/buffer/selector/selector.py @ 3e9eb605: get_indices / update /
+    state_dict). `update` receives each group's mean reward (the task's latest pass rate)."""
 
-    def draw(self, n: int) -> list[list[Experience]]:
-        """The next n groups."""
-        out = []
-        self.drawn += n
-        for _ in range(n):
-            if not self.order:
-                self.order = self.rng.sample(range(len(self.groups)), len(self.groups))
-            out.append([dataclasses.replace(e, info={**e.info, "offline": True}, explorer="offline")
-                        for e in self.groups[self.order.pop()]])
+    def __init__(self, tasks: list[Task], seed: int):
+        self.tasks, self.seed, self.cursor = tasks, seed, 0
+        self.order = list(range(len(tasks)))
+
+    def next(self, k: int) -> list[int]:
+        out = [self.order[(self.cursor + i) % len(self.order)] for i in range(k)]
+        self.cursor += k
         return out
+
+    def update(self, pass_rates: dict[str, float]) -> None:
+        """task_id -> mean reward of its latest group; unused by rule-based selectors."""
+
+    def metrics(self) -> dict:
+        """Metrics of the latest choice (selector/...)."""
+        return {}
+
+    def state(self) -> dict:
+        """JSON-able resume state."""
+        return {"cursor": self.cursor}
+
+    def restore(self, state: dict) -> None:
+        self.cursor = state["cursor"]
+
+
+class Shuffle(Selector):
+    """A seeded permutation of the tasks, cycled: the default order (`--selector shuffle`)."""
+
+    def __init__(self, tasks: list[Task], seed: int):
+        super().__init__(tasks, seed)
+        self.order = random.Random(seed).sample(range(len(tasks)), len(tasks))
+
+
+# task and experience pipelines, other selectors, replay and human labels: by import path
+PIPELINES = "extras.pipelines"
+
+
+def check_pipelines(cfg) -> None:
+    """Check the data-pipeline settings of config.Config `cfg` where any is given
+    (extras/pipelines.py: ValueError, one line; ConnectionError for a Label Studio server
+    out of reach)."""
+    from losses import resolve
+
+    if (cfg.selector != "shuffle" or cfg.selector_kwargs or cfg.task_pipeline or cfg.experience_pipeline or cfg.replay
+            or cfg.annotation):
+        resolve(f"{PIPELINES}.check_config", {}, "pipelines")(cfg)
 
 
 def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
@@ -180,80 +189,6 @@ def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[i
     turn prompt when `generation_prompt`."""
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
                                               tokenize=True, return_dict=False))
-
-
-def _is_messages(msgs) -> bool:
-    return isinstance(msgs, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in msgs)
-
-
-def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
-    """SFT / expert data: one {"messages": [{"role", "content"}, ...]} per line -> one group
-    of one Experience per conversation, tokenised with the chat template, action_mask 1
-    exactly on what the model generates in each assistant turn: template(messages[:i+1])
-    minus template(messages[:i], generation prompt), up to and including the end-of-turn
-    token (the tokenizer's eos; the template's newline after it is not generated), and the
-    sequence ending there: the tokens an engine would have sampled and recorded. Reward 1.0,
-    behaviour_logprobs 0 (no behaviour policy), info["offline"]. Raises FileNotFoundError,
-    or ValueError naming the file and line (bad JSON, no assistant turn, or turns that are
-    not token prefixes of each other)."""
-    out = []
-    for path, n, row in _jsonl_rows(path, "chat data"):
-        msgs = row.get("messages") if isinstance(row, dict) else None
-        if not _is_messages(msgs):
-            raise ValueError(f'{path} line {n}: needs {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
-        tokens, mask = [], []
-        for i, m in enumerate(msgs):
-            if m["role"] != "assistant":
-                continue
-            prompt, full = chat_ids(tokenizer, msgs[:i], True), chat_ids(tokenizer, msgs[: i + 1], False)
-            if prompt[: len(tokens)] != tokens or full[: len(prompt)] != prompt:
-                raise ValueError(f"{path} line {n}: chat template output is not a token prefix across turns")
-            turn = full[len(prompt):]
-            end = turn.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in turn else len(turn)
-            mask += [0] * (len(prompt) - len(tokens)) + [1] * end + [0] * (len(turn) - end)
-            tokens = full
-        if 1 not in mask:
-            raise ValueError(f"{path} line {n}: no assistant message")
-        p, last = mask.index(1), len(mask) - mask[::-1].index(1)
-        tokens, mask = tokens[:last], mask[:last]
-        out.append([Experience(tokens, p, [0.0] * (len(tokens) - p), mask[p:], 1.0, f"{path.stem}/{n}",
-                               f"{path.stem}/{n}", 0, {"offline": True})])
-    return out
-
-
-def load_preference_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
-    """DPO data: one {"prompt": str or messages, "chosen": str, "rejected": str} per line ->
-    one group of two Experiences (chosen reward 1.0, rejected 0.0) sharing the templated
-    prompt; the response is the assistant reply plus the template's end of turn. Raises
-    FileNotFoundError or ValueError naming the file and line."""
-    out = []
-    for path, n, row in _jsonl_rows(path, "preference data"):
-        if not (isinstance(row, dict) and {"prompt", "chosen", "rejected"} <= set(row)):
-            raise ValueError(f"{path} line {n}: needs prompt, chosen and rejected fields")
-        msgs = [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str) else row["prompt"]
-        if not _is_messages(msgs):
-            raise ValueError(f"{path} line {n}: prompt must be a string or a list of messages")
-        if not (isinstance(row["chosen"], str) and isinstance(row["rejected"], str)):
-            raise ValueError(f"{path} line {n}: chosen and rejected must be strings (the assistant replies)")
-        prompt = chat_ids(tokenizer, msgs, True)
-        group = []
-        for key, reward in (("chosen", 1.0), ("rejected", 0.0)):
-            full = chat_ids(tokenizer, msgs + [{"role": "assistant", "content": row[key]}], False)
-            if full[: len(prompt)] != prompt or len(full) == len(prompt):
-                raise ValueError(f"{path} line {n}: chat template output is not a token prefix of the {key} reply")
-            r = len(full) - len(prompt)
-            group.append(Experience(full, len(prompt), [0.0] * r, [1] * r, reward, f"{path.stem}/{n}",
-                                    f"{path.stem}/{n}", 0, {"offline": True, "preference": key}))
-        out.append(group)
-    return out
-
-
-def load_offline_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
-    """Chat data (`load_chat_jsonl`) or preference pairs (`load_preference_jsonl`),
-    told apart by the first row's fields."""
-    first = next(_jsonl_rows(path, "offline data"), (None, None, {}))[2]
-    pairs = isinstance(first, dict) and "chosen" in first
-    return (load_preference_jsonl if pairs else load_chat_jsonl)(path, tokenizer)
 
 
 # ----------------------------------------------------------------------------- rewards
@@ -360,17 +295,13 @@ def _settle(fut, result, error) -> None:
 
 
 class Workflow:
-    """Base class: turn one task into a group of Experiences. Adapt nanorft to a new
-    scenario by subclassing it (single-turn) or `MultiTurnWorkflow` and naming the class
-    with `--workflow module.Class` (or adding it to WORKFLOWS).
-
-    Subclasses implement `async run(task, engine, n) -> list[Experience]`; they call
-    `await engine.generate(prompt_ids, n, sampling)` (see engines.Engine), which batches
-    the requests of all workflows in flight. A reward of None means "not known yet"
-    (lagged reward): the buffer stores it as NULL and never serves the group until
-    `Buffer.set_rewards` fills it. The explorer applies timeouts and retries around `run`.
-    Attributes: tokenizer, reward_fn, dataset, system_prompt, sampling, run_dir.
-    """
+    """Base class: turn one task into a group of Experiences. A new scenario subclasses it
+    (multi-turn: extras.multiturn.MultiTurnWorkflow), named by `--workflow module.Class` or
+    in WORKFLOWS. Subclasses implement `async run(task, engine, n) -> list[Experience]`,
+    calling `await engine.generate(prompt_ids, n, sampling)` (engines.Engine: it batches the
+    requests of all workflows in flight). A reward of None is not known yet (lagged): the
+    buffer serves the group once `Buffer.set_rewards` fills it. The explorer applies
+    timeouts and retries around `run`."""
 
     def __init__(self, tokenizer, reward_fn, dataset, system_prompt: str, sampling, run_dir: str = ""):
         self.tokenizer, self.reward_fn, self.dataset = tokenizer, reward_fn, dataset
@@ -424,88 +355,6 @@ class MathWorkflow(Workflow):
         return group
 
 
-class MultiTurnWorkflow(Workflow):
-    """Base of multi-turn workflows: the policy and an environment take turns.
-
-    Subclasses implement `make_env()`, returning an environment with
-    `reset(task) -> str` (the first user message) and `step(reply) -> (message, reward)`:
-    the environment's next message, or None when the episode is over, and the reward
-    (None while the episode goes on). Environments are reset and reused across episodes;
-    one whose call raised is dropped. Environment calls run in a thread (`in_thread`), so
-    a hanging one can be abandoned by the explorer's timeout.
-
-    Token streams (prime-rl's merging rule): each turn's prompt is the chat template of the
-    conversation so far. While it extends the previous prompt + completion as an exact
-    token prefix, the turn is appended to the same sample (the environment's tokens with
-    action_mask 0 and behaviour log-prob 0, the sampled tokens with action_mask 1 and their
-    behaviour log-probs); where it does not (the template re-renders or drops history) a
-    new sample starts (see `context`). The tokens of every sample are exactly those the engine saw and
-    sampled. All samples of a trajectory carry its final reward, info["trajectory_id"],
-    info["turns"] and info["samples"] (samples in the trajectory).
-    """
-
-    max_turns = 6
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._idle_envs: list = []
-
-    def make_env(self):
-        raise NotImplementedError
-
-    def context(self, messages: list[dict]) -> list[dict]:
-        """The messages the policy sees this turn; override to compact the context or drop
-        past reasoning (the token prefix then breaks and a new sample starts)."""
-        return messages
-
-    async def run(self, task: Task, engine, n: int) -> list[Experience]:
-        group_id = uuid.uuid4().hex
-        trajs = await asyncio.gather(*(self.episode(task, engine, group_id, f"{group_id}/{i}") for i in range(n)))
-        return [e for t in trajs for e in t]
-
-    async def episode(self, task: Task, engine, group_id: str, trajectory_id: str) -> list[Experience]:
-        """One conversation -> its samples (see the class docstring)."""
-        env = self._idle_envs.pop() if self._idle_envs else self.make_env()
-        msgs = self.system() + [{"role": "user", "content": await in_thread(env.reset, task)}]
-        samples: list[dict] = []
-        reward, turns, transcript = None, 0, []
-        while reward is None and turns < self.max_turns:
-            turns += 1
-            prompt = chat_ids(self.tokenizer, self.context(msgs), True)
-            cur = samples[-1] if samples else None
-            if cur is not None and prompt[: len(cur["tokens"])] == cur["tokens"]:
-                extra = prompt[len(cur["tokens"]):]  # environment tokens: not trained on
-                cur["tokens"] += extra
-                cur["mask"] += [0] * len(extra)
-                cur["behaviour_logprobs"] += [0.0] * len(extra)
-            else:
-                cur = {"tokens": list(prompt), "prompt_length": len(prompt), "mask": [], "behaviour_logprobs": [],
-                       "versions": []}
-                samples.append(cur)
-            out = (await engine.generate(cur["tokens"], 1, self.sampling))[0]
-            cur["tokens"] += out.tokens
-            cur["mask"] += [1] * len(out.tokens)
-            cur["behaviour_logprobs"] += out.behaviour_logprobs
-            cur["versions"] += list(out.versions)
-            text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
-            msgs.append({"role": "assistant", "content": text})
-            message, reward = await in_thread(env.step, text)
-            transcript.append(text.strip())
-            if message is None:
-                break
-            msgs.append({"role": "user", "content": message})
-            transcript.append(message)
-        self._idle_envs.append(env)
-        reward = 0.0 if reward is None else float(reward)
-        return [Experience(s["tokens"], s["prompt_length"], s["behaviour_logprobs"], s["mask"], reward, group_id,
-                           task.task_id, min(s["versions"]),
-                           {"trajectory_id": trajectory_id, "turns": turns, "samples": len(samples),
-                            "versions": [min(s["versions"]), max(s["versions"])],
-                            "finish_reason": out.finish_reason, "answer": task.answer,
-                            "response": " | ".join(transcript)})
-                for s in samples]
-
-
 # name -> class, or the import path of an optional one (extras/)
 WORKFLOWS: dict[str, type[Workflow] | str] = {"math": MathWorkflow, "guess_number": "extras.guess_number.GuessNumberWorkflow",
                                               "reflect": "extras.reflect.ReflectWorkflow"}
@@ -542,13 +391,3 @@ def prepare_tasks(cfg) -> tuple[list[Task], list[Task], Any]:
     load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
     load_workflow(cfg.workflow)
     return tasks
-
-
-def check_offline_data(cfg, tok) -> None:
-    """Raise ValueError (one line) for --expert-data or --train-data files that hold no
-    rows under the chat template of `tok` (the model's tokenizer; FileNotFoundError: a
-    missing file)."""
-    if cfg.expert_fraction and not load_chat_jsonl(cfg.expert_data, tok):
-        raise ValueError(f"expert_data {cfg.expert_data}: no conversations")
-    if cfg.train_data and not load_offline_jsonl(cfg.train_data, tok):
-        raise ValueError(f"train_data {cfg.train_data}: no rows")

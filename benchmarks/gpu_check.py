@@ -160,7 +160,7 @@ def prepare(work: Path, env: dict) -> dict:
     if missing:
         raise Failed(f"missing Python packages: {', '.join(missing)} (the GPU image this check is for has them)")
     try:
-        for name in ("run", "trainer", "explorer", "sync", "buffer", "workflows", "losses", "pipelines"):
+        for name in ("run", "trainer", "explorer", "sync", "buffer", "workflows", "losses", "extras.pipelines"):
             importlib.import_module(name)
     except Exception as e:
         raise Failed(f"importing nanorft's modules failed: {type(e).__name__}: {e}") from None

@@ -10,7 +10,7 @@ Each of a task's group_size rollouts is one episode of the explorer engine's
 OpenAI-compatible endpoint (extras/openai_endpoint.py): the agent gets a client whose base
 URL names the episode, so its calls are attributed to it, and the calls of all episodes in
 flight are batched by the engine. When the agent returns, its calls become experiences by
-the multi-turn rule of workflows.MultiTurnWorkflow (`call_samples`): a call whose prompt
+the multi-turn rule of extras.multiturn.MultiTurnWorkflow (`call_samples`): a call whose prompt
 extends an earlier call's prompt + completion as an exact token prefix joins that sample
 (the tokens in between, tool results and user turns, with action_mask 0 and behaviour
 log-prob 0); any other call starts a new sample. Every sample of the episode carries the

@@ -1,13 +1,13 @@
-"""The bundled experience operators of `--experience-pipeline` (pipelines.EXPERIENCE_OPS
-names them by import path): quality and diversity rewards (Trinity-RFT report 3.4.2) and
-cleaning. Signature: fn(groups, ctx: pipelines.ExperienceContext, **kwargs) -> groups.
+"""The bundled experience operators of `--experience-pipeline` (named by import path in
+extras/pipelines.py's EXPERIENCE_OPS): quality and diversity rewards (Trinity-RFT report
+3.4.2) and cleaning. Signature: fn(groups, ctx: extras.pipelines.ExperienceContext, **kwargs) -> groups.
 """
 from __future__ import annotations
 
 from buffer import Experience
 from extras.judge import RATINGS, expected_rating
 from extras.filters import repetition_filter
-from pipelines import ExperienceContext, response_text, shape
+from extras.pipelines import ExperienceContext, response_text, shape
 
 
 def quality_reward(groups: list[list[Experience]], ctx: ExperienceContext, model: str = "", url: str = "",

@@ -1,10 +1,11 @@
 """The bundled multi-turn environment (`--task guess_number --workflow guess_number`,
 configs/guess.toml): find a secret number with higher/lower feedback. An example of
-workflows.MultiTurnWorkflow; registered by import path, imported only when asked for.
+extras.multiturn.MultiTurnWorkflow; registered by import path, imported only when asked for.
 """
 from __future__ import annotations
 
-from workflows import MultiTurnWorkflow, Task, last_number
+from extras.multiturn import MultiTurnWorkflow
+from workflows import Task, last_number
 
 
 def guess_number_tasks(kwargs: dict, train_size: int, eval_size: int, seed: int) -> tuple[list[Task], list[Task]]:

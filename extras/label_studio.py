@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from buffer import Experience
-from pipelines import response_text
+from extras.pipelines import response_text
 
 
 RATING_CONFIG = """<View>

@@ -1,12 +1,27 @@
-"""The adaptive task selectors (pipelines.SELECTORS names them by import path): easy -> hard
-(`easy2hard`) and BOTS (`diff_based`).
+"""Task selectors besides the default shuffle (workflows.Shuffle), named by import path in
+extras/pipelines.py's SELECTORS: the task list's own order (`sequential`), uniform draws
+(`random`), easy -> hard (`easy2hard`) and BOTS (`diff_based`).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from pipelines import Selector
-from workflows import Task
+from workflows import Selector, Task
+
+
+class Sequential(Selector):
+    """The task list in its own order (after the task pipeline), cycled."""
+
+
+class RandomTasks(Selector):
+    """k distinct tasks drawn uniformly for every request (Trinity-RFT's RandomSelector:
+    a generator seeded by the running count of drawn tasks, so resume is exact)."""
+
+    def next(self, k: int) -> list[int]:
+        out = np.random.default_rng([self.seed, self.cursor]).choice(len(self.tasks), min(k, len(self.tasks)),
+                                                                     replace=False).tolist()
+        self.cursor += k
+        return (out * (k // len(out) + 1))[:k]
 
 
 NEEDS_DIFFICULTY = ("selector easy2hard needs a difficulty for every task: add metadata_difficulty, "

@@ -1,12 +1,13 @@
-"""The bundled task operators of `--task-pipeline` (pipelines.TASK_OPS names them by import
-path): dedup, length_filter and the difficulty estimates the easy -> hard and BOTS
-selectors read (metadata_difficulty, pass_rate_difficulty, model_difficulty).
-Signature: fn(tasks, ctx: pipelines.TaskContext, **kwargs) -> tasks.
+"""The bundled task operators of `--task-pipeline` (named by import path in
+extras/pipelines.py's TASK_OPS): dedup, length_filter and the difficulty estimates the
+easy -> hard and BOTS selectors read (metadata_difficulty, pass_rate_difficulty,
+model_difficulty).
+Signature: fn(tasks, ctx: extras.pipelines.TaskContext, **kwargs) -> tasks.
 """
 from __future__ import annotations
 
 from extras.judge import RATINGS, expected_rating
-from pipelines import TaskContext
+from extras.pipelines import TaskContext
 from workflows import Task
 
 

@@ -9,8 +9,9 @@ import torch
 
 import checkpoints
 from buffer import Buffer
+from extras.multiturn import MultiTurnWorkflow
 from losses import LossInputs
-from workflows import MathWorkflow, MultiTurnWorkflow, in_thread, last_number
+from workflows import MathWorkflow, in_thread, last_number
 
 
 def clipped_reinforce(inp: LossInputs, cap: float = 1.5) -> dict[str, torch.Tensor]:

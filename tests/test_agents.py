@@ -380,7 +380,7 @@ def test_two_turn_tool_agent_is_token_exact(engine, tok, seen, script, trainer):
 def test_demonstrations_are_the_tokens_the_endpoint_records(engine, tok, script, tmp_path):
     # the SFT warm start trains on exactly the tokens (and action_mask) that RL later samples and records
     from extras.calculator_agent import calculator_agent, demonstration
-    from workflows import load_chat_jsonl
+    from extras.offline import load_chat_jsonl
 
     task = Task("t/0", "Calculate 12 + 3 * 4.", "24", {"metadata": {"expression": "12 + 3 * 4"}})
     demo = demonstration(task)

@@ -56,16 +56,14 @@ def test_experience_rejects_mismatched_lengths():
 
 def test_task_pools_persist_and_reactivate(buffer_url):
     buf = Buffer(buffer_url)
-    assert buf.update_pool("t1", 1.0, easy=0.9, hard=0.1) == "easy"
-    assert buf.update_pool("t2", 0.0, easy=0.9, hard=0.1) == "hard"
-    assert buf.update_pool("t3", 0.5, easy=0.9, hard=0.1) is None
+    buf.write_batch([], pools=[("t1", 1.0, 0.9, 0.1), ("t2", 0.0, 0.9, 0.1), ("t3", 0.5, 0.9, 0.1)])
     assert Buffer(buffer_url).retired() == {"t1": "easy", "t2": "hard"}  # persisted
-    assert buf.update_pool("t1", 0.5, easy=0.9, hard=0.1) is None  # a lifted task that is no longer easy
+    buf.write_batch([], pools=[("t1", 0.5, 0.9, 0.1)])  # a lifted task that is no longer easy
     assert buf.retired() == {"t2": "hard"}
 
 
-def test_offline_sampler_cycles_all_and_marks_expert():
-    from workflows import OfflineSampler
+def test_offline_sampler_cycles_all_and_marks_offline():
+    from extras.offline import OfflineSampler
 
     groups = [[Experience([1, 2, i], 2, [0.0], [1], 1.0, f"g{i}", f"t{i}", 0)] for i in range(3)]
     s = OfflineSampler(groups, seed=0)

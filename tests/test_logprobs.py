@@ -50,7 +50,7 @@ def test_chat_jsonl_masks_exactly_the_assistant_turns(tiny_model, tmp_path):
 
     from transformers import AutoTokenizer
 
-    from workflows import load_chat_jsonl
+    from extras.offline import load_chat_jsonl
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},

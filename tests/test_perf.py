@@ -1,5 +1,5 @@
 """Model FLOPs, the measured peak and MFU (perf.py); prefill once per distinct prompt
-(engines.HFEngine); evaluations after their version's first batch (explorer.explore_loop);
+(engines.HFEngine); evaluations after their version's first batch (explorer.explore);
 the choice of the memory allocator (launch.tcmalloc)."""
 import json
 
@@ -88,7 +88,7 @@ def test_a_single_cpu_rank_trains_the_plain_model_and_reports_its_model_flops(ti
 
 
 class Fake:
-    """Stand-ins for explore_loop: an engine, an Explorer that records what it is asked, a buffer."""
+    """Stand-ins for explore: an engine, an Explorer that records what it is asked, a buffer."""
 
     def __init__(self):
         self.calls, self.version, self.step_hook, self.cores = [], 0, None, None
@@ -104,8 +104,8 @@ def test_an_evaluation_runs_after_its_versions_first_batch(monkeypatch):
         def __init__(self, *a):
             pass
 
-        def curate(self, buffer):
-            pass
+        def resume(self, buffer):
+            return 0
 
         def rollout_batch(self, batch, buffer):
             engine.calls.append(("batch", batch, engine.version))
@@ -115,22 +115,21 @@ def test_an_evaluation_runs_after_its_versions_first_batch(monkeypatch):
             engine.calls.append(("eval", version))
             return None
 
-    class Buf:
-        hold = curate = lambda *a: None
-        explorer_state = lambda *a: None  # noqa: E731
-
     monkeypatch.setattr(explorer, "Explorer", Recorder)
     cfg = run.parse_config(["--eval-interval", "2", "--sync-interval", "2"])
 
-    def before_batch(receiver, batch):
-        engine.version = 2 * (batch // 2)  # sync.required_version with interval 2, offset 0
-        return True
+    class Pace:
+        def join(self):
+            pass
 
-    def finish(receiver):
-        engine.version = 4
+        def before_batch(self, batch):
+            engine.version = 2 * (batch // 2)  # sync.required_version with interval 2, offset 0
+            return True
 
-    explorer.explore_loop(cfg, engine, ([], [], None), lambda r: None, 4, 0, lambda e: None, before_batch,
-                          None, finish, Buf())
+        def final(self):
+            engine.version = 4
+
+    explorer.explore(cfg, engine, ([], [], None), None, Pace(), lambda r: None, 4)
     # the trainer trains on batch 0 (2) while the explorer evaluates version 0 (2)
     assert engine.calls == [("batch", 0, 0), ("eval", 0), ("batch", 1, 0), ("batch", 2, 2), ("eval", 2),
                             ("batch", 3, 2), ("eval", 4)]

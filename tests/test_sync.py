@@ -285,8 +285,8 @@ def test_a_trainer_is_alive_while_its_store_answers(trainer_store):
 def test_mode_explore_watches_the_trainer_of_the_other_launch(trainer_store, tmp_path, monkeypatch):
     # --mode explore --sync-method broadcast: the trainer is no parent of the explorer. What its receiver (and its
     # engine's receives, NCCL ones included) watches is the trainer's store, not a constant
-    import explorer
     import run
+    from extras import explore_mode
 
     port, proc = trainer_store
     cfg = run.parse_config(["--config", "configs/tiny.toml", "--mode", "explore", "--sync-method", "broadcast",
@@ -305,11 +305,11 @@ def test_mode_explore_watches_the_trainer_of_the_other_launch(trainer_store, tmp
             return False
 
     receivers = []
-    monkeypatch.setattr(explorer, "open_buffer", lambda *a: types.SimpleNamespace(close=lambda: None))
-    monkeypatch.setattr(explorer, "make_engine", lambda *a: Engine())
-    monkeypatch.setattr(explorer, "explore_loop", lambda cfg, engine, tasks, log, total, start, connect, *rest:
-                        receivers.append(connect(engine)))
-    explorer.run_mode_explore(cfg, "model", ([], [], None), lambda record: None)
+    monkeypatch.setattr(explore_mode, "open_buffer", lambda *a: types.SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(explore_mode, "make_engine", lambda *a: Engine())
+    monkeypatch.setattr(explore_mode, "explore", lambda cfg, engine, tasks, buffer, pace, *rest:
+                        pace.join() or receivers.append(pace.receiver))
+    explore_mode.run_mode_explore(cfg, run.Prepared("model", ([], [], None), None))
     receiver, = receivers
     assert receiver.engine.alive is receiver.alive and receiver.alive()
     proc.kill()

@@ -13,7 +13,8 @@ from test_e2e import metrics
 from extras.judge import judge_reward
 from extras.reflect import ReflectWorkflow
 from extras.guess_number import GuessNumberWorkflow
-from workflows import MultiTurnWorkflow, Task, last_number
+from extras.multiturn import MultiTurnWorkflow
+from workflows import Task, last_number
 
 COMMON = ["--config", "configs/tiny.toml"]
 

@@ -1,56 +1,44 @@
-"""Data pipelines: task curation and selection, experience shaping, human labels.
-
-The third pillar of Trinity-RFT (technical report, arXiv:2505.17826, section 2.3 and
-examples 3.4-3.5). A module of its own because its operators run in places that belong to
-no single stage: on the task list before the loop and in the choice of the next tasks (the
-explorer process), between the buffer and the trainer (trainer rank 0), and beside the run,
-where human labels from Label Studio become lagged rewards (extras/label_studio.py).
-This file holds the machinery (contexts, registries, the default selectors, the
-experience pipeline, the checks); the bundled operators and the adaptive selectors live
-in extras/ (task_ops.py, experience_ops.py, selectors.py), registered by import path and
-imported only when a run names them.
-
-Configured in the TOML (or as JSON flags) as lists of operators, each a table with "op"
-(a name below, or an import path module.function: a plug-in) and its keyword arguments:
-
-    task_pipeline = [{op = "dedup"}, {op = "length_filter", max_tokens = 64},
-                     {op = "metadata_difficulty", keys = ["num_digits", "num_terms"]}]
-    selector = "easy2hard"            # sequential, shuffle (default), random, easy2hard, diff_based
-    experience_pipeline = [{op = "diversity_reward", weight = 0.5, final_weight = 0.3, decay_steps = 30}]
-    replay = {groups = 4, decay = 2.0, use_count_limit = 3}     # buffer.Buffer.replay
-    annotation = {url = "http://localhost:8080", token = "..."}   # with reward_fn = "human"
+"""Data pipelines (Trinity-RFT's third pillar, arXiv:2505.17826 section 2.3, examples
+3.4-3.5): task curation and selection (the explorer), experience shaping and replay
+between buffer and trainer (trainer rank 0), human labels (extras/label_studio.py). The
+core reaches this file by import path when a pipeline setting is given (workflows.PIPELINES);
+the bundled operators and selectors are in extras/task_ops.py, experience_ops.py and
+selectors.py. Configured as lists of tables {op = NAME or module.function, ...kwargs}
+(docs/pipelines.md, configs/pipelines.toml):
 
 Task operator:       fn(tasks: list[Task], ctx: TaskContext, **kw) -> list[Task]
 Experience operator: fn(groups: list[list[Experience]], ctx: ExperienceContext, **kw) -> list[list[Experience]]
+
 Each records its metrics in ctx.metrics as pipeline/<op>/<name>. A shaping operator adds
 its bonus to the reward and records it in info["shaping"][op] (the reward before any
-shaping stays in info["reward_raw"]): the lineage of every reward is in the buffer's
-samples and in the metrics.
+shaping stays in info["reward_raw"]).
 """
 from __future__ import annotations
 
-import random
+import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-
-from buffer import Experience
+from buffer import COLUMNS, Buffer, Experience
 from losses import resolve
-from workflows import Task
+from workflows import Shuffle, Task
 
-# name -> operator: the import paths of the bundled ones (extras/), imported only when a pipeline names them
+# name -> operator or selector, by import path: imported only when a pipeline names it
 TASK_OPS: dict[str, Callable | str] = {name: f"extras.task_ops.{name}" for name in (
     "dedup", "length_filter", "metadata_difficulty", "pass_rate_difficulty", "model_difficulty")}
 EXPERIENCE_OPS: dict[str, Callable | str] = {name: f"extras.experience_ops.{name}" for name in (
     "quality_reward", "diversity_reward", "clean")}
+SELECTORS: dict[str, type | str] = {"shuffle": Shuffle, **{name: f"extras.selectors.{cls}" for name, cls in (
+    ("sequential", "Sequential"), ("random", "RandomTasks"), ("easy2hard", "Easy2Hard"), ("diff_based", "DiffBased"))}}
+ANNOTATION_CHECK = "extras.label_studio.check_annotation"  # cfg -> None: raises for a bad annotation setting
 
 
 @dataclass
 class TaskContext:
     """What a task operator may use. tokenizer: the policy's; rollouts(tasks, n) -> one
     group (list of Experience with rewards) or None (skipped) per task, sampled by the
-    explorer's engine and workflow at the run's temperature; metrics: filled by operators."""
+    explorer's engine and workflow; metrics: filled by operators."""
 
     tokenizer: Any = None
     rollouts: Callable[[list[Task], int], list] | None = None
@@ -88,7 +76,7 @@ def _label(name: str) -> str:
     return name.rpartition(".")[2]
 
 
-# ----------------------------------------------------------------------------- task curation
+# ----------------------------------------------------------------------------- tasks
 
 def run_task_pipeline(specs: list, tasks: list[Task], ctx: TaskContext) -> list[Task]:
     """Apply the task operators in order; ctx.metrics gets pipeline/<op>/kept and /removed.
@@ -103,81 +91,29 @@ def run_task_pipeline(specs: list, tasks: list[Task], ctx: TaskContext) -> list[
     return tasks
 
 
-# ----------------------------------------------------------------------------- task selection
-
-class Selector:
-    """Chooses the indices of the next training tasks (Trinity-RFT
-    trinity/buffer/selector/selector.py @ 3e9eb605: get_indices / update / state_dict).
-    Subclasses give `order` (a cycled order) or override `next`. `update` receives each
-    group's mean reward (the task's latest pass rate) as it comes back."""
-
-    def __init__(self, tasks: list[Task], seed: int):
-        self.tasks, self.seed, self.cursor = tasks, seed, 0
-        self.order = list(range(len(tasks)))
-
-    @staticmethod
-    def check_config(cfg) -> None:
-        """Raise ValueError (one line) for run settings (config.Config) this selector cannot
-        work with; checked before any process starts."""
-
-    def next(self, k: int) -> list[int]:
-        """The next k indices of the cycled order."""
-        out = [self.order[(self.cursor + i) % len(self.order)] for i in range(k)]
-        self.cursor += k
-        return out
-
-    def update(self, pass_rates: dict[str, float]) -> None:
-        """task_id -> mean reward of its latest group; unused by rule-based selectors."""
-
-    def metrics(self) -> dict:
-        """Metrics of the latest choice (namespaced selector/...)."""
-        return {}
-
-    def state(self) -> dict:
-        """JSON-able resume state."""
-        return {"cursor": self.cursor}
-
-    def restore(self, state: dict) -> None:
-        """Continue from a `state()`."""
-        self.cursor = state["cursor"]
+def curate(explorer, buffer: Buffer) -> tuple[list[Task], dict]:
+    """The explorer's training tasks after cfg.task_pipeline, run once per run and explorer
+    (explorer.Explorer.resume): the curated list (task ids, difficulties) is kept in the
+    buffer's run state, so a restarted explorer continues on it without scoring again.
+    Returns (tasks, the pipeline's metrics). Raises ValueError from an operator."""
+    cfg, key = explorer.cfg, f"tasks/{explorer.cfg.explorer_name}"
+    if saved := buffer.run_state(key):
+        by_id = {t.task_id: t for t in explorer.train}
+        return [dataclasses.replace(by_id[i], difficulty=d) for i, d in json.loads(saved)], {}
+    ctx = TaskContext(explorer.engine.tokenizer, lambda tasks, n: explorer.rollout(tasks, n=n))
+    tasks = run_task_pipeline(cfg.task_pipeline, explorer.train, ctx)
+    buffer.set_run_state(key, json.dumps([[t.task_id, t.difficulty] for t in tasks]))
+    print(f"explorer {cfg.explorer_name}: task pipeline kept {len(tasks)} of {len(explorer.train)} tasks", flush=True)
+    return tasks, ctx.metrics
 
 
-class Sequential(Selector):
-    """The task list in its own order (after the task pipeline), cycled."""
-
-
-class Shuffle(Selector):
-    """A seeded permutation of the task list, cycled (nanorft's default order)."""
-
-    def __init__(self, tasks: list[Task], seed: int):
-        super().__init__(tasks, seed)
-        self.order = random.Random(seed).sample(range(len(tasks)), len(tasks))
-
-
-class RandomTasks(Selector):
-    """k distinct tasks drawn uniformly for every request (Trinity-RFT's RandomSelector:
-    a generator seeded by the running count of drawn tasks, so resume is exact)."""
-
-    def next(self, k: int) -> list[int]:
-        out = np.random.default_rng([self.seed, self.cursor]).choice(len(self.tasks), min(k, len(self.tasks)),
-                                                                     replace=False).tolist()
-        self.cursor += k
-        return (out * (k // len(out) + 1))[:k]
-
-
-# name -> class, or the import path of an optional one (extras/selectors.py)
-SELECTORS = {"sequential": Sequential, "shuffle": Shuffle, "random": RandomTasks, "easy2hard": "extras.selectors.Easy2Hard",
-             "diff_based": "extras.selectors.DiffBased"}
-ANNOTATION_CHECK = "extras.label_studio.check_annotation"  # cfg -> None: raises for a bad annotation setting
-
-
-def make_selector(name: str, kwargs: dict, tasks: list[Task], seed: int) -> Selector:
-    """The selector `name` (SELECTORS, or module.Class taking (tasks, seed, **kwargs)).
-    Raises ValueError (one line) for an unknown name or keyword."""
+def make_selector(name: str, kwargs: dict, tasks: list[Task], seed: int):
+    """The selector `name` (SELECTORS, or module.Class taking (tasks, seed, **kwargs)) over
+    `tasks`. Raises ValueError (one line) for an unknown name or keyword."""
     return resolve(name, SELECTORS, "selector", kwargs)(tasks, seed, **kwargs)
 
 
-# ----------------------------------------------------------------------------- experience shaping
+# ----------------------------------------------------------------------------- experiences
 
 def shape(e: Experience, op: str, bonus: float) -> None:
     """Add `bonus` to e.reward and record it: info["reward_raw"] (the reward before any
@@ -210,6 +146,38 @@ class ExperiencePipeline:
         return groups, ctx.metrics
 
 
+def replay(buffer: Buffer, groups: int, step: int, decay: float = 2.0, use_count_limit: int = 3
+           ) -> tuple[list[list[Experience]], int]:
+    """Prioritised experience replay (Trinity-RFT trinity/buffer/storage/queue.py @ 5a4234ec:
+    priority model_version - decay * use_count, each item used at most use_count_limit
+    times): take up to `groups` groups consumed before trainer step `step` (loop.read_batch),
+    highest priority first (ties: newest), count the use and record it in the buffer's
+    replays table, which Buffer.release_after undoes for a resumed run. Each experience
+    carries info["use_count"] (uses before this one) and info["priority"]. Returns (groups,
+    how many were eligible)."""
+    db = buffer.db
+    with db.transaction(readers=True):
+        eligible = db.execute(
+            "SELECT group_id, MIN(model_version) - ? * MAX(use_count) AS priority FROM experiences "
+            "WHERE consumed BETWEEN 1 AND ? GROUP BY group_id HAVING MAX(use_count) < ? "
+            "ORDER BY priority DESC, MIN(id) DESC", (decay, step, use_count_limit)).fetchall()
+        chosen = eligible[:groups]
+        ids, priority = [g for g, _ in chosen], dict(chosen)
+        if not ids:
+            return [], len(eligible)
+        marks = ",".join("?" * len(ids))
+        rows = db.execute(f"SELECT {COLUMNS}, use_count FROM experiences WHERE group_id IN ({marks}) ORDER BY id",
+                          ids).fetchall()
+        db.execute(f"UPDATE experiences SET use_count = use_count + 1 WHERE group_id IN ({marks})", ids)
+        db.executemany("INSERT INTO replays VALUES (?, ?)", [(step, g) for g in ids])
+    out = buffer.groups_of(ids, [r[:-1] for r in rows])
+    uses = {r[0]: r[-1] for r in rows}
+    for g in out:
+        for e in g:
+            e.info.update(use_count=uses[e.group_id], priority=float(priority[e.group_id]))
+    return out, len(eligible)
+
+
 def response_text(e: Experience, tokenizer) -> str:
     """The policy's part of a response (action_mask 1 tokens), decoded."""
     resp = e.tokens[e.prompt_length:]
@@ -221,12 +189,13 @@ def response_text(e: Experience, tokenizer) -> str:
 def check_config(cfg) -> None:
     """Raise ValueError (one line) for a mis-configured task or experience pipeline,
     selector, replay or annotation setting of config.Config `cfg`; ConnectionError when the
-    Label Studio server of cfg.annotation cannot be reached (run.prepare, before any
-    process starts)."""
+    Label Studio server of cfg.annotation cannot be reached (workflows.check_pipelines,
+    before any process starts)."""
     parse_ops(cfg.task_pipeline, TASK_OPS, "task_pipeline")
     parse_ops(cfg.experience_pipeline, EXPERIENCE_OPS, "experience_pipeline")
     selector = resolve(cfg.selector, SELECTORS, "selector", cfg.selector_kwargs)
-    getattr(selector, "check_config", Selector.check_config)(cfg)  # (a selector that is no Selector subclass)
+    if hasattr(selector, "check_config"):
+        selector.check_config(cfg)
     for name, value, known in (("replay", cfg.replay, {"groups", "decay", "use_count_limit"}),
                                ("annotation", cfg.annotation, {"url", "mode", "choices", "timeout_s", "timeout_reward",
                                                                "project"})):

@@ -1,0 +1,123 @@
+"""Offline data: experiences not sampled from the policy, marked info["offline"] (no
+behaviour log-probs, a fixed reward, never filtered). Chats train by SFT (`--train-data`)
+or are mixed into each batch as expert data (MIX: `--expert-data`); preference pairs train
+by DPO (`--train-data`). loop.loop_io and run.prepare reach this file by import path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+from buffer import Experience
+from workflows import chat_ids, jsonl_rows
+
+
+class OfflineSampler:
+    """Draws groups of offline data in a seeded shuffled order, cycling through epochs;
+    each drawn experience is a copy marked info["offline"]. `drawn`: groups drawn so far
+    (drawing as many from a new sampler of the same data and seed continues the order: a
+    resume). Raises ValueError for no data."""
+
+    def __init__(self, groups: list[list[Experience]], seed: int):
+        if not groups:
+            raise ValueError("offline data is empty")
+        self.groups, self.rng, self.order = groups, random.Random(seed), []
+        self.drawn = 0
+
+    def draw(self, n: int) -> list[list[Experience]]:
+        """The next n groups."""
+        out = []
+        self.drawn += n
+        for _ in range(n):
+            if not self.order:
+                self.order = self.rng.sample(range(len(self.groups)), len(self.groups))
+            out.append([dataclasses.replace(e, info={**e.info, "offline": True}, explorer="offline")
+                        for e in self.groups[self.order.pop()]])
+        return out
+
+
+def _is_messages(msgs) -> bool:
+    return isinstance(msgs, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in msgs)
+
+
+def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
+    """One {"messages": [{"role", "content"}, ...]} per line -> a group of one Experience,
+    tokenised with the chat template. action_mask is 1 exactly on what the model generates
+    in each assistant turn: template(messages[:i+1]) minus template(messages[:i], generation
+    prompt), up to and including the end-of-turn token (eos); the sequence ends there.
+    Reward 1.0, behaviour_logprobs 0. Raises FileNotFoundError, or ValueError naming the
+    file and line (bad JSON, no assistant turn, turns that are not token prefixes)."""
+    out = []
+    for path, n, row in jsonl_rows(path, "chat data"):
+        msgs = row.get("messages") if isinstance(row, dict) else None
+        if not _is_messages(msgs):
+            raise ValueError(f'{path} line {n}: needs {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
+        tokens, mask = [], []
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            prompt, full = chat_ids(tokenizer, msgs[:i], True), chat_ids(tokenizer, msgs[: i + 1], False)
+            if prompt[: len(tokens)] != tokens or full[: len(prompt)] != prompt:
+                raise ValueError(f"{path} line {n}: chat template output is not a token prefix across turns")
+            turn = full[len(prompt):]
+            end = turn.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in turn else len(turn)
+            mask += [0] * (len(prompt) - len(tokens)) + [1] * end + [0] * (len(turn) - end)
+            tokens = full
+        if 1 not in mask:
+            raise ValueError(f"{path} line {n}: no assistant message")
+        p, last = mask.index(1), len(mask) - mask[::-1].index(1)
+        tokens, mask = tokens[:last], mask[:last]
+        out.append([Experience(tokens, p, [0.0] * (len(tokens) - p), mask[p:], 1.0, f"{path.stem}/{n}",
+                               f"{path.stem}/{n}", 0, {"offline": True})])
+    return out
+
+
+def load_preference_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
+    """DPO data: one {"prompt": str or messages, "chosen": str, "rejected": str} per line ->
+    a group of two Experiences (chosen reward 1.0, rejected 0.0) sharing the templated
+    prompt; each response is the reply plus the template's end of turn. Raises
+    FileNotFoundError or ValueError naming the file and line."""
+    out = []
+    for path, n, row in jsonl_rows(path, "preference data"):
+        if not (isinstance(row, dict) and {"prompt", "chosen", "rejected"} <= set(row)):
+            raise ValueError(f"{path} line {n}: needs prompt, chosen and rejected fields")
+        msgs = [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str) else row["prompt"]
+        if not _is_messages(msgs):
+            raise ValueError(f"{path} line {n}: prompt must be a string or a list of messages")
+        if not (isinstance(row["chosen"], str) and isinstance(row["rejected"], str)):
+            raise ValueError(f"{path} line {n}: chosen and rejected must be strings (the assistant replies)")
+        prompt = chat_ids(tokenizer, msgs, True)
+        group = []
+        for key, reward in (("chosen", 1.0), ("rejected", 0.0)):
+            full = chat_ids(tokenizer, msgs + [{"role": "assistant", "content": row[key]}], False)
+            if full[: len(prompt)] != prompt or len(full) == len(prompt):
+                raise ValueError(f"{path} line {n}: chat template output is not a token prefix of the {key} reply")
+            r = len(full) - len(prompt)
+            group.append(Experience(full, len(prompt), [0.0] * r, [1] * r, reward, f"{path.stem}/{n}",
+                                    f"{path.stem}/{n}", 0, {"offline": True, "preference": key}))
+        out.append(group)
+    return out
+
+
+def load_offline_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
+    """Chats (`load_chat_jsonl`) or preference pairs (`load_preference_jsonl`), told apart
+    by the first row's fields."""
+    first = next(jsonl_rows(path, "offline data"), (None, None, {}))[2]
+    pairs = isinstance(first, dict) and "chosen" in first
+    return (load_preference_jsonl if pairs else load_chat_jsonl)(path, tokenizer)
+
+
+def sampler(path: str | Path, tokenizer, seed: int, chats_only: bool = False) -> OfflineSampler:
+    """An OfflineSampler of the JSONL file `path`: chats (`chats_only`: the expert data of
+    MIX) or chats or preference pairs (`--train-data`). Raises as the loaders do."""
+    return OfflineSampler((load_chat_jsonl if chats_only else load_offline_jsonl)(path, tokenizer), seed)
+
+
+def check_offline_data(cfg, tok) -> None:
+    """ValueError (one line) for --expert-data or --train-data files that hold no rows under
+    the chat template of `tok` (the model's tokenizer); FileNotFoundError for a missing file."""
+    if cfg.expert_fraction and not load_chat_jsonl(cfg.expert_data, tok):
+        raise ValueError(f"expert_data {cfg.expert_data}: no conversations")
+    if cfg.train_data and not load_offline_jsonl(cfg.train_data, tok):
+        raise ValueError(f"train_data {cfg.train_data}: no rows")
