@@ -1,7 +1,5 @@
-"""Advantage estimators besides GRPO: Dr. GRPO, RLOO, REINFORCE++ and step-wise GRPO for
-multi-turn. losses.ADVANTAGES names them by import path; importing this file registers
-them. Contract: losses.py's docstring; each is pinned to its reference by tests/test_fidelity.py.
-"""
+"""Advantage estimators besides GRPO (Dr. GRPO, RLOO, REINFORCE++, step-wise GRPO), named by
+import path in losses.ADVANTAGES: importing this file registers them (contract: losses.py)."""
 from __future__ import annotations
 
 import torch

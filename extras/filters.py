@@ -1,7 +1,5 @@
-"""Sequence filters applied before training: zero_advantage, gibberish, repetition.
-losses.FILTERS names them by import path; importing this file registers them.
-Contract: fn(tokens, behaviour_logprobs, advantage, **kw) -> bool (keep the sequence).
-"""
+"""Sequence filters before training, named by import path in losses.FILTERS: importing this
+file registers them. fn(tokens, behaviour_logprobs, advantage, **kw) -> bool (keep)."""
 from __future__ import annotations
 
 from losses import FILTERS, register

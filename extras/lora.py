@@ -1,10 +1,8 @@
 """LoRA (--lora-rank > 0, peft): the trainer trains adapters on the frozen model and publishes
 only them; the engines sample with the same adapters. The core reaches this file by import
 path (`models.lora(name)`, `trainer.make_trainer`): a default run never imports it.
-
-LoRA: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685,
-sec. 4.1: W + (alpha / r) B A with B initialised to 0, so a fresh adapter leaves the model
-as it is.
+LoRA: Hu et al., arXiv:2106.09685, sec. 4.1: W + (alpha / r) B A, B initialised to 0 (a
+fresh adapter leaves the model as it is).
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Policy losses besides PPO clip: DPPO-KL (prime-rl), REINFORCE with truncated IS
-(PipelineRL), CISPO, GSPO, SFT, DPO and MIX (Trinity-RFT). losses.POLICY_LOSSES names them
-by import path; importing this file registers them with their attributes (default
-aggregation, needs_groups, needs_ref, split_expert). Contract: losses.py's docstring; each
-is pinned to its reference by tests/test_fidelity.py.
-"""
+(PipelineRL), CISPO, GSPO, SFT, DPO and MIX (Trinity-RFT), named by import path in
+losses.POLICY_LOSSES: importing this file registers them with their attributes (contract: losses.py)."""
 from __future__ import annotations
 
 import torch
