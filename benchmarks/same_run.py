@@ -2,12 +2,13 @@
 entropies and response lengths, and the held-out accuracies, of two metrics.jsonl files
 (for example the default job recorded before a change of code layout and after it).
 
-    python benchmarks/same_run.py benchmarks/results/refactor_baseline_metrics.jsonl runs/after/metrics.jsonl
+    python benchmarks/same_run.py benchmarks/results/layout_baseline_metrics.jsonl runs/after/metrics.jsonl
 
-Recorded baseline: the default job cut to 4 steps, `torchrun run.py --mode both
---sync-interval 2 --steps 4 --run-dir DIR`, AMD EPYC 2-core (AVX-512 BF16: bf16 autocast),
-at commit fecbbfe. Prints one line per step and the largest relative difference; exit code
-1 when any compared number differs by more than --rtol (default 0: identical).
+Recorded baseline: the default job cut to 4 steps and 50 held-out tasks, `torchrun run.py
+--mode both --sync-interval 2 --steps 4 --eval-size 50 --run-dir DIR`, on a 2-core Intel Xeon
+VM (family 6 model 167, AVX-512 BF16 and AMX: bf16 autocast), torch 2.13.0+cpu. Prints one line
+per step and the largest relative difference; exit code 1 when any compared number differs by
+more than --rtol (default 0: identical).
 """
 import argparse
 import json
