@@ -54,8 +54,7 @@ def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]
         groups += fresh
     m = {"staleness/dropped_groups": dropped}
     if cfg.replay:
-        replay = resolve("extras.pipelines.replay", {}, "replay")
-        again, eligible = replay(buffer, step=step, **{"groups": 1, **cfg.replay})
+        again, eligible = resolve("extras.pipelines.replay", {}, "replay")(buffer, step, **cfg.replay)
         groups += again
         m.update({"replay/groups": len(again), "replay/eligible_groups": eligible,
                   "replay/use_count_mean": sum(g[0].info["use_count"] for g in again) / max(1, len(again)),

@@ -146,7 +146,7 @@ class ExperiencePipeline:
         return groups, ctx.metrics
 
 
-def replay(buffer: Buffer, groups: int, step: int, decay: float = 2.0, use_count_limit: int = 3
+def replay(buffer: Buffer, step: int, groups: int = 1, decay: float = 2.0, use_count_limit: int = 3
            ) -> tuple[list[list[Experience]], int]:
     """Prioritised experience replay (Trinity-RFT trinity/buffer/storage/queue.py @ 5a4234ec:
     priority model_version - decay * use_count, each item used at most use_count_limit

@@ -205,17 +205,17 @@ def test_replay_serves_by_priority_up_to_the_use_limit_and_resume_undoes_it(tok,
     for v in range(3):
         buf.write(group(tok, ["1", "2"], [0.0, 1.0], version=v, group_id=f"v{v}"))
     assert [g[0].group_id for g in buf.read(3, step=0)] == ["v0", "v1", "v2"]
-    assert replay(buf, 2, step=0) == ([], 0)  # consumed at this very step: not yet
-    got, eligible = replay(buf, 1, step=1, decay=2.0, use_count_limit=3)
+    assert replay(buf, step=0, groups=2) == ([], 0)  # consumed at this very step: not yet
+    got, eligible = replay(buf, step=1, groups=1, decay=2.0, use_count_limit=3)
     assert eligible == 3 and [g[0].group_id for g in got] == ["v2"]  # priorities 2-2, 1-2, 0-2
     assert (got[0][0].info["use_count"], got[0][0].info["priority"]) == (1, 0.0)
     uses = lambda: dict(buf.db.execute("SELECT group_id, MAX(use_count) FROM experiences GROUP BY group_id").fetchall())  # noqa: E731
     before = uses()
-    got, _ = replay(buf, 2, step=2, decay=2.0, use_count_limit=3)
+    got, _ = replay(buf, step=2, groups=2, decay=2.0, use_count_limit=3)
     assert [g[0].group_id for g in got] == ["v1", "v2"]  # -1, then -2 (v2, newest) before -2 (v0)
-    got, eligible = replay(buf, 3, step=3, decay=2.0, use_count_limit=3)
+    got, eligible = replay(buf, step=3, groups=3, decay=2.0, use_count_limit=3)
     assert eligible == 2 and [g[0].group_id for g in got] == ["v0", "v1"]  # -2 before 1 - 2 * 2; v2 has used its 3
-    assert replay(buf, 3, step=4, decay=2.0, use_count_limit=3)[0][0][0].group_id == "v0"
+    assert replay(buf, step=4, groups=3, decay=2.0, use_count_limit=3)[0][0][0].group_id == "v0"
     assert buf.release_after(2) == 0  # nothing was first consumed at steps >= 2
     assert uses() == before  # the replays of steps 2.. are undone
     buf.release_after(0)
