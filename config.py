@@ -146,7 +146,7 @@ class Config:
     buffer: str = ""
     """experience buffer: "" = RUN_DIR/buffer.sqlite (one host), a SQLite path, or postgresql://user@host:port/db[?schema=NAME] (several hosts; default schema nanorft_<run dir name>)"""
 
-    # -- data pipelines (pipelines.py)
+    # -- data pipelines (extras/pipelines.py)
     task_pipeline: list = field(default_factory=list)
     """task operators run once before the loop, in order: a list of tables {op = NAME, ...kwargs} (JSON on the command line): {TASK_OPS}, or module.function"""
     selector: str = "shuffle"

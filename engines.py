@@ -418,7 +418,7 @@ ENGINES = {"hf": HFEngine, "vllm": "extras.vllm_engine.VLLMEngine"}
 
 
 def make_engine(cfg, model_path: str, seed: int, device: str = "", colocated: bool = False) -> Engine:
-    """The engine of `ENGINES` that cfg.engine names (explorer.check_config resolves "auto"),
+    """The engine of `ENGINES` that cfg.engine names (explorer.resolve_engine resolves "auto"),
     sampling with `seed` on `device` (launch.place; "" = the default), `colocated` with the
     trainer or not."""
     torch.set_num_threads(cfg.explorer_threads)
