@@ -5,6 +5,7 @@ Settings: dataclass defaults < `--config FILE.toml` < command-line flags. Every 
 the docstring under it; the `# -- title` comments group the flags in `--help`; dict and
 list fields take JSON. `parse_config` is the one entry point (run.py calls it); bad values
 raise ValueError with one line naming the setting.
+A file of its own: the explorer, the trainer and every extra read the same Config.
 """
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ the CPU default) with in-flight weight updates between decode steps. Engines rec
 behaviour log-prob of every sampled token under the distribution it was sampled from, and
 receive new weights in place (sync.WeightSync / checkpoints). `ENGINES` names them for
 --engine (the vLLM engine: extras/vllm_engine.py); `make_engine` builds one for a config.
+A file of its own (the design card puts the engines in explorer.py): the explorer,
+mode bench and the vLLM engine in extras/ share the Engine contract.
 """
 from __future__ import annotations
 

@@ -9,6 +9,8 @@
 Around it, on rank 0: what the loop talks to (`loop_io`: buffer, metrics, pipelines,
 offline data), the explorer process of mode both (`start_explorer`), and after the last
 step the final files and the plot (`finish`).
+A file of its own: it wires the trainer to the explorer process, the buffer and the
+weight-sync group, and belongs to neither side.
 """
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ this hardware (`choose_dtype`), its pad token (`pad_token_id`), the allocator se
 the processes that hold one (`limit_heap_fragmentation`), and the way to the LoRA glue
 (`lora`: extras/lora.py). Used by run.py before any process starts, by engines, trainer
 and benchmarks.
+A file of its own: run.py, the trainer, the engines and the benchmarks all resolve
+models here.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ responses after it, with a block mask so that each response sees the prompt and 
 only; `micro_batches` splits a batch so that each packed forward pass stays within the
 token budget; `response_logprobs` returns the log-probs of the response tokens, the LM head
 applied in chunks (`chunked_logprobs`) so that the logits of a micro-batch never exist at once.
+A file of its own: the trainer, the engines and the log-prob tests share these layouts.
 """
 from __future__ import annotations
 

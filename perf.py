@@ -1,6 +1,8 @@
 """Model FLOPs and MFU, logged by every step: how close a run comes to the machine's limit.
 The peak is the device's nominal one (CUDA) or, on a CPU, the matrix-product speed that
-benchmarks/peak.py measures, once per CPU (cached in the model cache).
+benchmarks/peak.py measures, once per CPU (cached in the model cache). A file of its own so
+that measurement sits beside the RL code, not inside it: the trainer, the explorer and the
+loop only report FLOPs and seconds here.
 """
 from __future__ import annotations
 

@@ -143,6 +143,8 @@ def prepare(cfg: Config, rank: int) -> Prepared:
 def main(argv: list[str] | None = None) -> int:
     """Parse the config, check the inputs, run the mode; returns the exit code: 2 with one
     error line for bad input, 1 for a failed run, 130 after Ctrl-C."""
+    from losses import resolve  # (config's --help reads losses' registries: imported by parse_config anyway)
+
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
     # plug-ins by import path (--workflow mymod.MyWorkflow) from the working directory, last, so that it never
@@ -157,15 +159,11 @@ def main(argv: list[str] | None = None) -> int:
                    "nothing to resume")
             return 0
         if cfg.mode == "bench":  # its errors are the user's input: exit code 2
-            from losses import resolve
-
             return resolve(MODES["bench"], {}, "mode")(cfg)
         prepared = prepare(cfg, rank)
     except (ValueError, OSError) as e:  # bad input: flags, files, directories
         print(f"run.py: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    from losses import resolve
-
     return launch.guarded(cfg, rank, lambda: resolve(MODES[cfg.mode], {}, "mode")(cfg, prepared))
 
 
