@@ -1,18 +1,10 @@
-"""The default algorithm's pure tensor functions (GRPO advantages, PPO clip, KL, the loss
-aggregation) and the registries every advantage, policy loss and filter is chosen from
-(`resolve_algorithm`).
-
-No model, no process group, no I/O: each function can be checked against a slow reference
-(tests/test_fidelity.py pins each one to numbers from the reference code its docstring
-names). Shapes: B = sequences of a micro-batch, T = response tokens (right-padded). The
-contracts, also of plug-ins given by import path `module.function` (docs/algorithms.md):
-
-  ADVANTAGES[name](rewards [B], group_index [B], trajectory_index [B], **kw) -> [B]
-      (with a `token_counts` parameter it also gets each sequence's trained tokens [B])
+"""The default algorithm as pure tensor functions (GRPO, PPO clip, KL, aggregation) and the registries
+of advantages, policy losses and filters (`resolve_algorithm`). B sequences, T response tokens. Contracts,
+also of plug-ins given by import path `module.function` (docs/algorithms.md):
+  ADVANTAGES[name](rewards [B], group_index [B], trajectory_index [B], **kw) -> [B]  (+ token_counts [B] if taken)
   POLICY_LOSSES[name](LossInputs, **kw) -> {"loss": [B, T], other per-token metrics: [B, T]}
       with the attributes `register` sets: agg, needs_groups, needs_ref, split_expert
-  FILTERS[name](tokens, behaviour_logprobs, advantage, **kw) -> bool (keep the sequence)
-      (with an `action_mask` parameter it also gets the response's action_mask)
+  FILTERS[name](tokens, behaviour_logprobs, advantage, **kw) -> bool keep  (+ action_mask if taken)
 """
 from __future__ import annotations
 
@@ -28,28 +20,15 @@ import torch
 
 @dataclass
 class LossInputs:
-    """Inputs of a policy loss on one micro-batch, all on one device.
-
-    logprobs:           [B, T] the response tokens' log-probs under the current policy (grad).
-    behaviour_logprobs: [B, T] their log-probs under the behaviour policy, recorded when the
-                        explorer sampled them (no grad).
-    advantages:         [B, T] each sequence's advantage broadcast over its tokens.
-    mask:               [B, T] 1.0 on trained tokens (action_mask and not padding), else 0.0.
-    rewards:            [B] each sequence's reward.
-    group_index:        [B] int, shared by the sequences of a group (whole groups are
-                        present when the loss has `needs_groups`).
-    ref_logprobs:       [B, T] log-probs under the frozen reference policy, or None.
-    expert:             [B] bool, True for expert (SFT) sequences mixed into the batch, or None.
-    """
-
-    logprobs: torch.Tensor
-    behaviour_logprobs: torch.Tensor
-    advantages: torch.Tensor
-    mask: torch.Tensor
-    rewards: torch.Tensor
-    group_index: torch.Tensor
-    ref_logprobs: torch.Tensor | None = None
-    expert: torch.Tensor | None = None
+    """Inputs of a policy loss on one micro-batch, all on one device."""
+    logprobs: torch.Tensor            # [B, T] under the current policy (grad)
+    behaviour_logprobs: torch.Tensor  # [B, T] under the behaviour policy (no grad)
+    advantages: torch.Tensor          # [B, T] each sequence's advantage over its tokens
+    mask: torch.Tensor                # [B, T] 1.0 on trained tokens
+    rewards: torch.Tensor             # [B]
+    group_index: torch.Tensor         # [B] int (whole groups present when the loss `needs_groups`)
+    ref_logprobs: torch.Tensor | None = None  # [B, T] under the frozen reference policy
+    expert: torch.Tensor | None = None        # [B] bool: expert (SFT) sequences
 
 
 # name -> function, or the import path of one (in extras/: imported when a run names it); the default first
@@ -73,10 +52,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "low_var")
 
 def register(registry: dict, name: str, agg: str = "token-mean", needs_groups: bool = False,
              needs_ref: bool = False, split_expert: bool = False):
-    """Decorator: add a function to a registry under `name` with its loss attributes: `agg`
-    (default aggregation), `needs_groups` (whole groups share a micro-batch), `needs_ref`
-    (LossInputs.ref_logprobs is filled), `split_expert` (rollout and expert sequences are
-    normalised separately: the trainer aggregates with `part_totals`)."""
+    """Decorator: register a function as `name` with its default aggregation and needs."""
     def wrap(fn):
         fn.agg, fn.needs_groups, fn.needs_ref, fn.split_expert = agg, needs_groups, needs_ref, split_expert
         registry[name] = fn
@@ -85,10 +61,7 @@ def register(registry: dict, name: str, agg: str = "token-mean", needs_groups: b
 
 
 def resolve(name: str, registry: dict, what: str, kwargs: dict | None = None) -> Callable:
-    """The function registered as `name`, or imported from the path `module.function` (a
-    registry entry may itself be such a path: a part in extras/, imported when asked for),
-    checked to accept `kwargs`. Raises ValueError, one line naming the problem (unknown
-    name, import failure, bad keyword)."""
+    """The function registered as `name` or at import path `module.function`, accepting `kwargs`; ValueError."""
     path = registry.get(name, name)
     if not isinstance(path, str):
         fn = path
@@ -104,16 +77,13 @@ def resolve(name: str, registry: dict, what: str, kwargs: dict | None = None) ->
             raise ValueError(f"{what} {name!r} is not callable")
     params = inspect.signature(fn).parameters
     if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        bad = sorted(set(kwargs or {}) - set(params))
-        if bad:
+        if bad := sorted(set(kwargs or {}) - set(params)):
             raise ValueError(f"{what} {name!r} takes no argument(s) {bad}; it takes {sorted(params)}")
     return fn
 
 
 def resolve_algorithm(cfg) -> tuple[Callable, Callable, str, dict[str, Callable]]:
-    """(advantage function, policy loss, loss aggregation, filters by name) of config.Config
-    `cfg`, from the registries or import paths. Raises ValueError (one line) for an unknown
-    name or keyword."""
+    """(advantage function, policy loss, aggregation, filters by name) of `cfg`; ValueError (one line)."""
     advantage_fn = resolve(cfg.advantage, ADVANTAGES, "advantage", cfg.advantage_kwargs)
     loss_fn = resolve(cfg.policy_loss, POLICY_LOSSES, "policy_loss", cfg.policy_loss_kwargs)
     filters = {}
@@ -130,9 +100,7 @@ def resolve_algorithm(cfg) -> tuple[Callable, Callable, str, dict[str, Callable]
 
 
 def import_dirs() -> str:
-    """Where an import path (`module.function`) is looked up, in order, for error lines:
-    sys.path (nanorft's directory, PYTHONPATH, the installed packages, the working
-    directory that run.main appends), the Python installation's entries named once."""
+    """Where import paths are looked up (sys.path, installed packages named once), for error lines."""
     installed = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
     cwd, dirs = os.getcwd(), []
     for p in map(os.path.abspath, (p or "." for p in sys.path)):
@@ -145,32 +113,9 @@ def import_dirs() -> str:
     return f"modules are looked up in {', '.join(dirs)}; add a module's directory to PYTHONPATH"
 
 
-def accepts(fn: Callable, param: str) -> bool:
-    """Whether `fn` has a parameter named `param` (optional inputs such as token_counts or action_mask)."""
-    return param in inspect.signature(fn).parameters
-
-
-# ----------------------------------------------------------------------------- aggregation
-
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sum of x where mask is 1. x, mask: [B, T] -> scalar."""
+    """Sum of x where mask is 1. [B, T] -> scalar."""
     return (x * mask).sum()
-
-
-def group_stats(x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-member (mean, unbiased std, count) of the group of each element.
-    x: [B] float; index: [B] int in [0, G). Returns three [B] tensors. A group of one has
-    mean 0 and std 1, so a lone sample keeps its raw reward (verl's convention,
-    verl/trainer/ppo/core_algos.py compute_grpo_outcome_advantage @ b178a3c)."""
-    G = int(index.max()) + 1
-    onehot = torch.nn.functional.one_hot(index, G).to(x.dtype)             # [B, G]
-    count = onehot.sum(0)                                                  # [G]
-    mean = (onehot * x[:, None]).sum(0) / count                            # [G]
-    dev = x - mean[index]                                                  # [B]
-    var = (onehot * dev[:, None] ** 2).sum(0) / (count - 1).clamp(min=1)   # [G]
-    single = count[index] == 1                                             # [B]
-    return (torch.where(single, 0.0, mean[index]), torch.where(single, 1.0, var.sqrt()[index]),  # [B], [B]
-            count[index])                                                                        # [B]
 
 
 def seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -178,30 +123,26 @@ def seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum(-1)
 
 
-def spread(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Spread a per-sequence value evenly over its trained tokens: [B] -> [B, T], so that
-    its masked token-sum equals the value. How sequence-level losses (GSPO's ratio, OPMD,
-    DPO) become per-token ones: aggregated seq-mean-token-sum they give the mean over
-    sequences, token-mean the sum over sequences / the batch's tokens."""
-    return per_seq[:, None] * mask / mask.sum(-1, keepdim=True).clamp(min=1)
-
-
-def _totals(total, like: torch.Tensor) -> torch.Tensor:
-    """A global count (number, 0-d or [B] tensor) as a float tensor >= 1 on like's device."""
-    return torch.as_tensor(total, dtype=like.dtype, device=like.device).clamp(min=1)
+def group_stats(x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-member (mean, unbiased std, count) of each group: x [B], index [B] -> three [B]. A group of one
+    has mean 0 and std 1 (verl core_algos.py compute_grpo_outcome_advantage @ b178a3c)."""
+    G = int(index.max()) + 1
+    onehot = torch.nn.functional.one_hot(index, G).to(x.dtype)             # [B, G]
+    count = onehot.sum(0)                                                  # [G]
+    mean = (onehot * x[:, None]).sum(0) / count                            # [G]
+    dev = x - mean[index]                                                  # [B]
+    var = (onehot * dev[:, None] ** 2).sum(0) / (count - 1).clamp(min=1)   # [G]
+    single = count[index] == 1                                             # [B]
+    return torch.where(single, 0.0, mean[index]), torch.where(single, 1.0, var.sqrt()[index]), count[index]
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens, total_seqs) -> torch.Tensor:
-    """This micro-batch's share of the global loss. loss, mask: [B, T]; totals count the
-    trained tokens / sequences of the whole global batch (all micro-batches, all ranks),
-    so the shares add up to:
-      token-mean:          sum of all token losses / total tokens (DAPO, arXiv:2503.14476, sec. 3.3)
-      seq-mean-token-sum:  mean over sequences of each sequence's token sum
-      seq-mean-token-mean: mean over sequences of each sequence's token mean (GRPO, arXiv:2402.03300)
-    The modes are verl's agg_loss (verl/trainer/ppo/core_algos.py @ b178a3c). A total may
-    also be a [B] tensor: each sequence's own denominator, the total of its part of the
-    batch (`part_totals`), so that the parts are normalised separately (MIX).
-    Raises ValueError for an unknown mode."""
+    """This micro-batch's share of the global loss; loss, mask [B, T]; the totals count the global
+    batch's trained tokens / sequences (or [B]: each sequence's part's, extras/policy_losses.part_totals).
+    Modes: token-mean (DAPO, arXiv:2503.14476 sec. 3.3), seq-mean-token-sum, seq-mean-token-mean
+    (GRPO); verl's agg_loss (verl/trainer/ppo/core_algos.py @ b178a3c)."""
+    def _totals(total, like: torch.Tensor) -> torch.Tensor:  # a number, 0-d or [B] -> a float tensor >= 1
+        return torch.as_tensor(total, dtype=like.dtype, device=like.device).clamp(min=1)
     if mode == "token-mean":
         tokens = _totals(total_tokens, loss)                                # [] or [B]
         return (loss * mask / (tokens[:, None] if tokens.dim() else tokens)).sum()
@@ -212,70 +153,43 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens, t
     raise ValueError(f"unknown loss aggregation {mode!r}; known: {list(AGGREGATIONS)}")
 
 
-def part_totals(token_counts: torch.Tensor, expert: torch.Tensor,
-                keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Denominators for a `split_expert` loss (MIX): for each sequence of the global batch,
-    the trained tokens and the number of kept sequences of its part (expert or rollout).
-    token_counts [N] float, expert [N] bool, keep [N] bool (not filtered out) -> ([N], [N]).
-    Passed (indexed by micro-batch) as the totals of `aggregate`."""
-    kept = keep.to(token_counts.dtype)                                          # [N]
-    is_exp = expert.to(token_counts.dtype)                                      # [N]
-    tokens = torch.stack([(token_counts * kept * (1 - is_exp)).sum(), (token_counts * kept * is_exp).sum()])  # [2]
-    seqs = torch.stack([(kept * (1 - is_exp)).sum(), (kept * is_exp).sum()])    # [2]
-    part = expert.long()                                                        # [N]
-    return tokens[part], seqs[part]
-
-
 def length_penalty(rewards: torch.Tensor, lengths: torch.Tensor, coef: float) -> torch.Tensor:
-    """Rewards minus `coef` per unit of length (tokens or turns). [B], [B] -> [B]."""
+    """Rewards minus `coef` per unit of length. [B], [B] -> [B]."""
     return rewards - coef * lengths
 
 
-# ----------------------------------------------------------------------------- GRPO + PPO clip + KL
-
 @register(ADVANTAGES, "grpo")
 def grpo_advantages(rewards, group_index, trajectory_index=None, eps: float = 1e-6):
-    """GRPO outcome advantages: (r - mean_group) / (std_group + eps), unbiased std; a group
-    of one keeps r / (1 + eps). [B] -> [B].
-    Source: DeepSeekMath, arXiv:2402.03300, sec. 4.1.2. Reference: volcengine/verl
-    verl/trainer/ppo/core_algos.py compute_grpo_outcome_advantage @ b178a3c."""
+    """GRPO: (r - mean_group) / (std_group + eps). [B] -> [B]. Source: DeepSeekMath, arXiv:2402.03300
+    sec. 4.1.2; verl core_algos.py compute_grpo_outcome_advantage @ b178a3c."""
     mean, std, _ = group_stats(rewards, group_index)
     return (rewards - mean) / (std + eps)
 
 
 def kl_estimate(logp: torch.Tensor, logq: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(p || q) from tokens sampled from p. [B, T] -> [B, T].
-
-    With log r = logq - logp: k1 = -log r; k2 = (log r)^2 / 2; k3 = (r - 1) - log r with
-    log r clamped to [-20, 20] and the result to [-10, 10]; low_var is verl's name for the
-    same clamped k3. Source: J. Schulman, "Approximating KL divergence" (2020). Reference:
-    volcengine/verl verl/trainer/ppo/core_algos.py kl_penalty_forward @ b178a3c.
-    Raises ValueError for an unknown kind."""
+    """Per-token KL(p || q) estimate k1, k2, k3 (= low_var, clamped as verl's): [B, T] -> [B, T]. Source:
+    J. Schulman, "Approximating KL divergence" (2020); verl core_algos.py kl_penalty_forward @ b178a3c."""
     if kind == "k1":
-        return logp - logq                                               # [B, T]
+        return logp - logq
     if kind == "k2":
-        return 0.5 * (logp - logq) ** 2                                  # [B, T]
+        return 0.5 * (logp - logq) ** 2
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {kind!r}; known: {', '.join(KL_ESTIMATORS)}")
-    log_r = (logq - logp).clamp(-20, 20)                                 # [B, T]
-    return (torch.expm1(log_r) - log_r).clamp(-10, 10)                   # [B, T]
+    log_r = (logq - logp).clamp(-20, 20)
+    return (torch.expm1(log_r) - log_r).clamp(-10, 10)
 
 
 def importance_ratio(inp: LossInputs) -> torch.Tensor:
     """exp(logprobs - behaviour_logprobs) [B, T], the log-ratio clamped to [-20, 20] as verl does."""
-    return torch.exp((inp.logprobs - inp.behaviour_logprobs).clamp(-20, 20))  # [B, T]
+    return torch.exp((inp.logprobs - inp.behaviour_logprobs).clamp(-20, 20))
 
 
 @register(POLICY_LOSSES, "ppo_clip")
 def ppo_clip_loss(inp: LossInputs, clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float | None = 3.0):
-    """PPO clipped surrogate per token: -min(ratio A, clip(ratio, 1 - clip_low, 1 + clip_high) A),
-    ratio = exp(logprobs - behaviour_logprobs). Dual clip (`dual_clip` = c > 1, verl's default 3;
-    None turns it off): tokens with A < 0 are bounded by -c A. Returns {"loss", "clipped"
-    (1.0 where a clipped term is active)}: [B, T].
-    Source: PPO arXiv:1707.06347 eq. 7; clip-higher DAPO arXiv:2503.14476 sec. 3.1; dual clip
-    Ye et al. arXiv:1912.09729 eq. 5. Reference: volcengine/verl verl/trainer/ppo/core_algos.py
-    compute_policy_loss_vanilla @ b178a3c."""
-    ratio = importance_ratio(inp)                                                  # [B, T]
+    """PPO clipped surrogate with clip-higher and dual clip (None: off): {"loss", "clipped"}
+    [B, T]. Source: PPO arXiv:1707.06347 eq. 7; DAPO arXiv:2503.14476 sec. 3.1; dual clip
+    arXiv:1912.09729 eq. 5; verl core_algos.py compute_policy_loss_vanilla @ b178a3c."""
+    ratio = importance_ratio(inp)                                        # [B, T]
     A = inp.advantages
     unclipped = ratio * A                                                # [B, T]
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * A        # [B, T]
@@ -286,5 +200,3 @@ def ppo_clip_loss(inp: LossInputs, clip_low: float = 0.2, clip_high: float = 0.2
         loss = torch.where(dual, -dual_clip * A, loss)
         active = active | dual
     return {"loss": loss, "clipped": active.float()}
-
-

@@ -1,5 +1,4 @@
-"""Sequence filters before training, named by import path in losses.FILTERS: importing this
-file registers them. fn(tokens, behaviour_logprobs, advantage, **kw) -> bool (keep)."""
+"""Sequence filters before training, named by import path in losses.FILTERS (contract: losses.py)."""
 from __future__ import annotations
 
 from losses import FILTERS, register
@@ -8,16 +7,14 @@ from losses import FILTERS, register
 @register(FILTERS, "zero_advantage")
 def zero_advantage_filter(tokens: list[int], behaviour_logprobs: list[float], advantage: float,
                           eps: float = 1e-8) -> bool:
-    """Keep sequences whose advantage is not (numerically) zero: the others carry no policy gradient."""
+    """Keep sequences with a non-zero advantage: the others carry no policy gradient."""
     return abs(advantage) > eps
 
 
 @register(FILTERS, "gibberish")
 def gibberish_filter(tokens: list[int], behaviour_logprobs: list[float], advantage: float,
                      action_mask: list[int] | None = None, min_mean_logprob: float = -6.0) -> bool:
-    """Keep sequences whose mean behaviour log-prob (nats) over the policy's tokens
-    (action_mask 1; all tokens without a mask) is at least `min_mean_logprob`: very
-    unlikely token streams are usually gibberish."""
+    """Keep sequences whose mean behaviour log-prob over the action_mask tokens is >= `min_mean_logprob`."""
     own = [lp for lp, m in zip(behaviour_logprobs, action_mask or [1] * len(behaviour_logprobs)) if m]
     return not own or sum(own) / len(own) >= min_mean_logprob
 
@@ -25,8 +22,7 @@ def gibberish_filter(tokens: list[int], behaviour_logprobs: list[float], advanta
 @register(FILTERS, "repetition")
 def repetition_filter(tokens: list[int], behaviour_logprobs: list[float], advantage: float, ngram: int = 4,
                       max_repeat_frac: float = 0.5) -> bool:
-    """Keep responses (the last len(behaviour_logprobs) tokens) in which at most
-    `max_repeat_frac` of the `ngram`-grams repeat an earlier one."""
+    """Keep responses in which at most `max_repeat_frac` of the `ngram`-grams repeat an earlier one."""
     resp = tokens[len(tokens) - len(behaviour_logprobs):]
     grams = [tuple(resp[i:i + ngram]) for i in range(len(resp) - ngram + 1)]
     return not grams or (len(grams) - len(set(grams))) / len(grams) <= max_repeat_frac

@@ -1,12 +1,9 @@
-"""LoRA (--lora-rank > 0, peft): the trainer trains adapters on the frozen model and publishes
-only them; the engines sample with the same adapters. The core reaches this file by import
-path (`models.lora(name)`, `trainer.make_trainer`): a default run never imports it.
-LoRA: Hu et al., arXiv:2106.09685, sec. 4.1: W + (alpha / r) B A, B initialised to 0 (a
-fresh adapter leaves the model as it is).
+"""LoRA (--lora-rank > 0, peft; Hu et al., arXiv:2106.09685): the trainer trains adapters on the
+frozen model and publishes only them; the engines sample with the same adapters. The core
+reaches this file by import path (`models.lora(name)`, `trainer.make_trainer`).
 """
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
@@ -22,10 +19,7 @@ def check_config(cfg) -> None:
 
 
 def lora_config(cfg, base: str = ""):
-    """The peft `LoraConfig` of cfg's --lora-* settings (rank r = cfg.lora_rank, scaling
-    lora_alpha / r, dropout; target modules "all-linear" = every linear layer but the LM
-    head, else comma-separated module names), naming `base` (the model directory) as its
-    base model. Raises ValueError (one line) when peft is not installed."""
+    """The peft `LoraConfig` of cfg's --lora-* settings on base model `base`. ValueError (one line) without peft."""
     try:
         from peft import LoraConfig
     except ImportError:
@@ -39,24 +33,18 @@ def lora_config(cfg, base: str = ""):
 def adapter_base(path: str | Path) -> str:
     """The base model directory that the peft adapter at `path` was trained on."""
     from peft import PeftConfig
-
     return PeftConfig.from_pretrained(str(path)).base_model_name_or_path
 
 
 def published_parameters(model) -> list[tuple[str, torch.Tensor]]:
-    """(name, parameter) of the LoRA adapters of the peft `model` (A [r, in] and B [out, r] of
-    every adapted layer), in `named_parameters()` order: what a LoRA run trains, publishes
-    and saves, the same on trainer and engines."""
+    """(name, parameter) of the peft `model`'s adapters in `named_parameters()` order: what LoRA trains."""
     return [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
 
 
 def save_adapter(model, path: str | Path, named: list[tuple[str, torch.Tensor]], config) -> None:
-    """Write the adapters `named` (the peft `model`'s own names -> CPU tensors) as a peft
-    adapter directory at `path` (adapter_model.safetensors, adapter_config.json from
-    `config`), loadable by `PeftModel.from_pretrained`."""
+    """Write the adapters `named` ((name, CPU tensor) of `model`) and `config` as a peft adapter directory."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
-
     Path(path).mkdir(parents=True, exist_ok=True)
     state = get_peft_model_state_dict(model, state_dict=dict(named))
     save_file({k: v.contiguous() for k, v in state.items()}, str(Path(path) / "adapter_model.safetensors"))
@@ -64,23 +52,18 @@ def save_adapter(model, path: str | Path, named: list[tuple[str, torch.Tensor]],
 
 
 def load_adapter(model, path: str | Path) -> None:
-    """Load the peft adapter directory `path` into the adapters of the (unsharded) peft
-    `model`, in place. Raises ValueError when it leaves an adapter of the model unset."""
+    """Load the peft adapter directory `path` into the unsharded peft `model`. ValueError when it misses an adapter."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
-
     result = set_peft_model_state_dict(model, load_file(str(Path(path) / "adapter_model.safetensors")))
     if missing := [k for k in result.missing_keys if ".lora_" in k]:
         raise ValueError(f"adapter {path} has no weights for {missing[:3]} ({len(missing)} tensors)")
 
 
 def merge_adapter(adapter: str | Path, out: str | Path, dtype: torch.dtype) -> None:
-    """Write the model of the peft `adapter` directory merged into its base (peft's
-    merge_and_unload) at `out`, a Hugging Face directory in `dtype`. Loads the base model
-    once more (CPU)."""
+    """Write the peft `adapter` merged into its base model (loaded again) as a Hugging Face directory."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
     base = AutoModelForCausalLM.from_pretrained(adapter_base(adapter), dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().to(dtype)
     merged.config.dtype = dtype  # (the config would record the float32 it was loaded in)
@@ -88,31 +71,19 @@ def merge_adapter(adapter: str | Path, out: str | Path, dtype: torch.dtype) -> N
 
 
 class LoraTrainer(Trainer):
-    """A Trainer of fresh LoRA adapters (peft.get_peft_model: the base frozen, each block
-    sharded with its adapters). The reference policy is the base model, the policy with its
-    adapters disabled: no second copy. Saves are peft adapter directories; resume states
-    hold the adapters and their AdamW moments only (checkpoints.save_resume_state)."""
+    """A Trainer of fresh LoRA adapters on the frozen model; saves and resume states hold the adapters only."""
 
     def __init__(self, cfg, model_path: str, device: torch.device):
         self.lora = lora_config(cfg, model_path)
         super().__init__(cfg, model_path, device)
 
-    def _pretrained(self, model_path: str):
+    def pretrained(self, model_path: str):
         from peft import get_peft_model
-
-        model = get_peft_model(super()._pretrained(model_path), self.lora)
+        model = get_peft_model(super().pretrained(model_path), self.lora)
         for name, sub in model.named_modules():  # LoRA dropout, when asked for, applies while training
             if isinstance(sub, torch.nn.Dropout) and "lora_dropout" in name:
                 sub.training = True
         return model
-
-    def _load_reference(self, model_path: str):
-        return None  # `reference` disables the adapters instead
-
-    @contextlib.contextmanager
-    def reference(self):
-        with self.model.disable_adapter():
-            yield self.model
 
     def published(self) -> list[tuple[str, torch.Tensor]]:
         return published_parameters(self.model)
@@ -127,8 +98,7 @@ class LoraTrainer(Trainer):
             self.tokenizer.save_pretrained(str(path))
 
     def save_final(self, path: str | Path, params: list[torch.Tensor] | None = None) -> None:
-        """The adapters (float32) in path/adapter and the model with them merged at `path`,
-        in `final_dtype`."""
+        """The adapters (float32) in path/adapter and the merged model at `path` in `final_dtype`."""
         self.save(Path(path) / "adapter", params)
         if self.rank == 0:
             merge_adapter(Path(path) / "adapter", path, self.final_dtype)

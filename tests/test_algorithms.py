@@ -95,7 +95,7 @@ def test_length_penalty_and_aggregations():
     assert L.aggregate(loss, mask, "seq-mean-token-sum", tokens, seqs).item() == pytest.approx(3 / 2 + 4 / 1)
     assert L.aggregate(loss, mask, "seq-mean-token-mean", tokens, seqs).item() == pytest.approx(1.5 / 2 + 4 / 1)
     expert = torch.tensor([True, False, True, False])
-    tok, seq = L.part_totals(torch.tensor([2.0, 3.0, 5.0, 7.0]), expert, torch.tensor([True, True, True, False]))
+    tok, seq = EP.part_totals(torch.tensor([2.0, 3.0, 5.0, 7.0]), expert, torch.tensor([True, True, True, False]))
     assert tok.tolist() == [7.0, 3.0, 7.0, 3.0] and seq.tolist() == [2.0, 1.0, 2.0, 1.0]
     with pytest.raises(ValueError, match="unknown loss aggregation"):
         L.aggregate(loss, mask, "mean", 5, 3)
@@ -335,7 +335,7 @@ def one_step(fn, name):
 
     lp = logprobs(logits)
     out = fn(L.LossInputs(lp, lp.detach(), adv, mask, rewards, index, lp.detach(), expert))
-    totals = (L.part_totals(mask.sum(-1), expert, torch.ones(B, dtype=torch.bool)) if fn.split_expert
+    totals = (EP.part_totals(mask.sum(-1), expert, torch.ones(B, dtype=torch.bool)) if fn.split_expert
               else (mask.sum(), B))
     L.aggregate(out["loss"], mask, fn.agg, *totals).backward()
     with torch.no_grad():

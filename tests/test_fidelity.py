@@ -116,7 +116,7 @@ MIX_GRAD = [[0, 0, -0.082772874, 0], [-0.03125, -0.03125, -0.03125, -0.03125], [
 def test_mix_normalises_rollout_and_expert_parts_separately():
     expert = torch.tensor(MIX_EXPERT)
     mask = torch.tensor(MASK, dtype=torch.float)
-    tokens, seqs = L.part_totals(mask.sum(-1), expert, torch.ones(4, dtype=torch.bool))
+    tokens, seqs = EP.part_totals(mask.sum(-1), expert, torch.ones(4, dtype=torch.bool))
     assert tokens.tolist() == [5, 8, 5, 8] and seqs.tolist() == [2, 2, 2, 2]
     assert EP.mix_loss.split_expert
     loss, grad, _ = run("mix", expert=expert, totals=(tokens, seqs), mu=0.25)
@@ -128,7 +128,7 @@ def test_mix_split_totals_add_up_over_micro_batches():
     # rows' part totals; a filtered-out rollout (row 4) counts in neither part
     expert = torch.tensor(MIX_EXPERT + [False])
     counts = torch.tensor(MASK, dtype=torch.float).sum(-1)
-    tokens, seqs = L.part_totals(torch.cat([counts, torch.tensor([3.0])]), expert,
+    tokens, seqs = EP.part_totals(torch.cat([counts, torch.tensor([3.0])]), expert,
                                  torch.tensor([True, True, True, True, False]))
     lp = torch.tensor(LP, requires_grad=True)
     total = 0

@@ -82,10 +82,10 @@ def test_engine_logprobs_equal_the_trainers_after_an_adapter_sync(tiny_model, tr
 
 def test_the_reference_is_the_base_model_with_adapters_disabled(tiny_model, trained):
     cfg, tr = make_trainer(tiny_model, "--kl-loss-coef", "0.1")
-    assert tr.ref is None and tr.needs_ref  # no second copy of the model
+    assert tr.ref.model is None and tr.needs_ref  # no second copy of the model
     tr.step(batch(0))
     exps = batch(2)[0]
-    ref = tr.reference_logprobs([exps], exps[0])
+    ref = tr.ref.compute([exps], exps[0])
     plain = HFEngine(tiny_model, max_batch=4)  # the base model, without any adapter
     b = pack(exps, tr.pad)
     with torch.no_grad():

@@ -1,0 +1,59 @@
+"""The frozen reference policy of --kl-loss-coef, --kl-reward-coef and DPO (`Reference`): the
+model as loaded, sharded like the policy; with LoRA the policy with its adapters disabled.
+trainer.Trainer builds it by import path (trainer.REFERENCE) when a run needs it.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from losses import kl_estimate
+
+
+class Reference:
+    """The reference log-probs of each step's sequences for `trainer`."""
+
+    def __init__(self, trainer, model_path: str):
+        self.trainer, self.seqs, self.model = trainer, {}, None
+        if not trainer.lora:  # LoRA: the policy with its adapters disabled
+            self.model = trainer.shard(trainer.pretrained(model_path)).requires_grad_(False).eval()
+
+    @contextlib.contextmanager
+    def policy(self):
+        if self.model is not None:
+            yield self.model
+        else:
+            with self.trainer.model.disable_adapter():
+                yield self.trainer.model
+
+    def compute(self, rows: list[list], filler) -> dict[int, torch.Tensor]:
+        """Log-probs [R] of this rank's `rows` (trainer.rank_micro_batches), by id(experience)."""
+        self.seqs = {}
+        with torch.no_grad(), self.policy() as ref:
+            for mb, padding in self.trainer.rank_micro_batches(rows, filler):
+                _, lp, _ = self.trainer.logprobs(ref, mb, padding)
+                for i, e in enumerate([] if padding else mb):
+                    self.seqs[id(e)] = lp[i, :len(e.behaviour_logprobs)].float().cpu()
+        return self.seqs
+
+    def micro_batch(self, mb: list, padding: bool, like: torch.Tensor) -> torch.Tensor:
+        """The log-probs of micro-batch `mb` in the [B, R] layout of `like` (zeros if `padding`)."""
+        out = torch.zeros_like(like)
+        for i, e in enumerate([] if padding else mb):
+            out[i, :len(e.behaviour_logprobs)] = self.seqs[id(e)].to(like.device)
+        return out
+
+    def kl_reward_penalty(self, rewards: torch.Tensor, batch, rows: list[list], m: dict) -> torch.Tensor:
+        """`rewards` [N] minus kl_reward_coef x each rollout's k1 KL(behaviour || reference) summed
+        over its action_mask tokens; sets m["reward/kl_penalty"]. Collective."""
+        coef = self.trainer.cfg.kl_reward_coef
+        kl = torch.zeros(len(batch.exps), device=self.trainer.device)                        # [N]
+        for e in (e for row in rows for e in row if not batch.offline[batch.row[id(e)]]):  # offline: no behaviour
+            kl[batch.row[id(e)]] = (kl_estimate(torch.tensor(e.behaviour_logprobs), self.seqs[id(e)], "k1")
+                                    * torch.tensor(e.action_mask)).sum()
+        dist.all_reduce(kl)  # each sequence is on one rank
+        kl = kl.cpu()
+        m["reward/kl_penalty"] = float(coef * kl.mean())
+        return rewards - coef * kl
