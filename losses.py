@@ -2,8 +2,7 @@
 of advantages, policy losses and filters (`resolve_algorithm`). B sequences, T response tokens. Contracts,
 also of plug-ins given by import path `module.function` (docs/algorithms.md):
   ADVANTAGES[name](rewards [B], group_index [B], trajectory_index [B], **kw) -> [B]  (+ token_counts [B] if taken)
-  POLICY_LOSSES[name](LossInputs, **kw) -> {"loss": [B, T], other per-token metrics: [B, T]}
-      with the attributes `register` sets: agg, needs_groups, needs_ref, split_expert
+  POLICY_LOSSES[name](LossInputs, **kw) -> {"loss": [B, T], metrics: [B, T]}, with `register`'s attributes
   FILTERS[name](tokens, behaviour_logprobs, advantage, **kw) -> bool keep  (+ action_mask if taken)
 """
 from __future__ import annotations
@@ -62,11 +61,9 @@ def register(registry: dict, name: str, agg: str = "token-mean", needs_groups: b
 
 def resolve(name: str, registry: dict, what: str, kwargs: dict | None = None) -> Callable:
     """The function registered as `name` or at import path `module.function`, accepting `kwargs`; ValueError."""
-    path = registry.get(name, name)
-    if not isinstance(path, str):
-        fn = path
-    else:
-        module, _, attr = path.rpartition(".")
+    fn = registry.get(name, name)
+    if isinstance(fn, str):
+        module, _, attr = fn.rpartition(".")
         if not module:
             raise ValueError(f"unknown {what} {name!r}; known: {sorted(registry)} or module.function")
         try:
@@ -102,14 +99,13 @@ def resolve_algorithm(cfg) -> tuple[Callable, Callable, str, dict[str, Callable]
 def import_dirs() -> str:
     """Where import paths are looked up (sys.path, installed packages named once), for error lines."""
     installed = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    cwd, dirs = os.getcwd(), []
+    cwd, dirs = os.getcwd(), {}  # a dict: each named once, in order
     for p in map(os.path.abspath, (p or "." for p in sys.path)):
         if any(p == x or p.startswith(x + os.sep) for x in installed):
             p = "the installed packages"
         elif p == cwd:
             p += " (the working directory)"
-        if p not in dirs:
-            dirs.append(p)
+        dirs[p] = None
     return f"modules are looked up in {', '.join(dirs)}; add a module's directory to PYTHONPATH"
 
 

@@ -18,8 +18,7 @@ def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def share_prompts(exps: list[Experience], row_tokens: int = 0) -> list[tuple[list[int], list[int]]]:
-    """Rows of a shared-prefix packing, (prompt ids, indices into `exps`) each: consecutive
-    experiences with the same prompt share a row while it stays within `row_tokens` (0 = no bound)."""
+    """Rows (prompt ids, indices into `exps`): consecutive same-prompt experiences within `row_tokens` (0: any)."""
     rows: list[tuple[list[int], list[int]]] = []
     for i, e in enumerate(exps):
         prompt = e.tokens[:e.prompt_length]
@@ -65,7 +64,7 @@ def pack(exps: list[Experience], pad: int, row_tokens: int = 0) -> dict[str, tor
     q, k = seg[:, :, None], seg[:, None, :]                                              # [N, L, 1], [N, 1, L]
     causal = torch.ones(L, L, dtype=torch.bool).tril()                                   # [L, L]
     attn = causal & (q >= 0) & ((k == 0) | (k == q)) | torch.eye(L, dtype=torch.bool)    # [N, L, L]
-    rows_i, positions, seq, col = torch.tensor(index, dtype=torch.long).view(-1, 4).T                 # [T] each
+    rows_i, positions, seq, col = torch.tensor(index, dtype=torch.long).view(-1, 4).T    # [T] each
     response = torch.full((len(exps), R), pad, dtype=torch.long)
     behaviour, mask = torch.zeros((len(exps), R)), torch.zeros((len(exps), R))
     for b, e in enumerate(exps):
@@ -79,7 +78,7 @@ def pack(exps: list[Experience], pad: int, row_tokens: int = 0) -> dict[str, tor
 
 
 def micro_batches(units: list[list[Experience]], token_budget: int) -> list[list[Experience]]:
-    """Consecutive units (lists of experiences, never split) in micro-batches within `token_budget` `packed_tokens`."""
+    """Consecutive units (experience lists, never split) in micro-batches within `token_budget` packed tokens."""
     out: list[list[Experience]] = []
     for unit in units:
         if out and packed_tokens(out[-1] + unit, token_budget) <= token_budget:
@@ -92,8 +91,7 @@ def micro_batches(units: list[list[Experience]], token_budget: int) -> list[list
 def packed_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                     rows: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor, temperature: float,
                     entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [T] and entropy [T] or None of a `pack` batch: the decoder, then the LM head on
-    the predicting positions only. The trainer registers it as FSDP forward method `nanorft_logprobs`."""
+    """Log-probs [T] and entropy [T] or None of a `pack` batch, the LM head on predicting positions only."""
     mask = attention_mask
     if model.config._attn_implementation == "eager":  # eager attention adds its mask; sdpa takes booleans
         mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float).min)
@@ -105,8 +103,7 @@ def packed_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
 def response_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
                       entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [B, R] of a `pack` batch's responses at `temperature` and, when `entropy`, the
-    token entropy [B, R] in nats (with a gradient when `entropy_grad`); padding gets 0."""
+    """Log-probs [B, R] of a `pack` batch's responses and, if `entropy`, their entropy [B, R] (nats); padding 0."""
     forward = getattr(model, "nanorft_logprobs", None) or (lambda *a: packed_logprobs(model, *a))
     lp, ent = forward(batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["rows"],
                       batch["positions"], batch["targets"], temperature, entropy)            # [T], [T]
@@ -126,7 +123,7 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                     entropy: bool = False, chunk_elems: int = 2 ** 22,
+                     entropy: bool = False, chunk_elems: int = 2 ** 22,  # 16 MiB of float32 logits
                      bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Float32 log-probs [T] of `targets` [T] under softmax((hidden [T, H] @ weight [V, H].T + bias) /
     temperature), and the entropy [T] when `entropy`, `chunk_elems` logits at a time (`HeadLogprobs`);
@@ -142,7 +139,6 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
 class HeadLogprobs(torch.autograd.Function):
     """`chunked_logprobs`, `rows` rows of logits z at a time; the backward recomputes them:
     dz_v = g_lp (1[v = t] - p_v) - g_H p_v (z_v - (log Z - H)), under the forward's autocast."""
-
     @staticmethod
     def logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
         return torch.nn.functional.linear(h, weight, bias).float().div_(temperature)        # [c, V]
@@ -159,9 +155,8 @@ class HeadLogprobs(torch.autograd.Function):
                 ents.append(logz - torch.softmax(z, -1).mul_(z).sum(-1))                 # [c] (token_entropy)
         lp, logz = torch.cat(lps), torch.cat(logzs)                                   # [T], [T]
         ent = torch.cat(ents) if entropy else lp.new_zeros(0)                         # [T] or [0]
-        device = hidden.device.type
+        ctx.temperature, ctx.rows, device = temperature, rows, hidden.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
-        ctx.temperature, ctx.rows = temperature, rows
         ctx.set_materialize_grads(False)  # an output nobody differentiates brings None, not zeros
         ctx.save_for_backward(hidden, weight, bias, targets, logz, ent)
         return lp, ent

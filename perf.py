@@ -103,10 +103,8 @@ def mfu(flops: float, seconds: float, peak: float) -> float:
 
 class JobMeter:
     """cpu/utilisation_pct (200 = two cores busy) and perf/job_mfu of the whole job between steps."""
-
     def __init__(self):
-        self.mark = (cpu_seconds(), time.perf_counter())
-        self.explorer_flops = 0.0
+        self.mark, self.explorer_flops = (cpu_seconds(), time.perf_counter()), 0.0
 
     def add(self, record: dict) -> None:
         """Count the model FLOPs of an explorer's record (a batch or an evaluation)."""

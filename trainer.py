@@ -105,8 +105,7 @@ def make_trainer(cfg, model_path: str, device: torch.device) -> "Trainer":
 
 
 class Trainer:
-    """FSDP2 policy + AdamW on this rank for `cfg` (dtype resolved) in an initialised process group."""
-
+    """FSDP2 policy + AdamW on this rank for `cfg` in an initialised process group; ValueError (bad algorithm)."""
     lora = None  # the peft LoraConfig of extras/lora.py's LoraTrainer: resume states then hold the adapters only
 
     def __init__(self, cfg, model_path: str, device: torch.device):
@@ -134,8 +133,7 @@ class Trainer:
         self.ref = resolve(REFERENCE, {}, "reference")(self, model_path) if self.needs_ref else None
         self.opt = torch.optim.AdamW([p for _, p in self.published()], lr=cfg.lr, weight_decay=cfg.weight_decay,
                                      betas=(0.9, 0.99), fused=not self.sharded or None)  # fused: no temporaries
-        self.lr_factor = lr_schedule(cfg, self.opt)
-        self.version = 0
+        self.lr_factor, self.version = lr_schedule(cfg, self.opt), 0
         self.matmul = matmul_params(model_path)  # (body, head) parameters per token: model FLOPs for perf/trainer_mfu
         self.peak = unit_peak(device.type, cfg.dtype)  # FLOP/s of one core (CPU) or device (CUDA)
         self.loop_state: dict = {}  # rank 0: loop.TrainLoop's position, saved with the resume state
@@ -182,8 +180,7 @@ class Trainer:
             yield [(params[i].detach().to_local() if self.world == 1 else params[i].full_tensor())  # one rank: no copy
                    if isinstance(params[i], DTensor) else params[i].detach() for i in r]
 
-    def _lent_cores(self, *_) -> None:
-        """Before each decoder block: take or give back the threads an idle explorer lends (sync.CoreShare)."""
+    def _lent_cores(self, *_) -> None:  # take or give back the threads an idle explorer lends (sync.CoreShare)
         if self.cores is not None:
             self.cores.apply()
 
@@ -229,8 +226,7 @@ class Trainer:
         train_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
         m.update(self.reduce_metrics(sums, my_rows, cpu_s if self.device.type == "cpu" else train_s))
         if (rollout := ~batch.offline).any():
-            m.update({"advantage/mean": float(adv[rollout].mean()),
-                      "advantage/abs_mean": float(adv[rollout].abs().mean())})
+            m["advantage/mean"], m["advantage/abs_mean"] = float(adv[rollout].mean()), float(adv[rollout].abs().mean())
         lengths = [len(e.behaviour_logprobs) for e in batch.exps]
         tokens = sum(len(e.tokens) for e in batch.exps)
         m.update({**filtered, "loss/grad_norm": grad_norm, "train/lr": self.opt.param_groups[0]["lr"],
@@ -292,8 +288,8 @@ class Trainer:
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         return mbs + [([filler], True)] * (int(n) - len(mbs))
 
-    def loss(self, mb: list[Experience], padding: bool, batch: StepBatch, adv: torch.Tensor, rewards: torch.Tensor,
-             totals) -> dict[str, float]:
+    def loss(self, mb: list[Experience], padding: bool, batch: StepBatch, adv: torch.Tensor,
+             rewards: torch.Tensor, totals) -> dict[str, float]:
         """Forward and backward of micro-batch `mb`: policy loss + kl_loss_coef x KL - entropy_coef x
         entropy [B, R], aggregated over the global batch, x world size (FSDP averages over ranks).
         Returns "loss/policy" (its share), "tokens" and each metric's sum over tokens."""

@@ -21,7 +21,8 @@ class Reference:
             self.model = trainer.shard(trainer.pretrained(model_path)).requires_grad_(False).eval()
 
     @contextlib.contextmanager
-    def policy(self):
+    def module(self):
+        """The reference's model: its own copy, or the policy with its adapters disabled (LoRA)."""
         if self.model is not None:
             yield self.model
         else:
@@ -31,7 +32,7 @@ class Reference:
     def compute(self, rows: list[list], filler) -> dict[int, torch.Tensor]:
         """Log-probs [R] of this rank's `rows` (trainer.rank_micro_batches), by id(experience)."""
         self.seqs = {}
-        with torch.no_grad(), self.policy() as ref:
+        with torch.no_grad(), self.module() as ref:
             for mb, padding in self.trainer.rank_micro_batches(rows, filler):
                 _, lp, _ = self.trainer.logprobs(ref, mb, padding)
                 for i, e in enumerate([] if padding else mb):
