@@ -1,9 +1,6 @@
-"""Every setting of a run (`Config`) and its command line (`parse_config`).
-
-Settings: dataclass defaults < `--config FILE.toml` < flags. Every field is a flag (`sync_interval`
--> `--sync-interval`) whose --help is the docstring under it; the `# -- title` comments group them;
-dict and list fields take JSON. Bad values raise ValueError with one line naming the setting.
-"""
+"""Every setting of a run (`Config`) and its command line (`parse_config`): defaults < `--config
+FILE.toml` < flags. Each field is a flag (`sync_interval` -> `--sync-interval`), the docstring under
+it its --help; `# -- title` comments group them; dict and list fields take JSON."""
 from __future__ import annotations
 
 import ast
@@ -244,9 +241,8 @@ def _field_help() -> tuple[dict[str, str], dict[str, str]]:
 
 TYPES = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "list": list}
 CHOICES = {"mode": ("both", "explore", "train", "bench"), "engine": ("auto", "hf", "vllm"),
-           "sync_method": ("auto", "broadcast", "checkpoint"),
-           "save_dtype": ("auto", "float32", "bfloat16", "float16"), "dtype": ("auto", "bfloat16", "float32"),
-           "allocator": ("auto", "tcmalloc", "system")}
+           "sync_method": ("auto", "broadcast", "checkpoint"), "dtype": ("auto", "bfloat16", "float32"),
+           "save_dtype": ("auto", "float32", "bfloat16", "float16"), "allocator": ("auto", "tcmalloc", "system")}
 
 
 def _flags(defaults: dict, preset: str) -> type:
@@ -280,9 +276,8 @@ def _one_line(box: str) -> str:
 
 
 def parse_config(argv: list[str]) -> Config:
-    """A Config from defaults, an optional TOML preset (--config FILE) and flags; its `given` names the
-    fields set in the preset or by flag. --help prints every flag and exits. ValueError (one line) for an
-    unknown flag, a bad value, an unknown TOML key; FileNotFoundError for a missing preset."""
+    """A Config from defaults, a TOML preset and flags, its `given` the fields set in either. ValueError
+    (one line) for an unknown flag, a bad value, an unknown TOML key; FileNotFoundError: no preset."""
     import tyro
     preset = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), "")
     preset = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), preset)

@@ -1,7 +1,5 @@
-"""Process plumbing of every mode: where the processes run (`place`), the memory allocator
-(`preload_allocator`), gloo's network interface, torch thread counts, and how a run ends
-(`guarded`: Ctrl-C, a failure). run.py says what each mode starts; this module how.
-"""
+"""Process plumbing of every mode: placement on devices (`place`), the memory allocator, gloo's network
+interface, torch thread counts, and how a run ends (`guarded`: Ctrl-C, a failure)."""
 from __future__ import annotations
 
 import ctypes.util
@@ -14,6 +12,9 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 from config import Config, parse_config
 from losses import resolve
@@ -30,9 +31,8 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the processes run (printed at start, saved in RUN_DIR/config.json): each trainer rank's
-    device; the explorer's ("" outside mode both); whether it shares trainer rank 0's GPU; the
-    weight-sync group's device type: "cuda" (NCCL) between separate GPUs, else "cpu" (gloo)."""
+    """Each trainer rank's device, the explorer's ("" outside mode both), whether it shares trainer rank
+    0's GPU, and the weight-sync group's device type: "cuda" (NCCL) between separate GPUs, else "cpu"."""
 
     trainer: tuple[str, ...]
     explorer: str
@@ -49,9 +49,8 @@ class Placement:
 
 
 def place(gpus: int, ranks: int, mode: str) -> Placement:
-    """The Placement of `ranks` trainer ranks on `gpus` GPUs: rank i on cuda:i; in mode both the
-    explorer on the first free GPU, else colocated on cuda:0 (NCCL refuses two ranks of one group on
-    one device: weights go through host memory over gloo). ValueError: fewer GPUs than ranks."""
+    """Rank i on cuda:i; in mode both the explorer on the first free GPU, else colocated on cuda:0 (sync
+    over gloo: NCCL refuses two ranks on one device). ValueError (one line): fewer GPUs than ranks."""
     if gpus == 0:
         return Placement(("cpu",) * ranks, "cpu" if mode == "both" else "", False, "cpu")
     if ranks > gpus:
@@ -66,14 +65,12 @@ def place(gpus: int, ranks: int, mode: str) -> Placement:
 
 def gpu_count() -> int:
     """Visible CUDA devices (0 without CUDA)."""
-    import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def tcmalloc(cfg: Config) -> str | None:
-    """The tcmalloc library to preload (its soname), or None for the C library's malloc: --allocator
-    system, no tcmalloc installed, or auto on a GPU. On a CPU glibc returns each large tensor's pages
-    on free; tcmalloc keeps them for the next step. ValueError: --allocator tcmalloc without it."""
+    """The tcmalloc library to preload (it keeps freed pages for the next step, where glibc returns them),
+    or None (--allocator system, not installed, auto on a GPU). ValueError: tcmalloc asked, missing."""
     if cfg.allocator == "system" or sys.platform != "linux" or (cfg.allocator == "auto" and gpu_count()):
         return None
     lib = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
@@ -93,8 +90,7 @@ def allocator_banner(cfg: Config, gpus: int) -> str:
 
 
 def preload_allocator(argv: list[str]) -> None:
-    """Re-execute this process (same pid and arguments, so under torchrun too) with tcmalloc in
-    LD_PRELOAD where `tcmalloc` chooses it; the explorer inherits it. Bad flags are left to run.main."""
+    """Re-execute this process (same pid and arguments) with `tcmalloc` in LD_PRELOAD where it is chosen."""
     if "tcmalloc" in os.environ.get("LD_PRELOAD", "") or {"-h", "--help"} & set(argv):
         return
     try:
@@ -108,22 +104,18 @@ def preload_allocator(argv: list[str]) -> None:
 
 
 def init_distributed():
-    """Join the default (FSDP) group from torchrun's env, or as a single rank under plain python.
-    Returns (rank, world_size, device)."""
-    import torch
-    import torch.distributed as dist
+    """(rank, world_size, device) in the default (FSDP) group, from torchrun's env or as one rank."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
     gloo_interface()  # on GPUs too: the gloo half of "cpu:gloo,cuda:nccl" binds as gloo alone would
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        # gloo beside NCCL: a CPU tensor in a collective (a resume's checkpoint metadata, say) would otherwise raise
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=timedelta(hours=1))
-    else:
-        device = torch.device("cpu")
+    if not torch.cuda.is_available():
         dist.init_process_group("gloo", timeout=timedelta(hours=1))
+        return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    # gloo beside NCCL: a CPU tensor in a collective (a resume's checkpoint metadata, say) would otherwise raise
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=timedelta(hours=1))
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -137,8 +129,7 @@ def gloo_interface() -> str | None:
 
 
 def split_threads(cfg: Config, world: int) -> None:
-    """Fill 0 thread counts: the explorer and the `world` trainer ranks share the cores; offline
-    training (mode train with --train-data) has no explorer."""
+    """Fill 0 thread counts: the explorer (none offline) and the `world` trainer ranks share the cores."""
     cores = os.cpu_count() or 1
     offline = cfg.mode == "train" and bool(cfg.train_data)
     if cfg.explorer_threads == 0:
@@ -148,8 +139,7 @@ def split_threads(cfg: Config, world: int) -> None:
 
 
 def guarded(cfg: Config, rank: int, run) -> int:
-    """Call `run()`; the exit code: 0, 130 after Ctrl-C (one line saying how to resume), 1 after a
-    failure (`failed`)."""
+    """Call `run()`; the exit code: 0, 130 after Ctrl-C (one line on how to resume), 1 after a failure."""
     sigints = []  # Ctrl-C seen: a library may wrap its KeyboardInterrupt (torch.distributed.checkpoint does)
 
     def on_sigint(*_):
@@ -179,9 +169,8 @@ def guarded(cfg: Config, rank: int, run) -> int:
 
 
 def failed(cfg: Config, rank: int, e: BaseException) -> None:
-    """A failed run: the traceback to RUN_DIR/error*.log, one line naming it on rank 0. A process
-    still alive EXIT_GRACE_S later (a destructor waiting on a peer that is gone) appends its threads'
-    stacks to the log and exits with code 1."""
+    """The traceback to RUN_DIR/error*.log, one line naming it on rank 0; still alive EXIT_GRACE_S later
+    (a destructor waiting on a peer that is gone), the process logs its threads' stacks and exits."""
     import faulthandler
     name = f"_{cfg.explorer_name}" if cfg.mode == "explore" else f"_rank{rank}" if rank else ""
     log = Path(cfg.run_dir) / f"error{name}.log"

@@ -1,7 +1,5 @@
-"""Where a run's numbers go: RUN_DIR/metrics.jsonl (`Metrics`, always), the trackers of --log
-(TRACKERS) and RUN_DIR/plot.png (`plot`); the evaluation statistics (`sampled_eval`) and the
-process figures (memory, CPU time) that the explorer and the trainer report.
-"""
+"""Where a run's numbers go: RUN_DIR/metrics.jsonl (`Metrics`), the trackers of --log (TRACKERS) and
+RUN_DIR/plot.png (`plot`); evaluation statistics (`sampled_eval`); memory and CPU time."""
 from __future__ import annotations
 
 import dataclasses
@@ -57,8 +55,8 @@ def mean_stderr(xs: list[float]) -> tuple[float, float]:
 
 
 def sampled_eval(correct: list[int], n: int, k: int) -> dict[str, float]:
-    """The eval/* metrics of n samples per task, correct[i] of them right for task i: avg_at_k (the
-    mean of c_i / n) and its stderr, k, samples = n, and pass_at_J for J = 1, 2, 4, ... and n."""
+    """eval/* of n samples per task, correct[i] right for task i: avg_at_k (mean c_i / n), its stderr,
+    k, samples, and pass_at_J for J = 1, 2, 4, ... and n."""
     if n < k or not correct:
         raise ValueError(f"sampled_eval needs n >= k and tasks (n={n}, k={k}, {len(correct)} tasks)")
     avg, err = mean_stderr([c / n for c in correct])
@@ -137,9 +135,8 @@ class TensorBoardLog:
 
 
 class JsonlLog:
-    """Appends records to a JSONL file, each flushed at once; NaN and infinities as null. With `keep`
-    (a resume), the records already there for which keep(record) is False, and a line a kill cut
-    short, are dropped first."""
+    """Appends records to a JSONL file, each flushed at once. With `keep` (a resume), the records there
+    for which keep(record) is False, and a line a kill cut short, are dropped first."""
 
     def __init__(self, path: Path, keep: Callable[[dict], bool] | None = None):
         if keep is not None and path.is_file():
@@ -170,9 +167,8 @@ class Metrics(JsonlLog):
 
     def __init__(self, run_dir: Path, cfg=None, keep: Callable[[dict], bool] | None = None):
         super().__init__(run_dir / "metrics.jsonl", keep)
-        config = dataclasses.asdict(cfg) if cfg else {}
-        self.trackers = [resolve(TRACKERS[name], {}, "tracker")(run_dir, config)
-                         for name in (trackers(cfg) if cfg else [])]
+        names = trackers(cfg) if cfg else []
+        self.trackers = [resolve(TRACKERS[name], {}, "tracker")(run_dir, dataclasses.asdict(cfg)) for name in names]
 
     def write(self, record: dict) -> None:
         super().write(record)
@@ -189,19 +185,13 @@ class Metrics(JsonlLog):
 
 def plot(run_dir: Path) -> Path:
     """Draw RUN_DIR/metrics.jsonl into RUN_DIR/plot.png (`figure`); returns its path."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    fig = figure(recs, run_dir.name)
-    fig.savefig(out := run_dir / "plot.png", dpi=100)
-    plt.close(fig)
+    figure(recs, run_dir.name).savefig(out := run_dir / "plot.png", dpi=100)
     return out
 
 
 def eval_curves(ax, evals: list[dict]) -> None:
-    """Evaluation records against weight version: greedy accuracy and avg@k (+- one standard error),
-    the format rate, and the base model's largest pass@J (version 0) as a horizontal line."""
+    """Greedy accuracy, avg@k (+- 1 s.e.), format rate and the base model's pass@J against version."""
     ax.errorbar([r["eval/version"] for r in evals], [r["eval/accuracy"] for r in evals],
                 [r.get("eval/accuracy_stderr", 0) for r in evals], fmt="o-", capsize=3,
                 label="held-out accuracy (greedy)")
@@ -218,13 +208,13 @@ def eval_curves(ax, evals: list[dict]) -> None:
 
 
 def figure(recs: list[dict], title: str = ""):
-    """The matplotlib Figure of metric records `recs`, 2 x 2 panels against trainer step: reward and
-    held-out accuracy (offline data: the training loss), response length, losses, entropy and grad
-    norm; a metric the run lacks is left out. The caller closes it."""
-    import matplotlib.pyplot as plt
+    """The Figure (outside pyplot) of metric records `recs`: reward and held-out accuracy (offline data:
+    the loss), response length, losses, entropy and grad norm against trainer step."""
+    from matplotlib.figure import Figure
     steps = [r for r in recs if "loss/grad_norm" in r]
     evals = [r for r in recs if r.get("eval/accuracy") is not None]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7))
+    fig = Figure(figsize=(12, 7))
+    axes = fig.subplots(2, 2)
 
     def curve(ax, key, label, **kw):
         xs = [(r["step"], r[key]) for r in steps if r.get(key) is not None]

@@ -1,5 +1,5 @@
-"""nanorft: reinforcement fine-tuning of LLMs. The table of modes (MODES) and `prepare`, which
-checks every input before any process starts; launch.py places the processes.
+"""nanorft: reinforcement fine-tuning of LLMs. The table of modes (MODES) and `prepare`, which checks
+every input before any process starts.
 
     torchrun run.py --mode both --sync-interval 2     # the default job (python run.py: the same)
     torchrun --nproc_per_node 2 run.py --mode both    # two FSDP trainer ranks
@@ -38,7 +38,7 @@ def trainer_ranks(cfg: Config, prepared: Prepared) -> None:
     shared = [prepared.model_path]
     dist.broadcast_object_list(shared, src=0)
     launch.split_threads(cfg, world)
-    explorer = f"explorer: engine {cfg.engine} x {cfg.explorer_threads} threads" if cfg.mode == "both" else "no explorer"
+    explorer = "no explorer" if cfg.mode == "train" else f"explorer: engine {cfg.engine} x {cfg.explorer_threads} threads"
     print0(f"nanorft: mode {cfg.mode}, {world} trainer rank(s) x {cfg.trainer_threads} threads, {explorer}, "
            f"model {shared[0]}, run dir {cfg.run_dir}\nplacement: {prepared.layout.describe()}")
     try:
@@ -65,7 +65,7 @@ def check_modes(cfg: Config) -> None:
         raise ValueError("--train-data trains offline, with no explorer to sync with: leave out --sync-method broadcast")
     if cfg.overwrite and cfg.mode in ("explore", "train") and not cfg.train_data:  # (offline: no other side)
         raise ValueError(f"--overwrite would delete a run directory shared with the other side (mode {cfg.mode})")
-    if cfg.resume and cfg.mode in ("both", "train") and not Path(cfg.run_dir).is_dir():  # (no buffer yet: step 0)
+    if cfg.resume and cfg.mode in ("both", "train") and not Path(cfg.run_dir).is_dir():  # (without a buffer: step 0)
         raise FileNotFoundError(f"--resume: no run to resume in {cfg.run_dir} (no such directory)")
 
 
@@ -77,8 +77,7 @@ def finished_run(cfg: Config) -> bool:
 
 
 def prepare(cfg: Config, rank: int) -> Prepared:
-    """Check every input and build the tasks once for this launch. A run of its own (mode both, offline
-    train) refuses a non-empty run dir (FileExistsError) unless --resume or --overwrite (deletes it)."""
+    """Check every input, build the tasks once; a run of its own refuses a non-empty run dir (FileExistsError)."""
     import buffer
     import explorer
     import models

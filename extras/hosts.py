@@ -2,11 +2,10 @@
 (launch.gloo_interface calls `gloo_interface` here when MASTER_ADDR is not loopback)."""
 from __future__ import annotations
 
-import fcntl
 import ipaddress
 import os
-import socket
-import struct
+
+import psutil
 
 import sync
 
@@ -27,13 +26,6 @@ def gloo_interface(master: str) -> str | None:
 
 
 def interface_of(address: str) -> str | None:
-    """The name of this machine's interface that holds the IPv4 `address` (e.g. "eth0"), else None."""
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:  # SIOCGIFADDR: the interface's IPv4 address
-                got = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))[20:24]
-            except OSError:  # no IPv4 address on it
-                continue
-        if socket.inet_ntoa(got) == address:
-            return name
-    return None
+    """The name of this machine's network interface that holds `address` (e.g. "eth0"), else None."""
+    return next((name for name, addrs in psutil.net_if_addrs().items()
+                 if any(a.address == address for a in addrs)), None)

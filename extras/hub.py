@@ -35,8 +35,7 @@ def hf_dataset_tasks(name: str, kwargs: dict, train_size: int, eval_size: int) -
     rows of split are held out), question and answer field names. An answer keeps what follows its
     last "####" (GSM8K; verl's examples/data_preprocess/gsm8k.py). ValueError (one line) for an
     unknown kwarg, config, split or field; FileNotFoundError for a missing file or uncached Hub id."""
-    unknown = set(kwargs) - set(HF_TASK_KWARGS)
-    if unknown:
+    if unknown := set(kwargs) - set(HF_TASK_KWARGS):
         raise ValueError(f"task {name}: unknown task_kwargs {sorted(unknown)} (a Hugging Face dataset takes {sorted(HF_TASK_KWARGS)})")
     kw = {**HF_TASK_KWARGS, **kwargs}
     suffix = Path(name).suffix

@@ -16,17 +16,16 @@ from typing import Callable
 from buffer import Experience
 from extras.pipelines import response_text
 
-RATING_CONFIG = ('<View><Header value="$question"/><Text name="response" value="$response"/>'
-                 '<Choices name="reward" toName="response" choice="single" showInline="true">{choices}</Choices></View>')
+RATING_CONFIG = ('<View><Header value="$question"/><Text name="response" value="$response"/><Choices name="reward" '
+                 'toName="response" choice="single" showInline="true">{choices}</Choices></View>')
 PAIR_CONFIG = ('<View><Header value="$question"/><Text name="a" value="$a"/><Text name="b" value="$b"/><Choices '
                'name="preferred" toName="a" choice="single" showInline="true"><Choice value="A"/><Choice value="B"/>'
                '</Choices></View>')
 
 
 class LabelStudio:
-    """The four calls of Label Studio's REST API (https://labelstud.io/api) the annotator needs, with a
-    legacy token, over plain HTTP (label-studio-sdk would pull in many packages for four requests).
-    ConnectionError (one line, token not shown) when the server cannot be reached or refuses."""
+    """Label Studio's REST API (https://labelstud.io/api) with a legacy token over plain HTTP (the SDK would
+    pull in many packages for four requests). ConnectionError (one line, token not shown) on failure."""
 
     def __init__(self, url: str, token: str, timeout_s: float = 30.0):
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
@@ -50,10 +49,6 @@ class LabelStudio:
         found = [p for p in self.call("GET", "/api/projects?page_size=1000")["results"] if p["title"] == title]
         return found[0]["id"] if found else self.call("POST", "/api/projects",
                                                       {"title": title, "label_config": label_config})["id"]
-
-    def import_tasks(self, project: int, data: list[dict]) -> None:
-        """Add one labelling task per dict (its fields fill the label config's $names)."""
-        self.call("POST", f"/api/projects/{project}/import", [{"data": d} for d in data])
 
     def tasks(self, project: int) -> list[dict]:
         """Every task of the project with its annotations."""
@@ -100,9 +95,9 @@ class Annotator:
         groups = {g[0].group_id: g for g in self.buffer.pending_group_rows()}
         new = [g for gid, g in groups.items() if gid not in self.sent]
         if new:
-            self.ls.import_tasks(self.project, [d for g in new for d in self._items(g)])
-            now = time.time()
-            self.sent.update({g[0].group_id: now for g in new})
+            items = [{"data": d} for g in new for d in self._items(g)]  # fields fill the label config's $names
+            self.ls.call("POST", f"/api/projects/{self.project}/import", items)
+            self.sent.update(dict.fromkeys((g[0].group_id for g in new), time.time()))
             self.metrics["annotation/sent"] += len(new)
         labels: dict[str, dict[int, str]] = {}
         for t in self.ls.tasks(self.project):

@@ -1,14 +1,10 @@
 """An OpenAI-compatible endpoint served by the explorer's engine, for agents written against the
-`openai` package (extras/agent.py, extras/verifiers_env.py):
-
-    endpoint = endpoint_for(engine)                   # a local port, a server thread (FastAPI + uvicorn)
-    episode = endpoint.open_episode(Sampling(...))    # in the event loop that runs the agent
-    client = openai.AsyncOpenAI(base_url=episode.url, api_key="-")   # .../e/EPISODE/v1
-    calls = endpoint.close_episode(episode)           # every delivered call: token ids, behaviour log-probs
-
-Every call samples with the episode's Sampling (the trainer's log-probs assume it); a request's
-max_tokens and stop cut the completion after sampling. An assistant message the episode returned is
-rendered back as the model's exact text, so the next prompt extends the previous one token for token.
+`openai` package (extras/agent.py, extras/verifiers_env.py). `endpoint_for(engine)` starts it; each
+rollout opens an episode (base URL .../e/EPISODE/v1, or /v1 with an X-Episode-Id header) and closes it
+to get every delivered call's token ids and behaviour log-probs. Calls sample with the episode's
+Sampling (the trainer's log-probs assume it); max_tokens and stop cut after sampling; an assistant
+message the episode returned is rendered back as the model's exact text. uvicorn serves in a daemon
+thread; each call runs in its episode's event loop, the only one that touches engine and tokenizer.
 """
 from __future__ import annotations
 
@@ -167,12 +163,10 @@ class Endpoint:
     def close_episode(self, ep: Episode) -> list[Call]:
         """End an episode (later calls get 404, running ones are not recorded); its calls in arrival order."""
         with self._lock:
-            if ep.closed:
-                return sorted(ep.calls, key=lambda c: c.seq)
-            ep.closed = True
+            closing, ep.closed = not ep.closed, True
             self._episodes.pop(ep.id, None)
             gate = self._gates.get(ep.loop)
-        if gate is not None:
+        if closing and gate is not None:
             gate.drop(ep)
         return sorted(ep.calls, key=lambda c: c.seq)
 
@@ -217,13 +211,12 @@ class Endpoint:
         text = tok.decode(tokens, skip_special_tokens=True)
         hits = [text.find(s) for s in req.stop if s in text]
         if hits:
-            at = min(hits)
             lo, hi = 1, len(tokens)  # the fewest tokens whose text holds a stop string
             while lo < hi:
                 mid = (lo + hi) // 2
                 part = tok.decode(tokens[:mid], skip_special_tokens=True)
                 lo, hi = (lo, mid) if any(s in part for s in req.stop) else (mid + 1, hi)
-            tokens, behaviour, reason, text = tokens[:lo], behaviour[:lo], "stop", text[:at]
+            tokens, behaviour, reason, text = tokens[:lo], behaviour[:lo], "stop", text[:min(hits)]
         return Choice(tokens, behaviour, tuple(out.versions), reason, text)
 
     def _choice(self, i: int, c: Choice, req, ep: Episode, tok) -> dict:
@@ -310,9 +303,6 @@ class _Gone(Exception):
 async def _read_json(request):
     """The request body as JSON: RequestError 413 past MAX_BODY_BYTES, 400 for bad JSON."""
     from starlette.requests import ClientDisconnect
-    size = request.headers.get("content-length", "")
-    if size.isdigit() and int(size) > MAX_BODY_BYTES:
-        raise RequestError(f"request body over {MAX_BODY_BYTES} bytes", 413)
     chunks, total = [], 0
     try:
         async for chunk in request.stream():
