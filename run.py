@@ -1,15 +1,9 @@
-"""nanorft: reinforcement fine-tuning of LLMs. This file is the table of modes: what each
-mode starts. How processes are placed and how a run ends: launch.py.
+"""nanorft: reinforcement fine-tuning of LLMs. The table of modes (MODES) and `prepare`, which checks
+every input before any process starts.
 
-    python run.py                                         # the default job: one trainer rank + the explorer
-    torchrun run.py --mode both --sync-interval 2         # the same under torchrun
-    torchrun --nproc_per_node 2 run.py --mode both        # two FSDP trainer ranks
-    python run.py --help                                  # every setting, with its help
-
-Settings (config.py): Config defaults < `--config FILE.toml` < flags. The resolved config
-is saved as RUN_DIR/config.json (config_<mode>.json for the launches that share a run
-directory) and with the final weights (final/nanorft_config.json). RUN_DIR also holds
-metrics.jsonl, samples.log, buffer.sqlite, plot.png and final/ (a Hugging Face directory).
+    torchrun run.py --mode both --sync-interval 2     # the default job (python run.py: the same)
+    torchrun --nproc_per_node 2 run.py --mode both    # two FSDP trainer ranks
+    python run.py --help                              # every setting (config.py), with its help
 """
 from __future__ import annotations
 
@@ -23,13 +17,13 @@ from typing import NamedTuple
 
 import launch
 from config import Config, parse_config
+from losses import resolve
 from metrics import print0, trackers
 from perf import announce_peak
 
 
 class Prepared(NamedTuple):
-    """What `prepare` found: the model directory (rank 0; None elsewhere), the tasks
-    (workflows.prepare_tasks: train, held-out, verifier dataset) and the placement."""
+    """The model directory (rank 0; None elsewhere), the tasks (train, held-out, verifier dataset), the placement."""
 
     model_path: str | None
     tasks: tuple
@@ -37,23 +31,18 @@ class Prepared(NamedTuple):
 
 
 def trainer_ranks(cfg: Config, prepared: Prepared) -> None:
-    """Modes both and train: every trainer rank joins the default (FSDP) group and runs the
-    train loop (loop.run_trainer); in mode both rank 0 spawns the explorer process, in mode
-    train the explorers are `--mode explore` launches (or there are none: offline data)."""
+    """Modes both and train: each trainer rank runs loop.run_trainer (mode both: rank 0 spawns the explorer)."""
     import torch.distributed as dist
-
     from loop import run_trainer
-
     rank, world, device = launch.init_distributed()
     shared = [prepared.model_path]
     dist.broadcast_object_list(shared, src=0)
     launch.split_threads(cfg, world)
-    layout = prepared.layout
     explorer = "no explorer" if cfg.mode == "train" else f"explorer: engine {cfg.engine} x {cfg.explorer_threads} threads"
     print0(f"nanorft: mode {cfg.mode}, {world} trainer rank(s) x {cfg.trainer_threads} threads, {explorer}, "
-           f"model {shared[0]}, run dir {cfg.run_dir}\nplacement: {layout.describe()}")
+           f"model {shared[0]}, run dir {cfg.run_dir}\nplacement: {prepared.layout.describe()}")
     try:
-        run_trainer(cfg, shared[0], rank, world, device, layout, prepared.tasks)
+        run_trainer(cfg, shared[0], rank, world, device, prepared.layout, prepared.tasks)
         dist.barrier()  # the ranks leave together: none tears the group down while rank 0 still finishes
     finally:
         dist.destroy_process_group()
@@ -65,10 +54,8 @@ MODES = {"both": trainer_ranks, "train": trainer_ranks, "explore": "extras.explo
 
 
 def check_modes(cfg: Config) -> None:
-    """Raise ValueError (one line) for a combination of modes and flags that cannot work
-    (the sync settings: sync.check_config), FileNotFoundError for --resume without a run."""
+    """ValueError (one line) for modes and flags that cannot work together; FileNotFoundError: --resume, no run."""
     import sync
-
     sync.check_config(cfg)
     if cfg.bench_models and cfg.mode != "bench":
         raise ValueError("--bench-models is for --mode bench")
@@ -78,39 +65,31 @@ def check_modes(cfg: Config) -> None:
         raise ValueError("--train-data trains offline, with no explorer to sync with: leave out --sync-method broadcast")
     if cfg.overwrite and cfg.mode in ("explore", "train") and not cfg.train_data:  # (offline: no other side)
         raise ValueError(f"--overwrite would delete a run directory shared with the other side (mode {cfg.mode})")
-    if cfg.resume and cfg.mode in ("both", "train") and not Path(cfg.run_dir).is_dir():
-        # (a run directory without a buffer yet, killed while starting, resumes from step 0)
+    if cfg.resume and cfg.mode in ("both", "train") and not Path(cfg.run_dir).is_dir():  # (without a buffer: step 0)
         raise FileNotFoundError(f"--resume: no run to resume in {cfg.run_dir} (no such directory)")
 
 
 def finished_run(cfg: Config) -> bool:
-    """Whether --resume (modes both and train) names a finished run: its final config
-    written and its resume state deleted. Resuming it would train it again from step 0."""
+    """Whether --resume names a finished run (final config written, resume state deleted)."""
     from checkpoints import resume_state
-
     return (cfg.resume and cfg.mode in ("both", "train") and resume_state(cfg.run_dir) is None
             and (Path(cfg.run_dir) / "final" / "nanorft_config.json").is_file())
 
 
 def prepare(cfg: Config, rank: int) -> Prepared:
-    """Check every input before any process starts, each module its own settings, then the
-    run dir: a run of its own (mode both, offline mode train) refuses a non-empty one
-    (FileExistsError) unless --resume, or --overwrite, which deletes it first. The tasks
-    are built here once for every process of this launch."""
+    """Check every input, build the tasks once; a run of its own refuses a non-empty run dir (FileExistsError)."""
     import buffer
     import explorer
     import models
     import trainer
     import workflows
-    from losses import resolve
     from transformers import AutoTokenizer
-
     check_modes(cfg)
     trainer.check_config(cfg)
     workflows.check_pipelines(cfg)
     trackers(cfg)
     gpus = launch.gpu_count()
-    layout = launch.place(gpus, int(os.environ.get("WORLD_SIZE", "1")), cfg.mode)  # ValueError: a layout that cannot work
+    layout = launch.place(gpus, int(os.environ.get("WORLD_SIZE", "1")), cfg.mode)
     cfg.dtype, why = models.choose_dtype(cfg.dtype, "cuda" if gpus else "cpu")
     print0(f"nanorft: preparing mode {cfg.mode}: precision {cfg.dtype} ({why}); memory allocator "
            f"{launch.allocator_banner(cfg, gpus)}; model {cfg.model}; "
@@ -119,10 +98,10 @@ def prepare(cfg: Config, rank: int) -> Prepared:
         announce_peak("cuda" if gpus else "cpu", cfg.dtype)
     model_path = models.resolve_model(cfg.model) if rank == 0 else None
     tasks = workflows.prepare_tasks(cfg)
-    tok = AutoTokenizer.from_pretrained(model_path) if rank == 0 else None  # loaded once for the checks below
+    tok = AutoTokenizer.from_pretrained(model_path) if rank == 0 else None
     explorer.resolve_engine(cfg)
     explorer.check_config(cfg, tok, tasks[2])
-    if rank == 0 and (cfg.expert_fraction or cfg.train_data):  # offline data: extras/offline.py
+    if rank == 0 and (cfg.expert_fraction or cfg.train_data):
         resolve("extras.offline.check_offline_data", {}, "offline data")(cfg, tok)
     run_dir = Path(cfg.run_dir)
     if rank == 0:
@@ -141,14 +120,10 @@ def prepare(cfg: Config, rank: int) -> Prepared:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse the config, check the inputs, run the mode; returns the exit code: 2 with one
-    error line for bad input, 1 for a failed run, 130 after Ctrl-C."""
-    from losses import resolve  # (config's --help reads losses' registries: imported by parse_config anyway)
-
+    """Parse, check, run the mode; the exit code: 2 (one line) for bad input, 1 for a failed run, 130: Ctrl-C."""
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
-    # plug-ins by import path (--workflow mymod.MyWorkflow) from the working directory, last, so that it never
-    # shadows a module nanorft imports; spawned processes (the explorer) inherit sys.path
+    # plug-ins by import path (--workflow mymod.MyWorkflow) from the working directory, last: never shadowing ours
     if not any(os.path.abspath(p or ".") == os.getcwd() for p in sys.path):
         sys.path.append(os.getcwd())
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading bars would break the step bar

@@ -1,6 +1,5 @@
-"""Mode bench: avg@k, pass@k and pass@1 of one or more models on the held-out tasks, as a
-table and RUN_DIR/bench.json. Without --bench-models it evaluates RUN_DIR/final with the
-run's own task settings (`take_run_settings`).
+"""Mode bench: avg@k, pass@k and pass@1 of one or more models on the held-out tasks, as a table
+and RUN_DIR/bench.json; without --bench-models, RUN_DIR/final with the run's own task settings.
 
     python run.py --mode bench --bench-models base,runs/default/final --bench-k 8
 """
@@ -12,7 +11,8 @@ import os
 import time
 from pathlib import Path
 
-from config import OTHER_TASK_DEFAULTS, Config, coerce
+from config import OTHER_TASK_DEFAULTS, Config
+from extras.presets import coerce
 
 # what mode bench on a run directory takes from the run's saved config
 RUN_TASK_SETTINGS = ("task", "task_kwargs", "system_prompt", "reward_fn", "reward_kwargs", "workflow", "eval_size",
@@ -20,17 +20,12 @@ RUN_TASK_SETTINGS = ("task", "task_kwargs", "system_prompt", "reward_fn", "rewar
 
 
 def take_run_settings(cfg: Config) -> None:
-    """Mode bench on a run directory (no --bench-models): set each of RUN_TASK_SETTINGS not
-    given in --config or by flag (cfg.given) to the run's own, from RUN_DIR/final/nanorft_config.json,
-    else RUN_DIR/config.json (neither: nothing changes), and print one line naming them. With
-    a task given that differs from the run's, task_kwargs and system_prompt stay the given
-    task's. Raises ValueError (one line) for a saved config that cannot be read or holds a
-    bad value."""
-    if cfg.bench_models:
-        return
+    """Without --bench-models: set each of RUN_TASK_SETTINGS not given (cfg.given) to the run's own
+    (RUN_DIR/final/nanorft_config.json, else RUN_DIR/config.json); another task keeps its own
+    task_kwargs and system_prompt. ValueError (one line): a saved config that cannot be read."""
     run_dir = Path(cfg.run_dir)
     src = next((p for p in (run_dir / "final" / "nanorft_config.json", run_dir / "config.json") if p.is_file()), None)
-    if src is None:
+    if cfg.bench_models or src is None:
         return
     try:
         saved = json.loads(src.read_text())
@@ -50,25 +45,19 @@ def take_run_settings(cfg: Config) -> None:
 
 
 def bench(cfg: Config) -> int:
-    """Mode bench (run.MODES): take the run's task settings, check the inputs (run.prepare),
-    evaluate (`evaluate_models`); returns the exit code 0. Raises ValueError / OSError
-    (one line) for bad input."""
+    """Mode bench (run.MODES); returns the exit code 0. ValueError / OSError (one line): bad input."""
     from run import prepare
-
     take_run_settings(cfg)
     evaluate_models(cfg, prepare(cfg, 0).tasks)
     return 0
 
 
 def evaluate_models(cfg: Config, tasks: tuple) -> list[dict]:
-    """Evaluate each model of --bench-models (default RUN_DIR/final) on the held-out tasks
-    of `tasks` (workflows.prepare_tasks's triple), cfg.bench_k samples per task at
-    cfg.temperature; print a table under a line naming cfg.task, save RUN_DIR/bench.json
-    and return its rows (one per model)."""
+    """Evaluate each model of --bench-models (default RUN_DIR/final) on the held-out tasks, cfg.bench_k
+    samples per task; print a table, save RUN_DIR/bench.json and return its rows (one per model)."""
     from engines import make_engine
     from explorer import Explorer, engine_seed
     from models import resolve_model
-
     models = [m.strip() for m in cfg.bench_models.split(",") if m.strip()] or [str(Path(cfg.run_dir) / "final")]
     paths = [resolve_model(m) for m in models]
     cfg.explorer_threads = cfg.explorer_threads or (os.cpu_count() or 1)

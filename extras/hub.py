@@ -1,27 +1,21 @@
-"""The Hugging Face Hub and datasets: models and datasets by Hub id (`hub_snapshot`: the
-local cache, else a download) and tasks from any dataset `datasets.load_dataset` reads
-(`hf_dataset_tasks`). workflows.load_tasks and models.resolve_model import it only for
-such a name.
-"""
+"""The Hugging Face Hub and datasets: models and datasets by Hub id (`hub_snapshot`) and tasks from
+any dataset `datasets.load_dataset` reads (`hf_dataset_tasks`); workflows and models reach it by
+import path for such a name."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from workflows import Task, hold_out
 
-
 DATA_FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".csv": "csv"}
 HF_TASK_KWARGS = {"config": None, "split": "train", "eval_split": None, "question": "question", "answer": "answer"}
 
 
 def hub_snapshot(repo_id: str, repo_type: str = "model") -> str:
-    """Local directory of a Hugging Face Hub model or dataset (huggingface_hub.snapshot_download:
-    the local cache, else a download on a connected machine). Raises FileNotFoundError with
-    one line when it is neither cached nor reachable (HF_HUB_OFFLINE=1, or no network), or
-    when the Hub has no such repository."""
+    """Local directory of a Hub model or dataset (the local cache, else a download). FileNotFoundError
+    (one line) when it is neither cached nor reachable, or the Hub has no such repository."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError
-
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"] if repo_type == "model" else None
     flag = "" if repo_type == "model" else f" --repo-type {repo_type}"
     try:
@@ -36,22 +30,12 @@ def hub_snapshot(repo_id: str, repo_type: str = "model") -> str:
 
 
 def hf_dataset_tasks(name: str, kwargs: dict, train_size: int, eval_size: int) -> tuple[list[Task], list[Task]]:
-    """Tasks from a Hugging Face dataset, read with `datasets.load_dataset`.
-
-    `name` is a local .parquet / .json / .csv file, a local dataset directory, or a Hub id
-    (`owner/name`, fetched by `hub_snapshot`: the local HF cache, else a download). `kwargs`
-    (task_kwargs) may set: `config` (the dataset's configuration, e.g. "main" for GSM8K),
-    `split` (default "train"), `eval_split` (held-out split, its first `eval_size` rows;
-    without it the last `eval_size` rows of `split` are held out, as for JSONL), `question`
-    and `answer` (field names, default "question" / "answer"). The first `train_size` rows
-    become training tasks. A reference answer containing "####" keeps only what follows the
-    last "####" (GSM8K's convention, as in verl's examples/data_preprocess/gsm8k.py,
-    extract_solution, commit a147bef).
-    Raises ValueError (one line) for an unknown kwarg, config, split or field;
-    FileNotFoundError for a missing file or a Hub id that is not cached offline.
-    """
-    unknown = set(kwargs) - set(HF_TASK_KWARGS)
-    if unknown:
+    """(train, held-out) tasks of a local .parquet / .json / .csv file, dataset directory or Hub id.
+    `kwargs` (task_kwargs, HF_TASK_KWARGS): config, split, eval_split (else the last `eval_size`
+    rows of split are held out), question and answer field names. An answer keeps what follows its
+    last "####" (GSM8K; verl's examples/data_preprocess/gsm8k.py). ValueError (one line) for an
+    unknown kwarg, config, split or field; FileNotFoundError for a missing file or uncached Hub id."""
+    if unknown := set(kwargs) - set(HF_TASK_KWARGS):
         raise ValueError(f"task {name}: unknown task_kwargs {sorted(unknown)} (a Hugging Face dataset takes {sorted(HF_TASK_KWARGS)})")
     kw = {**HF_TASK_KWARGS, **kwargs}
     suffix = Path(name).suffix
@@ -61,7 +45,6 @@ def hf_dataset_tasks(name: str, kwargs: dict, train_size: int, eval_size: int) -
         import datasets
     except ImportError:
         raise ValueError(f"task {name}: a Hugging Face dataset needs the datasets package: pip install datasets") from None
-
     datasets.disable_progress_bars()
     path, files = (DATA_FILE_BUILDERS[suffix], name) if suffix in DATA_FILE_BUILDERS else (name, None)
     if files is None and not Path(name).is_dir():
@@ -86,6 +69,5 @@ def hf_dataset_tasks(name: str, kwargs: dict, train_size: int, eval_size: int) -
 
 
 def is_dataset(name: str) -> bool:
-    """Whether task name `name` is a Hugging Face dataset: a local .parquet / .json / .csv
-    file, a local dataset directory, or a Hub id (owner/name)."""
+    """Whether task `name` is a Hugging Face dataset: a data file, a directory or a Hub id (owner/name)."""
     return Path(name).suffix in DATA_FILE_BUILDERS or Path(name).is_dir() or name.count("/") == 1

@@ -1,7 +1,6 @@
-"""Human labels as lagged rewards (`annotation = {url = ...}` with `reward_fn = "human"`):
-the rollouts go to a Label Studio project, the labels come back into the buffer
-(`Annotator`, run by trainer rank 0 in a thread: `start_annotator`).
-"""
+"""Human labels as lagged rewards (`annotation = {url = ...}`, `reward_fn = "human"`): rollouts go to
+a Label Studio project, labels come back into the buffer (`Annotator`; trainer rank 0 runs it in a
+thread: `start_annotator`)."""
 from __future__ import annotations
 
 import json
@@ -17,34 +16,23 @@ from typing import Callable
 from buffer import Experience
 from extras.pipelines import response_text
 
-
-RATING_CONFIG = """<View>
-  <Header value="$question"/>
-  <Text name="response" value="$response"/>
-  <Choices name="reward" toName="response" choice="single" showInline="true">{choices}</Choices>
-</View>"""
-PAIR_CONFIG = """<View>
-  <Header value="$question"/>
-  <Text name="a" value="$a"/>
-  <Text name="b" value="$b"/>
-  <Choices name="preferred" toName="a" choice="single" showInline="true"><Choice value="A"/><Choice value="B"/></Choices>
-</View>"""
+RATING_CONFIG = ('<View><Header value="$question"/><Text name="response" value="$response"/><Choices name="reward" '
+                 'toName="response" choice="single" showInline="true">{choices}</Choices></View>')
+PAIR_CONFIG = ('<View><Header value="$question"/><Text name="a" value="$a"/><Text name="b" value="$b"/><Choices '
+               'name="preferred" toName="a" choice="single" showInline="true"><Choice value="A"/><Choice value="B"/>'
+               '</Choices></View>')
 
 
 class LabelStudio:
-    """The four calls of Label Studio's REST API (https://labelstud.io/api) that the
-    annotator needs, with a legacy token (`label-studio start --enable-legacy-api-token`).
-    Plain HTTP rather than label-studio-sdk: the SDK (2.1) pulls in about 30 packages
-    (OpenCV, NLTK, black) and pins numpy 2.2 in the training environment, for four requests.
-    Raises ConnectionError (one line, token not shown) when the server cannot be reached
-    or refuses a request."""
+    """Label Studio's REST API (https://labelstud.io/api) with a legacy token over plain HTTP (the SDK would
+    pull in many packages for four requests). ConnectionError (one line, token not shown) on failure."""
 
     def __init__(self, url: str, token: str, timeout_s: float = 30.0):
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
         self.headers = {"Authorization": f"Token {token}", "Content-Type": "application/json"}
 
     def call(self, method: str, path: str, body=None):
-        """`method` `path` (with its query) with a JSON `body`; returns the decoded JSON reply."""
+        """The decoded JSON reply to `method` `path` (with its query) with a JSON `body`."""
         req = urllib.request.Request(self.url + path, None if body is None else json.dumps(body).encode(),
                                      self.headers, method=method)
         try:
@@ -61,10 +49,6 @@ class LabelStudio:
         found = [p for p in self.call("GET", "/api/projects?page_size=1000")["results"] if p["title"] == title]
         return found[0]["id"] if found else self.call("POST", "/api/projects",
                                                       {"title": title, "label_config": label_config})["id"]
-
-    def import_tasks(self, project: int, data: list[dict]) -> None:
-        """Add one labelling task per dict (its fields fill the label config's $names)."""
-        self.call("POST", f"/api/projects/{project}/import", [{"data": d} for d in data])
 
     def tasks(self, project: int) -> list[dict]:
         """Every task of the project with its annotations."""
@@ -84,21 +68,12 @@ def check_mode(mode: str) -> None:
 
 
 class Annotator:
-    """Human labels as lagged rewards (Trinity-RFT report 2.3.4 and 3.5; its tool is Label
-    Studio, as in Data-Juicer's human_preference_annotation_mapper).
-
-    The explorer stores rollouts with reward NULL (reward_fn "human"); each `poll()`:
-      1. sends the buffer's new pending groups to the Label Studio project (mode "rating":
-         one labelling task per rollout, question and response; mode "pairwise": the first
-         two rollouts of the group side by side);
-      2. turns finished labels into rewards: rating -> `choices[label]`; pairwise -> 1 for
-         the preferred rollout and 0 for the other (the rest of the group keeps the
-         timeout reward), and the pair is appended to RUN_DIR/preferences.jsonl as
-         {"prompt", "chosen", "rejected"} (DPO data for --train-data);
-      3. after `timeout_s` seconds a group's unlabelled rollouts get `timeout_reward`.
-    The rewards of all groups completed in one poll are committed in one transaction
-    (buffer.set_rewards_many); the trainer meanwhile trains on whatever groups are complete.
-    `metrics`: annotation/sent, labelled, timed_out (groups, since start), waiting."""
+    """Human labels as lagged rewards (Trinity-RFT report 2.3.4 and 3.5). Each `poll()` sends the
+    buffer's new pending groups (reward NULL) to the project (mode rating: one labelling task per
+    rollout; pairwise: the group's first two rollouts side by side) and turns finished labels into
+    rewards: rating -> choices[label]; pairwise -> 1 for the preferred rollout, 0 for the other, the
+    pair appended to RUN_DIR/preferences.jsonl (DPO data). After `timeout_s` seconds a group's
+    unlabelled rollouts get `timeout_reward`. `metrics`: annotation/sent, labelled, timed_out, waiting."""
 
     def __init__(self, buffer, tokenizer, url: str, token: str, run_dir: str, mode: str = "rating",
                  choices: dict | None = None, timeout_s: float = 3600.0, timeout_reward: float = 0.0,
@@ -112,7 +87,6 @@ class Annotator:
             choices="".join(f'<Choice value="{c}"/>' for c in self.choices))
         self.project = self.ls.project(project or f"nanorft {Path(run_dir).name}", config)
         self.sent = {t["data"]["group_id"]: time.time() for t in self.ls.tasks(self.project)}  # after a restart
-        self.done: set[str] = set()
         self.metrics = {"annotation/sent": 0, "annotation/labelled": 0, "annotation/timed_out": 0,
                         "annotation/waiting": 0}
 
@@ -121,9 +95,9 @@ class Annotator:
         groups = {g[0].group_id: g for g in self.buffer.pending_group_rows()}
         new = [g for gid, g in groups.items() if gid not in self.sent]
         if new:
-            self.ls.import_tasks(self.project, [d for g in new for d in self._items(g)])
-            now = time.time()
-            self.sent.update({g[0].group_id: now for g in new})
+            items = [{"data": d} for g in new for d in self._items(g)]  # fields fill the label config's $names
+            self.ls.call("POST", f"/api/projects/{self.project}/import", items)
+            self.sent.update(dict.fromkeys((g[0].group_id for g in new), time.time()))
             self.metrics["annotation/sent"] += len(new)
         labels: dict[str, dict[int, str]] = {}
         for t in self.ls.tasks(self.project):
@@ -154,11 +128,12 @@ class Annotator:
         self.metrics["annotation/waiting"] = len(groups) - len(rewards)
         return self.metrics
 
-    def _text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+    def _question(self, g: list[Experience]) -> str:
+        prompt = g[0].tokens[:g[0].prompt_length]
+        return g[0].info.get("question") or self.tokenizer.decode(prompt, skip_special_tokens=True).strip()
 
     def _items(self, g: list[Experience]) -> list[dict]:
-        q = g[0].info.get("question") or self._text(g[0].tokens[:g[0].prompt_length])
+        q = self._question(g)
         if self.mode == "pairwise":
             return [{"question": q, "a": response_text(g[0], self.tokenizer), "b": response_text(g[1 % len(g)],
                      self.tokenizer), "group_id": g[0].group_id, "index": 0}]
@@ -166,7 +141,7 @@ class Annotator:
                 for i, e in enumerate(g)]
 
     def _pair(self, g: list[Experience], win: int) -> dict:
-        return {"prompt": g[0].info.get("question") or self._text(g[0].tokens[:g[0].prompt_length]),
+        return {"prompt": self._question(g),
                 "chosen": response_text(g[win], self.tokenizer), "rejected": response_text(g[1 - win], self.tokenizer)}
 
     def run(self, stop: threading.Event, poll_s: float = 2.0, log: Callable[[dict], None] | None = None) -> None:
@@ -182,17 +157,15 @@ class Annotator:
 
 
 def check_annotation(cfg) -> None:
-    """The annotation setting of config.Config `cfg` (pipelines.check_config, before any
-    process starts): ValueError (one line) for a bad mode or missing URL / token,
-    ConnectionError when the server cannot be reached."""
+    """Check cfg.annotation before any process starts: ValueError (one line) for a bad mode or a missing
+    URL / token, ConnectionError when the server cannot be reached."""
     check_mode(cfg.annotation.get("mode", "rating"))
     label_studio(cfg).call("GET", "/api/projects?page_size=1")
 
 
 def label_studio(cfg) -> LabelStudio:
-    """LabelStudio for cfg.annotation["url"] with the token in LABEL_STUDIO_API_KEY (kept out
-    of the config, which is saved in the run directory); ValueError (one line) when either
-    is missing."""
+    """LabelStudio for cfg.annotation["url"] with the token in LABEL_STUDIO_API_KEY (kept out of the
+    saved config); ValueError (one line) when either is missing."""
     token = os.environ.get("LABEL_STUDIO_API_KEY", "")
     if not cfg.annotation.get("url") or not token:
         raise ValueError("annotation needs {\"url\": \"http://HOST:PORT\"} and the Label Studio token in "
@@ -201,14 +174,10 @@ def label_studio(cfg) -> LabelStudio:
 
 
 def start_annotator(cfg, tokenizer, stop: threading.Event) -> Callable[[], dict]:
-    """Trainer rank 0: a daemon thread running an Annotator (cfg.annotation, its own buffer
-    connection) until `stop` is set. Returns a callable giving its latest metrics (the
-    loop's LoopIO.extra_metrics, also called while the trainer waits for a batch); it
-    raises RuntimeError (one line naming the error) once the thread has died of any error
-    (a failed poll that is not a ConnectionError, or a failed start): the rewards the
-    trainer waits for would never come."""
+    """Trainer rank 0: a daemon thread running an Annotator until `stop` is set. Returns a callable
+    giving its latest metrics (LoopIO.extra_metrics), which raises RuntimeError (one line) once the
+    thread has died: the rewards the trainer waits for would never come."""
     from buffer import open_buffer
-
     latest: dict = {}
     failed: list[Exception] = []
     url = label_studio(cfg).url  # ValueError without url or token

@@ -1,5 +1,4 @@
-"""The MLflow tracker adapter (`--log mlflow`); metrics.Metrics imports it by its
-path in metrics.TRACKERS only when a run asks for it."""
+"""The MLflow tracker (`--log mlflow`), in metrics.TRACKERS by import path."""
 from __future__ import annotations
 
 import json
@@ -9,16 +8,13 @@ from pathlib import Path
 
 
 class MLflowLog:
-    """An MLflow run in experiment "nanorft" at $MLFLOW_TRACKING_URI, else in the SQLite
-    store RUN_DIR/mlflow.db (`mlflow ui --backend-store-uri sqlite:///RUN_DIR/mlflow.db`);
-    the config as params; its id kept in RUN_DIR/mlflow_run_id so --resume continues it."""
+    """An MLflow run in experiment "nanorft" at $MLFLOW_TRACKING_URI, else in RUN_DIR/mlflow.db; the
+    config as params; its id in RUN_DIR/mlflow_run_id for --resume."""
 
     def __init__(self, run_dir: Path, config: dict):
         import logging
-
         from mlflow import MlflowClient
         from mlflow.entities import Param
-
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # table creation notes
         self.client = MlflowClient(os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
         id_file = run_dir / "mlflow_run_id"
@@ -36,7 +32,6 @@ class MLflowLog:
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
-
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in scalars.items()])
 

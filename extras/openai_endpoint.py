@@ -1,32 +1,10 @@
-"""An OpenAI-compatible endpoint served by the explorer's engine (HF or vLLM), for agents
-written against the `openai` package (extras/agent.py, extras/verifiers_env.py).
-
-    endpoint = Endpoint(engine)                      # a local port, a server thread (FastAPI + uvicorn)
-    episode = endpoint.open_episode(Sampling(...))   # inside the event loop that runs the agent
-    client = openai.AsyncOpenAI(base_url=episode.url, api_key="-")   # .../e/EPISODE/v1
-    ...                                              # the agent's calls
-    calls = endpoint.close_episode(episode)          # every delivered call: token ids, behaviour log-probs
-
-Routes: `POST /e/{episode}/v1/chat/completions`, `GET /e/{episode}/v1/models`, and the same
-under `/v1/` with the episode in an `X-Episode-Id` header. A request is checked and its
-messages (and tools) rendered into prompt token ids (extras/chat_tools.py); the engine
-samples them with the episode's sampling (the run's temperature and top-p: the trainer's
-log-probs assume them, so a request's own are ignored; its max_tokens and stop cut the
-completion after sampling, at token granularity). Each call is recorded as the prompt ids
-the engine saw and, per choice, the ids it sampled with their behaviour log-probs; the
-returned text is never tokenised again. An assistant message that this episode returned is
-rendered, when a client sends it back, as the exact text the model generated (its tool-call
-blocks and stop string included), so the next prompt extends the previous prompt +
-completion token for token where the tokenizer allows.
-
-Threads: uvicorn runs in a daemon thread with its own event loop; the tokenizer and the
-engine are used only in the episode's event loop (the explorer's), where a coroutine per
-call runs through `run_coroutine_threadsafe`. Calls of all open episodes of one event loop
-are held at a gate until every open episode is waiting for the model (or `batch_wait_s`
-has passed since the first one) and then reach `engine.generate` together, so the engine
-batches them into one generate call. A malformed request gets a 4xx with a message; one
-whose client went away is dropped unrecorded; a request for an episode that is over gets
-404 / 409. Nothing a client sends reaches the explorer's loop except a checked request.
+"""An OpenAI-compatible endpoint served by the explorer's engine, for agents written against the
+`openai` package (extras/agent.py, extras/verifiers_env.py). `endpoint_for(engine)` starts it; each
+rollout opens an episode (base URL .../e/EPISODE/v1, or /v1 with an X-Episode-Id header) and closes it
+to get every delivered call's token ids and behaviour log-probs. Calls sample with the episode's
+Sampling (the trainer's log-probs assume it); max_tokens and stop cut after sampling; an assistant
+message the episode returned is rendered back as the model's exact text. uvicorn serves in a daemon
+thread; each call runs in its episode's event loop, the only one that touches engine and tokenizer.
 """
 from __future__ import annotations
 
@@ -48,10 +26,8 @@ MAX_BODY_BYTES = 8 << 20
 
 
 def require_packages(what: str) -> None:
-    """Raise ValueError (one line) naming the pip install when fastapi, uvicorn or openai is
-    missing."""
+    """ValueError (one line, naming the pip install) when fastapi, uvicorn or openai is missing."""
     import importlib.util
-
     missing = [p for p in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(p) is None]
     if missing:
         raise ValueError(f"{what} needs {', '.join(missing)}: pip install openai fastapi uvicorn")
@@ -59,9 +35,8 @@ def require_packages(what: str) -> None:
 
 @dataclass
 class Choice:
-    """One sampled completion as recorded: tokens [R] and behaviour_logprobs [R] (cut at
-    max_tokens / a stop string), weight versions (first token, last token), finish_reason
-    ("stop", "length" or "tool_calls") and the text returned for it."""
+    """One sampled completion as recorded: tokens [R], behaviour_logprobs [R], weight versions (first
+    and last token), finish_reason ("stop", "length" or "tool_calls") and the text returned."""
 
     tokens: list[int]
     behaviour_logprobs: list[float]
@@ -72,8 +47,7 @@ class Choice:
 
 @dataclass
 class Call:
-    """One delivered chat completion: `seq` (arrival order within the episode), `prompt`
-    (the token ids the engine saw) and its choices."""
+    """One delivered chat completion: `seq` (arrival order), `prompt` (the ids the engine saw), choices."""
 
     seq: int
     prompt: list[int]
@@ -97,9 +71,8 @@ class Episode:
 
 
 class _Gate:
-    """Holds the calls of one event loop until every open episode of it waits for the
-    model (or the first waiting call's episode's `wait_s` has passed), then lets them all
-    through."""
+    """Holds the calls of one event loop until every open episode waits (or the first waiting
+    episode's `wait_s` has passed), then lets them all through."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.open = loop, 0
@@ -152,29 +125,23 @@ def context_length(engine) -> int | None:
 
 
 class Endpoint:
-    """The OpenAI-compatible server of one engine (see the module docstring).
+    """The OpenAI-compatible server of one engine on a free local port (`url`). batch_wait_s: the
+    longest a call waits at the gate (seconds). ValueError (one line) when fastapi, uvicorn or openai
+    is missing."""
 
-    host/port: where it listens (port 0: a free one; `url` tells). batch_wait_s: the
-    longest a call waits at the gate for the other open episodes (seconds). model_name:
-    what `GET /v1/models` lists (requests may name any model). Raises ValueError (one
-    line) when fastapi, uvicorn or openai is missing, OSError when the port is taken."""
-
-    def __init__(self, engine, host: str = "127.0.0.1", port: int = 0, batch_wait_s: float = 0.1,
-                 model_name: str = "nanorft"):
+    def __init__(self, engine, batch_wait_s: float = 0.1):
         require_packages("the OpenAI-compatible endpoint")
         import uvicorn
-
-        self.engine, self.batch_wait_s, self.model_name = engine, batch_wait_s, model_name
+        self.engine, self.batch_wait_s = engine, batch_wait_s
         self.max_len = context_length(engine)
         self._episodes: dict[str, Episode] = {}
         self._gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
         self._sock.listen(512)  # connections queue here until the server thread accepts them
         self.port = self._sock.getsockname()[1]
-        self.url = f"http://{host if ':' not in host else f'[{host}]'}:{self.port}"
+        self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off", loop="asyncio",
                                 timeout_graceful_shutdown=2)
         self._server = uvicorn.Server(config)
@@ -182,35 +149,24 @@ class Endpoint:
                                         name=f"nanorft-endpoint-{self.port}")
         self._thread.start()
 
-    # ------------------------------------------------------------------ episodes (the explorer's loop)
-
     def open_episode(self, sampling, tool_parser: str = "hermes", batch_wait_s: float | None = None) -> Episode:
-        """Open an episode in the running event loop (its calls run there). sampling:
-        engines.Sampling of every call (max_tokens is the cap of a request's own);
-        tool_parser: a chat_tools.TOOL_PARSERS name or import path; batch_wait_s: the
-        endpoint's unless given."""
-        loop = asyncio.get_running_loop()
-        eid = uuid.uuid4().hex
+        """Open an episode in the running event loop (its calls run there). sampling: engines.Sampling
+        of every call; tool_parser: a chat_tools.TOOL_PARSERS name or import path."""
+        loop, eid = asyncio.get_running_loop(), uuid.uuid4().hex
         wait_s = self.batch_wait_s if batch_wait_s is None else batch_wait_s
         ep = Episode(eid, f"{self.url}/e/{eid}/v1", loop, sampling, load_tool_parser(tool_parser), wait_s)
         with self._lock:
             self._episodes[eid] = ep
-            gate = self._gates.get(loop)
-            if gate is None:
-                gate = self._gates[loop] = _Gate(loop)
-            gate.open += 1
+            self._gates.setdefault(loop, _Gate(loop)).open += 1
         return ep
 
     def close_episode(self, ep: Episode) -> list[Call]:
-        """End an episode (in its event loop): later calls to it get 404, calls still
-        running are not recorded. Returns its delivered calls in arrival order."""
+        """End an episode (later calls get 404, running ones are not recorded); its calls in arrival order."""
         with self._lock:
-            if ep.closed:
-                return sorted(ep.calls, key=lambda c: c.seq)
-            ep.closed = True
+            closing, ep.closed = not ep.closed, True
             self._episodes.pop(ep.id, None)
             gate = self._gates.get(ep.loop)
-        if gate is not None:
+        if closing and gate is not None:
             gate.drop(ep)
         return sorted(ep.calls, key=lambda c: c.seq)
 
@@ -240,28 +196,27 @@ class Endpoint:
         choices = [self._cut(out, req, tok) for out in outs]
         sampled = sum(len(c.tokens) for c in choices)
         body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": req.model or self.model_name,
+                "model": req.model or "nanorft",
                 "choices": [self._choice(i, c, req, ep, tok) for i, c in enumerate(choices)],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": sampled, "total_tokens": len(prompt) + sampled}}
         return Call(seq, prompt, choices), body
 
     @staticmethod
     def _cut(out, req, tok) -> Choice:
-        """The completion cut at the request's max_tokens, then after the token that
-        completes its first stop string (the returned text ends before it)."""
+        """The completion cut at the request's max_tokens, then after the token that completes its
+        first stop string (the returned text ends before it)."""
         tokens, behaviour, reason = list(out.tokens), list(out.behaviour_logprobs), out.finish_reason
         if req.max_tokens is not None and len(tokens) > req.max_tokens:
             tokens, behaviour, reason = tokens[:req.max_tokens], behaviour[:req.max_tokens], "length"
         text = tok.decode(tokens, skip_special_tokens=True)
         hits = [text.find(s) for s in req.stop if s in text]
         if hits:
-            at = min(hits)
             lo, hi = 1, len(tokens)  # the fewest tokens whose text holds a stop string
             while lo < hi:
                 mid = (lo + hi) // 2
                 part = tok.decode(tokens[:mid], skip_special_tokens=True)
                 lo, hi = (lo, mid) if any(s in part for s in req.stop) else (mid + 1, hi)
-            tokens, behaviour, reason, text = tokens[:lo], behaviour[:lo], "stop", text[:at]
+            tokens, behaviour, reason, text = tokens[:lo], behaviour[:lo], "stop", text[:min(hits)]
         return Choice(tokens, behaviour, tuple(out.versions), reason, text)
 
     def _choice(self, i: int, c: Choice, req, ep: Episode, tok) -> dict:
@@ -281,19 +236,15 @@ class Endpoint:
                                               for p, lp in zip(pieces, c.behaviour_logprobs)]}
         return choice
 
-    # ------------------------------------------------------------------ HTTP (the server thread)
-
     def _app(self):
-        """The FastAPI app: plain Starlette routes (request -> response), no schema layer."""
+        """The FastAPI app: plain Starlette routes, no schema layer."""
         from fastapi import FastAPI
         from fastapi.responses import JSONResponse, Response
-
         app = FastAPI(title="nanorft endpoint", docs_url=None, redoc_url=None, openapi_url=None)
         error = lambda status, message: JSONResponse(  # noqa: E731 - OpenAI's error shape
             {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
                        "param": None, "code": status}}, status_code=status)
-        models = {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                              "owned_by": "nanorft"}]}
+        models = {"object": "list", "data": [{"id": "nanorft", "object": "model", "created": 0, "owned_by": "nanorft"}]}
 
         async def list_models(request):
             return JSONResponse(models)
@@ -352,10 +303,6 @@ class _Gone(Exception):
 async def _read_json(request):
     """The request body as JSON: RequestError 413 past MAX_BODY_BYTES, 400 for bad JSON."""
     from starlette.requests import ClientDisconnect
-
-    size = request.headers.get("content-length", "")
-    if size.isdigit() and int(size) > MAX_BODY_BYTES:
-        raise RequestError(f"request body over {MAX_BODY_BYTES} bytes", 413)
     chunks, total = [], 0
     try:
         async for chunk in request.stream():
@@ -375,13 +322,12 @@ _ENDPOINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ENDPOINTS_LOCK = threading.Lock()
 
 
-def endpoint_for(engine, **kwargs) -> Endpoint:
-    """The endpoint of `engine`, started on first use (kwargs: Endpoint's); it stops when
-    the engine is closed (`engine.close` is wrapped)."""
+def endpoint_for(engine) -> Endpoint:
+    """The endpoint of `engine`, started on first use; engine.close stops it too."""
     with _ENDPOINTS_LOCK:
         endpoint = _ENDPOINTS.get(engine)
         if endpoint is None:
-            endpoint = _ENDPOINTS[engine] = Endpoint(engine, **kwargs)
+            endpoint = _ENDPOINTS[engine] = Endpoint(engine)
             close = engine.close
 
             def close_both():

@@ -1,5 +1,4 @@
-"""The W&B tracker adapter (`--log wandb`); metrics.Metrics imports it by its
-path in metrics.TRACKERS only when a run asks for it."""
+"""The W&B tracker (`--log wandb`), in metrics.TRACKERS by import path."""
 from __future__ import annotations
 
 import os
@@ -8,16 +7,12 @@ from pathlib import Path
 
 
 class WandbLog:
-    """A W&B run (project $WANDB_PROJECT, default "nanorft"; named after the run dir; its id
-    kept in RUN_DIR/wandb/nanorft_run_id so --resume continues it). Without WANDB_MODE, a
-    WANDB_API_KEY or a `wandb login`, it runs offline in RUN_DIR/wandb: upload it later with
-    `wandb sync`. Every metric is plotted against the record's `step`."""
+    """A W&B run in project $WANDB_PROJECT (default "nanorft"), its id in RUN_DIR/wandb/nanorft_run_id
+    for --resume; offline in RUN_DIR/wandb (`wandb sync` later) unless WANDB_MODE or a login says else."""
 
     def __init__(self, run_dir: Path, config: dict):
         import netrc
-
         import wandb
-
         try:
             logged_in = bool(os.environ.get("WANDB_API_KEY") or netrc.netrc().authenticators("api.wandb.ai"))
         except (OSError, netrc.NetrcParseError):
