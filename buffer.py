@@ -1,25 +1,21 @@
-"""Experience (the explorer/trainer contract) and the persistent buffer between them: a
-SQLite file (RUN_DIR/buffer.sqlite) or a PostgreSQL database (extras/postgres.py, several
-hosts; each run in its own schema). Explorers write groups, with their resume state and
-task-pool updates in the same transaction; the trainer takes complete groups (lagged rewards
-wait) in FIFO order and marks them consumed (= 1 + its step) in its transaction, and
-`release_after` serves again what a crashed trainer had taken: nothing lost or used twice.
+"""Experience (the explorer/trainer contract) and the buffer between them, a SQLite file or
+PostgreSQL (extras/postgres.py). A batch is written in one transaction with its explorer's
+resume state; the trainer takes complete groups in FIFO order, each once (consumed = 1 + its
+step), and `release_after` serves again what a crashed trainer had taken.
 """
 from __future__ import annotations
 
 import fcntl
 import json
 import math
-import re
 import sqlite3
 import sys
 import time
 from array import array
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
-from urllib.parse import urlsplit
 
 from config import Config
 
@@ -32,9 +28,8 @@ CREATE TABLE IF NOT EXISTS experiences (
 CREATE INDEX IF NOT EXISTS experiences_group ON experiences (group_id);
 CREATE INDEX IF NOT EXISTS experiences_open ON experiences (consumed, id);
 CREATE TABLE IF NOT EXISTS explorer_state (name TEXT PRIMARY KEY, state TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS task_pool (
-    task_id TEXT PRIMARY KEY, pool TEXT NOT NULL, mean_reward DOUBLE PRECISION NOT NULL,
-    updated DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS task_pool (task_id TEXT PRIMARY KEY, pool TEXT NOT NULL,
+    mean_reward DOUBLE PRECISION NOT NULL, updated DOUBLE PRECISION NOT NULL);
 CREATE TABLE IF NOT EXISTS run_state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS explorer_records (id {id}, explorer TEXT NOT NULL, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS replays (step INTEGER NOT NULL, group_id TEXT NOT NULL);
@@ -45,11 +40,8 @@ COLUMNS = ("group_id, task_id, model_version, prompt_length, tokens, behaviour_l
 
 @dataclass
 class Experience:
-    """One training sample. tokens: prompt (the first prompt_length) + response (R tokens);
-    behaviour_logprobs: [R] under the exact distribution each token was sampled from (0.0:
-    environment tokens, offline data); action_mask: [R] 1 where trained on; reward: None while
-    not known (lagged); model_version: the weights that generated it; info: JSON-able."""
-
+    """One training sample: tokens = prompt (prompt_length) + response (R); behaviour_logprobs [R]
+    (0.0: environment tokens, offline data); action_mask [R]; reward None while not known (lagged)."""
     tokens: list[int]
     prompt_length: int
     behaviour_logprobs: list[float]
@@ -76,9 +68,7 @@ def pool_for(mean_reward: float, easy: float, hard: float) -> str | None:
 
 
 class _SQLite:
-    """The SQLite dialect: BEGIN IMMEDIATE excludes other writers and readers for the whole
-    transaction; explorer names are flocks on files beside it."""
-
+    """The SQLite dialect: BEGIN IMMEDIATE transactions; explorer names are flocks beside the file."""
     def __init__(self, path: str, timeout_s: float):
         self.path, self.where = Path(path), str(path)
         try:
@@ -128,27 +118,17 @@ POSTGRES_BACKEND = "extras.postgres.Postgres"  # optional (psycopg), for several
 
 
 def open_buffer(url: str, run_dir: str | Path, timeout_s: float = 60.0) -> "Buffer":
-    """The buffer of a run (config `buffer`): "" = RUN_DIR/buffer.sqlite, a path or sqlite:///path,
-    or postgresql://... (schema `?schema=`, by default nanorft_<run dir name>). ValueError
-    (one line) when it cannot be opened."""
-    if not url:
-        return Buffer(Path(run_dir) / "buffer.sqlite", timeout_s)
-    if url.startswith(POSTGRES) and "schema=" not in urlsplit(url).query:
-        name = re.sub(r"[^a-z0-9_]", "_", Path(run_dir).resolve().name.lower())[:54]
-        url += ("&" if urlsplit(url).query else "?") + f"schema=nanorft_{name}"
-    return Buffer(url, timeout_s)
+    """The buffer of a run (config `buffer`; "" = RUN_DIR/buffer.sqlite). ValueError when it cannot be opened."""
+    return Buffer(url or Path(run_dir) / "buffer.sqlite", timeout_s, run_dir)
 
 
 class Buffer:
-    """The experience buffer, one per process: a SQLite file or postgresql://...; `timeout_s`:
-    how long a writer waits for a lock. ValueError (one line) when it cannot be opened."""
-
-    def __init__(self, url: str | Path, timeout_s: float = 60.0):
+    """The buffer, one per process: a SQLite path or postgresql://...[?schema=NAME]; ValueError if unusable."""
+    def __init__(self, url: str | Path, timeout_s: float = 60.0, run_dir: str | Path | None = None):
         url = str(url)
-        if url.startswith(POSTGRES):
+        if url.startswith(POSTGRES):  # run_dir: the default schema's name
             from losses import resolve
-
-            self.db = resolve(POSTGRES_BACKEND, {}, "buffer backend")(url, timeout_s, SCHEMA)
+            self.db = resolve(POSTGRES_BACKEND, {}, "buffer backend")(url, timeout_s, SCHEMA, run_dir)
         else:
             self.db = _SQLite(url.removeprefix("sqlite:///"), timeout_s)
         self.where = self.db.where
@@ -164,13 +144,11 @@ class Buffer:
                 self.db.execute(f"DELETE FROM {table}")
 
     def write(self, group: list[Experience]) -> None:
-        """Append one group atomically (all rows or none)."""
         self.write_batch([group])
 
     def write_batch(self, groups: list[list[Experience]], explorer: str | None = None,
                     state: dict | None = None, pools: list[tuple[str, float, float, float]] = ()) -> None:
-        """Append groups, the explorer's resume state and task-pool updates ((task_id, mean reward,
-        easy, hard)) in one transaction."""
+        """Append groups, the explorer's state and task-pool updates in one transaction."""
         now = time.time()
         rows = [(e.group_id, e.task_id, e.model_version, e.prompt_length,
                  array("i", e.tokens).tobytes(), array("f", e.behaviour_logprobs).tobytes(),
@@ -186,19 +164,17 @@ class Buffer:
                 self._set_pool(*pool)
 
     def set_rewards(self, group_id: str, rewards: list[float] | float) -> int:
-        """Lagged rewards: fill a group's rewards (one value for all, or one per experience in
-        insertion order); returns the rows updated. ValueError for an unknown group or a wrong count."""
+        """Lagged rewards: fill a group's rewards (one for all, or one each); ValueError for a wrong group."""
         return self.set_rewards_many({group_id: rewards})
 
     def set_rewards_many(self, rewards: dict[str, list[float] | float]) -> int:
         """`set_rewards` for several groups (group_id -> rewards) in one transaction: all or none."""
-        for group_id, values in rewards.items():
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                       for v in (values if isinstance(values, list) else [values])):
-                raise ValueError(f"group {group_id!r}: rewards must be finite numbers, got {values!r}")
         n = 0
         with self.db.transaction():
             for group_id, values in rewards.items():
+                if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                           for v in (values if isinstance(values, list) else [values])):
+                    raise ValueError(f"group {group_id!r}: rewards must be finite numbers, got {values!r}")
                 ids = [r[0] for r in self.db.execute("SELECT id FROM experiences WHERE group_id = ? ORDER BY id",
                                                      (group_id,))]
                 vals = values if isinstance(values, list) else [values] * len(ids)
@@ -226,8 +202,7 @@ class Buffer:
         return json.loads(row[0]) if row else None
 
     def hold(self, name: str, wait: bool = True) -> bool:
-        """Take the explorer name `name` for the life of this connection (dropped when the process
-        dies), or with wait=False return False while another process holds it."""
+        """Hold explorer name `name` while this connection lives (wait=False: False if taken)."""
         if self.db.hold(name, wait=False):
             return True
         if wait:
@@ -248,8 +223,7 @@ class Buffer:
         return row[0] if row else None
 
     def release_after(self, step: int) -> int:
-        """Mark groups consumed at trainer steps >= `step` (and their replays) as not consumed;
-        returns the number of experiences released."""
+        """Serve again what trainer steps >= `step` took; returns the number of experiences."""
         with self.db.transaction(readers=True):
             for (group_id,) in self.db.execute("SELECT group_id FROM replays WHERE step >= ?", (step,)).fetchall():
                 self.db.execute("UPDATE experiences SET use_count = use_count - 1 WHERE group_id = ?", (group_id,))
@@ -259,8 +233,7 @@ class Buffer:
 
     def read(self, num_groups: int, timeout_s: float = float("inf"),
              alive: Callable[[], bool] = lambda: True, poll_s: float = 0.05, step: int = 0) -> list[list[Experience]]:
-        """Take the `num_groups` oldest complete groups for trainer step `step`; blocks until
-        they are ready. TimeoutError after `timeout_s`, RuntimeError once `alive()` is False."""
+        """Wait for and take the `num_groups` oldest complete groups; TimeoutError, RuntimeError (writer died)."""
         deadline = time.monotonic() + timeout_s
         while True:
             groups = self._take(num_groups, step)
@@ -317,20 +290,15 @@ class Buffer:
 
 
 def check_config(cfg) -> None:
-    """Open the run's buffer before any process starts (ValueError when it cannot be). A new
-    run on a PostgreSQL schema with experiences: FileExistsError, or --overwrite empties it."""
-    buf = open_buffer(cfg.buffer, cfg.run_dir)
-    try:
+    """Open the run's buffer before any process starts; FileExistsError for another run's (--overwrite)."""
+    with closing(open_buffer(cfg.buffer, cfg.run_dir)) as buf:
         if cfg.buffer and cfg.mode == "both" and not cfg.resume and buf.counts()["total"]:
             if not cfg.overwrite:
                 raise FileExistsError(f"buffer {buf.where} holds experiences of another run "
                                       "(use --overwrite, --resume or another ?schema=)")
             buf.clear()
-    finally:
-        buf.close()
 
 
 if __name__ == "__main__":  # the command line for lagged rewards: pending, set-reward
     from losses import resolve
-
     raise SystemExit(resolve("extras.lagged_rewards.main", {}, "buffer.py")())

@@ -1,7 +1,5 @@
-"""Resume states on disk: RUN_DIR/checkpoints/resume-{step:06d} (`save_resume_state`,
-`load_resume_state`), named by the marker checkpoints/resume-latest once complete
-(`resume_state`); a finished run deletes them (`delete_resume_states`). A file of its own:
-trainer ranks, run.py and the explorer of a resumed run read these directories.
+"""Resume states, RUN_DIR/checkpoints/resume-{step:06d} (`save_resume_state`, `load_resume_state`):
+a file of its own, as trainer ranks, run.py and the explorer of a resumed run read them.
 """
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ def resume_state(run_dir: str | Path) -> Path | None:
 
 
 def delete_resume_states(run_dir: str | Path) -> int:
-    """Delete a finished run's resume states (the marker first) and checkpoints/ if that
-    leaves it empty. Returns the bytes freed."""
+    """Delete a finished run's resume states (the marker first); returns the bytes freed."""
     root = Path(run_dir) / "checkpoints"
     states = sorted(root.glob("resume-[0-9]*"))
     freed = sum(f.stat().st_size for d in states for f in d.rglob("*") if f.is_file())
@@ -35,13 +32,10 @@ def delete_resume_states(run_dir: str | Path) -> int:
 
 
 def save_resume_state(trainer, run_dir: str | Path, step: int) -> Path:
-    """Write `trainer`'s state after `step` steps to RUN_DIR/checkpoints/resume-{step:06d}/
-    and return it: the weights as a float32 HF directory hf/ (LoRA: the adapter), the
-    optimizer in dcp/, version, RNG and `loop_state`. The marker names it only once it is
-    complete, then older states go: a kill at any moment leaves a complete state. Collective."""
+    """Write `trainer`'s state after `step` steps (hf/: float32 weights; dcp/: the optimizer) and
+    return it; the marker resume-latest names it once complete: a kill never loses it. Collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
     root = Path(run_dir) / "checkpoints"
     path = root / f"resume-{step:06d}"
     if trainer.rank == 0:
@@ -65,11 +59,9 @@ def save_resume_state(trainer, run_dir: str | Path, step: int) -> Path:
 
 
 def load_resume_state(trainer, path: str | Path) -> int:
-    """Load a `save_resume_state` directory into `trainer`; returns the steps it had done.
-    Collective. ValueError when hf/ lacks a parameter of the model."""
+    """Load a resume state into `trainer`; returns its step. Collective. ValueError for missing weights."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
     state = {"optim": get_optimizer_state_dict(trainer.model, trainer.opt), **_adapter_state(trainer)}
     dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))  # LoRA: the adapters in place, as sharded
     set_optimizer_state_dict(trainer.model, trainer.opt, state["optim"])
@@ -88,7 +80,6 @@ def _adapter_state(trainer) -> dict:
 def _load_weights(trainer, hf: Path) -> None:
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     full: dict[str, torch.Tensor] = {}
     for f in sorted(hf.glob("*.safetensors")):  # (save_pretrained shards a large model)
         full.update(load_file(f))

@@ -1,9 +1,6 @@
-"""The train loop of modes both and train on every trainer rank (`run_trainer`): each step
-rank 0 reads a batch from the buffer (`read_batch`) for every rank to train on
-(Trainer.step), the weights go out after the steps the sync schedule names (`publish`) and
-rank 0 logs. Around it on rank 0: `loop_io` (buffer, metrics, pipelines, offline data), the
-explorer process of mode both (`start_explorer`) and `finish`. A file of its own: it wires
-the trainer to the explorer, the buffer and the weight-sync group.
+"""The train loop of modes both and train on every trainer rank (`run_trainer`, `TrainLoop`): a
+file of its own, as it wires the trainer to the explorer process of mode both (`start_explorer`),
+the buffer and the weight-sync group.
 """
 from __future__ import annotations
 
@@ -37,8 +34,7 @@ OFFLINE = "extras.offline.attach"  # offline (SFT, DPO) and expert (MIX) data
 
 
 def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]:
-    """Rank 0: the cfg.batch_size groups of `step` (those staler than cfg.max_staleness are
-    dropped and replaced; cfg.replay's replayed groups after them) and their metrics."""
+    """Rank 0: the groups of `step` (too stale: dropped, replaced; then cfg.replay's) and their metrics."""
     groups, dropped = [], 0
     while len(groups) < cfg.batch_size:
         got = buffer.read(cfg.batch_size - len(groups), cfg.buffer_timeout_s, alive, step=step)
@@ -63,11 +59,7 @@ def bucket_elems(cfg) -> int:
 
 @dataclass
 class LoopIO:
-    """What the loop talks to on rank 0 (other ranks: the defaults). offline / expert:
-    extras.offline samplers; records(): the explorers' new records; shape(groups, step) ->
-    (groups, metrics): the experience pipeline; extra_metrics(): the annotator's (raises once it
-    failed); send_weights(version, buckets) -> checksum or None (None: checkpoint sync)."""
-
+    """What the loop talks to on rank 0 (other ranks: the defaults); send_weights None: checkpoint sync."""
     buffer: Any = None
     offline: Any = None
     expert: Any = None
@@ -82,21 +74,18 @@ class LoopIO:
 
 class TrainLoop:
     """The train loop of one trainer rank; `errors`: the error lines the explorer reported."""
-
     def __init__(self, cfg, trainer: Trainer, start: int, io: LoopIO, rank: int, world: int):
         from tqdm import tqdm
         self.cfg, self.trainer, self.start, self.io, self.rank, self.world = cfg, trainer, start, io, rank, world
         trainer.progress = lambda text: self.bar.set_postfix_str(text)
         self.status_at = 0.0  # when rank 0 last looked for explorer status while waiting for a batch
         self.pending: dict[int, dict] = {}  # explorer batch records by batch index, merged into that step
-        self.last_eval: dict = {}
-        self.errors: list[str] = []
+        self.last_eval, self.errors = {}, []  # the latest evaluation record; the explorer's error lines
         self.zero_adv_steps = self.errored_steps = 0  # consecutive steps with every advantage 0 / every reward errored
         self.bar = tqdm(total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True)
         self.meter = JobMeter()  # cpu/utilisation_pct, perf/job_mfu
 
     def run(self) -> None:
-        """Steps start .. cfg.steps - 1."""
         self.trainer.cores, self.t_start = self.io.cores, time.perf_counter()  # (cores: once the explorer started)
         try:
             for step in range(self.start, self.cfg.steps):
@@ -124,10 +113,8 @@ class TrainLoop:
     def next_batch(self, step: int) -> tuple[list, dict]:
         """Rank 0: the groups of `step` (the buffer's or offline data), shaped, and their metrics."""
         io = self.io
-        if io.offline:
-            groups, m = io.offline.draw(self.cfg.batch_size), {}
-        else:
-            groups, m = read_batch(self.cfg, io.buffer, step, self.trainer.version, self.waiting)
+        groups, m = ((io.offline.draw(self.cfg.batch_size), {}) if io.offline
+                     else read_batch(self.cfg, io.buffer, step, self.trainer.version, self.waiting))
         if io.cores is not None:
             io.cores.busy(True)
         if io.shape:
@@ -136,8 +123,7 @@ class TrainLoop:
         return groups, m
 
     def publish(self, step: int, m: dict) -> None:
-        """Send the new weights to the explorers or publish a checkpoint; after the last step also
-        save RUN_DIR/final."""
+        """Send the new weights to the explorers or publish a checkpoint; the last step saves RUN_DIR/final."""
         cfg, io, version = self.cfg, self.io, self.trainer.version
         params = digest = None
         if cfg.sync_bucket_mb and cfg.sync_method == "broadcast":  # (run.check_modes: never with offline data)
@@ -157,8 +143,7 @@ class TrainLoop:
         if digest is not None:
             m["sync/trainer_checksum"] = digest
         if step == cfg.steps - 1:
-            params = params if params is not None else self.trainer.full_parameters()
-            self.trainer.save_final(Path(cfg.run_dir) / "final", params)
+            self.trainer.save_final(Path(cfg.run_dir) / "final", params or self.trainer.full_parameters())
 
     def waiting(self) -> bool:
         """Rank 0's poll while it waits for a batch; False once the explorer has died."""
@@ -208,8 +193,7 @@ class TrainLoop:
         self.bar.update()
 
     def check_learning(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
-        """Staleness and share metrics; warnings for steps that cannot learn. RuntimeError after
-        REWARD_ERROR_STEPS steps in a row whose rewards all failed."""
+        """Staleness metrics, warnings; RuntimeError after REWARD_ERROR_STEPS steps whose rewards all failed."""
         v = [e.model_version for g in rollouts for e in g]
         m.update({"staleness/mean": sum(step - x for x in v) / len(v), "staleness/max": max(step - x for x in v)})
         for name in sorted({g[0].explorer for g in rollouts}):  # each explorer's share of the batch and staleness
@@ -272,8 +256,7 @@ def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout, tas
 
 
 def kept_on_resume(start: int, evals_from_buffer: bool) -> Callable[[dict], bool]:
-    """On --resume from step `start`: whether a record of metrics.jsonl stays (each step and
-    evaluation logged once; `evals_from_buffer`: mode train reads every evaluation again)."""
+    """On --resume from `start`: whether a record of metrics.jsonl stays, so that each is logged once."""
     def keep(r: dict) -> bool:
         if "eval/accuracy" in r:
             return not evals_from_buffer and r.get("eval/version", r.get("step", 0)) < start
@@ -285,8 +268,7 @@ def kept_on_resume(start: int, evals_from_buffer: bool) -> Callable[[dict], bool
 
 def loop_io(cfg, trainer, start: int, model_path: str):
     """Rank 0's `LoopIO` at step `start` (on --resume, experiences served after `start` go back)."""
-    run_dir = Path(cfg.run_dir)
-    io = LoopIO(buffer=open_buffer(cfg.buffer, run_dir))
+    io = LoopIO(buffer=open_buffer(cfg.buffer, cfg.run_dir))
     if cfg.experience_pipeline:
         io.shape = resolve("extras.pipelines.ExperiencePipeline", {}, "experience_pipeline")(
             cfg.experience_pipeline, trainer.tokenizer, model_path)
@@ -295,17 +277,15 @@ def loop_io(cfg, trainer, start: int, model_path: str):
         released = io.buffer.release_after(start)
         print0(f"resumed at step {start} (version {trainer.version}); {released} experiences served again")
     evals_from_buffer = cfg.mode == "train" and not cfg.train_data
-    io.metrics = Metrics(run_dir, cfg, kept_on_resume(start, evals_from_buffer) if cfg.resume else None)
+    io.metrics = Metrics(Path(cfg.run_dir), cfg, kept_on_resume(start, evals_from_buffer) if cfg.resume else None)
     if cfg.expert_fraction or cfg.train_data:
         resolve(OFFLINE, {}, "offline data")(cfg, io, trainer, start)
     return io
 
 
 def start_explorer(cfg, io, model_path: str, version: int, layout, tasks: tuple):
-    """Mode both, rank 0: spawn the explorer process on `model_path` (= `version`) and connect
-    `io` to it. Returns (process, sync.WeightSync or None)."""
+    """Mode both, rank 0: spawn the explorer process, connect `io`; returns (it, sync.WeightSync or None)."""
     import torch.multiprocessing as mp
-
     from explorer import run_mode_both
     weights = weight_group(cfg, layout, 1) if cfg.sync_method != "checkpoint" else None
     ctx = mp.get_context("spawn")
@@ -334,9 +314,7 @@ def weight_group(cfg, layout, receivers: int):
 
 
 def finish(cfg, loop, explorer, weights) -> None:
-    """Rank 0 after the last step: wait for the explorer(s) (RuntimeError with its error line if
-    it failed), set trainer_done in the buffer, write the final config, delete the resume
-    states, draw the plot."""
+    """Rank 0 after the last step: wait for the explorer(s) (RuntimeError if one failed), write the final files."""
     run_dir = Path(cfg.run_dir)
     if weights:
         weights.wait(loop.io.alive)
@@ -355,8 +333,8 @@ def finish(cfg, loop, explorer, weights) -> None:
 
 
 def join_draining(process, drain: Callable[[], Any], timeout_s: float | None = None) -> bool:
-    """Wait until `process` has exited (False after `timeout_s`), calling `drain()` meanwhile: it
-    does not exit before its queued items are read (multiprocessing docs, "joining processes")."""
+    """Wait until `process` has exited (False after `timeout_s`), calling `drain()`: it does not
+    exit before its queued items are read (multiprocessing docs, "joining processes")."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         drain()

@@ -1,8 +1,6 @@
 """Weight sync, both ends: the schedule (Trinity-RFT: `required_version`, `publishes_after`),
-the process group (`WeightSync`: trainer rank 0 hosts a TCPStore, a gloo or NCCL group on
-PrefixStore("weights", store) apart from the FSDP group, rank 0 = trainer, ranks 1.. =
-explorers) and the explorer's `Receiver`. A publish is announced in the store (in-flight
-updates, PipelineRL), then broadcasts the version and the parameters in buckets.
+the weight-sync group (`WeightSync`: rank 0 = trainer, hosting a TCPStore; ranks 1.. =
+explorers; apart from the FSDP group) and the explorer's `Receiver`.
 """
 from __future__ import annotations
 
@@ -56,9 +54,7 @@ def check_config(cfg) -> None:
 
 
 class CoreShare:
-    """The side that waits lends its CPU threads to the busy one. `flags`: a shared Array("i", 2)
-    (trainer busy, explorer busy); `side` 0 (trainer) or 1; `own` / `other`: thread counts."""
-
+    """The side that waits (`flags`: trainer busy, explorer busy) lends its CPU threads to the busy one."""
     def __init__(self, flags, side: int, own: int, other: int):
         self.flags, self.side, self.own, self.other = flags, side, own, other
 
@@ -74,9 +70,7 @@ class CoreShare:
 
 
 class StoreAlive:
-    """Whether trainer rank 0 is alive (its weight-sync store answers), for a process that is
-    not its child. RuntimeError when no store answers within `wait_s` seconds."""
-
+    """Whether trainer rank 0's weight-sync store answers; RuntimeError when none does within `wait_s`."""
     def __init__(self, host: str, port: int, wait_s: float):
         try:  # a client of its own: a WeightSync's may be blocked in the rendezvous
             self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=wait_s))
@@ -92,8 +86,7 @@ class StoreAlive:
 
 
 def checksum(tensors: Iterable[torch.Tensor]) -> float:
-    """Float64 sum of all elements (--sync-checksum), in chunks: a float64 sum casts the whole
-    tensor first (ATen's make_reduction)."""
+    """Float64 sum of all elements (--sync-checksum), in chunks: a float64 sum casts a whole tensor."""
     return float(sum(c.sum(dtype=torch.float64) for t in tensors for c in t.detach().reshape(-1).split(CHECKSUM_CHUNK)))
 
 
@@ -117,10 +110,7 @@ def group_backend(gpus: list[str]) -> str:
 
 
 class WeightSync:
-    """One end of the weight-sync group. Rank 0 (`world_size` = 1 + receivers) creates the
-    TCPStore on `host`:`port` (0: a free one, `.port`); a receiver (`rank` None) takes the next
-    free rank in `connect()`. `timeout_s` bounds every collective."""
-
+    """One end of the weight-sync group: rank 0 hosts the store at `host`:`port`; `rank` None: the next free."""
     def __init__(self, rank: int | None, world_size: int | None = None, port: int = 0, host: str = "127.0.0.1",
                  device: str = "cpu", timeout_s: float = 3600.0, bucket_elems: int = 0,
                  wire_dtype: torch.dtype = torch.float32, checksum: bool = False):
@@ -128,7 +118,7 @@ class WeightSync:
         if self.device.type == "cuda" and self.device.index is None:  # the group's thread has a current GPU of its own
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout, self.bucket_elems, self.wire_dtype = timedelta(seconds=timeout_s), bucket_elems, wire_dtype
-        self.store = None
+        self.store = self.group = self._pending = self._flat = None  # _flat: rank >= 1's receive buffer (CPU: kept)
         if rank == 0:
             self.store = dist.TCPStore(host, port, world_size, is_master=True, timeout=self.timeout,
                                        wait_for_workers=False)
@@ -136,27 +126,20 @@ class WeightSync:
             self.store.set("device", self.device.type)
             self.store.set("bucket_elems", str(bucket_elems))
             self.store.set("gpu/0", gpu_id(self.device))
-        self.port = self.store.port if self.store is not None else port
-        self.group, self._pending, self.checksum = None, None, checksum
-        self._flat: torch.Tensor | None = None  # rank >= 1 on CPU: the receive buffer, kept (a new one page-faults)
+        self.port, self.checksum = self.store.port if self.store is not None else port, checksum
 
     def connect(self, alive: Callable[[], bool] = lambda: True) -> "WeightSync":
         """Build the group once every rank has called it. RuntimeError if `alive()` turns False."""
         done: list = []  # the group, or the exception that building it raised
-
         def build():
             try:
-                if self.store is None:
-                    self._join()
-                else:
-                    self._announce()
+                (self._join if self.store is None else self._announce)()  # a receiver / rank 0
                 self.wire_dtype = getattr(torch, self.store.get("wire_dtype").decode())
                 if self.store.get("backend").decode() == "gloo":
                     self.device = torch.device("cpu")  # staged through host memory
                 done.append(self._group())
             except Exception as e:  # reported by connect(), not lost in the thread
                 done.append(e)
-
         builder = threading.Thread(target=build, daemon=True)
         builder.start()
         while builder.is_alive():
@@ -190,7 +173,7 @@ class WeightSync:
         self.store.set("backend", group_backend([self.store.get(f"gpu/{r}").decode() for r in range(self.world_size)]))
 
     def _group(self):
-        # NCCL's communicator now, not at the first broadcast where no `alive()` is watched (as _dist2.py)
+        # NCCL: the communicator at once, not at the first broadcast where no `alive()` is watched (as _dist2.py)
         prefixed = dist.PrefixStore("weights", self.store)
         if self.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
@@ -235,8 +218,7 @@ class WeightSync:
 
     def send(self, version: int, buckets: Iterable[list[torch.Tensor]],
              alive: Callable[[], bool] = lambda: True) -> float | None:
-        """Rank 0: publish `buckets` (lists of tensors in `named_parameters()` order) as `version`.
-        Returns once it is in flight, with its checksum if `self.checksum`."""
+        """Rank 0: announce, then broadcast `buckets` (tensors in `named_parameters()` order) as `version`."""
         self.wait(alive)
         self.store.set("published", str(version))
         self._pending = [self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))]
@@ -297,10 +279,7 @@ def bucket_ranges(numels: list[int], limit: int) -> list[range]:
 
 
 class Receiver:
-    """The explorer's end: takes published weights into `engine` and logs each receipt. By
-    broadcast over the group at `host`:`port`, or with port None from the checkpoints in
-    `run_dir`. A blocking receive raises RuntimeError once `alive()` is False."""
-
+    """The explorer's end: takes published weights into `engine` (`port` None: checkpoints) and logs them."""
     def __init__(self, engine, run_dir: str | Path, name: str, log: Callable[[dict], None],
                  alive: Callable[[], bool], port: int | None = None, timeout_s: float = 600.0, device: str = "cpu",
                  host: str = "127.0.0.1"):
@@ -310,6 +289,7 @@ class Receiver:
         self.source = engine if port is not None else resolve(CHECKPOINT_SOURCE, {}, "sync_method")(run_dir, name, engine)
 
     def join(self) -> None:
+        """Broadcast: join the weight-sync group (blocks until every rank is there)."""
         if self.port is not None:
             self.engine.join_weight_sync(self.host, self.port, self.timeout_s, self.alive, self.device)
 
@@ -318,12 +298,11 @@ class Receiver:
         return self.source.weights_announced()
 
     def until(self, version: int) -> None:
-        """Receive until the engine holds at least `version`."""
         while self.engine.version < version:
             self.receive()
 
     def receive(self) -> None:
-        """Block until a newer version is loaded."""
+        """Block until a newer version is loaded; RuntimeError once `alive()` is False."""
         t0 = time.perf_counter()
         while self.newest() <= self.engine.version:
             if not self.alive():

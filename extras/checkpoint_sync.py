@@ -1,8 +1,6 @@
-"""Checkpoint sync (--sync-method checkpoint: launches that share a run directory). The
-trainer writes RUN_DIR/checkpoints/v{version:06d} under a temporary name, renames it, then
-renames the marker checkpoints/latest over the old one: a reader never sees a partial
-checkpoint; a reader holds a lease while it loads, so retention never deletes it under it.
-loop.py and sync.Receiver reach this file by import path (loop.CHECKPOINT_SYNC, sync.CHECKPOINT_SOURCE).
+"""Checkpoint sync (--sync-method checkpoint), by import path from loop.py and sync.Receiver:
+RUN_DIR/checkpoints/v{version:06d} is written under a temporary name and renamed, then the
+marker checkpoints/latest; a reader holds a lease while it loads, so retention spares it.
 """
 from __future__ import annotations
 
@@ -13,14 +11,11 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from queue import Empty
-from typing import Callable, TypeVar
-
-T = TypeVar("T")
+from typing import Any, Callable
 
 
 @contextmanager
 def _lock(root: Path):
-    """Between retention and readers taking a lease (the flock goes with the file's close)."""
     root.mkdir(parents=True, exist_ok=True)
     with (root / ".lock").open("a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -38,8 +33,7 @@ def _leased(root: Path) -> set[int]:
 
 
 def publish_checkpoint(run_dir: str | Path, version: int, save: Callable[[Path], None], keep: int = 3) -> Path:
-    """Write checkpoint `version` with `save(directory)` and delete all but the `keep` newest,
-    except those a reader is loading. Trainer rank 0 only. Returns its directory."""
+    """Write checkpoint `version` with `save(directory)`, keep the `keep` newest (and those being read)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"v{version:06d}", root / f".tmp-v{version:06d}"
@@ -69,10 +63,9 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
     return version, marker.parent / f"v{version:06d}"
 
 
-def load_latest_checkpoint(run_dir: str | Path, reader: str, load: Callable[[Path, int], T],
-                           newer_than: int = -1) -> tuple[int, T] | None:
-    """(version, load(directory, version)) of the newest checkpoint if it is newer than
-    `newer_than`, else None; `reader` holds a lease on it while it loads."""
+def load_latest_checkpoint(run_dir: str | Path, reader: str, load: Callable[[Path, int], Any],
+                           newer_than: int = -1) -> tuple[int, Any] | None:
+    """(version, load(directory, version)) of the newest checkpoint if newer than `newer_than`, else None."""
     root = Path(run_dir) / "checkpoints"
     lease = root / "loading" / reader
     with _lock(root):
@@ -88,9 +81,7 @@ def load_latest_checkpoint(run_dir: str | Path, reader: str, load: Callable[[Pat
 
 
 class CheckpointSource:
-    """Where sync.Receiver takes weights from with checkpoint sync: the newest checkpoint in
-    `run_dir`, loaded into `engine` under reader `name`'s lease."""
-
+    """sync.Receiver's source with checkpoint sync: the newest checkpoint, loaded into `engine`."""
     def __init__(self, run_dir: str | Path, name: str, engine):
         self.run_dir, self.name, self.engine = run_dir, name, engine
 
@@ -107,8 +98,8 @@ class CheckpointSource:
 
 
 def wait_until_loaded(explorer, queue) -> None:
-    """Mode both: block until the explorer has loaded its start weights (a resume state that
-    the first save_resume_state deletes). RuntimeError when it fails or dies first."""
+    """Mode both: wait until the explorer has loaded its start weights (a resume state may go); RuntimeError
+    when it fails first."""
     while True:
         try:
             r = queue.get(timeout=1.0)

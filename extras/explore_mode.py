@@ -1,7 +1,5 @@
-"""Mode explore: one explorer, a launch of its own beside a `--mode train` launch (fully
-asynchronous; run.MODES names `run_mode_explore` by import path). They share the run's
-buffer and the trainer's checkpoints, or with --sync-method broadcast a weight-sync group.
-The loop is explorer.explore, paced by the buffer (`Backpressure`) instead of the sync schedule.
+"""Mode explore (run.MODES, by import path): one explorer beside a `--mode train` launch, sharing
+the run's buffer; explorer.explore paced by the buffer (`Backpressure`), not the sync schedule.
 """
 from __future__ import annotations
 
@@ -21,11 +19,7 @@ from metrics import JsonlLog
 
 
 class Backpressure:
-    """explorer.explore's `pace` in mode explore: no batch once the trainer has finished (run
-    state "trainer_done") or while the buffer holds two batches of ready groups (RuntimeError
-    after buffer_timeout_s of that); new weights at the start, every sync_interval batches, with
-    cfg.inflight between decode steps, and with broadcast also while waiting."""
-
+    """explorer.explore's `pace`: no batch once the trainer has finished or while two batches wait."""
     def __init__(self, cfg, buffer: Buffer, receiver: sync.Receiver):
         self.cfg, self.buffer, self.receiver = cfg, buffer, receiver
 
@@ -60,9 +54,7 @@ class Backpressure:
 
 
 def run_mode_explore(cfg, prepared) -> None:
-    """Mode explore (run.MODES): generate batches into the run's buffer until the trainer has
-    finished. Records go to RUN_DIR/explorer_<name>.jsonl, evaluations also to the buffer.
-    RuntimeError once the trainer's weight-sync store stops answering (sync.StoreAlive)."""
+    """Generate batches until the trainer has finished; records to RUN_DIR/explorer_<name>.jsonl."""
     launch.split_threads(cfg, 1)
     print(f"nanorft: mode explore ({cfg.explorer_name}), engine {cfg.engine}, {cfg.explorer_threads} threads, "
           f"run dir {cfg.run_dir}")
@@ -74,7 +66,6 @@ def run_mode_explore(cfg, prepared) -> None:
         log.write(record)
         if "eval/accuracy" in record:
             add_record(buffer, cfg.explorer_name, record)
-
     try:
         engine = make_engine(cfg, prepared.model_path, engine_seed(cfg))
         # the trainer is no parent of ours: alive while its store answers (waited for: it may start after us)

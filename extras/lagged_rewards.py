@@ -20,10 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("group_id")
     s.add_argument("rewards", type=float, nargs="+")
     args = p.parse_args(argv)
-    if not args.buffer.startswith(POSTGRES) and not Path(args.buffer).is_file():
-        print(f"buffer.py: error: no buffer file {args.buffer}", file=sys.stderr)
-        return 2
     try:
+        if not args.buffer.startswith(POSTGRES) and not Path(args.buffer).is_file():
+            raise ValueError(f"no buffer file {args.buffer}")
         buf = Buffer(args.buffer)
         if args.cmd == "pending":
             print("\n".join(buf.pending_groups()))

@@ -1,7 +1,5 @@
-"""Offline data: experiences not sampled from the policy, marked info["offline"] (no
-behaviour log-probs, a fixed reward). Chats train by SFT (`--train-data`) or are mixed into
-each batch as expert data (MIX: `--expert-data`); preference pairs train by DPO
-(`--train-data`). loop.loop_io (`attach`) and run.prepare reach this file by import path.
+"""Offline data, marked info["offline"], by import path: chats for SFT (`--train-data`) or mixed into
+each batch (MIX: `--expert-data`), preference pairs for DPO (`--train-data`).
 """
 from __future__ import annotations
 
@@ -14,10 +12,7 @@ from workflows import chat_ids, jsonl_rows
 
 
 class OfflineSampler:
-    """Groups of offline data in a seeded shuffled order, cycling through epochs, each a copy
-    marked info["offline"]; `drawn`: groups drawn so far (as many drawn from a new sampler
-    continue the order: a resume). ValueError for no data."""
-
+    """Groups in a seeded shuffled order, cycled; `drawn`: how many (as many drawn again resume it)."""
     def __init__(self, groups: list[list[Experience]], seed: int):
         if not groups:
             raise ValueError("offline data is empty")
@@ -40,10 +35,8 @@ def _is_messages(msgs) -> bool:
 
 
 def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
-    """One {"messages": [{"role", "content"}, ...]} per line -> a group of one Experience,
-    reward 1.0, action_mask 1 exactly on what the model generates in each assistant turn (up
-    to its end-of-turn token; the sequence ends there). FileNotFoundError, or ValueError
-    naming the file and line."""
+    """One {"messages": [...]} per line -> a group of one Experience (reward 1.0), action_mask 1 on each
+    assistant turn up to its end-of-turn token. ValueError naming the file and line."""
     out = []
     for path, n, row in jsonl_rows(path, "chat data"):
         msgs = row.get("messages") if isinstance(row, dict) else None
@@ -70,9 +63,8 @@ def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
 
 
 def load_preference_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
-    """DPO data: one {"prompt": str or messages, "chosen": str, "rejected": str} per line -> a
-    group of two Experiences (rewards 1.0 and 0.0) sharing the templated prompt.
-    FileNotFoundError or ValueError naming the file and line."""
+    """DPO data: one {"prompt", "chosen", "rejected"} per line -> a group of two Experiences (rewards 1.0,
+    0.0). ValueError naming the file and line."""
     out = []
     for path, n, row in jsonl_rows(path, "preference data"):
         if not (isinstance(row, dict) and {"prompt", "chosen", "rejected"} <= set(row)):
@@ -108,13 +100,11 @@ def sampler(path: str | Path, tokenizer, seed: int, chats_only: bool = False) ->
 
 
 def attach(cfg, io, trainer, start: int) -> None:
-    """loop.loop_io at step `start`: the --train-data sampler as io.offline, and --expert-data
-    mixed into each shaped batch (io.shape), both drawn on to where a resumed run was."""
+    """loop.loop_io at `start`: io.offline (--train-data) and --expert-data mixed into each shaped batch."""
     if cfg.expert_fraction:
         io.expert = sampler(cfg.expert_data, trainer.tokenizer, cfg.seed, chats_only=True)
         io.expert.draw(trainer.loop_state.get("expert_drawn", 0))
         shape = io.shape
-
         def mixed(groups: list, step: int) -> tuple[list, dict]:
             groups, m = shape(groups, step) if shape else (groups, {})
             n = sum(map(len, groups))  # MIX: this fraction of the batch's sequences is expert data
@@ -124,13 +114,11 @@ def attach(cfg, io, trainer, start: int) -> None:
         io.shape = mixed
     if cfg.train_data:
         io.offline = sampler(cfg.train_data, trainer.tokenizer, cfg.seed)
-        for _ in range(start):
-            io.offline.draw(cfg.batch_size)
+        io.offline.draw(start * cfg.batch_size)
 
 
 def check_offline_data(cfg, tok) -> None:
-    """ValueError (one line) for --expert-data or --train-data files without rows under the
-    chat template of `tok`; FileNotFoundError for a missing file."""
+    """ValueError (one line) for --expert-data or --train-data files without rows."""
     if cfg.expert_fraction and not load_chat_jsonl(cfg.expert_data, tok):
         raise ValueError(f"expert_data {cfg.expert_data}: no conversations")
     if cfg.train_data and not load_offline_jsonl(cfg.train_data, tok):

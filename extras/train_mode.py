@@ -1,6 +1,5 @@
-"""Mode train beside `--mode explore` launches (fully asynchronous): trainer rank 0's end of
-their weight-sync group, and their evaluations shared through the buffer. loop.py reaches
-this file by import path (loop.EXPLORERS_GROUP, loop.EXPLORER_RECORDS).
+"""Mode train beside `--mode explore` launches (loop.TRAIN_MODE, by import path): their weight-sync
+group and their records, shared through the buffer.
 """
 from __future__ import annotations
 
@@ -15,15 +14,12 @@ from metrics import print0
 
 
 def connect_explorers(cfg, io, layout, trainer, rank: int):
-    """Every trainer rank: rank 0 reads the explorers' records from the buffer and, with
-    broadcast sync, waits (up to sync_timeout_s) for cfg.num_explorers of them to join its
-    weight-sync group and sends a resumed trainer's weights. Returns the sync.WeightSync or None."""
+    """Every trainer rank: records from the buffer; with broadcast, rank 0 waits for cfg.num_explorers
+    explorers and sends them a resumed trainer's weights. Returns the sync.WeightSync or None."""
     if rank == 0:
         io.records = records_from_buffer(io.buffer)
-    if cfg.sync_method != "broadcast":
-        return None
-    params = trainer.full_parameters() if trainer.version else None  # every rank gathers
-    if rank != 0:
+    params = trainer.full_parameters() if cfg.sync_method == "broadcast" and trainer.version else None  # every rank
+    if rank != 0 or cfg.sync_method != "broadcast":
         return None
     weights = weight_group(cfg, layout, cfg.num_explorers)
     print0(f"weight sync: waiting for {cfg.num_explorers} explorer(s) at {cfg.sync_host}:{weights.port}")
@@ -38,8 +34,7 @@ def connect_explorers(cfg, io, layout, trainer, rank: int):
 
 
 def wait_left(weights, timeout_s: float) -> bool:
-    """Rank 0 after the last step: wait until every explorer has left the weight-sync group
-    (sync.WeightSync.leave), whose store ends with this process; False (a warning) after `timeout_s`."""
+    """Rank 0: wait until every explorer has left the weight-sync group; False (a warning) after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while weights.store.add("left", 0) < weights.world_size - 1:
         if time.monotonic() > deadline:
@@ -51,7 +46,7 @@ def wait_left(weights, timeout_s: float) -> bool:
 
 
 def add_record(buffer, explorer: str, record: dict) -> None:
-    """Store a metric record of `explorer` in `buffer` for the trainer's metrics (NaN as null)."""
+    """Store a record of `explorer` for the trainer's metrics (NaN as null)."""
     clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
     buffer.db.execute("INSERT INTO explorer_records (explorer, record) VALUES (?, ?)", (explorer, json.dumps(clean)))
 
