@@ -1,33 +1,21 @@
-"""Experience (the explorer/trainer contract) and the persistent buffer between them.
-
-One code path, two backends: a SQLite file (stdlib sqlite3, WAL; the default,
-RUN_DIR/buffer.sqlite) or a PostgreSQL database (extras/postgres.py, for several hosts),
-differing only in placeholders, two column types, how a transaction excludes other writers
-and the lock that holds an explorer name. Explorers write groups; one trainer reads
-complete groups (no NULL reward: lagged rewards wait) in FIFO order and marks them consumed
-in the same transaction, so a group is served at most once. Each explorer's resume position
-and task-pool updates are written in the transaction of its batch, and `release_after(step)`
-serves again what a crashed trainer had taken, so after a restart no experience is lost,
-generated twice or trained on twice. Tables: experiences (one row per experience; consumed =
-1 + the trainer step, use_count for replay), explorer_state, task_pool, run_state,
-explorer_records (explorers' evaluations for the trainer's metrics), replays. Several runs
-share one PostgreSQL database, each in its own schema (`open_buffer`).
+"""Experience (the explorer/trainer contract) and the buffer between them, a SQLite file or
+PostgreSQL (extras/postgres.py). A batch is written in one transaction with its explorer's
+resume state; the trainer takes complete groups in FIFO order, each once (consumed = 1 + its
+step), and `release_after` serves again what a crashed trainer had taken.
 """
 from __future__ import annotations
 
 import fcntl
 import json
 import math
-import re
 import sqlite3
 import sys
 import time
 from array import array
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
-from urllib.parse import urlsplit
 
 from config import Config
 
@@ -40,35 +28,20 @@ CREATE TABLE IF NOT EXISTS experiences (
 CREATE INDEX IF NOT EXISTS experiences_group ON experiences (group_id);
 CREATE INDEX IF NOT EXISTS experiences_open ON experiences (consumed, id);
 CREATE TABLE IF NOT EXISTS explorer_state (name TEXT PRIMARY KEY, state TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS task_pool (
-    task_id TEXT PRIMARY KEY, pool TEXT NOT NULL, mean_reward DOUBLE PRECISION NOT NULL,
-    updated DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS task_pool (task_id TEXT PRIMARY KEY, pool TEXT NOT NULL,
+    mean_reward DOUBLE PRECISION NOT NULL, updated DOUBLE PRECISION NOT NULL);
 CREATE TABLE IF NOT EXISTS run_state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS explorer_records (id {id}, explorer TEXT NOT NULL, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS replays (step INTEGER NOT NULL, group_id TEXT NOT NULL);
 """
-
-
 COLUMNS = ("group_id, task_id, model_version, prompt_length, tokens, behaviour_logprobs, action_mask, reward, info, "
             "explorer")
 
 
 @dataclass
 class Experience:
-    """One training sample (the contract between explorer and trainer).
-
-    tokens:             prompt + response token ids, length L; the first prompt_length = P
-                        are the prompt, the response tokens[P:] has length R = L - P.
-    behaviour_logprobs: [R] log-prob of each response token under the exact distribution it
-                        was sampled from (temperature applied; training needs top_p 1); 0.0
-                        where there is none: environment tokens and offline data.
-    action_mask:        [R] 1 where the policy generated the token and it is trained on.
-    reward:             float, or None while not known (lagged reward).
-    group_id, task_id:  the rollouts of one task share group_id; model_version: the weight
-                        version that generated it. info: free JSON-able dict; info["offline"]
-                        marks data not sampled from the policy (extras/offline.py).
-    """
-
+    """One training sample: tokens = prompt (prompt_length) + response (R); behaviour_logprobs [R]
+    (0.0: environment tokens, offline data); action_mask [R]; reward None while not known (lagged)."""
     tokens: list[int]
     prompt_length: int
     behaviour_logprobs: list[float]
@@ -90,14 +63,12 @@ class Experience:
 
 
 def pool_for(mean_reward: float, easy: float, hard: float) -> str | None:
-    """The pool of a task whose latest group had `mean_reward`: "easy", "hard" or None (active)."""
+    """A task's pool after a group with `mean_reward`: "easy", "hard" or None (active; prime-rl's pools)."""
     return "easy" if mean_reward >= easy else "hard" if mean_reward <= hard else None
 
 
 class _SQLite:
-    """The SQLite dialect: a file; BEGIN IMMEDIATE excludes other writers (and readers
-    taking groups) for the whole transaction; explorer names are flocks on files beside it."""
-
+    """The SQLite dialect: BEGIN IMMEDIATE transactions; explorer names are flocks beside the file."""
     def __init__(self, path: str, timeout_s: float):
         self.path, self.where = Path(path), str(path)
         try:
@@ -117,8 +88,7 @@ class _SQLite:
 
     @contextmanager
     def transaction(self, readers: bool = False):
-        """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on any exception). (With isolation_level=None
-        sqlite3 is in autocommit mode, so `with conn:` alone would commit every statement.)"""
+        # explicit: with isolation_level=None, `with conn:` alone would commit every statement
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             yield
@@ -148,30 +118,17 @@ POSTGRES_BACKEND = "extras.postgres.Postgres"  # optional (psycopg), for several
 
 
 def open_buffer(url: str, run_dir: str | Path, timeout_s: float = 60.0) -> "Buffer":
-    """The buffer of a run (config `buffer`): "" = RUN_DIR/buffer.sqlite; a path or
-    sqlite:///path = that SQLite file; postgresql://... = that database, in schema
-    `?schema=` or, by default, nanorft_<run dir name> (lower-cased, other characters as _).
-    Raises ValueError (one line) when it cannot be opened."""
-    if not url:
-        return Buffer(Path(run_dir) / "buffer.sqlite", timeout_s)
-    if url.startswith(POSTGRES) and "schema=" not in urlsplit(url).query:
-        name = re.sub(r"[^a-z0-9_]", "_", Path(run_dir).resolve().name.lower())[:54]
-        url += ("&" if urlsplit(url).query else "?") + f"schema=nanorft_{name}"
-    return Buffer(url, timeout_s)
+    """The buffer of a run (config `buffer`; "" = RUN_DIR/buffer.sqlite). ValueError when it cannot be opened."""
+    return Buffer(url or Path(run_dir) / "buffer.sqlite", timeout_s, run_dir)
 
 
 class Buffer:
-    """The experience buffer; open one per process. `url`: a SQLite file (a path, or
-    sqlite:///path) or postgresql://user@host:port/db[?schema=NAME]; `timeout_s`: how long a
-    writer waits for a lock (s). ValueError (one line) for a file that is not a SQLite
-    database, a server out of reach or a bad schema."""
-
-    def __init__(self, url: str | Path, timeout_s: float = 60.0):
+    """The buffer, one per process: a SQLite path or postgresql://...[?schema=NAME]; ValueError if unusable."""
+    def __init__(self, url: str | Path, timeout_s: float = 60.0, run_dir: str | Path | None = None):
         url = str(url)
-        if url.startswith(POSTGRES):
+        if url.startswith(POSTGRES):  # run_dir: the default schema's name
             from losses import resolve
-
-            self.db = resolve(POSTGRES_BACKEND, {}, "buffer backend")(url, timeout_s, SCHEMA)
+            self.db = resolve(POSTGRES_BACKEND, {}, "buffer backend")(url, timeout_s, SCHEMA, run_dir)
         else:
             self.db = _SQLite(url.removeprefix("sqlite:///"), timeout_s)
         self.where = self.db.where
@@ -181,19 +138,17 @@ class Buffer:
         self.db.close()
 
     def clear(self) -> None:
-        """Delete everything in this buffer (every table of the run), in one transaction."""
+        """Delete everything in this buffer, in one transaction."""
         with self.db.transaction(readers=True):
             for table in ("experiences", "explorer_state", "task_pool", "run_state", "explorer_records", "replays"):
                 self.db.execute(f"DELETE FROM {table}")
 
     def write(self, group: list[Experience]) -> None:
-        """Append one group atomically (all rows or none)."""
         self.write_batch([group])
 
     def write_batch(self, groups: list[list[Experience]], explorer: str | None = None,
                     state: dict | None = None, pools: list[tuple[str, float, float, float]] = ()) -> None:
-        """Append groups, (optionally) the explorer's resume state and task-pool updates
-        ((task_id, mean reward, easy, hard): `_set_pool`) in one transaction: all or nothing."""
+        """Append groups, the explorer's state and task-pool updates in one transaction."""
         now = time.time()
         rows = [(e.group_id, e.task_id, e.model_version, e.prompt_length,
                  array("i", e.tokens).tobytes(), array("f", e.behaviour_logprobs).tobytes(),
@@ -209,26 +164,20 @@ class Buffer:
                 self._set_pool(*pool)
 
     def set_rewards(self, group_id: str, rewards: list[float] | float) -> int:
-        """Lagged rewards: fill the rewards of a group's experiences (one value for all, or one
-        per experience in insertion order). Returns the rows updated; ValueError for an
-        unknown group or a wrong number of rewards."""
+        """Lagged rewards: fill a group's rewards (one for all, or one each); ValueError for a wrong group."""
         return self.set_rewards_many({group_id: rewards})
 
     def set_rewards_many(self, rewards: dict[str, list[float] | float]) -> int:
-        """`set_rewards` for several groups (group_id -> rewards) in one transaction: all of
-        them or none. Returns the number of rows updated."""
-        checked = {}
-        for group_id, values in rewards.items():
-            vals = values if isinstance(values, list) else [values]
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in vals):
-                raise ValueError(f"group {group_id!r}: rewards must be finite numbers, got {values!r}")
-            checked[group_id] = vals
+        """`set_rewards` for several groups (group_id -> rewards) in one transaction: all or none."""
         n = 0
         with self.db.transaction():
-            for group_id, vals in checked.items():
+            for group_id, values in rewards.items():
+                if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                           for v in (values if isinstance(values, list) else [values])):
+                    raise ValueError(f"group {group_id!r}: rewards must be finite numbers, got {values!r}")
                 ids = [r[0] for r in self.db.execute("SELECT id FROM experiences WHERE group_id = ? ORDER BY id",
                                                      (group_id,))]
-                vals = vals if isinstance(rewards[group_id], list) else vals * len(ids)
+                vals = values if isinstance(values, list) else [values] * len(ids)
                 if not ids or len(vals) != len(ids):
                     raise ValueError(f"group {group_id!r} has {len(ids)} experiences, got {len(vals)} rewards")
                 self.db.executemany("UPDATE experiences SET reward = ? WHERE id = ?", zip(map(float, vals), ids))
@@ -253,10 +202,7 @@ class Buffer:
         return json.loads(row[0]) if row else None
 
     def hold(self, name: str, wait: bool = True) -> bool:
-        """Take the explorer name `name` for the life of this connection (a flock beside the
-        SQLite file, a PostgreSQL session advisory lock; dropped when the process dies). While
-        another process holds it: wait, or return False with wait=False. A restarted explorer
-        must not read its resume state while an old one can still store a batch."""
+        """Hold explorer name `name` while this connection lives (wait=False: False if taken)."""
         if self.db.hold(name, wait=False):
             return True
         if wait:
@@ -276,21 +222,8 @@ class Buffer:
         row = self.db.execute("SELECT value FROM run_state WHERE key = ?", (key,)).fetchone()
         return row[0] if row else None
 
-    def add_record(self, explorer: str, record: dict) -> None:
-        """Store a metric record of explorer `explorer` for the trainer's metrics (NaN as null)."""
-        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-        self.db.execute("INSERT INTO explorer_records (explorer, record) VALUES (?, ?)", (explorer, json.dumps(clean)))
-
-    def records_after(self, last_id: int) -> tuple[int, list[dict]]:
-        """Records stored by `add_record` with id > `last_id`, each tagged with "explorer";
-        returns (the newest id, the records)."""
-        rows = self.db.execute("SELECT id, explorer, record FROM explorer_records WHERE id > ? ORDER BY id",
-                               (last_id,)).fetchall()
-        return (rows[-1][0] if rows else last_id), [{**json.loads(r), "explorer": e} for _, e, r in rows]
-
     def release_after(self, step: int) -> int:
-        """Mark groups consumed at trainer steps >= `step` as not consumed; returns the
-        number of experiences released."""
+        """Serve again what trainer steps >= `step` took; returns the number of experiences."""
         with self.db.transaction(readers=True):
             for (group_id,) in self.db.execute("SELECT group_id FROM replays WHERE step >= ?", (step,)).fetchall():
                 self.db.execute("UPDATE experiences SET use_count = use_count - 1 WHERE group_id = ?", (group_id,))
@@ -300,9 +233,7 @@ class Buffer:
 
     def read(self, num_groups: int, timeout_s: float = float("inf"),
              alive: Callable[[], bool] = lambda: True, poll_s: float = 0.05, step: int = 0) -> list[list[Experience]]:
-        """Take the `num_groups` oldest complete, unconsumed groups and mark them consumed by
-        trainer step `step`; blocks (polling every `poll_s` s) until enough are ready. Raises
-        TimeoutError after `timeout_s` s, RuntimeError once `alive()` is False (the writer died)."""
+        """Wait for and take the `num_groups` oldest complete groups; TimeoutError, RuntimeError (writer died)."""
         deadline = time.monotonic() + timeout_s
         while True:
             groups = self._take(num_groups, step)
@@ -330,7 +261,7 @@ class Buffer:
 
     @staticmethod
     def groups_of(ids: list[str], rows) -> list[list[Experience]]:
-        """Rows of COLUMNS (ordered by id) as groups of Experience, in the order of `ids`."""
+        """Rows of COLUMNS (ordered by id) as groups, in the order of `ids`."""
         by_group: dict[str, list[Experience]] = {g: [] for g in ids}
         for g, task, ver, plen, tok, lp, mask, reward, info, explorer in rows:
             by_group[g].append(Experience(
@@ -339,14 +270,12 @@ class Buffer:
         return list(by_group.values())
 
     def counts(self) -> dict[str, int]:
-        """Experience counts: total, consumed, ready (unconsumed, reward known), pending (reward NULL)."""
+        """Experience counts: total, consumed, ready (reward known, unconsumed), pending (reward NULL)."""
         total, consumed, known = self.db.execute(
             "SELECT COUNT(*), COUNT(CASE WHEN consumed > 0 THEN 1 END), COUNT(reward) FROM experiences").fetchone()
         return {"total": total, "consumed": consumed, "pending": total - known, "ready": known - consumed}
 
     def _set_pool(self, task_id: str, mean_reward: float, easy: float, hard: float) -> None:
-        """Record a task's latest group mean reward: retire it to "easy" (>= easy) or "hard"
-        (<= hard), else make it active again (prime-rl's difficulty pools)."""
         pool = pool_for(mean_reward, easy, hard)
         if pool is None:
             self.db.execute("DELETE FROM task_pool WHERE task_id = ?", (task_id,))
@@ -361,55 +290,15 @@ class Buffer:
 
 
 def check_config(cfg) -> None:
-    """Open the run's buffer once before any process starts: ValueError for a file that is
-    not a SQLite database or a PostgreSQL server out of reach. A new run in mode both on a
-    PostgreSQL schema that holds experiences: FileExistsError, or with --overwrite the schema
-    is emptied (as the run directory is deleted)."""
-    buf = open_buffer(cfg.buffer, cfg.run_dir)
-    try:
+    """Open the run's buffer before any process starts; FileExistsError for another run's (--overwrite)."""
+    with closing(open_buffer(cfg.buffer, cfg.run_dir)) as buf:
         if cfg.buffer and cfg.mode == "both" and not cfg.resume and buf.counts()["total"]:
             if not cfg.overwrite:
                 raise FileExistsError(f"buffer {buf.where} holds experiences of another run "
                                       "(use --overwrite, --resume or another ?schema=)")
             buf.clear()
-    finally:
-        buf.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command line for lagged rewards (BUFFER: the file, or the PostgreSQL URL with ?schema=):
-        python buffer.py RUN_DIR/buffer.sqlite pending
-        python buffer.py RUN_DIR/buffer.sqlite set-reward GROUP_ID 1.0 [0.0 ...]
-    """
-    import argparse
-
-    p = argparse.ArgumentParser(prog="buffer.py", description="inspect a buffer and fill lagged rewards")
-    p.add_argument("buffer", help="RUN_DIR/buffer.sqlite, or postgresql://user@host:port/db?schema=NAME")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("pending", help="list groups waiting for a reward")
-    s = sub.add_parser("set-reward", help="set the rewards of a group (one value, or one per experience)")
-    s.add_argument("group_id")
-    s.add_argument("rewards", type=float, nargs="+")
-    args = p.parse_args(argv)
-    if not args.buffer.startswith(POSTGRES) and not Path(args.buffer).is_file():
-        print(f"buffer.py: error: no buffer file {args.buffer}", file=sys.stderr)
-        return 2
-    try:
-        buf = Buffer(args.buffer)
-    except ValueError as e:
-        print(f"buffer.py: error: {e}", file=sys.stderr)
-        return 2
-    if args.cmd == "pending":
-        print("\n".join(buf.pending_groups()))
-        return 0
-    try:
-        n = buf.set_rewards(args.group_id, args.rewards[0] if len(args.rewards) == 1 else args.rewards)
-    except ValueError as e:
-        print(f"buffer.py: error: {e}", file=sys.stderr)
-        return 2
-    print(f"set {n} rewards of group {args.group_id}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # the command line for lagged rewards: pending, set-reward
+    from losses import resolve
+    raise SystemExit(resolve("extras.lagged_rewards.main", {}, "buffer.py")())

@@ -1,16 +1,6 @@
-"""The train loop of modes both and train, on every trainer rank (`run_trainer`):
-
-    for step in range(start, steps):
-        batch = read_batch(buffer)        # rank 0: one explorer batch of groups, broadcast to every rank
-        metrics = trainer.step(batch)     # advantages -> loss -> optimizer step (trainer.py)
-        publish(weights)                  # after the steps the sync schedule names: to the explorer
-        log(metrics)                      # rank 0: metrics.jsonl, trackers, the progress bar
-
-Around it, on rank 0: what the loop talks to (`loop_io`: buffer, metrics, pipelines,
-offline data), the explorer process of mode both (`start_explorer`), and after the last
-step the final files and the plot (`finish`).
-A file of its own: it wires the trainer to the explorer process, the buffer and the
-weight-sync group, and belongs to neither side.
+"""The train loop of modes both and train on every trainer rank (`run_trainer`, `TrainLoop`): a
+file of its own, as it wires the trainer to the explorer process of mode both (`start_explorer`),
+the buffer and the weight-sync group.
 """
 from __future__ import annotations
 
@@ -27,7 +17,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-import checkpoints
 import sync
 from buffer import Experience, open_buffer
 from checkpoints import delete_resume_states, load_resume_state, resume_state, save_resume_state
@@ -39,14 +28,13 @@ from trainer import Trainer, make_trainer
 ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this many consecutive steps
 REWARD_ERROR_STEPS = 3  # stop when the reward function failed on every rollout of this many consecutive steps
 ANNOTATOR = "extras.label_studio.start_annotator"  # human labels (--annotation): Label Studio
-EXPLORERS_GROUP = "extras.train_mode.connect_explorers"  # mode train: the --mode explore launches' weight-sync group
-EXPLORER_RECORDS = "extras.train_mode.records_from_buffer"  # mode train: the explorers' evaluations
+TRAIN_MODE = "extras.train_mode"  # mode train beside --mode explore launches: connect_explorers, wait_left
+CHECKPOINT_SYNC = "extras.checkpoint_sync"  # --sync-method checkpoint: publish_checkpoint, wait_until_loaded
+OFFLINE = "extras.offline.attach"  # offline (SFT, DPO) and expert (MIX) data
 
 
 def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]:
-    """Rank 0: the cfg.batch_size groups of step `step` and their metrics. Groups staler
-    than cfg.max_staleness (trainer `version` - experience version) are dropped, counted
-    and replaced; with cfg.replay, replayed groups follow the fresh ones."""
+    """Rank 0: the groups of `step` (too stale: dropped, replaced; then cfg.replay's) and their metrics."""
     groups, dropped = [], 0
     while len(groups) < cfg.batch_size:
         got = buffer.read(cfg.batch_size - len(groups), cfg.buffer_timeout_s, alive, step=step)
@@ -71,15 +59,7 @@ def bucket_elems(cfg) -> int:
 
 @dataclass
 class LoopIO:
-    """What the loop talks to on rank 0 (the other ranks keep the defaults).
-
-    buffer: buffer.Buffer; offline / expert: samplers of offline (SFT, DPO) and expert
-    (MIX) data, or None; metrics: metrics.Metrics; records(): the explorers' new records;
-    shape(groups, step) -> (groups, metrics): the experience pipeline, or None;
-    extra_metrics(): the annotator's metrics (RuntimeError once it has failed);
-    send_weights(version, buckets) -> checksum (--sync-checksum) or None: the broadcast, or None
-    (checkpoints in the run dir); alive(): False once the explorer has died; cores: sync.CoreShare."""
-
+    """What the loop talks to on rank 0 (other ranks: the defaults); send_weights None: checkpoint sync."""
     buffer: Any = None
     offline: Any = None
     expert: Any = None
@@ -93,36 +73,27 @@ class LoopIO:
 
 
 class TrainLoop:
-    """The train loop (module docstring) of one trainer rank; `errors`: the error lines the
-    explorer reported."""
-
+    """The train loop of one trainer rank; `errors`: the error lines the explorer reported."""
     def __init__(self, cfg, trainer: Trainer, start: int, io: LoopIO, rank: int, world: int):
         from tqdm import tqdm
-
         self.cfg, self.trainer, self.start, self.io, self.rank, self.world = cfg, trainer, start, io, rank, world
         trainer.progress = lambda text: self.bar.set_postfix_str(text)
         self.status_at = 0.0  # when rank 0 last looked for explorer status while waiting for a batch
         self.pending: dict[int, dict] = {}  # explorer batch records by batch index, merged into that step
-        self.last_eval: dict = {}
-        self.errors: list[str] = []
+        self.last_eval, self.errors = {}, []  # the latest evaluation record; the explorer's error lines
         self.zero_adv_steps = self.errored_steps = 0  # consecutive steps with every advantage 0 / every reward errored
         self.bar = tqdm(total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True)
         self.meter = JobMeter()  # cpu/utilisation_pct, perf/job_mfu
 
     def run(self) -> None:
-        """Steps start .. cfg.steps - 1. RuntimeError after REWARD_ERROR_STEPS steps in a row
-        whose rewards all failed."""
-        self.trainer.cores = self.io.cores  # (mode both: set once the explorer has started)
+        self.trainer.cores, self.t_start = self.io.cores, time.perf_counter()  # (cores: once the explorer started)
         try:
-            self.t_start = time.perf_counter()
             for step in range(self.start, self.cfg.steps):
                 self.step(step)
         finally:
             self.bar.close()
 
     def step(self, step: int) -> None:
-        """One step: rank 0 reads the batch and every rank trains on it; the weights go out
-        when the schedule says so; rank 0 logs."""
         cfg, io, t0 = self.cfg, self.io, time.perf_counter()
         batch = [self.next_batch(step) if self.rank == 0 else None]
         dist.broadcast_object_list(batch, src=0)
@@ -140,29 +111,19 @@ class TrainLoop:
             self.log(step, m, [g for g in groups if not g[0].info.get("offline")])
 
     def next_batch(self, step: int) -> tuple[list, dict]:
-        """Rank 0: the groups of `step` (the buffer's, or offline data), shaped by the
-        experience pipeline, with MIX's expert sequences added; and their metrics."""
-        cfg, io = self.cfg, self.io
-        if io.offline:
-            groups, m = io.offline.draw(cfg.batch_size), {}
-        else:
-            groups, m = read_batch(cfg, io.buffer, step, self.trainer.version, self.waiting)
+        """Rank 0: the groups of `step` (the buffer's or offline data), shaped, and their metrics."""
+        io = self.io
+        groups, m = ((io.offline.draw(self.cfg.batch_size), {}) if io.offline
+                     else read_batch(self.cfg, io.buffer, step, self.trainer.version, self.waiting))
         if io.cores is not None:
             io.cores.busy(True)
         if io.shape:
             groups, shaped = io.shape(groups, step)
             m.update(shaped)
-        if io.expert:  # MIX: this fraction of the batch's sequences is expert data
-            n = sum(map(len, groups))
-            groups += io.expert.draw(max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction))))
-            # n varies (shaping, replay, multi-turn groups): the resume state records how far the sampler is
-            self.trainer.loop_state["expert_drawn"] = io.expert.drawn
         return groups, m
 
     def publish(self, step: int, m: dict) -> None:
-        """Send the new weights to the explorers or publish them as a checkpoint (every rank
-        gathers them, one bucket at a time with --sync-bucket-mb); the last step also saves
-        RUN_DIR/final."""
+        """Send the new weights to the explorers or publish a checkpoint; the last step saves RUN_DIR/final."""
         cfg, io, version = self.cfg, self.io, self.trainer.version
         params = digest = None
         if cfg.sync_bucket_mb and cfg.sync_method == "broadcast":  # (run.check_modes: never with offline data)
@@ -176,17 +137,16 @@ class TrainLoop:
             if self.rank == 0 and io.send_weights:
                 digest = io.send_weights(version, [params])
             elif self.rank == 0 and not io.offline:
-                checkpoints.publish_checkpoint(Path(cfg.run_dir), version, lambda d: self.trainer.save(d, params))
+                resolve(f"{CHECKPOINT_SYNC}.publish_checkpoint", {}, "sync_method")(
+                    cfg.run_dir, version, lambda d: self.trainer.save(d, params))
                 digest = sync.checksum(params) if cfg.sync_checksum else None
         if digest is not None:
             m["sync/trainer_checksum"] = digest
         if step == cfg.steps - 1:
-            params = params if params is not None else self.trainer.full_parameters()
-            self.trainer.save_final(Path(cfg.run_dir) / "final", params)
+            self.trainer.save_final(Path(cfg.run_dir) / "final", params or self.trainer.full_parameters())
 
     def waiting(self) -> bool:
-        """Rank 0's poll while it waits for a batch: the explorer's status (twice a second at
-        most); False once the explorer has died. Raises what io.extra_metrics raises."""
+        """Rank 0's poll while it waits for a batch; False once the explorer has died."""
         if time.perf_counter() - self.status_at > 0.5:
             self.status_at = time.perf_counter()
             self.drain()
@@ -194,8 +154,7 @@ class TrainLoop:
         return self.io.alive()
 
     def drain(self) -> None:
-        """Rank 0: the explorers' new records. Batch stats join their step's record;
-        evaluations and weight receipts are records of their own at step = their version."""
+        """Rank 0: the explorers' new records (batch stats join their step's record)."""
         for r in self.io.records():
             self.meter.add(r)
             if "batch" in r:
@@ -213,8 +172,7 @@ class TrainLoop:
                 self.bar.set_postfix_str(f"waiting for the explorer: {r['status']}")
 
     def log(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
-        """Rank 0: complete the step's metrics, warn about steps that cannot learn, write the
-        record and move the progress bar."""
+        """Rank 0: complete and write the step's metrics, move the progress bar."""
         cfg = self.cfg
         self.drain()
         m.update(self.pending.pop(step, {}))
@@ -235,9 +193,7 @@ class TrainLoop:
         self.bar.update()
 
     def check_learning(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
-        """Staleness and share metrics of the batch's rollouts; a warning once every advantage
-        has been 0 for ZERO_ADVANTAGE_WARN_STEPS steps and for a step whose rewards all
-        failed; RuntimeError after REWARD_ERROR_STEPS such steps in a row."""
+        """Staleness metrics, warnings; RuntimeError after REWARD_ERROR_STEPS steps whose rewards all failed."""
         v = [e.model_version for g in rollouts for e in g]
         m.update({"staleness/mean": sum(step - x for x in v) / len(v), "staleness/max": max(step - x for x in v)})
         for name in sorted({g[0].explorer for g in rollouts}):  # each explorer's share of the batch and staleness
@@ -261,29 +217,13 @@ class TrainLoop:
                            "see samples.log", file=sys.stderr)
 
 
-def wait_until_loaded(explorer, queue) -> None:
-    """Mode both, checkpoint sync: block until the explorer has loaded its start weights.
-    RuntimeError (one line) when it fails or dies first."""
-    from queue import Empty
-    while True:
-        try:
-            r = queue.get(timeout=1.0)
-        except Empty:
-            r = {} if explorer.is_alive() else {"error": f"exit code {explorer.exitcode} before its weights were loaded"}
-        if "error" in r:
-            raise RuntimeError(f"explorer failed: {r['error']}")
-        if r.get("explorer/ready"):
-            return
-
-
 def queued(queue) -> list[dict]:
     """The records the spawned explorer has put on `queue` so far."""
     return [queue.get() for _ in iter(lambda: queue.empty(), True)]
 
 
 def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout, tasks: tuple) -> None:
-    """Modes both and train on every trainer rank: the Trainer (resumed with --resume), on
-    rank 0 `loop_io` and the explorer(s), the loop, then on rank 0 `finish`."""
+    """Modes both and train on every trainer rank: the (resumed) Trainer, the explorer(s), the loop."""
     torch.set_num_threads(cfg.trainer_threads)
     trainer = make_trainer(cfg, model_path, device)
     state = resume_state(cfg.run_dir) if cfg.resume else None
@@ -299,10 +239,8 @@ def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout, tas
         if rank == 0 and cfg.mode == "both":
             explorer, weights = start_explorer(cfg, io, str(state / "hf") if state else model_path, trainer.version,
                                                layout, tasks)
-        if cfg.mode == "train" and cfg.sync_method == "broadcast":
-            params = trainer.full_parameters() if trainer.version else None  # every rank gathers
-            if rank == 0:
-                weights = resolve(EXPLORERS_GROUP, {}, "mode train")(cfg, io, layout, trainer.version, params)
+        if cfg.mode == "train" and not cfg.train_data:
+            weights = resolve(f"{TRAIN_MODE}.connect_explorers", {}, "mode train")(cfg, io, layout, trainer, rank)
         loop.run()
         if rank == 0:
             finish(cfg, loop, explorer, weights)
@@ -318,26 +256,19 @@ def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout, tas
 
 
 def kept_on_resume(start: int, evals_from_buffer: bool) -> Callable[[dict], bool]:
-    """On --resume from step `start`: which records of metrics.jsonl stay, so that each
-    step and evaluation is logged once: steps < `start`, weight receipts <= `start`,
-    evaluations < `start` (none with `evals_from_buffer`: mode train reads them all again)."""
-
+    """On --resume from `start`: whether a record of metrics.jsonl stays, so that each is logged once."""
     def keep(r: dict) -> bool:
         if "eval/accuracy" in r:
             return not evals_from_buffer and r.get("eval/version", r.get("step", 0)) < start
         if "explorer/received_version" in r:
             return r["explorer/received_version"] <= start
         return r.get("step", 0) < start
-
     return keep
 
 
 def loop_io(cfg, trainer, start: int, model_path: str):
-    """Rank 0's `LoopIO` at step `start`: the buffer (on --resume, experiences served after
-    `start` go back), the experience pipeline, the metrics log, offline / expert data
-    (drawn on to where a resumed run was), and in mode train the explorers' records."""
-    run_dir = Path(cfg.run_dir)
-    io = LoopIO(buffer=open_buffer(cfg.buffer, run_dir))
+    """Rank 0's `LoopIO` at step `start` (on --resume, experiences served after `start` go back)."""
+    io = LoopIO(buffer=open_buffer(cfg.buffer, cfg.run_dir))
     if cfg.experience_pipeline:
         io.shape = resolve("extras.pipelines.ExperiencePipeline", {}, "experience_pipeline")(
             cfg.experience_pipeline, trainer.tokenizer, model_path)
@@ -345,29 +276,17 @@ def loop_io(cfg, trainer, start: int, model_path: str):
     if cfg.resume:
         released = io.buffer.release_after(start)
         print0(f"resumed at step {start} (version {trainer.version}); {released} experiences served again")
-    evals_from_buffer = cfg.mode == "train" and not cfg.train_data  # (records() below reads them all again)
-    io.metrics = Metrics(run_dir, cfg, kept_on_resume(start, evals_from_buffer) if cfg.resume else None)
-    if cfg.expert_fraction:
-        io.expert = resolve("extras.offline.sampler", {}, "expert_data")(cfg.expert_data, trainer.tokenizer, cfg.seed,
-                                                                          chats_only=True)
-        io.expert.draw(trainer.loop_state.get("expert_drawn", 0))  # the same order as an uninterrupted run
-    if cfg.train_data:
-        io.offline = resolve("extras.offline.sampler", {}, "train_data")(cfg.train_data, trainer.tokenizer, cfg.seed)
-        for _ in range(start):  # the same order as an uninterrupted run
-            io.offline.draw(cfg.batch_size)
-    elif cfg.mode == "train":
-        io.records = resolve(EXPLORER_RECORDS, {}, "mode train")(io.buffer)
+    evals_from_buffer = cfg.mode == "train" and not cfg.train_data
+    io.metrics = Metrics(Path(cfg.run_dir), cfg, kept_on_resume(start, evals_from_buffer) if cfg.resume else None)
+    if cfg.expert_fraction or cfg.train_data:
+        resolve(OFFLINE, {}, "offline data")(cfg, io, trainer, start)
     return io
 
 
 def start_explorer(cfg, io, model_path: str, version: int, layout, tasks: tuple):
-    """Mode both, rank 0: spawn the explorer process (explorer.run_mode_both) on the weights
-    in `model_path` (= `version`), join the weight-sync group with it (checkpoint sync: wait
-    until it has loaded them) and connect `io` to it. Returns (process, sync.WeightSync or None)."""
+    """Mode both, rank 0: spawn the explorer process, connect `io`; returns (it, sync.WeightSync or None)."""
     import torch.multiprocessing as mp
-
     from explorer import run_mode_both
-
     weights = weight_group(cfg, layout, 1) if cfg.sync_method != "checkpoint" else None
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -383,22 +302,19 @@ def start_explorer(cfg, io, model_path: str, version: int, layout, tasks: tuple)
     if weights:
         weights.connect(io.alive)
         io.send_weights = lambda v, buckets: weights.send(v, buckets, io.alive)
-    else:  # it may start from a resume state that the first save_resume_state deletes: wait until it is loaded
-        wait_until_loaded(explorer, queue)
+    else:
+        resolve(f"{CHECKPOINT_SYNC}.wait_until_loaded", {}, "sync_method")(explorer, queue)
     return explorer, weights
 
 
 def weight_group(cfg, layout, receivers: int):
-    """Trainer rank 0's end (sync.WeightSync rank 0) of the weight-sync group of `receivers` explorers."""
+    """Trainer rank 0's end of the weight-sync group of `receivers` explorers."""
     return sync.WeightSync(0, 1 + receivers, port=cfg.sync_port, host=cfg.sync_host, device=layout.sync_device,
                            timeout_s=cfg.sync_timeout_s, bucket_elems=bucket_elems(cfg), checksum=cfg.sync_checksum)
 
 
 def finish(cfg, loop, explorer, weights) -> None:
-    """Rank 0 after the last step: wait until the explorer has the final weights and has
-    ended (RuntimeError with its error line if it failed); set trainer_done in the buffer
-    (mode train: the explorers leave the weight-sync group, whose store waits for them up
-    to sync_timeout_s); write the final config, delete the resume states and draw the plot."""
+    """Rank 0 after the last step: wait for the explorer(s) (RuntimeError if one failed), write the final files."""
     run_dir = Path(cfg.run_dir)
     if weights:
         weights.wait(loop.io.alive)
@@ -407,9 +323,8 @@ def finish(cfg, loop, explorer, weights) -> None:
         if explorer.exitcode != 0:
             raise RuntimeError(f"explorer failed: {loop.errors[0] if loop.errors else explorer.exitcode}")
     loop.io.buffer.set_run_state("trainer_done", str(loop.trainer.version))
-    if weights and not explorer and not weights.wait_left(cfg.sync_timeout_s):
-        print(f"run.py: warning: not every explorer left the weight-sync group within {cfg.sync_timeout_s:.0f} s",
-              file=sys.stderr)
+    if weights and not explorer:  # mode train: the explorers see trainer_done and leave the group
+        resolve(f"{TRAIN_MODE}.wait_left", {}, "mode train")(weights, cfg.sync_timeout_s)
     (run_dir / "final" / "nanorft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     if not cfg.keep_resume_state and (freed := delete_resume_states(run_dir)):
         print0(f"resume state deleted ({freed / 2 ** 20:.0f} MiB), the run has finished: --keep-resume-state keeps it")
@@ -418,10 +333,8 @@ def finish(cfg, loop, explorer, weights) -> None:
 
 
 def join_draining(process, drain: Callable[[], Any], timeout_s: float | None = None) -> bool:
-    """Wait until `process` has exited, calling `drain()` (which reads its queue) meanwhile
-    and once after: a process does not exit before its queued items are read (Python's
-    multiprocessing docs, "joining processes that use queues"). Gives up after `timeout_s`
-    seconds (None: never). Returns whether it has exited."""
+    """Wait until `process` has exited (False after `timeout_s`), calling `drain()`: it does not
+    exit before its queued items are read (multiprocessing docs, "joining processes")."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         drain()
@@ -434,8 +347,7 @@ def join_draining(process, drain: Callable[[], Any], timeout_s: float | None = N
 
 
 def stop_explorer(explorer, loop) -> None:
-    """The trainer failed: stop the explorer too; RuntimeError with the explorer's error line
-    if it had failed first."""
+    """The trainer failed: stop the explorer; RuntimeError with its error line if it failed first."""
     if explorer.is_alive():
         explorer.terminate()
         if not join_draining(explorer, loop.io.records, 30):  # its records are dropped: the trainer's error counts
@@ -446,5 +358,3 @@ def stop_explorer(explorer, loop) -> None:
         loop.drain()
         if loop.errors:
             raise RuntimeError(f"explorer failed: {loop.errors[0]}") from None
-
-

@@ -1,6 +1,5 @@
-"""The bundled experience operators of `--experience-pipeline` (named by import path in
-extras/pipelines.py's EXPERIENCE_OPS): quality and diversity rewards (Trinity-RFT report
-3.4.2) and cleaning. Signature: fn(groups, ctx: extras.pipelines.ExperienceContext, **kwargs) -> groups.
+"""The bundled experience operators of `--experience-pipeline` (extras/pipelines.py's
+EXPERIENCE_OPS): quality and diversity rewards and cleaning (Trinity-RFT report 3.4.2).
 """
 from __future__ import annotations
 
@@ -12,14 +11,9 @@ from extras.pipelines import ExperienceContext, response_text, shape
 
 def quality_reward(groups: list[list[Experience]], ctx: ExperienceContext, model: str = "", url: str = "",
                    weight: float = 1.0, timeout_s: float = 60.0) -> list[list[Experience]]:
-    """Quality reward augmentation (Trinity-RFT report 3.4.2; Data-Juicer's
-    llm_quality_score_filter rates 1-5): an auxiliary model rates each rollout's answer to
-    its question from 1 to 5 (`expected_rating` of extras.judge.ask_judge: a local model
-    directory `model` or an OpenAI-compatible endpoint `url`); the rating scaled to
-    [-0.5, 0.5], (s - 3) / 4, times `weight` is added to the reward. Metrics: shaped,
-    bonus_mean, rating_mean."""
+    """Quality reward (Data-Juicer's llm_quality_score_filter): an auxiliary model (`model` or `url`:
+    extras.judge) rates each answer s = 1..5; weight * (s - 3) / 4 is added to the reward."""
     from extras.judge import ask_judge
-
     ratings = []
     for g in groups:
         question = ctx.tokenizer.decode(g[0].tokens[:g[0].prompt_length], skip_special_tokens=True)
@@ -39,12 +33,10 @@ _EMBEDDERS: dict = {}
 
 
 def embed(texts: list[str], model: str):
-    """Unit-length embeddings [N, H] (float32) of `texts`: the mean over tokens of the last
-    hidden states of the local Hugging Face model directory `model` (transformers AutoModel,
-    loaded once per process)."""
+    """Unit-length embeddings [N, H] (float32) of `texts`: the mean last hidden state of the local
+    model directory `model` (loaded once per process)."""
     import torch
     from transformers import AutoModel, AutoTokenizer
-
     if model not in _EMBEDDERS:
         tok = AutoTokenizer.from_pretrained(model)
         tok.pad_token = tok.pad_token or tok.eos_token
@@ -58,26 +50,14 @@ def embed(texts: list[str], model: str):
     return torch.nn.functional.normalize(mean, dim=-1)
 
 
-def scheduled(weight: float, final_weight: float | None, decay_steps: int, step: int) -> float:
-    """`weight` moving linearly to `final_weight` over `decay_steps` steps, then constant."""
-    if final_weight is None or decay_steps <= 0:
-        return weight
-    return weight + (final_weight - weight) * min(1.0, step / decay_steps)
-
-
 def diversity_reward(groups: list[list[Experience]], ctx: ExperienceContext, model: str = "", weight: float = 0.5,
                      final_weight: float | None = None, decay_steps: int = 0) -> list[list[Experience]]:
-    """Diversity reward (Trinity-RFT report 3.4.2; Data-Juicer's group_diversity_filter):
-    embed each rollout's response (`embed`, default model: the run's own), take the cosine
-    similarity sim_i to its group's mean embedding, and add
-        w_t * (max_j sim_j - sim_i) / (max_j sim_j - min_j sim_j)
-    (0 when the group's similarities are equal; Data-Juicer's score is 0.5 times this
-    ratio, here the weight scales it), so the least typical rollout gets w_t and the most
-    typical 0. w_t goes linearly from `weight` to `final_weight` over
-    `decay_steps` steps (e.g. 0.5 -> 0.3). Metrics: weight, similarity_mean, bonus_mean."""
+    """Diversity reward (Data-Juicer's group_diversity_filter): add w_t * (max_j sim_j - sim_i) / (max_j sim_j
+    - min_j sim_j), sim_i the cosine similarity of a response's embedding to its group's mean (`embed`);
+    w_t goes linearly from `weight` to `final_weight` over `decay_steps` steps."""
     import torch
-
-    w = scheduled(weight, final_weight, decay_steps, ctx.step)
+    w = weight if final_weight is None or decay_steps <= 0 else (
+        weight + (final_weight - weight) * min(1.0, ctx.step / decay_steps))
     sims, bonuses = [], []
     for g in groups:
         emb = embed([response_text(e, ctx.tokenizer) for e in g], model or ctx.model)   # [G, H]
@@ -96,11 +76,9 @@ def diversity_reward(groups: list[list[Experience]], ctx: ExperienceContext, mod
 
 def clean(groups: list[list[Experience]], ctx: ExperienceContext, max_tokens: int = 0, ngram: int = 0,
           max_repeat_frac: float = 0.5, dedup: bool = False) -> list[list[Experience]]:
-    """Experience cleaning (Trinity-RFT report 3.4.2): drop rollouts whose response has
-    more than `max_tokens` policy tokens (0: no limit), whose `ngram`-grams repeat more
-    than `max_repeat_frac` (extras.filters.repetition_filter; ngram 0: off), and with `dedup`,
-    rollouts whose response text repeats an earlier one of the same group. Metrics:
-    dropped_length, dropped_repetition, dropped_duplicate."""
+    """Drop rollouts with more than `max_tokens` policy tokens (0: no limit), whose `ngram`-grams repeat
+    more than `max_repeat_frac` (extras.filters.repetition_filter; 0: off), and with `dedup`,
+    those whose response repeats an earlier one of the group."""
     counts = dict.fromkeys(("length", "repetition", "duplicate"), 0)
     out = []
     for g in groups:

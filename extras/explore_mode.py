@@ -1,8 +1,5 @@
-"""Mode explore: one explorer, a launch of its own beside a `--mode train` launch (fully
-asynchronous; run.py's MODES names `run_mode_explore` by import path). They share the run's
-buffer (SQLite in the run directory, or PostgreSQL from another host) and the checkpoints
-the trainer publishes, or with --sync-method broadcast a weight-sync group. The loop is
-explorer.explore, paced by the buffer (`Backpressure`) instead of the sync schedule.
+"""Mode explore (run.MODES, by import path): one explorer beside a `--mode train` launch, sharing
+the run's buffer; explorer.explore paced by the buffer (`Backpressure`), not the sync schedule.
 """
 from __future__ import annotations
 
@@ -17,23 +14,25 @@ import sync
 from buffer import Buffer, open_buffer
 from engines import make_engine
 from explorer import engine_seed, explore
+from extras.train_mode import add_record
 from metrics import JsonlLog
 
 
 class Backpressure:
-    """When a batch of mode explore may start (explorer.explore's `pace`): not once the
-    trainer has finished (run state "trainer_done"); not while the buffer holds two batches
-    of ready groups (RuntimeError after buffer_timeout_s without the trainer taking any).
-    New weights at the start, every sync_interval batches and with cfg.inflight between
-    decode steps: the newest checkpoint, or with broadcast every publish announced (also
-    while waiting for the trainer, which waits for every receiver)."""
-
+    """explorer.explore's `pace`: no batch once the trainer has finished or while two batches wait."""
     def __init__(self, cfg, buffer: Buffer, receiver: sync.Receiver):
         self.cfg, self.buffer, self.receiver = cfg, buffer, receiver
 
+    def catch_up(self) -> None:
+        """Take every publish announced so far (checkpoints: the newest)."""
+        while self.receiver.newest() > self.receiver.engine.version:
+            self.receiver.receive()
+
+    inflight = catch_up
+
     def join(self) -> None:
         self.receiver.join()
-        self.receiver.catch_up()
+        self.catch_up()
 
     def before_batch(self, batch: int) -> bool:
         cfg, since = self.cfg, time.monotonic()
@@ -43,29 +42,19 @@ class Backpressure:
                 raise RuntimeError(f"explorer {cfg.explorer_name}: no trainer took a batch for "
                                    f"{cfg.buffer_timeout_s:.0f} s")
             if cfg.sync_method == "broadcast":
-                self.receiver.catch_up()
+                self.catch_up()
             time.sleep(0.1)
-        if done:
-            return False
-        if batch % cfg.sync_interval == 0:
-            self.receiver.catch_up()
-        return True
-
-    def inflight(self) -> None:
-        self.receiver.catch_up()
+        if not done and batch % cfg.sync_interval == 0:
+            self.catch_up()
+        return not done
 
     def final(self) -> None:
         if self.cfg.sync_method != "broadcast":  # broadcast: trainer_done is set once every receiver has the last
-            self.receiver.catch_up()
+            self.catch_up()
 
 
 def run_mode_explore(cfg, prepared) -> None:
-    """Mode explore (run.MODES) on what run.prepare found (model, tasks): generate batches
-    into the run's buffer until the trainer has finished. Metric records go to
-    RUN_DIR/explorer_<name>.jsonl, evaluation records also to the buffer (for the trainer's
-    metrics). With broadcast sync the explorer joins the weight-sync group whose store is at
-    cfg.sync_host:cfg.sync_port as the next free rank (RuntimeError once that store stops
-    answering while it waits: sync.StoreAlive)."""
+    """Generate batches until the trainer has finished; records to RUN_DIR/explorer_<name>.jsonl."""
     launch.split_threads(cfg, 1)
     print(f"nanorft: mode explore ({cfg.explorer_name}), engine {cfg.engine}, {cfg.explorer_threads} threads, "
           f"run dir {cfg.run_dir}")
@@ -76,12 +65,10 @@ def run_mode_explore(cfg, prepared) -> None:
     def log_and_share(record: dict) -> None:
         log.write(record)
         if "eval/accuracy" in record:
-            buffer.add_record(cfg.explorer_name, record)
-
+            add_record(buffer, cfg.explorer_name, record)
     try:
         engine = make_engine(cfg, prepared.model_path, engine_seed(cfg))
-        # the trainer is no parent of ours: it is alive while its weight-sync store answers (waited for first: it
-        # may start after us); checkpoints are never waited for (catch_up only polls)
+        # the trainer is no parent of ours: alive while its store answers (waited for: it may start after us)
         alive = sync.StoreAlive(cfg.sync_host, cfg.sync_port, cfg.sync_timeout_s) if by_broadcast else lambda: True
         receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, log.write, alive=alive,
                                  port=cfg.sync_port if by_broadcast else None, timeout_s=cfg.sync_timeout_s,
@@ -89,8 +76,9 @@ def run_mode_explore(cfg, prepared) -> None:
         try:
             explore(cfg, engine, prepared.tasks, buffer, Backpressure(cfg, buffer, receiver), log_and_share,
                     sys.maxsize)
-        finally:
-            receiver.leave()  # the trainer may go (its store with it) once every explorer has left
+        finally:  # the trainer may go (its store with it) once every explorer has left
+            if by_broadcast and engine.weights_joined():
+                engine.leave_weight_sync()
     finally:
         buffer.close()
         log.close()

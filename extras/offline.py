@@ -1,7 +1,5 @@
-"""Offline data: experiences not sampled from the policy, marked info["offline"] (no
-behaviour log-probs, a fixed reward, never filtered). Chats train by SFT (`--train-data`)
-or are mixed into each batch as expert data (MIX: `--expert-data`); preference pairs train
-by DPO (`--train-data`). loop.loop_io and run.prepare reach this file by import path.
+"""Offline data, marked info["offline"], by import path: chats for SFT (`--train-data`) or mixed into
+each batch (MIX: `--expert-data`), preference pairs for DPO (`--train-data`).
 """
 from __future__ import annotations
 
@@ -14,16 +12,11 @@ from workflows import chat_ids, jsonl_rows
 
 
 class OfflineSampler:
-    """Draws groups of offline data in a seeded shuffled order, cycling through epochs;
-    each drawn experience is a copy marked info["offline"]. `drawn`: groups drawn so far
-    (drawing as many from a new sampler of the same data and seed continues the order: a
-    resume). Raises ValueError for no data."""
-
+    """Groups in a seeded shuffled order, cycled; `drawn`: how many (as many drawn again resume it)."""
     def __init__(self, groups: list[list[Experience]], seed: int):
         if not groups:
             raise ValueError("offline data is empty")
-        self.groups, self.rng, self.order = groups, random.Random(seed), []
-        self.drawn = 0
+        self.groups, self.rng, self.order, self.drawn = groups, random.Random(seed), [], 0
 
     def draw(self, n: int) -> list[list[Experience]]:
         """The next n groups."""
@@ -42,12 +35,8 @@ def _is_messages(msgs) -> bool:
 
 
 def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
-    """One {"messages": [{"role", "content"}, ...]} per line -> a group of one Experience,
-    tokenised with the chat template. action_mask is 1 exactly on what the model generates
-    in each assistant turn: template(messages[:i+1]) minus template(messages[:i], generation
-    prompt), up to and including the end-of-turn token (eos); the sequence ends there.
-    Reward 1.0, behaviour_logprobs 0. Raises FileNotFoundError, or ValueError naming the
-    file and line (bad JSON, no assistant turn, turns that are not token prefixes)."""
+    """One {"messages": [...]} per line -> a group of one Experience (reward 1.0), action_mask 1 on each
+    assistant turn up to its end-of-turn token. ValueError naming the file and line."""
     out = []
     for path, n, row in jsonl_rows(path, "chat data"):
         msgs = row.get("messages") if isinstance(row, dict) else None
@@ -74,10 +63,8 @@ def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
 
 
 def load_preference_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
-    """DPO data: one {"prompt": str or messages, "chosen": str, "rejected": str} per line ->
-    a group of two Experiences (chosen reward 1.0, rejected 0.0) sharing the templated
-    prompt; each response is the reply plus the template's end of turn. Raises
-    FileNotFoundError or ValueError naming the file and line."""
+    """DPO data: one {"prompt", "chosen", "rejected"} per line -> a group of two Experiences (rewards 1.0,
+    0.0). ValueError naming the file and line."""
     out = []
     for path, n, row in jsonl_rows(path, "preference data"):
         if not (isinstance(row, dict) and {"prompt", "chosen", "rejected"} <= set(row)):
@@ -101,22 +88,37 @@ def load_preference_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]
 
 
 def load_offline_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
-    """Chats (`load_chat_jsonl`) or preference pairs (`load_preference_jsonl`), told apart
-    by the first row's fields."""
+    """Chats or preference pairs, told apart by the first row's fields."""
     first = next(jsonl_rows(path, "offline data"), (None, None, {}))[2]
     pairs = isinstance(first, dict) and "chosen" in first
     return (load_preference_jsonl if pairs else load_chat_jsonl)(path, tokenizer)
 
 
 def sampler(path: str | Path, tokenizer, seed: int, chats_only: bool = False) -> OfflineSampler:
-    """An OfflineSampler of the JSONL file `path`: chats (`chats_only`: the expert data of
-    MIX) or chats or preference pairs (`--train-data`). Raises as the loaders do."""
+    """An OfflineSampler of the JSONL file `path` (`chats_only`: MIX's expert data)."""
     return OfflineSampler((load_chat_jsonl if chats_only else load_offline_jsonl)(path, tokenizer), seed)
 
 
+def attach(cfg, io, trainer, start: int) -> None:
+    """loop.loop_io at `start`: io.offline (--train-data) and --expert-data mixed into each shaped batch."""
+    if cfg.expert_fraction:
+        io.expert = sampler(cfg.expert_data, trainer.tokenizer, cfg.seed, chats_only=True)
+        io.expert.draw(trainer.loop_state.get("expert_drawn", 0))
+        shape = io.shape
+        def mixed(groups: list, step: int) -> tuple[list, dict]:
+            groups, m = shape(groups, step) if shape else (groups, {})
+            n = sum(map(len, groups))  # MIX: this fraction of the batch's sequences is expert data
+            groups += io.expert.draw(max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction))))
+            trainer.loop_state["expert_drawn"] = io.expert.drawn  # (n varies: the resume state records it)
+            return groups, m
+        io.shape = mixed
+    if cfg.train_data:
+        io.offline = sampler(cfg.train_data, trainer.tokenizer, cfg.seed)
+        io.offline.draw(start * cfg.batch_size)
+
+
 def check_offline_data(cfg, tok) -> None:
-    """ValueError (one line) for --expert-data or --train-data files that hold no rows under
-    the chat template of `tok` (the model's tokenizer); FileNotFoundError for a missing file."""
+    """ValueError (one line) for --expert-data or --train-data files without rows."""
     if cfg.expert_fraction and not load_chat_jsonl(cfg.expert_data, tok):
         raise ValueError(f"expert_data {cfg.expert_data}: no conversations")
     if cfg.train_data and not load_offline_jsonl(cfg.train_data, tok):

@@ -1,17 +1,8 @@
-"""Data pipelines (Trinity-RFT's third pillar, arXiv:2505.17826 section 2.3, examples
-3.4-3.5): task curation and selection (the explorer), experience shaping and replay
-between buffer and trainer (trainer rank 0), human labels (extras/label_studio.py). The
-core reaches this file by import path when a pipeline setting is given (workflows.PIPELINES);
-the bundled operators and selectors are in extras/task_ops.py, experience_ops.py and
-selectors.py. Configured as lists of tables {op = NAME or module.function, ...kwargs}
-(docs/pipelines.md, configs/pipelines.toml):
-
-Task operator:       fn(tasks: list[Task], ctx: TaskContext, **kw) -> list[Task]
-Experience operator: fn(groups: list[list[Experience]], ctx: ExperienceContext, **kw) -> list[list[Experience]]
-
-Each records its metrics in ctx.metrics as pipeline/<op>/<name>. A shaping operator adds
-its bonus to the reward and records it in info["shaping"][op] (the reward before any
-shaping stays in info["reward_raw"]).
+"""Data pipelines (Trinity-RFT, arXiv:2505.17826 section 2.3), by import path (workflows.PIPELINES):
+task curation and selection, experience shaping and replay. Operators, configured as tables
+{op = NAME or module.function, ...kwargs}, record metrics as pipeline/<op>/<name>:
+    fn(tasks: list[Task], ctx: TaskContext, **kw) -> list[Task]
+    fn(groups: list[list[Experience]], ctx: ExperienceContext, **kw) -> list[list[Experience]]
 """
 from __future__ import annotations
 
@@ -24,7 +15,6 @@ from buffer import COLUMNS, Buffer, Experience
 from losses import resolve
 from workflows import Shuffle, Task
 
-# name -> operator or selector, by import path: imported only when a pipeline names it
 TASK_OPS: dict[str, Callable | str] = {name: f"extras.task_ops.{name}" for name in (
     "dedup", "length_filter", "metadata_difficulty", "pass_rate_difficulty", "model_difficulty")}
 EXPERIENCE_OPS: dict[str, Callable | str] = {name: f"extras.experience_ops.{name}" for name in (
@@ -36,10 +26,7 @@ ANNOTATION_CHECK = "extras.label_studio.check_annotation"  # cfg -> None: raises
 
 @dataclass
 class TaskContext:
-    """What a task operator may use. tokenizer: the policy's; rollouts(tasks, n) -> one
-    group (list of Experience with rewards) or None (skipped) per task, sampled by the
-    explorer's engine and workflow; metrics: filled by operators."""
-
+    """What a task operator may use; rollouts(tasks, n) -> a group (None: skipped) per task, by the explorer."""
     tokenizer: Any = None
     rollouts: Callable[[list[Task], int], list] | None = None
     metrics: dict = field(default_factory=dict)
@@ -47,10 +34,7 @@ class TaskContext:
 
 @dataclass
 class ExperienceContext:
-    """What an experience operator may use. step: the trainer step (0-based) of the batch;
-    tokenizer: the policy's; model: the run's model directory (the default embedding
-    model); metrics: filled by operators."""
-
+    """What an experience operator may use: the batch's trainer step, the policy's tokenizer and model."""
     step: int = 0
     tokenizer: Any = None
     model: str = ""
@@ -58,9 +42,7 @@ class ExperienceContext:
 
 
 def parse_ops(specs: list, registry: dict, what: str) -> list[tuple[str, Callable, dict]]:
-    """[(name, fn, kwargs)] of a configured operator list [{"op": NAME, **kwargs}]. Raises
-    ValueError (one line) for an entry that is not a table with "op", an unknown name or a
-    keyword the operator does not take."""
+    """[(name, fn, kwargs)] of a configured list [{"op": NAME, **kwargs}]; ValueError (one line) for a bad entry."""
     if not isinstance(specs, list):
         raise ValueError(f"{what}: expected a list of tables {{op = NAME, ...}}, got {specs!r}")
     out = []
@@ -76,11 +58,8 @@ def _label(name: str) -> str:
     return name.rpartition(".")[2]
 
 
-# ----------------------------------------------------------------------------- tasks
-
 def run_task_pipeline(specs: list, tasks: list[Task], ctx: TaskContext) -> list[Task]:
-    """Apply the task operators in order; ctx.metrics gets pipeline/<op>/kept and /removed.
-    Raises ValueError when an operator leaves no task."""
+    """Apply the task operators in order (metrics pipeline/<op>/kept, removed); ValueError when none is left."""
     for name, fn, kwargs in parse_ops(specs, TASK_OPS, "task_pipeline"):
         before = len(tasks)
         tasks = fn(tasks, ctx, **kwargs)
@@ -92,10 +71,8 @@ def run_task_pipeline(specs: list, tasks: list[Task], ctx: TaskContext) -> list[
 
 
 def curate(explorer, buffer: Buffer) -> tuple[list[Task], dict]:
-    """The explorer's training tasks after cfg.task_pipeline, run once per run and explorer
-    (explorer.Explorer.resume): the curated list (task ids, difficulties) is kept in the
-    buffer's run state, so a restarted explorer continues on it without scoring again.
-    Returns (tasks, the pipeline's metrics). Raises ValueError from an operator."""
+    """(The explorer's training tasks after cfg.task_pipeline, its metrics): once per run and explorer,
+    kept in the buffer's run state for a restarted explorer."""
     cfg, key = explorer.cfg, f"tasks/{explorer.cfg.explorer_name}"
     if saved := buffer.run_state(key):
         by_id = {t.task_id: t for t in explorer.train}
@@ -108,26 +85,20 @@ def curate(explorer, buffer: Buffer) -> tuple[list[Task], dict]:
 
 
 def make_selector(name: str, kwargs: dict, tasks: list[Task], seed: int):
-    """The selector `name` (SELECTORS, or module.Class taking (tasks, seed, **kwargs)) over
-    `tasks`. Raises ValueError (one line) for an unknown name or keyword."""
+    """The selector `name` (SELECTORS, or module.Class(tasks, seed, **kwargs)); ValueError for a bad one."""
     return resolve(name, SELECTORS, "selector", kwargs)(tasks, seed, **kwargs)
 
 
-# ----------------------------------------------------------------------------- experiences
-
 def shape(e: Experience, op: str, bonus: float) -> None:
-    """Add `bonus` to e.reward and record it: info["reward_raw"] (the reward before any
-    shaping) and info["shaping"][op]."""
+    """Add `bonus` to e.reward, recorded in info["shaping"][op] (info["reward_raw"]: before any shaping)."""
     e.info.setdefault("reward_raw", e.reward)
     e.info.setdefault("shaping", {})[op] = bonus
     e.reward = e.reward + bonus
 
 
 class ExperiencePipeline:
-    """The configured experience operators, run by trainer rank 0 on each batch it reads
-    (before the batch goes to the other ranks). `__call__(groups, step) -> (groups,
-    metrics)`; groups that an operator empties are dropped (counted), RuntimeError when
-    none is left; metrics add pipeline/reward_raw_mean (the rewards before shaping)."""
+    """The experience operators on each batch trainer rank 0 reads: (groups, step) -> (groups, metrics);
+    emptied groups are dropped, RuntimeError when none is left."""
 
     def __init__(self, specs: list, tokenizer=None, model: str = ""):
         self.ops = parse_ops(specs, EXPERIENCE_OPS, "experience_pipeline")
@@ -148,13 +119,9 @@ class ExperiencePipeline:
 
 def replay(buffer: Buffer, step: int, groups: int = 1, decay: float = 2.0, use_count_limit: int = 3
            ) -> tuple[list[list[Experience]], int]:
-    """Prioritised experience replay (Trinity-RFT trinity/buffer/storage/queue.py @ 5a4234ec:
-    priority model_version - decay * use_count, each item used at most use_count_limit
-    times): take up to `groups` groups consumed before trainer step `step` (loop.read_batch),
-    highest priority first (ties: newest), count the use and record it in the buffer's
-    replays table, which Buffer.release_after undoes for a resumed run. Each experience
-    carries info["use_count"] (uses before this one) and info["priority"]. Returns (groups,
-    how many were eligible)."""
+    """Prioritised experience replay (Trinity-RFT trinity/buffer/storage/queue.py @ 5a4234ec: priority
+    model_version - decay * use_count): up to `groups` groups consumed before `step`, each use recorded
+    (Buffer.release_after undoes it). Returns (groups, how many were eligible)."""
     db = buffer.db
     with db.transaction(readers=True):
         eligible = db.execute(
@@ -184,13 +151,9 @@ def response_text(e: Experience, tokenizer) -> str:
     return tokenizer.decode([t for t, m in zip(resp, e.action_mask) if m], skip_special_tokens=True).strip()
 
 
-# ----------------------------------------------------------------------------- from the config
-
 def check_config(cfg) -> None:
-    """Raise ValueError (one line) for a mis-configured task or experience pipeline,
-    selector, replay or annotation setting of config.Config `cfg`; ConnectionError when the
-    Label Studio server of cfg.annotation cannot be reached (workflows.check_pipelines,
-    before any process starts)."""
+    """ValueError (one line) for a bad pipeline, selector, replay or annotation setting; ConnectionError
+    when cfg.annotation's Label Studio server cannot be reached."""
     parse_ops(cfg.task_pipeline, TASK_OPS, "task_pipeline")
     parse_ops(cfg.experience_pipeline, EXPERIENCE_OPS, "experience_pipeline")
     selector = resolve(cfg.selector, SELECTORS, "selector", cfg.selector_kwargs)

@@ -1,26 +1,22 @@
-"""The PostgreSQL backend of buffer.Buffer (`--buffer postgresql://user@host:port/db`):
-explorers and trainer on several hosts. buffer.Buffer imports it only for such a URL;
-it needs `pip install "psycopg[binary]"`.
+"""The PostgreSQL backend of buffer.Buffer (`--buffer postgresql://user@host:port/db`, several
+hosts), by import path; it needs `pip install "psycopg[binary]"`.
 """
 from __future__ import annotations
 
 import re
 from contextlib import contextmanager
+from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 
 class Postgres:
-    """The PostgreSQL dialect (psycopg 3, autocommit outside explicit transactions): the
-    run's tables in schema `schema`; readers taking groups serialise on a transaction-level
-    advisory lock; an explorer name is a session advisory lock, released by the server when
-    the connection closes (kill -9 included). `schema_sql`: buffer.SCHEMA, the tables'
-    CREATE statements with {id} and {blob} column types to fill. Raises ValueError (one
-    line) for a bad schema name, missing psycopg or a server out of reach."""
-
-    def __init__(self, url: str, timeout_s: float, schema_sql: str):
+    """The PostgreSQL dialect (psycopg 3): readers serialise on a transaction advisory lock, an explorer
+    name is a session advisory lock (gone with the connection). ValueError (one line) when unusable."""
+    def __init__(self, url: str, timeout_s: float, schema_sql: str, run_dir: str | Path | None = None):
         parts = urlsplit(url)
         query = dict(parse_qsl(parts.query))
-        schema = query.pop("schema", "nanorft")
+        run = "" if run_dir is None else "_" + re.sub(r"[^a-z0-9_]", "_", Path(run_dir).resolve().name.lower())[:54]
+        schema = query.pop("schema", f"nanorft{run}")
         if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", schema):
             raise ValueError(f"buffer schema {schema!r}: use lower-case letters, digits and _ (at most 63)")
         self.schema = schema
@@ -46,12 +42,8 @@ class Postgres:
 
     @contextmanager
     def _lost(self):
-        """A connection that broke (the server restarted or went away, its host unreachable)
-        raises ConnectionError, one line naming the buffer: which statements of an open
-        transaction took effect is unknown, so nothing is retried here; the run continues
-        from what the buffer holds with --resume."""
+        """A broken connection: ConnectionError, one line (nothing is retried: --resume continues)."""
         import psycopg
-
         try:
             yield
         except psycopg.OperationalError as e:
@@ -70,9 +62,7 @@ class Postgres:
 
     @contextmanager
     def transaction(self, readers: bool = False):
-        """One transaction (READ COMMITTED); `readers`: serialised with the other readers
-        of this run (advisory lock held until COMMIT/ROLLBACK). ConnectionError when the
-        connection is lost (`_lost`)."""
+        """One transaction; `readers`: serialised with the run's other readers."""
         with self._lost(), self.conn.transaction():
             if readers:
                 self.execute("SELECT pg_advisory_xact_lock(hashtext(?))", (f"{self.schema} readers",))

@@ -1,6 +1,5 @@
-"""Task selectors besides the default shuffle (workflows.Shuffle), named by import path in
-extras/pipelines.py's SELECTORS: the task list's own order (`sequential`), uniform draws
-(`random`), easy -> hard (`easy2hard`) and BOTS (`diff_based`).
+"""Task selectors besides workflows.Shuffle (extras/pipelines.py's SELECTORS): sequential,
+random, easy2hard and BOTS (diff_based).
 """
 from __future__ import annotations
 
@@ -14,9 +13,7 @@ class Sequential(Selector):
 
 
 class RandomTasks(Selector):
-    """k distinct tasks drawn uniformly for every request (Trinity-RFT's RandomSelector:
-    a generator seeded by the running count of drawn tasks, so resume is exact)."""
-
+    """k distinct tasks drawn uniformly (Trinity-RFT's RandomSelector; seeded by the count drawn: resumes)."""
     def next(self, k: int) -> list[int]:
         out = np.random.default_rng([self.seed, self.cursor]).choice(len(self.tasks), min(k, len(self.tasks)),
                                                                      replace=False).tolist()
@@ -29,10 +26,7 @@ NEEDS_DIFFICULTY = ("selector easy2hard needs a difficulty for every task: add m
 
 
 class Easy2Hard(Selector):
-    """Easy -> hard: the tasks sorted by ascending difficulty (ties: list order), cycled
-    (Trinity-RFT's offline_easy2hard, which sorts by pass-rate features, highest first).
-    Raises ValueError when a task has no difficulty (configure a *_difficulty operator)."""
-
+    """The tasks by ascending difficulty, cycled (Trinity-RFT's offline_easy2hard); ValueError without."""
     def __init__(self, tasks: list[Task], seed: int):
         super().__init__(tasks, seed)
         if any(t.difficulty is None for t in tasks):
@@ -41,34 +35,25 @@ class Easy2Hard(Selector):
 
     @staticmethod
     def check_config(cfg) -> None:
-        """The difficulties come from a task pipeline operator: ValueError without one."""
+        """ValueError without a task pipeline (the difficulties come from it)."""
         if not cfg.task_pipeline:
             raise ValueError(NEEDS_DIFFICULTY)
 
 
 class DiffBased(Selector):
     """Difficulty-targeted selection (BOTS, Trinity-RFT `diff_based`: trinity/buffer/selector/
-    selector.py @ 3e9eb605 DiffBasedSelector, diff_estimator.py @ 607f1dbd
-    InterpolationBetaPREstimator).
-
-    Each task i has a Beta(alpha_i, beta_i) belief over its pass rate (both start at 1).
-    After a batch with observed pass rates pr_j of the selected tasks j:
+    selector.py @ 3e9eb605 DiffBasedSelector, diff_estimator.py @ 607f1dbd InterpolationBetaPREstimator).
+    Task i has a Beta(alpha_i, beta_i) belief over its pass rate; after a batch with pass rates pr_j:
         cap  <- (mean pr - mean f0_j) / (mean f1_j - mean f0_j + 1e-6)   (EMA, discount 0.9)
         p~_i  = clip((f1_i - f0_i) * cap + f0_i, 0, 1), and p~_j = pr_j
         alpha <- (1 - lamb) alpha + lamb + (1 - rho) s_bar + rho m p~
         beta  <- (1 - lamb) beta  + lamb + (1 - rho) f_bar + rho m (1 - p~)
-    with s_bar_j = m pr_j, f_bar_j = m (1 - pr_j) (0 for tasks not selected). Every task
-    decays and moves towards its interpolated pass rate. Anchors: f0 = 0 and f1 = the
-    prior pass rate 1 - difficulty (min-max normalised over the tasks; 0.5 without
-    difficulties), so p~ scales each prior by the policy's current capability.
-    Selection: score = -|target - p| with p = alpha / (alpha + beta) (a Beta draw with
-    do_sample); tau = 0 takes the top k, else k without replacement from softmax(score/tau).
-    Defaults: the BOTS example (target 0.5, tau 0, do_sample) with the estimator's m 16,
-    lamb 0.2, rho 0.2."""
-
+    with s_bar_j = m pr_j, f_bar_j = m (1 - pr_j) (0 if not selected), f0 = 0, f1 = 1 - difficulty
+    (min-max normalised; 0.5 without). Score -|target - p|, p the Beta mean (a draw with do_sample);
+    tau 0: the top k, else k from softmax(score / tau)."""
     @staticmethod
     def check_config(cfg) -> None:
-        """It targets a difficulty itself: ValueError with task pools (pool_easy / pool_hard) set."""
+        """ValueError with task pools (pool_easy / pool_hard) set: it targets a difficulty itself."""
         if cfg.pool_easy <= 1 or cfg.pool_hard >= 0:
             raise ValueError("selector diff_based already targets a difficulty: leave pool_easy / pool_hard unset")
 

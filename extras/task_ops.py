@@ -1,8 +1,5 @@
-"""The bundled task operators of `--task-pipeline` (named by import path in
-extras/pipelines.py's TASK_OPS): dedup, length_filter and the difficulty estimates the
-easy -> hard and BOTS selectors read (metadata_difficulty, pass_rate_difficulty,
-model_difficulty).
-Signature: fn(tasks, ctx: extras.pipelines.TaskContext, **kwargs) -> tasks.
+"""The bundled task operators of `--task-pipeline` (extras/pipelines.py's TASK_OPS): dedup,
+length_filter and the difficulty estimates the easy2hard and diff_based selectors read.
 """
 from __future__ import annotations
 
@@ -12,8 +9,7 @@ from workflows import Task
 
 
 def dedup(tasks: list[Task], ctx: TaskContext) -> list[Task]:
-    """Keep the first of the tasks whose questions are equal after lower-casing and
-    collapsing whitespace (Data-Juicer's document_deduplicator, lowercase=True)."""
+    """The first of tasks with equal questions, lower-cased (Data-Juicer's document_deduplicator)."""
     seen, out = set(), []
     for t in tasks:
         key = " ".join(t.question.lower().split())
@@ -24,8 +20,7 @@ def dedup(tasks: list[Task], ctx: TaskContext) -> list[Task]:
 
 
 def length_filter(tasks: list[Task], ctx: TaskContext, min_tokens: int = 0, max_tokens: int = 0) -> list[Task]:
-    """Keep tasks whose question has min_tokens..max_tokens tokens of the policy's
-    tokenizer (max_tokens 0: no upper bound)."""
+    """Tasks whose question has min_tokens..max_tokens policy tokens (max_tokens 0: no bound)."""
     def ok(t):
         n = len(ctx.tokenizer.encode(t.question, add_special_tokens=False))
         return n >= min_tokens and (not max_tokens or n <= max_tokens)
@@ -34,9 +29,7 @@ def length_filter(tasks: list[Task], ctx: TaskContext, min_tokens: int = 0, max_
 
 def metadata_difficulty(tasks: list[Task], ctx: TaskContext, keys: tuple[str, ...] = ("num_digits", "num_terms")
                         ) -> list[Task]:
-    """difficulty = the sum of the task's numeric metadata fields `keys` (reasoning-gym
-    entries: entry["metadata"], e.g. num_digits + num_terms of basic_arithmetic; a JSONL
-    task: its own fields). Raises ValueError naming a task without one of them."""
+    """difficulty = the sum of the task's numeric metadata fields `keys`; ValueError for a task without."""
     for t in tasks:
         meta = t.entry.get("metadata", t.entry)
         missing = [k for k in keys if not isinstance(meta.get(k), (int, float))]
@@ -48,9 +41,7 @@ def metadata_difficulty(tasks: list[Task], ctx: TaskContext, keys: tuple[str, ..
 
 
 def pass_rate_difficulty(tasks: list[Task], ctx: TaskContext, k: int = 4) -> list[Task]:
-    """difficulty = 1 - the policy's own pass rate: the mean reward of k rollouts of each
-    task by the explorer's engine and workflow (Trinity-RFT report 2.3.2; BOTS uses such
-    pass rates as its prior). A skipped task (workflow failure) gets difficulty 1."""
+    """difficulty = 1 - the policy's pass rate over k rollouts (Trinity-RFT report 2.3.2); skipped: 1."""
     groups = ctx.rollouts(tasks, k)
     for t, g in zip(tasks, groups):
         rewards = [e.reward for e in g or [] if e.reward is not None]
@@ -61,12 +52,8 @@ def pass_rate_difficulty(tasks: list[Task], ctx: TaskContext, k: int = 4) -> lis
 
 def model_difficulty(tasks: list[Task], ctx: TaskContext, model: str = "", url: str = "",
                      timeout_s: float = 60.0) -> list[Task]:
-    """difficulty = an auxiliary model's rating of the question from 1 (easy) to 5 (hard):
-    its expected rating under P(first reply token = "1".."5") for a local model directory,
-    the digit its reply starts with for an OpenAI-compatible endpoint (3 when it gives
-    none) -- the judge machinery of extras/judge.py (ask_judge)."""
+    """difficulty = an auxiliary model's rating of the question, 1 (easy) to 5 (hard) (extras.judge)."""
     from extras.judge import ask_judge
-
     for t in tasks:
         msgs = [{"role": "user", "content": f"Rate how hard this problem is, from 1 (easy) to 5 (hard). "
                  f"Reply with one digit.\nProblem: {t.question}"}]

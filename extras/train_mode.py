@@ -1,20 +1,26 @@
-"""Mode train beside `--mode explore` launches (fully asynchronous): trainer rank 0's end
-of their weight-sync group, and their evaluations read back from the shared buffer.
-loop.py reaches both by import path (loop.EXPLORERS_GROUP, loop.EXPLORER_RECORDS).
+"""Mode train beside `--mode explore` launches (loop.TRAIN_MODE, by import path): their weight-sync
+group and their records, shared through the buffer.
 """
 from __future__ import annotations
 
+import json
+import math
+import sys
+import time
 from typing import Callable
 
 from loop import weight_group
 from metrics import print0
 
 
-def connect_explorers(cfg, io, layout, version: int, params):
-    """Rank 0 with broadcast sync: host the weight-sync store on cfg.sync_host:cfg.sync_port,
-    wait (up to sync_timeout_s) until cfg.num_explorers explorers have joined, send them
-    `params` (= `version`) if this trainer was resumed, and connect `io` to the group.
-    Returns the sync.WeightSync."""
+def connect_explorers(cfg, io, layout, trainer, rank: int):
+    """Every trainer rank: records from the buffer; with broadcast, rank 0 waits for cfg.num_explorers
+    explorers and sends them a resumed trainer's weights. Returns the sync.WeightSync or None."""
+    if rank == 0:
+        io.records = records_from_buffer(io.buffer)
+    params = trainer.full_parameters() if cfg.sync_method == "broadcast" and trainer.version else None  # every rank
+    if rank != 0 or cfg.sync_method != "broadcast":
+        return None
     weights = weight_group(cfg, layout, cfg.num_explorers)
     print0(f"weight sync: waiting for {cfg.num_explorers} explorer(s) at {cfg.sync_host}:{weights.port}")
     weights.connect()
@@ -23,18 +29,41 @@ def connect_explorers(cfg, io, layout, version: int, params):
                "go through host memory (gloo)")
     io.send_weights = weights.send
     if params is not None:
-        weights.send(version, [params])
+        weights.send(trainer.version, [params])
     return weights
 
 
+def wait_left(weights, timeout_s: float) -> bool:
+    """Rank 0: wait until every explorer has left the weight-sync group; False (a warning) after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while weights.store.add("left", 0) < weights.world_size - 1:
+        if time.monotonic() > deadline:
+            print(f"run.py: warning: not every explorer left the weight-sync group within {timeout_s:.0f} s",
+                  file=sys.stderr)
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def add_record(buffer, explorer: str, record: dict) -> None:
+    """Store a record of `explorer` for the trainer's metrics (NaN as null)."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    buffer.db.execute("INSERT INTO explorer_records (explorer, record) VALUES (?, ?)", (explorer, json.dumps(clean)))
+
+
+def records_after(buffer, last_id: int) -> tuple[int, list[dict]]:
+    """(the newest id, the records stored with id > `last_id`, each tagged with "explorer")."""
+    rows = buffer.db.execute("SELECT id, explorer, record FROM explorer_records WHERE id > ? ORDER BY id",
+                             (last_id,)).fetchall()
+    return (rows[-1][0] if rows else last_id), [{**json.loads(r), "explorer": e} for _, e, r in rows]
+
+
 def records_from_buffer(buffer) -> Callable[[], list[dict]]:
-    """A `LoopIO.records` that returns the explorers' records added to `buffer` since its
-    last call (they run in other launches: the buffer is what the sides share)."""
+    """A `LoopIO.records`: the explorers' records added to `buffer` since its last call."""
     last = 0
 
     def records() -> list[dict]:
         nonlocal last
-        last, new = buffer.records_after(last)
+        last, new = records_after(buffer, last)
         return new
-
     return records

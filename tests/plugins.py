@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-import checkpoints
 from buffer import Buffer
+from extras import checkpoint_sync
 from extras.multiturn import MultiTurnWorkflow
 from losses import LossInputs
 from workflows import MathWorkflow, in_thread, last_number
@@ -182,7 +182,7 @@ class WaitForCheckpoint(WaitForPublish):
     """WaitForPublish for --sync-method checkpoint: waits for a newer published checkpoint."""
 
     def announced(self, engine) -> int:
-        latest = checkpoints.latest_checkpoint(self.run_dir)
+        latest = checkpoint_sync.latest_checkpoint(self.run_dir)
         return latest[0] if latest else -1
 
 

@@ -107,21 +107,23 @@ def test_two_readers_never_take_the_same_group(postgres):
 
 
 def test_run_state_records_and_clear(buffer_url):
+    from extras.train_mode import add_record, records_after
+
     buf = Buffer(buffer_url)
     assert buf.run_state("trainer_done") is None
     buf.set_run_state("trainer_done", "4")
     assert Buffer(buffer_url).run_state("trainer_done") == "4"
     buf.set_run_state("trainer_done", None)
     assert buf.run_state("trainer_done") is None
-    buf.add_record("e1", {"eval/accuracy": 0.5, "eval/bad": float("nan")})
-    last, recs = buf.records_after(0)
+    add_record(buf, "e1", {"eval/accuracy": 0.5, "eval/bad": float("nan")})
+    last, recs = records_after(buf, 0)
     assert recs == [{"eval/accuracy": 0.5, "eval/bad": None, "explorer": "e1"}]
-    buf.add_record("e2", {"eval/accuracy": 0.75})
-    assert buf.records_after(last)[1] == [{"eval/accuracy": 0.75, "explorer": "e2"}]
+    add_record(buf, "e2", {"eval/accuracy": 0.75})
+    assert records_after(buf, last)[1] == [{"eval/accuracy": 0.75, "explorer": "e2"}]
     buf.write_batch([group("g")], "e1", {"batch": 1}, [("task-g", 1.0, 0.9, 0.1)])
     buf.clear()
     assert buf.counts()["total"] == 0 and buf.explorer_state("e1") is None and buf.retired() == {}
-    assert buf.records_after(0)[1] == []
+    assert records_after(buf, 0)[1] == []
 
 
 def test_postgres_runs_share_a_database_in_their_own_schemas(postgres, tmp_path):

@@ -12,9 +12,9 @@ import signal
 import pytest
 import torch
 
-import checkpoints
 from buffer import Buffer, Experience
 from conftest import run_py
+from extras import checkpoint_sync
 from test_first_contact import strict_json_lines
 
 
@@ -183,19 +183,19 @@ def test_retention_never_deletes_a_checkpoint_being_loaded(tmp_path):
         d.mkdir()
         (d / "w").write_text("x")
 
-    checkpoints.publish_checkpoint(tmp_path, 1, save, keep=2)
+    checkpoint_sync.publish_checkpoint(tmp_path, 1, save, keep=2)
 
     def load(directory, version):  # while v1 is being read, the trainer publishes four more
         for v in range(2, 6):
-            checkpoints.publish_checkpoint(tmp_path, v, save, keep=2)
+            checkpoint_sync.publish_checkpoint(tmp_path, v, save, keep=2)
         return (directory / "w").read_text()
 
-    assert checkpoints.load_latest_checkpoint(tmp_path, "e1", load) == (1, "x")
+    assert checkpoint_sync.load_latest_checkpoint(tmp_path, "e1", load) == (1, "x")
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("v*"))
     assert names == ["v000001", "v000004", "v000005"]  # v1 survived its reader; the others beyond keep=2 went
-    checkpoints.publish_checkpoint(tmp_path, 6, save, keep=2)
+    checkpoint_sync.publish_checkpoint(tmp_path, 6, save, keep=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("v*")) == ["v000005", "v000006"]
-    assert checkpoints.load_latest_checkpoint(tmp_path, "e1", lambda d, v: v, newer_than=6) is None
+    assert checkpoint_sync.load_latest_checkpoint(tmp_path, "e1", lambda d, v: v, newer_than=6) is None
 
 
 def test_a_resumed_run_logs_each_step_once(tmp_path):
@@ -432,7 +432,7 @@ def test_two_trainer_ranks_publish_checkpoints(tiny_model, tmp_path):
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir, "--steps", 2,
                  "--sync-method", "checkpoint", "--eval-size", 0, "--reward-fn", "tests.rewards.length_parity", nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert checkpoints.latest_checkpoint(run_dir)[0] == 2
+    assert checkpoint_sync.latest_checkpoint(run_dir)[0] == 2
     steps = [r for r in strict_json_lines(run_dir / "metrics.jsonl") if "loss/grad_norm" in r]
     assert [r["trainer/ranks"] for r in steps] == [2, 2] and not math.isnan(steps[-1]["loss/policy"])
 

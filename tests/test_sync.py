@@ -82,6 +82,7 @@ def leaving_receiver(host, port, q):
 def test_receivers_take_ranks_from_the_store_and_leave():
     # explorers started separately need only the address: each takes the next free rank; one too many is
     # refused; the trainer waits until all have left before its store goes
+    from extras.train_mode import wait_left
     from test_modes import host_address
 
     host = host_address()
@@ -94,7 +95,7 @@ def test_receivers_take_ranks_from_the_store_and_leave():
     ws.send(3, [[torch.arange(4.0)]])
     got = sorted(q.get(timeout=60) for _ in procs)
     assert got == [(1, 3, [0.0, 1.0, 2.0, 3.0]), (2, 3, [0.0, 1.0, 2.0, 3.0])]
-    assert ws.wait_left(60)
+    assert wait_left(ws, 60)
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
@@ -232,7 +233,7 @@ def test_without_sync_checksum_neither_end_sums_the_weights(tiny_model, monkeypa
     joiner = threading.Thread(target=ws.connect)
     joiner.start()
     records = []
-    receiver = sync.Receiver.for_config(cfg, engine, records.append, lambda: True, "cpu", ws.port)
+    receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, records.append, lambda: True, ws.port)
     receiver.join()
     joiner.join()
     assert ws.send(2, [[p.detach() + 1 for p in engine.parameters()]]) is None

@@ -1,0 +1,111 @@
+"""Checkpoint sync (--sync-method checkpoint), by import path from loop.py and sync.Receiver:
+RUN_DIR/checkpoints/v{version:06d} is written under a temporary name and renamed, then the
+marker checkpoints/latest; a reader holds a lease while it loads, so retention spares it.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from queue import Empty
+from typing import Any, Callable
+
+
+@contextmanager
+def _lock(root: Path):
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / ".lock").open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _leased(root: Path) -> set[int]:
+    out = set()
+    for lease in (root / "loading").glob("*"):
+        try:
+            out.add(int(lease.read_text()))
+        except (OSError, ValueError):  # removed meanwhile, or a lease being written
+            pass
+    return out
+
+
+def publish_checkpoint(run_dir: str | Path, version: int, save: Callable[[Path], None], keep: int = 3) -> Path:
+    """Write checkpoint `version` with `save(directory)`, keep the `keep` newest (and those being read)."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final, tmp = root / f"v{version:06d}", root / f".tmp-v{version:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
+    save(tmp)
+    with _lock(root):
+        if final.exists() and version in _leased(root):  # republished after a resume while being read: keep it
+            shutil.rmtree(tmp)
+        else:
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+        (root / ".latest.tmp").write_text(str(version))
+        os.replace(root / ".latest.tmp", root / "latest")
+        protected = _leased(root) | {version}
+        for old in sorted(root.glob("v[0-9]*"))[:-keep]:
+            if int(old.name[1:]) not in protected:
+                shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
+    """(version, directory) of the newest published checkpoint, or None."""
+    marker = Path(run_dir) / "checkpoints" / "latest"
+    if not marker.is_file():
+        return None
+    version = int(marker.read_text())
+    return version, marker.parent / f"v{version:06d}"
+
+
+def load_latest_checkpoint(run_dir: str | Path, reader: str, load: Callable[[Path, int], Any],
+                           newer_than: int = -1) -> tuple[int, Any] | None:
+    """(version, load(directory, version)) of the newest checkpoint if newer than `newer_than`, else None."""
+    root = Path(run_dir) / "checkpoints"
+    lease = root / "loading" / reader
+    with _lock(root):
+        latest = latest_checkpoint(run_dir)
+        if latest is None or latest[0] <= newer_than:
+            return None
+        lease.parent.mkdir(exist_ok=True)
+        lease.write_text(str(latest[0]))
+    try:
+        return latest[0], load(latest[1], latest[0])
+    finally:
+        lease.unlink(missing_ok=True)
+
+
+class CheckpointSource:
+    """sync.Receiver's source with checkpoint sync: the newest checkpoint, loaded into `engine`."""
+    def __init__(self, run_dir: str | Path, name: str, engine):
+        self.run_dir, self.name, self.engine = run_dir, name, engine
+
+    def weights_announced(self) -> int:
+        return (latest_checkpoint(self.run_dir) or (-1,))[0]
+
+    def receive_weights(self, alive: Callable[[], bool]) -> tuple[int, float | None]:
+        while (got := load_latest_checkpoint(self.run_dir, self.name, self.engine.load_checkpoint,
+                                             self.engine.version)) is None:
+            if not alive():
+                raise RuntimeError("explorer: the trainer died")
+            time.sleep(0.05)
+        return got
+
+
+def wait_until_loaded(explorer, queue) -> None:
+    """Mode both: wait until the explorer has loaded its start weights (a resume state may go); RuntimeError
+    when it fails first."""
+    while True:
+        try:
+            r = queue.get(timeout=1.0)
+        except Empty:
+            r = {} if explorer.is_alive() else {"error": f"exit code {explorer.exitcode} before its weights were loaded"}
+        if "error" in r:
+            raise RuntimeError(f"explorer failed: {r['error']}")
+        if r.get("explorer/ready"):
+            return
