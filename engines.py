@@ -269,8 +269,7 @@ class HFEngine(Engine):
                 self.status(f"{self.label}: sequences {start}-{min(len(seqs), start + self.max_batch)} of {len(seqs)}")
                 chunk = seqs[start:start + self.max_batch]
                 B, distinct = len(chunk), list(dict.fromkeys(map(tuple, chunk)))  # a group shares its prompt
-                row = {p: i for i, p in enumerate(distinct)}
-                of = torch.tensor([row[tuple(p)] for p in chunk], device=dev)  # [B] its prompt's row
+                of = torch.tensor([distinct.index(tuple(p)) for p in chunk], device=dev)  # [B] its prompt's row
                 cache = decode_cache()
                 if self.cores is not None:
                     self.cores.apply()
@@ -294,15 +293,13 @@ class HFEngine(Engine):
                 behaviour = torch.zeros(B, s.max_tokens, device=dev)                              # [B, R]
                 live = torch.arange(B, device=dev)  # [A] the row of `chunk` of each row still decoding
                 done = torch.zeros(B, dtype=torch.bool, device=dev)  # [A]
-                first = self.version
-                last = [first] * B  # version that sampled each sequence's latest token
+                first, last = self.version, torch.full((B,), self.version, device=dev)  # [B] latest version
                 for step in range(s.max_tokens):
                     tok, lp = sample_token(logits, s.temperature, s.top_p, self.generator)  # [A], [A]
                     tok = tok.masked_fill(done, self.pad)
                     tokens[live, step], behaviour[live, step] = tok, lp
                     if self.version != first:
-                        for r in live[~done].tolist():
-                            last[r] = self.version
+                        last[live[~done]] = self.version
                     done = done | torch.isin(tok, self.eos)
                     if done.all():
                         break
@@ -320,7 +317,7 @@ class HFEngine(Engine):
                     logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
                                         past_key_values=cache, use_cache=True).logits[:, -1]
                 eos = set(self.eos.tolist())
-                for t, lp, v in zip(tokens[:, :step + 1].tolist(), behaviour[:, :step + 1].tolist(), last):
+                for t, lp, v in zip(tokens[:, :step + 1].tolist(), behaviour[:, :step + 1].tolist(), last.tolist()):
                     end = next((j + 1 for j, x in enumerate(t) if x in eos), None)
                     out.append(Completion(t[:end], lp[:end], "length" if end is None else "stop", (first, v)))
         completions = iter(out)

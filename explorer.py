@@ -307,9 +307,8 @@ def exit_quietly(*_) -> None:
 
 
 class Schedule:
-    """`explore`'s pace in mode both (Trinity-RFT's sync schedule): batch e waits until the engine
-    holds sync.required_version(e); with cfg.inflight a publish that has begun is taken between
-    decode steps; the final evaluation waits for the last publish, `last`."""
+    """`explore`'s pace in mode both (Trinity-RFT's sync schedule): batch e waits for the weights
+    sync.required_version(e), the final evaluation for the last publish, `last`."""
 
     def __init__(self, cfg, receiver: sync.Receiver, last: int):
         self.cfg, self.receiver, self.last = cfg, receiver, last
@@ -348,9 +347,7 @@ def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: in
         engine.status = lambda text: queue.put({"status": text})
         if core_flags is not None and isinstance(engine, HFEngine):
             engine.cores = sync.CoreShare(core_flags, 1, cfg.explorer_threads, cfg.trainer_threads)
-        receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, queue.put, alive,
-                                 None if cfg.sync_method == "checkpoint" else port, cfg.sync_timeout_s, sync_device,
-                                 cfg.sync_host)
+        receiver = sync.Receiver.for_config(cfg, engine, queue.put, alive, sync_device, port)
         explore(cfg, engine, tasks, open_buffer(cfg.buffer, cfg.run_dir), Schedule(cfg, receiver, last), queue.put,
                 total_steps)
     except Exception as e:  # reported by the trainer as one line; the process exits with code 1

@@ -1,10 +1,8 @@
-"""Tasks, their order, rewards and workflows: what the explorer runs for each task.
-
-`load_tasks` reads a task source (reasoning-gym, a JSONL file; by import path: Hugging Face
-datasets, the guess-number game, verifiers environments); `Shuffle` orders them. A `Workflow`
-turns a task into a group of rollouts (`MathWorkflow`: one prompt, n samples, each scored);
-training reward and held-out accuracy both come from `Workflow.score`. A new scenario
-subclasses `Workflow` and is named by `--workflow module.Class` or in `WORKFLOWS`.
+"""Tasks, their order, rewards and workflows. `load_tasks` reads a task source (reasoning-gym, a
+JSONL file; by import path: Hugging Face datasets, guess_number, verifiers); `Shuffle` orders them.
+A `Workflow` turns a task into a group of rollouts (`MathWorkflow`: n samples of one prompt);
+training reward and held-out accuracy both come from `Workflow.score`. New scenarios subclass
+`Workflow`, named by `--workflow module.Class` or in `WORKFLOWS`.
 """
 from __future__ import annotations
 
@@ -18,6 +16,7 @@ import re
 import threading
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,7 +45,6 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
     """(train tasks, held-out tasks, verifier dataset or None). ValueError (one line) for an unknown
     dataset, bad kwargs or a malformed JSONL row; FileNotFoundError for a missing file."""
     from losses import resolve
-
     if name in TASK_SOURCES:  # the bundled multi-turn game
         return (*resolve(TASK_SOURCES[name], {}, "task")(kwargs, train_size, eval_size, seed), None)
     prefix, _, rest = name.partition(":")
@@ -206,8 +204,6 @@ def reasoning_gym_reward(task: Task, completion: str, dataset: Any) -> float:
 def load_reward_fn(path: str, kwargs: dict | None = None) -> Callable[[Task, str, Any], float]:
     """A name of REWARD_FNS or "module.function": fn(task, completion, dataset, **kwargs) ->
     float or None (lagged), `kwargs` bound. ValueError (one line) for a bad path or keyword."""
-    from functools import partial
-
     from losses import resolve
     fn = resolve(path, REWARD_FNS, "reward_fn", kwargs)
     return partial(fn, **kwargs) if kwargs else fn
@@ -215,7 +211,6 @@ def load_reward_fn(path: str, kwargs: dict | None = None) -> Callable[[Task, str
 
 def human_reward(task: Task, completion: str, dataset: Any) -> None:
     """None: the rollouts wait in the buffer for a human label (Label Studio, or buffer.py set-reward)."""
-    return None
 
 
 # name -> function, or the import path of an optional one (extras/)
