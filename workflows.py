@@ -1,17 +1,8 @@
-"""Tasks, their order, rewards and workflows: what the explorer runs for each task.
-
-A `Task` is one question with its reference answer; `Shuffle` gives the training tasks'
-order (other selectors: extras/selectors.py). A `Workflow` turns a task into a group of
-rollouts: it builds the prompt, asks the engine for `n` samples and scores each one. The
-training reward and the held-out accuracy both come from `Workflow.score`, so they cannot
-drift apart (nanochat's rule).
-
-Task sources (`load_tasks`): a reasoning-gym generator (reward: the dataset's own
-`score_answer`), a JSONL file of {"question", "answer"} rows (exact match), a Hugging Face
-dataset (extras/hub.py), the guess-number game (extras/guess_number.py), a verifiers
-environment (extras/verifiers_env.py). Add a scenario by subclassing `Workflow` (multi-turn:
-extras/multiturn.py) and naming it (`--workflow mymod.MyWorkflow`, or in `WORKFLOWS`); the
-optional parts in extras/ are registered by import path.
+"""Tasks, their order, rewards and workflows. `load_tasks` reads a task source (reasoning-gym, a
+JSONL file; by import path: Hugging Face datasets, guess_number, verifiers); `Shuffle` orders them.
+A `Workflow` turns a task into a group of rollouts (`MathWorkflow`: n samples of one prompt);
+training reward and held-out accuracy both come from `Workflow.score`. New scenarios subclass
+`Workflow`, named by `--workflow module.Class` or in `WORKFLOWS`.
 """
 from __future__ import annotations
 
@@ -25,6 +16,7 @@ import re
 import threading
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,37 +25,38 @@ from buffer import Experience
 
 @dataclass
 class Task:
-    """One question. `entry` is the raw reasoning-gym entry (or JSONL row) the verifier needs."""
+    """One question. `entry`: the raw reasoning-gym entry (or JSONL row) the verifier needs."""
 
     task_id: str
     question: str
     answer: str
     entry: dict = field(default_factory=dict)
-    difficulty: float | None = None  # higher = harder; set by a task pipeline operator (extras/pipelines.py)
+    difficulty: float | None = None  # higher = harder (set by a task pipeline)
 
 
-# ----------------------------------------------------------------------------- sources
-
-# task sources in extras/, by import path: name -> f(kwargs, train_size, eval_size, seed);
-# prefix -> f(text after "prefix:", train_size, eval_size); Hugging Face datasets: (is_dataset(name), tasks(...))
+# task sources in extras/, by import path: name -> f(kwargs, train_size, eval_size, seed); prefix -> f(text after
+# "prefix:", train_size, eval_size); Hugging Face datasets: (is_dataset(name), tasks(...))
 TASK_SOURCES = {"guess_number": "extras.guess_number.guess_number_tasks"}
 TASK_PREFIXES = {"verifiers": "extras.verifiers_env.verifiers_tasks"}
 HF_DATASETS = ("extras.hub.is_dataset", "extras.hub.hf_dataset_tasks")
 
 
 def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: int) -> tuple[list[Task], list[Task], Any]:
-    """(train tasks, held-out tasks, verifier dataset or None). Raises ValueError for an
-    unknown reasoning-gym dataset, bad kwargs, reasoning-gym not installed, or a malformed
-    JSONL row (naming the file and line); FileNotFoundError for a missing file."""
+    """(train tasks, held-out tasks, verifier dataset or None). ValueError (one line) for an unknown
+    dataset, bad kwargs or a malformed JSONL row; FileNotFoundError for a missing file."""
     from losses import resolve
-
     if name in TASK_SOURCES:  # the bundled multi-turn game
         return (*resolve(TASK_SOURCES[name], {}, "task")(kwargs, train_size, eval_size, seed), None)
     prefix, _, rest = name.partition(":")
     if rest and prefix in TASK_PREFIXES:  # an installed verifiers environment's tasks
         return (*resolve(TASK_PREFIXES[prefix], {}, "task")(rest, train_size, eval_size), None)
     if name.endswith(".jsonl"):
-        return (*hold_out(name, _read_jsonl_tasks(Path(name)), eval_size), None)
+        tasks = []
+        for path, i, row in jsonl_rows(name, "task file"):
+            if not isinstance(row, dict) or "question" not in row or "answer" not in row:
+                raise ValueError(f"{path} line {i}: needs 'question' and 'answer' fields")
+            tasks.append(Task(str(row.get("id", f"{path.stem}/{i}")), str(row["question"]), str(row["answer"]), row))
+        return (*hold_out(name, tasks, eval_size), None)
     is_dataset, dataset_tasks = (resolve(p, {}, "task") for p in HF_DATASETS)
     if is_dataset(name):  # Hugging Face datasets
         return (*dataset_tasks(name, kwargs, train_size, eval_size), None)
@@ -72,17 +65,14 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
     except ImportError:
         raise ValueError(f"task {name!r} is a reasoning-gym dataset, and reasoning-gym is not installed: pip install "
                          "reasoning-gym, or --task guess_number, a .jsonl file or a Hugging Face dataset") from None
-    # reasoning-gym draws item i with the seed `seed + i` (numpy's below 2**32 in some generators):
-    # run seeds 0 and 1 must not share all but one task
-    base = seed * 10_000_019 % 2**31
+    base = seed * 10_000_019 % 2**31  # reasoning-gym seeds item i with base + i: seeds 0 and 1 must not overlap
     try:
         eval_ds = reasoning_gym.create_dataset(name, size=max(eval_size, 1), seed=base + 1_000_003, **kwargs)
         # extra training candidates replace the ones whose question is held out
         train_ds = reasoning_gym.create_dataset(name, size=2 * train_size + 16, seed=base, **kwargs)
     except Exception as e:  # reasoning-gym raises several types for bad names/kwargs
         raise ValueError(f"reasoning-gym dataset {name!r} with {kwargs}: {e}") from None
-    # the held-out set is not filtered (that would skew it towards the rarest, hardest questions where the task
-    # space is small): training gives way instead
+    # the held-out set is not filtered (that would skew it towards the rarest questions): training gives way
     held = [Task(f"{name}/eval/{i}", x["question"], str(x["answer"]), x) for i, x in enumerate(eval_ds)][:eval_size]
     seen = {t.question for t in held}
     train = list(itertools.islice((Task(f"{name}/train/{i}", x["question"], str(x["answer"]), x)
@@ -101,18 +91,9 @@ def hold_out(name: str, tasks: list[Task], eval_size: int) -> tuple[list[Task], 
     return tasks[:cut], tasks[cut:]
 
 
-def _read_jsonl_tasks(path: Path) -> list[Task]:
-    tasks = []
-    for path, i, row in jsonl_rows(path, "task file"):
-        if not isinstance(row, dict) or "question" not in row or "answer" not in row:
-            raise ValueError(f"{path} line {i}: needs 'question' and 'answer' fields")
-        tasks.append(Task(str(row.get("id", f"{path.stem}/{i}")), str(row["question"]), str(row["answer"]), row))
-    return tasks
-
-
 def jsonl_rows(path: str | Path, what: str):
-    """(path, line number, parsed row) of each non-empty line of the JSONL file `path` (a
-    `what`); FileNotFoundError, or ValueError naming the file and line."""
+    """(path, line number, row) of each non-empty line of the JSONL file `path` (a `what`);
+    FileNotFoundError, or ValueError naming the file and line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{what} not found: {path}")
@@ -130,12 +111,9 @@ def jsonl_rows(path: str | Path, what: str):
                 raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from None
 
 
-# ----------------------------------------------------------------------------- task order
-
 class Selector:
-    """Chooses the indices of the next training tasks: `order`, cycled (the list's own order
-    here; Trinity-RFT trinity/buffer/selector/selector.py @ 3e9eb605: get_indices / update /
-    state_dict). `update` receives each group's mean reward (the task's latest pass rate)."""
+    """The indices of the next training tasks: `order`, cycled (Trinity-RFT
+    trinity/buffer/selector/selector.py @ 3e9eb605)."""
 
     def __init__(self, tasks: list[Task], seed: int):
         self.tasks, self.seed, self.cursor = tasks, seed, 0
@@ -147,14 +125,12 @@ class Selector:
         return out
 
     def update(self, pass_rates: dict[str, float]) -> None:
-        """task_id -> mean reward of its latest group; unused by rule-based selectors."""
+        """task_id -> mean reward of its latest group."""
 
     def metrics(self) -> dict:
-        """Metrics of the latest choice (selector/...)."""
         return {}
 
     def state(self) -> dict:
-        """JSON-able resume state."""
         return {"cursor": self.cursor}
 
     def restore(self, state: dict) -> None:
@@ -162,7 +138,7 @@ class Selector:
 
 
 class Shuffle(Selector):
-    """A seeded permutation of the tasks, cycled: the default order (`--selector shuffle`)."""
+    """A seeded permutation of the tasks, cycled (`--selector shuffle`, the default)."""
 
     def __init__(self, tasks: list[Task], seed: int):
         super().__init__(tasks, seed)
@@ -174,45 +150,33 @@ PIPELINES = "extras.pipelines"
 
 
 def check_pipelines(cfg) -> None:
-    """Check the data-pipeline settings of config.Config `cfg` where any is given
-    (extras/pipelines.py: ValueError, one line; ConnectionError for a Label Studio server
-    out of reach)."""
+    """Check cfg's data-pipeline settings, if any (extras/pipelines.py: ValueError, one line;
+    ConnectionError for a Label Studio server out of reach)."""
     from losses import resolve
-
     if (cfg.selector != "shuffle" or cfg.selector_kwargs or cfg.task_pipeline or cfg.experience_pipeline or cfg.replay
             or cfg.annotation):
         resolve(f"{PIPELINES}.check_config", {}, "pipelines")(cfg)
 
 
 def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    """Token ids of `messages` under the tokenizer's chat template, ending with the assistant's
-    turn prompt when `generation_prompt`."""
+    """Token ids of `messages` under the chat template (with the assistant's turn prompt)."""
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
                                               tokenize=True, return_dict=False))
 
 
-# ----------------------------------------------------------------------------- rewards
-
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
 def last_number(text: str) -> str | None:
-    """The last number in `text` ("-12", "3.5"), or None. Trailing ".0" is dropped."""
-    found = _NUMBER.findall(text.replace(",", ""))
+    """The last number in `text` ("-12", "3.5"; no trailing ".0"), or None."""
+    found = re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
     if not found:
         return None
     x = found[-1]
     return x[:-2] if x.endswith(".0") else x
 
 
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-
-
 def extract_answer(completion: str, reference: str) -> str | None:
-    """The answer part of a completion: the last <answer>...</answer> block if there is
-    one (reasoning-gym's convention), else the last number when the reference answer is a
-    number, else the last non-empty line. None when there is nothing to score."""
-    tagged = _ANSWER_TAG.findall(completion)
+    """The last <answer>...</answer> block (reasoning-gym's convention), else the last number
+    when the reference is a number, else the last non-empty line; None if nothing."""
+    tagged = re.findall(r"<answer>(.*?)</answer>", completion, re.DOTALL)
     if tagged:
         return tagged[-1].strip()
     if last_number(reference) == reference.strip().replace(",", "").removesuffix(".0"):
@@ -222,18 +186,15 @@ def extract_answer(completion: str, reference: str) -> str | None:
 
 
 def readable(info: dict) -> bool | None:
-    """Whether a single-turn reply (an Experience's info, as `MathWorkflow` records it) is
-    in a form a reward can read: it ended within the token budget (finish_reason "stop")
-    and `extract_answer` finds an answer in it. None for a sample without a recorded reply
-    (multi-turn, agents). The format rate of evaluations (eval/format_rate)."""
+    """Whether a reply (an Experience's info) ended within the token budget with an answer
+    `extract_answer` finds (eval/format_rate); None for a sample without "response"."""
     if "response" not in info:
         return None
     return info.get("finish_reason") == "stop" and extract_answer(info["response"], info.get("answer", "")) is not None
 
 
 def reasoning_gym_reward(task: Task, completion: str, dataset: Any) -> float:
-    """Reward in [0, 1]: the dataset's own `score_answer` on the completion's answer
-    (`extract_answer`); for JSONL tasks (`dataset` None) exact match of that answer."""
+    """The dataset's `score_answer` of the completion's answer; without a dataset (JSONL) exact match."""
     answer = extract_answer(completion, task.answer)
     if dataset is None:
         return float(answer is not None and answer == extract_answer(task.answer, task.answer))
@@ -241,24 +202,15 @@ def reasoning_gym_reward(task: Task, completion: str, dataset: Any) -> float:
 
 
 def load_reward_fn(path: str, kwargs: dict | None = None) -> Callable[[Task, str, Any], float]:
-    """`"reasoning_gym"`, `"judge"` (an LLM judge, see `judge_reward`), `"math_verify"`
-    (`math_verify_reward`), `"human"` (`human_reward`) or an import path
-    `"module.function"` with the signature fn(task, completion, dataset, **kwargs) -> float
-    (or None: lagged reward). `kwargs` (cfg.reward_kwargs) are bound here. Raises ValueError
-    (one line) for a bad path or keyword."""
-    from functools import partial
-
+    """A name of REWARD_FNS or "module.function": fn(task, completion, dataset, **kwargs) ->
+    float or None (lagged), `kwargs` bound. ValueError (one line) for a bad path or keyword."""
     from losses import resolve
-
     fn = resolve(path, REWARD_FNS, "reward_fn", kwargs)
     return partial(fn, **kwargs) if kwargs else fn
 
 
 def human_reward(task: Task, completion: str, dataset: Any) -> None:
-    """No reward yet: every rollout waits in the buffer (reward NULL) for a human label,
-    from Label Studio (the annotation setting, extras.label_studio.Annotator) or from
-    `python buffer.py RUN_DIR set-reward`."""
-    return None
+    """None: the rollouts wait in the buffer for a human label (Label Studio, or buffer.py set-reward)."""
 
 
 # name -> function, or the import path of an optional one (extras/)
@@ -266,14 +218,14 @@ REWARD_FNS = {"reasoning_gym": reasoning_gym_reward, "human": human_reward, "jud
               "math_verify": "extras.math_verify_reward.math_verify_reward"}
 
 
-# ----------------------------------------------------------------------------- workflows
-
 async def in_thread(fn, *args):
-    """Run a blocking call (an environment step, a judge) in a daemon thread and await it,
-    so a hanging call can be abandoned by a timeout without blocking the event loop or the
-    interpreter's exit."""
+    """Await a blocking call in a daemon thread, so that a timeout can abandon a hanging one."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
+
+    def settle(result, error) -> None:
+        if not fut.done():
+            fut.set_exception(error) if error is not None else fut.set_result(result)
 
     def target():
         try:
@@ -281,7 +233,7 @@ async def in_thread(fn, *args):
         except BaseException as e:  # delivered to the awaiting coroutine
             result, error = None, e
         try:
-            loop.call_soon_threadsafe(_settle, fut, result, error)
+            loop.call_soon_threadsafe(settle, result, error)
         except RuntimeError:  # the event loop is gone: nobody waits for this call any more
             pass
 
@@ -289,30 +241,18 @@ async def in_thread(fn, *args):
     return await fut
 
 
-def _settle(fut, result, error) -> None:
-    if not fut.done():
-        fut.set_exception(error) if error is not None else fut.set_result(result)
-
-
 class Workflow:
-    """Base class: turn one task into a group of Experiences. A new scenario subclasses it
-    (multi-turn: extras.multiturn.MultiTurnWorkflow), named by `--workflow module.Class` or
-    in WORKFLOWS. Subclasses implement `async run(task, engine, n) -> list[Experience]`,
-    calling `await engine.generate(prompt_ids, n, sampling)` (engines.Engine: it batches the
-    requests of all workflows in flight). A reward of None is not known yet (lagged): the
-    buffer serves the group once `Buffer.set_rewards` fills it. The explorer applies
-    timeouts and retries around `run`."""
+    """Turns one task into a group of Experiences: subclasses implement `async run(task, engine,
+    n)`, calling `await engine.generate(prompt_ids, n, sampling)`. A reward None is lagged (the
+    buffer serves the group once it is set). The explorer applies timeouts and retries."""
 
     def __init__(self, tokenizer, reward_fn, dataset, system_prompt: str, sampling, run_dir: str = ""):
         self.tokenizer, self.reward_fn, self.dataset = tokenizer, reward_fn, dataset
         self.system_prompt, self.sampling, self.run_dir = system_prompt, sampling, run_dir
 
     async def score(self, task: Task, completion: str) -> tuple[float | None, str | None]:
-        """(reward, error). The reward function runs in a thread (`in_thread`), so one that
-        blocks is abandoned at the explorer's workflow timeout instead of hanging the run.
-        One that raises, or returns anything but a finite real number or None (NaN, a
-        string, ...), scores 0 and returns the error text (counted as a reward error); None
-        leaves the reward to be filled in later (lagged reward)."""
+        """(reward, error): the reward function in a thread; one that raises or returns neither a
+        finite number nor None scores 0 with the error text."""
         try:
             r = await in_thread(self.reward_fn, task, completion, self.dataset)
         except Exception as e:
@@ -339,8 +279,7 @@ class MathWorkflow(Workflow):
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
         prompt = self.prompt_ids(task)
         outs = await engine.generate(prompt, n, self.sampling)
-        group_id = uuid.uuid4().hex
-        group = []
+        group_id, group = uuid.uuid4().hex, []
         texts = [self.tokenizer.decode(out.tokens, skip_special_tokens=True) for out in outs]
         scores = await asyncio.gather(*(self.score(task, text) for text in texts))
         for out, text, (reward, error) in zip(outs, texts, scores):
@@ -348,26 +287,21 @@ class MathWorkflow(Workflow):
                     "answer": task.answer, "versions": list(out.versions)}
             if error:
                 info["reward_error"] = error
-            group.append(Experience(
-                tokens=prompt + out.tokens, prompt_length=len(prompt), behaviour_logprobs=out.behaviour_logprobs,
-                action_mask=[1] * len(out.tokens), reward=reward, group_id=group_id,
-                task_id=task.task_id, model_version=out.versions[0], info=info))
+            group.append(Experience(prompt + out.tokens, len(prompt), out.behaviour_logprobs, [1] * len(out.tokens),
+                                    reward, group_id, task.task_id, out.versions[0], info))
         return group
 
 
-# name -> class, or the import path of an optional one (extras/)
+# name -> class, or the import path of one in extras/; prefix -> import path of a factory(text after the prefix)
 WORKFLOWS: dict[str, type[Workflow] | str] = {"math": MathWorkflow, "guess_number": "extras.guess_number.GuessNumberWorkflow",
                                               "reflect": "extras.reflect.ReflectWorkflow"}
-# prefix -> import path of a factory(text after the prefix) -> Workflow subclass (optional parts in extras/)
 WORKFLOW_PREFIXES = {"agent": "extras.agent.agent_workflow", "verifiers": "extras.verifiers_env.verifiers_workflow"}
 
 
 def load_workflow(name: str) -> type[Workflow]:
-    """A registered workflow class, one given as `module.Class`, or one made by a prefix
-    (`agent:module.function`, `verifiers:NAME`: WORKFLOW_PREFIXES); ValueError (one line)
-    otherwise."""
+    """The workflow class of WORKFLOWS, `module.Class` or a prefix (`agent:module.function`,
+    `verifiers:NAME`); ValueError (one line) otherwise."""
     from losses import resolve
-
     prefix, colon, rest = name.partition(":")
     if colon and prefix in WORKFLOW_PREFIXES:
         cls = resolve(WORKFLOW_PREFIXES[prefix], {}, "workflow")(rest)
@@ -379,10 +313,8 @@ def load_workflow(name: str) -> type[Workflow]:
 
 
 def prepare_tasks(cfg) -> tuple[list[Task], list[Task], Any]:
-    """The run's tasks (load_tasks: train, held-out, verifier dataset), built once per
-    launch, after checking cfg's reward function and workflow names. Raises ValueError
-    (one line) for a task that gives no training tasks, mode bench without held-out tasks,
-    or an unknown reward function or workflow."""
+    """The run's tasks (`load_tasks`), once per launch; ValueError (one line) for no training
+    tasks, mode bench without held-out tasks, or an unknown reward function or workflow."""
     tasks = train, held_out, _ = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
     if not train:
         raise ValueError(f"task {cfg.task!r} produced no training tasks")

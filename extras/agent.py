@@ -2,22 +2,11 @@
 
     async def my_agent(client: openai.AsyncOpenAI, task: workflows.Task) -> float | None | dict:
         reply = await client.chat.completions.create(model="nanorft", messages=[...], tools=[...])
-        ...                                  # as many calls, tools and turns as it likes
-        return 1.0 if ... else 0.0           # its reward; None = lagged (set later, buffer.py)
-        # or {"reward": 1.0, "tool_calls": 2}: the reward and the episode's own metrics
+        return 1.0 if ... else 0.0  # its reward; None: lagged; or {"reward": 1.0, "tool_calls": 2}
 
-Each of a task's group_size rollouts is one episode of the explorer engine's
-OpenAI-compatible endpoint (extras/openai_endpoint.py): the agent gets a client whose base
-URL names the episode, so its calls are attributed to it, and the calls of all episodes in
-flight are batched by the engine. When the agent returns, its calls become experiences by
-the multi-turn rule of extras.multiturn.MultiTurnWorkflow (`call_samples`): a call whose prompt
-extends an earlier call's prompt + completion as an exact token prefix joins that sample
-(the tokens in between, tool results and user turns, with action_mask 0 and behaviour
-log-prob 0); any other call starts a new sample. Every sample of the episode carries the
-agent's reward. Timeouts, retries and skips are the explorer's, as for any workflow.
-
-Needs `pip install openai fastapi uvicorn`. Subclass `AgentWorkflow` (and name the class
-with --workflow module.Class) to change `tool_parser` or `batch_wait_s`.
+Each rollout is one episode of the engine's OpenAI-compatible endpoint (extras/openai_endpoint.py);
+its calls become experiences by the multi-turn rule (`call_samples`). Needs `pip install openai
+fastapi uvicorn`.
 """
 from __future__ import annotations
 
@@ -32,11 +21,9 @@ from workflows import Task, Workflow
 
 
 def call_samples(calls) -> list[dict]:
-    """The samples of one episode's calls (openai_endpoint.Call, in arrival order): dicts
-    with tokens, prompt_length, behaviour_logprobs and mask (each [len(tokens) - prompt_length]),
-    versions (weight versions of their tokens) and texts (the completions' texts). A call's
-    first choice extends the longest sample whose tokens are a prefix of its prompt;
-    other choices, and calls that extend none, start a sample at their prompt."""
+    """The samples of one episode's calls (in arrival order): dicts of tokens, prompt_length,
+    behaviour_logprobs, mask, versions, texts. A call's first choice extends the longest sample
+    whose tokens prefix its prompt (the tokens between: mask 0); other choices start a sample."""
     samples: list[dict] = []
     for call in calls:
         for j, ch in enumerate(call.choices):
@@ -63,10 +50,8 @@ def call_samples(calls) -> list[dict]:
 
 
 def check_reward(r) -> tuple[float | None, str | None, dict]:
-    """(reward, error, metrics) of what an agent returned: a finite real number or None
-    (lagged), or a dict {"reward": that, NAME: number, ...} whose other entries are the
-    episode's own metrics (the explorer logs their means as rollout/NAME and eval/NAME).
-    Anything else scores 0 with the error text (as workflows.Workflow.score does)."""
+    """(reward, error, metrics) of what an agent returned: a finite number or None, or a dict
+    {"reward": that, NAME: number} (logged as rollout/NAME, eval/NAME); anything else scores 0."""
     metrics = {}
     if isinstance(r, dict):
         metrics = {k: float(v) for k, v in r.items() if k != "reward" and _finite(v)}
@@ -85,10 +70,8 @@ def _finite(x) -> bool:
 
 
 class AgentWorkflow(Workflow):
-    """Runs `agent(client, task)` once per rollout against the engine's endpoint and turns
-    each episode's calls into experiences (see the module docstring). `agent` is set by
-    `agent_workflow`; sampling: the run's temperature/top-p, and max_tokens as the cap of a
-    request's own. Raises RuntimeError for an episode whose agent made no model call."""
+    """Runs `agent(client, task)` once per rollout against the engine's endpoint (max_tokens caps
+    a request's own). RuntimeError for an episode whose agent made no model call."""
 
     agent = None
     tool_parser = "hermes"  # extras.chat_tools.TOOL_PARSERS name or module.function
@@ -96,7 +79,6 @@ class AgentWorkflow(Workflow):
 
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
         from extras.openai_endpoint import endpoint_for
-
         endpoint = endpoint_for(engine)
         group_id = uuid.uuid4().hex
         tasks = [asyncio.ensure_future(self.episode(endpoint, task, group_id, f"{group_id}/{i}")) for i in range(n)]
@@ -116,7 +98,6 @@ class AgentWorkflow(Workflow):
     async def episode(self, endpoint, task: Task, group_id: str, trajectory_id: str) -> list[Experience]:
         """One agent rollout -> its samples, all with its reward."""
         import openai
-
         ep = endpoint.open_episode(self.sampling, self.tool_parser, self.batch_wait_s)
         client = openai.AsyncOpenAI(base_url=ep.url, api_key="nanorft", max_retries=0)
         try:
@@ -130,8 +111,7 @@ class AgentWorkflow(Workflow):
 
     def experiences(self, calls, reward, error, task: Task, group_id: str, trajectory_id: str,
                     metrics: dict | None = None) -> list[Experience]:
-        """Experiences of one episode's calls (`call_samples`), info as multi-turn workflows',
-        plus info["metrics"]: the agent's own (`check_reward`)."""
+        """Experiences of one episode's calls (info as multi-turn workflows', plus "metrics")."""
         samples = call_samples(calls)
         last = calls[-1].choices[0] if calls[-1].choices else None
         out = []
@@ -139,23 +119,18 @@ class AgentWorkflow(Workflow):
             info = {"trajectory_id": trajectory_id, "turns": len(calls), "samples": len(samples),
                     "versions": [min(s["versions"], default=0), max(s["versions"], default=0)],
                     "finish_reason": last.finish_reason if last else "stop", "answer": task.answer,
-                    "question": task.question, "response": " | ".join(t.strip() for t in s["texts"])[:4000]}
-            if error:
-                info["reward_error"] = error
-            if metrics:
-                info["metrics"] = metrics
+                    "question": task.question, "response": " | ".join(t.strip() for t in s["texts"])[:4000],
+                    **({"reward_error": error} if error else {}), **({"metrics": metrics} if metrics else {})}
             out.append(Experience(s["tokens"], s["prompt_length"], s["behaviour_logprobs"], s["mask"], reward,
                                   group_id, task.task_id, info["versions"][0], info))
         return out
 
 
 def agent_workflow(path: str) -> type[AgentWorkflow]:
-    """The workflow class of `--workflow agent:module.function` (`path` after the prefix):
-    an AgentWorkflow running that async function. Raises ValueError (one line) when the
-    packages are missing, the path cannot be imported or is not an async function."""
+    """The AgentWorkflow of `--workflow agent:PATH`; ValueError (one line) when the packages are
+    missing or PATH is not an async function (client, task)."""
     from extras.openai_endpoint import require_packages
     from losses import resolve
-
     require_packages(f"--workflow agent:{path}")
     fn = resolve(path, {}, "agent")
     if not inspect.iscoroutinefunction(fn):

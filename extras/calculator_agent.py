@@ -1,16 +1,7 @@
-"""A small tool-using agent written only against the `openai` package, bundled as the
-example of `--workflow agent:...` (docs/agents.md):
+"""The example agent of `--workflow agent:...` (docs/agents.md): one tool, `calculate`; reward 1
+when the final answer's last number is the task's answer (configs/calculator.toml).
 
     python run.py --workflow agent:extras.calculator_agent.calculator_agent --max-tokens 64
-
-It offers the model one tool, `calculate`, runs the model's tool calls, sends the results
-back, and returns reward 1 when the final answer's last number is the task's answer (0
-otherwise), with its tool calls and tool errors as metrics. Any task with a numeric answer
-works; configs/calculator.toml is the task where the tool matters (three terms of up to
-three digits with + - *, negative numbers and parentheses).
-
-Demonstrations for a supervised warm start (written by code: the task's own expression):
-
     python -m extras.calculator_agent runs/calculator_demos.jsonl --n 300 --config configs/calculator.toml
 """
 from __future__ import annotations
@@ -34,8 +25,7 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
 
 
 def calculate(expression: str) -> str:
-    """The value of an arithmetic expression (numbers, + - * /, parentheses) as text, or
-    "error: ..." for anything else; never raises, never evaluates other Python."""
+    """The value of an arithmetic expression (numbers, + - * /, parentheses) as text, or "error: ..."."""
     def value(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
             return node.value
@@ -66,9 +56,8 @@ def run_tool(name: str, arguments: str) -> str:
 
 
 async def calculator_agent(client, task) -> dict:
-    """One episode: up to MAX_TURNS model calls, each tool call answered. Returns the reward
-    (1 when the final reply's last number equals the task's answer) and the episode's
-    metrics: used_tool (0/1), tool_calls, tool_errors (calls the tool answered with an error)."""
+    """One episode of up to MAX_TURNS model calls: the reward and the metrics used_tool, tool_calls,
+    tool_errors."""
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.question}]
     content, calls, errors = "", 0, 0
     for _ in range(MAX_TURNS):
@@ -88,16 +77,10 @@ async def calculator_agent(client, task) -> dict:
 
 
 def demonstration(task) -> dict:
-    """The transcript of a perfect episode on a reasoning-gym arithmetic `task` (its
-    entry["metadata"]["expression"]): one `calculate` call with the task's expression, the
-    tool's result, the result as the final answer. As {"messages": [...]} in exactly the
-    text the endpoint renders for a chat template without tool support (SmolLM2's:
-    chat_tools.hermes_messages: the tool schemas in the system message, `<tool_call>` and
-    `<tool_response>` blocks), for `--mode train --train-data FILE --policy-loss sft`.
-    Raises ValueError for a task without an expression, or one whose answer is not what
-    its expression evaluates to (no wrong demonstration is written)."""
+    """{"messages": a perfect episode on a reasoning-gym arithmetic `task`} (one `calculate` call
+    of its expression), as the endpoint renders it for a template without tools (SmolLM2's), for
+    `--policy-loss sft`. ValueError for a task without an expression or with another answer."""
     from extras.chat_tools import hermes_messages
-
     expression = (task.entry.get("metadata") or {}).get("expression")
     if not isinstance(expression, str):
         raise ValueError(f"task {task.task_id}: no metadata.expression (a reasoning-gym arithmetic task has one)")
@@ -115,14 +98,12 @@ def demonstration(task) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m extras.calculator_agent OUT.jsonl --n 300 [run.py flags]`: write the
-    demonstrations of the first n training tasks of the run those flags describe (its task,
-    task_kwargs, train_size and seed: the held-out tasks are never among them)."""
+    """`python -m extras.calculator_agent OUT.jsonl --n 300 [run.py flags]`: the demonstrations of
+    the first n training tasks of the run those flags describe."""
     import argparse
 
     from config import parse_config
     from workflows import load_tasks
-
     ap = argparse.ArgumentParser(prog="python -m extras.calculator_agent", description=main.__doc__)
     ap.add_argument("out", help="the JSONL file to write")
     ap.add_argument("--n", type=int, default=300, help="number of transcripts (the first n training tasks)")

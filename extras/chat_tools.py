@@ -1,16 +1,7 @@
-"""Chat requests of the OpenAI-compatible endpoint (extras/openai_endpoint.py): checking a
-request's JSON, rendering its messages and tools into the prompt's token ids, and parsing
-the model's tool calls out of a completion.
-
-Tools go into the chat template (`apply_chat_template(tools=...)`) where the model's
-template knows them (its source mentions `tools`, as Qwen's and Hermes' do). Where it does
-not (SmolLM2's template ignores tools and fails on an assistant message whose content is
-null), they are written Hermes-style: the tool schemas into the system message, each tool
-call as `<tool_call>{"name": ..., "arguments": ...}</tool_call>` text in the assistant's
-message, and tool results as a user message of `<tool_response>...</tool_response>` blocks.
-The model's tool calls are parsed from its text by a parser (`TOOL_PARSERS`, or an import
-path `module.function`: text -> (content or None, [{"name", "arguments" (a dict)}])).
-Nothing here imports fastapi or openai.
+"""Chat requests of the OpenAI-compatible endpoint (extras/openai_endpoint.py): `parse_request`
+checks a request's JSON, `prompt_ids` renders its messages and tools (into the chat template
+where it knows tools, else Hermes-style text: `hermes_messages`), and a parser of TOOL_PARSERS
+(or `module.function`: text -> (content or None, calls)) reads the model's tool calls.
 """
 from __future__ import annotations
 
@@ -22,10 +13,8 @@ from dataclasses import dataclass, field
 
 MAX_N = 32  # completions per request
 ROLES = {"system", "developer", "user", "assistant", "tool"}
-UNSUPPORTED = {"logit_bias": "logit_bias is not supported (it changes the sampling distribution)",
-               "presence_penalty": "presence_penalty is not supported (it changes the sampling distribution)",
-               "frequency_penalty": "frequency_penalty is not supported (it changes the sampling distribution)",
-               "top_logprobs": "top_logprobs is not supported (logprobs true gives each sampled token's)"}
+UNSUPPORTED = {**dict.fromkeys(("logit_bias", "presence_penalty", "frequency_penalty"), "it changes the sampling distribution"),
+               "top_logprobs": "logprobs true gives each sampled token's"}  # field -> why it is refused
 
 
 class RequestError(ValueError):
@@ -38,8 +27,7 @@ class RequestError(ValueError):
 
 @dataclass
 class ChatRequest:
-    """A checked `POST /v1/chat/completions` body. max_tokens None = the endpoint's limit;
-    stop: strings that end a completion (the text before the first one is returned)."""
+    """A checked `POST /v1/chat/completions` body (max_tokens None: the endpoint's limit)."""
 
     messages: list[dict]
     tools: list[dict] = field(default_factory=list)
@@ -51,19 +39,18 @@ class ChatRequest:
     logprobs: bool = False
     tool_choice: str = "auto"
     model: str = ""
-    stream: bool = False  # answered as one server-sent event stream once the completion is done
-    stream_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    stream: bool = False  # one server-sent event stream once the completion is done
+    stream_usage: bool = False  # stream_options.include_usage
 
 
 def parse_request(body) -> ChatRequest:
-    """Check a decoded JSON body; raises RequestError (400) naming the first problem.
-    Unknown fields are ignored (clients send many optional ones); those that would change
-    the sampling distribution, and stream true, are refused."""
+    """Check a decoded JSON body; RequestError (400) naming the first problem. Unknown fields are
+    ignored; those that would change the sampling distribution are refused."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     for key, why in UNSUPPORTED.items():
         if body.get(key) not in (None, False, 0, {}, 0.0):
-            raise RequestError(why)
+            raise RequestError(f"{key} is not supported ({why})")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list")
@@ -89,9 +76,8 @@ def parse_request(body) -> ChatRequest:
 
 
 def stream_events(body: dict, usage: bool) -> bytes:
-    """A finished chat.completion `body` as the server-sent events of a streamed one: per
-    choice a chunk with its role, content and tool calls and a chunk with its finish_reason,
-    then (`usage`) a chunk with the usage, then `data: [DONE]`."""
+    """A finished chat.completion `body` as the server-sent events of a streamed one (two chunks
+    per choice, then the usage with `usage`, then `data: [DONE]`)."""
     head = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
     chunks = []
     for c in body["choices"]:
@@ -174,8 +160,6 @@ def _tools(tools) -> list[dict]:
     return tools
 
 
-# ----------------------------------------------------------------------------- rendering
-
 HERMES_TOOLS = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
                 "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>"
                 "\n\nFor each function call, return a json object with function name and arguments within "
@@ -186,9 +170,7 @@ HERMES_TOOLS = ("# Tools\n\nYou may call one or more functions to assist with th
 def knows_tools(tokenizer) -> bool:
     """Whether the tokenizer's chat template renders tools itself (its source mentions them)."""
     template = tokenizer.chat_template
-    if isinstance(template, dict):
-        return "tool_use" in template
-    return "tools" in (template or "")
+    return "tool_use" in template if isinstance(template, dict) else "tools" in (template or "")
 
 
 def _arguments(text: str):
@@ -199,9 +181,8 @@ def _arguments(text: str):
 
 
 def hermes_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
-    """Messages for a template that knows only system/user/assistant: the tool schemas
-    appended to the system message (one is added first if there is none), tool calls as
-    `<tool_call>` text, each run of tool results as one user message of
+    """Messages for a template that knows no tools: the tool schemas in the system message, tool
+    calls as `<tool_call>` text, each run of tool results as one user message of
     `<tool_response>` blocks."""
     out = [dict(m) for m in messages]
     if tools:
@@ -227,8 +208,7 @@ def hermes_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
 
 
 def native_messages(messages: list[dict]) -> list[dict]:
-    """Messages for a template that knows tools: tool-call arguments as objects (what
-    transformers' templates expect), null content as ''."""
+    """Messages for a template that knows tools: tool-call arguments as objects, null content as ''."""
     out = []
     for m in messages:
         m = {**m, "content": m["content"] or ""}
@@ -243,10 +223,8 @@ def native_messages(messages: list[dict]) -> list[dict]:
 
 
 def prompt_ids(tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
-    """Token ids of the checked `messages` (and `tools`) under the tokenizer's chat template,
-    ending with the assistant's turn prompt; Hermes-style text where the template knows no
-    tools (`hermes_messages`). Raises RequestError when the template refuses the
-    conversation (its own message, e.g. roles that must alternate)."""
+    """Token ids of the checked `messages` and `tools` under the chat template, ending with the
+    assistant's turn prompt; RequestError when the template refuses the conversation."""
     native = knows_tools(tokenizer)
     msgs = native_messages(messages) if native else hermes_messages(messages, tools)
     try:
@@ -257,15 +235,12 @@ def prompt_ids(tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
     return list(ids)
 
 
-# ----------------------------------------------------------------------------- parsing
-
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def hermes_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """Hermes/Qwen tool calls: each `<tool_call>{"name": str, "arguments": {...}}</tool_call>`
-    block whose JSON parses becomes a call and leaves the content; blocks that do not parse
-    stay in the content as text. Returns (content, or None when only calls remain; calls)."""
+    """(content or None when only calls remain, calls): each `<tool_call>{"name", "arguments"}</tool_call>`
+    block whose JSON parses becomes a call (Hermes, Qwen); others stay in the content."""
     calls, kept, last = [], [], 0
     for m in _TOOL_CALL.finditer(text):
         try:
@@ -288,10 +263,8 @@ TOOL_PARSERS = {"hermes": hermes_tool_calls}
 
 
 def load_tool_parser(name: str):
-    """A parser from TOOL_PARSERS or an import path `module.function`; ValueError (one line)
-    otherwise."""
+    """A parser from TOOL_PARSERS or `module.function`; ValueError (one line) otherwise."""
     from losses import resolve
-
     return resolve(name, TOOL_PARSERS, "tool parser")
 
 
@@ -303,7 +276,6 @@ def openai_tool_calls(calls: list[dict]) -> list[dict]:
 
 
 def reply_key(content: str | None, tool_calls: list[dict]) -> str:
-    """What identifies an assistant message the endpoint returned when a client sends it back:
-    its content and its tool calls (ids, names, arguments)."""
+    """What identifies an assistant message the endpoint returned when a client sends it back."""
     return json.dumps([content or "", [(c.get("id", ""), c["function"]["name"], c["function"]["arguments"])
                                       for c in tool_calls]])

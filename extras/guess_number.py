@@ -1,7 +1,5 @@
 """The bundled multi-turn environment (`--task guess_number --workflow guess_number`,
-configs/guess.toml): find a secret number with higher/lower feedback. An example of
-extras.multiturn.MultiTurnWorkflow; registered by import path, imported only when asked for.
-"""
+configs/guess.toml): find a secret number with higher/lower feedback."""
 from __future__ import annotations
 
 from extras.multiturn import MultiTurnWorkflow
@@ -9,10 +7,8 @@ from workflows import Task, last_number
 
 
 def guess_number_tasks(kwargs: dict, train_size: int, eval_size: int, seed: int) -> tuple[list[Task], list[Task]]:
-    """Tasks of the higher/lower game: secrets drawn uniformly from [low, high] (kwargs,
-    default 1..16), train and held-out with different seeds."""
+    """(train, held-out) tasks with secrets drawn uniformly from [low, high] (kwargs, default 1..16)."""
     import random
-
     low, high = int(kwargs.get("low", 1)), int(kwargs.get("high", 16))
     if high <= low:
         raise ValueError(f"guess_number: need low < high, got {low}, {high}")
@@ -27,9 +23,7 @@ def guess_number_tasks(kwargs: dict, train_size: int, eval_size: int, seed: int)
 
 
 class GuessNumberEnv:
-    """Higher/lower game: the task's answer is a secret integer; each reply's last number is
-    a guess. Reward 1 for finding it (the episode ends), else the environment says higher
-    or lower; a reply without a number gets a reminder."""
+    """Each reply's last number guesses the task's answer: reward 1 when found, else higher / lower."""
 
     def reset(self, task: Task) -> str:
         self.secret = int(task.answer)
@@ -45,8 +39,7 @@ class GuessNumberEnv:
 
 
 class GuessNumberWorkflow(MultiTurnWorkflow):
-    """The bundled multi-turn environment: find a secret number with higher/lower feedback
-    in at most max_turns guesses (task = "guess_number", see `guess_number_tasks`)."""
+    """Find the secret number in at most max_turns guesses (`--task guess_number`)."""
 
     def make_env(self):
         return GuessNumberEnv()

@@ -1,6 +1,4 @@
-"""`--reward-fn math_verify`: answers compared by math-verify (numbers, fractions, LaTeX);
-registered in workflows.REWARD_FNS by import path, imported only when asked for.
-"""
+"""`--reward-fn math_verify`: answers compared by math-verify (numbers, fractions, LaTeX)."""
 from __future__ import annotations
 
 import logging
@@ -12,17 +10,9 @@ from workflows import Task
 
 
 def math_verify_reward(task: Task, completion: str, dataset: Any) -> float:
-    """Reward 1.0 when the `math-verify` library finds the completion's answer
-    mathematically equal to the reference, else 0.0 (GSM8K / MATH style: numbers,
-    fractions, LaTeX, \\boxed{...}, symbolic equality). A bare reference (no "$", no
-    \\boxed) is parsed as "\\boxed{reference}", as verl does
-    (verl/utils/reward_score/math_verify.py, compute_score, commit 1309a22); one with LaTeX delimiters as
-    it is (a MATH solution: its \\boxed answer). The completion is parsed with
-    math-verify's default extraction (LaTeX, then plain expressions), as in math-verify's
-    README and TRL's trl/rewards/accuracy_rewards.py. math-verify's own signal timeouts
-    are off (they work only in the main thread; rewards run in a thread bounded by the
-    workflow timeout). Raises ValueError when the reference has no parsable answer
-    (counted as a reward error)."""
+    """1.0 when math-verify finds the completion's answer equal to the reference, else 0.0; a bare
+    reference is parsed as "\\boxed{reference}" (verl/utils/reward_score/math_verify.py @ 1309a22).
+    Its signal timeouts are off (main thread only). ValueError for a reference without an answer."""
     ref = task.answer.strip()
     gold = parse(ref if "$" in ref or "\\boxed" in ref else f"\\boxed{{{ref}}}", parsing_timeout=None)
     if not gold:
@@ -31,8 +21,6 @@ def math_verify_reward(task: Task, completion: str, dataset: Any) -> float:
 
 
 class _NoTimeoutNote(logging.Filter):
-    """Drops math-verify's note that its timeouts are off (they are, on purpose)."""
-
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Timeout is disabled")
 

@@ -1,8 +1,5 @@
-"""Multi-turn workflows: the policy and an environment take turns (`MultiTurnWorkflow`);
-subclassed by the guess-number game (extras/guess_number.py) and the examples in
-docs/workflows.md. A workflow built on it is named by import path (`--workflow module.Class`,
-or `workflows.WORKFLOWS`).
-"""
+"""Multi-turn workflows: the policy and an environment take turns (`MultiTurnWorkflow`; the
+guess-number game, extras/guess_number.py, and docs/workflows.md build on it)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,24 +10,15 @@ from workflows import Task, Workflow, chat_ids, in_thread
 
 
 class MultiTurnWorkflow(Workflow):
-    """Base of multi-turn workflows: the policy and an environment take turns.
+    """Subclasses implement `make_env()`: an environment with `reset(task) -> str` (the first user
+    message) and `step(reply) -> (message or None at the end, reward or None while it goes on)`,
+    called in a thread; environments are reused, one whose call raised is dropped.
 
-    Subclasses implement `make_env()`, returning an environment with
-    `reset(task) -> str` (the first user message) and `step(reply) -> (message, reward)`:
-    the environment's next message, or None when the episode is over, and the reward
-    (None while the episode goes on). Environments are reset and reused across episodes;
-    one whose call raised is dropped. Environment calls run in a thread (`in_thread`), so
-    a hanging one can be abandoned by the explorer's timeout.
-
-    Token streams (prime-rl's merging rule): each turn's prompt is the chat template of the
-    conversation so far. While it extends the previous prompt + completion as an exact
-    token prefix, the turn is appended to the same sample (the environment's tokens with
-    action_mask 0 and behaviour log-prob 0, the sampled tokens with action_mask 1 and their
-    behaviour log-probs); where it does not (the template re-renders or drops history) a
-    new sample starts (see `context`). The tokens of every sample are exactly those the engine saw and
-    sampled. All samples of a trajectory carry its final reward, info["trajectory_id"],
-    info["turns"] and info["samples"] (samples in the trajectory).
-    """
+    Each turn's prompt is the chat template of the conversation so far; while it extends the
+    previous prompt + completion as an exact token prefix, the turn joins the same sample (the
+    environment's tokens with action_mask 0, behaviour log-prob 0), else a new sample starts
+    (prime-rl's merging rule). The samples of a trajectory share its reward and
+    info["trajectory_id"], "turns", "samples"."""
 
     max_turns = 6
 
@@ -42,8 +30,7 @@ class MultiTurnWorkflow(Workflow):
         raise NotImplementedError
 
     def context(self, messages: list[dict]) -> list[dict]:
-        """The messages the policy sees this turn; override to compact the context or drop
-        past reasoning (the token prefix then breaks and a new sample starts)."""
+        """The messages the policy sees this turn (override to compact them: a new sample starts)."""
         return messages
 
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
@@ -52,7 +39,7 @@ class MultiTurnWorkflow(Workflow):
         return [e for t in trajs for e in t]
 
     async def episode(self, task: Task, engine, group_id: str, trajectory_id: str) -> list[Experience]:
-        """One conversation -> its samples (see the class docstring)."""
+        """One conversation -> its samples."""
         env = self._idle_envs.pop() if self._idle_envs else self.make_env()
         msgs = self.system() + [{"role": "user", "content": await in_thread(env.reset, task)}]
         samples: list[dict] = []

@@ -1,6 +1,4 @@
-"""`--workflow reflect`: experience synthesis by reflection (registered in
-workflows.WORKFLOWS by import path, imported only when asked for).
-"""
+"""`--workflow reflect`: experience synthesis by reflection."""
 from __future__ import annotations
 
 import asyncio
@@ -10,12 +8,9 @@ from workflows import MathWorkflow, Task, chat_ids
 
 
 class ReflectWorkflow(MathWorkflow):
-    """Experience synthesis by reflecting once (as in the Trinity-RFT technical report,
-    arXiv:2505.17826, experience synthesis / reflection example): n rollouts
-    are scored; for each wrong one the model sees verification feedback ("... is
-    incorrect") and answers once more; the first reflected answer that is correct is kept
-    as one extra sample (its prompt = question, first answer and feedback; only the
-    reflected answer is trained on; info["reflection"])."""
+    """n scored rollouts; each wrong one is answered once more after the feedback "incorrect", and
+    the first correct reflection is kept as one extra sample (info["reflection"]). Trinity-RFT
+    technical report, arXiv:2505.17826, reflection example."""
 
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
         group = await super().run(task, engine, n)

@@ -1,21 +1,8 @@
-"""`--task verifiers:NAME --workflow verifiers:NAME`: train on an installed `verifiers`
-environment (prime-rl's environment library, verifiers >= 0.4: `pip install verifiers`,
-then the environment's package).
-
-NAME is a verifiers taskset id (the package name of an installed environment, as for
-`vf-eval`). The task source yields the taskset's tasks (the last eval_size held out);
-the workflow runs each rollout as a verifiers episode (`Env.run_episode`: the taskset's
-harness program, or verifiers' `null` chat loop for a taskset without one, started by
-verifiers in a local subprocess runtime) whose model calls
-go to the explorer engine's OpenAI-compatible endpoint (extras/openai_endpoint.py), so
-they are recorded token for token like any agent's (extras/agent.py); the reward is the
-episode's, from the taskset's rubric (`@vf.reward` methods: the mean over its traces).
-An episode that verifiers reports as failed raises, and the explorer retries or skips it.
-
-verifiers starts its harness programs with `uv` and syncs their dependencies from the
-package index on first use (later runs reuse uv's cache); uv must be on PATH (`pip install
-uv`): verifiers' own fallback (`pip install --user uv`, else a download from astral.sh)
-fails inside a virtual environment or offline.
+"""`--task verifiers:NAME --workflow verifiers:NAME`: train on an installed `verifiers` (>= 0.4)
+environment, NAME its taskset id. Each rollout is a verifiers episode (`Env.run_episode`) whose
+model calls go to the engine's OpenAI-compatible endpoint, recorded like any agent's
+(extras/agent.py); its reward is the mean over its traces. verifiers runs the harness programs
+with `uv`, which must be on PATH (`pip install uv`).
 """
 from __future__ import annotations
 
@@ -30,10 +17,8 @@ RUNTIME = {"type": "subprocess"}  # where verifiers runs the harness program: a 
 
 
 def require_verifiers(what: str) -> None:
-    """ValueError (one line) when verifiers, `uv` (on PATH or in ~/.local/bin, where
-    verifiers looks) or the endpoint's packages are missing."""
+    """ValueError (one line) when verifiers, `uv` or the endpoint's packages are missing."""
     from extras.openai_endpoint import require_packages
-
     if importlib.util.find_spec("verifiers") is None:
         raise ValueError(f"{what} needs verifiers: pip install verifiers uv openai fastapi uvicorn")
     search = os.pathsep.join([os.environ.get("PATH", ""), os.path.expanduser("~/.local/bin")])
@@ -43,10 +28,9 @@ def require_verifiers(what: str) -> None:
 
 
 def load_env(name: str, harness: str | None = None):
-    """The verifiers Env of taskset `name`, its agent in a local subprocess runtime, with
-    `harness`, else the taskset's own harness, else verifiers' `null` harness (a chat loop
-    that runs no code: verifiers' own default, `bash`, would run the model's shell commands
-    on this machine). Raises ValueError (one line) when it cannot be loaded."""
+    """The verifiers Env of taskset `name` in a local subprocess runtime, with `harness`, else the
+    taskset's own, else `null` (a chat loop: verifiers' default, `bash`, would run the model's
+    commands here). ValueError (one line) when it cannot be loaded."""
     require_verifiers(f"verifiers:{name}")
     from verifiers.v1.configs.env import EnvConfig
     from verifiers.v1.env import Env
@@ -66,9 +50,8 @@ def load_env(name: str, harness: str | None = None):
 
 
 def verifiers_tasks(name: str, train_size: int, eval_size: int) -> tuple[list[Task], list[Task]]:
-    """The first train_size + eval_size tasks of taskset `name` as nanorft Tasks (question:
-    the prompt's text; entry["verifiers_idx"]: the task's position), the last eval_size
-    held out. Raises ValueError (one line)."""
+    """(train, held-out) of the first train_size + eval_size tasks of taskset `name`
+    (entry["verifiers_idx"]: the task's position). ValueError (one line)."""
     env = load_env(name)
     tasks = []
     for t in env.taskset:
@@ -82,11 +65,8 @@ def verifiers_tasks(name: str, train_size: int, eval_size: int) -> tuple[list[Ta
 
 
 class VerifiersWorkflow(AgentWorkflow):
-    """Rollouts of a verifiers environment against the endpoint (see the module docstring).
-    `env_name` is set by `verifiers_workflow`; `harness`: a verifiers harness id instead of
-    the taskset's own or `null` (one that executes code, such as `bash`, runs the model's
-    commands on this machine). Raises RuntimeError for a task not from `--task verifiers:NAME`
-    and for an episode verifiers reports as failed (its first error)."""
+    """Rollouts of verifiers environment `env_name` (`harness`: a harness id instead of the default).
+    RuntimeError for a task not from `--task verifiers:NAME` or an episode that failed."""
 
     env_name = ""
     harness: str | None = None
@@ -98,10 +78,8 @@ class VerifiersWorkflow(AgentWorkflow):
 
     def vf_task(self, task: Task):
         """The verifiers task behind a nanorft task (by its position in the taskset)."""
-        idx = task.entry.get("verifiers_idx") if isinstance(task.entry, dict) else None
-        if idx is None:
-            name = self.env_name
-            raise RuntimeError(f"--workflow verifiers:{name} needs its tasks: --task verifiers:{name}")
+        if (idx := task.entry.get("verifiers_idx") if isinstance(task.entry, dict) else None) is None:
+            raise RuntimeError(f"--workflow verifiers:{self.env_name} needs its tasks: --task verifiers:{self.env_name}")
         if idx not in self._tasks:
             for t in self.env.taskset:
                 self._tasks[t.data.idx] = t
@@ -111,7 +89,6 @@ class VerifiersWorkflow(AgentWorkflow):
 
     async def play(self, client, task: Task):
         import verifiers.v1 as vf
-
         ctx = vf.ModelContext(model="nanorft", client=vf.EvalClientConfig(base_url=str(client.base_url).rstrip("/"),
                                                                           api_key_var="NANORFT_ENDPOINT_KEY"))
         env = load_env(self.env_name, self.harness)  # serving() holds per-env state: one env per episode
@@ -126,8 +103,7 @@ class VerifiersWorkflow(AgentWorkflow):
 
 
 def verifiers_workflow(name: str) -> type[VerifiersWorkflow]:
-    """The workflow class of `--workflow verifiers:NAME`; ValueError (one line) when
-    verifiers or the environment is missing."""
+    """The workflow class of `--workflow verifiers:NAME`; ValueError (one line) when it is missing."""
     load_env(name)
     return type(f"Verifiers_{name}", (VerifiersWorkflow,), {"env_name": name, "__module__": __name__,
                                                            "__qualname__": f"Verifiers_{name}"})

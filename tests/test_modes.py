@@ -146,7 +146,8 @@ def test_inflight_updates_mark_sequences_spanning_versions(tiny_model, tmp_path)
 @pytest.mark.slow
 def test_inflight_engine_switches_weights_between_decode_steps(tiny_model, tmp_path):
     from conftest import make_tiny_model
-    from engines import HFEngine, Sampling, read_safetensors
+    from engines import HFEngine, Sampling
+    from extras.engine_checkpoints import read_safetensors
 
     engine = HFEngine(tiny_model, seed=0)
     other = read_safetensors(make_tiny_model(tmp_path / "other", seed=1))
