@@ -347,7 +347,9 @@ def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: in
         engine.status = lambda text: queue.put({"status": text})
         if core_flags is not None and isinstance(engine, HFEngine):
             engine.cores = sync.CoreShare(core_flags, 1, cfg.explorer_threads, cfg.trainer_threads)
-        receiver = sync.Receiver.for_config(cfg, engine, queue.put, alive, sync_device, port)
+        receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, queue.put, alive,
+                                 None if cfg.sync_method == "checkpoint" else port, cfg.sync_timeout_s, sync_device,
+                                 cfg.sync_host)
         explore(cfg, engine, tasks, open_buffer(cfg.buffer, cfg.run_dir), Schedule(cfg, receiver, last), queue.put,
                 total_steps)
     except Exception as e:  # reported by the trainer as one line; the process exits with code 1
