@@ -198,7 +198,7 @@ class Config:
     dtype: str = "auto"
     """compute precision of trainer and engines: auto (bfloat16 where the device computes it natively, else float32)"""
     allocator: str = "auto"
-    """memory allocator of the processes on a CPU: auto (tcmalloc where installed), tcmalloc, system"""
+    """memory allocator of the processes on a CPU: auto (tcmalloc where installed, else mimalloc; a GPU: system), tcmalloc, mimalloc, system (the C library's malloc)"""
     activation_checkpointing: bool = True
     """recompute decoder blocks' activations in the backward pass (less memory, more compute)"""
     token_budget: int = 2048
@@ -242,7 +242,7 @@ def _field_help() -> tuple[dict[str, str], dict[str, str]]:
 TYPES = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "list": list}
 CHOICES = {"mode": ("both", "explore", "train", "bench"), "engine": ("auto", "hf", "vllm"),
            "sync_method": ("auto", "broadcast", "checkpoint"), "dtype": ("auto", "bfloat16", "float32"),
-           "save_dtype": ("auto", "float32", "bfloat16", "float16"), "allocator": ("auto", "tcmalloc", "system")}
+           "save_dtype": ("auto", "float32", "bfloat16", "float16"), "allocator": ("auto", "tcmalloc", "mimalloc", "system")}
 
 
 def _flags(defaults: dict, preset: str) -> type:

@@ -250,7 +250,7 @@ class Explorer:
         if n := max(cfg.eval_k, cfg.group_size) if version == 0 and cfg.eval_k else cfg.eval_k:
             self.engine.label = f"evaluation of version {version}, {n} samples per task"
             sampled = self.rollout(self.held_out, n=n)
-            record.update(sampled_eval(correct_counts(sampled), n, cfg.eval_k),
+            record.update(sampled_eval(correct_counts(sampled), n, cfg.eval_k, cfg.group_size * (version == 0)),
                           **format_rate([e for g in sampled if g for e in g], "eval/sampled_format_rate"))
         return {**record, "eval/seconds": time.perf_counter() - t0,
                 **self.utilisation(since, time.perf_counter() - t0, "perf/eval")}

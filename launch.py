@@ -3,6 +3,7 @@ interface, torch thread counts, and how a run ends (`guarded`: Ctrl-C, a failure
 from __future__ import annotations
 
 import ctypes.util
+import importlib.metadata
 import os
 import signal
 import socket
@@ -68,36 +69,58 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def tcmalloc(cfg: Config) -> str | None:
-    """The tcmalloc library to preload (it keeps freed pages for the next step, where glibc returns them),
-    or None (--allocator system, not installed, auto on a GPU). ValueError: tcmalloc asked, missing."""
-    if cfg.allocator == "system" or sys.platform != "linux" or (cfg.allocator == "auto" and gpu_count()):
+def _mimalloc() -> str | None:
+    try:  # the cmeel-mimalloc wheel of requirements.txt
+        lib = importlib.metadata.distribution("cmeel-mimalloc").locate_file("cmeel.prefix/lib/libmimalloc.so")
+    except importlib.metadata.PackageNotFoundError:
         return None
-    lib = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
-    if lib is None and cfg.allocator == "tcmalloc":
-        raise ValueError("--allocator tcmalloc: no tcmalloc library found (Debian/Ubuntu: apt-get install "
-                         "libtcmalloc-minimal4)")
-    return lib
+    return str(lib) if Path(lib).is_file() else None
 
 
-def allocator_banner(cfg: Config, gpus: int) -> str:
-    """The allocator in use, with a hint where tcmalloc is missing (ValueError as `tcmalloc`)."""
-    lib = tcmalloc(cfg)
-    if "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
-        return "tcmalloc"
-    return "the C library's malloc" + ("" if lib or cfg.allocator == "system" or gpus else
-                                       ": install libtcmalloc-minimal4 for a faster CPU trainer (--allocator)")
+# preloaded allocators, the best first (benchmarks/allocators.py, docs/benchmarks.md): both keep freed
+# pages for the next step, where glibc's malloc returns large blocks to the kernel and faults them in again
+ALLOCATORS = {"tcmalloc": lambda: ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc"),
+              "mimalloc": _mimalloc}
+INSTALL = {"mimalloc": "pip install cmeel-mimalloc", "tcmalloc": "apt-get install libtcmalloc-minimal4"}
+
+
+def allocator_library(name: str) -> str | None:
+    """The shared library of allocator `name` (a key of ALLOCATORS) where installed, else None."""
+    return ALLOCATORS[name]() if sys.platform == "linux" else None
+
+
+def allocator(cfg: Config) -> tuple[str, str | None]:
+    """(name, library to preload) of the run's allocator: --allocator auto takes the first installed of
+    ALLOCATORS on a CPU and the C library's malloc ("system", None) on a GPU. ValueError: an allocator
+    asked for by name is not installed."""
+    if cfg.allocator == "system" or (cfg.allocator == "auto" and gpu_count()):
+        return "system", None
+    for name in ALLOCATORS if cfg.allocator == "auto" else [cfg.allocator]:
+        if lib := allocator_library(name):
+            return name, lib
+    if cfg.allocator != "auto":
+        raise ValueError(f"--allocator {cfg.allocator}: not installed ({INSTALL[cfg.allocator]})")
+    return "system", None
+
+
+def allocator_banner(cfg: Config) -> str:
+    """The allocator this process runs with, for the start banner (ValueError as `allocator`)."""
+    name, lib = allocator(cfg)
+    if lib and lib in os.environ.get("LD_PRELOAD", ""):
+        return name
+    return "the C library's malloc" + ("" if cfg.allocator == "system" or gpu_count() else
+                                       f": {INSTALL['mimalloc']} (requirements.txt) for a faster CPU trainer")
 
 
 def preload_allocator(argv: list[str]) -> None:
-    """Re-execute this process (same pid and arguments) with `tcmalloc` in LD_PRELOAD where it is chosen."""
-    if "tcmalloc" in os.environ.get("LD_PRELOAD", "") or {"-h", "--help"} & set(argv):
+    """Re-execute this process (same pid and arguments) with the chosen allocator in LD_PRELOAD."""
+    if {"-h", "--help"} & set(argv):
         return
     try:
-        lib = tcmalloc(parse_config(argv))
+        _, lib = allocator(parse_config(argv))
     except (ValueError, OSError):
-        return
-    if lib:
+        return  # main reports it
+    if lib and lib not in os.environ.get("LD_PRELOAD", ""):
         os.environ["LD_PRELOAD"] = " ".join(filter(None, [lib, os.environ.get("LD_PRELOAD", "")]))
         sys.stdout.flush()
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])

@@ -162,7 +162,7 @@ class TrainLoop:
             elif "eval/accuracy" in r:
                 self.io.metrics.write({"step": r["eval/version"], **r})
                 who = f" ({r['explorer']})" if "explorer" in r else ""
-                self.bar.write(f"eval @ version {r['eval/version']}{who}: {eval_line(r)}")
+                self.bar.write(f"eval @ version {r['eval/version']}{who}: {eval_line(r, self.cfg.group_size)}")
                 self.last_eval.update(r)
             elif "explorer/received_version" in r:
                 self.io.metrics.write({"step": r["explorer/received_version"], **r})

@@ -54,15 +54,33 @@ def mean_stderr(xs: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) if len(xs) > 1 else 0.0
 
 
-def sampled_eval(correct: list[int], n: int, k: int) -> dict[str, float]:
+def learnable_groups(correct: list[int], n: int, group_size: int) -> float:
+    """The expected fraction of groups of `group_size` rollouts whose rewards are not all equal (so
+    a nonzero group advantage), from n samples per task, correct[i] right for task i: the mean of
+    1 - p^g - (1 - p)^g over tasks, p^g estimated without bias by C(c, g) / C(n, g) where n >= g,
+    else by (c / n)^g."""
+    def all_same(c: int) -> float:
+        if n >= group_size:
+            return (math.comb(c, group_size) + math.comb(n - c, group_size)) / math.comb(n, group_size)
+        return (c / n) ** group_size + (1 - c / n) ** group_size
+    return sum(1 - all_same(c) for c in correct) / len(correct)
+
+
+LEARNABLE_MIN = 0.25  # below: most groups give no advantage, so most steps learn nothing
+
+
+def sampled_eval(correct: list[int], n: int, k: int, group_size: int = 0) -> dict[str, float]:
     """eval/* of n samples per task, correct[i] right for task i: avg_at_k (mean c_i / n), its stderr,
-    k, samples, and pass_at_J for J = 1, 2, 4, ... and n."""
+    k, samples, pass_at_J for J = 1, 2, 4, ... and n, and with group_size >= 2 learnable_groups
+    (`learnable_groups`)."""
     if n < k or not correct:
         raise ValueError(f"sampled_eval needs n >= k and tasks (n={n}, k={k}, {len(correct)} tasks)")
     avg, err = mean_stderr([c / n for c in correct])
     out = {"eval/avg_at_k": avg, "eval/avg_at_k_stderr": err, "eval/k": k, "eval/samples": n}
     for j in sorted({2 ** i for i in range(n.bit_length())} | {n}):
         out[f"eval/pass_at_{j}"] = sum(pass_at_k(n, c, j) for c in correct) / len(correct)
+    if group_size >= 2:
+        out["eval/learnable_groups"] = learnable_groups(correct, n, group_size)
     return out
 
 
@@ -78,8 +96,9 @@ def episode_means(infos: list[dict], prefix: str) -> dict[str, float]:
             for k in names}
 
 
-def eval_line(r: dict) -> str:
-    """One line for an evaluation record: greedy accuracy, avg@k, format rate, the largest pass@J."""
+def eval_line(r: dict, group_size: int = 0) -> str:
+    """Lines for an evaluation record: greedy accuracy, avg@k, format rate, the largest pass@J, the
+    learnability forecast, and what to try where it is below LEARNABLE_MIN."""
     line = f"held-out accuracy {r['eval/accuracy']:.3f} +- {r.get('eval/accuracy_stderr', 0):.3f} (greedy)"
     if "eval/avg_at_k" in r:
         line += f", avg@{r['eval/k']} {r['eval/avg_at_k']:.3f} +- {r['eval/avg_at_k_stderr']:.3f}"
@@ -88,6 +107,12 @@ def eval_line(r: dict) -> str:
     n = r.get("eval/samples", 0)
     if n > r.get("eval/k", 0):
         line += f", pass@{n} {r[f'eval/pass_at_{n}']:.3f}"
+    if (f := r.get("eval/learnable_groups")) is not None:
+        line += f", learnable groups {f:.0%}"
+        if f < LEARNABLE_MIN:
+            line += (f"\nwarning: only {f:.0%} of groups of {group_size or 'this size'} are expected to have rewards "
+                     "that differ, the rest give no advantage and no gradient: try a larger --group-size, an easier "
+                     "--task-kwargs, a warm start by SFT (--mode train --train-data), --difficulty-filter or --selector diff_based")
     return line
 
 

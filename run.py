@@ -92,7 +92,7 @@ def prepare(cfg: Config, rank: int) -> Prepared:
     layout = launch.place(gpus, int(os.environ.get("WORLD_SIZE", "1")), cfg.mode)
     cfg.dtype, why = models.choose_dtype(cfg.dtype, "cuda" if gpus else "cpu")
     print0(f"nanorft: preparing mode {cfg.mode}: precision {cfg.dtype} ({why}); memory allocator "
-           f"{launch.allocator_banner(cfg, gpus)}; model {cfg.model}; "
+           f"{launch.allocator_banner(cfg)}; model {cfg.model}; "
            f"task {cfg.task} ({cfg.train_size} training + {cfg.eval_size} held-out tasks)")
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # measured once per machine, before any process uses it
         announce_peak("cuda" if gpus else "cpu", cfg.dtype)

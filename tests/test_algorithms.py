@@ -403,6 +403,28 @@ def test_avg_at_k_stderr_and_pass_at_k_by_hand():
     assert line == ("held-out accuracy 0.250 +- 0.030 (greedy), avg@4 0.333 +- 0.096, format 0.90, pass@6 1.000")
 
 
+def test_the_learnability_forecast_by_hand_and_without_bias():
+    from metrics import eval_line, learnable_groups, sampled_eval
+
+    # groups of 8 from 8 samples: a task with 0 or 8 right never differs, one with 4 right always does
+    assert learnable_groups([0, 8, 4], 8, 8) == pytest.approx(1 / 3)
+    # 4 samples, 2 right, groups of 2: P(both right) = P(both wrong) = C(2,2) / C(4,2) = 1/6
+    assert learnable_groups([2], 4, 2) == pytest.approx(1 - 2 / 6)
+    # fewer samples than the group: p = 1/2 plugged in, 1 - 2 / 2^4
+    assert learnable_groups([1], 2, 4) == pytest.approx(0.875)
+    # unbiased: over c ~ Binomial(10, p) the estimate averages to 1 - p^4 - (1 - p)^4 exactly
+    p = 0.3
+    mean = sum(math.comb(10, c) * p ** c * (1 - p) ** (10 - c) * learnable_groups([c], 10, 4) for c in range(11))
+    assert mean == pytest.approx(1 - p ** 4 - (1 - p) ** 4, abs=1e-12)
+    hard = sampled_eval([0, 0, 0, 1], 8, 4, group_size=8)
+    assert hard["eval/learnable_groups"] == pytest.approx(0.25) and "eval/learnable_groups" not in sampled_eval([1], 8, 4)
+    line = eval_line({"eval/accuracy": 0.0, **hard}, 8)
+    assert "learnable groups 25%" in line and "warning" not in line
+    hard = sampled_eval([0, 0, 0, 0, 1], 8, 4, group_size=8)
+    line = eval_line({"eval/accuracy": 0.0, **hard}, 8)
+    assert line.splitlines()[1].startswith("warning: only 20% of groups of 8") and "--group-size" in line
+
+
 def test_format_rate_counts_replies_a_reward_can_read():
     from explorer import format_rate
     from workflows import readable

@@ -35,8 +35,8 @@ def test_run_trains_and_syncs(tiny_model, tmp_path):
                  "--reward-fn", "tests.rewards.length_parity", "--steps", 4, "--sync-interval", 2, "--eval-k", 2,
                  "--sync-checksum")
     assert res.returncode == 0, res.stderr[-3000:]
-    # run.py re-executes itself with tcmalloc preloaded where it is installed (CI installs it), else says how
-    assert ("memory allocator tcmalloc;" if launch.tcmalloc(parse_config([])) else "install libtcmalloc") in res.stdout
+    # run.py re-executes itself with the allocator preloaded (requirements.txt installs mimalloc)
+    assert f"memory allocator {launch.allocator(parse_config([]))[0]};" in res.stdout
     recs = metrics(run_dir)
     steps = [r for r in recs if "reward/mean" in r]
     evals = [r for r in recs if "eval/accuracy" in r]

@@ -1,7 +1,8 @@
 """Model FLOPs, the measured peak and MFU (perf.py); prefill once per distinct prompt
 (engines.HFEngine); evaluations after their version's first batch (explorer.explore);
-the choice of the memory allocator (launch.tcmalloc)."""
+the choice of the memory allocator (launch.allocator)."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,21 +201,31 @@ def test_the_engines_grouped_query_attention_equals_transformers_sdpa(tiny_model
     assert torch.allclose(a, b, atol=1e-5) and a.abs().max() > 0
 
 
-def test_tcmalloc_is_chosen_where_installed_and_refused_where_missing(monkeypatch):
+def test_the_first_installed_allocator_is_chosen_and_a_missing_one_refused(monkeypatch):
     from config import parse_config
 
     monkeypatch.setattr(launch, "gpu_count", lambda: 0)
-    found = {"tcmalloc_minimal": "libtcmalloc_minimal.so.4"}
-    monkeypatch.setattr(launch.ctypes.util, "find_library", found.get)
-    assert launch.tcmalloc(parse_config([])) == "libtcmalloc_minimal.so.4"
-    assert launch.tcmalloc(parse_config(["--allocator", "system"])) is None
+    found = {"mimalloc": "/x/libmimalloc.so", "tcmalloc": "libtcmalloc_minimal.so.4"}
+    monkeypatch.setattr(launch, "ALLOCATORS", {k: (lambda k=k: found.get(k)) for k in ("tcmalloc", "mimalloc")})
+    assert launch.allocator(parse_config([])) == ("tcmalloc", "libtcmalloc_minimal.so.4")
+    assert launch.allocator(parse_config(["--allocator", "mimalloc"])) == ("mimalloc", "/x/libmimalloc.so")
+    assert launch.allocator(parse_config(["--allocator", "system"])) == ("system", None)
     monkeypatch.setattr(launch, "gpu_count", lambda: 1)  # auto keeps the C library's malloc on a GPU machine
-    assert launch.tcmalloc(parse_config([])) is None
-    assert launch.tcmalloc(parse_config(["--allocator", "tcmalloc"])) == "libtcmalloc_minimal.so.4"
-    found.clear()  # not installed
-    assert launch.tcmalloc(parse_config([])) is None
-    with pytest.raises(ValueError, match="no tcmalloc library found .*libtcmalloc-minimal4"):
-        launch.tcmalloc(parse_config(["--allocator", "tcmalloc"]))
+    assert launch.allocator(parse_config([])) == ("system", None)
+    assert launch.allocator(parse_config(["--allocator", "mimalloc"])) == ("mimalloc", "/x/libmimalloc.so")
+    monkeypatch.setattr(launch, "gpu_count", lambda: 0)
+    del found["tcmalloc"]
+    assert launch.allocator(parse_config([])) == ("mimalloc", "/x/libmimalloc.so")
+    found.clear()  # none installed
+    assert launch.allocator(parse_config([])) == ("system", None)
+    assert "pip install cmeel-mimalloc" in launch.allocator_banner(parse_config([]))
+    with pytest.raises(ValueError, match="--allocator mimalloc: not installed .pip install cmeel-mimalloc"):
+        launch.allocator(parse_config(["--allocator", "mimalloc"]))
+
+
+def test_the_mimalloc_wheel_of_requirements_is_found():
+    lib = launch.allocator_library("mimalloc")
+    assert lib is not None and Path(lib).is_file() and "libmimalloc" in lib, lib
 
 
 def test_offline_training_takes_all_the_cores(monkeypatch):
