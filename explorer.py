@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import itertools
+import json
 import multiprocessing.util
 import os
 import random
@@ -26,6 +28,7 @@ from config import Config
 from engines import Engine, HFEngine, Sampling, make_engine, use_gpu, vllm_available
 from losses import resolve
 from metrics import cpu_seconds, episode_means, mean_stderr, peak_rss_gib, sampled_eval
+from models import cache_dir, resolve_model
 from perf import mfu, unit_peak
 from workflows import PIPELINES, Shuffle, Task, load_reward_fn, load_workflow, readable
 
@@ -234,10 +237,17 @@ class Explorer:
     def evaluate(self, version: int) -> dict | None:
         """The eval/* record at `version` (None without held-out tasks): accuracy (reward 1 at
         eval_temperature; a skipped task is wrong) and more; then `metrics.sampled_eval` of eval_k
-        samples per task (at version 0 max(eval_k, group_size), for the base model's pass@k)."""
+        samples per task (at version 0 max(eval_k, group_size), for the base model's pass@k and the
+        learnability forecast). Version 0 is read from `eval_cache` where an equal one was saved.
+        The sampling RNG is restored after it, so that a cached evaluation changes no rollout."""
         if not self.held_out:
             return None
         cfg, t0, since = self.cfg, time.perf_counter(), (self.engine.model_flops, cpu_seconds())
+        n = max(cfg.eval_k, cfg.group_size) if version == 0 and cfg.eval_k else cfg.eval_k
+        cache = eval_cache(cfg, self.engine, self.held_out, n) if version == 0 else None
+        if cache and (record := read_json(cache)):
+            return {**record, "eval/cached": 1, "eval/seconds": time.perf_counter() - t0}
+        sampler = self.engine.rng_state()
         self.engine.label = f"evaluation of version {version}"
         groups = self.rollout(self.held_out, self.eval_workflow, 1)
         exps = [g[0] for g in groups if g]
@@ -247,11 +257,15 @@ class Explorer:
                   "eval/response_len": sum(len(e.behaviour_logprobs) for e in exps) / max(1, len(exps)),
                   **format_rate(exps, "eval/format_rate"), **episode_means([e.info for e in exps], "eval/")}
         record["eval/accuracy"], record["eval/accuracy_stderr"] = mean_stderr([float(r == 1.0) for r in rewards])
-        if n := max(cfg.eval_k, cfg.group_size) if version == 0 and cfg.eval_k else cfg.eval_k:
+        if n:
             self.engine.label = f"evaluation of version {version}, {n} samples per task"
             sampled = self.rollout(self.held_out, n=n)
             record.update(sampled_eval(correct_counts(sampled), n, cfg.eval_k, cfg.group_size * (version == 0)),
                           **format_rate([e for g in sampled if g for e in g], "eval/sampled_format_rate"))
+        if sampler is not None:
+            self.engine.set_rng_state(sampler)
+        if cache and not record["eval/skipped"]:
+            write_json(cache, record)
         return {**record, "eval/seconds": time.perf_counter() - t0,
                 **self.utilisation(since, time.perf_counter() - t0, "perf/eval")}
 
@@ -284,6 +298,47 @@ async def gather(runs: list, timeout_s: float) -> list:
     """Await the coroutines `runs` concurrently, each within `timeout_s`; an exception is
     returned in place of its result."""
     return await asyncio.gather(*(asyncio.wait_for(r, timeout_s) for r in runs), return_exceptions=True)
+
+
+# what a version-0 evaluation depends on, besides the weights, the held-out tasks and the engine
+EVAL_SETTINGS = ("system_prompt", "reward_fn", "reward_kwargs", "workflow", "dtype", "max_tokens", "temperature",
+                 "top_p", "eval_temperature", "eval_k", "group_size")
+
+
+def eval_cache(cfg, engine: Engine, held_out: list[Task], n: int) -> Path | None:
+    """NANORFT_CACHE/evals/KEY.json, KEY a digest of the files of cfg.model's weights, the held-out
+    tasks, the engine and its device, EVAL_SETTINGS and n samples per task; None for a model that
+    is no directory of files."""
+    model = Path(resolve_model(cfg.model))
+    if not model.is_dir():
+        return None
+    key = hashlib.sha256()
+    for f in sorted(p for p in model.rglob("*") if p.is_file()):
+        with f.open("rb") as fh:
+            key.update(f.name.encode() + hashlib.file_digest(fh, "sha256").digest())
+    key.update(json.dumps([[[t.task_id, t.question, t.answer] for t in held_out], type(engine).__name__,
+                           str(getattr(engine, "device", "")), [getattr(cfg, k) for k in EVAL_SETTINGS], n],
+                          default=str).encode())
+    return cache_dir() / "evals" / f"{key.hexdigest()}.json"
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in `path`, or None where it is missing or unreadable (a cache miss, never an error)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path: Path, record: dict) -> None:
+    """Write `record` to `path` atomically; a cache that cannot be written is skipped."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def correct_counts(groups: list[list[Experience] | None]) -> list[int]:

@@ -107,6 +107,8 @@ def eval_line(r: dict, group_size: int = 0) -> str:
     n = r.get("eval/samples", 0)
     if n > r.get("eval/k", 0):
         line += f", pass@{n} {r[f'eval/pass_at_{n}']:.3f}"
+    if r.get("eval/cached"):
+        line += " (cached: the same weights, tasks and settings were evaluated before)"
     if (f := r.get("eval/learnable_groups")) is not None:
         line += f", learnable groups {f:.0%}"
         if f < LEARNABLE_MIN:

@@ -621,3 +621,44 @@ def test_ctrl_c_says_how_to_resume_in_one_line(tiny_model, tmp_path):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     res = run_py(*args[:-4], "--steps", 3, "--eval-size", 0, "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_the_base_models_evaluation_is_read_from_the_cache_when_nothing_it_depends_on_changed(
+        tiny_model, tmp_path, monkeypatch):
+    import explorer as X
+    from config import Config
+    from engines import HFEngine
+    from workflows import Task
+
+    monkeypatch.setenv("NANORFT_CACHE", str(tmp_path / "cache"))
+    held_out = [Task(f"h{i}", f"question {i}", "1") for i in range(6)]
+
+    def evaluation(version=0, **settings):
+        cfg = Config(run_dir=str(tmp_path), model=tiny_model, group_size=4, eval_k=2, max_tokens=6,
+                     reward_fn="tests.rewards.length_parity", system_prompt="", **settings)
+        engine = HFEngine(tiny_model, seed=3)
+        before = engine.rng_state()
+        record = X.Explorer(cfg, engine, [], held_out, None, print).evaluate(version)
+        assert engine.rng_state() == before  # a cached evaluation leaves every later rollout as it was
+        return record, engine
+
+    calls = []
+    sample = HFEngine.generate_batch
+    monkeypatch.setattr(HFEngine, "generate_batch", lambda *a: calls.append(1) or sample(*a))
+    first, _ = evaluation()
+    assert "eval/cached" not in first and first["eval/samples"] == 4 and "eval/learnable_groups" in first and calls
+    assert len(list((tmp_path / "cache" / "evals").glob("*.json"))) == 1
+    calls.clear()
+    again, _ = evaluation()
+    assert again["eval/cached"] == 1 and not calls  # read, not sampled
+    assert {k: v for k, v in again.items() if k.startswith("eval/") and k not in ("eval/cached", "eval/seconds")} == \
+        {k: v for k, v in first.items() if k.startswith("eval/") and k != "eval/seconds"}
+    evaluation(temperature=0.7)  # another sampling setting, or a later version: evaluated afresh
+    assert calls
+    calls.clear()
+    evaluation(version=2)
+    assert calls
+    for f in (tmp_path / "cache" / "evals").glob("*.json"):
+        f.write_text("{not json")  # unreadable: a miss, never an error
+    third, _ = evaluation()
+    assert "eval/cached" not in third and third["eval/accuracy"] == first["eval/accuracy"]
