@@ -163,39 +163,6 @@ class Buffer:
             for pool in pools:
                 self._set_pool(*pool)
 
-    def set_rewards(self, group_id: str, rewards: list[float] | float) -> int:
-        """Lagged rewards: fill a group's rewards (one for all, or one each); ValueError for a wrong group."""
-        return self.set_rewards_many({group_id: rewards})
-
-    def set_rewards_many(self, rewards: dict[str, list[float] | float]) -> int:
-        """`set_rewards` for several groups (group_id -> rewards) in one transaction: all or none."""
-        n = 0
-        with self.db.transaction():
-            for group_id, values in rewards.items():
-                if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                           for v in (values if isinstance(values, list) else [values])):
-                    raise ValueError(f"group {group_id!r}: rewards must be finite numbers, got {values!r}")
-                ids = [r[0] for r in self.db.execute("SELECT id FROM experiences WHERE group_id = ? ORDER BY id",
-                                                     (group_id,))]
-                vals = values if isinstance(values, list) else [values] * len(ids)
-                if not ids or len(vals) != len(ids):
-                    raise ValueError(f"group {group_id!r} has {len(ids)} experiences, got {len(vals)} rewards")
-                self.db.executemany("UPDATE experiences SET reward = ? WHERE id = ?", zip(map(float, vals), ids))
-                n += len(ids)
-        return n
-
-    def pending_groups(self) -> list[str]:
-        """Groups still waiting for a reward (lagged), oldest first."""
-        return [r[0] for r in self.db.execute(
-            "SELECT group_id FROM experiences WHERE reward IS NULL GROUP BY group_id ORDER BY MIN(id)")]
-
-    def pending_group_rows(self) -> list[list[Experience]]:
-        """The experiences of the groups still waiting for a reward, oldest group first."""
-        ids = self.pending_groups()
-        return self.groups_of(ids, self.db.execute(
-            f"SELECT {COLUMNS} FROM experiences WHERE group_id IN ({','.join('?' * len(ids))}) ORDER BY id",
-            ids).fetchall()) if ids else []
-
     def explorer_state(self, name: str) -> dict | None:
         """The state saved with explorer `name`'s last batch, or None."""
         row = self.db.execute("SELECT state FROM explorer_state WHERE name = ?", (name,)).fetchone()

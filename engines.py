@@ -136,7 +136,6 @@ def gqa_sdpa() -> str:
     grouped-query attention in the kernel also under a padding mask (transformers' copies KV heads)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
-
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -153,7 +152,6 @@ def gqa_sdpa() -> str:
 def slot_layer() -> type:
     """The KV-cache layer class of the HF engine's decoding."""
     from transformers.cache_utils import DynamicLayer
-
     class SlotLayer(DynamicLayer):
         """After `reserve(capacity)`, each decode step writes its slot of buffers [B, KV, capacity, D]
         instead of concatenating (a copy of the cache per token); past it, or on a reorder, concatenates."""
@@ -335,7 +333,7 @@ ENGINES = {"hf": HFEngine, "vllm": "extras.vllm_engine.VLLMEngine"}
 
 
 def make_engine(cfg, model_path: str, seed: int, device: str = "", colocated: bool = False) -> Engine:
-    """The engine cfg.engine names (after explorer.resolve_engine), sampling with `seed` on
+    """The engine cfg.engine names (after explorer.check_config), sampling with `seed` on
     `device` ("": the default), `colocated` with the trainer or not."""
     torch.set_num_threads(cfg.explorer_threads)
     engine = resolve(cfg.engine, ENGINES, "engine").from_config(cfg, model_path, seed, device, colocated)

@@ -33,15 +33,11 @@ from perf import mfu, unit_peak
 from workflows import PIPELINES, Shuffle, Task, load_reward_fn, load_workflow, readable
 
 
-def resolve_engine(cfg) -> None:
-    """Set cfg.engine "auto" to vllm where installed, else hf (run.prepare)."""
+def check_config(cfg, tokenizer, dataset) -> None:
+    """Resolve engine "auto" (vllm where installed, else hf); ValueError (one line) for an engine that
+    cannot work or (with a `tokenizer`) a workflow that cannot be created."""
     if cfg.engine == "auto":
         cfg.engine = "vllm" if vllm_available() else "hf"
-
-
-def check_config(cfg, tokenizer, dataset) -> None:
-    """ValueError (one line) for an engine that cannot work or (with a `tokenizer`) a workflow
-    that cannot be created: before the explorer process starts."""
     if cfg.engine == "vllm" and not vllm_available():
         raise ValueError("--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)")
     if cfg.engine == "vllm" and cfg.lora_rank and cfg.inflight:
@@ -137,28 +133,31 @@ class Explorer:
         if state.get("sampler"):
             self.engine.set_rng_state(base64.b64decode(state["sampler"]))
 
-    def settle(self, out, attempt: int):
-        """The group a workflow run returned, or None for a failed `attempt` (counted)."""
-        if not isinstance(out, BaseException):
-            return out
-        if not isinstance(out, Exception):  # cancelled: not a failure of the workflow
-            raise out
-        timeout = isinstance(out, asyncio.TimeoutError)
-        self.counts["timeouts" if timeout else "errors"] += 1
-        self.last_error = f"timeout after {self.cfg.workflow_timeout_s:.0f} s" if timeout else f"{type(out).__name__}: {out}"
-        self.counts["retries" if attempt < self.cfg.workflow_retries else "skipped"] += 1
-        return None
+    def settle(self, groups: list, runs: dict, attempt: int) -> bool:
+        """Await `runs` (index into `groups` -> a workflow run) concurrently, each within
+        workflow_timeout_s, into `groups`; a failed run (counted) leaves None. True when none is left."""
+        async def gather() -> list:  # a failed run's exception in place of its group
+            return await asyncio.gather(*(asyncio.wait_for(r, self.cfg.workflow_timeout_s) for r in runs.values()),
+                                        return_exceptions=True)
+        for i, out in zip(runs, asyncio.run(gather())):
+            if not isinstance(out, BaseException):
+                groups[i] = out
+                continue
+            if not isinstance(out, Exception):  # cancelled: not a failure of the workflow
+                raise out
+            timeout, cfg = isinstance(out, asyncio.TimeoutError), self.cfg
+            self.counts["timeouts" if timeout else "errors"] += 1
+            self.last_error = f"timeout after {cfg.workflow_timeout_s:.0f} s" if timeout else f"{type(out).__name__}: {out}"
+            self.counts["retries" if attempt < cfg.workflow_retries else "skipped"] += 1
+        return all(g is not None for g in groups)
 
     def rollout(self, tasks: list[Task], workflow=None, n: int = 0) -> list[list[Experience] | None]:
         """One group of `n` rollouts (default group_size) per task by `workflow` (default the
         rollouts'), as `rollout_batch` runs them; None for a skipped task."""
-        cfg, workflow, n = self.cfg, workflow or self.workflow, n or self.cfg.group_size
-        groups, todo = [None] * len(tasks), list(range(len(tasks)))
-        for attempt in range(cfg.workflow_retries + 1):
-            runs = [workflow.run(tasks[i], self.engine, n) for i in todo]
-            for i, out in zip(todo, asyncio.run(gather(runs, cfg.workflow_timeout_s))):
-                groups[i] = self.settle(out, attempt)
-            if not (todo := [i for i in todo if groups[i] is None]):
+        workflow, n, groups = workflow or self.workflow, n or self.cfg.group_size, [None] * len(tasks)
+        for attempt in range(self.cfg.workflow_retries + 1):
+            runs = {i: workflow.run(t, self.engine, n) for i, t in enumerate(tasks) if groups[i] is None}
+            if self.settle(groups, runs, attempt):
                 break
         return groups
 
@@ -176,12 +175,11 @@ class Explorer:
         tasks = picked = self.next_tasks(cfg.batch_size, retired)
         generated, kept = [], []
         for rounds in range(cfg.refill_rounds + 1):
-            groups, todo = [None] * len(tasks), list(range(len(tasks)))
+            groups = [None] * len(tasks)
             for attempt in range(cfg.workflow_retries + 1):  # the runs of one attempt run concurrently
-                runs = [self.workflow.run(tasks[i], self.engine, cfg.group_size) for i in todo]
-                for i, out in zip(todo, asyncio.run(gather(runs, cfg.workflow_timeout_s))):
-                    groups[i] = self.settle(out, attempt)
-                if not (todo := [i for i in todo if groups[i] is None]):
+                runs = {i: self.workflow.run(t, self.engine, cfg.group_size)
+                        for i, t in enumerate(tasks) if groups[i] is None}
+                if self.settle(groups, runs, attempt):
                     break
             generated += [g for g in groups if g]
             kept += [g for g in groups if g and informative(g)]
@@ -269,14 +267,6 @@ class Explorer:
         return {**record, "eval/seconds": time.perf_counter() - t0,
                 **self.utilisation(since, time.perf_counter() - t0, "perf/eval")}
 
-    def bench(self, k: int) -> dict:
-        """avg@k, pass@k and pass@1 of k samples per held-out task (mode bench); "correct": per
-        task, its samples with reward 1."""
-        correct = correct_counts(self.rollout(self.held_out, n=k))
-        r = sampled_eval(correct, k, k)
-        return {"tasks": len(correct), "k": k, "correct": correct, f"avg@{k}": r["eval/avg_at_k"],
-                f"pass@{k}": r[f"eval/pass_at_{k}"], "pass@1": r["eval/pass_at_1"]}
-
     def _write_samples(self, batch: int, version: int, groups) -> None:
         """samples.log: of the first log_samples groups, the prompt and two responses, in runs of
         the policy's and the environment's (action_mask 0) tokens."""
@@ -292,12 +282,6 @@ class Explorer:
                     pairs = zip(x.action_mask, x.tokens[x.prompt_length:])
                     for policy, run in itertools.groupby(pairs, key=lambda p: p[0]):
                         f.write(f"[{'policy' if policy else 'env'}] {decode([t for _, t in run])}\n")
-
-
-async def gather(runs: list, timeout_s: float) -> list:
-    """Await the coroutines `runs` concurrently, each within `timeout_s`; an exception is
-    returned in place of its result."""
-    return await asyncio.gather(*(asyncio.wait_for(r, timeout_s) for r in runs), return_exceptions=True)
 
 
 # what a version-0 evaluation depends on, besides the weights, the held-out tasks and the engine
@@ -430,14 +414,12 @@ def explore(cfg, engine: Engine, tasks: tuple, buffer: Buffer, pace, log, batche
         if cfg.inflight:
             engine.step_hook = pace.inflight
         evaluated = None  # the weight version last evaluated
-
         def evaluate() -> int:
             hook, engine.step_hook = engine.step_hook, None  # no in-flight updates: one version per evaluation
             if cfg.eval_size and (record := explorer.evaluate(engine.version)) is not None:
                 log(record)
             engine.step_hook = hook
             return engine.version
-
         busy = engine.cores.busy if engine.cores is not None else (lambda flag: None)
         for batch in range(first, batches):
             busy(False)  # waiting for weights or for the trainer: the trainer may use our cores

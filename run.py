@@ -54,9 +54,21 @@ MODES = {"both": trainer_ranks, "train": trainer_ranks, "explore": "extras.explo
 
 
 def check_modes(cfg: Config) -> None:
-    """ValueError (one line) for modes and flags that cannot work together; FileNotFoundError: --resume, no run."""
-    import sync
-    sync.check_config(cfg)
+    """Resolve sync_method "auto"; ValueError (one line) for modes and flags that cannot work together;
+    FileNotFoundError: --resume, no run."""
+    if cfg.sync_method == "auto":
+        cfg.sync_method = "broadcast" if cfg.mode == "both" else "checkpoint"
+    if cfg.mode in ("explore", "train") and cfg.sync_method == "broadcast" and not cfg.sync_port:
+        raise ValueError(f"mode {cfg.mode} with --sync-method broadcast needs --sync-port (the same on trainer and "
+                         "explorers) and, across hosts, --sync-host (the trainer host's address)")
+    if cfg.inflight and cfg.mode not in ("both", "explore"):
+        raise ValueError("--inflight is a setting of the explorer (mode both or explore)")
+    bound = cfg.sync_offset + cfg.sync_interval - 1
+    if cfg.mode == "both" and 0 <= cfg.max_staleness < bound:
+        raise ValueError(f"max_staleness {cfg.max_staleness} < sync_offset + sync_interval - 1 = {bound}: "
+                         "in mode both the schedule itself produces experiences that old")
+    if cfg.max_staleness < -1:
+        raise ValueError(f"max_staleness must be >= 0, or -1 for no bound, got {cfg.max_staleness}")
     if cfg.bench_models and cfg.mode != "bench":
         raise ValueError("--bench-models is for --mode bench")
     if cfg.train_data and cfg.mode != "train":
@@ -99,7 +111,6 @@ def prepare(cfg: Config, rank: int) -> Prepared:
     model_path = models.resolve_model(cfg.model) if rank == 0 else None
     tasks = workflows.prepare_tasks(cfg)
     tok = AutoTokenizer.from_pretrained(model_path) if rank == 0 else None
-    explorer.resolve_engine(cfg)
     explorer.check_config(cfg, tok, tasks[2])
     if rank == 0 and (cfg.expert_fraction or cfg.train_data):
         resolve("extras.offline.check_offline_data", {}, "offline data")(cfg, tok)

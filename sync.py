@@ -17,7 +17,6 @@ import torch.distributed as dist
 from losses import resolve
 
 CHECKPOINT_SOURCE = "extras.checkpoint_sync.CheckpointSource"  # Receiver with --sync-method checkpoint
-STORE_KNOWN_WAIT_S = 30.0  # how long a process waits for a trainer's store known to exist before it counts as gone
 CHECKSUM_CHUNK = 2 ** 22  # elements a checksum sums at once: the float64 copy of them takes 32 MiB
 
 
@@ -36,23 +35,6 @@ def published_versions(total_steps: int, sync_interval: int) -> list[int]:
     return [t + 1 for t in range(total_steps) if publishes_after(t, sync_interval, total_steps)]
 
 
-def check_config(cfg) -> None:
-    """Resolve sync_method "auto"; ValueError for sync settings that cannot work in cfg.mode."""
-    if cfg.sync_method == "auto":
-        cfg.sync_method = "broadcast" if cfg.mode == "both" else "checkpoint"
-    if cfg.mode in ("explore", "train") and cfg.sync_method == "broadcast" and not cfg.sync_port:
-        raise ValueError(f"mode {cfg.mode} with --sync-method broadcast needs --sync-port (the same on trainer and "
-                         "explorers) and, across hosts, --sync-host (the trainer host's address)")
-    if cfg.inflight and cfg.mode not in ("both", "explore"):
-        raise ValueError("--inflight is a setting of the explorer (mode both or explore)")
-    bound = cfg.sync_offset + cfg.sync_interval - 1
-    if cfg.mode == "both" and 0 <= cfg.max_staleness < bound:
-        raise ValueError(f"max_staleness {cfg.max_staleness} < sync_offset + sync_interval - 1 = {bound}: "
-                         "in mode both the schedule itself produces experiences that old")
-    if cfg.max_staleness < -1:
-        raise ValueError(f"max_staleness must be >= 0, or -1 for no bound, got {cfg.max_staleness}")
-
-
 class CoreShare:
     """The side that waits (`flags`: trainer busy, explorer busy) lends its CPU threads to the busy one."""
     def __init__(self, flags, side: int, own: int, other: int):
@@ -67,22 +49,6 @@ class CoreShare:
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
         return n
-
-
-class StoreAlive:
-    """Whether trainer rank 0's weight-sync store answers; RuntimeError when none does within `wait_s`."""
-    def __init__(self, host: str, port: int, wait_s: float):
-        try:  # a client of its own: a WeightSync's may be blocked in the rendezvous
-            self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=wait_s))
-        except dist.DistError:
-            raise RuntimeError(f"weight sync: no trainer answered at {host}:{port} within {wait_s:.0f} s (is it "
-                               "running, with the same --sync-host/--sync-port?)") from None
-
-    def __call__(self) -> bool:
-        try:
-            return self.store.check(["world"])
-        except dist.DistError:  # "Connection was likely closed", "Broken pipe": the store is gone
-            return False
 
 
 def checksum(tensors: Iterable[torch.Tensor]) -> float:

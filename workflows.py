@@ -1,5 +1,5 @@
-"""Tasks, their order, rewards and workflows. `load_tasks` reads a task source (reasoning-gym, a
-JSONL file; by import path: Hugging Face datasets, guess_number, verifiers); `Shuffle` orders them.
+"""Tasks, their order, rewards and workflows. `load_tasks` reads a task source (reasoning-gym; by import
+path: JSONL files, Hugging Face datasets, guess_number, verifiers); `Shuffle` orders them.
 A `Workflow` turns a task into a group of rollouts (`MathWorkflow`: n samples of one prompt);
 training reward and held-out accuracy both come from `Workflow.score`. New scenarios subclass
 `Workflow`, named by `--workflow module.Class` or in `WORKFLOWS`.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import math
 import numbers
 import random
@@ -17,7 +16,6 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any, Callable
 
 from buffer import Experience
@@ -39,6 +37,7 @@ class Task:
 TASK_SOURCES = {"guess_number": "extras.guess_number.guess_number_tasks"}
 TASK_PREFIXES = {"verifiers": "extras.verifiers_env.verifiers_tasks"}
 HF_DATASETS = ("extras.hub.is_dataset", "extras.hub.hf_dataset_tasks")
+JSONL_TASKS = "extras.offline.jsonl_tasks"  # a .jsonl file: f(path, eval_size)
 
 
 def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: int) -> tuple[list[Task], list[Task], Any]:
@@ -50,13 +49,8 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
     prefix, _, rest = name.partition(":")
     if rest and prefix in TASK_PREFIXES:  # an installed verifiers environment's tasks
         return (*resolve(TASK_PREFIXES[prefix], {}, "task")(rest, train_size, eval_size), None)
-    if name.endswith(".jsonl"):
-        tasks = []
-        for path, i, row in jsonl_rows(name, "task file"):
-            if not isinstance(row, dict) or "question" not in row or "answer" not in row:
-                raise ValueError(f"{path} line {i}: needs 'question' and 'answer' fields")
-            tasks.append(Task(str(row.get("id", f"{path.stem}/{i}")), str(row["question"]), str(row["answer"]), row))
-        return (*hold_out(name, tasks, eval_size), None)
+    if name.endswith(".jsonl"):  # a task file
+        return (*resolve(JSONL_TASKS, {}, "task")(name, eval_size), None)
     is_dataset, dataset_tasks = (resolve(p, {}, "task") for p in HF_DATASETS)
     if is_dataset(name):  # Hugging Face datasets
         return (*dataset_tasks(name, kwargs, train_size, eval_size), None)
@@ -81,34 +75,6 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
         raise ValueError(f"reasoning-gym dataset {name!r} with {kwargs}: only {len(train)} training tasks whose "
                          f"question is not among the {eval_size} held-out ones; lower train_size or eval_size")
     return train, held, train_ds
-
-
-def hold_out(name: str, tasks: list[Task], eval_size: int) -> tuple[list[Task], list[Task]]:
-    """(all but the last `eval_size` tasks, the last `eval_size`); ValueError when none remain."""
-    if len(tasks) <= eval_size:
-        raise ValueError(f"{name}: {len(tasks)} rows, need more than eval_size={eval_size}")
-    cut = len(tasks) - eval_size
-    return tasks[:cut], tasks[cut:]
-
-
-def jsonl_rows(path: str | Path, what: str):
-    """(path, line number, row) of each non-empty line of the JSONL file `path` (a `what`);
-    FileNotFoundError, or ValueError naming the file and line."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} not found: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({what}; byte {e.start})") from None
-    except IsADirectoryError:
-        raise ValueError(f"{path}: is a directory, not a {what}") from None
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                yield path, n, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from None
 
 
 class Selector:
@@ -209,24 +175,18 @@ def load_reward_fn(path: str, kwargs: dict | None = None) -> Callable[[Task, str
     return partial(fn, **kwargs) if kwargs else fn
 
 
-def human_reward(task: Task, completion: str, dataset: Any) -> None:
-    """None: the rollouts wait in the buffer for a human label (Label Studio, or buffer.py set-reward)."""
-
-
 # name -> function, or the import path of an optional one (extras/)
-REWARD_FNS = {"reasoning_gym": reasoning_gym_reward, "human": human_reward, "judge": "extras.judge.judge_reward",
-              "math_verify": "extras.math_verify_reward.math_verify_reward"}
+REWARD_FNS = {"reasoning_gym": reasoning_gym_reward, "human": "extras.lagged_rewards.human_reward",
+              "judge": "extras.judge.judge_reward", "math_verify": "extras.math_verify_reward.math_verify_reward"}
 
 
 async def in_thread(fn, *args):
     """Await a blocking call in a daemon thread, so that a timeout can abandon a hanging one."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
-
     def settle(result, error) -> None:
         if not fut.done():
             fut.set_exception(error) if error is not None else fut.set_result(result)
-
     def target():
         try:
             result, error = fn(*args), None
@@ -236,7 +196,6 @@ async def in_thread(fn, *args):
             loop.call_soon_threadsafe(settle, result, error)
         except RuntimeError:  # the event loop is gone: nobody waits for this call any more
             pass
-
     threading.Thread(target=target, daemon=True).start()
     return await fut
 

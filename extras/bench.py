@@ -54,9 +54,11 @@ def bench(cfg: Config) -> int:
 
 def evaluate_models(cfg: Config, tasks: tuple) -> list[dict]:
     """Evaluate each model of --bench-models (default RUN_DIR/final) on the held-out tasks, cfg.bench_k
-    samples per task; print a table, save RUN_DIR/bench.json and return its rows (one per model)."""
+    samples per task; print a table, save RUN_DIR/bench.json and return its rows (one per model; "correct":
+    per task, its samples with reward 1)."""
     from engines import make_engine
-    from explorer import Explorer, engine_seed
+    from explorer import Explorer, correct_counts, engine_seed
+    from metrics import sampled_eval
     from models import resolve_model
     models = [m.strip() for m in cfg.bench_models.split(",") if m.strip()] or [str(Path(cfg.run_dir) / "final")]
     paths = [resolve_model(m) for m in models]
@@ -68,8 +70,11 @@ def evaluate_models(cfg: Config, tasks: tuple) -> list[dict]:
         engine = make_engine(cfg, path, engine_seed(cfg))
         try:
             t0 = time.perf_counter()
-            row = Explorer(cfg, engine, [], held_out, dataset, print).bench(k)
-            rows.append({"model": path, "task": cfg.task, **row, "seconds": time.perf_counter() - t0})
+            correct = correct_counts(Explorer(cfg, engine, [], held_out, dataset, print).rollout(held_out, n=k))
+            r = sampled_eval(correct, k, k)
+            rows.append({"model": path, "task": cfg.task, "tasks": len(correct), "k": k, "correct": correct,
+                         f"avg@{k}": r["eval/avg_at_k"], f"pass@{k}": r[f"eval/pass_at_{k}"],
+                         "pass@1": r["eval/pass_at_1"], "seconds": time.perf_counter() - t0})
         finally:
             engine.close()
     print(f"task {cfg.task}: {len(held_out)} held-out tasks, {k} samples each at temperature {cfg.temperature}")

@@ -14,6 +14,7 @@ import sync
 from buffer import Buffer, open_buffer
 from engines import make_engine
 from explorer import engine_seed, explore
+from extras.hosts import StoreAlive
 from extras.train_mode import add_record
 from metrics import JsonlLog
 
@@ -69,7 +70,7 @@ def run_mode_explore(cfg, prepared) -> None:
     try:
         engine = make_engine(cfg, prepared.model_path, engine_seed(cfg))
         # the trainer is no parent of ours: alive while its store answers (waited for: it may start after us)
-        alive = sync.StoreAlive(cfg.sync_host, cfg.sync_port, cfg.sync_timeout_s) if by_broadcast else lambda: True
+        alive = StoreAlive(cfg.sync_host, cfg.sync_port, cfg.sync_timeout_s) if by_broadcast else lambda: True
         receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, log.write, alive=alive,
                                  port=cfg.sync_port if by_broadcast else None, timeout_s=cfg.sync_timeout_s,
                                  device="cuda" if torch.cuda.is_available() else "cpu", host=cfg.sync_host)

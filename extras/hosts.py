@@ -1,13 +1,33 @@
-"""Networking that only runs across several hosts need: the network interface gloo binds
-(launch.gloo_interface calls `gloo_interface` here when MASTER_ADDR is not loopback)."""
+"""Networking of processes apart from the trainer: the network interface gloo binds across hosts
+(launch.gloo_interface calls `gloo_interface` here when MASTER_ADDR is not loopback), and `StoreAlive`,
+how mode explore and the vLLM worker watch the trainer.
+"""
 from __future__ import annotations
 
 import ipaddress
 import os
+from datetime import timedelta
 
 import psutil
+import torch.distributed as dist
 
 import sync
+
+
+class StoreAlive:
+    """Whether trainer rank 0's weight-sync store answers; RuntimeError when none does within `wait_s`."""
+    def __init__(self, host: str, port: int, wait_s: float):
+        try:  # a client of its own: a WeightSync's may be blocked in the rendezvous
+            self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=wait_s))
+        except dist.DistError:
+            raise RuntimeError(f"weight sync: no trainer answered at {host}:{port} within {wait_s:.0f} s (is it "
+                               "running, with the same --sync-host/--sync-port?)") from None
+
+    def __call__(self) -> bool:
+        try:
+            return self.store.check(["world"])
+        except dist.DistError:  # "Connection was likely closed", "Broken pipe": the store is gone
+            return False
 
 
 def gloo_interface(master: str) -> str | None:

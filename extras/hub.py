@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workflows import Task, hold_out
+from extras.offline import hold_out
+from workflows import Task
 
 DATA_FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".csv": "csv"}
 HF_TASK_KWARGS = {"config": None, "split": "train", "eval_split": None, "question": "question", "answer": "answer"}

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from buffer import Experience
+from extras.lagged_rewards import pending_group_rows, set_rewards_many
 from extras.pipelines import response_text
 
 RATING_CONFIG = ('<View><Header value="$question"/><Text name="response" value="$response"/><Choices name="reward" '
@@ -92,7 +93,7 @@ class Annotator:
 
     def poll(self) -> dict:
         """One round of sending and collecting; returns `metrics`."""
-        groups = {g[0].group_id: g for g in self.buffer.pending_group_rows()}
+        groups = {g[0].group_id: g for g in pending_group_rows(self.buffer)}
         new = [g for gid, g in groups.items() if gid not in self.sent]
         if new:
             items = [{"data": d} for g in new for d in self._items(g)]  # fields fill the label config's $names
@@ -119,7 +120,7 @@ class Annotator:
                     pairs.append(self._pair(g, win))
             timed_out += gid in rewards and late and len(got) < (1 if self.mode == "pairwise" else len(g))
         if rewards:
-            self.buffer.set_rewards_many(rewards)
+            set_rewards_many(self.buffer, rewards)
             if pairs:
                 with open(f"{self.run_dir}/preferences.jsonl", "a") as f:
                     f.writelines(json.dumps(p) + "\n" for p in pairs)

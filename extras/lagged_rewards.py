@@ -1,13 +1,55 @@
-"""The command line for lagged rewards, `python buffer.py BUFFER pending | set-reward GROUP_ID
-REWARD [REWARD ...]` (BUFFER: RUN_DIR/buffer.sqlite, or postgresql://...?schema=NAME).
+"""Lagged rewards (reward_fn "human": `human_reward`): groups wait in the buffer (`pending_groups`) until
+`set_rewards` fills them, from code, extras/label_studio.py or `python buffer.py BUFFER pending | set-reward
+GROUP_ID REWARD [REWARD ...]` (`main`; BUFFER: RUN_DIR/buffer.sqlite, or postgresql://...?schema=NAME).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
-from buffer import POSTGRES, Buffer
+from buffer import COLUMNS, POSTGRES, Buffer, Experience
+
+
+def human_reward(task, completion: str, dataset) -> None:
+    """None: the rollouts wait in the buffer for a human label (Label Studio, or buffer.py set-reward)."""
+
+
+def set_rewards(buffer: Buffer, group_id: str, rewards: list[float] | float) -> int:
+    """Fill a group's rewards (one for all, or one each); returns how many. ValueError for a wrong group."""
+    return set_rewards_many(buffer, {group_id: rewards})
+
+
+def set_rewards_many(buffer: Buffer, rewards: dict[str, list[float] | float]) -> int:
+    """`set_rewards` for several groups (group_id -> rewards) in one transaction: all or none."""
+    n, db = 0, buffer.db
+    with db.transaction():
+        for group_id, values in rewards.items():
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                       for v in (values if isinstance(values, list) else [values])):
+                raise ValueError(f"group {group_id!r}: rewards must be finite numbers, got {values!r}")
+            ids = [r[0] for r in db.execute("SELECT id FROM experiences WHERE group_id = ? ORDER BY id", (group_id,))]
+            vals = values if isinstance(values, list) else [values] * len(ids)
+            if not ids or len(vals) != len(ids):
+                raise ValueError(f"group {group_id!r} has {len(ids)} experiences, got {len(vals)} rewards")
+            db.executemany("UPDATE experiences SET reward = ? WHERE id = ?", zip(map(float, vals), ids))
+            n += len(ids)
+    return n
+
+
+def pending_groups(buffer: Buffer) -> list[str]:
+    """Groups still waiting for a reward, oldest first."""
+    return [r[0] for r in buffer.db.execute(
+        "SELECT group_id FROM experiences WHERE reward IS NULL GROUP BY group_id ORDER BY MIN(id)")]
+
+
+def pending_group_rows(buffer: Buffer) -> list[list[Experience]]:
+    """The experiences of the groups still waiting for a reward, oldest group first."""
+    ids = pending_groups(buffer)
+    return buffer.groups_of(ids, buffer.db.execute(
+        f"SELECT {COLUMNS} FROM experiences WHERE group_id IN ({','.join('?' * len(ids))}) ORDER BY id",
+        ids).fetchall()) if ids else []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"no buffer file {args.buffer}")
         buf = Buffer(args.buffer)
         if args.cmd == "pending":
-            print("\n".join(buf.pending_groups()))
+            print("\n".join(pending_groups(buf)))
             return 0
-        n = buf.set_rewards(args.group_id, args.rewards[0] if len(args.rewards) == 1 else args.rewards)
+        n = set_rewards(buf, args.group_id, args.rewards[0] if len(args.rewards) == 1 else args.rewards)
     except ValueError as e:
         print(f"buffer.py: error: {e}", file=sys.stderr)
         return 2

@@ -1,14 +1,52 @@
 """Offline data, marked info["offline"], by import path: chats for SFT (`--train-data`) or mixed into
-each batch (MIX: `--expert-data`), preference pairs for DPO (`--train-data`).
+each batch (MIX: `--expert-data`), preference pairs for DPO (`--train-data`). Also JSONL task files
+(`jsonl_tasks`, for workflows.load_tasks) and `hold_out`, the held-out split of a task source.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from pathlib import Path
 
 from buffer import Experience
-from workflows import chat_ids, jsonl_rows
+from workflows import Task, chat_ids
+
+
+def hold_out(name: str, tasks: list[Task], eval_size: int) -> tuple[list[Task], list[Task]]:
+    """(all but the last `eval_size` tasks, the last `eval_size`); ValueError when none remain."""
+    if len(tasks) <= eval_size:
+        raise ValueError(f"{name}: {len(tasks)} rows, need more than eval_size={eval_size}")
+    cut = len(tasks) - eval_size
+    return tasks[:cut], tasks[cut:]
+
+
+def jsonl_rows(path: str | Path, what: str):
+    """(path, line number, row) of each non-empty line of the JSONL file `path` (a `what`);
+    FileNotFoundError, or ValueError naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({what}; byte {e.start})") from None
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                yield path, n, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+
+
+def jsonl_tasks(name: str, eval_size: int) -> tuple[list[Task], list[Task]]:
+    """(train, held-out: the last `eval_size`) tasks of a JSONL file of {"question", "answer"[, "id"]} rows."""
+    tasks = []
+    for path, i, row in jsonl_rows(name, "task file"):
+        if not isinstance(row, dict) or "question" not in row or "answer" not in row:
+            raise ValueError(f"{path} line {i}: needs 'question' and 'answer' fields")
+        tasks.append(Task(str(row.get("id", f"{path.stem}/{i}")), str(row["question"]), str(row["answer"]), row))
+    return hold_out(name, tasks, eval_size)
 
 
 class OfflineSampler:

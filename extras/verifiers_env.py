@@ -11,7 +11,8 @@ import os
 import shutil
 
 from extras.agent import AgentWorkflow
-from workflows import Task, hold_out
+from extras.offline import hold_out
+from workflows import Task
 
 RUNTIME = {"type": "subprocess"}  # where verifiers runs the harness program: a local subprocess
 

@@ -16,8 +16,10 @@ import models
 import sync
 from engines import Completion, Engine
 from extras.engine_checkpoints import read_safetensors
+from extras.hosts import StoreAlive
 
 WORKER = "extras.vllm_engine.VLLMWeightReceiver"
+STORE_KNOWN_WAIT_S = 30.0  # how long the worker waits for the trainer's store (known to exist) to answer
 
 
 class VLLMEngine(Engine):
@@ -110,7 +112,7 @@ class VLLMEngine(Engine):
                 for rid, p in zip(ids, params)]
 
     def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
-        """The worker joins; it watches the trainer itself (sync.StoreAlive): `alive` cannot cross to it."""
+        """The worker joins; it watches the trainer itself (StoreAlive): `alive` cannot cross to it."""
         lora = self.lora.to_dict() if self.lora else None  # (collective_rpc sends plain data)
         self.llm.collective_rpc("nanorft_join", args=(self.model_path, host, port, timeout_s, device, lora,
                                                       self.lora_root))
@@ -160,7 +162,7 @@ class VLLMWeightReceiver:
     def nanorft_join(self, model_path: str, host: str, port: int, timeout_s: float, sync_device: str,
                      lora: dict | None = None, lora_root: str = "") -> None:
         """Join the group whose store is at `host`:`port`, the trainer watched through its store
-        (sync.StoreAlive); with `lora` (LoraConfig.to_dict()) each receive writes the adapters
+        (StoreAlive); with `lora` (LoraConfig.to_dict()) each receive writes the adapters
         to lora_root/v{version:06d}."""
         from transformers import AutoConfig, AutoModelForCausalLM
         dtype = self.vllm_config.model_config.dtype  # the dtype it holds: bf16 to a bf16 vLLM
@@ -174,7 +176,7 @@ class VLLMWeightReceiver:
         device = self.device if self.device.type == "cuda" and sync_device == "cuda" else torch.device("cpu")
         named = models.lora("published_parameters")(hf) if lora is not None else list(hf.named_parameters())
         self.nanorft_named = [(n, torch.empty(p.shape, dtype=dtype, device=device)) for n, p in named]
-        self.nanorft_alive = sync.StoreAlive(host, port, sync.STORE_KNOWN_WAIT_S)
+        self.nanorft_alive = StoreAlive(host, port, STORE_KNOWN_WAIT_S)
         self.nanorft_sync = sync.WeightSync(None, port=port, host=host, device=str(device), timeout_s=timeout_s,
                                             wire_dtype=dtype).connect(self.nanorft_alive)
 

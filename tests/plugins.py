@@ -9,6 +9,7 @@ import torch
 
 from buffer import Buffer
 from extras import checkpoint_sync
+from extras.lagged_rewards import set_rewards
 from extras.multiturn import MultiTurnWorkflow
 from losses import LossInputs
 from workflows import MathWorkflow, in_thread, last_number
@@ -45,7 +46,7 @@ class LaggedRewardWorkflow(MathWorkflow):
         time.sleep(0.3)
         for _ in range(600):  # the explorer writes the group with its batch
             try:
-                buffer.set_rewards(group_id, rewards)
+                set_rewards(buffer, group_id, rewards)
                 return
             except ValueError:
                 time.sleep(0.1)

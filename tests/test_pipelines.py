@@ -17,6 +17,7 @@ from buffer import Buffer, Experience
 from conftest import ROOT, chat_endpoint, run_py, subprocess_env
 from extras.experience_ops import clean, diversity_reward, quality_reward
 from extras.label_studio import Annotator, LabelStudio
+from extras.lagged_rewards import pending_groups, set_rewards_many
 from extras.pipelines import (ExperienceContext, ExperiencePipeline, TaskContext, make_selector, replay,
                               run_task_pipeline)
 from extras.selectors import DiffBased, Easy2Hard, RandomTasks, Sequential
@@ -228,9 +229,9 @@ def test_set_rewards_many_is_all_or_nothing(tok, buffer_url):
     buf.write(group(tok, ["1", "2"], group_id="a"))
     buf.write(group(tok, ["3", "4"], group_id="b"))
     with pytest.raises(ValueError, match="group 'b' has 2 experiences, got 3 rewards"):
-        buf.set_rewards_many({"a": [1.0, 0.0], "b": [1.0, 0.0, 1.0]})
-    assert buf.pending_groups() == ["a", "b"]  # a was not written either
-    assert buf.set_rewards_many({"a": [1.0, 0.0], "b": 0.5}) == 4
+        set_rewards_many(buf, {"a": [1.0, 0.0], "b": [1.0, 0.0, 1.0]})
+    assert pending_groups(buf) == ["a", "b"]  # a was not written either
+    assert set_rewards_many(buf, {"a": [1.0, 0.0], "b": 0.5}) == 4
     assert [[e.reward for e in g] for g in buf.read(2)] == [[1.0, 0.0], [0.5, 0.5]]
     buf.close()
 
@@ -375,7 +376,7 @@ def test_annotation_round_trip_with_label_studio(label_studio, tok, tmp_path):
                 "value": {"choices": ["good" if t["data"]["response"] in ("12", "14", "7") else "bad"]}}]})
     m = ann.poll()
     assert (m["annotation/labelled"], m["annotation/waiting"]) == (1, 1)
-    assert buf.pending_groups() == ["g2"]  # g2 waits for its other labels
+    assert pending_groups(buf) == ["g2"]  # g2 waits for its other labels
     assert [e.reward for e in buf.read(1)[0]] == [1.0, 0.0, 1.0]
     assert ann.poll()["annotation/sent"] == 2  # nothing sent twice
     ann.timeout_s = 0.0  # g2's time is up: its unlabelled rollouts get the timeout reward

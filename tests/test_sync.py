@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import sync
+from extras.hosts import StoreAlive
 
 # explorer batch e -> weight version it must be generated with (Trinity-RFT semantics)
 SCHEDULES = {
@@ -274,13 +275,13 @@ def gone_within(alive, seconds: float) -> bool:
 @pytest.mark.slow
 def test_a_trainer_is_alive_while_its_store_answers(trainer_store):
     port, proc = trainer_store
-    alive = sync.StoreAlive("127.0.0.1", port, 30)
+    alive = StoreAlive("127.0.0.1", port, 30)
     assert alive() and alive()
     proc.kill()
     proc.wait()
     assert gone_within(alive, 2)
     with pytest.raises(RuntimeError, match=f"no trainer answered at 127.0.0.1:{port} within 1 s"):
-        sync.StoreAlive("127.0.0.1", port, 1)
+        StoreAlive("127.0.0.1", port, 1)
 
 
 def test_mode_explore_watches_the_trainer_of_the_other_launch(trainer_store, tmp_path, monkeypatch):

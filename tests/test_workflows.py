@@ -11,6 +11,7 @@ from conftest import chat_endpoint, run_py
 from engines import Completion, Engine, Sampling
 from test_e2e import metrics
 from extras.judge import judge_reward
+from extras.lagged_rewards import pending_groups
 from extras.reflect import ReflectWorkflow
 from extras.guess_number import GuessNumberWorkflow
 from extras.multiturn import MultiTurnWorkflow
@@ -163,7 +164,7 @@ def test_buffer_command_line_sets_lagged_rewards(buffer_url):
     path = buffer_url  # a SQLite file, or a PostgreSQL URL with ?schema=
     buf = Buffer(path)
     buf.write([Experience([1, 2, 3], 2, [-1.0], [1], None, "g1", "t", 0) for _ in range(2)])
-    assert buf.pending_groups() == ["g1"]
+    assert pending_groups(buf) == ["g1"]
     with pytest.raises(TimeoutError):
         buf.read(1, timeout_s=0.2)
     cmd = [sys.executable, "buffer.py", str(path)]
