@@ -28,7 +28,7 @@ from config import Config
 from engines import Engine, HFEngine, Sampling, make_engine, use_gpu, vllm_available
 from losses import resolve
 from metrics import cpu_seconds, episode_means, mean_stderr, peak_rss_gib, sampled_eval
-from models import cache_dir, resolve_model
+from models import cache_dir, read_cached, resolve_model, write_cached
 from perf import mfu, unit_peak
 from workflows import PIPELINES, Shuffle, Task, load_reward_fn, load_workflow, readable
 
@@ -243,7 +243,7 @@ class Explorer:
         cfg, t0, since = self.cfg, time.perf_counter(), (self.engine.model_flops, cpu_seconds())
         n = max(cfg.eval_k, cfg.group_size) if version == 0 and cfg.eval_k else cfg.eval_k
         cache = eval_cache(cfg, self.engine, self.held_out, n) if version == 0 else None
-        if cache and (record := read_json(cache)):
+        if cache and (record := read_cached(cache)):
             return {**record, "eval/cached": 1, "eval/seconds": time.perf_counter() - t0}
         sampler = self.engine.rng_state()
         self.engine.label = f"evaluation of version {version}"
@@ -263,7 +263,7 @@ class Explorer:
         if sampler is not None:
             self.engine.set_rng_state(sampler)
         if cache and not record["eval/skipped"]:
-            write_json(cache, record)
+            write_cached(cache, record)
         return {**record, "eval/seconds": time.perf_counter() - t0,
                 **self.utilisation(since, time.perf_counter() - t0, "perf/eval")}
 
@@ -290,9 +290,8 @@ EVAL_SETTINGS = ("system_prompt", "reward_fn", "reward_kwargs", "workflow", "dty
 
 
 def eval_cache(cfg, engine: Engine, held_out: list[Task], n: int) -> Path | None:
-    """NANORFT_CACHE/evals/KEY.json, KEY a digest of the files of cfg.model's weights, the held-out
-    tasks, the engine and its device, EVAL_SETTINGS and n samples per task; None for a model that
-    is no directory of files."""
+    """NANORFT_CACHE/evals/KEY.json, KEY the digest of cfg.model's files, the held-out tasks, the
+    engine and its device, EVAL_SETTINGS and n samples per task (None: the model is no directory)."""
     model = Path(resolve_model(cfg.model))
     if not model.is_dir():
         return None
@@ -304,25 +303,6 @@ def eval_cache(cfg, engine: Engine, held_out: list[Task], n: int) -> Path | None
                            str(getattr(engine, "device", "")), [getattr(cfg, k) for k in EVAL_SETTINGS], n],
                           default=str).encode())
     return cache_dir() / "evals" / f"{key.hexdigest()}.json"
-
-
-def read_json(path: Path) -> dict | None:
-    """The JSON object in `path`, or None where it is missing or unreadable (a cache miss, never an error)."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def write_json(path: Path, record: dict) -> None:
-    """Write `record` to `path` atomically; a cache that cannot be written is skipped."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
-    except OSError:
-        pass
 
 
 def correct_counts(groups: list[list[Experience] | None]) -> list[int]:

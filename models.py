@@ -1,10 +1,12 @@
 """Models: which model (`resolve_model`: the built-in SmolLM2, a Hub id, a directory), in which
-precision (`choose_dtype`), its pad token, and the way to the LoRA glue (`lora`). Shared by
-run.py, the trainer, the engines and the benchmarks.
+precision (`choose_dtype`), its pad token, the way to the LoRA glue (`lora`), and the cache of
+converted models and measurements (`cache_dir`).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Callable
@@ -52,8 +54,25 @@ BUILTIN_MODEL = "smollm2-135m"  # the default model: the GGUF inside the llm-smo
 
 
 def cache_dir() -> Path:
-    """Where converted models live: $NANORFT_CACHE or ~/.cache/nanorft."""
+    """Where converted models and cached measurements live: $NANORFT_CACHE or ~/.cache/nanorft."""
     return Path(os.environ.get("NANORFT_CACHE", Path.home() / ".cache" / "nanorft"))
+
+
+def read_cached(path: Path) -> dict:
+    """The JSON object in cache file `path`; {} where it is missing or unreadable (a miss, never an error)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_cached(path: Path, record: dict) -> None:
+    """Write cache file `path` atomically; one that cannot be written is skipped (computed again next time)."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
 
 
 def resolve_model(name: str) -> str:

@@ -3,8 +3,6 @@ of a GPU or the matrix-product speed benchmarks/peak.py measures once per CPU (`
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import time
 
@@ -54,10 +52,7 @@ def peak_flops(device: str = "cpu", dtype: str = "float32", threads: int = 1) ->
     key = "|".join([cpu_model(), torch.backends.cpu.get_cpu_capability(), torch.__version__, dtype, str(threads)] +
                    [os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")])
     path = models.cache_dir() / "peak.json"
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
+    cached = models.read_cached(path)
     if key not in cached:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -65,11 +60,7 @@ def peak_flops(device: str = "cpu", dtype: str = "float32", threads: int = 1) ->
             cached[key] = measure_matmul(torch.device("cpu"), dt, 1024)
         finally:
             torch.set_num_threads(before)
-        with contextlib.suppress(OSError):  # a cache that cannot be written: measured again next time
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".peak.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cached, indent=1))
-            os.replace(tmp, path)
+        models.write_cached(path, cached)
     return cached[key]
 
 
