@@ -1,8 +1,5 @@
-"""Experience (the explorer/trainer contract) and the buffer between them, a SQLite file or
-PostgreSQL (extras/postgres.py). A batch is written in one transaction with its explorer's
-resume state; the trainer takes complete groups in FIFO order, each once (consumed = 1 + its
-step), and `release_after` serves again what a crashed trainer had taken.
-"""
+"""Experience (the explorer/trainer contract) and the buffer between them, SQLite or PostgreSQL (extras/postgres.py).
+The trainer takes complete groups in FIFO order, each once; `release_after` serves again what a crashed one took."""
 from __future__ import annotations
 
 import fcntl
@@ -40,8 +37,7 @@ COLUMNS = ("group_id, task_id, model_version, prompt_length, tokens, behaviour_l
 
 @dataclass
 class Experience:
-    """One training sample: tokens = prompt (prompt_length) + response (R); behaviour_logprobs [R]
-    (0.0: environment tokens, offline data); action_mask [R]; reward None while not known (lagged)."""
+    """One training sample: tokens = prompt + response (R); behaviour_logprobs, action_mask [R]; reward None: lagged."""
     tokens: list[int]
     prompt_length: int
     behaviour_logprobs: list[float]

@@ -1,6 +1,4 @@
-"""Resume states, RUN_DIR/checkpoints/resume-{step:06d} (`save_resume_state`, `load_resume_state`):
-a file of its own, as trainer ranks, run.py and the explorer of a resumed run read them.
-"""
+"""Resume states, RUN_DIR/checkpoints/resume-{step:06d} (`save_resume_state`, `load_resume_state`)."""
 from __future__ import annotations
 
 import os
@@ -32,8 +30,7 @@ def delete_resume_states(run_dir: str | Path) -> int:
 
 
 def save_resume_state(trainer, run_dir: str | Path, step: int) -> Path:
-    """Write `trainer`'s state after `step` steps (hf/: float32 weights; dcp/: the optimizer) and
-    return it; the marker resume-latest names it once complete: a kill never loses it. Collective."""
+    """Write `trainer`'s state after `step` steps, return its path; resume-latest names it when complete. Collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     root = Path(run_dir) / "checkpoints"

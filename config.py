@@ -1,6 +1,4 @@
-"""Every setting of a run (`Config`) and its command line (`parse_config`): defaults < `--config
-FILE.toml` < flags. Each field is a flag (`sync_interval` -> `--sync-interval`), the docstring under
-it its --help; `# -- title` comments group them; dict and list fields take JSON."""
+"""Every setting of a run (`Config`), each a flag with its docstring as --help, and `parse_config`."""
 from __future__ import annotations
 
 import ast
@@ -228,8 +226,7 @@ class Config:
 
 
 def _field_help() -> tuple[dict[str, str], dict[str, str]]:
-    """Config's field docstrings (the --help texts; {REGISTRY} names filled from losses.py) and each
-    field's group (the `# -- title` comment above it)."""
+    """Config's field docstrings ({REGISTRY} filled from losses.py) and each field's `# -- title` group."""
     src = inspect.getsource(Config)
     body = ast.parse(src).body[0].body
     fields = [(a, b) for a, b in zip(body, body[1:]) if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)]
@@ -246,8 +243,7 @@ CHOICES = {"mode": ("both", "explore", "train", "bench"), "engine": ("auto", "hf
 
 
 def _flags(defaults: dict, preset: str) -> type:
-    """The command line for tyro: one dataclass per `# -- title` group of Config's fields (so that --help
-    groups them), each flag under its own name (tyro.conf.OmitArgPrefixes), `defaults` as defaults."""
+    """The command line for tyro: one dataclass per `# -- title` group of Config's fields, `defaults` as defaults."""
     import tyro
     json_arg = tyro.constructors.PrimitiveConstructorSpec(
         nargs=1, metavar="JSON", instance_from_str=lambda args: json.loads(args[0]),
@@ -276,8 +272,7 @@ def _one_line(box: str) -> str:
 
 
 def parse_config(argv: list[str]) -> Config:
-    """A Config from defaults, a TOML preset and flags, its `given` the fields set in either. ValueError
-    (one line) for an unknown flag, a bad value, an unknown TOML key; FileNotFoundError: no preset."""
+    """A Config: defaults < TOML preset < flags. ValueError (one line): bad flag, value, TOML key; FileNotFoundError."""
     import tyro
     preset = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), "")
     preset = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), preset)

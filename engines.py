@@ -1,10 +1,5 @@
-"""Inference engines: what the explorer samples rollouts with.
-
-`Engine.generate` gathers the concurrent requests of the workflows in flight into one
-`generate_batch` per sampling setting. `HFEngine` samples with a transformers model and a KV
-cache, records each token's behaviour log-prob and takes new weights between decode steps.
-`ENGINES` names the engines for --engine (vLLM: extras/vllm_engine.py); `make_engine` builds one.
-"""
+"""Inference engines the explorer samples rollouts with: `Engine`, `HFEngine` (transformers), `ENGINES` (--engine;
+vLLM: extras/vllm_engine.py) and `make_engine`."""
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +28,7 @@ class Sampling:
 
 @dataclass
 class Completion:
-    """One sampled response: tokens [R], behaviour_logprobs [R], finish_reason ("stop": an
-    end-of-sequence token, or "length"), versions: weight versions of its first and last token."""
+    """One response: tokens [R], behaviour_logprobs [R], finish_reason (stop, length), weight versions (first, last)."""
 
     tokens: list[int]
     behaviour_logprobs: list[float]
@@ -43,13 +37,8 @@ class Completion:
 
 
 class Engine:
-    """Base engine. Subclasses implement `generate_batch`, `join_weight_sync(host, port, timeout_s,
-    alive, device)` (the trainer's weight-sync group, a receiving rank), `receive_weights(alive)`
-    (the next publish, in place: (version, checksum)), `load_checkpoint(path, version)` (a
-    checkpoint directory: checksum) and `from_config(cfg, model_path, seed, device, colocated)`.
-    The checksum is sync.checksum of the loaded tensors with --sync-checksum, else None.
-    `step_hook`, when set, runs between two decode steps (in-flight weight updates); `cores`
-    (sync.CoreShare), when set, sets the torch threads before each forward pass."""
+    """Base engine. Subclasses implement `generate_batch`, `join_weight_sync`, `receive_weights(alive)` -> (version,
+    checksum), `load_checkpoint(path, version)` -> checksum and `from_config`; `step_hook` runs between decode steps."""
 
     def __init__(self):
         self._pending: dict[Sampling, list] = {}
@@ -113,9 +102,8 @@ class Engine:
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B], behaviour_logprobs [B]) from logits [B, V], the log-prob under the exact sampling
-    distribution: softmax(logits / temperature) in the top-p nucleus (Holtzman et al.,
-    arXiv:1904.09751), renormalised. temperature 0: greedy, log-prob 0."""
+    """(tokens [B], behaviour_logprobs [B]) from logits [B, V]: softmax(logits / temperature) renormalised in the
+    top-p nucleus (Holtzman et al., arXiv:1904.09751). temperature 0: greedy, log-prob 0."""
     if temperature == 0:
         return logits.argmax(-1), logits.new_zeros(logits.shape[0], dtype=torch.float)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)     # [B, V]
@@ -132,8 +120,7 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
 
 
 def gqa_sdpa() -> str:
-    """The name of an attention implementation (registered on first use): torch's sdpa with
-    grouped-query attention in the kernel also under a padding mask (transformers' copies KV heads)."""
+    """The name of an attention implementation: torch's sdpa with grouped-query attention in the kernel."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -153,8 +140,7 @@ def slot_layer() -> type:
     """The KV-cache layer class of the HF engine's decoding."""
     from transformers.cache_utils import DynamicLayer
     class SlotLayer(DynamicLayer):
-        """After `reserve(capacity)`, each decode step writes its slot of buffers [B, KV, capacity, D]
-        instead of concatenating (a copy of the cache per token); past it, or on a reorder, concatenates."""
+        """After `reserve(capacity)`, each decode step writes its slot of buffers [B, KV, capacity, D]."""
 
         room = None  # (keys, values) buffers [B, KV, capacity, D]
 
@@ -197,9 +183,7 @@ def decode_cache():
 
 
 class HFEngine(Engine):
-    """transformers engine. model_path: a model or peft adapter directory; max_batch: sequences per
-    forward pass; bf16: forward passes under bf16 autocast; dtype: of the weights; lora: the
-    peft LoraConfig of a LoRA run (weight syncs then carry the adapters only)."""
+    """transformers engine. model_path: a model or peft adapter directory; lora: a LoRA run's peft LoraConfig."""
 
     drop_ended = 0.25  # ended rows leave the decode batch once they are this fraction of it (> 1: never)
 
@@ -259,8 +243,7 @@ class HFEngine(Engine):
         return resolve("extras.engine_checkpoints.load_into_hf", {}, "checkpoint sync")(self, path, version)
 
     def generate_batch(self, prompts, ns, s):
-        """max_batch rollouts at a time: the prefix all distinct prompts share is prefilled once, each
-        prompt's rest once, its KV cache copied to its group's rollouts, which decode together."""
+        """max_batch rollouts at a time; a shared prompt prefix and each prompt are prefilled once."""
         seqs, out, dev = [p for p, n in zip(prompts, ns) for _ in range(n)], [], self.device
         with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.bf16):
             for start in range(0, len(seqs), self.max_batch):
@@ -333,8 +316,7 @@ ENGINES = {"hf": HFEngine, "vllm": "extras.vllm_engine.VLLMEngine"}
 
 
 def make_engine(cfg, model_path: str, seed: int, device: str = "", colocated: bool = False) -> Engine:
-    """The engine cfg.engine names (after explorer.check_config), sampling with `seed` on
-    `device` ("": the default), `colocated` with the trainer or not."""
+    """The engine cfg.engine names (after explorer.check_config), sampling with `seed` on `device`."""
     torch.set_num_threads(cfg.explorer_threads)
     engine = resolve(cfg.engine, ENGINES, "engine").from_config(cfg, model_path, seed, device, colocated)
     engine.matmul, engine.checksum = matmul_params(model_path), cfg.sync_checksum
@@ -342,8 +324,7 @@ def make_engine(cfg, model_path: str, seed: int, device: str = "", colocated: bo
 
 
 def use_gpu(device: str) -> str:
-    """Make `device` ("cuda:N") the only GPU this process sees, before CUDA starts (vLLM takes the
-    first visible GPU); returns its name here ("cuda:0"), or `device` when it is not a GPU."""
+    """Make `device` the only GPU this process sees (vLLM takes the first): "cuda:0", else `device`."""
     if not device.startswith("cuda:"):
         return device
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -1,8 +1,5 @@
-"""Explorer: rollouts and evaluations. `run_mode_both` is mode both's explorer process; `explore`
-its loop, paced by a `Schedule` (the sync schedule; mode explore: extras/explore_mode.py).
-`Explorer.rollout_batch` runs one workflow per task concurrently (the engine batches their
-generate calls) and writes the groups to the buffer; `Explorer.evaluate` scores held-out tasks.
-"""
+"""Explorer: `rollout_batch` runs one workflow per task concurrently into the buffer, `evaluate` scores held-out
+tasks; `run_mode_both` is mode both's explorer process, `explore` its loop, paced by a `Schedule`."""
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +31,7 @@ from workflows import PIPELINES, Shuffle, Task, load_reward_fn, load_workflow, r
 
 
 def check_config(cfg, tokenizer, dataset) -> None:
-    """Resolve engine "auto" (vllm where installed, else hf); ValueError (one line) for an engine that
-    cannot work or (with a `tokenizer`) a workflow that cannot be created."""
+    """Resolve engine "auto"; ValueError (one line) for an engine or (with `tokenizer`) a workflow that cannot work."""
     if cfg.engine == "auto":
         cfg.engine = "vllm" if vllm_available() else "hf"
     if cfg.engine == "vllm" and not vllm_available():
@@ -93,8 +89,7 @@ class Explorer:
         return {f"{prefix}_model_flops": flops, f"{prefix}_mfu": mfu(flops, busy, self.peak)}
 
     def resume(self, buffer: Buffer) -> int:
-        """Hold this explorer's name in `buffer`, curate the tasks (cfg.task_pipeline) and restore
-        the state saved with its last batch; returns the batch to generate next."""
+        """Hold this explorer's name, curate the tasks and restore its state; returns the batch to generate next."""
         cfg = self.cfg
         buffer.hold(cfg.explorer_name)
         if cfg.task_pipeline:
@@ -105,8 +100,7 @@ class Explorer:
         return saved["batch"] if saved else 0
 
     def next_tasks(self, k: int, retired: dict[str, str]) -> list[Task]:
-        """The next k training tasks, not retired ones except round(k * pool_lift_fraction) drawn
-        back (all tasks when every one is retired)."""
+        """The next k training tasks, not retired ones except round(k * pool_lift_fraction) drawn back."""
         if len(retired) >= len(self.train):
             retired = {}
         lift = min(round(k * self.cfg.pool_lift_fraction), len(retired))
@@ -134,8 +128,7 @@ class Explorer:
             self.engine.set_rng_state(base64.b64decode(state["sampler"]))
 
     def settle(self, groups: list, runs: dict, attempt: int) -> bool:
-        """Await `runs` (index into `groups` -> a workflow run) concurrently, each within
-        workflow_timeout_s, into `groups`; a failed run (counted) leaves None. True when none is left."""
+        """Await `runs` (index into `groups` -> a workflow run) into `groups` (a failure: None). True: none left."""
         async def gather() -> list:  # a failed run's exception in place of its group
             return await asyncio.gather(*(asyncio.wait_for(r, self.cfg.workflow_timeout_s) for r in runs.values()),
                                         return_exceptions=True)
@@ -152,8 +145,7 @@ class Explorer:
         return all(g is not None for g in groups)
 
     def rollout(self, tasks: list[Task], workflow=None, n: int = 0) -> list[list[Experience] | None]:
-        """One group of `n` rollouts (default group_size) per task by `workflow` (default the
-        rollouts'), as `rollout_batch` runs them; None for a skipped task."""
+        """One group of `n` rollouts (default group_size) of `task`; None for a skipped task."""
         workflow, n, groups = workflow or self.workflow, n or self.cfg.group_size, [None] * len(tasks)
         for attempt in range(self.cfg.workflow_retries + 1):
             runs = {i: workflow.run(t, self.engine, n) for i, t in enumerate(tasks) if groups[i] is None}
@@ -162,10 +154,7 @@ class Explorer:
         return groups
 
     def rollout_batch(self, batch: int, buffer: Buffer) -> dict:
-        """Generate batch `batch` and write it to `buffer` with the resume state and the task-pool
-        updates; returns its metrics record. Each run gets workflow_timeout_s and workflow_retries;
-        skipped tasks and (cfg.difficulty_filter) groups of equal rewards are replaced for up to
-        refill_rounds rounds. RuntimeError, naming the last workflow error, if it stays short."""
+        """Generate batch `batch` and write it to `buffer`; returns its metrics record. RuntimeError: it stays short."""
         cfg, t0, version = self.cfg, time.perf_counter(), self.engine.version
         since = (self.engine.model_flops, cpu_seconds())
         self.counts = dict.fromkeys(self.counts, 0)
@@ -233,11 +222,7 @@ class Explorer:
         return record
 
     def evaluate(self, version: int) -> dict | None:
-        """The eval/* record at `version` (None without held-out tasks): accuracy (reward 1 at
-        eval_temperature; a skipped task is wrong) and more; then `metrics.sampled_eval` of eval_k
-        samples per task (at version 0 max(eval_k, group_size), for the base model's pass@k and the
-        learnability forecast). Version 0 is read from `eval_cache` where an equal one was saved.
-        The sampling RNG is restored after it, so that a cached evaluation changes no rollout."""
+        """The eval/* record at `version` (None without held-out tasks); version 0 is cached (`eval_cache`)."""
         if not self.held_out:
             return None
         cfg, t0, since = self.cfg, time.perf_counter(), (self.engine.model_flops, cpu_seconds())
@@ -268,8 +253,7 @@ class Explorer:
                 **self.utilisation(since, time.perf_counter() - t0, "perf/eval")}
 
     def _write_samples(self, batch: int, version: int, groups) -> None:
-        """samples.log: of the first log_samples groups, the prompt and two responses, in runs of
-        the policy's and the environment's (action_mask 0) tokens."""
+        """samples.log: the prompt and two responses of each of the first log_samples groups."""
         decode = lambda ids: self.engine.tokenizer.decode(ids, skip_special_tokens=True).strip()  # noqa: E731
         with self.samples.open("a") as f:
             for g in groups[: self.cfg.log_samples]:
@@ -290,8 +274,7 @@ EVAL_SETTINGS = ("system_prompt", "reward_fn", "reward_kwargs", "workflow", "dty
 
 
 def eval_cache(cfg, engine: Engine, held_out: list[Task], n: int) -> Path | None:
-    """NANORFT_CACHE/evals/KEY.json, KEY the digest of cfg.model's files, the held-out tasks, the
-    engine and its device, EVAL_SETTINGS and n samples per task (None: the model is no directory)."""
+    """NANORFT_CACHE/evals/KEY.json, KEY a digest of the model, tasks, engine and settings (None: no model dir)."""
     model = Path(resolve_model(cfg.model))
     if not model.is_dir():
         return None
@@ -306,15 +289,13 @@ def eval_cache(cfg, engine: Engine, held_out: list[Task], n: int) -> Path | None
 
 
 def correct_counts(groups: list[list[Experience] | None]) -> list[int]:
-    """Per task, its samples with reward 1 (a trajectory counts once; a reflection sample or a
-    skipped task: 0)."""
+    """Per task, its samples with reward 1 (a trajectory counts once; a skipped task: 0)."""
     return [len({e.info.get("trajectory_id", id(e)) for e in g or [] if e.reward == 1.0
                  and not e.info.get("reflection")}) for g in groups]
 
 
 def format_rate(exps: list[Experience], key: str) -> dict[str, float]:
-    """{key: the fraction of `exps` with a readable reply (`workflows.readable`)}; {} when no
-    sample records its reply."""
+    """{key: the fraction of `exps` with a readable reply (`workflows.readable`)}; {} without replies."""
     marks = [m for m in (readable(e.info) for e in exps) if m is not None]
     return {key: sum(marks) / len(marks)} if marks else {}
 
@@ -326,8 +307,7 @@ def exit_quietly(*_) -> None:
 
 
 class Schedule:
-    """`explore`'s pace in mode both (Trinity-RFT's sync schedule): batch e waits for the weights
-    sync.required_version(e), the final evaluation for the last publish, `last`."""
+    """`explore`'s pace in mode both: batch e waits for sync.required_version(e), the final evaluation for `last`."""
 
     def __init__(self, cfg, receiver: sync.Receiver, last: int):
         self.cfg, self.receiver, self.last = cfg, receiver, last
@@ -351,8 +331,7 @@ class Schedule:
 
 def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: int, queue, start_version: int = 0,
                   device: str = "", sync_device: str = "cpu", core_flags=None) -> None:
-    """Mode both's explorer process (loop.start_explorer): puts metric records, and an error line
-    if it fails (exit code 1), on `queue`. `core_flags`: sync.CoreShare's busy flags, or None."""
+    """Mode both's explorer process: puts metric records, and an error line if it fails (exit code 1), on `queue`."""
     parent = os.getppid()
     alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
     last = sync.published_versions(total_steps, cfg.sync_interval)[-1]
@@ -384,9 +363,7 @@ def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: in
 
 
 def explore(cfg, engine: Engine, tasks: tuple, buffer: Buffer, pace, log, batches: int) -> None:
-    """The explorer's loop (modes both and explore) up to batch `batches`, paced by `pace`
-    (`Schedule`); evaluations every eval_interval versions after the version's first batch, and
-    at the end. Closes `engine`."""
+    """The explorer's loop up to batch `batches`, paced by `pace`, evaluating each eval_interval; closes `engine`."""
     try:
         pace.join()
         explorer = Explorer(cfg, engine, *tasks, log)

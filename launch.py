@@ -1,5 +1,4 @@
-"""Process plumbing of every mode: placement on devices (`place`), the memory allocator, gloo's network
-interface, torch thread counts, and how a run ends (`guarded`: Ctrl-C, a failure)."""
+"""Process plumbing: device placement (`place`), allocator, gloo's interface, threads, how a run ends (`guarded`)."""
 from __future__ import annotations
 
 import ctypes.util
@@ -32,8 +31,7 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class Placement:
-    """Each trainer rank's device, the explorer's ("" outside mode both), whether it shares trainer rank
-    0's GPU, and the weight-sync group's device type: "cuda" (NCCL) between separate GPUs, else "cpu"."""
+    """Each trainer rank's device, the explorer's, whether it shares rank 0's GPU, and the weight-sync device type."""
 
     trainer: tuple[str, ...]
     explorer: str
@@ -50,8 +48,7 @@ class Placement:
 
 
 def place(gpus: int, ranks: int, mode: str) -> Placement:
-    """Rank i on cuda:i; in mode both the explorer on the first free GPU, else colocated on cuda:0 (sync
-    over gloo: NCCL refuses two ranks on one device). ValueError (one line): fewer GPUs than ranks."""
+    """Rank i on cuda:i, the explorer on the first free GPU, else on cuda:0. ValueError: fewer GPUs than ranks."""
     if gpus == 0:
         return Placement(("cpu",) * ranks, "cpu" if mode == "both" else "", False, "cpu")
     if ranks > gpus:
@@ -90,9 +87,7 @@ def allocator_library(name: str) -> str | None:
 
 
 def allocator(cfg: Config) -> tuple[str, str | None]:
-    """(name, library to preload) of the run's allocator: --allocator auto takes the first installed of
-    ALLOCATORS on a CPU and the C library's malloc ("system", None) on a GPU. ValueError: an allocator
-    asked for by name is not installed."""
+    """(name, library to preload) of the run's allocator. ValueError: an allocator asked for is not installed."""
     if cfg.allocator == "system" or (cfg.allocator == "auto" and gpu_count()):
         return "system", None
     for name in ALLOCATORS if cfg.allocator == "auto" else [cfg.allocator]:
@@ -143,8 +138,7 @@ def init_distributed():
 
 
 def gloo_interface() -> str | None:
-    """Across hosts, set GLOO_SOCKET_IFNAME (unless given) to the interface on the route to MASTER_ADDR
-    (extras/hosts.py). Returns it, or None when left alone."""
+    """Across hosts, set GLOO_SOCKET_IFNAME to the interface towards MASTER_ADDR; returns it, or None."""
     master = os.environ.get("MASTER_ADDR", "")
     if os.environ.get("GLOO_SOCKET_IFNAME") or master in ("", "127.0.0.1", "localhost"):  # set, or one host
         return None
@@ -192,8 +186,7 @@ def guarded(cfg: Config, rank: int, run) -> int:
 
 
 def failed(cfg: Config, rank: int, e: BaseException) -> None:
-    """The traceback to RUN_DIR/error*.log, one line naming it on rank 0; still alive EXIT_GRACE_S later
-    (a destructor waiting on a peer that is gone), the process logs its threads' stacks and exits."""
+    """The traceback to RUN_DIR/error*.log, one line naming it; still alive EXIT_GRACE_S later, the process exits."""
     import faulthandler
     name = f"_{cfg.explorer_name}" if cfg.mode == "explore" else f"_rank{rank}" if rank else ""
     log = Path(cfg.run_dir) / f"error{name}.log"

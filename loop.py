@@ -1,7 +1,4 @@
-"""The train loop of modes both and train on every trainer rank (`run_trainer`, `TrainLoop`): a
-file of its own, as it wires the trainer to the explorer process of mode both (`start_explorer`),
-the buffer and the weight-sync group.
-"""
+"""The train loop of every trainer rank (`run_trainer`, `TrainLoop`); mode both's explorer (`start_explorer`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -333,8 +330,7 @@ def finish(cfg, loop, explorer, weights) -> None:
 
 
 def join_draining(process, drain: Callable[[], Any], timeout_s: float | None = None) -> bool:
-    """Wait until `process` has exited (False after `timeout_s`), calling `drain()`: it does not
-    exit before its queued items are read (multiprocessing docs, "joining processes")."""
+    """Wait until `process` has exited (False after `timeout_s`), calling `drain()`: it exits once its queue is read."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         drain()

@@ -1,5 +1,4 @@
-"""Where a run's numbers go: RUN_DIR/metrics.jsonl (`Metrics`), the trackers of --log (TRACKERS) and
-RUN_DIR/plot.png (`plot`); evaluation statistics (`sampled_eval`); memory and CPU time."""
+"""A run's numbers: RUN_DIR/metrics.jsonl (`Metrics`), trackers (TRACKERS), plot.png (`plot`), `sampled_eval`."""
 from __future__ import annotations
 
 import dataclasses
@@ -40,14 +39,12 @@ def cpu_seconds() -> float:
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one task from n samples with c correct: 1 - C(n - c, k) / C(n, k).
-    Source: Chen et al., arXiv:2107.03374, section 2.1, eq. 1."""
+    """Unbiased pass@k of n samples, c correct: 1 - C(n - c, k) / C(n, k) (Chen et al., arXiv:2107.03374, eq. 1)."""
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def mean_stderr(xs: list[float]) -> tuple[float, float]:
-    """(mean, standard error of the mean) of per-task scores (0 for one task); the k samples of a
-    task are averaged first (Miller, "Adding Error Bars to Evals", arXiv:2411.00640, section 2)."""
+    """(mean, standard error) of per-task mean scores (Miller, "Adding Error Bars to Evals", arXiv:2411.00640)."""
     if not xs:
         raise ValueError("mean_stderr of no scores")
     mean = sum(xs) / len(xs)
@@ -55,10 +52,8 @@ def mean_stderr(xs: list[float]) -> tuple[float, float]:
 
 
 def learnable_groups(correct: list[int], n: int, group_size: int) -> float:
-    """The expected fraction of groups of `group_size` rollouts whose rewards are not all equal (so
-    a nonzero group advantage), from n samples per task, correct[i] right for task i: the mean of
-    1 - p^g - (1 - p)^g over tasks, p^g estimated without bias by C(c, g) / C(n, g) where n >= g,
-    else by (c / n)^g."""
+    """Expected fraction of groups of `group_size` whose rewards are not all equal: the mean of 1 - p^g - (1 - p)^g
+    over tasks, p^g estimated by C(c, g) / C(n, g) where n >= g, else (c / n)^g; correct[i]: task i's c of n."""
     def all_same(c: int) -> float:
         if n >= group_size:
             return (math.comb(c, group_size) + math.comb(n - c, group_size)) / math.comb(n, group_size)
@@ -70,9 +65,7 @@ LEARNABLE_MIN = 0.25  # below: most groups give no advantage, so most steps lear
 
 
 def sampled_eval(correct: list[int], n: int, k: int, group_size: int = 0) -> dict[str, float]:
-    """eval/* of n samples per task, correct[i] right for task i: avg_at_k (mean c_i / n), its stderr,
-    k, samples, pass_at_J for J = 1, 2, 4, ... and n, and with group_size >= 2 learnable_groups
-    (`learnable_groups`)."""
+    """eval/* of n samples per task, correct[i] right for task i: avg_at_k, stderr, pass_at_J, learnable_groups."""
     if n < k or not correct:
         raise ValueError(f"sampled_eval needs n >= k and tasks (n={n}, k={k}, {len(correct)} tasks)")
     avg, err = mean_stderr([c / n for c in correct])
@@ -85,8 +78,7 @@ def sampled_eval(correct: list[int], n: int, k: int, group_size: int = 0) -> dic
 
 
 def episode_means(infos: list[dict], prefix: str) -> dict[str, float]:
-    """{prefix + NAME: mean} of the metrics episodes recorded themselves (info["metrics"]), one
-    sample per trajectory (info["trajectory_id"])."""
+    """{prefix + NAME: mean} of the episodes' own info["metrics"], one sample per trajectory."""
     firsts = {}
     for info in infos:
         if "metrics" in info:
@@ -97,8 +89,7 @@ def episode_means(infos: list[dict], prefix: str) -> dict[str, float]:
 
 
 def eval_line(r: dict, group_size: int = 0) -> str:
-    """Lines for an evaluation record: greedy accuracy, avg@k, format rate, the largest pass@J, the
-    learnability forecast, and what to try where it is below LEARNABLE_MIN."""
+    """Lines for an evaluation record, with what to try where learnable_groups is below LEARNABLE_MIN."""
     line = f"held-out accuracy {r['eval/accuracy']:.3f} +- {r.get('eval/accuracy_stderr', 0):.3f} (greedy)"
     if "eval/avg_at_k" in r:
         line += f", avg@{r['eval/k']} {r['eval/avg_at_k']:.3f} +- {r['eval/avg_at_k_stderr']:.3f}"
@@ -162,8 +153,7 @@ class TensorBoardLog:
 
 
 class JsonlLog:
-    """Appends records to a JSONL file, each flushed at once. With `keep` (a resume), the records there
-    for which keep(record) is False, and a line a kill cut short, are dropped first."""
+    """Appends records to a JSONL file; with `keep` (a resume), drops the records where keep(record) is False first."""
 
     def __init__(self, path: Path, keep: Callable[[dict], bool] | None = None):
         if keep is not None and path.is_file():
@@ -189,8 +179,7 @@ class JsonlLog:
 
 
 class Metrics(JsonlLog):
-    """Rank 0's log: each record to RUN_DIR/metrics.jsonl, its finite numbers to the trackers of
-    cfg.log at the record's `step`. `keep`: as JsonlLog's (the trackers' own files stay)."""
+    """Rank 0's log: each record to RUN_DIR/metrics.jsonl, its finite numbers to the trackers. `keep`: as JsonlLog's."""
 
     def __init__(self, run_dir: Path, cfg=None, keep: Callable[[dict], bool] | None = None):
         super().__init__(run_dir / "metrics.jsonl", keep)
@@ -235,8 +224,7 @@ def eval_curves(ax, evals: list[dict]) -> None:
 
 
 def figure(recs: list[dict], title: str = ""):
-    """The Figure (outside pyplot) of metric records `recs`: reward and held-out accuracy (offline data:
-    the loss), response length, losses, entropy and grad norm against trainer step."""
+    """The Figure of metric records `recs`: reward, accuracy, length, losses, entropy, grad norm against step."""
     from matplotlib.figure import Figure
     steps = [r for r in recs if "loss/grad_norm" in r]
     evals = [r for r in recs if r.get("eval/accuracy") is not None]

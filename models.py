@@ -1,7 +1,4 @@
-"""Models: which model (`resolve_model`: the built-in SmolLM2, a Hub id, a directory), in which
-precision (`choose_dtype`), its pad token, the way to the LoRA glue (`lora`), and the cache of
-converted models and measurements (`cache_dir`).
-"""
+"""Models: which model (`resolve_model`), in which precision (`choose_dtype`), pad token, cache (`cache_dir`)."""
 from __future__ import annotations
 
 import contextlib
@@ -17,8 +14,7 @@ from losses import resolve
 
 
 def limit_heap_fragmentation() -> None:
-    """glibc: allocations of 64 KiB and more get their own mmap, returned to the system when
-    freed (glibc's growing default threshold leaves the heap fragmented by activations)."""
+    """glibc: allocations of 64 KiB and more get their own mmap (the growing default leaves the heap fragmented)."""
     import ctypes
     import ctypes.util
     try:
@@ -37,8 +33,7 @@ def native_bf16(device_type: str) -> bool:
 
 
 def choose_dtype(requested: str, device_type: str) -> tuple[str, str]:
-    """(bfloat16 or float32, the reason for the start banner) for `requested` (auto, bfloat16,
-    float32) on `device_type`: auto picks bfloat16 only where it is native."""
+    """(dtype, reason) for `requested` on `device_type`: auto picks bfloat16 only where it is native."""
     where = "CUDA device" if device_type == "cuda" else f"this CPU ({torch.backends.cpu.get_cpu_capability()})"
     native = native_bf16(device_type)
     if requested == "auto":
@@ -76,8 +71,7 @@ def write_cached(path: Path, record: dict) -> None:
 
 
 def resolve_model(name: str) -> str:
-    """Path of a local model directory: `smollm2-135m` converted once into cache_dir(), a Hub id
-    `owner/name` downloaded (extras/hub.py), or a directory. FileNotFoundError when missing."""
+    """Path of a local model directory (smollm2-135m, a Hub id, a directory). FileNotFoundError when missing."""
     if name != BUILTIN_MODEL and not Path(name).exists() and name.count("/") == 1 and not name.startswith((".", "/")):
         name = resolve("extras.hub.hub_snapshot", {}, "model source")(name)
     if name != BUILTIN_MODEL:

@@ -1,7 +1,4 @@
-"""Token layouts of a batch for the trainer and the engines: `pack` (a group's prompt once per
-row, its responses after it), `micro_batches` (by token budget), `response_logprobs` (the LM head
-in chunks: `chunked_logprobs`) and `left_pad` (the explorer's prompts).
-"""
+"""Token layouts of a batch: `pack` (shared prompts), `micro_batches`, `response_logprobs` and `left_pad`."""
 from __future__ import annotations
 
 import torch
@@ -125,9 +122,8 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
                      entropy: bool = False, chunk_elems: int = 2 ** 22,  # 16 MiB of float32 logits
                      bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Float32 log-probs [T] of `targets` [T] under softmax((hidden [T, H] @ weight [V, H].T + bias) /
-    temperature), and the entropy [T] when `entropy`, `chunk_elems` logits at a time (`HeadLogprobs`);
-    the idea of Liger-Kernel's src/liger_kernel/ops/fused_linear_cross_entropy.py."""
+    """Float32 log-probs [T] of `targets` [T] under softmax((hidden [T, H] @ weight [V, H].T + bias) / temperature),
+    and the entropy [T], `chunk_elems` logits at a time (Liger-Kernel's fused_linear_cross_entropy.py)."""
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float)
         return empty, (empty if entropy else None)

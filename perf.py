@@ -1,6 +1,4 @@
-"""Model FLOPs and MFU (`train_flops`, `generate_flops`, `mfu`, `JobMeter`) against the nominal peak
-of a GPU or the matrix-product speed benchmarks/peak.py measures once per CPU (`unit_peak`).
-"""
+"""Model FLOPs and MFU (`train_flops`, `generate_flops`, `mfu`, `JobMeter`) against the device's peak (`unit_peak`)."""
 from __future__ import annotations
 
 import os
@@ -24,9 +22,8 @@ def matmul_params(model_path: str) -> tuple[int, int]:
 
 
 def train_flops(body: int, head: int, tokens: int, predicted: int, passes: int = 3) -> float:
-    """Model FLOPs of training on `tokens` (no padding), the head on the `predicted` ones only:
-    2 per parameter and token per pass (3: forward + backward, Kaplan et al., arXiv:2001.08361
-    sec. 2.1); no recomputation or attention scores, as PaLM's MFU (arXiv:2204.02311 app. B)."""
+    """Model FLOPs of training on `tokens`, the head on `predicted` ones: 2 per parameter, token and pass (3:
+    forward + backward, Kaplan et al., arXiv:2001.08361); no recomputation or attention, as PaLM (arXiv:2204.02311)."""
     return 2.0 * passes * (body * tokens + head * predicted)
 
 

@@ -54,8 +54,7 @@ MODES = {"both": trainer_ranks, "train": trainer_ranks, "explore": "extras.explo
 
 
 def check_modes(cfg: Config) -> None:
-    """Resolve sync_method "auto"; ValueError (one line) for modes and flags that cannot work together;
-    FileNotFoundError: --resume, no run."""
+    """Resolve sync_method "auto"; ValueError (one line) for conflicting flags; FileNotFoundError: --resume, no run."""
     if cfg.sync_method == "auto":
         cfg.sync_method = "broadcast" if cfg.mode == "both" else "checkpoint"
     if cfg.mode in ("explore", "train") and cfg.sync_method == "broadcast" and not cfg.sync_port:

@@ -1,7 +1,4 @@
-"""Weight sync, both ends: the schedule (Trinity-RFT: `required_version`, `publishes_after`),
-the weight-sync group (`WeightSync`: rank 0 = trainer, hosting a TCPStore; ranks 1.. =
-explorers; apart from the FSDP group) and the explorer's `Receiver`.
-"""
+"""Weight sync: the schedule (`required_version`, `publishes_after`), the group (`WeightSync`) and `Receiver`."""
 from __future__ import annotations
 
 import socket
@@ -70,8 +67,7 @@ def gpu_id(device: torch.device) -> str:
 
 
 def group_backend(gpus: list[str]) -> str:
-    """"nccl" when every rank has a GPU of its own (`gpu_id`s in rank order), else "gloo":
-    NCCL refuses two ranks on one device (as TRL: trl/scripts/vllm_serve.py:83-93 @ f2cd577)."""
+    """"nccl" when every rank (`gpu_id`s in rank order) has a GPU of its own, else "gloo" (as TRL's vllm_serve.py)."""
     return "nccl" if all(gpus) and len(set(gpus)) == len(gpus) else "gloo"
 
 

@@ -1,7 +1,4 @@
-"""Trainer: one RL step on an FSDP2 model (a single CPU rank keeps the plain model). `Trainer.step`:
-`shape_rewards` -> `advantages` -> `apply_filters` -> `loss` of each micro-batch -> `optimizer_step`
--> `reduce_metrics`; loop.TrainLoop runs it. `make_trainer` builds extras/lora.py's LoraTrainer for LoRA.
-"""
+"""Trainer: one RL step on an FSDP2 model (`Trainer.step`: shape_rewards, advantages, filters, loss, optimizer_step)."""
 from __future__ import annotations
 
 import inspect
@@ -290,9 +287,7 @@ class Trainer:
 
     def loss(self, mb: list[Experience], padding: bool, batch: StepBatch, adv: torch.Tensor,
              rewards: torch.Tensor, totals) -> dict[str, float]:
-        """Forward and backward of micro-batch `mb`: policy loss + kl_loss_coef x KL - entropy_coef x
-        entropy [B, R], aggregated over the global batch, x world size (FSDP averages over ranks).
-        Returns "loss/policy" (its share), "tokens" and each metric's sum over tokens."""
+        """Forward and backward of micro-batch `mb`; returns "loss/policy" (its share), "tokens" and metric sums."""
         cfg, dev = self.cfg, lambda x: x.to(self.device)
         b, lp, ent = self.logprobs(self.model, mb, padding, entropy=True)
         mask, behaviour = b["mask"], b["behaviour_logprobs"]                              # [B, R]
@@ -329,8 +324,7 @@ class Trainer:
         return float(grad_norm)
 
     def reduce_metrics(self, sums: dict[str, float], rows: list[list[Experience]], busy_s: float) -> dict[str, float]:
-        """One all_reduce: `loss/policy`, each metric of `sums` as a mean over its tokens, the model FLOPs
-        of the trained `rows` and perf/trainer_mfu (`busy_s`: CPU seconds on a CPU, else wall)."""
+        """One all_reduce: `loss/policy`, each metric of `sums` as a mean over its tokens, model FLOPs and MFU."""
         exps = [e for row in rows for e in row]
         tokens = sum(row_length(exps, *row) for row in share_prompts(exps, self.cfg.token_budget))  # no padding
         flops = train_flops(*self.matmul, tokens, sum(len(e.tokens) - e.prompt_length for e in exps),

@@ -1,9 +1,5 @@
-"""Tasks, their order, rewards and workflows. `load_tasks` reads a task source (reasoning-gym; by import
-path: JSONL files, Hugging Face datasets, guess_number, verifiers); `Shuffle` orders them.
-A `Workflow` turns a task into a group of rollouts (`MathWorkflow`: n samples of one prompt);
-training reward and held-out accuracy both come from `Workflow.score`. New scenarios subclass
-`Workflow`, named by `--workflow module.Class` or in `WORKFLOWS`.
-"""
+"""Tasks (`load_tasks`), their order (`Shuffle`), rewards and workflows: a `Workflow` turns a task into a group of
+rollouts (`MathWorkflow`: n samples of one prompt); new ones are named by `--workflow module.Class`."""
 from __future__ import annotations
 
 import asyncio
@@ -41,8 +37,7 @@ JSONL_TASKS = "extras.offline.jsonl_tasks"  # a .jsonl file: f(path, eval_size)
 
 
 def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: int) -> tuple[list[Task], list[Task], Any]:
-    """(train tasks, held-out tasks, verifier dataset or None). ValueError (one line) for an unknown
-    dataset, bad kwargs or a malformed JSONL row; FileNotFoundError for a missing file."""
+    """(train, held-out tasks, verifier dataset or None). ValueError: bad dataset, kwargs, row; FileNotFoundError."""
     from losses import resolve
     if name in TASK_SOURCES:  # the bundled multi-turn game
         return (*resolve(TASK_SOURCES[name], {}, "task")(kwargs, train_size, eval_size, seed), None)
@@ -78,8 +73,7 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
 
 
 class Selector:
-    """The indices of the next training tasks: `order`, cycled (Trinity-RFT
-    trinity/buffer/selector/selector.py @ 3e9eb605)."""
+    """The indices of the next training tasks: `order`, cycled (Trinity-RFT trinity/buffer/selector/selector.py)."""
 
     def __init__(self, tasks: list[Task], seed: int):
         self.tasks, self.seed, self.cursor = tasks, seed, 0
@@ -116,8 +110,7 @@ PIPELINES = "extras.pipelines"
 
 
 def check_pipelines(cfg) -> None:
-    """Check cfg's data-pipeline settings, if any (extras/pipelines.py: ValueError, one line;
-    ConnectionError for a Label Studio server out of reach)."""
+    """Check cfg's data-pipeline settings, if any (ValueError, one line; ConnectionError: Label Studio unreachable)."""
     from losses import resolve
     if (cfg.selector != "shuffle" or cfg.selector_kwargs or cfg.task_pipeline or cfg.experience_pipeline or cfg.replay
             or cfg.annotation):
@@ -140,8 +133,7 @@ def last_number(text: str) -> str | None:
 
 
 def extract_answer(completion: str, reference: str) -> str | None:
-    """The last <answer>...</answer> block (reasoning-gym's convention), else the last number
-    when the reference is a number, else the last non-empty line; None if nothing."""
+    """The last <answer>...</answer> block, else the last number (numeric reference), else the last line, or None."""
     tagged = re.findall(r"<answer>(.*?)</answer>", completion, re.DOTALL)
     if tagged:
         return tagged[-1].strip()
@@ -152,8 +144,7 @@ def extract_answer(completion: str, reference: str) -> str | None:
 
 
 def readable(info: dict) -> bool | None:
-    """Whether a reply (an Experience's info) ended within the token budget with an answer
-    `extract_answer` finds (eval/format_rate); None for a sample without "response"."""
+    """Whether a reply (an Experience's info) ended within its budget with an answer; None without "response"."""
     if "response" not in info:
         return None
     return info.get("finish_reason") == "stop" and extract_answer(info["response"], info.get("answer", "")) is not None
@@ -168,8 +159,7 @@ def reasoning_gym_reward(task: Task, completion: str, dataset: Any) -> float:
 
 
 def load_reward_fn(path: str, kwargs: dict | None = None) -> Callable[[Task, str, Any], float]:
-    """A name of REWARD_FNS or "module.function": fn(task, completion, dataset, **kwargs) ->
-    float or None (lagged), `kwargs` bound. ValueError (one line) for a bad path or keyword."""
+    """fn(task, completion, dataset) -> float or None (lagged), `kwargs` bound. ValueError: bad path or keyword."""
     from losses import resolve
     fn = resolve(path, REWARD_FNS, "reward_fn", kwargs)
     return partial(fn, **kwargs) if kwargs else fn
@@ -201,17 +191,14 @@ async def in_thread(fn, *args):
 
 
 class Workflow:
-    """Turns one task into a group of Experiences: subclasses implement `async run(task, engine,
-    n)`, calling `await engine.generate(prompt_ids, n, sampling)`. A reward None is lagged (the
-    buffer serves the group once it is set). The explorer applies timeouts and retries."""
+    """A task -> a group of Experiences (reward None: lagged); subclasses implement `async run(task, engine, n)`."""
 
     def __init__(self, tokenizer, reward_fn, dataset, system_prompt: str, sampling, run_dir: str = ""):
         self.tokenizer, self.reward_fn, self.dataset = tokenizer, reward_fn, dataset
         self.system_prompt, self.sampling, self.run_dir = system_prompt, sampling, run_dir
 
     async def score(self, task: Task, completion: str) -> tuple[float | None, str | None]:
-        """(reward, error): the reward function in a thread; one that raises or returns neither a
-        finite number nor None scores 0 with the error text."""
+        """(reward, error): the reward function in a thread; an error or a non-finite reward scores 0."""
         try:
             r = await in_thread(self.reward_fn, task, completion, self.dataset)
         except Exception as e:
@@ -258,8 +245,7 @@ WORKFLOW_PREFIXES = {"agent": "extras.agent.agent_workflow", "verifiers": "extra
 
 
 def load_workflow(name: str) -> type[Workflow]:
-    """The workflow class of WORKFLOWS, `module.Class` or a prefix (`agent:module.function`,
-    `verifiers:NAME`); ValueError (one line) otherwise."""
+    """The workflow class of WORKFLOWS, `module.Class`, `agent:module.function` or `verifiers:NAME`; else ValueError."""
     from losses import resolve
     prefix, colon, rest = name.partition(":")
     if colon and prefix in WORKFLOW_PREFIXES:
@@ -272,8 +258,7 @@ def load_workflow(name: str) -> type[Workflow]:
 
 
 def prepare_tasks(cfg) -> tuple[list[Task], list[Task], Any]:
-    """The run's tasks (`load_tasks`), once per launch; ValueError (one line) for no training
-    tasks, mode bench without held-out tasks, or an unknown reward function or workflow."""
+    """The run's tasks (`load_tasks`); ValueError (one line): no tasks, an unknown reward function or workflow."""
     tasks = train, held_out, _ = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
     if not train:
         raise ValueError(f"task {cfg.task!r} produced no training tasks")

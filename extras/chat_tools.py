@@ -1,8 +1,5 @@
-"""Chat requests of the OpenAI-compatible endpoint (extras/openai_endpoint.py): `parse_request`
-checks a request's JSON, `prompt_ids` renders its messages and tools (into the chat template
-where it knows tools, else Hermes-style text: `hermes_messages`), and a parser of TOOL_PARSERS
-(or `module.function`: text -> (content or None, calls)) reads the model's tool calls.
-"""
+"""Chat requests of the OpenAI-compatible endpoint: `parse_request` checks a request's JSON, `prompt_ids` renders
+its messages and tools, and a parser of TOOL_PARSERS (text -> (content or None, calls)) reads the tool calls."""
 from __future__ import annotations
 
 import json
@@ -44,8 +41,7 @@ class ChatRequest:
 
 
 def parse_request(body) -> ChatRequest:
-    """Check a decoded JSON body; RequestError (400) naming the first problem. Unknown fields are
-    ignored; those that would change the sampling distribution are refused."""
+    """Check a decoded JSON body; RequestError (400) naming the first problem (one changing the sampling, say)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     for key, why in UNSUPPORTED.items():
@@ -76,8 +72,7 @@ def parse_request(body) -> ChatRequest:
 
 
 def stream_events(body: dict, usage: bool) -> bytes:
-    """A finished chat.completion `body` as the server-sent events of a streamed one (two chunks
-    per choice, then the usage with `usage`, then `data: [DONE]`)."""
+    """A finished chat.completion `body` as the server-sent events of a streamed one."""
     head = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
     chunks = []
     for c in body["choices"]:
@@ -181,9 +176,7 @@ def _arguments(text: str):
 
 
 def hermes_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
-    """Messages for a template that knows no tools: the tool schemas in the system message, tool
-    calls as `<tool_call>` text, each run of tool results as one user message of
-    `<tool_response>` blocks."""
+    """Messages for a template that knows no tools: schemas in the system message, Hermes-style tool text."""
     out = [dict(m) for m in messages]
     if tools:
         block = HERMES_TOOLS.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
@@ -223,8 +216,7 @@ def native_messages(messages: list[dict]) -> list[dict]:
 
 
 def prompt_ids(tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
-    """Token ids of the checked `messages` and `tools` under the chat template, ending with the
-    assistant's turn prompt; RequestError when the template refuses the conversation."""
+    """Token ids of `messages` and `tools` under the chat template; RequestError when the template refuses them."""
     native = knows_tools(tokenizer)
     msgs = native_messages(messages) if native else hermes_messages(messages, tools)
     try:

@@ -158,15 +158,13 @@ class Annotator:
 
 
 def check_annotation(cfg) -> None:
-    """Check cfg.annotation before any process starts: ValueError (one line) for a bad mode or a missing
-    URL / token, ConnectionError when the server cannot be reached."""
+    """Check cfg.annotation: ValueError (one line) for a bad mode, URL or token; ConnectionError: no server."""
     check_mode(cfg.annotation.get("mode", "rating"))
     label_studio(cfg).call("GET", "/api/projects?page_size=1")
 
 
 def label_studio(cfg) -> LabelStudio:
-    """LabelStudio for cfg.annotation["url"] with the token in LABEL_STUDIO_API_KEY (kept out of the
-    saved config); ValueError (one line) when either is missing."""
+    """LabelStudio for cfg.annotation["url"], token in LABEL_STUDIO_API_KEY; ValueError (one line) if missing."""
     token = os.environ.get("LABEL_STUDIO_API_KEY", "")
     if not cfg.annotation.get("url") or not token:
         raise ValueError("annotation needs {\"url\": \"http://HOST:PORT\"} and the Label Studio token in "
@@ -175,9 +173,8 @@ def label_studio(cfg) -> LabelStudio:
 
 
 def start_annotator(cfg, tokenizer, stop: threading.Event) -> Callable[[], dict]:
-    """Trainer rank 0: a daemon thread running an Annotator until `stop` is set. Returns a callable
-    giving its latest metrics (LoopIO.extra_metrics), which raises RuntimeError (one line) once the
-    thread has died: the rewards the trainer waits for would never come."""
+    """A daemon thread running an Annotator until `stop` is set; returns a callable giving its latest metrics,
+    which raises RuntimeError (one line) once the thread has died."""
     from buffer import open_buffer
     latest: dict = {}
     failed: list[Exception] = []

@@ -1,7 +1,5 @@
-"""Offline data, marked info["offline"], by import path: chats for SFT (`--train-data`) or mixed into
-each batch (MIX: `--expert-data`), preference pairs for DPO (`--train-data`). Also JSONL task files
-(`jsonl_tasks`, for workflows.load_tasks) and `hold_out`, the held-out split of a task source.
-"""
+"""Offline data, marked info["offline"]: chats for SFT or MIX (`--train-data`, `--expert-data`), preference pairs
+for DPO; JSONL task files (`jsonl_tasks`) and `hold_out`, the held-out split of a task source."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +20,7 @@ def hold_out(name: str, tasks: list[Task], eval_size: int) -> tuple[list[Task], 
 
 
 def jsonl_rows(path: str | Path, what: str):
-    """(path, line number, row) of each non-empty line of the JSONL file `path` (a `what`);
-    FileNotFoundError, or ValueError naming the file and line."""
+    """(path, line number, row) of each line of JSONL `path`; FileNotFoundError; ValueError naming the line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{what} not found: {path}")

@@ -1,11 +1,7 @@
-"""An OpenAI-compatible endpoint served by the explorer's engine, for agents written against the
-`openai` package (extras/agent.py, extras/verifiers_env.py). `endpoint_for(engine)` starts it; each
-rollout opens an episode (base URL .../e/EPISODE/v1, or /v1 with an X-Episode-Id header) and closes it
-to get every delivered call's token ids and behaviour log-probs. Calls sample with the episode's
-Sampling (the trainer's log-probs assume it); max_tokens and stop cut after sampling; an assistant
-message the episode returned is rendered back as the model's exact text. uvicorn serves in a daemon
-thread; each call runs in its episode's event loop, the only one that touches engine and tokenizer.
-"""
+"""An OpenAI-compatible endpoint served by the explorer's engine, for agents written against the `openai` package.
+`endpoint_for(engine)` starts it; each rollout opens an episode (base URL .../e/EPISODE/v1, or /v1 with an
+X-Episode-Id header) and closes it to get every call's token ids and behaviour log-probs. Calls sample with the
+episode's Sampling; max_tokens and stop cut after sampling. Each call runs in its episode's event loop."""
 from __future__ import annotations
 
 import asyncio
@@ -35,8 +31,7 @@ def require_packages(what: str) -> None:
 
 @dataclass
 class Choice:
-    """One sampled completion as recorded: tokens [R], behaviour_logprobs [R], weight versions (first
-    and last token), finish_reason ("stop", "length" or "tool_calls") and the text returned."""
+    """One sampled completion: tokens [R], behaviour_logprobs [R], weight versions, finish_reason and text."""
 
     tokens: list[int]
     behaviour_logprobs: list[float]
@@ -71,8 +66,7 @@ class Episode:
 
 
 class _Gate:
-    """Holds the calls of one event loop until every open episode waits (or the first waiting
-    episode's `wait_s` has passed), then lets them all through."""
+    """Holds the calls of one event loop until every open episode waits (or `wait_s` has passed)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.open = loop, 0
@@ -125,9 +119,8 @@ def context_length(engine) -> int | None:
 
 
 class Endpoint:
-    """The OpenAI-compatible server of one engine on a free local port (`url`). batch_wait_s: the
-    longest a call waits at the gate (seconds). ValueError (one line) when fastapi, uvicorn or openai
-    is missing."""
+    """The server of one engine on a free local port (`url`); batch_wait_s: the longest wait at the gate (seconds).
+    ValueError (one line) when fastapi, uvicorn or openai is missing."""
 
     def __init__(self, engine, batch_wait_s: float = 0.1):
         require_packages("the OpenAI-compatible endpoint")
@@ -150,8 +143,7 @@ class Endpoint:
         self._thread.start()
 
     def open_episode(self, sampling, tool_parser: str = "hermes", batch_wait_s: float | None = None) -> Episode:
-        """Open an episode in the running event loop (its calls run there). sampling: engines.Sampling
-        of every call; tool_parser: a chat_tools.TOOL_PARSERS name or import path."""
+        """Open an episode in the running event loop; tool_parser: a chat_tools.TOOL_PARSERS name or import path."""
         loop, eid = asyncio.get_running_loop(), uuid.uuid4().hex
         wait_s = self.batch_wait_s if batch_wait_s is None else batch_wait_s
         ep = Episode(eid, f"{self.url}/e/{eid}/v1", loop, sampling, load_tool_parser(tool_parser), wait_s)
@@ -203,8 +195,7 @@ class Endpoint:
 
     @staticmethod
     def _cut(out, req, tok) -> Choice:
-        """The completion cut at the request's max_tokens, then after the token that completes its
-        first stop string (the returned text ends before it)."""
+        """The completion cut at max_tokens, then after the token that completes its first stop string."""
         tokens, behaviour, reason = list(out.tokens), list(out.behaviour_logprobs), out.finish_reason
         if req.max_tokens is not None and len(tokens) > req.max_tokens:
             tokens, behaviour, reason = tokens[:req.max_tokens], behaviour[:req.max_tokens], "length"

@@ -1,7 +1,5 @@
-"""The vLLM engine (`--engine vllm`): a `vllm.LLM` in the explorer process, and
-`VLLMWeightReceiver`, its worker extension, which receives the weights over the weight-sync group
-(only control messages cross `collective_rpc`). Imports without vllm installed.
-"""
+"""The vLLM engine (`--engine vllm`) and `VLLMWeightReceiver`, its worker extension, which receives the weights over
+the weight-sync group. Imports without vllm installed."""
 from __future__ import annotations
 
 import logging
@@ -62,8 +60,7 @@ class VLLMEngine(Engine):
                    lora=models.lora("lora_config")(cfg) if cfg.lora_rank else None)
 
     def _use_adapter(self, path: str | Path, version: int, copy: bool = False) -> None:
-        """Sample with the adapter directory `path` (weight `version`) from now on, copied first
-        with `copy` (a published checkpoint may be deleted before vLLM reads it)."""
+        """Sample with the adapter directory `path` (weight `version`) from now on, copied first with `copy`."""
         from vllm.lora.request import LoRARequest
         own = Path(self.lora_root) / f"v{version:06d}"
         if copy:
