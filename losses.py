@@ -120,7 +120,8 @@ def seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def group_stats(x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-member (mean, unbiased std, count) of each group: x [B], index [B] -> three [B]; one alone: 0, 1 (verl)."""
+    """Per-member (mean, unbiased std, count) of each group: x [B], index [B] -> three [B]. A group of one
+    has mean 0 and std 1 (verl core_algos.py compute_grpo_outcome_advantage @ b178a3c)."""
     G = int(index.max()) + 1
     onehot = torch.nn.functional.one_hot(index, G).to(x.dtype)             # [B, G]
     count = onehot.sum(0)                                                  # [G]
@@ -132,8 +133,10 @@ def group_stats(x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens, total_seqs) -> torch.Tensor:
-    """This micro-batch's share of the global loss; loss, mask [B, T]; totals: the global batch's tokens / sequences.
-    token-mean (DAPO, arXiv:2503.14476 sec. 3.3), seq-mean-token-sum, seq-mean-token-mean (GRPO); verl's agg_loss."""
+    """This micro-batch's share of the global loss; loss, mask [B, T]; the totals count the global
+    batch's trained tokens / sequences (or [B]: each sequence's part's, extras/policy_losses.part_totals).
+    Modes: token-mean (DAPO, arXiv:2503.14476 sec. 3.3), seq-mean-token-sum, seq-mean-token-mean
+    (GRPO); verl's agg_loss (verl/trainer/ppo/core_algos.py @ b178a3c)."""
     def _totals(total, like: torch.Tensor) -> torch.Tensor:  # a number, 0-d or [B] -> a float tensor >= 1
         return torch.as_tensor(total, dtype=like.dtype, device=like.device).clamp(min=1)
     if mode == "token-mean":
@@ -160,7 +163,8 @@ def grpo_advantages(rewards, group_index, trajectory_index=None, eps: float = 1e
 
 
 def kl_estimate(logp: torch.Tensor, logq: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token KL(p || q) estimate k1, k2, k3: [B, T] -> [B, T] (J. Schulman, "Approximating KL divergence", 2020)."""
+    """Per-token KL(p || q) estimate k1, k2, k3 (= low_var, clamped as verl's): [B, T] -> [B, T]. Source:
+    J. Schulman, "Approximating KL divergence" (2020); verl core_algos.py kl_penalty_forward @ b178a3c."""
     if kind == "k1":
         return logp - logq
     if kind == "k2":
@@ -178,8 +182,9 @@ def importance_ratio(inp: LossInputs) -> torch.Tensor:
 
 @register(POLICY_LOSSES, "ppo_clip")
 def ppo_clip_loss(inp: LossInputs, clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float | None = 3.0):
-    """PPO clipped surrogate with clip-higher and dual clip (None: off): {"loss", "clipped"} [B, T]. Source: PPO
-    arXiv:1707.06347 eq. 7; DAPO arXiv:2503.14476 sec. 3.1; dual clip arXiv:1912.09729 eq. 5; verl @ b178a3c."""
+    """PPO clipped surrogate with clip-higher and dual clip (None: off): {"loss", "clipped"}
+    [B, T]. Source: PPO arXiv:1707.06347 eq. 7; DAPO arXiv:2503.14476 sec. 3.1; dual clip
+    arXiv:1912.09729 eq. 5; verl core_algos.py compute_policy_loss_vanilla @ b178a3c."""
     ratio = importance_ratio(inp)                                        # [B, T]
     A = inp.advantages
     unclipped = ratio * A                                                # [B, T]

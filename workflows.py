@@ -73,7 +73,7 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
 
 
 class Selector:
-    """The indices of the next training tasks: `order`, cycled (Trinity-RFT trinity/buffer/selector/selector.py)."""
+    """The indices of the next training tasks: `order`, cycled (Trinity-RFT trinity/buffer/selector/selector.py @ 3e9eb605)."""
 
     def __init__(self, tasks: list[Task], seed: int):
         self.tasks, self.seed, self.cursor = tasks, seed, 0
