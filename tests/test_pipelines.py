@@ -460,3 +460,15 @@ def test_the_experience_pipeline_runs_without_lent_cores(tiny_model, tmp_path):
         dist.destroy_process_group()
     assert shaped == [0]
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["pipeline/ran"] == 1.0
+
+
+def test_the_help_of_each_pipeline_flag_names_every_registered_operator():
+    # the names are written into the field docstrings, so that --help imports no extra: a name
+    # added to a registry and not to its help text fails here
+    from config import _field_help
+    from extras.pipelines import EXPERIENCE_OPS, SELECTORS, TASK_OPS
+
+    helps = _field_help()[0]
+    for field, registry in (("task_pipeline", TASK_OPS), ("selector", SELECTORS), ("experience_pipeline", EXPERIENCE_OPS)):
+        missing = [name for name in registry if name not in helps[field]]
+        assert not missing, f"--{field.replace('_', '-')} help lacks {missing}"
