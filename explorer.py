@@ -214,10 +214,10 @@ class Explorer:
         if difficulties := [t.difficulty for t in picked if t.difficulty is not None]:
             record["selector/difficulty_mean"] = sum(difficulties) / len(difficulties)
         record.update(self.selector.metrics())
-        trajectories = {e.info["trajectory_id"]: e.info for e in exps if "trajectory_id" in e.info}
-        if trajectories:  # multi-turn
-            record["rollout/samples_per_trajectory"] = sum(i["samples"] for i in trajectories.values()) / len(trajectories)
-            record["rollout/turns_mean"] = sum(i["turns"] for i in trajectories.values()) / len(trajectories)
+        episodes = {e.info["episode_id"]: e.info for e in exps if "episode_id" in e.info}
+        if episodes:  # multi-turn
+            record["rollout/samples_per_episode"] = sum(i["samples"] for i in episodes.values()) / len(episodes)
+            record["rollout/turns_mean"] = sum(i["turns"] for i in episodes.values()) / len(episodes)
         record.update(episode_means([e.info for e in exps], "rollout/"))
         return record
 
@@ -289,8 +289,8 @@ def eval_cache(cfg, engine: Engine, held_out: list[Task], n: int) -> Path | None
 
 
 def correct_counts(groups: list[list[Experience] | None]) -> list[int]:
-    """Per task, its samples with reward 1 (a trajectory counts once; a skipped task: 0)."""
-    return [len({e.info.get("trajectory_id", id(e)) for e in g or [] if e.reward == 1.0
+    """Per task, its samples with reward 1 (an episode counts once; a skipped task: 0)."""
+    return [len({e.info.get("episode_id", id(e)) for e in g or [] if e.reward == 1.0
                  and not e.info.get("reflection")}) for g in groups]
 
 

@@ -1,7 +1,7 @@
 """The default algorithm as pure tensor functions (GRPO, PPO clip, KL, aggregation) and the registries
 of advantages, policy losses and filters (`resolve_algorithm`). B sequences, T response tokens. Contracts,
 also of plug-ins given by import path `module.function` (docs/algorithms.md):
-  ADVANTAGES[name](rewards [B], group_index [B], trajectory_index [B], **kw) -> [B]  (+ token_counts [B] if taken)
+  ADVANTAGES[name](rewards [B], group_index [B], episode_index [B], **kw) -> [B]  (+ token_counts [B] if taken)
   POLICY_LOSSES[name](LossInputs, **kw) -> {"loss": [B, T], metrics: [B, T]}, with `register`'s attributes
   FILTERS[name](tokens, behaviour_logprobs, advantage, **kw) -> bool keep  (+ action_mask if taken)
 """
@@ -155,7 +155,7 @@ def length_penalty(rewards: torch.Tensor, lengths: torch.Tensor, coef: float) ->
 
 
 @register(ADVANTAGES, "grpo")
-def grpo_advantages(rewards, group_index, trajectory_index=None, eps: float = 1e-6):
+def grpo_advantages(rewards, group_index, episode_index=None, eps: float = 1e-6):
     """GRPO: (r - mean_group) / (std_group + eps). [B] -> [B]. Source: DeepSeekMath, arXiv:2402.03300
     sec. 4.1.2; verl core_algos.py compute_grpo_outcome_advantage @ b178a3c."""
     mean, std, _ = group_stats(rewards, group_index)

@@ -78,11 +78,11 @@ def sampled_eval(correct: list[int], n: int, k: int, group_size: int = 0) -> dic
 
 
 def episode_means(infos: list[dict], prefix: str) -> dict[str, float]:
-    """{prefix + NAME: mean} of the episodes' own info["metrics"], one sample per trajectory."""
+    """{prefix + NAME: mean} of the episodes' own info["metrics"], one sample per episode."""
     firsts = {}
     for info in infos:
         if "metrics" in info:
-            firsts.setdefault(info.get("trajectory_id", id(info)), info["metrics"])
+            firsts.setdefault(info.get("episode_id", id(info)), info["metrics"])
     names = dict.fromkeys(k for m in firsts.values() for k in m)
     return {prefix + k: sum(m[k] for m in firsts.values() if k in m) / sum(k in m for m in firsts.values())
             for k in names}

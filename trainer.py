@@ -34,7 +34,7 @@ class StepBatch:
     exps: list[Experience]
     rewards: torch.Tensor           # [N] float
     group_index: torch.Tensor       # [N] long: the group of each
-    trajectory_index: torch.Tensor  # [N] long: shared by the samples of one multi-turn episode
+    episode_index: torch.Tensor  # [N] long: shared by the samples of one multi-turn episode
     offline: torch.Tensor           # [N] bool: expert / offline data (no behaviour log-probs, never filtered)
     token_counts: torch.Tensor      # [N] float: trained tokens (sum of action_mask)
     row: dict[int, int]             # id(experience) -> its index
@@ -42,10 +42,10 @@ class StepBatch:
     @classmethod
     def of(cls, groups: list[list[Experience]]) -> "StepBatch":
         exps = [e for g in groups for e in g]
-        trajectories: dict = {}
+        episodes: dict = {}
         return cls(exps, torch.tensor([e.reward for e in exps], dtype=torch.float),
                    torch.tensor([i for i, g in enumerate(groups) for _ in g]),
-                   torch.tensor([trajectories.setdefault(e.info.get("trajectory_id", ("seq", i)), len(trajectories))
+                   torch.tensor([episodes.setdefault(e.info.get("episode_id", ("seq", i)), len(episodes))
                                  for i, e in enumerate(exps)]),
                    torch.tensor([bool(e.info.get("offline")) for e in exps]),
                    torch.tensor([float(sum(e.action_mask)) for e in exps]),
@@ -256,7 +256,7 @@ class Trainer:
         """Advantages [N] of the configured estimator from rewards [N] (+ token_counts if it takes them)."""
         takes = inspect.signature(self.advantage_fn).parameters  # REINFORCE++ whitens over tokens
         counts = {"token_counts": batch.token_counts} if "token_counts" in takes else {}
-        return self.advantage_fn(rewards, batch.group_index, batch.trajectory_index, **counts,
+        return self.advantage_fn(rewards, batch.group_index, batch.episode_index, **counts,
                                  **self.cfg.advantage_kwargs).float()
 
     def apply_filters(self, batch: StepBatch, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:

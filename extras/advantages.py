@@ -8,14 +8,14 @@ from losses import ADVANTAGES, group_stats, grpo_advantages, register
 
 
 @register(ADVANTAGES, "dr_grpo")
-def dr_grpo_advantages(rewards, group_index, trajectory_index=None):
+def dr_grpo_advantages(rewards, group_index, episode_index=None):
     """Dr. GRPO: r - mean_group, no std division. [B] -> [B]. Source: arXiv:2503.20783 sec. 3.2.
     Reference: verl core_algos.py compute_grpo_outcome_advantage (norm_adv_by_std_in_grpo=False) @ b178a3c."""
     return rewards - group_stats(rewards, group_index)[0]
 
 
 @register(ADVANTAGES, "rloo")
-def rloo_advantages(rewards, group_index, trajectory_index=None):
+def rloo_advantages(rewards, group_index, episode_index=None):
     """RLOO: r_i - mean of the rest of its group; a group of one keeps r. [B] -> [B]. Source:
     arXiv:2402.14740 eq. 10. Reference: verl core_algos.py compute_rloo_outcome_advantage @ b178a3c."""
     mean, _, count = group_stats(rewards, group_index)
@@ -23,7 +23,7 @@ def rloo_advantages(rewards, group_index, trajectory_index=None):
 
 
 @register(ADVANTAGES, "reinforce_pp")
-def reinforce_pp_advantages(rewards, group_index, trajectory_index=None, group_baseline: bool = True,
+def reinforce_pp_advantages(rewards, group_index, episode_index=None, group_baseline: bool = True,
                             token_counts: torch.Tensor | None = None, eps: float = 1e-8):
     """REINFORCE++(-baseline): r - group mean (if `group_baseline`), whitened over the batch's
     tokens (`token_counts` [B] weights). [B] -> [B]. Source: arXiv:2501.03262 sec. 3. Reference:
@@ -37,12 +37,12 @@ def reinforce_pp_advantages(rewards, group_index, trajectory_index=None, group_b
 
 
 @register(ADVANTAGES, "grpo_stepwise")
-def stepwise_grpo_advantages(rewards, group_index, trajectory_index, eps: float = 1e-6):
-    """Step-wise GRPO: GRPO over trajectories (each counted once, with its last sample's reward),
+def stepwise_grpo_advantages(rewards, group_index, episode_index, eps: float = 1e-6):
+    """Step-wise GRPO: GRPO over episodes (each counted once, with its last sample's reward),
     given to all their samples. [B] -> [B]. Source: arXiv:2505.17826 sec. 2.2. Reference:
     modelscope/Trinity-RFT trinity/algorithm/advantage_fn/multi_step_grpo_advantage.py @ 369bf62."""
-    T = int(trajectory_index.max()) + 1
+    T = int(episode_index.max()) + 1
     last = torch.zeros(T, dtype=torch.long, device=rewards.device).scatter_reduce(
-        0, trajectory_index, torch.arange(len(rewards), device=rewards.device), "amax", include_self=False)  # [T]
+        0, episode_index, torch.arange(len(rewards), device=rewards.device), "amax", include_self=False)  # [T]
     adv = grpo_advantages(rewards[last], group_index[last], eps=eps)                      # [T]
-    return adv[trajectory_index]                                                          # [B]
+    return adv[episode_index]                                                          # [B]

@@ -95,7 +95,7 @@ class AgentWorkflow(Workflow):
         """The agent's reward for one episode (override for other agent signatures)."""
         return await type(self).agent(client, task)
 
-    async def episode(self, endpoint, task: Task, group_id: str, trajectory_id: str) -> list[Experience]:
+    async def episode(self, endpoint, task: Task, group_id: str, episode_id: str) -> list[Experience]:
         """One agent rollout -> its samples, all with its reward."""
         import openai
         ep = endpoint.open_episode(self.sampling, self.tool_parser, self.batch_wait_s)
@@ -107,16 +107,16 @@ class AgentWorkflow(Workflow):
             await client.close()
         if not calls:
             raise RuntimeError("the agent made no model call (it must call the client it is given)")
-        return self.experiences(calls, reward, error, task, group_id, trajectory_id, metrics)
+        return self.experiences(calls, reward, error, task, group_id, episode_id, metrics)
 
-    def experiences(self, calls, reward, error, task: Task, group_id: str, trajectory_id: str,
+    def experiences(self, calls, reward, error, task: Task, group_id: str, episode_id: str,
                     metrics: dict | None = None) -> list[Experience]:
         """Experiences of one episode's calls (info as multi-turn workflows', plus "metrics")."""
         samples = call_samples(calls)
         last = calls[-1].choices[0] if calls[-1].choices else None
         out = []
         for s in samples:
-            info = {"trajectory_id": trajectory_id, "turns": len(calls), "samples": len(samples),
+            info = {"episode_id": episode_id, "turns": len(calls), "samples": len(samples),
                     "versions": [min(s["versions"], default=0), max(s["versions"], default=0)],
                     "finish_reason": last.finish_reason if last else "stop", "answer": task.answer,
                     "question": task.question, "response": " | ".join(t.strip() for t in s["texts"])[:4000],

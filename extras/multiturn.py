@@ -17,8 +17,8 @@ class MultiTurnWorkflow(Workflow):
     Each turn's prompt is the chat template of the conversation so far; while it extends the
     previous prompt + completion as an exact token prefix, the turn joins the same sample (the
     environment's tokens with action_mask 0, behaviour log-prob 0), else a new sample starts
-    (prime-rl's merging rule). The samples of a trajectory share its reward and
-    info["trajectory_id"], "turns", "samples"."""
+    (prime-rl's merging rule). The samples of an episode share its reward and
+    info["episode_id"], "turns", "samples"."""
 
     max_turns = 6
 
@@ -38,7 +38,7 @@ class MultiTurnWorkflow(Workflow):
         trajs = await asyncio.gather(*(self.episode(task, engine, group_id, f"{group_id}/{i}") for i in range(n)))
         return [e for t in trajs for e in t]
 
-    async def episode(self, task: Task, engine, group_id: str, trajectory_id: str) -> list[Experience]:
+    async def episode(self, task: Task, engine, group_id: str, episode_id: str) -> list[Experience]:
         """One conversation -> its samples."""
         env = self._idle_envs.pop() if self._idle_envs else self.make_env()
         msgs = self.system() + [{"role": "user", "content": await in_thread(env.reset, task)}]
@@ -74,7 +74,7 @@ class MultiTurnWorkflow(Workflow):
         reward = 0.0 if reward is None else float(reward)
         return [Experience(s["tokens"], s["prompt_length"], s["behaviour_logprobs"], s["mask"], reward, group_id,
                            task.task_id, min(s["versions"]),
-                           {"trajectory_id": trajectory_id, "turns": turns, "samples": len(samples),
+                           {"episode_id": episode_id, "turns": turns, "samples": len(samples),
                             "versions": [min(s["versions"]), max(s["versions"])],
                             "finish_reason": out.finish_reason, "answer": task.answer,
                             "response": " | ".join(transcript)})

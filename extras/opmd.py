@@ -12,7 +12,7 @@ from losses import ADVANTAGES, POLICY_LOSSES, LossInputs, group_stats, register,
 
 
 @register(ADVANTAGES, "opmd")
-def opmd_advantages(rewards, group_index, trajectory_index=None, baseline: str = "mean", tau: float = 1.0):
+def opmd_advantages(rewards, group_index, episode_index=None, baseline: str = "mean", tau: float = 1.0):
     """r - b, b the group's mean ("mean") or tau log mean exp(r / tau) ("logavgexp"); 0 for a group
     of one. [B] -> [B]. ValueError for another baseline. Reference: modelscope/Trinity-RFT
     trinity/algorithm/advantage_fn/opmd_advantage.py @ 547adf1."""

@@ -23,7 +23,7 @@ def clipped_reinforce(inp: LossInputs, cap: float = 1.5) -> dict[str, torch.Tens
             "capped": (ratio > cap).float()}                        # extra metric: loss/capped
 
 
-def rank_advantages(rewards, group_index, trajectory_index, **kw):
+def rank_advantages(rewards, group_index, episode_index, **kw):
     """Advantage = rank of the reward within the batch, centred: [B] -> [B]."""
     ranks = rewards.argsort().argsort().float()
     return ranks - ranks.mean()

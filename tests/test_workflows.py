@@ -97,7 +97,7 @@ def test_multi_turn_starts_a_new_sample_where_the_prefix_breaks(tok):
     wf = Counting(tok, None, None, "", Sampling(8))
     samples = play(wf, engine, Task("f/0", "q", "7"), n=2)
     assert [s.info["samples"] for s in samples] == [1, 1]  # the prefix holds: one sample each
-    assert samples[0].info["trajectory_id"] != samples[1].info["trajectory_id"]
+    assert samples[0].info["episode_id"] != samples[1].info["episode_id"]
     assert wf.made == 2  # two episodes in flight at once: two environments
     play(wf, engine, Task("f/1", "q", "7"), n=2)
     assert wf.made == 2  # then reset and reused, not rebuilt
@@ -131,10 +131,10 @@ def test_guess_number_game_trains_on_cpu(tiny_model, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r for r in metrics(run_dir) if "loss/grad_norm" in r]
     assert len(steps) == 2 and all(r["rollout/turns_mean"] >= 1 for r in steps)
-    assert all(r["rollout/samples_per_trajectory"] >= 1 for r in steps)
+    assert all(r["rollout/samples_per_episode"] >= 1 for r in steps)
     db = sqlite3.connect(run_dir / "buffer.sqlite")
     infos = [json.loads(i) for (i,) in db.execute("SELECT info FROM experiences")]
-    assert all("trajectory_id" in i and 1 <= i["turns"] <= 6 for i in infos)
+    assert all("episode_id" in i and 1 <= i["turns"] <= 6 for i in infos)
     samples = (run_dir / "samples.log").read_text()  # prompt, policy turns and marked environment turns
     assert "[prompt]" in samples and "[policy]" in samples and "[env]" in samples
 
