@@ -58,7 +58,7 @@ def evaluate_models(cfg: Config, tasks: tuple) -> list[dict]:
     per task, its samples with reward 1)."""
     from engines import make_engine
     from explorer import Explorer, correct_counts, engine_seed
-    from metrics import sampled_eval
+    from metrics import LEARNABLE_MIN, sampled_eval
     from models import resolve_model
     models = [m.strip() for m in cfg.bench_models.split(",") if m.strip()] or [str(Path(cfg.run_dir) / "final")]
     paths = [resolve_model(m) for m in models]
@@ -71,16 +71,21 @@ def evaluate_models(cfg: Config, tasks: tuple) -> list[dict]:
         try:
             t0 = time.perf_counter()
             correct = correct_counts(Explorer(cfg, engine, [], held_out, dataset, print).rollout(held_out, n=k))
-            r = sampled_eval(correct, k, k)
+            r = sampled_eval(correct, k, k, cfg.group_size)
             rows.append({"model": path, "task": cfg.task, "tasks": len(correct), "k": k, "correct": correct,
                          f"avg@{k}": r["eval/avg_at_k"], f"pass@{k}": r[f"eval/pass_at_{k}"],
-                         "pass@1": r["eval/pass_at_1"], "seconds": time.perf_counter() - t0})
+                         "pass@1": r["eval/pass_at_1"], "group_size": cfg.group_size,
+                         "learnable_groups": r.get("eval/learnable_groups"), "seconds": time.perf_counter() - t0})
         finally:
             engine.close()
     print(f"task {cfg.task}: {len(held_out)} held-out tasks, {k} samples each at temperature {cfg.temperature}")
-    print(f"{'model':<50} {'tasks':>5} {f'avg@{k}':>8} {f'pass@{k}':>8} {'pass@1':>8}")
+    g = f"learnable groups of {cfg.group_size}"  # metrics.learnable_groups: rewards that differ
+    print(f"{'model':<50} {'tasks':>5} {f'avg@{k}':>8} {f'pass@{k}':>8} {'pass@1':>8} {g:>24}")
     for r in rows:
-        print(f"{r['model'][-50:]:<50} {r['tasks']:>5} {r[f'avg@{k}']:>8.3f} {r[f'pass@{k}']:>8.3f} {r['pass@1']:>8.3f}")
+        f = r["learnable_groups"]
+        print(f"{r['model'][-50:]:<50} {r['tasks']:>5} {r[f'avg@{k}']:>8.3f} {r[f'pass@{k}']:>8.3f} {r['pass@1']:>8.3f} "
+              f"{'-' if f is None else f'{f:.0%}':>24}" + (f" (below {LEARNABLE_MIN:.0%}: most groups would give no advantage)" if f is not None
+                                                          and f < LEARNABLE_MIN else ""))
     out = Path(cfg.run_dir) / "bench.json"
     out.write_text(json.dumps(rows, indent=2))
     print(f"saved {out}")

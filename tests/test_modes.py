@@ -270,7 +270,9 @@ def test_bench_table_and_json(tiny_model, tmp_path):
         c = r["correct"]
         assert len(c) == 8 and all(0 <= x <= 3 for x in c)
         assert r["avg@3"] == pytest.approx(sum(c) / 24) and r["pass@3"] == pytest.approx(sum(x > 0 for x in c) / 8)
-    assert "avg@3" in res.stdout and "pass@3" in res.stdout
+        from metrics import learnable_groups  # the learnability forecast at the run's group size
+        assert r["learnable_groups"] == pytest.approx(learnable_groups(c, 3, r["group_size"]))
+    assert "avg@3" in res.stdout and "pass@3" in res.stdout and f"learnable groups of {rows[0]['group_size']}" in res.stdout
 
 
 def test_bench_on_a_run_dir_takes_the_runs_task(tiny_model, tmp_path, capsys, monkeypatch):

@@ -217,7 +217,7 @@ def test_judge_reward_over_http_and_with_a_local_model(tiny_model):
     (["--workflow", "tests.plugins.nothing"], "workflow 'tests.plugins.nothing' cannot be imported"),
     (["--workflow", "tests.plugins.clipped_reinforce"], "is not a subclass of workflows.Workflow"),
     (["--reward-fn", "judge", "--reward-kwargs", '{"modle": "x"}'], "takes no argument(s) ['modle']"),
-    (["--workflow-retries", "-1"], "workflow_retries >= 0"),
+    (["--workflow-retries", "-1"], "workflow_retries must be >= 0, got -1"),
 ])
 @pytest.mark.slow
 def test_bad_workflow_config_is_one_error_line(tiny_model, tmp_path, args, message):
