@@ -1,4 +1,5 @@
-"""Every setting of a run (`Config`), each a flag with its docstring as --help, and `parse_config`."""
+"""Every setting of a run (`Config`), each a flag with its docstring as --help, and `parse_config`.
+A file of its own: the explorer, the trainer and every extra read the same Config."""
 from __future__ import annotations
 
 import ast

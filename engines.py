@@ -1,5 +1,7 @@
 """Inference engines the explorer samples rollouts with: `Engine`, `HFEngine` (transformers), `ENGINES` (--engine;
-vLLM: extras/vllm_engine.py) and `make_engine`."""
+vLLM: extras/vllm_engine.py) and `make_engine`.
+A file of its own (the design card puts engines in explorer.py): the explorer, mode bench and the vLLM
+engine in extras/ share the Engine contract."""
 from __future__ import annotations
 
 import asyncio
