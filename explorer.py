@@ -281,7 +281,7 @@ def eval_cache(cfg, engine: Engine, held_out: list[Task], n: int) -> Path | None
     key = hashlib.sha256()
     for f in sorted(p for p in model.rglob("*") if p.is_file()):
         with f.open("rb") as fh:
-            key.update(f.name.encode() + hashlib.file_digest(fh, "sha256").digest())
+            key.update(str(f.relative_to(model)).encode() + hashlib.file_digest(fh, "sha256").digest())
     key.update(json.dumps([[[t.task_id, t.question, t.answer] for t in held_out], type(engine).__name__,
                            str(getattr(engine, "device", "")), [getattr(cfg, k) for k in EVAL_SETTINGS], n],
                           default=str).encode())
