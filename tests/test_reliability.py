@@ -663,3 +663,21 @@ def test_the_base_models_evaluation_is_read_from_the_cache_when_nothing_it_depen
         f.write_text("{not json")  # unreadable: a miss, never an error
     third, _ = evaluation()
     assert "eval/cached" not in third and third["eval/accuracy"] == first["eval/accuracy"]
+
+
+def test_the_evaluation_cache_key_tells_apart_a_file_in_another_folder(tiny_model, tmp_path, monkeypatch):
+    import shutil
+
+    import explorer as X
+    from config import Config
+    from workflows import Task
+
+    monkeypatch.setenv("NANORFT_CACHE", str(tmp_path / "cache"))
+    keys = []
+    for name, folder in (("one", "a"), ("two", "b")):  # the same file, in another folder
+        model = tmp_path / name
+        shutil.copytree(tiny_model, model)
+        (model / folder).mkdir()
+        (model / folder / "extra.txt").write_text("1")
+        keys.append(X.eval_cache(Config(model=str(model)), object(), [Task("t", "q", "1")], 4).name)
+    assert keys[0] != keys[1]
