@@ -145,34 +145,43 @@ class AllExplorersStarted(MathWorkflow):
 
 
 class WaitForPublish(MathWorkflow):
-    """In-flight test workflow: from the explorer's second generate call on, each call
-    pauses at its 3rd decode step (inside the engine's step hook) until the trainer has
-    announced newer weights, so an in-flight update lands mid-sequence on every batch,
-    however fast or slow either side is. Use with --inflight --sync-interval 1
-    --sync-offset 1 --eval-size 0 (then the trainer never waits for the paused batch)."""
+    """In-flight test workflow: the first generate call of each explorer batch from the second on pauses at
+    its 3rd decode step (inside the engine's step hook) until the trainer has announced weights newer than
+    those the call started with, so an in-flight update lands mid-sequence on every batch, however fast or
+    slow either side is. Use with --inflight --sync-interval 1 --sync-offset 1 --eval-size 0: then the
+    version it waits for is trained from an earlier batch, never from the paused one."""
+
+    deadline_s = 300.0
 
     async def run(self, task, engine, n):
         if not getattr(engine, "probe_installed", False):
             engine.probe_installed = True
-            hook, generate = engine.step_hook, engine.generate_batch
-            state = {"calls": 0, "steps": 0}
-
-            def generate_batch(*args):
-                state["calls"], state["steps"] = state["calls"] + 1, 0
-                return generate(*args)
-
-            def step_hook():
-                state["steps"] += 1
-                if state["calls"] >= 2 and state["steps"] == 3:
-                    start, deadline = engine.version, time.monotonic() + 300
-                    while self.announced(engine) <= start:
-                        if time.monotonic() > deadline:
-                            raise TimeoutError("no publish announced")
-                        time.sleep(0.01)
-                hook()
-
-            engine.generate_batch, engine.step_hook = generate_batch, step_hook
+            self.install(engine)
         return await super().run(task, engine, n)
+
+    def install(self, engine) -> None:
+        """Wrap `engine.generate_batch` and `engine.step_hook` with the pause."""
+        hook, generate = engine.step_hook, engine.generate_batch
+        state = {"steps": 0, "start": 0, "pause": False, "labels": set()}
+
+        def generate_batch(*args):
+            words = engine.label.split()  # "batch 3 (version 2)"; a retry of the batch keeps its label
+            later_batch = len(words) > 1 and words[0] == "batch" and int(words[1]) >= 1
+            state.update(steps=0, start=engine.version, pause=later_batch and engine.label not in state["labels"])
+            state["labels"].add(engine.label)
+            return generate(*args)
+
+        def step_hook():
+            state["steps"] += 1
+            if state["pause"] and state["steps"] == 3:  # an update loaded at steps 1-2 already landed mid-sequence
+                deadline = time.monotonic() + self.deadline_s
+                while self.announced(engine) <= state["start"]:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("no publish announced")
+                    time.sleep(0.01)
+            hook()
+
+        engine.generate_batch, engine.step_hook = generate_batch, step_hook
 
     def announced(self, engine) -> int:
         """The newest weight version the trainer has announced (broadcast sync)."""

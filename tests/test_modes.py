@@ -125,6 +125,44 @@ def test_both_with_checkpoint_sync_follows_the_schedule(tiny_model, tmp_path):
     assert receipt["sync/explorer_checksum"] == pytest.approx(sum(t.double().sum().item() for t in final.values()), rel=1e-12)
 
 
+class StubEngine:
+    """What WaitForPublish touches of an engine: the batch label, the version loaded, the announced one."""
+
+    def __init__(self):
+        self.label, self.version, self.announced, self.loads = "", 0, 0, []
+        self.step_hook = self.load_newest
+
+    def load_newest(self):  # the explorer's in-flight hook
+        self.loads.append(self.announced)
+        self.version = max(self.version, self.announced)
+
+    def weights_announced(self):
+        return self.announced
+
+    def generate_batch(self, *args, steps=4):
+        for _ in range(steps):
+            self.step_hook()
+
+
+def test_wait_for_publish_waits_for_weights_newer_than_the_call_started_with():
+    """The in-flight test workflow's pause cannot wait for weights trained from the batch it pauses: weights
+    loaded at the 1st decode step already landed mid-sequence, and a retry of a batch never pauses."""
+    from tests.plugins import WaitForPublish
+
+    wf, engine = WaitForPublish.__new__(WaitForPublish), StubEngine()
+    wf.deadline_s = 0.2
+    wf.install(engine)
+    engine.label = "batch 0 (version 0)"
+    engine.generate_batch([[1]], [1], None)  # the first batch: trained before any publish, never paused
+    engine.generate_batch([[1]], [1], None)  # its retry, as a second call: the same
+    engine.label, engine.announced = "batch 1 (version 0)", 1  # the trainer published while batch 1 starts
+    engine.generate_batch([[1]], [1], None)  # loaded at step 1: waiting at step 3 for version 2 would hang
+    assert engine.version == 1
+    engine.label = "batch 2 (version 1)"
+    with pytest.raises(TimeoutError):  # nothing newer than the start's version 1 is announced: it waits
+        engine.generate_batch([[1]], [1], None)
+
+
 @pytest.mark.slow
 def test_inflight_updates_mark_sequences_spanning_versions(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
