@@ -384,7 +384,11 @@ def explore(cfg, engine: Engine, tasks: tuple, buffer: Buffer, pace, log, batche
                 break
             busy(True)
             log(explorer.rollout_batch(batch, buffer))
-            if evaluated is None or engine.version // cfg.eval_interval > evaluated // cfg.eval_interval:
+            # after the last batch of a version: the trainer trains every batch of it while we evaluate
+            last_of_version = batch + 1 == batches or engine.version < sync.required_version(
+                batch + 1, cfg.sync_interval, cfg.sync_offset)
+            if last_of_version and (evaluated is None or engine.version // cfg.eval_interval
+                                    > evaluated // cfg.eval_interval):
                 evaluated = evaluate()
         busy(False)
         engine.step_hook = None

@@ -98,7 +98,7 @@ class Fake:
         pass
 
 
-def test_an_evaluation_runs_after_its_versions_first_batch(monkeypatch):
+def test_an_evaluation_runs_after_its_versions_last_batch(monkeypatch):
     engine = Fake()
 
     class Recorder:
@@ -131,9 +131,9 @@ def test_an_evaluation_runs_after_its_versions_first_batch(monkeypatch):
             engine.version = 4
 
     explorer.explore(cfg, engine, ([], [], None), None, Pace(), lambda r: None, 4)
-    # the trainer trains on batch 0 (2) while the explorer evaluates version 0 (2)
-    assert engine.calls == [("batch", 0, 0), ("eval", 0), ("batch", 1, 0), ("batch", 2, 2), ("eval", 2),
-                            ("batch", 3, 2), ("eval", 4)]
+    # the trainer trains on batches 0 and 1 (2 and 3) while the explorer evaluates version 0 (2)
+    assert engine.calls == [("batch", 0, 0), ("batch", 1, 0), ("eval", 0), ("batch", 2, 2), ("batch", 3, 2),
+                            ("eval", 2), ("eval", 4)]
 
 
 def test_a_prefix_common_to_all_prompts_is_prefilled_once_and_logprobs_stay_exact(tiny_model):
