@@ -181,7 +181,7 @@ def test_a_topology_is_removed_after_an_error_and_after_ctrl_c(tmp_path):
 @pytest.mark.slow
 def test_two_trainer_nodes_explorers_and_postgres_on_hosts_of_their_own(tiny_model, tmp_path):
     # The tiny preset on five hosts: PostgreSQL on db, torchrun --nnodes 2 on t0 + t1 (c10d rendezvous on t0's
-    # address), explorers on e0 and e1. Broadcast sync with three faults in one run: e1's link down 30 s (the run
+    # address), explorers on e0 and e1. Broadcast sync with three faults in one run: e1's link down 10 s (the run
     # goes on), the PostgreSQL server restarted and trainer node t1 killed (each ends the run with one error line
     # per process; --resume continues it); then checkpoint sync in a shared directory with a slow link on e1.
     need_namespaces()
@@ -191,7 +191,7 @@ def test_two_trainer_nodes_explorers_and_postgres_on_hosts_of_their_own(tiny_mod
     for method, faults, steps in (("broadcast", ["link", "postgres", "node"], 8), ("checkpoint", ["slow"], 4)):
         with hosts.Topology() as topo:
             results[method] = r = hosts.run_job(topo, tmp_path / method, flags, method, faults, steps, 2, 4,
-                                                link_down_s=30, timeout_s=600)
+                                                link_down_s=10, timeout_s=600)
         assert hosts.leftovers(topo.tag) == {"namespaces": [], "links": [], "processes": []}
         assert {k: r[k] for k in ("lost", "trained_twice", "generated_twice", "left_running")} == dict.fromkeys(
             ("lost", "trained_twice", "generated_twice", "left_running"), 0), r
