@@ -39,13 +39,13 @@ def packed_tokens(exps: list[Experience], row_tokens: int = 0) -> int:
     return len(lengths) * max(lengths)
 
 
-def pack(exps: list[Experience], pad: int, row_tokens: int = 0) -> dict[str, torch.Tensor]:
+def pack(exps: list[Experience], pad: int, row_tokens: int = 0, multiple: int = 1) -> dict[str, torch.Tensor]:
     """`share_prompts` rows under a block mask: each response gets the log-probs of prompt + response alone.
-    input_ids, position_ids [N, L], attention_mask [N, 1, L, L] bool; per response token rows / positions
-    (predicting it) / targets / seq / col [T] long; response_ids / behaviour_logprobs / mask [B, R]."""
+    input_ids, position_ids [N, L], attention_mask [N, 1, L, L] bool, L padded to a `multiple`; per response token
+    rows / positions (predicting it) / targets / seq / col [T] long; response_ids / behaviour_logprobs / mask [B, R]."""
     R = max(1, max(len(e.tokens) - e.prompt_length for e in exps))
     rows = share_prompts(exps, row_tokens)
-    L = max(row_length(exps, *row) for row in rows)
+    L = -(-max(row_length(exps, *row) for row in rows) // multiple) * multiple
     # seg: 0 = prompt, k = k-th response of the row, -1 = pad
     ids, pos, seg = (torch.full((len(rows), L), v, dtype=torch.long) for v in (pad, 0, -1))
     index: list[tuple[int, int, int, int]] = []  # (row, predicting position, sequence, column) per response token

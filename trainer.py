@@ -26,6 +26,9 @@ from perf import matmul_params, mfu, train_flops, unit_peak
 GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opmd", "grpo_stepwise")  # baselines from the other rollouts of a group
 REFERENCE = "extras.reference.Reference"  # the frozen reference policy of the KL terms and DPO
 PART_TOTALS = "extras.policy_losses.part_totals"  # the aggregation totals of a split_expert loss (MIX)
+# packed rows padded to a multiple of this many tokens: the same few tensor shapes step after step, so the CPU
+# allocator reuses its blocks instead of fragmenting (without it the trainer's RSS grows every step; docs/benchmarks.md)
+LENGTH_MULTIPLE = 32
 
 
 @dataclass
@@ -184,7 +187,7 @@ class Trainer:
     def logprobs(self, model, mb: list[Experience], padding: bool, entropy: bool = False):
         """(`pack` of `mb` on the device, mask 0 if `padding`; log-probs [B, R]; entropy [B, R] or None)."""
         self._lent_cores()
-        b = {k: v.to(self.device) for k, v in pack(mb, self.pad, self.cfg.token_budget).items()}
+        b = {k: v.to(self.device) for k, v in pack(mb, self.pad, self.cfg.token_budget, LENGTH_MULTIPLE).items()}
         b["mask"] = b["mask"] * (not padding)
         self.computed_tokens += b["input_ids"].numel()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
