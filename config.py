@@ -181,6 +181,11 @@ class Config:
     """JSONL of chats ({"messages": [...]}) mixed into each batch as expert data (policy_loss mix)"""
     expert_fraction: float = 0.0
     """fraction of each training batch's sequences that are expert data"""
+    teacher: str = ""
+    """on-policy distillation: a teacher model (as --model, with the student's tokenizer); its log-prob of each
+    sampled token minus the behaviour log-prob joins that token's advantage ('' = none)"""
+    distill_coef: float = 1.0
+    """weight of the teacher's term: each token's advantage gains this x (teacher - behaviour log-prob, in nats); 0 = plain RL"""
     # -- trainer
     lr: float = 3e-5
     """AdamW learning rate"""
@@ -315,6 +320,6 @@ def check_values(cfg: Config) -> None:
     for name in ("lr", "weight_decay", "max_grad_norm", "kl_loss_coef", "kl_reward_coef", "entropy_coef", "length_penalty",
                  "eval_temperature", "buffer_timeout_s", "sync_timeout_s", "sync_bucket_mb", "train_size", "eval_size",
                  "checkpoint_interval", "log_samples", "trainer_threads", "explorer_threads", "lora_rank", "eval_k",
-                 "lr_warmup_steps", "workflow_retries", "refill_rounds", "sync_offset"):
+                 "lr_warmup_steps", "workflow_retries", "refill_rounds", "sync_offset", "distill_coef"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")

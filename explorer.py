@@ -29,6 +29,8 @@ from models import cache_dir, read_cached, resolve_model, write_cached
 from perf import mfu, unit_peak
 from workflows import PIPELINES, Shuffle, Task, load_reward_fn, load_workflow, readable
 
+TEACHER_EVAL = "extras.distill.evaluate_teacher"  # --teacher: its held-out accuracy, once, with batch 0's record
+
 
 def check_config(cfg, tokenizer, dataset) -> None:
     """Resolve engine "auto"; ValueError (one line) for an engine or (with `tokenizer`) a workflow that cannot work."""
@@ -78,7 +80,7 @@ class Explorer:
         self.seed = explorer_seed(cfg.seed, cfg.explorer_name)
         self.selector = None if cfg.task_pipeline else make_selector(cfg, train, self.seed)  # else in `resume`
         self.rng, self.samples = random.Random(self.seed + 1), Path(cfg.run_dir) / "samples.log"
-        self.curation: dict = {}  # the task pipeline's metrics, reported with the next batch
+        self.curation: dict = {}  # metrics reported with the next batch: the task pipeline's, the teacher's
         device = getattr(engine, "device", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         self.on_cpu, self.peak = device.type == "cpu", unit_peak(device.type, cfg.dtype)
 
@@ -368,6 +370,8 @@ def explore(cfg, engine: Engine, tasks: tuple, buffer: Buffer, pace, log, batche
         pace.join()
         explorer = Explorer(cfg, engine, *tasks, log)
         first = explorer.resume(buffer)
+        if cfg.teacher and cfg.eval_size and first == 0:
+            explorer.curation.update(resolve(TEACHER_EVAL, {}, "teacher")(cfg, engine, tasks))
         if cfg.inflight:
             engine.step_hook = pace.inflight
         evaluated = None  # the weight version last evaluated

@@ -199,7 +199,8 @@ class TrainLoop:
             theirs = [g for g in rollouts if g[0].explorer == name]
             m[f"explorer/{name}/share"] = len(theirs) / len(rollouts)
             m[f"explorer/{name}/staleness"] = sum(step - g[0].model_version for g in theirs) / len(theirs)
-        self.zero_adv_steps = self.zero_adv_steps + 1 if m["advantage/abs_mean"] == 0 else 0
+        # a teacher's per-token term teaches where every task advantage is 0
+        self.zero_adv_steps = self.zero_adv_steps + 1 if m["advantage/abs_mean"] == 0 and not self.cfg.teacher else 0
         errored = sum("reward_error" in e.info for g in rollouts for e in g) == len(v)
         self.errored_steps = self.errored_steps + 1 if errored else 0
         m.update({"advantage/zero_steps": self.zero_adv_steps, "rollout/all_rewards_errored": int(errored)})

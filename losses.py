@@ -34,7 +34,8 @@ class LossInputs:
 ADVANTAGES: dict[str, Callable | str] = {
     "grpo": "losses.grpo_advantages", "dr_grpo": "extras.advantages.dr_grpo_advantages",
     "rloo": "extras.advantages.rloo_advantages", "reinforce_pp": "extras.advantages.reinforce_pp_advantages",
-    "grpo_stepwise": "extras.advantages.stepwise_grpo_advantages", "opmd": "extras.opmd.opmd_advantages"}
+    "grpo_stepwise": "extras.advantages.stepwise_grpo_advantages", "opmd": "extras.opmd.opmd_advantages",
+    "none": "extras.distill.no_advantages"}
 POLICY_LOSSES: dict[str, Callable | str] = {
     "ppo_clip": "losses.ppo_clip_loss", "dppo_kl": "extras.policy_losses.dppo_kl_loss",
     "reinforce_tis": "extras.policy_losses.reinforce_tis_loss", "cispo": "extras.policy_losses.cispo_loss",

@@ -111,6 +111,8 @@ def prepare(cfg: Config, rank: int) -> Prepared:
     tasks = workflows.prepare_tasks(cfg)
     tok = AutoTokenizer.from_pretrained(model_path) if rank == 0 else None
     explorer.check_config(cfg, tok, tasks[2])
+    if rank == 0 and cfg.teacher:
+        resolve(trainer.TEACHER, {}, "teacher").check(cfg, tok)
     if rank == 0 and (cfg.expert_fraction or cfg.train_data):
         resolve("extras.offline.check_offline_data", {}, "offline data")(cfg, tok)
     run_dir = Path(cfg.run_dir)

@@ -26,6 +26,7 @@ from perf import matmul_params, mfu, train_flops, unit_peak
 GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opmd", "grpo_stepwise")  # baselines from the other rollouts of a group
 REFERENCE = "extras.reference.Reference"  # the frozen reference policy of the KL terms and DPO
 PART_TOTALS = "extras.policy_losses.part_totals"  # the aggregation totals of a split_expert loss (MIX)
+TEACHER = "extras.distill.Teacher"  # --teacher: on-policy distillation's per-token term of the advantage
 # packed rows padded to a multiple of this many tokens: the same few tensor shapes step after step, so the CPU
 # allocator reuses its blocks instead of fragmenting (without it the trainer's RSS grows every step; docs/benchmarks.md)
 LENGTH_MULTIPLE = 32
@@ -131,6 +132,7 @@ class Trainer:
         self.final_dtype = own if cfg.save_dtype == "auto" else getattr(torch, cfg.save_dtype)
         self.needs_ref = bool(cfg.kl_loss_coef or cfg.kl_reward_coef or getattr(self.loss_fn, "needs_ref", False))
         self.ref = resolve(REFERENCE, {}, "reference")(self, model_path) if self.needs_ref else None
+        self.teacher = resolve(TEACHER, {}, "teacher")(self, models.resolve_model(cfg.teacher)) if cfg.teacher else None
         self.opt = torch.optim.AdamW([p for _, p in self.published()], lr=cfg.lr, weight_decay=cfg.weight_decay,
                                      betas=(0.9, 0.99), fused=not self.sharded or None)  # fused: no temporaries
         self.lr_factor, self.version = lr_schedule(cfg, self.opt), 0
@@ -208,8 +210,8 @@ class Trainer:
             key=packed_tokens)
         my_rows = rows[self.rank::self.world]  # this rank's share
         filler = batch.exps[0]  # a padding micro-batch: this sequence, masked out
-        if self.ref:
-            self.ref.compute(my_rows, filler)
+        for frozen in filter(None, (self.ref, self.teacher)):
+            frozen.compute(my_rows, filler)
         rewards, m = self.shape_rewards(batch, my_rows)
         adv = self.advantages(batch, rewards)
         keep, filtered = self.apply_filters(batch, adv)
@@ -296,7 +298,10 @@ class Trainer:
         mask, behaviour = b["mask"], b["behaviour_logprobs"]                              # [B, R]
         idx = torch.tensor([batch.row[id(e)] for e in mb])                                # [B]
         ref_lp = self.ref.micro_batch(mb, padding, behaviour) if self.ref else None      # [B, R]
-        out = self.loss_fn(LossInputs(lp, behaviour, dev(adv[idx][:, None].expand(*mask.shape)), mask, dev(rewards[idx]),
+        adv_t, extra = dev(adv[idx][:, None].expand(*mask.shape)), {}                    # [B, R]
+        if self.teacher:  # per-token terms of the advantage, and their metrics
+            adv_t, extra = self.teacher.advantages(adv_t, mb, padding, behaviour, mask, dev(batch.offline[idx]))
+        out = self.loss_fn(LossInputs(lp, behaviour, adv_t, mask, dev(rewards[idx]),
                                       dev(torch.unique(batch.group_index[idx], return_inverse=True)[1]), ref_lp,
                                       dev(batch.offline[idx])), **cfg.policy_loss_kwargs)
         per_token = out["loss"]                                                           # [B, R]
@@ -310,7 +315,7 @@ class Trainer:
             parts = {"loss/entropy": ent,
                      "loss/kl_behaviour": kl_estimate(behaviour, lp, "k3") * rollout,
                      "loss/logprob_abs_diff": (lp - behaviour).abs() * rollout,
-                     **{f"loss/{k}": v for k, v in out.items() if k != "loss"}}
+                     **{f"loss/{k}": v for k, v in out.items() if k != "loss"}, **extra}
             if ref_lp is not None:
                 parts["loss/kl_ref"] = kl_estimate(lp, ref_lp, cfg.kl_estimator)
             return {"loss/policy": float(aggregate(out["loss"], mask, self.agg, *totals(idx))),

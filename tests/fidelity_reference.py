@@ -11,7 +11,8 @@ losses.py: this is the independent side of the comparison.
 
 The fixed inputs of tests/test_fidelity.py live here, at module level, and the test imports
 them, so both sides use one copy. `compute()` returns {constant name: value} with the names
-test_fidelity.py uses; running this file prints them:
+test_fidelity.py uses (`compute(DISTILL_PARTS)`: tests/test_distill.py's); running this file
+prints them all:
 
     .venv/bin/python tests/fidelity_reference.py
 
@@ -27,6 +28,9 @@ Sources read (each at the commit test_fidelity.py names, except where noted):
   ServiceNow/PipelineRL @ 58d3934: pipelinerl/finetune/rl/__init__.py, pipelinerl/finetune/rl/utils.py,
       conf/finetune/base.yaml
   huggingface/trl @ f2cd577: trl/trainer/dpo_trainer.py, trl/trainer/dpo_config.py
+  thinking-machines-lab/tinker-cookbook @ 9dfcc3a: tinker_cookbook/distillation/train_on_policy.py,
+      tinker_cookbook/rl/data_processing.py (tests/test_distill.py); Tinker's "importance_sampling" loss runs on
+      the Tinker service: as its documentation writes it (tinker-docs.thinkingmachines.ai/losses)
   Le Roux et al., arXiv:2503.14286, sec. 3 (TOPR has no reference code)
 
 Dependencies: torch and numpy only.
@@ -84,6 +88,15 @@ GSPO_EXTREME_BEHAVIOUR = [[-30.0, -0.5]]
 
 MIX_EXPERT = [False, True, False, True]     # MIX: sequences 1 and 3 are expert (SFT) data
 DPO_REWARDS = [1.0, 0.0, 0.0, 1.0]          # DPO: pairs (chosen 0, rejected 1), (chosen 3, rejected 2)
+
+# on-policy distillation: the teacher's log-probs of the sampled tokens (the behaviour policy's: BEHAVIOUR);
+# a prompt of DISTILL_PROMPT tokens before each response, MASK's trailing 0s the shorter responses' padding
+TEACHER = [[-0.9, -0.4, -1.6, -0.7],
+           [-0.5, -1.5, -0.9, -1.0],
+           [-0.6, -1.2, -0.3, -0.8],
+           [-1.1, -0.2, -0.8, -2.5]]
+TEACHER_PROMPT = [-2.0, -0.7]  # the teacher's log-probs of the prompt's tokens after the first
+DISTILL_PROMPT = 3
 
 ENTROPY_LOGITS = [[[1.0, -0.5, 2.0, 0.3], [0.0, 0.0, 0.0, 0.0]], [[-3.0, 1.0, 0.5, 0.5], [4.0, -2.0, 1.0, 0.0]]]
 
@@ -1026,17 +1039,104 @@ def dpo():
     return {"DPO_LOSS": loss.item(), "DPO_GRAD": lp.grad.tolist()}
 
 
+# ----------------------------------------------------------------------------- tinker-cookbook: on-policy distillation
+
+def tinker_compute_advantages(rewards_P):
+    """thinking-machines-lab/tinker-cookbook tinker_cookbook/rl/data_processing.py compute_advantages
+    @ 9dfcc3a, each group's total rewards given as a list (traj_group.get_total_rewards())."""
+    advantages_P = []
+    for rewards in rewards_P:
+        rewards_G = torch.tensor(rewards)
+        # Center advantages within the group
+        advantages_G = rewards_G - rewards_G.mean()
+        advantages_P.append(advantages_G)
+    return advantages_P
+
+
+def tinker_datum(prompt_len, action_logprobs, traj_advantage):
+    """The loss_fn_inputs of tinker-cookbook's trajectory_to_data (tinker_cookbook/rl/data_processing.py
+    @ 9dfcc3a) for a trajectory of one transition (an observation of `prompt_len` tokens, one action) and
+    no parse error: sampled log-probs, advantages and mask over the full sequence, then [1:] (the targets)."""
+    sampled_logprobs = [0.0] * prompt_len + action_logprobs
+    advantages = [0] * prompt_len + [traj_advantage] * len(action_logprobs)
+    mask = [0.0] * prompt_len + [1.0] * len(action_logprobs)
+    return {"logprobs": torch.tensor(sampled_logprobs[1:]), "advantages": torch.tensor(advantages[1:]),
+            "mask": torch.tensor(mask[1:])}
+
+
+def tinker_incorporate_kl_penalty(data_D, teacher_logprobs_D, kl_penalty_coef, kl_discount_factor):
+    """thinking-machines-lab/tinker-cookbook tinker_cookbook/distillation/train_on_policy.py
+    incorporate_kl_penalty @ 9dfcc3a: each datum its loss_fn_inputs (dict of tensors); the teacher's
+    compute_logprobs_async replaced by its result teacher_logprobs_D (the full sequence's, None first);
+    one dataset; kl_discount_factor 0 (discounted_future_sum_vectorized is not reached). Updates the
+    datums' advantages; returns the metrics."""
+    # The reverse KL is computed as KL[p||q] = log p - log q, where
+    #   - p: sampled_logprobs
+    #   - q: teacher_logprobs
+    sampled_logprobs_D = [datum["logprobs"] for datum in data_D]
+    float_masks = [datum["mask"].float() for datum in data_D]
+    reverse_kl = [
+        (sampled_logprobs - torch.tensor(teacher_logprobs[1:])) * mask
+        for teacher_logprobs, sampled_logprobs, mask in zip(teacher_logprobs_D, sampled_logprobs_D, float_masks)
+    ]
+    for i, datum in enumerate(data_D):
+        # The advantage is the negative reverse KL. We can optionally apply a discount factor.
+        kl_advantages = -kl_penalty_coef * float_masks[i] * reverse_kl[i]
+        assert kl_discount_factor == 0
+        datum["advantages"] = datum["advantages"] + kl_advantages
+    # Compute average reverse KL over the batch for logging purposes
+    avg_logp_diff = sum([diff.sum() for diff in reverse_kl]) / sum([mask.sum() for mask in float_masks])
+    return {"teacher_kl": float(avg_logp_diff)}
+
+
+def tinker_importance_sampling_loss(target_logprobs, sampling_logprobs, advantages):
+    """Tinker's "importance_sampling" loss of one datum as its documentation writes it
+    (tinker-docs.thinkingmachines.ai/losses, Importance sampling); forward_backward sums it over the datums."""
+    # Compute probability ratio
+    prob_ratio = torch.exp(target_logprobs - sampling_logprobs)
+    # Compute importance-weighted loss
+    loss = -(prob_ratio * advantages).sum()
+    return loss
+
+
+def distill():
+    """tinker-cookbook's on-policy distillation step on the fixed batch: sequence i a prompt of DISTILL_PROMPT
+    tokens and a response of sum(MASK[i]) tokens sampled with BEHAVIOUR, scored by TEACHER; groups G4 with
+    rewards R4 (else all rewards 0: no task advantage); the current policy's log-probs LP."""
+    out = {}
+    for coef, task in ((0.5, "rewards"), (1.0, "none")):
+        lengths = [int(sum(m)) for m in MASK]
+        groups = [[r if task == "rewards" else 0.0 for r, g in zip(R4, G4) if g == k] for k in sorted(set(G4))]
+        advantages = [a for adv in tinker_compute_advantages(groups) for a in adv.tolist()]
+        data_D = [tinker_datum(DISTILL_PROMPT, BEHAVIOUR[i][:n], advantages[i]) for i, n in enumerate(lengths)]
+        teacher_logprobs_D = [[None] + TEACHER_PROMPT + TEACHER[i][:n] for i, n in enumerate(lengths)]
+        metrics = tinker_incorporate_kl_penalty(data_D, teacher_logprobs_D, coef, 0.0)
+        lp = _lp()
+        loss = sum(tinker_importance_sampling_loss(
+            torch.cat([torch.zeros(DISTILL_PROMPT - 1), lp[i, :n]]), datum["logprobs"], datum["advantages"])
+            for i, (n, datum) in enumerate(zip(lengths, data_D)))
+        loss.backward()
+        adv = [datum["advantages"][DISTILL_PROMPT - 1:].tolist() + [0.0] * (len(MASK[0]) - n)
+               for n, datum in zip(lengths, data_D)]
+        out[(coef, task)] = (adv, metrics["teacher_kl"], loss.item(), lp.grad.tolist())
+    return {"DISTILL": out}
+
+
 # ----------------------------------------------------------------------------- all of them
 
-def compute() -> dict:
-    """{name in tests/test_fidelity.py: value (number, nested list, or a dict / tuple of them)}."""
+FIDELITY_PARTS = (dppo, topr, kl_estimators, mix, kimi, ppo, gspo, cispo, tis, dpo, pairwise, opmd_simple, advantages,
+                  stepwise, entropy)  # the goldens of tests/test_fidelity.py
+DISTILL_PARTS = (distill,)  # of tests/test_distill.py
+
+
+def compute(parts=FIDELITY_PARTS) -> dict:
+    """{name in the test file of `parts`: value (number, nested list, or a dict / tuple of them)}."""
     out = {}
     previous = torch.get_default_dtype()
     # float64 throughout, also for the references' dtype-less constants (torch.tensor(0.0), torch.tensor(1.0))
     torch.set_default_dtype(torch.float64)
     try:
-        for part in (dppo, topr, kl_estimators, mix, kimi, ppo, gspo, cispo, tis, dpo, pairwise, opmd_simple,
-                     advantages, stepwise, entropy):
+        for part in parts:
             out.update(part())
     finally:
         torch.set_default_dtype(previous)
@@ -1061,5 +1161,5 @@ def _fmt(x):
 
 
 if __name__ == "__main__":
-    for name, value in compute().items():
+    for name, value in {**compute(), **compute(DISTILL_PARTS)}.items():
         print(f"{name} = {_fmt(value)}")

@@ -1,0 +1,75 @@
+"""On-policy distillation (--teacher): the student samples its rollouts, a frozen teacher scores every
+sampled token, and the per-token reverse KL joins the advantage (`Teacher`, built by the trainer by import
+path trainer.TEACHER); the `none` advantage (losses.ADVANTAGES) leaves the teacher's term alone, and
+`evaluate_teacher` measures the teacher's own held-out accuracy once, in the explorer process.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from extras.reference import Reference
+from losses import ADVANTAGES, register
+from models import resolve_model
+
+
+@register(ADVANTAGES, "none")
+def no_advantages(rewards, group_index, episode_index=None):
+    """Zeros [B]: no task advantage, so that --teacher alone trains (pure on-policy distillation)."""
+    return torch.zeros_like(rewards)
+
+
+def distill_advantages(advantages: torch.Tensor, teacher_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                       mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """`advantages` [B, T] plus coef x (teacher - behaviour log-prob) on each token where `mask` [B, T] is 1:
+    the negative per-token reverse KL(student || teacher), discount 0. Source: Agarwal et al., arXiv:2306.13649;
+    Thinking Machines, "On-Policy Distillation" (2025). Reference: thinking-machines-lab/tinker-cookbook
+    tinker_cookbook/distillation/train_on_policy.py incorporate_kl_penalty @ 9dfcc3a (kl_penalty_coef = coef);
+    Trinity-RFT on_policy_distill_workflow.py @ 2dd56e0 (the teacher at the sampling temperature); prime-rl's
+    teacher_tau (src/prime_rl/trainer/rl/loss.py @ 09e11c7) takes the current log-probs where this takes the
+    behaviour's."""
+    return advantages + coef * mask * (teacher_logprobs - behaviour_logprobs)
+
+
+class Teacher(Reference):
+    """The teacher's log-probs of each step's sequences for `trainer`: its own frozen model (also with LoRA),
+    sharded and computed as the policy's (packing, shared prompts, precision, temperature)."""
+
+    def __init__(self, trainer, model_path: str):
+        from trainer import Trainer  # the plain model: a LoRA trainer's `pretrained` would add adapters
+        self.trainer, self.seqs, self.coef = trainer, {}, trainer.cfg.distill_coef
+        self.model = trainer.shard(Trainer.pretrained(trainer, model_path)).requires_grad_(False).eval()
+
+    @staticmethod
+    def check(cfg, tokenizer) -> None:
+        """FileNotFoundError / ValueError (one line): cfg.teacher is no model, or its tokenizer is not `tokenizer`."""
+        from transformers import AutoTokenizer
+        theirs = AutoTokenizer.from_pretrained(resolve_model(cfg.teacher))
+        if theirs.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"--teacher {cfg.teacher}: its tokenizer differs from the student's ({len(theirs)} vs "
+                             f"{len(tokenizer)} tokens); the teacher must score the student's token ids")
+
+    def advantages(self, adv: torch.Tensor, mb: list, padding: bool, behaviour: torch.Tensor, mask: torch.Tensor,
+                   offline: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(`adv` [B, R] with the teacher's term of micro-batch `mb`, {"distill/reverse_kl": behaviour - teacher
+        log-prob [B, R]}); offline [B] sequences have no behaviour log-probs: no term there."""
+        teacher = self.micro_batch(mb, padding, behaviour)                                 # [B, R]
+        rollout = mask * ~offline[:, None]                                                  # [B, R]
+        return (distill_advantages(adv, teacher, behaviour, rollout, self.coef),
+                {"distill/reverse_kl": (behaviour - teacher) * rollout})
+
+
+def evaluate_teacher(cfg, engine, tasks: tuple) -> dict[str, float]:
+    """teacher/* (Explorer.evaluate's eval/* at version 0, cached as any) of cfg.teacher on the held-out tasks
+    of `tasks` (train, held-out, dataset), with an HFEngine beside the explorer's `engine`; {} without tasks."""
+    from engines import HFEngine
+    from explorer import Explorer, engine_seed
+    theirs = dataclasses.replace(cfg, model=cfg.teacher, lora_rank=0, selector="shuffle", selector_kwargs={})
+    teacher = HFEngine.from_config(theirs, resolve_model(cfg.teacher), engine_seed(cfg),
+                                   str(getattr(engine, "device", "")), False)
+    try:
+        record = Explorer(theirs, teacher, [], tasks[1], tasks[2], print).evaluate(0) or {}
+    finally:
+        teacher.close()
+    return {"teacher/" + k.removeprefix("eval/"): v for k, v in record.items() if k.startswith("eval/")}
