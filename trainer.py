@@ -66,6 +66,8 @@ def check_config(cfg) -> None:
                          "renormalised nucleus, the trainer's of the full softmax; train with top_p 1")
     if not 0 <= cfg.expert_fraction < 1 or not 0 <= cfg.pool_lift_fraction <= 1:
         raise ValueError("need 0 <= expert_fraction < 1 and 0 <= pool_lift_fraction <= 1")
+    if cfg.advantage == "none" and not cfg.teacher:
+        raise ValueError("advantage none makes every advantage 0: it trains beside --teacher only (on-policy distillation)")
     if cfg.group_size < 2 and cfg.advantage in GROUP_ADVANTAGES and not cfg.train_data:
         raise ValueError(f"advantage {cfg.advantage} compares the rollouts of a group: it needs group_size >= 2")
     if (cfg.policy_loss == "mix") != (cfg.expert_fraction > 0):

@@ -152,9 +152,19 @@ def test_the_teachers_evaluation_is_its_own_and_cached(tiny_model, teacher_model
     assert entry.name != eval_cache(cfg, student, tasks[1], 4).name
 
 
+def test_no_advantage_without_a_teacher_is_refused():
+    from config import Config
+    from trainer import check_config
+
+    check_config(Config(advantage="none", teacher="smollm2-135m"))
+    with pytest.raises(ValueError, match="advantage none makes every advantage 0"):
+        check_config(Config(advantage="none"))
+
+
 @pytest.mark.slow
 def test_bad_teachers_are_one_error_line(tiny_model, other_tokenizer_model, tmp_path):
     for args, message in [(["--teacher", other_tokenizer_model], "its tokenizer differs from the student's"),
+                          (["--advantage", "none"], "advantage none makes every advantage 0"),
                           (["--teacher", tmp_path / "nowhere"], "model directory not found"),
                           (["--teacher", tiny_model, "--distill-coef", "-1"], "distill_coef must be >= 0")]:
         res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", tmp_path / "r", *args,
