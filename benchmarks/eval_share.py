@@ -53,15 +53,15 @@ def main() -> None:
                 (Path(cache) / entry.name).symlink_to(entry)
         runs = {"first run": one_run(flags, Path(cache)), "re-run": one_run(flags, Path(cache)),
                 "no evaluations": one_run([*flags, "--eval-size", "0"], Path(cache))}
-    print(f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()}), flags {' '.join(flags) or 'none'}")
+    cpu = f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
+    print(f"{cpu}, flags {' '.join(flags) or 'none'}")
     base = runs["no evaluations"]["wall_s"]
     for name, r in runs.items():
         r["share"] = (r["wall_s"] - base) / r["wall_s"]
         print(f"{name:15s} wall {r['wall_s']:6.1f} s  evaluations {r['eval_s']:5.1f} s ({r['evaluations']})  "
               f"share {r['share']:6.1%}  final greedy {r['final_accuracy']}  avg@k {r['final_avg_at_k']}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"flags": flags, "cpu": f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})",
-                                              "runs": runs}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"flags": flags, "cpu": cpu, "runs": runs}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from extras.reference import Reference
+from extras.reference import Reference, frozen_model
 from losses import ADVANTAGES, register
 from models import resolve_model
 
@@ -37,9 +37,8 @@ class Teacher(Reference):
     sharded and computed as the policy's (packing, shared prompts, precision, temperature)."""
 
     def __init__(self, trainer, model_path: str):
-        from trainer import Trainer  # the plain model: a LoRA trainer's `pretrained` would add adapters
         self.trainer, self.seqs, self.coef = trainer, {}, trainer.cfg.distill_coef
-        self.model = trainer.shard(Trainer.pretrained(trainer, model_path)).requires_grad_(False).eval()
+        self.model = frozen_model(trainer, model_path)
 
     @staticmethod
     def check(cfg, tokenizer) -> None:

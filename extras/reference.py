@@ -12,13 +12,19 @@ import torch.distributed as dist
 from losses import kl_estimate
 
 
+def frozen_model(trainer, model_path: str):
+    """The model at `model_path`, sharded as `trainer`'s policy, without gradients, in eval mode."""
+    from trainer import Trainer  # the plain model: a LoRA trainer's `pretrained` would add adapters
+    return trainer.shard(Trainer.pretrained(trainer, model_path)).requires_grad_(False).eval()
+
+
 class Reference:
     """The reference log-probs of each step's sequences for `trainer`."""
 
     def __init__(self, trainer, model_path: str):
         self.trainer, self.seqs, self.model = trainer, {}, None
         if not trainer.lora:  # LoRA: the policy with its adapters disabled
-            self.model = trainer.shard(trainer.pretrained(model_path)).requires_grad_(False).eval()
+            self.model = frozen_model(trainer, model_path)
 
     @contextlib.contextmanager
     def module(self):
