@@ -112,13 +112,15 @@ class Config:
     """name recorded on every experience of this explorer"""
     # -- sync between explorer and trainer
     sync_method: str = "auto"
-    """weight sync: broadcast (torch.distributed), checkpoint (files in run_dir), or auto (broadcast in mode both)"""
+    """weight sync: broadcast (torch.distributed), ipc (mode both, explorer on trainer rank 0's device: handles of the
+    weights, CUDA IPC on a GPU, shared memory on the CPU), checkpoint (files in run_dir), or auto (mode both: ipc for
+    the hf engine colocated on a GPU, else broadcast; explore / train: checkpoint)"""
     sync_host: str = "127.0.0.1"
     """address of the weight-sync store, where trainer rank 0 listens"""
     sync_port: int = 0
     """port of the weight-sync store (0 = a free one; explore / train with broadcast: the same on both sides)"""
     sync_bucket_mb: float = 64.0
-    """broadcast sync in buckets of at most this many MiB of float32 parameters (0 = the whole model at once)"""
+    """broadcast and ipc sync in buckets of at most this many MiB of float32 parameters (0 = the whole model at once)"""
     num_explorers: int = 1
     """mode train with broadcast sync: explorers that join the weight-sync group"""
     sync_interval: int = 2
@@ -244,7 +246,7 @@ def _field_help() -> tuple[dict[str, str], dict[str, str]]:
 
 TYPES = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "list": list}
 CHOICES = {"mode": ("both", "explore", "train", "bench"), "engine": ("auto", "hf", "vllm"),
-           "sync_method": ("auto", "broadcast", "checkpoint"), "dtype": ("auto", "bfloat16", "float32"),
+           "sync_method": ("auto", "broadcast", "ipc", "checkpoint"), "dtype": ("auto", "bfloat16", "float32"),
            "save_dtype": ("auto", "float32", "bfloat16", "float16"), "allocator": ("auto", "tcmalloc", "mimalloc", "system")}
 
 

@@ -45,6 +45,7 @@ class Engine:
     def __init__(self):
         self._pending: dict[Sampling, list] = {}
         self.version, self.step_hook, self.cores, self.checksum = 0, None, None, False  # version: loaded now
+        self.sync_method = "broadcast"  # how join_weight_sync receives: broadcast or ipc (sync.transport)
         self.status = lambda text: None  # a line saying what the engine is doing (mode both: the trainer's bar)
         self.label = ""  # what the current requests are for ("batch 3", "evaluation of version 10")
         self.matmul = (0, 0)  # (body, head) parameters per token (perf.matmul_params)
@@ -233,8 +234,8 @@ class HFEngine(Engine):
                                self.model.named_parameters())]
 
     def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
-        self.weights = sync.WeightSync(None, port=port, host=host, device=device, timeout_s=timeout_s,
-                                       wire_dtype=self.parameters()[0].dtype).connect(alive)
+        self.weights = sync.transport(self.sync_method)(None, port=port, host=host, device=device, timeout_s=timeout_s,
+                                                        wire_dtype=self.parameters()[0].dtype).connect(alive)
 
     def receive_weights(self, alive):
         params = self.parameters()
@@ -321,7 +322,7 @@ def make_engine(cfg, model_path: str, seed: int, device: str = "", colocated: bo
     """The engine cfg.engine names (after explorer.check_config), sampling with `seed` on `device`."""
     torch.set_num_threads(cfg.explorer_threads)
     engine = resolve(cfg.engine, ENGINES, "engine").from_config(cfg, model_path, seed, device, colocated)
-    engine.matmul, engine.checksum = matmul_params(model_path), cfg.sync_checksum
+    engine.matmul, engine.checksum, engine.sync_method = matmul_params(model_path), cfg.sync_checksum, cfg.sync_method
     return engine
 
 

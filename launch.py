@@ -40,11 +40,12 @@ class Placement:
     sync_device: str
     unused_gpus: int = 0
 
-    def describe(self) -> str:
+    def describe(self, sync_method: str = "broadcast") -> str:
         where = f"trainer on {', '.join(self.trainer)}"
         if self.explorer:
             where += f"; explorer on {self.explorer}" + (" (colocated with trainer rank 0)" if self.colocated else "")
-            where += f"; weight sync {'NCCL' if self.sync_device == 'cuda' else 'gloo'}"
+            how = "ipc" if sync_method == "ipc" else "NCCL" if self.sync_device == "cuda" else "gloo"
+            where += f"; weight sync {how}"
         return where + (f"; {self.unused_gpus} GPU(s) unused" if self.unused_gpus else "")
 
 
@@ -60,6 +61,18 @@ def place(gpus: int, ranks: int, mode: str) -> Placement:
     if gpus == ranks:
         return Placement(trainer, "cuda:0", True, "cpu")
     return Placement(trainer, f"cuda:{ranks}", False, "cuda", gpus - ranks - 1)
+
+
+def sync_method(cfg: Config, layout: Placement) -> str:
+    """cfg.sync_method for `layout`; auto in mode both: ipc for the hf engine colocated on a GPU, else broadcast.
+    ValueError (one line): ipc where the explorer does not share trainer rank 0's device."""
+    shared = cfg.mode == "both" and cfg.engine == "hf" and layout.explorer in ("cpu", layout.trainer[0])
+    if cfg.sync_method == "auto":
+        return "ipc" if shared and layout.colocated else "broadcast"
+    if cfg.sync_method == "ipc" and not shared:
+        raise ValueError("--sync-method ipc hands the weights to an hf engine on trainer rank 0's device: mode both, "
+                         "--engine hf, as many GPUs as trainer ranks (or none)")
+    return cfg.sync_method
 
 
 def gpu_count() -> int:

@@ -125,7 +125,7 @@ class TrainLoop:
         """Send the new weights to the explorers or publish a checkpoint; the last step saves RUN_DIR/final."""
         cfg, io, version = self.cfg, self.io, self.trainer.version
         params = digest = None
-        if cfg.sync_bucket_mb and cfg.sync_method == "broadcast":  # (run.check_modes: never with offline data)
+        if cfg.sync_bucket_mb and cfg.sync_method != "checkpoint":  # (run.check_modes: never with offline data)
             buckets = self.trainer.parameter_buckets(bucket_elems(cfg))
             if self.rank == 0:
                 digest = io.send_weights(version, buckets)
@@ -309,8 +309,9 @@ def start_explorer(cfg, io, model_path: str, version: int, layout, tasks: tuple)
 
 def weight_group(cfg, layout, receivers: int):
     """Trainer rank 0's end of the weight-sync group of `receivers` explorers."""
-    return sync.WeightSync(0, 1 + receivers, port=cfg.sync_port, host=cfg.sync_host, device=layout.sync_device,
-                           timeout_s=cfg.sync_timeout_s, bucket_elems=bucket_elems(cfg), checksum=cfg.sync_checksum)
+    return sync.transport(cfg.sync_method)(0, 1 + receivers, port=cfg.sync_port, host=cfg.sync_host,
+                                           device=layout.sync_device, timeout_s=cfg.sync_timeout_s,
+                                           bucket_elems=bucket_elems(cfg), checksum=cfg.sync_checksum)
 
 
 def finish(cfg, loop, explorer, weights) -> None:

@@ -40,7 +40,7 @@ def trainer_ranks(cfg: Config, prepared: Prepared) -> None:
     launch.split_threads(cfg, world)
     explorer = "no explorer" if cfg.mode == "train" else f"explorer: engine {cfg.engine} x {cfg.explorer_threads} threads"
     print0(f"nanorft: mode {cfg.mode}, {world} trainer rank(s) x {cfg.trainer_threads} threads, {explorer}, "
-           f"model {shared[0]}, run dir {cfg.run_dir}\nplacement: {prepared.layout.describe()}")
+           f"model {shared[0]}, run dir {cfg.run_dir}\nplacement: {prepared.layout.describe(cfg.sync_method)}")
     try:
         run_trainer(cfg, shared[0], rank, world, device, prepared.layout, prepared.tasks)
         dist.barrier()  # the ranks leave together: none tears the group down while rank 0 still finishes
@@ -54,9 +54,10 @@ MODES = {"both": trainer_ranks, "train": trainer_ranks, "explore": "extras.explo
 
 
 def check_modes(cfg: Config) -> None:
-    """Resolve sync_method "auto"; ValueError (one line) for conflicting flags; FileNotFoundError: --resume, no run."""
-    if cfg.sync_method == "auto":
-        cfg.sync_method = "broadcast" if cfg.mode == "both" else "checkpoint"
+    """Resolve sync_method "auto" (mode both: in prepare); ValueError (one line) for conflicting flags;
+    FileNotFoundError: --resume, no run."""
+    if cfg.sync_method == "auto" and cfg.mode != "both":
+        cfg.sync_method = "checkpoint"
     if cfg.mode in ("explore", "train") and cfg.sync_method == "broadcast" and not cfg.sync_port:
         raise ValueError(f"mode {cfg.mode} with --sync-method broadcast needs --sync-port (the same on trainer and "
                          "explorers) and, across hosts, --sync-host (the trainer host's address)")
@@ -111,6 +112,7 @@ def prepare(cfg: Config, rank: int) -> Prepared:
     tasks = workflows.prepare_tasks(cfg)
     tok = AutoTokenizer.from_pretrained(model_path) if rank == 0 else None
     explorer.check_config(cfg, tok, tasks[2])
+    cfg.sync_method = launch.sync_method(cfg, layout)
     if rank == 0 and cfg.teacher:
         resolve(trainer.TEACHER, {}, "teacher").check(cfg, tok)
     if rank == 0 and (cfg.expert_fraction or cfg.train_data):

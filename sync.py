@@ -15,6 +15,7 @@ import torch.distributed as dist
 from losses import resolve
 
 CHECKPOINT_SOURCE = "extras.checkpoint_sync.CheckpointSource"  # Receiver with --sync-method checkpoint
+IPC_SYNC = "extras.ipc_sync.IpcSync"  # --sync-method ipc: WeightSync's interface, the weights by handle on one device
 CHECKSUM_CHUNK = 2 ** 22  # elements a checksum sums at once: the float64 copy of them takes 32 MiB
 
 
@@ -225,6 +226,11 @@ class WeightSync:
                 for p, part in zip(ps, flat.split([p.numel() for p in ps])):
                     p.copy_(part.view_as(p))
         return int(version.item())
+
+
+def transport(sync_method: str) -> type:
+    """The class of both ends of the weight sync for `sync_method` (broadcast or ipc)."""
+    return resolve(IPC_SYNC, {}, "sync_method") if sync_method == "ipc" else WeightSync
 
 
 def bucket_ranges(numels: list[int], limit: int) -> list[range]:

@@ -7,7 +7,9 @@ GPUs; `colocated`: both on cuda:0, gloo through host memory, as launch.place lay
 Each round, interleaved: (1) nanorft: rank 0 `send` of every parameter of the model (random
 weights of its architecture, float32) and rank 1 `recv` into its parameters; (2) raw: one
 broadcast of a preallocated flat buffer of the same bytes; (3) bucketed: the publish of (1)
-over a second group with --sync-bucket-mb's buckets (gathered lazily, sent one at a time).
+over a second group with --sync-bucket-mb's buckets (gathered lazily, sent one at a time); on one
+device (cpu, colocated) also (4) ipc: the same buckets handed over by handle (--sync-method ipc: CUDA IPC on
+the GPU, shared memory on the CPU; extras/ipc_sync.py).
 The time of a publish runs from
 rank 0 starting it to rank 1 holding the weights (time.monotonic, one clock for both
 processes). Prints the medians, their ratio (raw / nanorft: 1.0 = no overhead), GB/s, and
@@ -46,15 +48,17 @@ def raw_broadcast(ws: sync.WeightSync, flat: torch.Tensor) -> None:
     ws.group.broadcast([flat], opts).wait()
 
 
-def receiver(port: int, bucket_port: int, sizes: list, device: str, sync_device: str, rounds: int, q) -> None:
+def receiver(ports: dict, sizes: list, device: str, sync_device: str, rounds: int, q) -> None:
     if device.startswith("cuda"):  # the weight-sync group's "cuda" is the current device: this side's own GPU
         torch.cuda.set_device(torch.device(device))
-    ws = sync.WeightSync(None, port=port, device=sync_device, timeout_s=600).connect()
-    bucketed = sync.WeightSync(None, port=bucket_port, device=sync_device, timeout_s=600).connect()
-    params = [torch.empty(s, device=device) for s in sizes]
+    groups = {kind: sync.transport("ipc" if kind == "ipc" else "broadcast")(None, port=port, device=sync_device,
+                                                                           timeout_s=600).connect()
+              for kind, port in ports.items()}
+    ws, params = groups["nanorft"], [torch.empty(s, device=device) for s in sizes]
     flat = torch.empty(sum(p.numel() for p in params), device=sync_device)
     for _ in range(rounds):
-        for kind, group in (("nanorft", ws), ("raw", None), ("bucketed", bucketed)):
+        for kind in ("nanorft", "raw", *[k for k in groups if k != "nanorft"]):  # the sender's order
+            group = groups.get(kind)
             if group is None:
                 raw_broadcast(ws, flat)
             else:
@@ -81,16 +85,19 @@ def main() -> None:
     params = [torch.randn(s, device=sender_dev) for s in sizes]
     nbytes = sum(x.numel() * x.element_size() for x in params)
     flat = torch.cat([x.reshape(-1) for x in params]).to(sync_device)
-    ws = sync.WeightSync(0, 2, port=0, device=sync_device, timeout_s=600)
     elems = int(args.bucket_mb * 2 ** 20) // 4
-    bucketed = sync.WeightSync(0, 2, port=0, device=sync_device, timeout_s=600, bucket_elems=elems)
+    groups = {"nanorft": sync.WeightSync(0, 2, port=0, device=sync_device, timeout_s=600),
+              "bucketed": sync.WeightSync(0, 2, port=0, device=sync_device, timeout_s=600, bucket_elems=elems)}
+    if args.device != "cuda":  # one device on both sides
+        groups["ipc"] = sync.transport("ipc")(0, 2, port=0, device=sync_device, timeout_s=600, bucket_elems=elems)
+    ws = groups["nanorft"]
     q = mp.get_context("spawn").Queue()
-    proc = mp.get_context("spawn").Process(target=receiver, args=(ws.port, bucketed.port, sizes, receiver_dev,
-                                                                  sync_device, args.rounds, q))
+    proc = mp.get_context("spawn").Process(target=receiver, args=({k: g.port for k, g in groups.items()}, sizes,
+                                                                  receiver_dev, sync_device, args.rounds, q))
     proc.start()
-    ws.connect(proc.is_alive)
-    bucketed.connect(proc.is_alive)
-    times: dict[str, list[float]] = {"nanorft": [], "raw": [], "bucketed": []}
+    for group in groups.values():
+        group.connect(proc.is_alive)
+    times: dict[str, list[float]] = {"nanorft": [], "raw": [], **{k: [] for k in groups if k != "nanorft"}}
     for r in range(args.rounds):
         with torch.no_grad():
             params[0].add_(1.0)  # a new version each round
@@ -99,7 +106,7 @@ def main() -> None:
             if kind == "raw":
                 raw_broadcast(ws, flat)
             else:
-                group = ws if kind == "nanorft" else bucketed
+                group = groups[kind]
                 group.send(r, ([params[i] for i in b] for b in sync.bucket_ranges([x.numel() for x in params],
                                                                                    group.bucket_elems)), proc.is_alive)
             got, t1, digest = q.get(timeout=600)
@@ -115,12 +122,18 @@ def main() -> None:
               "ratio_raw_over_bucketed": med["raw"] / med["bucketed"],
               "nanorft_gb_per_s": nbytes / med["nanorft"] / 1e9, "raw_gb_per_s": nbytes / med["raw"] / 1e9,
               "all_s": times}
+    if "ipc" in med:
+        result.update(ipc_s=med["ipc"], ratio_bucketed_over_ipc=med["bucketed"] / med["ipc"],
+                      ipc_gb_per_s=nbytes / med["ipc"] / 1e9)
     print(f"{nbytes / 1e6:.0f} MB per publish ({args.device}, {args.model}, median of {args.rounds}):")
     print(f"  nanorft send/recv  {med['nanorft']:.3f} s  ({result['nanorft_gb_per_s']:.2f} GB/s)")
     print(f"  raw broadcast      {med['raw']:.3f} s  ({result['raw_gb_per_s']:.2f} GB/s)")
     print(f"  bucketed ({args.bucket_mb:g} MiB)  {med['bucketed']:.3f} s")
     print(f"  ratio raw / nanorft: {result['ratio_raw_over_nanorft']:.2f}; raw / bucketed: "
           f"{result['ratio_raw_over_bucketed']:.2f}")
+    if "ipc" in med:
+        print(f"  ipc ({args.bucket_mb:g} MiB)       {med['ipc']:.3f} s  ({result['ipc_gb_per_s']:.2f} GB/s; "
+              f"bucketed / ipc {result['ratio_bucketed_over_ipc']:.1f})")
     out = ROOT / "benchmarks" / "results" / f"sync_{args.device}.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"saved {out}")

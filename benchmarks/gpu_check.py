@@ -18,7 +18,7 @@ following the weights, speed, memory), not accuracy.
 First, on the CPU, everything up to the first CUDA call: the packages, the imports of
 nanorft's modules, the tokenizer, the task file, the two models (saved in bf16 with the
 tokenizer, as the default model's cache is), every run.py job below validated by
-`run.prepare` (flags, model, tasks, reward function, workflow) and tests/test_gpu.py
+`run.prepare` (flags, model, tasks, reward function, workflow) and the tests of the tests stage
 collected by pytest. Without CUDA it then stops with one line and exit code 2.
 
 Then the stages, each a subprocess with its own time limit inside the total budget (a crash
@@ -28,12 +28,15 @@ not run). nvidia-smi, where there is one, gives each stage's peak GPU memory in 
 processes together):
 
     cuda          a bf16 matmul on every visible GPU; names, memory, NCCL version
-    tests         pytest tests/test_gpu.py: every test passes and none is skipped (the CUDA-gated
-                  ones: mode both colocated on one GPU, the HF engine on CUDA following a
-                  deliberately perturbed sync in float32 and in bf16)
+    tests         pytest tests/test_gpu.py and the CUDA test of tests/test_ipc_sync.py: every test
+                  passes and none is skipped (the CUDA-gated ones: mode both colocated on one GPU
+                  with ipc and with gloo sync, the HF engine on CUDA following a deliberately
+                  perturbed sync in float32 and in bf16, buckets handed over by CUDA IPC between
+                  two processes and held until acknowledged)
     both-135m     torchrun --nproc_per_node 1 run.py --mode both --engine hf --sync-interval 1 on
     both-0.5b     the default job's shape (8 tasks x 8 rollouts, <= 24 new tokens), trainer and
-                  explorer colocated on one GPU: the trainer's and the explorer's checksums equal
+                  explorer colocated on one GPU (weight sync ipc, --sync-method auto's choice there):
+                  the trainer's and the explorer's checksums equal
                   after every sync; s/step (strict on-policy: explore, train and sync one after
                   the other), its split, tokens/s, the trainer's peak GPU memory
     lora-135m     the same with --lora-rank 16 (SKIP without peft): adapters under FSDP2's mixed
@@ -46,8 +49,9 @@ processes together):
                   CUDA synchronisations, medians; peak GPU memory of each part; a raw
                   device -> host -> device copy of the model's float32 bytes
     sync-135m     benchmarks/bench_sync.py --device colocated: nanorft's publish vs a raw broadcast
-    sync-0.5b     of the same bytes over the same gloo group, through host memory (it writes its
-                  usual benchmarks/results/sync_colocated.json)
+    sync-0.5b     of the same bytes over the same gloo group, through host memory, and the same
+                  buckets by CUDA IPC (--sync-method ipc) (it writes its usual
+                  benchmarks/results/sync_colocated.json)
     multi-1rank   with 2+ GPUs only: one trainer rank and the explorer on a GPU of its own (NCCL),
     multi-2ranks  two FSDP trainer ranks and the explorer (colocated with 2 GPUs, a GPU of its own
                   with 3+), as launch.place lays them out: checksums equal after every sync
@@ -94,6 +98,7 @@ MODELS = {
 }
 STEPS, MULTI_STEPS, TASKS = 8, 4, 400
 MIN_STAGE_S = 20.0  # a stage with less of the budget left is not started (it fails as not run)
+TESTS = ["tests/test_gpu.py", "tests/test_ipc_sync.py::test_buckets_arrive_equal_and_are_held_until_acknowledged[cuda]"]
 
 
 class Failed(Exception):
@@ -160,7 +165,8 @@ def prepare(work: Path, env: dict) -> dict:
     if missing:
         raise Failed(f"missing Python packages: {', '.join(missing)} (the GPU image this check is for has them)")
     try:
-        for name in ("run", "trainer", "explorer", "sync", "buffer", "workflows", "losses", "extras.pipelines"):
+        for name in ("run", "trainer", "explorer", "sync", "buffer", "workflows", "losses", "extras.pipelines",
+                     "extras.ipc_sync"):
             importlib.import_module(name)
     except Exception as e:
         raise Failed(f"importing nanorft's modules failed: {type(e).__name__}: {e}") from None
@@ -179,8 +185,8 @@ def prepare(work: Path, env: dict) -> dict:
     # these two see no GPU (run.prepare asks CUDA whether it computes bf16), so nothing here touches one
     for what, cmd in (("validating the run.py jobs", [sys.executable, str(Path(__file__).resolve()), "--worker",
                                                       "validate", "--work", str(work)]),
-                      ("collecting tests/test_gpu.py", [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
-                                                        "no:cacheprovider", "tests/test_gpu.py"])):
+                      ("collecting the tests", [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                                                "no:cacheprovider", *TESTS])):
         res = subprocess.run(cmd, cwd=ROOT, env={**env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True)
         if res.returncode != 0:
             raise Failed(f"{what} failed: {last_line(res.stdout + res.stderr)}")
@@ -396,16 +402,31 @@ def check_sync(device: str) -> Callable[[str], tuple[str, dict]]:
     def check(out: str) -> tuple[str, dict]:
         r = json.loads((ROOT / "benchmarks" / "results" / f"sync_{device}.json").read_text())
         fig = {k: r[k] for k in ("bytes", "nanorft_s", "raw_s", "bucketed_s", "ratio_raw_over_nanorft",
-                                 "ratio_raw_over_bucketed", "nanorft_gb_per_s", "raw_gb_per_s")}
+                                 "ratio_raw_over_bucketed", "nanorft_gb_per_s", "raw_gb_per_s", "ipc_s",
+                                 "ratio_bucketed_over_ipc", "ipc_gb_per_s") if k in r}
+        if device == "colocated" and "ipc_s" not in r:
+            raise Failed("bench_sync.py timed no ipc publish")
+        ipc = (f", ipc {r['ipc_s']:.3f} s ({r['ipc_gb_per_s']:.2f} GB/s; bucketed / ipc "
+               f"{r['ratio_bucketed_over_ipc']:.1f})" if "ipc_s" in r else "")
         return (f"{r['bytes'] / 1e6:.0f} MB: publish {r['nanorft_s']:.3f} s ({r['nanorft_gb_per_s']:.2f} GB/s), raw "
                 f"broadcast {r['raw_s']:.3f} s (raw/nanorft {r['ratio_raw_over_nanorft']:.2f}), bucketed "
-                f"{r['bucketed_s']:.3f} s", fig)
+                f"{r['bucketed_s']:.3f} s{ipc}", fig)
     return check
+
+
+def placement(gpus: int, ranks: int) -> str:
+    """The placement line of a mode-both job (HF engine, --sync-method auto) with `ranks` trainer ranks on `gpus`."""
+    import types
+
+    import launch
+
+    layout = launch.place(gpus, ranks, "both")
+    return layout.describe(launch.sync_method(types.SimpleNamespace(mode="both", engine="hf", sync_method="auto"),
+                                              layout))
 
 
 def plan(work: Path, gpus: list[str]) -> list[Stage]:
     """The stages for these visible GPUs (ids as CUDA_VISIBLE_DEVICES names them)."""
-    import launch
     import run
 
     me = [sys.executable, str(Path(__file__).resolve())]
@@ -413,12 +434,12 @@ def plan(work: Path, gpus: list[str]) -> list[Stage]:
     one = gpus[:1]
     stages = [
         Stage("cuda", me + ["--worker", "cuda", "--work", str(work)], gpus, 60, check_cuda(work)),
-        Stage("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "tests/test_gpu.py",
+        Stage("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", *TESTS,
                         f"--junitxml={xml}"], one, 240, check_tests(xml)),
     ]
     for name, flags in jobs(work).items():
         stages.append(Stage(name, torchrun(1, flags), one, 150,
-                            check_both(work / "runs" / name, launch.place(1, 1, "both").describe())))
+                            check_both(work / "runs" / name, placement(1, 1))))
     stages.append(Stage("bench", me + ["--worker", "bench", "--work", str(work)], one, 240, check_bench(work)))
     for m in MODELS:
         stages.append(Stage(f"sync-{m}", [sys.executable, "benchmarks/bench_sync.py", "--device", "colocated",
@@ -428,9 +449,9 @@ def plan(work: Path, gpus: list[str]) -> list[Stage]:
         d1, d2, three = work / "runs" / "multi-1rank", work / "runs" / "multi-2ranks", gpus[:3]
         stages += [
             Stage("multi-1rank", torchrun(1, both_flags(work, "135m", MULTI_STEPS, d1)), gpus[:2], 150,
-                  check_both(d1, launch.place(2, 1, "both").describe())),
+                  check_both(d1, placement(2, 1))),
             Stage("multi-2ranks", torchrun(2, both_flags(work, "135m", MULTI_STEPS, d2)), three, 150,
-                  check_both(d2, launch.place(len(three), 2, "both").describe())),
+                  check_both(d2, placement(len(three), 2))),
             Stage("sync-nccl", [sys.executable, "benchmarks/bench_sync.py", "--device", "cuda", "--model",
                                 str(work / "models" / "135m"), "--rounds", "3"], gpus[:2], 90, check_sync("cuda")),
         ]

@@ -58,14 +58,16 @@ def test_placement_is_recorded_in_config_json(tiny_model, tasks, tmp_path):
 
 
 @needs_cuda
-def test_colocated_mode_both_on_one_gpu(tiny_model, tasks, tmp_path, monkeypatch):
-    # trainer rank 0 and the HF explorer share cuda:0; weights go over gloo through host memory;
-    # after every sync the explorer's weights equal the trainer's (checksums)
+@pytest.mark.parametrize("method,shown", [("auto", "ipc"), ("broadcast", "gloo")])
+def test_colocated_mode_both_on_one_gpu(tiny_model, tasks, tmp_path, monkeypatch, method, shown):
+    # trainer rank 0 and the HF explorer share cuda:0; weights go by CUDA IPC (auto's choice) or over gloo through
+    # host memory; after every sync the explorer's weights equal the trainer's (checksums)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--task", tasks, "--run-dir", tmp_path / "r",
-                 "--engine", "hf", "--steps", 4, "--sync-interval", 2, "--sync-checksum", nproc=1)
+                 "--engine", "hf", "--steps", 4, "--sync-interval", 2, "--sync-checksum", "--sync-method", method,
+                 nproc=1)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "colocated with trainer rank 0" in res.stdout
+    assert f"colocated with trainer rank 0); weight sync {shown}" in res.stdout
     records = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     sent = {r["version"]: r["sync/trainer_checksum"] for r in records if "sync/trainer_checksum" in r}
     got = {r["explorer/received_version"]: r["sync/explorer_checksum"] for r in records if "sync/explorer_checksum" in r}

@@ -1,0 +1,188 @@
+"""--sync-method ipc (extras/ipc_sync.py): the protocol in two real processes (shared memory on the CPU, CUDA IPC on
+a GPU), its failures as one line within the timeout, where auto picks it, and mode both end to end."""
+import contextlib
+import multiprocessing as mp
+import os
+import time
+import types
+
+import pytest
+import torch
+
+import launch
+import sync
+from conftest import run_py
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible here)")
+SHAPES = [(3, 5), (40,), (2, 2)]  # 15 | 40 | 4 elements: three buckets of at most 16
+SPAWN = mp.get_context("spawn")
+
+
+@pytest.fixture(autouse=True)
+def sharing_strategy():
+    """A CPU publish sets torch's sharing strategy for the process: back to what it was for the tests after."""
+    import torch.multiprocessing
+
+    before = torch.multiprocessing.get_sharing_strategy()
+    yield
+    torch.multiprocessing.set_sharing_strategy(before)
+
+
+@contextlib.contextmanager
+def spawned(target, *args):
+    """A process running target(*args) (spawned), killed on the way out."""
+    proc = SPAWN.Process(target=target, args=args)
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
+def held() -> int:
+    """Tensors this process handed out by handle that are still alive (torch's cache of shared storages)."""
+    from torch.multiprocessing.reductions import shared_cache
+
+    return sum(not ref.expired() for ref in list(shared_cache.values()))
+
+
+def receiver(ports, device, dtype, go, q):
+    syncs = [sync.transport("ipc")(None, port=port, timeout_s=60, wire_dtype=dtype).connect() for port in ports]
+    params = [torch.zeros(s, dtype=dtype, device=device) for s in SHAPES]
+    for ws in syncs:
+        assert go.acquire(timeout=60)  # the sender says when to take its publish
+        q.put((ws.recv(params), [p.float().tolist() for p in params], sync.checksum(params)))
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32),
+                                          pytest.param("cuda", torch.bfloat16, marks=needs_cuda)], ids=["cpu", "cuda"])
+def test_buckets_arrive_equal_and_are_held_until_acknowledged(device, dtype):
+    # a bucketed publish (each bucket built after the one before was taken) and a whole one (held by the sender
+    # until the receiver has copied it and acknowledged, then let go), cast to the dtype the receiver declared
+    go, q = SPAWN.Semaphore(0), SPAWN.Queue()
+    bucketed = sync.transport("ipc")(0, 2, port=0, timeout_s=60, bucket_elems=16, checksum=True)
+    whole = sync.transport("ipc")(0, 2, port=0, timeout_s=60, checksum=True)
+    with spawned(receiver, [bucketed.port, whole.port], device, dtype, go, q) as proc:
+        for ws in (bucketed, whole):
+            ws.connect(proc.is_alive)
+            assert ws.wire_dtype == dtype
+        torch.manual_seed(0)
+        params = [torch.randn(s, device=device) for s in SHAPES]
+        built = []
+
+        def buckets():  # lazily, as the trainer gathers them
+            for r in sync.bucket_ranges([p.numel() for p in params], 16):
+                built.append(held())
+                yield [params[i] for i in r]
+
+        go.release()
+        digest = bucketed.send(3, buckets(), proc.is_alive)
+        version, got, received = q.get(timeout=60)
+        assert version == 3 and got == [p.to(dtype).float().tolist() for p in params]
+        assert received == pytest.approx(digest, rel=1e-12) and built == [0, 0, 0]
+
+        params = [p * 2 for p in params]
+        digest = whole.send(4, [params], proc.is_alive)  # returns at once: the receiver waits for `go`
+        assert held() == 1 and q.empty()
+        go.release()
+        whole.wait(proc.is_alive)
+        assert held() == 0
+        version, got, received = q.get(timeout=60)
+        assert version == 4 and got == [p.to(dtype).float().tolist() for p in params]
+        assert received == pytest.approx(digest, rel=1e-12)
+        proc.join(60)
+        assert proc.exitcode == 0
+
+
+def idle_receiver(ports, q):
+    q.put("ready")
+    sync.transport("ipc")(None, port=ports.get(timeout=60), timeout_s=60).connect()
+    time.sleep(120)  # joined, never takes a bucket
+
+
+def test_a_bucket_nobody_takes_is_one_error_line_within_the_timeout_or_once_the_explorer_died():
+    ports, q = SPAWN.Queue(), SPAWN.Queue()
+    with spawned(idle_receiver, ports, q) as proc:
+        assert q.get(timeout=60) == "ready"
+        ws = sync.transport("ipc")(0, 2, port=0, timeout_s=3)
+        ports.put(ws.port)
+        ws.connect(proc.is_alive)
+        ws.send(1, [[torch.ones(4)]])
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"^weight sync: no acknowledgement of bucket 0 within "
+                                               r"--sync-timeout-s 3 s$"):
+            ws.wait(proc.is_alive)
+        assert 2.5 < time.monotonic() - t0 < 10
+        proc.kill()
+        proc.join(30)
+        with pytest.raises(RuntimeError, match=r"^weight sync: an explorer died \(waiting for acknowledgement of "
+                                               r"bucket 0\)$"):
+            ws.wait(proc.is_alive)
+
+
+def short_lived_trainer(ports, die):
+    ws = sync.transport("ipc")(0, 2, port=0, timeout_s=60)
+    ports.put(ws.port)
+    ws.connect()
+    die.wait(60)
+    os._exit(0)
+
+
+def test_a_receiver_stops_waiting_once_the_trainer_died():
+    ports, die = SPAWN.Queue(), SPAWN.Event()
+    with spawned(short_lived_trainer, ports, die) as proc:
+        ws = sync.transport("ipc")(None, port=ports.get(timeout=60), timeout_s=60).connect(proc.is_alive)
+        die.set()
+        proc.join(30)
+        t0 = time.monotonic()
+        gone = r"^weight sync: the trainer('s store at \S+ stopped answering| died)"
+        with pytest.raises(RuntimeError, match=gone):
+            ws.recv([torch.zeros(4)], proc.is_alive)
+        assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("gpus,ranks,mode,engine,method,expected", [
+    (0, 1, "both", "hf", "auto", "broadcast"),     # CPU: gloo, as before
+    (1, 1, "both", "hf", "auto", "ipc"),           # one GPU, colocated: by handle
+    (8, 8, "both", "hf", "auto", "ipc"),
+    (1, 1, "both", "vllm", "auto", "broadcast"),   # vLLM's worker receives by broadcast only
+    (2, 1, "both", "hf", "auto", "broadcast"),     # a GPU of its own: NCCL
+    (0, 2, "both", "hf", "ipc", "ipc"),            # CPU: shared memory
+    (1, 1, "both", "hf", "ipc", "ipc"),
+    (2, 1, "both", "hf", "ipc", ValueError),       # another GPU than rank 0's
+    (1, 1, "both", "vllm", "ipc", ValueError),
+    (0, 1, "train", "hf", "ipc", ValueError),      # no explorer in this launch
+    (1, 1, "both", "hf", "checkpoint", "checkpoint"),
+])
+def test_auto_picks_ipc_for_the_colocated_hf_engine_only(gpus, ranks, mode, engine, method, expected):
+    cfg = types.SimpleNamespace(mode=mode, engine=engine, sync_method=method)
+    layout = launch.place(gpus, ranks, mode)
+    if expected is ValueError:
+        with pytest.raises(ValueError, match=r"^--sync-method ipc hands the weights to an hf engine on trainer rank "
+                                             r"0's device"):
+            launch.sync_method(cfg, layout)
+    else:
+        assert launch.sync_method(cfg, layout) == expected
+
+
+def run_ipc(tiny_model, out, *extra):
+    from test_lora import checksums
+
+    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", out, "--sync-method", "ipc",
+                 "--sync-checksum", "--eval-size", 0, "--reward-fn", "tests.rewards.length_parity", *extra)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "weight sync ipc" in res.stdout
+    sent, got = checksums(out)
+    assert set(sent) == set(got) == {1, 2, 3}
+    assert all(got[v] == pytest.approx(sent[v], rel=1e-9) for v in sent)
+
+
+@pytest.mark.slow
+def test_mode_both_syncs_by_handle_with_equal_checksums(tiny_model, tmp_path):
+    # trainer and explorer on the CPU: the weights in buckets of 0.05 MiB through shared memory, every version
+    run_ipc(tiny_model, tmp_path / "run", "--sync-bucket-mb", 0.05)
+
+
+@pytest.mark.slow
+def test_mode_both_syncs_lora_adapters_by_handle_with_equal_checksums(tiny_model, tmp_path):
+    run_ipc(tiny_model, tmp_path / "run", "--lora-rank", 4, "--sync-bucket-mb", 0.005)
