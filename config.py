@@ -113,8 +113,8 @@ class Config:
     # -- sync between explorer and trainer
     sync_method: str = "auto"
     """weight sync: broadcast (torch.distributed), ipc (mode both, explorer on trainer rank 0's device: handles of the
-    weights, CUDA IPC on a GPU, shared memory on the CPU), checkpoint (files in run_dir), or auto (mode both: ipc for
-    the hf engine colocated on a GPU, else broadcast; explore / train: checkpoint)"""
+    weights, CUDA IPC on a GPU, shared memory on the CPU), checkpoint (files in run_dir), or auto (mode both: broadcast;
+    explore / train: checkpoint)"""
     sync_host: str = "127.0.0.1"
     """address of the weight-sync store, where trainer rank 0 listens"""
     sync_port: int = 0

@@ -64,11 +64,11 @@ def place(gpus: int, ranks: int, mode: str) -> Placement:
 
 
 def sync_method(cfg: Config, layout: Placement) -> str:
-    """cfg.sync_method for `layout`; auto in mode both: ipc for the hf engine colocated on a GPU, else broadcast.
-    ValueError (one line): ipc where the explorer does not share trainer rank 0's device."""
+    """cfg.sync_method for `layout` (auto: broadcast). ValueError (one line): ipc where the explorer does not share
+    trainer rank 0's device."""
     shared = cfg.mode == "both" and cfg.engine == "hf" and layout.explorer in ("cpu", layout.trainer[0])
-    if cfg.sync_method == "auto":
-        return "ipc" if shared and layout.colocated else "broadcast"
+    if cfg.sync_method == "auto":  # ipc is chosen by name until a GPU run has checked it (benchmarks/gpu_check.py)
+        return "broadcast"
     if cfg.sync_method == "ipc" and not shared:
         raise ValueError("--sync-method ipc hands the weights to an hf engine on trainer rank 0's device: mode both, "
                          "--engine hf, as many GPUs as trainer ranks (or none)")

@@ -35,7 +35,7 @@ processes together):
                   two processes and held until acknowledged)
     both-135m     torchrun --nproc_per_node 1 run.py --mode both --engine hf --sync-interval 1 on
     both-0.5b     the default job's shape (8 tasks x 8 rollouts, <= 24 new tokens), trainer and
-                  explorer colocated on one GPU (weight sync ipc, --sync-method auto's choice there):
+                  explorer colocated on one GPU (--sync-method ipc):
                   the trainer's and the explorer's checksums equal
                   after every sync; s/step (strict on-policy: explore, train and sync one after
                   the other), its split, tokens/s, the trainer's peak GPU memory
@@ -142,7 +142,7 @@ def both_flags(work: Path, model: str, steps: int, run_dir: Path) -> list[str]:
     """run.py flags of a mode-both job on the default job's shape with a weight sync after every step."""
     return ["--mode", "both", "--engine", "hf", "--model", str(work / "models" / model), "--task",
             str(work / "tasks.jsonl"), "--steps", str(steps), "--sync-interval", "1", "--eval-size", "16",
-            "--run-dir", str(run_dir), "--overwrite", "--sync-checksum"]
+            "--run-dir", str(run_dir), "--overwrite", "--sync-checksum", "--sync-method", "ipc"]
 
 
 def jobs(work: Path) -> dict[str, list[str]]:
@@ -421,7 +421,7 @@ def placement(gpus: int, ranks: int) -> str:
     import launch
 
     layout = launch.place(gpus, ranks, "both")
-    return layout.describe(launch.sync_method(types.SimpleNamespace(mode="both", engine="hf", sync_method="auto"),
+    return layout.describe(launch.sync_method(types.SimpleNamespace(mode="both", engine="hf", sync_method="ipc"),
                                               layout))
 
 

@@ -143,8 +143,8 @@ def test_a_receiver_stops_waiting_once_the_trainer_died():
 
 @pytest.mark.parametrize("gpus,ranks,mode,engine,method,expected", [
     (0, 1, "both", "hf", "auto", "broadcast"),     # CPU: gloo, as before
-    (1, 1, "both", "hf", "auto", "ipc"),           # one GPU, colocated: by handle
-    (8, 8, "both", "hf", "auto", "ipc"),
+    (1, 1, "both", "hf", "auto", "broadcast"),     # one GPU, colocated: ipc by name only, until run on a GPU
+    (8, 8, "both", "hf", "auto", "broadcast"),
     (1, 1, "both", "vllm", "auto", "broadcast"),   # vLLM's worker receives by broadcast only
     (2, 1, "both", "hf", "auto", "broadcast"),     # a GPU of its own: NCCL
     (0, 2, "both", "hf", "ipc", "ipc"),            # CPU: shared memory
@@ -154,7 +154,7 @@ def test_a_receiver_stops_waiting_once_the_trainer_died():
     (0, 1, "train", "hf", "ipc", ValueError),      # no explorer in this launch
     (1, 1, "both", "hf", "checkpoint", "checkpoint"),
 ])
-def test_auto_picks_ipc_for_the_colocated_hf_engine_only(gpus, ranks, mode, engine, method, expected):
+def test_ipc_only_where_the_explorer_shares_rank_0s_device(gpus, ranks, mode, engine, method, expected):
     cfg = types.SimpleNamespace(mode=mode, engine=engine, sync_method=method)
     layout = launch.place(gpus, ranks, mode)
     if expected is ValueError:
