@@ -1,7 +1,7 @@
 """How large is nanorft to read? Lines of each module of the core (the top-level modules)
 and of extras/, split into code, docstrings, comments and blank lines, against the
 limits of the layout (docs/internals.md): core at most 4,000 lines, no module over 450,
-run.py at most 250, core + extras at most 7,750, README at most 200.
+run.py at most 250, core + extras at most 7,500, README at most 200.
 
     python benchmarks/layout.py            # the table; exit code 1 when a limit is exceeded
     python benchmarks/layout.py --json     # the same as JSON
@@ -17,7 +17,7 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LIMITS = {"core": 4000, "module": 450, "run.py": 250, "core+extras": 7750, "README.md": 200}
+LIMITS = {"core": 4000, "module": 450, "run.py": 250, "core+extras": 7500, "README.md": 200}
 
 
 def line_kinds(source: str) -> dict[str, int]:
