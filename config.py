@@ -106,6 +106,8 @@ class Config:
     """fraction of each batch drawn back from the retired tasks"""
     explorer_max_batch: int = 128
     """max sequences in one forward pass of the explorer"""
+    cuda_graphs: bool = True
+    """HF engine on a GPU: replay each decode step as a CUDA graph (no effect on a CPU)"""
     explorer_threads: int = 0
     """torch threads of the explorer (0 = split the cores)"""
     explorer_name: str = "explorer0"

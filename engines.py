@@ -185,13 +185,35 @@ def decode_cache():
     return Cache(layer_class_to_replicate=slot_layer())
 
 
+class Decoding:
+    """Decode steps over a prefilled cache of `decode_cache()`: logits [A, V] of the next tokens [A]."""
+
+    drops = True  # ended rows can leave the batch
+
+    def __init__(self, model, cache, attn: torch.Tensor, pos: torch.Tensor, max_tokens: int):
+        self.model, self.cache, self.attn, self.pos = model, cache, attn, pos  # [A, P], [A, S]
+        for layer in cache.layers:
+            layer.reserve(attn.shape[1] + max_tokens)  # each decode step writes its slot: no copy
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.attn, self.pos = self.attn[rows], self.pos[rows]
+        for layer in self.cache.layers:
+            layer.keep(rows)
+
+    def __call__(self, tok: torch.Tensor) -> torch.Tensor:
+        self.attn = torch.cat([self.attn, self.attn.new_ones((len(tok), 1))], dim=1)
+        self.pos = self.pos[:, -1:] + 1
+        return self.model(input_ids=tok[:, None], attention_mask=self.attn, position_ids=self.pos,
+                          past_key_values=self.cache, use_cache=True).logits[:, -1]
+
+
 class HFEngine(Engine):
     """transformers engine. model_path: a model or peft adapter directory; lora: a LoRA run's peft LoraConfig."""
 
     drop_ended = 0.25  # ended rows leave the decode batch once they are this fraction of it (> 1: never)
 
     def __init__(self, model_path: str, max_batch: int = 64, seed: int = 0, bf16: bool = False, device: str = "",
-                 dtype: torch.dtype = torch.float32, lora=None):
+                 dtype: torch.dtype = torch.float32, lora=None, cuda_graphs: bool = False):
         super().__init__()
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -213,6 +235,8 @@ class HFEngine(Engine):
                                 device=self.device)
         self.pad = models.pad_token_id(self.tokenizer)
         self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.graphs = resolve("extras.cuda_graphs.Graphs", {}, "CUDA graphs")(max_batch) \
+            if cuda_graphs and self.device.type == "cuda" else None
 
     @classmethod
     def from_config(cls, cfg, model_path: str, seed: int, device: str, colocated: bool) -> "HFEngine":
@@ -220,7 +244,7 @@ class HFEngine(Engine):
         half = colocated and device.startswith("cuda")
         return cls(model_path, max_batch=cfg.explorer_max_batch, seed=seed, bf16=cfg.dtype == "bfloat16",
                    device=device, dtype=torch.bfloat16 if half else torch.float32,
-                   lora=models.lora("lora_config")(cfg) if cfg.lora_rank else None)
+                   lora=models.lora("lora_config")(cfg) if cfg.lora_rank else None, cuda_graphs=cfg.cuda_graphs)
 
     def rng_state(self):
         return bytes(self.generator.get_state().tolist())
@@ -271,8 +295,7 @@ class HFEngine(Engine):
                     cache.reorder_cache(of)
                     logits = logits[of]                                                            # [B, V]
                 attn, pos = attn[of], pos[of]                                                      # [B, P]
-                for layer in cache.layers:
-                    layer.reserve(attn.shape[1] + s.max_tokens)  # each decode step writes its slot: no copy
+                decoding = (self.graphs or Decoding)(self.model, cache, attn, pos, s.max_tokens)
                 tokens = torch.full((B, s.max_tokens), self.pad, dtype=torch.long, device=dev)  # [B, R]
                 behaviour = torch.zeros(B, s.max_tokens, device=dev)                              # [B, R]
                 live = torch.arange(B, device=dev)  # [A] the row of `chunk` of each row still decoding
@@ -291,15 +314,11 @@ class HFEngine(Engine):
                         self.step_hook()  # in-flight: may load new weights; the KV cache is kept
                     if self.cores is not None:
                         self.cores.apply()
-                    if int(done.sum()) >= self.drop_ended * len(done):  # enough rows have ended: they leave
+                    if decoding.drops and int(done.sum()) >= self.drop_ended * len(done):  # ended rows leave
                         keep = (~done).nonzero().squeeze(1)                                         # [A']
-                        live, tok, done, attn, pos = live[keep], tok[keep], done[keep], attn[keep], pos[keep]
-                        for layer in cache.layers:
-                            layer.keep(keep)
-                    attn = torch.cat([attn, attn.new_ones((len(live), 1))], dim=1)
-                    pos = pos[:, -1:] + 1
-                    logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
-                                        past_key_values=cache, use_cache=True).logits[:, -1]
+                        live, tok, done = live[keep], tok[keep], done[keep]
+                        decoding.keep(keep)
+                    logits = decoding(tok)                                                         # [A, V]
                 eos = set(self.eos.tolist())
                 for t, lp, v in zip(tokens[:, :step + 1].tolist(), behaviour[:, :step + 1].tolist(), last.tolist()):
                     end = next((j + 1 for j, x in enumerate(t) if x in eos), None)

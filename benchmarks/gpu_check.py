@@ -28,10 +28,12 @@ not run). nvidia-smi, where there is one, gives each stage's peak GPU memory in 
 processes together):
 
     cuda          a bf16 matmul on every visible GPU; names, memory, NCCL version
-    tests         pytest tests/test_gpu.py and the CUDA test of tests/test_ipc_sync.py: every test
-                  passes and none is skipped (the CUDA-gated ones: mode both colocated on one GPU
-                  with ipc and with gloo sync, the HF engine on CUDA following a deliberately
-                  perturbed sync in float32 and in bf16, buckets handed over by CUDA IPC between
+    tests         pytest tests/test_gpu.py, tests/test_cuda_graphs.py and the CUDA test of
+                  tests/test_ipc_sync.py: every test passes and none is skipped (the CUDA-gated
+                  ones: mode both colocated on one GPU with ipc and with gloo sync, the HF engine
+                  on CUDA following a deliberately perturbed sync in float32, in bf16 and in bf16
+                  with its decode steps as CUDA graphs captured before the sync, graphs giving the
+                  eager decoding's tokens and log-probs, buckets handed over by CUDA IPC between
                   two processes and held until acknowledged)
     both-135m     torchrun --nproc_per_node 1 run.py --mode both --engine hf --sync-interval 1 on
     both-0.5b     the default job's shape (8 tasks x 8 rollouts, <= 24 new tokens), trainer and
@@ -41,8 +43,9 @@ processes together):
                   the other), its split, tokens/s, the trainer's peak GPU memory
     lora-135m     the same with --lora-rank 16 (SKIP without peft): adapters under FSDP2's mixed
                   precision, the explorer's checksum of what each sync carried equal to the trainer's
-    bench         nanorft's explorer (HF engine, bf16 weights as when colocated) vs raw
-                  `model.generate`, nanorft's train step (FSDP2, bf16 mixed precision, activations
+    bench         nanorft's explorer (HF engine, bf16 weights as when colocated; decode steps
+                  as CUDA graphs and eager, on the same batches) vs raw `model.generate`, and on
+                  the 0.5b model 64 replies of 512 tokens with graphs and eager, nanorft's train step (FSDP2, bf16 mixed precision, activations
                   recomputed) vs a raw forward + backward + AdamW loop (bf16 autocast, every
                   sequence padded in full, nothing recomputed) on the same sequences, for each
                   model in one process: a warm-up round, then interleaved rounds timed between
@@ -97,8 +100,10 @@ MODELS = {
                  num_key_value_heads=2),   # Qwen2-0.5B
 }
 STEPS, MULTI_STEPS, TASKS = 8, 4, 400
+LONG_TOKENS = {"0.5b": 512}  # the bench stage also times replies of this many tokens on these models
 MIN_STAGE_S = 20.0  # a stage with less of the budget left is not started (it fails as not run)
-TESTS = ["tests/test_gpu.py", "tests/test_ipc_sync.py::test_buckets_arrive_equal_and_are_held_until_acknowledged[cuda]"]
+TESTS = ["tests/test_gpu.py", "tests/test_ipc_sync.py::test_buckets_arrive_equal_and_are_held_until_acknowledged[cuda]",
+         "tests/test_cuda_graphs.py"]
 
 
 class Failed(Exception):
@@ -332,8 +337,9 @@ def check_tests(xml: Path) -> Callable[[str], tuple[str, dict]]:
         if bad:
             raise Failed(f"not passed: {', '.join(f'{n} ({s})' for n, s in bad.items())}")
         perturbed = [n for n in cases if "perturbed" in n and "cuda" in n]
-        if len(perturbed) != 2:
-            raise Failed(f"the perturbed-sync test did not run on CUDA in float32 and bf16: {perturbed}")
+        if len(perturbed) != 3:
+            raise Failed(f"the perturbed-sync test did not run on CUDA in float32, bf16 and bf16 with graphs: "
+                         f"{perturbed}")
         return f"{len(cases)} passed, none skipped (incl. {', '.join(perturbed)})", {"passed": sorted(cases)}
     return check
 
@@ -390,8 +396,10 @@ def check_bench(work: Path) -> Callable[[str], tuple[str, dict]]:
         nums = [v for r in res.values() for v in r.values() if isinstance(v, float)]
         if not all(math.isfinite(v) and v > 0 for v in nums):
             raise Failed(f"a figure is not a positive number: {res}")
-        return "; ".join(f"{m}: explorer {r['explorer_tokens_per_s']:.0f} tok/s = {r['explorer_vs_generate']:.2f}x "
-                         f"generate, train {r['trainer_tokens_per_s']:.0f} tok/s = {r['trainer_vs_raw']:.2f}x raw "
+        return "; ".join(f"{m}: explorer {r['explorer_tokens_per_s']:.0f} tok/s = {r['graphs_vs_eager']:.2f}x eager "
+                         f"decode, {r['explorer_vs_generate']:.2f}x generate"
+                         + (f", {r['long_rows']} x {r['long_tokens']} tokens {r['long_graphs_tokens_per_s']:.0f} tok/s "
+                            f"= {r['long_graphs_vs_eager']:.2f}x eager" if "long_tokens" in r else "") + f", train {r['trainer_tokens_per_s']:.0f} tok/s = {r['trainer_vs_raw']:.2f}x raw "
                          f"loop, train peak {r['trainer_peak_gib']:.1f} GiB, raw copy of "
                          f"{r['copy_bytes'] / 1e6:.0f} MB device -> host -> device {r['raw_copy_d2h2d_s']:.3f} s"
                          for m, r in res.items()), res
@@ -490,7 +498,7 @@ def bench_worker(work: Path, rounds: int = 3) -> None:
     launch.init_distributed()  # one rank on cuda:0, NCCL + gloo: the Trainer needs the default group
     out = {}
     for name in MODELS:
-        out[name] = bench_model(work, name, torch.device("cuda", 0), rounds)
+        out[name] = bench_model(work, name, torch.device("cuda", 0), rounds, LONG_TOKENS.get(name, 0))
         (work / "bench.json").write_text(json.dumps(out, indent=2))
         print(name, json.dumps(out[name]), flush=True)
         gc.collect()
@@ -548,15 +556,16 @@ def raw_train(model, opt, exps, token_budget: int, pad: int) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def bench_model(work: Path, name: str, device, rounds: int) -> dict:
-    """One model: nanorft's explorer and trainer next to the raw loops (module docstring)."""
+def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0) -> dict:
+    """One model: nanorft's explorer (decode steps as CUDA graphs and eager) and trainer next to the raw loops, and
+    with `long_tokens` the explorer on replies of that length (module docstring)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     import launch
     import run
     from bench_step import explore_rate  # the CPU benchmark's explorer timing: one batch through Explorer
-    from engines import HFEngine
+    from engines import HFEngine, Sampling
     from explorer import Explorer
     from models import choose_dtype
     from trainer import Trainer
@@ -569,16 +578,20 @@ def bench_model(work: Path, name: str, device, rounds: int) -> dict:
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     train, held, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, 1, cfg.seed)
     engine = HFEngine(path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=cfg.dtype == "bfloat16",
-                      device=str(device), dtype=torch.bfloat16)  # as engines.make_engine makes it, colocated
+                      device=str(device), dtype=torch.bfloat16, cuda_graphs=True)  # as make_engine makes it, colocated
+    graphs = engine.graphs
     explorer = Explorer(cfg, engine, train, held, dataset, lambda record: None)
     trainer = Trainer(cfg, path, device)
     gen_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
     raw = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     raw_opt = torch.optim.AdamW(raw.parameters(), lr=0.0)
     resident = torch.cuda.memory_allocated() / 2**30
-    rows: dict[str, list[float]] = {k: [] for k in ("explore", "generate", "train", "raw_train")}
+    rows: dict[str, list[float]] = {k: [] for k in ("explore", "explore_eager", "generate", "train", "raw_train")}
     peaks = dict.fromkeys(rows, 0.0)
-    for rnd in range(rounds + 1):  # round 0 warms up (kernels, allocator, cuBLAS): not counted
+    for rnd in range(rounds + 1):  # round 0 warms up (kernels, allocator, cuBLAS, graphs): not counted
+        engine.graphs = None  # the same batch decoded eagerly, step by step
+        (eager, _), _, _ = cuda_timed(lambda: explore_rate(explorer, rnd))
+        engine.graphs = graphs
         (rate, groups), _, peak_e = cuda_timed(lambda: explore_rate(explorer, rnd))
         prompts = [g[0].tokens[:g[0].prompt_length] for g in groups]  # the tasks just explored
         n_gen, gen_s, peak_g = cuda_timed(lambda: raw_generate(gen_model, prompts, cfg.group_size, cfg.max_tokens,
@@ -588,11 +601,27 @@ def bench_model(work: Path, name: str, device, rounds: int) -> dict:
         _, train_s, peak_t = cuda_timed(lambda: trainer.step(groups))
         _, raw_s, peak_r = cuda_timed(lambda: raw_train(raw, raw_opt, exps, cfg.token_budget, trainer.pad))
         if rnd:
+            rows["explore_eager"].append(eager)
             for k, v, p in (("explore", rate, peak_e), ("generate", n_gen / gen_s, peak_g),
                             ("train", tokens / train_s, peak_t), ("raw_train", tokens / raw_s, peak_r)):
                 rows[k].append(v)
                 peaks[k] = max(peaks[k], p)
     med = {k: statistics.median(v) for k, v in rows.items()}
+    long = {}
+    if long_tokens:  # replies of long_tokens tokens (random weights rarely sample the end token)
+        sampling = Sampling(max_tokens=long_tokens, temperature=1.0)
+        rates = {"graphs": [], "eager": []}
+        for rnd in range(3):  # round 0 captures the graph of this length: not counted
+            for arm in ("graphs", "eager")[:1 if rnd == 0 else 2]:
+                engine.graphs = graphs if arm == "graphs" else None
+                out, sec, _ = cuda_timed(lambda: engine.generate_batch(prompts, [cfg.group_size] * len(prompts),
+                                                                       sampling))
+                if rnd:
+                    rates[arm].append(sum(len(c.tokens) for g in out for c in g) / sec)
+        long = {"long_tokens": long_tokens, "long_rows": len(prompts) * cfg.group_size,
+                "long_graphs_tokens_per_s": statistics.median(rates["graphs"]),
+                "long_eager_tokens_per_s": statistics.median(rates["eager"])}
+        long["long_graphs_vs_eager"] = long["long_graphs_tokens_per_s"] / long["long_eager_tokens_per_s"]
     params = sum(p.numel() for p in raw.parameters())
     flat = torch.randn(params, device=device)  # a raw device -> host -> device copy of the float32 weights' bytes
     host = torch.empty_like(flat, device="cpu")
@@ -600,11 +629,12 @@ def bench_model(work: Path, name: str, device, rounds: int) -> dict:
     return {"params": params, "dtype": cfg.dtype, "rounds": rounds,
             "explorer_tokens_per_s": med["explore"], "generate_tokens_per_s": med["generate"],
             "explorer_vs_generate": med["explore"] / med["generate"],
+            "explorer_eager_tokens_per_s": med["explore_eager"], "graphs_vs_eager": med["explore"] / med["explore_eager"],
             "trainer_tokens_per_s": med["train"], "raw_train_tokens_per_s": med["raw_train"],
             "trainer_vs_raw": med["train"] / med["raw_train"], "resident_gib": resident,
             "explorer_peak_gib": peaks["explore"], "generate_peak_gib": peaks["generate"],
             "trainer_peak_gib": peaks["train"], "raw_train_peak_gib": peaks["raw_train"],
-            "copy_bytes": float(params * 4), "raw_copy_d2h2d_s": statistics.median(copies)}
+            "copy_bytes": float(params * 4), "raw_copy_d2h2d_s": statistics.median(copies), **long}
 
 
 WORKERS = {"validate": validate_worker, "cuda": cuda_worker, "bench": bench_worker}

@@ -77,12 +77,13 @@ def test_colocated_mode_both_on_one_gpu(tiny_model, tasks, tmp_path, monkeypatch
     assert all(0 < r["memory/peak_allocated_gib"] < 80 for r in steps)  # torch.cuda figures in the metrics
 
 
-@pytest.mark.parametrize("device,dtype", [
-    ("cpu", torch.float32),
-    pytest.param("cuda:0", torch.float32, marks=needs_cuda),
-    pytest.param("cuda:0", torch.bfloat16, marks=needs_cuda),  # as colocated on one GPU: the engine holds bf16
-], ids=["cpu-float32", "cuda-float32", "cuda-bf16"])
-def test_hf_engine_follows_a_perturbed_sync(tiny_model, device, dtype):
+@pytest.mark.parametrize("device,dtype,graphs", [
+    ("cpu", torch.float32, False),
+    pytest.param("cuda:0", torch.float32, False, marks=needs_cuda),
+    pytest.param("cuda:0", torch.bfloat16, False, marks=needs_cuda),  # as colocated on one GPU: the engine holds bf16
+    pytest.param("cuda:0", torch.bfloat16, True, marks=needs_cuda),   # decode steps replayed as CUDA graphs
+], ids=["cpu-float32", "cuda-float32", "cuda-bf16", "cuda-bf16-graphs"])
+def test_hf_engine_follows_a_perturbed_sync(tiny_model, device, dtype, graphs):
     # the explorer's log-probs follow the trainer's new weights: deliberately perturbed weights published over the
     # weight-sync group (gloo, staged through host memory, as on one GPU) reach the HF engine on `device`, which then
     # samples from exactly the perturbed model (its recomputation, as the trainer computes it) and no longer the old
@@ -95,8 +96,11 @@ def test_hf_engine_follows_a_perturbed_sync(tiny_model, device, dtype):
     from transformers import AutoModelForCausalLM
 
     bf16 = dtype == torch.bfloat16
-    engine = HFEngine(tiny_model, max_batch=16, seed=0, bf16=bf16, device=device, dtype=dtype)
+    engine = HFEngine(tiny_model, max_batch=16, seed=0, bf16=bf16, device=device, dtype=dtype, cuda_graphs=graphs)
     engine.checksum = True
+    if graphs:  # the graph is captured on the old weights: the sync must reach it in place
+        rollouts(engine, PROMPTS, 4, Sampling(max_tokens=12, temperature=1.0))
+        assert len(engine.graphs.steps) == 1
     old, new = (AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).to(device) for _ in range(2))
     torch.manual_seed(0)
     with torch.no_grad():

@@ -1,0 +1,118 @@
+"""The HF engine's decode step replayed as a CUDA graph (`--cuda-graphs`, on by default on a GPU).
+
+A decode step of a small model is bound by kernel launches: tens per layer, each microseconds of work.
+A captured graph launches them all at once. It needs fixed shapes and addresses, so the KV cache is
+static: buffers [Bb, KV, L, D] per layer for a batch bucket Bb (a power of two) and a capacity L (a
+multiple of 128 tokens), written at one column per step, with a boolean attention mask [Bb, 1, 1, L]
+instead of a growing cache. Every weight sync and checkpoint load copies into the parameters in place,
+so a graph stays valid across syncs. Source: the CUDA Graphs notes of PyTorch (torch.cuda.graph, warm-up on
+a side stream); transformers' StaticCache serves torch.compile's graphs the same way.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+CAPACITY_STEP = 128  # tokens: the capacities of the static caches
+
+
+class ColumnLayer(DynamicLayer):
+    """KV buffers [Bb, KV, L, D]; each update writes the column `index` [1], a device tensor set between steps."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor):
+        super().__init__()
+        self.keys, self.values, self.index, self.is_initialized = keys, values, index, True
+        self.dtype, self.device = keys.dtype, keys.device
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys.index_copy_(2, self.index, key_states)
+        self.values.index_copy_(2, self.index, value_states)
+        return self.keys, self.values
+
+
+class Step:
+    """One decode step of `model` over a static cache shaped like `like` (a prefilled cache's layers) for
+    `rows` sequences and `capacity` tokens; captured as a CUDA graph when `capture`, else run eagerly."""
+
+    def __init__(self, model, like: list, rows: int, capacity: int, capture: bool):
+        k = like[0].keys
+        self.index = torch.zeros(1, dtype=torch.long, device=k.device)
+        self.cache = Cache(layers=[ColumnLayer(k.new_zeros(rows, k.shape[1], capacity, k.shape[3]),
+                                               k.new_zeros(rows, k.shape[1], capacity, k.shape[3]), self.index)
+                                   for _ in like])
+        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=k.device)             # [Bb, 1]
+        self.pos = torch.zeros(rows, 1, dtype=torch.long, device=k.device)             # [Bb, 1]
+        self.mask = torch.zeros(rows, 1, 1, capacity, dtype=torch.bool, device=k.device)  # [Bb, 1, 1, L]
+        self.mask[:, 0, 0, 0] = True  # no row attends to nothing (softmax of no column is NaN)
+        self.model, self.graph = model, None
+        if capture:
+            # autocast's weight cache would free the casts the graph reads: the graph casts on every replay
+            cast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
+                                  enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), cast:
+                for _ in range(2):  # kernels chosen, workspaces allocated, outside the capture
+                    self.forward()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), cast:  # a sync may copy meanwhile
+                self.logits = self.forward()                                            # [Bb, V]
+
+    def forward(self) -> torch.Tensor:
+        return self.model(input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos,
+                          past_key_values=self.cache, use_cache=True).logits[:, -1]
+
+    def __call__(self) -> torch.Tensor:
+        """The next tokens' logits [Bb, V]; a captured step's are overwritten by its next call."""
+        if self.graph is None:
+            return self.forward()
+        self.graph.replay()
+        return self.logits
+
+
+class Replay:
+    """engines.Decoding's contract on a `Step`: rows stay in the batch until the last one ends."""
+
+    drops = False
+
+    def __init__(self, step: Step, cache, attn: torch.Tensor, pos: torch.Tensor):
+        B, P = attn.shape
+        for column, layer in zip(step.cache.layers, cache.layers):
+            column.keys[:B, :, :P], column.values[:B, :, :P] = layer.keys, layer.values
+        step.mask[:, :, :, 1:] = False
+        step.mask[:B, 0, 0, :P] = attn.bool()
+        step.pos[:B] = pos[:, -1:]
+        self.step, self.rows, self.column = step, B, P
+
+    def __call__(self, tok: torch.Tensor) -> torch.Tensor:
+        s = self.step
+        s.ids[:self.rows, 0] = tok
+        s.pos += 1
+        s.index.fill_(self.column)
+        s.mask[:, 0, 0, self.column] = True
+        self.column += 1
+        return s()[:self.rows]
+
+
+class Graphs:
+    """Captured decode steps by (batch bucket, capacity, cache dtype), at most `keep` of them (the least recently
+    used go first); called as engines.Decoding is. `capture=False` runs the same static steps eagerly."""
+
+    def __init__(self, max_batch: int, capture: bool = True, keep: int = 8):
+        self.max_batch, self.capture, self.keep = max_batch, capture, keep
+        self.steps: OrderedDict[tuple, Step] = OrderedDict()
+
+    def __call__(self, model, cache, attn: torch.Tensor, pos: torch.Tensor, max_tokens: int) -> Replay:
+        B, P = attn.shape
+        rows = max(B, min(self.max_batch, 1 << (B - 1).bit_length()))
+        capacity = -(-(P + max_tokens) // CAPACITY_STEP) * CAPACITY_STEP
+        key = (id(model), rows, capacity, cache.layers[0].keys.dtype)
+        if key not in self.steps:
+            while len(self.steps) >= self.keep:
+                self.steps.popitem(last=False)
+            self.steps[key] = Step(model, cache.layers, rows, capacity, self.capture)
+        self.steps.move_to_end(key)
+        return Replay(self.steps[key], cache, attn, pos)

@@ -1,0 +1,60 @@
+"""The HF engine's decode step over a static cache (extras/cuda_graphs.py): the same tokens and behaviour
+log-probs as the growing cache, run eagerly on the CPU and replayed as a CUDA graph where a GPU is visible."""
+import pytest
+import torch
+
+from conftest import PROMPTS
+from engines import HFEngine, Sampling
+from extras.cuda_graphs import Graphs
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible here)")
+CASES = [pytest.param("cpu", torch.float32, id="cpu-eager-float32"),
+         pytest.param("cuda:0", torch.float32, marks=needs_cuda, id="cuda-graph-float32"),
+         pytest.param("cuda:0", torch.bfloat16, marks=needs_cuda, id="cuda-graph-bf16")]
+# prompts sharing a prefix, of different lengths (left padding), one of a single token
+SHARED = [[3, 4, 5, 6, 7], [3, 4, 5, 9, 10, 11, 12, 13], [3, 4, 5, 20]]
+
+
+def sample(engine, prompts, n, sampling):
+    """(tokens, behaviour log-probs) of every completion, flattened, generated from seed 0."""
+    engine.generator.manual_seed(0)
+    out = [c for group in engine.generate_batch(prompts, [n] * len(prompts), sampling) for c in group]
+    return [c.tokens for c in out], [lp for c in out for lp in c.behaviour_logprobs]
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("prompts", [PROMPTS, SHARED], ids=["distinct", "shared-prefix"])
+def test_static_cache_decodes_as_the_growing_cache(tiny_model, device, dtype, prompts):
+    capture = device != "cpu"
+    growing = HFEngine(tiny_model, max_batch=16, device=device, dtype=dtype)
+    static = HFEngine(tiny_model, max_batch=16, device=device, dtype=dtype)
+    static.graphs = Graphs(16, capture=capture)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for sampling in (Sampling(max_tokens=20, temperature=0.0), Sampling(max_tokens=20, temperature=1.0)):
+        tokens, logprobs = sample(growing, prompts, 4, sampling)
+        tokens_s, logprobs_s = sample(static, prompts, 4, sampling)
+        if dtype == torch.float32:
+            assert tokens_s == tokens
+            assert logprobs_s == pytest.approx(logprobs, abs=tol)
+        else:  # bf16 rounding can tip a near tie: most replies agree token for token
+            assert sum(a == b for a, b in zip(tokens_s, tokens)) >= 0.75 * len(tokens)
+    assert len(static.graphs.steps) == 1  # both samplings replayed the one step of their shape
+    if capture:  # the replayed graph against the same static step run eagerly: the same numbers
+        eager = HFEngine(tiny_model, max_batch=16, device=device, dtype=dtype)
+        eager.graphs = Graphs(16, capture=False)
+        (tokens_e, logprobs_e), (tokens_g, logprobs_g) = (sample(e, prompts, 4, sampling) for e in (eager, static))
+        assert tokens_g == tokens_e and logprobs_g == pytest.approx(logprobs_e, abs=1e-4)
+
+
+def test_steps_are_kept_by_batch_bucket_and_capacity(tiny_model):
+    engine = HFEngine(tiny_model, max_batch=16, device="cpu")
+    engine.graphs = graphs = Graphs(16, capture=False, keep=2)
+    for n, max_tokens in ((1, 4), (2, 4), (5, 4), (5, 130)):  # 3, 6, 15 and 15 rows
+        engine.generate_batch(PROMPTS, [n] * 3, Sampling(max_tokens=max_tokens, temperature=1.0))
+    assert [(rows, capacity) for _, rows, capacity, _ in graphs.steps] == [(16, 128), (16, 256)]
+    engine.generate_batch(PROMPTS, [1] * 3, Sampling(max_tokens=4, temperature=1.0))
+    assert [(rows, capacity) for _, rows, capacity, _ in graphs.steps] == [(16, 256), (4, 128)]
+
+
+def test_cuda_graphs_stay_off_on_a_cpu(tiny_model):
+    assert HFEngine(tiny_model, device="cpu", cuda_graphs=True).graphs is None
