@@ -10,10 +10,13 @@ a side stream); transformers' StaticCache serves torch.compile's graphs the same
 """
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+from engines import Decoding
 
 CAPACITY_STEP = 128  # tokens: the capacities of the static caches
 
@@ -104,8 +107,11 @@ class Graphs:
     def __init__(self, max_batch: int, capture: bool = True, keep: int = 8):
         self.max_batch, self.capture, self.keep = max_batch, capture, keep
         self.steps: OrderedDict[tuple, Step] = OrderedDict()
+        self.failed = ""  # why a capture failed: from then on every batch decodes eagerly
 
-    def __call__(self, model, cache, attn: torch.Tensor, pos: torch.Tensor, max_tokens: int) -> Replay:
+    def __call__(self, model, cache, attn: torch.Tensor, pos: torch.Tensor, max_tokens: int):
+        if self.failed:
+            return Decoding(model, cache, attn, pos, max_tokens)
         B, P = attn.shape
         rows = max(B, min(self.max_batch, 1 << (B - 1).bit_length()))
         capacity = -(-(P + max_tokens) // CAPACITY_STEP) * CAPACITY_STEP
@@ -113,6 +119,12 @@ class Graphs:
         if key not in self.steps:
             while len(self.steps) >= self.keep:
                 self.steps.popitem(last=False)
-            self.steps[key] = Step(model, cache.layers, rows, capacity, self.capture)
+            try:
+                self.steps[key] = Step(model, cache.layers, rows, capacity, self.capture)
+            except RuntimeError as e:  # a model whose step cannot be captured still decodes
+                self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                print(f"nanorft: CUDA graphs off, decoding eagerly: the capture failed ({self.failed})",
+                      file=sys.stderr, flush=True)
+                return Decoding(model, cache, attn, pos, max_tokens)
         self.steps.move_to_end(key)
         return Replay(self.steps[key], cache, attn, pos)

@@ -58,3 +58,18 @@ def test_steps_are_kept_by_batch_bucket_and_capacity(tiny_model):
 
 def test_cuda_graphs_stay_off_on_a_cpu(tiny_model):
     assert HFEngine(tiny_model, device="cpu", cuda_graphs=True).graphs is None
+
+
+def test_a_step_that_cannot_be_captured_decodes_eagerly(tiny_model, monkeypatch, capsys):
+    import extras.cuda_graphs as cg
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    engine, growing = (HFEngine(tiny_model, max_batch=16, device="cpu") for _ in range(2))
+    engine.graphs = Graphs(16, capture=False)
+    monkeypatch.setattr(cg, "Step", fail)
+    sampling = Sampling(max_tokens=12, temperature=0.0)
+    assert sample(engine, PROMPTS, 2, sampling) == sample(growing, PROMPTS, 2, sampling)
+    assert sample(engine, PROMPTS, 2, sampling) == sample(growing, PROMPTS, 2, sampling)
+    assert capsys.readouterr().err.count("CUDA graphs off, decoding eagerly") == 1
+    assert "not permitted when stream is capturing" in engine.graphs.failed
