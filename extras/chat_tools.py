@@ -16,7 +16,6 @@ UNSUPPORTED = {**dict.fromkeys(("logit_bias", "presence_penalty", "frequency_pen
 
 class RequestError(ValueError):
     """A client's mistake: answered with HTTP `status` (4xx) and this message."""
-
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
@@ -25,7 +24,6 @@ class RequestError(ValueError):
 @dataclass
 class ChatRequest:
     """A checked `POST /v1/chat/completions` body (max_tokens None: the endpoint's limit)."""
-
     messages: list[dict]
     tools: list[dict] = field(default_factory=list)
     n: int = 1
@@ -52,10 +50,8 @@ def parse_request(body) -> ChatRequest:
         raise RequestError("messages must be a non-empty list")
     req = ChatRequest([_message(m, i) for i, m in enumerate(messages)], _tools(body.get("tools")))
     req.n = _number(body, "n", int, 1, MAX_N, 1)
-    for key in ("max_completion_tokens", "max_tokens"):
-        if body.get(key) is not None:
-            req.max_tokens = _number(body, key, int, 1, 1 << 30, None)
-            break
+    if key := next((k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None):
+        req.max_tokens = _number(body, key, int, 1, 1 << 30, None)
     req.temperature = _number(body, "temperature", float, 0.0, 2.0, None)
     req.top_p = _number(body, "top_p", float, 0.0, 1.0, None)
     req.logprobs = bool(body.get("logprobs") or False)
@@ -231,8 +227,7 @@ _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def hermes_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content or None when only calls remain, calls): each `<tool_call>{"name", "arguments"}</tool_call>`
-    block whose JSON parses becomes a call (Hermes, Qwen); others stay in the content."""
+    """(content or None when only calls remain, calls) of Hermes/Qwen `<tool_call>{...}</tool_call>` blocks."""
     calls, kept, last = [], [], 0
     for m in _TOOL_CALL.finditer(text):
         try:

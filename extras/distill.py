@@ -35,7 +35,6 @@ def distill_advantages(advantages: torch.Tensor, teacher_logprobs: torch.Tensor,
 class Teacher(Reference):
     """The teacher's log-probs of each step's sequences for `trainer`: its own frozen model (also with LoRA),
     sharded and computed as the policy's (packing, shared prompts, precision, temperature)."""
-
     def __init__(self, trainer, model_path: str):
         self.trainer, self.seqs, self.coef = trainer, {}, trainer.cfg.distill_coef
         self.model = frozen_model(trainer, model_path)

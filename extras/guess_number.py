@@ -24,7 +24,6 @@ def guess_number_tasks(kwargs: dict, train_size: int, eval_size: int, seed: int)
 
 class GuessNumberEnv:
     """Each reply's last number guesses the task's answer: reward 1 when found, else higher / lower."""
-
     def reset(self, task: Task) -> str:
         self.secret = int(task.answer)
         return task.question
@@ -40,6 +39,5 @@ class GuessNumberEnv:
 
 class GuessNumberWorkflow(MultiTurnWorkflow):
     """Find the secret number in at most max_turns guesses (`--task guess_number`)."""
-
     def make_env(self):
         return GuessNumberEnv()

@@ -72,7 +72,6 @@ def merge_adapter(adapter: str | Path, out: str | Path, dtype: torch.dtype) -> N
 
 class LoraTrainer(Trainer):
     """A Trainer of fresh LoRA adapters on the frozen model; saves and resume states hold the adapters only."""
-
     def __init__(self, cfg, model_path: str, device: torch.device):
         self.lora = lora_config(cfg, model_path)
         super().__init__(cfg, model_path, device)

@@ -20,7 +20,6 @@ def frozen_model(trainer, model_path: str):
 
 class Reference:
     """The reference log-probs of each step's sequences for `trainer`."""
-
     def __init__(self, trainer, model_path: str):
         self.trainer, self.seqs, self.model = trainer, {}, None
         if not trainer.lora:  # LoRA: the policy with its adapters disabled

@@ -11,7 +11,6 @@ class ReflectWorkflow(MathWorkflow):
     """n scored rollouts; each wrong one is answered once more after the feedback "incorrect", and
     the first correct reflection is kept as one extra sample (info["reflection"]). Trinity-RFT
     technical report, arXiv:2505.17826, reflection example."""
-
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
         group = await super().run(task, engine, n)
         wrong = [e for e in group if e.reward != 1.0]

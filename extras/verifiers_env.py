@@ -68,7 +68,6 @@ def verifiers_tasks(name: str, train_size: int, eval_size: int) -> tuple[list[Ta
 class VerifiersWorkflow(AgentWorkflow):
     """Rollouts of verifiers environment `env_name` (`harness`: a harness id instead of the default).
     RuntimeError for a task not from `--task verifiers:NAME` or an episode that failed."""
-
     env_name = ""
     harness: str | None = None
 
