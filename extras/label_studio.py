@@ -30,6 +30,7 @@ class LabelStudio:
         self.headers = {"Authorization": f"Token {token}", "Content-Type": "application/json"}
 
     def call(self, method: str, path: str, body=None):
+        """The decoded JSON reply to `method` `path` with a JSON `body`."""
         req = urllib.request.Request(self.url + path, None if body is None else json.dumps(body).encode(),
                                      self.headers, method=method)
         try:

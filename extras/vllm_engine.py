@@ -149,7 +149,7 @@ class VLLMWeightReceiver:
     """vLLM worker extension (`WORKER`): a receiving rank of the weight-sync group; loads each publish in place."""
     def nanorft_join(self, model_path: str, host: str, port: int, timeout_s: float, sync_device: str,
                      lora: dict | None = None, lora_root: str = "") -> None:
-        """Join the group at `host`:`port`; with `lora` (LoraConfig.to_dict()) receives write lora_root/v{version:06d}."""
+        """Join the group at `host`:`port`; with `lora` (LoraConfig.to_dict()) write adapters to lora_root/vVERSION."""
         from transformers import AutoConfig, AutoModelForCausalLM
         dtype = self.vllm_config.model_config.dtype  # the dtype it holds: bf16 to a bf16 vLLM
         with torch.device("meta"):  # names and shapes of the HF checkpoint (or of its adapters), in wire order
