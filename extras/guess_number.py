@@ -1,5 +1,4 @@
-"""The bundled multi-turn environment (`--task guess_number --workflow guess_number`,
-configs/guess.toml): find a secret number with higher/lower feedback."""
+"""`--task guess_number --workflow guess_number` (configs/guess.toml): find a secret number by higher/lower."""
 from __future__ import annotations
 
 from extras.multiturn import MultiTurnWorkflow
@@ -18,7 +17,6 @@ def guess_number_tasks(kwargs: dict, train_size: int, eval_size: int, seed: int)
     def draw(n: int, s: int, split: str) -> list[Task]:
         rng = random.Random(s)
         return [Task(f"guess_number/{split}/{i}", question, str(rng.randint(low, high))) for i in range(n)]
-
     return draw(train_size, seed, "train"), draw(eval_size, seed + 1_000_003, "eval")
 
 

@@ -1,7 +1,5 @@
-"""Networking of processes apart from the trainer: the network interface gloo binds across hosts
-(launch.gloo_interface calls `gloo_interface` here when MASTER_ADDR is not loopback), and `StoreAlive`,
-how mode explore and the vLLM worker watch the trainer.
-"""
+"""Networking of processes apart from the trainer: the interface gloo binds across hosts (`gloo_interface`, from
+launch.gloo_interface), and `StoreAlive`, how mode explore and the vLLM worker watch the trainer."""
 from __future__ import annotations
 
 import ipaddress
@@ -31,9 +29,8 @@ class StoreAlive:
 
 
 def gloo_interface(master: str) -> str | None:
-    """Set GLOO_SOCKET_IFNAME to the interface on the route to `master` and return it: gloo binds the
-    hostname's address, often loopback (Debian: 127.0.1.1), where other nodes cannot reach it. None
-    when `master` is unreachable or on this host."""
+    """Set GLOO_SOCKET_IFNAME to the interface on the route to `master` (gloo binds the hostname's address, often
+    loopback) and return it; None when `master` is unreachable or on this host."""
     try:
         address = sync.local_address(master)
     except OSError:  # no route to it: torch's own error names the address

@@ -10,9 +10,8 @@ from workflows import Task
 
 
 def math_verify_reward(task: Task, completion: str, dataset: Any) -> float:
-    """1.0 when math-verify finds the completion's answer equal to the reference, else 0.0; a bare
-    reference is parsed as "\\boxed{reference}" (verl/utils/reward_score/math_verify.py @ 1309a22).
-    Its signal timeouts are off (main thread only). ValueError for a reference without an answer."""
+    """1.0 when math-verify finds the completion's answer equal to the reference (a bare one as "\\boxed{reference}",
+    verl/utils/reward_score/math_verify.py @ 1309a22), else 0.0. ValueError for a reference without an answer."""
     ref = task.answer.strip()
     gold = parse(ref if "$" in ref or "\\boxed" in ref else f"\\boxed{{{ref}}}", parsing_timeout=None)
     if not gold:

@@ -8,8 +8,7 @@ from pathlib import Path
 
 
 class MLflowLog:
-    """An MLflow run in experiment "nanorft" at $MLFLOW_TRACKING_URI, else in RUN_DIR/mlflow.db; the
-    config as params; its id in RUN_DIR/mlflow_run_id for --resume."""
+    """An MLflow run in experiment "nanorft" at $MLFLOW_TRACKING_URI, else RUN_DIR/mlflow.db; resumed by its id."""
     def __init__(self, run_dir: Path, config: dict):
         import logging
         from mlflow import MlflowClient

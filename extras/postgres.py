@@ -1,6 +1,4 @@
-"""The PostgreSQL backend of buffer.Buffer (`--buffer postgresql://user@host:port/db`, several
-hosts), by import path; it needs `pip install "psycopg[binary]"`.
-"""
+"""The PostgreSQL backend of buffer.Buffer (`--buffer postgresql://user@host:port/db`), by import path."""
 from __future__ import annotations
 
 import re
@@ -19,8 +17,7 @@ class Postgres:
         schema = query.pop("schema", f"nanorft{run}")
         if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", schema):
             raise ValueError(f"buffer schema {schema!r}: use lower-case letters, digits and _ (at most 63)")
-        self.schema = schema
-        self.where = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1], query=""))
+        self.schema, self.where = schema, urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1], query=""))
         self.where += f" (schema {schema})"  # no password in messages
         try:
             import psycopg

@@ -26,8 +26,7 @@ def coerce(name: str, value, typ: str):
 
 
 def read_preset(path: Path) -> dict:
-    """The settings of TOML preset `path`, coerced. FileNotFoundError / ValueError (one line): a missing
-    file, invalid TOML, an unknown key."""
+    """The settings of TOML preset `path`, coerced; FileNotFoundError / ValueError (one line) for a bad file."""
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     try:
