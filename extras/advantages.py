@@ -1,6 +1,5 @@
 """Advantage estimators besides GRPO (Dr. GRPO, RLOO, REINFORCE++, step-wise GRPO), named by
 import path in losses.ADVANTAGES (contract: losses.py)."""
-from __future__ import annotations
 
 import torch
 

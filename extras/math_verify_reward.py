@@ -1,5 +1,4 @@
 """`--reward-fn math_verify`: answers compared by math-verify (numbers, fractions, LaTeX)."""
-from __future__ import annotations
 
 import logging
 from typing import Any

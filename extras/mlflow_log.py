@@ -1,5 +1,4 @@
 """The MLflow tracker (`--log mlflow`), in metrics.TRACKERS by import path."""
-from __future__ import annotations
 
 import json
 import os

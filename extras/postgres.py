@@ -1,5 +1,4 @@
 """The PostgreSQL backend of buffer.Buffer (`--buffer postgresql://user@host:port/db`), by import path."""
-from __future__ import annotations
 
 import re
 from contextlib import contextmanager

@@ -1,5 +1,4 @@
 """`--workflow reflect`: experience synthesis by reflection."""
-from __future__ import annotations
 
 import asyncio
 

@@ -1,5 +1,4 @@
 """TOPR, Tapered Off-Policy REINFORCE: the `topr` policy loss (losses.POLICY_LOSSES by import path)."""
-from __future__ import annotations
 
 import torch
 

@@ -1,5 +1,4 @@
 """The vLLM engine (`--engine vllm`) and `VLLMWeightReceiver`, its worker extension that receives the weights."""
-from __future__ import annotations
 
 import logging
 import os

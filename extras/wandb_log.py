@@ -1,5 +1,4 @@
 """The W&B tracker (`--log wandb`), in metrics.TRACKERS by import path."""
-from __future__ import annotations
 
 import os
 import uuid
