@@ -11,6 +11,12 @@ MAX_N = 32  # completions per request
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 UNSUPPORTED = {**dict.fromkeys(("logit_bias", "presence_penalty", "frequency_penalty"), "it changes the sampling distribution"),
                "top_logprobs": "logprobs true gives each sampled token's"}  # field -> why it is refused
+HERMES_TOOLS = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>"
+                "\n\nFor each function call, return a json object with function name and arguments within "
+                "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+                '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 class RequestError(ValueError):
@@ -150,19 +156,6 @@ def _tools(tools) -> list[dict]:
     return tools
 
 
-HERMES_TOOLS = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-                "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>"
-                "\n\nFor each function call, return a json object with function name and arguments within "
-                "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-                '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
-
-
-def knows_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template renders tools itself (its source mentions them)."""
-    template = tokenizer.chat_template
-    return "tool_use" in template if isinstance(template, dict) else "tools" in (template or "")
-
-
 def _arguments(text: str):
     try:
         return json.loads(text) if text.strip() else {}
@@ -212,7 +205,8 @@ def native_messages(messages: list[dict]) -> list[dict]:
 
 def prompt_ids(tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
     """Token ids of `messages` and `tools` under the chat template; RequestError when the template refuses them."""
-    native = knows_tools(tokenizer)
+    template = tokenizer.chat_template  # one that mentions tools renders them itself
+    native = "tool_use" in template if isinstance(template, dict) else "tools" in (template or "")
     msgs = native_messages(messages) if native else hermes_messages(messages, tools)
     try:
         ids = tokenizer.apply_chat_template(msgs, tools=(tools or None) if native else None,
@@ -220,9 +214,6 @@ def prompt_ids(tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
     except Exception as e:  # jinja2's TemplateError and whatever a template raises on odd input
         raise RequestError(f"the model's chat template refused the messages: {type(e).__name__}: {e}") from None
     return list(ids)
-
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def hermes_tool_calls(text: str) -> tuple[str | None, list[dict]]:

@@ -6,6 +6,8 @@ from extras.judge import RATINGS, expected_rating
 from extras.filters import repetition_filter
 from extras.pipelines import ExperienceContext, response_text, shape
 
+_EMBEDDERS: dict = {}
+
 
 def quality_reward(groups: list[list[Experience]], ctx: ExperienceContext, model: str = "", url: str = "",
                    weight: float = 1.0, timeout_s: float = 60.0) -> list[list[Experience]]:
@@ -24,9 +26,6 @@ def quality_reward(groups: list[list[Experience]], ctx: ExperienceContext, model
                         "pipeline/quality_reward/rating_mean": sum(ratings) / max(1, len(ratings)),
                         "pipeline/quality_reward/bonus_mean": weight * (sum(ratings) / max(1, len(ratings)) - 3) / 4})
     return groups
-
-
-_EMBEDDERS: dict = {}
 
 
 def embed(texts: list[str], model: str):

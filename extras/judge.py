@@ -7,6 +7,7 @@ from typing import Any
 from workflows import Task, chat_ids
 
 _JUDGES: dict = {}
+RATINGS = ("1", "2", "3", "4", "5")
 
 
 def ask_judge(messages: list[dict], choices: tuple[str, ...], model: str = "", url: str = "",
@@ -43,9 +44,6 @@ def judge_reward(task: Task, completion: str, dataset: Any, model: str = "", url
     if not (model or url):
         raise ValueError("judge reward needs reward_kwargs model (a local model directory) or url")
     return ask_judge([{"role": "user", "content": question}], ("yes", "no"), model, url, timeout_s)[0]
-
-
-RATINGS = ("1", "2", "3", "4", "5")
 
 
 def expected_rating(p: list[float]) -> float:

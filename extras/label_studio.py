@@ -109,7 +109,8 @@ class Annotator:
                 if got:
                     win = 0 if got[0] == "A" else 1
                     rewards[gid][win], rewards[gid][1 - win] = 1.0, 0.0
-                    pairs.append(self._pair(g, win))
+                    pairs.append({"prompt": self._question(g), "chosen": response_text(g[win], self.tokenizer),
+                                  "rejected": response_text(g[1 - win], self.tokenizer)})
             timed_out += gid in rewards and late and len(got) < (1 if self.mode == "pairwise" else len(g))
         if rewards:
             set_rewards_many(self.buffer, rewards)
@@ -132,10 +133,6 @@ class Annotator:
                      self.tokenizer), "group_id": g[0].group_id, "index": 0}]
         return [{"question": q, "response": response_text(e, self.tokenizer), "group_id": e.group_id, "index": i}
                 for i, e in enumerate(g)]
-
-    def _pair(self, g: list[Experience], win: int) -> dict:
-        return {"prompt": self._question(g),
-                "chosen": response_text(g[win], self.tokenizer), "rejected": response_text(g[1 - win], self.tokenizer)}
 
     def run(self, stop: threading.Event, poll_s: float = 2.0, log: Callable[[dict], None] | None = None) -> None:
         """Poll until `stop` is set; a failed poll is reported on stderr and retried."""

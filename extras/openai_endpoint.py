@@ -17,6 +17,8 @@ from extras.chat_tools import (RequestError, load_tool_parser, openai_tool_calls
                                reply_key, stream_events)
 
 MAX_BODY_BYTES = 8 << 20
+_ENDPOINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ENDPOINTS_LOCK = threading.Lock()
 
 
 def require_packages(what: str) -> None:
@@ -230,9 +232,8 @@ class Endpoint:
             eid = request.path_params.get("eid") or request.headers.get("x-episode-id", "")
             try:
                 req, body = await self._chat(request, eid)
-                if req.stream:
-                    return Response(stream_events(body, req.stream_usage), media_type="text/event-stream")
-                return JSONResponse(body)
+                return (Response(stream_events(body, req.stream_usage), media_type="text/event-stream")
+                        if req.stream else JSONResponse(body))
             except RequestError as e:
                 return error(e.status, str(e))
             except _Gone:
@@ -293,10 +294,6 @@ async def _read_json(request):
         return json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"the request body is not JSON: {e}") from None
-
-
-_ENDPOINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_ENDPOINTS_LOCK = threading.Lock()
 
 
 def endpoint_for(engine) -> Endpoint:

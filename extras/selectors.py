@@ -4,6 +4,9 @@ import numpy as np
 
 from workflows import Selector, Task
 
+NEEDS_DIFFICULTY = ("selector easy2hard needs a difficulty for every task: add metadata_difficulty, "
+                    "pass_rate_difficulty, model_difficulty or your own operator to task_pipeline")
+
 
 class Sequential(Selector):
     """The task list in its own order (after the task pipeline), cycled."""
@@ -16,10 +19,6 @@ class RandomTasks(Selector):
                                                                      replace=False).tolist()
         self.cursor += k
         return (out * (k // len(out) + 1))[:k]
-
-
-NEEDS_DIFFICULTY = ("selector easy2hard needs a difficulty for every task: add metadata_difficulty, "
-                    "pass_rate_difficulty, model_difficulty or your own operator to task_pipeline")
 
 
 class Easy2Hard(Selector):
@@ -67,15 +66,10 @@ class DiffBased(Selector):
         self.rng = np.random.default_rng(seed)
         self.index = {t.task_id: i for i, t in enumerate(tasks)}
 
-    def predict(self) -> np.ndarray:
-        """Pass rate per task [n]: the Beta mean, or a draw with do_sample."""
-        if self.do_sample:
-            return self.rng.beta(self.alphas, self.betas)
-        return self.alphas / (self.alphas + self.betas)
-
     def next(self, k: int) -> list[int]:
         k = min(k, len(self.tasks))
-        predicted = self.predict()                                                              # [n]
+        predicted = (self.rng.beta(self.alphas, self.betas) if self.do_sample                   # [n]
+                     else self.alphas / (self.alphas + self.betas))
         scores = -np.abs(self.target - predicted)                                               # [n]
         self.cursor += k
         if self.tau == 0:
