@@ -5,7 +5,6 @@
 
 Each rollout is one episode of the engine's OpenAI-compatible endpoint (extras/openai_endpoint.py);
 its calls become experiences by the multi-turn rule (`call_samples`). Needs `pip install openai fastapi uvicorn`."""
-
 import asyncio
 import inspect
 import math

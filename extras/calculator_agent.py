@@ -2,7 +2,6 @@
 when the final answer's last number is the task's answer (configs/calculator.toml).
     python run.py --workflow agent:extras.calculator_agent.calculator_agent --max-tokens 64
     python -m extras.calculator_agent runs/calculator_demos.jsonl --n 300 --config configs/calculator.toml"""
-
 import ast
 import json
 import operator

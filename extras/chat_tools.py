@@ -1,6 +1,5 @@
 """Chat requests of the OpenAI-compatible endpoint: `parse_request` checks a request's JSON, `prompt_ids` renders
 its messages and tools, and a parser of TOOL_PARSERS (text -> (content or None, calls)) reads the tool calls."""
-
 import json
 import math
 import re

@@ -1,5 +1,4 @@
 """Loading a published checkpoint directory into an engine (--sync-method checkpoint)."""
-
 from pathlib import Path
 
 import torch

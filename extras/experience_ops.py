@@ -1,6 +1,5 @@
 """The bundled experience operators of `--experience-pipeline` (extras/pipelines.py's EXPERIENCE_OPS): quality and
 diversity rewards and cleaning (Trinity-RFT report 3.4.2)."""
-
 from buffer import Experience
 from extras.judge import RATINGS, expected_rating
 from extras.filters import repetition_filter

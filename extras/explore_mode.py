@@ -1,6 +1,5 @@
 """Mode explore (run.MODES, by import path): one explorer beside a `--mode train` launch, sharing the run's buffer;
 explorer.explore paced by the buffer (`Backpressure`), not the sync schedule."""
-
 import sys
 import time
 from pathlib import Path

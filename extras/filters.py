@@ -1,5 +1,4 @@
 """Sequence filters before training, named by import path in losses.FILTERS (contract: losses.py)."""
-
 from losses import FILTERS, register
 
 

@@ -1,5 +1,4 @@
 """`--task guess_number --workflow guess_number` (configs/guess.toml): find a secret number by higher/lower."""
-
 from extras.multiturn import MultiTurnWorkflow
 from workflows import Task, last_number
 

@@ -1,6 +1,5 @@
 """The Hugging Face Hub and datasets: models and datasets by Hub id (`hub_snapshot`) and tasks from any dataset
 `datasets.load_dataset` reads (`hf_dataset_tasks`); workflows and models reach it by import path."""
-
 from pathlib import Path
 
 from extras.offline import hold_out

@@ -1,6 +1,5 @@
 """An LLM as judge: `ask_judge` (also behind the pipelines' difficulty ratings) and `--reward-fn
 judge` (`judge_reward`, in workflows.REWARD_FNS by import path)."""
-
 import json
 from typing import Any
 

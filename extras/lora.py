@@ -1,6 +1,5 @@
 """LoRA (--lora-rank > 0, peft; Hu et al., arXiv:2106.09685): the trainer trains adapters on the frozen model and
 publishes only them; the engines sample with them. Reached by import path (`models.lora(name)`, trainer)."""
-
 from pathlib import Path
 
 import torch

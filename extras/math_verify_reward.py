@@ -1,5 +1,4 @@
 """`--reward-fn math_verify`: answers compared by math-verify (numbers, fractions, LaTeX)."""
-
 import logging
 from typing import Any
 

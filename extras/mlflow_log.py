@@ -1,5 +1,4 @@
 """The MLflow tracker (`--log mlflow`), in metrics.TRACKERS by import path."""
-
 import json
 import os
 import time

@@ -1,5 +1,4 @@
 """Multi-turn workflows: the policy and an environment take turns (`MultiTurnWorkflow`; extras/guess_number.py)."""
-
 import asyncio
 import uuid
 

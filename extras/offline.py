@@ -1,6 +1,5 @@
 """Offline data, marked info["offline"]: chats for SFT or MIX (`--train-data`, `--expert-data`), preference pairs
 for DPO; JSONL task files (`jsonl_tasks`) and `hold_out`, the held-out split of a task source."""
-
 import dataclasses
 import json
 import random

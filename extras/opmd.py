@@ -1,6 +1,5 @@
 """Online policy mirror descent (Trinity-RFT's OPMD family, arXiv:2505.17826 appendix A): the `opmd` advantage and
 the `opmd_kimi`, `opmd_pairwise`, `opmd_simple` losses (by import path in losses.py)."""
-
 import math
 
 import torch

@@ -2,7 +2,6 @@
 and selection, experience shaping and replay. Operators {op = NAME or module.function, ...kwargs}:
     fn(tasks: list[Task], ctx: TaskContext, **kw) -> list[Task]
     fn(groups: list[list[Experience]], ctx: ExperienceContext, **kw) -> list[list[Experience]]"""
-
 import dataclasses
 import json
 from dataclasses import dataclass, field

@@ -1,5 +1,4 @@
 """The PostgreSQL backend of buffer.Buffer (`--buffer postgresql://user@host:port/db`), by import path."""
-
 import re
 from contextlib import contextmanager
 from pathlib import Path

@@ -1,6 +1,5 @@
 """TOML presets (`--config FILE.toml`, keys = Config fields): config.parse_config reads them here
 by import path; mode bench coerces a run's saved config with `coerce`."""
-
 import dataclasses
 import tomllib
 from pathlib import Path

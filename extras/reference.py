@@ -1,6 +1,5 @@
 """The frozen reference policy of --kl-loss-coef, --kl-reward-coef and DPO (`Reference`, trainer.REFERENCE by import
 path): the model as loaded, sharded like the policy; with LoRA the policy with its adapters disabled."""
-
 import contextlib
 
 import torch

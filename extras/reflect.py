@@ -1,5 +1,4 @@
 """`--workflow reflect`: experience synthesis by reflection."""
-
 import asyncio
 
 from buffer import Experience

@@ -1,5 +1,4 @@
 """Task selectors besides workflows.Shuffle (extras/pipelines.py's SELECTORS): sequential, random, easy2hard, BOTS."""
-
 import numpy as np
 
 from workflows import Selector, Task

@@ -1,6 +1,5 @@
 """The bundled task operators of `--task-pipeline` (extras/pipelines.py's TASK_OPS): dedup, length_filter and the
 difficulty estimates the easy2hard and diff_based selectors read."""
-
 from extras.judge import RATINGS, expected_rating
 from extras.pipelines import TaskContext
 from workflows import Task

@@ -1,5 +1,4 @@
 """TOPR, Tapered Off-Policy REINFORCE: the `topr` policy loss (losses.POLICY_LOSSES by import path)."""
-
 import torch
 
 from losses import POLICY_LOSSES, LossInputs, register, seq_sum

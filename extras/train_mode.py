@@ -1,5 +1,4 @@
 """Mode train beside `--mode explore` launches (loop.TRAIN_MODE, by import path): the weight-sync group, records."""
-
 import json
 import math
 import sys

@@ -2,7 +2,6 @@
 NAME its taskset id. Each rollout is a verifiers episode (`Env.run_episode`) whose model calls go to the
 engine's OpenAI-compatible endpoint, recorded like any agent's (extras/agent.py); its reward is the mean
 over its traces. verifiers runs the harness programs with `uv`, which must be on PATH."""
-
 import importlib.util
 import os
 import shutil

@@ -1,5 +1,4 @@
 """The vLLM engine (`--engine vllm`) and `VLLMWeightReceiver`, its worker extension that receives the weights."""
-
 import logging
 import os
 import shutil

@@ -1,5 +1,4 @@
 """The W&B tracker (`--log wandb`), in metrics.TRACKERS by import path."""
-
 import os
 import uuid
 from pathlib import Path
