@@ -1,5 +1,4 @@
-"""Advantage estimators besides GRPO (Dr. GRPO, RLOO, REINFORCE++, step-wise GRPO), named by
-import path in losses.ADVANTAGES (contract: losses.py)."""
+"""Advantage estimators besides GRPO, named by import path in losses.ADVANTAGES (contract: losses.py)."""
 import torch
 
 from losses import ADVANTAGES, group_stats, grpo_advantages, register

@@ -2,9 +2,8 @@
     async def my_agent(client: openai.AsyncOpenAI, task: workflows.Task) -> float | None | dict:
         reply = await client.chat.completions.create(model="nanorft", messages=[...], tools=[...])
         return 1.0 if ... else 0.0  # its reward; None: lagged; or {"reward": 1.0, "tool_calls": 2}
-
-Each rollout is one episode of the engine's OpenAI-compatible endpoint (extras/openai_endpoint.py);
-its calls become experiences by the multi-turn rule (`call_samples`). Needs `pip install openai fastapi uvicorn`."""
+Each rollout is one episode of the engine's OpenAI-compatible endpoint (extras/openai_endpoint.py), its calls
+experiences by the multi-turn rule (`call_samples`). Needs `pip install openai fastapi uvicorn`."""
 import asyncio
 import inspect
 import math
@@ -33,8 +32,7 @@ def call_samples(calls) -> list[dict]:
 
 
 def check_reward(r) -> tuple[float | None, str | None, dict]:
-    """(reward, error, metrics) of what an agent returned: a finite number or None, or a dict
-    {"reward": that, NAME: number} (logged as rollout/NAME, eval/NAME); anything else scores 0."""
+    """(reward, error, metrics) of an agent's return: a finite number, None or {"reward": that, NAME: number}."""
     metrics = {}
     if isinstance(r, dict):
         metrics = {k: float(v) for k, v in r.items() if k != "reward" and _finite(v)}
@@ -53,8 +51,7 @@ def _finite(x) -> bool:
 
 
 class AgentWorkflow(Workflow):
-    """Runs `agent(client, task)` once per rollout against the engine's endpoint; RuntimeError for an episode
-    whose agent made no model call."""
+    """Runs `agent(client, task)` once per rollout; RuntimeError for an episode without a model call."""
     agent = None
     tool_parser = "hermes"  # extras.chat_tools.TOOL_PARSERS name or module.function
     batch_wait_s = 0.1  # seconds a call waits for the other episodes' calls (engine batching)

@@ -16,8 +16,7 @@ RUN_TASK_SETTINGS = ("task", "task_kwargs", "system_prompt", "reward_fn", "rewar
 
 
 def take_run_settings(cfg: Config) -> None:
-    """Without --bench-models: set each of RUN_TASK_SETTINGS not given to the run's saved config's (another task
-    keeps its own task_kwargs and system_prompt). ValueError (one line): a saved config that cannot be read."""
+    """Without --bench-models: take the RUN_TASK_SETTINGS not given from the run's saved config; ValueError."""
     run_dir = Path(cfg.run_dir)
     src = next((p for p in (run_dir / "final" / "nanorft_config.json", run_dir / "config.json") if p.is_file()), None)
     if cfg.bench_models or src is None:
@@ -48,8 +47,7 @@ def bench(cfg: Config) -> int:
 
 
 def evaluate_models(cfg: Config, tasks: tuple) -> list[dict]:
-    """Evaluate each model of --bench-models (default RUN_DIR/final) on the held-out tasks, cfg.bench_k samples
-    per task; print a table, save RUN_DIR/bench.json and return its rows (one per model)."""
+    """Evaluate each model of --bench-models on the held-out tasks: print a table, save RUN_DIR/bench.json, its rows."""
     from engines import make_engine
     from explorer import Explorer, correct_counts, engine_seed
     from metrics import LEARNABLE_MIN, sampled_eval

@@ -1,5 +1,4 @@
-"""Chat requests of the OpenAI-compatible endpoint: `parse_request` checks a request's JSON, `prompt_ids` renders
-its messages and tools, and a parser of TOOL_PARSERS (text -> (content or None, calls)) reads the tool calls."""
+"""Chat requests of the OpenAI-compatible endpoint: checked (`parse_request`), rendered (`prompt_ids`), TOOL_PARSERS."""
 import json
 import math
 import re

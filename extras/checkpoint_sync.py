@@ -1,6 +1,5 @@
-"""Checkpoint sync (--sync-method checkpoint), by import path from loop.py and sync.Receiver:
-RUN_DIR/checkpoints/v{version:06d} is written under a temporary name and renamed, then the
-marker checkpoints/latest; a reader holds a lease while it loads, so retention spares it."""
+"""Checkpoint sync (--sync-method checkpoint): RUN_DIR/checkpoints/v{version:06d} is written under a temporary name
+and renamed, then the marker checkpoints/latest; a reader holds a lease while it loads, so retention spares it."""
 import fcntl
 import os
 import shutil

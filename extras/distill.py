@@ -1,6 +1,5 @@
 """On-policy distillation (--teacher): a frozen teacher scores every sampled token and the per-token reverse KL
-joins the advantage (`Teacher`, trainer.TEACHER by import path); the `none` advantage leaves the teacher's term
-alone; `evaluate_teacher` measures the teacher's own held-out accuracy once."""
+joins the advantage (`Teacher`); `evaluate_teacher` measures the teacher's own held-out accuracy once."""
 import dataclasses
 
 import torch

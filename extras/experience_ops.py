@@ -1,5 +1,4 @@
-"""The bundled experience operators of `--experience-pipeline` (extras/pipelines.py's EXPERIENCE_OPS): quality and
-diversity rewards and cleaning (Trinity-RFT report 3.4.2)."""
+"""The experience operators of `--experience-pipeline` (pipelines.EXPERIENCE_OPS; Trinity-RFT report 3.4.2)."""
 from buffer import Experience
 from extras.judge import RATINGS, expected_rating
 from extras.filters import repetition_filter
@@ -10,8 +9,7 @@ _EMBEDDERS: dict = {}
 
 def quality_reward(groups: list[list[Experience]], ctx: ExperienceContext, model: str = "", url: str = "",
                    weight: float = 1.0, timeout_s: float = 60.0) -> list[list[Experience]]:
-    """Add weight * (s - 3) / 4 to the reward, s = 1..5 an auxiliary model's rating of the answer (extras.judge;
-    Data-Juicer's llm_quality_score_filter)."""
+    """Add weight * (s - 3) / 4 to each reward, s = 1..5 a judge's rating (Data-Juicer's llm_quality_score_filter)."""
     from extras.judge import ask_judge
     ratings = []
     for g in groups:

@@ -1,5 +1,4 @@
-"""Mode explore (run.MODES, by import path): one explorer beside a `--mode train` launch, sharing the run's buffer;
-explorer.explore paced by the buffer (`Backpressure`), not the sync schedule."""
+"""Mode explore (run.MODES): one explorer beside a `--mode train` launch, paced by the buffer (`Backpressure`)."""
 import sys
 import time
 from pathlib import Path

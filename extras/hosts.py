@@ -1,5 +1,4 @@
-"""Networking of processes apart from the trainer: the interface gloo binds across hosts (`gloo_interface`, from
-launch.gloo_interface), and `StoreAlive`, how mode explore and the vLLM worker watch the trainer."""
+"""Networking apart from the trainer: `gloo_interface` (gloo across hosts) and `StoreAlive` (watching the trainer)."""
 import ipaddress
 import os
 from datetime import timedelta

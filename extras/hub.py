@@ -1,5 +1,4 @@
-"""The Hugging Face Hub and datasets: models and datasets by Hub id (`hub_snapshot`) and tasks from any dataset
-`datasets.load_dataset` reads (`hf_dataset_tasks`); workflows and models reach it by import path."""
+"""The Hugging Face Hub and datasets: `hub_snapshot` (by Hub id) and `hf_dataset_tasks`, reached by import path."""
 from pathlib import Path
 
 from extras.offline import hold_out

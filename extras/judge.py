@@ -1,5 +1,4 @@
-"""An LLM as judge: `ask_judge` (also behind the pipelines' difficulty ratings) and `--reward-fn
-judge` (`judge_reward`, in workflows.REWARD_FNS by import path)."""
+"""An LLM as judge: `ask_judge` (also the pipelines' ratings) and `--reward-fn judge` (`judge_reward`)."""
 import json
 from typing import Any
 

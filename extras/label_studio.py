@@ -1,5 +1,4 @@
-"""Human labels as lagged rewards (`annotation = {url = ...}`, `reward_fn = "human"`): rollouts go to a Label
-Studio project, labels come back into the buffer (`Annotator`, run by trainer rank 0 via `start_annotator`)."""
+"""Human labels as lagged rewards (`annotation = {url = ...}`) from a Label Studio project (`start_annotator`)."""
 import json
 import os
 import sys

@@ -21,10 +21,9 @@ def extend_sample(s: dict, prompt: list[int], out) -> None:
 
 
 class MultiTurnWorkflow(Workflow):
-    """Subclasses implement `make_env()`: an environment with `reset(task) -> str` (the first user
-    message) and `step(reply) -> (message or None at the end, reward or None while it goes on)`,
-    called in a thread. A turn whose prompt extends the sample's tokens as an exact token prefix joins
-    that sample, else a new sample starts (prime-rl's merging rule); all share the episode's reward."""
+    """Subclasses implement `make_env()`: an environment with `reset(task) -> str` (the first user message) and
+    `step(reply) -> (message or None at the end, reward or None)`, called in a thread. A turn whose prompt extends
+    the sample's tokens joins that sample, else a new one starts (prime-rl's merging rule)."""
     max_turns = 6
 
     def __init__(self, *args, **kwargs):

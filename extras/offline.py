@@ -1,5 +1,4 @@
-"""Offline data, marked info["offline"]: chats for SFT or MIX (`--train-data`, `--expert-data`), preference pairs
-for DPO; JSONL task files (`jsonl_tasks`) and `hold_out`, the held-out split of a task source."""
+"""Offline data (info["offline"]): chats for SFT or MIX, pairs for DPO; JSONL task files (`jsonl_tasks`), `hold_out`."""
 import dataclasses
 import json
 import random

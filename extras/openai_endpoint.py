@@ -1,6 +1,5 @@
-"""An OpenAI-compatible endpoint served by the explorer's engine, for agents written against the `openai` package.
-`endpoint_for(engine)` starts it; each rollout opens an episode (base URL .../e/EPISODE/v1, or /v1 with an
-X-Episode-Id header) and closes it to get every call's token ids and behaviour log-probs."""
+"""An OpenAI-compatible endpoint served by the explorer's engine (`endpoint_for`); each rollout opens an episode
+(base URL .../e/EPISODE/v1, or an X-Episode-Id header) and closes it to get its calls' tokens and log-probs."""
 import asyncio
 import concurrent.futures
 import itertools

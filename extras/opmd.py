@@ -1,5 +1,4 @@
-"""Online policy mirror descent (Trinity-RFT's OPMD family, arXiv:2505.17826 appendix A): the `opmd` advantage and
-the `opmd_kimi`, `opmd_pairwise`, `opmd_simple` losses (by import path in losses.py)."""
+"""Online policy mirror descent (Trinity-RFT, arXiv:2505.17826 appendix A): the `opmd` advantage and opmd_* losses."""
 import math
 
 import torch

@@ -1,5 +1,4 @@
-"""Policy losses besides PPO clip: DPPO-KL, REINFORCE with truncated IS, CISPO, GSPO, SFT, DPO
-and MIX, named by import path in losses.POLICY_LOSSES (contract: losses.py)."""
+"""Policy losses besides PPO clip, named by import path in losses.POLICY_LOSSES (contract: losses.py)."""
 import torch
 
 from losses import POLICY_LOSSES, LossInputs, importance_ratio, ppo_clip_loss, register, seq_sum

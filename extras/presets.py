@@ -1,5 +1,4 @@
-"""TOML presets (`--config FILE.toml`, keys = Config fields): config.parse_config reads them here
-by import path; mode bench coerces a run's saved config with `coerce`."""
+"""TOML presets (`--config FILE.toml`): `read_preset` for config.parse_config, `coerce` also for mode bench."""
 import dataclasses
 import tomllib
 from pathlib import Path

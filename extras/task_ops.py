@@ -1,5 +1,4 @@
-"""The bundled task operators of `--task-pipeline` (extras/pipelines.py's TASK_OPS): dedup, length_filter and the
-difficulty estimates the easy2hard and diff_based selectors read."""
+"""The task operators of `--task-pipeline` (pipelines.TASK_OPS): dedup, length_filter and difficulty estimates."""
 from extras.judge import RATINGS, expected_rating
 from extras.pipelines import TaskContext
 from workflows import Task

@@ -1,7 +1,6 @@
 """`--task verifiers:NAME --workflow verifiers:NAME`: train on an installed `verifiers` (>= 0.4) environment,
-NAME its taskset id. Each rollout is a verifiers episode (`Env.run_episode`) whose model calls go to the
-engine's OpenAI-compatible endpoint, recorded like any agent's (extras/agent.py); its reward is the mean
-over its traces. verifiers runs the harness programs with `uv`, which must be on PATH."""
+NAME its taskset id. Each rollout is a verifiers episode recorded like any agent's (extras/agent.py); its
+reward is the mean over its traces. verifiers runs the harness programs with `uv`, which must be on PATH."""
 import importlib.util
 import os
 import shutil
@@ -59,8 +58,7 @@ def verifiers_tasks(name: str, train_size: int, eval_size: int) -> tuple[list[Ta
 
 
 class VerifiersWorkflow(AgentWorkflow):
-    """Rollouts of verifiers environment `env_name` (`harness`: a harness id instead of the default).
-    RuntimeError for a task not from `--task verifiers:NAME` or an episode that failed."""
+    """Rollouts of verifiers environment `env_name`; RuntimeError for a foreign task or a failed episode."""
     env_name = ""
     harness: str | None = None
 
