@@ -16,8 +16,7 @@ from workflows import Task, Workflow
 
 
 def call_samples(calls) -> list[dict]:
-    """The samples (multiturn.new_sample, plus texts) of one episode's calls in arrival order: a call's first
-    choice extends the longest sample whose tokens prefix its prompt; other choices start a sample."""
+    """The samples (new_sample + texts) of an episode's calls: a first choice extends the longest prefix sample."""
     samples: list[dict] = []
     for call in calls:
         for j, ch in enumerate(call.choices):
@@ -58,8 +57,7 @@ class AgentWorkflow(Workflow):
 
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
         from extras.openai_endpoint import endpoint_for
-        endpoint = endpoint_for(engine)
-        group_id = uuid.uuid4().hex
+        endpoint, group_id = endpoint_for(engine), uuid.uuid4().hex
         tasks = [asyncio.ensure_future(self.episode(endpoint, task, group_id, f"{group_id}/{i}")) for i in range(n)]
         try:
             results = await asyncio.gather(*tasks)

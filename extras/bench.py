@@ -1,5 +1,4 @@
-"""Mode bench: avg@k, pass@k and pass@1 of one or more models on the held-out tasks, as a table
-and RUN_DIR/bench.json; without --bench-models, RUN_DIR/final with the run's own task settings.
+"""Mode bench: avg@k, pass@k and pass@1 of models (default RUN_DIR/final) on the held-out tasks, RUN_DIR/bench.json.
     python run.py --mode bench --bench-models base,runs/default/final --bench-k 8"""
 import dataclasses
 import json

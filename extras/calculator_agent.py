@@ -1,5 +1,4 @@
-"""The example agent of `--workflow agent:...` (docs/agents.md): one tool, `calculate`; reward 1
-when the final answer's last number is the task's answer (configs/calculator.toml).
+"""The example agent of `--workflow agent:...` (docs/agents.md, configs/calculator.toml): one tool, `calculate`.
     python run.py --workflow agent:extras.calculator_agent.calculator_agent --max-tokens 64
     python -m extras.calculator_agent runs/calculator_demos.jsonl --n 300 --config configs/calculator.toml"""
 import ast

@@ -44,9 +44,8 @@ def embed(texts: list[str], model: str):
 
 def diversity_reward(groups: list[list[Experience]], ctx: ExperienceContext, model: str = "", weight: float = 0.5,
                      final_weight: float | None = None, decay_steps: int = 0) -> list[list[Experience]]:
-    """Diversity reward (Data-Juicer's group_diversity_filter): add w_t * (max_j sim_j - sim_i) / (max_j sim_j
-    - min_j sim_j), sim_i the cosine similarity of a response's embedding to its group's mean (`embed`);
-    w_t goes linearly from `weight` to `final_weight` over `decay_steps` steps."""
+    """Add w_t * (max_j sim_j - sim_i) / (max_j sim_j - min_j sim_j), sim_i the cosine similarity to the group's mean
+    embedding, w_t from `weight` to `final_weight` over `decay_steps` (Data-Juicer's group_diversity_filter)."""
     import torch
     w = weight if final_weight is None or decay_steps <= 0 else (
         weight + (final_weight - weight) * min(1.0, ctx.step / decay_steps))
@@ -68,8 +67,7 @@ def diversity_reward(groups: list[list[Experience]], ctx: ExperienceContext, mod
 
 def clean(groups: list[list[Experience]], ctx: ExperienceContext, max_tokens: int = 0, ngram: int = 0,
           max_repeat_frac: float = 0.5, dedup: bool = False) -> list[list[Experience]]:
-    """Drop rollouts with more than `max_tokens` policy tokens (0: no limit), whose `ngram`-grams repeat more than
-    `max_repeat_frac` (0: off), and with `dedup`, those whose response repeats an earlier one of the group."""
+    """Drop rollouts over `max_tokens` policy tokens, with repeating `ngram`-grams, and `dedup` repeats (0: off)."""
     counts, out = dict.fromkeys(("length", "repetition", "duplicate"), 0), []
     for g in groups:
         kept, seen = [], set()

@@ -26,8 +26,8 @@ class StoreAlive:
 
 
 def gloo_interface(master: str) -> str | None:
-    """Set GLOO_SOCKET_IFNAME to the interface on the route to `master` (gloo binds the hostname's address, often
-    loopback) and return it; None when `master` is unreachable or on this host."""
+    """The interface on the route to `master` (None: no route, or this host), set as GLOO_SOCKET_IFNAME: gloo
+    would bind the hostname's address, often loopback (Debian: 127.0.1.1), where other nodes cannot reach it."""
     try:
         address = sync.local_address(master)
     except OSError:  # no route to it: torch's own error names the address

@@ -26,9 +26,8 @@ def hub_snapshot(repo_id: str, repo_type: str = "model") -> str:
 
 
 def hf_dataset_tasks(name: str, kwargs: dict, train_size: int, eval_size: int) -> tuple[list[Task], list[Task]]:
-    """(train, held-out) tasks of a local .parquet / .json / .csv file, dataset directory or Hub id; `kwargs`:
-    HF_TASK_KWARGS. An answer keeps what follows its last "####" (GSM8K; verl's examples/data_preprocess/gsm8k.py).
-    ValueError (one line) for a bad kwarg, config, split or field; FileNotFoundError for a missing file."""
+    """(train, held-out) tasks of a .parquet / .json / .csv file, dataset directory or Hub id; answers after "####"
+    (GSM8K; verl's examples/data_preprocess/gsm8k.py). ValueError / FileNotFoundError (one line) for bad input."""
     if unknown := set(kwargs) - set(HF_TASK_KWARGS):
         raise ValueError(f"task {name}: unknown task_kwargs {sorted(unknown)} (a Hugging Face dataset takes {sorted(HF_TASK_KWARGS)})")
     kw = {**HF_TASK_KWARGS, **kwargs}

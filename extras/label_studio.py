@@ -63,9 +63,8 @@ def check_mode(mode: str) -> None:
 
 
 class Annotator:
-    """Human labels as lagged rewards (Trinity-RFT report 2.3.4 and 3.5): `poll()` sends new pending groups
-    (rating: one labelling task per rollout; pairwise: the first two side by side) and turns labels into rewards
-    (pairwise: 1 and 0, the pair appended to RUN_DIR/preferences.jsonl); after `timeout_s`, `timeout_reward`."""
+    """Human labels as lagged rewards (Trinity-RFT report 2.3.4 and 3.5): `poll()` sends new pending groups (rating
+    or pairwise) and turns labels into rewards (pairwise: into RUN_DIR/preferences.jsonl too)."""
     def __init__(self, buffer, tokenizer, url: str, token: str, run_dir: str, mode: str = "rating",
                  choices: dict | None = None, timeout_s: float = 3600.0, timeout_reward: float = 0.0,
                  project: str = ""):

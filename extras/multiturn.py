@@ -46,8 +46,7 @@ class MultiTurnWorkflow(Workflow):
         """One conversation -> its samples."""
         env = self._idle_envs.pop() if self._idle_envs else self.make_env()
         msgs = self.system() + [{"role": "user", "content": await in_thread(env.reset, task)}]
-        samples: list[dict] = []
-        reward, turns, transcript = None, 0, []
+        samples, reward, turns, transcript = [], None, 0, []
         while reward is None and turns < self.max_turns:
             turns += 1
             prompt = chat_ids(self.tokenizer, self.context(msgs), True)

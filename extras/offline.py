@@ -65,8 +65,7 @@ def _is_messages(msgs) -> bool:
 
 
 def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
-    """One {"messages": [...]} per line -> a group of one Experience (reward 1.0), action_mask 1 on each
-    assistant turn up to its end-of-turn token. ValueError naming the file and line."""
+    """One {"messages": [...]} per line -> a group of one Experience (reward 1.0) trained on its assistant turns."""
     out = []
     for path, n, row in jsonl_rows(path, "chat data"):
         msgs = row.get("messages") if isinstance(row, dict) else None

@@ -1,5 +1,4 @@
-"""Data pipelines (Trinity-RFT, arXiv:2505.17826 section 2.3), by import path (workflows.PIPELINES): task curation
-and selection, experience shaping and replay. Operators {op = NAME or module.function, ...kwargs}:
+"""Data pipelines (Trinity-RFT, arXiv:2505.17826 section 2.3; workflows.PIPELINES) of operators {op = NAME, ...kwargs}:
     fn(tasks: list[Task], ctx: TaskContext, **kw) -> list[Task]
     fn(groups: list[list[Experience]], ctx: ExperienceContext, **kw) -> list[list[Experience]]"""
 import dataclasses

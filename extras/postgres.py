@@ -6,8 +6,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 
 class Postgres:
-    """The PostgreSQL dialect (psycopg 3): readers serialise on a transaction advisory lock, an explorer
-    name is a session advisory lock (gone with the connection). ValueError (one line) when unusable."""
+    """The PostgreSQL dialect (psycopg 3), advisory locks for readers and explorer names; ValueError (one line)."""
     def __init__(self, url: str, timeout_s: float, schema_sql: str, run_dir: str | Path | None = None):
         parts = urlsplit(url)
         query = dict(parse_qsl(parts.query))

@@ -1,5 +1,4 @@
-"""The frozen reference policy of --kl-loss-coef, --kl-reward-coef and DPO (`Reference`, trainer.REFERENCE by import
-path): the model as loaded, sharded like the policy; with LoRA the policy with its adapters disabled."""
+"""The frozen reference policy of --kl-loss-coef, --kl-reward-coef and DPO (`Reference`, trainer.REFERENCE)."""
 import contextlib
 
 import torch

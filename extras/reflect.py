@@ -6,8 +6,7 @@ from workflows import MathWorkflow, Task, chat_ids
 
 
 class ReflectWorkflow(MathWorkflow):
-    """n scored rollouts; each wrong one is answered again after the feedback "incorrect", the first correct
-    reflection kept as one extra sample (info["reflection"]). Trinity-RFT report, arXiv:2505.17826."""
+    """n rollouts; each wrong one answered again after "incorrect", the first correct one kept (arXiv:2505.17826)."""
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
         group = await super().run(task, engine, n)
         wrong = [e for e in group if e.reward != 1.0]

@@ -10,8 +10,7 @@ from metrics import print0
 
 
 def connect_explorers(cfg, io, layout, trainer, rank: int):
-    """Every trainer rank: records from the buffer; with broadcast, rank 0 connects cfg.num_explorers explorers and
-    sends them a resumed trainer's weights. Returns the sync.WeightSync or None."""
+    """Every rank: records from the buffer; with broadcast, rank 0 connects the explorers: a sync.WeightSync or None."""
     if rank == 0:
         io.records = records_from_buffer(io.buffer)
     params = trainer.full_parameters() if cfg.sync_method == "broadcast" and trainer.version else None  # every rank

@@ -18,8 +18,7 @@ STORE_KNOWN_WAIT_S = 30.0  # how long the worker waits for the trainer's store (
 
 
 class VLLMEngine(Engine):
-    """A `vllm.LLM` whose processed log-probs are the behaviour log-probs; `lora` (peft LoraConfig): one adapter
-    directory per weight version. ImportError when vllm is not installed."""
+    """A `vllm.LLM` whose processed log-probs are the behaviour log-probs (`lora`: peft LoraConfig); ImportError."""
     def __init__(self, model_path: str, seed: int = 0, bf16: bool = False, threads: int = 0,
                  memory_fraction: float = 0.2, inflight: bool = False, lora=None):
         super().__init__()
