@@ -1,3 +1,1 @@
-"""Parts a run uses only when asked for, one file per component. The core modules reach
-them through their registries (import paths such as `extras.wandb_log.WandbLog`) and
-never import them at module top level."""
+"""Parts a run uses only when asked for; the core reaches them by import path, never by an import statement."""

@@ -1,7 +1,4 @@
-"""Advantage estimators besides GRPO (Dr. GRPO, RLOO, REINFORCE++, step-wise GRPO), named by
-import path in losses.ADVANTAGES (contract: losses.py)."""
-from __future__ import annotations
-
+"""Advantage estimators besides GRPO, named by import path in losses.ADVANTAGES (contract: losses.py)."""
 import torch
 
 from losses import ADVANTAGES, group_stats, grpo_advantages, register
@@ -25,9 +22,9 @@ def rloo_advantages(rewards, group_index, episode_index=None):
 @register(ADVANTAGES, "reinforce_pp")
 def reinforce_pp_advantages(rewards, group_index, episode_index=None, group_baseline: bool = True,
                             token_counts: torch.Tensor | None = None, eps: float = 1e-8):
-    """REINFORCE++(-baseline): r - group mean (if `group_baseline`), whitened over the batch's
-    tokens (`token_counts` [B] weights). [B] -> [B]. Source: arXiv:2501.03262 sec. 3. Reference:
-    verl core_algos.py compute_reinforce_plus_plus(_baseline)_outcome_advantage @ b178a3c."""
+    """REINFORCE++(-baseline): r - group mean (if `group_baseline`), whitened over the batch's tokens (`token_counts`
+    [B] weights). [B] -> [B]. Source: arXiv:2501.03262 sec. 3. Reference: verl core_algos.py
+    compute_reinforce_plus_plus(_baseline)_outcome_advantage @ b178a3c."""
     adv = rewards - group_stats(rewards, group_index)[0] if group_baseline else rewards     # [B]
     w = torch.ones_like(adv) if token_counts is None else token_counts.to(adv.dtype)       # [B]
     n = w.sum()                                                                            # []
@@ -38,9 +35,9 @@ def reinforce_pp_advantages(rewards, group_index, episode_index=None, group_base
 
 @register(ADVANTAGES, "grpo_stepwise")
 def stepwise_grpo_advantages(rewards, group_index, episode_index, eps: float = 1e-6):
-    """Step-wise GRPO: GRPO over episodes (each counted once, with its last sample's reward),
-    given to all their samples. [B] -> [B]. Source: arXiv:2505.17826 sec. 2.2. Reference:
-    modelscope/Trinity-RFT trinity/algorithm/advantage_fn/multi_step_grpo_advantage.py @ 369bf62."""
+    """GRPO over episodes (each with its last sample's reward), given to all their samples. [B] -> [B]. Source:
+    arXiv:2505.17826 sec. 2.2. Reference: Trinity-RFT trinity/algorithm/advantage_fn/multi_step_grpo_advantage.py
+    @ 369bf62."""
     T = int(episode_index.max()) + 1
     last = torch.zeros(T, dtype=torch.long, device=rewards.device).scatter_reduce(
         0, episode_index, torch.arange(len(rewards), device=rewards.device), "amax", include_self=False)  # [T]

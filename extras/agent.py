@@ -1,15 +1,9 @@
 """`--workflow agent:module.function`: train an agent written against the `openai` package.
-
     async def my_agent(client: openai.AsyncOpenAI, task: workflows.Task) -> float | None | dict:
         reply = await client.chat.completions.create(model="nanorft", messages=[...], tools=[...])
         return 1.0 if ... else 0.0  # its reward; None: lagged; or {"reward": 1.0, "tool_calls": 2}
-
-Each rollout is one episode of the engine's OpenAI-compatible endpoint (extras/openai_endpoint.py);
-its calls become experiences by the multi-turn rule (`call_samples`). Needs `pip install openai
-fastapi uvicorn`.
-"""
-from __future__ import annotations
-
+Each rollout is one episode of the engine's OpenAI-compatible endpoint (extras/openai_endpoint.py), its calls
+experiences by the multi-turn rule (`call_samples`). Needs `pip install openai fastapi uvicorn`."""
 import asyncio
 import inspect
 import math
@@ -17,41 +11,27 @@ import numbers
 import uuid
 
 from buffer import Experience
+from extras.multiturn import extend_sample, new_sample
 from workflows import Task, Workflow
 
 
 def call_samples(calls) -> list[dict]:
-    """The samples of one episode's calls (in arrival order): dicts of tokens, prompt_length,
-    behaviour_logprobs, mask, versions, texts. A call's first choice extends the longest sample
-    whose tokens prefix its prompt (the tokens between: mask 0); other choices start a sample."""
+    """The samples (new_sample + texts) of an episode's calls: a first choice extends the longest prefix sample."""
     samples: list[dict] = []
     for call in calls:
         for j, ch in enumerate(call.choices):
-            base = None
-            if j == 0:
-                fits = [s for s in samples if len(s["tokens"]) <= len(call.prompt)
-                        and call.prompt[:len(s["tokens"])] == s["tokens"]]
-                base = max(fits, key=lambda s: len(s["tokens"]), default=None)
+            fits = [s for s in samples if j == 0 and call.prompt[:len(s["tokens"])] == s["tokens"]]
+            base = max(fits, key=lambda s: len(s["tokens"]), default=None)
             if base is None:
-                base = {"tokens": list(call.prompt), "prompt_length": len(call.prompt), "behaviour_logprobs": [],
-                        "mask": [], "versions": [], "texts": []}
+                base = {**new_sample(call.prompt), "texts": []}
                 samples.append(base)
-            else:
-                extra = call.prompt[len(base["tokens"]):]  # tool results, user turns: not trained on
-                base["tokens"] += extra
-                base["behaviour_logprobs"] += [0.0] * len(extra)
-                base["mask"] += [0] * len(extra)
-            base["tokens"] += ch.tokens
-            base["behaviour_logprobs"] += ch.behaviour_logprobs
-            base["mask"] += [1] * len(ch.tokens)
-            base["versions"] += list(ch.versions)
+            extend_sample(base, call.prompt, ch)
             base["texts"].append(ch.text)
     return samples
 
 
 def check_reward(r) -> tuple[float | None, str | None, dict]:
-    """(reward, error, metrics) of what an agent returned: a finite number or None, or a dict
-    {"reward": that, NAME: number} (logged as rollout/NAME, eval/NAME); anything else scores 0."""
+    """(reward, error, metrics) of an agent's return: a finite number, None or {"reward": that, NAME: number}."""
     metrics = {}
     if isinstance(r, dict):
         metrics = {k: float(v) for k, v in r.items() if k != "reward" and _finite(v)}
@@ -70,17 +50,14 @@ def _finite(x) -> bool:
 
 
 class AgentWorkflow(Workflow):
-    """Runs `agent(client, task)` once per rollout against the engine's endpoint (max_tokens caps
-    a request's own). RuntimeError for an episode whose agent made no model call."""
-
+    """Runs `agent(client, task)` once per rollout; RuntimeError for an episode without a model call."""
     agent = None
     tool_parser = "hermes"  # extras.chat_tools.TOOL_PARSERS name or module.function
     batch_wait_s = 0.1  # seconds a call waits for the other episodes' calls (engine batching)
 
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
         from extras.openai_endpoint import endpoint_for
-        endpoint = endpoint_for(engine)
-        group_id = uuid.uuid4().hex
+        endpoint, group_id = endpoint_for(engine), uuid.uuid4().hex
         tasks = [asyncio.ensure_future(self.episode(endpoint, task, group_id, f"{group_id}/{i}")) for i in range(n)]
         try:
             results = await asyncio.gather(*tasks)
@@ -127,8 +104,7 @@ class AgentWorkflow(Workflow):
 
 
 def agent_workflow(path: str) -> type[AgentWorkflow]:
-    """The AgentWorkflow of `--workflow agent:PATH`; ValueError (one line) when the packages are
-    missing or PATH is not an async function (client, task)."""
+    """The AgentWorkflow of `--workflow agent:PATH`; ValueError (one line): missing packages, a bad PATH."""
     from extras.openai_endpoint import require_packages
     from losses import resolve
     require_packages(f"--workflow agent:{path}")

@@ -1,10 +1,5 @@
-"""Mode bench: avg@k, pass@k and pass@1 of one or more models on the held-out tasks, as a table
-and RUN_DIR/bench.json; without --bench-models, RUN_DIR/final with the run's own task settings.
-
-    python run.py --mode bench --bench-models base,runs/default/final --bench-k 8
-"""
-from __future__ import annotations
-
+"""Mode bench: avg@k, pass@k and pass@1 of models (default RUN_DIR/final) on the held-out tasks, RUN_DIR/bench.json.
+    python run.py --mode bench --bench-models base,runs/default/final --bench-k 8"""
 import dataclasses
 import json
 import os
@@ -20,9 +15,7 @@ RUN_TASK_SETTINGS = ("task", "task_kwargs", "system_prompt", "reward_fn", "rewar
 
 
 def take_run_settings(cfg: Config) -> None:
-    """Without --bench-models: set each of RUN_TASK_SETTINGS not given (cfg.given) to the run's own
-    (RUN_DIR/final/nanorft_config.json, else RUN_DIR/config.json); another task keeps its own
-    task_kwargs and system_prompt. ValueError (one line): a saved config that cannot be read."""
+    """Without --bench-models: take the RUN_TASK_SETTINGS not given from the run's saved config; ValueError."""
     run_dir = Path(cfg.run_dir)
     src = next((p for p in (run_dir / "final" / "nanorft_config.json", run_dir / "config.json") if p.is_file()), None)
     if cfg.bench_models or src is None:
@@ -53,9 +46,7 @@ def bench(cfg: Config) -> int:
 
 
 def evaluate_models(cfg: Config, tasks: tuple) -> list[dict]:
-    """Evaluate each model of --bench-models (default RUN_DIR/final) on the held-out tasks, cfg.bench_k
-    samples per task; print a table, save RUN_DIR/bench.json and return its rows (one per model; "correct":
-    per task, its samples with reward 1)."""
+    """Evaluate each model of --bench-models on the held-out tasks: print a table, save RUN_DIR/bench.json, its rows."""
     from engines import make_engine
     from explorer import Explorer, correct_counts, engine_seed
     from metrics import LEARNABLE_MIN, sampled_eval

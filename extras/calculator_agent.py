@@ -1,11 +1,6 @@
-"""The example agent of `--workflow agent:...` (docs/agents.md): one tool, `calculate`; reward 1
-when the final answer's last number is the task's answer (configs/calculator.toml).
-
+"""The example agent of `--workflow agent:...` (docs/agents.md, configs/calculator.toml): one tool, `calculate`.
     python run.py --workflow agent:extras.calculator_agent.calculator_agent --max-tokens 64
-    python -m extras.calculator_agent runs/calculator_demos.jsonl --n 300 --config configs/calculator.toml
-"""
-from __future__ import annotations
-
+    python -m extras.calculator_agent runs/calculator_demos.jsonl --n 300 --config configs/calculator.toml"""
 import ast
 import json
 import operator
@@ -34,7 +29,6 @@ def calculate(expression: str) -> str:
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](value(node.operand))
         raise ValueError("only numbers, + - * / and parentheses")
-
     try:
         if len(expression) > 200:
             raise ValueError("expression too long")
@@ -56,8 +50,7 @@ def run_tool(name: str, arguments: str) -> str:
 
 
 async def calculator_agent(client, task) -> dict:
-    """One episode of up to MAX_TURNS model calls: the reward and the metrics used_tool, tool_calls,
-    tool_errors."""
+    """One episode of up to MAX_TURNS model calls: the reward and the metrics used_tool, tool_calls, tool_errors."""
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.question}]
     content, calls, errors = "", 0, 0
     for _ in range(MAX_TURNS):
@@ -77,9 +70,8 @@ async def calculator_agent(client, task) -> dict:
 
 
 def demonstration(task) -> dict:
-    """{"messages": a perfect episode on a reasoning-gym arithmetic `task`} (one `calculate` call
-    of its expression), as the endpoint renders it for a template without tools (SmolLM2's), for
-    `--policy-loss sft`. ValueError for a task without an expression or with another answer."""
+    """{"messages": a perfect episode (one `calculate` call) on a reasoning-gym arithmetic `task`} as the endpoint
+    renders it without template tools, for `--policy-loss sft`. ValueError: no expression, another answer."""
     from extras.chat_tools import hermes_messages
     expression = (task.entry.get("metadata") or {}).get("expression")
     if not isinstance(expression, str):
@@ -101,7 +93,6 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m extras.calculator_agent OUT.jsonl --n 300 [run.py flags]`: the demonstrations of
     the first n training tasks of the run those flags describe."""
     import argparse
-
     from config import parse_config
     from workflows import load_tasks
     ap = argparse.ArgumentParser(prog="python -m extras.calculator_agent", description=main.__doc__)

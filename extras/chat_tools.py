@@ -1,7 +1,4 @@
-"""Chat requests of the OpenAI-compatible endpoint: `parse_request` checks a request's JSON, `prompt_ids` renders
-its messages and tools, and a parser of TOOL_PARSERS (text -> (content or None, calls)) reads the tool calls."""
-from __future__ import annotations
-
+"""Chat requests of the OpenAI-compatible endpoint: checked (`parse_request`), rendered (`prompt_ids`), TOOL_PARSERS."""
 import json
 import math
 import re
@@ -12,11 +9,16 @@ MAX_N = 32  # completions per request
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 UNSUPPORTED = {**dict.fromkeys(("logit_bias", "presence_penalty", "frequency_penalty"), "it changes the sampling distribution"),
                "top_logprobs": "logprobs true gives each sampled token's"}  # field -> why it is refused
+HERMES_TOOLS = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>"
+                "\n\nFor each function call, return a json object with function name and arguments within "
+                "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+                '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 class RequestError(ValueError):
     """A client's mistake: answered with HTTP `status` (4xx) and this message."""
-
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
@@ -25,7 +27,6 @@ class RequestError(ValueError):
 @dataclass
 class ChatRequest:
     """A checked `POST /v1/chat/completions` body (max_tokens None: the endpoint's limit)."""
-
     messages: list[dict]
     tools: list[dict] = field(default_factory=list)
     n: int = 1
@@ -52,10 +53,8 @@ def parse_request(body) -> ChatRequest:
         raise RequestError("messages must be a non-empty list")
     req = ChatRequest([_message(m, i) for i, m in enumerate(messages)], _tools(body.get("tools")))
     req.n = _number(body, "n", int, 1, MAX_N, 1)
-    for key in ("max_completion_tokens", "max_tokens"):
-        if body.get(key) is not None:
-            req.max_tokens = _number(body, key, int, 1, 1 << 30, None)
-            break
+    if key := next((k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None):
+        req.max_tokens = _number(body, key, int, 1, 1 << 30, None)
     req.temperature = _number(body, "temperature", float, 0.0, 2.0, None)
     req.top_p = _number(body, "top_p", float, 0.0, 1.0, None)
     req.logprobs = bool(body.get("logprobs") or False)
@@ -155,19 +154,6 @@ def _tools(tools) -> list[dict]:
     return tools
 
 
-HERMES_TOOLS = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-                "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>"
-                "\n\nFor each function call, return a json object with function name and arguments within "
-                "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-                '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
-
-
-def knows_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template renders tools itself (its source mentions them)."""
-    template = tokenizer.chat_template
-    return "tool_use" in template if isinstance(template, dict) else "tools" in (template or "")
-
-
 def _arguments(text: str):
     try:
         return json.loads(text) if text.strip() else {}
@@ -217,7 +203,8 @@ def native_messages(messages: list[dict]) -> list[dict]:
 
 def prompt_ids(tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
     """Token ids of `messages` and `tools` under the chat template; RequestError when the template refuses them."""
-    native = knows_tools(tokenizer)
+    template = tokenizer.chat_template  # one that mentions tools renders them itself
+    native = "tool_use" in template if isinstance(template, dict) else "tools" in (template or "")
     msgs = native_messages(messages) if native else hermes_messages(messages, tools)
     try:
         ids = tokenizer.apply_chat_template(msgs, tools=(tools or None) if native else None,
@@ -227,12 +214,8 @@ def prompt_ids(tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
     return list(ids)
 
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
 def hermes_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content or None when only calls remain, calls): each `<tool_call>{"name", "arguments"}</tool_call>`
-    block whose JSON parses becomes a call (Hermes, Qwen); others stay in the content."""
+    """(content or None when only calls remain, calls) of Hermes/Qwen `<tool_call>{...}</tool_call>` blocks."""
     calls, kept, last = [], [], 0
     for m in _TOOL_CALL.finditer(text):
         try:

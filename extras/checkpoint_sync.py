@@ -1,9 +1,5 @@
-"""Checkpoint sync (--sync-method checkpoint), by import path from loop.py and sync.Receiver:
-RUN_DIR/checkpoints/v{version:06d} is written under a temporary name and renamed, then the
-marker checkpoints/latest; a reader holds a lease while it loads, so retention spares it.
-"""
-from __future__ import annotations
-
+"""Checkpoint sync (--sync-method checkpoint): RUN_DIR/checkpoints/v{version:06d} is written under a temporary name
+and renamed, then the marker checkpoints/latest; a reader holds a lease while it loads, so retention spares it."""
 import fcntl
 import os
 import shutil
@@ -66,9 +62,8 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
 def load_latest_checkpoint(run_dir: str | Path, reader: str, load: Callable[[Path, int], Any],
                            newer_than: int = -1) -> tuple[int, Any] | None:
     """(version, load(directory, version)) of the newest checkpoint if newer than `newer_than`, else None."""
-    root = Path(run_dir) / "checkpoints"
-    lease = root / "loading" / reader
-    with _lock(root):
+    lease = Path(run_dir) / "checkpoints" / "loading" / reader
+    with _lock(lease.parent.parent):
         latest = latest_checkpoint(run_dir)
         if latest is None or latest[0] <= newer_than:
             return None
@@ -98,8 +93,7 @@ class CheckpointSource:
 
 
 def wait_until_loaded(explorer, queue) -> None:
-    """Mode both: wait until the explorer has loaded its start weights (a resume state may go); RuntimeError
-    when it fails first."""
+    """Mode both: wait until the explorer has loaded its start weights; RuntimeError when it fails first."""
     while True:
         try:
             r = queue.get(timeout=1.0)

@@ -1,10 +1,5 @@
-"""On-policy distillation (--teacher): the student samples its rollouts, a frozen teacher scores every
-sampled token, and the per-token reverse KL joins the advantage (`Teacher`, built by the trainer by import
-path trainer.TEACHER); the `none` advantage (losses.ADVANTAGES) leaves the teacher's term alone, and
-`evaluate_teacher` measures the teacher's own held-out accuracy once, in the explorer process.
-"""
-from __future__ import annotations
-
+"""On-policy distillation (--teacher): a frozen teacher scores every sampled token and the per-token reverse KL
+joins the advantage (`Teacher`); `evaluate_teacher` measures the teacher's own held-out accuracy once."""
 import dataclasses
 
 import torch
@@ -22,20 +17,16 @@ def no_advantages(rewards, group_index, episode_index=None):
 
 def distill_advantages(advantages: torch.Tensor, teacher_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
                        mask: torch.Tensor, coef: float) -> torch.Tensor:
-    """`advantages` [B, T] plus coef x (teacher - behaviour log-prob) on each token where `mask` [B, T] is 1:
-    the negative per-token reverse KL(student || teacher), discount 0. Source: Agarwal et al., arXiv:2306.13649;
-    Thinking Machines, "On-Policy Distillation" (2025). Reference: thinking-machines-lab/tinker-cookbook
-    tinker_cookbook/distillation/train_on_policy.py incorporate_kl_penalty @ 9dfcc3a (kl_penalty_coef = coef);
-    Trinity-RFT on_policy_distill_workflow.py @ 2dd56e0 (the teacher at the sampling temperature); prime-rl's
-    teacher_tau (src/prime_rl/trainer/rl/loss.py @ 09e11c7) takes the current log-probs where this takes the
-    behaviour's."""
+    """`advantages` [B, T] plus coef x (teacher - behaviour log-prob) where `mask` [B, T] is 1: the negative per-token
+    reverse KL(student || teacher). Source: Agarwal et al., arXiv:2306.13649; Thinking Machines, "On-Policy
+    Distillation" (2025). Reference: thinking-machines-lab/tinker-cookbook tinker_cookbook/distillation/
+    train_on_policy.py incorporate_kl_penalty @ 9dfcc3a; Trinity-RFT on_policy_distill_workflow.py @ 2dd56e0;
+    prime-rl's teacher_tau (src/prime_rl/trainer/rl/loss.py @ 09e11c7) takes the current log-probs instead."""
     return advantages + coef * mask * (teacher_logprobs - behaviour_logprobs)
 
 
 class Teacher(Reference):
-    """The teacher's log-probs of each step's sequences for `trainer`: its own frozen model (also with LoRA),
-    sharded and computed as the policy's (packing, shared prompts, precision, temperature)."""
-
+    """The teacher's log-probs of each step's sequences for `trainer`: its own frozen model, sharded as the policy."""
     def __init__(self, trainer, model_path: str):
         self.trainer, self.seqs, self.coef = trainer, {}, trainer.cfg.distill_coef
         self.model = frozen_model(trainer, model_path)
@@ -51,8 +42,7 @@ class Teacher(Reference):
 
     def advantages(self, adv: torch.Tensor, mb: list, padding: bool, behaviour: torch.Tensor, mask: torch.Tensor,
                    offline: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(`adv` [B, R] with the teacher's term of micro-batch `mb`, {"distill/reverse_kl": behaviour - teacher
-        log-prob [B, R]}); offline [B] sequences have no behaviour log-probs: no term there."""
+        """(`adv` [B, R] with the teacher's term of micro-batch `mb`, {"distill/reverse_kl": [B, R]}); none offline."""
         teacher = self.micro_batch(mb, padding, behaviour)                                 # [B, R]
         rollout = mask * ~offline[:, None]                                                  # [B, R]
         return (distill_advantages(adv, teacher, behaviour, rollout, self.coef),
@@ -60,8 +50,7 @@ class Teacher(Reference):
 
 
 def evaluate_teacher(cfg, engine, tasks: tuple) -> dict[str, float]:
-    """teacher/* (Explorer.evaluate's eval/* at version 0, cached as any) of cfg.teacher on the held-out tasks
-    of `tasks` (train, held-out, dataset), with an HFEngine beside the explorer's `engine`; {} without tasks."""
+    """teacher/* (Explorer.evaluate's eval/*) of cfg.teacher on the held-out tasks of `tasks`, with an HFEngine."""
     from engines import HFEngine
     from explorer import Explorer, engine_seed
     theirs = dataclasses.replace(cfg, model=cfg.teacher, lora_rank=0, selector="shuffle", selector_kwargs={})

@@ -1,6 +1,4 @@
 """Loading a published checkpoint directory into an engine (--sync-method checkpoint)."""
-from __future__ import annotations
-
 from pathlib import Path
 
 import torch

@@ -1,18 +1,15 @@
-"""The bundled experience operators of `--experience-pipeline` (extras/pipelines.py's
-EXPERIENCE_OPS): quality and diversity rewards and cleaning (Trinity-RFT report 3.4.2).
-"""
-from __future__ import annotations
-
+"""The experience operators of `--experience-pipeline` (pipelines.EXPERIENCE_OPS; Trinity-RFT report 3.4.2)."""
 from buffer import Experience
 from extras.judge import RATINGS, expected_rating
 from extras.filters import repetition_filter
 from extras.pipelines import ExperienceContext, response_text, shape
 
+_EMBEDDERS: dict = {}
+
 
 def quality_reward(groups: list[list[Experience]], ctx: ExperienceContext, model: str = "", url: str = "",
                    weight: float = 1.0, timeout_s: float = 60.0) -> list[list[Experience]]:
-    """Quality reward (Data-Juicer's llm_quality_score_filter): an auxiliary model (`model` or `url`:
-    extras.judge) rates each answer s = 1..5; weight * (s - 3) / 4 is added to the reward."""
+    """Add weight * (s - 3) / 4 to each reward, s = 1..5 a judge's rating (Data-Juicer's llm_quality_score_filter)."""
     from extras.judge import ask_judge
     ratings = []
     for g in groups:
@@ -20,21 +17,16 @@ def quality_reward(groups: list[list[Experience]], ctx: ExperienceContext, model
         for e in g:
             msgs = [{"role": "user", "content": f"Rate the quality of this answer from 1 (bad) to 5 (excellent). "
                      f"Reply with one digit.\n{question}\nAnswer: {response_text(e, ctx.tokenizer)}"}]
-            s = expected_rating(ask_judge(msgs, RATINGS, model, url, timeout_s))
-            ratings.append(s)
-            shape(e, "quality", weight * (s - 3) / 4)
+            ratings.append(expected_rating(ask_judge(msgs, RATINGS, model, url, timeout_s)))
+            shape(e, "quality", weight * (ratings[-1] - 3) / 4)
     ctx.metrics.update({"pipeline/quality_reward/shaped": len(ratings),
                         "pipeline/quality_reward/rating_mean": sum(ratings) / max(1, len(ratings)),
                         "pipeline/quality_reward/bonus_mean": weight * (sum(ratings) / max(1, len(ratings)) - 3) / 4})
     return groups
 
 
-_EMBEDDERS: dict = {}
-
-
 def embed(texts: list[str], model: str):
-    """Unit-length embeddings [N, H] (float32) of `texts`: the mean last hidden state of the local
-    model directory `model` (loaded once per process)."""
+    """Unit-length embeddings [N, H] (float32) of `texts`: the mean last hidden state of local model `model`."""
     import torch
     from transformers import AutoModel, AutoTokenizer
     if model not in _EMBEDDERS:
@@ -52,9 +44,8 @@ def embed(texts: list[str], model: str):
 
 def diversity_reward(groups: list[list[Experience]], ctx: ExperienceContext, model: str = "", weight: float = 0.5,
                      final_weight: float | None = None, decay_steps: int = 0) -> list[list[Experience]]:
-    """Diversity reward (Data-Juicer's group_diversity_filter): add w_t * (max_j sim_j - sim_i) / (max_j sim_j
-    - min_j sim_j), sim_i the cosine similarity of a response's embedding to its group's mean (`embed`);
-    w_t goes linearly from `weight` to `final_weight` over `decay_steps` steps."""
+    """Add w_t * (max_j sim_j - sim_i) / (max_j sim_j - min_j sim_j), sim_i the cosine similarity to the group's mean
+    embedding, w_t from `weight` to `final_weight` over `decay_steps` (Data-Juicer's group_diversity_filter)."""
     import torch
     w = weight if final_weight is None or decay_steps <= 0 else (
         weight + (final_weight - weight) * min(1.0, ctx.step / decay_steps))
@@ -76,11 +67,8 @@ def diversity_reward(groups: list[list[Experience]], ctx: ExperienceContext, mod
 
 def clean(groups: list[list[Experience]], ctx: ExperienceContext, max_tokens: int = 0, ngram: int = 0,
           max_repeat_frac: float = 0.5, dedup: bool = False) -> list[list[Experience]]:
-    """Drop rollouts with more than `max_tokens` policy tokens (0: no limit), whose `ngram`-grams repeat
-    more than `max_repeat_frac` (extras.filters.repetition_filter; 0: off), and with `dedup`,
-    those whose response repeats an earlier one of the group."""
-    counts = dict.fromkeys(("length", "repetition", "duplicate"), 0)
-    out = []
+    """Drop rollouts over `max_tokens` policy tokens, with repeating `ngram`-grams, and `dedup` repeats (0: off)."""
+    counts, out = dict.fromkeys(("length", "repetition", "duplicate"), 0), []
     for g in groups:
         kept, seen = [], set()
         for e in g:

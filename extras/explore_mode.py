@@ -1,8 +1,4 @@
-"""Mode explore (run.MODES, by import path): one explorer beside a `--mode train` launch, sharing
-the run's buffer; explorer.explore paced by the buffer (`Backpressure`), not the sync schedule.
-"""
-from __future__ import annotations
-
+"""Mode explore (run.MODES): one explorer beside a `--mode train` launch, paced by the buffer (`Backpressure`)."""
 import sys
 import time
 from pathlib import Path
@@ -62,7 +58,6 @@ def run_mode_explore(cfg, prepared) -> None:
     log = JsonlLog(Path(cfg.run_dir) / f"explorer_{cfg.explorer_name}.jsonl")
     buffer = open_buffer(cfg.buffer, cfg.run_dir)
     by_broadcast = cfg.sync_method == "broadcast"
-
     def log_and_share(record: dict) -> None:
         log.write(record)
         if "eval/accuracy" in record:

@@ -1,6 +1,4 @@
 """Sequence filters before training, named by import path in losses.FILTERS (contract: losses.py)."""
-from __future__ import annotations
-
 from losses import FILTERS, register
 
 

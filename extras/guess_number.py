@@ -1,7 +1,4 @@
-"""The bundled multi-turn environment (`--task guess_number --workflow guess_number`,
-configs/guess.toml): find a secret number with higher/lower feedback."""
-from __future__ import annotations
-
+"""`--task guess_number --workflow guess_number` (configs/guess.toml): find a secret number by higher/lower."""
 from extras.multiturn import MultiTurnWorkflow
 from workflows import Task, last_number
 
@@ -18,13 +15,11 @@ def guess_number_tasks(kwargs: dict, train_size: int, eval_size: int, seed: int)
     def draw(n: int, s: int, split: str) -> list[Task]:
         rng = random.Random(s)
         return [Task(f"guess_number/{split}/{i}", question, str(rng.randint(low, high))) for i in range(n)]
-
     return draw(train_size, seed, "train"), draw(eval_size, seed + 1_000_003, "eval")
 
 
 class GuessNumberEnv:
     """Each reply's last number guesses the task's answer: reward 1 when found, else higher / lower."""
-
     def reset(self, task: Task) -> str:
         self.secret = int(task.answer)
         return task.question
@@ -40,6 +35,5 @@ class GuessNumberEnv:
 
 class GuessNumberWorkflow(MultiTurnWorkflow):
     """Find the secret number in at most max_turns guesses (`--task guess_number`)."""
-
     def make_env(self):
         return GuessNumberEnv()

@@ -1,9 +1,4 @@
-"""Networking of processes apart from the trainer: the network interface gloo binds across hosts
-(launch.gloo_interface calls `gloo_interface` here when MASTER_ADDR is not loopback), and `StoreAlive`,
-how mode explore and the vLLM worker watch the trainer.
-"""
-from __future__ import annotations
-
+"""Networking apart from the trainer: `gloo_interface` (gloo across hosts) and `StoreAlive` (watching the trainer)."""
 import ipaddress
 import os
 from datetime import timedelta
@@ -31,9 +26,8 @@ class StoreAlive:
 
 
 def gloo_interface(master: str) -> str | None:
-    """Set GLOO_SOCKET_IFNAME to the interface on the route to `master` and return it: gloo binds the
-    hostname's address, often loopback (Debian: 127.0.1.1), where other nodes cannot reach it. None
-    when `master` is unreachable or on this host."""
+    """The interface on the route to `master` (None: no route, or this host), set as GLOO_SOCKET_IFNAME: gloo
+    would bind the hostname's address, often loopback (Debian: 127.0.1.1), where other nodes cannot reach it."""
     try:
         address = sync.local_address(master)
     except OSError:  # no route to it: torch's own error names the address

@@ -1,8 +1,4 @@
-"""The Hugging Face Hub and datasets: models and datasets by Hub id (`hub_snapshot`) and tasks from
-any dataset `datasets.load_dataset` reads (`hf_dataset_tasks`); workflows and models reach it by
-import path for such a name."""
-from __future__ import annotations
-
+"""The Hugging Face Hub and datasets: `hub_snapshot` (by Hub id) and `hf_dataset_tasks`, reached by import path."""
 from pathlib import Path
 
 from extras.offline import hold_out
@@ -13,8 +9,7 @@ HF_TASK_KWARGS = {"config": None, "split": "train", "eval_split": None, "questio
 
 
 def hub_snapshot(repo_id: str, repo_type: str = "model") -> str:
-    """Local directory of a Hub model or dataset (the local cache, else a download). FileNotFoundError
-    (one line) when it is neither cached nor reachable, or the Hub has no such repository."""
+    """Local directory of a Hub model or dataset (cached, else downloaded); FileNotFoundError (one line) otherwise."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"] if repo_type == "model" else None
@@ -31,11 +26,8 @@ def hub_snapshot(repo_id: str, repo_type: str = "model") -> str:
 
 
 def hf_dataset_tasks(name: str, kwargs: dict, train_size: int, eval_size: int) -> tuple[list[Task], list[Task]]:
-    """(train, held-out) tasks of a local .parquet / .json / .csv file, dataset directory or Hub id.
-    `kwargs` (task_kwargs, HF_TASK_KWARGS): config, split, eval_split (else the last `eval_size`
-    rows of split are held out), question and answer field names. An answer keeps what follows its
-    last "####" (GSM8K; verl's examples/data_preprocess/gsm8k.py). ValueError (one line) for an
-    unknown kwarg, config, split or field; FileNotFoundError for a missing file or uncached Hub id."""
+    """(train, held-out) tasks of a .parquet / .json / .csv file, dataset directory or Hub id; answers after "####"
+    (GSM8K; verl's examples/data_preprocess/gsm8k.py). ValueError / FileNotFoundError (one line) for bad input."""
     if unknown := set(kwargs) - set(HF_TASK_KWARGS):
         raise ValueError(f"task {name}: unknown task_kwargs {sorted(unknown)} (a Hugging Face dataset takes {sorted(HF_TASK_KWARGS)})")
     kw = {**HF_TASK_KWARGS, **kwargs}
@@ -50,7 +42,6 @@ def hf_dataset_tasks(name: str, kwargs: dict, train_size: int, eval_size: int) -
     path, files = (DATA_FILE_BUILDERS[suffix], name) if suffix in DATA_FILE_BUILDERS else (name, None)
     if files is None and not Path(name).is_dir():
         path = hub_snapshot(name, "dataset")
-
     def rows(split: str) -> list[Task]:
         try:
             ds = datasets.load_dataset(path, kw["config"], data_files=files, split=split)
@@ -62,7 +53,6 @@ def hf_dataset_tasks(name: str, kwargs: dict, train_size: int, eval_size: int) -
                                  f"name the {key} field with task_kwargs {{\"{key}\": ...}}")
         return [Task(f"{name}/{split}/{i}", str(r[kw["question"]]), str(r[kw["answer"]]).split("####")[-1].strip(), r)
                 for i, r in enumerate(ds)]
-
     if kw["eval_split"]:
         return rows(kw["split"])[:train_size], rows(kw["eval_split"])[:eval_size]
     train, held = hold_out(name, rows(kw["split"]), eval_size)

@@ -1,21 +1,17 @@
-"""An LLM as judge: `ask_judge` (also behind the pipelines' difficulty ratings) and `--reward-fn
-judge` (`judge_reward`, in workflows.REWARD_FNS by import path)."""
-from __future__ import annotations
-
+"""An LLM as judge: `ask_judge` (also the pipelines' ratings) and `--reward-fn judge` (`judge_reward`)."""
 import json
 from typing import Any
 
 from workflows import Task, chat_ids
 
 _JUDGES: dict = {}
+RATINGS = ("1", "2", "3", "4", "5")
 
 
 def ask_judge(messages: list[dict], choices: tuple[str, ...], model: str = "", url: str = "",
               timeout_s: float = 60.0) -> list[float]:
-    """The judge's probability of starting its reply with each of `choices` (first tokens differ): a
-    local model directory `model` gives the softmax of its next-token logits over them; an
-    OpenAI-compatible endpoint `url` gives 1.0 for the choice its greedy reply starts with, else 0.0.
-    ValueError without `model` or `url`; the endpoint's errors propagate."""
+    """The judge's probability of starting its reply with each of `choices`: a local model directory `model` (softmax
+    of its next-token logits) or an OpenAI-compatible endpoint `url` (1.0 for its greedy reply's); else ValueError."""
     if url:
         import urllib.request
         body = json.dumps({"model": model, "messages": messages, "max_tokens": 4, "temperature": 0}).encode()
@@ -40,16 +36,12 @@ def ask_judge(messages: list[dict], choices: tuple[str, ...], model: str = "", u
 
 def judge_reward(task: Task, completion: str, dataset: Any, model: str = "", url: str = "",
                  timeout_s: float = 60.0) -> float:
-    """LLM-as-judge reward in [0, 1]: the judge's P("yes") / (P("yes") + P("no")) that the completion
-    answers the task (reference answer given), from `ask_judge`. ValueError without `model` or `url`."""
+    """The judge's P("yes") / (P("yes") + P("no")) that the completion is correct; ValueError without `model`/`url`."""
     question = (f"Question: {task.question}\nReference answer: {task.answer}\nStudent answer: {completion}\n"
                 "Is the student answer correct? Reply with yes or no.")
     if not (model or url):
         raise ValueError("judge reward needs reward_kwargs model (a local model directory) or url")
     return ask_judge([{"role": "user", "content": question}], ("yes", "no"), model, url, timeout_s)[0]
-
-
-RATINGS = ("1", "2", "3", "4", "5")
 
 
 def expected_rating(p: list[float]) -> float:

@@ -1,8 +1,4 @@
-"""Human labels as lagged rewards (`annotation = {url = ...}`, `reward_fn = "human"`): rollouts go to
-a Label Studio project, labels come back into the buffer (`Annotator`; trainer rank 0 runs it in a
-thread: `start_annotator`)."""
-from __future__ import annotations
-
+"""Human labels as lagged rewards (`annotation = {url = ...}`) from a Label Studio project (`start_annotator`)."""
 import json
 import os
 import sys
@@ -25,15 +21,13 @@ PAIR_CONFIG = ('<View><Header value="$question"/><Text name="a" value="$a"/><Tex
 
 
 class LabelStudio:
-    """Label Studio's REST API (https://labelstud.io/api) with a legacy token over plain HTTP (the SDK would
-    pull in many packages for four requests). ConnectionError (one line, token not shown) on failure."""
-
+    """Label Studio's REST API (https://labelstud.io/api), legacy token; ConnectionError (one line) on failure."""
     def __init__(self, url: str, token: str, timeout_s: float = 30.0):
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
         self.headers = {"Authorization": f"Token {token}", "Content-Type": "application/json"}
 
     def call(self, method: str, path: str, body=None):
-        """The decoded JSON reply to `method` `path` (with its query) with a JSON `body`."""
+        """The decoded JSON reply to `method` `path` with a JSON `body`."""
         req = urllib.request.Request(self.url + path, None if body is None else json.dumps(body).encode(),
                                      self.headers, method=method)
         try:
@@ -69,13 +63,8 @@ def check_mode(mode: str) -> None:
 
 
 class Annotator:
-    """Human labels as lagged rewards (Trinity-RFT report 2.3.4 and 3.5). Each `poll()` sends the
-    buffer's new pending groups (reward NULL) to the project (mode rating: one labelling task per
-    rollout; pairwise: the group's first two rollouts side by side) and turns finished labels into
-    rewards: rating -> choices[label]; pairwise -> 1 for the preferred rollout, 0 for the other, the
-    pair appended to RUN_DIR/preferences.jsonl (DPO data). After `timeout_s` seconds a group's
-    unlabelled rollouts get `timeout_reward`. `metrics`: annotation/sent, labelled, timed_out, waiting."""
-
+    """Human labels as lagged rewards (Trinity-RFT report 2.3.4 and 3.5): `poll()` sends new pending groups (rating
+    or pairwise) and turns labels into rewards (pairwise: into RUN_DIR/preferences.jsonl too)."""
     def __init__(self, buffer, tokenizer, url: str, token: str, run_dir: str, mode: str = "rating",
                  choices: dict | None = None, timeout_s: float = 3600.0, timeout_reward: float = 0.0,
                  project: str = ""):
@@ -92,7 +81,7 @@ class Annotator:
                         "annotation/waiting": 0}
 
     def poll(self) -> dict:
-        """One round of sending and collecting; returns `metrics`."""
+        """One round of sending and collecting; returns `metrics` (annotation/*)."""
         groups = {g[0].group_id: g for g in pending_group_rows(self.buffer)}
         new = [g for gid, g in groups.items() if gid not in self.sent]
         if new:
@@ -117,7 +106,8 @@ class Annotator:
                 if got:
                     win = 0 if got[0] == "A" else 1
                     rewards[gid][win], rewards[gid][1 - win] = 1.0, 0.0
-                    pairs.append(self._pair(g, win))
+                    pairs.append({"prompt": self._question(g), "chosen": response_text(g[win], self.tokenizer),
+                                  "rejected": response_text(g[1 - win], self.tokenizer)})
             timed_out += gid in rewards and late and len(got) < (1 if self.mode == "pairwise" else len(g))
         if rewards:
             set_rewards_many(self.buffer, rewards)
@@ -140,10 +130,6 @@ class Annotator:
                      self.tokenizer), "group_id": g[0].group_id, "index": 0}]
         return [{"question": q, "response": response_text(e, self.tokenizer), "group_id": e.group_id, "index": i}
                 for i, e in enumerate(g)]
-
-    def _pair(self, g: list[Experience], win: int) -> dict:
-        return {"prompt": self._question(g),
-                "chosen": response_text(g[win], self.tokenizer), "rejected": response_text(g[1 - win], self.tokenizer)}
 
     def run(self, stop: threading.Event, poll_s: float = 2.0, log: Callable[[dict], None] | None = None) -> None:
         """Poll until `stop` is set; a failed poll is reported on stderr and retried."""
@@ -173,11 +159,9 @@ def label_studio(cfg) -> LabelStudio:
 
 
 def start_annotator(cfg, tokenizer, stop: threading.Event) -> Callable[[], dict]:
-    """A daemon thread running an Annotator until `stop` is set; returns a callable giving its latest metrics,
-    which raises RuntimeError (one line) once the thread has died."""
+    """A daemon thread running an Annotator until `stop`; returns its metrics getter (RuntimeError once it died)."""
     from buffer import open_buffer
-    latest: dict = {}
-    failed: list[Exception] = []
+    latest, failed = {}, []
     url = label_studio(cfg).url  # ValueError without url or token
     kwargs = {k: v for k, v in cfg.annotation.items() if k != "url"}
 

@@ -1,9 +1,5 @@
-"""Lagged rewards (reward_fn "human": `human_reward`): groups wait in the buffer (`pending_groups`) until
-`set_rewards` fills them, from code, extras/label_studio.py or `python buffer.py BUFFER pending | set-reward
-GROUP_ID REWARD [REWARD ...]` (`main`; BUFFER: RUN_DIR/buffer.sqlite, or postgresql://...?schema=NAME).
-"""
-from __future__ import annotations
-
+"""Lagged rewards (reward_fn "human"): groups wait in the buffer (`pending_groups`) until `set_rewards` fills them,
+from code, extras/label_studio.py or `python buffer.py BUFFER pending | set-reward GROUP_ID REWARD...` (`main`)."""
 import argparse
 import math
 import sys

@@ -1,9 +1,5 @@
-"""LoRA (--lora-rank > 0, peft; Hu et al., arXiv:2106.09685): the trainer trains adapters on the
-frozen model and publishes only them; the engines sample with the same adapters. The core
-reaches this file by import path (`models.lora(name)`, `trainer.make_trainer`).
-"""
-from __future__ import annotations
-
+"""LoRA (--lora-rank > 0, peft; Hu et al., arXiv:2106.09685): the trainer trains adapters on the frozen model and
+publishes only them; the engines sample with them. Reached by import path (`models.lora(name)`, trainer)."""
 from pathlib import Path
 
 import torch
@@ -46,8 +42,8 @@ def save_adapter(model, path: str | Path, named: list[tuple[str, torch.Tensor]],
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
     Path(path).mkdir(parents=True, exist_ok=True)
-    state = get_peft_model_state_dict(model, state_dict=dict(named))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(Path(path) / "adapter_model.safetensors"))
+    save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(model, state_dict=dict(named)).items()},
+              str(Path(path) / "adapter_model.safetensors"))
     config.save_pretrained(str(path))
 
 
@@ -72,7 +68,6 @@ def merge_adapter(adapter: str | Path, out: str | Path, dtype: torch.dtype) -> N
 
 class LoraTrainer(Trainer):
     """A Trainer of fresh LoRA adapters on the frozen model; saves and resume states hold the adapters only."""
-
     def __init__(self, cfg, model_path: str, device: torch.device):
         self.lora = lora_config(cfg, model_path)
         super().__init__(cfg, model_path, device)

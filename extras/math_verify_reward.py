@@ -1,6 +1,4 @@
 """`--reward-fn math_verify`: answers compared by math-verify (numbers, fractions, LaTeX)."""
-from __future__ import annotations
-
 import logging
 from typing import Any
 
@@ -10,9 +8,8 @@ from workflows import Task
 
 
 def math_verify_reward(task: Task, completion: str, dataset: Any) -> float:
-    """1.0 when math-verify finds the completion's answer equal to the reference, else 0.0; a bare
-    reference is parsed as "\\boxed{reference}" (verl/utils/reward_score/math_verify.py @ 1309a22).
-    Its signal timeouts are off (main thread only). ValueError for a reference without an answer."""
+    """1.0 when math-verify finds the completion's answer equal to the reference (a bare one as "\\boxed{reference}",
+    verl/utils/reward_score/math_verify.py @ 1309a22), else 0.0. ValueError for a reference without an answer."""
     ref = task.answer.strip()
     gold = parse(ref if "$" in ref or "\\boxed" in ref else f"\\boxed{{{ref}}}", parsing_timeout=None)
     if not gold:
@@ -20,10 +17,5 @@ def math_verify_reward(task: Task, completion: str, dataset: Any) -> float:
     return float(verify(gold, parse(completion, parsing_timeout=None), timeout_seconds=None))
 
 
-class _NoTimeoutNote(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Timeout is disabled")
-
-
-for _name in ("math_verify.parser", "math_verify.grader"):
-    logging.getLogger(_name).addFilter(_NoTimeoutNote())
+for _name in ("math_verify.parser", "math_verify.grader"):  # timeouts are off: signals need the main thread
+    logging.getLogger(_name).addFilter(lambda r: not r.getMessage().startswith("Timeout is disabled"))

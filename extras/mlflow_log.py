@@ -1,6 +1,4 @@
 """The MLflow tracker (`--log mlflow`), in metrics.TRACKERS by import path."""
-from __future__ import annotations
-
 import json
 import os
 import time
@@ -8,9 +6,7 @@ from pathlib import Path
 
 
 class MLflowLog:
-    """An MLflow run in experiment "nanorft" at $MLFLOW_TRACKING_URI, else in RUN_DIR/mlflow.db; the
-    config as params; its id in RUN_DIR/mlflow_run_id for --resume."""
-
+    """An MLflow run in experiment "nanorft" at $MLFLOW_TRACKING_URI, else RUN_DIR/mlflow.db; resumed by its id."""
     def __init__(self, run_dir: Path, config: dict):
         import logging
         from mlflow import MlflowClient

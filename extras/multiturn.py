@@ -1,7 +1,4 @@
-"""Multi-turn workflows: the policy and an environment take turns (`MultiTurnWorkflow`; the
-guess-number game, extras/guess_number.py, and docs/workflows.md build on it)."""
-from __future__ import annotations
-
+"""Multi-turn workflows: the policy and an environment take turns (`MultiTurnWorkflow`; extras/guess_number.py)."""
 import asyncio
 import uuid
 
@@ -9,17 +6,24 @@ from buffer import Experience
 from workflows import Task, Workflow, chat_ids, in_thread
 
 
+def new_sample(prompt: list[int]) -> dict:
+    """An empty sample (dict of tokens, prompt_length, mask, behaviour_logprobs, versions) starting at `prompt`."""
+    return {"tokens": list(prompt), "prompt_length": len(prompt), "mask": [], "behaviour_logprobs": [], "versions": []}
+
+
+def extend_sample(s: dict, prompt: list[int], out) -> None:
+    """Append the tokens of `prompt` past the sample's (mask 0: not trained on) and the completion `out` (mask 1)."""
+    extra = prompt[len(s["tokens"]):]
+    s["tokens"] += extra + list(out.tokens)
+    s["mask"] += [0] * len(extra) + [1] * len(out.tokens)
+    s["behaviour_logprobs"] += [0.0] * len(extra) + list(out.behaviour_logprobs)
+    s["versions"] += list(out.versions)
+
+
 class MultiTurnWorkflow(Workflow):
-    """Subclasses implement `make_env()`: an environment with `reset(task) -> str` (the first user
-    message) and `step(reply) -> (message or None at the end, reward or None while it goes on)`,
-    called in a thread; environments are reused, one whose call raised is dropped.
-
-    Each turn's prompt is the chat template of the conversation so far; while it extends the
-    previous prompt + completion as an exact token prefix, the turn joins the same sample (the
-    environment's tokens with action_mask 0, behaviour log-prob 0), else a new sample starts
-    (prime-rl's merging rule). The samples of an episode share its reward and
-    info["episode_id"], "turns", "samples"."""
-
+    """Subclasses implement `make_env()`: an environment with `reset(task) -> str` (the first user message) and
+    `step(reply) -> (message or None at the end, reward or None)`, called in a thread. A turn whose prompt extends
+    the sample's tokens joins that sample, else a new one starts (prime-rl's merging rule)."""
     max_turns = 6
 
     def __init__(self, *args, **kwargs):
@@ -42,26 +46,14 @@ class MultiTurnWorkflow(Workflow):
         """One conversation -> its samples."""
         env = self._idle_envs.pop() if self._idle_envs else self.make_env()
         msgs = self.system() + [{"role": "user", "content": await in_thread(env.reset, task)}]
-        samples: list[dict] = []
-        reward, turns, transcript = None, 0, []
+        samples, reward, turns, transcript = [], None, 0, []
         while reward is None and turns < self.max_turns:
             turns += 1
             prompt = chat_ids(self.tokenizer, self.context(msgs), True)
-            cur = samples[-1] if samples else None
-            if cur is not None and prompt[: len(cur["tokens"])] == cur["tokens"]:
-                extra = prompt[len(cur["tokens"]):]  # environment tokens: not trained on
-                cur["tokens"] += extra
-                cur["mask"] += [0] * len(extra)
-                cur["behaviour_logprobs"] += [0.0] * len(extra)
-            else:
-                cur = {"tokens": list(prompt), "prompt_length": len(prompt), "mask": [], "behaviour_logprobs": [],
-                       "versions": []}
-                samples.append(cur)
-            out = (await engine.generate(cur["tokens"], 1, self.sampling))[0]
-            cur["tokens"] += out.tokens
-            cur["mask"] += [1] * len(out.tokens)
-            cur["behaviour_logprobs"] += out.behaviour_logprobs
-            cur["versions"] += list(out.versions)
+            if not samples or prompt[: len(samples[-1]["tokens"])] != samples[-1]["tokens"]:
+                samples.append(new_sample(prompt))
+            out = (await engine.generate(prompt, 1, self.sampling))[0]
+            extend_sample(samples[-1], prompt, out)
             text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
             msgs.append({"role": "assistant", "content": text})
             message, reward = await in_thread(env.step, text)

@@ -1,7 +1,4 @@
-"""Offline data, marked info["offline"]: chats for SFT or MIX (`--train-data`, `--expert-data`), preference pairs
-for DPO; JSONL task files (`jsonl_tasks`) and `hold_out`, the held-out split of a task source."""
-from __future__ import annotations
-
+"""Offline data (info["offline"]): chats for SFT or MIX, pairs for DPO; JSONL task files (`jsonl_tasks`), `hold_out`."""
 import dataclasses
 import json
 import random
@@ -15,8 +12,7 @@ def hold_out(name: str, tasks: list[Task], eval_size: int) -> tuple[list[Task], 
     """(all but the last `eval_size` tasks, the last `eval_size`); ValueError when none remain."""
     if len(tasks) <= eval_size:
         raise ValueError(f"{name}: {len(tasks)} rows, need more than eval_size={eval_size}")
-    cut = len(tasks) - eval_size
-    return tasks[:cut], tasks[cut:]
+    return tasks[:len(tasks) - eval_size], tasks[len(tasks) - eval_size:]
 
 
 def jsonl_rows(path: str | Path, what: str):
@@ -55,8 +51,7 @@ class OfflineSampler:
 
     def draw(self, n: int) -> list[list[Experience]]:
         """The next n groups."""
-        out = []
-        self.drawn += n
+        out, self.drawn = [], self.drawn + n
         for _ in range(n):
             if not self.order:
                 self.order = self.rng.sample(range(len(self.groups)), len(self.groups))
@@ -70,8 +65,7 @@ def _is_messages(msgs) -> bool:
 
 
 def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
-    """One {"messages": [...]} per line -> a group of one Experience (reward 1.0), action_mask 1 on each
-    assistant turn up to its end-of-turn token. ValueError naming the file and line."""
+    """One {"messages": [...]} per line -> a group of one Experience (reward 1.0) trained on its assistant turns."""
     out = []
     for path, n, row in jsonl_rows(path, "chat data"):
         msgs = row.get("messages") if isinstance(row, dict) else None
@@ -98,8 +92,7 @@ def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
 
 
 def load_preference_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
-    """DPO data: one {"prompt", "chosen", "rejected"} per line -> a group of two Experiences (rewards 1.0,
-    0.0). ValueError naming the file and line."""
+    """One {"prompt", "chosen", "rejected"} per line -> a group of two (rewards 1, 0); ValueError naming the line."""
     out = []
     for path, n, row in jsonl_rows(path, "preference data"):
         if not (isinstance(row, dict) and {"prompt", "chosen", "rejected"} <= set(row)):
@@ -109,8 +102,7 @@ def load_preference_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]
             raise ValueError(f"{path} line {n}: prompt must be a string or a list of messages")
         if not (isinstance(row["chosen"], str) and isinstance(row["rejected"], str)):
             raise ValueError(f"{path} line {n}: chosen and rejected must be strings (the assistant replies)")
-        prompt = chat_ids(tokenizer, msgs, True)
-        group = []
+        prompt, group = chat_ids(tokenizer, msgs, True), []
         for key, reward in (("chosen", 1.0), ("rejected", 0.0)):
             full = chat_ids(tokenizer, msgs + [{"role": "assistant", "content": row[key]}], False)
             if full[: len(prompt)] != prompt or len(full) == len(prompt):

@@ -1,9 +1,5 @@
-"""An OpenAI-compatible endpoint served by the explorer's engine, for agents written against the `openai` package.
-`endpoint_for(engine)` starts it; each rollout opens an episode (base URL .../e/EPISODE/v1, or /v1 with an
-X-Episode-Id header) and closes it to get every call's token ids and behaviour log-probs. Calls sample with the
-episode's Sampling; max_tokens and stop cut after sampling. Each call runs in its episode's event loop."""
-from __future__ import annotations
-
+"""An OpenAI-compatible endpoint served by the explorer's engine (`endpoint_for`); each rollout opens an episode
+(base URL .../e/EPISODE/v1, or an X-Episode-Id header) and closes it to get its calls' tokens and log-probs."""
 import asyncio
 import concurrent.futures
 import itertools
@@ -19,6 +15,8 @@ from extras.chat_tools import (RequestError, load_tool_parser, openai_tool_calls
                                reply_key, stream_events)
 
 MAX_BODY_BYTES = 8 << 20
+_ENDPOINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ENDPOINTS_LOCK = threading.Lock()
 
 
 def require_packages(what: str) -> None:
@@ -32,7 +30,6 @@ def require_packages(what: str) -> None:
 @dataclass
 class Choice:
     """One sampled completion: tokens [R], behaviour_logprobs [R], weight versions, finish_reason and text."""
-
     tokens: list[int]
     behaviour_logprobs: list[float]
     versions: tuple[int, int]
@@ -43,7 +40,6 @@ class Choice:
 @dataclass
 class Call:
     """One delivered chat completion: `seq` (arrival order), `prompt` (the ids the engine saw), choices."""
-
     seq: int
     prompt: list[int]
     choices: list[Choice]
@@ -52,7 +48,6 @@ class Call:
 @dataclass
 class Episode:
     """The calls of one agent rollout. `url`: the base URL to give its OpenAI client."""
-
     id: str
     url: str
     loop: asyncio.AbstractEventLoop
@@ -67,11 +62,9 @@ class Episode:
 
 class _Gate:
     """Holds the calls of one event loop until every open episode waits (or `wait_s` has passed)."""
-
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.open = loop, 0
+        self.loop, self.open, self.timer = loop, 0, None
         self.waiting: list[tuple[Episode, asyncio.Future]] = []
-        self.timer = None
 
     async def passage(self, ep: Episode) -> None:
         fut = self.loop.create_future()
@@ -119,9 +112,7 @@ def context_length(engine) -> int | None:
 
 
 class Endpoint:
-    """The server of one engine on a free local port (`url`); batch_wait_s: the longest wait at the gate (seconds).
-    ValueError (one line) when fastapi, uvicorn or openai is missing."""
-
+    """The server of one engine on a free local port (`url`); ValueError (one line) without fastapi, uvicorn, openai."""
     def __init__(self, engine, batch_wait_s: float = 0.1):
         require_packages("the OpenAI-compatible endpoint")
         import uvicorn
@@ -130,14 +121,11 @@ class Endpoint:
         self._episodes: dict[str, Episode] = {}
         self._gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(512)  # connections queue here until the server thread accepts them
+        self._sock = socket.create_server(("127.0.0.1", 0), backlog=512)  # queued until the server thread accepts
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off", loop="asyncio",
-                                timeout_graceful_shutdown=2)
-        self._server = uvicorn.Server(config)
+        self._server = uvicorn.Server(uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off",
+                                                     loop="asyncio", timeout_graceful_shutdown=2))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True,
                                         name=f"nanorft-endpoint-{self.port}")
         self._thread.start()
@@ -217,9 +205,7 @@ class Endpoint:
         if tool_calls and c.finish_reason == "stop":
             c.finish_reason = "tool_calls"
         ep.replies[reply_key(content, tool_calls)] = raw
-        message = {"role": "assistant", "content": content}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
+        message = {"role": "assistant", "content": content, **({"tool_calls": tool_calls} if tool_calls else {})}
         choice = {"index": i, "message": message, "finish_reason": c.finish_reason, "logprobs": None}
         if req.logprobs:
             pieces = [tok.decode([t]) for t in c.tokens]
@@ -244,9 +230,8 @@ class Endpoint:
             eid = request.path_params.get("eid") or request.headers.get("x-episode-id", "")
             try:
                 req, body = await self._chat(request, eid)
-                if req.stream:
-                    return Response(stream_events(body, req.stream_usage), media_type="text/event-stream")
-                return JSONResponse(body)
+                return (Response(stream_events(body, req.stream_usage), media_type="text/event-stream")
+                        if req.stream else JSONResponse(body))
             except RequestError as e:
                 return error(e.status, str(e))
             except _Gone:
@@ -307,10 +292,6 @@ async def _read_json(request):
         return json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"the request body is not JSON: {e}") from None
-
-
-_ENDPOINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_ENDPOINTS_LOCK = threading.Lock()
 
 
 def endpoint_for(engine) -> Endpoint:

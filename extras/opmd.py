@@ -1,8 +1,4 @@
-"""Online policy mirror descent (Trinity-RFT's OPMD family, arXiv:2505.17826 appendix A): the
-`opmd` advantage and the `opmd_kimi`, `opmd_pairwise`, `opmd_simple` losses (by import path in losses.py).
-"""
-from __future__ import annotations
-
+"""Online policy mirror descent (Trinity-RFT, arXiv:2505.17826 appendix A): the `opmd` advantage and opmd_* losses."""
 import math
 
 import torch
@@ -13,9 +9,9 @@ from losses import ADVANTAGES, POLICY_LOSSES, LossInputs, group_stats, register,
 
 @register(ADVANTAGES, "opmd")
 def opmd_advantages(rewards, group_index, episode_index=None, baseline: str = "mean", tau: float = 1.0):
-    """r - b, b the group's mean ("mean") or tau log mean exp(r / tau) ("logavgexp"); 0 for a group
-    of one. [B] -> [B]. ValueError for another baseline. Reference: modelscope/Trinity-RFT
-    trinity/algorithm/advantage_fn/opmd_advantage.py @ 547adf1."""
+    """r - b, b the group's mean ("mean") or tau log mean exp(r / tau) ("logavgexp"); 0 for a group of one. [B] -> [B].
+    ValueError for another baseline. Reference: Trinity-RFT trinity/algorithm/advantage_fn/opmd_advantage.py
+    @ 547adf1."""
     if baseline == "mean":
         return rewards - group_stats(rewards, group_index)[0]
     if baseline != "logavgexp":
@@ -37,9 +33,8 @@ def logavgexp_baseline(rewards: torch.Tensor, group_index: torch.Tensor, tau: fl
 
 @register(POLICY_LOSSES, "opmd_kimi")
 def opmd_kimi_loss(inp: LossInputs, tau: float = 1.0):
-    """Kimi's OPMD in Trinity-RFT's form, (-A logprobs + spread(tau / 2 s^2)) / max(1, tau), s the
-    sequence's summed log-ratio, A from "opmd" with "logavgexp": {"loss"} [B, T]. Source: Kimi
-    k1.5 arXiv:2501.12599 sec. 2.3.2. Reference: Trinity-RFT trinity/trainer/verl/core_algos.py
+    """(-A logprobs + spread(tau / 2 s^2)) / max(1, tau), s the sequence's summed log-ratio: {"loss"} [B, T]. Source:
+    Kimi k1.5 arXiv:2501.12599 sec. 2.3.2. Reference: Trinity-RFT trinity/trainer/verl/core_algos.py
     compute_policy_loss_opmd (fork yaochaorui/Trinity-RFT @ 50aba82)."""
     s = seq_sum(inp.logprobs - inp.behaviour_logprobs, inp.mask)                         # [B]
     loss = -inp.advantages * inp.logprobs + spread(0.5 * tau * s ** 2, inp.mask)          # [B, T]
@@ -48,9 +43,8 @@ def opmd_kimi_loss(inp: LossInputs, tau: float = 1.0):
 
 @register(POLICY_LOSSES, "opmd_pairwise", needs_groups=True)
 def opmd_pairwise_loss(inp: LossInputs, tau: float = 1.0):
-    """Pairwise OPMD: (d_i - mean_group d)^2 / max(1, tau), d = r - tau (log pi - sg(log pi)):
-    {"loss"} [B, T]. Reference: Trinity-RFT trinity/trainer/verl/core_algos.py
-    compute_policy_loss_pairwise_opmd (fork yaochaorui/Trinity-RFT @ 50aba82)."""
+    """(d_i - mean_group d)^2 / max(1, tau), d = r - tau (log pi - sg(log pi)): {"loss"} [B, T]. Reference: Trinity-RFT
+    trinity/trainer/verl/core_algos.py compute_policy_loss_pairwise_opmd (fork yaochaorui/Trinity-RFT @ 50aba82)."""
     s = seq_sum(inp.logprobs, inp.mask)                                                  # [B]
     d = inp.rewards - tau * (s - s.detach())                                             # [B]
     same = (inp.group_index[:, None] == inp.group_index[None, :]).to(d.dtype)           # [B, B]
@@ -60,6 +54,6 @@ def opmd_pairwise_loss(inp: LossInputs, tau: float = 1.0):
 
 @register(POLICY_LOSSES, "opmd_simple")
 def opmd_simple_loss(inp: LossInputs, tau: float = 1.0):
-    """Simple OPMD, -A logprobs / (1 + tau) with the "opmd" advantage: {"loss"} [B, T]. Reference:
-    modelscope/Trinity-RFT trinity/algorithm/policy_loss_fn/opmd_policy_loss.py @ 70c21ac."""
+    """-A logprobs / (1 + tau): {"loss"} [B, T]. Reference: Trinity-RFT
+    trinity/algorithm/policy_loss_fn/opmd_policy_loss.py @ 70c21ac."""
     return {"loss": -inp.advantages * inp.logprobs / (1 + tau)}

@@ -1,11 +1,6 @@
-"""Data pipelines (Trinity-RFT, arXiv:2505.17826 section 2.3), by import path (workflows.PIPELINES):
-task curation and selection, experience shaping and replay. Operators, configured as tables
-{op = NAME or module.function, ...kwargs}, record metrics as pipeline/<op>/<name>:
+"""Data pipelines (Trinity-RFT, arXiv:2505.17826 section 2.3; workflows.PIPELINES) of operators {op = NAME, ...kwargs}:
     fn(tasks: list[Task], ctx: TaskContext, **kw) -> list[Task]
-    fn(groups: list[list[Experience]], ctx: ExperienceContext, **kw) -> list[list[Experience]]
-"""
-from __future__ import annotations
-
+    fn(groups: list[list[Experience]], ctx: ExperienceContext, **kw) -> list[list[Experience]]"""
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -71,8 +66,7 @@ def run_task_pipeline(specs: list, tasks: list[Task], ctx: TaskContext) -> list[
 
 
 def curate(explorer, buffer: Buffer) -> tuple[list[Task], dict]:
-    """(The explorer's training tasks after cfg.task_pipeline, its metrics): once per run and explorer,
-    kept in the buffer's run state for a restarted explorer."""
+    """(The explorer's training tasks after cfg.task_pipeline, its metrics), kept in the buffer's run state."""
     cfg, key = explorer.cfg, f"tasks/{explorer.cfg.explorer_name}"
     if saved := buffer.run_state(key):
         by_id = {t.task_id: t for t in explorer.train}
@@ -97,9 +91,7 @@ def shape(e: Experience, op: str, bonus: float) -> None:
 
 
 class ExperiencePipeline:
-    """The experience operators on each batch trainer rank 0 reads: (groups, step) -> (groups, metrics);
-    emptied groups are dropped, RuntimeError when none is left."""
-
+    """(groups, step) -> (groups, metrics) of the experience operators; RuntimeError when no group is left."""
     def __init__(self, specs: list, tokenizer=None, model: str = ""):
         self.ops = parse_ops(specs, EXPERIENCE_OPS, "experience_pipeline")
         self.tokenizer, self.model = tokenizer, model
@@ -119,17 +111,15 @@ class ExperiencePipeline:
 
 def replay(buffer: Buffer, step: int, groups: int = 1, decay: float = 2.0, use_count_limit: int = 3
            ) -> tuple[list[list[Experience]], int]:
-    """Prioritised experience replay (Trinity-RFT trinity/buffer/storage/queue.py @ 5a4234ec: priority
-    model_version - decay * use_count): up to `groups` groups consumed before `step`, each use recorded
-    (Buffer.release_after undoes it). Returns (groups, how many were eligible)."""
+    """(Up to `groups` groups consumed before `step` by priority model_version - decay * use_count, how many were
+    eligible). Reference: Trinity-RFT trinity/buffer/storage/queue.py @ 5a4234ec."""
     db = buffer.db
     with db.transaction(readers=True):
         eligible = db.execute(
             "SELECT group_id, MIN(model_version) - ? * MAX(use_count) AS priority FROM experiences "
             "WHERE consumed BETWEEN 1 AND ? GROUP BY group_id HAVING MAX(use_count) < ? "
             "ORDER BY priority DESC, MIN(id) DESC", (decay, step, use_count_limit)).fetchall()
-        chosen = eligible[:groups]
-        ids, priority = [g for g, _ in chosen], dict(chosen)
+        ids, priority = [g for g, _ in eligible[:groups]], dict(eligible[:groups])
         if not ids:
             return [], len(eligible)
         marks = ",".join("?" * len(ids))
@@ -152,8 +142,7 @@ def response_text(e: Experience, tokenizer) -> str:
 
 
 def check_config(cfg) -> None:
-    """ValueError (one line) for a bad pipeline, selector, replay or annotation setting; ConnectionError
-    when cfg.annotation's Label Studio server cannot be reached."""
+    """ValueError (one line) for a bad pipeline, selector, replay or annotation setting; ConnectionError."""
     parse_ops(cfg.task_pipeline, TASK_OPS, "task_pipeline")
     parse_ops(cfg.experience_pipeline, EXPERIENCE_OPS, "experience_pipeline")
     selector = resolve(cfg.selector, SELECTORS, "selector", cfg.selector_kwargs)

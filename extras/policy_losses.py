@@ -1,7 +1,4 @@
-"""Policy losses besides PPO clip: DPPO-KL, REINFORCE with truncated IS, CISPO, GSPO, SFT, DPO
-and MIX, named by import path in losses.POLICY_LOSSES (contract: losses.py)."""
-from __future__ import annotations
-
+"""Policy losses besides PPO clip, named by import path in losses.POLICY_LOSSES (contract: losses.py)."""
 import torch
 
 from losses import POLICY_LOSSES, LossInputs, importance_ratio, ppo_clip_loss, register, seq_sum
@@ -9,8 +6,8 @@ from losses import POLICY_LOSSES, LossInputs, importance_ratio, ppo_clip_loss, r
 
 def part_totals(token_counts: torch.Tensor, expert: torch.Tensor,
                 keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The totals of losses.aggregate for a `split_expert` loss (MIX): each sequence's part's (expert
-    or rollout) kept tokens and sequences. token_counts [N], expert [N], keep [N] -> [N], [N]."""
+    """Per sequence, its part's (expert or rollout) kept tokens and sequences, the totals of losses.aggregate for a
+    `split_expert` loss (MIX). token_counts [N], expert [N], keep [N] -> [N], [N]."""
     kept, is_exp = keep.to(token_counts.dtype), expert.to(token_counts.dtype)   # [N]
     tokens = torch.stack([(token_counts * kept * (1 - is_exp)).sum(), (token_counts * kept * is_exp).sum()])  # [2]
     seqs = torch.stack([(kept * (1 - is_exp)).sum(), (kept * is_exp).sum()])    # [2]
@@ -25,10 +22,9 @@ def spread(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 @register(POLICY_LOSSES, "dppo_kl")
 def dppo_kl_loss(inp: LossInputs, dppo_mask_low: float = 0.2, dppo_mask_high: float = 0.2, adv_tau: float = 1.0,
                  kl_tau: float = 1e-3):
-    """prime-rl's DPPO-Binary-TV + KL: -ratio adv_tau A inside the trust region on
-    exp(logprobs) - exp(behaviour_logprobs), + kl_tau (log ratio)^2: {"loss", "masked"} [B, T].
-    Source: DPPO arXiv:2602.04879; Kimi K2.5 arXiv:2602.02276. Reference: PrimeIntellect-ai/prime-rl
-    src/prime_rl/trainer/rl/loss.py default_loss_fn @ 559b447."""
+    """DPPO-Binary-TV + KL: -ratio adv_tau A inside the trust region on exp(logprobs) - exp(behaviour_logprobs),
+    + kl_tau (log ratio)^2: {"loss", "masked"} [B, T]. Source: DPPO arXiv:2602.04879; Kimi K2.5 arXiv:2602.02276.
+    Reference: PrimeIntellect-ai/prime-rl src/prime_rl/trainer/rl/loss.py default_loss_fn @ 559b447."""
     log_ratio = inp.logprobs - inp.behaviour_logprobs                                     # [B, T]
     diff = torch.exp(inp.logprobs) - torch.exp(inp.behaviour_logprobs)                    # [B, T]
     masked = torch.where(inp.advantages > 0, diff > dppo_mask_high, diff < -dppo_mask_low)  # [B, T]
@@ -38,9 +34,9 @@ def dppo_kl_loss(inp: LossInputs, dppo_mask_low: float = 0.2, dppo_mask_high: fl
 
 @register(POLICY_LOSSES, "reinforce_tis", agg="seq-mean-token-sum")
 def reinforce_tis_loss(inp: LossInputs, tis_cap: float = 1.02):
-    """REINFORCE with truncated, detached IS weights: -min(ratio, tis_cap) A logprobs:
-    {"loss", "truncated"} [B, T]. Source: PipelineRL arXiv:2509.19128 sec. 3. Reference:
-    ServiceNow/PipelineRL pipelinerl/finetune/rl/__init__.py rl_step @ 58d3934."""
+    """REINFORCE with truncated, detached IS weights: -min(ratio, tis_cap) A logprobs: {"loss", "truncated"} [B, T].
+    Source: PipelineRL arXiv:2509.19128 sec. 3. Reference: ServiceNow/PipelineRL pipelinerl/finetune/rl/__init__.py
+    rl_step @ 58d3934."""
     ratio = importance_ratio(inp).detach()                               # [B, T]
     w = ratio.clamp(max=tis_cap)                                         # [B, T]
     return {"loss": -w * inp.advantages * inp.logprobs, "truncated": (ratio > tis_cap).float()}
@@ -69,16 +65,15 @@ def gspo_loss(inp: LossInputs, clip_low: float = 3e-4, clip_high: float = 4e-4):
 
 @register(POLICY_LOSSES, "sft")
 def sft_loss(inp: LossInputs):
-    """Supervised fine-tuning, -logprobs: {"loss"} [B, T]. Reference: modelscope/Trinity-RFT
-    trinity/algorithm/policy_loss_fn/sft_loss.py @ 51d229f."""
+    """-logprobs: {"loss"} [B, T]. Reference: Trinity-RFT trinity/algorithm/policy_loss_fn/sft_loss.py @ 51d229f."""
     return {"loss": -inp.logprobs}
 
 
 @register(POLICY_LOSSES, "dpo", agg="seq-mean-token-sum", needs_groups=True, needs_ref=True)
 def dpo_loss(inp: LossInputs, beta: float = 0.1):
-    """DPO on each group's best and worst sequence by reward (none without a reward gap), both
-    carrying the pair's loss: {"loss", "pair_correct"} [B, T]. ValueError without ref_logprobs.
-    Source: arXiv:2305.18290 eq. 7. Reference: huggingface/trl trl/trainer/dpo_trainer.py @ f2cd577."""
+    """DPO on each group's best and worst sequence by reward, both carrying the pair's loss: {"loss", "pair_correct"}
+    [B, T]. ValueError without ref_logprobs. Source: arXiv:2305.18290 eq. 7. Reference: huggingface/trl
+    trl/trainer/dpo_trainer.py @ f2cd577."""
     if inp.ref_logprobs is None:
         raise ValueError("dpo needs ref_logprobs (a reference model)")
     logit = beta * seq_sum(inp.logprobs - inp.ref_logprobs, inp.mask)                # [B]
@@ -99,8 +94,8 @@ def dpo_loss(inp: LossInputs, beta: float = 0.1):
 @register(POLICY_LOSSES, "mix", split_expert=True)
 def mix_loss(inp: LossInputs, mu: float = 0.1, clip_low: float = 0.2, clip_high: float = 0.2,
              dual_clip: float | None = 3.0):
-    """MIX: (1 - mu) ppo_clip on rollouts + mu SFT on expert tokens, each part normalised over
-    itself (`part_totals`): {"loss", "clipped", "expert"} [B, T]. Reference: modelscope/Trinity-RFT
+    """(1 - mu) ppo_clip on rollouts + mu SFT on expert tokens, each part normalised over itself (`part_totals`):
+    {"loss", "clipped", "expert"} [B, T]. Reference: modelscope/Trinity-RFT
     trinity/algorithm/policy_loss_fn/mix_policy_loss.py @ c10d414."""
     expert = (inp.expert if inp.expert is not None else
               torch.zeros(len(inp.mask), dtype=torch.bool, device=inp.mask.device))[:, None]   # [B, 1]

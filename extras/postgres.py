@@ -1,8 +1,4 @@
-"""The PostgreSQL backend of buffer.Buffer (`--buffer postgresql://user@host:port/db`, several
-hosts), by import path; it needs `pip install "psycopg[binary]"`.
-"""
-from __future__ import annotations
-
+"""The PostgreSQL backend of buffer.Buffer (`--buffer postgresql://user@host:port/db`), by import path."""
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,8 +6,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 
 class Postgres:
-    """The PostgreSQL dialect (psycopg 3): readers serialise on a transaction advisory lock, an explorer
-    name is a session advisory lock (gone with the connection). ValueError (one line) when unusable."""
+    """The PostgreSQL dialect (psycopg 3), advisory locks for readers and explorer names; ValueError (one line)."""
     def __init__(self, url: str, timeout_s: float, schema_sql: str, run_dir: str | Path | None = None):
         parts = urlsplit(url)
         query = dict(parse_qsl(parts.query))
@@ -19,8 +14,7 @@ class Postgres:
         schema = query.pop("schema", f"nanorft{run}")
         if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", schema):
             raise ValueError(f"buffer schema {schema!r}: use lower-case letters, digits and _ (at most 63)")
-        self.schema = schema
-        self.where = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1], query=""))
+        self.schema, self.where = schema, urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1], query=""))
         self.where += f" (schema {schema})"  # no password in messages
         try:
             import psycopg

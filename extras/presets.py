@@ -1,7 +1,4 @@
-"""TOML presets (`--config FILE.toml`, keys = Config fields): config.parse_config reads them here
-by import path; mode bench coerces a run's saved config with `coerce`."""
-from __future__ import annotations
-
+"""TOML presets (`--config FILE.toml`): `read_preset` for config.parse_config, `coerce` also for mode bench."""
 import dataclasses
 import tomllib
 from pathlib import Path
@@ -26,8 +23,7 @@ def coerce(name: str, value, typ: str):
 
 
 def read_preset(path: Path) -> dict:
-    """The settings of TOML preset `path`, coerced. FileNotFoundError / ValueError (one line): a missing
-    file, invalid TOML, an unknown key."""
+    """The settings of TOML preset `path`, coerced; FileNotFoundError / ValueError (one line) for a bad file."""
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     try:

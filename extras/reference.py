@@ -1,9 +1,4 @@
-"""The frozen reference policy of --kl-loss-coef, --kl-reward-coef and DPO (`Reference`): the
-model as loaded, sharded like the policy; with LoRA the policy with its adapters disabled.
-trainer.Trainer builds it by import path (trainer.REFERENCE) when a run needs it.
-"""
-from __future__ import annotations
-
+"""The frozen reference policy of --kl-loss-coef, --kl-reward-coef and DPO (`Reference`, trainer.REFERENCE)."""
 import contextlib
 
 import torch
@@ -20,7 +15,6 @@ def frozen_model(trainer, model_path: str):
 
 class Reference:
     """The reference log-probs of each step's sequences for `trainer`."""
-
     def __init__(self, trainer, model_path: str):
         self.trainer, self.seqs, self.model = trainer, {}, None
         if not trainer.lora:  # LoRA: the policy with its adapters disabled
@@ -53,8 +47,7 @@ class Reference:
         return out
 
     def kl_reward_penalty(self, rewards: torch.Tensor, batch, rows: list[list], m: dict) -> torch.Tensor:
-        """`rewards` [N] minus kl_reward_coef x each rollout's k1 KL(behaviour || reference) summed
-        over its action_mask tokens; sets m["reward/kl_penalty"]. Collective."""
+        """`rewards` [N] minus kl_reward_coef x each rollout's summed k1 KL(behaviour || reference); collective."""
         coef = self.trainer.cfg.kl_reward_coef
         kl = torch.zeros(len(batch.exps), device=self.trainer.device)                        # [N]
         for e in (e for row in rows for e in row if not batch.offline[batch.row[id(e)]]):  # offline: no behaviour

@@ -1,6 +1,4 @@
 """`--workflow reflect`: experience synthesis by reflection."""
-from __future__ import annotations
-
 import asyncio
 
 from buffer import Experience
@@ -8,10 +6,7 @@ from workflows import MathWorkflow, Task, chat_ids
 
 
 class ReflectWorkflow(MathWorkflow):
-    """n scored rollouts; each wrong one is answered once more after the feedback "incorrect", and
-    the first correct reflection is kept as one extra sample (info["reflection"]). Trinity-RFT
-    technical report, arXiv:2505.17826, reflection example."""
-
+    """n rollouts; each wrong one answered again after "incorrect", the first correct one kept (arXiv:2505.17826)."""
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
         group = await super().run(task, engine, n)
         wrong = [e for e in group if e.reward != 1.0]

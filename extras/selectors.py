@@ -1,11 +1,10 @@
-"""Task selectors besides workflows.Shuffle (extras/pipelines.py's SELECTORS): sequential,
-random, easy2hard and BOTS (diff_based).
-"""
-from __future__ import annotations
-
+"""Task selectors besides workflows.Shuffle (extras/pipelines.py's SELECTORS): sequential, random, easy2hard, BOTS."""
 import numpy as np
 
 from workflows import Selector, Task
+
+NEEDS_DIFFICULTY = ("selector easy2hard needs a difficulty for every task: add metadata_difficulty, "
+                    "pass_rate_difficulty, model_difficulty or your own operator to task_pipeline")
 
 
 class Sequential(Selector):
@@ -19,10 +18,6 @@ class RandomTasks(Selector):
                                                                      replace=False).tolist()
         self.cursor += k
         return (out * (k // len(out) + 1))[:k]
-
-
-NEEDS_DIFFICULTY = ("selector easy2hard needs a difficulty for every task: add metadata_difficulty, "
-                    "pass_rate_difficulty, model_difficulty or your own operator to task_pipeline")
 
 
 class Easy2Hard(Selector):
@@ -41,9 +36,9 @@ class Easy2Hard(Selector):
 
 
 class DiffBased(Selector):
-    """Difficulty-targeted selection (BOTS, Trinity-RFT `diff_based`: trinity/buffer/selector/
-    selector.py @ 3e9eb605 DiffBasedSelector, diff_estimator.py @ 607f1dbd InterpolationBetaPREstimator).
-    Task i has a Beta(alpha_i, beta_i) belief over its pass rate; after a batch with pass rates pr_j:
+    """Difficulty-targeted selection (BOTS, Trinity-RFT `diff_based`: trinity/buffer/selector/selector.py @ 3e9eb605
+    DiffBasedSelector, diff_estimator.py @ 607f1dbd InterpolationBetaPREstimator). Task i has a Beta(alpha_i, beta_i)
+    belief over its pass rate; after a batch with pass rates pr_j:
         cap  <- (mean pr - mean f0_j) / (mean f1_j - mean f0_j + 1e-6)   (EMA, discount 0.9)
         p~_i  = clip((f1_i - f0_i) * cap + f0_i, 0, 1), and p~_j = pr_j
         alpha <- (1 - lamb) alpha + lamb + (1 - rho) s_bar + rho m p~
@@ -61,26 +56,19 @@ class DiffBased(Selector):
                  m: int = 16, lamb: float = 0.2, rho: float = 0.2, adaptive_rho: bool = False):
         super().__init__(tasks, seed)
         self.target, self.tau, self.do_sample, self.m, self.lamb, self.rho = target, tau, do_sample, m, lamb, rho
-        self.adaptive_rho = adaptive_rho
+        self.adaptive_rho, self.cap, self.picked_pass_rate = adaptive_rho, None, None
         d = np.array([0.5 if t.difficulty is None else t.difficulty for t in tasks], dtype=float)  # [n]
         span = d.max() - d.min() if len(d) else 0.0
         prior = 1 - (d - d.min()) / span if span > 0 else np.full(len(d), 0.5)                   # [n]
         self.features = np.stack([np.zeros(len(d)), prior], 1)                                   # [n, 2] (f0, f1)
         self.alphas, self.betas = np.ones(len(d)), np.ones(len(d))                               # [n]
-        self.cap: float | None = None
-        self.picked_pass_rate: float | None = None
         self.rng = np.random.default_rng(seed)
         self.index = {t.task_id: i for i, t in enumerate(tasks)}
 
-    def predict(self) -> np.ndarray:
-        """Pass rate per task [n]: the Beta mean, or a draw with do_sample."""
-        if self.do_sample:
-            return self.rng.beta(self.alphas, self.betas)
-        return self.alphas / (self.alphas + self.betas)
-
     def next(self, k: int) -> list[int]:
         k = min(k, len(self.tasks))
-        predicted = self.predict()                                                              # [n]
+        predicted = (self.rng.beta(self.alphas, self.betas) if self.do_sample                   # [n]
+                     else self.alphas / (self.alphas + self.betas))
         scores = -np.abs(self.target - predicted)                                               # [n]
         self.cursor += k
         if self.tau == 0:

@@ -1,8 +1,4 @@
-"""The bundled task operators of `--task-pipeline` (extras/pipelines.py's TASK_OPS): dedup,
-length_filter and the difficulty estimates the easy2hard and diff_based selectors read.
-"""
-from __future__ import annotations
-
+"""The task operators of `--task-pipeline` (pipelines.TASK_OPS): dedup, length_filter and difficulty estimates."""
 from extras.judge import RATINGS, expected_rating
 from extras.pipelines import TaskContext
 from workflows import Task
@@ -32,8 +28,7 @@ def metadata_difficulty(tasks: list[Task], ctx: TaskContext, keys: tuple[str, ..
     """difficulty = the sum of the task's numeric metadata fields `keys`; ValueError for a task without."""
     for t in tasks:
         meta = t.entry.get("metadata", t.entry)
-        missing = [k for k in keys if not isinstance(meta.get(k), (int, float))]
-        if missing:
+        if missing := [k for k in keys if not isinstance(meta.get(k), (int, float))]:
             raise ValueError(f"metadata_difficulty: task {t.task_id} has no numeric {missing}")
         t.difficulty = float(sum(meta[k] for k in keys))
     ctx.metrics["pipeline/metadata_difficulty/mean"] = sum(t.difficulty for t in tasks) / len(tasks)
@@ -42,8 +37,7 @@ def metadata_difficulty(tasks: list[Task], ctx: TaskContext, keys: tuple[str, ..
 
 def pass_rate_difficulty(tasks: list[Task], ctx: TaskContext, k: int = 4) -> list[Task]:
     """difficulty = 1 - the policy's pass rate over k rollouts (Trinity-RFT report 2.3.2); skipped: 1."""
-    groups = ctx.rollouts(tasks, k)
-    for t, g in zip(tasks, groups):
+    for t, g in zip(tasks, ctx.rollouts(tasks, k)):
         rewards = [e.reward for e in g or [] if e.reward is not None]
         t.difficulty = 1.0 - (sum(rewards) / len(rewards) if rewards else 0.0)
     ctx.metrics["pipeline/pass_rate_difficulty/pass_rate"] = 1 - sum(t.difficulty for t in tasks) / len(tasks)

@@ -1,8 +1,4 @@
-"""Mode train beside `--mode explore` launches (loop.TRAIN_MODE, by import path): their weight-sync
-group and their records, shared through the buffer.
-"""
-from __future__ import annotations
-
+"""Mode train beside `--mode explore` launches (loop.TRAIN_MODE, by import path): the weight-sync group, records."""
 import json
 import math
 import sys
@@ -14,8 +10,7 @@ from metrics import print0
 
 
 def connect_explorers(cfg, io, layout, trainer, rank: int):
-    """Every trainer rank: records from the buffer; with broadcast, rank 0 waits for cfg.num_explorers
-    explorers and sends them a resumed trainer's weights. Returns the sync.WeightSync or None."""
+    """Every rank: records from the buffer; with broadcast, rank 0 connects the explorers: a sync.WeightSync or None."""
     if rank == 0:
         io.records = records_from_buffer(io.buffer)
     params = trainer.full_parameters() if cfg.sync_method == "broadcast" and trainer.version else None  # every rank
@@ -61,7 +56,6 @@ def records_after(buffer, last_id: int) -> tuple[int, list[dict]]:
 def records_from_buffer(buffer) -> Callable[[], list[dict]]:
     """A `LoopIO.records`: the explorers' records added to `buffer` since its last call."""
     last = 0
-
     def records() -> list[dict]:
         nonlocal last
         last, new = records_after(buffer, last)

@@ -1,11 +1,6 @@
-"""`--task verifiers:NAME --workflow verifiers:NAME`: train on an installed `verifiers` (>= 0.4)
-environment, NAME its taskset id. Each rollout is a verifiers episode (`Env.run_episode`) whose
-model calls go to the engine's OpenAI-compatible endpoint, recorded like any agent's
-(extras/agent.py); its reward is the mean over its traces. verifiers runs the harness programs
-with `uv`, which must be on PATH (`pip install uv`).
-"""
-from __future__ import annotations
-
+"""`--task verifiers:NAME --workflow verifiers:NAME`: train on an installed `verifiers` (>= 0.4) environment,
+NAME its taskset id. Each rollout is a verifiers episode recorded like any agent's (extras/agent.py); its
+reward is the mean over its traces. verifiers runs the harness programs with `uv`, which must be on PATH."""
 import importlib.util
 import os
 import shutil
@@ -29,16 +24,14 @@ def require_verifiers(what: str) -> None:
 
 
 def load_env(name: str, harness: str | None = None):
-    """The verifiers Env of taskset `name` in a local subprocess runtime, with `harness`, else the
-    taskset's own, else `null` (a chat loop: verifiers' default, `bash`, would run the model's
-    commands here). ValueError (one line) when it cannot be loaded."""
+    """The verifiers Env of taskset `name` in a local subprocess runtime, with `harness`, else the taskset's own,
+    else `null` (verifiers' default `bash` would run the model's commands here). ValueError (one line)."""
     require_verifiers(f"verifiers:{name}")
     from verifiers.v1.configs.env import EnvConfig
     from verifiers.v1.env import Env
     from verifiers.v1.envs.single_agent import SingleAgentEnvConfig
     from verifiers.v1.utils.generic import concrete_type
     from verifiers.v1.utils.loaders import default_harness_id, environment_class
-
     try:
         own = default_harness_id(name)
         agent = {"runtime": RUNTIME, "harness": {"id": harness or (own if own != "bash" else "null")}}
@@ -51,8 +44,7 @@ def load_env(name: str, harness: str | None = None):
 
 
 def verifiers_tasks(name: str, train_size: int, eval_size: int) -> tuple[list[Task], list[Task]]:
-    """(train, held-out) of the first train_size + eval_size tasks of taskset `name`
-    (entry["verifiers_idx"]: the task's position). ValueError (one line)."""
+    """(train, held-out) of the first train_size + eval_size tasks of taskset `name`; ValueError (one line)."""
     env = load_env(name)
     tasks = []
     for t in env.taskset:
@@ -60,15 +52,13 @@ def verifiers_tasks(name: str, train_size: int, eval_size: int) -> tuple[list[Ta
             break
         prompt = t.data.prompt
         text = prompt if isinstance(prompt, str) else str(prompt[-1].get("content", "")) if prompt else ""
-        answer = getattr(t.data, "answer", "")
-        tasks.append(Task(f"verifiers/{name}/{t.data.idx}", text, str(answer), {"verifiers_idx": t.data.idx}))
+        tasks.append(Task(f"verifiers/{name}/{t.data.idx}", text, str(getattr(t.data, "answer", "")),
+                          {"verifiers_idx": t.data.idx}))
     return hold_out(f"verifiers:{name}", tasks, eval_size)
 
 
 class VerifiersWorkflow(AgentWorkflow):
-    """Rollouts of verifiers environment `env_name` (`harness`: a harness id instead of the default).
-    RuntimeError for a task not from `--task verifiers:NAME` or an episode that failed."""
-
+    """Rollouts of verifiers environment `env_name`; RuntimeError for a foreign task or a failed episode."""
     env_name = ""
     harness: str | None = None
 

@@ -1,7 +1,4 @@
-"""The vLLM engine (`--engine vllm`) and `VLLMWeightReceiver`, its worker extension, which receives the weights over
-the weight-sync group. Imports without vllm installed."""
-from __future__ import annotations
-
+"""The vLLM engine (`--engine vllm`) and `VLLMWeightReceiver`, its worker extension that receives the weights."""
 import logging
 import os
 import shutil
@@ -21,11 +18,7 @@ STORE_KNOWN_WAIT_S = 30.0  # how long the worker waits for the trainer's store (
 
 
 class VLLMEngine(Engine):
-    """A `vllm.LLM` whose processed log-probs are the behaviour log-probs. `threads` > 0 binds the
-    CPU build to the last cores; `memory_fraction` of the device memory holds weights and KV
-    cache; `inflight` steps vLLM's engine core by hand in this process; `lora` (peft LoraConfig):
-    one adapter directory per weight version. ImportError when vllm is not installed."""
-
+    """A `vllm.LLM` whose processed log-probs are the behaviour log-probs (`lora`: peft LoraConfig); ImportError."""
     def __init__(self, model_path: str, seed: int = 0, bf16: bool = False, threads: int = 0,
                  memory_fraction: float = 0.2, inflight: bool = False, lora=None):
         super().__init__()
@@ -60,7 +53,6 @@ class VLLMEngine(Engine):
                    lora=models.lora("lora_config")(cfg) if cfg.lora_rank else None)
 
     def _use_adapter(self, path: str | Path, version: int, copy: bool = False) -> None:
-        """Sample with the adapter directory `path` (weight `version`) from now on, copied first with `copy`."""
         from vllm.lora.request import LoRARequest
         own = Path(self.lora_root) / f"v{version:06d}"
         if copy:
@@ -141,7 +133,6 @@ class VLLMEngine(Engine):
         return checksum
 
     def _forget_prefixes(self) -> None:
-        """Drop the KV blocks cached under the old weights (in flight prefix caching is off)."""
         if not self.inflight:
             self.llm.reset_prefix_cache()
 
@@ -152,15 +143,10 @@ class VLLMEngine(Engine):
 
 
 class VLLMWeightReceiver:
-    """vLLM worker extension (`WORKER`): joins the weight-sync group as a receiving rank and loads
-    each publish in place inside vLLM's layerwise-reload helpers (a bare load can miss CPU
-    prepacked weights)."""
-
+    """vLLM worker extension (`WORKER`): a receiving rank of the weight-sync group; loads each publish in place."""
     def nanorft_join(self, model_path: str, host: str, port: int, timeout_s: float, sync_device: str,
                      lora: dict | None = None, lora_root: str = "") -> None:
-        """Join the group whose store is at `host`:`port`, the trainer watched through its store
-        (StoreAlive); with `lora` (LoraConfig.to_dict()) each receive writes the adapters
-        to lora_root/v{version:06d}."""
+        """Join the group at `host`:`port`; with `lora` (LoraConfig.to_dict()) write adapters to lora_root/vVERSION."""
         from transformers import AutoConfig, AutoModelForCausalLM
         dtype = self.vllm_config.model_config.dtype  # the dtype it holds: bf16 to a bf16 vLLM
         with torch.device("meta"):  # names and shapes of the HF checkpoint (or of its adapters), in wire order

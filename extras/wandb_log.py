@@ -1,15 +1,11 @@
 """The W&B tracker (`--log wandb`), in metrics.TRACKERS by import path."""
-from __future__ import annotations
-
 import os
 import uuid
 from pathlib import Path
 
 
 class WandbLog:
-    """A W&B run in project $WANDB_PROJECT (default "nanorft"), its id in RUN_DIR/wandb/nanorft_run_id
-    for --resume; offline in RUN_DIR/wandb (`wandb sync` later) unless WANDB_MODE or a login says else."""
-
+    """A W&B run in project $WANDB_PROJECT (default "nanorft"), resumed by its id; offline unless logged in."""
     def __init__(self, run_dir: Path, config: dict):
         import netrc
         import wandb
