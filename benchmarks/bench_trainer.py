@@ -1,7 +1,7 @@
 """nanorft's trainer step (`trainer.Trainer.step`, the real one) at realistic lengths next to a raw PyTorch loop on the
 same sequences, in one process on one device.
 
-    python benchmarks/bench_trainer.py --device cuda --json bench_trainer.json     # Qwen3-0.6B shape, ~150 s on an H100
+    python benchmarks/bench_trainer.py --device cuda --json bench_trainer.json     # Qwen3-0.6B shape, ~2 min on an H100
     python benchmarks/bench_trainer.py --device cpu --shape tiny --lengths 64,128 --levers activation_checkpointing
 
 Model: a Qwen3Config of `--shape` with random weights (nothing is downloaded), saved in bf16 with the SmolLM2 tokenizer
@@ -18,8 +18,9 @@ tokens + causal attention 6 x layers x heads x head_dim x length^2 per rollout; 
 dense bf16 peak of perf.CUDA_PEAKS (989 TFLOP/s for an H100), or a measured bf16 matmul on other GPUs; none on a CPU.
 Peak memory: torch.cuda.max_memory_allocated over a timed step.
 Levers (`--levers`): each is timed flipped from nanorft's default at the longest length with full fine-tuning:
-causal_rows, fused_adamw, one_gpu_fsdp (trainer.CUDA_LEVERS), head_chunk (packing.HEAD_CHUNK_ELEMS["cuda"] 2**28 ->
-2**22), activation_checkpointing, compile_layers (Config). Variants past `--budget-s` are skipped with a SKIP line.
+causal_rows, fused_adamw, one_gpu_fsdp, checkpoint_if_needed (trainer.CUDA_LEVERS), head_chunk
+(packing.HEAD_CHUNK_ELEMS["cuda"] 2**28 -> 2**22), activation_checkpointing, compile_layers (Config fields). Variants
+that would start past `--budget-s` (counted from the model build) are skipped with a SKIP line.
 """
 import argparse
 import gc
@@ -204,10 +205,11 @@ def main() -> int:
     p.add_argument("--shape", default="qwen3-0.6b", choices=tuple(SHAPES))
     p.add_argument("--lengths", default="2048,8192", help="sequence lengths (tokens), comma-separated")
     p.add_argument("--lora-ranks", default="0,16", help="0 = full fine-tuning, comma-separated")
-    p.add_argument("--levers", default=",".join(LEVERS), help=f"levers to time flipped, of {', '.join(LEVERS)}")
+    p.add_argument("--levers", default="compile_layers,checkpoint_if_needed,causal_rows,head_chunk,one_gpu_fsdp",
+                   help=f"levers to time flipped, of {', '.join(LEVERS)}")
     p.add_argument("--tokens-per-step", type=int, default=16384)
     p.add_argument("--rounds", type=int, default=3, help="timed steps per arm after one warm-up step")
-    p.add_argument("--budget-s", type=float, default=170.0, help="variants after this many seconds are skipped")
+    p.add_argument("--budget-s", type=float, default=150.0, help="variants after this many seconds are skipped")
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -228,6 +230,7 @@ def main() -> int:
         t0 = time.perf_counter()
         fields = build_model(Path(d) / "model", args.shape)
         bench = Bench(args, device, str(Path(d) / "model"), fields)
+        bench.start = t0
         print(f"model {args.shape}: {bench.body / 1e6:.0f}M matmul parameters, built in {time.perf_counter() - t0:.1f} s;"
               f" {device} {torch.cuda.get_device_name(device) if device.type == 'cuda' else ''} {bench.dtype}; "
               f"peak {bench.peak / 1e12:.0f} TFLOP/s" + (" (nominal)" if device.type == "cuda" else ""), flush=True)
