@@ -209,6 +209,8 @@ class Config:
     """memory allocator of the processes on a CPU: auto (tcmalloc where installed, else mimalloc; a GPU: system), tcmalloc, mimalloc, system (the C library's malloc)"""
     activation_checkpointing: bool = True
     """recompute decoder blocks' activations in the backward pass (less memory, more compute)"""
+    compile_layers: bool = True
+    """torch.compile each decoder block (CUDA only; a block that fails to compile runs eagerly)"""
     token_budget: int = 2048
     """max tokens one forward pass of the trainer computes (a packed micro-batch)"""
     trainer_threads: int = 0

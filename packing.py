@@ -39,9 +39,11 @@ def packed_tokens(exps: list[Experience], row_tokens: int = 0) -> int:
     return len(lengths) * max(lengths)
 
 
-def pack(exps: list[Experience], pad: int, row_tokens: int = 0, multiple: int = 1) -> dict[str, torch.Tensor]:
+def pack(exps: list[Experience], pad: int, row_tokens: int = 0, multiple: int = 1,
+         causal: bool = False) -> dict[str, torch.Tensor]:
     """`share_prompts` rows under a block mask: each response gets the log-probs of prompt + response alone.
-    input_ids, position_ids [N, L], attention_mask [N, 1, L, L] bool, L padded to a `multiple`; per response token
+    input_ids, position_ids [N, L], attention_mask [N, 1, L, L] bool (None, position_ids [1, L] if `causal` and
+    every row holds one sequence: is_causal attention), L padded to a `multiple`; per response token
     rows / positions (predicting it) / targets / seq / col [T] long; response_ids / behaviour_logprobs / mask [B, R]."""
     R = max(1, max(len(e.tokens) - e.prompt_length for e in exps))
     rows = share_prompts(exps, row_tokens)
@@ -59,9 +61,12 @@ def pack(exps: list[Experience], pad: int, row_tokens: int = 0, multiple: int = 
             pos[r, s:s + n], seg[r, s:s + n] = torch.arange(P, P + n), k
             index += [(r, P - 1 if j == 0 else s + j - 1, i, j) for j in range(n)]
             s += n
-    q, k = seg[:, :, None], seg[:, None, :]                                              # [N, L, 1], [N, 1, L]
-    causal = torch.ones(L, L, dtype=torch.bool).tril()                                   # [L, L]
-    attn = causal & (q >= 0) & ((k == 0) | (k == q)) | torch.eye(L, dtype=torch.bool)    # [N, L, L]
+    if causal and len(rows) == len(exps):  # causal up to each row's pads, which nothing reads
+        attn, pos = None, torch.arange(L)[None]                                          # [1, L]
+    else:
+        q, k = seg[:, :, None], seg[:, None, :]                                          # [N, L, 1], [N, 1, L]
+        tril = torch.ones(L, L, dtype=torch.bool).tril()                                 # [L, L]
+        attn = (tril & (q >= 0) & ((k == 0) | (k == q)) | torch.eye(L, dtype=torch.bool))[:, None]  # [N, 1, L, L]
     rows_i, positions, seq, col = torch.tensor(index, dtype=torch.long).view(-1, 4).T    # [T] each
     response = torch.full((len(exps), R), pad, dtype=torch.long)
     behaviour, mask = torch.zeros((len(exps), R)), torch.zeros((len(exps), R))
@@ -70,7 +75,7 @@ def pack(exps: list[Experience], pad: int, row_tokens: int = 0, multiple: int = 
         response[b, :r] = torch.tensor(e.tokens[e.prompt_length:], dtype=torch.long)
         behaviour[b, :r] = torch.tensor(e.behaviour_logprobs)
         mask[b, :r] = torch.tensor(e.action_mask, dtype=torch.float)
-    return {"input_ids": ids, "attention_mask": attn[:, None], "position_ids": pos, "rows": rows_i,
+    return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "rows": rows_i,
             "positions": positions, "targets": response[seq, col], "seq": seq, "col": col,
             "response_ids": response, "behaviour_logprobs": behaviour, "mask": mask}
 
@@ -91,7 +96,7 @@ def packed_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [T] and entropy [T] or None of a `pack` batch, the LM head on predicting positions only."""
     mask = attention_mask
-    if model.config._attn_implementation == "eager":  # eager attention adds its mask; sdpa takes booleans
+    if mask is not None and model.config._attn_implementation == "eager":  # eager adds its mask; sdpa takes booleans
         mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float).min)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=mask,
                                  position_ids=position_ids, use_cache=False).last_hidden_state  # [N, L, H]
@@ -120,14 +125,20 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return logz - (torch.softmax(logits, -1) * logits).sum(-1)          # [B, T]
 
 
+# float32 logits per chunk of the LM head: 16 MiB on a CPU; a GPU needs many rows a chunk to keep its matmuls busy
+HEAD_CHUNK_ELEMS = {"cpu": 2 ** 22, "cuda": 2 ** 28}
+
+
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                     entropy: bool = False, chunk_elems: int = 2 ** 22,  # 16 MiB of float32 logits
+                     entropy: bool = False, chunk_elems: int = 0,
                      bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Float32 log-probs [T] of `targets` [T] under softmax((hidden [T, H] @ weight [V, H].T + bias) / temperature),
-    and the entropy [T], `chunk_elems` logits at a time (Liger-Kernel's fused_linear_cross_entropy.py)."""
+    and the entropy [T], `chunk_elems` (0: HEAD_CHUNK_ELEMS) logits at a time (Liger-Kernel's
+    fused_linear_cross_entropy.py)."""
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float)
         return empty, (empty if entropy else None)
+    chunk_elems = chunk_elems or HEAD_CHUNK_ELEMS.get(hidden.device.type, 2 ** 22)
     rows = max(1, chunk_elems // weight.shape[0])
     lp, ent = HeadLogprobs.apply(hidden, weight, bias, targets, temperature, rows, entropy)
     return lp, (ent if entropy else None)

@@ -30,6 +30,11 @@ TEACHER = "extras.distill.Teacher"  # --teacher: on-policy distillation's per-to
 # packed rows padded to a multiple of this many tokens: the same few tensor shapes step after step, so the CPU
 # allocator reuses its blocks instead of fragmenting (without it the trainer's RSS grows every step; docs/benchmarks.md)
 LENGTH_MULTIPLE = 32
+# CUDA levers (benchmarks/bench_trainer.py times each on and off); a CPU runs none of them
+CUDA_LEVERS = {"causal_rows": True,  # rows of one sequence: is_causal attention (flash kernels), not pack's mask
+               "fused_adamw": True,  # AdamW in one fused kernel per step
+               "one_gpu_fsdp": False,  # one GPU: FSDP2 mixed precision; False: float32 parameters under bf16 autocast
+               "checkpoint_if_needed": True}  # unless the flag is given, activation checkpointing only where it must
 
 
 @dataclass
@@ -102,6 +107,20 @@ def lr_schedule(cfg, opt) -> Callable[[int], float]:
     return factor
 
 
+def compiled(forward: Callable) -> Callable:
+    """torch.compile of `forward`; where compiling fails, `forward` itself from then on (one warning line)."""
+    fast = torch.compile(forward)
+    def call(*args, **kwargs):
+        nonlocal fast
+        try:
+            return fast(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as e:  # the backend's errors too
+            print(f"warning: torch.compile of a decoder block failed, it runs eagerly: {type(e).__name__}", flush=True)
+            fast = forward
+            return forward(*args, **kwargs)
+    return call
+
+
 def make_trainer(cfg, model_path: str, device: torch.device) -> "Trainer":
     """The Trainer of `cfg`, or for --lora-rank > 0 extras/lora.py's LoraTrainer (ValueError without peft)."""
     return (models.lora("LoraTrainer") if cfg.lora_rank else Trainer)(cfg, model_path, device)
@@ -118,9 +137,10 @@ class Trainer:
         self.mesh = init_device_mesh(device.type, (self.world,))  # FSDP2's default: CUDA wherever a GPU is visible
         torch.manual_seed(cfg.seed)
         self.advantage_fn, self.loss_fn, self.agg, self.filters = resolve_algorithm(cfg)
-        self.fsdp_bf16 = cfg.dtype == "bfloat16" and device.type == "cuda"  # FSDP2 mixed precision on CUDA
-        self.autocast = cfg.dtype == "bfloat16" and not self.fsdp_bf16  # autocast on CPU
-        self.sharded = self.world > 1 or device.type != "cpu"  # one CPU rank: FSDP2 would only copy the weights
+        self.cuda = device.type == "cuda"
+        self.sharded = self.world > 1 or self.cuda and CUDA_LEVERS["one_gpu_fsdp"]  # one CPU rank: FSDP2 only copies
+        self.fsdp_bf16 = cfg.dtype == "bfloat16" and self.cuda and self.sharded  # FSDP2 mixed precision on CUDA
+        self.autocast = cfg.dtype == "bfloat16" and not self.fsdp_bf16  # where FSDP2 does not cast
         self.computed_tokens = 0  # tokens the forward passes computed (packed rows x length, padding included)
         self.cores = None  # sync.CoreShare: threads lent by an idle explorer (set by TrainLoop)
         self.progress: Callable[[str], None] = lambda text: None  # rank 0's step bar shows where the step is
@@ -135,8 +155,9 @@ class Trainer:
         self.needs_ref = bool(cfg.kl_loss_coef or cfg.kl_reward_coef or getattr(self.loss_fn, "needs_ref", False))
         self.ref = resolve(REFERENCE, {}, "reference")(self, model_path) if self.needs_ref else None
         self.teacher = resolve(TEACHER, {}, "teacher")(self, models.resolve_model(cfg.teacher)) if cfg.teacher else None
+        fused = not self.sharded or self.cuda and CUDA_LEVERS["fused_adamw"] or None
         self.opt = torch.optim.AdamW([p for _, p in self.published()], lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                     betas=(0.9, 0.99), fused=not self.sharded or None)  # fused: no temporaries
+                                     betas=(0.9, 0.99), fused=fused)
         self.lr_factor, self.version = lr_schedule(cfg, self.opt), 0
         self.matmul = matmul_params(model_path)  # (body, head) parameters per token: model FLOPs for perf/trainer_mfu
         self.peak = unit_peak(device.type, cfg.dtype)  # FLOP/s of one core (CPU) or device (CUDA)
@@ -152,14 +173,19 @@ class Trainer:
         """`model` with FSDP2 on each decoder block and the root (if `sharded`); activation checkpointing."""
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.fsdp_bf16 else \
             MixedPrecisionPolicy()
-        blocks = set(model._no_split_modules or [])
-        if self.cfg.activation_checkpointing:
+        blocks, c, ckpt = set(model._no_split_modules or []), model.config, self.cfg.activation_checkpointing
+        if ckpt and self.cuda and CUDA_LEVERS["checkpoint_if_needed"] and "activation_checkpointing" not in getattr(
+                self.cfg, "given", ()):  # a micro-batch's activations (~80 B per token, layer, hidden unit) > half free
+            ckpt = 80 * self.cfg.token_budget * c.num_hidden_layers * c.hidden_size > torch.cuda.mem_get_info(self.device)[0] / 2
+        if ckpt:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for m in model.modules():
             if type(m).__name__ in blocks:
                 # transformers recomputes a block in training mode only; its submodules stay in eval mode (no dropout)
-                m.training = self.cfg.activation_checkpointing
+                m.training = ckpt
                 m.register_forward_pre_hook(self._lent_cores)  # also runs in each recompute of the backward pass
+                if self.cfg.compile_layers and self.cuda:
+                    m.forward = compiled(m.forward)
                 if self.sharded:
                     fully_shard(m, mesh=self.mesh, mp_policy=policy)
         model.nanorft_logprobs = MethodType(packed_logprobs, model)
@@ -191,7 +217,9 @@ class Trainer:
     def logprobs(self, model, mb: list[Experience], padding: bool, entropy: bool = False):
         """(`pack` of `mb` on the device, mask 0 if `padding`; log-probs [B, R]; entropy [B, R] or None)."""
         self._lent_cores()
-        b = {k: v.to(self.device) for k, v in pack(mb, self.pad, self.cfg.token_budget, LENGTH_MULTIPLE).items()}
+        causal = self.cuda and CUDA_LEVERS["causal_rows"]
+        b = {k: v if v is None else v.to(self.device)
+             for k, v in pack(mb, self.pad, self.cfg.token_budget, LENGTH_MULTIPLE, causal).items()}
         b["mask"] = b["mask"] * (not padding)
         self.computed_tokens += b["input_ids"].numel()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
