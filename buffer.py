@@ -1,6 +1,5 @@
 """Experience (the explorer/trainer contract) and the buffer between them, SQLite or PostgreSQL (extras/postgres.py).
 The trainer takes complete groups in FIFO order, each once; `release_after` serves again what a crashed one took."""
-from __future__ import annotations
 
 import fcntl
 import json
@@ -151,8 +150,7 @@ class Buffer:
                  array("b", e.action_mask).tobytes(), e.reward, json.dumps(e.info), e.explorer, now)
                 for g in groups for e in g]
         with self.db.transaction():
-            self.db.executemany(
-                f"INSERT INTO experiences ({COLUMNS}, created) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
+            self.db.executemany(f"INSERT INTO experiences ({COLUMNS}, created) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
             if state is not None:
                 self.db.execute("INSERT INTO explorer_state VALUES (?, ?) ON CONFLICT (name) DO UPDATE "
                                 "SET state = excluded.state", (explorer, json.dumps(state)))
@@ -227,9 +225,8 @@ class Buffer:
         """Rows of COLUMNS (ordered by id) as groups, in the order of `ids`."""
         by_group: dict[str, list[Experience]] = {g: [] for g in ids}
         for g, task, ver, plen, tok, lp, mask, reward, info, explorer in rows:
-            by_group[g].append(Experience(
-                list(array("i", tok)), plen, list(array("f", lp)), list(array("b", mask)),
-                reward, g, task, ver, json.loads(info), explorer))
+            by_group[g].append(Experience(list(array("i", tok)), plen, list(array("f", lp)), list(array("b", mask)),
+                                                      reward, g, task, ver, json.loads(info), explorer))
         return list(by_group.values())
 
     def counts(self) -> dict[str, int]:

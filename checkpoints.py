@@ -1,6 +1,5 @@
 """Resume states, RUN_DIR/checkpoints/resume-{step:06d} (`save_resume_state`, `load_resume_state`).
 A file of its own: trainer ranks, run.py and the explorer of a resumed run all read these directories."""
-from __future__ import annotations
 
 import os
 import shutil

@@ -1,8 +1,5 @@
 """Inference engines the explorer samples rollouts with: `Engine`, `HFEngine` (transformers), `ENGINES` (--engine;
-vLLM: extras/vllm_engine.py) and `make_engine`.
-A file of its own (the design card puts engines in explorer.py): the explorer, mode bench and the vLLM
-engine in extras/ share the Engine contract."""
-from __future__ import annotations
+vLLM: extras/vllm_engine.py) and `make_engine`. A file of its own: the explorer, mode bench and extras share it."""
 
 import asyncio
 import functools

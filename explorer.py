@@ -1,6 +1,5 @@
 """Explorer: `rollout_batch` runs one workflow per task concurrently into the buffer, `evaluate` scores held-out
 tasks; `run_mode_both` is mode both's explorer process, `explore` its loop, paced by a `Schedule`."""
-from __future__ import annotations
 
 import asyncio
 import base64

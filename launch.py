@@ -1,6 +1,5 @@
 """Process plumbing: device placement (`place`), allocator, gloo's interface, threads, how a run ends (`guarded`).
 A file of its own: every mode needs this plumbing, and none of it is RL."""
-from __future__ import annotations
 
 import ctypes.util
 import importlib.metadata

@@ -1,7 +1,6 @@
 """The train loop of every trainer rank (`run_trainer`, `TrainLoop`); mode both's explorer (`start_explorer`).
 A file of its own: it wires the trainer to the explorer process, the buffer and the weight sync, and belongs
 to neither side."""
-from __future__ import annotations
 
 import dataclasses
 import json

@@ -5,7 +5,6 @@ also of plug-ins given by import path `module.function` (docs/algorithms.md):
   POLICY_LOSSES[name](LossInputs, **kw) -> {"loss": [B, T], metrics: [B, T]}, with `register`'s attributes
   FILTERS[name](tokens, behaviour_logprobs, advantage, **kw) -> bool keep  (+ action_mask if taken)
 """
-from __future__ import annotations
 
 import importlib
 import inspect

@@ -1,6 +1,5 @@
 """A run's numbers: RUN_DIR/metrics.jsonl (`Metrics`), trackers (TRACKERS), plot.png (`plot`), `sampled_eval`.
 A file of its own: the loop, the explorer and run.py all write here."""
-from __future__ import annotations
 
 import dataclasses
 import importlib.util

@@ -1,6 +1,5 @@
 """Models: which model (`resolve_model`), in which precision (`choose_dtype`), pad token, cache (`cache_dir`).
 A file of its own: run.py, the trainer, the engines and the benchmarks all resolve models here."""
-from __future__ import annotations
 
 import contextlib
 import importlib.util

@@ -5,7 +5,6 @@ every input before any process starts.
     torchrun --nproc_per_node 2 run.py --mode both    # two FSDP trainer ranks
     python run.py --help                              # every setting (config.py), with its help
 """
-from __future__ import annotations
 
 import dataclasses
 import json

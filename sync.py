@@ -1,6 +1,5 @@
 """Weight sync: the schedule (`required_version`, `publishes_after`), the group (`WeightSync`) and `Receiver`.
 A file of its own: both ends of the weight sync, the trainer's and the explorer's, live here."""
-from __future__ import annotations
 
 import socket
 import threading

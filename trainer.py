@@ -1,5 +1,4 @@
 """Trainer: one RL step on an FSDP2 model (`Trainer.step`: shape_rewards, advantages, filters, loss, optimizer_step)."""
-from __future__ import annotations
 
 import inspect
 import json
@@ -27,8 +26,7 @@ GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opmd", "grpo_stepwise")  # basel
 REFERENCE = "extras.reference.Reference"  # the frozen reference policy of the KL terms and DPO
 PART_TOTALS = "extras.policy_losses.part_totals"  # the aggregation totals of a split_expert loss (MIX)
 TEACHER = "extras.distill.Teacher"  # --teacher: on-policy distillation's per-token term of the advantage
-# packed rows padded to a multiple of this many tokens: the same few tensor shapes step after step, so the CPU
-# allocator reuses its blocks instead of fragmenting (without it the trainer's RSS grows every step; docs/benchmarks.md)
+# packed rows padded to a multiple of this many tokens: few shapes, so the CPU allocator does not fragment (RSS)
 LENGTH_MULTIPLE = 32
 # CUDA levers (benchmarks/bench_trainer.py times each on and off); a CPU runs none of them
 CUDA_LEVERS = {"causal_rows": True,  # rows of one sequence: is_causal attention (flash kernels), not pack's mask
@@ -57,8 +55,7 @@ class StepBatch:
                    torch.tensor([episodes.setdefault(e.info.get("episode_id", ("seq", i)), len(episodes))
                                  for i, e in enumerate(exps)]),
                    torch.tensor([bool(e.info.get("offline")) for e in exps]),
-                   torch.tensor([float(sum(e.action_mask)) for e in exps]),
-                   {id(e): i for i, e in enumerate(exps)})
+                   torch.tensor([float(sum(e.action_mask)) for e in exps]), {id(e): i for i, e in enumerate(exps)})
 
 
 def check_config(cfg) -> None:

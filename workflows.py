@@ -1,6 +1,5 @@
 """Tasks (`load_tasks`), their order (`Shuffle`), rewards and workflows: a `Workflow` turns a task into a group of
 rollouts (`MathWorkflow`: n samples of one prompt); new ones are named by `--workflow module.Class`."""
-from __future__ import annotations
 
 import asyncio
 import itertools

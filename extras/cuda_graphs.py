@@ -1,15 +1,7 @@
-"""The HF engine's decode step replayed as a CUDA graph (`--cuda-graphs`, on by default on a GPU).
-
-A decode step of a small model is bound by kernel launches: tens per layer, each microseconds of work.
-A captured graph launches them all at once. It needs fixed shapes and addresses, so the KV cache is
-static: buffers [Bb, KV, L, D] per layer for a batch bucket Bb (a power of two) and a capacity L (a
-multiple of 128 tokens), written at one column per step, with a boolean attention mask [Bb, 1, 1, L]
-instead of a growing cache. Every weight sync and checkpoint load copies into the parameters in place,
-so a graph stays valid across syncs. Source: the CUDA Graphs notes of PyTorch (torch.cuda.graph, warm-up on
-a side stream); transformers' StaticCache serves torch.compile's graphs the same way.
-"""
-from __future__ import annotations
-
+"""The HF engine's decode step as a CUDA graph (`--cuda-graphs`): one launch instead of tens per layer. Graphs need
+fixed shapes and addresses, so the KV cache is static ([Bb, KV, L, D] per layer for a batch bucket Bb and a capacity
+L) with a boolean mask [Bb, 1, 1, L]; syncs copy weights in place, so graphs stay valid. After PyTorch's CUDA Graphs
+notes (torch.cuda.graph, warm-up on a side stream) and transformers' StaticCache."""
 import sys
 from collections import OrderedDict
 
@@ -41,12 +33,10 @@ class Step:
 
     def __init__(self, model, like: list, rows: int, capacity: int, capture: bool):
         k = like[0].keys
+        kv = lambda: k.new_zeros(rows, k.shape[1], capacity, k.shape[3])  # noqa: E731  [Bb, KV, L, D]
         self.index = torch.zeros(1, dtype=torch.long, device=k.device)
-        self.cache = Cache(layers=[ColumnLayer(k.new_zeros(rows, k.shape[1], capacity, k.shape[3]),
-                                               k.new_zeros(rows, k.shape[1], capacity, k.shape[3]), self.index)
-                                   for _ in like])
-        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=k.device)             # [Bb, 1]
-        self.pos = torch.zeros(rows, 1, dtype=torch.long, device=k.device)             # [Bb, 1]
+        self.cache = Cache(layers=[ColumnLayer(kv(), kv(), self.index) for _ in like])
+        self.ids, self.pos = (torch.zeros(rows, 1, dtype=torch.long, device=k.device) for _ in range(2))  # [Bb, 1]
         self.mask = torch.zeros(rows, 1, 1, capacity, dtype=torch.bool, device=k.device)  # [Bb, 1, 1, L]
         self.mask[:, 0, 0, 0] = True  # no row attends to nothing (softmax of no column is NaN)
         self.model, self.graph = model, None
@@ -101,8 +91,8 @@ class Replay:
 
 
 class Graphs:
-    """Captured decode steps by (batch bucket, capacity, cache dtype), at most `keep` of them (the least recently
-    used go first); called as engines.Decoding is. `capture=False` runs the same static steps eagerly."""
+    """engines.Decoding for each batch: the last `keep` steps used, by (batch bucket, capacity, dtype); eager if not
+    `capture`."""
 
     def __init__(self, max_batch: int, capture: bool = True, keep: int = 8):
         self.max_batch, self.capture, self.keep = max_batch, capture, keep

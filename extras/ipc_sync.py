@@ -1,9 +1,6 @@
-"""Weight sync by handle (--sync-method ipc; sync.IPC_SYNC): trainer rank 0 and the explorer on one device.
-Rank 0 puts a handle of each bucket of the weights into the weight-sync store (a CUDA IPC handle on a GPU, the name
-of a shared-memory file on the CPU); each explorer copies the bucket into its weights in place and acknowledges it
-there, and rank 0 keeps the bucket until every explorer has. After vLLM's `ColocateWorkerExtension`
-(examples/offline_inference/rlhf_colocate.py @ 04ba446, rlhf_utils.py @ 081b8e3), with the store in place of ZMQ."""
-from __future__ import annotations
+"""Weight sync by handle (--sync-method ipc): rank 0 puts a handle of each weight bucket (CUDA IPC; shared memory on
+the CPU) into the weight-sync store and keeps the bucket until the explorer has copied it in place and acknowledged.
+After vLLM's `ColocateWorkerExtension` (rlhf_colocate.py @ 04ba446, rlhf_utils.py @ 081b8e3), the store for ZMQ."""
 
 import pickle
 import time
@@ -113,10 +110,7 @@ class IpcSync(sync.WeightSync):
 
 def flatten(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """A new tensor [sum of numels] of `dtype` on the tensors' device holding them in order."""
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
-    for part, t in zip(flat.split([t.numel() for t in tensors]), tensors):
-        part.copy_(t.detach().reshape(-1))
-    return flat
+    return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
 
 
 def copy_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:

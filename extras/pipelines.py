@@ -115,8 +115,7 @@ def replay(buffer: Buffer, step: int, groups: int = 1, decay: float = 2.0, use_c
     eligible). Reference: Trinity-RFT trinity/buffer/storage/queue.py @ 5a4234ec."""
     db = buffer.db
     with db.transaction(readers=True):
-        eligible = db.execute(
-            "SELECT group_id, MIN(model_version) - ? * MAX(use_count) AS priority FROM experiences "
+        eligible = db.execute("SELECT group_id, MIN(model_version) - ? * MAX(use_count) AS priority FROM experiences "
             "WHERE consumed BETWEEN 1 AND ? GROUP BY group_id HAVING MAX(use_count) < ? "
             "ORDER BY priority DESC, MIN(id) DESC", (decay, step, use_count_limit)).fetchall()
         ids, priority = [g for g, _ in eligible[:groups]], dict(eligible[:groups])
