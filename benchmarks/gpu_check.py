@@ -41,16 +41,20 @@ processes together):
                   the trainer's and the explorer's checksums equal
                   after every sync; s/step (strict on-policy: explore, train and sync one after
                   the other), its split, tokens/s, the trainer's peak GPU memory
-    lora-135m     the same with --lora-rank 16 (SKIP without peft): adapters under FSDP2's mixed
-                  precision, the explorer's checksum of what each sync carried equal to the trainer's
+    lora-135m     the same with --lora-rank 16 (SKIP without peft): adapters under bf16 autocast,
+                  the explorer's checksum of what each sync carried equal to the trainer's
     bench         nanorft's explorer (HF engine, bf16 weights as when colocated; decode steps
                   as CUDA graphs and eager, on the same batches) vs raw `model.generate`, and on
-                  the 0.5b model 64 replies of 512 tokens with graphs and eager, nanorft's train step (FSDP2, bf16 mixed precision, activations
-                  recomputed) vs a raw forward + backward + AdamW loop (bf16 autocast, every
+                  the 0.5b model 64 replies of 512 tokens with graphs and eager; nanorft's train
+                  step (one GPU: float32 weights under bf16 autocast, the trainer's CUDA levers)
+                  vs a raw forward + backward + AdamW loop (bf16 autocast, every
                   sequence padded in full, nothing recomputed) on the same sequences, for each
                   model in one process: a warm-up round, then interleaved rounds timed between
                   CUDA synchronisations, medians; peak GPU memory of each part; a raw
                   device -> host -> device copy of the model's float32 bytes
+    trainer       benchmarks/bench_trainer.py: nanorft's train step on the Qwen3-0.6B shape at 2k
+                  and 8k tokens, full and LoRA r16, against a raw loop; the compile_layers lever
+                  flipped (tokens/s, MFU, peak memory)
     sync-135m     benchmarks/bench_sync.py --device colocated: nanorft's publish vs a raw broadcast
     sync-0.5b     of the same bytes over the same gloo group, through host memory, and the same
                   buckets by CUDA IPC (--sync-method ipc) (it writes its usual
@@ -59,6 +63,9 @@ processes together):
     multi-2ranks  two FSDP trainer ranks and the explorer (colocated with 2 GPUs, a GPU of its own
                   with 3+), as launch.place lays them out: checksums equal after every sync
     sync-nccl     with 2+ GPUs only: bench_sync.py --device cuda (NCCL between two GPUs)
+
+They run in the order cuda, tests, bench, sync-*, trainer, both-135m, lora-135m, both-0.5b
+(then the 2+ GPU stages), the newest measurements first.
 
 It prints every stage with PASS / FAIL / SKIP, its time and its figures, and writes
 DIR/gpu_check.json (GPU, versions, every figure) and DIR/gpu_check.log (every stage's whole
@@ -406,6 +413,22 @@ def check_bench(work: Path) -> Callable[[str], tuple[str, dict]]:
     return check
 
 
+def check_trainer(path: Path) -> Callable[[str], tuple[str, dict]]:
+    """bench_trainer.py on the Qwen3-0.6B shape: nanorft's step and the raw loop at each length, full and LoRA."""
+    def check(out: str) -> tuple[str, dict]:
+        res = json.loads(path.read_text())
+        rows = {(r["arm"], r["lora_rank"], r["length"], r["lever"]): r for r in res["rows"]}
+        cells = [(rank, n) for rank in (0, 16) for n in (2048, 8192)
+                 if ("nanorft", rank, n, "default") in rows and ("raw", rank, n, "default") in rows]
+        if not cells:
+            raise Failed(f"no length timed in both arms (skipped: {res['skipped']})")
+        return "; ".join(f"{'full' if rank == 0 else f'LoRA r{rank}'} {n}: "
+                         f"{rows[('nanorft', rank, n, 'default')]['tokens_per_s']:.0f} tok/s (MFU "
+                         f"{rows[('nanorft', rank, n, 'default')]['mfu']:.2f}) = "
+                         f"{res['nanorft_vs_raw'][f'r{rank}_{n}']:.2f}x raw" for rank, n in cells), res
+    return check
+
+
 def check_sync(device: str) -> Callable[[str], tuple[str, dict]]:
     def check(out: str) -> tuple[str, dict]:
         r = json.loads((ROOT / "benchmarks" / "results" / f"sync_{device}.json").read_text())
@@ -450,6 +473,9 @@ def plan(work: Path, gpus: list[str]) -> list[Stage]:
         stages.append(Stage(f"sync-{m}", [sys.executable, "benchmarks/bench_sync.py", "--device", "colocated",
                                           "--model", str(work / "models" / m), "--rounds", "3"], one, 90,
                             check_sync("colocated")))
+    stages.append(Stage("trainer", [sys.executable, "benchmarks/bench_trainer.py", "--device", "cuda", "--levers",
+                                    "compile_layers", "--rounds", "2", "--budget-s", "90", "--json",
+                                    str(work / "trainer.json")], one, 150, check_trainer(work / "trainer.json")))
     for name, flags in jobs(work).items():  # both-135m, lora-135m, both-0.5b
         stages.append(Stage(name, torchrun(1, flags), one, 150,
                             check_both(work / "runs" / name, placement(1, 1))))
