@@ -22,8 +22,8 @@ class ColumnLayer(DynamicLayer):
         self.dtype, self.device = keys.dtype, keys.device
 
     def update(self, key_states, value_states, *args, **kwargs):
-        self.keys.index_copy_(2, self.index, key_states)
-        self.values.index_copy_(2, self.index, value_states)
+        self.keys.index_copy_(2, self.index, key_states.to(self.keys.dtype))
+        self.values.index_copy_(2, self.index, value_states.to(self.values.dtype))
         return self.keys, self.values
 
 
@@ -32,10 +32,10 @@ class Step:
     `rows` sequences and `capacity` tokens; captured as a CUDA graph when `capture`, else run eagerly."""
 
     def __init__(self, model, like: list, rows: int, capacity: int, capture: bool):
-        k = like[0].keys
-        kv = lambda: k.new_zeros(rows, k.shape[1], capacity, k.shape[3])  # noqa: E731  [Bb, KV, L, D]
+        k, v = like[0].keys, like[0].values  # the growing cache's dtypes (under autocast: float32, as it promotes)
+        kv = lambda t: t.new_zeros(rows, t.shape[1], capacity, t.shape[3])  # noqa: E731  [Bb, KV, L, D]
         self.index = torch.zeros(1, dtype=torch.long, device=k.device)
-        self.cache = Cache(layers=[ColumnLayer(kv(), kv(), self.index) for _ in like])
+        self.cache = Cache(layers=[ColumnLayer(kv(k), kv(v), self.index) for _ in like])
         self.ids, self.pos = (torch.zeros(rows, 1, dtype=torch.long, device=k.device) for _ in range(2))  # [Bb, 1]
         self.mask = torch.zeros(rows, 1, 1, capacity, dtype=torch.bool, device=k.device)  # [Bb, 1, 1, L]
         self.mask[:, 0, 0, 0] = True  # no row attends to nothing (softmax of no column is NaN)
@@ -105,7 +105,7 @@ class Graphs:
         B, P = attn.shape
         rows = max(B, min(self.max_batch, 1 << (B - 1).bit_length()))
         capacity = -(-(P + max_tokens) // CAPACITY_STEP) * CAPACITY_STEP
-        key = (id(model), rows, capacity, cache.layers[0].keys.dtype)
+        key = (id(model), rows, capacity, cache.layers[0].keys.dtype, cache.layers[0].values.dtype)
         if key not in self.steps:
             while len(self.steps) >= self.keep:
                 self.steps.popitem(last=False)
