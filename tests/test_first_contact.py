@@ -191,3 +191,12 @@ def test_the_default_task_without_reasoning_gym_is_one_error_line(tiny_model, tm
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("run.py: error: task 'basic_arithmetic'"), err
     assert "pip install reasoning-gym" in err and "guess_number" in err and ".jsonl" in err
+
+
+@pytest.mark.parametrize("dtype,weights", [("bfloat16", torch.bfloat16), ("float32", torch.float32)])
+def test_the_hf_engine_holds_its_weights_in_the_runs_precision(tiny_model, dtype, weights):
+    # bf16 weights, not float32 ones cast at every decode step: faster decoding and half the explorer's weights
+    from engines import HFEngine
+    cfg = run.parse_config(["--model", tiny_model, "--dtype", dtype])
+    engine = HFEngine.from_config(cfg, tiny_model, 0, "cpu", colocated=False)
+    assert {p.dtype for p in engine.parameters()} == {weights}
