@@ -188,10 +188,13 @@ class Bench:
             torch.cuda.empty_cache()
 
 
+DEFAULT_LEVERS = dict(trainer_mod.CUDA_LEVERS)
+
+
 def flip(lever: str, on: bool) -> dict:
     """Set lever `lever` to its non-default value (`on`) or back; the Config overrides it needs."""
     if lever in trainer_mod.CUDA_LEVERS:
-        trainer_mod.CUDA_LEVERS[lever] = not on
+        trainer_mod.CUDA_LEVERS[lever] = DEFAULT_LEVERS[lever] != on
     elif lever == "head_chunk":
         packing.HEAD_CHUNK_ELEMS["cuda"] = 2 ** 22 if on else 2 ** 28
     elif on:

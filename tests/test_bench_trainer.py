@@ -65,3 +65,15 @@ def test_head_chunks_of_any_size_give_the_same_logprobs(chunk):
     lp, _ = chunked_logprobs(hidden, weight, targets, 1.0, chunk_elems=chunk)
     assert torch.allclose(lp, torch.log_softmax(hidden @ weight.T, -1).gather(-1, targets[:, None]).squeeze(-1),
                           atol=1e-5)
+
+
+@pytest.mark.parametrize("lever", ["causal_rows", "fused_adamw", "one_gpu_fsdp", "checkpoint_if_needed"])
+def test_a_lever_is_flipped_from_its_default_and_back(lever):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_trainer
+    import trainer
+    default = trainer.CUDA_LEVERS[lever]
+    bench_trainer.flip(lever, True)
+    assert trainer.CUDA_LEVERS[lever] == (not default)
+    bench_trainer.flip(lever, False)
+    assert trainer.CUDA_LEVERS[lever] == default
