@@ -152,7 +152,7 @@ class Trainer:
         self.needs_ref = bool(cfg.kl_loss_coef or cfg.kl_reward_coef or getattr(self.loss_fn, "needs_ref", False))
         self.ref = resolve(REFERENCE, {}, "reference")(self, model_path) if self.needs_ref else None
         self.teacher = resolve(TEACHER, {}, "teacher")(self, models.resolve_model(cfg.teacher)) if cfg.teacher else None
-        fused = not self.sharded or self.cuda and CUDA_LEVERS["fused_adamw"] or None
+        fused = (CUDA_LEVERS["fused_adamw"] if self.cuda else not self.sharded) or None  # CPU: no temporaries
         self.opt = torch.optim.AdamW([p for _, p in self.published()], lr=cfg.lr, weight_decay=cfg.weight_decay,
                                      betas=(0.9, 0.99), fused=fused)
         self.lr_factor, self.version = lr_schedule(cfg, self.opt), 0

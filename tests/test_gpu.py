@@ -226,3 +226,19 @@ def test_an_engine_holding_bf16_weights_receives_the_trainers_float32(tiny_model
     assert version == 3 and digest == pytest.approx(sent_digest, rel=1e-12)
     assert sent_digest == pytest.approx(sync.checksum(s.to(torch.bfloat16) for s in sent), rel=1e-12)
     assert all(torch.equal(torch.tensor(g), s.to(torch.bfloat16).float()) for g, s in zip(got, sent))
+
+
+@needs_cuda
+@pytest.mark.parametrize("lever", [True, False])
+def test_the_fused_adamw_lever_decides_on_one_gpu(tiny_model, monkeypatch, lever):
+    # the lever once had no effect on one unsharded GPU: fused AdamW whatever it said
+    import torch.distributed as dist
+
+    import trainer
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    monkeypatch.setitem(trainer.CUDA_LEVERS, "fused_adamw", lever)
+    cfg = run.parse_config(["--config", "configs/tiny.toml", "--no-compile-layers"])
+    t = trainer.Trainer(cfg, tiny_model, torch.device("cuda", 0))
+    assert bool(t.opt.defaults["fused"]) == lever
