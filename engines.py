@@ -238,9 +238,9 @@ class HFEngine(Engine):
     @classmethod
     def from_config(cls, cfg, model_path: str, seed: int, device: str, colocated: bool) -> "HFEngine":
         """bf16 weights for --dtype bfloat16: no float32 copy cast at every step (on a CPU 20% faster decoding)."""
-        half = cfg.dtype == "bfloat16"
-        return cls(model_path, max_batch=cfg.explorer_max_batch, seed=seed, bf16=cfg.dtype == "bfloat16",
-                   device=device, dtype=torch.bfloat16 if half else torch.float32,
+        bf16 = cfg.dtype == "bfloat16"
+        return cls(model_path, max_batch=cfg.explorer_max_batch, seed=seed, bf16=bf16,
+                   device=device, dtype=torch.bfloat16 if bf16 else torch.float32,
                    lora=models.lora("lora_config")(cfg) if cfg.lora_rank else None, cuda_graphs=cfg.cuda_graphs)
 
     def rng_state(self):

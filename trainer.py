@@ -171,8 +171,8 @@ class Trainer:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.fsdp_bf16 else \
             MixedPrecisionPolicy()
         blocks, c, ckpt = set(model._no_split_modules or []), model.config, self.cfg.activation_checkpointing
-        if ckpt and self.cuda and CUDA_LEVERS["checkpoint_if_needed"] and "activation_checkpointing" not in getattr(
-                self.cfg, "given", ()):  # a micro-batch's activations (~80 B per token, layer, hidden unit) > half free
+        if ckpt and self.cuda and CUDA_LEVERS["checkpoint_if_needed"] and "activation_checkpointing" not in self.cfg.given:
+            # unless asked for: only where a micro-batch's activations (~80 B per token, layer, hidden unit) > half free
             ckpt = 80 * self.cfg.token_budget * c.num_hidden_layers * c.hidden_size > torch.cuda.mem_get_info(self.device)[0] / 2
         if ckpt:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
