@@ -100,13 +100,11 @@ class Graphs:
         self.failed = ""  # why a capture failed: from then on every batch decodes eagerly
 
     def __call__(self, model, cache, attn: torch.Tensor, pos: torch.Tensor, max_tokens: int):
-        if self.failed:
-            return Decoding(model, cache, attn, pos, max_tokens)
         B, P = attn.shape
         rows = max(B, min(self.max_batch, 1 << (B - 1).bit_length()))
         capacity = -(-(P + max_tokens) // CAPACITY_STEP) * CAPACITY_STEP
         key = (id(model), rows, capacity, cache.layers[0].keys.dtype, cache.layers[0].values.dtype)
-        if key not in self.steps:
+        if key not in self.steps and not self.failed:
             while len(self.steps) >= self.keep:
                 self.steps.popitem(last=False)
             try:
@@ -115,6 +113,7 @@ class Graphs:
                 self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 print(f"nanorft: CUDA graphs off, decoding eagerly: the capture failed ({self.failed})",
                       file=sys.stderr, flush=True)
-                return Decoding(model, cache, attn, pos, max_tokens)
+        if self.failed:
+            return Decoding(model, cache, attn, pos, max_tokens)
         self.steps.move_to_end(key)
         return Replay(self.steps[key], cache, attn, pos)
