@@ -59,8 +59,8 @@ class Config:
     """keyword arguments of the task's dataset (JSON); a task other than basic_arithmetic gets {}"""
     train_size: int = 2000
     """number of generated training tasks"""
-    eval_size: int = 200
-    """number of held-out tasks (another seed; 0 disables evaluation)"""
+    eval_size: int = 100
+    """number of held-out tasks (another seed; 0 disables evaluation): 100 gives avg@4 a standard error near 0.04"""
     system_prompt: str = "Give only the final answer, as a number."
     """system message before each question ('' for none)"""
     reward_fn: str = "reasoning_gym"
@@ -88,7 +88,7 @@ class Config:
     """temperature for held-out evaluation (0 = greedy)"""
     eval_k: int = 4
     """samples per held-out task for avg@k (0 = greedy only); version 0 takes at least group_size, for pass@k"""
-    eval_interval: int = 10
+    eval_interval: int = 15
     """evaluate held-out accuracy every this many weight versions (and at the start and end)"""
     workflow_timeout_s: float = 600.0
     """seconds one workflow run (one task's group) may take before it is cancelled and retried"""

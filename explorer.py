@@ -122,9 +122,8 @@ class Explorer:
                 "sampler": base64.b64encode(sampler).decode() if sampler is not None else None}
 
     def restore(self, state: dict) -> None:
-        version, internal, gauss = state["rng"]
         self.selector.restore(state["selector"])
-        self.rng.setstate((version, tuple(internal), gauss))
+        self.rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))  # JSON made the tuple a list
         if state.get("sampler"):
             self.engine.set_rng_state(base64.b64decode(state["sampler"]))
 

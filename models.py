@@ -15,7 +15,6 @@ from losses import resolve
 
 def limit_heap_fragmentation() -> None:
     """glibc: allocations of 64 KiB and more get their own mmap (the growing default leaves the heap fragmented)."""
-    import ctypes
     import ctypes.util
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -100,8 +99,7 @@ def resolve_model(name: str) -> str:
     model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    # in the upstream checkpoint's dtype, bfloat16 (vLLM loads it as it is; the trainer upcasts)
-    model.to(torch.bfloat16).save_pretrained(tmp)
+    model.to(torch.bfloat16).save_pretrained(tmp)  # the upstream dtype: vLLM loads it as it is, the trainer upcasts
     tok.save_pretrained(tmp)
     tmp.replace(out)
     return str(out)

@@ -152,9 +152,10 @@ class HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, rows, entropy):
-        lps, logzs, ents = [], [], []
+        lps, logzs, ents, device = [], [], [], hidden.device.type
+        cast = weight.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else weight  # once
         for i in range(0, hidden.shape[0], rows):
-            z = HeadLogprobs.logits(hidden[i:i + rows], weight, bias, temperature)           # [c, V]
+            z = HeadLogprobs.logits(hidden[i:i + rows], cast, bias, temperature)             # [c, V]
             logz = torch.logsumexp(z, -1)                                             # [c]
             lps.append(z.gather(-1, targets[i:i + rows, None]).squeeze(-1) - logz)   # [c]
             logzs.append(logz)
@@ -162,7 +163,7 @@ class HeadLogprobs(torch.autograd.Function):
                 ents.append(logz - torch.softmax(z, -1).mul_(z).sum(-1))                 # [c] (token_entropy)
         lp, logz = torch.cat(lps), torch.cat(logzs)                                   # [T], [T]
         ent = torch.cat(ents) if entropy else lp.new_zeros(0)                         # [T] or [0]
-        ctx.temperature, ctx.rows, device = temperature, rows, hidden.device.type
+        ctx.temperature, ctx.rows = temperature, rows
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         ctx.set_materialize_grads(False)  # an output nobody differentiates brings None, not zeros
         ctx.save_for_backward(hidden, weight, bias, targets, logz, ent)

@@ -53,8 +53,7 @@ MODES = {"both": trainer_ranks, "train": trainer_ranks, "explore": "extras.explo
 
 
 def check_modes(cfg: Config) -> None:
-    """Resolve sync_method "auto" (mode both: in prepare); ValueError (one line) for conflicting flags;
-    FileNotFoundError: --resume, no run."""
+    """Resolve sync_method "auto" (mode both: in prepare); ValueError: conflicting flags; FileNotFoundError: no run."""
     if cfg.sync_method == "auto" and cfg.mode != "both":
         cfg.sync_method = "checkpoint"
     if cfg.mode in ("explore", "train") and cfg.sync_method == "broadcast" and not cfg.sync_port:

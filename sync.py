@@ -1,6 +1,7 @@
 """Weight sync: the schedule (`required_version`, `publishes_after`), the group (`WeightSync`) and `Receiver`.
 A file of its own: both ends of the weight sync, the trainer's and the explorer's, live here."""
 
+import contextlib
 import socket
 import threading
 import time
@@ -152,10 +153,8 @@ class WeightSync:
 
     def leave(self) -> None:
         """Rank >= 1: done with the store (extras.train_mode.wait_left)."""
-        try:
+        with contextlib.suppress(dist.DistError):
             self.store.add("left", 1)
-        except dist.DistError:
-            pass
 
     def _broadcast(self, t: torch.Tensor):
         opts = dist.BroadcastOptions()

@@ -219,7 +219,8 @@ class Trainer:
              for k, v in pack(mb, self.pad, self.cfg.token_budget, LENGTH_MULTIPLE, causal).items()}
         b["mask"] = b["mask"] * (not padding)
         self.computed_tokens += b["input_ids"].numel()
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+        # no cache of bf16 weights: each is cast once per pass anyway, and the blocks' recompute casts again (-0.08 GiB)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast, cache_enabled=False):
             lp, ent = response_logprobs(model, b, self.cfg.temperature, entropy,
                                         entropy_grad=bool(self.cfg.entropy_coef))  # [B, R]
         return b, lp, ent

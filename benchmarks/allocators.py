@@ -1,10 +1,12 @@
 """Which memory allocator for the CPU trainer? The default job cut to a few steps without
 evaluations, run under each allocator in turn (interleaved rounds: this machine is shared
 and noisy): the C library's malloc, tcmalloc (Debian's libtcmalloc-minimal4, where
-installed) and mimalloc (the `cmeel-mimalloc` wheel of requirements.txt).
+installed) and mimalloc (the `cmeel-mimalloc` wheel of requirements.txt), with run.py's settings
+(`launch.ALLOCATOR_ENV`) and with mimalloc's own (transparent huge pages).
 
     python benchmarks/allocators.py                      # 6 steps, 2 rounds
     python benchmarks/allocators.py --steps 4 --rounds 1 --out benchmarks/results/allocators.json
+    python benchmarks/allocators.py --allocators mimalloc,mimalloc-thp --steps 12 --rounds 2
 
 Prints per allocator: the trainer's step (time/train_s, steps after the first), wall seconds
 per step, the minor page faults of the whole job (all its processes), the trainer's and the
@@ -27,12 +29,11 @@ sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 
 
-def one_run(lib: str | None, steps: int, flags: list[str]) -> dict:
+def one_run(lib: str | None, settings: dict, steps: int, flags: list[str]) -> dict:
     """Run the default job for `steps` steps with `lib` preloaded (None: the C library's
-    malloc); its metrics and the job's minor page faults."""
+    malloc) and environment `settings`; its metrics and the job's minor page faults."""
     with tempfile.TemporaryDirectory() as run_dir:
-        env = dict(os.environ)
-        env.pop("LD_PRELOAD", None)
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("MIMALLOC_")} | settings
         if lib:
             env["LD_PRELOAD"] = lib
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
@@ -55,20 +56,28 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="trainer steps per run (at least 3)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the allocators")
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
+    p.add_argument("--allocators", default="glibc,tcmalloc,mimalloc,mimalloc-thp",
+                   help="comma-separated: glibc, tcmalloc, mimalloc (with run.py's settings), mimalloc-thp "
+                        "(transparent huge pages allowed, mimalloc's own default)")
     args, flags = p.parse_known_args()
     if args.steps < 3:
         p.error("--steps must be at least 3 (the first step is not timed)")
-    allocators = {"glibc": None}
-    for name in ("tcmalloc", "mimalloc"):
-        lib = launch.allocator_library(name)
-        if lib:
-            allocators[name] = lib
-        else:
+    variants = {"glibc": (None, {}), "mimalloc-thp": ("mimalloc", {"MIMALLOC_ALLOW_THP": "1"}),
+                **{name: (name, launch.ALLOCATOR_ENV.get(name, {})) for name in launch.ALLOCATORS}}
+    allocators = {}
+    for name in args.allocators.split(","):
+        if name not in variants:
+            p.error(f"--allocators: unknown {name!r} (one of {', '.join(variants)})")
+        lib_name, settings = variants[name]
+        lib = lib_name and launch.allocator_library(lib_name)
+        if lib_name and not lib:
             print(f"{name}: not installed, skipped")
+        else:
+            allocators[name] = lib, settings
     runs: dict[str, list[dict]] = {name: [] for name in allocators}
     for r in range(args.rounds):
-        for name, lib in allocators.items():
-            runs[name].append(one_run(lib, args.steps, flags))
+        for name, (lib, settings) in allocators.items():
+            runs[name].append(one_run(lib, settings, args.steps, flags))
             print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.3g}" for k, v in runs[name][-1].items()), flush=True)
     mean = {name: {k: statistics.mean(x[k] for x in rs) for k in rs[0]} for name, rs in runs.items()}
     print(f"\n{platform.processor() or platform.machine()}, torch threads by run.py's default split, "
@@ -77,9 +86,10 @@ def main() -> None:
     for name, m in mean.items():
         print(f"{name:10s} {m['train_s']:8.2f} {m['s_per_step']:8.2f} {m['minor_faults_m']:10.2f} "
               f"{m['trainer_rss_gib']:12.2f} {m['explorer_rss_gib']:13.2f}")
+    base = next(iter(mean))
     for name, m in mean.items():
-        if name != "glibc":
-            print(f"{name} / glibc: " + ", ".join(f"{k} {m[k] / mean['glibc'][k]:.2f}x" for k in m))
+        if name != base:
+            print(f"{name} / {base}: " + ", ".join(f"{k} {m[k] / mean[base][k]:.2f}x" for k in m))
     if args.out:
         Path(args.out).write_text(json.dumps({"steps": args.steps, "rounds": args.rounds, "runs": runs, "mean": mean},
                                              indent=1))

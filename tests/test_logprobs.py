@@ -105,6 +105,42 @@ def test_chunked_logprobs_and_their_gradient_equal_the_unchunked_ones():
         assert torch.allclose(a, b, atol=1e-4) and b.abs().sum() > 0
 
 
+class WeightCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the casts of tensors of one shape to bf16."""
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.n = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == self.shape and out.dtype == torch.bfloat16:
+            self.n += 1
+        return out
+
+
+def test_the_lm_head_is_cast_once_per_pass_under_a_bf16_autocast_without_its_cache():
+    # the trainer's autocast keeps no cache of bf16 weights: the head cast its weight again for every chunk
+    from packing import chunked_logprobs
+
+    hidden, weight = torch.randn(37, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
+    casts = WeightCasts(weight.shape)
+    with casts, torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        lp, _ = chunked_logprobs(hidden, weight, torch.randint(0, 50, (37,)), 1.0, chunk_elems=50 * 4)  # 10 chunks
+    assert casts.n == 1 and lp.isfinite().all()
+
+
+def test_the_trainers_bf16_passes_keep_no_cache_of_cast_weights(tiny_model):
+    # with the blocks recomputed in the backward pass, bf16 copies cached by the forward are held for nothing
+    cfg = run.parse_config(["--config", "configs/tiny.toml", "--dtype", "bfloat16"])
+    tr = Trainer(cfg, tiny_model, torch.device("cpu"))
+    seen = []
+    block = [m for m in tr.model.modules() if type(m).__name__ in tr.model._no_split_modules][-1]
+    block.register_forward_pre_hook(lambda *_: seen.append(torch.is_autocast_cache_enabled()))
+    exps = [Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0) for i in range(4)]
+    tr.step([exps])
+    assert tr.autocast and seen and not any(seen)
+
+
 def test_shared_prompt_packing_gives_each_sequences_own_logprobs_and_gradient(tiny_model):
     # a group's rollouts share one row (the prompt once); log-probs and gradients equal those of each
     # sequence computed alone; a sequence with another prompt gets a row of its own

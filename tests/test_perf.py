@@ -2,6 +2,7 @@
 (engines.HFEngine); evaluations after their version's first batch (explorer.explore);
 the choice of the memory allocator (launch.allocator)."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -226,6 +227,21 @@ def test_the_first_installed_allocator_is_chosen_and_a_missing_one_refused(monke
 def test_the_mimalloc_wheel_of_requirements_is_found():
     lib = launch.allocator_library("mimalloc")
     assert lib is not None and Path(lib).is_file() and "libmimalloc" in lib, lib
+
+
+@pytest.mark.parametrize("given", [None, "1"])
+def test_mimalloc_runs_without_transparent_huge_pages_unless_the_user_says(given):
+    # mimalloc's huge pages, faulted in 2 MiB at a time, raised the trainer's peak RSS (benchmarks/allocators.py)
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("MIMALLOC_")}
+    env |= {"MIMALLOC_ALLOW_THP": given} if given else {}
+    code = ("import os, launch; launch.preload_allocator(['--allocator', 'mimalloc']); "
+            "print(os.environ.get('LD_PRELOAD', ''), os.environ.get('MIMALLOC_ALLOW_THP'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(launch.__file__).parent,
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert "libmimalloc" in out[0] and out[1] == (given or "0")
 
 
 def test_offline_training_takes_all_the_cores(monkeypatch):
