@@ -14,7 +14,8 @@ The job (run.Config's defaults): SmolLM2-135M-Instruct, reasoning-gym basic_arit
 its system prompt, 8 tasks x 8 rollouts per step, 24 response tokens, temperature 1, lr 3e-5,
 no KL term, PPO clip 0.2 / 0.28 with dual clip 3, token-mean loss, gradient clipping 1,
 activation checkpointing, the same precision (--dtype; auto = nanorft's choice for this
-device) and thread count. nanorft runs as its README's first command (`torchrun run.py --mode
+device), thread count and memory allocator (--allocator: run.py's choice, preloaded into TRL's
+process too). nanorft runs as its README's first command (`torchrun run.py --mode
 both --sync-interval 2`; the cores split between trainer and explorer) with no in-run
 evaluation; TRL runs GRPOTrainer in one process (generation with transformers, no vLLM)
 with the same settings mapped onto GRPOConfig, its reward nanorft's reward function.
@@ -52,6 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import launch  # noqa: E402
 import run  # noqa: E402
 import models  # noqa: E402
 
@@ -72,6 +74,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default=models.BUILTIN_MODEL, help="model of both, named as run.py's --model")
     p.add_argument("--save-interval", type=int, default=5, help="steps between the weight saves of both runs")
     p.add_argument("--eval-tasks", type=int, default=200, help="held-out tasks that score each model")
+    p.add_argument("--allocator", default="auto", choices=["auto", "tcmalloc", "mimalloc", "system"],
+                   help="memory allocator of both: run.py's --allocator, preloaded into TRL's process too")
     p.add_argument("--trl-python", default="", help="interpreter with trl installed (default: this one)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_trl.json"), help="JSON results")
     p.add_argument("--trl-child", default="", help=argparse.SUPPRESS)  # internal: run TRL's side into this dir
@@ -142,12 +146,12 @@ class TreeMonitor:
                 pass
 
 
-def run_for(cmd: list[str], budget_s: float, log: Path) -> dict:
+def run_for(cmd: list[str], budget_s: float, log: Path, env: dict | None = None) -> dict:
     """Run `cmd` (output to `log`) until `budget_s` seconds after its launch, then end it with
     its descendants. Returns wall seconds, CPU utilisation of the tree (200 = two cores
     busy) and peak RSS (GiB: the largest process, the whole tree). RuntimeError (with the
-    log's last lines) when it exits with an error before the budget."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # everything is local
+    log's last lines) when it exits with an error before the budget. `env`: added to this environment."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}  # everything is local
     t0 = time.perf_counter()
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -195,7 +199,8 @@ def run_nanorft(args, dtype: str, model: str, run_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "run.py", "--mode", "both",
            "--sync-interval", "2", "--run-dir", str(run_dir), "--model", model, "--dtype", dtype,
            "--steps", str(ENDLESS), "--eval-size", "0", "--checkpoint-interval", str(args.save_interval),
-           "--explorer-threads", str(explorer), "--trainer-threads", str(max(1, args.threads - explorer))]
+           "--explorer-threads", str(explorer), "--trainer-threads", str(max(1, args.threads - explorer)),
+           "--allocator", args.allocator]
     m = run_for(cmd, args.budget_s, run_dir.with_suffix(".log"))
     ends = [r["time/elapsed_s"] for r in jsonl(run_dir / "metrics.jsonl") if "loss/grad_norm" in r]
     saved = resume_state(run_dir)
@@ -210,7 +215,9 @@ def run_trl(args, dtype: str, model: str, out_dir: Path, python: str) -> dict:
     checkpoint (OUT/checkpoint-N)."""
     cmd = [python, str(Path(__file__).resolve()), "--trl-child", str(out_dir), "--model", model, "--dtype", dtype,
            "--threads", str(args.threads), "--save-interval", str(args.save_interval)]
-    m = run_for(cmd, args.budget_s, out_dir.with_suffix(".log"))
+    name, lib = launch.allocator(args)  # the library run.py preloads for nanorft, and its settings
+    m = run_for(cmd, args.budget_s, out_dir.with_suffix(".log"),
+                {"LD_PRELOAD": lib, **launch.ALLOCATOR_ENV.get(name, {})} if lib else None)
     ends = [r["t"] for r in jsonl(out_dir / "steps.jsonl")]
     done = [d for d in out_dir.glob("checkpoint-*") if (d / "trainer_state.json").is_file()]  # written last
     saved = max(done, key=lambda d: int(d.name.removeprefix("checkpoint-")), default=None)
@@ -338,14 +345,17 @@ def main(argv: list[str] | None = None) -> int:
         if python is None:
             raise ValueError(f"--trl-python: no such interpreter: {args.trl_python}")
         trl = trl_version(python)
+        allocator = launch.allocator(args)[0]
         model = models.resolve_model(args.model)  # converted once, outside the budget
         dtype, why = choose_dtype(args.dtype, "cuda" if torch.cuda.is_available() else "cpu")
     except (ValueError, OSError) as e:
         print(f"vs_trl.py: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     facts = {**cpu_facts(), "threads": args.threads, "dtype": dtype, "precision": why, "torch": torch.__version__,
-             "transformers": transformers.__version__, "trl": trl, "budget_s": args.budget_s}
-    print(f"vs_trl: {args.budget_s:.0f} s each, {dtype} ({why}), {args.threads} threads, model {model}", flush=True)
+             "transformers": transformers.__version__, "trl": trl, "budget_s": args.budget_s,
+             "allocator": allocator}
+    print(f"vs_trl: {args.budget_s:.0f} s each, {dtype} ({why}), {args.threads} threads, allocator "
+          f"{facts['allocator']} for both, model {model}", flush=True)
     with tempfile.TemporaryDirectory(prefix="vs_trl_") as tmp:
         try:
             rows = [run_nanorft(args, dtype, model, Path(tmp) / "nanorft")]
