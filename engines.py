@@ -46,6 +46,7 @@ class Engine:
         self.status = lambda text: None  # a line saying what the engine is doing (mode both: the trainer's bar)
         self.label = ""  # what the current requests are for ("batch 3", "evaluation of version 10")
         self.matmul = (0, 0)  # (body, head) parameters per token (perf.matmul_params)
+        self.loaded_from = ""  # the model or adapter directory of the start weights (its files key eval_cache)
         self.model_flops = 0.0  # of every generate_batch so far (perf.generate_flops)
 
     async def generate(self, prompt_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
@@ -225,7 +226,7 @@ class HFEngine(Engine):
             self.model = get_peft_model(self.model, lora).eval()
             if adapter:
                 models.lora("load_adapter")(self.model, model_path)
-        self.max_batch, self.bf16 = max_batch, bf16
+        self.max_batch, self.bf16, self.loaded_from = max_batch, bf16, model_path
         gen_eos = self.model.generation_config.eos_token_id
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos = torch.tensor(sorted({e for e in gen_eos + [self.tokenizer.eos_token_id] if e is not None}),

@@ -24,7 +24,7 @@ from config import Config
 from engines import Engine, HFEngine, Sampling, make_engine, use_gpu, vllm_available
 from losses import resolve
 from metrics import cpu_seconds, episode_means, mean_stderr, peak_rss_gib, sampled_eval
-from models import cache_dir, read_cached, resolve_model, write_cached
+from models import cache_dir, read_cached, write_cached
 from perf import mfu, unit_peak
 from workflows import PIPELINES, Shuffle, Task, load_reward_fn, load_workflow, readable
 
@@ -274,9 +274,8 @@ EVAL_SETTINGS = ("system_prompt", "reward_fn", "reward_kwargs", "workflow", "dty
 
 
 def eval_cache(cfg, engine: Engine, held_out: list[Task], n: int) -> Path | None:
-    """NANORFT_CACHE/evals/KEY.json, KEY a digest of the model, tasks, engine and settings (None: no model dir)."""
-    model = Path(resolve_model(cfg.model))
-    if not model.is_dir():
+    """NANORFT_CACHE/evals/KEY.json, KEY a digest of engine.loaded_from's files, tasks, settings (None: none)."""
+    if not getattr(engine, "loaded_from", "") or not (model := Path(engine.loaded_from)).is_dir():
         return None
     key = hashlib.sha256()
     for f in sorted(p for p in model.rglob("*") if p.is_file()):

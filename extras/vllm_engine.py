@@ -26,7 +26,7 @@ class VLLMEngine(Engine):
             from vllm import LLM
         except ImportError as e:
             raise ImportError(f"--engine vllm needs vLLM (GPU: pip install vllm; CPU: see README): {e}") from None
-        adapter = models.is_adapter(model_path)
+        adapter, self.loaded_from = models.is_adapter(model_path), model_path
         self.model_path, self.inflight, self.lora = models.lora("adapter_base")(model_path) if adapter else model_path, inflight, lora
         self.lora_request, self.lora_root = None, tempfile.mkdtemp(prefix="nanorft-lora-") if lora else ""
         # vLLM takes a max_lora_rank of 1, 8, 16, 32, 64, 128, 256, 320 or 512

@@ -148,7 +148,7 @@ def test_the_teachers_evaluation_is_its_own_and_cached(tiny_model, teacher_model
     assert {k: v for k, v in again.items() if k not in ("teacher/cached", "teacher/seconds")} == \
         {k: v for k, v in first.items() if k != "teacher/seconds"}
     (entry,) = (tmp_path / "cache" / "evals").glob("*.json")  # under the teacher's files, not the student's
-    assert entry.name == eval_cache(dataclasses.replace(cfg, model=teacher_model), student, tasks[1], 4).name
+    assert entry.name == eval_cache(dataclasses.replace(cfg, model=teacher_model), HFEngine(teacher_model), tasks[1], 4).name
     assert entry.name != eval_cache(cfg, student, tasks[1], 4).name
 
 

@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -679,5 +680,28 @@ def test_the_evaluation_cache_key_tells_apart_a_file_in_another_folder(tiny_mode
         shutil.copytree(tiny_model, model)
         (model / folder).mkdir()
         (model / folder / "extra.txt").write_text("1")
-        keys.append(X.eval_cache(Config(model=str(model)), object(), [Task("t", "q", "1")], 4).name)
+        keys.append(X.eval_cache(Config(), SimpleNamespace(loaded_from=str(model)), [Task("t", "q", "1")], 4).name)
     assert keys[0] != keys[1]
+
+
+def test_a_cached_evaluation_is_of_the_weights_the_engine_loaded(tiny_model, tmp_path, monkeypatch):
+    # the key digested the files of --model: an engine started from other weights (a benchmark scoring a trained
+    # model, an evaluation of another directory) read the start model's version-0 record instead of its own
+    import shutil
+
+    import explorer as X
+    from config import Config
+    from engines import HFEngine
+    from workflows import Task
+
+    monkeypatch.setenv("NANORFT_CACHE", str(tmp_path / "cache"))
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model, other)
+    (other / "extra.txt").write_text("other weights")
+    cfg = Config(run_dir=str(tmp_path), model=tiny_model, group_size=2, eval_k=2, max_tokens=4,
+                 reward_fn="tests.rewards.length_parity", system_prompt="")
+    held_out = [Task(f"h{i}", f"question {i}", "1") for i in range(3)]
+    records = [X.Explorer(cfg, HFEngine(path, seed=3), [], held_out, None, print).evaluate(0)
+               for path in (tiny_model, str(other), str(other))]
+    assert "eval/cached" not in records[0] and "eval/cached" not in records[1] and records[2]["eval/cached"] == 1
+    assert X.eval_cache(cfg, object(), held_out, 2) is None  # an engine that names no directory: no cache
