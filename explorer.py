@@ -228,8 +228,8 @@ class Explorer:
         cfg, t0, since = self.cfg, time.perf_counter(), (self.engine.model_flops, cpu_seconds())
         n = max(cfg.eval_k, cfg.group_size) if version == 0 and cfg.eval_k else cfg.eval_k
         cache = eval_cache(cfg, self.engine, self.held_out, n) if version == 0 else None
-        if cache and (record := read_cached(cache)):
-            return {**record, "eval/cached": 1, "eval/seconds": time.perf_counter() - t0}
+        if cache and (saved := read_cached(cache)).get("key") == cache.stem:  # else another format: a miss
+            return {**saved["record"], "eval/cached": 1, "eval/seconds": time.perf_counter() - t0}
         sampler = self.engine.rng_state()
         self.engine.label = f"evaluation of version {version}"
         groups = self.rollout(self.held_out, self.eval_workflow, 1)
@@ -248,7 +248,7 @@ class Explorer:
         if sampler is not None:
             self.engine.set_rng_state(sampler)
         if cache and not record["eval/skipped"]:
-            write_cached(cache, record)
+            write_cached(cache, {"key": cache.stem, "record": record})
         return {**record, "eval/seconds": time.perf_counter() - t0,
                 **self.utilisation(since, time.perf_counter() - t0, "perf/eval")}
 
