@@ -275,7 +275,7 @@ EVAL_SETTINGS = ("system_prompt", "reward_fn", "reward_kwargs", "workflow", "dty
 
 def eval_cache(cfg, engine: Engine, held_out: list[Task], n: int) -> Path | None:
     """NANORFT_CACHE/evals/KEY.json, KEY a digest of engine.loaded_from's files, tasks, settings (None: none)."""
-    if not getattr(engine, "loaded_from", "") or not (model := Path(engine.loaded_from)).is_dir():
+    if not engine.loaded_from or not (model := Path(engine.loaded_from)).is_dir():
         return None
     key = hashlib.sha256()
     for f in sorted(p for p in model.rglob("*") if p.is_file()):

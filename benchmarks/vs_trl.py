@@ -209,13 +209,13 @@ def run_nanorft(args, dtype: str, model: str, run_dir: Path) -> dict:
             "weights": str(saved / "hf") if saved else model}
 
 
-def run_trl(args, dtype: str, model: str, out_dir: Path, python: str) -> dict:
+def run_trl(args, dtype: str, model: str, out_dir: Path, python: str, allocator: tuple[str, str | None]) -> dict:
     """TRL's GRPOTrainer on the same job (`train_trl` in the interpreter `python`) for the
     budget; returns the measurements, the steps done and the weights of its last complete
     checkpoint (OUT/checkpoint-N)."""
     cmd = [python, str(Path(__file__).resolve()), "--trl-child", str(out_dir), "--model", model, "--dtype", dtype,
            "--threads", str(args.threads), "--save-interval", str(args.save_interval)]
-    name, lib = launch.allocator(args)  # the library run.py preloads for nanorft, and its settings
+    name, lib = allocator  # the library run.py preloads for nanorft, and its settings
     m = run_for(cmd, args.budget_s, out_dir.with_suffix(".log"),
                 {"LD_PRELOAD": lib, **launch.ALLOCATOR_ENV.get(name, {})} if lib else None)
     ends = [r["t"] for r in jsonl(out_dir / "steps.jsonl")]
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         if python is None:
             raise ValueError(f"--trl-python: no such interpreter: {args.trl_python}")
         trl = trl_version(python)
-        allocator = launch.allocator(args)[0]
+        allocator = launch.allocator(args)  # (name, library)
         model = models.resolve_model(args.model)  # converted once, outside the budget
         dtype, why = choose_dtype(args.dtype, "cuda" if torch.cuda.is_available() else "cpu")
     except (ValueError, OSError) as e:
@@ -353,14 +353,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     facts = {**cpu_facts(), "threads": args.threads, "dtype": dtype, "precision": why, "torch": torch.__version__,
              "transformers": transformers.__version__, "trl": trl, "budget_s": args.budget_s,
-             "allocator": allocator}
+             "allocator": allocator[0]}
     print(f"vs_trl: {args.budget_s:.0f} s each, {dtype} ({why}), {args.threads} threads, allocator "
-          f"{facts['allocator']} for both, model {model}", flush=True)
+          f"{allocator[0]} for both, model {model}", flush=True)
     with tempfile.TemporaryDirectory(prefix="vs_trl_") as tmp:
         try:
             rows = [run_nanorft(args, dtype, model, Path(tmp) / "nanorft")]
             print(f"nanorft: {rows[0]['steps']} steps in {rows[0]['wall_s']:.0f} s; TRL next", flush=True)
-            rows.append(run_trl(args, dtype, model, Path(tmp) / "trl", python))
+            rows.append(run_trl(args, dtype, model, Path(tmp) / "trl", python, allocator))
             print(f"TRL: {rows[1]['steps']} steps in {rows[1]['wall_s']:.0f} s", flush=True)
         except RuntimeError as e:
             print(f"vs_trl.py: error: {e}", file=sys.stderr)

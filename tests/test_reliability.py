@@ -704,7 +704,7 @@ def test_a_cached_evaluation_is_of_the_weights_the_engine_loaded(tiny_model, tmp
     records = [X.Explorer(cfg, HFEngine(path, seed=3), [], held_out, None, print).evaluate(0)
                for path in (tiny_model, str(other), str(other))]
     assert "eval/cached" not in records[0] and "eval/cached" not in records[1] and records[2]["eval/cached"] == 1
-    assert X.eval_cache(cfg, object(), held_out, 2) is None  # an engine that names no directory: no cache
+    assert X.eval_cache(cfg, SimpleNamespace(loaded_from=""), held_out, 2) is None  # names no directory: no cache
     # a record written before the key covered the engine's weights may be another model's: never read
     path = X.eval_cache(cfg, HFEngine(tiny_model, seed=3), held_out, 2)
     path.write_text(json.dumps({**records[0], "eval/accuracy": -1.0}))
