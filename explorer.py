@@ -306,7 +306,8 @@ def exit_quietly(*_) -> None:
 
 
 class Schedule:
-    """`explore`'s pace in mode both: batch e waits for sync.required_version(e), the final evaluation for `last`."""
+    """`explore`'s pace in mode both: batch e waits for sync.required_version(e), the final evaluation for `last`
+    (the version of the last step: the trainer publishes after it whatever the interval)."""
 
     def __init__(self, cfg, receiver: sync.Receiver, last: int):
         self.cfg, self.receiver, self.last = cfg, receiver, last
@@ -333,7 +334,6 @@ def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: in
     """Mode both's explorer process: puts metric records, and an error line if it fails (exit code 1), on `queue`."""
     parent = os.getppid()
     alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
-    last = sync.published_versions(total_steps, cfg.sync_interval)[-1]
     signal.signal(signal.SIGTERM, exit_quietly)
     signal.signal(signal.SIGINT, exit_quietly)  # Ctrl-C: the trainer says how to resume; no second report
     try:
@@ -347,7 +347,7 @@ def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: in
         receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, queue.put, alive,
                                  None if cfg.sync_method == "checkpoint" else port, cfg.sync_timeout_s, sync_device,
                                  cfg.sync_host)
-        explore(cfg, engine, tasks, open_buffer(cfg.buffer, cfg.run_dir), Schedule(cfg, receiver, last), queue.put,
+        explore(cfg, engine, tasks, open_buffer(cfg.buffer, cfg.run_dir), Schedule(cfg, receiver, total_steps), queue.put,
                 total_steps)
     except Exception as e:  # reported by the trainer as one line; the process exits with code 1
         (Path(cfg.run_dir) / f"error_{cfg.explorer_name}.log").write_text(traceback.format_exc())

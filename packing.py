@@ -174,7 +174,10 @@ class HeadLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, logz, ent = ctx.saved_tensors
         device, dtype, enabled = ctx.autocast
         gh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        gw = torch.zeros_like(weight, dtype=torch.float) if ctx.needs_input_grad[1] else None
+        into_grad = ctx.needs_input_grad[1] and getattr(weight, "grad_added_by_head", False)  # see Trainer.shard
+        if into_grad and weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        gw = weight.grad if into_grad else torch.zeros_like(weight, dtype=torch.float) if ctx.needs_input_grad[1] else None
         gb = torch.zeros_like(bias, dtype=torch.float) if bias is not None and ctx.needs_input_grad[2] else None
         g_lp = torch.zeros_like(logz) if g_lp is None else g_lp.float()              # [T]
         with torch.autocast(device, dtype=dtype, enabled=enabled):
@@ -190,9 +193,9 @@ class HeadLogprobs(torch.autograd.Function):
                 dz = dz if enabled else dz.to(weight.dtype)                           # [c, V]
                 if gh is not None:
                     gh[c] = (dz @ weight).to(gh.dtype)                                # [c, H]
-                if gw is not None:
-                    gw += (dz.T @ (h if enabled else h.to(weight.dtype))).float()     # [V, H]
+                if gw is not None:  # [V, H]: a bf16 product added; a float32 one accumulated in place
+                    gw.add_(dz.T @ h) if enabled else gw.addmm_(dz.T, h.to(weight.dtype))
                 if gb is not None:
                     gb += dz.float().sum(0)                                           # [V]
-        return (gh, None if gw is None else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype),
+        return (gh, None if gw is None or into_grad else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype),
                 None, None, None, None)

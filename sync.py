@@ -29,11 +29,6 @@ def publishes_after(step: int, sync_interval: int, total_steps: int) -> bool:
     return (step + 1) % sync_interval == 0 or step == total_steps - 1
 
 
-def published_versions(total_steps: int, sync_interval: int) -> list[int]:
-    """All versions the trainer publishes in a run of `total_steps`, in order."""
-    return [t + 1 for t in range(total_steps) if publishes_after(t, sync_interval, total_steps)]
-
-
 class CoreShare:
     """The side that waits (`flags`: trainer busy, explorer busy) lends its CPU threads to the busy one."""
     def __init__(self, flags, side: int, own: int, other: int):

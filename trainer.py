@@ -186,6 +186,9 @@ class Trainer:
                 if self.sharded:
                     fully_shard(m, mesh=self.mesh, mp_policy=policy)
         model.nanorft_logprobs = MethodType(packed_logprobs, model)
+        # a tied weight: autograd adds the two [V, H] gradients into a third when a Python backward (HeadLogprobs)
+        if not self.sharded and (e := model.get_input_embeddings()).weight is model.get_output_embeddings().weight:
+            e.sparse = e.weight.grad_added_by_head = e.weight.requires_grad  # returned one: it adds into .grad itself
         if self.sharded:
             model = fully_shard(model, mesh=self.mesh, mp_policy=policy)
             register_fsdp_forward_method(model, "nanorft_logprobs")
@@ -340,8 +343,7 @@ class Trainer:
         (aggregate(per_token, mask, self.agg, *totals(idx)) * self.world).backward()
         with torch.no_grad():
             rollout = ~dev(batch.offline[idx])[:, None]  # expert tokens have no behaviour log-probs
-            parts = {"loss/entropy": ent,
-                     "loss/kl_behaviour": kl_estimate(behaviour, lp, "k3") * rollout,
+            parts = {"loss/entropy": ent, "loss/kl_behaviour": kl_estimate(behaviour, lp, "k3") * rollout,
                      "loss/logprob_abs_diff": (lp - behaviour).abs() * rollout,
                      **{f"loss/{k}": v for k, v in out.items() if k != "loss"}, **extra}
             if ref_lp is not None:

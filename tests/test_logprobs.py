@@ -105,16 +105,15 @@ def test_chunked_logprobs_and_their_gradient_equal_the_unchunked_ones():
         assert torch.allclose(a, b, atol=1e-4) and b.abs().sum() > 0
 
 
-class WeightCasts(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the casts of tensors of one shape to bf16."""
-    def __init__(self, shape):
+class CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops for which `counted(func, args, out)` holds."""
+    def __init__(self, counted):
         super().__init__()
-        self.shape, self.n = tuple(shape), 0
+        self.counted, self.n = counted, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == self.shape and out.dtype == torch.bfloat16:
-            self.n += 1
+        self.n += bool(self.counted(func, args, out))
         return out
 
 
@@ -123,7 +122,8 @@ def test_the_lm_head_is_cast_once_per_pass_under_a_bf16_autocast_without_its_cac
     from packing import chunked_logprobs
 
     hidden, weight = torch.randn(37, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
-    casts = WeightCasts(weight.shape)
+    casts = CountOps(lambda func, args, out: func is torch.ops.aten._to_copy.default
+                     and args[0].shape == weight.shape and out.dtype == torch.bfloat16)
     with casts, torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
         lp, _ = chunked_logprobs(hidden, weight, torch.randint(0, 50, (37,)), 1.0, chunk_elems=50 * 4)  # 10 chunks
     assert casts.n == 1 and lp.isfinite().all()
@@ -139,6 +139,28 @@ def test_the_trainers_bf16_passes_keep_no_cache_of_cast_weights(tiny_model):
     exps = [Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0) for i in range(4)]
     tr.step([exps])
     assert tr.autocast and seen and not any(seen)
+
+
+def test_a_tied_embeddings_gradient_is_added_into_the_heads_in_place(tiny_model):
+    # autograd added the tied weight's two [V, H] gradients into a third tensor, and the embedding's was dense
+    from transformers import AutoModelForCausalLM
+
+    cfg = run.parse_config(["--config", "configs/tiny.toml", "--dtype", "float32"])
+    tr = Trainer(cfg, tiny_model, torch.device("cpu"))
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa")
+    exps = [Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0) for i in range(4)]
+    b = pack(exps, 2)
+    weight = tr.model.get_input_embeddings().weight
+    for accumulated in (False, True):  # the second backward adds into the gradient of the first
+        new = CountOps(lambda func, args, out: isinstance(out, torch.Tensor) and out.shape == weight.shape
+                       and out.layout == torch.strided and not func._schema.is_mutable)  # new dense [V, H]
+        lp, _ = response_logprobs(tr.model, b, 0.8)
+        with new:
+            (lp * b["mask"]).sum().backward()
+        (response_logprobs(plain, b, 0.8)[0] * b["mask"]).sum().backward()
+        assert new.n == (0 if accumulated else 1)  # the head's gradient, then nothing: no product, copy or sum
+        assert not weight.grad.is_sparse and torch.allclose(weight.grad, plain.get_input_embeddings().weight.grad)
+        assert all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(tr.model.parameters(), plain.parameters()))
 
 
 def test_shared_prompt_packing_gives_each_sequences_own_logprobs_and_gradient(tiny_model):

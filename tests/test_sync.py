@@ -26,9 +26,9 @@ def test_required_version_table(interval, offset):
 
 
 def test_published_versions_include_last_step():
-    assert sync.published_versions(5, 2) == [2, 4, 5]
-    assert sync.published_versions(4, 1) == [1, 2, 3, 4]
-    assert sync.published_versions(6, 3) == [3, 6]
+    assert [t + 1 for t in range(5) if sync.publishes_after(t, 2, 5)] == [2, 4, 5]
+    assert [t + 1 for t in range(4) if sync.publishes_after(t, 1, 4)] == [1, 2, 3, 4]
+    assert [t + 1 for t in range(6) if sync.publishes_after(t, 3, 6)] == [3, 6]
 
 
 def receiver(port, q):
