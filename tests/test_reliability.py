@@ -617,7 +617,13 @@ def test_ctrl_c_says_how_to_resume_in_one_line(tiny_model, tmp_path):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGINT)  # the terminal sends it to the whole process group
-    out, err = proc.communicate(timeout=120)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # say which processes are left and where they wait; leave none behind
+        left = subprocess.run(["ps", "-o", "pid,ppid,stat,wchan:32,etime,args", "-g", str(proc.pid)],
+                              capture_output=True, text=True).stdout
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"no exit within 120 s of SIGINT; the processes of its group:\n{left}")
     assert proc.returncode == 130, err[-3000:]
     assert "interrupted; to continue: the same command with --resume" in err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
