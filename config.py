@@ -53,9 +53,8 @@ class Config:
     """a local Hugging Face model directory, a Hub id (owner/name), or smollm2-135m (built in)"""
     task: str = DEFAULT_TASK
     """a reasoning-gym dataset, a JSONL file, a Hugging Face dataset (Hub id, directory, data file) or verifiers:NAME"""
-    task_kwargs: dict = field(default_factory=lambda: {
-        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
-        "operators": ["+", "-"], "allow_parentheses": False})
+    task_kwargs: dict = field(default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
+                                                       "operators": ["+", "-"], "allow_parentheses": False})
     """keyword arguments of the task's dataset (JSON); a task other than basic_arithmetic gets {}"""
     train_size: int = 2000
     """number of generated training tasks"""

@@ -33,8 +33,7 @@ def generate_flops(body: int, head: int, prompt_tokens: int, sampled: int) -> fl
 
 
 # nominal dense peak FLOP/s of CUDA devices by name (bf16 tensor cores, float32 without TF32)
-CUDA_PEAKS = {"H200": (989e12, 67e12), "H100 PCIe": (756e12, 51e12), "H100": (989e12, 67e12),
-              "A100": (312e12, 19.5e12)}
+CUDA_PEAKS = {"H200": (989e12, 67e12), "H100 PCIe": (756e12, 51e12), "H100": (989e12, 67e12), "A100": (312e12, 19.5e12)}
 
 
 def peak_flops(device: str = "cpu", dtype: str = "float32", threads: int = 1) -> float:

@@ -631,6 +631,44 @@ def test_ctrl_c_says_how_to_resume_in_one_line(tiny_model, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
 
 
+def test_ctrl_c_with_a_collective_in_flight_still_exits(tmp_path):
+    # a broadcast in flight when the interrupt came hung the interpreter's exit after the --resume line: the
+    # group's destructor (ProcessGroupGloo) joins its thread, which waits for a peer that never receives
+    import subprocess
+    import sys
+
+    from conftest import ROOT, subprocess_env
+
+    script = tmp_path / "interrupted.py"
+    script.write_text(f"""import os, runpy, subprocess, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, {str(ROOT)!r})
+import launch
+store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+peer = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as dist; "
+    f"dist.init_process_group('gloo', store=dist.TCPStore('127.0.0.1', {{store.port}}, 2, False), rank=1, world_size=2); "
+    "time.sleep(600)"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+dist.init_process_group("gloo", store=store, rank=0, world_size=2)
+def interrupted(cfg, rank, run):  # Ctrl-C while a broadcast is in flight: the peer never receives it
+    dist.broadcast(torch.zeros(1 << 24), src=0, async_op=True)
+    return 130
+launch.guarded = interrupted
+print(peer.pid, flush=True)
+sys.argv = ["run.py", "--allocator", "system", "--run-dir", {str(tmp_path / "r")!r}]
+runpy.run_path("run.py", run_name="__main__")
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=subprocess_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    finally:
+        subprocess.run(["pkill", "-f", "time.sleep\\(600\\)"])  # the peer
+    assert proc.returncode == 130, err[-2000:]
+
+
 def test_the_base_models_evaluation_is_read_from_the_cache_when_nothing_it_depends_on_changed(
         tiny_model, tmp_path, monkeypatch):
     import explorer as X
