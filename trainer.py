@@ -186,12 +186,12 @@ class Trainer:
                 if self.sharded:
                     fully_shard(m, mesh=self.mesh, mp_policy=policy)
         model.nanorft_logprobs = MethodType(packed_logprobs, model)
-        # tied: autograd would add the head's gradient (a Python backward's) to the embedding's into a new [V, H]
-        if not self.sharded and (e := model.get_input_embeddings()).weight is model.get_output_embeddings().weight:
-            e.sparse = e.weight.grad_added_by_head = e.weight.requires_grad  # so HeadLogprobs adds into .grad
         if self.sharded:
             model = fully_shard(model, mesh=self.mesh, mp_policy=policy)
             register_fsdp_forward_method(model, "nanorft_logprobs")
+        # tied: autograd would add the head's gradient (a Python backward's) to the embedding's into a new [V, H]
+        elif (e := model.get_input_embeddings()).weight is model.get_output_embeddings().weight:
+            e.sparse = e.weight.grad_added_by_head = e.weight.requires_grad  # so HeadLogprobs adds into .grad
         return model
 
     def published(self) -> list[tuple[str, torch.Tensor]]:
