@@ -145,10 +145,9 @@ class Buffer:
                     state: dict | None = None, pools: list[tuple[str, float, float, float]] = ()) -> None:
         """Append groups, the explorer's state and task-pool updates in one transaction."""
         now = time.time()
-        rows = [(e.group_id, e.task_id, e.model_version, e.prompt_length,
-                 array("i", e.tokens).tobytes(), array("f", e.behaviour_logprobs).tobytes(),
-                 array("b", e.action_mask).tobytes(), e.reward, json.dumps(e.info), e.explorer, now)
-                for g in groups for e in g]
+        rows = [(e.group_id, e.task_id, e.model_version, e.prompt_length, array("i", e.tokens).tobytes(),
+                 array("f", e.behaviour_logprobs).tobytes(), array("b", e.action_mask).tobytes(), e.reward,
+                 json.dumps(e.info), e.explorer, now) for g in groups for e in g]
         with self.db.transaction():
             self.db.executemany(f"INSERT INTO experiences ({COLUMNS}, created) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
             if state is not None:

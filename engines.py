@@ -12,7 +12,7 @@ import torch
 import models
 import sync
 from losses import resolve
-from packing import left_pad
+from packing import left_pad, packed_sdpa
 from perf import generate_flops, matmul_params
 
 
@@ -120,22 +120,6 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def gqa_sdpa() -> str:
-    """The name of an attention implementation: torch's sdpa with grouped-query attention in the kernel."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-            is_causal=bool(causal and attention_mask is None and query.shape[2] > 1),
-            enable_gqa=key.shape[1] != query.shape[1])
-        return out.transpose(1, 2).contiguous(), None  # [B, q, H, D]
-    AttentionInterface.register("nanorft_gqa_sdpa", attention)
-    AttentionMaskInterface.register("nanorft_gqa_sdpa", sdpa_mask)
-    return "nanorft_gqa_sdpa"
-
-
 @functools.cache
 def slot_layer() -> type:
     """The KV-cache layer class of the HF engine's decoding."""
@@ -218,7 +202,7 @@ class HFEngine(Engine):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         adapter = models.is_adapter(model_path)
         base = models.lora("adapter_base")(model_path) if adapter else model_path
-        attention = {"attn_implementation": gqa_sdpa()} if self.device.type == "cpu" else {}
+        attention = {"attn_implementation": packed_sdpa()} if self.device.type == "cpu" else {}
         self.model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **attention).to(self.device).eval()
         self.lora = lora
         if lora is not None:

@@ -67,7 +67,6 @@ def make_selector(cfg, tasks: list[Task], seed: int):
 
 class Explorer:
     """Rollouts of the tasks with one engine and the workflow class cfg.workflow."""
-
     def __init__(self, cfg, engine: Engine, train: list[Task], held_out: list[Task], dataset, log):
         self.cfg, self.engine, self.train, self.held_out, self.log = cfg, engine, train, held_out, log
         reward_fn, make = load_reward_fn(cfg.reward_fn, cfg.reward_kwargs), load_workflow(cfg.workflow)
@@ -147,7 +146,7 @@ class Explorer:
     def rollout(self, tasks: list[Task], workflow=None, n: int = 0) -> list[list[Experience] | None]:
         """One group of `n` rollouts (default group_size) of `task`; None for a skipped task."""
         workflow, n, groups = workflow or self.workflow, n or self.cfg.group_size, [None] * len(tasks)
-        for attempt in range(self.cfg.workflow_retries + 1):
+        for attempt in range(self.cfg.workflow_retries + 1):  # the runs of one attempt run concurrently
             runs = {i: workflow.run(t, self.engine, n) for i, t in enumerate(tasks) if groups[i] is None}
             if self.settle(groups, runs, attempt):
                 break
@@ -164,12 +163,7 @@ class Explorer:
         tasks = picked = self.next_tasks(cfg.batch_size, retired)
         generated, kept = [], []
         for rounds in range(cfg.refill_rounds + 1):
-            groups = [None] * len(tasks)
-            for attempt in range(cfg.workflow_retries + 1):  # the runs of one attempt run concurrently
-                runs = {i: self.workflow.run(t, self.engine, cfg.group_size)
-                        for i, t in enumerate(tasks) if groups[i] is None}
-                if self.settle(groups, runs, attempt):
-                    break
+            groups = self.rollout(tasks)
             generated += [g for g in groups if g]
             kept += [g for g in groups if g and informative(g)]
             if len(kept) >= cfg.batch_size or rounds == cfg.refill_rounds:
@@ -308,7 +302,6 @@ def exit_quietly(*_) -> None:
 class Schedule:
     """`explore`'s pace in mode both: batch e waits for sync.required_version(e), the final evaluation for `last`
     (the version of the last step: the trainer publishes after it whatever the interval)."""
-
     def __init__(self, cfg, receiver: sync.Receiver, last: int):
         self.cfg, self.receiver, self.last = cfg, receiver, last
 

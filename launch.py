@@ -174,11 +174,9 @@ def split_threads(cfg: Config, world: int) -> None:
 def guarded(cfg: Config, rank: int, run) -> int:
     """Call `run()`; the exit code: 0, 130 after Ctrl-C (one line on how to resume), 1 after a failure."""
     sigints = []  # Ctrl-C seen: a library may wrap its KeyboardInterrupt (torch.distributed.checkpoint does)
-
     def on_sigint(*_):
         sigints.append(1)
         raise KeyboardInterrupt
-
     # Python's own Ctrl-C handler only (not in a thread, nor where SIGINT is ignored: a job started with nohup ... &)
     ours = (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler)

@@ -1,6 +1,5 @@
 """The train loop of every trainer rank (`run_trainer`, `TrainLoop`); mode both's explorer (`start_explorer`).
-A file of its own: it wires the trainer to the explorer process, the buffer and the weight sync, and belongs
-to neither side."""
+A file of its own: it wires the trainer to the explorer, the buffer and the weight sync, and belongs to neither side."""
 
 import dataclasses
 import json
@@ -171,7 +170,6 @@ class TrainLoop:
 
     def log(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
         """Rank 0: complete and write the step's metrics, move the progress bar."""
-        cfg = self.cfg
         self.drain()
         m.update(self.pending.pop(step, {}))
         m.update({f"buffer/{k}": v for k, v in self.io.buffer.counts().items()})
@@ -180,7 +178,7 @@ class TrainLoop:
         m.update(self.meter.since_last(m.get("perf/trainer_model_flops", 0.0), self.trainer.peak,
                                        self.trainer.device.type))
         m.update({"step": step, "version": self.trainer.version, "time/elapsed_s": time.perf_counter() - self.t_start,
-                  "threads/trainer": cfg.trainer_threads, "threads/explorer": cfg.explorer_threads,
+                  "threads/trainer": self.cfg.trainer_threads, "threads/explorer": self.cfg.explorer_threads,
                   "trainer/ranks": self.world, "eval/last_accuracy": self.last_eval.get("eval/accuracy")})
         self.io.metrics.write(m)
         shown = {"reward": m["reward/mean"]} if "reward/mean" in m else {"loss": m["loss/policy"]}
@@ -227,9 +225,8 @@ def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout, tas
     trainer = make_trainer(cfg, model_path, device)
     state = resume_state(cfg.run_dir) if cfg.resume else None
     start = load_resume_state(trainer, state) if state else 0
-    io, explorer, weights = LoopIO(), None, None
-    if rank == 0:
-        io = loop_io(cfg, trainer, start, model_path)
+    io = loop_io(cfg, trainer, start, model_path) if rank == 0 else LoopIO()
+    explorer = weights = None
     loop = TrainLoop(cfg, trainer, start, io, rank, world)
     annotating = threading.Event()
     try:

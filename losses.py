@@ -73,9 +73,8 @@ def resolve(name: str, registry: dict, what: str, kwargs: dict | None = None) ->
         if not callable(fn):
             raise ValueError(f"{what} {name!r} is not callable")
     params = inspect.signature(fn).parameters
-    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        if bad := sorted(set(kwargs or {}) - set(params)):
-            raise ValueError(f"{what} {name!r} takes no argument(s) {bad}; it takes {sorted(params)}")
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()) and (bad := sorted(set(kwargs or {}) - set(params))):
+        raise ValueError(f"{what} {name!r} takes no argument(s) {bad}; it takes {sorted(params)}")
     return fn
 
 

@@ -1,6 +1,7 @@
 """A run's numbers: RUN_DIR/metrics.jsonl (`Metrics`), trackers (TRACKERS), plot.png (`plot`), `sampled_eval`.
 A file of its own: the loop, the explorer and run.py all write here."""
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -30,11 +31,9 @@ def cpu_seconds() -> float:
     import psutil
     total, me = 0.0, psutil.Process()
     for p in [me, *me.children(recursive=True)]:
-        try:
+        with contextlib.suppress(psutil.Error):  # a child that just ended
             t = p.cpu_times()
             total += t.user + t.system
-        except psutil.Error:  # a child that just ended
-            pass
     return total
 
 
@@ -95,8 +94,7 @@ def eval_line(r: dict, group_size: int = 0) -> str:
         line += f", avg@{r['eval/k']} {r['eval/avg_at_k']:.3f} +- {r['eval/avg_at_k_stderr']:.3f}"
     if "eval/format_rate" in r:
         line += f", format {r['eval/format_rate']:.2f}"
-    n = r.get("eval/samples", 0)
-    if n > r.get("eval/k", 0):
+    if (n := r.get("eval/samples", 0)) > r.get("eval/k", 0):
         line += f", pass@{n} {r[f'eval/pass_at_{n}']:.3f}"
     if r.get("eval/cached"):
         line += " (cached: the same weights, tasks and settings were evaluated before)"

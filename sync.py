@@ -242,9 +242,8 @@ def bucket_ranges(numels: list[int], limit: int) -> list[range]:
 
 class Receiver:
     """The explorer's end: takes published weights into `engine` (`port` None: checkpoints) and logs them."""
-    def __init__(self, engine, run_dir: str | Path, name: str, log: Callable[[dict], None],
-                 alive: Callable[[], bool], port: int | None = None, timeout_s: float = 600.0, device: str = "cpu",
-                 host: str = "127.0.0.1"):
+    def __init__(self, engine, run_dir: str | Path, name: str, log: Callable[[dict], None], alive: Callable[[], bool],
+                 port: int | None = None, timeout_s: float = 600.0, device: str = "cpu", host: str = "127.0.0.1"):
         self.engine, self.log, self.alive = engine, log, alive
         self.port, self.timeout_s, self.device, self.host = port, timeout_s, device, host
         # what announces and receives the weights: the engine's group, or the run's checkpoints

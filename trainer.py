@@ -19,14 +19,15 @@ import sync
 from buffer import Experience
 from losses import LossInputs, aggregate, kl_estimate, length_penalty, masked_sum, resolve, resolve_algorithm
 from metrics import peak_rss_gib
-from packing import micro_batches, pack, packed_logprobs, packed_tokens, response_logprobs, row_length, share_prompts
+from packing import (micro_batches, pack, packed_logprobs, packed_sdpa, packed_tokens, response_logprobs, row_length,
+                     share_prompts)
 from perf import matmul_params, mfu, train_flops, unit_peak
 
 GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opmd", "grpo_stepwise")  # baselines from the other rollouts of a group
 REFERENCE = "extras.reference.Reference"  # the frozen reference policy of the KL terms and DPO
 PART_TOTALS = "extras.policy_losses.part_totals"  # the aggregation totals of a split_expert loss (MIX)
 TEACHER = "extras.distill.Teacher"  # --teacher: on-policy distillation's per-token term of the advantage
-# packed rows padded to a multiple of this many tokens: few shapes, so the CPU allocator does not fragment (RSS)
+# packed tokens and rows padded to a multiple of this many: few shapes, so the CPU allocator does not fragment (RSS)
 LENGTH_MULTIPLE = 32
 # CUDA levers (benchmarks/bench_trainer.py times each on and off); a CPU runs none of them
 CUDA_LEVERS = {"causal_rows": True,  # rows of one sequence: is_causal attention (flash kernels), not pack's mask
@@ -129,8 +130,7 @@ class Trainer:
 
     def __init__(self, cfg, model_path: str, device: torch.device):
         from transformers import AutoConfig, AutoTokenizer
-        self.cfg, self.device = cfg, device
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.cfg, self.device, self.rank, self.world = cfg, device, dist.get_rank(), dist.get_world_size()
         self.mesh = init_device_mesh(device.type, (self.world,))  # FSDP2's default: CUDA wherever a GPU is visible
         torch.manual_seed(cfg.seed)
         self.advantage_fn, self.loss_fn, self.agg, self.filters = resolve_algorithm(cfg)
@@ -161,10 +161,10 @@ class Trainer:
         self.loop_state: dict = {}  # rank 0: loop.TrainLoop's position, saved with the resume state
 
     def pretrained(self, model_path: str):
-        """The model at `model_path` in float32 on the device; sdpa: flash / flex attention misread `pack`'s mask."""
+        """The model at `model_path` in float32 on the device, attending by `packed_sdpa` (`pack`'s layout)."""
         from transformers import AutoModelForCausalLM
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                    attn_implementation="sdpa").to(self.device)
+                                                    attn_implementation=packed_sdpa()).to(self.device)
 
     def shard(self, model):
         """`model` with FSDP2 on each decoder block and the root (if `sharded`); activation checkpointing."""

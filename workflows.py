@@ -2,6 +2,7 @@
 rollouts (`MathWorkflow`: n samples of one prompt); new ones are named by `--workflow module.Class`."""
 
 import asyncio
+import contextlib
 import itertools
 import math
 import numbers
@@ -75,8 +76,7 @@ class Selector:
     """The indices of the next training tasks: `order`, cycled (Trinity-RFT trinity/buffer/selector/selector.py @ 3e9eb605)."""
 
     def __init__(self, tasks: list[Task], seed: int):
-        self.tasks, self.seed, self.cursor = tasks, seed, 0
-        self.order = list(range(len(tasks)))
+        self.tasks, self.seed, self.cursor, self.order = tasks, seed, 0, list(range(len(tasks)))
 
     def next(self, k: int) -> list[int]:
         out = [self.order[(self.cursor + i) % len(self.order)] for i in range(k)]
@@ -125,16 +125,12 @@ def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[i
 def last_number(text: str) -> str | None:
     """The last number in `text` ("-12", "3.5"; no trailing ".0"), or None."""
     found = re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
-    if not found:
-        return None
-    x = found[-1]
-    return x[:-2] if x.endswith(".0") else x
+    return found[-1].removesuffix(".0") if found else None
 
 
 def extract_answer(completion: str, reference: str) -> str | None:
     """The last <answer>...</answer> block, else the last number (numeric reference), else the last line, or None."""
-    tagged = re.findall(r"<answer>(.*?)</answer>", completion, re.DOTALL)
-    if tagged:
+    if tagged := re.findall(r"<answer>(.*?)</answer>", completion, re.DOTALL):
         return tagged[-1].strip()
     if last_number(reference) == reference.strip().replace(",", "").removesuffix(".0"):
         return last_number(completion)
@@ -181,10 +177,8 @@ async def in_thread(fn, *args):
             result, error = fn(*args), None
         except BaseException as e:  # delivered to the awaiting coroutine
             result, error = None, e
-        try:
+        with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody waits for this call any more
             loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the event loop is gone: nobody waits for this call any more
-            pass
     threading.Thread(target=target, daemon=True).start()
     return await fut
 
@@ -247,10 +241,8 @@ def load_workflow(name: str) -> type[Workflow]:
     """The workflow class of WORKFLOWS, `module.Class`, `agent:module.function` or `verifiers:NAME`; else ValueError."""
     from losses import resolve
     prefix, colon, rest = name.partition(":")
-    if colon and prefix in WORKFLOW_PREFIXES:
-        cls = resolve(WORKFLOW_PREFIXES[prefix], {}, "workflow")(rest)
-    else:
-        cls = resolve(name, WORKFLOWS, "workflow")
+    cls = (resolve(WORKFLOW_PREFIXES[prefix], {}, "workflow")(rest) if colon and prefix in WORKFLOW_PREFIXES
+           else resolve(name, WORKFLOWS, "workflow"))
     if not (isinstance(cls, type) and issubclass(cls, Workflow)):
         raise ValueError(f"workflow {name!r} is not a subclass of workflows.Workflow")
     return cls

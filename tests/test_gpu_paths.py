@@ -30,13 +30,15 @@ def test_a_trainer_on_the_cpu_stays_there_where_an_accelerator_is_visible(tiny_m
     assert {p.device.type for p in trainer.model.parameters()} == {"cpu"}
 
 
-def test_the_trainer_attends_with_sdpa_whatever_the_checkpoint_asks(tiny_model, tmp_path):
-    # pack's [N, 1, L, L] boolean mask is for sdpa (or eager); flash / flex attention reject or misread it
+def test_the_trainer_attends_with_packed_sdpa_whatever_the_checkpoint_asks(tiny_model, tmp_path):
+    # pack's layout (flat tokens, rows under a [N, 1, L, L] boolean mask) is packed_sdpa's; flex attention misreads it
+    from packing import packed_sdpa
+
     model = tmp_path / "flex"
     shutil.copytree(tiny_model, model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "attn_implementation": "flex_attention"}))
-    assert trainer_on_cpu(str(model)).model.config._attn_implementation == "sdpa"
+    assert trainer_on_cpu(str(model)).model.config._attn_implementation == packed_sdpa()
 
 
 def test_gathered_weights_carry_no_autograd_graph(tiny_model):

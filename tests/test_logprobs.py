@@ -163,9 +163,11 @@ def test_a_tied_embeddings_gradient_is_added_into_the_heads_in_place(tiny_model)
         assert all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(tr.model.parameters(), plain.parameters()))
 
 
-def test_shared_prompt_packing_gives_each_sequences_own_logprobs_and_gradient(tiny_model):
+@pytest.mark.parametrize("multiple", [1, 8])
+def test_shared_prompt_packing_gives_each_sequences_own_logprobs_and_gradient(tiny_model, multiple):
     # a group's rollouts share one row (the prompt once); log-probs and gradients equal those of each
-    # sequence computed alone; a sequence with another prompt gets a row of its own
+    # sequence computed alone; a sequence with another prompt gets a row of its own; the dense layers see the
+    # rows' tokens without pads (but up to a multiple)
     from transformers import AutoModelForCausalLM
 
     from packing import packed_tokens
@@ -174,21 +176,22 @@ def test_shared_prompt_packing_gives_each_sequences_own_logprobs_and_gradient(ti
     exps = [Experience([5, 6, 7, 8] + r, 4, [0.0] * len(r), [1] * len(r), 0.0, "g", "t", 0)
             for r in ([20, 21, 22], [23], [24, 25], [])] + \
         [Experience([9, 10] + [26, 27], 2, [0.0, 0.0], [1, 1], 0.0, "h", "t", 0)]
-    b = pack(exps, 2)
-    assert b["input_ids"].shape == (2, 10)                     # rows: 4 + 3 + 1 + 2 + 0 tokens; 2 + 2
-    assert packed_tokens(exps) == 20 < 5 * (4 + 3)              # the padded layout: B x (P + R)
+    b = pack(exps, 2, 0, multiple)
+    T, L = (14, 10) if multiple == 1 else (16, 16)              # rows: 4 + 3 + 1 + 2 + 0 tokens; 2 + 2
+    assert b["input_ids"].shape == (1, T) and b["token_slots"].unique().numel() == T
+    assert b["attention_mask"].shape == (2, 1, L, L) and packed_tokens(exps) == 20 < 5 * (4 + 3)  # not B x (P + R)
     lp, _ = response_logprobs(model, b, 0.8)
     (lp * b["mask"]).sum().backward()
-    packed_grad = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="eager")
     total = 0
     for i, e in enumerate(exps):                               # each alone, as one ordinary sequence
         ids = torch.tensor([e.tokens])
-        logits = model(input_ids=ids).logits[0, e.prompt_length - 1:-1] / 0.8     # [R, V]
+        logits = plain(input_ids=ids).logits[0, e.prompt_length - 1:-1] / 0.8     # [R, V]
         alone = logits.log_softmax(-1).gather(-1, ids[0, e.prompt_length:, None]).squeeze(-1)
         R = len(e.tokens) - e.prompt_length
         assert torch.allclose(lp[i, :R], alone, atol=1e-5), (i, lp[i, :R], alone)
         total = total + alone.sum()
     total.backward()
-    diffs = [((a - p.grad).abs().max() / p.grad.abs().max()).item() for a, p in zip(packed_grad, model.parameters())]
+    diffs = [((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() for p, q in zip(model.parameters(),
+                                                                                        plain.parameters())]
     assert max(diffs) < 1e-4, diffs

@@ -193,7 +193,7 @@ def test_the_engines_grouped_query_attention_equals_transformers_sdpa(tiny_model
     from packing import left_pad
 
     engine = HFEngine(tiny_model, seed=0)
-    assert engine.model.config._attn_implementation == "nanorft_gqa_sdpa"
+    assert engine.model.config._attn_implementation == "nanorft_sdpa"
     ref = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa").eval()
     ids, attn, pos = left_pad([[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]], engine.pad)  # padding: a mask
     with torch.no_grad():
