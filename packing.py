@@ -43,11 +43,10 @@ def packed_tokens(exps: list[Experience], row_tokens: int = 0) -> int:
 def pack(exps: list[Experience], pad: int, row_tokens: int = 0, multiple: int = 1,
          causal: bool = False) -> dict[str, torch.Tensor]:
     """`share_prompts` rows [N, L] under a block mask: each response gets the log-probs of prompt + response alone.
-    input_ids, position_ids [1, T]: the rows' tokens without pads (T a `multiple`), token_slots [T]: the slot of each
-    in the rows, attention_mask [N, 1, L, L] bool (L a `multiple`): `packed_sdpa`'s layout. If `causal` and every
-    row holds one sequence: input_ids [N, L], position_ids [1, L], no mask or slots (is_causal attention). Per response
-    token rows / positions (of the token predicting it) / targets / seq / col [T'] long; response_ids /
-    behaviour_logprobs / mask [B, R]."""
+    `packed_sdpa`'s layout: input_ids, position_ids [1, T] (the rows' tokens, no pads; T a `multiple`), token_slots
+    [T] (each one's slot of the rows), attention_mask [N, 1, L, L] bool (L a `multiple`); if `causal` and each row
+    holds one sequence: input_ids [N, L], position_ids [1, L], no mask or slots. Per response token rows / positions
+    (predicting it) / targets / seq / col [T'] long; response_ids / behaviour_logprobs / mask [B, R]."""
     R = max(1, max(len(e.tokens) - e.prompt_length for e in exps))
     rows = share_prompts(exps, row_tokens)
     L = -(-max(row_length(exps, *row) for row in rows) // multiple) * multiple
@@ -103,10 +102,9 @@ def micro_batches(units: list[list[Experience]], token_budget: int) -> list[list
 
 @functools.cache
 def packed_sdpa() -> str:
-    """The name of nanorft's attention (registered with transformers): torch's sdpa, grouped-query attention in the
-    kernel. Given a `pack` batch's token_slots [T] (a kwarg of the model's forward), the tokens' q, k, v
-    [1, heads, T, D] are copied to their slots of the rows [N, heads, L, D] under the block mask [N, 1, L, L] and the
-    output read back to [1, T, heads, D]: the dense layers compute no pads."""
+    """The name of nanorft's attention in transformers: torch's sdpa, grouped-query attention in the kernel. Given a
+    `pack` batch's token_slots [T] (a forward kwarg), q, k, v [1, heads, T, D] go to their slots of the rows
+    [N, heads, L, D] under the mask [N, 1, L, L], the output back to [1, T, heads, D]: dense layers compute no pads."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
@@ -130,8 +128,8 @@ def packed_sdpa() -> str:
 def packed_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
                     token_slots: torch.Tensor | None, rows: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
                     temperature: float, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [T'] and entropy [T'] or None of a `pack` batch, the LM head on predicting positions only.
-    Switches `model` to `packed_sdpa`, plain sdpa where no slots are given."""
+    """Log-probs [T'] and entropy [T'] or None of a `pack` batch, the LM head on predicting positions only; switches
+    `model` to `packed_sdpa` (plain sdpa where no slots are given)."""
     if model.config._attn_implementation != packed_sdpa():
         model.set_attn_implementation(packed_sdpa())
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
