@@ -40,12 +40,12 @@ def packed_tokens(exps: list[Experience], row_tokens: int = 0) -> int:
     return len(lengths) * max(lengths)
 
 
-def pack(exps: list[Experience], pad: int, row_tokens: int = 0, multiple: int = 1,
-         causal: bool = False) -> dict[str, torch.Tensor]:
+def pack(exps: list[Experience], pad: int, row_tokens: int = 0, multiple: int = 1, causal: bool = False,
+         token_multiple: int = 1) -> dict[str, torch.Tensor]:
     """`share_prompts` rows [N, L] under a block mask: each response gets the log-probs of prompt + response alone.
-    `packed_sdpa`'s layout: input_ids, position_ids [1, T] (the rows' tokens, no pads; T a `multiple`), token_slots
-    [T] (each one's slot of the rows), attention_mask [N, 1, L, L] bool (L a `multiple`); if `causal` and each row
-    holds one sequence: input_ids [N, L], position_ids [1, L], no mask or slots. Per response token rows / positions
+    `packed_sdpa`'s layout: input_ids, position_ids [1, T] (the rows' tokens, T a `token_multiple`), token_slots [T]
+    (each one's slot of the rows), attention_mask [N, 1, L, L] bool (L a `multiple`); if `causal` and each row holds
+    one sequence: input_ids [N, L], position_ids [1, L], no mask or slots. Per response token rows / positions
     (predicting it) / targets / seq / col [T'] long; response_ids / behaviour_logprobs / mask [B, R]."""
     R = max(1, max(len(e.tokens) - e.prompt_length for e in exps))
     rows = share_prompts(exps, row_tokens)
@@ -68,14 +68,15 @@ def pack(exps: list[Experience], pad: int, row_tokens: int = 0, multiple: int = 
     if causal and len(rows) == len(exps):  # causal up to each row's pads, which nothing reads
         attn, pos = None, torch.arange(L)[None]                                          # [1, L]
     else:
+        tail = -int((seg >= 0).sum()) % token_multiple  # extra tokens up to a multiple: in pads' slots
+        if (n := -((int((seg < 0).sum()) - tail) // L)) > 0:  # too few pads: rows of them
+            ids, pos, seg = (torch.cat([x, x.new_full((n, L), v)]) for x, v in ((ids, pad), (pos, 0), (seg, -1)))
         q, k = seg[:, :, None], seg[:, None, :]                                          # [N, L, 1], [N, 1, L]
         tril = torch.ones(L, L, dtype=torch.bool).tril()                                 # [L, L]
         attn = (tril & (q >= 0) & ((k == 0) | (k == q)) | torch.eye(L, dtype=torch.bool))[:, None]  # [N, 1, L, L]
-        # the dense layers compute the rows' tokens, no pads but up to a multiple (N x L is one: enough pads' slots)
         real, free = (seg.flatten() >= 0).nonzero().squeeze(1), (seg.flatten() < 0).nonzero().squeeze(1)
-        token_slots = torch.cat([real, free[:-len(real) % multiple]])                    # [T]
-        flat = torch.zeros(seg.numel(), dtype=torch.long).index_copy_(0, real, torch.arange(len(real)))
-        rows_i, positions = torch.zeros_like(rows_i), flat[rows_i * L + positions]      # into the flat tokens
+        token_slots = torch.cat([real, free[:tail]])                                     # [T]
+        rows_i, positions = torch.zeros_like(rows_i), ((seg.flatten() >= 0).cumsum(0) - 1)[rows_i * L + positions]
         ids, pos = ids.flatten()[token_slots][None], pos.flatten()[token_slots][None]   # [1, T]
     response = torch.full((len(exps), R), pad, dtype=torch.long)
     behaviour, mask = torch.zeros((len(exps), R)), torch.zeros((len(exps), R))
@@ -107,7 +108,6 @@ def packed_sdpa() -> str:
     [N, heads, L, D] under the mask [N, 1, L, L], the output back to [1, T, heads, D]: dense layers compute no pads."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
-
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                   token_slots=None, **kwargs):
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

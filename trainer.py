@@ -27,8 +27,8 @@ GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opmd", "grpo_stepwise")  # basel
 REFERENCE = "extras.reference.Reference"  # the frozen reference policy of the KL terms and DPO
 PART_TOTALS = "extras.policy_losses.part_totals"  # the aggregation totals of a split_expert loss (MIX)
 TEACHER = "extras.distill.Teacher"  # --teacher: on-policy distillation's per-token term of the advantage
-# packed tokens and rows padded to a multiple of this many: few shapes, so the CPU allocator does not fragment (RSS)
-LENGTH_MULTIPLE = 32
+# packed tokens and rows padded to multiples of these: few tensor shapes, so the CPU allocator keeps few blocks (RSS)
+TOKEN_MULTIPLE, ROW_MULTIPLE = 128, 32
 # CUDA levers (benchmarks/bench_trainer.py times each on and off); a CPU runs none of them
 CUDA_LEVERS = {"causal_rows": True,  # rows of one sequence: is_causal attention (flash kernels), not pack's mask
                "fused_adamw": True,  # AdamW in one fused kernel per step
@@ -138,7 +138,7 @@ class Trainer:
         self.sharded = self.world > 1 or self.cuda and CUDA_LEVERS["one_gpu_fsdp"]  # one CPU rank: FSDP2 only copies
         self.fsdp_bf16 = cfg.dtype == "bfloat16" and self.cuda and self.sharded  # FSDP2 mixed precision on CUDA
         self.autocast = cfg.dtype == "bfloat16" and not self.fsdp_bf16  # where FSDP2 does not cast
-        self.computed_tokens = 0  # tokens the forward passes computed (packed rows x length, padding included)
+        self.computed_tokens = 0  # tokens the dense layers of the forward passes computed (packed, pads included)
         self.cores = None  # sync.CoreShare: threads lent by an idle explorer (set by TrainLoop)
         self.progress: Callable[[str], None] = lambda text: None  # rank 0's step bar shows where the step is
         if device.type == "cpu":
@@ -220,7 +220,7 @@ class Trainer:
         self._lent_cores()
         causal = self.cuda and CUDA_LEVERS["causal_rows"]
         b = {k: v if v is None else v.to(self.device)
-             for k, v in pack(mb, self.pad, self.cfg.token_budget, LENGTH_MULTIPLE, causal).items()}
+             for k, v in pack(mb, self.pad, self.cfg.token_budget, ROW_MULTIPLE, causal, TOKEN_MULTIPLE).items()}
         b["mask"] = b["mask"] * (not padding)
         self.computed_tokens += b["input_ids"].numel()
         # no cache of bf16 weights: each is cast once per pass anyway, and the blocks' recompute casts again (-0.08 GiB)

@@ -163,11 +163,11 @@ def test_a_tied_embeddings_gradient_is_added_into_the_heads_in_place(tiny_model)
         assert all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(tr.model.parameters(), plain.parameters()))
 
 
-@pytest.mark.parametrize("multiple", [1, 8])
-def test_shared_prompt_packing_gives_each_sequences_own_logprobs_and_gradient(tiny_model, multiple):
+@pytest.mark.parametrize("multiple, token_multiple", [(1, 1), (8, 8), (1, 32)])
+def test_shared_prompt_packing_gives_each_sequences_own_logprobs_and_gradient(tiny_model, multiple, token_multiple):
     # a group's rollouts share one row (the prompt once); log-probs and gradients equal those of each
     # sequence computed alone; a sequence with another prompt gets a row of its own; the dense layers see the
-    # rows' tokens without pads (but up to a multiple)
+    # rows' tokens without pads (but up to a multiple: in pads' slots, or a row of pads where there are too few)
     from transformers import AutoModelForCausalLM
 
     from packing import packed_tokens
@@ -176,10 +176,10 @@ def test_shared_prompt_packing_gives_each_sequences_own_logprobs_and_gradient(ti
     exps = [Experience([5, 6, 7, 8] + r, 4, [0.0] * len(r), [1] * len(r), 0.0, "g", "t", 0)
             for r in ([20, 21, 22], [23], [24, 25], [])] + \
         [Experience([9, 10] + [26, 27], 2, [0.0, 0.0], [1, 1], 0.0, "h", "t", 0)]
-    b = pack(exps, 2, 0, multiple)
-    T, L = (14, 10) if multiple == 1 else (16, 16)              # rows: 4 + 3 + 1 + 2 + 0 tokens; 2 + 2
+    b = pack(exps, 2, 0, multiple, token_multiple=token_multiple)
+    T, N, L = {1: (14, 2, 10), 8: (16, 2, 16), 32: (32, 4, 10)}[token_multiple]  # rows: 4 + 3 + 1 + 2 + 0; 2 + 2
     assert b["input_ids"].shape == (1, T) and b["token_slots"].unique().numel() == T
-    assert b["attention_mask"].shape == (2, 1, L, L) and packed_tokens(exps) == 20 < 5 * (4 + 3)  # not B x (P + R)
+    assert b["attention_mask"].shape == (N, 1, L, L) and packed_tokens(exps) == 20 < 5 * (4 + 3)  # not B x (P + R)
     lp, _ = response_logprobs(model, b, 0.8)
     (lp * b["mask"]).sum().backward()
     plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="eager")
