@@ -3,13 +3,10 @@ A file of its own: trainer ranks, run.py and the explorer of a resumed run all r
 
 import os
 import shutil
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-_WRITER = ThreadPoolExecutor(1, thread_name_prefix="resume-state")  # not a daemon: an exit waits for its files
 
 
 def resume_state(run_dir: str | Path) -> Path | None:
@@ -32,9 +29,8 @@ def delete_resume_states(run_dir: str | Path) -> int:
     return freed
 
 
-def save_resume_state(trainer, run_dir: str | Path, step: int) -> "Future[Path]":
-    """Write `trainer`'s state after `step` steps, resume-latest naming it when complete; collective. A thread writes
-    the live weights and moments (no copy) while the next step computes; `Trainer.optimizer_step` waits for it."""
+def save_resume_state(trainer, run_dir: str | Path, step: int) -> Path:
+    """Write `trainer`'s state after `step` steps, return its path; resume-latest names it when complete. Collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     root = Path(run_dir) / "checkpoints"
@@ -43,22 +39,20 @@ def save_resume_state(trainer, run_dir: str | Path, step: int) -> "Future[Path]"
         shutil.rmtree(path, ignore_errors=True)  # a partial state left by a crash
         path.mkdir(parents=True)
     dist.barrier()
-    state = {"optim": get_optimizer_state_dict(trainer.model, trainer.opt), **_adapter_state(trainer)}
-    params = trainer.full_parameters()  # (a collective of the training group: here, not in the thread)
-    meta = {"step": step, "version": trainer.version, "rng": torch.get_rng_state(), "loop": dict(trainer.loop_state)}
-    def write() -> Path:  # collectives of a group of its own, beside the training group's
-        dcp.save(state, checkpoint_id=str(path / "dcp"), process_group=trainer.save_group)
-        trainer.save(path / "hf", params)  # the one copy of the weights: the explorer of a resumed run starts from it
-        if trainer.rank == 0:
-            torch.save(meta, path / "trainer.pt")
-            (tmp := root / ".resume-latest.tmp").write_text(path.name)
-            os.replace(tmp, root / "resume-latest")
-            for old in set(root.glob("resume-[0-9]*")) - {path}:
+    dcp.save({"optim": get_optimizer_state_dict(trainer.model, trainer.opt), **_adapter_state(trainer)},
+             checkpoint_id=str(path / "dcp"))
+    trainer.save(path / "hf")  # the one copy of the weights: the explorer of a resumed run starts from it
+    if trainer.rank == 0:
+        torch.save({"step": step, "version": trainer.version, "rng": torch.get_rng_state(), "loop": trainer.loop_state},
+                   path / "trainer.pt")
+        tmp = root / ".resume-latest.tmp"
+        tmp.write_text(path.name)
+        os.replace(tmp, root / "resume-latest")
+        for old in root.glob("resume-[0-9]*"):
+            if old != path:
                 shutil.rmtree(old, ignore_errors=True)
-        dist.barrier(group=trainer.save_group)
-        return path
-    trainer.resume_write = _WRITER.submit(write)
-    return trainer.resume_write
+    dist.barrier()
+    return path
 
 
 def load_resume_state(trainer, path: str | Path) -> int:

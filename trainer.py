@@ -159,7 +159,6 @@ class Trainer:
         self.matmul = matmul_params(model_path)  # (body, head) parameters per token: model FLOPs for perf/trainer_mfu
         self.peak = unit_peak(device.type, cfg.dtype)  # FLOP/s of one core (CPU) or device (CUDA)
         self.loop_state: dict = {}  # rank 0: loop.TrainLoop's position, saved with the resume state
-        self.save_group, self.resume_write = dist.new_group(backend="gloo"), None  # checkpoints.save_resume_state
 
     def pretrained(self, model_path: str):
         """The model at `model_path` in float32 on the device, attending by `packed_sdpa` (`pack`'s layout)."""
@@ -354,8 +353,6 @@ class Trainer:
 
     def optimizer_step(self) -> float:
         """Clip the gradients, AdamW step at the scheduled rate, zero them; the norm before clipping."""
-        if self.resume_write:  # a resume state being written reads the weights and moments in place
-            self.resume_write.result()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
         for group in self.opt.param_groups:  # a function of the step: a resumed run goes on where it was

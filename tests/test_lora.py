@@ -127,7 +127,7 @@ def test_final_adapter_loads_in_peft_and_merged_model_in_transformers(tiny_model
 
 def test_resume_state_holds_adapters_and_their_optimizer_only(tiny_model, trained, tmp_path):
     cfg, tr = trained
-    path = save_resume_state(tr, tmp_path, step=2).result()
+    path = save_resume_state(tr, tmp_path, step=2)
     hf = path / "hf"
     assert (hf / "adapter_model.safetensors").is_file() and not list(hf.glob("model*.safetensors"))
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and "tokenizer" not in f.name)
