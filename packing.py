@@ -69,14 +69,15 @@ def pack(exps: list[Experience], pad: int, row_tokens: int = 0, multiple: int = 
         attn, pos = None, torch.arange(L)[None]                                          # [1, L]
     else:
         tail = -int((seg >= 0).sum()) % token_multiple  # extra tokens up to a multiple: in pads' slots
-        if (n := -((int((seg < 0).sum()) - tail) // L)) > 0:  # too few pads: rows of them
-            ids, pos, seg = (torch.cat([x, x.new_full((n, L), v)]) for x, v in ((ids, pad), (pos, 0), (seg, -1)))
+        if (extra := -((int((seg < 0).sum()) - tail) // L)) > 0:  # too few pads: rows of them
+            ids, pos, seg = (torch.cat([x, x.new_full((extra, L), v)]) for x, v in ((ids, pad), (pos, 0), (seg, -1)))
         q, k = seg[:, :, None], seg[:, None, :]                                          # [N, L, 1], [N, 1, L]
         tril = torch.ones(L, L, dtype=torch.bool).tril()                                 # [L, L]
         attn = (tril & (q >= 0) & ((k == 0) | (k == q)) | torch.eye(L, dtype=torch.bool))[:, None]  # [N, 1, L, L]
-        real, free = (seg.flatten() >= 0).nonzero().squeeze(1), (seg.flatten() < 0).nonzero().squeeze(1)
+        is_token = seg.flatten() >= 0                                                    # [N x L]
+        real, free = is_token.nonzero().squeeze(1), (~is_token).nonzero().squeeze(1)
         token_slots = torch.cat([real, free[:tail]])                                     # [T]
-        rows_i, positions = torch.zeros_like(rows_i), ((seg.flatten() >= 0).cumsum(0) - 1)[rows_i * L + positions]
+        rows_i, positions = torch.zeros_like(rows_i), (is_token.cumsum(0) - 1)[rows_i * L + positions]
         ids, pos = ids.flatten()[token_slots][None], pos.flatten()[token_slots][None]   # [1, T]
     response = torch.full((len(exps), R), pad, dtype=torch.long)
     behaviour, mask = torch.zeros((len(exps), R)), torch.zeros((len(exps), R))
