@@ -182,9 +182,10 @@ class WeightSync:
         digest = 0.0 if self.checksum else None
         for given in buckets:
             for r in bucket_ranges([t.numel() for t in given], self.bucket_elems):
-                flat = torch.empty(sum(given[i].numel() for i in r), dtype=self.wire_dtype, device=self.device)
-                for i, part in zip(r, flat.split([given[i].numel() for i in r])):  # cast in place: no second copy
-                    part.copy_(given[i].detach().reshape(-1))                      # [bucket]
+                sizes = [given[i].numel() for i in r]
+                flat = torch.empty(sum(sizes), dtype=self.wire_dtype, device=self.device)  # [bucket]
+                for i, part in zip(r, flat.split(sizes)):  # cast in place: no second copy
+                    part.copy_(given[i].detach().reshape(-1))
                 self._pending.append(self._broadcast(flat))
                 if self.checksum:
                     digest += checksum([flat])  # while it is on its way (read only)
