@@ -32,27 +32,34 @@ class Step:
     `rows` sequences and `capacity` tokens; captured as a CUDA graph when `capture`, else run eagerly."""
 
     def __init__(self, model, like: list, rows: int, capacity: int, capture: bool):
-        k, v = like[0].keys, like[0].values  # the growing cache's dtypes (under autocast: float32, as it promotes)
-        kv = lambda t: t.new_zeros(rows, t.shape[1], capacity, t.shape[3])  # noqa: E731  [Bb, KV, L, D]
-        self.index = torch.zeros(1, dtype=torch.long, device=k.device)
-        self.cache = Cache(layers=[ColumnLayer(kv(k), kv(v), self.index) for _ in like])
-        self.ids, self.pos = (torch.zeros(rows, 1, dtype=torch.long, device=k.device) for _ in range(2))  # [Bb, 1]
-        self.mask = torch.zeros(rows, 1, 1, capacity, dtype=torch.bool, device=k.device)  # [Bb, 1, 1, L]
+        device = like[0].keys.device
+        # [Bb, KV, L, D] of each layer in the growing cache's dtypes (under autocast: float32, as it promotes)
+        kv = lambda t: t.new_zeros(rows, t.shape[1], capacity, t.shape[3])  # noqa: E731
+        self.index = torch.zeros(1, dtype=torch.long, device=device)
+        self.cache = Cache(layers=[ColumnLayer(kv(layer.keys), kv(layer.values), self.index) for layer in like])
+        self.ids, self.pos = (torch.zeros(rows, 1, dtype=torch.long, device=device) for _ in range(2))  # [Bb, 1]
+        self.mask = torch.zeros(rows, 1, 1, capacity, dtype=torch.bool, device=device)  # [Bb, 1, 1, L]
         self.mask[:, 0, 0, 0] = True  # no row attends to nothing (softmax of no column is NaN)
         self.model, self.graph = model, None
         if capture:
             # autocast's weight cache would free the casts the graph reads: the graph casts on every replay
             cast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
                                   enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), cast:
-                for _ in range(2):  # kernels chosen, workspaces allocated, outside the capture
-                    self.forward()
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), cast:  # a sync may copy meanwhile
-                self.logits = self.forward()                                            # [Bb, V]
+            side, before, debug = torch.cuda.Stream(), torch.cuda.current_stream(), torch.cuda.get_sync_debug_mode()
+            side.wait_stream(before)
+            try:  # a step that waits for the GPU fails in the warm-up: a failed capture cannot be undone cleanly
+                torch.cuda.set_sync_debug_mode("error")
+                with torch.cuda.stream(side), cast:
+                    for _ in range(2):  # kernels chosen, workspaces allocated, outside the capture
+                        self.forward()
+                torch.cuda.set_sync_debug_mode(debug)
+                before.wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), cast:  # a sync may copy
+                    self.logits = self.forward()                                            # [Bb, V]
+            finally:  # a failed capture leaves its own stream current
+                torch.cuda.set_sync_debug_mode(debug)
+                torch.cuda.set_stream(before)
 
     def forward(self) -> torch.Tensor:
         return self.model(input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos,
@@ -109,7 +116,7 @@ class Graphs:
                 self.steps.popitem(last=False)
             try:
                 self.steps[key] = Step(model, cache.layers, rows, capacity, self.capture)
-            except RuntimeError as e:  # a model whose step cannot be captured still decodes
+            except Exception as e:  # a model whose step cannot be captured still decodes
                 self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 print(f"nanorft: CUDA graphs off, decoding eagerly: the capture failed ({self.failed})",
                       file=sys.stderr, flush=True)
