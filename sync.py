@@ -182,10 +182,7 @@ class WeightSync:
         digest = 0.0 if self.checksum else None
         for given in buckets:
             for r in bucket_ranges([t.numel() for t in given], self.bucket_elems):
-                sizes = [given[i].numel() for i in r]
-                flat = torch.empty(sum(sizes), dtype=self.wire_dtype, device=self.device)  # [bucket]
-                for i, part in zip(r, flat.split(sizes)):  # cast in place: no second copy
-                    part.copy_(given[i].detach().reshape(-1))
+                flat = flatten([given[i] for i in r], self.wire_dtype, self.device)  # [bucket]
                 self._pending.append(self._broadcast(flat))
                 if self.checksum:
                     digest += checksum([flat])  # while it is on its way (read only)
@@ -226,6 +223,14 @@ class WeightSync:
 def transport(sync_method: str) -> type:
     """The class of both ends of the weight sync for `sync_method` (broadcast or ipc)."""
     return resolve(IPC_SYNC, {}, "sync_method") if sync_method == "ipc" else WeightSync
+
+
+def flatten(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A new tensor [sum of numels] of `dtype` on `device`: `tensors` in order, each cast into its slice."""
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):  # no second copy of the bucket
+        part.copy_(t.detach().reshape(-1))
+    return flat
 
 
 def bucket_ranges(numels: list[int], limit: int) -> list[range]:

@@ -44,7 +44,7 @@ class IpcSync(sync.WeightSync):
 
     def _hand_out(self, version: int, tensors: list[torch.Tensor]) -> float | None:
         """Put a handle of `tensors` in one new tensor into the store; it is held until acknowledged. Its checksum."""
-        flat = flatten(tensors, self.wire_dtype)  # [bucket]
+        flat = sync.flatten(tensors, self.wire_dtype, tensors[0].device)  # [bucket]
         if flat.is_cuda:  # written before another process reads it
             torch.cuda.synchronize(flat.device)
         else:  # a CPU tensor then pickles as a shared-memory file's name, which the store can carry
@@ -106,11 +106,6 @@ class IpcSync(sync.WeightSync):
         except dist.DistError as e:  # a receiver's store connection: rank 0 is gone
             raise RuntimeError(f"weight sync: the trainer's store at {self.host}:{self.port} stopped answering (the "
                                f"trainer is gone: {' '.join(str(e).split())})") from None
-
-
-def flatten(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """A new tensor [sum of numels] of `dtype` on the tensors' device holding them in order."""
-    return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
 
 
 def copy_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:

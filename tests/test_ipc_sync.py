@@ -186,3 +186,26 @@ def test_mode_both_syncs_by_handle_with_equal_checksums(tiny_model, tmp_path):
 @pytest.mark.slow
 def test_mode_both_syncs_lora_adapters_by_handle_with_equal_checksums(tiny_model, tmp_path):
     run_ipc(tiny_model, tmp_path / "run", "--lora-rank", 4, "--sync-bucket-mb", 0.005)
+
+
+def test_a_bucket_is_handed_out_as_one_new_tensor_without_a_second_copy():
+    # the cast of each tensor goes straight into the bucket: no temporaries of the bucket's size beside it
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class NewMemory(TorchDispatchMode):  # bytes of the new storages the ops inside allocate
+        bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            self.bytes += sum(t.untyped_storage().nbytes() for t in tree_leaves(out)
+                              if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given)
+            return out
+    ws = sync.transport("ipc")(0, 2, port=0, timeout_s=5, bucket_elems=0, wire_dtype=torch.bfloat16)
+    tensors = [torch.randn(300, 40), torch.randn(500)]
+    with NewMemory() as new:
+        ws._hand_out(0, tensors)
+    flat = ws._pending[0][1]
+    assert new.bytes == flat.untyped_storage().nbytes() == 12_500 * 2
+    assert torch.equal(flat, torch.cat([t.reshape(-1) for t in tensors]).bfloat16())
