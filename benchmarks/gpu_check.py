@@ -329,7 +329,8 @@ def check_cuda(work: Path) -> Callable[[str], tuple[str, dict]]:
     def check(out: str) -> tuple[str, dict]:
         info = json.loads((work / "cuda.json").read_text())
         names = ", ".join(f"{g['name']} ({g['memory_gib']:.0f} GiB, sm_{g['capability']})" for g in info["gpus"])
-        return f"{len(info['gpus'])} GPU(s): {names}; NCCL {info['nccl']}", info
+        return (f"{len(info['gpus'])} GPU(s): {names}; NCCL {info['nccl']}; compute mode "
+                f"{'/'.join(info['compute_modes']) or '?'}; PYTORCH_CUDA_ALLOC_CONF '{info['alloc_conf']}'", info)
     return check
 
 
@@ -505,9 +506,14 @@ def cuda_worker(work: Path) -> None:
         assert torch.isfinite(a @ a).all().item(), f"cuda:{i}: a bf16 matmul gave non-finite numbers"
         gpus.append({"name": p.name, "memory_gib": p.total_memory / 2**30, "capability": f"{p.major}{p.minor}",
                      "multiprocessors": p.multi_processor_count})
+    # what decides whether CUDA IPC can work here: an exclusive compute mode or cudaMallocAsync rules it out
+    smi = shutil.which("nvidia-smi")
+    modes = subprocess.run([smi, "--query-gpu=compute_mode", "--format=csv,noheader"], capture_output=True,
+                           text=True).stdout.strip().splitlines() if smi else []
     (work / "cuda.json").write_text(json.dumps({
         "gpus": gpus, "torch": torch.__version__, "cuda": torch.version.cuda, "bf16": torch.cuda.is_bf16_supported(),
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())), "cudnn": torch.backends.cudnn.version()}, indent=2))
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())), "cudnn": torch.backends.cudnn.version(),
+        "compute_modes": modes, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}, indent=2))
 
 
 def bench_worker(work: Path, rounds: int = 3) -> None:
