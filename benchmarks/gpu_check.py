@@ -52,9 +52,9 @@ processes together):
                   model in one process: a warm-up round, then interleaved rounds timed between
                   CUDA synchronisations, medians; peak GPU memory of each part; a raw
                   device -> host -> device copy of the model's float32 bytes
-    trainer       benchmarks/bench_trainer.py: nanorft's train step on the Qwen3-0.6B shape at 2k
-                  and 8k tokens, full and LoRA r16, against a raw loop; the compile_layers lever
-                  flipped (tokens/s, MFU, peak memory)
+    trainer       benchmarks/bench_trainer.py: nanorft's train step on the Qwen3-0.6B shape at 8k
+                  tokens, full fine-tuning with the trainer's defaults, against a raw loop
+                  (tokens/s, MFU, peak memory)
     sync-135m     benchmarks/bench_sync.py --device colocated: nanorft's publish vs a raw broadcast
     sync-0.5b     of the same bytes over the same gloo group, through host memory, and the same
                   buckets by CUDA IPC (--sync-method ipc) (it writes its usual
