@@ -27,7 +27,8 @@ the tail of its output; one that would start with less than 20 s of the budget l
 not run). nvidia-smi, where there is one, gives each stage's peak GPU memory in use (all
 processes together):
 
-    cuda          a bf16 matmul on every visible GPU; names, memory, NCCL version
+    cuda          a bf16 matmul on every visible GPU; names, memory, NCCL version, compute mode and
+                  PYTORCH_CUDA_ALLOC_CONF (an exclusive mode or cudaMallocAsync rules out CUDA IPC)
     tests         pytest tests/test_gpu.py, tests/test_cuda_graphs.py and the CUDA test of
                   tests/test_ipc_sync.py: every test passes and none is skipped (the CUDA-gated
                   ones: mode both colocated on one GPU with ipc and with gloo sync, the HF engine
@@ -66,7 +67,7 @@ processes together):
 
 They run in the order cuda, sync-*, bench, trainer, both-135m, lora-135m, both-0.5b, tests
 (then the 2+ GPU stages): the measurements first, so that a run cut short by the budget has them;
-`--only tests` runs what it left out.
+`--only STAGE,...` runs the stages it left out.
 
 It prints every stage with PASS / FAIL / SKIP, its time and its figures, and writes
 DIR/gpu_check.json (GPU, versions, every figure) and DIR/gpu_check.log (every stage's whole
@@ -78,6 +79,7 @@ import math
 import importlib.util
 import os
 import shutil
+import shlex
 import signal
 import statistics
 import subprocess
@@ -152,8 +154,8 @@ def build_model(path: Path, shape: dict, tokenizer) -> int:
 
 
 def both_flags(work: Path, model: str, steps: int, run_dir: Path, sync_method: str = "ipc") -> list[str]:
-    """run.py flags of a mode-both job on the default job's shape with a weight sync after every step (ipc: the
-    explorer colocated with trainer rank 0; auto where it has a GPU of its own, or several ranks share one)."""
+    """run.py flags of a mode-both job on the default job's shape with a weight sync after every step (ipc for the
+    explorer colocated with trainer rank 0 on one GPU; the multi-GPU stages check auto's choice)."""
     return ["--mode", "both", "--engine", "hf", "--model", str(work / "models" / model), "--task",
             str(work / "tasks.jsonl"), "--steps", str(steps), "--sync-interval", "1", "--eval-size", "16",
             "--run-dir", str(run_dir), "--overwrite", "--sync-checksum", "--sync-method", sync_method]
@@ -307,7 +309,7 @@ def run_stage(stage: Stage, deadline: float, base_env: dict, log) -> dict:
                 pass
         out = proc.communicate()[0] if out is None else out
     seconds = time.monotonic() - t0
-    log.write(f"==== {stage.name}: {' '.join(stage.cmd)} (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})\n{out}\n")
+    log.write(f"==== {stage.name}: {shlex.join(stage.cmd)} (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})\n{out}\n")
     result = {"status": "FAIL", "seconds": round(seconds, 1), "gpu_memory_peak_gib": mem.peak and round(mem.peak, 2)}
     if timed_out:
         result["detail"] = f"timed out after {limit:.0f} s"
@@ -421,7 +423,7 @@ def check_bench(work: Path) -> Callable[[str], tuple[str, dict]]:
 
 
 def check_trainer(path: Path) -> Callable[[str], tuple[str, dict]]:
-    """bench_trainer.py on the Qwen3-0.6B shape: nanorft's step and the raw loop at each length, full and LoRA."""
+    """bench_trainer.py on the Qwen3-0.6B shape: nanorft's step and the raw loop at each length and LoRA rank run."""
     def check(out: str) -> tuple[str, dict]:
         res = json.loads(path.read_text())
         rows = {(r["arm"], r["lora_rank"], r["length"], r["lever"]): r for r in res["rows"]}
@@ -514,9 +516,9 @@ def cuda_worker(work: Path) -> None:
         gpus.append({"name": p.name, "memory_gib": p.total_memory / 2**30, "capability": f"{p.major}{p.minor}",
                      "multiprocessors": p.multi_processor_count})
     # what decides whether CUDA IPC can work here: an exclusive compute mode or cudaMallocAsync rules it out
-    smi = shutil.which("nvidia-smi")
-    modes = subprocess.run([smi, "--query-gpu=compute_mode", "--format=csv,noheader"], capture_output=True,
-                           text=True).stdout.strip().splitlines() if smi else []
+    smi, visible = shutil.which("nvidia-smi"), os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    modes = subprocess.run([smi, "--query-gpu=compute_mode", "--format=csv,noheader"] + (["-i", visible] if visible
+                           else []), capture_output=True, text=True, timeout=30).stdout.strip().splitlines() if smi else []
     (work / "cuda.json").write_text(json.dumps({
         "gpus": gpus, "torch": torch.__version__, "cuda": torch.version.cuda, "bf16": torch.cuda.is_bf16_supported(),
         "nccl": ".".join(map(str, torch.cuda.nccl.version())), "cudnn": torch.backends.cudnn.version(),

@@ -52,13 +52,13 @@ class Step:
                 with torch.cuda.stream(side), cast:
                     for _ in range(2):  # kernels chosen, workspaces allocated, outside the capture
                         self.forward()
-                torch.cuda.set_sync_debug_mode(debug)
-                before.wait_stream(side)
+                torch.cuda.set_sync_debug_mode(debug)  # the capture synchronizes the device (the warm-up) first
                 self.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), cast:  # a sync may copy
                     self.logits = self.forward()                                            # [Bb, V]
-            finally:  # a failed capture leaves its own stream current
+            finally:  # a failed warm-up may still be writing the cache; a failed capture leaves its stream current
                 torch.cuda.set_sync_debug_mode(debug)
+                before.wait_stream(side)
                 torch.cuda.set_stream(before)
 
     def forward(self) -> torch.Tensor:
