@@ -446,10 +446,10 @@ def check_sync(device: str) -> Callable[[str], tuple[str, dict]]:
                                  "ratio_bucketed_over_ipc", "ipc_gb_per_s") if k in r}
         if device == "colocated" and "ipc_s" not in r:
             raise Failed("bench_sync.py timed no ipc publish")
+        ipc = ""
         if "ipc_s" in r:
             fig["ipc_s_per_gb"] = r["ipc_s"] / (r["bytes"] / 1e9)
-        ipc = (f", ipc {r['ipc_s']:.3f} s ({fig['ipc_s_per_gb']:.3f} s/GB; bucketed / ipc "
-               f"{r['ratio_bucketed_over_ipc']:.1f})" if "ipc_s" in r else "")
+            ipc = f", ipc {r['ipc_s']:.3f} s ({fig['ipc_s_per_gb']:.3f} s/GB; bucketed / ipc {r['ratio_bucketed_over_ipc']:.1f})"
         return (f"{r['bytes'] / 1e6:.0f} MB: publish {r['nanorft_s']:.3f} s ({r['nanorft_gb_per_s']:.2f} GB/s), raw "
                 f"broadcast {r['raw_s']:.3f} s (raw/nanorft {r['ratio_raw_over_nanorft']:.2f}), bucketed "
                 f"{r['bucketed_s']:.3f} s{ipc}", fig)
