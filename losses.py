@@ -119,16 +119,28 @@ def seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def group_stats(x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-member (mean, unbiased std, count) of each group: x [B], index [B] -> three [B]. A group of one
-    has mean 0 and std 1 (verl core_algos.py compute_grpo_outcome_advantage @ b178a3c)."""
+    """Per-member (mean, unbiased std, count) of each group: x [B], index [B] -> three [B], in x's dtype.
+
+    Computed in float64, and a group whose members are all equal gets its members' own value as
+    mean and an std of exactly 0: in float32 the mean of eight 0.7s is not 0.7, and that rounding
+    noise divided by a tiny std would give every member of a constant group the same nonzero
+    advantage (a class of bug reported in NeMo-RL). A group of one has mean 0 and std 1 (verl
+    core_algos.py compute_grpo_outcome_advantage @ b178a3c).
+    """
+    x64 = x.double()                                                       # [B]
     G = int(index.max()) + 1
-    onehot = torch.nn.functional.one_hot(index, G).to(x.dtype)             # [B, G]
+    onehot = torch.nn.functional.one_hot(index, G).double()                # [B, G]
     count = onehot.sum(0)                                                  # [G]
-    mean = (onehot * x[:, None]).sum(0) / count                            # [G]
-    dev = x - mean[index]                                                  # [B]
+    mean = (onehot * x64[:, None]).sum(0) / count                          # [G]
+    dev = x64 - mean[index]                                                # [B]
     var = (onehot * dev[:, None] ** 2).sum(0) / (count - 1).clamp(min=1)   # [G]
+    low = torch.full((G,), torch.inf, dtype=x64.dtype, device=x.device).scatter_reduce(0, index, x64, "amin")
+    high = torch.full((G,), -torch.inf, dtype=x64.dtype, device=x.device).scatter_reduce(0, index, x64, "amax")
+    constant = (low == high)[index]                                        # [B]
     single = count[index] == 1                                             # [B]
-    return torch.where(single, 0.0, mean[index]), torch.where(single, 1.0, var.sqrt()[index]), count[index]
+    member_mean = torch.where(single, 0.0, torch.where(constant, x64, mean[index]))      # [B]
+    member_std = torch.where(single, 1.0, torch.where(constant, 0.0, var.sqrt()[index]))  # [B]
+    return member_mean.to(x.dtype), member_std.to(x.dtype), count[index].to(x.dtype)
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens, total_seqs) -> torch.Tensor:

@@ -52,6 +52,10 @@ MODES = {"both": trainer_ranks, "train": trainer_ranks, "explore": "extras.explo
          "bench": "extras.bench.bench"}
 
 
+# the losses that need no behaviour log-probs: offline rows carry none (MIX's expert rows: --expert-data)
+OFFLINE_LOSSES = ("sft", "dpo")
+
+
 def check_modes(cfg: Config) -> None:
     """Resolve sync_method "auto" (mode both: in prepare); ValueError: conflicting flags; FileNotFoundError: no run."""
     if cfg.sync_method == "auto" and cfg.mode != "both":
@@ -71,6 +75,9 @@ def check_modes(cfg: Config) -> None:
         raise ValueError("--bench-models is for --mode bench")
     if cfg.train_data and cfg.mode != "train":
         raise ValueError("--train-data is for --mode train (offline SFT / DPO)")
+    if cfg.train_data and cfg.policy_loss not in OFFLINE_LOSSES:
+        raise ValueError(f"--train-data has no behaviour log-probs for policy_loss {cfg.policy_loss!r} to take a "
+                         f"ratio against: train offline data with --policy-loss {' or '.join(OFFLINE_LOSSES)}")
     if cfg.train_data and cfg.sync_method == "broadcast":
         raise ValueError("--train-data trains offline, with no explorer to sync with: leave out --sync-method broadcast")
     if cfg.overwrite and cfg.mode in ("explore", "train") and not cfg.train_data:  # (offline: no other side)

@@ -16,8 +16,11 @@ def opmd_advantages(rewards, group_index, episode_index=None, baseline: str = "m
         return rewards - group_stats(rewards, group_index)[0]
     if baseline != "logavgexp":
         raise ValueError(f"opmd baseline must be mean or logavgexp, got {baseline!r}")
-    single = group_stats(rewards, group_index)[2] == 1                                    # [B]
-    return rewards - torch.where(single, 0.0, logavgexp_baseline(rewards, group_index, tau))  # [B]
+    _, std, count = group_stats(rewards, group_index)                                     # [B], [B]
+    baseline = logavgexp_baseline(rewards, group_index, tau)                               # [B]
+    # a constant group's baseline is its reward; tau * (r / tau) need not round back to r
+    baseline = torch.where(std == 0, rewards, baseline)                                    # [B]
+    return rewards - torch.where(count == 1, 0.0, baseline)                                # [B]
 
 
 def logavgexp_baseline(rewards: torch.Tensor, group_index: torch.Tensor, tau: float) -> torch.Tensor:

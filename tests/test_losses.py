@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engines import sample_token
-from extras.advantages import stepwise_grpo_advantages
+from extras.advantages import dr_grpo_advantages, rloo_advantages, stepwise_grpo_advantages
 from extras.opmd import opmd_advantages
 from extras.policy_losses import mix_loss
 from losses import LossInputs, grpo_advantages, kl_estimate, masked_sum, ppo_clip_loss
@@ -33,6 +33,30 @@ def test_grpo_advantages_match_loop_reference():
 def test_grpo_equal_rewards_give_zero_advantage():
     adv = grpo_advantages(torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1]))
     assert torch.all(adv == 0)
+
+
+GROUP_ESTIMATORS = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+    "opmd mean": opmd_advantages,
+    "opmd logavgexp": lambda r, i: opmd_advantages(r, i, baseline="logavgexp", tau=0.3),
+}
+
+
+@pytest.mark.parametrize("name", list(GROUP_ESTIMATORS))
+def test_a_group_of_equal_non_dyadic_rewards_has_exactly_zero_advantage(name):
+    # in float32 the mean of eight 0.7s is not 0.7: GRPO gave such a group +0.056 for every member
+    fn = GROUP_ESTIMATORS[name]
+    for value in (0.7, 0.1, 1 / 3, 0.3, 0.9, 2 / 3):
+        for size in (2, 3, 5, 8):
+            for n_constant in (1, 2, 5, 8):
+                varying = torch.tensor([0.0, 1.0, 0.25])                                  # group 0
+                rewards = torch.cat([varying, torch.full((size * n_constant,), value)])   # [B]
+                index = torch.cat([torch.zeros(3), 1 + torch.arange(n_constant).repeat_interleave(size)]).long()
+                adv = fn(rewards, index)
+                assert torch.all(adv[3:] == 0), (name, value, size, n_constant, adv[3:].abs().max())
+                assert adv[:3].abs().max() > 0.1  # the group with differing rewards keeps its advantage
 
 
 def test_ppo_clip_matches_scalar_reference():

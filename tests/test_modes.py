@@ -283,6 +283,19 @@ def test_offline_train_refuses_a_used_run_dir_and_overwrite_deletes_it(tiny_mode
     assert not (tmp_path / "r" / "metrics.jsonl").exists() and (tmp_path / "r" / "config.json").is_file()
 
 
+@pytest.mark.parametrize("loss", ["ppo_clip", "gspo", "cispo", "reinforce_tis"])
+def test_offline_data_with_a_ratio_loss_is_one_error_line(tiny_model, tmp_path, capsys, monkeypatch, loss):
+    # offline rows carry 0.0 as behaviour log-probs: a ratio loss turned SFT into probability-weighted SFT
+    import run
+
+    monkeypatch.chdir(ROOT)
+    argv = [*offline_argv(tiny_model, tmp_path), "--policy-loss", loss]
+    assert run.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train offline data with --policy-loss sft or dpo" in err, err
+    assert not (tmp_path / "r").exists()
+
+
 def test_offline_train_writes_config_json_and_the_async_trainer_config_train_json(tiny_model, tmp_path, monkeypatch):
     # offline mode train owns its run dir (config.json, as the docs say); the fully asynchronous trainer shares
     # it with explorers and keeps a file of its own
@@ -390,7 +403,8 @@ def test_resume_after_kill_loses_and_repeats_nothing(tiny_model, tmp_path, sync)
     (["--mode", "train", "--num-explorers", "0"], "num_explorers must be >= 1"),
     (["--mode", "train", "--overwrite"], "--overwrite would delete a run directory shared"),
     (["--train-data", "x.jsonl"], "--train-data is for --mode train"),
-    (["--mode", "train", "--train-data", "x.jsonl", "--sync-method", "broadcast", "--sync-port", "29999"],
+    (["--mode", "train", "--train-data", "x.jsonl", "--policy-loss", "sft", "--sync-method", "broadcast",
+      "--sync-port", "29999"],
      "--train-data trains offline, with no explorer to sync with"),
     (["--resume"], "--resume: no run to resume in"),
 ])
