@@ -30,13 +30,16 @@ CREATE TABLE IF NOT EXISTS run_state (key TEXT PRIMARY KEY, value TEXT NOT NULL)
 CREATE TABLE IF NOT EXISTS explorer_records (id {id}, explorer TEXT NOT NULL, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS replays (step INTEGER NOT NULL, group_id TEXT NOT NULL);
 """
-COLUMNS = ("group_id, task_id, model_version, prompt_length, tokens, behaviour_logprobs, action_mask, reward, info, "
-            "explorer")
+COLUMNS = (
+    "group_id, task_id, model_version, prompt_length, tokens, behaviour_logprobs, action_mask, reward, info, "
+    "explorer"
+)
 
 
 @dataclass
 class Experience:
     """One training sample: tokens = prompt + response (R); behaviour_logprobs, action_mask [R]; reward None: lagged."""
+
     tokens: list[int]
     prompt_length: int
     behaviour_logprobs: list[float]
@@ -49,12 +52,18 @@ class Experience:
     explorer: str = Config.explorer_name
 
     def __post_init__(self):
-        if self.reward is not None and not (isinstance(self.reward, (int, float)) and math.isfinite(self.reward)):
-            raise ValueError(f"experience {self.task_id}: reward must be a finite number or None, got {self.reward!r}")
+        if self.reward is not None and not (
+            isinstance(self.reward, (int, float)) and math.isfinite(self.reward)
+        ):
+            raise ValueError(
+                f"experience {self.task_id}: reward must be a finite number or None, got {self.reward!r}"
+            )
         r = len(self.tokens) - self.prompt_length
         if not (len(self.behaviour_logprobs) == len(self.action_mask) == r >= 0):
-            raise ValueError(f"experience {self.task_id}: response has {r} tokens but {len(self.behaviour_logprobs)} "
-                             f"behaviour_logprobs and {len(self.action_mask)} mask entries")
+            raise ValueError(
+                f"experience {self.task_id}: response has {r} tokens but {len(self.behaviour_logprobs)} "
+                f"behaviour_logprobs and {len(self.action_mask)} mask entries"
+            )
 
 
 def pool_for(mean_reward: float, easy: float, hard: float) -> str | None:
@@ -64,13 +73,16 @@ def pool_for(mean_reward: float, easy: float, hard: float) -> str | None:
 
 class _SQLite:
     """The SQLite dialect: BEGIN IMMEDIATE transactions; explorer names are flocks beside the file."""
+
     def __init__(self, path: str, timeout_s: float):
         self.path, self.where = Path(path), str(path)
         try:
             self.conn = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute("PRAGMA synchronous=NORMAL")
-            self.conn.executescript(SCHEMA.format(id="INTEGER PRIMARY KEY AUTOINCREMENT", blob="BLOB"))
+            self.conn.executescript(
+                SCHEMA.format(id="INTEGER PRIMARY KEY AUTOINCREMENT", blob="BLOB")
+            )
         except sqlite3.DatabaseError as e:
             raise ValueError(f"buffer {self.where}: not a usable SQLite database ({e})") from None
         self._held = []
@@ -109,7 +121,9 @@ class _SQLite:
 
 
 POSTGRES = ("postgresql://", "postgres://")  # URL prefixes of the PostgreSQL backend
-POSTGRES_BACKEND = "extras.postgres.Postgres"  # optional (psycopg), for several hosts: by import path
+POSTGRES_BACKEND = (
+    "extras.postgres.Postgres"  # optional (psycopg), for several hosts: by import path
+)
 
 
 def open_buffer(url: str, run_dir: str | Path, timeout_s: float = 60.0) -> "Buffer":
@@ -119,11 +133,15 @@ def open_buffer(url: str, run_dir: str | Path, timeout_s: float = 60.0) -> "Buff
 
 class Buffer:
     """The buffer, one per process: a SQLite path or postgresql://...[?schema=NAME]; ValueError if unusable."""
+
     def __init__(self, url: str | Path, timeout_s: float = 60.0, run_dir: str | Path | None = None):
         url = str(url)
         if url.startswith(POSTGRES):  # run_dir: the default schema's name
             from losses import resolve
-            self.db = resolve(POSTGRES_BACKEND, {}, "buffer backend")(url, timeout_s, SCHEMA, run_dir)
+
+            self.db = resolve(POSTGRES_BACKEND, {}, "buffer backend")(
+                url, timeout_s, SCHEMA, run_dir
+            )
         else:
             self.db = _SQLite(url.removeprefix("sqlite:///"), timeout_s)
         self.where = self.db.where
@@ -135,24 +153,55 @@ class Buffer:
     def clear(self) -> None:
         """Delete everything in this buffer, in one transaction."""
         with self.db.transaction(readers=True):
-            for table in ("experiences", "explorer_state", "task_pool", "run_state", "explorer_records", "replays"):
+            for table in (
+                "experiences",
+                "explorer_state",
+                "task_pool",
+                "run_state",
+                "explorer_records",
+                "replays",
+            ):
                 self.db.execute(f"DELETE FROM {table}")
 
     def write(self, group: list[Experience]) -> None:
         self.write_batch([group])
 
-    def write_batch(self, groups: list[list[Experience]], explorer: str | None = None,
-                    state: dict | None = None, pools: list[tuple[str, float, float, float]] = ()) -> None:
+    def write_batch(
+        self,
+        groups: list[list[Experience]],
+        explorer: str | None = None,
+        state: dict | None = None,
+        pools: list[tuple[str, float, float, float]] = (),
+    ) -> None:
         """Append groups, the explorer's state and task-pool updates in one transaction."""
         now = time.time()
-        rows = [(e.group_id, e.task_id, e.model_version, e.prompt_length, array("i", e.tokens).tobytes(),
-                 array("f", e.behaviour_logprobs).tobytes(), array("b", e.action_mask).tobytes(), e.reward,
-                 json.dumps(e.info), e.explorer, now) for g in groups for e in g]
+        rows = [
+            (
+                e.group_id,
+                e.task_id,
+                e.model_version,
+                e.prompt_length,
+                array("i", e.tokens).tobytes(),
+                array("f", e.behaviour_logprobs).tobytes(),
+                array("b", e.action_mask).tobytes(),
+                e.reward,
+                json.dumps(e.info),
+                e.explorer,
+                now,
+            )
+            for g in groups
+            for e in g
+        ]
         with self.db.transaction():
-            self.db.executemany(f"INSERT INTO experiences ({COLUMNS}, created) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
+            self.db.executemany(
+                f"INSERT INTO experiences ({COLUMNS}, created) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows
+            )
             if state is not None:
-                self.db.execute("INSERT INTO explorer_state VALUES (?, ?) ON CONFLICT (name) DO UPDATE "
-                                "SET state = excluded.state", (explorer, json.dumps(state)))
+                self.db.execute(
+                    "INSERT INTO explorer_state VALUES (?, ?) ON CONFLICT (name) DO UPDATE "
+                    "SET state = excluded.state",
+                    (explorer, json.dumps(state)),
+                )
             for pool in pools:
                 self._set_pool(*pool)
 
@@ -166,7 +215,11 @@ class Buffer:
         if self.db.hold(name, wait=False):
             return True
         if wait:
-            print(f"explorer {name}: waiting for the previous explorer of this name to stop", file=sys.stderr, flush=True)
+            print(
+                f"explorer {name}: waiting for the previous explorer of this name to stop",
+                file=sys.stderr,
+                flush=True,
+            )
             self.db.hold(name, wait=True)
         return wait
 
@@ -185,14 +238,26 @@ class Buffer:
     def release_after(self, step: int) -> int:
         """Serve again what trainer steps >= `step` took; returns the number of experiences."""
         with self.db.transaction(readers=True):
-            for (group_id,) in self.db.execute("SELECT group_id FROM replays WHERE step >= ?", (step,)).fetchall():
-                self.db.execute("UPDATE experiences SET use_count = use_count - 1 WHERE group_id = ?", (group_id,))
+            for (group_id,) in self.db.execute(
+                "SELECT group_id FROM replays WHERE step >= ?", (step,)
+            ).fetchall():
+                self.db.execute(
+                    "UPDATE experiences SET use_count = use_count - 1 WHERE group_id = ?",
+                    (group_id,),
+                )
             self.db.execute("DELETE FROM replays WHERE step >= ?", (step,))
-            return self.db.execute("UPDATE experiences SET consumed = 0, use_count = 0 WHERE consumed > ?",
-                                   (step,)).rowcount
+            return self.db.execute(
+                "UPDATE experiences SET consumed = 0, use_count = 0 WHERE consumed > ?", (step,)
+            ).rowcount
 
-    def read(self, num_groups: int, timeout_s: float = float("inf"),
-             alive: Callable[[], bool] = lambda: True, poll_s: float = 0.05, step: int = 0) -> list[list[Experience]]:
+    def read(
+        self,
+        num_groups: int,
+        timeout_s: float = float("inf"),
+        alive: Callable[[], bool] = lambda: True,
+        poll_s: float = 0.05,
+        step: int = 0,
+    ) -> list[list[Experience]]:
         """Wait for and take the `num_groups` oldest complete groups; TimeoutError, RuntimeError (writer died)."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -200,23 +265,38 @@ class Buffer:
             if groups is not None:
                 return groups
             if not alive():
-                raise RuntimeError(f"buffer {self.where}: writer stopped before {num_groups} groups were ready")
+                raise RuntimeError(
+                    f"buffer {self.where}: writer stopped before {num_groups} groups were ready"
+                )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"buffer {self.where}: {num_groups} groups not ready after {timeout_s:.0f} s")
+                raise TimeoutError(
+                    f"buffer {self.where}: {num_groups} groups not ready after {timeout_s:.0f} s"
+                )
             time.sleep(poll_s)
 
     def _take(self, num_groups: int, step: int) -> list[list[Experience]] | None:
         with self.db.transaction(readers=True):
-            ids = [r[0] for r in self.db.execute(
-                "SELECT group_id FROM experiences WHERE consumed = 0 GROUP BY group_id "
-                "HAVING COUNT(*) = COUNT(reward) ORDER BY MIN(id) LIMIT ?", (num_groups,))]
+            ids = [
+                r[0]
+                for r in self.db.execute(
+                    "SELECT group_id FROM experiences WHERE consumed = 0 GROUP BY group_id "
+                    "HAVING COUNT(*) = COUNT(reward) ORDER BY MIN(id) LIMIT ?",
+                    (num_groups,),
+                )
+            ]
             if len(ids) < num_groups:
                 return None
             marks = ",".join("?" * len(ids))
-            rows = self.db.execute(f"SELECT {COLUMNS} FROM experiences WHERE consumed = 0 AND group_id IN ({marks}) "
-                                   "ORDER BY id", ids).fetchall()
-            self.db.execute(f"UPDATE experiences SET consumed = ?, use_count = 1 WHERE consumed = 0 AND group_id IN "
-                            f"({marks})", [step + 1, *ids])
+            rows = self.db.execute(
+                f"SELECT {COLUMNS} FROM experiences WHERE consumed = 0 AND group_id IN ({marks}) "
+                "ORDER BY id",
+                ids,
+            ).fetchall()
+            self.db.execute(
+                f"UPDATE experiences SET consumed = ?, use_count = 1 WHERE consumed = 0 AND group_id IN "
+                f"({marks})",
+                [step + 1, *ids],
+            )
         return self.groups_of(ids, rows)
 
     @staticmethod
@@ -224,24 +304,44 @@ class Buffer:
         """Rows of COLUMNS (ordered by id) as groups, in the order of `ids`."""
         by_group: dict[str, list[Experience]] = {g: [] for g in ids}
         for g, task, ver, plen, tok, lp, mask, reward, info, explorer in rows:
-            by_group[g].append(Experience(list(array("i", tok)), plen, list(array("f", lp)), list(array("b", mask)),
-                                                      reward, g, task, ver, json.loads(info), explorer))
+            by_group[g].append(
+                Experience(
+                    list(array("i", tok)),
+                    plen,
+                    list(array("f", lp)),
+                    list(array("b", mask)),
+                    reward,
+                    g,
+                    task,
+                    ver,
+                    json.loads(info),
+                    explorer,
+                )
+            )
         return list(by_group.values())
 
     def counts(self) -> dict[str, int]:
         """Experience counts: total, consumed, ready (reward known, unconsumed), pending (reward NULL)."""
         total, consumed, known = self.db.execute(
-            "SELECT COUNT(*), COUNT(CASE WHEN consumed > 0 THEN 1 END), COUNT(reward) FROM experiences").fetchone()
-        return {"total": total, "consumed": consumed, "pending": total - known, "ready": known - consumed}
+            "SELECT COUNT(*), COUNT(CASE WHEN consumed > 0 THEN 1 END), COUNT(reward) FROM experiences"
+        ).fetchone()
+        return {
+            "total": total,
+            "consumed": consumed,
+            "pending": total - known,
+            "ready": known - consumed,
+        }
 
     def _set_pool(self, task_id: str, mean_reward: float, easy: float, hard: float) -> None:
         pool = pool_for(mean_reward, easy, hard)
         if pool is None:
             self.db.execute("DELETE FROM task_pool WHERE task_id = ?", (task_id,))
         else:
-            self.db.execute("INSERT INTO task_pool VALUES (?, ?, ?, ?) ON CONFLICT (task_id) DO UPDATE SET "
-                            "pool = excluded.pool, mean_reward = excluded.mean_reward, updated = excluded.updated",
-                            (task_id, pool, mean_reward, time.time()))
+            self.db.execute(
+                "INSERT INTO task_pool VALUES (?, ?, ?, ?) ON CONFLICT (task_id) DO UPDATE SET "
+                "pool = excluded.pool, mean_reward = excluded.mean_reward, updated = excluded.updated",
+                (task_id, pool, mean_reward, time.time()),
+            )
 
     def retired(self) -> dict[str, str]:
         """Retired tasks: task_id -> pool ("easy" or "hard")."""
@@ -253,11 +353,14 @@ def check_config(cfg) -> None:
     with closing(open_buffer(cfg.buffer, cfg.run_dir)) as buf:
         if cfg.buffer and cfg.mode == "both" and not cfg.resume and buf.counts()["total"]:
             if not cfg.overwrite:
-                raise FileExistsError(f"buffer {buf.where} holds experiences of another run "
-                                      "(use --overwrite, --resume or another ?schema=)")
+                raise FileExistsError(
+                    f"buffer {buf.where} holds experiences of another run "
+                    "(use --overwrite, --resume or another ?schema=)"
+                )
             buf.clear()
 
 
 if __name__ == "__main__":  # the command line for lagged rewards: pending, set-reward
     from losses import resolve
+
     raise SystemExit(resolve("extras.lagged_rewards.main", {}, "buffer.py")())

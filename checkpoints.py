@@ -33,18 +33,30 @@ def save_resume_state(trainer, run_dir: str | Path, step: int) -> Path:
     """Write `trainer`'s state after `step` steps, return its path; resume-latest names it when complete. Collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     root = Path(run_dir) / "checkpoints"
     path = root / f"resume-{step:06d}"
     if trainer.rank == 0:
         shutil.rmtree(path, ignore_errors=True)  # a partial state left by a crash
         path.mkdir(parents=True)
     dist.barrier()
-    dcp.save({"optim": get_optimizer_state_dict(trainer.model, trainer.opt), **_adapter_state(trainer)},
-             checkpoint_id=str(path / "dcp"))
-    trainer.save(path / "hf")  # the one copy of the weights: the explorer of a resumed run starts from it
+    dcp.save(
+        {"optim": get_optimizer_state_dict(trainer.model, trainer.opt), **_adapter_state(trainer)},
+        checkpoint_id=str(path / "dcp"),
+    )
+    trainer.save(
+        path / "hf"
+    )  # the one copy of the weights: the explorer of a resumed run starts from it
     if trainer.rank == 0:
-        torch.save({"step": step, "version": trainer.version, "rng": torch.get_rng_state(), "loop": trainer.loop_state},
-                   path / "trainer.pt")
+        torch.save(
+            {
+                "step": step,
+                "version": trainer.version,
+                "rng": torch.get_rng_state(),
+                "loop": trainer.loop_state,
+            },
+            path / "trainer.pt",
+        )
         tmp = root / ".resume-latest.tmp"
         tmp.write_text(path.name)
         os.replace(tmp, root / "resume-latest")
@@ -58,9 +70,18 @@ def save_resume_state(trainer, run_dir: str | Path, step: int) -> Path:
 def load_resume_state(trainer, path: str | Path) -> int:
     """Load a resume state into `trainer`; returns its step. Collective. ValueError for missing weights."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-    state = {"optim": get_optimizer_state_dict(trainer.model, trainer.opt), **_adapter_state(trainer)}
-    dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))  # LoRA: the adapters in place, as sharded
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = {
+        "optim": get_optimizer_state_dict(trainer.model, trainer.opt),
+        **_adapter_state(trainer),
+    }
+    dcp.load(
+        state, checkpoint_id=str(Path(path) / "dcp")
+    )  # LoRA: the adapters in place, as sharded
     set_optimizer_state_dict(trainer.model, trainer.opt, state["optim"])
     if not trainer.lora:
         _load_weights(trainer, Path(path) / "hf")
@@ -77,12 +98,18 @@ def _adapter_state(trainer) -> dict:
 def _load_weights(trainer, hf: Path) -> None:
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     full: dict[str, torch.Tensor] = {}
     for f in sorted(hf.glob("*.safetensors")):  # (save_pretrained shards a large model)
         full.update(load_file(f))
     names = [n for n, _ in trainer.model.named_parameters()]
     if missing := [n for n in names if n not in full]:
-        raise ValueError(f"resume state {hf}: no weights for {missing[:3]} ({len(missing)} parameters)")
+        raise ValueError(
+            f"resume state {hf}: no weights for {missing[:3]} ({len(missing)} parameters)"
+        )
     # strict=False: the tied alias of a weight (lm_head.weight) is not a parameter of its own
-    set_model_state_dict(trainer.model, {n: full[n] for n in names},
-                         options=StateDictOptions(full_state_dict=True, strict=False))
+    set_model_state_dict(
+        trainer.model,
+        {n: full[n] for n in names},
+        options=StateDictOptions(full_state_dict=True, strict=False),
+    )

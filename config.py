@@ -1,5 +1,6 @@
 """Every setting of a run (`Config`), each a flag with its docstring as --help, and `parse_config`.
 A file of its own: the explorer, the trainer and every extra read the same Config."""
+
 from __future__ import annotations
 
 import ast
@@ -27,7 +28,9 @@ OTHER_TASK_DEFAULTS = {"task_kwargs": {}, "system_prompt": "Give only the final 
 class Config:
     """Every setting of a run. Each field is a --flag; the `# -- title` comments group them in --help."""
 
-    given = frozenset()  # (not a setting) the names set in --config or by flag: parse_config records them
+    given = (
+        frozenset()
+    )  # (not a setting) the names set in --config or by flag: parse_config records them
 
     # -- mode and run
     mode: str = "both"
@@ -53,8 +56,16 @@ class Config:
     """a local Hugging Face model directory, a Hub id (owner/name), or smollm2-135m (built in)"""
     task: str = DEFAULT_TASK
     """a reasoning-gym dataset, a JSONL file, a Hugging Face dataset (Hub id, directory, data file) or verifiers:NAME"""
-    task_kwargs: dict = field(default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
-                                                       "operators": ["+", "-"], "allow_parentheses": False})
+    task_kwargs: dict = field(
+        default_factory=lambda: {
+            "min_terms": 2,
+            "max_terms": 2,
+            "min_digits": 1,
+            "max_digits": 2,
+            "operators": ["+", "-"],
+            "allow_parentheses": False,
+        }
+    )
     """keyword arguments of the task's dataset (JSON); a task other than basic_arithmetic gets {}"""
     train_size: int = 2000
     """number of generated training tasks"""
@@ -240,69 +251,126 @@ def _field_help() -> tuple[dict[str, str], dict[str, str]]:
     """Config's field docstrings ({REGISTRY} filled from losses.py) and each field's `# -- title` group."""
     src = inspect.getsource(Config)
     body = ast.parse(src).body[0].body
-    fields = [(a, b) for a, b in zip(body, body[1:]) if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)]
-    titles = {i: x.removeprefix("    # -- ") for i, x in enumerate(src.splitlines(), 1) if x.startswith("    # -- ")}
+    fields = [
+        (a, b)
+        for a, b in zip(body, body[1:])
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
+    ]
+    titles = {
+        i: x.removeprefix("    # -- ")
+        for i, x in enumerate(src.splitlines(), 1)
+        if x.startswith("    # -- ")
+    }
     helps = {a.target.id: " ".join(b.value.value.split()) for a, b in fields}
-    helps = {k: re.sub(r"\{([A-Z_]+)\}", lambda m: ", ".join(getattr(losses, m[1])), v) for k, v in helps.items()}
+    helps = {
+        k: re.sub(r"\{([A-Z_]+)\}", lambda m: ", ".join(getattr(losses, m[1])), v)
+        for k, v in helps.items()
+    }
     return helps, {a.target.id: titles[max(i for i in titles if i < a.lineno)] for a, _ in fields}
 
 
 TYPES = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "list": list}
-CHOICES = {"mode": ("both", "explore", "train", "bench"), "engine": ("auto", "hf", "vllm"),
-           "sync_method": ("auto", "broadcast", "ipc", "checkpoint"), "dtype": ("auto", "bfloat16", "float32"),
-           "save_dtype": ("auto", "float32", "bfloat16", "float16"), "allocator": ("auto", "tcmalloc", "mimalloc", "system")}
+CHOICES = {
+    "mode": ("both", "explore", "train", "bench"),
+    "engine": ("auto", "hf", "vllm"),
+    "sync_method": ("auto", "broadcast", "ipc", "checkpoint"),
+    "dtype": ("auto", "bfloat16", "float32"),
+    "save_dtype": ("auto", "float32", "bfloat16", "float16"),
+    "allocator": ("auto", "tcmalloc", "mimalloc", "system"),
+}
 
 
 def _flags(defaults: dict, preset: str) -> type:
     """The command line for tyro: one dataclass per `# -- title` group of Config's fields, `defaults` as defaults."""
     import tyro
+
     json_arg = tyro.constructors.PrimitiveConstructorSpec(
-        nargs=1, metavar="JSON", instance_from_str=lambda args: json.loads(args[0]),
-        is_instance=lambda x: isinstance(x, (dict, list)), str_from_instance=lambda x: [json.dumps(x)])
+        nargs=1,
+        metavar="JSON",
+        instance_from_str=lambda args: json.loads(args[0]),
+        is_instance=lambda x: isinstance(x, (dict, list)),
+        str_from_instance=lambda x: [json.dumps(x)],
+    )
     helps, groups = _field_help()
     stages: dict[str, list] = {}
     for f in dataclasses.fields(Config):
         hint = "" if "(default:" in helps[f.name] else None  # a help that names its default itself
-        marks = (tyro.conf.arg(help=helps[f.name], help_behavior_hint=hint),) + (json_arg,) * (f.type in ("dict", "list"))
+        marks = (tyro.conf.arg(help=helps[f.name], help_behavior_hint=hint),) + (json_arg,) * (
+            f.type in ("dict", "list")
+        )
         typ = Literal[CHOICES[f.name]] if f.name in CHOICES else TYPES[f.type]
         stages.setdefault(groups[f.name], []).append(
-            (f.name, Annotated[(typ, *marks)], field(default_factory=lambda v=defaults[f.name]: copy.deepcopy(v))))
-    fields = [("config", Annotated[str, tyro.conf.arg(help="TOML preset (keys = Config fields); flags override it")],
-               field(default=preset))]
+            (
+                f.name,
+                Annotated[(typ, *marks)],
+                field(default_factory=lambda v=defaults[f.name]: copy.deepcopy(v)),
+            )
+        )
+    fields = [
+        (
+            "config",
+            Annotated[
+                str, tyro.conf.arg(help="TOML preset (keys = Config fields); flags override it")
+            ],
+            field(default=preset),
+        )
+    ]
     for title, members in stages.items():
         cls = dataclasses.make_dataclass(re.sub(r"\W+", "_", title), members)
-        fields.append((cls.__name__, Annotated[cls, tyro.conf.arg(name=title)], field(default_factory=cls)))
+        fields.append(
+            (cls.__name__, Annotated[cls, tyro.conf.arg(name=title)], field(default_factory=cls))
+        )
     return dataclasses.make_dataclass("Flags", fields)
 
 
 def _one_line(box: str) -> str:
     """tyro's error box as one line: its text without the frame, the rules, the title and the pointer to --help."""
     lines = [re.sub(r"^[\s│╭╰|]*(─+\s)?|(\s─+)?[\s│╮╯|]*$", "", x) for x in box.splitlines()][1:]
-    end = next((i for i, x in enumerate(lines) if x.startswith(("For full helptext", "Argument helptext"))), len(lines))
+    end = next(
+        (
+            i
+            for i, x in enumerate(lines)
+            if x.startswith(("For full helptext", "Argument helptext"))
+        ),
+        len(lines),
+    )
     return " ".join(x for x in lines[:end] if x and set(x) != {"─"})
 
 
 def parse_config(argv: list[str]) -> Config:
     """A Config: defaults < TOML preset < flags. ValueError (one line): bad flag, value, TOML key; FileNotFoundError."""
     import tyro
+
     preset = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), "")
     preset = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), preset)
-    values = losses.resolve("extras.presets.read_preset", {}, "--config")(Path(preset)) if preset else {}
+    values = (
+        losses.resolve("extras.presets.read_preset", {}, "--config")(Path(preset)) if preset else {}
+    )
     flagged = {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}
     defaults = dataclasses.asdict(Config())
     given = frozenset(values) | {n.removeprefix("no_") for n in flagged} & set(defaults)
     errors = io.StringIO()
     try:
         with contextlib.redirect_stderr(errors):
-            flags = tyro.cli(_flags({**defaults, **values}, preset), args=argv, prog="run.py", config=(
-                tyro.conf.OmitArgPrefixes,), description="nanorft: reinforcement fine-tuning of LLMs. Settings: Config "
-                                                         "defaults < --config FILE.toml < flags.")
+            flags = tyro.cli(
+                _flags({**defaults, **values}, preset),
+                args=argv,
+                prog="run.py",
+                config=(tyro.conf.OmitArgPrefixes,),
+                description="nanorft: reinforcement fine-tuning of LLMs. Settings: Config "
+                "defaults < --config FILE.toml < flags.",
+            )
     except SystemExit as e:
         if e.code:
             raise ValueError(_one_line(errors.getvalue())) from None
         raise
     sys.stderr.write(errors.getvalue())
-    values = {k: v for stage in vars(flags).values() if dataclasses.is_dataclass(stage) for k, v in vars(stage).items()}
+    values = {
+        k: v
+        for stage in vars(flags).values()
+        if dataclasses.is_dataclass(stage)
+        for k, v in vars(stage).items()
+    }
     if values["task"] != DEFAULT_TASK:
         values.update({k: v for k, v in OTHER_TASK_DEFAULTS.items() if k not in given})
     cfg = Config(**values)
@@ -313,8 +381,17 @@ def parse_config(argv: list[str]) -> Config:
 
 def check_values(cfg: Config) -> None:
     """ValueError (one line naming the setting) for a value out of its range."""
-    for name in ("steps", "batch_size", "group_size", "max_tokens", "sync_interval", "eval_interval", "token_budget",
-                 "bench_k", "num_explorers"):
+    for name in (
+        "steps",
+        "batch_size",
+        "group_size",
+        "max_tokens",
+        "sync_interval",
+        "eval_interval",
+        "token_budget",
+        "bench_k",
+        "num_explorers",
+    ):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.workflow_timeout_s <= 0 or cfg.temperature <= 0 or not 0 < cfg.top_p <= 1:
@@ -322,9 +399,31 @@ def check_values(cfg: Config) -> None:
     for f in dataclasses.fields(Config):
         if f.type == "float" and not math.isfinite(getattr(cfg, f.name)):
             raise ValueError(f"{f.name} must be a finite number, got {getattr(cfg, f.name)}")
-    for name in ("lr", "weight_decay", "max_grad_norm", "kl_loss_coef", "kl_reward_coef", "entropy_coef", "length_penalty",
-                 "eval_temperature", "buffer_timeout_s", "sync_timeout_s", "sync_bucket_mb", "train_size", "eval_size",
-                 "checkpoint_interval", "log_samples", "trainer_threads", "explorer_threads", "lora_rank", "eval_k",
-                 "lr_warmup_steps", "workflow_retries", "refill_rounds", "sync_offset", "distill_coef"):
+    for name in (
+        "lr",
+        "weight_decay",
+        "max_grad_norm",
+        "kl_loss_coef",
+        "kl_reward_coef",
+        "entropy_coef",
+        "length_penalty",
+        "eval_temperature",
+        "buffer_timeout_s",
+        "sync_timeout_s",
+        "sync_bucket_mb",
+        "train_size",
+        "eval_size",
+        "checkpoint_interval",
+        "log_samples",
+        "trainer_threads",
+        "explorer_threads",
+        "lora_rank",
+        "eval_k",
+        "lr_warmup_steps",
+        "workflow_retries",
+        "refill_rounds",
+        "sync_offset",
+        "distill_coef",
+    ):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")

@@ -41,12 +41,23 @@ class Engine:
 
     def __init__(self):
         self._pending: dict[Sampling, list] = {}
-        self.version, self.step_hook, self.cores, self.checksum = 0, None, None, False  # version: loaded now
-        self.sync_method = "broadcast"  # how join_weight_sync receives: broadcast or ipc (sync.transport)
-        self.status = lambda text: None  # a line saying what the engine is doing (mode both: the trainer's bar)
+        self.version, self.step_hook, self.cores, self.checksum = (
+            0,
+            None,
+            None,
+            False,
+        )  # version: loaded now
+        self.sync_method = (
+            "broadcast"  # how join_weight_sync receives: broadcast or ipc (sync.transport)
+        )
+        self.status = lambda text: (
+            None
+        )  # a line saying what the engine is doing (mode both: the trainer's bar)
         self.label = ""  # what the current requests are for ("batch 3", "evaluation of version 10")
         self.matmul = (0, 0)  # (body, head) parameters per token (perf.matmul_params)
-        self.loaded_from = ""  # the model or adapter directory of the start weights (its files key eval_cache)
+        self.loaded_from = (
+            ""  # the model or adapter directory of the start weights (its files key eval_cache)
+        )
         self.model_flops = 0.0  # of every generate_batch so far (perf.generate_flops)
 
     async def generate(self, prompt_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
@@ -70,13 +81,16 @@ class Engine:
                     fut.set_exception(e)
             return
         prompts = {tuple(p) for p, _, _ in batch}  # each distinct prompt is prefilled once
-        self.model_flops += generate_flops(*self.matmul, sum(map(len, prompts)),
-                                           sum(len(c.tokens) for out in outs for c in out))
+        self.model_flops += generate_flops(
+            *self.matmul, sum(map(len, prompts)), sum(len(c.tokens) for out in outs for c in out)
+        )
         for (_, _, fut), out in zip(batch, outs):
             if not fut.done():  # a workflow that timed out has cancelled its future
                 fut.set_result(out)
 
-    def generate_batch(self, prompts: list[list[int]], ns: list[int], sampling: Sampling) -> list[list[Completion]]:
+    def generate_batch(
+        self, prompts: list[list[int]], ns: list[int], sampling: Sampling
+    ) -> list[list[Completion]]:
         """Per prompt, its n completions."""
         raise NotImplementedError
 
@@ -101,19 +115,20 @@ class Engine:
         """Release engine processes (vLLM's engine core)."""
 
 
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_token(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B], behaviour_logprobs [B]) from logits [B, V]: softmax(logits / temperature) renormalised in the
     top-p nucleus (Holtzman et al., arXiv:1904.09751). temperature 0: greedy, log-prob 0."""
     if temperature == 0:
         return logits.argmax(-1), logits.new_zeros(logits.shape[0], dtype=torch.float)
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)     # [B, V]
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, V]
     if top_p < 1.0:
-        sorted_lp, order = logp.sort(dim=-1, descending=True)            # [B, V]
-        before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()            # mass strictly before each token
+        sorted_lp, order = logp.sort(dim=-1, descending=True)  # [B, V]
+        before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # mass strictly before each token
         drop = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, before >= top_p)
         logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
-    cdf = logp.exp().cumsum(-1)                                          # [B, V]
+    cdf = logp.exp().cumsum(-1)  # [B, V]
     u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]  # [B, 1]
     # inverse CDF (never a token of mass 0): on a CPU much faster than torch.multinomial
     tokens = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(-1)  # [B]
@@ -124,6 +139,7 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
 def slot_layer() -> type:
     """The KV-cache layer class of the HF engine's decoding."""
     from transformers.cache_utils import DynamicLayer
+
     class SlotLayer(DynamicLayer):
         """After `reserve(capacity)`, each decode step writes its slot of buffers [B, KV, capacity, D]."""
 
@@ -133,17 +149,23 @@ def slot_layer() -> type:
             if not self.is_initialized or self.keys.shape[-2] >= capacity:
                 return
             B, H, L, D = self.keys.shape
-            self.room = (self.keys.new_empty(B, H, capacity, D), self.values.new_empty(B, H, capacity, D))
+            self.room = (
+                self.keys.new_empty(B, H, capacity, D),
+                self.values.new_empty(B, H, capacity, D),
+            )
             self.room[0][:, :, :L], self.room[1][:, :, :L] = self.keys, self.values
             self.keys, self.values = self.room[0][:, :, :L], self.room[1][:, :, :L]
 
         def update(self, key_states, value_states, *args, **kwargs):
-            if self.room is None or self.keys.shape[-2] + key_states.shape[-2] > self.room[0].shape[-2]:
+            if (
+                self.room is None
+                or self.keys.shape[-2] + key_states.shape[-2] > self.room[0].shape[-2]
+            ):
                 self.room = None
                 return super().update(key_states, value_states, *args, **kwargs)
             L, n = self.keys.shape[-2], key_states.shape[-2]
-            self.room[0][:, :, L:L + n], self.room[1][:, :, L:L + n] = key_states, value_states
-            self.keys, self.values = self.room[0][:, :, :L + n], self.room[1][:, :, :L + n]
+            self.room[0][:, :, L : L + n], self.room[1][:, :, L : L + n] = key_states, value_states
+            self.keys, self.values = self.room[0][:, :, : L + n], self.room[1][:, :, : L + n]
             return self.keys, self.values
 
         def reorder_cache(self, beam_idx):
@@ -164,6 +186,7 @@ def slot_layer() -> type:
 def decode_cache():
     """An empty KV cache of `slot_layer` layers."""
     from transformers.cache_utils import Cache
+
     return Cache(layer_class_to_replicate=slot_layer())
 
 
@@ -185,48 +208,84 @@ class Decoding:
     def __call__(self, tok: torch.Tensor) -> torch.Tensor:
         self.attn = torch.cat([self.attn, self.attn.new_ones((len(tok), 1))], dim=1)
         self.pos = self.pos[:, -1:] + 1
-        return self.model(input_ids=tok[:, None], attention_mask=self.attn, position_ids=self.pos,
-                          past_key_values=self.cache, use_cache=True).logits[:, -1]
+        return self.model(
+            input_ids=tok[:, None],
+            attention_mask=self.attn,
+            position_ids=self.pos,
+            past_key_values=self.cache,
+            use_cache=True,
+        ).logits[:, -1]
 
 
 class HFEngine(Engine):
     """transformers engine. model_path: a model or peft adapter directory; lora: a LoRA run's peft LoraConfig."""
 
-    drop_ended = 0.25  # ended rows leave the decode batch once they are this fraction of it (> 1: never)
+    drop_ended = (
+        0.25  # ended rows leave the decode batch once they are this fraction of it (> 1: never)
+    )
 
-    def __init__(self, model_path: str, max_batch: int = 64, seed: int = 0, bf16: bool = False, device: str = "",
-                 dtype: torch.dtype = torch.float32, lora=None, cuda_graphs: bool = False):
+    def __init__(
+        self,
+        model_path: str,
+        max_batch: int = 64,
+        seed: int = 0,
+        bf16: bool = False,
+        device: str = "",
+        dtype: torch.dtype = torch.float32,
+        lora=None,
+        cuda_graphs: bool = False,
+    ):
         super().__init__()
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         adapter = models.is_adapter(model_path)
         base = models.lora("adapter_base")(model_path) if adapter else model_path
         attention = {"attn_implementation": packed_sdpa()} if self.device.type == "cpu" else {}
-        self.model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **attention).to(self.device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **attention)
+            .to(self.device)
+            .eval()
+        )
         self.lora = lora
         if lora is not None:
             from peft import get_peft_model
+
             self.model = get_peft_model(self.model, lora).eval()
             if adapter:
                 models.lora("load_adapter")(self.model, model_path)
         self.max_batch, self.bf16, self.loaded_from = max_batch, bf16, model_path
         gen_eos = self.model.generation_config.eos_token_id
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
-        self.eos = torch.tensor(sorted({e for e in gen_eos + [self.tokenizer.eos_token_id] if e is not None}),
-                                device=self.device)
+        self.eos = torch.tensor(
+            sorted({e for e in gen_eos + [self.tokenizer.eos_token_id] if e is not None}),
+            device=self.device,
+        )
         self.pad = models.pad_token_id(self.tokenizer)
         self.generator = torch.Generator(self.device).manual_seed(seed)
-        self.graphs = resolve("extras.cuda_graphs.Graphs", {}, "CUDA graphs")(max_batch) \
-            if cuda_graphs and self.device.type == "cuda" else None
+        self.graphs = (
+            resolve("extras.cuda_graphs.Graphs", {}, "CUDA graphs")(max_batch)
+            if cuda_graphs and self.device.type == "cuda"
+            else None
+        )
 
     @classmethod
-    def from_config(cls, cfg, model_path: str, seed: int, device: str, colocated: bool) -> "HFEngine":
+    def from_config(
+        cls, cfg, model_path: str, seed: int, device: str, colocated: bool
+    ) -> "HFEngine":
         """bf16 weights for --dtype bfloat16: no float32 copy cast at every step (on a CPU 20% faster decoding)."""
         bf16 = cfg.dtype == "bfloat16"
-        return cls(model_path, max_batch=cfg.explorer_max_batch, seed=seed, bf16=bf16,
-                   device=device, dtype=torch.bfloat16 if bf16 else torch.float32,
-                   lora=models.lora("lora_config")(cfg) if cfg.lora_rank else None, cuda_graphs=cfg.cuda_graphs)
+        return cls(
+            model_path,
+            max_batch=cfg.explorer_max_batch,
+            seed=seed,
+            bf16=bf16,
+            device=device,
+            dtype=torch.bfloat16 if bf16 else torch.float32,
+            lora=models.lora("lora_config")(cfg) if cfg.lora_rank else None,
+            cuda_graphs=cfg.cuda_graphs,
+        )
 
     def rng_state(self):
         return bytes(self.generator.get_state().tolist())
@@ -236,12 +295,24 @@ class HFEngine(Engine):
 
     def parameters(self) -> list[torch.Tensor]:
         """What a weight sync carries, in the wire order (named_parameters): the weights, or the adapters."""
-        return [p for _, p in (models.lora("published_parameters")(self.model) if self.lora else
-                               self.model.named_parameters())]
+        return [
+            p
+            for _, p in (
+                models.lora("published_parameters")(self.model)
+                if self.lora
+                else self.model.named_parameters()
+            )
+        ]
 
     def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
-        self.weights = sync.transport(self.sync_method)(None, port=port, host=host, device=device, timeout_s=timeout_s,
-                                                        wire_dtype=self.parameters()[0].dtype).connect(alive)
+        self.weights = sync.transport(self.sync_method)(
+            None,
+            port=port,
+            host=host,
+            device=device,
+            timeout_s=timeout_s,
+            wire_dtype=self.parameters()[0].dtype,
+        ).connect(alive)
 
     def receive_weights(self, alive):
         params = self.parameters()
@@ -249,42 +320,78 @@ class HFEngine(Engine):
         return self.version, sync.checksum(params) if self.checksum else None
 
     def load_checkpoint(self, path, version):
-        return resolve("extras.engine_checkpoints.load_into_hf", {}, "checkpoint sync")(self, path, version)
+        return resolve("extras.engine_checkpoints.load_into_hf", {}, "checkpoint sync")(
+            self, path, version
+        )
 
     def generate_batch(self, prompts, ns, s):
         """max_batch rollouts at a time; a shared prompt prefix and each prompt are prefilled once."""
         seqs, out, dev = [p for p, n in zip(prompts, ns) for _ in range(n)], [], self.device
         with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.bf16):
             for start in range(0, len(seqs), self.max_batch):
-                self.status(f"{self.label}: sequences {start}-{min(len(seqs), start + self.max_batch)} of {len(seqs)}")
-                chunk = seqs[start:start + self.max_batch]
-                B, distinct = len(chunk), list(dict.fromkeys(map(tuple, chunk)))  # a group shares its prompt
-                of = torch.tensor([distinct.index(tuple(p)) for p in chunk], device=dev)  # [B] its prompt's row
+                self.status(
+                    f"{self.label}: sequences {start}-{min(len(seqs), start + self.max_batch)} of {len(seqs)}"
+                )
+                chunk = seqs[start : start + self.max_batch]
+                B, distinct = (
+                    len(chunk),
+                    list(dict.fromkeys(map(tuple, chunk))),
+                )  # a group shares its prompt
+                of = torch.tensor(
+                    [distinct.index(tuple(p)) for p in chunk], device=dev
+                )  # [B] its prompt's row
                 cache = decode_cache()
                 if self.cores is not None:
                     self.cores.apply()
                 C = len(os.path.commonprefix(distinct)) if len(distinct) > 1 else 0
-                C = min(C, min(map(len, distinct)) - 1)  # every prompt keeps a token of its own to prefill
+                C = min(
+                    C, min(map(len, distinct)) - 1
+                )  # every prompt keeps a token of its own to prefill
                 if C > 0:  # the prefix all prompts share, prefilled once in one row
-                    self.model(input_ids=torch.tensor([distinct[0][:C]], device=dev), past_key_values=cache,
-                               position_ids=torch.arange(C, device=dev)[None], use_cache=True, logits_to_keep=1)
+                    self.model(
+                        input_ids=torch.tensor([distinct[0][:C]], device=dev),
+                        past_key_values=cache,
+                        position_ids=torch.arange(C, device=dev)[None],
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
                     cache.reorder_cache(torch.zeros(len(distinct), dtype=torch.long, device=dev))
-                ids, attn, pos = (x.to(dev) for x in left_pad([list(p[C:]) for p in distinct], self.pad))  # [U, S]
-                attn, pos = torch.cat([attn.new_ones(len(distinct), C), attn], 1), pos + C      # [U, C + S], [U, S]
-                logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [U, V]
+                ids, attn, pos = (
+                    x.to(dev) for x in left_pad([list(p[C:]) for p in distinct], self.pad)
+                )  # [U, S]
+                attn, pos = (
+                    torch.cat([attn.new_ones(len(distinct), C), attn], 1),
+                    pos + C,
+                )  # [U, C + S], [U, S]
+                logits = self.model(
+                    input_ids=ids,
+                    attention_mask=attn,
+                    position_ids=pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                ).logits[:, -1]  # [U, V]
                 if len(distinct) < B:  # its rollouts start from copies of its prompt's KV
                     cache.reorder_cache(of)
-                    logits = logits[of]                                                            # [B, V]
-                attn, pos = attn[of], pos[of]                                                      # [B, P]
+                    logits = logits[of]  # [B, V]
+                attn, pos = attn[of], pos[of]  # [B, P]
                 decoding = (self.graphs or Decoding)(self.model, cache, attn, pos, s.max_tokens)
-                tokens = torch.full((B, s.max_tokens), self.pad, dtype=torch.long, device=dev)  # [B, R]
-                behaviour = torch.zeros(B, s.max_tokens, device=dev)                              # [B, R]
-                live = torch.arange(B, device=dev)  # [A] the row of `chunk` of each row still decoding
+                tokens = torch.full(
+                    (B, s.max_tokens), self.pad, dtype=torch.long, device=dev
+                )  # [B, R]
+                behaviour = torch.zeros(B, s.max_tokens, device=dev)  # [B, R]
+                live = torch.arange(
+                    B, device=dev
+                )  # [A] the row of `chunk` of each row still decoding
                 done = torch.zeros(B, dtype=torch.bool, device=dev)  # [A]
-                first, last = self.version, torch.full((B,), self.version, device=dev)  # [B] latest version
+                first, last = (
+                    self.version,
+                    torch.full((B,), self.version, device=dev),
+                )  # [B] latest version
                 for step in range(s.max_tokens):
-                    tok, lp = sample_token(logits, s.temperature, s.top_p, self.generator)  # [A], [A]
+                    tok, lp = sample_token(
+                        logits, s.temperature, s.top_p, self.generator
+                    )  # [A], [A]
                     tok = tok.masked_fill(done, self.pad)
                     tokens[live, step], behaviour[live, step] = tok, lp
                     if self.version != first:
@@ -296,15 +403,23 @@ class HFEngine(Engine):
                         self.step_hook()  # in-flight: may load new weights; the KV cache is kept
                     if self.cores is not None:
                         self.cores.apply()
-                    if decoding.drops and int(done.sum()) >= self.drop_ended * len(done):  # ended rows leave
-                        keep = (~done).nonzero().squeeze(1)                                         # [A']
+                    if decoding.drops and int(done.sum()) >= self.drop_ended * len(
+                        done
+                    ):  # ended rows leave
+                        keep = (~done).nonzero().squeeze(1)  # [A']
                         live, tok, done = live[keep], tok[keep], done[keep]
                         decoding.keep(keep)
-                    logits = decoding(tok)                                                         # [A, V]
+                    logits = decoding(tok)  # [A, V]
                 eos = set(self.eos.tolist())
-                for t, lp, v in zip(tokens[:, :step + 1].tolist(), behaviour[:, :step + 1].tolist(), last.tolist()):
+                for t, lp, v in zip(
+                    tokens[:, : step + 1].tolist(), behaviour[:, : step + 1].tolist(), last.tolist()
+                ):
                     end = next((j + 1 for j, x in enumerate(t) if x in eos), None)
-                    out.append(Completion(t[:end], lp[:end], "length" if end is None else "stop", (first, v)))
+                    out.append(
+                        Completion(
+                            t[:end], lp[:end], "length" if end is None else "stop", (first, v)
+                        )
+                    )
         completions = iter(out)
         return [list(itertools.islice(completions, n)) for n in ns]
 
@@ -312,6 +427,7 @@ class HFEngine(Engine):
 def vllm_available() -> bool:
     """Whether the vllm package is installed."""
     import importlib.util
+
     return importlib.util.find_spec("vllm") is not None
 
 
@@ -319,11 +435,19 @@ def vllm_available() -> bool:
 ENGINES = {"hf": HFEngine, "vllm": "extras.vllm_engine.VLLMEngine"}
 
 
-def make_engine(cfg, model_path: str, seed: int, device: str = "", colocated: bool = False) -> Engine:
+def make_engine(
+    cfg, model_path: str, seed: int, device: str = "", colocated: bool = False
+) -> Engine:
     """The engine cfg.engine names (after explorer.check_config), sampling with `seed` on `device`."""
     torch.set_num_threads(cfg.explorer_threads)
-    engine = resolve(cfg.engine, ENGINES, "engine").from_config(cfg, model_path, seed, device, colocated)
-    engine.matmul, engine.checksum, engine.sync_method = matmul_params(model_path), cfg.sync_checksum, cfg.sync_method
+    engine = resolve(cfg.engine, ENGINES, "engine").from_config(
+        cfg, model_path, seed, device, colocated
+    )
+    engine.matmul, engine.checksum, engine.sync_method = (
+        matmul_params(model_path),
+        cfg.sync_checksum,
+        cfg.sync_method,
+    )
     return engine
 
 

@@ -36,16 +36,28 @@ def check_config(cfg, tokenizer, dataset) -> None:
     if cfg.engine == "auto":
         cfg.engine = "vllm" if vllm_available() else "hf"
     if cfg.engine == "vllm" and not vllm_available():
-        raise ValueError("--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)")
+        raise ValueError(
+            "--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)"
+        )
     if cfg.engine == "vllm" and cfg.lora_rank and cfg.inflight:
-        raise ValueError("--inflight with --lora-rank needs --engine hf: a vLLM request keeps the LoRA adapter it "
-                         "started with, so new adapters cannot reach sequences in flight")
+        raise ValueError(
+            "--inflight with --lora-rank needs --engine hf: a vLLM request keeps the LoRA adapter it "
+            "started with, so new adapters cannot reach sequences in flight"
+        )
     try:
         if tokenizer is not None:
-            load_workflow(cfg.workflow)(tokenizer, load_reward_fn(cfg.reward_fn, cfg.reward_kwargs), dataset,
-                                        cfg.system_prompt, Sampling(cfg.max_tokens), run_dir=cfg.run_dir)
+            load_workflow(cfg.workflow)(
+                tokenizer,
+                load_reward_fn(cfg.reward_fn, cfg.reward_kwargs),
+                dataset,
+                cfg.system_prompt,
+                Sampling(cfg.max_tokens),
+                run_dir=cfg.run_dir,
+            )
     except Exception as e:
-        raise ValueError(f"workflow {cfg.workflow!r} cannot be created: {type(e).__name__}: {e}") from None
+        raise ValueError(
+            f"workflow {cfg.workflow!r} cannot be created: {type(e).__name__}: {e}"
+        ) from None
 
 
 def explorer_seed(seed: int, name: str) -> int:
@@ -62,27 +74,51 @@ def make_selector(cfg, tasks: list[Task], seed: int):
     """workflows.Shuffle, or cfg.selector from extras/pipelines.py (ValueError: unknown name or keyword)."""
     if cfg.selector == "shuffle" and not cfg.selector_kwargs:
         return Shuffle(tasks, seed)
-    return resolve(f"{PIPELINES}.make_selector", {}, "selector")(cfg.selector, cfg.selector_kwargs, tasks, seed)
+    return resolve(f"{PIPELINES}.make_selector", {}, "selector")(
+        cfg.selector, cfg.selector_kwargs, tasks, seed
+    )
 
 
 class Explorer:
     """Rollouts of the tasks with one engine and the workflow class cfg.workflow."""
+
     def __init__(self, cfg, engine: Engine, train: list[Task], held_out: list[Task], dataset, log):
-        self.cfg, self.engine, self.train, self.held_out, self.log = cfg, engine, train, held_out, log
-        reward_fn, make = load_reward_fn(cfg.reward_fn, cfg.reward_kwargs), load_workflow(cfg.workflow)
+        self.cfg, self.engine, self.train, self.held_out, self.log = (
+            cfg,
+            engine,
+            train,
+            held_out,
+            log,
+        )
+        reward_fn, make = (
+            load_reward_fn(cfg.reward_fn, cfg.reward_kwargs),
+            load_workflow(cfg.workflow),
+        )
         self.workflow, self.eval_workflow = [
             make(engine.tokenizer, reward_fn, dataset, cfg.system_prompt, s, run_dir=cfg.run_dir)
-            for s in (Sampling(cfg.max_tokens, cfg.temperature, cfg.top_p),
-                      Sampling(cfg.max_tokens, cfg.eval_temperature, 1.0))]
-        self.counts, self.last_error = dict.fromkeys(("timeouts", "errors", "retries", "skipped"), 0), ""
+            for s in (
+                Sampling(cfg.max_tokens, cfg.temperature, cfg.top_p),
+                Sampling(cfg.max_tokens, cfg.eval_temperature, 1.0),
+            )
+        ]
+        self.counts, self.last_error = (
+            dict.fromkeys(("timeouts", "errors", "retries", "skipped"), 0),
+            "",
+        )
         self.seed = explorer_seed(cfg.seed, cfg.explorer_name)
-        self.selector = None if cfg.task_pipeline else make_selector(cfg, train, self.seed)  # else in `resume`
+        self.selector = (
+            None if cfg.task_pipeline else make_selector(cfg, train, self.seed)
+        )  # else in `resume`
         self.rng, self.samples = random.Random(self.seed + 1), Path(cfg.run_dir) / "samples.log"
         self.curation: dict = {}  # metrics reported with the next batch: the task pipeline's, the teacher's
-        device = getattr(engine, "device", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        device = getattr(
+            engine, "device", torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        )
         self.on_cpu, self.peak = device.type == "cpu", unit_peak(device.type, cfg.dtype)
 
-    def utilisation(self, since: tuple[float, float], wall_s: float, prefix: str) -> dict[str, float]:
+    def utilisation(
+        self, since: tuple[float, float], wall_s: float, prefix: str
+    ) -> dict[str, float]:
         """PREFIX_model_flops and PREFIX_mfu since `since` = (engine.model_flops, cpu_seconds())."""
         flops = self.engine.model_flops - since[0]
         busy = cpu_seconds() - since[1] if self.on_cpu else wall_s
@@ -93,7 +129,9 @@ class Explorer:
         cfg = self.cfg
         buffer.hold(cfg.explorer_name)
         if cfg.task_pipeline:
-            self.train, self.curation = resolve(f"{PIPELINES}.curate", {}, "task_pipeline")(self, buffer)
+            self.train, self.curation = resolve(f"{PIPELINES}.curate", {}, "task_pipeline")(
+                self, buffer
+            )
             self.selector = make_selector(cfg, self.train, self.seed)
         if saved := buffer.explorer_state(cfg.explorer_name):
             self.restore(saved)
@@ -117,20 +155,29 @@ class Explorer:
     def state(self) -> dict:
         """Resume state: the selector's, the lift sampler's and the engine's sampling RNG."""
         sampler = self.engine.rng_state()
-        return {"selector": self.selector.state(), "rng": self.rng.getstate(),
-                "sampler": base64.b64encode(sampler).decode() if sampler is not None else None}
+        return {
+            "selector": self.selector.state(),
+            "rng": self.rng.getstate(),
+            "sampler": base64.b64encode(sampler).decode() if sampler is not None else None,
+        }
 
     def restore(self, state: dict) -> None:
         self.selector.restore(state["selector"])
-        self.rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))  # JSON made the tuple a list
+        self.rng.setstate(
+            (state["rng"][0], tuple(state["rng"][1]), state["rng"][2])
+        )  # JSON made the tuple a list
         if state.get("sampler"):
             self.engine.set_rng_state(base64.b64decode(state["sampler"]))
 
     def settle(self, groups: list, runs: dict, attempt: int) -> bool:
         """Await `runs` (index into `groups` -> a workflow run) into `groups` (a failure: None). True: none left."""
+
         async def gather() -> list:  # a failed run's exception in place of its group
-            return await asyncio.gather(*(asyncio.wait_for(r, self.cfg.workflow_timeout_s) for r in runs.values()),
-                                        return_exceptions=True)
+            return await asyncio.gather(
+                *(asyncio.wait_for(r, self.cfg.workflow_timeout_s) for r in runs.values()),
+                return_exceptions=True,
+            )
+
         for i, out in zip(runs, asyncio.run(gather())):
             if not isinstance(out, BaseException):
                 groups[i] = out
@@ -139,15 +186,29 @@ class Explorer:
                 raise out
             timeout, cfg = isinstance(out, asyncio.TimeoutError), self.cfg
             self.counts["timeouts" if timeout else "errors"] += 1
-            self.last_error = f"timeout after {cfg.workflow_timeout_s:.0f} s" if timeout else f"{type(out).__name__}: {out}"
+            self.last_error = (
+                f"timeout after {cfg.workflow_timeout_s:.0f} s"
+                if timeout
+                else f"{type(out).__name__}: {out}"
+            )
             self.counts["retries" if attempt < cfg.workflow_retries else "skipped"] += 1
         return all(g is not None for g in groups)
 
-    def rollout(self, tasks: list[Task], workflow=None, n: int = 0) -> list[list[Experience] | None]:
+    def rollout(
+        self, tasks: list[Task], workflow=None, n: int = 0
+    ) -> list[list[Experience] | None]:
         """One group of `n` rollouts (default group_size) of `task`; None for a skipped task."""
-        workflow, n, groups = workflow or self.workflow, n or self.cfg.group_size, [None] * len(tasks)
-        for attempt in range(self.cfg.workflow_retries + 1):  # the runs of one attempt run concurrently
-            runs = {i: workflow.run(t, self.engine, n) for i, t in enumerate(tasks) if groups[i] is None}
+        workflow, n, groups = (
+            workflow or self.workflow,
+            n or self.cfg.group_size,
+            [None] * len(tasks),
+        )
+        for attempt in range(
+            self.cfg.workflow_retries + 1
+        ):  # the runs of one attempt run concurrently
+            runs = {
+                i: workflow.run(t, self.engine, n) for i, t in enumerate(tasks) if groups[i] is None
+            }
             if self.settle(groups, runs, attempt):
                 break
         return groups
@@ -171,47 +232,88 @@ class Explorer:
             tasks = self.next_tasks(cfg.batch_size - len(kept), retired)
             picked = picked + tasks
         short = max(0, cfg.batch_size - len(kept))
-        groups = kept[:cfg.batch_size] + [g for g in generated if not informative(g)][:short]
+        groups = kept[: cfg.batch_size] + [g for g in generated if not informative(g)][:short]
         if len(groups) < cfg.batch_size:
-            raise RuntimeError(f"explorer: only {len(groups)} of {cfg.batch_size} groups after {rounds} refill rounds "
-                               f"({self.counts['skipped']} tasks skipped; last error: {self.last_error})")
+            raise RuntimeError(
+                f"explorer: only {len(groups)} of {cfg.batch_size} groups after {rounds} refill rounds "
+                f"({self.counts['skipped']} tasks skipped; last error: {self.last_error})"
+            )
         seconds = time.perf_counter() - t0
-        updates = [(g[0].task_id, sum(e.reward for e in g) / len(g), cfg.pool_easy, cfg.pool_hard)
-                   for g in generated if all(e.reward is not None for e in g)]
+        updates = [
+            (g[0].task_id, sum(e.reward for e in g) / len(g), cfg.pool_easy, cfg.pool_hard)
+            for g in generated
+            if all(e.reward is not None for e in g)
+        ]
         self.selector.update({task: mean for task, mean, *_ in updates})
         for e in itertools.chain(*groups):  # provenance: the buffer alone tells a run's history
             e.explorer, e.info["batch"] = cfg.explorer_name, batch
         buffer.write_batch(groups, cfg.explorer_name, {"batch": batch + 1, **self.state()}, updates)
         self._write_samples(batch, version, groups)
-        record = self._batch_record(batch, version, seconds, [e for g in generated for e in g],
-                                    [pool_for(*u[1:]) for u in updates], len(retired), picked)
+        record = self._batch_record(
+            batch,
+            version,
+            seconds,
+            [e for g in generated for e in g],
+            [pool_for(*u[1:]) for u in updates],
+            len(retired),
+            picked,
+        )
         record.update(self.utilisation(since, seconds, "perf/explorer"))
         if cfg.difficulty_filter:
-            record.update({"filter/difficulty_dropped": len(generated) - len(kept),
-                           "filter/difficulty_rounds": rounds, "filter/difficulty_short": short})
+            record.update(
+                {
+                    "filter/difficulty_dropped": len(generated) - len(kept),
+                    "filter/difficulty_rounds": rounds,
+                    "filter/difficulty_short": short,
+                }
+            )
         return record
 
-    def _batch_record(self, batch: int, version: int, seconds: float, exps: list[Experience], pools: list,
-                      retired: int, picked: list) -> dict:
-        gen_tokens = sum(sum(e.action_mask) for e in exps)  # sampled: not a multi-turn sample's environment tokens
-        record = {"batch": batch, "explorer/version": version, "time/explore_s": seconds,
-                  "explorer/gen_tokens": gen_tokens, "explorer/tokens_per_s": gen_tokens / seconds,
-                  "memory/explorer_peak_rss_gib": peak_rss_gib(),
-                  "rollout/reward_errors": sum("reward_error" in e.info for e in exps),
-                  "rollout/truncated_frac": sum(e.info["finish_reason"] == "length" for e in exps) / len(exps),
-                  "inflight/multi_version_seqs": sum(e.info["versions"][0] != e.info["versions"][1] for e in exps
-                                                     if "versions" in e.info),
-                  "pool/retired_easy": pools.count("easy"), "pool/retired_hard": pools.count("hard"),
-                  "pool/size_retired": retired, "rollout/reward_pending": sum(e.reward is None for e in exps),
-                  **{f"rollout/{k}": v for k, v in self.counts.items()}, **self.curation}
+    def _batch_record(
+        self,
+        batch: int,
+        version: int,
+        seconds: float,
+        exps: list[Experience],
+        pools: list,
+        retired: int,
+        picked: list,
+    ) -> dict:
+        gen_tokens = sum(
+            sum(e.action_mask) for e in exps
+        )  # sampled: not a multi-turn sample's environment tokens
+        record = {
+            "batch": batch,
+            "explorer/version": version,
+            "time/explore_s": seconds,
+            "explorer/gen_tokens": gen_tokens,
+            "explorer/tokens_per_s": gen_tokens / seconds,
+            "memory/explorer_peak_rss_gib": peak_rss_gib(),
+            "rollout/reward_errors": sum("reward_error" in e.info for e in exps),
+            "rollout/truncated_frac": sum(e.info["finish_reason"] == "length" for e in exps)
+            / len(exps),
+            "inflight/multi_version_seqs": sum(
+                e.info["versions"][0] != e.info["versions"][1] for e in exps if "versions" in e.info
+            ),
+            "pool/retired_easy": pools.count("easy"),
+            "pool/retired_hard": pools.count("hard"),
+            "pool/size_retired": retired,
+            "rollout/reward_pending": sum(e.reward is None for e in exps),
+            **{f"rollout/{k}": v for k, v in self.counts.items()},
+            **self.curation,
+        }
         self.curation = {}
         if difficulties := [t.difficulty for t in picked if t.difficulty is not None]:
             record["selector/difficulty_mean"] = sum(difficulties) / len(difficulties)
         record.update(self.selector.metrics())
         episodes = {e.info["episode_id"]: e.info for e in exps if "episode_id" in e.info}
         if episodes:  # multi-turn
-            record["rollout/samples_per_episode"] = sum(i["samples"] for i in episodes.values()) / len(episodes)
-            record["rollout/turns_mean"] = sum(i["turns"] for i in episodes.values()) / len(episodes)
+            record["rollout/samples_per_episode"] = sum(
+                i["samples"] for i in episodes.values()
+            ) / len(episodes)
+            record["rollout/turns_mean"] = sum(i["turns"] for i in episodes.values()) / len(
+                episodes
+            )
         record.update(episode_means([e.info for e in exps], "rollout/"))
         return record
 
@@ -222,29 +324,47 @@ class Explorer:
         cfg, t0, since = self.cfg, time.perf_counter(), (self.engine.model_flops, cpu_seconds())
         n = max(cfg.eval_k, cfg.group_size) if version == 0 and cfg.eval_k else cfg.eval_k
         cache = eval_cache(cfg, self.engine, self.held_out, n) if version == 0 else None
-        if cache and (saved := read_cached(cache)).get("key") == cache.stem:  # else another format: a miss
+        if (
+            cache and (saved := read_cached(cache)).get("key") == cache.stem
+        ):  # else another format: a miss
             return {**saved["record"], "eval/cached": 1, "eval/seconds": time.perf_counter() - t0}
         sampler = self.engine.rng_state()
         self.engine.label = f"evaluation of version {version}"
         groups = self.rollout(self.held_out, self.eval_workflow, 1)
         exps = [g[0] for g in groups if g]
-        rewards = [e.reward or 0.0 for e in exps] + [0.0] * (len(groups) - len(exps))  # skipped / lagged: 0
-        record = {"eval/version": version, "eval/n": len(rewards), "eval/skipped": len(groups) - len(exps),
-                  "eval/reward_mean": sum(rewards) / len(rewards),
-                  "eval/response_len": sum(len(e.behaviour_logprobs) for e in exps) / max(1, len(exps)),
-                  **format_rate(exps, "eval/format_rate"), **episode_means([e.info for e in exps], "eval/")}
-        record["eval/accuracy"], record["eval/accuracy_stderr"] = mean_stderr([float(r == 1.0) for r in rewards])
+        rewards = [e.reward or 0.0 for e in exps] + [0.0] * (
+            len(groups) - len(exps)
+        )  # skipped / lagged: 0
+        record = {
+            "eval/version": version,
+            "eval/n": len(rewards),
+            "eval/skipped": len(groups) - len(exps),
+            "eval/reward_mean": sum(rewards) / len(rewards),
+            "eval/response_len": sum(len(e.behaviour_logprobs) for e in exps) / max(1, len(exps)),
+            **format_rate(exps, "eval/format_rate"),
+            **episode_means([e.info for e in exps], "eval/"),
+        }
+        record["eval/accuracy"], record["eval/accuracy_stderr"] = mean_stderr(
+            [float(r == 1.0) for r in rewards]
+        )
         if n:
             self.engine.label = f"evaluation of version {version}, {n} samples per task"
             sampled = self.rollout(self.held_out, n=n)
-            record.update(sampled_eval(correct_counts(sampled), n, cfg.eval_k, cfg.group_size * (version == 0)),
-                          **format_rate([e for g in sampled if g for e in g], "eval/sampled_format_rate"))
+            record.update(
+                sampled_eval(
+                    correct_counts(sampled), n, cfg.eval_k, cfg.group_size * (version == 0)
+                ),
+                **format_rate([e for g in sampled if g for e in g], "eval/sampled_format_rate"),
+            )
         if sampler is not None:
             self.engine.set_rng_state(sampler)
         if cache and not record["eval/skipped"]:
             write_cached(cache, {"key": cache.stem, "record": record})
-        return {**record, "eval/seconds": time.perf_counter() - t0,
-                **self.utilisation(since, time.perf_counter() - t0, "perf/eval")}
+        return {
+            **record,
+            "eval/seconds": time.perf_counter() - t0,
+            **self.utilisation(since, time.perf_counter() - t0, "perf/eval"),
+        }
 
     def _write_samples(self, batch: int, version: int, groups) -> None:
         """samples.log: the prompt and two responses of each of the first log_samples groups."""
@@ -252,19 +372,40 @@ class Explorer:
         with self.samples.open("a") as f:
             for g in groups[: self.cfg.log_samples]:
                 e = g[0]
-                f.write(f"=== batch {batch} | version {version} | task {e.task_id} | answer {e.info.get('answer')}\n"
-                        f"[prompt] {decode(e.tokens[:e.prompt_length])}\n")
+                f.write(
+                    f"=== batch {batch} | version {version} | task {e.task_id} | answer {e.info.get('answer')}\n"
+                    f"[prompt] {decode(e.tokens[: e.prompt_length])}\n"
+                )
                 for x in g[:2]:
-                    err = f" | reward error: {x.info['reward_error']}" if "reward_error" in x.info else ""
-                    f.write(f"--- reward {'pending' if x.reward is None else f'{x.reward:.2f}'}{err}\n")
-                    pairs = zip(x.action_mask, x.tokens[x.prompt_length:])
+                    err = (
+                        f" | reward error: {x.info['reward_error']}"
+                        if "reward_error" in x.info
+                        else ""
+                    )
+                    f.write(
+                        f"--- reward {'pending' if x.reward is None else f'{x.reward:.2f}'}{err}\n"
+                    )
+                    pairs = zip(x.action_mask, x.tokens[x.prompt_length :])
                     for policy, run in itertools.groupby(pairs, key=lambda p: p[0]):
-                        f.write(f"[{'policy' if policy else 'env'}] {decode([t for _, t in run])}\n")
+                        f.write(
+                            f"[{'policy' if policy else 'env'}] {decode([t for _, t in run])}\n"
+                        )
 
 
 # what a version-0 evaluation depends on, besides the weights, the held-out tasks and the engine
-EVAL_SETTINGS = ("system_prompt", "reward_fn", "reward_kwargs", "workflow", "dtype", "max_tokens", "temperature",
-                 "top_p", "eval_temperature", "eval_k", "group_size")
+EVAL_SETTINGS = (
+    "system_prompt",
+    "reward_fn",
+    "reward_kwargs",
+    "workflow",
+    "dtype",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "eval_temperature",
+    "eval_k",
+    "group_size",
+)
 
 
 def eval_cache(cfg, engine: Engine, held_out: list[Task], n: int) -> Path | None:
@@ -274,17 +415,36 @@ def eval_cache(cfg, engine: Engine, held_out: list[Task], n: int) -> Path | None
     key = hashlib.sha256()
     for f in sorted(p for p in model.rglob("*") if p.is_file()):
         with f.open("rb") as fh:
-            key.update(str(f.relative_to(model)).encode() + hashlib.file_digest(fh, "sha256").digest())
-    key.update(json.dumps([[[t.task_id, t.question, t.answer] for t in held_out], type(engine).__name__,
-                           str(getattr(engine, "device", "")), [getattr(cfg, k) for k in EVAL_SETTINGS], n],
-                          default=str).encode())
+            key.update(
+                str(f.relative_to(model)).encode() + hashlib.file_digest(fh, "sha256").digest()
+            )
+    key.update(
+        json.dumps(
+            [
+                [[t.task_id, t.question, t.answer] for t in held_out],
+                type(engine).__name__,
+                str(getattr(engine, "device", "")),
+                [getattr(cfg, k) for k in EVAL_SETTINGS],
+                n,
+            ],
+            default=str,
+        ).encode()
+    )
     return cache_dir() / "evals" / f"{key.hexdigest()}.json"
 
 
 def correct_counts(groups: list[list[Experience] | None]) -> list[int]:
     """Per task, its samples with reward 1 (an episode counts once; a skipped task: 0)."""
-    return [len({e.info.get("episode_id", id(e)) for e in g or [] if e.reward == 1.0
-                 and not e.info.get("reflection")}) for g in groups]
+    return [
+        len(
+            {
+                e.info.get("episode_id", id(e))
+                for e in g or []
+                if e.reward == 1.0 and not e.info.get("reflection")
+            }
+        )
+        for g in groups
+    ]
 
 
 def format_rate(exps: list[Experience], key: str) -> dict[str, float]:
@@ -302,16 +462,21 @@ def exit_quietly(*_) -> None:
 class Schedule:
     """`explore`'s pace in mode both: batch e waits for sync.required_version(e), the final evaluation for `last`
     (the version of the last step: the trainer publishes after it whatever the interval)."""
+
     def __init__(self, cfg, receiver: sync.Receiver, last: int):
         self.cfg, self.receiver, self.last = cfg, receiver, last
 
     def join(self) -> None:
-        if self.receiver.port is None:  # checkpoint sync: the start weights are loaded, the trainer may go on
+        if (
+            self.receiver.port is None
+        ):  # checkpoint sync: the start weights are loaded, the trainer may go on
             self.receiver.log({"explorer/ready": True})
         self.receiver.join()
 
     def before_batch(self, batch: int) -> bool:
-        self.receiver.until(sync.required_version(batch, self.cfg.sync_interval, self.cfg.sync_offset))
+        self.receiver.until(
+            sync.required_version(batch, self.cfg.sync_interval, self.cfg.sync_offset)
+        )
         return True
 
     def inflight(self) -> None:
@@ -322,33 +487,71 @@ class Schedule:
         self.receiver.until(self.last)
 
 
-def run_mode_both(cfg, model_path: str, tasks: tuple, port: int, total_steps: int, queue, start_version: int = 0,
-                  device: str = "", sync_device: str = "cpu", core_flags=None) -> None:
+def run_mode_both(
+    cfg,
+    model_path: str,
+    tasks: tuple,
+    port: int,
+    total_steps: int,
+    queue,
+    start_version: int = 0,
+    device: str = "",
+    sync_device: str = "cpu",
+    core_flags=None,
+) -> None:
     """Mode both's explorer process: puts metric records, and an error line if it fails (exit code 1), on `queue`."""
     parent = os.getppid()
     alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
     signal.signal(signal.SIGTERM, exit_quietly)
-    signal.signal(signal.SIGINT, exit_quietly)  # Ctrl-C: the trainer says how to resume; no second report
+    signal.signal(
+        signal.SIGINT, exit_quietly
+    )  # Ctrl-C: the trainer says how to resume; no second report
     try:
         queue.put({"status": f"starting the {cfg.engine} engine"})
-        engine = make_engine(cfg, model_path, engine_seed(cfg), use_gpu(device),
-                             colocated=device.startswith("cuda") and sync_device == "cpu")
+        engine = make_engine(
+            cfg,
+            model_path,
+            engine_seed(cfg),
+            use_gpu(device),
+            colocated=device.startswith("cuda") and sync_device == "cpu",
+        )
         engine.version = start_version
         engine.status = lambda text: queue.put({"status": text})
         if core_flags is not None and isinstance(engine, HFEngine):
             engine.cores = sync.CoreShare(core_flags, 1, cfg.explorer_threads, cfg.trainer_threads)
-        receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, queue.put, alive,
-                                 None if cfg.sync_method == "checkpoint" else port, cfg.sync_timeout_s, sync_device,
-                                 cfg.sync_host)
-        explore(cfg, engine, tasks, open_buffer(cfg.buffer, cfg.run_dir), Schedule(cfg, receiver, total_steps), queue.put,
-                total_steps)
+        receiver = sync.Receiver(
+            engine,
+            cfg.run_dir,
+            cfg.explorer_name,
+            queue.put,
+            alive,
+            None if cfg.sync_method == "checkpoint" else port,
+            cfg.sync_timeout_s,
+            sync_device,
+            cfg.sync_host,
+        )
+        explore(
+            cfg,
+            engine,
+            tasks,
+            open_buffer(cfg.buffer, cfg.run_dir),
+            Schedule(cfg, receiver, total_steps),
+            queue.put,
+            total_steps,
+        )
     except Exception as e:  # reported by the trainer as one line; the process exits with code 1
         (Path(cfg.run_dir) / f"error_{cfg.explorer_name}.log").write_text(traceback.format_exc())
-        queue.put({"error": f"{type(e).__name__}: {e} (traceback: {cfg.run_dir}/error_{cfg.explorer_name}.log)"})
+        queue.put(
+            {
+                "error": f"{type(e).__name__}: {e} (traceback: {cfg.run_dir}/error_{cfg.explorer_name}.log)"
+            }
+        )
         queue.close()
         queue.join_thread()
         sys.exit(1)
-    except SystemExit:  # SIGTERM (exit_quietly): the finally blocks have closed the engine. Run the exit
+    except (
+        SystemExit
+    ):  # SIGTERM (exit_quietly): the finally blocks have closed the engine. Run the exit
         queue.cancel_join_thread()  # handlers of multiprocessing, then leave without tearing down the weight-sync
         multiprocessing.util._exit_function()  # group: its destructor would wait for a broadcast that never comes
         os._exit(1)
@@ -365,12 +568,17 @@ def explore(cfg, engine: Engine, tasks: tuple, buffer: Buffer, pace, log, batche
         if cfg.inflight:
             engine.step_hook = pace.inflight
         evaluated = None  # the weight version last evaluated
+
         def evaluate() -> int:
-            hook, engine.step_hook = engine.step_hook, None  # no in-flight updates: one version per evaluation
+            hook, engine.step_hook = (
+                engine.step_hook,
+                None,
+            )  # no in-flight updates: one version per evaluation
             if cfg.eval_size and (record := explorer.evaluate(engine.version)) is not None:
                 log(record)
             engine.step_hook = hook
             return engine.version
+
         busy = engine.cores.busy if engine.cores is not None else (lambda flag: None)
         for batch in range(first, batches):
             busy(False)  # waiting for weights or for the trainer: the trainer may use our cores
@@ -380,9 +588,12 @@ def explore(cfg, engine: Engine, tasks: tuple, buffer: Buffer, pace, log, batche
             log(explorer.rollout_batch(batch, buffer))
             # after the last batch of a version: the trainer trains every batch of it while we evaluate
             last_of_version = batch + 1 == batches or engine.version < sync.required_version(
-                batch + 1, cfg.sync_interval, cfg.sync_offset)
-            if last_of_version and (evaluated is None or engine.version // cfg.eval_interval
-                                    > evaluated // cfg.eval_interval):
+                batch + 1, cfg.sync_interval, cfg.sync_offset
+            )
+            if last_of_version and (
+                evaluated is None
+                or engine.version // cfg.eval_interval > evaluated // cfg.eval_interval
+            ):
                 evaluated = evaluate()
         busy(False)
         engine.step_hook = None

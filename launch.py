@@ -42,8 +42,12 @@ class Placement:
     def describe(self, sync_method: str = "broadcast") -> str:
         where = f"trainer on {', '.join(self.trainer)}"
         if self.explorer:
-            where += f"; explorer on {self.explorer}" + (" (colocated with trainer rank 0)" if self.colocated else "")
-            how = "ipc" if sync_method == "ipc" else "NCCL" if self.sync_device == "cuda" else "gloo"
+            where += f"; explorer on {self.explorer}" + (
+                " (colocated with trainer rank 0)" if self.colocated else ""
+            )
+            how = (
+                "ipc" if sync_method == "ipc" else "NCCL" if self.sync_device == "cuda" else "gloo"
+            )
             where += f"; weight sync {how}"
         return where + (f"; {self.unused_gpus} GPU(s) unused" if self.unused_gpus else "")
 
@@ -53,7 +57,9 @@ def place(gpus: int, ranks: int, mode: str) -> Placement:
     if gpus == 0:
         return Placement(("cpu",) * ranks, "cpu" if mode == "both" else "", False, "cpu")
     if ranks > gpus:
-        raise ValueError(f"{ranks} trainer ranks need {ranks} GPUs, {gpus} visible (torchrun --nproc_per_node <= GPUs)")
+        raise ValueError(
+            f"{ranks} trainer ranks need {ranks} GPUs, {gpus} visible (torchrun --nproc_per_node <= GPUs)"
+        )
     trainer = tuple(f"cuda:{i}" for i in range(ranks))
     if mode != "both":
         return Placement(trainer, "", False, "cuda", gpus - ranks)
@@ -65,12 +71,18 @@ def place(gpus: int, ranks: int, mode: str) -> Placement:
 def sync_method(cfg: Config, layout: Placement) -> str:
     """cfg.sync_method for `layout` (auto: broadcast). ValueError (one line): ipc where the explorer does not share
     trainer rank 0's device."""
-    shared = cfg.mode == "both" and cfg.engine == "hf" and layout.explorer in ("cpu", layout.trainer[0])
-    if cfg.sync_method == "auto":  # ipc is chosen by name until a GPU run has checked it (benchmarks/gpu_check.py)
+    shared = (
+        cfg.mode == "both" and cfg.engine == "hf" and layout.explorer in ("cpu", layout.trainer[0])
+    )
+    if (
+        cfg.sync_method == "auto"
+    ):  # ipc is chosen by name until a GPU run has checked it (benchmarks/gpu_check.py)
         return "broadcast"
     if cfg.sync_method == "ipc" and not shared:
-        raise ValueError("--sync-method ipc hands the weights to an hf engine on trainer rank 0's device: mode both, "
-                         "--engine hf, as many GPUs as trainer ranks (or none)")
+        raise ValueError(
+            "--sync-method ipc hands the weights to an hf engine on trainer rank 0's device: mode both, "
+            "--engine hf, as many GPUs as trainer ranks (or none)"
+        )
     return cfg.sync_method
 
 
@@ -81,7 +93,9 @@ def gpu_count() -> int:
 
 def _mimalloc() -> str | None:
     try:  # the cmeel-mimalloc wheel of requirements.txt
-        lib = importlib.metadata.distribution("cmeel-mimalloc").locate_file("cmeel.prefix/lib/libmimalloc.so")
+        lib = importlib.metadata.distribution("cmeel-mimalloc").locate_file(
+            "cmeel.prefix/lib/libmimalloc.so"
+        )
     except importlib.metadata.PackageNotFoundError:
         return None
     return str(lib) if Path(lib).is_file() else None
@@ -89,9 +103,16 @@ def _mimalloc() -> str | None:
 
 # preloaded allocators, the best first (benchmarks/allocators.py, docs/benchmarks.md): both keep freed
 # pages for the next step, where glibc's malloc returns large blocks to the kernel and faults them in again
-ALLOCATORS = {"tcmalloc": lambda: ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc"),
-              "mimalloc": _mimalloc}
-INSTALL = {"mimalloc": "pip install cmeel-mimalloc", "tcmalloc": "apt-get install libtcmalloc-minimal4"}
+ALLOCATORS = {
+    "tcmalloc": lambda: (
+        ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    ),
+    "mimalloc": _mimalloc,
+}
+INSTALL = {
+    "mimalloc": "pip install cmeel-mimalloc",
+    "tcmalloc": "apt-get install libtcmalloc-minimal4",
+}
 # mimalloc's transparent huge pages, faulted in 2 MiB at a time, cost the trainer 0.1 GiB of RSS (allocators.py)
 ALLOCATOR_ENV = {"mimalloc": {"MIMALLOC_ALLOW_THP": "0"}}
 
@@ -118,8 +139,11 @@ def allocator_banner(cfg: Config) -> str:
     name, lib = allocator(cfg)
     if lib and lib in os.environ.get("LD_PRELOAD", ""):
         return name
-    return "the C library's malloc" + ("" if cfg.allocator == "system" or gpu_count() else
-                                       f": {INSTALL['mimalloc']} (requirements.txt) for a faster CPU trainer")
+    return "the C library's malloc" + (
+        ""
+        if cfg.allocator == "system" or gpu_count()
+        else f": {INSTALL['mimalloc']} (requirements.txt) for a faster CPU trainer"
+    )
 
 
 def preload_allocator(argv: list[str]) -> None:
@@ -131,7 +155,9 @@ def preload_allocator(argv: list[str]) -> None:
     except (ValueError, OSError):
         return  # main reports it
     if lib and lib not in os.environ.get("LD_PRELOAD", ""):
-        os.environ.update({k: v for k, v in ALLOCATOR_ENV.get(name, {}).items() if k not in os.environ})  # user's win
+        os.environ.update(
+            {k: v for k, v in ALLOCATOR_ENV.get(name, {}).items() if k not in os.environ}
+        )  # user's win
         os.environ["LD_PRELOAD"] = " ".join(filter(None, [lib, os.environ.get("LD_PRELOAD", "")]))
         sys.stdout.flush()
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
@@ -140,8 +166,13 @@ def preload_allocator(argv: list[str]) -> None:
 def init_distributed():
     """(rank, world_size, device) in the default (FSDP) group, from torchrun's env or as one rank."""
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        )
     gloo_interface()  # on GPUs too: the gloo half of "cpu:gloo,cuda:nccl" binds as gloo alone would
     if not torch.cuda.is_available():
         dist.init_process_group("gloo", timeout=timedelta(hours=1))
@@ -156,7 +187,11 @@ def init_distributed():
 def gloo_interface() -> str | None:
     """Across hosts, set GLOO_SOCKET_IFNAME to the interface towards MASTER_ADDR; returns it, or None."""
     master = os.environ.get("MASTER_ADDR", "")
-    if os.environ.get("GLOO_SOCKET_IFNAME") or master in ("", "127.0.0.1", "localhost"):  # set, or one host
+    if os.environ.get("GLOO_SOCKET_IFNAME") or master in (
+        "",
+        "127.0.0.1",
+        "localhost",
+    ):  # set, or one host
         return None
     return resolve("extras.hosts.gloo_interface", {}, "network interface lookup")(master)
 
@@ -174,24 +209,32 @@ def split_threads(cfg: Config, world: int) -> None:
 def guarded(cfg: Config, rank: int, run) -> int:
     """Call `run()`; the exit code: 0, 130 after Ctrl-C (one line on how to resume), 1 after a failure."""
     sigints = []  # Ctrl-C seen: a library may wrap its KeyboardInterrupt (torch.distributed.checkpoint does)
+
     def on_sigint(*_):
         sigints.append(1)
         raise KeyboardInterrupt
+
     # Python's own Ctrl-C handler only (not in a thread, nor where SIGINT is ignored: a job started with nohup ... &)
-    ours = (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    ours = (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
     before = signal.signal(signal.SIGINT, on_sigint) if ours else None
     try:
         run()
     except SystemExit:
         raise
-    except BaseException as e:  # also torch.distributed.checkpoint's CheckpointException, a BaseException
+    except (
+        BaseException
+    ) as e:  # also torch.distributed.checkpoint's CheckpointException, a BaseException
         if not (sigints or isinstance(e, KeyboardInterrupt)):
             failed(cfg, rank, e)
             return 1
         if rank == 0:
-            print(f"\nrun.py: interrupted; to continue: the same command with --resume (run dir {cfg.run_dir})",
-                  file=sys.stderr)
+            print(
+                f"\nrun.py: interrupted; to continue: the same command with --resume (run dir {cfg.run_dir})",
+                file=sys.stderr,
+            )
         return 130
     finally:
         if ours:
@@ -202,6 +245,7 @@ def guarded(cfg: Config, rank: int, run) -> int:
 def failed(cfg: Config, rank: int, e: BaseException) -> None:
     """The traceback to RUN_DIR/error*.log, one line naming it; still alive EXIT_GRACE_S later, the process exits."""
     import faulthandler
+
     name = f"_{cfg.explorer_name}" if cfg.mode == "explore" else f"_rank{rank}" if rank else ""
     log = Path(cfg.run_dir) / f"error{name}.log"
     try:

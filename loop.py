@@ -22,11 +22,19 @@ from metrics import Metrics, eval_line, plot, print0, trackers
 from perf import JobMeter
 from trainer import Trainer, make_trainer
 
-ZERO_ADVANTAGE_WARN_STEPS = 3  # warn once every advantage has been 0 for this many consecutive steps
-REWARD_ERROR_STEPS = 3  # stop when the reward function failed on every rollout of this many consecutive steps
+ZERO_ADVANTAGE_WARN_STEPS = (
+    3  # warn once every advantage has been 0 for this many consecutive steps
+)
+REWARD_ERROR_STEPS = (
+    3  # stop when the reward function failed on every rollout of this many consecutive steps
+)
 ANNOTATOR = "extras.label_studio.start_annotator"  # human labels (--annotation): Label Studio
-TRAIN_MODE = "extras.train_mode"  # mode train beside --mode explore launches: connect_explorers, wait_left
-CHECKPOINT_SYNC = "extras.checkpoint_sync"  # --sync-method checkpoint: publish_checkpoint, wait_until_loaded
+TRAIN_MODE = (
+    "extras.train_mode"  # mode train beside --mode explore launches: connect_explorers, wait_left
+)
+CHECKPOINT_SYNC = (
+    "extras.checkpoint_sync"  # --sync-method checkpoint: publish_checkpoint, wait_until_loaded
+)
 OFFLINE = "extras.offline.attach"  # offline (SFT, DPO) and expert (MIX) data
 
 
@@ -35,28 +43,42 @@ def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]
     groups, dropped = [], 0
     while len(groups) < cfg.batch_size:
         got = buffer.read(cfg.batch_size - len(groups), cfg.buffer_timeout_s, alive, step=step)
-        fresh = [g for g in got if cfg.max_staleness < 0
-                 or version - min(e.model_version for e in g) <= cfg.max_staleness]
+        fresh = [
+            g
+            for g in got
+            if cfg.max_staleness < 0
+            or version - min(e.model_version for e in g) <= cfg.max_staleness
+        ]
         dropped += len(got) - len(fresh)
         groups += fresh
     m = {"staleness/dropped_groups": dropped}
     if cfg.replay:
-        again, eligible = resolve("extras.pipelines.replay", {}, "replay")(buffer, step, **cfg.replay)
+        again, eligible = resolve("extras.pipelines.replay", {}, "replay")(
+            buffer, step, **cfg.replay
+        )
         groups += again
-        m.update({"replay/groups": len(again), "replay/eligible_groups": eligible,
-                  "replay/use_count_mean": sum(g[0].info["use_count"] for g in again) / max(1, len(again)),
-                  "replay/priority_mean": sum(g[0].info["priority"] for g in again) / max(1, len(again))})
+        m.update(
+            {
+                "replay/groups": len(again),
+                "replay/eligible_groups": eligible,
+                "replay/use_count_mean": sum(g[0].info["use_count"] for g in again)
+                / max(1, len(again)),
+                "replay/priority_mean": sum(g[0].info["priority"] for g in again)
+                / max(1, len(again)),
+            }
+        )
     return groups, m
 
 
 def bucket_elems(cfg) -> int:
     """The weight-sync bucket in elements: --sync-bucket-mb MiB of float32; 0 = unbucketed."""
-    return int(cfg.sync_bucket_mb * 2 ** 20) // 4
+    return int(cfg.sync_bucket_mb * 2**20) // 4
 
 
 @dataclass
 class LoopIO:
     """What the loop talks to on rank 0 (other ranks: the defaults); send_weights None: checkpoint sync."""
+
     buffer: Any = None
     offline: Any = None
     expert: Any = None
@@ -71,19 +93,42 @@ class LoopIO:
 
 class TrainLoop:
     """The train loop of one trainer rank; `errors`: the error lines the explorer reported."""
+
     def __init__(self, cfg, trainer: Trainer, start: int, io: LoopIO, rank: int, world: int):
         from tqdm import tqdm
-        self.cfg, self.trainer, self.start, self.io, self.rank, self.world = cfg, trainer, start, io, rank, world
+
+        self.cfg, self.trainer, self.start, self.io, self.rank, self.world = (
+            cfg,
+            trainer,
+            start,
+            io,
+            rank,
+            world,
+        )
         trainer.progress = lambda text: self.bar.set_postfix_str(text)
-        self.status_at = 0.0  # when rank 0 last looked for explorer status while waiting for a batch
-        self.pending: dict[int, dict] = {}  # explorer batch records by batch index, merged into that step
-        self.last_eval, self.errors = {}, []  # the latest evaluation record; the explorer's error lines
-        self.zero_adv_steps = self.errored_steps = 0  # consecutive steps with every advantage 0 / every reward errored
-        self.bar = tqdm(total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True)
+        self.status_at = (
+            0.0  # when rank 0 last looked for explorer status while waiting for a batch
+        )
+        self.pending: dict[
+            int, dict
+        ] = {}  # explorer batch records by batch index, merged into that step
+        self.last_eval, self.errors = (
+            {},
+            [],
+        )  # the latest evaluation record; the explorer's error lines
+        self.zero_adv_steps = self.errored_steps = (
+            0  # consecutive steps with every advantage 0 / every reward errored
+        )
+        self.bar = tqdm(
+            total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True
+        )
         self.meter = JobMeter()  # cpu/utilisation_pct, perf/job_mfu
 
     def run(self) -> None:
-        self.trainer.cores, self.t_start = self.io.cores, time.perf_counter()  # (cores: once the explorer started)
+        self.trainer.cores, self.t_start = (
+            self.io.cores,
+            time.perf_counter(),
+        )  # (cores: once the explorer started)
         try:
             for step in range(self.start, self.cfg.steps):
                 self.step(step)
@@ -99,19 +144,33 @@ class TrainLoop:
         t1 = time.perf_counter()
         if sync.publishes_after(step, cfg.sync_interval, cfg.steps):
             self.publish(step, m)
-        if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step < cfg.steps - 1:
+        if (
+            cfg.checkpoint_interval
+            and (step + 1) % cfg.checkpoint_interval == 0
+            and step < cfg.steps - 1
+        ):
             save_resume_state(self.trainer, cfg.run_dir, step + 1)
         if io.cores is not None:
             io.cores.busy(False)  # waiting for the next batch: the explorer may use our cores
         if self.rank == 0:
-            m.update({"time/wait_s": wait_s, "time/sync_s": time.perf_counter() - t1, **m_read, **io.extra_metrics()})
+            m.update(
+                {
+                    "time/wait_s": wait_s,
+                    "time/sync_s": time.perf_counter() - t1,
+                    **m_read,
+                    **io.extra_metrics(),
+                }
+            )
             self.log(step, m, [g for g in groups if not g[0].info.get("offline")])
 
     def next_batch(self, step: int) -> tuple[list, dict]:
         """Rank 0: the groups of `step` (the buffer's or offline data), shaped, and their metrics."""
         io = self.io
-        groups, m = ((io.offline.draw(self.cfg.batch_size), {}) if io.offline
-                     else read_batch(self.cfg, io.buffer, step, self.trainer.version, self.waiting))
+        groups, m = (
+            (io.offline.draw(self.cfg.batch_size), {})
+            if io.offline
+            else read_batch(self.cfg, io.buffer, step, self.trainer.version, self.waiting)
+        )
         if io.cores is not None:
             io.cores.busy(True)
         if io.shape:
@@ -123,7 +182,9 @@ class TrainLoop:
         """Send the new weights to the explorers or publish a checkpoint; the last step saves RUN_DIR/final."""
         cfg, io, version = self.cfg, self.io, self.trainer.version
         params = digest = None
-        if cfg.sync_bucket_mb and cfg.sync_method != "checkpoint":  # (run.check_modes: never with offline data)
+        if (
+            cfg.sync_bucket_mb and cfg.sync_method != "checkpoint"
+        ):  # (run.check_modes: never with offline data)
             buckets = self.trainer.parameter_buckets(bucket_elems(cfg))
             if self.rank == 0:
                 digest = io.send_weights(version, buckets)
@@ -135,12 +196,15 @@ class TrainLoop:
                 digest = io.send_weights(version, [params])
             elif self.rank == 0 and not io.offline:
                 resolve(f"{CHECKPOINT_SYNC}.publish_checkpoint", {}, "sync_method")(
-                    cfg.run_dir, version, lambda d: self.trainer.save(d, params))
+                    cfg.run_dir, version, lambda d: self.trainer.save(d, params)
+                )
                 digest = sync.checksum(params) if cfg.sync_checksum else None
         if digest is not None:
             m["sync/trainer_checksum"] = digest
         if step == cfg.steps - 1:
-            self.trainer.save_final(Path(cfg.run_dir) / "final", params or self.trainer.full_parameters())
+            self.trainer.save_final(
+                Path(cfg.run_dir) / "final", params or self.trainer.full_parameters()
+            )
 
     def waiting(self) -> bool:
         """Rank 0's poll while it waits for a batch; False once the explorer has died."""
@@ -159,7 +223,9 @@ class TrainLoop:
             elif "eval/accuracy" in r:
                 self.io.metrics.write({"step": r["eval/version"], **r})
                 who = f" ({r['explorer']})" if "explorer" in r else ""
-                self.bar.write(f"eval @ version {r['eval/version']}{who}: {eval_line(r, self.cfg.group_size)}")
+                self.bar.write(
+                    f"eval @ version {r['eval/version']}{who}: {eval_line(r, self.cfg.group_size)}"
+                )
                 self.last_eval.update(r)
             elif "explorer/received_version" in r:
                 self.io.metrics.write({"step": r["explorer/received_version"], **r})
@@ -175,43 +241,82 @@ class TrainLoop:
         m.update({f"buffer/{k}": v for k, v in self.io.buffer.counts().items()})
         if rollouts:
             self.check_learning(step, m, rollouts)
-        m.update(self.meter.since_last(m.get("perf/trainer_model_flops", 0.0), self.trainer.peak,
-                                       self.trainer.device.type))
-        m.update({"step": step, "version": self.trainer.version, "time/elapsed_s": time.perf_counter() - self.t_start,
-                  "threads/trainer": self.cfg.trainer_threads, "threads/explorer": self.cfg.explorer_threads,
-                  "trainer/ranks": self.world, "eval/last_accuracy": self.last_eval.get("eval/accuracy")})
+        m.update(
+            self.meter.since_last(
+                m.get("perf/trainer_model_flops", 0.0), self.trainer.peak, self.trainer.device.type
+            )
+        )
+        m.update(
+            {
+                "step": step,
+                "version": self.trainer.version,
+                "time/elapsed_s": time.perf_counter() - self.t_start,
+                "threads/trainer": self.cfg.trainer_threads,
+                "threads/explorer": self.cfg.explorer_threads,
+                "trainer/ranks": self.world,
+                "eval/last_accuracy": self.last_eval.get("eval/accuracy"),
+            }
+        )
         self.io.metrics.write(m)
         shown = {"reward": m["reward/mean"]} if "reward/mean" in m else {"loss": m["loss/policy"]}
         if self.last_eval:
             shown["acc"] = self.last_eval["eval/accuracy"]
-        self.bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items()},
-                             s_per_step=f"{m['time/elapsed_s'] / (step + 1 - self.start):.1f}")
+        self.bar.set_postfix(
+            {k: f"{v:.3f}" for k, v in shown.items()},
+            s_per_step=f"{m['time/elapsed_s'] / (step + 1 - self.start):.1f}",
+        )
         self.bar.update()
 
     def check_learning(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
         """Staleness metrics, warnings; RuntimeError after REWARD_ERROR_STEPS steps whose rewards all failed."""
         v = [e.model_version for g in rollouts for e in g]
-        m.update({"staleness/mean": sum(step - x for x in v) / len(v), "staleness/max": max(step - x for x in v)})
-        for name in sorted({g[0].explorer for g in rollouts}):  # each explorer's share of the batch and staleness
+        m.update(
+            {
+                "staleness/mean": sum(step - x for x in v) / len(v),
+                "staleness/max": max(step - x for x in v),
+            }
+        )
+        for name in sorted(
+            {g[0].explorer for g in rollouts}
+        ):  # each explorer's share of the batch and staleness
             theirs = [g for g in rollouts if g[0].explorer == name]
             m[f"explorer/{name}/share"] = len(theirs) / len(rollouts)
-            m[f"explorer/{name}/staleness"] = sum(step - g[0].model_version for g in theirs) / len(theirs)
+            m[f"explorer/{name}/staleness"] = sum(step - g[0].model_version for g in theirs) / len(
+                theirs
+            )
         # a teacher's per-token term teaches where every task advantage is 0
-        self.zero_adv_steps = self.zero_adv_steps + 1 if m["advantage/abs_mean"] == 0 and not self.cfg.teacher else 0
+        self.zero_adv_steps = (
+            self.zero_adv_steps + 1 if m["advantage/abs_mean"] == 0 and not self.cfg.teacher else 0
+        )
         errored = sum("reward_error" in e.info for g in rollouts for e in g) == len(v)
         self.errored_steps = self.errored_steps + 1 if errored else 0
-        m.update({"advantage/zero_steps": self.zero_adv_steps, "rollout/all_rewards_errored": int(errored)})
+        m.update(
+            {
+                "advantage/zero_steps": self.zero_adv_steps,
+                "rollout/all_rewards_errored": int(errored),
+            }
+        )
         if self.zero_adv_steps == ZERO_ADVANTAGE_WARN_STEPS:
-            self.bar.write(f"warning: every advantage has been 0 for {self.zero_adv_steps} steps: each group got equal "
-                           "rewards, so nothing is learned (task too easy or too hard, group_size 1, or a broken reward "
-                           "function)", file=sys.stderr)
-        example = next((e.info["reward_error"] for g in rollouts for e in g if "reward_error" in e.info), None)
+            self.bar.write(
+                f"warning: every advantage has been 0 for {self.zero_adv_steps} steps: each group got equal "
+                "rewards, so nothing is learned (task too easy or too hard, group_size 1, or a broken reward "
+                "function)",
+                file=sys.stderr,
+            )
+        example = next(
+            (e.info["reward_error"] for g in rollouts for e in g if "reward_error" in e.info), None
+        )
         if self.errored_steps >= REWARD_ERROR_STEPS:
-            raise RuntimeError(f"the reward function failed on every rollout of {self.errored_steps} consecutive "
-                               f"steps, e.g. {example}")
+            raise RuntimeError(
+                f"the reward function failed on every rollout of {self.errored_steps} consecutive "
+                f"steps, e.g. {example}"
+            )
         if errored:
-            self.bar.write(f"warning: step {step}: the reward function failed on every rollout (e.g. {example}); "
-                           "see samples.log", file=sys.stderr)
+            self.bar.write(
+                f"warning: step {step}: the reward function failed on every rollout (e.g. {example}); "
+                "see samples.log",
+                file=sys.stderr,
+            )
 
 
 def queued(queue) -> list[dict]:
@@ -231,12 +336,17 @@ def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout, tas
     annotating = threading.Event()
     try:
         if rank == 0 and cfg.annotation:
-            io.extra_metrics = resolve(ANNOTATOR, {}, "annotation")(cfg, trainer.tokenizer, annotating)
+            io.extra_metrics = resolve(ANNOTATOR, {}, "annotation")(
+                cfg, trainer.tokenizer, annotating
+            )
         if rank == 0 and cfg.mode == "both":
-            explorer, weights = start_explorer(cfg, io, str(state / "hf") if state else model_path, trainer.version,
-                                               layout, tasks)
+            explorer, weights = start_explorer(
+                cfg, io, str(state / "hf") if state else model_path, trainer.version, layout, tasks
+            )
         if cfg.mode == "train" and not cfg.train_data:
-            weights = resolve(f"{TRAIN_MODE}.connect_explorers", {}, "mode train")(cfg, io, layout, trainer, rank)
+            weights = resolve(f"{TRAIN_MODE}.connect_explorers", {}, "mode train")(
+                cfg, io, layout, trainer, rank
+            )
         loop.run()
         if rank == 0:
             finish(cfg, loop, explorer, weights)
@@ -253,12 +363,14 @@ def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout, tas
 
 def kept_on_resume(start: int, evals_from_buffer: bool) -> Callable[[dict], bool]:
     """On --resume from `start`: whether a record of metrics.jsonl stays, so that each is logged once."""
+
     def keep(r: dict) -> bool:
         if "eval/accuracy" in r:
             return not evals_from_buffer and r.get("eval/version", r.get("step", 0)) < start
         if "explorer/received_version" in r:
             return r["explorer/received_version"] <= start
         return r.get("step", 0) < start
+
     return keep
 
 
@@ -267,13 +379,18 @@ def loop_io(cfg, trainer, start: int, model_path: str):
     io = LoopIO(buffer=open_buffer(cfg.buffer, cfg.run_dir))
     if cfg.experience_pipeline:
         io.shape = resolve("extras.pipelines.ExperiencePipeline", {}, "experience_pipeline")(
-            cfg.experience_pipeline, trainer.tokenizer, model_path)
+            cfg.experience_pipeline, trainer.tokenizer, model_path
+        )
     io.buffer.set_run_state("trainer_done", None)  # a trainer is running (again)
     if cfg.resume:
         released = io.buffer.release_after(start)
-        print0(f"resumed at step {start} (version {trainer.version}); {released} experiences served again")
+        print0(
+            f"resumed at step {start} (version {trainer.version}); {released} experiences served again"
+        )
     evals_from_buffer = cfg.mode == "train" and not cfg.train_data
-    io.metrics = Metrics(Path(cfg.run_dir), cfg, kept_on_resume(start, evals_from_buffer) if cfg.resume else None)
+    io.metrics = Metrics(
+        Path(cfg.run_dir), cfg, kept_on_resume(start, evals_from_buffer) if cfg.resume else None
+    )
     if cfg.expert_fraction or cfg.train_data:
         resolve(OFFLINE, {}, "offline data")(cfg, io, trainer, start)
     return io
@@ -282,15 +399,32 @@ def loop_io(cfg, trainer, start: int, model_path: str):
 def start_explorer(cfg, io, model_path: str, version: int, layout, tasks: tuple):
     """Mode both, rank 0: spawn the explorer process, connect `io`; returns (it, sync.WeightSync or None)."""
     import torch.multiprocessing as mp
+
     from explorer import run_mode_both
+
     weights = weight_group(cfg, layout, 1) if cfg.sync_method != "checkpoint" else None
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    share = layout.explorer == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) == 1  # cores of one machine, one rank
+    share = (
+        layout.explorer == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) == 1
+    )  # cores of one machine, one rank
     flags = ctx.Array("i", 2) if share else None
-    explorer = ctx.Process(target=run_mode_both, name="explorer",
-                           args=(cfg, model_path, tasks, weights.port if weights else 0, cfg.steps, queue, version,
-                                 layout.explorer, layout.sync_device, flags))
+    explorer = ctx.Process(
+        target=run_mode_both,
+        name="explorer",
+        args=(
+            cfg,
+            model_path,
+            tasks,
+            weights.port if weights else 0,
+            cfg.steps,
+            queue,
+            version,
+            layout.explorer,
+            layout.sync_device,
+            flags,
+        ),
+    )
     explorer.start()
     if flags is not None:
         io.cores = sync.CoreShare(flags, 0, cfg.trainer_threads, cfg.explorer_threads)
@@ -305,9 +439,16 @@ def start_explorer(cfg, io, model_path: str, version: int, layout, tasks: tuple)
 
 def weight_group(cfg, layout, receivers: int):
     """Trainer rank 0's end of the weight-sync group of `receivers` explorers."""
-    return sync.transport(cfg.sync_method)(0, 1 + receivers, port=cfg.sync_port, host=cfg.sync_host,
-                                           device=layout.sync_device, timeout_s=cfg.sync_timeout_s,
-                                           bucket_elems=bucket_elems(cfg), checksum=cfg.sync_checksum)
+    return sync.transport(cfg.sync_method)(
+        0,
+        1 + receivers,
+        port=cfg.sync_port,
+        host=cfg.sync_host,
+        device=layout.sync_device,
+        timeout_s=cfg.sync_timeout_s,
+        bucket_elems=bucket_elems(cfg),
+        checksum=cfg.sync_checksum,
+    )
 
 
 def finish(cfg, loop, explorer, weights) -> None:
@@ -316,17 +457,29 @@ def finish(cfg, loop, explorer, weights) -> None:
     if weights:
         weights.wait(loop.io.alive)
     if explorer:
-        join_draining(explorer, loop.drain)  # drained while it exits: join, then drain, can deadlock
+        join_draining(
+            explorer, loop.drain
+        )  # drained while it exits: join, then drain, can deadlock
         if explorer.exitcode != 0:
-            raise RuntimeError(f"explorer failed: {loop.errors[0] if loop.errors else explorer.exitcode}")
+            raise RuntimeError(
+                f"explorer failed: {loop.errors[0] if loop.errors else explorer.exitcode}"
+            )
     loop.io.buffer.set_run_state("trainer_done", str(loop.trainer.version))
     if weights and not explorer:  # mode train: the explorers see trainer_done and leave the group
         resolve(f"{TRAIN_MODE}.wait_left", {}, "mode train")(weights, cfg.sync_timeout_s)
-    (run_dir / "final" / "nanorft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    (run_dir / "final" / "nanorft_config.json").write_text(
+        json.dumps(dataclasses.asdict(cfg), indent=2)
+    )
     if not cfg.keep_resume_state and (freed := delete_resume_states(run_dir)):
-        print0(f"resume state deleted ({freed / 2 ** 20:.0f} MiB), the run has finished: --keep-resume-state keeps it")
-    board = f" (TensorBoard: tensorboard --logdir {run_dir})" if "tensorboard" in trackers(cfg) else ""
-    print0(f"final weights: {run_dir / 'final'}\nplot: {plot(run_dir)}\nmetrics: {run_dir / 'metrics.jsonl'}{board}")
+        print0(
+            f"resume state deleted ({freed / 2**20:.0f} MiB), the run has finished: --keep-resume-state keeps it"
+        )
+    board = (
+        f" (TensorBoard: tensorboard --logdir {run_dir})" if "tensorboard" in trackers(cfg) else ""
+    )
+    print0(
+        f"final weights: {run_dir / 'final'}\nplot: {plot(run_dir)}\nmetrics: {run_dir / 'metrics.jsonl'}{board}"
+    )
 
 
 def join_draining(process, drain: Callable[[], Any], timeout_s: float | None = None) -> bool:
@@ -346,8 +499,13 @@ def stop_explorer(explorer, loop) -> None:
     """The trainer failed: stop the explorer; RuntimeError with its error line if it failed first."""
     if explorer.is_alive():
         explorer.terminate()
-        if not join_draining(explorer, loop.io.records, 30):  # its records are dropped: the trainer's error counts
-            print("run.py: warning: the explorer did not stop within 30 s of SIGTERM; killed", file=sys.stderr)
+        if not join_draining(
+            explorer, loop.io.records, 30
+        ):  # its records are dropped: the trainer's error counts
+            print(
+                "run.py: warning: the explorer did not stop within 30 s of SIGTERM; killed",
+                file=sys.stderr,
+            )
             explorer.kill()
             explorer.join()
     else:  # the trainer noticed that the explorer failed: its reason is on the queue

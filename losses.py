@@ -19,43 +19,70 @@ import torch
 @dataclass
 class LossInputs:
     """Inputs of a policy loss on one micro-batch, all on one device."""
-    logprobs: torch.Tensor            # [B, T] under the current policy (grad)
+
+    logprobs: torch.Tensor  # [B, T] under the current policy (grad)
     behaviour_logprobs: torch.Tensor  # [B, T] under the behaviour policy (no grad)
-    advantages: torch.Tensor          # [B, T] each sequence's advantage over its tokens
-    mask: torch.Tensor                # [B, T] 1.0 on trained tokens
-    rewards: torch.Tensor             # [B]
-    group_index: torch.Tensor         # [B] int (whole groups present when the loss `needs_groups`)
+    advantages: torch.Tensor  # [B, T] each sequence's advantage over its tokens
+    mask: torch.Tensor  # [B, T] 1.0 on trained tokens
+    rewards: torch.Tensor  # [B]
+    group_index: torch.Tensor  # [B] int (whole groups present when the loss `needs_groups`)
     ref_logprobs: torch.Tensor | None = None  # [B, T] under the frozen reference policy
-    expert: torch.Tensor | None = None        # [B] bool: expert (SFT) sequences
+    expert: torch.Tensor | None = None  # [B] bool: expert (SFT) sequences
 
 
 # name -> function, or the import path of one (in extras/: imported when a run names it); the default first
 ADVANTAGES: dict[str, Callable | str] = {
-    "grpo": "losses.grpo_advantages", "dr_grpo": "extras.advantages.dr_grpo_advantages",
-    "rloo": "extras.advantages.rloo_advantages", "reinforce_pp": "extras.advantages.reinforce_pp_advantages",
-    "grpo_stepwise": "extras.advantages.stepwise_grpo_advantages", "opmd": "extras.opmd.opmd_advantages",
-    "none": "extras.distill.no_advantages"}
+    "grpo": "losses.grpo_advantages",
+    "dr_grpo": "extras.advantages.dr_grpo_advantages",
+    "rloo": "extras.advantages.rloo_advantages",
+    "reinforce_pp": "extras.advantages.reinforce_pp_advantages",
+    "grpo_stepwise": "extras.advantages.stepwise_grpo_advantages",
+    "opmd": "extras.opmd.opmd_advantages",
+    "none": "extras.distill.no_advantages",
+}
 POLICY_LOSSES: dict[str, Callable | str] = {
-    "ppo_clip": "losses.ppo_clip_loss", "dppo_kl": "extras.policy_losses.dppo_kl_loss",
-    "reinforce_tis": "extras.policy_losses.reinforce_tis_loss", "cispo": "extras.policy_losses.cispo_loss",
-    "gspo": "extras.policy_losses.gspo_loss", "sft": "extras.policy_losses.sft_loss",
-    "dpo": "extras.policy_losses.dpo_loss", "mix": "extras.policy_losses.mix_loss", "topr": "extras.topr.topr_loss",
-    "opmd_kimi": "extras.opmd.opmd_kimi_loss", "opmd_pairwise": "extras.opmd.opmd_pairwise_loss",
-    "opmd_simple": "extras.opmd.opmd_simple_loss"}
+    "ppo_clip": "losses.ppo_clip_loss",
+    "dppo_kl": "extras.policy_losses.dppo_kl_loss",
+    "reinforce_tis": "extras.policy_losses.reinforce_tis_loss",
+    "cispo": "extras.policy_losses.cispo_loss",
+    "gspo": "extras.policy_losses.gspo_loss",
+    "sft": "extras.policy_losses.sft_loss",
+    "dpo": "extras.policy_losses.dpo_loss",
+    "mix": "extras.policy_losses.mix_loss",
+    "topr": "extras.topr.topr_loss",
+    "opmd_kimi": "extras.opmd.opmd_kimi_loss",
+    "opmd_pairwise": "extras.opmd.opmd_pairwise_loss",
+    "opmd_simple": "extras.opmd.opmd_simple_loss",
+}
 FILTERS: dict[str, Callable | str] = {
-    "zero_advantage": "extras.filters.zero_advantage_filter", "gibberish": "extras.filters.gibberish_filter",
-    "repetition": "extras.filters.repetition_filter"}
+    "zero_advantage": "extras.filters.zero_advantage_filter",
+    "gibberish": "extras.filters.gibberish_filter",
+    "repetition": "extras.filters.repetition_filter",
+}
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var")
 
 
-def register(registry: dict, name: str, agg: str = "token-mean", needs_groups: bool = False,
-             needs_ref: bool = False, split_expert: bool = False):
+def register(
+    registry: dict,
+    name: str,
+    agg: str = "token-mean",
+    needs_groups: bool = False,
+    needs_ref: bool = False,
+    split_expert: bool = False,
+):
     """Decorator: register a function as `name` with its default aggregation and needs."""
+
     def wrap(fn):
-        fn.agg, fn.needs_groups, fn.needs_ref, fn.split_expert = agg, needs_groups, needs_ref, split_expert
+        fn.agg, fn.needs_groups, fn.needs_ref, fn.split_expert = (
+            agg,
+            needs_groups,
+            needs_ref,
+            split_expert,
+        )
         registry[name] = fn
         return fn
+
     return wrap
 
 
@@ -65,7 +92,9 @@ def resolve(name: str, registry: dict, what: str, kwargs: dict | None = None) ->
     if isinstance(fn, str):
         module, _, attr = fn.rpartition(".")
         if not module:
-            raise ValueError(f"unknown {what} {name!r}; known: {sorted(registry)} or module.function")
+            raise ValueError(
+                f"unknown {what} {name!r}; known: {sorted(registry)} or module.function"
+            )
         try:
             fn = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
@@ -73,7 +102,9 @@ def resolve(name: str, registry: dict, what: str, kwargs: dict | None = None) ->
         if not callable(fn):
             raise ValueError(f"{what} {name!r} is not callable")
     params = inspect.signature(fn).parameters
-    if not any(p.kind == p.VAR_KEYWORD for p in params.values()) and (bad := sorted(set(kwargs or {}) - set(params))):
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()) and (
+        bad := sorted(set(kwargs or {}) - set(params))
+    ):
         raise ValueError(f"{what} {name!r} takes no argument(s) {bad}; it takes {sorted(params)}")
     return fn
 
@@ -85,12 +116,18 @@ def resolve_algorithm(cfg) -> tuple[Callable, Callable, str, dict[str, Callable]
     filters = {}
     for name, kwargs in cfg.filters.items():
         if not isinstance(kwargs, dict):
-            raise ValueError(f"filters: the value of {name!r} must be a table of keyword arguments, got {kwargs!r}")
+            raise ValueError(
+                f"filters: the value of {name!r} must be a table of keyword arguments, got {kwargs!r}"
+            )
         filters[name] = resolve(name, FILTERS, "filter", kwargs)
     if cfg.loss_agg != "auto" and cfg.loss_agg not in AGGREGATIONS:
-        raise ValueError(f"unknown loss_agg {cfg.loss_agg!r}; known: auto, {', '.join(AGGREGATIONS)}")
+        raise ValueError(
+            f"unknown loss_agg {cfg.loss_agg!r}; known: auto, {', '.join(AGGREGATIONS)}"
+        )
     if cfg.kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown kl_estimator {cfg.kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+        raise ValueError(
+            f"unknown kl_estimator {cfg.kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}"
+        )
     agg = getattr(loss_fn, "agg", "token-mean") if cfg.loss_agg == "auto" else cfg.loss_agg
     return advantage_fn, loss_fn, agg, filters
 
@@ -118,7 +155,9 @@ def seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum(-1)
 
 
-def group_stats(x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_stats(
+    x: torch.Tensor, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-member (mean, unbiased std, count) of each group: x [B], index [B] -> three [B], in x's dtype.
 
     Computed in float64, and a group whose members are all equal gets its members' own value as
@@ -127,31 +166,41 @@ def group_stats(x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, tor
     advantage (a class of bug reported in NeMo-RL). A group of one has mean 0 and std 1 (verl
     core_algos.py compute_grpo_outcome_advantage @ b178a3c).
     """
-    x64 = x.double()                                                       # [B]
+    x64 = x.double()  # [B]
     G = int(index.max()) + 1
-    onehot = torch.nn.functional.one_hot(index, G).double()                # [B, G]
-    count = onehot.sum(0)                                                  # [G]
-    mean = (onehot * x64[:, None]).sum(0) / count                          # [G]
-    dev = x64 - mean[index]                                                # [B]
-    var = (onehot * dev[:, None] ** 2).sum(0) / (count - 1).clamp(min=1)   # [G]
-    low = torch.full((G,), torch.inf, dtype=x64.dtype, device=x.device).scatter_reduce(0, index, x64, "amin")
-    high = torch.full((G,), -torch.inf, dtype=x64.dtype, device=x.device).scatter_reduce(0, index, x64, "amax")
-    constant = (low == high)[index]                                        # [B]
-    single = count[index] == 1                                             # [B]
-    member_mean = torch.where(single, 0.0, torch.where(constant, x64, mean[index]))      # [B]
+    onehot = torch.nn.functional.one_hot(index, G).double()  # [B, G]
+    count = onehot.sum(0)  # [G]
+    mean = (onehot * x64[:, None]).sum(0) / count  # [G]
+    dev = x64 - mean[index]  # [B]
+    var = (onehot * dev[:, None] ** 2).sum(0) / (count - 1).clamp(min=1)  # [G]
+    low = torch.full((G,), torch.inf, dtype=x64.dtype, device=x.device).scatter_reduce(
+        0, index, x64, "amin"
+    )
+    high = torch.full((G,), -torch.inf, dtype=x64.dtype, device=x.device).scatter_reduce(
+        0, index, x64, "amax"
+    )
+    constant = (low == high)[index]  # [B]
+    single = count[index] == 1  # [B]
+    member_mean = torch.where(single, 0.0, torch.where(constant, x64, mean[index]))  # [B]
     member_std = torch.where(single, 1.0, torch.where(constant, 0.0, var.sqrt()[index]))  # [B]
     return member_mean.to(x.dtype), member_std.to(x.dtype), count[index].to(x.dtype)
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens, total_seqs) -> torch.Tensor:
+def aggregate(
+    loss: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens, total_seqs
+) -> torch.Tensor:
     """This micro-batch's share of the global loss; loss, mask [B, T]; the totals count the global
     batch's trained tokens / sequences (or [B]: each sequence's part's, extras/policy_losses.part_totals).
     Modes: token-mean (DAPO, arXiv:2503.14476 sec. 3.3), seq-mean-token-sum, seq-mean-token-mean
     (GRPO); verl's agg_loss (verl/trainer/ppo/core_algos.py @ b178a3c)."""
-    def _totals(total, like: torch.Tensor) -> torch.Tensor:  # a number, 0-d or [B] -> a float tensor >= 1
+
+    def _totals(
+        total, like: torch.Tensor
+    ) -> torch.Tensor:  # a number, 0-d or [B] -> a float tensor >= 1
         return torch.as_tensor(total, dtype=like.dtype, device=like.device).clamp(min=1)
+
     if mode == "token-mean":
-        tokens = _totals(total_tokens, loss)                                # [] or [B]
+        tokens = _totals(total_tokens, loss)  # [] or [B]
         return (loss * mask / (tokens[:, None] if tokens.dim() else tokens)).sum()
     if mode == "seq-mean-token-sum":
         return (seq_sum(loss, mask) / _totals(total_seqs, loss)).sum()
@@ -192,18 +241,20 @@ def importance_ratio(inp: LossInputs) -> torch.Tensor:
 
 
 @register(POLICY_LOSSES, "ppo_clip")
-def ppo_clip_loss(inp: LossInputs, clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float | None = 3.0):
+def ppo_clip_loss(
+    inp: LossInputs, clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float | None = 3.0
+):
     """PPO clipped surrogate with clip-higher and dual clip (None: off): {"loss", "clipped"}
     [B, T]. Source: PPO arXiv:1707.06347 eq. 7; DAPO arXiv:2503.14476 sec. 3.1; dual clip
     arXiv:1912.09729 eq. 5; verl core_algos.py compute_policy_loss_vanilla @ b178a3c."""
-    ratio = importance_ratio(inp)                                        # [B, T]
+    ratio = importance_ratio(inp)  # [B, T]
     A = inp.advantages
-    unclipped = ratio * A                                                # [B, T]
-    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * A        # [B, T]
-    loss = -torch.minimum(unclipped, clipped)                            # [B, T]
-    active = clipped < unclipped                                         # [B, T]
+    unclipped = ratio * A  # [B, T]
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * A  # [B, T]
+    loss = -torch.minimum(unclipped, clipped)  # [B, T]
+    active = clipped < unclipped  # [B, T]
     if dual_clip is not None:
-        dual = (A < 0) & (loss > -dual_clip * A)                         # [B, T]
+        dual = (A < 0) & (loss > -dual_clip * A)  # [B, T]
         loss = torch.where(dual, -dual_clip * A, loss)
         active = active | dual
     return {"loss": loss, "clipped": active.float()}

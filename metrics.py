@@ -23,12 +23,14 @@ def print0(*args) -> None:
 def peak_rss_gib() -> float:
     """This process's peak resident memory so far (GiB; Linux's ru_maxrss is in KiB)."""
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def cpu_seconds() -> float:
     """CPU seconds (user + system) of this process and its children (the explorer) so far."""
     import psutil
+
     total, me = 0.0, psutil.Process()
     for p in [me, *me.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):  # a child that just ended
@@ -47,16 +49,22 @@ def mean_stderr(xs: list[float]) -> tuple[float, float]:
     if not xs:
         raise ValueError("mean_stderr of no scores")
     mean = sum(xs) / len(xs)
-    return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) if len(xs) > 1 else 0.0
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) if len(
+        xs
+    ) > 1 else 0.0
 
 
 def learnable_groups(correct: list[int], n: int, group_size: int) -> float:
     """Expected fraction of groups of `group_size` whose rewards are not all equal: the mean of 1 - p^g - (1 - p)^g
     over tasks, p^g estimated by C(c, g) / C(n, g) where n >= g, else (c / n)^g; correct[i]: task i's c of n."""
+
     def all_same(c: int) -> float:
         if n >= group_size:
-            return (math.comb(c, group_size) + math.comb(n - c, group_size)) / math.comb(n, group_size)
+            return (math.comb(c, group_size) + math.comb(n - c, group_size)) / math.comb(
+                n, group_size
+            )
         return (c / n) ** group_size + (1 - c / n) ** group_size
+
     return sum(1 - all_same(c) for c in correct) / len(correct)
 
 
@@ -66,10 +74,12 @@ LEARNABLE_MIN = 0.25  # below: most groups give no advantage, so most steps lear
 def sampled_eval(correct: list[int], n: int, k: int, group_size: int = 0) -> dict[str, float]:
     """eval/* of n samples per task, correct[i] right for task i: avg_at_k, stderr, pass_at_J, learnable_groups."""
     if n < k or not correct:
-        raise ValueError(f"sampled_eval needs n >= k and tasks (n={n}, k={k}, {len(correct)} tasks)")
+        raise ValueError(
+            f"sampled_eval needs n >= k and tasks (n={n}, k={k}, {len(correct)} tasks)"
+        )
     avg, err = mean_stderr([c / n for c in correct])
     out = {"eval/avg_at_k": avg, "eval/avg_at_k_stderr": err, "eval/k": k, "eval/samples": n}
-    for j in sorted({2 ** i for i in range(n.bit_length())} | {n}):
+    for j in sorted({2**i for i in range(n.bit_length())} | {n}):
         out[f"eval/pass_at_{j}"] = sum(pass_at_k(n, c, j) for c in correct) / len(correct)
     if group_size >= 2:
         out["eval/learnable_groups"] = learnable_groups(correct, n, group_size)
@@ -83,8 +93,11 @@ def episode_means(infos: list[dict], prefix: str) -> dict[str, float]:
         if "metrics" in info:
             firsts.setdefault(info.get("episode_id", id(info)), info["metrics"])
     names = dict.fromkeys(k for m in firsts.values() for k in m)
-    return {prefix + k: sum(m[k] for m in firsts.values() if k in m) / sum(k in m for m in firsts.values())
-            for k in names}
+    return {
+        prefix + k: sum(m[k] for m in firsts.values() if k in m)
+        / sum(k in m for m in firsts.values())
+        for k in names
+    }
 
 
 def eval_line(r: dict, group_size: int = 0) -> str:
@@ -101,9 +114,11 @@ def eval_line(r: dict, group_size: int = 0) -> str:
     if (f := r.get("eval/learnable_groups")) is not None:
         line += f", learnable groups {f:.0%}"
         if f < LEARNABLE_MIN:
-            line += (f"\nwarning: only {f:.0%} of groups of {group_size or 'this size'} are expected to have rewards "
-                     "that differ, the rest give no advantage and no gradient: try a larger --group-size, an easier "
-                     "--task-kwargs, a warm start by SFT (--mode train --train-data), --difficulty-filter or --selector diff_based")
+            line += (
+                f"\nwarning: only {f:.0%} of groups of {group_size or 'this size'} are expected to have rewards "
+                "that differ, the rest give no advantage and no gradient: try a larger --group-size, an easier "
+                "--task-kwargs, a warm start by SFT (--mode train --train-data), --difficulty-filter or --selector diff_based"
+            )
     return line
 
 
@@ -117,8 +132,11 @@ def json_safe(x):
 
 
 # name -> the adapter's import path (W&B and MLflow are optional: imported only when asked for)
-TRACKERS = {"tensorboard": "metrics.TensorBoardLog", "wandb": "extras.wandb_log.WandbLog",
-            "mlflow": "extras.mlflow_log.MLflowLog"}
+TRACKERS = {
+    "tensorboard": "metrics.TensorBoardLog",
+    "wandb": "extras.wandb_log.WandbLog",
+    "mlflow": "extras.mlflow_log.MLflowLog",
+}
 PIP = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny sqlalchemy alembic"}
 
 
@@ -127,9 +145,13 @@ def trackers(cfg) -> list[str]:
     names = [x.strip() for x in cfg.log.split(",") if x.strip() and x.strip() != "none"]
     for name in names:
         if name not in TRACKERS:
-            raise ValueError(f"--log: unknown tracker {name!r} (choose from {', '.join(TRACKERS)}, or none)")
+            raise ValueError(
+                f"--log: unknown tracker {name!r} (choose from {', '.join(TRACKERS)}, or none)"
+            )
         if name in PIP and importlib.util.find_spec(name) is None:
-            raise ValueError(f"--log {name}: the {name} package is not installed (pip install {PIP[name]})")
+            raise ValueError(
+                f"--log {name}: the {name} package is not installed (pip install {PIP[name]})"
+            )
     return names
 
 
@@ -138,8 +160,11 @@ class TensorBoardLog:
 
     def __init__(self, run_dir: Path, config: dict):
         from torch.utils.tensorboard import SummaryWriter
+
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-        self.writer.add_text("config", "    " + json.dumps(config, indent=2).replace("\n", "\n    "))
+        self.writer.add_text(
+            "config", "    " + json.dumps(config, indent=2).replace("\n", "\n    ")
+        )
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for k, v in scalars.items():
@@ -182,12 +207,18 @@ class Metrics(JsonlLog):
     def __init__(self, run_dir: Path, cfg=None, keep: Callable[[dict], bool] | None = None):
         super().__init__(run_dir / "metrics.jsonl", keep)
         names = trackers(cfg) if cfg else []
-        self.trackers = [resolve(TRACKERS[name], {}, "tracker")(run_dir, dataclasses.asdict(cfg)) for name in names]
+        self.trackers = [
+            resolve(TRACKERS[name], {}, "tracker")(run_dir, dataclasses.asdict(cfg))
+            for name in names
+        ]
 
     def write(self, record: dict) -> None:
         super().write(record)
-        scalars = {k: float(v) for k, v in record.items()
-                   if k != "step" and isinstance(v, numbers.Real) and math.isfinite(v)}
+        scalars = {
+            k: float(v)
+            for k, v in record.items()
+            if k != "step" and isinstance(v, numbers.Real) and math.isfinite(v)
+        }
         for t in self.trackers:
             t.log(scalars, int(record["step"]))
 
@@ -199,31 +230,53 @@ class Metrics(JsonlLog):
 
 def plot(run_dir: Path) -> Path:
     """Draw RUN_DIR/metrics.jsonl into RUN_DIR/plot.png (`figure`); returns its path."""
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    recs = [
+        json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()
+    ]
     figure(recs, run_dir.name).savefig(out := run_dir / "plot.png", dpi=100)
     return out
 
 
 def eval_curves(ax, evals: list[dict]) -> None:
     """Greedy accuracy, avg@k (+- 1 s.e.), format rate and the base model's pass@J against version."""
-    ax.errorbar([r["eval/version"] for r in evals], [r["eval/accuracy"] for r in evals],
-                [r.get("eval/accuracy_stderr", 0) for r in evals], fmt="o-", capsize=3,
-                label="held-out accuracy (greedy)")
+    ax.errorbar(
+        [r["eval/version"] for r in evals],
+        [r["eval/accuracy"] for r in evals],
+        [r.get("eval/accuracy_stderr", 0) for r in evals],
+        fmt="o-",
+        capsize=3,
+        label="held-out accuracy (greedy)",
+    )
     if sampled := [r for r in evals if "eval/avg_at_k" in r]:
-        ax.errorbar([r["eval/version"] for r in sampled], [r["eval/avg_at_k"] for r in sampled],
-                    [r["eval/avg_at_k_stderr"] for r in sampled], fmt="s-", capsize=3,
-                    label=f"held-out avg@{sampled[0]['eval/k']} (+- 1 s.e.)")
+        ax.errorbar(
+            [r["eval/version"] for r in sampled],
+            [r["eval/avg_at_k"] for r in sampled],
+            [r["eval/avg_at_k_stderr"] for r in sampled],
+            fmt="s-",
+            capsize=3,
+            label=f"held-out avg@{sampled[0]['eval/k']} (+- 1 s.e.)",
+        )
     if fmt := [r for r in evals if "eval/format_rate" in r]:
-        ax.plot([r["eval/version"] for r in fmt], [r["eval/format_rate"] for r in fmt], "^--", alpha=0.6,
-                label="format rate (greedy)")
-    if base := [r for r in evals if r["eval/version"] == 0 and r.get("eval/samples", 0) > r.get("eval/k", 0)]:
+        ax.plot(
+            [r["eval/version"] for r in fmt],
+            [r["eval/format_rate"] for r in fmt],
+            "^--",
+            alpha=0.6,
+            label="format rate (greedy)",
+        )
+    if base := [
+        r for r in evals if r["eval/version"] == 0 and r.get("eval/samples", 0) > r.get("eval/k", 0)
+    ]:
         n = base[0]["eval/samples"]
-        ax.axhline(base[0][f"eval/pass_at_{n}"], color="gray", linestyle=":", label=f"base model pass@{n}")
+        ax.axhline(
+            base[0][f"eval/pass_at_{n}"], color="gray", linestyle=":", label=f"base model pass@{n}"
+        )
 
 
 def figure(recs: list[dict], title: str = ""):
     """The Figure of metric records `recs`: reward, accuracy, length, losses, entropy, grad norm against step."""
     from matplotlib.figure import Figure
+
     steps = [r for r in recs if "loss/grad_norm" in r]
     evals = [r for r in recs if r.get("eval/accuracy") is not None]
     fig = Figure(figsize=(12, 7))

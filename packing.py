@@ -20,9 +20,15 @@ def share_prompts(exps: list[Experience], row_tokens: int = 0) -> list[tuple[lis
     """Rows (prompt ids, indices into `exps`): consecutive same-prompt experiences within `row_tokens` (0: any)."""
     rows: list[tuple[list[int], list[int]]] = []
     for i, e in enumerate(exps):
-        prompt = e.tokens[:e.prompt_length]
-        if rows and rows[-1][0] == prompt and (
-                not row_tokens or row_length(exps, *rows[-1]) + len(e.tokens) - len(prompt) <= row_tokens):
+        prompt = e.tokens[: e.prompt_length]
+        if (
+            rows
+            and rows[-1][0] == prompt
+            and (
+                not row_tokens
+                or row_length(exps, *rows[-1]) + len(e.tokens) - len(prompt) <= row_tokens
+            )
+        ):
             rows[-1][1].append(i)
         else:
             rows.append((prompt, [i]))
@@ -40,8 +46,14 @@ def packed_tokens(exps: list[Experience], row_tokens: int = 0) -> int:
     return len(lengths) * max(lengths)
 
 
-def pack(exps: list[Experience], pad: int, row_tokens: int = 0, multiple: int = 1, causal: bool = False,
-         token_multiple: int = 1) -> dict[str, torch.Tensor]:
+def pack(
+    exps: list[Experience],
+    pad: int,
+    row_tokens: int = 0,
+    multiple: int = 1,
+    causal: bool = False,
+    token_multiple: int = 1,
+) -> dict[str, torch.Tensor]:
     """`share_prompts` rows [N, L] under a block mask: each response gets the log-probs of prompt + response alone.
     `packed_sdpa`'s layout: input_ids, position_ids [1, T] (the rows' tokens, T a `token_multiple`), token_slots [T]
     (each one's slot of the rows), attention_mask [N, 1, L, L] bool (L a `multiple`); if `causal` and each row holds
@@ -52,43 +64,70 @@ def pack(exps: list[Experience], pad: int, row_tokens: int = 0, multiple: int = 
     L = -(-max(row_length(exps, *row) for row in rows) // multiple) * multiple
     # seg: 0 = prompt, k = k-th response of the row, -1 = pad
     ids, pos, seg = (torch.full((len(rows), L), v, dtype=torch.long) for v in (pad, 0, -1))
-    index: list[tuple[int, int, int, int]] = []  # (row, predicting position, sequence, column) per response token
+    index: list[
+        tuple[int, int, int, int]
+    ] = []  # (row, predicting position, sequence, column) per response token
     for r, (prompt, members) in enumerate(rows):
         P = len(prompt)
-        ids[r, :P], pos[r, :P], seg[r, :P] = torch.tensor(prompt, dtype=torch.long), torch.arange(P), 0
+        ids[r, :P], pos[r, :P], seg[r, :P] = (
+            torch.tensor(prompt, dtype=torch.long),
+            torch.arange(P),
+            0,
+        )
         s = P
         for k, i in enumerate(members, 1):
             n = len(exps[i].tokens) - P
-            ids[r, s:s + n] = torch.tensor(exps[i].tokens[P:], dtype=torch.long)
-            pos[r, s:s + n], seg[r, s:s + n] = torch.arange(P, P + n), k
+            ids[r, s : s + n] = torch.tensor(exps[i].tokens[P:], dtype=torch.long)
+            pos[r, s : s + n], seg[r, s : s + n] = torch.arange(P, P + n), k
             index += [(r, P - 1 if j == 0 else s + j - 1, i, j) for j in range(n)]
             s += n
-    rows_i, positions, seq, col = torch.tensor(index, dtype=torch.long).view(-1, 4).T    # [T'] each
+    rows_i, positions, seq, col = torch.tensor(index, dtype=torch.long).view(-1, 4).T  # [T'] each
     token_slots = None
     if causal and len(rows) == len(exps):  # causal up to each row's pads, which nothing reads
-        attn, pos = None, torch.arange(L)[None]                                          # [1, L]
+        attn, pos = None, torch.arange(L)[None]  # [1, L]
     else:
-        tail = -int((seg >= 0).sum()) % token_multiple  # extra tokens up to a multiple: in pads' slots
+        tail = (
+            -int((seg >= 0).sum()) % token_multiple
+        )  # extra tokens up to a multiple: in pads' slots
         if (extra := -((int((seg < 0).sum()) - tail) // L)) > 0:  # too few pads: rows of them
-            ids, pos, seg = (torch.cat([x, x.new_full((extra, L), v)]) for x, v in ((ids, pad), (pos, 0), (seg, -1)))
-        q, k = seg[:, :, None], seg[:, None, :]                                          # [N, L, 1], [N, 1, L]
-        tril = torch.ones(L, L, dtype=torch.bool).tril()                                 # [L, L]
-        attn = (tril & (q >= 0) & ((k == 0) | (k == q)) | torch.eye(L, dtype=torch.bool))[:, None]  # [N, 1, L, L]
-        is_token = seg.flatten() >= 0                                                    # [N x L]
+            ids, pos, seg = (
+                torch.cat([x, x.new_full((extra, L), v)])
+                for x, v in ((ids, pad), (pos, 0), (seg, -1))
+            )
+        q, k = seg[:, :, None], seg[:, None, :]  # [N, L, 1], [N, 1, L]
+        tril = torch.ones(L, L, dtype=torch.bool).tril()  # [L, L]
+        attn = (tril & (q >= 0) & ((k == 0) | (k == q)) | torch.eye(L, dtype=torch.bool))[
+            :, None
+        ]  # [N, 1, L, L]
+        is_token = seg.flatten() >= 0  # [N x L]
         real, free = is_token.nonzero().squeeze(1), (~is_token).nonzero().squeeze(1)
-        token_slots = torch.cat([real, free[:tail]])                                     # [T]
-        rows_i, positions = torch.zeros_like(rows_i), (is_token.cumsum(0) - 1)[rows_i * L + positions]
-        ids, pos = ids.flatten()[token_slots][None], pos.flatten()[token_slots][None]   # [1, T]
+        token_slots = torch.cat([real, free[:tail]])  # [T]
+        rows_i, positions = (
+            torch.zeros_like(rows_i),
+            (is_token.cumsum(0) - 1)[rows_i * L + positions],
+        )
+        ids, pos = ids.flatten()[token_slots][None], pos.flatten()[token_slots][None]  # [1, T]
     response = torch.full((len(exps), R), pad, dtype=torch.long)
     behaviour, mask = torch.zeros((len(exps), R)), torch.zeros((len(exps), R))
     for b, e in enumerate(exps):
         r = len(e.tokens) - e.prompt_length
-        response[b, :r] = torch.tensor(e.tokens[e.prompt_length:], dtype=torch.long)
+        response[b, :r] = torch.tensor(e.tokens[e.prompt_length :], dtype=torch.long)
         behaviour[b, :r] = torch.tensor(e.behaviour_logprobs)
         mask[b, :r] = torch.tensor(e.action_mask, dtype=torch.float)
-    return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "token_slots": token_slots, "rows": rows_i,
-            "positions": positions, "targets": response[seq, col], "seq": seq, "col": col,
-            "response_ids": response, "behaviour_logprobs": behaviour, "mask": mask}
+    return {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "position_ids": pos,
+        "token_slots": token_slots,
+        "rows": rows_i,
+        "positions": positions,
+        "targets": response[seq, col],
+        "seq": seq,
+        "col": col,
+        "response_ids": response,
+        "behaviour_logprobs": behaviour,
+        "mask": mask,
+    }
 
 
 def micro_batches(units: list[list[Experience]], token_budget: int) -> list[list[Experience]]:
@@ -109,45 +148,109 @@ def packed_sdpa() -> str:
     [N, heads, L, D] under the mask [N, 1, L, L], the output back to [1, T, heads, D]: dense layers compute no pads."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                  token_slots=None, **kwargs):
+
+    def attention(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=0.0,
+        scaling=None,
+        is_causal=None,
+        token_slots=None,
+        **kwargs,
+    ):
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        if token_slots is not None:  # [1, h, T, D] -> [N, h, L, D]; index_copy_ and index_select: a cheap backward
+        if (
+            token_slots is not None
+        ):  # [1, h, T, D] -> [N, h, L, D]; index_copy_ and index_select: a cheap backward
             N, L = attention_mask.shape[0], attention_mask.shape[-1]
-            query, key, value = (x.new_zeros(N * L, *x.shape[1:]).index_copy_(0, token_slots, x).unflatten(0, (N, L))
-                                 .transpose(1, 2) for x in (t[0].transpose(0, 1) for t in (query, key, value)))
+            query, key, value = (
+                x.new_zeros(N * L, *x.shape[1:])
+                .index_copy_(0, token_slots, x)
+                .unflatten(0, (N, L))
+                .transpose(1, 2)
+                for x in (t[0].transpose(0, 1) for t in (query, key, value))
+            )
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=dropout,
+            scale=scaling,
             is_causal=bool(causal and attention_mask is None and query.shape[2] > 1),
-            enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)                         # [B, q, H, D]
-        return (out.contiguous() if token_slots is None else out.flatten(0, 1).index_select(0, token_slots)[None]), None
+            enable_gqa=key.shape[1] != query.shape[1],
+        ).transpose(1, 2)  # [B, q, H, D]
+        return (
+            out.contiguous()
+            if token_slots is None
+            else out.flatten(0, 1).index_select(0, token_slots)[None]
+        ), None
+
     AttentionInterface.register("nanorft_sdpa", attention)
     AttentionMaskInterface.register("nanorft_sdpa", sdpa_mask)
     return "nanorft_sdpa"
 
 
-def packed_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
-                    token_slots: torch.Tensor | None, rows: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
-                    temperature: float, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def packed_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor,
+    token_slots: torch.Tensor | None,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [T'] and entropy [T'] or None of a `pack` batch, the LM head on predicting positions only; switches
     `model` to `packed_sdpa` (plain sdpa where no slots are given)."""
     if model.config._attn_implementation != packed_sdpa():
         model.set_attn_implementation(packed_sdpa())
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                 use_cache=False, token_slots=token_slots).last_hidden_state  # [N, L, H] or [1, T, H]
+    hidden = model.get_decoder()(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        token_slots=token_slots,
+    ).last_hidden_state  # [N, L, H] or [1, T, H]
     head = model.get_output_embeddings()
-    return chunked_logprobs(hidden[rows, positions], head.weight, targets, temperature, entropy, bias=head.bias)
+    return chunked_logprobs(
+        hidden[rows, positions], head.weight, targets, temperature, entropy, bias=head.bias
+    )
 
 
-def response_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
-                      entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_logprobs(
+    model,
+    batch: dict[str, torch.Tensor],
+    temperature: float,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, R] of a `pack` batch's responses and, if `entropy`, their entropy [B, R] (nats); padding 0."""
     forward = getattr(model, "nanorft_logprobs", None) or (lambda *a: packed_logprobs(model, *a))
-    lp, ent = forward(*(batch[k] for k in ("input_ids", "attention_mask", "position_ids", "token_slots", "rows",
-                                           "positions", "targets")), temperature, entropy)  # [T'], [T']
+    lp, ent = forward(
+        *(
+            batch[k]
+            for k in (
+                "input_ids",
+                "attention_mask",
+                "position_ids",
+                "token_slots",
+                "rows",
+                "positions",
+                "targets",
+            )
+        ),
+        temperature,
+        entropy,
+    )  # [T'], [T']
     B, R = batch["response_ids"].shape
-    where = batch["seq"] * R + batch["col"]                                                  # [T]
-    out = lp.new_zeros(B * R).index_put((where,), lp).view(B, R)                             # [B, R]
+    where = batch["seq"] * R + batch["col"]  # [T]
+    out = lp.new_zeros(B * R).index_put((where,), lp).view(B, R)  # [B, R]
     if not entropy:
         return out, None
     ent = ent if entropy_grad and torch.is_grad_enabled() else ent.detach()
@@ -156,24 +259,30 @@ def response_logprobs(model, batch: dict[str, torch.Tensor], temperature: float,
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy (nats) of logits [B, T, V] -> [B, T]; verl/utils/torch_functional.py entropy_from_logits @ b178a3c."""
-    logz = torch.logsumexp(logits, -1)                                  # [B, T]
-    return logz - (torch.softmax(logits, -1) * logits).sum(-1)          # [B, T]
+    logz = torch.logsumexp(logits, -1)  # [B, T]
+    return logz - (torch.softmax(logits, -1) * logits).sum(-1)  # [B, T]
 
 
 # float32 logits per chunk of the LM head: 16 MiB on a CPU; a GPU needs many rows a chunk to keep its matmuls busy
-HEAD_CHUNK_ELEMS = {"cpu": 2 ** 22, "cuda": 2 ** 28}
+HEAD_CHUNK_ELEMS = {"cpu": 2**22, "cuda": 2**28}
 
 
-def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                     entropy: bool = False, chunk_elems: int = 0,
-                     bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy: bool = False,
+    chunk_elems: int = 0,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Float32 log-probs [T] of `targets` [T] under softmax((hidden [T, H] @ weight [V, H].T + bias) / temperature),
     and the entropy [T], `chunk_elems` (0: HEAD_CHUNK_ELEMS) logits at a time (Liger-Kernel's
     fused_linear_cross_entropy.py)."""
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float)
         return empty, (empty if entropy else None)
-    chunk_elems = chunk_elems or HEAD_CHUNK_ELEMS.get(hidden.device.type, 2 ** 22)
+    chunk_elems = chunk_elems or HEAD_CHUNK_ELEMS.get(hidden.device.type, 2**22)
     rows = max(1, chunk_elems // weight.shape[0])
     lp, ent = HeadLogprobs.apply(hidden, weight, bias, targets, temperature, rows, entropy)
     return lp, (ent if entropy else None)
@@ -182,23 +291,30 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
 class HeadLogprobs(torch.autograd.Function):
     """`chunked_logprobs`, `rows` rows of logits z at a time; the backward recomputes them:
     dz_v = g_lp (1[v = t] - p_v) - g_H p_v (z_v - (log Z - H)), under the forward's autocast."""
+
     @staticmethod
-    def logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
-        return torch.nn.functional.linear(h, weight, bias).float().div_(temperature)        # [c, V]
+    def logits(
+        h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+    ) -> torch.Tensor:
+        return torch.nn.functional.linear(h, weight, bias).float().div_(temperature)  # [c, V]
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, rows, entropy):
         lps, logzs, ents, device = [], [], [], hidden.device.type
-        cast = weight.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else weight  # once
+        cast = (
+            weight.to(torch.get_autocast_dtype(device))
+            if torch.is_autocast_enabled(device)
+            else weight
+        )  # once
         for i in range(0, hidden.shape[0], rows):
-            z = HeadLogprobs.logits(hidden[i:i + rows], cast, bias, temperature)             # [c, V]
-            logz = torch.logsumexp(z, -1)                                             # [c]
-            lps.append(z.gather(-1, targets[i:i + rows, None]).squeeze(-1) - logz)   # [c]
+            z = HeadLogprobs.logits(hidden[i : i + rows], cast, bias, temperature)  # [c, V]
+            logz = torch.logsumexp(z, -1)  # [c]
+            lps.append(z.gather(-1, targets[i : i + rows, None]).squeeze(-1) - logz)  # [c]
             logzs.append(logz)
             if entropy:
-                ents.append(logz - torch.softmax(z, -1).mul_(z).sum(-1))                 # [c] (token_entropy)
-        lp, logz = torch.cat(lps), torch.cat(logzs)                                   # [T], [T]
-        ent = torch.cat(ents) if entropy else lp.new_zeros(0)                         # [T] or [0]
+                ents.append(logz - torch.softmax(z, -1).mul_(z).sum(-1))  # [c] (token_entropy)
+        lp, logz = torch.cat(lps), torch.cat(logzs)  # [T], [T]
+        ent = torch.cat(ents) if entropy else lp.new_zeros(0)  # [T] or [0]
         ctx.temperature, ctx.rows = temperature, rows
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         ctx.set_materialize_grads(False)  # an output nobody differentiates brings None, not zeros
@@ -210,28 +326,56 @@ class HeadLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, logz, ent = ctx.saved_tensors
         device, dtype, enabled = ctx.autocast
         gh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        into_grad = ctx.needs_input_grad[1] and getattr(weight, "grad_added_by_head", False)  # see Trainer.shard
+        into_grad = ctx.needs_input_grad[1] and getattr(
+            weight, "grad_added_by_head", False
+        )  # see Trainer.shard
         if into_grad and weight.grad is None:
             weight.grad = torch.zeros_like(weight)
-        gw = weight.grad if into_grad else torch.zeros_like(weight, dtype=torch.float) if ctx.needs_input_grad[1] else None
-        gb = torch.zeros_like(bias, dtype=torch.float) if bias is not None and ctx.needs_input_grad[2] else None
-        g_lp = torch.zeros_like(logz) if g_lp is None else g_lp.float()              # [T]
+        gw = (
+            weight.grad
+            if into_grad
+            else torch.zeros_like(weight, dtype=torch.float)
+            if ctx.needs_input_grad[1]
+            else None
+        )
+        gb = (
+            torch.zeros_like(bias, dtype=torch.float)
+            if bias is not None and ctx.needs_input_grad[2]
+            else None
+        )
+        g_lp = torch.zeros_like(logz) if g_lp is None else g_lp.float()  # [T]
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             for i in range(0, hidden.shape[0], ctx.rows):
                 c = slice(i, i + ctx.rows)
                 h, t = hidden[c], targets[c]
-                z = HeadLogprobs.logits(h, weight, bias, ctx.temperature)                    # [c, V]
-                p = (z - logz[c, None]).exp_()                                        # [c, V]
-                scale = g_lp[c, None]                                                 # [c, 1]
+                z = HeadLogprobs.logits(h, weight, bias, ctx.temperature)  # [c, V]
+                p = (z - logz[c, None]).exp_()  # [c, V]
+                scale = g_lp[c, None]  # [c, 1]
                 if g_ent is not None:
-                    scale = scale + g_ent[c, None].float() * (z - (logz[c] - ent[c])[:, None])  # [c, V]
-                dz = p.mul_(scale).neg_().scatter_add_(-1, t[:, None], g_lp[c, None]).div_(ctx.temperature)
-                dz = dz if enabled else dz.to(weight.dtype)                           # [c, V]
+                    scale = scale + g_ent[c, None].float() * (
+                        z - (logz[c] - ent[c])[:, None]
+                    )  # [c, V]
+                dz = (
+                    p.mul_(scale)
+                    .neg_()
+                    .scatter_add_(-1, t[:, None], g_lp[c, None])
+                    .div_(ctx.temperature)
+                )
+                dz = dz if enabled else dz.to(weight.dtype)  # [c, V]
                 if gh is not None:
-                    gh[c] = (dz @ weight).to(gh.dtype)                                # [c, H]
-                if gw is not None:  # [V, H]: a bf16 product added; a float32 one accumulated in place
+                    gh[c] = (dz @ weight).to(gh.dtype)  # [c, H]
+                if (
+                    gw is not None
+                ):  # [V, H]: a bf16 product added; a float32 one accumulated in place
                     gw.add_(dz.T @ h) if enabled else gw.addmm_(dz.T, h.to(weight.dtype))
                 if gb is not None:
-                    gb += dz.float().sum(0)                                           # [V]
-        return (gh, None if gw is None or into_grad else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype),
-                None, None, None, None)
+                    gb += dz.float().sum(0)  # [V]
+        return (
+            gh,
+            None if gw is None or into_grad else gw.to(weight.dtype),
+            None if gb is None else gb.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+        )

@@ -12,7 +12,9 @@ def matmul_params(model_path: str) -> tuple[int, int]:
     """(body, head) parameters a token meets in matrix products (the output embedding is the head)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
     import models
+
     path = models.lora("adapter_base")(model_path) if models.is_adapter(model_path) else model_path
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
@@ -33,20 +35,40 @@ def generate_flops(body: int, head: int, prompt_tokens: int, sampled: int) -> fl
 
 
 # nominal dense peak FLOP/s of CUDA devices by name (bf16 tensor cores, float32 without TF32)
-CUDA_PEAKS = {"H200": (989e12, 67e12), "H100 PCIe": (756e12, 51e12), "H100": (989e12, 67e12), "A100": (312e12, 19.5e12)}
+CUDA_PEAKS = {
+    "H200": (989e12, 67e12),
+    "H100 PCIe": (756e12, 51e12),
+    "H100": (989e12, 67e12),
+    "A100": (312e12, 19.5e12),
+}
 
 
 def peak_flops(device: str = "cpu", dtype: str = "float32", threads: int = 1) -> float:
     """FLOP/s of `CUDA_PEAKS`, or of `threads` threads' measured matrix products, cached per CPU."""
     import torch
+
     import models
+
     dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name(torch.device(device))
-        known = [peaks[dt != torch.bfloat16] for key, peaks in CUDA_PEAKS.items() if key in name]  # (bf16, fp32)
+        known = [
+            peaks[dt != torch.bfloat16] for key, peaks in CUDA_PEAKS.items() if key in name
+        ]  # (bf16, fp32)
         return known[0] if known else measure_matmul(torch.device(device), dt, 8192)
-    key = "|".join([cpu_model(), torch.backends.cpu.get_cpu_capability(), torch.__version__, dtype, str(threads)] +
-                   [os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")])
+    key = "|".join(
+        [
+            cpu_model(),
+            torch.backends.cpu.get_cpu_capability(),
+            torch.__version__,
+            dtype,
+            str(threads),
+        ]
+        + [
+            os.environ.get(v, "")
+            for v in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+        ]
+    )
     path = models.cache_dir() / "peak.json"
     cached = models.read_cached(path)
     if key not in cached:
@@ -63,6 +85,7 @@ def peak_flops(device: str = "cpu", dtype: str = "float32", threads: int = 1) ->
 def job_units(device_type: str) -> int:
     """The cores this process may run on, or the CUDA devices."""
     import torch
+
     return torch.cuda.device_count() if device_type == "cuda" else len(os.sched_getaffinity(0))
 
 
@@ -77,10 +100,16 @@ def unit_peak(device_type: str, dtype: str) -> float:
 def announce_peak(device: str, dtype: str) -> None:
     """Print the peak MFU is measured against (measured first if not cached)."""
     import models
+
     units = job_units(device)
-    print0(f"nanorft: MFU is measured against {unit_peak(device, dtype) * units / 1e12:.3g} TFLOP/s, " + (
-        f"the nominal {dtype} peak of {units} GPU(s)" if device == "cuda" else
-        f"{dtype} matrix products measured on {units} core(s) (once per CPU, cached in {models.cache_dir()})"))
+    print0(
+        f"nanorft: MFU is measured against {unit_peak(device, dtype) * units / 1e12:.3g} TFLOP/s, "
+        + (
+            f"the nominal {dtype} peak of {units} GPU(s)"
+            if device == "cuda"
+            else f"{dtype} matrix products measured on {units} core(s) (once per CPU, cached in {models.cache_dir()})"
+        )
+    )
 
 
 def mfu(flops: float, seconds: float, peak: float) -> float:
@@ -90,18 +119,27 @@ def mfu(flops: float, seconds: float, peak: float) -> float:
 
 class JobMeter:
     """cpu/utilisation_pct (200 = two cores busy) and perf/job_mfu of the whole job between steps."""
+
     def __init__(self):
         self.mark, self.explorer_flops = (cpu_seconds(), time.perf_counter()), 0.0
 
     def add(self, record: dict) -> None:
         """Count the model FLOPs of an explorer's record (a batch or an evaluation)."""
-        self.explorer_flops += record.get("perf/explorer_model_flops", 0.0) + record.get("perf/eval_model_flops", 0.0)
+        self.explorer_flops += record.get("perf/explorer_model_flops", 0.0) + record.get(
+            "perf/eval_model_flops", 0.0
+        )
 
-    def since_last(self, trainer_flops: float, unit_peak: float, device_type: str) -> dict[str, float]:
+    def since_last(
+        self, trainer_flops: float, unit_peak: float, device_type: str
+    ) -> dict[str, float]:
         """The two metrics since the last call; `unit_peak`: FLOP/s of one core or device."""
         cpu_s, now = cpu_seconds(), time.perf_counter()
         wall = now - self.mark[1]
-        out = {"cpu/utilisation_pct": 100 * (cpu_s - self.mark[0]) / max(1e-9, wall),
-               "perf/job_mfu": mfu(trainer_flops + self.explorer_flops, wall, unit_peak * job_units(device_type))}
+        out = {
+            "cpu/utilisation_pct": 100 * (cpu_s - self.mark[0]) / max(1e-9, wall),
+            "perf/job_mfu": mfu(
+                trainer_flops + self.explorer_flops, wall, unit_peak * job_units(device_type)
+            ),
+        }
         self.mark, self.explorer_flops = (cpu_s, now), 0.0
         return out

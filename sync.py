@@ -14,9 +14,11 @@ import torch.distributed as dist
 
 from losses import resolve
 
-CHECKPOINT_SOURCE = "extras.checkpoint_sync.CheckpointSource"  # Receiver with --sync-method checkpoint
+CHECKPOINT_SOURCE = (
+    "extras.checkpoint_sync.CheckpointSource"  # Receiver with --sync-method checkpoint
+)
 IPC_SYNC = "extras.ipc_sync.IpcSync"  # --sync-method ipc: WeightSync's interface, the weights by handle on one device
-CHECKSUM_CHUNK = 2 ** 22  # elements a checksum sums at once: the float64 copy of them takes 32 MiB
+CHECKSUM_CHUNK = 2**22  # elements a checksum sums at once: the float64 copy of them takes 32 MiB
 
 
 def required_version(batch: int, sync_interval: int, sync_offset: int) -> int:
@@ -31,6 +33,7 @@ def publishes_after(step: int, sync_interval: int, total_steps: int) -> bool:
 
 class CoreShare:
     """The side that waits (`flags`: trainer busy, explorer busy) lends its CPU threads to the busy one."""
+
     def __init__(self, flags, side: int, own: int, other: int):
         self.flags, self.side, self.own, self.other = flags, side, own, other
 
@@ -47,7 +50,13 @@ class CoreShare:
 
 def checksum(tensors: Iterable[torch.Tensor]) -> float:
     """Float64 sum of all elements (--sync-checksum), in chunks: a float64 sum casts a whole tensor."""
-    return float(sum(c.sum(dtype=torch.float64) for t in tensors for c in t.detach().reshape(-1).split(CHECKSUM_CHUNK)))
+    return float(
+        sum(
+            c.sum(dtype=torch.float64)
+            for t in tensors
+            for c in t.detach().reshape(-1).split(CHECKSUM_CHUNK)
+        )
+    )
 
 
 def local_address(host: str) -> str:
@@ -64,23 +73,47 @@ def gpu_id(device: torch.device) -> str:
 
 
 def group_backend(gpus: list[str]) -> str:
-    """"nccl" when every rank (`gpu_id`s in rank order) has a GPU of its own, else "gloo" (as TRL's vllm_serve.py)."""
+    """ "nccl" when every rank (`gpu_id`s in rank order) has a GPU of its own, else "gloo" (as TRL's vllm_serve.py)."""
     return "nccl" if all(gpus) and len(set(gpus)) == len(gpus) else "gloo"
 
 
 class WeightSync:
     """One end of the weight-sync group: rank 0 hosts the store at `host`:`port`; `rank` None: the next free."""
-    def __init__(self, rank: int | None, world_size: int | None = None, port: int = 0, host: str = "127.0.0.1",
-                 device: str = "cpu", timeout_s: float = 3600.0, bucket_elems: int = 0,
-                 wire_dtype: torch.dtype = torch.float32, checksum: bool = False):
-        self.rank, self.world_size, self.device, self.host = rank, world_size, torch.device(device), host
-        if self.device.type == "cuda" and self.device.index is None:  # the group's thread has a current GPU of its own
+
+    def __init__(
+        self,
+        rank: int | None,
+        world_size: int | None = None,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        device: str = "cpu",
+        timeout_s: float = 3600.0,
+        bucket_elems: int = 0,
+        wire_dtype: torch.dtype = torch.float32,
+        checksum: bool = False,
+    ):
+        self.rank, self.world_size, self.device, self.host = (
+            rank,
+            world_size,
+            torch.device(device),
+            host,
+        )
+        if (
+            self.device.type == "cuda" and self.device.index is None
+        ):  # the group's thread has a current GPU of its own
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.timeout, self.bucket_elems, self.wire_dtype = timedelta(seconds=timeout_s), bucket_elems, wire_dtype
-        self.store = self.group = self._pending = self._flat = None  # _flat: rank >= 1's receive buffer (CPU: kept)
+        self.timeout, self.bucket_elems, self.wire_dtype = (
+            timedelta(seconds=timeout_s),
+            bucket_elems,
+            wire_dtype,
+        )
+        self.store = self.group = self._pending = self._flat = (
+            None  # _flat: rank >= 1's receive buffer (CPU: kept)
+        )
         if rank == 0:
-            self.store = dist.TCPStore(host, port, world_size, is_master=True, timeout=self.timeout,
-                                       wait_for_workers=False)
+            self.store = dist.TCPStore(
+                host, port, world_size, is_master=True, timeout=self.timeout, wait_for_workers=False
+            )
             self.store.set("world", str(world_size))
             self.store.set("device", self.device.type)
             self.store.set("bucket_elems", str(bucket_elems))
@@ -90,6 +123,7 @@ class WeightSync:
     def connect(self, alive: Callable[[], bool] = lambda: True) -> "WeightSync":
         """Build the group once every rank has called it. RuntimeError if `alive()` turns False."""
         done: list = []  # the group, or the exception that building it raised
+
         def build():
             try:
                 (self._join if self.store is None else self._announce)()  # a receiver / rank 0
@@ -99,6 +133,7 @@ class WeightSync:
                 done.append(self._group())
             except Exception as e:  # reported by connect(), not lost in the thread
                 done.append(e)
+
         builder = threading.Thread(target=build, daemon=True)
         builder.start()
         while builder.is_alive():
@@ -115,21 +150,30 @@ class WeightSync:
         self.world_size = int(self.store.get("world"))
         self.rank = self.store.add("joined", 1)
         if self.rank >= self.world_size:
-            raise RuntimeError(f"the trainer expects {self.world_size - 1} explorer(s) (--num-explorers) "
-                               "and all have joined")
+            raise RuntimeError(
+                f"the trainer expects {self.world_size - 1} explorer(s) (--num-explorers) "
+                "and all have joined"
+            )
         if self.store.get("device").decode() != self.device.type:
-            raise RuntimeError(f"the trainer syncs on {self.store.get('device').decode()}, this explorer "
-                               f"on {self.device.type}")
+            raise RuntimeError(
+                f"the trainer syncs on {self.store.get('device').decode()}, this explorer "
+                f"on {self.device.type}"
+            )
         self.bucket_elems = int(self.store.get("bucket_elems"))
         self.store.set(f"gpu/{self.rank}", gpu_id(self.device))
-        self.store.set(f"wire_dtype/{self.rank}", str(self.wire_dtype).removeprefix("torch."))  # declared last
+        self.store.set(
+            f"wire_dtype/{self.rank}", str(self.wire_dtype).removeprefix("torch.")
+        )  # declared last
 
     def _announce(self) -> None:
         receivers = range(1, self.world_size)
         self.store.wait([f"wire_dtype/{r}" for r in receivers])
         names = {self.store.get(f"wire_dtype/{r}").decode() for r in receivers}
         self.store.set("wire_dtype", names.pop() if len(names) == 1 else "float32")
-        self.store.set("backend", group_backend([self.store.get(f"gpu/{r}").decode() for r in range(self.world_size)]))
+        self.store.set(
+            "backend",
+            group_backend([self.store.get(f"gpu/{r}").decode() for r in range(self.world_size)]),
+        )
 
     def _group(self):
         # NCCL: the communicator at once, not at the first broadcast where no `alive()` is watched (as _dist2.py)
@@ -163,22 +207,36 @@ class WeightSync:
             if work.is_completed():
                 try:
                     work.wait()
-                except RuntimeError as e:  # gloo: "Connection closed by peer [ADDR]:PORT", "Read error ..."
-                    who = "an explorer" if self.rank == 0 else f"the trainer at {self.host}:{self.port}"
-                    raise RuntimeError(f"weight sync: a publish broke off, {who} went away "
-                                       f"({' '.join(str(e).split())})") from None
+                except (
+                    RuntimeError
+                ) as e:  # gloo: "Connection closed by peer [ADDR]:PORT", "Read error ..."
+                    who = (
+                        "an explorer"
+                        if self.rank == 0
+                        else f"the trainer at {self.host}:{self.port}"
+                    )
+                    raise RuntimeError(
+                        f"weight sync: a publish broke off, {who} went away "
+                        f"({' '.join(str(e).split())})"
+                    ) from None
                 self._pending.pop(0)
             elif not alive():
                 raise RuntimeError("weight sync: the peer process died during a broadcast")
             else:
                 time.sleep(poll_s)
 
-    def send(self, version: int, buckets: Iterable[list[torch.Tensor]],
-             alive: Callable[[], bool] = lambda: True) -> float | None:
+    def send(
+        self,
+        version: int,
+        buckets: Iterable[list[torch.Tensor]],
+        alive: Callable[[], bool] = lambda: True,
+    ) -> float | None:
         """Rank 0: announce, then broadcast `buckets` (tensors in `named_parameters()` order) as `version`."""
         self.wait(alive)
         self.store.set("published", str(version))
-        self._pending = [self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))]
+        self._pending = [
+            self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))
+        ]
         digest = 0.0 if self.checksum else None
         for given in buckets:
             for r in bucket_ranges([t.numel() for t in given], self.bucket_elems):
@@ -195,8 +253,10 @@ class WeightSync:
         try:
             return int(self.store.get("published")) if self.store.check(["published"]) else -1
         except dist.DistError as e:
-            raise RuntimeError(f"weight sync: the trainer's store at {self.host}:{self.port} stopped answering (the "
-                               f"trainer is gone: {' '.join(str(e).split())})") from None
+            raise RuntimeError(
+                f"weight sync: the trainer's store at {self.host}:{self.port} stopped answering (the "
+                f"trainer is gone: {' '.join(str(e).split())})"
+            ) from None
 
     def recv(self, params: list[torch.Tensor], alive: Callable[[], bool] = lambda: True) -> int:
         """Rank >= 1: receive the next publish into `params` in place; returns its version."""
@@ -207,11 +267,13 @@ class WeightSync:
         if self._flat is None or self._flat.numel() != need or self._flat.dtype != self.wire_dtype:
             self._flat = torch.empty(need, dtype=self.wire_dtype, device=self.device)
         buffer = self._flat
-        if self.device.type != "cpu":  # CUDA's caching allocator reuses the memory anyway: hold none between publishes
+        if (
+            self.device.type != "cpu"
+        ):  # CUDA's caching allocator reuses the memory anyway: hold none between publishes
             self._flat = None
         for r in ranges:
             ps = [params[i] for i in r]
-            flat = buffer[:sum(p.numel() for p in ps)]  # [bucket]
+            flat = buffer[: sum(p.numel() for p in ps)]  # [bucket]
             self._pending.append(self._broadcast(flat))
             self.wait(alive)
             with torch.no_grad():
@@ -225,10 +287,14 @@ def transport(sync_method: str) -> type:
     return resolve(IPC_SYNC, {}, "sync_method") if sync_method == "ipc" else WeightSync
 
 
-def flatten(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def flatten(
+    tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
     """A new tensor [sum of numels] of `dtype` on `device`: `tensors` in order, each cast into its slice."""
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
-    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):  # no second copy of the bucket
+    for t, part in zip(
+        tensors, flat.split([t.numel() for t in tensors])
+    ):  # no second copy of the bucket
         part.copy_(t.detach().reshape(-1))
     return flat
 
@@ -249,17 +315,34 @@ def bucket_ranges(numels: list[int], limit: int) -> list[range]:
 
 class Receiver:
     """The explorer's end: takes published weights into `engine` (`port` None: checkpoints) and logs them."""
-    def __init__(self, engine, run_dir: str | Path, name: str, log: Callable[[dict], None], alive: Callable[[], bool],
-                 port: int | None = None, timeout_s: float = 600.0, device: str = "cpu", host: str = "127.0.0.1"):
+
+    def __init__(
+        self,
+        engine,
+        run_dir: str | Path,
+        name: str,
+        log: Callable[[dict], None],
+        alive: Callable[[], bool],
+        port: int | None = None,
+        timeout_s: float = 600.0,
+        device: str = "cpu",
+        host: str = "127.0.0.1",
+    ):
         self.engine, self.log, self.alive = engine, log, alive
         self.port, self.timeout_s, self.device, self.host = port, timeout_s, device, host
         # what announces and receives the weights: the engine's group, or the run's checkpoints
-        self.source = engine if port is not None else resolve(CHECKPOINT_SOURCE, {}, "sync_method")(run_dir, name, engine)
+        self.source = (
+            engine
+            if port is not None
+            else resolve(CHECKPOINT_SOURCE, {}, "sync_method")(run_dir, name, engine)
+        )
 
     def join(self) -> None:
         """Broadcast: join the weight-sync group (blocks until every rank is there)."""
         if self.port is not None:
-            self.engine.join_weight_sync(self.host, self.port, self.timeout_s, self.alive, self.device)
+            self.engine.join_weight_sync(
+                self.host, self.port, self.timeout_s, self.alive, self.device
+            )
 
     def newest(self) -> int:
         """The newest version the trainer has published or started to publish (-1: none)."""
@@ -277,5 +360,8 @@ class Receiver:
                 raise RuntimeError("explorer: the trainer died")
             time.sleep(0.05)  # an NCCL receive posted before the publish counts against the timeout
         _, digest = self.source.receive_weights(self.alive)
-        record = {"explorer/received_version": self.engine.version, "time/explorer_wait_sync_s": time.perf_counter() - t0}
+        record = {
+            "explorer/received_version": self.engine.version,
+            "time/explorer_wait_sync_s": time.perf_counter() - t0,
+        }
         self.log(record if digest is None else {**record, "sync/explorer_checksum": digest})

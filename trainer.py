@@ -17,46 +17,85 @@ from torch.distributed.tensor import DTensor
 import models
 import sync
 from buffer import Experience
-from losses import LossInputs, aggregate, kl_estimate, length_penalty, masked_sum, resolve, resolve_algorithm
+from losses import (
+    LossInputs,
+    aggregate,
+    kl_estimate,
+    length_penalty,
+    masked_sum,
+    resolve,
+    resolve_algorithm,
+)
 from metrics import peak_rss_gib
-from packing import (micro_batches, pack, packed_logprobs, packed_sdpa, packed_tokens, response_logprobs, row_length,
-                     share_prompts)
+from packing import (
+    micro_batches,
+    pack,
+    packed_logprobs,
+    packed_sdpa,
+    packed_tokens,
+    response_logprobs,
+    row_length,
+    share_prompts,
+)
 from perf import matmul_params, mfu, train_flops, unit_peak
 
-GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opmd", "grpo_stepwise")  # baselines from the other rollouts of a group
+GROUP_ADVANTAGES = (
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "opmd",
+    "grpo_stepwise",
+)  # baselines from the other rollouts of a group
 REFERENCE = "extras.reference.Reference"  # the frozen reference policy of the KL terms and DPO
-PART_TOTALS = "extras.policy_losses.part_totals"  # the aggregation totals of a split_expert loss (MIX)
-TEACHER = "extras.distill.Teacher"  # --teacher: on-policy distillation's per-token term of the advantage
+PART_TOTALS = (
+    "extras.policy_losses.part_totals"  # the aggregation totals of a split_expert loss (MIX)
+)
+TEACHER = (
+    "extras.distill.Teacher"  # --teacher: on-policy distillation's per-token term of the advantage
+)
 # packed tokens and rows padded to multiples of these: few tensor shapes, so the CPU allocator keeps few blocks (RSS)
 TOKEN_MULTIPLE, ROW_MULTIPLE = 128, 32
 # CUDA levers (benchmarks/bench_trainer.py times each on and off); a CPU runs none of them
-CUDA_LEVERS = {"causal_rows": True,  # rows of one sequence: is_causal attention (flash kernels), not pack's mask
-               "fused_adamw": True,  # AdamW in one fused kernel per step
-               "one_gpu_fsdp": False,  # one GPU: FSDP2 mixed precision; False: float32 parameters under bf16 autocast
-               "checkpoint_if_needed": True}  # unless the flag is given, activation checkpointing only where it must
+CUDA_LEVERS = {
+    "causal_rows": True,  # rows of one sequence: is_causal attention (flash kernels), not pack's mask
+    "fused_adamw": True,  # AdamW in one fused kernel per step
+    "one_gpu_fsdp": False,  # one GPU: FSDP2 mixed precision; False: float32 parameters under bf16 autocast
+    "checkpoint_if_needed": True,
+}  # unless the flag is given, activation checkpointing only where it must
 
 
 @dataclass
 class StepBatch:
     """One step's global batch as tensors over its N sequences, in group order."""
+
     exps: list[Experience]
-    rewards: torch.Tensor           # [N] float
-    group_index: torch.Tensor       # [N] long: the group of each
+    rewards: torch.Tensor  # [N] float
+    group_index: torch.Tensor  # [N] long: the group of each
     episode_index: torch.Tensor  # [N] long: shared by the samples of one multi-turn episode
-    offline: torch.Tensor           # [N] bool: expert / offline data (no behaviour log-probs, never filtered)
-    token_counts: torch.Tensor      # [N] float: trained tokens (sum of action_mask)
-    row: dict[int, int]             # id(experience) -> its index
+    offline: (
+        torch.Tensor
+    )  # [N] bool: expert / offline data (no behaviour log-probs, never filtered)
+    token_counts: torch.Tensor  # [N] float: trained tokens (sum of action_mask)
+    row: dict[int, int]  # id(experience) -> its index
 
     @classmethod
     def of(cls, groups: list[list[Experience]]) -> "StepBatch":
         exps = [e for g in groups for e in g]
         episodes: dict = {}
-        return cls(exps, torch.tensor([e.reward for e in exps], dtype=torch.float),
-                   torch.tensor([i for i, g in enumerate(groups) for _ in g]),
-                   torch.tensor([episodes.setdefault(e.info.get("episode_id", ("seq", i)), len(episodes))
-                                 for i, e in enumerate(exps)]),
-                   torch.tensor([bool(e.info.get("offline")) for e in exps]),
-                   torch.tensor([float(sum(e.action_mask)) for e in exps]), {id(e): i for i, e in enumerate(exps)})
+        return cls(
+            exps,
+            torch.tensor([e.reward for e in exps], dtype=torch.float),
+            torch.tensor([i for i, g in enumerate(groups) for _ in g]),
+            torch.tensor(
+                [
+                    episodes.setdefault(e.info.get("episode_id", ("seq", i)), len(episodes))
+                    for i, e in enumerate(exps)
+                ]
+            ),
+            torch.tensor([bool(e.info.get("offline")) for e in exps]),
+            torch.tensor([float(sum(e.action_mask)) for e in exps]),
+            {id(e): i for i, e in enumerate(exps)},
+        )
 
 
 def check_config(cfg) -> None:
@@ -65,14 +104,20 @@ def check_config(cfg) -> None:
     if cfg.length_unit not in ("tokens", "turns"):
         raise ValueError(f"length_unit must be tokens or turns, got {cfg.length_unit!r}")
     if cfg.top_p < 1 and cfg.mode != "bench":
-        raise ValueError(f"top_p {cfg.top_p} < 1 is for mode bench only: the behaviour logprobs would be those of the "
-                         "renormalised nucleus, the trainer's of the full softmax; train with top_p 1")
+        raise ValueError(
+            f"top_p {cfg.top_p} < 1 is for mode bench only: the behaviour logprobs would be those of the "
+            "renormalised nucleus, the trainer's of the full softmax; train with top_p 1"
+        )
     if not 0 <= cfg.expert_fraction < 1 or not 0 <= cfg.pool_lift_fraction <= 1:
         raise ValueError("need 0 <= expert_fraction < 1 and 0 <= pool_lift_fraction <= 1")
     if cfg.advantage == "none" and not cfg.teacher:
-        raise ValueError("advantage none makes every advantage 0: it trains beside --teacher only (on-policy distillation)")
+        raise ValueError(
+            "advantage none makes every advantage 0: it trains beside --teacher only (on-policy distillation)"
+        )
     if cfg.group_size < 2 and cfg.advantage in GROUP_ADVANTAGES and not cfg.train_data:
-        raise ValueError(f"advantage {cfg.advantage} compares the rollouts of a group: it needs group_size >= 2")
+        raise ValueError(
+            f"advantage {cfg.advantage} compares the rollouts of a group: it needs group_size >= 2"
+        )
     if (cfg.policy_loss == "mix") != (cfg.expert_fraction > 0):
         raise ValueError("policy_loss mix and expert_fraction > 0 go together (with expert_data)")
     if cfg.expert_fraction > 0 and not Path(cfg.expert_data).is_file():
@@ -92,15 +137,25 @@ def lr_schedule_kwargs(cfg) -> dict:
 def lr_schedule(cfg, opt) -> Callable[[int], float]:
     """The factor of cfg.lr at each 0-based step (transformers' get_scheduler); ValueError (one line)."""
     from transformers import get_scheduler
+
     kwargs = lr_schedule_kwargs(cfg)
     try:
-        factor = get_scheduler(cfg.lr_schedule, opt, num_warmup_steps=cfg.lr_warmup_steps, num_training_steps=cfg.steps,
-                               scheduler_specific_kwargs=kwargs).lr_lambdas[0]
+        factor = get_scheduler(
+            cfg.lr_schedule,
+            opt,
+            num_warmup_steps=cfg.lr_warmup_steps,
+            num_training_steps=cfg.steps,
+            scheduler_specific_kwargs=kwargs,
+        ).lr_lambdas[0]
         factor(0)
     except (ValueError, TypeError, AttributeError, KeyError) as e:
-        raise ValueError(f"lr_schedule {cfg.lr_schedule!r} with {kwargs}: {type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
-    for group in opt.param_groups:  # get_scheduler applied factor(0); optimizer_step sets each step's own
+        raise ValueError(
+            f"lr_schedule {cfg.lr_schedule!r} with {kwargs}: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
+    for (
+        group
+    ) in opt.param_groups:  # get_scheduler applied factor(0); optimizer_step sets each step's own
         group["lr"] = cfg.lr
     return factor
 
@@ -108,14 +163,19 @@ def lr_schedule(cfg, opt) -> Callable[[int], float]:
 def compiled(forward: Callable) -> Callable:
     """torch.compile of `forward`; where compiling fails, `forward` itself from then on (one warning line)."""
     fast = torch.compile(forward)
+
     def call(*args, **kwargs):
         nonlocal fast
         try:
             return fast(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:  # the backend's errors too
-            print(f"warning: torch.compile of a decoder block failed, it runs eagerly: {type(e).__name__}", flush=True)
+            print(
+                f"warning: torch.compile of a decoder block failed, it runs eagerly: {type(e).__name__}",
+                flush=True,
+            )
             fast = forward
             return forward(*args, **kwargs)
+
     return call
 
 
@@ -126,21 +186,38 @@ def make_trainer(cfg, model_path: str, device: torch.device) -> "Trainer":
 
 class Trainer:
     """FSDP2 policy + AdamW on this rank for `cfg` in an initialised process group; ValueError (bad algorithm)."""
+
     lora = None  # the peft LoraConfig of extras/lora.py's LoraTrainer: resume states then hold the adapters only
 
     def __init__(self, cfg, model_path: str, device: torch.device):
         from transformers import AutoConfig, AutoTokenizer
-        self.cfg, self.device, self.rank, self.world = cfg, device, dist.get_rank(), dist.get_world_size()
-        self.mesh = init_device_mesh(device.type, (self.world,))  # FSDP2's default: CUDA wherever a GPU is visible
+
+        self.cfg, self.device, self.rank, self.world = (
+            cfg,
+            device,
+            dist.get_rank(),
+            dist.get_world_size(),
+        )
+        self.mesh = init_device_mesh(
+            device.type, (self.world,)
+        )  # FSDP2's default: CUDA wherever a GPU is visible
         torch.manual_seed(cfg.seed)
         self.advantage_fn, self.loss_fn, self.agg, self.filters = resolve_algorithm(cfg)
         self.cuda = device.type == "cuda"
-        self.sharded = self.world > 1 or self.cuda and CUDA_LEVERS["one_gpu_fsdp"]  # one CPU rank: FSDP2 only copies
-        self.fsdp_bf16 = cfg.dtype == "bfloat16" and self.cuda and self.sharded  # FSDP2 mixed precision on CUDA
+        self.sharded = (
+            self.world > 1 or self.cuda and CUDA_LEVERS["one_gpu_fsdp"]
+        )  # one CPU rank: FSDP2 only copies
+        self.fsdp_bf16 = (
+            cfg.dtype == "bfloat16" and self.cuda and self.sharded
+        )  # FSDP2 mixed precision on CUDA
         self.autocast = cfg.dtype == "bfloat16" and not self.fsdp_bf16  # where FSDP2 does not cast
-        self.computed_tokens = 0  # tokens the dense layers of the forward passes computed (packed, pads included)
+        self.computed_tokens = (
+            0  # tokens the dense layers of the forward passes computed (packed, pads included)
+        )
         self.cores = None  # sync.CoreShare: threads lent by an idle explorer (set by TrainLoop)
-        self.progress: Callable[[str], None] = lambda text: None  # rank 0's step bar shows where the step is
+        self.progress: Callable[[str], None] = lambda text: (
+            None
+        )  # rank 0's step bar shows where the step is
         if device.type == "cpu":
             models.limit_heap_fragmentation()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -149,38 +226,74 @@ class Trainer:
         own = AutoConfig.from_pretrained(model_path).dtype
         own = getattr(torch, own) if isinstance(own, str) else own or torch.float32
         self.final_dtype = own if cfg.save_dtype == "auto" else getattr(torch, cfg.save_dtype)
-        self.needs_ref = bool(cfg.kl_loss_coef or cfg.kl_reward_coef or getattr(self.loss_fn, "needs_ref", False))
+        self.needs_ref = bool(
+            cfg.kl_loss_coef or cfg.kl_reward_coef or getattr(self.loss_fn, "needs_ref", False)
+        )
         self.ref = resolve(REFERENCE, {}, "reference")(self, model_path) if self.needs_ref else None
-        self.teacher = resolve(TEACHER, {}, "teacher")(self, models.resolve_model(cfg.teacher)) if cfg.teacher else None
-        fused = (CUDA_LEVERS["fused_adamw"] if self.cuda else not self.sharded) or None  # CPU: no temporaries
-        self.opt = torch.optim.AdamW([p for _, p in self.published()], lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                     betas=(0.9, 0.99), fused=fused)
+        self.teacher = (
+            resolve(TEACHER, {}, "teacher")(self, models.resolve_model(cfg.teacher))
+            if cfg.teacher
+            else None
+        )
+        fused = (
+            CUDA_LEVERS["fused_adamw"] if self.cuda else not self.sharded
+        ) or None  # CPU: no temporaries
+        self.opt = torch.optim.AdamW(
+            [p for _, p in self.published()],
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            betas=(0.9, 0.99),
+            fused=fused,
+        )
         self.lr_factor, self.version = lr_schedule(cfg, self.opt), 0
-        self.matmul = matmul_params(model_path)  # (body, head) parameters per token: model FLOPs for perf/trainer_mfu
+        self.matmul = matmul_params(
+            model_path
+        )  # (body, head) parameters per token: model FLOPs for perf/trainer_mfu
         self.peak = unit_peak(device.type, cfg.dtype)  # FLOP/s of one core (CPU) or device (CUDA)
         self.loop_state: dict = {}  # rank 0: loop.TrainLoop's position, saved with the resume state
 
     def pretrained(self, model_path: str):
         """The model at `model_path` in float32 on the device, attending by `packed_sdpa` (`pack`'s layout)."""
         from transformers import AutoModelForCausalLM
-        return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                    attn_implementation=packed_sdpa()).to(self.device)
+
+        return AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation=packed_sdpa()
+        ).to(self.device)
 
     def shard(self, model):
         """`model` with FSDP2 on each decoder block and the root (if `sharded`); activation checkpointing."""
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.fsdp_bf16 else \
-            MixedPrecisionPolicy()
-        blocks, c, ckpt = set(model._no_split_modules or []), model.config, self.cfg.activation_checkpointing
-        if ckpt and self.cuda and CUDA_LEVERS["checkpoint_if_needed"] and "activation_checkpointing" not in self.cfg.given:
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if self.fsdp_bf16
+            else MixedPrecisionPolicy()
+        )
+        blocks, c, ckpt = (
+            set(model._no_split_modules or []),
+            model.config,
+            self.cfg.activation_checkpointing,
+        )
+        if (
+            ckpt
+            and self.cuda
+            and CUDA_LEVERS["checkpoint_if_needed"]
+            and "activation_checkpointing" not in self.cfg.given
+        ):
             # unless asked for: only where a micro-batch's activations (~80 B per token, layer, hidden unit) > half free
-            ckpt = 80 * self.cfg.token_budget * c.num_hidden_layers * c.hidden_size > torch.cuda.mem_get_info(self.device)[0] / 2
+            ckpt = (
+                80 * self.cfg.token_budget * c.num_hidden_layers * c.hidden_size
+                > torch.cuda.mem_get_info(self.device)[0] / 2
+            )
         if ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         for m in model.modules():
             if type(m).__name__ in blocks:
                 # transformers recomputes a block in training mode only; its submodules stay in eval mode (no dropout)
                 m.training = ckpt
-                m.register_forward_pre_hook(self._lent_cores)  # also runs in each recompute of the backward pass
+                m.register_forward_pre_hook(
+                    self._lent_cores
+                )  # also runs in each recompute of the backward pass
                 if self.cfg.compile_layers and self.cuda:
                     m.forward = compiled(m.forward)
                 if self.sharded:
@@ -191,7 +304,9 @@ class Trainer:
             register_fsdp_forward_method(model, "nanorft_logprobs")
         # tied: autograd would add the head's gradient (a Python backward's) to the embedding's into a new [V, H]
         elif (e := model.get_input_embeddings()).weight is model.get_output_embeddings().weight:
-            e.sparse = e.weight.grad_added_by_head = e.weight.requires_grad  # so HeadLogprobs adds into .grad
+            e.sparse = e.weight.grad_added_by_head = (
+                e.weight.requires_grad
+            )  # so HeadLogprobs adds into .grad
         return model
 
     def published(self) -> list[tuple[str, torch.Tensor]]:
@@ -207,10 +322,18 @@ class Trainer:
         """The `published` parameters as full tensors, one bucket (sync.bucket_ranges) per advance. Collective."""
         params = [p for _, p in self.published()]
         for r in sync.bucket_ranges([p.numel() for p in params], bucket_elems):
-            yield [(params[i].detach().to_local() if self.world == 1 else params[i].full_tensor())  # one rank: no copy
-                   if isinstance(params[i], DTensor) else params[i].detach() for i in r]
+            yield [
+                (
+                    params[i].detach().to_local() if self.world == 1 else params[i].full_tensor()
+                )  # one rank: no copy
+                if isinstance(params[i], DTensor)
+                else params[i].detach()
+                for i in r
+            ]
 
-    def _lent_cores(self, *_) -> None:  # take or give back the threads an idle explorer lends (sync.CoreShare)
+    def _lent_cores(
+        self, *_
+    ) -> None:  # take or give back the threads an idle explorer lends (sync.CoreShare)
         if self.cores is not None:
             self.cores.apply()
 
@@ -218,14 +341,21 @@ class Trainer:
         """(`pack` of `mb` on the device, mask 0 if `padding`; log-probs [B, R]; entropy [B, R] or None)."""
         self._lent_cores()
         causal = self.cuda and CUDA_LEVERS["causal_rows"]
-        b = {k: v if v is None else v.to(self.device)
-             for k, v in pack(mb, self.pad, self.cfg.token_budget, ROW_MULTIPLE, causal, TOKEN_MULTIPLE).items()}
+        b = {
+            k: v if v is None else v.to(self.device)
+            for k, v in pack(
+                mb, self.pad, self.cfg.token_budget, ROW_MULTIPLE, causal, TOKEN_MULTIPLE
+            ).items()
+        }
         b["mask"] = b["mask"] * (not padding)
         self.computed_tokens += b["input_ids"].numel()
         # no cache of bf16 weights: each is cast once per pass anyway, and the blocks' recompute casts again (-0.08 GiB)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast, cache_enabled=False):
-            lp, ent = response_logprobs(model, b, self.cfg.temperature, entropy,
-                                        entropy_grad=bool(self.cfg.entropy_coef))  # [B, R]
+        with torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.autocast, cache_enabled=False
+        ):
+            lp, ent = response_logprobs(
+                model, b, self.cfg.temperature, entropy, entropy_grad=bool(self.cfg.entropy_coef)
+            )  # [B, R]
         return b, lp, ent
 
     def step(self, groups: list[list[Experience]]) -> dict[str, float]:
@@ -236,10 +366,19 @@ class Trainer:
         self.computed_tokens = 0
         batch = StepBatch.of(groups)
         # the rows of shared-prompt packing (whole groups for a group-level loss), shortest first
-        rows = [list(g) for g in groups] if getattr(self.loss_fn, "needs_groups", False) else sorted(
-            ([g[i] for i in members] for g in groups for _, members in share_prompts(g, self.cfg.token_budget)),
-            key=packed_tokens)
-        my_rows = rows[self.rank::self.world]  # this rank's share
+        rows = (
+            [list(g) for g in groups]
+            if getattr(self.loss_fn, "needs_groups", False)
+            else sorted(
+                (
+                    [g[i] for i in members]
+                    for g in groups
+                    for _, members in share_prompts(g, self.cfg.token_budget)
+                ),
+                key=packed_tokens,
+            )
+        )
+        my_rows = rows[self.rank :: self.world]  # this rank's share
         filler = batch.exps[0]  # a padding micro-batch: this sequence, masked out
         for frozen in filter(None, (self.ref, self.teacher)):
             frozen.compute(my_rows, filler)
@@ -257,17 +396,33 @@ class Trainer:
         grad_norm = self.optimizer_step()
         self.version += 1
         train_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
-        m.update(self.reduce_metrics(sums, my_rows, cpu_s if self.device.type == "cpu" else train_s))
+        m.update(
+            self.reduce_metrics(sums, my_rows, cpu_s if self.device.type == "cpu" else train_s)
+        )
         if (rollout := ~batch.offline).any():
-            m["advantage/mean"], m["advantage/abs_mean"] = float(adv[rollout].mean()), float(adv[rollout].abs().mean())
+            m["advantage/mean"], m["advantage/abs_mean"] = (
+                float(adv[rollout].mean()),
+                float(adv[rollout].abs().mean()),
+            )
         lengths = [len(e.behaviour_logprobs) for e in batch.exps]
         tokens = sum(len(e.tokens) for e in batch.exps)
-        m.update({**filtered, "loss/grad_norm": grad_norm, "train/lr": self.opt.param_groups[0]["lr"],
-                  "filter/kept": int(keep.sum()), "train/expert_seqs": int(batch.offline.sum()),
-                  "train/micro_batches": len(micro), "response/len_mean": sum(lengths) / len(lengths),
-                  "response/len_max": max(lengths), "time/train_s": train_s, "train/tokens_per_s": tokens / train_s,
-                  "train/computed_tokens": self.computed_tokens, "train/sequence_tokens": tokens,
-                  "memory/trainer_peak_rss_gib": peak_rss_gib()})
+        m.update(
+            {
+                **filtered,
+                "loss/grad_norm": grad_norm,
+                "train/lr": self.opt.param_groups[0]["lr"],
+                "filter/kept": int(keep.sum()),
+                "train/expert_seqs": int(batch.offline.sum()),
+                "train/micro_batches": len(micro),
+                "response/len_mean": sum(lengths) / len(lengths),
+                "response/len_max": max(lengths),
+                "time/train_s": train_s,
+                "train/tokens_per_s": tokens / train_s,
+                "train/computed_tokens": self.computed_tokens,
+                "train/sequence_tokens": tokens,
+                "memory/trainer_peak_rss_gib": peak_rss_gib(),
+            }
+        )
         if self.device.type == "cuda":
             m["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             m["memory/reserved_gib"] = torch.cuda.memory_reserved(self.device) / 2**30
@@ -276,66 +431,106 @@ class Trainer:
     def shape_rewards(self, batch: StepBatch, my_rows: list[list]) -> tuple[torch.Tensor, dict]:
         """Rewards [N] minus the KL reward and length penalties, and the rollouts' reward metrics."""
         cfg, rewards, m = self.cfg, batch.rewards, {}
-        rollout_rewards = rewards[~batch.offline]                                        # [N_rollout]
+        rollout_rewards = rewards[~batch.offline]  # [N_rollout]
         if len(rollout_rewards):
             m["reward/mean"] = float(rollout_rewards.mean())
             m["reward/std"] = float(rollout_rewards.std()) if len(rollout_rewards) > 1 else 0.0
         if cfg.kl_reward_coef:
             rewards = self.ref.kl_reward_penalty(rewards, batch, my_rows, m)
         if cfg.length_penalty:  # per trained token, or per turn of a multi-turn episode
-            lengths = [sum(e.action_mask) if cfg.length_unit == "tokens" else e.info.get("turns", 1)
-                       for e in batch.exps]
-            rewards = length_penalty(rewards, torch.tensor(lengths, dtype=torch.float), cfg.length_penalty)
+            lengths = [
+                sum(e.action_mask) if cfg.length_unit == "tokens" else e.info.get("turns", 1)
+                for e in batch.exps
+            ]
+            rewards = length_penalty(
+                rewards, torch.tensor(lengths, dtype=torch.float), cfg.length_penalty
+            )
         return rewards, m
 
     def advantages(self, batch: StepBatch, rewards: torch.Tensor) -> torch.Tensor:
         """Advantages [N] of the configured estimator from rewards [N] (+ token_counts if it takes them)."""
         takes = inspect.signature(self.advantage_fn).parameters  # REINFORCE++ whitens over tokens
         counts = {"token_counts": batch.token_counts} if "token_counts" in takes else {}
-        return self.advantage_fn(rewards, batch.group_index, batch.episode_index, **counts,
-                                 **self.cfg.advantage_kwargs).float()
+        return self.advantage_fn(
+            rewards, batch.group_index, batch.episode_index, **counts, **self.cfg.advantage_kwargs
+        ).float()
 
-    def apply_filters(self, batch: StepBatch, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
+    def apply_filters(
+        self, batch: StepBatch, adv: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, int]]:
         """Which sequences [N] bool all filters keep (offline ones always); `filter/<name>`: how many it dropped."""
         keep, m = torch.ones(len(batch.exps), dtype=torch.bool), {}
         for name, fn in self.filters.items():
             masked = "action_mask" in inspect.signature(fn).parameters
-            drop = [i for i, e in enumerate(batch.exps) if keep[i] and not batch.offline[i] and not fn(
-                e.tokens, e.behaviour_logprobs, float(adv[i]), **({"action_mask": e.action_mask} if masked else {}),
-                **self.cfg.filters[name])]
+            drop = [
+                i
+                for i, e in enumerate(batch.exps)
+                if keep[i]
+                and not batch.offline[i]
+                and not fn(
+                    e.tokens,
+                    e.behaviour_logprobs,
+                    float(adv[i]),
+                    **({"action_mask": e.action_mask} if masked else {}),
+                    **self.cfg.filters[name],
+                )
+            ]
             keep[drop], m[f"filter/{name}"] = False, len(drop)
         return keep, m
 
     def loss_totals(self, batch: StepBatch, keep: torch.Tensor):
         """Micro-batch indices [n] -> the kept global batch's (tokens, sequences), or a split_expert loss's [n], [n]."""
         if getattr(self.loss_fn, "split_expert", False):
-            part_tokens, part_seqs = resolve(PART_TOTALS, {}, "part_totals")(batch.token_counts, batch.offline, keep)
+            part_tokens, part_seqs = resolve(PART_TOTALS, {}, "part_totals")(
+                batch.token_counts, batch.offline, keep
+            )
             return lambda rows: (part_tokens[rows].to(self.device), part_seqs[rows].to(self.device))
         whole = (float(batch.token_counts[keep].sum()), int(keep.sum()))
         return lambda rows: whole
 
-    def rank_micro_batches(self, rows: list[list[Experience]], filler: Experience) -> list[tuple[list, bool]]:
+    def rank_micro_batches(
+        self, rows: list[list[Experience]], filler: Experience
+    ) -> list[tuple[list, bool]]:
         """This rank's (micro-batch, padding) pairs, padded with masked `filler`s to the ranks' largest count."""
         mbs = [(mb, False) for mb in micro_batches(rows, self.cfg.token_budget)]
         n = torch.tensor(len(mbs), device=self.device)  # NCCL takes device tensors only
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         return mbs + [([filler], True)] * (int(n) - len(mbs))
 
-    def loss(self, mb: list[Experience], padding: bool, batch: StepBatch, adv: torch.Tensor,
-             rewards: torch.Tensor, totals) -> dict[str, float]:
+    def loss(
+        self,
+        mb: list[Experience],
+        padding: bool,
+        batch: StepBatch,
+        adv: torch.Tensor,
+        rewards: torch.Tensor,
+        totals,
+    ) -> dict[str, float]:
         """Forward and backward of micro-batch `mb`; returns "loss/policy" (its share), "tokens" and metric sums."""
         cfg, dev = self.cfg, lambda x: x.to(self.device)
         b, lp, ent = self.logprobs(self.model, mb, padding, entropy=True)
-        mask, behaviour = b["mask"], b["behaviour_logprobs"]                              # [B, R]
-        idx = torch.tensor([batch.row[id(e)] for e in mb])                                # [B]
-        ref_lp = self.ref.micro_batch(mb, padding, behaviour) if self.ref else None      # [B, R]
-        adv_t, extra = dev(adv[idx][:, None].expand(*mask.shape)), {}                    # [B, R]
+        mask, behaviour = b["mask"], b["behaviour_logprobs"]  # [B, R]
+        idx = torch.tensor([batch.row[id(e)] for e in mb])  # [B]
+        ref_lp = self.ref.micro_batch(mb, padding, behaviour) if self.ref else None  # [B, R]
+        adv_t, extra = dev(adv[idx][:, None].expand(*mask.shape)), {}  # [B, R]
         if self.teacher:  # per-token terms of the advantage, and their metrics
-            adv_t, extra = self.teacher.advantages(adv_t, mb, padding, behaviour, mask, dev(batch.offline[idx]))
-        out = self.loss_fn(LossInputs(lp, behaviour, adv_t, mask, dev(rewards[idx]),
-                                      dev(torch.unique(batch.group_index[idx], return_inverse=True)[1]), ref_lp,
-                                      dev(batch.offline[idx])), **cfg.policy_loss_kwargs)
-        per_token = out["loss"]                                                           # [B, R]
+            adv_t, extra = self.teacher.advantages(
+                adv_t, mb, padding, behaviour, mask, dev(batch.offline[idx])
+            )
+        out = self.loss_fn(
+            LossInputs(
+                lp,
+                behaviour,
+                adv_t,
+                mask,
+                dev(rewards[idx]),
+                dev(torch.unique(batch.group_index[idx], return_inverse=True)[1]),
+                ref_lp,
+                dev(batch.offline[idx]),
+            ),
+            **cfg.policy_loss_kwargs,
+        )
+        per_token = out["loss"]  # [B, R]
         if cfg.kl_loss_coef:
             per_token = per_token + cfg.kl_loss_coef * kl_estimate(lp, ref_lp, cfg.kl_estimator)
         if cfg.entropy_coef:
@@ -343,50 +538,84 @@ class Trainer:
         (aggregate(per_token, mask, self.agg, *totals(idx)) * self.world).backward()
         with torch.no_grad():
             rollout = ~dev(batch.offline[idx])[:, None]  # expert tokens have no behaviour log-probs
-            parts = {"loss/entropy": ent, "loss/kl_behaviour": kl_estimate(behaviour, lp, "k3") * rollout,
-                     "loss/logprob_abs_diff": (lp - behaviour).abs() * rollout,
-                     **{f"loss/{k}": v for k, v in out.items() if k != "loss"}, **extra}
+            parts = {
+                "loss/entropy": ent,
+                "loss/kl_behaviour": kl_estimate(behaviour, lp, "k3") * rollout,
+                "loss/logprob_abs_diff": (lp - behaviour).abs() * rollout,
+                **{f"loss/{k}": v for k, v in out.items() if k != "loss"},
+                **extra,
+            }
             if ref_lp is not None:
                 parts["loss/kl_ref"] = kl_estimate(lp, ref_lp, cfg.kl_estimator)
-            return {"loss/policy": float(aggregate(out["loss"], mask, self.agg, *totals(idx))),
-                    **{k: float(masked_sum(v.float(), mask)) for k, v in parts.items()}, "tokens": float(mask.sum())}
+            return {
+                "loss/policy": float(aggregate(out["loss"], mask, self.agg, *totals(idx))),
+                **{k: float(masked_sum(v.float(), mask)) for k, v in parts.items()},
+                "tokens": float(mask.sum()),
+            }
 
     def optimizer_step(self) -> float:
         """Clip the gradients, AdamW step at the scheduled rate, zero them; the norm before clipping."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-        for group in self.opt.param_groups:  # a function of the step: a resumed run goes on where it was
+        for (
+            group
+        ) in self.opt.param_groups:  # a function of the step: a resumed run goes on where it was
             group["lr"] = self.cfg.lr * self.lr_factor(self.version)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return float(grad_norm)
 
-    def reduce_metrics(self, sums: dict[str, float], rows: list[list[Experience]], busy_s: float) -> dict[str, float]:
+    def reduce_metrics(
+        self, sums: dict[str, float], rows: list[list[Experience]], busy_s: float
+    ) -> dict[str, float]:
         """One all_reduce: `loss/policy`, each metric of `sums` as a mean over its tokens, model FLOPs and MFU."""
         exps = [e for row in rows for e in row]
-        tokens = sum(row_length(exps, *row) for row in share_prompts(exps, self.cfg.token_budget))  # no padding
-        flops = train_flops(*self.matmul, tokens, sum(len(e.tokens) - e.prompt_length for e in exps),
-                            passes=3 + self.needs_ref)
+        tokens = sum(
+            row_length(exps, *row) for row in share_prompts(exps, self.cfg.token_budget)
+        )  # no padding
+        flops = train_flops(
+            *self.matmul,
+            tokens,
+            sum(len(e.tokens) - e.prompt_length for e in exps),
+            passes=3 + self.needs_ref,
+        )
         names = sorted(sums)
-        flat = torch.tensor([flops, busy_s] + [sums[k] for k in names], dtype=torch.float64, device=self.device)
+        flat = torch.tensor(
+            [flops, busy_s] + [sums[k] for k in names], dtype=torch.float64, device=self.device
+        )
         dist.all_reduce(flat)
         flops, busy_s, *summed = flat.tolist()
         total = dict(zip(names, summed))
         tokens = max(total.pop("tokens", 1.0), 1.0)
-        return {"loss/policy": total.pop("loss/policy", 0.0), **{k: v / tokens for k, v in total.items()},
-                "perf/trainer_model_flops": flops, "perf/trainer_mfu": mfu(flops, busy_s, self.peak)}
+        return {
+            "loss/policy": total.pop("loss/policy", 0.0),
+            **{k: v / tokens for k, v in total.items()},
+            "perf/trainer_model_flops": flops,
+            "perf/trainer_mfu": mfu(flops, busy_s, self.peak),
+        }
 
-    def save(self, path: str | Path, params: list[torch.Tensor] | None = None,
-             dtype: torch.dtype = torch.float32) -> None:
+    def save(
+        self,
+        path: str | Path,
+        params: list[torch.Tensor] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         """Rank 0 writes a Hugging Face directory of the weights in `dtype`. Collective unless `params` is given."""
         params = params if params is not None else self.full_parameters()
         if self.rank == 0:
-            state = {n: p.detach().to("cpu", dtype).contiguous() for (n, _), p in zip(self.published(), params)}
+            state = {
+                n: p.detach().to("cpu", dtype).contiguous()
+                for (n, _), p in zip(self.published(), params)
+            }
             self.model.save_pretrained(str(path), state_dict=state)
             self.tokenizer.save_pretrained(str(path))
             conf = Path(path) / "config.json"  # save_pretrained records the live model's float32
-            conf.write_text(json.dumps({**json.loads(conf.read_text()), "dtype": str(dtype).removeprefix("torch.")},
-                                       indent=2))
+            conf.write_text(
+                json.dumps(
+                    {**json.loads(conf.read_text()), "dtype": str(dtype).removeprefix("torch.")},
+                    indent=2,
+                )
+            )
 
     def save_final(self, path: str | Path, params: list[torch.Tensor] | None = None) -> None:
         """The run's final weights at `path` in `final_dtype`. Collective unless `params` is given."""

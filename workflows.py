@@ -36,9 +36,12 @@ HF_DATASETS = ("extras.hub.is_dataset", "extras.hub.hf_dataset_tasks")
 JSONL_TASKS = "extras.offline.jsonl_tasks"  # a .jsonl file: f(path, eval_size)
 
 
-def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: int) -> tuple[list[Task], list[Task], Any]:
+def load_tasks(
+    name: str, kwargs: dict, train_size: int, eval_size: int, seed: int
+) -> tuple[list[Task], list[Task], Any]:
     """(train, held-out tasks, verifier dataset or None). ValueError: bad dataset, kwargs, row; FileNotFoundError."""
     from losses import resolve
+
     if name in TASK_SOURCES:  # the bundled multi-turn game
         return (*resolve(TASK_SOURCES[name], {}, "task")(kwargs, train_size, eval_size, seed), None)
     prefix, _, rest = name.partition(":")
@@ -52,23 +55,41 @@ def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: i
     try:
         import reasoning_gym
     except ImportError:
-        raise ValueError(f"task {name!r} is a reasoning-gym dataset, and reasoning-gym is not installed: pip install "
-                         "reasoning-gym, or --task guess_number, a .jsonl file or a Hugging Face dataset") from None
-    base = seed * 10_000_019 % 2**31  # reasoning-gym seeds item i with base + i: seeds 0 and 1 must not overlap
+        raise ValueError(
+            f"task {name!r} is a reasoning-gym dataset, and reasoning-gym is not installed: pip install "
+            "reasoning-gym, or --task guess_number, a .jsonl file or a Hugging Face dataset"
+        ) from None
+    base = (
+        seed * 10_000_019 % 2**31
+    )  # reasoning-gym seeds item i with base + i: seeds 0 and 1 must not overlap
     try:
-        eval_ds = reasoning_gym.create_dataset(name, size=max(eval_size, 1), seed=base + 1_000_003, **kwargs)
+        eval_ds = reasoning_gym.create_dataset(
+            name, size=max(eval_size, 1), seed=base + 1_000_003, **kwargs
+        )
         # extra training candidates replace the ones whose question is held out
         train_ds = reasoning_gym.create_dataset(name, size=2 * train_size + 16, seed=base, **kwargs)
     except Exception as e:  # reasoning-gym raises several types for bad names/kwargs
         raise ValueError(f"reasoning-gym dataset {name!r} with {kwargs}: {e}") from None
     # the held-out set is not filtered (that would skew it towards the rarest questions): training gives way
-    held = [Task(f"{name}/eval/{i}", x["question"], str(x["answer"]), x) for i, x in enumerate(eval_ds)][:eval_size]
+    held = [
+        Task(f"{name}/eval/{i}", x["question"], str(x["answer"]), x) for i, x in enumerate(eval_ds)
+    ][:eval_size]
     seen = {t.question for t in held}
-    train = list(itertools.islice((Task(f"{name}/train/{i}", x["question"], str(x["answer"]), x)
-                                   for i, x in enumerate(train_ds) if x["question"] not in seen), train_size))
+    train = list(
+        itertools.islice(
+            (
+                Task(f"{name}/train/{i}", x["question"], str(x["answer"]), x)
+                for i, x in enumerate(train_ds)
+                if x["question"] not in seen
+            ),
+            train_size,
+        )
+    )
     if len(train) < train_size:
-        raise ValueError(f"reasoning-gym dataset {name!r} with {kwargs}: only {len(train)} training tasks whose "
-                         f"question is not among the {eval_size} held-out ones; lower train_size or eval_size")
+        raise ValueError(
+            f"reasoning-gym dataset {name!r} with {kwargs}: only {len(train)} training tasks whose "
+            f"question is not among the {eval_size} held-out ones; lower train_size or eval_size"
+        )
     return train, held, train_ds
 
 
@@ -111,15 +132,25 @@ PIPELINES = "extras.pipelines"
 def check_pipelines(cfg) -> None:
     """Check cfg's data-pipeline settings, if any (ValueError, one line; ConnectionError: Label Studio unreachable)."""
     from losses import resolve
-    if (cfg.selector != "shuffle" or cfg.selector_kwargs or cfg.task_pipeline or cfg.experience_pipeline or cfg.replay
-            or cfg.annotation):
+
+    if (
+        cfg.selector != "shuffle"
+        or cfg.selector_kwargs
+        or cfg.task_pipeline
+        or cfg.experience_pipeline
+        or cfg.replay
+        or cfg.annotation
+    ):
         resolve(f"{PIPELINES}.check_config", {}, "pipelines")(cfg)
 
 
 def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
     """Token ids of `messages` under the chat template (with the assistant's turn prompt)."""
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                              tokenize=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
+        )
+    )
 
 
 def last_number(text: str) -> str | None:
@@ -142,7 +173,10 @@ def readable(info: dict) -> bool | None:
     """Whether a reply (an Experience's info) ended within its budget with an answer; None without "response"."""
     if "response" not in info:
         return None
-    return info.get("finish_reason") == "stop" and extract_answer(info["response"], info.get("answer", "")) is not None
+    return (
+        info.get("finish_reason") == "stop"
+        and extract_answer(info["response"], info.get("answer", "")) is not None
+    )
 
 
 def reasoning_gym_reward(task: Task, completion: str, dataset: Any) -> float:
@@ -156,29 +190,39 @@ def reasoning_gym_reward(task: Task, completion: str, dataset: Any) -> float:
 def load_reward_fn(path: str, kwargs: dict | None = None) -> Callable[[Task, str, Any], float]:
     """fn(task, completion, dataset) -> float or None (lagged), `kwargs` bound. ValueError: bad path or keyword."""
     from losses import resolve
+
     fn = resolve(path, REWARD_FNS, "reward_fn", kwargs)
     return partial(fn, **kwargs) if kwargs else fn
 
 
 # name -> function, or the import path of an optional one (extras/)
-REWARD_FNS = {"reasoning_gym": reasoning_gym_reward, "human": "extras.lagged_rewards.human_reward",
-              "judge": "extras.judge.judge_reward", "math_verify": "extras.math_verify_reward.math_verify_reward"}
+REWARD_FNS = {
+    "reasoning_gym": reasoning_gym_reward,
+    "human": "extras.lagged_rewards.human_reward",
+    "judge": "extras.judge.judge_reward",
+    "math_verify": "extras.math_verify_reward.math_verify_reward",
+}
 
 
 async def in_thread(fn, *args):
     """Await a blocking call in a daemon thread, so that a timeout can abandon a hanging one."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
+
     def settle(result, error) -> None:
         if not fut.done():
             fut.set_exception(error) if error is not None else fut.set_result(result)
+
     def target():
         try:
             result, error = fn(*args), None
         except BaseException as e:  # delivered to the awaiting coroutine
             result, error = None, e
-        with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody waits for this call any more
+        with contextlib.suppress(
+            RuntimeError
+        ):  # the event loop is gone: nobody waits for this call any more
             loop.call_soon_threadsafe(settle, result, error)
+
     threading.Thread(target=target, daemon=True).start()
     return await fut
 
@@ -186,7 +230,9 @@ async def in_thread(fn, *args):
 class Workflow:
     """A task -> a group of Experiences (reward None: lagged); subclasses implement `async run(task, engine, n)`."""
 
-    def __init__(self, tokenizer, reward_fn, dataset, system_prompt: str, sampling, run_dir: str = ""):
+    def __init__(
+        self, tokenizer, reward_fn, dataset, system_prompt: str, sampling, run_dir: str = ""
+    ):
         self.tokenizer, self.reward_fn, self.dataset = tokenizer, reward_fn, dataset
         self.system_prompt, self.sampling, self.run_dir = system_prompt, sampling, run_dir
 
@@ -213,7 +259,9 @@ class MathWorkflow(Workflow):
     """Single turn: system prompt + question -> n sampled answers, each scored by `score`."""
 
     def prompt_ids(self, task: Task) -> list[int]:
-        return chat_ids(self.tokenizer, self.system() + [{"role": "user", "content": task.question}], True)
+        return chat_ids(
+            self.tokenizer, self.system() + [{"role": "user", "content": task.question}], True
+        )
 
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
         prompt = self.prompt_ids(task)
@@ -222,27 +270,53 @@ class MathWorkflow(Workflow):
         texts = [self.tokenizer.decode(out.tokens, skip_special_tokens=True) for out in outs]
         scores = await asyncio.gather(*(self.score(task, text) for text in texts))
         for out, text, (reward, error) in zip(outs, texts, scores):
-            info = {"finish_reason": out.finish_reason, "question": task.question, "response": text,
-                    "answer": task.answer, "versions": list(out.versions)}
+            info = {
+                "finish_reason": out.finish_reason,
+                "question": task.question,
+                "response": text,
+                "answer": task.answer,
+                "versions": list(out.versions),
+            }
             if error:
                 info["reward_error"] = error
-            group.append(Experience(prompt + out.tokens, len(prompt), out.behaviour_logprobs, [1] * len(out.tokens),
-                                    reward, group_id, task.task_id, out.versions[0], info))
+            group.append(
+                Experience(
+                    prompt + out.tokens,
+                    len(prompt),
+                    out.behaviour_logprobs,
+                    [1] * len(out.tokens),
+                    reward,
+                    group_id,
+                    task.task_id,
+                    out.versions[0],
+                    info,
+                )
+            )
         return group
 
 
 # name -> class, or the import path of one in extras/; prefix -> import path of a factory(text after the prefix)
-WORKFLOWS: dict[str, type[Workflow] | str] = {"math": MathWorkflow, "guess_number": "extras.guess_number.GuessNumberWorkflow",
-                                              "reflect": "extras.reflect.ReflectWorkflow"}
-WORKFLOW_PREFIXES = {"agent": "extras.agent.agent_workflow", "verifiers": "extras.verifiers_env.verifiers_workflow"}
+WORKFLOWS: dict[str, type[Workflow] | str] = {
+    "math": MathWorkflow,
+    "guess_number": "extras.guess_number.GuessNumberWorkflow",
+    "reflect": "extras.reflect.ReflectWorkflow",
+}
+WORKFLOW_PREFIXES = {
+    "agent": "extras.agent.agent_workflow",
+    "verifiers": "extras.verifiers_env.verifiers_workflow",
+}
 
 
 def load_workflow(name: str) -> type[Workflow]:
     """The workflow class of WORKFLOWS, `module.Class`, `agent:module.function` or `verifiers:NAME`; else ValueError."""
     from losses import resolve
+
     prefix, colon, rest = name.partition(":")
-    cls = (resolve(WORKFLOW_PREFIXES[prefix], {}, "workflow")(rest) if colon and prefix in WORKFLOW_PREFIXES
-           else resolve(name, WORKFLOWS, "workflow"))
+    cls = (
+        resolve(WORKFLOW_PREFIXES[prefix], {}, "workflow")(rest)
+        if colon and prefix in WORKFLOW_PREFIXES
+        else resolve(name, WORKFLOWS, "workflow")
+    )
     if not (isinstance(cls, type) and issubclass(cls, Workflow)):
         raise ValueError(f"workflow {name!r} is not a subclass of workflows.Workflow")
     return cls
@@ -250,11 +324,15 @@ def load_workflow(name: str) -> type[Workflow]:
 
 def prepare_tasks(cfg) -> tuple[list[Task], list[Task], Any]:
     """The run's tasks (`load_tasks`); ValueError (one line): no tasks, an unknown reward function or workflow."""
-    tasks = train, held_out, _ = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
+    tasks = train, held_out, _ = load_tasks(
+        cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed
+    )
     if not train:
         raise ValueError(f"task {cfg.task!r} produced no training tasks")
     if cfg.mode == "bench" and not held_out:
-        raise ValueError(f"mode bench needs held-out tasks: task {cfg.task!r} with eval_size {cfg.eval_size} has none")
+        raise ValueError(
+            f"mode bench needs held-out tasks: task {cfg.task!r} with eval_size {cfg.eval_size} has none"
+        )
     load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
     load_workflow(cfg.workflow)
     return tasks

@@ -12,6 +12,7 @@ Prints per allocator: the trainer's step (time/train_s, steps after the first), 
 per step, the minor page faults of the whole job (all its processes), the trainer's and the
 explorer's peak RSS; then each allocator's ratio to the C library's malloc.
 """
+
 import argparse
 import json
 import os
@@ -33,22 +34,53 @@ def one_run(lib: str | None, settings: dict, steps: int, flags: list[str]) -> di
     """Run the default job for `steps` steps with `lib` preloaded (None: the C library's
     malloc) and environment `settings`; its metrics and the job's minor page faults."""
     with tempfile.TemporaryDirectory() as run_dir:
-        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("MIMALLOC_")} | settings
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k != "LD_PRELOAD" and not k.startswith("MIMALLOC_")
+        } | settings
         if lib:
             env["LD_PRELOAD"] = lib
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
         # --allocator system: run.py leaves LD_PRELOAD as this script set it
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(ROOT / "run.py"),
-                        "--mode", "both", "--sync-interval", "2", "--steps", str(steps), "--eval-size", "0",
-                        "--allocator", "system", "--run-dir", run_dir, *flags],
-                       env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "1",
+                str(ROOT / "run.py"),
+                "--mode",
+                "both",
+                "--sync-interval",
+                "2",
+                "--steps",
+                str(steps),
+                "--eval-size",
+                "0",
+                "--allocator",
+                "system",
+                "--run-dir",
+                run_dir,
+                *flags,
+            ],
+            env=env,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before
-        recs = [json.loads(x) for x in open(Path(run_dir) / "metrics.jsonl") if '"loss/grad_norm"' in x]
-    return {"train_s": statistics.mean(r["time/train_s"] for r in recs[1:]),
-            "s_per_step": (recs[-1]["time/elapsed_s"] - recs[0]["time/elapsed_s"]) / (len(recs) - 1),
-            "minor_faults_m": faults / 1e6,
-            "trainer_rss_gib": max(r["memory/trainer_peak_rss_gib"] for r in recs),
-            "explorer_rss_gib": max(r["memory/explorer_peak_rss_gib"] for r in recs)}
+        recs = [
+            json.loads(x) for x in open(Path(run_dir) / "metrics.jsonl") if '"loss/grad_norm"' in x
+        ]
+    return {
+        "train_s": statistics.mean(r["time/train_s"] for r in recs[1:]),
+        "s_per_step": (recs[-1]["time/elapsed_s"] - recs[0]["time/elapsed_s"]) / (len(recs) - 1),
+        "minor_faults_m": faults / 1e6,
+        "trainer_rss_gib": max(r["memory/trainer_peak_rss_gib"] for r in recs),
+        "explorer_rss_gib": max(r["memory/explorer_peak_rss_gib"] for r in recs),
+    }
 
 
 def main() -> None:
@@ -56,14 +88,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="trainer steps per run (at least 3)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the allocators")
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
-    p.add_argument("--allocators", default="glibc,tcmalloc,mimalloc,mimalloc-thp",
-                   help="comma-separated: glibc, tcmalloc, mimalloc (with run.py's settings), mimalloc-thp "
-                        "(transparent huge pages allowed, mimalloc's own default)")
+    p.add_argument(
+        "--allocators",
+        default="glibc,tcmalloc,mimalloc,mimalloc-thp",
+        help="comma-separated: glibc, tcmalloc, mimalloc (with run.py's settings), mimalloc-thp "
+        "(transparent huge pages allowed, mimalloc's own default)",
+    )
     args, flags = p.parse_known_args()
     if args.steps < 3:
         p.error("--steps must be at least 3 (the first step is not timed)")
-    variants = {"glibc": (None, {}), "mimalloc-thp": ("mimalloc", {"MIMALLOC_ALLOW_THP": "1"}),
-                **{name: (name, launch.ALLOCATOR_ENV.get(name, {})) for name in launch.ALLOCATORS}}
+    variants = {
+        "glibc": (None, {}),
+        "mimalloc-thp": ("mimalloc", {"MIMALLOC_ALLOW_THP": "1"}),
+        **{name: (name, launch.ALLOCATOR_ENV.get(name, {})) for name in launch.ALLOCATORS},
+    }
     allocators = {}
     for name in args.allocators.split(","):
         if name not in variants:
@@ -78,21 +116,36 @@ def main() -> None:
     for r in range(args.rounds):
         for name, (lib, settings) in allocators.items():
             runs[name].append(one_run(lib, settings, args.steps, flags))
-            print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.3g}" for k, v in runs[name][-1].items()), flush=True)
-    mean = {name: {k: statistics.mean(x[k] for x in rs) for k in rs[0]} for name, rs in runs.items()}
-    print(f"\n{platform.processor() or platform.machine()}, torch threads by run.py's default split, "
-          f"{args.steps} steps x {args.rounds} rounds")
-    print(f"{'allocator':10s} {'train_s':>8s} {'s/step':>8s} {'faults(M)':>10s} {'trainer GiB':>12s} {'explorer GiB':>13s}")
+            print(
+                f"round {r + 1} {name}: "
+                + ", ".join(f"{k} {v:.3g}" for k, v in runs[name][-1].items()),
+                flush=True,
+            )
+    mean = {
+        name: {k: statistics.mean(x[k] for x in rs) for k in rs[0]} for name, rs in runs.items()
+    }
+    print(
+        f"\n{platform.processor() or platform.machine()}, torch threads by run.py's default split, "
+        f"{args.steps} steps x {args.rounds} rounds"
+    )
+    print(
+        f"{'allocator':10s} {'train_s':>8s} {'s/step':>8s} {'faults(M)':>10s} {'trainer GiB':>12s} {'explorer GiB':>13s}"
+    )
     for name, m in mean.items():
-        print(f"{name:10s} {m['train_s']:8.2f} {m['s_per_step']:8.2f} {m['minor_faults_m']:10.2f} "
-              f"{m['trainer_rss_gib']:12.2f} {m['explorer_rss_gib']:13.2f}")
+        print(
+            f"{name:10s} {m['train_s']:8.2f} {m['s_per_step']:8.2f} {m['minor_faults_m']:10.2f} "
+            f"{m['trainer_rss_gib']:12.2f} {m['explorer_rss_gib']:13.2f}"
+        )
     base = next(iter(mean))
     for name, m in mean.items():
         if name != base:
             print(f"{name} / {base}: " + ", ".join(f"{k} {m[k] / mean[base][k]:.2f}x" for k in m))
     if args.out:
-        Path(args.out).write_text(json.dumps({"steps": args.steps, "rounds": args.rounds, "runs": runs, "mean": mean},
-                                             indent=1))
+        Path(args.out).write_text(
+            json.dumps(
+                {"steps": args.steps, "rounds": args.rounds, "runs": runs, "mean": mean}, indent=1
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ Prints a table with the PostgreSQL / SQLite ratio of each figure and saves
 benchmarks/results/buffer.json. The figures are for one machine (this one: 2 shared
 cores), where server and clients compete for the same cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,24 @@ from conftest import start_postgres  # noqa: E402 (the tests' PostgreSQL server)
 
 def groups_of(name: str, n: int, size: int, tokens: int) -> list[list[Experience]]:
     half = tokens // 2
-    return [[Experience(list(range(tokens)), half, [-0.5] * half, [1] * half, 1.0, f"{name}-{i}", f"t{i}", 0,
-                        {"row": j}, name) for j in range(size)] for i in range(n)]
+    return [
+        [
+            Experience(
+                list(range(tokens)),
+                half,
+                [-0.5] * half,
+                [1] * half,
+                1.0,
+                f"{name}-{i}",
+                f"t{i}",
+                0,
+                {"row": j},
+                name,
+            )
+            for j in range(size)
+        ]
+        for i in range(n)
+    ]
 
 
 def writer(url: str, name: str, n: int, size: int, tokens: int, start, done) -> None:
@@ -53,11 +70,16 @@ def writer(url: str, name: str, n: int, size: int, tokens: int, start, done) -> 
 def run_writers(url: str, writers: int, n: int, size: int, tokens: int, reader: bool) -> dict:
     ctx = mp.get_context("spawn")
     start, done = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=writer, args=(url, f"w{k}", n, size, tokens, start, done)) for k in range(writers)]
+    procs = [
+        ctx.Process(target=writer, args=(url, f"w{k}", n, size, tokens, start, done))
+        for k in range(writers)
+    ]
     for p in procs:
         p.start()
     buf = Buffer(url)
-    assert [done.get(timeout=120) for _ in procs] == ["ready"] * writers  # connected, groups built: not timed
+    assert [done.get(timeout=120) for _ in procs] == [
+        "ready"
+    ] * writers  # connected, groups built: not timed
     t0 = time.perf_counter()
     start.set()
     got = 0
@@ -93,24 +115,42 @@ def main() -> None:
         for writers in (1, 4):
             row = {"writers": writers}
             for backend in ("sqlite", "postgres"):
-                fresh = lambda: (str(tmp / f"{uuid.uuid4().hex}.sqlite") if backend == "sqlite"  # noqa: E731
-                                 else f"{pg}?schema=b_{uuid.uuid4().hex[:12]}")
+
+                def fresh(backend=backend):
+                    if backend == "sqlite":
+                        return str(tmp / f"{uuid.uuid4().hex}.sqlite")
+                    return f"{pg}?schema=b_{uuid.uuid4().hex[:12]}"
+
                 url = fresh()
                 Buffer(url)  # the schema exists before the writers start
-                w = run_writers(url, writers, args.groups, args.group_size, args.tokens, reader=False)
+                w = run_writers(
+                    url, writers, args.groups, args.group_size, args.tokens, reader=False
+                )
                 r = read_all(url, w["groups"])
                 url = fresh()
                 Buffer(url)
-                m = run_writers(url, writers, args.groups, args.group_size, args.tokens, reader=True)
-                row[backend] = {"write": w["groups"] / w["seconds"], "read": w["groups"] / r,
-                                "mixed": m["groups"] / m["seconds"]}
-                print(f"{backend:>8} {writers} writer(s): write {row[backend]['write']:.0f} groups/s, read "
-                      f"{row[backend]['read']:.0f} groups/s, mixed {row[backend]['mixed']:.0f} groups/s", flush=True)
+                m = run_writers(
+                    url, writers, args.groups, args.group_size, args.tokens, reader=True
+                )
+                row[backend] = {
+                    "write": w["groups"] / w["seconds"],
+                    "read": w["groups"] / r,
+                    "mixed": m["groups"] / m["seconds"],
+                }
+                print(
+                    f"{backend:>8} {writers} writer(s): write {row[backend]['write']:.0f} groups/s, read "
+                    f"{row[backend]['read']:.0f} groups/s, mixed {row[backend]['mixed']:.0f} groups/s",
+                    flush=True,
+                )
             rows.append(row)
     finally:
         stop()
-    print(f"\ngroups of {args.group_size} experiences x {args.tokens} tokens, {args.groups} groups per writer")
-    print(f"{'writers':>7} {'figure':>6} {'SQLite g/s':>11} {'PostgreSQL g/s':>15} {'PG/SQLite':>10}")
+    print(
+        f"\ngroups of {args.group_size} experiences x {args.tokens} tokens, {args.groups} groups per writer"
+    )
+    print(
+        f"{'writers':>7} {'figure':>6} {'SQLite g/s':>11} {'PostgreSQL g/s':>15} {'PG/SQLite':>10}"
+    )
     for row in rows:
         for fig in ("write", "read", "mixed"):
             s, q = row["sqlite"][fig], row["postgres"][fig]

@@ -15,6 +15,7 @@ so that its log-probs are computed as the trainer's are) vs the same weights mer
 model (peft merge_and_unload), tokens/s and their ratio.
 Results: printed, and written to --out (JSON).
 """
+
 import argparse
 import copy
 import json
@@ -47,21 +48,45 @@ def published_megabytes(model_path: str, rank: int, targets: str) -> float:
         from peft import get_peft_model
 
         model = get_peft_model(model, lora_config(cfg))
-    return sum(p.numel() for _, p in (published_parameters(model) if rank else model.named_parameters())) * 4 / 2 ** 20
+    return (
+        sum(
+            p.numel()
+            for _, p in (published_parameters(model) if rank else model.named_parameters())
+        )
+        * 4
+        / 2**20
+    )
 
 
 def job(rank: int, args, extra: list[str]) -> dict:
     """The default job with `rank` (0 = full fine-tuning) for args.steps steps; means of its step records."""
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, "run.py", "--run-dir", d, "--steps", str(args.steps), "--eval-size", "0",
-               "--sync-interval", "1", "--lora-rank", str(rank)] + extra
+        cmd = [
+            sys.executable,
+            "run.py",
+            "--run-dir",
+            d,
+            "--steps",
+            str(args.steps),
+            "--eval-size",
+            "0",
+            "--sync-interval",
+            "1",
+            "--lora-rank",
+            str(rank),
+        ] + extra
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         recs = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "reward/mean" in r][1:]  # the first step is start-up
     mean = lambda k: sum(r[k] for r in steps if k in r) / max(1, sum(k in r for r in steps))  # noqa: E731
-    return {"rank": rank, "train_s_per_step": mean("time/train_s"), "train_tokens_per_s": mean("train/tokens_per_s"),
-            "sync_s": mean("time/sync_s"), "trainer_peak_rss_gib": max(r["memory/trainer_peak_rss_gib"] for r in steps),
-            "explorer_peak_rss_gib": max(r["memory/explorer_peak_rss_gib"] for r in steps)}
+    return {
+        "rank": rank,
+        "train_s_per_step": mean("time/train_s"),
+        "train_tokens_per_s": mean("train/tokens_per_s"),
+        "sync_s": mean("time/sync_s"),
+        "trainer_peak_rss_gib": max(r["memory/trainer_peak_rss_gib"] for r in steps),
+        "explorer_peak_rss_gib": max(r["memory/explorer_peak_rss_gib"] for r in steps),
+    }
 
 
 def generation(model_path: str, rank: int, rounds: int, threads: int) -> dict:
@@ -82,17 +107,25 @@ def generation(model_path: str, rank: int, rounds: int, threads: int) -> dict:
         for name, engine in (("unmerged", unmerged), ("merged", merged)):
             t = time.perf_counter()
             out = engine.generate_batch(prompts, [8] * 8, Sampling(max_tokens=24))
-            rates[name].append(sum(len(c.tokens) for cs in out for c in cs) / (time.perf_counter() - t))
+            rates[name].append(
+                sum(len(c.tokens) for cs in out for c in cs) / (time.perf_counter() - t)
+            )
     best = {k: max(v) for k, v in rates.items()}
-    return {"rank": rank, "unmerged_tokens_per_s": best["unmerged"], "merged_tokens_per_s": best["merged"],
-            "unmerged_over_merged": best["unmerged"] / best["merged"]}
+    return {
+        "rank": rank,
+        "unmerged_tokens_per_s": best["unmerged"],
+        "merged_tokens_per_s": best["merged"],
+        "unmerged_over_merged": best["unmerged"] / best["merged"],
+    }
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", default="8,16,64", help="LoRA ranks to compare with full fine-tuning")
     p.add_argument("--steps", type=int, default=4, help="steps per run (the first is dropped)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the generation timing")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds of the generation timing"
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lora.json"))
     args, extra = p.parse_known_args()
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -102,23 +135,41 @@ def main():
     rows = []
     for rank in [0] + ranks:
         r = job(rank, args, extra)
-        r["sync_mib"] = published_megabytes(model_path, rank, run.parse_config(extra).lora_target_modules)
+        r["sync_mib"] = published_megabytes(
+            model_path, rank, run.parse_config(extra).lora_target_modules
+        )
         rows.append(r)
-        print(f"{'full' if not rank else f'LoRA r={rank}':>10}: train {r['train_s_per_step']:.1f} s/step, "
-              f"{r['train_tokens_per_s']:.0f} tokens/s; sync {r['sync_s']:.3f} s, {r['sync_mib']:.1f} MiB; "
-              f"peak RSS trainer {r['trainer_peak_rss_gib']:.2f} GiB, explorer {r['explorer_peak_rss_gib']:.2f} GiB",
-              flush=True)
+        print(
+            f"{'full' if not rank else f'LoRA r={rank}':>10}: train {r['train_s_per_step']:.1f} s/step, "
+            f"{r['train_tokens_per_s']:.0f} tokens/s; sync {r['sync_s']:.3f} s, {r['sync_mib']:.1f} MiB; "
+            f"peak RSS trainer {r['trainer_peak_rss_gib']:.2f} GiB, explorer {r['explorer_peak_rss_gib']:.2f} GiB",
+            flush=True,
+        )
     full = rows[0]
     for r in rows[1:]:
-        print(f"LoRA r={r['rank']} / full: s/step {r['train_s_per_step'] / full['train_s_per_step']:.2f}, "
-              f"tokens/s {r['train_tokens_per_s'] / full['train_tokens_per_s']:.2f}, "
-              f"sync s {r['sync_s'] / max(full['sync_s'], 1e-9):.3f}, sync MiB {r['sync_mib'] / full['sync_mib']:.4f}, "
-              f"trainer peak RSS {r['trainer_peak_rss_gib'] / full['trainer_peak_rss_gib']:.2f}")
+        print(
+            f"LoRA r={r['rank']} / full: s/step {r['train_s_per_step'] / full['train_s_per_step']:.2f}, "
+            f"tokens/s {r['train_tokens_per_s'] / full['train_tokens_per_s']:.2f}, "
+            f"sync s {r['sync_s'] / max(full['sync_s'], 1e-9):.3f}, sync MiB {r['sync_mib'] / full['sync_mib']:.4f}, "
+            f"trainer peak RSS {r['trainer_peak_rss_gib'] / full['trainer_peak_rss_gib']:.2f}"
+        )
     gen = generation(model_path, ranks[len(ranks) // 2], args.rounds, 1)
-    print(f"HF engine, LoRA r={gen['rank']}, one batch: unmerged {gen['unmerged_tokens_per_s']:.0f} tokens/s, "
-          f"merged {gen['merged_tokens_per_s']:.0f} tokens/s, unmerged / merged {gen['unmerged_over_merged']:.2f}")
-    Path(args.out).write_text(json.dumps({"cpu": cpu_model(), "precision": dtype, "steps": args.steps, "jobs": rows,
-                                          "generation": gen}, indent=2))
+    print(
+        f"HF engine, LoRA r={gen['rank']}, one batch: unmerged {gen['unmerged_tokens_per_s']:.0f} tokens/s, "
+        f"merged {gen['merged_tokens_per_s']:.0f} tokens/s, unmerged / merged {gen['unmerged_over_merged']:.2f}"
+    )
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "cpu": cpu_model(),
+                "precision": dtype,
+                "steps": args.steps,
+                "jobs": rows,
+                "generation": gen,
+            },
+            indent=2,
+        )
+    )
     print(f"saved {args.out}")
 
 

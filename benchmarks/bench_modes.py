@@ -13,6 +13,7 @@ Fully async runs `--mode explore` and `--mode train` as two launches sharing a r
 directory (checkpoint sync); in-flight is one-step off-policy plus weight updates between
 decode steps. Results go to stdout and benchmarks/results/modes.json.
 """
+
 import argparse
 import json
 import subprocess
@@ -46,8 +47,12 @@ def run_mode(name: str, flags: list[str], separate: bool, common: list[str]) -> 
     with tempfile.TemporaryDirectory() as d:
         base = [sys.executable, "run.py", "--run-dir", d, *common, *flags]
         if separate:
-            explorer = subprocess.Popen(base + ["--mode", "explore"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
+            explorer = subprocess.Popen(
+                base + ["--mode", "explore"],
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             call(base + ["--mode", "train"])
             if explorer.wait(timeout=600) != 0:
                 raise RuntimeError(f"{name}: the explorer failed")
@@ -57,13 +62,24 @@ def run_mode(name: str, flags: list[str], separate: bool, common: list[str]) -> 
             explore_recs = []
         recs = records(Path(d) / "metrics.jsonl")
     steps = [r for r in recs if "loss/grad_norm" in r]
-    first = steps[0]["time/elapsed_s"] - steps[0]["time/wait_s"] - steps[0]["time/train_s"] - steps[0]["time/sync_s"]
+    first = (
+        steps[0]["time/elapsed_s"]
+        - steps[0]["time/wait_s"]
+        - steps[0]["time/train_s"]
+        - steps[0]["time/sync_s"]
+    )
     wall = steps[-1]["time/elapsed_s"] - first
     explore_s = sum(r.get("time/explore_s", 0.0) for r in explore_recs or steps)
     busy_trainer = sum(r["time/train_s"] + r["time/sync_s"] for r in steps)
-    return {"mode": name, "steps": len(steps), "wall_s": wall, "s_per_step": wall / len(steps),
-            "trainer_idle": 1 - busy_trainer / wall, "explorer_idle": max(0.0, 1 - explore_s / wall),
-            "max_staleness": max(r.get("staleness/max", 0) for r in steps)}
+    return {
+        "mode": name,
+        "steps": len(steps),
+        "wall_s": wall,
+        "s_per_step": wall / len(steps),
+        "trainer_idle": 1 - busy_trainer / wall,
+        "explorer_idle": max(0.0, 1 - explore_s / wall),
+        "max_staleness": max(r.get("staleness/max", 0) for r in steps),
+    }
 
 
 def main():
@@ -71,24 +87,53 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--model", default=None)
     p.add_argument("--engine", default="hf")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
+    p.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES)
+    )
     args, extra = p.parse_known_args()
-    common = ["--steps", str(args.steps), "--lr", "0", "--eval-size", "0", "--engine", args.engine,
-              "--batch-size", "4", "--group-size", "4", "--explorer-threads", "1", "--trainer-threads", "1",
-              "--checkpoint-interval", "0"] + (["--model", args.model] if args.model else []) + extra
+    common = (
+        [
+            "--steps",
+            str(args.steps),
+            "--lr",
+            "0",
+            "--eval-size",
+            "0",
+            "--engine",
+            args.engine,
+            "--batch-size",
+            "4",
+            "--group-size",
+            "4",
+            "--explorer-threads",
+            "1",
+            "--trainer-threads",
+            "1",
+            "--checkpoint-interval",
+            "0",
+        ]
+        + (["--model", args.model] if args.model else [])
+        + extra
+    )
     rows = []
     for name in args.modes.split(","):
         flags, separate = MODES[name]
         rows.append(run_mode(name, flags, separate, common))
         print(f"done: {name} ({rows[-1]['s_per_step']:.1f} s/step)", file=sys.stderr, flush=True)
     base = rows[0]["wall_s"] if rows[0]["mode"] == "sync_interval=1" else None
-    print(f"{args.steps} steps per mode, dummy learning (lr 0), batch 4 tasks x 4 rollouts, engine {args.engine}, "
-          "1 thread each for explorer and trainer")
-    print(f"{'mode':<22}{'s/step':>8}{'speedup':>9}{'trainer idle':>14}{'explorer idle':>15}{'max staleness':>15}")
+    print(
+        f"{args.steps} steps per mode, dummy learning (lr 0), batch 4 tasks x 4 rollouts, engine {args.engine}, "
+        "1 thread each for explorer and trainer"
+    )
+    print(
+        f"{'mode':<22}{'s/step':>8}{'speedup':>9}{'trainer idle':>14}{'explorer idle':>15}{'max staleness':>15}"
+    )
     for r in rows:
         r["speedup"] = base / r["wall_s"] if base else float("nan")
-        print(f"{r['mode']:<22}{r['s_per_step']:>8.2f}{r['speedup']:>8.2f}x{r['trainer_idle']:>14.2f}"
-              f"{r['explorer_idle']:>15.2f}{r['max_staleness']:>15}")
+        print(
+            f"{r['mode']:<22}{r['s_per_step']:>8.2f}{r['speedup']:>8.2f}x{r['trainer_idle']:>14.2f}"
+            f"{r['explorer_idle']:>15.2f}{r['max_staleness']:>15}"
+        )
     out = ROOT / "benchmarks" / "results" / "modes.json"
     out.write_text(json.dumps({"args": vars(args), "extra": extra, "rows": rows}, indent=2))
     print(f"saved {out}")

@@ -19,6 +19,7 @@ prompts, and nanorft's trainer step vs a raw forward/backward/AdamW loop on the 
 sequences, in each precision of --dtypes; it prints tokens/s, the ratios nanorft / raw and,
 side by side, bf16 / float32 for each.
 """
+
 import argparse
 import json
 import os
@@ -34,22 +35,38 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import models  # noqa: E402
 import run  # noqa: E402
+from benchmarks.peak import cpu_model, measure_matmul  # noqa: E402
 from engines import HFEngine  # noqa: E402
 from explorer import Explorer  # noqa: E402
-from packing import left_pad  # noqa: E402
-import models  # noqa: E402
-from benchmarks.peak import cpu_model, measure_matmul  # noqa: E402
 from models import choose_dtype  # noqa: E402
+from packing import left_pad  # noqa: E402
 from trainer import Trainer  # noqa: E402
 from workflows import load_tasks  # noqa: E402
 
 
 def pipeline(args, extra):
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, "run.py", "--run-dir", d, "--overwrite", "--steps", str(args.steps),
-               "--eval-size", "0", "--explorer-threads", str(args.threads), "--trainer-threads",
-               str(args.threads)] + (["--model", args.model] if args.model else []) + extra
+        cmd = (
+            [
+                sys.executable,
+                "run.py",
+                "--run-dir",
+                d,
+                "--overwrite",
+                "--steps",
+                str(args.steps),
+                "--eval-size",
+                "0",
+                "--explorer-threads",
+                str(args.threads),
+                "--trainer-threads",
+                str(args.threads),
+            ]
+            + (["--model", args.model] if args.model else [])
+            + extra
+        )
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         recs = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "reward/mean" in r][1:]  # drop the first step (start-up)
@@ -59,14 +76,21 @@ def pipeline(args, extra):
     print(f"pipeline ({args.steps} steps, {args.threads} thread(s) each for explorer and trainer):")
     print(f"  seconds per step            {per_step:8.1f}")
     for k in ("time/explore_s", "time/train_s", "time/sync_s", "time/wait_s"):
-        print(f"  {k:<28}{mean(k):8.1f}   (explorer runs concurrently with the trainer)"
-              if k == "time/explore_s" else f"  {k:<28}{mean(k):8.1f}")
+        print(
+            f"  {k:<28}{mean(k):8.1f}   (explorer runs concurrently with the trainer)"
+            if k == "time/explore_s"
+            else f"  {k:<28}{mean(k):8.1f}"
+        )
     print(f"  trainer peak RSS            {peak('memory/trainer_peak_rss_gib'):8.2f} GiB")
     print(f"  explorer peak RSS           {peak('memory/explorer_peak_rss_gib'):8.2f} GiB")
-    print(f"  CPU utilisation             {mean('cpu/utilisation_pct'):8.0f} %   (both processes; 100 % = one core)")
+    print(
+        f"  CPU utilisation             {mean('cpu/utilisation_pct'):8.0f} %   (both processes; 100 % = one core)"
+    )
     flops = mean("perf/trainer_model_flops") + mean("perf/explorer_model_flops")
-    print(f"  model FLOPs per step        {flops / 1e12:8.3f} T   (trainer {mean('perf/trainer_model_flops') / 1e12:.3f}, "
-          f"explorer {mean('perf/explorer_model_flops') / 1e12:.3f}; 6N per trained token, 2N per prefilled or sampled)")
+    print(
+        f"  model FLOPs per step        {flops / 1e12:8.3f} T   (trainer {mean('perf/trainer_model_flops') / 1e12:.3f}, "
+        f"explorer {mean('perf/explorer_model_flops') / 1e12:.3f}; 6N per trained token, 2N per prefilled or sampled)"
+    )
     for k in ("perf/trainer_mfu", "perf/explorer_mfu", "perf/job_mfu"):
         print(f"  {k:<28}{mean(k):8.3f}")
 
@@ -79,16 +103,20 @@ def limit(max_threads: int) -> None:
     before = torch.get_num_threads()
     for threads in range(1, max_threads + 1):
         torch.set_num_threads(threads)
-        rates = ", ".join(f"{str(d).split('.')[1]} {measure_matmul(torch.device('cpu'), d, 1024) / 1e9:6.1f}"
-                          for d in dtypes)
+        rates = ", ".join(
+            f"{str(d).split('.')[1]} {measure_matmul(torch.device('cpu'), d, 1024) / 1e9:6.1f}"
+            for d in dtypes
+        )
         print(f"  {threads} thread(s): matrix products (1024 x 1024) GFLOP/s: {rates}")
-        a = torch.empty(2 ** 26)
+        a = torch.empty(2**26)
         b = torch.empty_like(a)
         b.copy_(a)
         t = time.perf_counter()
         for _ in range(5):
             b.copy_(a)
-        print(f"  {threads} thread(s): memory bandwidth (copy of 256 MiB) {2 * 5 * a.nbytes / (time.perf_counter() - t) / 1e9:6.1f} GB/s")
+        print(
+            f"  {threads} thread(s): memory bandwidth (copy of 256 MiB) {2 * 5 * a.nbytes / (time.perf_counter() - t) / 1e9:6.1f} GB/s"
+        )
     torch.set_num_threads(before)
 
 
@@ -111,7 +139,9 @@ def explore_rate(ex, rnd):
     ex.selector.cursor = rnd * ex.cfg.batch_size  # the tasks of batch rnd
     t = time.perf_counter()
     ex.rollout_batch(rnd, sink)
-    return sum(len(e.behaviour_logprobs) for g in sink.groups for e in g) / (time.perf_counter() - t), sink.groups
+    return sum(len(e.behaviour_logprobs) for g in sink.groups for e in g) / (
+        time.perf_counter() - t
+    ), sink.groups
 
 
 def raw_generate(model, prompts, n, max_tokens, pad, bf16):
@@ -120,10 +150,20 @@ def raw_generate(model, prompts, n, max_tokens, pad, bf16):
     ids = torch.tensor([[pad] * (P - len(p)) + p for p in seqs])
     attn = (torch.arange(P)[None, :] >= torch.tensor([P - len(p) for p in seqs])[:, None]).long()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_p=1.0,
-                             top_k=0, max_new_tokens=max_tokens, pad_token_id=pad)
-    gen = out[:, P:]                                        # [B, R], padded with pad after the end token
-    after_end = (gen == pad).long().cumsum(1) - (gen == pad).long() > 0  # positions past the first end token
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_tokens,
+            pad_token_id=pad,
+        )
+    gen = out[:, P:]  # [B, R], padded with pad after the end token
+    after_end = (gen == pad).long().cumsum(1) - (
+        gen == pad
+    ).long() > 0  # positions past the first end token
     return int((~after_end).sum())  # generated tokens, the end token included
 
 
@@ -131,8 +171,8 @@ def raw_train(model, opt, exps, token_budget, pad, bf16):
     """The plain way: every sequence padded in full (prompt included), HF's loss on the responses."""
     per_mb = max(1, token_budget // max(len(e.tokens) for e in exps))
     for i in range(0, len(exps), per_mb):
-        mb = exps[i:i + per_mb]
-        ids, attn, pos = left_pad([e.tokens for e in mb], pad)                     # [B, L]
+        mb = exps[i : i + per_mb]
+        ids, attn, pos = left_pad([e.tokens for e in mb], pad)  # [B, L]
         labels = ids.masked_fill(attn == 0, -100)
         for b, e in enumerate(mb):  # prompts are not trained on
             labels[b, : ids.shape[1] - len(e.tokens) + e.prompt_length] = -100
@@ -148,15 +188,25 @@ def setup(args, extra, dtype: str) -> dict:
     """nanorft's explorer and trainer and a raw model + AdamW, all in `dtype`."""
     from transformers import AutoModelForCausalLM
 
-    cfg = run.parse_config(extra + ["--run-dir", tempfile.mkdtemp(), "--dtype", dtype]
-                           + (["--model", args.model] if args.model else []))
+    cfg = run.parse_config(
+        extra
+        + ["--run-dir", tempfile.mkdtemp(), "--dtype", dtype]
+        + (["--model", args.model] if args.model else [])
+    )
     path = models.resolve_model(cfg.model)
     train, held, ds = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
-    engine = HFEngine(path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=dtype == "bfloat16")
+    engine = HFEngine(
+        path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=dtype == "bfloat16"
+    )
     raw = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return {"cfg": cfg, "ex": Explorer(cfg, engine, train, held, ds, print), "pad": engine.pad,
-            "trainer": Trainer(cfg, path, torch.device("cpu")), "raw": raw,
-            "raw_opt": torch.optim.AdamW(raw.parameters(), lr=0.0)}
+    return {
+        "cfg": cfg,
+        "ex": Explorer(cfg, engine, train, held, ds, print),
+        "pad": engine.pad,
+        "trainer": Trainer(cfg, path, torch.device("cpu")),
+        "raw": raw,
+        "raw_opt": torch.optim.AdamW(raw.parameters(), lr=0.0),
+    }
 
 
 def components(args, extra):
@@ -170,7 +220,7 @@ def components(args, extra):
             cfg, bf16 = s["cfg"], d == "bfloat16"
             rate, groups = explore_rate(s["ex"], rnd)
             rows[d, "explore"].append(rate)
-            prompts = [g[0].tokens[:g[0].prompt_length] for g in groups]  # the tasks just explored
+            prompts = [g[0].tokens[: g[0].prompt_length] for g in groups]  # the tasks just explored
             t = time.perf_counter()
             n_tok = raw_generate(s["raw"], prompts, cfg.group_size, cfg.max_tokens, s["pad"], bf16)
             rows[d, "generate"].append(n_tok / (time.perf_counter() - t))
@@ -184,17 +234,27 @@ def components(args, extra):
             rows[d, "fwd_bwd"].append(tokens / (time.perf_counter() - t))
     med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
     cfg = setups[dtypes[0]]["cfg"]
-    print(f"components ({args.threads} thread(s), batch {cfg.batch_size} tasks x {cfg.group_size} rollouts, "
-          f"median of {args.rounds} interleaved rounds):")
+    print(
+        f"components ({args.threads} thread(s), batch {cfg.batch_size} tasks x {cfg.group_size} rollouts, "
+        f"median of {args.rounds} interleaved rounds):"
+    )
     for d in dtypes:
-        print(f"  {d:<9} nanorft explorer   {med[d, 'explore']:7.1f} generated tokens/s | raw model.generate "
-              f"{med[d, 'generate']:7.1f} | ratio {med[d, 'explore'] / med[d, 'generate']:.2f}")
-        print(f"  {d:<9} nanorft train step {med[d, 'train']:7.1f} tokens/s           | raw fwd/bwd+AdamW  "
-              f"{med[d, 'fwd_bwd']:7.1f} | ratio {med[d, 'train'] / med[d, 'fwd_bwd']:.2f}")
+        print(
+            f"  {d:<9} nanorft explorer   {med[d, 'explore']:7.1f} generated tokens/s | raw model.generate "
+            f"{med[d, 'generate']:7.1f} | ratio {med[d, 'explore'] / med[d, 'generate']:.2f}"
+        )
+        print(
+            f"  {d:<9} nanorft train step {med[d, 'train']:7.1f} tokens/s           | raw fwd/bwd+AdamW  "
+            f"{med[d, 'fwd_bwd']:7.1f} | ratio {med[d, 'train'] / med[d, 'fwd_bwd']:.2f}"
+        )
     if len(dtypes) == 2:
         a, b = dtypes
-        for k, name in (("explore", "nanorft explorer"), ("train", "nanorft train step"),
-                        ("generate", "raw model.generate"), ("fwd_bwd", "raw fwd/bwd+AdamW")):
+        for k, name in (
+            ("explore", "nanorft explorer"),
+            ("train", "nanorft train step"),
+            ("generate", "raw model.generate"),
+            ("fwd_bwd", "raw fwd/bwd+AdamW"),
+        ):
             print(f"  {b} / {a} speed, {name:<19} {med[b, k] / med[a, k]:5.2f}")
 
 
@@ -230,8 +290,10 @@ def lever_ab(args, extra, name: str, variants: dict, work) -> None:
     (a, ra), (b, rb) = rows.items()
     same = all(x[1] == y[1] for x, y in zip(ra, rb))
     med = {k: sorted(t for t, _ in v)[len(v) // 2] for k, v in rows.items()}
-    print(f"{name} ({args.threads} thread(s), {dtype}, median of {args.rounds} interleaved rounds): {a} "
-          f"{med[a]:.2f} s, {b} {med[b]:.2f} s, ratio {med[b] / med[a]:.2f}; the same outputs: {same}")
+    print(
+        f"{name} ({args.threads} thread(s), {dtype}, median of {args.rounds} interleaved rounds): {a} "
+        f"{med[a]:.2f} s, {b} {med[b]:.2f} s, ratio {med[b] / med[a]:.2f}; the same outputs: {same}"
+    )
 
 
 def kv_cache_ab(args, extra):
@@ -245,37 +307,64 @@ def kv_cache_ab(args, extra):
         return time.perf_counter() - t, [e.tokens for g in groups for e in g]
 
     reserved = engines.decode_cache
-    lever_ab(args, extra, "KV cache of the HF engine, one explorer batch",
-             {"concatenated": lambda e: setattr(engines, "decode_cache", concat_cache),
-              "reserved": lambda e: setattr(engines, "decode_cache", reserved)}, batch)
+    lever_ab(
+        args,
+        extra,
+        "KV cache of the HF engine, one explorer batch",
+        {
+            "concatenated": lambda e: setattr(engines, "decode_cache", concat_cache),
+            "reserved": lambda e: setattr(engines, "decode_cache", reserved),
+        },
+        batch,
+    )
 
 
 def drop_ended_ab(args, extra):
     """--drop-ended-ab: one held-out evaluation (greedy, then --eval-k samples per task) with
     the rows that have ended kept in the decode batch and dropped from it; the greedy
     replies must be the same (the samples differ: fewer rows draw fewer random numbers)."""
+
     def evaluation(ex, rnd):
         t = time.perf_counter()
         r = ex.evaluate(1)
         return time.perf_counter() - t, (r["eval/accuracy"], r["eval/response_len"])
 
-    lever_ab(args, extra, "ended rows in the HF engine's decode batch, one evaluation",
-             {"kept": lambda e: setattr(e, "drop_ended", 2.0), "dropped": lambda e: setattr(e, "drop_ended", 0.25)},
-             evaluation)
+    lever_ab(
+        args,
+        extra,
+        "ended rows in the HF engine's decode batch, one evaluation",
+        {
+            "kept": lambda e: setattr(e, "drop_ended", 2.0),
+            "dropped": lambda e: setattr(e, "drop_ended", 0.25),
+        },
+        evaluation,
+    )
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model directory (default: the run.py default)")
     p.add_argument("--steps", type=int, default=5, help="pipeline steps (0 skips the pipeline)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the component timing")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds of the component timing"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="precisions of the component timing, comma-separated")
-    p.add_argument("--kv-cache-ab", action="store_true",
-                   help="only time one explorer batch with the KV cache written in place vs concatenated")
-    p.add_argument("--drop-ended-ab", action="store_true",
-                   help="only time one held-out evaluation with ended rows kept in vs dropped from the decode batch "
-                        "(give a trained --model: the base model's replies run to the budget)")
+    p.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="precisions of the component timing, comma-separated",
+    )
+    p.add_argument(
+        "--kv-cache-ab",
+        action="store_true",
+        help="only time one explorer batch with the KV cache written in place vs concatenated",
+    )
+    p.add_argument(
+        "--drop-ended-ab",
+        action="store_true",
+        help="only time one held-out evaluation with ended rows kept in vs dropped from the decode batch "
+        "(give a trained --model: the base model's replies run to the budget)",
+    )
     args, extra = p.parse_known_args()
     if args.kv_cache_ab:
         return kv_cache_ab(args, extra)
@@ -284,8 +373,10 @@ def main():
     if set(args.dtypes.split(",")) - {"float32", "bfloat16"}:
         p.error(f"--dtypes {args.dtypes}: float32 and/or bfloat16")
     dtype, why = choose_dtype("auto", "cpu")
-    print(f"CPU: {cpu_model()}; torch capability {torch.backends.cpu.get_cpu_capability()}, oneDNN native bf16 "
-          f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}; --dtype auto picks {dtype} ({why})")
+    print(
+        f"CPU: {cpu_model()}; torch capability {torch.backends.cpu.get_cpu_capability()}, oneDNN native bf16 "
+        f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}; --dtype auto picks {dtype} ({why})"
+    )
     limit(len(os.sched_getaffinity(0)))
     if args.steps:
         pipeline(args, extra)

@@ -15,6 +15,7 @@ rank 0 starting it to rank 1 holding the weights (time.monotonic, one clock for 
 processes). Prints the medians, their ratio (raw / nanorft: 1.0 = no overhead), GB/s, and
 writes benchmarks/results/sync_<device>.json.
 """
+
 import argparse
 import json
 import statistics
@@ -38,7 +39,9 @@ def shapes(model_dir: str) -> list[torch.Size]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(model_dir), dtype=torch.float32
+        )
     return [p.shape for p in model.parameters()]
 
 
@@ -49,15 +52,24 @@ def raw_broadcast(ws: sync.WeightSync, flat: torch.Tensor) -> None:
 
 
 def receiver(ports: dict, sizes: list, device: str, sync_device: str, rounds: int, q) -> None:
-    if device.startswith("cuda"):  # the weight-sync group's "cuda" is the current device: this side's own GPU
+    if device.startswith(
+        "cuda"
+    ):  # the weight-sync group's "cuda" is the current device: this side's own GPU
         torch.cuda.set_device(torch.device(device))
-    groups = {kind: sync.transport("ipc" if kind == "ipc" else "broadcast")(None, port=port, device=sync_device,
-                                                                           timeout_s=600).connect()
-              for kind, port in ports.items()}
+    groups = {
+        kind: sync.transport("ipc" if kind == "ipc" else "broadcast")(
+            None, port=port, device=sync_device, timeout_s=600
+        ).connect()
+        for kind, port in ports.items()
+    }
     ws, params = groups["nanorft"], [torch.empty(s, device=device) for s in sizes]
     flat = torch.empty(sum(p.numel() for p in params), device=sync_device)
     for _ in range(rounds):
-        for kind in ("nanorft", "raw", *[k for k in groups if k != "nanorft"]):  # the sender's order
+        for kind in (
+            "nanorft",
+            "raw",
+            *[k for k in groups if k != "nanorft"],
+        ):  # the sender's order
             group = groups.get(kind)
             if group is None:
                 raw_broadcast(ws, flat)
@@ -70,34 +82,67 @@ def receiver(ports: dict, sizes: list, device: str, sync_device: str, rounds: in
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=models.BUILTIN_MODEL, help="architecture to publish (a --model name of run.py)")
+    p.add_argument(
+        "--model",
+        default=models.BUILTIN_MODEL,
+        help="architecture to publish (a --model name of run.py)",
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "colocated"])
-    p.add_argument("--bucket-mb", type=float, default=64.0, help="bucket of the bucketed publish (MiB of float32)")
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=64.0,
+        help="bucket of the bucketed publish (MiB of float32)",
+    )
     args = p.parse_args()
     if args.device != "cpu" and not torch.cuda.is_available():
         sys.exit(f"bench_sync.py: --device {args.device} needs a CUDA GPU")
     if args.device == "cuda" and torch.cuda.device_count() < 2:
-        sys.exit("bench_sync.py: --device cuda needs 2 GPUs (one each side); use --device colocated on one")
-    sender_dev, receiver_dev, sync_device = {"cpu": ("cpu", "cpu", "cpu"), "cuda": ("cuda:0", "cuda:1", "cuda"),
-                                             "colocated": ("cuda:0", "cuda:0", "cpu")}[args.device]
+        sys.exit(
+            "bench_sync.py: --device cuda needs 2 GPUs (one each side); use --device colocated on one"
+        )
+    sender_dev, receiver_dev, sync_device = {
+        "cpu": ("cpu", "cpu", "cpu"),
+        "cuda": ("cuda:0", "cuda:1", "cuda"),
+        "colocated": ("cuda:0", "cuda:0", "cpu"),
+    }[args.device]
     sizes = shapes(models.resolve_model(args.model))
     params = [torch.randn(s, device=sender_dev) for s in sizes]
     nbytes = sum(x.numel() * x.element_size() for x in params)
     flat = torch.cat([x.reshape(-1) for x in params]).to(sync_device)
-    elems = int(args.bucket_mb * 2 ** 20) // 4
-    groups = {"nanorft": sync.WeightSync(0, 2, port=0, device=sync_device, timeout_s=600),
-              "bucketed": sync.WeightSync(0, 2, port=0, device=sync_device, timeout_s=600, bucket_elems=elems)}
+    elems = int(args.bucket_mb * 2**20) // 4
+    groups = {
+        "nanorft": sync.WeightSync(0, 2, port=0, device=sync_device, timeout_s=600),
+        "bucketed": sync.WeightSync(
+            0, 2, port=0, device=sync_device, timeout_s=600, bucket_elems=elems
+        ),
+    }
     if args.device != "cuda":  # one device on both sides
-        groups["ipc"] = sync.transport("ipc")(0, 2, port=0, device=sync_device, timeout_s=600, bucket_elems=elems)
+        groups["ipc"] = sync.transport("ipc")(
+            0, 2, port=0, device=sync_device, timeout_s=600, bucket_elems=elems
+        )
     ws = groups["nanorft"]
     q = mp.get_context("spawn").Queue()
-    proc = mp.get_context("spawn").Process(target=receiver, args=({k: g.port for k, g in groups.items()}, sizes,
-                                                                  receiver_dev, sync_device, args.rounds, q))
+    proc = mp.get_context("spawn").Process(
+        target=receiver,
+        args=(
+            {k: g.port for k, g in groups.items()},
+            sizes,
+            receiver_dev,
+            sync_device,
+            args.rounds,
+            q,
+        ),
+    )
     proc.start()
     for group in groups.values():
         group.connect(proc.is_alive)
-    times: dict[str, list[float]] = {"nanorft": [], "raw": [], **{k: [] for k in groups if k != "nanorft"}}
+    times: dict[str, list[float]] = {
+        "nanorft": [],
+        "raw": [],
+        **{k: [] for k in groups if k != "nanorft"},
+    }
     for r in range(args.rounds):
         with torch.no_grad():
             params[0].add_(1.0)  # a new version each round
@@ -107,33 +152,59 @@ def main() -> None:
                 raw_broadcast(ws, flat)
             else:
                 group = groups[kind]
-                group.send(r, ([params[i] for i in b] for b in sync.bucket_ranges([x.numel() for x in params],
-                                                                                   group.bucket_elems)), proc.is_alive)
+                group.send(
+                    r,
+                    (
+                        [params[i] for i in b]
+                        for b in sync.bucket_ranges([x.numel() for x in params], group.bucket_elems)
+                    ),
+                    proc.is_alive,
+                )
             got, t1, digest = q.get(timeout=600)
             if kind != "raw":
                 group.wait(proc.is_alive)
-                assert got == kind and digest == sync.checksum(params), "the receiver holds other weights"
+                assert got == kind and digest == sync.checksum(params), (
+                    "the receiver holds other weights"
+                )
             times[kind].append(t1 - t0)
     proc.join(60)
     med = {k: statistics.median(v) for k, v in times.items()}
-    result = {"device": args.device, "model": args.model, "bytes": nbytes, "rounds": args.rounds,
-              "bucket_mb": args.bucket_mb, "nanorft_s": med["nanorft"], "raw_s": med["raw"],
-              "bucketed_s": med["bucketed"], "ratio_raw_over_nanorft": med["raw"] / med["nanorft"],
-              "ratio_raw_over_bucketed": med["raw"] / med["bucketed"],
-              "nanorft_gb_per_s": nbytes / med["nanorft"] / 1e9, "raw_gb_per_s": nbytes / med["raw"] / 1e9,
-              "all_s": times}
+    result = {
+        "device": args.device,
+        "model": args.model,
+        "bytes": nbytes,
+        "rounds": args.rounds,
+        "bucket_mb": args.bucket_mb,
+        "nanorft_s": med["nanorft"],
+        "raw_s": med["raw"],
+        "bucketed_s": med["bucketed"],
+        "ratio_raw_over_nanorft": med["raw"] / med["nanorft"],
+        "ratio_raw_over_bucketed": med["raw"] / med["bucketed"],
+        "nanorft_gb_per_s": nbytes / med["nanorft"] / 1e9,
+        "raw_gb_per_s": nbytes / med["raw"] / 1e9,
+        "all_s": times,
+    }
     if "ipc" in med:
-        result.update(ipc_s=med["ipc"], ratio_bucketed_over_ipc=med["bucketed"] / med["ipc"],
-                      ipc_gb_per_s=nbytes / med["ipc"] / 1e9)
-    print(f"{nbytes / 1e6:.0f} MB per publish ({args.device}, {args.model}, median of {args.rounds}):")
+        result.update(
+            ipc_s=med["ipc"],
+            ratio_bucketed_over_ipc=med["bucketed"] / med["ipc"],
+            ipc_gb_per_s=nbytes / med["ipc"] / 1e9,
+        )
+    print(
+        f"{nbytes / 1e6:.0f} MB per publish ({args.device}, {args.model}, median of {args.rounds}):"
+    )
     print(f"  nanorft send/recv  {med['nanorft']:.3f} s  ({result['nanorft_gb_per_s']:.2f} GB/s)")
     print(f"  raw broadcast      {med['raw']:.3f} s  ({result['raw_gb_per_s']:.2f} GB/s)")
     print(f"  bucketed ({args.bucket_mb:g} MiB)  {med['bucketed']:.3f} s")
-    print(f"  ratio raw / nanorft: {result['ratio_raw_over_nanorft']:.2f}; raw / bucketed: "
-          f"{result['ratio_raw_over_bucketed']:.2f}")
+    print(
+        f"  ratio raw / nanorft: {result['ratio_raw_over_nanorft']:.2f}; raw / bucketed: "
+        f"{result['ratio_raw_over_bucketed']:.2f}"
+    )
     if "ipc" in med:
-        print(f"  ipc ({args.bucket_mb:g} MiB)       {med['ipc']:.3f} s  ({result['ipc_gb_per_s']:.2f} GB/s; "
-              f"bucketed / ipc {result['ratio_bucketed_over_ipc']:.1f})")
+        print(
+            f"  ipc ({args.bucket_mb:g} MiB)       {med['ipc']:.3f} s  ({result['ipc_gb_per_s']:.2f} GB/s; "
+            f"bucketed / ipc {result['ratio_bucketed_over_ipc']:.1f})"
+        )
     out = ROOT / "benchmarks" / "results" / f"sync_{args.device}.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"saved {out}")

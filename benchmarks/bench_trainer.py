@@ -22,6 +22,7 @@ causal_rows, fused_adamw, one_gpu_fsdp, checkpoint_if_needed (trainer.CUDA_LEVER
 (packing.HEAD_CHUNK_ELEMS["cuda"] 2**28 -> 2**22), activation_checkpointing, compile_layers (Config fields). Variants
 that would start past `--budget-s` (counted from the model build) are skipped with a SKIP line.
 """
+
 import argparse
 import gc
 import json
@@ -44,23 +45,51 @@ from buffer import Experience  # noqa: E402
 from config import Config, check_values  # noqa: E402
 
 SHAPES = {  # Qwen3Config fields besides the vocabulary
-    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                       rope_theta=1_000_000.0, tie_word_embeddings=True),
-    "tiny": dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True),
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    ),
 }
-LEVERS = ("causal_rows", "head_chunk", "fused_adamw", "one_gpu_fsdp", "checkpoint_if_needed", "activation_checkpointing",
-          "compile_layers")
+LEVERS = (
+    "causal_rows",
+    "head_chunk",
+    "fused_adamw",
+    "one_gpu_fsdp",
+    "checkpoint_if_needed",
+    "activation_checkpointing",
+    "compile_layers",
+)
 TOKENIZER = ROOT / "benchmarks" / "gpu_check_files" / "tokenizer"
 
 
 def build_model(path: Path, shape: str) -> dict:
     """Save a random-weight Qwen3 of `shape` (bf16) and the carried tokenizer at `path`; its config fields."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
     fields = SHAPES[shape]
     torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init on the GPU where there is one
+    with torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu"
+    ):  # random init on the GPU where there is one
         model = Qwen3ForCausalLM(Qwen3Config(**fields, dtype="bfloat16")).to(torch.bfloat16)
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(path)
@@ -74,9 +103,19 @@ def experiences(length: int, n: int, vocab: int, seed: int) -> list[Experience]:
     P = max(1, length // 10)
     prompt = torch.randint(vocab, (P,), generator=g).tolist()
     rewards = torch.rand(n, generator=g).tolist()
-    return [Experience(prompt + torch.randint(vocab, (length - P,), generator=g).tolist(), P,
-                       [-math.log(vocab)] * (length - P), [1] * (length - P), rewards[i], f"g{seed}", f"t{seed}", 0)
-            for i in range(n)]
+    return [
+        Experience(
+            prompt + torch.randint(vocab, (length - P,), generator=g).tolist(),
+            P,
+            [-math.log(vocab)] * (length - P),
+            [1] * (length - P),
+            rewards[i],
+            f"g{seed}",
+            f"t{seed}",
+            0,
+        )
+        for i in range(n)
+    ]
 
 
 class RawLoop:
@@ -84,28 +123,42 @@ class RawLoop:
 
     def __init__(self, path: str, device: torch.device, cfg: Config):
         from transformers import AutoModelForCausalLM
+
         self.device, self.bf16 = device, cfg.dtype == "bfloat16"
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").to(device)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="sdpa"
+        ).to(device)
         if cfg.lora_rank:
             from peft import get_peft_model
+
             from extras.lora import lora_config
+
             model = get_peft_model(model, lora_config(cfg, path))
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.99), fused=device.type == "cuda" or None)
+        self.opt = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=(0.9, 0.99), fused=device.type == "cuda" or None
+        )
 
     def step(self, groups: list[list[Experience]]) -> None:
         exps = [e for g in groups for e in g]
         rewards = torch.tensor([e.reward for e in exps])
-        adv = ((rewards - rewards.mean()) / (rewards.std() + 1e-6)).tolist()              # GRPO, one group
+        adv = ((rewards - rewards.mean()) / (rewards.std() + 1e-6)).tolist()  # GRPO, one group
         total = sum(len(e.tokens) - e.prompt_length for e in exps)
         for e, a in zip(exps, adv):
-            ids = torch.tensor(e.tokens, device=self.device)[None]                          # [1, L]
-            behaviour = torch.tensor(e.behaviour_logprobs, device=self.device)[None]        # [1, R]
+            ids = torch.tensor(e.tokens, device=self.device)[None]  # [1, L]
+            behaviour = torch.tensor(e.behaviour_logprobs, device=self.device)[None]  # [1, R]
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-                logits = self.model(input_ids=ids, use_cache=False).logits[:, e.prompt_length - 1:-1]  # [1, R, V]
-            lp = logits.float().log_softmax(-1).gather(-1, ids[:, e.prompt_length:, None]).squeeze(-1)  # [1, R]
-            ratio = (lp - behaviour).exp()                                                  # [1, R]
+                logits = self.model(input_ids=ids, use_cache=False).logits[
+                    :, e.prompt_length - 1 : -1
+                ]  # [1, R, V]
+            lp = (
+                logits.float()
+                .log_softmax(-1)
+                .gather(-1, ids[:, e.prompt_length :, None])
+                .squeeze(-1)
+            )  # [1, R]
+            ratio = (lp - behaviour).exp()  # [1, R]
             (-(ratio.clamp(0.8, 1.2) * a).sum() / total).backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.opt.step()
@@ -122,20 +175,34 @@ def timed(device: torch.device, fn) -> tuple[float, float | None]:
     fn()
     if cuda:
         torch.cuda.synchronize(device)
-    return time.perf_counter() - t, torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+    return time.perf_counter() - t, torch.cuda.max_memory_allocated(
+        device
+    ) / 2**30 if cuda else None
 
 
 def model_flops(fields: dict, body: int, length: int, n: int) -> float:
     """Model FLOPs of training on `n` rollouts of `length` tokens (module docstring)."""
     P = max(1, length // 10)
-    attention = 6 * fields["num_hidden_layers"] * fields["num_attention_heads"] * fields["head_dim"] * length ** 2 / 2
-    return n * (6 * body * length + 6 * fields["vocab_size"] * fields["hidden_size"] * (length - P) + attention)
+    attention = (
+        6
+        * fields["num_hidden_layers"]
+        * fields["num_attention_heads"]
+        * fields["head_dim"]
+        * length**2
+        / 2
+    )
+    return n * (
+        6 * body * length
+        + 6 * fields["vocab_size"] * fields["hidden_size"] * (length - P)
+        + attention
+    )
 
 
 class Bench:
     def __init__(self, args, device: torch.device, path: str, fields: dict):
         from models import choose_dtype
         from perf import matmul_params, peak_flops
+
         self.args, self.device, self.path, self.fields = args, device, path, fields
         self.dtype = choose_dtype("auto", device.type)[0]
         self.body = matmul_params(path)[0]
@@ -145,20 +212,34 @@ class Bench:
     def over_budget(self, what: str) -> bool:
         spent = time.perf_counter() - self.start
         if spent > self.args.budget_s:
-            print(f"SKIP {what}: {spent:.0f} s spent of --budget-s {self.args.budget_s:.0f}", flush=True)
+            print(
+                f"SKIP {what}: {spent:.0f} s spent of --budget-s {self.args.budget_s:.0f}",
+                flush=True,
+            )
             self.skipped.append(what)
         return spent > self.args.budget_s
 
     def config(self, rank: int, length: int, **overrides) -> Config:
-        cfg = Config(model=self.path, dtype=self.dtype, lora_rank=rank, token_budget=length, lr=1e-6,
-                     lr_warmup_steps=0, group_size=2, **overrides)
+        cfg = Config(
+            model=self.path,
+            dtype=self.dtype,
+            lora_rank=rank,
+            token_budget=length,
+            lr=1e-6,
+            lr_warmup_steps=0,
+            group_size=2,
+            **overrides,
+        )
         check_values(cfg)
         return cfg
 
     def measure(self, arms: dict, rank: int, length: int, lever: str) -> None:
         """Warm-up and interleaved timed rounds of `arms` (name -> step(groups)) at `length`; one row per arm."""
         n = max(2, self.args.tokens_per_step // length)
-        groups = [[experiences(length, n, self.fields["vocab_size"], seed)] for seed in range(self.args.rounds + 1)]
+        groups = [
+            [experiences(length, n, self.fields["vocab_size"], seed)]
+            for seed in range(self.args.rounds + 1)
+        ]
         times: dict = {a: [] for a in arms}
         peaks: dict = dict.fromkeys(arms, None)
         for r, g in enumerate(groups):  # round 0 warms up (kernels, allocator, compilation)
@@ -170,14 +251,26 @@ class Bench:
         flops = model_flops(self.fields, self.body, length, n)
         for a in arms:
             s = statistics.median(times[a])
-            row = {"arm": a, "lora_rank": rank, "length": length, "lever": lever, "rollouts": n,
-                   "tokens_per_step": n * length, "step_s": s, "tokens_per_s": n * length / s,
-                   "mfu": flops / s / self.peak if self.peak else None, "peak_gib": peaks[a]}
+            row = {
+                "arm": a,
+                "lora_rank": rank,
+                "length": length,
+                "lever": lever,
+                "rollouts": n,
+                "tokens_per_step": n * length,
+                "step_s": s,
+                "tokens_per_s": n * length / s,
+                "mfu": flops / s / self.peak if self.peak else None,
+                "peak_gib": peaks[a],
+            }
             self.rows.append(row)
             mfu = f"{row['mfu']:6.1%}" if row["mfu"] is not None else "     -"
             mem = f"{row['peak_gib']:6.1f}" if row["peak_gib"] is not None else "     -"
-            print(f"{a:8} r{rank:<3} {length:6} {lever:26} {row['tokens_per_s']:10,.0f} {mfu} {mem} "
-                  f"{s:7.3f}", flush=True)
+            print(
+                f"{a:8} r{rank:<3} {length:6} {lever:26} {row['tokens_per_s']:10,.0f} {mfu} {mem} "
+                f"{s:7.3f}",
+                flush=True,
+            )
 
     def trainer(self, cfg: Config):
         return trainer_mod.make_trainer(cfg, self.path, self.device)
@@ -196,7 +289,7 @@ def flip(lever: str, on: bool) -> dict:
     if lever in trainer_mod.CUDA_LEVERS:
         trainer_mod.CUDA_LEVERS[lever] = DEFAULT_LEVERS[lever] != on
     elif lever == "head_chunk":
-        packing.HEAD_CHUNK_ELEMS["cuda"] = 2 ** 22 if on else 2 ** 28
+        packing.HEAD_CHUNK_ELEMS["cuda"] = 2**22 if on else 2**28
     elif on:
         return {lever: not getattr(Config, lever)}
     return {}
@@ -206,13 +299,22 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--shape", default="qwen3-0.6b", choices=tuple(SHAPES))
-    p.add_argument("--lengths", default="2048,8192", help="sequence lengths (tokens), comma-separated")
+    p.add_argument(
+        "--lengths", default="2048,8192", help="sequence lengths (tokens), comma-separated"
+    )
     p.add_argument("--lora-ranks", default="0,16", help="0 = full fine-tuning, comma-separated")
-    p.add_argument("--levers", default="compile_layers,checkpoint_if_needed,causal_rows,head_chunk,one_gpu_fsdp",
-                   help=f"levers to time flipped, of {', '.join(LEVERS)}")
+    p.add_argument(
+        "--levers",
+        default="compile_layers,checkpoint_if_needed,causal_rows,head_chunk,one_gpu_fsdp",
+        help=f"levers to time flipped, of {', '.join(LEVERS)}",
+    )
     p.add_argument("--tokens-per-step", type=int, default=16384)
-    p.add_argument("--rounds", type=int, default=3, help="timed steps per arm after one warm-up step")
-    p.add_argument("--budget-s", type=float, default=150.0, help="variants after this many seconds are skipped")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="timed steps per arm after one warm-up step"
+    )
+    p.add_argument(
+        "--budget-s", type=float, default=150.0, help="variants after this many seconds are skipped"
+    )
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -225,6 +327,7 @@ def main() -> int:
         p.error(f"unknown levers {sorted(unknown)}; known: {', '.join(LEVERS)}")
     if args.device == "cuda":
         import launch
+
         _, _, device = launch.init_distributed()
     else:
         device = torch.device("cpu")
@@ -234,14 +337,23 @@ def main() -> int:
         fields = build_model(Path(d) / "model", args.shape)
         bench = Bench(args, device, str(Path(d) / "model"), fields)
         bench.start = t0
-        print(f"model {args.shape}: {bench.body / 1e6:.0f}M matmul parameters, built in {time.perf_counter() - t0:.1f} s;"
-              f" {device} {torch.cuda.get_device_name(device) if device.type == 'cuda' else ''} {bench.dtype}; "
-              f"peak {bench.peak / 1e12:.0f} TFLOP/s" + (" (nominal)" if device.type == "cuda" else ""), flush=True)
-        print(f"{'arm':8} {'rank':4} {'length':>6} {'lever':26} {'tokens/s':>10} {'MFU':>6} {'GiB':>6} {'step_s':>7}")
+        print(
+            f"model {args.shape}: {bench.body / 1e6:.0f}M matmul parameters, built in {time.perf_counter() - t0:.1f} s;"
+            f" {device} {torch.cuda.get_device_name(device) if device.type == 'cuda' else ''} {bench.dtype}; "
+            f"peak {bench.peak / 1e12:.0f} TFLOP/s"
+            + (" (nominal)" if device.type == "cuda" else ""),
+            flush=True,
+        )
+        print(
+            f"{'arm':8} {'rank':4} {'length':>6} {'lever':26} {'tokens/s':>10} {'MFU':>6} {'GiB':>6} {'step_s':>7}"
+        )
         for rank in ranks:  # nanorft and the raw loop with nanorft's defaults
             if bench.over_budget(f"lora_rank {rank}"):
                 continue
-            tr, raw = bench.trainer(bench.config(rank, lengths[0])), RawLoop(bench.path, device, bench.config(rank, lengths[0]))
+            tr, raw = (
+                bench.trainer(bench.config(rank, lengths[0])),
+                RawLoop(bench.path, device, bench.config(rank, lengths[0])),
+            )
             for length in lengths:
                 if bench.over_budget(f"lora_rank {rank} length {length}"):
                     continue
@@ -250,30 +362,53 @@ def main() -> int:
             del tr, raw
             bench.free()
         length = max(lengths)
-        for lever in levers:  # each lever flipped from the default, full fine-tuning at the longest length
+        for (
+            lever
+        ) in levers:  # each lever flipped from the default, full fine-tuning at the longest length
             if bench.over_budget(f"lever {lever}"):
                 continue
-            default = trainer_mod.CUDA_LEVERS.get(lever, lever == "head_chunk" or getattr(Config, lever, False))
+            default = trainer_mod.CUDA_LEVERS.get(
+                lever, lever == "head_chunk" or getattr(Config, lever, False)
+            )
             tr = bench.trainer(bench.config(0, length, **flip(lever, True)))
             try:
-                bench.measure({"nanorft": tr.step}, 0, length, f"{lever}={'off' if default else 'on'}")
+                bench.measure(
+                    {"nanorft": tr.step}, 0, length, f"{lever}={'off' if default else 'on'}"
+                )
             finally:
                 flip(lever, False)
                 del tr
                 bench.free()
-    out = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "shape": args.shape, "matmul_params": bench.body, "dtype": bench.dtype,
-           "peak_flops": bench.peak, "peak_source": "perf.CUDA_PEAKS nominal (or measured)" if bench.peak else None,
-           "defaults": {**trainer_mod.CUDA_LEVERS, "head_chunk_elems": packing.HEAD_CHUNK_ELEMS,
-                        "activation_checkpointing": Config.activation_checkpointing,
-                        "compile_layers": Config.compile_layers},
-           "rows": bench.rows, "skipped": bench.skipped, "seconds": time.perf_counter() - bench.start}
+    out = {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "shape": args.shape,
+        "matmul_params": bench.body,
+        "dtype": bench.dtype,
+        "peak_flops": bench.peak,
+        "peak_source": "perf.CUDA_PEAKS nominal (or measured)" if bench.peak else None,
+        "defaults": {
+            **trainer_mod.CUDA_LEVERS,
+            "head_chunk_elems": packing.HEAD_CHUNK_ELEMS,
+            "activation_checkpointing": Config.activation_checkpointing,
+            "compile_layers": Config.compile_layers,
+        },
+        "rows": bench.rows,
+        "skipped": bench.skipped,
+        "seconds": time.perf_counter() - bench.start,
+    }
     for rank in ranks:
         for length in lengths:
-            pair = {r["arm"]: r["tokens_per_s"] for r in bench.rows
-                    if r["lora_rank"] == rank and r["length"] == length and r["lever"] == "default"}
+            pair = {
+                r["arm"]: r["tokens_per_s"]
+                for r in bench.rows
+                if r["lora_rank"] == rank and r["length"] == length and r["lever"] == "default"
+            }
             if len(pair) == 2:
-                out.setdefault("nanorft_vs_raw", {})[f"r{rank}_{length}"] = pair["nanorft"] / pair["raw"]
+                out.setdefault("nanorft_vs_raw", {})[f"r{rank}_{length}"] = (
+                    pair["nanorft"] / pair["raw"]
+                )
                 print(f"nanorft / raw  r{rank} {length}: {pair['nanorft'] / pair['raw']:.2f}x")
     print(f"total {out['seconds']:.0f} s")
     if args.json:

@@ -9,6 +9,7 @@
    count, interleaved rounds: generated tokens/s and their ratio.
 3. With --steps > 0: seconds per step of `run.py` with --engine vllm and --engine hf.
 """
+
 import argparse
 import sys
 import tempfile
@@ -19,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-
-import run  # noqa: E402
-import models  # noqa: E402
 from bench_step import explore_rate, pipeline  # noqa: E402
+
+import models  # noqa: E402
+import run  # noqa: E402
 from engines import HFEngine  # noqa: E402
 from explorer import Explorer  # noqa: E402
 from extras.vllm_engine import VLLMEngine  # noqa: E402
@@ -33,7 +34,9 @@ def raw_rate(llm, prompts, n, cfg):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(n=n, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, logprobs=0)
+    sp = SamplingParams(
+        n=n, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, logprobs=0
+    )
     t = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     return sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t)
@@ -47,11 +50,17 @@ def main():
     p.add_argument("--steps", type=int, default=4)
     args, extra = p.parse_known_args()
     torch.set_num_threads(args.threads)
-    cfg = run.parse_config(extra + ["--run-dir", tempfile.mkdtemp()] + (["--model", args.model] if args.model else []))
+    cfg = run.parse_config(
+        extra + ["--run-dir", tempfile.mkdtemp()] + (["--model", args.model] if args.model else [])
+    )
     path = models.resolve_model(cfg.model)
     train, held, ds = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, 1, cfg.seed)
-    vllm_engine = VLLMEngine(path, seed=cfg.seed, bf16=cfg.dtype == "bfloat16", threads=args.threads)
-    hf_engine = HFEngine(path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=cfg.dtype == "bfloat16")
+    vllm_engine = VLLMEngine(
+        path, seed=cfg.seed, bf16=cfg.dtype == "bfloat16", threads=args.threads
+    )
+    hf_engine = HFEngine(
+        path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=cfg.dtype == "bfloat16"
+    )
     ex_v = Explorer(cfg, vllm_engine, train, held, ds, print)
     ex_h = Explorer(cfg, hf_engine, train, held, ds, print)
     rows = {"nanorft_vllm": [], "raw_vllm": [], "hf": []}
@@ -62,18 +71,26 @@ def main():
         rows["raw_vllm"].append(raw_rate(vllm_engine.llm, prompts, cfg.group_size, cfg))
         rows["hf"].append(explore_rate(ex_h, rnd)[0])
     med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
-    print(f"explorer, {args.threads} thread(s), batch {cfg.batch_size} tasks x {cfg.group_size} rollouts x "
-          f"<= {cfg.max_tokens} tokens, median of {args.rounds} interleaved rounds (generated tokens/s):")
-    print(f"  nanorft vLLM engine {med['nanorft_vllm']:7.1f} | raw LLM.generate {med['raw_vllm']:7.1f} | "
-          f"ratio {med['nanorft_vllm'] / med['raw_vllm']:.2f}")
-    print(f"  nanorft vLLM engine {med['nanorft_vllm']:7.1f} | nanorft HF engine {med['hf']:7.1f} | "
-          f"ratio {med['nanorft_vllm'] / med['hf']:.2f}")
+    print(
+        f"explorer, {args.threads} thread(s), batch {cfg.batch_size} tasks x {cfg.group_size} rollouts x "
+        f"<= {cfg.max_tokens} tokens, median of {args.rounds} interleaved rounds (generated tokens/s):"
+    )
+    print(
+        f"  nanorft vLLM engine {med['nanorft_vllm']:7.1f} | raw LLM.generate {med['raw_vllm']:7.1f} | "
+        f"ratio {med['nanorft_vllm'] / med['raw_vllm']:.2f}"
+    )
+    print(
+        f"  nanorft vLLM engine {med['nanorft_vllm']:7.1f} | nanorft HF engine {med['hf']:7.1f} | "
+        f"ratio {med['nanorft_vllm'] / med['hf']:.2f}"
+    )
     vllm_engine.close()
     if args.steps:
         for engine in ("vllm", "hf"):
             print(f"--engine {engine}:")
-            pipeline(argparse.Namespace(model=args.model, steps=args.steps, threads=args.threads),
-                     extra + ["--engine", engine])
+            pipeline(
+                argparse.Namespace(model=args.model, steps=args.steps, threads=args.threads),
+                extra + ["--engine", engine],
+            )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ seeds and arms there stay. RESULTS/distill.json: per arm and evaluated version t
 seeds of avg@k (greedy accuracy where no run sampled) and the trainer's elapsed seconds; the teacher's avg@k;
 the wall time. PLOT: avg@k against steps and against wall-clock, the teacher's avg@k a horizontal line.
 """
+
 import argparse
 import json
 import statistics
@@ -25,12 +26,23 @@ from seeds import records, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("grpo", "opd", "opd+grpo")
-STEP_KEYS = ("step", "version", "time/elapsed_s", "reward/mean", "distill/reverse_kl", "advantage/abs_mean")
+STEP_KEYS = (
+    "step",
+    "version",
+    "time/elapsed_s",
+    "reward/mean",
+    "distill/reverse_kl",
+    "advantage/abs_mean",
+)
 
 
 def arm_flags(arm: str, teacher: str) -> list[str]:
     """run.py's flags of `arm` besides the default job's."""
-    return {"grpo": [], "opd": ["--teacher", teacher, "--advantage", "none"], "opd+grpo": ["--teacher", teacher]}[arm]
+    return {
+        "grpo": [],
+        "opd": ["--teacher", teacher, "--advantage", "none"],
+        "opd+grpo": ["--teacher", teacher],
+    }[arm]
 
 
 def run_arm(arm: str, seed: int, args, extra: list[str]) -> list[dict]:
@@ -38,10 +50,29 @@ def run_arm(arm: str, seed: int, args, extra: list[str]) -> list[dict]:
     of its log when it fails."""
     run_dir = Path(args.runs) / f"{arm}_s{seed}"
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "run.py",
-           "--mode", "both", "--sync-interval", "2", "--config", args.config, "--seed", str(seed), "--run-dir",
-           str(run_dir), "--overwrite", *arm_flags(arm, args.teacher),
-           *(["--steps", str(args.steps)] if args.steps else []), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "1",
+        "run.py",
+        "--mode",
+        "both",
+        "--sync-interval",
+        "2",
+        "--config",
+        args.config,
+        "--seed",
+        str(seed),
+        "--run-dir",
+        str(run_dir),
+        "--overwrite",
+        *arm_flags(arm, args.teacher),
+        *(["--steps", str(args.steps)] if args.steps else []),
+        *extra,
+    ]
     print(" ".join(cmd), flush=True)
     log, t0 = run_dir.parent / f"{arm}_s{seed}.log", time.perf_counter()
     with log.open("w") as out:
@@ -50,29 +81,55 @@ def run_arm(arm: str, seed: int, args, extra: list[str]) -> list[dict]:
         sys.exit(f"{arm} seed {seed} failed (exit {res.returncode}):\n{log.read_text()[-2000:]}")
     recs = records(run_dir / "metrics.jsonl")
     kept = [r for r in recs if "eval/accuracy" in r]
-    kept += [{k: v for k, v in r.items() if k in STEP_KEYS or k.startswith("teacher/")} for r in recs
-             if "loss/policy" in r]
-    return kept + [{"run": {"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0, "command": cmd}}]
+    kept += [
+        {k: v for k, v in r.items() if k in STEP_KEYS or k.startswith("teacher/")}
+        for r in recs
+        if "loss/policy" in r
+    ]
+    return kept + [
+        {"run": {"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0, "command": cmd}}
+    ]
 
 
 def summarize(runs: dict[str, dict[int, list[dict]]]) -> dict:
     """distill.json's content from each arm's seeds' kept records."""
-    evals = [r for seeds in runs.values() for recs in seeds.values() for r in recs if "eval/accuracy" in r]
-    metric = "eval/avg_at_k" if evals and all("eval/avg_at_k" in r for r in evals) else "eval/accuracy"
-    out = {"metric": metric, "k": next((r["eval/k"] for r in evals if "eval/k" in r), None), "arms": {}}
+    evals = [
+        r
+        for seeds in runs.values()
+        for recs in seeds.values()
+        for r in recs
+        if "eval/accuracy" in r
+    ]
+    metric = (
+        "eval/avg_at_k" if evals and all("eval/avg_at_k" in r for r in evals) else "eval/accuracy"
+    )
+    out = {
+        "metric": metric,
+        "k": next((r["eval/k"] for r in evals if "eval/k" in r), None),
+        "arms": {},
+    }
     for arm, seeds in runs.items():
-        at = {s: {r["eval/version"]: r[metric] for r in recs if "eval/accuracy" in r} for s, recs in seeds.items()}
-        elapsed = {s: {r["version"]: r["time/elapsed_s"] for r in recs if "time/elapsed_s" in r} | {0: 0.0}
-                   for s, recs in seeds.items()}
+        at = {
+            s: {r["eval/version"]: r[metric] for r in recs if "eval/accuracy" in r}
+            for s, recs in seeds.items()
+        }
+        elapsed = {
+            s: {r["version"]: r["time/elapsed_s"] for r in recs if "time/elapsed_s" in r} | {0: 0.0}
+            for s, recs in seeds.items()
+        }
         versions = sorted(set.intersection(*(set(v) for v in at.values())))
         mine = metric.replace("eval/", "teacher/")
         teacher = [r[mine] for recs in seeds.values() for r in recs if mine in r]
         out["arms"][arm] = {
-            "seeds": sorted(seeds), "versions": versions,
+            "seeds": sorted(seeds),
+            "versions": versions,
             "score": [spread([at[s][v] for s in seeds]) for v in versions],
             "elapsed_s": [spread([elapsed[s][v] for s in seeds]) for v in versions],
-            "wall_s": spread([r["run"]["wall_s"] for recs in seeds.values() for r in recs if "run" in r]),
-            "teacher": statistics.fmean(teacher) if teacher else None}
+            "wall_s": spread(
+                [r["run"]["wall_s"] for recs in seeds.values() for r in recs if "run" in r]
+            ),
+            "teacher": statistics.fmean(teacher) if teacher else None,
+        }
     return out
 
 
@@ -80,12 +137,16 @@ def table(summary: dict) -> str:
     """The summary as a markdown table: per arm the score at each evaluated version and the wall time."""
     name, teacher = score_name(summary), teacher_score(summary)
     versions = sorted({v for a in summary["arms"].values() for v in a["versions"]})
-    lines = [f"| arm | seeds | {' | '.join(f'{name} @ {v}' for v in versions)} | wall (min) |",
-             "|---|---|" + "---|" * len(versions) + "---|"]
+    lines = [
+        f"| arm | seeds | {' | '.join(f'{name} @ {v}' for v in versions)} | wall (min) |",
+        "|---|---|" + "---|" * len(versions) + "---|",
+    ]
     for arm, a in summary["arms"].items():
         at = dict(zip(a["versions"], a["score"]))
         cells = [f"{at[v]['mean']:.3f} +- {at[v]['std']:.3f}" if v in at else "-" for v in versions]
-        lines.append(f"| {arm} | {len(a['seeds'])} | {' | '.join(cells)} | {a['wall_s']['mean'] / 60:.1f} |")
+        lines.append(
+            f"| {arm} | {len(a['seeds'])} | {' | '.join(cells)} | {a['wall_s']['mean'] / 60:.1f} |"
+        )
     if teacher is not None:
         lines.append(f"\nteacher: {name} {teacher:.3f} (its version-0 evaluation)")
     return "\n".join(lines)
@@ -111,8 +172,12 @@ def plot(summary: dict, out: Path) -> Path:
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
     for arm, a in summary["arms"].items():
         score = ([s["mean"] for s in a["score"]], [s["std"] for s in a["score"]])
-        by_step.errorbar(a["versions"], *score, fmt="o-", capsize=3, label=f"{arm} ({len(a['seeds'])} seeds)")
-        by_time.errorbar([e["mean"] / 60 for e in a["elapsed_s"]], *score, fmt="o-", capsize=3, label=arm)
+        by_step.errorbar(
+            a["versions"], *score, fmt="o-", capsize=3, label=f"{arm} ({len(a['seeds'])} seeds)"
+        )
+        by_time.errorbar(
+            [e["mean"] / 60 for e in a["elapsed_s"]], *score, fmt="o-", capsize=3, label=arm
+        )
     name, teacher = score_name(summary), teacher_score(summary)
     for ax in (by_step, by_time):
         if teacher is not None:
@@ -130,15 +195,27 @@ def plot(summary: dict, out: Path) -> Path:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--teacher", help="the teacher model (as run.py's --teacher); needed unless --plot-only")
+    p.add_argument(
+        "--teacher", help="the teacher model (as run.py's --teacher); needed unless --plot-only"
+    )
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=0, help="trainer steps of each run (default: the config's)")
-    p.add_argument("--config", default="configs/distill.toml", help="run.py's --config of every run")
-    p.add_argument("--runs", default=str(ROOT / "runs" / "distill"), help="where the run directories go")
-    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="RESULTS (module docstring)")
+    p.add_argument(
+        "--steps", type=int, default=0, help="trainer steps of each run (default: the config's)"
+    )
+    p.add_argument(
+        "--config", default="configs/distill.toml", help="run.py's --config of every run"
+    )
+    p.add_argument(
+        "--runs", default=str(ROOT / "runs" / "distill"), help="where the run directories go"
+    )
+    p.add_argument(
+        "--results", default=str(ROOT / "benchmarks" / "results"), help="RESULTS (module docstring)"
+    )
     p.add_argument("--plot", default=str(ROOT / "docs" / "distill.png"))
-    p.add_argument("--plot-only", action="store_true", help="the table and plot of the saved runs again")
+    p.add_argument(
+        "--plot-only", action="store_true", help="the table and plot of the saved runs again"
+    )
     args, extra = p.parse_known_args()
     extra = [f for f in extra if f != "--"]
     if not args.plot_only and not args.teacher:
@@ -149,8 +226,13 @@ def main() -> None:
         for seed in args.seeds:
             kept = run_arm(arm, seed, args, extra)
             (saved / f"{arm}_s{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
-    runs = {arm: {int(f.stem.rpartition("_s")[2]): records(f) for f in sorted(saved.glob(f"{arm}_s*.jsonl"))}
-            for arm in ARMS}
+    runs = {
+        arm: {
+            int(f.stem.rpartition("_s")[2]): records(f)
+            for f in sorted(saved.glob(f"{arm}_s*.jsonl"))
+        }
+        for arm in ARMS
+    }
     summary = summarize({arm: seeds for arm, seeds in runs.items() if seeds})
     (Path(args.results) / "distill.json").write_text(json.dumps(summary, indent=1))
     print(table(summary))

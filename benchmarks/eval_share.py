@@ -10,6 +10,7 @@ Every run uses a fresh NANORFT_CACHE that shares the converted models of yours b
 with no cached evaluation. Prints per run: wall seconds, the evaluations' own seconds
 (eval/seconds summed) and the final held-out greedy accuracy and avg@k.
 """
+
 import argparse
 import json
 import os
@@ -32,15 +33,39 @@ def one_run(flags: list[str], cache: Path) -> dict:
     """The default job with `flags` and NANORFT_CACHE=`cache`: wall seconds and its evaluations."""
     with tempfile.TemporaryDirectory() as run_dir:
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(ROOT / "run.py"),
-                        "--mode", "both", "--sync-interval", "2", "--run-dir", run_dir, *flags],
-                       env={**os.environ, "NANORFT_CACHE": str(cache)}, check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "1",
+                str(ROOT / "run.py"),
+                "--mode",
+                "both",
+                "--sync-interval",
+                "2",
+                "--run-dir",
+                run_dir,
+                *flags,
+            ],
+            env={**os.environ, "NANORFT_CACHE": str(cache)},
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wall = time.perf_counter() - t0
-        evals = [r for r in map(json.loads, open(Path(run_dir) / "metrics.jsonl")) if "eval/version" in r]
+        evals = [
+            r for r in map(json.loads, open(Path(run_dir) / "metrics.jsonl")) if "eval/version" in r
+        ]
     last = evals[-1] if evals else {}
-    return {"wall_s": wall, "eval_s": sum(r["eval/seconds"] for r in evals), "evaluations": len(evals),
-            "final_accuracy": last.get("eval/accuracy"), "final_avg_at_k": last.get("eval/avg_at_k")}
+    return {
+        "wall_s": wall,
+        "eval_s": sum(r["eval/seconds"] for r in evals),
+        "evaluations": len(evals),
+        "final_accuracy": last.get("eval/accuracy"),
+        "final_avg_at_k": last.get("eval/avg_at_k"),
+    }
 
 
 def main() -> None:
@@ -51,17 +76,24 @@ def main() -> None:
         for entry in cache_dir().iterdir() if cache_dir().is_dir() else []:
             if entry.name != "evals":  # the converted models, the measured peak: shared
                 (Path(cache) / entry.name).symlink_to(entry)
-        runs = {"first run": one_run(flags, Path(cache)), "re-run": one_run(flags, Path(cache)),
-                "no evaluations": one_run([*flags, "--eval-size", "0"], Path(cache))}
+        runs = {
+            "first run": one_run(flags, Path(cache)),
+            "re-run": one_run(flags, Path(cache)),
+            "no evaluations": one_run([*flags, "--eval-size", "0"], Path(cache)),
+        }
     cpu = f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
     print(f"{cpu}, flags {' '.join(flags) or 'none'}")
     base = runs["no evaluations"]["wall_s"]
     for name, r in runs.items():
         r["share"] = (r["wall_s"] - base) / r["wall_s"]
-        print(f"{name:15s} wall {r['wall_s']:6.1f} s  evaluations {r['eval_s']:5.1f} s ({r['evaluations']})  "
-              f"share {r['share']:6.1%}  final greedy {r['final_accuracy']}  avg@k {r['final_avg_at_k']}")
+        print(
+            f"{name:15s} wall {r['wall_s']:6.1f} s  evaluations {r['eval_s']:5.1f} s ({r['evaluations']})  "
+            f"share {r['share']:6.1%}  final greedy {r['final_accuracy']}  avg@k {r['final_avg_at_k']}"
+        )
     if args.out:
-        Path(args.out).write_text(json.dumps({"flags": flags, "cpu": cpu, "runs": runs}, indent=1) + "\n")
+        Path(args.out).write_text(
+            json.dumps({"flags": flags, "cpu": cpu, "runs": runs}, indent=1) + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ Prints a table per part (the goal is 0 in every column but the first) and saves
 benchmarks/results/faults.json. This is a benchmark, not a test: tests/test_reliability.py
 runs a fast subset of each part.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,21 +53,45 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from conftest import make_tiny_model, run_py, subprocess_env  # noqa: E402 (the tests' helpers: tiny model, run.py)
 
 STEPS, BATCH, GROUP = 6, 2, 4  # the kill trials' job (configs/tiny.toml shape)
-RUN = ["--config", "configs/tiny.toml", "--reward-fn", "tests.rewards.length_parity", "--eval-size", "0",
-       "--steps", str(STEPS), "--checkpoint-interval", "1", "--sync-interval", "1", "--sync-offset", "1"]
+RUN = [
+    "--config",
+    "configs/tiny.toml",
+    "--reward-fn",
+    "tests.rewards.length_parity",
+    "--eval-size",
+    "0",
+    "--steps",
+    str(STEPS),
+    "--checkpoint-interval",
+    "1",
+    "--sync-interval",
+    "1",
+    "--sync-offset",
+    "1",
+]
 SCENARIOS = {  # name: (flags, fully asynchronous)
     "both, broadcast": ([], False),
     "both, checkpoint sync": (["--sync-method", "checkpoint"], False),
     "explore + train": (["--sync-method", "checkpoint"], True),
 }
 VICTIMS = ("trainer", "explorer", "group")
-MOMENTS = ("random", "resume-state write", "checkpoint publish")  # when: a random time, or inside that write
+MOMENTS = (
+    "random",
+    "resume-state write",
+    "checkpoint publish",
+)  # when: a random time, or inside that write
 
 
 def launch(args: list, log: Path) -> subprocess.Popen:
     """python run.py ARGS in a session of its own (killpg reaches its explorer), output to `log`."""
-    return subprocess.Popen([sys.executable, "run.py", *map(str, args)], cwd=ROOT, env=subprocess_env(),
-                            start_new_session=True, stdout=log.open("a"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "run.py", *map(str, args)],
+        cwd=ROOT,
+        env=subprocess_env(),
+        start_new_session=True,
+        stdout=log.open("a"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def session_pids(sid: int) -> list[int]:
@@ -116,7 +141,9 @@ def wait_gone(sid: int, timeout: float) -> int:
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200].decode()
             print(f"left running: {cmd}")
-            stack = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True)
+            stack = subprocess.run(
+                ["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True
+            )
             print(stack.stdout[-3000:])
         except (OSError, FileNotFoundError):
             pass
@@ -124,7 +151,9 @@ def wait_gone(sid: int, timeout: float) -> int:
     return len(left)
 
 
-def audit(run_dir: Path, buffer: str = "", steps: int = STEPS, batch: int = BATCH, group: int = GROUP) -> dict:
+def audit(
+    run_dir: Path, buffer: str = "", steps: int = STEPS, batch: int = BATCH, group: int = GROUP
+) -> dict:
     """Read the buffer of a run of `steps` steps, `batch` groups of `group` rollouts each,
     after it has ended (`buffer`: the run's --buffer; "" = RUN_DIR/buffer.sqlite): groups
     lost (partial, skipped, or missing from a step), trained twice (split over steps, or a
@@ -134,12 +163,17 @@ def audit(run_dir: Path, buffer: str = "", steps: int = STEPS, batch: int = BATC
 
     db = open_buffer(buffer, run_dir)
     try:
-        rows = db.db.execute("SELECT group_id, explorer, consumed, info FROM experiences").fetchall()
+        rows = db.db.execute(
+            "SELECT group_id, explorer, consumed, info FROM experiences"
+        ).fetchall()
     finally:
         db.close()
     groups: dict[str, dict] = {}
     for gid, explorer, consumed, info in rows:
-        g = groups.setdefault(gid, {"explorer": explorer, "consumed": set(), "n": 0, "batch": json.loads(info)["batch"]})
+        g = groups.setdefault(
+            gid,
+            {"explorer": explorer, "consumed": set(), "n": 0, "batch": json.loads(info)["batch"]},
+        )
         g["consumed"].add(consumed)
         g["n"] += 1
     per_step: dict[int, int] = {}
@@ -152,10 +186,17 @@ def audit(run_dir: Path, buffer: str = "", steps: int = STEPS, batch: int = BATC
             last_trained[g["explorer"]] = max(last_trained.get(g["explorer"], -1), g["batch"])
     partial = sum(g["n"] != group for g in groups.values())
     split = sum(len(g["consumed"]) > 1 for g in groups.values())
-    skipped = sum(g["consumed"] == {0} and g["batch"] < last_trained.get(g["explorer"], -1) for g in groups.values())
-    return {"lost": partial + skipped + sum(max(0, batch - per_step.get(s, 0)) for s in range(1, steps + 1)),
-            "trained_twice": split + sum(max(0, n - batch) for n in per_step.values()),
-            "generated_twice": sum(max(0, n - batch) for n in batches.values())}
+    skipped = sum(
+        g["consumed"] == {0} and g["batch"] < last_trained.get(g["explorer"], -1)
+        for g in groups.values()
+    )
+    return {
+        "lost": partial
+        + skipped
+        + sum(max(0, batch - per_step.get(s, 0)) for s in range(1, steps + 1)),
+        "trained_twice": split + sum(max(0, n - batch) for n in per_step.values()),
+        "generated_twice": sum(max(0, n - batch) for n in batches.values()),
+    }
 
 
 def kill_trial(i: int, model: str, rng: random.Random, durations: dict) -> dict:
@@ -170,9 +211,13 @@ def kill_trial(i: int, model: str, rng: random.Random, durations: dict) -> dict:
         args = [*RUN, "--model", model, "--run-dir", run_dir, *flags]
         run_dir.mkdir()
         train = launch([*args, "--mode", "train"] if separate else args, log)
-        explore = launch([*args, "--mode", "explore", "--explorer-name", "e1"], log) if separate else None
+        explore = (
+            launch([*args, "--mode", "explore", "--explorer-name", "e1"], log) if separate else None
+        )
         deadline = time.monotonic() + rng.uniform(0.15, 0.95) * durations[name]
-        if moment != "random":  # poll the run directory and kill inside the write (else at the deadline)
+        if (
+            moment != "random"
+        ):  # poll the run directory and kill inside the write (else at the deadline)
             deadline += durations[name]
             while phase(run_dir) != moment and time.monotonic() < deadline and train.poll() is None:
                 time.sleep(0.002)
@@ -190,15 +235,24 @@ def kill_trial(i: int, model: str, rng: random.Random, durations: dict) -> dict:
                 if p is not None:
                     os.killpg(p.pid, signal.SIGKILL)
         at = phase(run_dir)
-        if separate:  # fully async: the side left alive waits for the other to come back; restart what died
-            trainer_dead, explorer_dead = victim in ("trainer", "group"), victim in ("explorer", "group")
+        if (
+            separate
+        ):  # fully async: the side left alive waits for the other to come back; restart what died
+            trainer_dead, explorer_dead = (
+                victim in ("trainer", "group"),
+                victim in ("explorer", "group"),
+            )
             left = 0
             for p, dead in ((train, trainer_dead), (explore, explorer_dead)):
                 if dead:
                     p.wait()
                     left += wait_gone(p.pid, 60)
             resumed = launch([*args, "--mode", "train", "--resume"], log) if trainer_dead else train
-            again = launch([*args, "--mode", "explore", "--explorer-name", "e1"], log) if explorer_dead else explore
+            again = (
+                launch([*args, "--mode", "explore", "--explorer-name", "e1"], log)
+                if explorer_dead
+                else explore
+            )
         else:  # mode both: --resume at once; the side left alive ends by itself (a trainer with one error line)
             resumed, again = launch([*args, "--resume"], log), None
         try:
@@ -210,8 +264,14 @@ def kill_trial(i: int, model: str, rng: random.Random, durations: dict) -> dict:
         for p in (resumed, again):
             if p is not None:
                 left += wait_gone(p.pid, 0)
-        result = {"scenario": name, "victim": victim, "aimed": moment, "phase": at, "could_not_resume": int(not ok),
-                  "left_running": left}
+        result = {
+            "scenario": name,
+            "victim": victim,
+            "aimed": moment,
+            "phase": at,
+            "could_not_resume": int(not ok),
+            "left_running": left,
+        }
         if ok:
             result.update(audit(run_dir))
         else:
@@ -229,9 +289,15 @@ def measure(model: str) -> dict:
             args = [*RUN, "--model", model, "--run-dir", run_dir, *flags]
             t0 = time.monotonic()
             train = launch([*args, "--mode", "train"] if separate else args, log)
-            explore = launch([*args, "--mode", "explore", "--explorer-name", "e1"], log) if separate else None
+            explore = (
+                launch([*args, "--mode", "explore", "--explorer-name", "e1"], log)
+                if separate
+                else None
+            )
             if train.wait(timeout=600) or (explore and explore.wait(timeout=180)):
-                raise RuntimeError(f"{name}: the run without faults failed:\n{log.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"{name}: the run without faults failed:\n{log.read_text()[-3000:]}"
+                )
             out[name] = time.monotonic() - t0
             bad = audit(run_dir)
             if any(bad.values()):
@@ -247,27 +313,47 @@ def part_kills(trials: int, model: str, seed: int) -> dict:
     for i in range(trials):
         r = kill_trial(i, model, rng, durations)
         results.append(r)
-        print(f"trial {i + 1:>2}: {r['scenario']:<22} kill {r['victim']:<8} aimed at {r['aimed']:<19} "
-              f"landed in {r['phase']:<26} "
-              + " ".join(f"{k}={r.get(k, '-')}" for k in ("lost", "trained_twice", "generated_twice",
-                                                          "could_not_resume", "left_running")), flush=True)
+        print(
+            f"trial {i + 1:>2}: {r['scenario']:<22} kill {r['victim']:<8} aimed at {r['aimed']:<19} "
+            f"landed in {r['phase']:<26} "
+            + " ".join(
+                f"{k}={r.get(k, '-')}"
+                for k in (
+                    "lost",
+                    "trained_twice",
+                    "generated_twice",
+                    "could_not_resume",
+                    "left_running",
+                )
+            ),
+            flush=True,
+        )
         if "log" in r:
             print(r["log"])
-    total = {k: sum(r.get(k, 0) for r in results)
-             for k in ("lost", "trained_twice", "generated_twice", "could_not_resume", "left_running")}
-    phases = {p: sum(r["phase"] == p for r in results) for p in sorted({r["phase"] for r in results})}
+    total = {
+        k: sum(r.get(k, 0) for r in results)
+        for k in ("lost", "trained_twice", "generated_twice", "could_not_resume", "left_running")
+    }
+    phases = {
+        p: sum(r["phase"] == p for r in results) for p in sorted({r["phase"] for r in results})
+    }
     return {"trials": len(results), **total, "phases": phases, "runs": results}
 
 
 # ----------------------------------------------------------------------------- buffer
+
 
 def _write(path: str, name: str, n_groups: int, size: int) -> None:
     from buffer import Buffer, Experience
 
     buf = Buffer(path)
     for i in range(n_groups):
-        group = [Experience([1, 2, 3], 1, [-0.5, -0.5], [1, 1], 1.0, f"{name}-{i}", f"t{i}", 0, {"row": j}, name)
-                 for j in range(size)]
+        group = [
+            Experience(
+                [1, 2, 3], 1, [-0.5, -0.5], [1, 1], 1.0, f"{name}-{i}", f"t{i}", 0, {"row": j}, name
+            )
+            for j in range(size)
+        ]
         buf.write_batch([group], name, {"batch": i + 1})
 
 
@@ -285,8 +371,10 @@ def concurrent_writers(writers: int, experiences: int, size: int, fresh=sqlite_b
     with tempfile.TemporaryDirectory() as d:
         path = fresh(d)
         Buffer(path)
-        procs = [mp.get_context("spawn").Process(target=_write, args=(path, f"w{k}", n_groups, size))
-                 for k in range(writers)]
+        procs = [
+            mp.get_context("spawn").Process(target=_write, args=(path, f"w{k}", n_groups, size))
+            for k in range(writers)
+        ]
         for p in procs:
             p.start()
         reader, served = Buffer(path), []
@@ -296,9 +384,14 @@ def concurrent_writers(writers: int, experiences: int, size: int, fresh=sqlite_b
             p.join()
         rows = [(e.group_id, e.info["row"]) for g in served for e in g]
         left = reader.counts()["ready"]
-    return {"writers": writers, "experiences": writers * n_groups * size, "group_size": size,
-            "partial_reads": sum(len(g) != size or len({e.group_id for e in g}) != 1 for g in served),
-            "served_twice": len(rows) - len(set(rows)), "lost": writers * n_groups * size - len(set(rows)) + left}
+    return {
+        "writers": writers,
+        "experiences": writers * n_groups * size,
+        "group_size": size,
+        "partial_reads": sum(len(g) != size or len({e.group_id for e in g}) != 1 for g in served),
+        "served_twice": len(rows) - len(set(rows)),
+        "lost": writers * n_groups * size - len(set(rows)) + left,
+    }
 
 
 def killed_writers(trials: int, size: int, rng: random.Random, fresh=sqlite_buffer) -> dict:
@@ -311,7 +404,7 @@ def killed_writers(trials: int, size: int, rng: random.Random, fresh=sqlite_buff
         with tempfile.TemporaryDirectory() as d:
             path = fresh(d)
             Buffer(path)
-            p = mp.get_context("spawn").Process(target=_write, args=(path, "w", 10 ** 6, size))
+            p = mp.get_context("spawn").Process(target=_write, args=(path, "w", 10**6, size))
             p.start()
             while Buffer(path).counts()["total"] < size:  # it has started writing
                 time.sleep(0.01)
@@ -319,15 +412,22 @@ def killed_writers(trials: int, size: int, rng: random.Random, fresh=sqlite_buff
             os.kill(p.pid, signal.SIGKILL)
             p.join()
             buf = Buffer(path)
-            sizes = [n for (n,) in buf.db.execute("SELECT COUNT(*) FROM experiences GROUP BY group_id").fetchall()]
+            sizes = [
+                n
+                for (n,) in buf.db.execute(
+                    "SELECT COUNT(*) FROM experiences GROUP BY group_id"
+                ).fetchall()
+            ]
             partial += sum(n != size for n in sizes)
             mismatched += int((buf.explorer_state("w") or {"batch": 0})["batch"] != len(sizes))
     return {"killed_writers": trials, "partial_groups_left": partial, "state_mismatch": mismatched}
 
 
 def part_buffer(writers: int, experiences: int, kills: int, seed: int, fresh=sqlite_buffer) -> dict:
-    runs = [concurrent_writers(1, 128_000 * experiences // 2000, 64, fresh),
-            concurrent_writers(writers, experiences, 8, fresh)]
+    runs = [
+        concurrent_writers(1, 128_000 * experiences // 2000, 64, fresh),
+        concurrent_writers(writers, experiences, 8, fresh),
+    ]
     for r in runs:
         print(" ".join(f"{k}={v}" for k, v in r.items()), flush=True)
     killed = killed_writers(kills, 64, random.Random(seed), fresh)
@@ -345,22 +445,54 @@ def part_buffer_postgres(writers: int, experiences: int, kills: int, seed: int) 
     with tempfile.TemporaryDirectory() as d:
         url, stop = start_postgres(Path(d))
         try:
-            return part_buffer(writers, experiences, kills, seed, lambda _: f"{url}?schema=f_{uuid.uuid4().hex[:12]}")
+            return part_buffer(
+                writers,
+                experiences,
+                kills,
+                seed,
+                lambda _: f"{url}?schema=f_{uuid.uuid4().hex[:12]}",
+            )
         finally:
             stop()
 
 
 # ----------------------------------------------------------------------------- malformed inputs
 
-NUMERIC = ["steps", "batch_size", "group_size", "max_tokens", "train_size", "eval_size", "eval_interval",
-           "sync_interval", "sync_offset", "lr", "temperature", "top_p", "token_budget", "checkpoint_interval",
-           "max_grad_norm", "weight_decay", "seed", "workflow_timeout_s", "workflow_retries", "max_staleness",
-           "buffer_timeout_s", "sync_timeout_s", "explorer_threads", "trainer_threads", "bench_k",
-           "expert_fraction", "refill_rounds", "entropy_coef"]
+NUMERIC = [
+    "steps",
+    "batch_size",
+    "group_size",
+    "max_tokens",
+    "train_size",
+    "eval_size",
+    "eval_interval",
+    "sync_interval",
+    "sync_offset",
+    "lr",
+    "temperature",
+    "top_p",
+    "token_budget",
+    "checkpoint_interval",
+    "max_grad_norm",
+    "weight_decay",
+    "seed",
+    "workflow_timeout_s",
+    "workflow_retries",
+    "max_staleness",
+    "buffer_timeout_s",
+    "sync_timeout_s",
+    "explorer_threads",
+    "trainer_threads",
+    "bench_k",
+    "expert_fraction",
+    "refill_rounds",
+    "entropy_coef",
+]
 
 
 def input_cases(tmp: Path, model: str) -> list[tuple[str, list]]:
     """(what, run.py arguments) for each malformed input; files are written under `tmp`."""
+
     def write(name: str, data: str | bytes) -> Path:
         p = tmp / name
         p.write_bytes(data if isinstance(data, bytes) else data.encode())
@@ -377,56 +509,130 @@ def input_cases(tmp: Path, model: str) -> list[tuple[str, list]]:
     for f in NUMERIC:  # every numeric setting: not a number, and a non-finite number
         flag = "--" + f.replace("_", "-")
         cases += [(f"{flag} abc", [flag, "abc"]), (f"{flag} nan", [flag, "nan"])]
-    cases += [(f"{flag} {v}", [flag, v]) for flag, v in [
-        ("--steps", "-3"), ("--batch-size", "0"), ("--group-size", "0"), ("--max-tokens", "0"), ("--lr", "-1"),
-        ("--lr", "inf"), ("--temperature", "0"), ("--top-p", "1.5"), ("--top-p", "0"), ("--sync-interval", "0"),
-        ("--sync-offset", "-1"), ("--token-budget", "0"), ("--expert-fraction", "1.5"), ("--train-size", "0"),
-        ("--mode", "sideways"), ("--engine", "tpu"), ("--sync-method", "carrier-pigeon"), ("--loss-agg", "median"),
-        ("--kl-estimator", "k9"), ("--policy-loss", "no_such_loss"), ("--advantage", "no_such_adv"),
-        ("--policy-loss", "no_such_module.fn"), ("--policy-loss-kwargs", '{"clip": 1}'),
-        ("--advantage-kwargs", "[1, 2]"), ("--filters", '{"no_such_filter": {}}'), ("--task-kwargs", "{bad"),
-        ("--reward-kwargs", "not json"), ("--task", "no_such_reasoning_gym_task"),
-        ("--task-kwargs", '{"no_such_option": 1}'), ("--bench-models", "/no/such/model"), ("--unknown-flag", "1"),
-        ("--config", str(tmp / "missing.toml")), ("--model", "/no/such/dir"), ("--max-staleness", "-2")]]
+    cases += [
+        (f"{flag} {v}", [flag, v])
+        for flag, v in [
+            ("--steps", "-3"),
+            ("--batch-size", "0"),
+            ("--group-size", "0"),
+            ("--max-tokens", "0"),
+            ("--lr", "-1"),
+            ("--lr", "inf"),
+            ("--temperature", "0"),
+            ("--top-p", "1.5"),
+            ("--top-p", "0"),
+            ("--sync-interval", "0"),
+            ("--sync-offset", "-1"),
+            ("--token-budget", "0"),
+            ("--expert-fraction", "1.5"),
+            ("--train-size", "0"),
+            ("--mode", "sideways"),
+            ("--engine", "tpu"),
+            ("--sync-method", "carrier-pigeon"),
+            ("--loss-agg", "median"),
+            ("--kl-estimator", "k9"),
+            ("--policy-loss", "no_such_loss"),
+            ("--advantage", "no_such_adv"),
+            ("--policy-loss", "no_such_module.fn"),
+            ("--policy-loss-kwargs", '{"clip": 1}'),
+            ("--advantage-kwargs", "[1, 2]"),
+            ("--filters", '{"no_such_filter": {}}'),
+            ("--task-kwargs", "{bad"),
+            ("--reward-kwargs", "not json"),
+            ("--task", "no_such_reasoning_gym_task"),
+            ("--task-kwargs", '{"no_such_option": 1}'),
+            ("--bench-models", "/no/such/model"),
+            ("--unknown-flag", "1"),
+            ("--config", str(tmp / "missing.toml")),
+            ("--model", "/no/such/dir"),
+            ("--max-staleness", "-2"),
+        ]
+    ]
     cases.append(("--group-size 1 with grpo", ["--group-size", "1"]))
     cases.append(("--mode train --overwrite", ["--mode", "train", "--overwrite"]))
     cases.append(("--inflight --mode train", ["--inflight", "--mode", "train"]))
     cases.append(("--resume with no run", ["--resume"]))
-    for name, text in [("syntax.toml", "steps = = 3"), ("unknown_key.toml", "no_such_key = 1"),
-                       ("wrong_type.toml", 'steps = "three"'), ("table.toml", "[steps]\nx = 1"),
-                       ("list.toml", "lr = [1, 2]"), ("binary.toml", b"\xff\xfe\x00\x80")]:
+    for name, text in [
+        ("syntax.toml", "steps = = 3"),
+        ("unknown_key.toml", "no_such_key = 1"),
+        ("wrong_type.toml", 'steps = "three"'),
+        ("table.toml", "[steps]\nx = 1"),
+        ("list.toml", "lr = [1, 2]"),
+        ("binary.toml", b"\xff\xfe\x00\x80"),
+    ]:
         cases.append((f"TOML {name}", ["--config", write(name, text)]))
     cases.append(("TOML is a directory", ["--config", tmp]))
-    tasks = {"empty.jsonl": "", "blank.jsonl": "\n\n", "binary.jsonl": b"\xff\xfe\x00garbage\x80",
-             "not_json.jsonl": "{question: 1}\n", "no_answer.jsonl": '{"question": "1+1"}\n',
-             "no_question.jsonl": '{"answer": "2"}\n', "list_row.jsonl": "[1, 2]\n",
-             "truncated.jsonl": '{"question": "1+1", "answer": "2"}\n{"question": "2+'}
+    tasks = {
+        "empty.jsonl": "",
+        "blank.jsonl": "\n\n",
+        "binary.jsonl": b"\xff\xfe\x00garbage\x80",
+        "not_json.jsonl": "{question: 1}\n",
+        "no_answer.jsonl": '{"question": "1+1"}\n',
+        "no_question.jsonl": '{"answer": "2"}\n',
+        "list_row.jsonl": "[1, 2]\n",
+        "truncated.jsonl": '{"question": "1+1", "answer": "2"}\n{"question": "2+',
+    }
     for name, text in tasks.items():
         cases.append((f"task file {name}", ["--task", write(name, text)]))
     cases.append(("task file is a directory", ["--task", tmp]))
-    chats = {"chat_not_json.jsonl": "{messages\n", "chat_no_messages.jsonl": '{"text": "hi"}\n',
-             "chat_no_assistant.jsonl": '{"messages": [{"role": "user", "content": "hi"}]}\n',
-             "chat_bad_role.jsonl": '{"messages": [{"role": "wizard", "content": "hi"}]}\n',
-             "chat_empty.jsonl": "", "chat_binary.jsonl": b"\x80\x81\x82"}
+    chats = {
+        "chat_not_json.jsonl": "{messages\n",
+        "chat_no_messages.jsonl": '{"text": "hi"}\n',
+        "chat_no_assistant.jsonl": '{"messages": [{"role": "user", "content": "hi"}]}\n',
+        "chat_bad_role.jsonl": '{"messages": [{"role": "wizard", "content": "hi"}]}\n',
+        "chat_empty.jsonl": "",
+        "chat_binary.jsonl": b"\x80\x81\x82",
+    }
     for name, text in chats.items():
         p = write(name, text)
-        cases.append((f"SFT data {name}", ["--mode", "train", "--train-data", p, "--policy-loss", "sft",
-                                           "--advantage", "dr_grpo"]))
-        cases.append((f"MIX expert data {name}", ["--policy-loss", "mix", "--expert-data", p, "--expert-fraction", "0.25"]))
-    prefs = {"pref_no_rejected.jsonl": '{"prompt": [{"role": "user", "content": "hi"}], "chosen": "a"}\n',
-             "pref_bad_chosen.jsonl": '{"prompt": [{"role": "user", "content": "hi"}], "chosen": 3, "rejected": "b"}\n'}
+        cases.append(
+            (
+                f"SFT data {name}",
+                [
+                    "--mode",
+                    "train",
+                    "--train-data",
+                    p,
+                    "--policy-loss",
+                    "sft",
+                    "--advantage",
+                    "dr_grpo",
+                ],
+            )
+        )
+        cases.append(
+            (
+                f"MIX expert data {name}",
+                ["--policy-loss", "mix", "--expert-data", p, "--expert-fraction", "0.25"],
+            )
+        )
+    prefs = {
+        "pref_no_rejected.jsonl": '{"prompt": [{"role": "user", "content": "hi"}], "chosen": "a"}\n',
+        "pref_bad_chosen.jsonl": '{"prompt": [{"role": "user", "content": "hi"}], "chosen": 3, "rejected": "b"}\n',
+    }
     for name, text in prefs.items():
-        cases.append((f"DPO data {name}", ["--mode", "train", "--train-data", write(name, text), "--policy-loss", "dpo"]))
-    models = {"model: config.json not JSON": model_like("m_conf", edit=("config.json", "{not json")),
-              "model: no weights": model_like("m_noweights", drop="*.safetensors"),
-              "model: corrupt weights": model_like("m_badweights", edit=("model.safetensors", "garbage")),
-              "model: no tokenizer": model_like("m_notok", drop="tokenizer*"),
-              "model: empty directory": tmp / "m_empty", "model: a file": write("m_file", "x")}
+        cases.append(
+            (
+                f"DPO data {name}",
+                ["--mode", "train", "--train-data", write(name, text), "--policy-loss", "dpo"],
+            )
+        )
+    models = {
+        "model: config.json not JSON": model_like("m_conf", edit=("config.json", "{not json")),
+        "model: no weights": model_like("m_noweights", drop="*.safetensors"),
+        "model: corrupt weights": model_like("m_badweights", edit=("model.safetensors", "garbage")),
+        "model: no tokenizer": model_like("m_notok", drop="tokenizer*"),
+        "model: empty directory": tmp / "m_empty",
+        "model: a file": write("m_file", "x"),
+    }
     (tmp / "m_empty").mkdir()
     for what, path in models.items():
         cases.append((what, ["--model", path]))
-    for what, data in [("corrupt", b"this is not a database" * 100), ("directory", "dir"),
-                       ("another schema", None)]:
+    for what, data in [
+        ("corrupt", b"this is not a database" * 100),
+        ("directory", "dir"),
+        ("another schema", None),
+    ]:
         run = tmp / f"run_{what.replace(' ', '_')}"
         run.mkdir()
         if data == "dir":
@@ -438,26 +644,70 @@ def input_cases(tmp: Path, model: str) -> list[tuple[str, list]]:
         cases.append((f"--resume with a {what} buffer", ["--run-dir", run, "--resume"]))
     cases.append(("run dir is a file", ["--run-dir", write("a_file", "x")]))
     cases.append(("run dir inside a file", ["--run-dir", tmp / "a_file" / "r"]))
-    for fn in ("always_raises", "returns_nan", "returns_none", "returns_string", "blocks", "sometimes_raises",
-               "sometimes_nan"):
-        extra = {"blocks": ["--workflow-timeout-s", "2", "--workflow-retries", "0", "--refill-rounds", "0"],
-                 "returns_none": ["--buffer-timeout-s", "20"]}.get(fn, [])  # None = a lagged reward: never filled
-        cases.append((f"reward function {fn}", ["--reward-fn", f"tests.rewards.{fn}", "--steps", "4", *extra]))
-    cases += [("reward function missing", ["--reward-fn", "tests.rewards.no_such_fn"]),
-              ("reward module missing", ["--reward-fn", "no_such_module.fn"]),
-              ("workflow raises in __init__", ["--workflow", "tests.plugins.BrokenInitWorkflow"]),
-              ("workflow fails later", ["--workflow", "tests.plugins.FailingLaterWorkflow", "--workflow-retries", "0",
-                                        "--refill-rounds", "0", "--steps", "6"]),
-              ("workflow missing", ["--workflow", "tests.plugins.NoSuchWorkflow"]),
-              ("loss raises", ["--policy-loss", "tests.plugins.failing_loss", "--steps", "4"])]
+    for fn in (
+        "always_raises",
+        "returns_nan",
+        "returns_none",
+        "returns_string",
+        "blocks",
+        "sometimes_raises",
+        "sometimes_nan",
+    ):
+        extra = {
+            "blocks": [
+                "--workflow-timeout-s",
+                "2",
+                "--workflow-retries",
+                "0",
+                "--refill-rounds",
+                "0",
+            ],
+            "returns_none": ["--buffer-timeout-s", "20"],
+        }.get(fn, [])  # None = a lagged reward: never filled
+        cases.append(
+            (
+                f"reward function {fn}",
+                ["--reward-fn", f"tests.rewards.{fn}", "--steps", "4", *extra],
+            )
+        )
+    cases += [
+        ("reward function missing", ["--reward-fn", "tests.rewards.no_such_fn"]),
+        ("reward module missing", ["--reward-fn", "no_such_module.fn"]),
+        ("workflow raises in __init__", ["--workflow", "tests.plugins.BrokenInitWorkflow"]),
+        (
+            "workflow fails later",
+            [
+                "--workflow",
+                "tests.plugins.FailingLaterWorkflow",
+                "--workflow-retries",
+                "0",
+                "--refill-rounds",
+                "0",
+                "--steps",
+                "6",
+            ],
+        ),
+        ("workflow missing", ["--workflow", "tests.plugins.NoSuchWorkflow"]),
+        ("loss raises", ["--policy-loss", "tests.plugins.failing_loss", "--steps", "4"]),
+    ]
     return cases
 
 
 def run_case(what: str, args: list, model: str, tmp: Path) -> dict:
     run_dir = tmp / f"run_{abs(hash(what))}"
     try:  # a later --config / --model / --run-dir in `args` wins (argparse: the last one counts)
-        res = run_py("--config", "configs/tiny.toml", "--model", model, "--eval-size", "0", "--run-dir", run_dir, *args,
-                     timeout=300)
+        res = run_py(
+            "--config",
+            "configs/tiny.toml",
+            "--model",
+            model,
+            "--eval-size",
+            "0",
+            "--run-dir",
+            run_dir,
+            *args,
+            timeout=300,
+        )
     except subprocess.TimeoutExpired:
         return {"input": what, "outcome": "hang"}
     errors = [x for x in res.stderr.splitlines() if "error:" in x]
@@ -467,12 +717,19 @@ def run_case(what: str, args: list, model: str, tmp: Path) -> dict:
         outcome = "one-line error"
     elif res.returncode == 0:  # it ran: were the bad parts counted (reward errors, skipped tasks)?
         metrics = run_dir / "metrics.jsonl"
-        recs = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+        recs = (
+            [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+        )
         counted = sum(r.get("rollout/reward_errors", 0) + r.get("rollout/skipped", 0) for r in recs)
         outcome = "counted skip" if counted else "accepted"
     else:
         outcome = f"exit {res.returncode}"
-    return {"input": what, "outcome": outcome, "exit": res.returncode, "line": (errors or [""])[-1][:200]}
+    return {
+        "input": what,
+        "outcome": outcome,
+        "exit": res.returncode,
+        "line": (errors or [""])[-1][:200],
+    }
 
 
 def part_inputs(model: str, workers: int = 2, fast_only: bool = False) -> dict:
@@ -480,22 +737,37 @@ def part_inputs(model: str, workers: int = 2, fast_only: bool = False) -> dict:
         tmp = Path(d)
         cases = input_cases(tmp, model)
         if fast_only:  # the ones refused while parsing, before any model is loaded
-            cases = [c for c in cases if c[0].split()[0].startswith("--") and c[0].split()[-1] in ("abc", "nan")]
+            cases = [
+                c
+                for c in cases
+                if c[0].split()[0].startswith("--") and c[0].split()[-1] in ("abc", "nan")
+            ]
         with ThreadPoolExecutor(workers) as pool:
             results = list(pool.map(lambda c: run_case(*c, model, tmp), cases))
     for r in results:
         print(f"{r['outcome']:<15} {r['input']:<45} {r.get('line', '')}")
-    counts = {k: sum(r["outcome"] == k for r in results)
-              for k in ("one-line error", "counted skip", "accepted", "traceback", "hang")}
+    counts = {
+        k: sum(r["outcome"] == k for r in results)
+        for k in ("one-line error", "counted skip", "accepted", "traceback", "hang")
+    }
     counts["other"] = len(results) - sum(counts.values())
     return {"inputs": len(results), **counts, "cases": results}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=["kills", "buffer", "buffer-postgres", "inputs", "all"], default="all",
-                   help="buffer-postgres: the buffer part on a PostgreSQL server it starts (all: both buffer parts)")
-    p.add_argument("--trials", type=int, default=27, help="kill -9 trials (27: each scenario x victim x moment)")
+    p.add_argument(
+        "--part",
+        choices=["kills", "buffer", "buffer-postgres", "inputs", "all"],
+        default="all",
+        help="buffer-postgres: the buffer part on a PostgreSQL server it starts (all: both buffer parts)",
+    )
+    p.add_argument(
+        "--trials",
+        type=int,
+        default=27,
+        help="kill -9 trials (27: each scenario x victim x moment)",
+    )
     p.add_argument("--writers", type=int, default=4)
     p.add_argument("--experiences", type=int, default=2000, help="experiences per writer")
     p.add_argument("--writer-kills", type=int, default=10)
@@ -506,9 +778,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         model = str(make_tiny_model(Path(d) / "model"))
         if args.part in ("buffer", "all"):
-            out["buffer"] = part_buffer(args.writers, args.experiences, args.writer_kills, args.seed)
+            out["buffer"] = part_buffer(
+                args.writers, args.experiences, args.writer_kills, args.seed
+            )
         if args.part in ("buffer-postgres", "all"):
-            out["buffer-postgres"] = part_buffer_postgres(args.writers, args.experiences, args.writer_kills, args.seed)
+            out["buffer-postgres"] = part_buffer_postgres(
+                args.writers, args.experiences, args.writer_kills, args.seed
+            )
         if args.part in ("inputs", "all"):
             out["inputs"] = part_inputs(model)
         if args.part in ("kills", "all"):
@@ -517,22 +793,30 @@ def main() -> None:
     print("\nsummary")
     if "kills" in out:
         k = out["kills"]
-        print(f"kill -9 trials {k['trials']}: lost {k['lost']}, trained twice {k['trained_twice']}, generated twice "
-              f"{k['generated_twice']}, could not resume {k['could_not_resume']}, left running {k['left_running']}; "
-              f"phases {k['phases']}")
+        print(
+            f"kill -9 trials {k['trials']}: lost {k['lost']}, trained twice {k['trained_twice']}, generated twice "
+            f"{k['generated_twice']}, could not resume {k['could_not_resume']}, left running {k['left_running']}; "
+            f"phases {k['phases']}"
+        )
     for part in ("buffer", "buffer-postgres"):
         if part not in out:
             continue
         for r in out[part]["concurrent"]:
-            print(f"{part} {r['writers']} writer(s) x {r['experiences'] // r['writers']} experiences (groups of "
-                  f"{r['group_size']}): partial {r['partial_reads']}, served twice {r['served_twice']}, lost {r['lost']}")
+            print(
+                f"{part} {r['writers']} writer(s) x {r['experiences'] // r['writers']} experiences (groups of "
+                f"{r['group_size']}): partial {r['partial_reads']}, served twice {r['served_twice']}, lost {r['lost']}"
+            )
         b = out[part]
-        print(f"{part}: writers killed mid-write {b['killed_writers']}: partial groups left {b['partial_groups_left']}, "
-              f"explorer state mismatched {b['state_mismatch']}")
+        print(
+            f"{part}: writers killed mid-write {b['killed_writers']}: partial groups left {b['partial_groups_left']}, "
+            f"explorer state mismatched {b['state_mismatch']}"
+        )
     if "inputs" in out:
         i = out["inputs"]
-        print(f"malformed inputs {i['inputs']}: one-line error {i['one-line error']}, counted skip {i['counted skip']}, "
-              f"accepted {i['accepted']}, traceback {i['traceback']}, hang {i['hang']}, other {i['other']}")
+        print(
+            f"malformed inputs {i['inputs']}: one-line error {i['one-line error']}, counted skip {i['counted skip']}, "
+            f"accepted {i['accepted']}, traceback {i['traceback']}, hang {i['hang']}, other {i['other']}"
+        )
     print(f"saved {out_path}")
 
 

@@ -73,13 +73,14 @@ It prints every stage with PASS / FAIL / SKIP, its time and its figures, and wri
 DIR/gpu_check.json (GPU, versions, every figure) and DIR/gpu_check.log (every stage's whole
 output). Exit code 0 when every stage passed, 1 when one failed, 2 without a CUDA device.
 """
+
 import argparse
+import importlib.util
 import json
 import math
-import importlib.util
 import os
-import shutil
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -99,21 +100,48 @@ TOKENIZER = ROOT / "benchmarks" / "gpu_check_files" / "tokenizer"
 WHEELS = sorted((ROOT / "benchmarks" / "gpu_check_files" / "wheels").glob("*.whl"))
 if importlib.util.find_spec("tyro") is None:
     sys.path[1:1] = [str(w) for w in WHEELS]
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(w) for w in WHEELS] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "numpy", "tensorboard", "pytest", "tqdm", "psutil",
-            "matplotlib")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(w) for w in WHEELS] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    )
+PACKAGES = (
+    "torch",
+    "transformers",
+    "accelerate",
+    "safetensors",
+    "numpy",
+    "tensorboard",
+    "pytest",
+    "tqdm",
+    "psutil",
+    "matplotlib",
+)
 # LlamaConfig fields of each model besides the vocabulary (the tokenizer's); random weights, tied embeddings
 MODELS = {
-    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                 num_key_value_heads=3),   # SmolLM2-135M
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2),   # Qwen2-0.5B
+    "135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+    ),  # SmolLM2-135M
+    "0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+    ),  # Qwen2-0.5B
 }
 STEPS, MULTI_STEPS, TASKS = 8, 4, 400
-LONG_TOKENS = {"0.5b": 512}  # the bench stage also times replies of this many tokens on these models
+LONG_TOKENS = {
+    "0.5b": 512
+}  # the bench stage also times replies of this many tokens on these models
 MIN_STAGE_S = 20.0  # a stage with less of the budget left is not started (it fails as not run)
-TESTS = ["tests/test_gpu.py", "tests/test_ipc_sync.py::test_buckets_arrive_equal_and_are_held_until_acknowledged[cuda]",
-         "tests/test_cuda_graphs.py"]
+TESTS = [
+    "tests/test_gpu.py",
+    "tests/test_ipc_sync.py::test_buckets_arrive_equal_and_are_held_until_acknowledged[cuda]",
+    "tests/test_cuda_graphs.py",
+]
 
 
 class Failed(Exception):
@@ -121,6 +149,7 @@ class Failed(Exception):
 
 
 # ----------------------------------------------------------------------------- preparation (CPU)
+
 
 def write_tasks(path: Path, n: int) -> None:
     """n arithmetic questions (two 1-2 digit numbers, + or -) as run.py's JSONL tasks."""
@@ -130,8 +159,16 @@ def write_tasks(path: Path, n: int) -> None:
     with path.open("w") as f:
         for i in range(n):
             a, b, op = rng.randint(0, 99), rng.randint(0, 99), rng.choice("+-")
-            f.write(json.dumps({"id": f"arith/{i}", "question": f"What is {a} {op} {b}?",
-                                "answer": str(a + b if op == "+" else a - b)}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"arith/{i}",
+                        "question": f"What is {a} {op} {b}?",
+                        "answer": str(a + b if op == "+" else a - b),
+                    }
+                )
+                + "\n"
+            )
 
 
 def build_model(path: Path, shape: dict, tokenizer) -> int:
@@ -142,9 +179,15 @@ def build_model(path: Path, shape: dict, tokenizer) -> int:
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    cfg = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=2048, tie_word_embeddings=True,
-                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id, **shape)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **shape,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     params = sum(p.numel() for p in model.parameters())
@@ -153,12 +196,33 @@ def build_model(path: Path, shape: dict, tokenizer) -> int:
     return params
 
 
-def both_flags(work: Path, model: str, steps: int, run_dir: Path, sync_method: str = "ipc") -> list[str]:
+def both_flags(
+    work: Path, model: str, steps: int, run_dir: Path, sync_method: str = "ipc"
+) -> list[str]:
     """run.py flags of a mode-both job on the default job's shape with a weight sync after every step (ipc for the
     explorer colocated with trainer rank 0 on one GPU; the multi-GPU stages check auto's choice)."""
-    return ["--mode", "both", "--engine", "hf", "--model", str(work / "models" / model), "--task",
-            str(work / "tasks.jsonl"), "--steps", str(steps), "--sync-interval", "1", "--eval-size", "16",
-            "--run-dir", str(run_dir), "--overwrite", "--sync-checksum", "--sync-method", sync_method]
+    return [
+        "--mode",
+        "both",
+        "--engine",
+        "hf",
+        "--model",
+        str(work / "models" / model),
+        "--task",
+        str(work / "tasks.jsonl"),
+        "--steps",
+        str(steps),
+        "--sync-interval",
+        "1",
+        "--eval-size",
+        "16",
+        "--run-dir",
+        str(run_dir),
+        "--overwrite",
+        "--sync-checksum",
+        "--sync-method",
+        sync_method,
+    ]
 
 
 def jobs(work: Path) -> dict[str, list[str]]:
@@ -167,7 +231,11 @@ def jobs(work: Path) -> dict[str, list[str]]:
     out = {"both-135m": both_flags(work, "135m", STEPS, work / "runs" / "both-135m")}
     if importlib.util.find_spec("peft") is not None:
         out["lora-135m"] = both_flags(work, "135m", STEPS, work / "runs" / "lora-135m") + [
-            "--lora-rank", "16", "--lr", "3e-4"]
+            "--lora-rank",
+            "16",
+            "--lr",
+            "3e-4",
+        ]
     return {**out, "both-0.5b": both_flags(work, "0.5b", STEPS, work / "runs" / "both-0.5b")}
 
 
@@ -179,10 +247,21 @@ def prepare(work: Path, env: dict) -> dict:
 
     missing = [p for p in PACKAGES if importlib.util.find_spec(p) is None]
     if missing:
-        raise Failed(f"missing Python packages: {', '.join(missing)} (the GPU image this check is for has them)")
+        raise Failed(
+            f"missing Python packages: {', '.join(missing)} (the GPU image this check is for has them)"
+        )
     try:
-        for name in ("run", "trainer", "explorer", "sync", "buffer", "workflows", "losses", "extras.pipelines",
-                     "extras.ipc_sync"):
+        for name in (
+            "run",
+            "trainer",
+            "explorer",
+            "sync",
+            "buffer",
+            "workflows",
+            "losses",
+            "extras.pipelines",
+            "extras.ipc_sync",
+        ):
             importlib.import_module(name)
     except Exception as e:
         raise Failed(f"importing nanorft's modules failed: {type(e).__name__}: {e}") from None
@@ -191,7 +270,9 @@ def prepare(work: Path, env: dict) -> dict:
     try:
         tok = AutoTokenizer.from_pretrained(TOKENIZER)
     except Exception as e:
-        raise Failed(f"the carried tokenizer {TOKENIZER} does not load: {type(e).__name__}: {e}") from None
+        raise Failed(
+            f"the carried tokenizer {TOKENIZER} does not load: {type(e).__name__}: {e}"
+        ) from None
     write_tasks(work / "tasks.jsonl", TASKS)
     models = {}
     for name, shape in MODELS.items():
@@ -199,16 +280,46 @@ def prepare(work: Path, env: dict) -> dict:
         params = build_model(work / "models" / name, shape, tok)
         models[name] = {"params": params, "build_s": round(time.monotonic() - t, 1), **shape}
     # these two see no GPU (run.prepare asks CUDA whether it computes bf16), so nothing here touches one
-    for what, cmd in (("validating the run.py jobs", [sys.executable, str(Path(__file__).resolve()), "--worker",
-                                                      "validate", "--work", str(work)]),
-                      ("collecting the tests", [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
-                                                "no:cacheprovider", *TESTS])):
-        res = subprocess.run(cmd, cwd=ROOT, env={**env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True)
+    for what, cmd in (
+        (
+            "validating the run.py jobs",
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--worker",
+                "validate",
+                "--work",
+                str(work),
+            ],
+        ),
+        (
+            "collecting the tests",
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "--collect-only",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                *TESTS,
+            ],
+        ),
+    ):
+        res = subprocess.run(
+            cmd, cwd=ROOT, env={**env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True
+        )
         if res.returncode != 0:
             raise Failed(f"{what} failed: {last_line(res.stdout + res.stderr)}")
     collected = sum("::" in line for line in res.stdout.splitlines())
-    return {"tokenizer": str(TOKENIZER), "vocab": len(tok), "tasks": TASKS, "models": models,
-            "jobs_validated": list(jobs(work)), "tests_collected": collected}
+    return {
+        "tokenizer": str(TOKENIZER),
+        "vocab": len(tok),
+        "tasks": TASKS,
+        "models": models,
+        "jobs_validated": list(jobs(work)),
+        "tests_collected": collected,
+    }
 
 
 def validate_worker(work: Path) -> int:
@@ -217,12 +328,11 @@ def validate_worker(work: Path) -> int:
     import contextlib
     import io
 
-    import launch
     import run
 
     for name, flags in jobs(work).items():
         i = flags.index("--run-dir")
-        flags = flags[:i + 1] + [str(work / "validate" / name)] + flags[i + 2:]
+        flags = flags[: i + 1] + [str(work / "validate" / name)] + flags[i + 2 :]
         try:
             with contextlib.redirect_stdout(io.StringIO()):
                 run.prepare(run.parse_config(flags), 0)
@@ -233,6 +343,7 @@ def validate_worker(work: Path) -> int:
 
 
 # ----------------------------------------------------------------------------- stages (GPU)
+
 
 @dataclass
 class Stage:
@@ -253,8 +364,15 @@ def last_line(text: str) -> str:
 
 def torchrun(nproc: int, flags: list[str]) -> list[str]:
     """`torchrun --standalone --nproc_per_node nproc run.py flags` (--standalone: a free port)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            "run.py"] + flags
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "run.py",
+    ] + flags
 
 
 class GpuMemory:
@@ -269,8 +387,18 @@ class GpuMemory:
     def _poll(self) -> None:
         while not self.done.wait(1.0):
             try:
-                out = subprocess.run([self.exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i",
-                                      ",".join(self.gpus)], capture_output=True, text=True, timeout=10).stdout
+                out = subprocess.run(
+                    [
+                        self.exe,
+                        "--query-gpu=memory.used",
+                        "--format=csv,noheader,nounits",
+                        "-i",
+                        ",".join(self.gpus),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                ).stdout
                 used = max(float(x) for x in out.split()) / 1024
             except (OSError, ValueError, subprocess.TimeoutExpired):
                 continue
@@ -291,13 +419,24 @@ def run_stage(stage: Stage, deadline: float, base_env: dict, log) -> dict:
     """Run one stage within its limit and the deadline; returns its summary record."""
     left = deadline - time.monotonic()
     if left < MIN_STAGE_S:
-        return {"status": "FAIL", "seconds": 0.0, "detail": f"not run: {max(0, left):.0f} s of the time budget left"}
+        return {
+            "status": "FAIL",
+            "seconds": 0.0,
+            "detail": f"not run: {max(0, left):.0f} s of the time budget left",
+        }
     limit = min(stage.limit_s, left)
     env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(stage.gpus)}
     t0 = time.monotonic()
     with GpuMemory(stage.gpus) as mem:
-        proc = subprocess.Popen(stage.cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            stage.cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             out, timed_out = proc.communicate(timeout=limit)[0], False
         except subprocess.TimeoutExpired:
@@ -309,8 +448,14 @@ def run_stage(stage: Stage, deadline: float, base_env: dict, log) -> dict:
                 pass
         out = proc.communicate()[0] if out is None else out
     seconds = time.monotonic() - t0
-    log.write(f"==== {stage.name}: {shlex.join(stage.cmd)} (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})\n{out}\n")
-    result = {"status": "FAIL", "seconds": round(seconds, 1), "gpu_memory_peak_gib": mem.peak and round(mem.peak, 2)}
+    log.write(
+        f"==== {stage.name}: {shlex.join(stage.cmd)} (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})\n{out}\n"
+    )
+    result = {
+        "status": "FAIL",
+        "seconds": round(seconds, 1),
+        "gpu_memory_peak_gib": mem.peak and round(mem.peak, 2),
+    }
     if timed_out:
         result["detail"] = f"timed out after {limit:.0f} s"
     elif proc.returncode != 0:
@@ -321,7 +466,9 @@ def run_stage(stage: Stage, deadline: float, base_env: dict, log) -> dict:
             result.update(status="PASS", detail=detail, figures=figures)
         except Failed as e:
             result["detail"] = str(e)
-        except Exception as e:  # a check that cannot read the stage's files fails that stage, not the others
+        except (
+            Exception
+        ) as e:  # a check that cannot read the stage's files fails that stage, not the others
             result["detail"] = f"{type(e).__name__}: {e}"
     log.write(f"---- {stage.name}: {result['status']} ({seconds:.1f} s): {result['detail']}\n")
     log.flush()
@@ -332,54 +479,84 @@ def run_stage(stage: Stage, deadline: float, base_env: dict, log) -> dict:
 def check_cuda(work: Path) -> Callable[[str], tuple[str, dict]]:
     def check(out: str) -> tuple[str, dict]:
         info = json.loads((work / "cuda.json").read_text())
-        names = ", ".join(f"{g['name']} ({g['memory_gib']:.0f} GiB, sm_{g['capability']})" for g in info["gpus"])
-        return (f"{len(info['gpus'])} GPU(s): {names}; NCCL {info['nccl']}; compute mode "
-                f"{'/'.join(info['compute_modes']) or '?'}; PYTORCH_CUDA_ALLOC_CONF '{info['alloc_conf']}'", info)
+        names = ", ".join(
+            f"{g['name']} ({g['memory_gib']:.0f} GiB, sm_{g['capability']})" for g in info["gpus"]
+        )
+        return (
+            f"{len(info['gpus'])} GPU(s): {names}; NCCL {info['nccl']}; compute mode "
+            f"{'/'.join(info['compute_modes']) or '?'}; PYTORCH_CUDA_ALLOC_CONF '{info['alloc_conf']}'",
+            info,
+        )
+
     return check
 
 
 def check_tests(xml: Path) -> Callable[[str], tuple[str, dict]]:
     """tests/test_gpu.py: every test passed, none skipped, the perturbed-sync test ran on CUDA."""
+
     def check(out: str) -> tuple[str, dict]:
         import xml.etree.ElementTree as ET
 
-        cases = {c.get("name"): next((k.tag for k in c if k.tag in ("failure", "error", "skipped")), "passed")
-                 for c in ET.parse(xml).getroot().iter("testcase")}
+        cases = {
+            c.get("name"): next(
+                (k.tag for k in c if k.tag in ("failure", "error", "skipped")), "passed"
+            )
+            for c in ET.parse(xml).getroot().iter("testcase")
+        }
         bad = {n: s for n, s in cases.items() if s != "passed"}
         if bad:
             raise Failed(f"not passed: {', '.join(f'{n} ({s})' for n, s in bad.items())}")
         perturbed = [n for n in cases if "perturbed" in n and "cuda" in n]
         if len(perturbed) != 3:
-            raise Failed(f"the perturbed-sync test did not run on CUDA in float32, bf16 and bf16 with graphs: "
-                         f"{perturbed}")
-        return f"{len(cases)} passed, none skipped (incl. {', '.join(perturbed)})", {"passed": sorted(cases)}
+            raise Failed(
+                f"the perturbed-sync test did not run on CUDA in float32, bf16 and bf16 with graphs: "
+                f"{perturbed}"
+            )
+        return f"{len(cases)} passed, none skipped (incl. {', '.join(perturbed)})", {
+            "passed": sorted(cases)
+        }
+
     return check
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [
+        json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()
+    ]
 
 
 def check_both(run_dir: Path, placement: str) -> Callable[[str], tuple[str, dict]]:
     """A mode-both run: the expected placement line; after every sync the explorer's checksum
     equals the trainer's; the CUDA memory metrics are there. Figures: s/step and its split."""
+
     def check(out: str) -> tuple[str, dict]:
         if f"placement: {placement}" not in out:
-            raise Failed(f"expected 'placement: {placement}', got: "
-                         f"{next((x for x in out.splitlines() if x.startswith('placement:')), 'no placement line')}")
+            raise Failed(
+                f"expected 'placement: {placement}', got: "
+                f"{next((x for x in out.splitlines() if x.startswith('placement:')), 'no placement line')}"
+            )
         recs = metrics(run_dir)
-        sent = {r["version"]: r["sync/trainer_checksum"] for r in recs if "sync/trainer_checksum" in r}
-        got = {r["explorer/received_version"]: r["sync/explorer_checksum"] for r in recs
-               if "sync/explorer_checksum" in r}
+        sent = {
+            r["version"]: r["sync/trainer_checksum"] for r in recs if "sync/trainer_checksum" in r
+        }
+        got = {
+            r["explorer/received_version"]: r["sync/explorer_checksum"]
+            for r in recs
+            if "sync/explorer_checksum" in r
+        }
         if not sent or set(got) != set(sent):
             raise Failed(f"versions sent {sorted(sent)}, received {sorted(got)}")
         differ = [v for v in sent if not math.isclose(got[v], sent[v], rel_tol=1e-6, abs_tol=1e-9)]
         if differ:
-            raise Failed(f"checksums differ after the syncs of versions {differ}: "
-                         f"{[(sent[v], got[v]) for v in differ]}")
+            raise Failed(
+                f"checksums differ after the syncs of versions {differ}: "
+                f"{[(sent[v], got[v]) for v in differ]}"
+            )
         steps = [r for r in recs if "reward/mean" in r]
         if any("memory/peak_allocated_gib" not in r for r in steps):
-            raise Failed("a step record has no memory/peak_allocated_gib: the trainer did not run on CUDA")
+            raise Failed(
+                "a step record has no memory/peak_allocated_gib: the trainer did not run on CUDA"
+            )
         timed = steps[1:]  # the first step includes start-up and the first evaluation
 
         def mean(key: str) -> float:
@@ -387,19 +564,30 @@ def check_both(run_dir: Path, placement: str) -> Callable[[str], tuple[str, dict
 
         # the median step: a step that recompiles a decoder block for new shapes (torch.compile) is not typical
         gaps = [b["time/elapsed_s"] - a["time/elapsed_s"] for a, b in zip(timed, timed[1:])]
-        fig = {"syncs": len(sent), "checksums_equal": True, "s_per_step": statistics.median(gaps),
-               "s_per_step_mean": statistics.fmean(gaps),
-               **{k.split("/")[1]: mean(k) for k in ("time/explore_s", "time/train_s", "time/sync_s", "time/wait_s")},
-               "explorer_tokens_per_s": mean("explorer/tokens_per_s"),
-               "trainer_tokens_per_s": mean("train/tokens_per_s"),
-               "trainer_peak_allocated_gib": max(r["memory/peak_allocated_gib"] for r in steps),
-               "trainer_reserved_gib": max(r["memory/reserved_gib"] for r in steps)}
-        return (f"{fig['syncs']} syncs, checksums equal; {fig['s_per_step']:.2f} s/step (median; mean "
-                f"{fig['s_per_step_mean']:.2f}; explore "
-                f"{fig['explore_s']:.2f}, train {fig['train_s']:.2f}, sync {fig['sync_s']:.2f}); explorer "
-                f"{fig['explorer_tokens_per_s']:.0f}, "
-                f"trainer {fig['trainer_tokens_per_s']:.0f} tokens/s; trainer peak "
-                f"{fig['trainer_peak_allocated_gib']:.1f} GiB", fig)
+        fig = {
+            "syncs": len(sent),
+            "checksums_equal": True,
+            "s_per_step": statistics.median(gaps),
+            "s_per_step_mean": statistics.fmean(gaps),
+            **{
+                k.split("/")[1]: mean(k)
+                for k in ("time/explore_s", "time/train_s", "time/sync_s", "time/wait_s")
+            },
+            "explorer_tokens_per_s": mean("explorer/tokens_per_s"),
+            "trainer_tokens_per_s": mean("train/tokens_per_s"),
+            "trainer_peak_allocated_gib": max(r["memory/peak_allocated_gib"] for r in steps),
+            "trainer_reserved_gib": max(r["memory/reserved_gib"] for r in steps),
+        }
+        return (
+            f"{fig['syncs']} syncs, checksums equal; {fig['s_per_step']:.2f} s/step (median; mean "
+            f"{fig['s_per_step_mean']:.2f}; explore "
+            f"{fig['explore_s']:.2f}, train {fig['train_s']:.2f}, sync {fig['sync_s']:.2f}); explorer "
+            f"{fig['explorer_tokens_per_s']:.0f}, "
+            f"trainer {fig['trainer_tokens_per_s']:.0f} tokens/s; trainer peak "
+            f"{fig['trainer_peak_allocated_gib']:.1f} GiB",
+            fig,
+        )
+
     return check
 
 
@@ -411,48 +599,84 @@ def check_bench(work: Path) -> Callable[[str], tuple[str, dict]]:
         nums = [v for r in res.values() for v in r.values() if isinstance(v, float)]
         if not all(math.isfinite(v) and v > 0 for v in nums):
             raise Failed(f"a figure is not a positive number: {res}")
-        return "; ".join(f"{m}: explorer {r['explorer_tokens_per_s']:.0f} tok/s = {r['graphs_vs_eager']:.2f}x eager "
-                         f"decode" + (f" (CUDA graphs off: {r['graphs_failed']})" if r["graphs_failed"] else "")
-                         + f", {r['explorer_vs_generate']:.2f}x generate"
-                         + (f", {r['long_rows']} x {r['long_tokens']} tokens {r['long_graphs_tokens_per_s']:.0f} tok/s "
-                            f"= {r['long_graphs_vs_eager']:.2f}x eager" if "long_tokens" in r else "") + f", train {r['trainer_tokens_per_s']:.0f} tok/s = {r['trainer_vs_raw']:.2f}x raw "
-                         f"loop, train peak {r['trainer_peak_gib']:.1f} GiB, raw copy of "
-                         f"{r['copy_bytes'] / 1e6:.0f} MB device -> host -> device {r['raw_copy_d2h2d_s']:.3f} s"
-                         for m, r in res.items()), res
+        return "; ".join(
+            f"{m}: explorer {r['explorer_tokens_per_s']:.0f} tok/s = {r['graphs_vs_eager']:.2f}x eager "
+            f"decode"
+            + (f" (CUDA graphs off: {r['graphs_failed']})" if r["graphs_failed"] else "")
+            + f", {r['explorer_vs_generate']:.2f}x generate"
+            + (
+                f", {r['long_rows']} x {r['long_tokens']} tokens {r['long_graphs_tokens_per_s']:.0f} tok/s "
+                f"= {r['long_graphs_vs_eager']:.2f}x eager"
+                if "long_tokens" in r
+                else ""
+            )
+            + f", train {r['trainer_tokens_per_s']:.0f} tok/s = {r['trainer_vs_raw']:.2f}x raw "
+            f"loop, train peak {r['trainer_peak_gib']:.1f} GiB, raw copy of "
+            f"{r['copy_bytes'] / 1e6:.0f} MB device -> host -> device {r['raw_copy_d2h2d_s']:.3f} s"
+            for m, r in res.items()
+        ), res
+
     return check
 
 
 def check_trainer(path: Path) -> Callable[[str], tuple[str, dict]]:
     """bench_trainer.py on the Qwen3-0.6B shape: nanorft's step and the raw loop at each length and LoRA rank run."""
+
     def check(out: str) -> tuple[str, dict]:
         res = json.loads(path.read_text())
         rows = {(r["arm"], r["lora_rank"], r["length"], r["lever"]): r for r in res["rows"]}
-        cells = [(rank, n) for rank in (0, 16) for n in (2048, 8192)
-                 if ("nanorft", rank, n, "default") in rows and ("raw", rank, n, "default") in rows]
+        cells = [
+            (rank, n)
+            for rank in (0, 16)
+            for n in (2048, 8192)
+            if ("nanorft", rank, n, "default") in rows and ("raw", rank, n, "default") in rows
+        ]
         if not cells:
             raise Failed(f"no length timed in both arms (skipped: {res['skipped']})")
-        return "; ".join(f"{'full' if rank == 0 else f'LoRA r{rank}'} {n}: "
-                         f"{rows[('nanorft', rank, n, 'default')]['tokens_per_s']:.0f} tok/s (MFU "
-                         f"{rows[('nanorft', rank, n, 'default')]['mfu']:.2f}) = "
-                         f"{res['nanorft_vs_raw'][f'r{rank}_{n}']:.2f}x raw" for rank, n in cells), res
+        return "; ".join(
+            f"{'full' if rank == 0 else f'LoRA r{rank}'} {n}: "
+            f"{rows[('nanorft', rank, n, 'default')]['tokens_per_s']:.0f} tok/s (MFU "
+            f"{rows[('nanorft', rank, n, 'default')]['mfu']:.2f}) = "
+            f"{res['nanorft_vs_raw'][f'r{rank}_{n}']:.2f}x raw"
+            for rank, n in cells
+        ), res
+
     return check
 
 
 def check_sync(device: str) -> Callable[[str], tuple[str, dict]]:
     def check(out: str) -> tuple[str, dict]:
         r = json.loads((ROOT / "benchmarks" / "results" / f"sync_{device}.json").read_text())
-        fig = {k: r[k] for k in ("bytes", "nanorft_s", "raw_s", "bucketed_s", "ratio_raw_over_nanorft",
-                                 "ratio_raw_over_bucketed", "nanorft_gb_per_s", "raw_gb_per_s", "ipc_s",
-                                 "ratio_bucketed_over_ipc", "ipc_gb_per_s") if k in r}
+        fig = {
+            k: r[k]
+            for k in (
+                "bytes",
+                "nanorft_s",
+                "raw_s",
+                "bucketed_s",
+                "ratio_raw_over_nanorft",
+                "ratio_raw_over_bucketed",
+                "nanorft_gb_per_s",
+                "raw_gb_per_s",
+                "ipc_s",
+                "ratio_bucketed_over_ipc",
+                "ipc_gb_per_s",
+            )
+            if k in r
+        }
         if device == "colocated" and "ipc_s" not in r:
             raise Failed("bench_sync.py timed no ipc publish")
         ipc = ""
         if "ipc_s" in r:
             fig["ipc_s_per_gb"] = r["ipc_s"] / (r["bytes"] / 1e9)
             ipc = f", ipc {r['ipc_s']:.3f} s ({fig['ipc_s_per_gb']:.3f} s/GB; bucketed / ipc {r['ratio_bucketed_over_ipc']:.1f})"
-        return (f"{r['bytes'] / 1e6:.0f} MB: publish {r['nanorft_s']:.3f} s ({r['nanorft_gb_per_s']:.2f} GB/s), raw "
-                f"broadcast {r['raw_s']:.3f} s (raw/nanorft {r['ratio_raw_over_nanorft']:.2f}), bucketed "
-                f"{r['bucketed_s']:.3f} s{ipc}", fig)
+        return (
+            f"{r['bytes'] / 1e6:.0f} MB: publish {r['nanorft_s']:.3f} s ({r['nanorft_gb_per_s']:.2f} GB/s), raw "
+            f"broadcast {r['raw_s']:.3f} s (raw/nanorft {r['ratio_raw_over_nanorft']:.2f}), bucketed "
+            f"{r['bucketed_s']:.3f} s{ipc}",
+            fig,
+        )
+
     return check
 
 
@@ -463,46 +687,139 @@ def placement(gpus: int, ranks: int, sync_method: str = "ipc") -> str:
     import launch
 
     layout = launch.place(gpus, ranks, "both")
-    return layout.describe(launch.sync_method(types.SimpleNamespace(mode="both", engine="hf",
-                                                                    sync_method=sync_method), layout))
+    return layout.describe(
+        launch.sync_method(
+            types.SimpleNamespace(mode="both", engine="hf", sync_method=sync_method), layout
+        )
+    )
 
 
 def plan(work: Path, gpus: list[str]) -> list[Stage]:
     """The stages for these visible GPUs (ids as CUDA_VISIBLE_DEVICES names them)."""
-    import run
 
     me = [sys.executable, str(Path(__file__).resolve())]
     xml = work / "tests.xml"
     one = gpus[:1]
-    stages = [Stage("cuda", me + ["--worker", "cuda", "--work", str(work)], gpus, 60, check_cuda(work))]
+    stages = [
+        Stage("cuda", me + ["--worker", "cuda", "--work", str(work)], gpus, 60, check_cuda(work))
+    ]
     for m in MODELS:
-        stages.append(Stage(f"sync-{m}", [sys.executable, "benchmarks/bench_sync.py", "--device", "colocated",
-                                          "--model", str(work / "models" / m), "--rounds", "3"], one, 90,
-                            check_sync("colocated")))
-    stages.append(Stage("bench", me + ["--worker", "bench", "--work", str(work)], one, 240, check_bench(work)))
+        stages.append(
+            Stage(
+                f"sync-{m}",
+                [
+                    sys.executable,
+                    "benchmarks/bench_sync.py",
+                    "--device",
+                    "colocated",
+                    "--model",
+                    str(work / "models" / m),
+                    "--rounds",
+                    "3",
+                ],
+                one,
+                90,
+                check_sync("colocated"),
+            )
+        )
+    stages.append(
+        Stage("bench", me + ["--worker", "bench", "--work", str(work)], one, 240, check_bench(work))
+    )
     # full fine-tuning at 8k tokens, the defaults only: the levers and LoRA were measured on their own (docs/gpus.md)
-    stages.append(Stage("trainer", [sys.executable, "benchmarks/bench_trainer.py", "--device", "cuda", "--lengths",
-                                    "8192", "--lora-ranks", "0", "--levers", "", "--rounds", "3", "--budget-s", "90",
-                                    "--json", str(work / "trainer.json")], one, 150, check_trainer(work / "trainer.json")))
+    stages.append(
+        Stage(
+            "trainer",
+            [
+                sys.executable,
+                "benchmarks/bench_trainer.py",
+                "--device",
+                "cuda",
+                "--lengths",
+                "8192",
+                "--lora-ranks",
+                "0",
+                "--levers",
+                "",
+                "--rounds",
+                "3",
+                "--budget-s",
+                "90",
+                "--json",
+                str(work / "trainer.json"),
+            ],
+            one,
+            150,
+            check_trainer(work / "trainer.json"),
+        )
+    )
     for name, flags in jobs(work).items():  # both-135m, lora-135m, both-0.5b
-        stages.append(Stage(name, torchrun(1, flags), one, 150,
-                            check_both(work / "runs" / name, placement(1, 1))))
-    stages.append(Stage("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", *TESTS,
-                                  f"--junitxml={xml}"], one, 240, check_tests(xml)))
+        stages.append(
+            Stage(
+                name,
+                torchrun(1, flags),
+                one,
+                150,
+                check_both(work / "runs" / name, placement(1, 1)),
+            )
+        )
+    stages.append(
+        Stage(
+            "tests",
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-rfEs",
+                *TESTS,
+                f"--junitxml={xml}",
+            ],
+            one,
+            240,
+            check_tests(xml),
+        )
+    )
     if len(gpus) >= 2:
         d1, d2, three = work / "runs" / "multi-1rank", work / "runs" / "multi-2ranks", gpus[:3]
         stages += [
-            Stage("multi-1rank", torchrun(1, both_flags(work, "135m", MULTI_STEPS, d1, "auto")), gpus[:2], 150,
-                  check_both(d1, placement(2, 1, "auto"))),
-            Stage("multi-2ranks", torchrun(2, both_flags(work, "135m", MULTI_STEPS, d2, "auto")), three, 150,
-                  check_both(d2, placement(len(three), 2, "auto"))),
-            Stage("sync-nccl", [sys.executable, "benchmarks/bench_sync.py", "--device", "cuda", "--model",
-                                str(work / "models" / "135m"), "--rounds", "3"], gpus[:2], 90, check_sync("cuda")),
+            Stage(
+                "multi-1rank",
+                torchrun(1, both_flags(work, "135m", MULTI_STEPS, d1, "auto")),
+                gpus[:2],
+                150,
+                check_both(d1, placement(2, 1, "auto")),
+            ),
+            Stage(
+                "multi-2ranks",
+                torchrun(2, both_flags(work, "135m", MULTI_STEPS, d2, "auto")),
+                three,
+                150,
+                check_both(d2, placement(len(three), 2, "auto")),
+            ),
+            Stage(
+                "sync-nccl",
+                [
+                    sys.executable,
+                    "benchmarks/bench_sync.py",
+                    "--device",
+                    "cuda",
+                    "--model",
+                    str(work / "models" / "135m"),
+                    "--rounds",
+                    "3",
+                ],
+                gpus[:2],
+                90,
+                check_sync("cuda"),
+            ),
         ]
     return stages
 
 
 # ----------------------------------------------------------------------------- workers (subprocesses of stages)
+
 
 def cuda_worker(work: Path) -> None:
     """--worker cuda: a bf16 matmul on every visible GPU; writes WORK/cuda.json."""
@@ -512,17 +829,47 @@ def cuda_worker(work: Path) -> None:
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
         a = torch.randn(4096, 4096, device=f"cuda:{i}", dtype=torch.bfloat16)
-        assert torch.isfinite(a @ a).all().item(), f"cuda:{i}: a bf16 matmul gave non-finite numbers"
-        gpus.append({"name": p.name, "memory_gib": p.total_memory / 2**30, "capability": f"{p.major}{p.minor}",
-                     "multiprocessors": p.multi_processor_count})
+        assert torch.isfinite(a @ a).all().item(), (
+            f"cuda:{i}: a bf16 matmul gave non-finite numbers"
+        )
+        gpus.append(
+            {
+                "name": p.name,
+                "memory_gib": p.total_memory / 2**30,
+                "capability": f"{p.major}{p.minor}",
+                "multiprocessors": p.multi_processor_count,
+            }
+        )
     # what decides whether CUDA IPC can work here: an exclusive compute mode or cudaMallocAsync rules it out
     smi, visible = shutil.which("nvidia-smi"), os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    modes = subprocess.run([smi, "--query-gpu=compute_mode", "--format=csv,noheader"] + (["-i", visible] if visible
-                           else []), capture_output=True, text=True, timeout=30).stdout.strip().splitlines() if smi else []
-    (work / "cuda.json").write_text(json.dumps({
-        "gpus": gpus, "torch": torch.__version__, "cuda": torch.version.cuda, "bf16": torch.cuda.is_bf16_supported(),
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())), "cudnn": torch.backends.cudnn.version(),
-        "compute_modes": modes, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}, indent=2))
+    modes = (
+        subprocess.run(
+            [smi, "--query-gpu=compute_mode", "--format=csv,noheader"]
+            + (["-i", visible] if visible else []),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        .stdout.strip()
+        .splitlines()
+        if smi
+        else []
+    )
+    (work / "cuda.json").write_text(
+        json.dumps(
+            {
+                "gpus": gpus,
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "bf16": torch.cuda.is_bf16_supported(),
+                "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                "cudnn": torch.backends.cudnn.version(),
+                "compute_modes": modes,
+                "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+            },
+            indent=2,
+        )
+    )
 
 
 def bench_worker(work: Path, rounds: int = 3) -> None:
@@ -534,12 +881,13 @@ def bench_worker(work: Path, rounds: int = 3) -> None:
     import torch.distributed as dist
 
     import launch
-    import run
 
     launch.init_distributed()  # one rank on cuda:0, NCCL + gloo: the Trainer needs the default group
     out = {}
     for name in MODELS:
-        out[name] = bench_model(work, name, torch.device("cuda", 0), rounds, LONG_TOKENS.get(name, 0))
+        out[name] = bench_model(
+            work, name, torch.device("cuda", 0), rounds, LONG_TOKENS.get(name, 0)
+        )
         (work / "bench.json").write_text(json.dumps(out, indent=2))
         print(name, json.dumps(out[name]), flush=True)
         gc.collect()
@@ -566,12 +914,24 @@ def raw_generate(model, prompts: list[list[int]], n: int, max_tokens: int, pad: 
 
     from packing import left_pad
 
-    ids, attn, _ = (x.to(model.device) for x in left_pad([p for p in prompts for _ in range(n)], pad))  # [B, P]
+    ids, attn, _ = (
+        x.to(model.device) for x in left_pad([p for p in prompts for _ in range(n)], pad)
+    )  # [B, P]
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                             max_new_tokens=max_tokens, pad_token_id=pad)
-    gen = out[:, ids.shape[1]:]                                              # [B, R], pad after the end token
-    after_end = (gen == pad).long().cumsum(1) - (gen == pad).long() > 0      # positions past the first end token
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_tokens,
+            pad_token_id=pad,
+        )
+    gen = out[:, ids.shape[1] :]  # [B, R], pad after the end token
+    after_end = (gen == pad).long().cumsum(1) - (
+        gen == pad
+    ).long() > 0  # positions past the first end token
     return int((~after_end).sum())
 
 
@@ -584,8 +944,10 @@ def raw_train(model, opt, exps, token_budget: int, pad: int) -> None:
 
     per_mb = max(1, token_budget // max(len(e.tokens) for e in exps))
     for i in range(0, len(exps), per_mb):
-        mb = exps[i:i + per_mb]
-        ids, attn, pos = (x.to(model.device) for x in left_pad([e.tokens for e in mb], pad))  # [B, L]
+        mb = exps[i : i + per_mb]
+        ids, attn, pos = (
+            x.to(model.device) for x in left_pad([e.tokens for e in mb], pad)
+        )  # [B, L]
         labels = ids.masked_fill(attn == 0, -100)
         for b, e in enumerate(mb):  # prompts are not trained on
             labels[b, : ids.shape[1] - len(e.tokens) + e.prompt_length] = -100
@@ -601,11 +963,12 @@ def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0
     """One model: nanorft's explorer (decode steps as CUDA graphs and eager) and trainer next to the raw loops, and
     with `long_tokens` the explorer on replies of that length (module docstring)."""
     import torch
+    from bench_step import (
+        explore_rate,
+    )  # the CPU benchmark's explorer timing: one batch through Explorer
     from transformers import AutoModelForCausalLM
 
-    import launch
     import run
-    from bench_step import explore_rate  # the CPU benchmark's explorer timing: one batch through Explorer
     from engines import HFEngine, Sampling
     from explorer import Explorer
     from models import choose_dtype
@@ -613,13 +976,30 @@ def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0
     from workflows import load_tasks
 
     path = str(work / "models" / name)
-    cfg = run.parse_config(["--model", path, "--task", str(work / "tasks.jsonl"), "--engine", "hf",
-                            "--run-dir", str(work / "bench" / name)])
+    cfg = run.parse_config(
+        [
+            "--model",
+            path,
+            "--task",
+            str(work / "tasks.jsonl"),
+            "--engine",
+            "hf",
+            "--run-dir",
+            str(work / "bench" / name),
+        ]
+    )
     cfg.dtype, _ = choose_dtype(cfg.dtype, "cuda")
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     train, held, dataset = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, 1, cfg.seed)
-    engine = HFEngine(path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=cfg.dtype == "bfloat16",
-                      device=str(device), dtype=torch.bfloat16, cuda_graphs=True)  # as make_engine makes it, colocated
+    engine = HFEngine(
+        path,
+        max_batch=cfg.explorer_max_batch,
+        seed=cfg.seed,
+        bf16=cfg.dtype == "bfloat16",
+        device=str(device),
+        dtype=torch.bfloat16,
+        cuda_graphs=True,
+    )  # as make_engine makes it, colocated
     graphs = engine.graphs
     explorer = Explorer(cfg, engine, train, held, dataset, lambda record: None)
     trainer = Trainer(cfg, path, device)
@@ -627,24 +1007,35 @@ def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0
     raw = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     raw_opt = torch.optim.AdamW(raw.parameters(), lr=0.0)
     resident = torch.cuda.memory_allocated() / 2**30
-    rows: dict[str, list[float]] = {k: [] for k in ("explore", "explore_eager", "generate", "train", "raw_train")}
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("explore", "explore_eager", "generate", "train", "raw_train")
+    }
     peaks = dict.fromkeys(rows, 0.0)
-    for rnd in range(rounds + 1):  # round 0 warms up (kernels, allocator, cuBLAS, graphs): not counted
+    for rnd in range(
+        rounds + 1
+    ):  # round 0 warms up (kernels, allocator, cuBLAS, graphs): not counted
         engine.graphs = None  # the same batch decoded eagerly, step by step
         (eager, _), _, _ = cuda_timed(lambda: explore_rate(explorer, rnd))
         engine.graphs = graphs
         (rate, groups), _, peak_e = cuda_timed(lambda: explore_rate(explorer, rnd))
-        prompts = [g[0].tokens[:g[0].prompt_length] for g in groups]  # the tasks just explored
-        n_gen, gen_s, peak_g = cuda_timed(lambda: raw_generate(gen_model, prompts, cfg.group_size, cfg.max_tokens,
-                                                               engine.pad))
+        prompts = [g[0].tokens[: g[0].prompt_length] for g in groups]  # the tasks just explored
+        n_gen, gen_s, peak_g = cuda_timed(
+            lambda: raw_generate(gen_model, prompts, cfg.group_size, cfg.max_tokens, engine.pad)
+        )
         exps = [e for g in groups for e in g]
         tokens = sum(len(e.tokens) for e in exps)
         _, train_s, peak_t = cuda_timed(lambda: trainer.step(groups))
-        _, raw_s, peak_r = cuda_timed(lambda: raw_train(raw, raw_opt, exps, cfg.token_budget, trainer.pad))
+        _, raw_s, peak_r = cuda_timed(
+            lambda: raw_train(raw, raw_opt, exps, cfg.token_budget, trainer.pad)
+        )
         if rnd:
             rows["explore_eager"].append(eager)
-            for k, v, p in (("explore", rate, peak_e), ("generate", n_gen / gen_s, peak_g),
-                            ("train", tokens / train_s, peak_t), ("raw_train", tokens / raw_s, peak_r)):
+            for k, v, p in (
+                ("explore", rate, peak_e),
+                ("generate", n_gen / gen_s, peak_g),
+                ("train", tokens / train_s, peak_t),
+                ("raw_train", tokens / raw_s, peak_r),
+            ):
                 rows[k].append(v)
                 peaks[k] = max(peaks[k], p)
     med = {k: statistics.median(v) for k, v in rows.items()}
@@ -653,30 +1044,54 @@ def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0
         sampling = Sampling(max_tokens=long_tokens, temperature=1.0)
         rates = {"graphs": [], "eager": []}
         for rnd in range(3):  # round 0 captures the graph of this length: not counted
-            for arm in ("graphs", "eager")[:1 if rnd == 0 else 2]:
+            for arm in ("graphs", "eager")[: 1 if rnd == 0 else 2]:
                 engine.graphs = graphs if arm == "graphs" else None
-                out, sec, _ = cuda_timed(lambda: engine.generate_batch(prompts, [cfg.group_size] * len(prompts),
-                                                                       sampling))
+                out, sec, _ = cuda_timed(
+                    lambda: engine.generate_batch(
+                        prompts, [cfg.group_size] * len(prompts), sampling
+                    )
+                )
                 if rnd:
                     rates[arm].append(sum(len(c.tokens) for g in out for c in g) / sec)
-        long = {"long_tokens": long_tokens, "long_rows": len(prompts) * cfg.group_size,
-                "long_graphs_tokens_per_s": statistics.median(rates["graphs"]),
-                "long_eager_tokens_per_s": statistics.median(rates["eager"])}
-        long["long_graphs_vs_eager"] = long["long_graphs_tokens_per_s"] / long["long_eager_tokens_per_s"]
+        long = {
+            "long_tokens": long_tokens,
+            "long_rows": len(prompts) * cfg.group_size,
+            "long_graphs_tokens_per_s": statistics.median(rates["graphs"]),
+            "long_eager_tokens_per_s": statistics.median(rates["eager"]),
+        }
+        long["long_graphs_vs_eager"] = (
+            long["long_graphs_tokens_per_s"] / long["long_eager_tokens_per_s"]
+        )
     params = sum(p.numel() for p in raw.parameters())
-    flat = torch.randn(params, device=device)  # a raw device -> host -> device copy of the float32 weights' bytes
+    flat = torch.randn(
+        params, device=device
+    )  # a raw device -> host -> device copy of the float32 weights' bytes
     host = torch.empty_like(flat, device="cpu")
-    copies = [cuda_timed(lambda: flat.copy_(host.copy_(flat)))[1] for _ in range(4)][1:]  # the first warms up
-    return {"params": params, "dtype": cfg.dtype, "rounds": rounds,
-            "explorer_tokens_per_s": med["explore"], "generate_tokens_per_s": med["generate"],
-            "explorer_vs_generate": med["explore"] / med["generate"],
-            "explorer_eager_tokens_per_s": med["explore_eager"], "graphs_vs_eager": med["explore"] / med["explore_eager"],
-            "trainer_tokens_per_s": med["train"], "raw_train_tokens_per_s": med["raw_train"],
-            "trainer_vs_raw": med["train"] / med["raw_train"], "resident_gib": resident,
-            "explorer_peak_gib": peaks["explore"], "generate_peak_gib": peaks["generate"],
-            "trainer_peak_gib": peaks["train"], "raw_train_peak_gib": peaks["raw_train"],
-            "copy_bytes": float(params * 4), "raw_copy_d2h2d_s": statistics.median(copies),
-            "graphs_failed": graphs.failed, **long}
+    copies = [cuda_timed(lambda: flat.copy_(host.copy_(flat)))[1] for _ in range(4)][
+        1:
+    ]  # the first warms up
+    return {
+        "params": params,
+        "dtype": cfg.dtype,
+        "rounds": rounds,
+        "explorer_tokens_per_s": med["explore"],
+        "generate_tokens_per_s": med["generate"],
+        "explorer_vs_generate": med["explore"] / med["generate"],
+        "explorer_eager_tokens_per_s": med["explore_eager"],
+        "graphs_vs_eager": med["explore"] / med["explore_eager"],
+        "trainer_tokens_per_s": med["train"],
+        "raw_train_tokens_per_s": med["raw_train"],
+        "trainer_vs_raw": med["train"] / med["raw_train"],
+        "resident_gib": resident,
+        "explorer_peak_gib": peaks["explore"],
+        "generate_peak_gib": peaks["generate"],
+        "trainer_peak_gib": peaks["train"],
+        "raw_train_peak_gib": peaks["raw_train"],
+        "copy_bytes": float(params * 4),
+        "raw_copy_d2h2d_s": statistics.median(copies),
+        "graphs_failed": graphs.failed,
+        **long,
+    }
 
 
 WORKERS = {"validate": validate_worker, "cuda": cuda_worker, "bench": bench_worker}
@@ -684,16 +1099,31 @@ WORKERS = {"validate": validate_worker, "cuda": cuda_worker, "bench": bench_work
 
 # ----------------------------------------------------------------------------- main
 
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(ROOT / "runs" / "gpu_check"),
-                   help="where gpu_check.json and gpu_check.log go (default: runs/gpu_check)")
-    p.add_argument("--work", default="", help="where the models, the task file and the runs go (default: a "
-                   "temporary directory, deleted at the end)")
-    p.add_argument("--only", default="", help="comma-separated stages to run (default: all); the preparation "
-                   "always runs")
-    p.add_argument("--budget-s", type=float, default=480.0, help="seconds for everything, preparation included")
-    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)  # a stage's subprocess
+    p.add_argument(
+        "--out",
+        default=str(ROOT / "runs" / "gpu_check"),
+        help="where gpu_check.json and gpu_check.log go (default: runs/gpu_check)",
+    )
+    p.add_argument(
+        "--work",
+        default="",
+        help="where the models, the task file and the runs go (default: a "
+        "temporary directory, deleted at the end)",
+    )
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated stages to run (default: all); the preparation always runs",
+    )
+    p.add_argument(
+        "--budget-s", type=float, default=480.0, help="seconds for everything, preparation included"
+    )
+    p.add_argument(
+        "--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS
+    )  # a stage's subprocess
     args = p.parse_args()
     if args.worker:
         return WORKERS[args.worker](Path(args.work)) or 0
@@ -703,10 +1133,18 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work or tempfile.mkdtemp(prefix="nanorft-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NANORFT_CACHE=str(work / "cache"),
-               NANORFT_TEST_TOKENIZER=str(TOKENIZER))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        NANORFT_CACHE=str(work / "cache"),
+        NANORFT_TEST_TOKENIZER=str(TOKENIZER),
+    )
     summary: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0]}
     try:
         return checks(args, work, out, env, deadline, start, summary)
@@ -717,10 +1155,15 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def checks(args, work: Path, out: Path, env: dict, deadline: float, start: float, summary: dict) -> int:
+def checks(
+    args, work: Path, out: Path, env: dict, deadline: float, start: float, summary: dict
+) -> int:
     """Prepare, check for CUDA, run the stages; fills `summary`; returns the exit code."""
-    print("gpu_check: preparing on the CPU: packages, nanorft's imports, tokenizer, tasks, models, run.py jobs, "
-          "tests", flush=True)
+    print(
+        "gpu_check: preparing on the CPU: packages, nanorft's imports, tokenizer, tasks, models, run.py jobs, "
+        "tests",
+        flush=True,
+    )
     t = time.monotonic()
     try:
         summary["prepare"] = prepare(work, env)
@@ -731,17 +1174,29 @@ def checks(args, work: Path, out: Path, env: dict, deadline: float, start: float
     import torch
     import transformers
 
-    summary.update(torch=torch.__version__, torch_cuda=torch.version.cuda, transformers=transformers.__version__)
+    summary.update(
+        torch=torch.__version__,
+        torch_cuda=torch.version.cuda,
+        transformers=transformers.__version__,
+    )
     prep = summary["prepare"]
-    models = ", ".join(f"{m} ({x['params'] / 1e6:.0f}M parameters)" for m, x in prep["models"].items())
-    print(f"gpu_check: Python {summary['python']}, torch {torch.__version__} (CUDA {torch.version.cuda}), transformers "
-          f"{transformers.__version__}\n{'prepare':<13}PASS {time.monotonic() - t:7.1f} s  tokenizer ({prep['vocab']} "
-          f"tokens), {prep['tasks']} tasks, models {models}, run.py jobs validated "
-          f"({', '.join(prep['jobs_validated'])}), {prep['tests_collected']} tests collected", flush=True)
+    models = ", ".join(
+        f"{m} ({x['params'] / 1e6:.0f}M parameters)" for m, x in prep["models"].items()
+    )
+    print(
+        f"gpu_check: Python {summary['python']}, torch {torch.__version__} (CUDA {torch.version.cuda}), transformers "
+        f"{transformers.__version__}\n{'prepare':<13}PASS {time.monotonic() - t:7.1f} s  tokenizer ({prep['vocab']} "
+        f"tokens), {prep['tasks']} tasks, models {models}, run.py jobs validated "
+        f"({', '.join(prep['jobs_validated'])}), {prep['tests_collected']} tests collected",
+        flush=True,
+    )
     if not torch.cuda.is_available():
         summary["gpu_check"] = "no CUDA device"
-        print(f"gpu_check: no CUDA device (torch {torch.__version__}, cuda {torch.version.cuda}): run this on a GPU "
-              "machine", flush=True)
+        print(
+            f"gpu_check: no CUDA device (torch {torch.__version__}, cuda {torch.version.cuda}): run this on a GPU "
+            "machine",
+            flush=True,
+        )
         return 2
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
@@ -749,14 +1204,23 @@ def checks(args, work: Path, out: Path, env: dict, deadline: float, start: float
     only = [s for s in args.only.split(",") if s]
     unknown = set(only) - {s.name for s in stages}
     if unknown:
-        print(f"gpu_check: --only: unknown stage(s) {sorted(unknown)} (this machine's: "
-              f"{', '.join(s.name for s in stages)})", flush=True)
+        print(
+            f"gpu_check: --only: unknown stage(s) {sorted(unknown)} (this machine's: "
+            f"{', '.join(s.name for s in stages)})",
+            flush=True,
+        )
         return 1
     results = summary["stages"] = {}
     if len(gpus) < 2:
-        results["multi"] = {"status": "SKIP", "detail": f"{len(gpus)} GPU visible: the 2+ GPU stages need two"}
+        results["multi"] = {
+            "status": "SKIP",
+            "detail": f"{len(gpus)} GPU visible: the 2+ GPU stages need two",
+        }
     if "lora-135m" not in {s.name for s in stages}:  # jobs() leaves it out without peft
-        results["lora"] = {"status": "SKIP", "detail": "peft is not installed: the LoRA stage needs it"}
+        results["lora"] = {
+            "status": "SKIP",
+            "detail": "peft is not installed: the LoRA stage needs it",
+        }
     with (out / "gpu_check.log").open("w") as log:
         for stage in stages:
             if only and stage.name not in only:
@@ -772,8 +1236,11 @@ def checks(args, work: Path, out: Path, env: dict, deadline: float, start: float
         summary["gpu"] = ", ".join(g["name"] for g in results["cuda"]["figures"]["gpus"])
     failed = [n for n, r in results.items() if r["status"] == "FAIL"]
     summary["gpu_check"] = f"FAIL: {', '.join(failed)}" if failed else "PASS"
-    print(f"gpu_check: {summary['gpu_check']} ({time.monotonic() - start:.0f} s); summary {out / 'gpu_check.json'}, "
-          f"log {out / 'gpu_check.log'}", flush=True)
+    print(
+        f"gpu_check: {summary['gpu_check']} ({time.monotonic() - start:.0f} s); summary {out / 'gpu_check.json'}, "
+        f"log {out / 'gpu_check.log'}",
+        flush=True,
+    )
     return 1 if failed else 0
 
 

@@ -33,6 +33,7 @@ processes still alive in the namespaces counted; everything this script made (na
 veths, bridge, processes, the server) is removed at the end, after a failure or Ctrl-C too.
 Results: benchmarks/results/hosts.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,9 +52,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(p) for p in (ROOT, ROOT / "tests", ROOT / "benchmarks") if str(p) not in sys.path]
-from conftest import PostgresServer, make_tiny_model, subprocess_env  # noqa: E402 (the tests' helpers)
+sys.path[:0] = [
+    str(p) for p in (ROOT, ROOT / "tests", ROOT / "benchmarks") if str(p) not in sys.path
+]
 from faults import audit  # noqa: E402 (lost / trained twice / generated twice, read off the buffer)
+
+from conftest import PostgresServer, make_tiny_model, subprocess_env  # noqa: E402 (the tests' helpers)
 
 HOSTS = ("db", "t0", "t1", "e0", "e1")
 FAULTS = ("link", "postgres", "node", "slow")
@@ -96,7 +100,10 @@ def free_subnet(rng: random.Random, tries: int = 200) -> ipaddress.IPv4Network:
     """A 10.X.Y.0/24 that overlaps no address or route of this machine; RuntimeError when
     `tries` random picks all clash."""
     used = []
-    for line in run(["ip", "-4", "-o", "addr"]).stdout.splitlines() + run(["ip", "-4", "route"]).stdout.splitlines():
+    for line in (
+        run(["ip", "-4", "-o", "addr"]).stdout.splitlines()
+        + run(["ip", "-4", "route"]).stdout.splitlines()
+    ):
         for word in line.split():
             try:
                 net = ipaddress.ip_network(word, strict=False)
@@ -114,10 +121,16 @@ def free_subnet(rng: random.Random, tries: int = 200) -> ipaddress.IPv4Network:
 def leftovers(prefix: str = PREFIX) -> dict[str, list]:
     """What is left of topologies whose names start with `prefix`: namespaces, links, and
     the processes inside those namespaces."""
-    spaces = [line.split()[0] for line in run(["ip", "netns", "list"]).stdout.splitlines()
-              if line.split() and line.split()[0].startswith(prefix)]
-    links = [line.split(":")[1].strip().split("@")[0] for line in run(["ip", "-o", "link"]).stdout.splitlines()
-             if line.split(":")[1].strip().startswith(prefix)]
+    spaces = [
+        line.split()[0]
+        for line in run(["ip", "netns", "list"]).stdout.splitlines()
+        if line.split() and line.split()[0].startswith(prefix)
+    ]
+    links = [
+        line.split(":")[1].strip().split("@")[0]
+        for line in run(["ip", "-o", "link"]).stdout.splitlines()
+        if line.split(":")[1].strip().startswith(prefix)
+    ]
     pids = [p for ns in spaces for p in _pids(ns)]
     return {"namespaces": spaces, "links": links, "processes": pids}
 
@@ -155,7 +168,9 @@ class Topology:
         self.addr = {h: str(base + i + 1) for i, h in enumerate(self.hosts)}
         self.gateway = str(base + 254)  # the bridge: this process's address on the subnet
         self.ns = {h: f"{self.tag}-{h}" for h in self.hosts}
-        self.veth = {h: f"{self.tag}v{i}" for i, h in enumerate(self.hosts)}  # this namespace's end (<= 15 chars)
+        self.veth = {
+            h: f"{self.tag}v{i}" for i, h in enumerate(self.hosts)
+        }  # this namespace's end (<= 15 chars)
         self.bridge = f"{self.tag}br"
         self.made: list[tuple[str, str]] = []  # ("ns" | "link", name), in order of creation
         atexit.register(self.down)
@@ -184,7 +199,18 @@ class Topology:
             self.made.append(("link", veth))
             run(["ip", "link", "set", peer, "netns", ns])
             run(["ip", "-n", ns, "link", "set", peer, "name", "net0"])
-            run(["ip", "-n", ns, "addr", "add", f"{self.addr[h]}/{self.net.prefixlen}", "dev", "net0"])
+            run(
+                [
+                    "ip",
+                    "-n",
+                    ns,
+                    "addr",
+                    "add",
+                    f"{self.addr[h]}/{self.net.prefixlen}",
+                    "dev",
+                    "net0",
+                ]
+            )
             run(["ip", "-n", ns, "link", "set", "net0", "up"])
             run(["ip", "-n", ns, "link", "set", "lo", "up"])
             run(["ip", "link", "set", veth, "master", self.bridge])
@@ -212,9 +238,11 @@ class Topology:
         """Make `host`'s link slow and lossy, both ways; returns what was applied. netem
         (20 ms delay, 1% loss, `mbit` Mbit/s) where the kernel has sch_netem, else a token
         bucket (tbf, `mbit` Mbit/s, 20 ms of queue: what would wait longer is dropped)."""
-        ends = [(self.exec(host) if inside else []) + ["tc", "qdisc", "add", "dev",
-                                                       "net0" if inside else self.veth[host], "root"]
-                for inside in (False, True)]
+        ends = [
+            (self.exec(host) if inside else [])
+            + ["tc", "qdisc", "add", "dev", "net0" if inside else self.veth[host], "root"]
+            for inside in (False, True)
+        ]
         netem = ["netem", "delay", "20ms", "loss", "1%", "rate", f"{mbit}mbit"]
         if run(ends[0] + netem, check=False).returncode == 0:
             run(ends[1] + netem)
@@ -243,10 +271,12 @@ class Topology:
 
     def describe(self) -> str:
         return f"subnet {self.net} (bridge {self.bridge} {self.gateway}): " + ", ".join(
-            f"{h} {self.addr[h]}" for h in self.hosts)
+            f"{h} {self.addr[h]}" for h in self.hosts
+        )
 
 
 # ----------------------------------------------------------------------------- the job on the hosts
+
 
 class Job:
     """The default job's shape (or the tiny preset's) run on a Topology: PostgreSQL on db,
@@ -254,8 +284,17 @@ class Job:
     "checkpoint"). `flags`: run.py flags of both sides (model, steps, ...). Every launch's
     output goes to a log file in `work`."""
 
-    def __init__(self, topo: Topology, work: Path, flags: list[str], sync: str, steps: int, batch: int, group: int,
-                 explorers=("e0", "e1")):
+    def __init__(
+        self,
+        topo: Topology,
+        work: Path,
+        flags: list[str],
+        sync: str,
+        steps: int,
+        batch: int,
+        group: int,
+        explorers=("e0", "e1"),
+    ):
         self.topo, self.work, self.sync, self.explorers = topo, work, sync, list(explorers)
         self.steps, self.batch, self.group = steps, batch, group
         self.run_dir = work / "run"
@@ -272,13 +311,28 @@ class Job:
         self.url = f"{self.db.url}?schema={self.schema}"
         self.ports = {"rdzv": 29400, "sync": 29600}
         t0 = topo.addr["t0"]
-        self.common = [*flags, "--run-dir", str(self.run_dir), "--buffer", self.url, "--steps", str(steps),
-                       "--sync-method", sync, "--sync-host", t0,
-                       *(["--sync-port", str(self.ports["sync"])] if sync == "broadcast" else [])]
+        self.common = [
+            *flags,
+            "--run-dir",
+            str(self.run_dir),
+            "--buffer",
+            self.url,
+            "--steps",
+            str(steps),
+            "--sync-method",
+            sync,
+            "--sync-host",
+            t0,
+            *(["--sync-port", str(self.ports["sync"])] if sync == "broadcast" else []),
+        ]
         self.procs: dict[str, subprocess.Popen] = {}
         self.launches = 0
         # (an interface named for this host does not exist on the others: each process finds its own)
-        self.env = {k: v for k, v in subprocess_env().items() if k not in ("GLOO_SOCKET_IFNAME", "MASTER_ADDR")}
+        self.env = {
+            k: v
+            for k, v in subprocess_env().items()
+            if k not in ("GLOO_SOCKET_IFNAME", "MASTER_ADDR")
+        }
         self.env["NANORFT_EXIT_GRACE_S"] = "20"
 
     def log(self, name: str) -> Path:
@@ -288,23 +342,62 @@ class Job:
         with self.log(name).open("a") as out:
             out.write(f"\n=== launch {self.launches}: {' '.join(cmd)}\n")
             out.flush()
-            self.procs[name] = subprocess.Popen(self.topo.exec(host) + cmd, cwd=ROOT, env=self.env,
-                                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.procs[name] = subprocess.Popen(
+                self.topo.exec(host) + cmd,
+                cwd=ROOT,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def launch(self, resume: bool = False) -> None:
         """Start the two trainer nodes (node 0 first: it hosts the rendezvous) and the explorers."""
         self.launches += 1
         t0 = self.topo.addr["t0"]
         for i, host in enumerate(("t0", "t1")):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{t0}:{self.ports['rdzv']}",
-                   "--rdzv-id", f"hosts{self.launches}", "--local-addr", self.topo.addr[host], "--max-restarts", "0",
-                   *(["--rdzv-conf", "is_host=1"] if i == 0 else []), "run.py", *self.common, "--mode", "train",
-                   "--num-explorers", str(len(self.explorers)), *(["--resume"] if resume else [])]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"{t0}:{self.ports['rdzv']}",
+                "--rdzv-id",
+                f"hosts{self.launches}",
+                "--local-addr",
+                self.topo.addr[host],
+                "--max-restarts",
+                "0",
+                *(["--rdzv-conf", "is_host=1"] if i == 0 else []),
+                "run.py",
+                *self.common,
+                "--mode",
+                "train",
+                "--num-explorers",
+                str(len(self.explorers)),
+                *(["--resume"] if resume else []),
+            ]
             self._popen(host, f"trainer_{host}", cmd)
         for name in self.explorers:
-            self._popen(name, f"explorer_{name}", [sys.executable, "run.py", *self.common, "--mode", "explore",
-                                                   "--explorer-name", name])
+            self._popen(
+                name,
+                f"explorer_{name}",
+                [
+                    sys.executable,
+                    "run.py",
+                    *self.common,
+                    "--mode",
+                    "explore",
+                    "--explorer-name",
+                    name,
+                ],
+            )
 
     def buffer(self):
         from buffer import Buffer
@@ -318,7 +411,9 @@ class Job:
         except ValueError:  # (the server restarting)
             return 0
         try:
-            return buf.db.execute("SELECT COALESCE(MAX(consumed), 0) FROM experiences").fetchone()[0]
+            return buf.db.execute("SELECT COALESCE(MAX(consumed), 0) FROM experiences").fetchone()[
+                0
+            ]
         except ConnectionError:
             return 0
         finally:
@@ -331,8 +426,14 @@ class Job:
         t0 = time.monotonic()
         while not condition():
             if time.monotonic() - t0 > timeout_s:
-                raise RuntimeError(f"timed out ({timeout_s:.0f} s) waiting for {what}\n{self.tails()}")
-            if not ended_ok and self.procs and all(p.poll() is not None for p in self.procs.values()):
+                raise RuntimeError(
+                    f"timed out ({timeout_s:.0f} s) waiting for {what}\n{self.tails()}"
+                )
+            if (
+                not ended_ok
+                and self.procs
+                and all(p.poll() is not None for p in self.procs.values())
+            ):
                 raise RuntimeError(f"every process ended while waiting for {what}\n{self.tails()}")
             time.sleep(0.2)
         return time.monotonic() - t0
@@ -349,12 +450,17 @@ class Job:
         out = {"seconds": round(time.monotonic() - t0, 1), "processes": {}}
         for name, p in self.procs.items():
             text = self.log(name).read_text(errors="replace").rsplit("=== launch", 1)[-1]
-            out["processes"][name] = {"exit": p.poll(), "errors": [x for x in text.splitlines()
-                                                                   if x.startswith("run.py: error:")]}
+            out["processes"][name] = {
+                "exit": p.poll(),
+                "errors": [x for x in text.splitlines() if x.startswith("run.py: error:")],
+            }
         return out
 
     def tails(self, chars: int = 1500) -> str:
-        return "\n".join(f"--- {name}\n{self.log(name).read_text(errors='replace')[-chars:]}" for name in self.procs)
+        return "\n".join(
+            f"--- {name}\n{self.log(name).read_text(errors='replace')[-chars:]}"
+            for name in self.procs
+        )
 
     def left_running(self) -> int:
         """Processes still alive on the trainer and explorer hosts (the server on db is not counted)."""
@@ -375,8 +481,20 @@ class Job:
         shutil.rmtree(self.pg_root, ignore_errors=True)
 
 
-def run_job(topo: Topology, work: Path, flags: list[str], sync: str, faults: list[str], steps: int, batch: int,
-            group: int, link_down_s: float = 30.0, timeout_s: float = 900.0, say=print, slow_mbit: int = 20) -> dict:
+def run_job(
+    topo: Topology,
+    work: Path,
+    flags: list[str],
+    sync: str,
+    faults: list[str],
+    steps: int,
+    batch: int,
+    group: int,
+    link_down_s: float = 30.0,
+    timeout_s: float = 900.0,
+    say=print,
+    slow_mbit: int = 20,
+) -> dict:
     """One run of the job on `topo` with `faults` applied in order (FAULTS), restarting with
     --resume after each fault that ended the run. Returns what happened: per fault the
     outcome ("went on" / "ended"), the seconds to the last process's end or to recovery, the
@@ -387,15 +505,24 @@ def run_job(topo: Topology, work: Path, flags: list[str], sync: str, faults: lis
     try:
         t_start = time.monotonic()
         job.launch()
-        say(f"{sync}: trainer on t0 {topo.addr['t0']} + t1 {topo.addr['t1']} (torchrun --nnodes 2), explorers on "
-            + ", ".join(f"{e} {topo.addr[e]}" for e in job.explorers) + f", PostgreSQL on db {job.url}")
+        say(
+            f"{sync}: trainer on t0 {topo.addr['t0']} + t1 {topo.addr['t1']} (torchrun --nnodes 2), explorers on "
+            + ", ".join(f"{e} {topo.addr[e]}" for e in job.explorers)
+            + f", PostgreSQL on db {job.url}"
+        )
         done = 0  # steps known done before the next fault
         for n, fault in enumerate(faults):
             # at least one step after the last (re)launch: a fault lands in a run that has got going
             target = done + max(1, (steps - done) // (len(faults) - n + 1))
             if target > steps - 1:
-                raise RuntimeError(f"{steps} steps are too few for the faults {faults}: none left for {fault}")
-            job.wait_until(lambda: job.consumed_steps() >= target, f"step {target} before fault {fault}", timeout_s)
+                raise RuntimeError(
+                    f"{steps} steps are too few for the faults {faults}: none left for {fault}"
+                )
+            job.wait_until(
+                lambda: job.consumed_steps() >= target,
+                f"step {target} before fault {fault}",
+                timeout_s,
+            )
             before = job.consumed_steps()
             say(f"{sync}: fault {fault} at step {before}")
             row = {"fault": fault, "at_step": before}
@@ -413,27 +540,46 @@ def run_job(topo: Topology, work: Path, flags: list[str], sync: str, faults: lis
                 row["applied"] = topo.slow("t1", slow_mbit)
             goal, t_done, first = min(steps, before + 2), time.monotonic(), []
 
-            def settled() -> bool:  # two more steps with every process alive, or every process ended
+            def settled() -> (
+                bool
+            ):  # two more steps with every process alive, or every process ended
                 ended = [p.poll() is not None for p in job.procs.values()]
                 if not first and not any(ended) and job.consumed_steps() > before:
-                    first.append(time.monotonic() - t_done)  # the first step after the fault (its end: link up)
+                    first.append(
+                        time.monotonic() - t_done
+                    )  # the first step after the fault (its end: link up)
                 return all(ended) or (not any(ended) and job.consumed_steps() >= goal)
 
-            job.wait_until(settled, f"two more steps or the end of every process after fault {fault}", timeout_s,
-                           ended_ok=True)
-            row["seconds"] = round(time.monotonic() - t0, 1)  # to recovery (two more steps) or to the last exit
-            if all(p.poll() == 0 for p in job.procs.values()) or all(p.poll() is None for p in job.procs.values()):
-                row.update(outcome="went on", steps_after=job.consumed_steps(),
-                           next_step_s=round(first[0], 1) if first else None)
+            job.wait_until(
+                settled,
+                f"two more steps or the end of every process after fault {fault}",
+                timeout_s,
+                ended_ok=True,
+            )
+            row["seconds"] = round(
+                time.monotonic() - t0, 1
+            )  # to recovery (two more steps) or to the last exit
+            if all(p.poll() == 0 for p in job.procs.values()) or all(
+                p.poll() is None for p in job.procs.values()
+            ):
+                row.update(
+                    outcome="went on",
+                    steps_after=job.consumed_steps(),
+                    next_step_s=round(first[0], 1) if first else None,
+                )
             else:
                 end = job.ended(timeout_s)
-                row.update(outcome="ended", processes=end["processes"], left_running=job.left_running())
+                row.update(
+                    outcome="ended", processes=end["processes"], left_running=job.left_running()
+                )
                 job.launch(resume=True)
                 row["restarted_at_step"] = job.consumed_steps()
             if fault == "slow":
                 topo.unslow("t1")
             done = job.consumed_steps()
-            say(f"{sync}: fault {fault}: {json.dumps({k: v for k, v in row.items() if k != 'processes'})}")
+            say(
+                f"{sync}: fault {fault}: {json.dumps({k: v for k, v in row.items() if k != 'processes'})}"
+            )
             for name, p in row.get("processes", {}).items():
                 say(f"    {name}: exit {p['exit']}: {' | '.join(p['errors']) or '(no error line)'}")
             result["faults"].append(row)
@@ -452,27 +598,50 @@ def run_job(topo: Topology, work: Path, flags: list[str], sync: str, faults: lis
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tiny", action="store_true", help="the tests' tiny random model and configs/tiny.toml's shape")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the tests' tiny random model and configs/tiny.toml's shape",
+    )
     p.add_argument("--sync", choices=["broadcast", "checkpoint", "both"], default="both")
-    p.add_argument("--faults", default="link,postgres,node",
-                   help=f"comma-separated, applied in order to the broadcast run: {', '.join(FAULTS)} (the checkpoint "
-                        "run gets 'slow')")
-    p.add_argument("--steps", type=int, default=0, help="trainer steps (default: 10 tiny, 8 with the default model)")
+    p.add_argument(
+        "--faults",
+        default="link,postgres,node",
+        help=f"comma-separated, applied in order to the broadcast run: {', '.join(FAULTS)} (the checkpoint "
+        "run gets 'slow')",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="trainer steps (default: 10 tiny, 8 with the default model)",
+    )
     p.add_argument("--link-down-s", type=float, default=30.0)
-    p.add_argument("--slow-mbit", type=int, default=0,
-                   help="the slow link's rate (default: 20 tiny, 400 with the default model: ~40x the FSDP traffic)")
+    p.add_argument(
+        "--slow-mbit",
+        type=int,
+        default=0,
+        help="the slow link's rate (default: 20 tiny, 400 with the default model: ~40x the FSDP traffic)",
+    )
     args = p.parse_args()
     if (why := unavailable()) is not None:
         raise SystemExit(f"hosts.py: error: {why}")
     faults = [f for f in args.faults.split(",") if f]
     if bad := set(faults) - set(FAULTS):
-        raise SystemExit(f"hosts.py: error: unknown fault(s) {sorted(bad)}; choose from {', '.join(FAULTS)}")
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: unwind, so the finally blocks and atexit clean up
+        raise SystemExit(
+            f"hosts.py: error: unknown fault(s) {sorted(bad)}; choose from {', '.join(FAULTS)}"
+        )
+    for sig in (
+        signal.SIGTERM,
+        signal.SIGHUP,
+    ):  # as Ctrl-C: unwind, so the finally blocks and atexit clean up
         signal.signal(sig, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         run_all(args, faults)
     except KeyboardInterrupt:
-        raise SystemExit("hosts.py: interrupted; its namespaces, links, processes and files are removed")
+        raise SystemExit(
+            "hosts.py: interrupted; its namespaces, links, processes and files are removed"
+        )
 
 
 def run_all(args, faults: list[str]) -> None:
@@ -483,8 +652,20 @@ def run_all(args, faults: list[str]) -> None:
         work = Path(d)
         if args.tiny:
             model = str(make_tiny_model(work / "model"))
-            flags = ["--config", "configs/tiny.toml", "--model", model, "--reward-fn", "tests.rewards.length_parity",
-                     "--eval-size", "0", "--checkpoint-interval", "1", "--sync-bucket-mb", "4"]  # (several buckets)
+            flags = [
+                "--config",
+                "configs/tiny.toml",
+                "--model",
+                model,
+                "--reward-fn",
+                "tests.rewards.length_parity",
+                "--eval-size",
+                "0",
+                "--checkpoint-interval",
+                "1",
+                "--sync-bucket-mb",
+                "4",
+            ]  # (several buckets)
             steps, batch, group = args.steps or 10, 2, 4
         else:  # the default job (configs/default.toml's shape: 8 tasks x 8 rollouts, 24 tokens), evaluations off
             flags = ["--eval-size", "0", "--checkpoint-interval", "1", "--engine", "hf"]
@@ -496,12 +677,25 @@ def run_all(args, faults: list[str]) -> None:
             with Topology() as topo:
                 print(f"hosts: {topo.describe()}", flush=True)
                 todo = faults if method == "broadcast" else ["slow"]
-                r = run_job(topo, work / method, flags, method, todo, steps, batch, group, args.link_down_s,
-                            say=lambda s: print(s, flush=True), slow_mbit=args.slow_mbit or (20 if args.tiny else 400))
+                r = run_job(
+                    topo,
+                    work / method,
+                    flags,
+                    method,
+                    todo,
+                    steps,
+                    batch,
+                    group,
+                    args.link_down_s,
+                    say=lambda s: print(s, flush=True),
+                    slow_mbit=args.slow_mbit or (20 if args.tiny else 400),
+                )
                 out[key][method] = r
-                print(f"{method}: {r['seconds']} s, {r['launches']} launch(es): lost {r['lost']}, trained twice "
-                      f"{r['trained_twice']}, generated twice {r['generated_twice']}, left running {r['left_running']}",
-                      flush=True)
+                print(
+                    f"{method}: {r['seconds']} s, {r['launches']} launch(es): lost {r['lost']}, trained twice "
+                    f"{r['trained_twice']}, generated twice {r['generated_twice']}, left running {r['left_running']}",
+                    flush=True,
+                )
             print(f"left of the topology: {leftovers(topo.tag)}")
     out_path.write_text(json.dumps(out, indent=1))
     print(f"saved {out_path}")

@@ -6,6 +6,7 @@ run.py at most 250, core + extras at most 7,500, README at most 200.
     python benchmarks/layout.py            # the table; exit code 1 when a limit is exceeded
     python benchmarks/layout.py --json     # the same as JSON
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,12 +28,22 @@ def line_kinds(source: str) -> dict[str, int]:
     lines = source.splitlines()
     doc: set[int] = set()
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+        ):
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 doc.update(range(first.lineno, first.end_lineno + 1))
-    comment = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-               if tok.type == tokenize.COMMENT and not lines[tok.start[0] - 1][:tok.start[1]].strip()}
+    comment = {
+        tok.start[0]
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT and not lines[tok.start[0] - 1][: tok.start[1]].strip()
+    }
     blank = {i for i, x in enumerate(lines, 1) if not x.strip()}
     counts = {"docstring": len(doc), "comment": len(comment - doc), "blank": len(blank - doc)}
     counts["code"] = len(lines) - sum(counts.values())
@@ -43,17 +54,29 @@ def measure(root: Path = ROOT) -> dict:
     """Per file of the core (root/*.py) and of root/extras: its line_kinds; the totals;
     README.md's lines; and `over`: each limit of LIMITS that is exceeded, with its value."""
     core = {p.name: line_kinds(p.read_text()) for p in sorted(root.glob("*.py"))}
-    extras = {f"extras/{p.relative_to(root / 'extras')}": line_kinds(p.read_text())
-              for p in sorted((root / "extras").rglob("*.py"))}
+    extras = {
+        f"extras/{p.relative_to(root / 'extras')}": line_kinds(p.read_text())
+        for p in sorted((root / "extras").rglob("*.py"))
+    }
     readme = root / "README.md"
-    totals = {"core": sum(c["lines"] for c in core.values()), "extras": sum(c["lines"] for c in extras.values())}
-    values = {"core": totals["core"], "core+extras": totals["core"] + totals["extras"],
-              "run.py": core.get("run.py", {"lines": 0})["lines"],
-              "README.md": len(readme.read_text().splitlines()) if readme.is_file() else 0}
+    totals = {
+        "core": sum(c["lines"] for c in core.values()),
+        "extras": sum(c["lines"] for c in extras.values()),
+    }
+    values = {
+        "core": totals["core"],
+        "core+extras": totals["core"] + totals["extras"],
+        "run.py": core.get("run.py", {"lines": 0})["lines"],
+        "README.md": len(readme.read_text().splitlines()) if readme.is_file() else 0,
+    }
     over = {k: v for k, v in values.items() if v > LIMITS[k]}
     over.update({name: c["lines"] for name, c in core.items() if c["lines"] > LIMITS["module"]})
-    return {"files": {"core": core, "extras": extras}, **totals,
-            **{k: v for k, v in values.items() if k not in totals}, "over": over}
+    return {
+        "files": {"core": core, "extras": extras},
+        **totals,
+        **{k: v for k, v in values.items() if k not in totals},
+        "over": over,
+    }
 
 
 def table(m: dict) -> str:
@@ -62,8 +85,10 @@ def table(m: dict) -> str:
     for part in ("core", "extras"):
         for name, c in m["files"][part].items():
             flag = "  > 450" if part == "core" and c["lines"] > LIMITS["module"] else ""
-            rows.append(f"{name:<34} {c['lines']:>6} {c['code']:>6} {c['docstring']:>6} {c['comment']:>8} "
-                        f"{c['blank']:>6}{flag}")
+            rows.append(
+                f"{name:<34} {c['lines']:>6} {c['code']:>6} {c['docstring']:>6} {c['comment']:>8} "
+                f"{c['blank']:>6}{flag}"
+            )
         rows.append(f"{part + ' total':<34} {m[part]:>6}")
     rows.append(f"{'core + extras':<34} {m['core+extras']:>6}")
     rows.append(f"{'README.md':<34} {m['README.md']:>6}")

@@ -3,6 +3,7 @@
 
     python benchmarks/peak.py        # FLOP/s of float32 and bfloat16 products on every core
 """
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,14 @@ import time
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo ("" where there is none)."""
     try:
-        return next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "")
+        return next(
+            (
+                x.split(":", 1)[1].strip()
+                for x in open("/proc/cpuinfo")
+                if x.startswith("model name")
+            ),
+            "",
+        )
     except OSError:
         return ""
 
@@ -35,7 +43,7 @@ def measure_matmul(device, dtype, n: int, trials: int = 5, trial_s: float = 0.15
             a @ b
             k += 1
             sync()
-        best = max(best, 2.0 * n ** 3 * k / dt)
+        best = max(best, 2.0 * n**3 * k / dt)
     return best
 
 
@@ -44,9 +52,13 @@ def main() -> int:
 
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
-    print(f"{cpu_model() or 'CPU'} ({torch.backends.cpu.get_cpu_capability()}), {threads} threads, torch {torch.__version__}")
+    print(
+        f"{cpu_model() or 'CPU'} ({torch.backends.cpu.get_cpu_capability()}), {threads} threads, torch {torch.__version__}"
+    )
     for dtype in (torch.float32, torch.bfloat16):
-        print(f"{str(dtype).removeprefix('torch.'):<9} {measure_matmul(torch.device('cpu'), dtype, 1024) / 1e12:.3f} TFLOP/s")
+        print(
+            f"{str(dtype).removeprefix('torch.'):<9} {measure_matmul(torch.device('cpu'), dtype, 1024) / 1e12:.3f} TFLOP/s"
+        )
     return 0
 
 

@@ -10,6 +10,7 @@ VM (family 6 model 167, AVX-512 BF16 and AMX: bf16 autocast), torch 2.13.0+cpu. 
 per step and the largest relative difference; exit code 1 when any compared number differs by
 more than --rtol (default 0: identical).
 """
+
 import argparse
 import json
 import sys
@@ -20,15 +21,23 @@ KEYS = ("reward/mean", "loss/policy", "loss/grad_norm", "loss/entropy", "respons
 def records(path: str) -> tuple[list[dict], list[tuple]]:
     """(the step records, the (version, accuracy) of each evaluation) of a metrics.jsonl."""
     recs = [json.loads(x) for x in open(path) if x.strip()]
-    return ([r for r in recs if "loss/grad_norm" in r],
-            [(r.get("eval/version"), r["eval/accuracy"]) for r in recs if r.get("eval/accuracy") is not None])
+    return (
+        [r for r in recs if "loss/grad_norm" in r],
+        [
+            (r.get("eval/version"), r["eval/accuracy"])
+            for r in recs
+            if r.get("eval/accuracy") is not None
+        ],
+    )
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("before")
     p.add_argument("after")
-    p.add_argument("--rtol", type=float, default=0.0, help="largest relative difference accepted (default 0)")
+    p.add_argument(
+        "--rtol", type=float, default=0.0, help="largest relative difference accepted (default 0)"
+    )
     args = p.parse_args()
     (sa, ea), (sb, eb) = records(args.before), records(args.after)
     worst = 0.0 if [r["step"] for r in sa] == [r["step"] for r in sb] and ea == eb else float("inf")

@@ -22,6 +22,7 @@ model's pass@k (version 0, mean over seeds). `--compare` prints one row per name
 and best avg@k, greedy, wall time) and draws their mean avg@k curves in one plot
 (benchmarks/results/seeds/OUT.png, OUT.md).
 """
+
 import argparse
 import json
 import statistics
@@ -32,7 +33,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "seeds"
-STEP_KEYS = ("step", "reward/mean", "loss/entropy", "response/len_mean", "loss/grad_norm", "time/elapsed_s")
+STEP_KEYS = (
+    "step",
+    "reward/mean",
+    "loss/entropy",
+    "response/len_mean",
+    "loss/grad_norm",
+    "time/elapsed_s",
+)
 
 
 def records(path: Path) -> list[dict]:
@@ -44,7 +52,16 @@ def run_job(run_dir: Path, flags: list[str], seed: int, log: Path) -> float:
     """Run `python run.py FLAGS --seed SEED --run-dir RUN_DIR --overwrite` in the
     repository, its output to `log`; returns its wall time (seconds). Exits with the log's
     tail when the run fails."""
-    cmd = [sys.executable, "run.py", *flags, "--seed", str(seed), "--run-dir", str(run_dir), "--overwrite"]
+    cmd = [
+        sys.executable,
+        "run.py",
+        *flags,
+        "--seed",
+        str(seed),
+        "--run-dir",
+        str(run_dir),
+        "--overwrite",
+    ]
     print(" ".join(cmd), flush=True)
     t0 = time.perf_counter()
     with log.open("w") as out:
@@ -63,13 +80,21 @@ def keep(recs: list[dict]) -> list[dict]:
 
 def spread(xs: list[float]) -> dict[str, float]:
     """Mean, sample standard deviation (0 for one value), min and max of `xs`."""
-    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
-            "min": min(xs), "max": max(xs)}
+    return {
+        "mean": statistics.fmean(xs),
+        "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+        "min": min(xs),
+        "max": max(xs),
+    }
 
 
-def summarize(name: str, seeds: dict[int, list[dict]], flags: list[str], wall: dict[int, float]) -> dict:
+def summarize(
+    name: str, seeds: dict[int, list[dict]], flags: list[str], wall: dict[int, float]
+) -> dict:
     """NAME.json's content from each seed's kept records (see the module docstring)."""
-    evals = {s: {r["eval/version"]: r for r in recs if "eval/accuracy" in r} for s, recs in seeds.items()}
+    evals = {
+        s: {r["eval/version"]: r for r in recs if "eval/accuracy" in r} for s, recs in seeds.items()
+    }
     versions = sorted(set.intersection(*(set(e) for e in evals.values())))
     curve = []
     for v in versions:
@@ -77,7 +102,9 @@ def summarize(name: str, seeds: dict[int, list[dict]], flags: list[str], wall: d
         point = {"version": v, "greedy": spread([r["eval/accuracy"] for r in rows])}
         if all("eval/avg_at_k" in r for r in rows):
             point["avg_at_k"] = spread([r["eval/avg_at_k"] for r in rows])
-            point["avg_at_k_stderr_mean"] = statistics.fmean(r["eval/avg_at_k_stderr"] for r in rows)
+            point["avg_at_k_stderr_mean"] = statistics.fmean(
+                r["eval/avg_at_k_stderr"] for r in rows
+            )
             n = rows[0].get("eval/samples", 0)
             if n > rows[0]["eval/k"] and all(f"eval/pass_at_{n}" in r for r in rows):
                 point[f"pass_at_{n}"] = spread([r[f"eval/pass_at_{n}"] for r in rows])
@@ -85,8 +112,14 @@ def summarize(name: str, seeds: dict[int, list[dict]], flags: list[str], wall: d
             point["format_rate"] = spread([r["eval/format_rate"] for r in rows])
         curve.append(point)
     k = next((r["eval/k"] for e in evals.values() for r in e.values() if "eval/k" in r), None)
-    return {"name": name, "flags": flags, "seeds": sorted(seeds), "k": k, "curve": curve,
-            "wall_s": {str(s): round(w, 1) for s, w in wall.items()}}
+    return {
+        "name": name,
+        "flags": flags,
+        "seeds": sorted(seeds),
+        "k": k,
+        "curve": curve,
+        "wall_s": {str(s): round(w, 1) for s, w in wall.items()},
+    }
 
 
 def plot(summary: dict, seeds: dict[int, list[dict]], out: Path) -> Path:
@@ -100,18 +133,46 @@ def plot(summary: dict, seeds: dict[int, list[dict]], out: Path) -> Path:
     curve, k = summary["curve"], summary["k"]
     xs = [p["version"] for p in curve]
     if all("avg_at_k" in p for p in curve):
-        ax.errorbar(xs, [p["avg_at_k"]["mean"] for p in curve], [p["avg_at_k"]["std"] for p in curve], fmt="s-",
-                    capsize=4, color="tab:blue", label=f"avg@{k}, mean +- std over {len(seeds)} seeds")
+        ax.errorbar(
+            xs,
+            [p["avg_at_k"]["mean"] for p in curve],
+            [p["avg_at_k"]["std"] for p in curve],
+            fmt="s-",
+            capsize=4,
+            color="tab:blue",
+            label=f"avg@{k}, mean +- std over {len(seeds)} seeds",
+        )
         for recs in seeds.values():
-            ev = sorted((r["eval/version"], r["eval/avg_at_k"]) for r in recs if "eval/avg_at_k" in r)
+            ev = sorted(
+                (r["eval/version"], r["eval/avg_at_k"]) for r in recs if "eval/avg_at_k" in r
+            )
             ax.plot(*zip(*ev), color="tab:blue", alpha=0.25, linewidth=1)
-    ax.errorbar(xs, [p["greedy"]["mean"] for p in curve], [p["greedy"]["std"] for p in curve], fmt="o--", capsize=4,
-                color="tab:orange", label="greedy accuracy, mean +- std")
-    base = next((p for p in curve if p["version"] == 0 and any(x.startswith("pass_at_") for x in p)), None)
+    ax.errorbar(
+        xs,
+        [p["greedy"]["mean"] for p in curve],
+        [p["greedy"]["std"] for p in curve],
+        fmt="o--",
+        capsize=4,
+        color="tab:orange",
+        label="greedy accuracy, mean +- std",
+    )
+    base = next(
+        (p for p in curve if p["version"] == 0 and any(x.startswith("pass_at_") for x in p)), None
+    )
     if base:
         key = next(x for x in base if x.startswith("pass_at_"))
-        ax.axhline(base[key]["mean"], color="gray", linestyle=":", label=f"base model {key.replace('_at_', '@')}")
-    ax.set(xlabel="weight version (trainer steps)", ylabel="held-out", ylim=(0, 1.02), title=summary["name"])
+        ax.axhline(
+            base[key]["mean"],
+            color="gray",
+            linestyle=":",
+            label=f"base model {key.replace('_at_', '@')}",
+        )
+    ax.set(
+        xlabel="weight version (trainer steps)",
+        ylabel="held-out",
+        ylim=(0, 1.02),
+        title=summary["name"],
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -135,8 +196,10 @@ def compare(names: list[str], out: str) -> str:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    lines = ["| name | flags | seeds | final avg@k | best avg@k (version) | final greedy | wall (min) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| name | flags | seeds | final avg@k | best avg@k (version) | final greedy | wall (min) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name in names:
         summary, _ = load(name)
         curve = summary["curve"]
@@ -144,13 +207,25 @@ def compare(names: list[str], out: str) -> str:
         best = max(curve, key=lambda p: p[metric]["mean"])
         last = curve[-1]
         wall = statistics.fmean(summary["wall_s"].values()) / 60
-        lines.append(f"| {name} | `{' '.join(summary['flags']) or '(defaults)'}` | {len(summary['seeds'])} | "
-                     f"{last[metric]['mean']:.3f} +- {last[metric]['std']:.3f} | "
-                     f"{best[metric]['mean']:.3f} (v{best['version']}) | "
-                     f"{last['greedy']['mean']:.3f} +- {last['greedy']['std']:.3f} | {wall:.1f} |")
-        ax.errorbar([p["version"] for p in curve], [p[metric]["mean"] for p in curve],
-                    [p[metric]["std"] for p in curve], fmt="o-", capsize=3, label=name)
-    ax.set(xlabel="weight version (trainer steps)", ylabel="held-out avg@k, mean +- std over seeds", ylim=(0, 1.02))
+        lines.append(
+            f"| {name} | `{' '.join(summary['flags']) or '(defaults)'}` | {len(summary['seeds'])} | "
+            f"{last[metric]['mean']:.3f} +- {last[metric]['std']:.3f} | "
+            f"{best[metric]['mean']:.3f} (v{best['version']}) | "
+            f"{last['greedy']['mean']:.3f} +- {last['greedy']['std']:.3f} | {wall:.1f} |"
+        )
+        ax.errorbar(
+            [p["version"] for p in curve],
+            [p[metric]["mean"] for p in curve],
+            [p[metric]["std"] for p in curve],
+            fmt="o-",
+            capsize=3,
+            label=name,
+        )
+    ax.set(
+        xlabel="weight version (trainer steps)",
+        ylabel="held-out avg@k, mean +- std over seeds",
+        ylim=(0, 1.02),
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -169,17 +244,27 @@ def earlier(name: str, flags: list[str]) -> tuple[dict[int, list[dict]], dict[in
         return {}, {}
     summary, seeds = load(name)
     if summary["flags"] != flags:
-        print(f"{name}: the saved seeds ran with other flags ({' '.join(summary['flags'])}): replaced")
+        print(
+            f"{name}: the saved seeds ran with other flags ({' '.join(summary['flags'])}): replaced"
+        )
         return {}, {}
     return seeds, {int(s): w for s, w in summary["wall_s"].items()}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("name", nargs="?", help="name of this configuration (files NAME_sS.jsonl, NAME.json, NAME.png)")
+    p.add_argument(
+        "name",
+        nargs="?",
+        help="name of this configuration (files NAME_sS.jsonl, NAME.json, NAME.png)",
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--plot-only", action="store_true", help="summarize and plot the saved runs again")
-    p.add_argument("--compare", nargs="+", metavar="NAME", help="table and plot of saved configurations")
+    p.add_argument(
+        "--plot-only", action="store_true", help="summarize and plot the saved runs again"
+    )
+    p.add_argument(
+        "--compare", nargs="+", metavar="NAME", help="table and plot of saved configurations"
+    )
     p.add_argument("--out", default="compare", help="file name of --compare's table and plot")
     args, flags = p.parse_known_args()
     flags = [f for f in flags if f != "--"]
@@ -198,14 +283,18 @@ def main() -> None:
             run_dir.parent.mkdir(parents=True, exist_ok=True)
             wall[s] = run_job(run_dir, flags, s, run_dir.parent / f"{args.name}_s{s}.log")
             seeds[s] = keep(records(run_dir / "metrics.jsonl"))
-            (RESULTS / f"{args.name}_s{s}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in seeds[s]))
+            (RESULTS / f"{args.name}_s{s}.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in seeds[s])
+            )
             print(f"seed {s}: {wall[s] / 60:.1f} min", flush=True)
         summary = summarize(args.name, seeds, flags, wall)
         (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=1))
     for point in summary["curve"]:
         avg = point.get("avg_at_k")
-        print(f"version {point['version']:>3}: greedy {point['greedy']['mean']:.3f} +- {point['greedy']['std']:.3f}"
-              + (f", avg@{summary['k']} {avg['mean']:.3f} +- {avg['std']:.3f}" if avg else ""))
+        print(
+            f"version {point['version']:>3}: greedy {point['greedy']['mean']:.3f} +- {point['greedy']['std']:.3f}"
+            + (f", avg@{summary['k']} {avg['mean']:.3f} +- {avg['std']:.3f}" if avg else "")
+        )
     print(f"plot: {plot(summary, seeds, RESULTS / f'{args.name}.png')}")
 
 

@@ -1,4 +1,5 @@
 """Advantage estimators besides GRPO, named by import path in losses.ADVANTAGES (contract: losses.py)."""
+
 import torch
 
 from losses import ADVANTAGES, group_stats, grpo_advantages, register
@@ -16,21 +17,29 @@ def rloo_advantages(rewards, group_index, episode_index=None):
     """RLOO: r_i - mean of the rest of its group; a group of one keeps r. [B] -> [B]. Source:
     arXiv:2402.14740 eq. 10. Reference: verl core_algos.py compute_rloo_outcome_advantage @ b178a3c."""
     mean, _, count = group_stats(rewards, group_index)
-    return torch.where(count > 1, (rewards - mean) * count / (count - 1).clamp(min=1), rewards)  # [B]
+    return torch.where(
+        count > 1, (rewards - mean) * count / (count - 1).clamp(min=1), rewards
+    )  # [B]
 
 
 @register(ADVANTAGES, "reinforce_pp")
-def reinforce_pp_advantages(rewards, group_index, episode_index=None, group_baseline: bool = True,
-                            token_counts: torch.Tensor | None = None, eps: float = 1e-8):
+def reinforce_pp_advantages(
+    rewards,
+    group_index,
+    episode_index=None,
+    group_baseline: bool = True,
+    token_counts: torch.Tensor | None = None,
+    eps: float = 1e-8,
+):
     """REINFORCE++(-baseline): r - group mean (if `group_baseline`), whitened over the batch's tokens (`token_counts`
     [B] weights). [B] -> [B]. Source: arXiv:2501.03262 sec. 3. Reference: verl core_algos.py
     compute_reinforce_plus_plus(_baseline)_outcome_advantage @ b178a3c."""
-    adv = rewards - group_stats(rewards, group_index)[0] if group_baseline else rewards     # [B]
-    w = torch.ones_like(adv) if token_counts is None else token_counts.to(adv.dtype)       # [B]
-    n = w.sum()                                                                            # []
-    mean = (w * adv).sum() / n.clamp(min=1)                                                # []
-    var = (w * (adv - mean) ** 2).sum() / (n - 1).clamp(min=1)                             # []
-    return (adv - mean) * torch.rsqrt(var + eps)                                           # [B]
+    adv = rewards - group_stats(rewards, group_index)[0] if group_baseline else rewards  # [B]
+    w = torch.ones_like(adv) if token_counts is None else token_counts.to(adv.dtype)  # [B]
+    n = w.sum()  # []
+    mean = (w * adv).sum() / n.clamp(min=1)  # []
+    var = (w * (adv - mean) ** 2).sum() / (n - 1).clamp(min=1)  # []
+    return (adv - mean) * torch.rsqrt(var + eps)  # [B]
 
 
 @register(ADVANTAGES, "grpo_stepwise")
@@ -40,6 +49,11 @@ def stepwise_grpo_advantages(rewards, group_index, episode_index, eps: float = 1
     @ 369bf62."""
     T = int(episode_index.max()) + 1
     last = torch.zeros(T, dtype=torch.long, device=rewards.device).scatter_reduce(
-        0, episode_index, torch.arange(len(rewards), device=rewards.device), "amax", include_self=False)  # [T]
-    adv = grpo_advantages(rewards[last], group_index[last], eps=eps)                      # [T]
-    return adv[episode_index]                                                          # [B]
+        0,
+        episode_index,
+        torch.arange(len(rewards), device=rewards.device),
+        "amax",
+        include_self=False,
+    )  # [T]
+    adv = grpo_advantages(rewards[last], group_index[last], eps=eps)  # [T]
+    return adv[episode_index]  # [B]

@@ -1,5 +1,6 @@
 """Checkpoint sync (--sync-method checkpoint): RUN_DIR/checkpoints/v{version:06d} is written under a temporary name
 and renamed, then the marker checkpoints/latest; a reader holds a lease while it loads, so retention spares it."""
+
 import fcntl
 import os
 import shutil
@@ -28,7 +29,9 @@ def _leased(root: Path) -> set[int]:
     return out
 
 
-def publish_checkpoint(run_dir: str | Path, version: int, save: Callable[[Path], None], keep: int = 3) -> Path:
+def publish_checkpoint(
+    run_dir: str | Path, version: int, save: Callable[[Path], None], keep: int = 3
+) -> Path:
     """Write checkpoint `version` with `save(directory)`, keep the `keep` newest (and those being read)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -36,7 +39,9 @@ def publish_checkpoint(run_dir: str | Path, version: int, save: Callable[[Path],
     shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
     save(tmp)
     with _lock(root):
-        if final.exists() and version in _leased(root):  # republished after a resume while being read: keep it
+        if final.exists() and version in _leased(
+            root
+        ):  # republished after a resume while being read: keep it
             shutil.rmtree(tmp)
         else:
             shutil.rmtree(final, ignore_errors=True)
@@ -59,8 +64,9 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
     return version, marker.parent / f"v{version:06d}"
 
 
-def load_latest_checkpoint(run_dir: str | Path, reader: str, load: Callable[[Path, int], Any],
-                           newer_than: int = -1) -> tuple[int, Any] | None:
+def load_latest_checkpoint(
+    run_dir: str | Path, reader: str, load: Callable[[Path, int], Any], newer_than: int = -1
+) -> tuple[int, Any] | None:
     """(version, load(directory, version)) of the newest checkpoint if newer than `newer_than`, else None."""
     lease = Path(run_dir) / "checkpoints" / "loading" / reader
     with _lock(lease.parent.parent):
@@ -77,6 +83,7 @@ def load_latest_checkpoint(run_dir: str | Path, reader: str, load: Callable[[Pat
 
 class CheckpointSource:
     """sync.Receiver's source with checkpoint sync: the newest checkpoint, loaded into `engine`."""
+
     def __init__(self, run_dir: str | Path, name: str, engine):
         self.run_dir, self.name, self.engine = run_dir, name, engine
 
@@ -84,8 +91,11 @@ class CheckpointSource:
         return (latest_checkpoint(self.run_dir) or (-1,))[0]
 
     def receive_weights(self, alive: Callable[[], bool]) -> tuple[int, float | None]:
-        while (got := load_latest_checkpoint(self.run_dir, self.name, self.engine.load_checkpoint,
-                                             self.engine.version)) is None:
+        while (
+            got := load_latest_checkpoint(
+                self.run_dir, self.name, self.engine.load_checkpoint, self.engine.version
+            )
+        ) is None:
             if not alive():
                 raise RuntimeError("explorer: the trainer died")
             time.sleep(0.05)
@@ -98,7 +108,11 @@ def wait_until_loaded(explorer, queue) -> None:
         try:
             r = queue.get(timeout=1.0)
         except Empty:
-            r = {} if explorer.is_alive() else {"error": f"exit code {explorer.exitcode} before its weights were loaded"}
+            r = (
+                {}
+                if explorer.is_alive()
+                else {"error": f"exit code {explorer.exitcode} before its weights were loaded"}
+            )
         if "error" in r:
             raise RuntimeError(f"explorer failed: {r['error']}")
         if r.get("explorer/ready"):

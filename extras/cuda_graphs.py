@@ -2,6 +2,7 @@
 fixed shapes and addresses, so the KV cache is static ([Bb, KV, L, D] per layer for a batch bucket Bb and a capacity
 L) with a boolean mask [Bb, 1, 1, L]; syncs copy weights in place, so graphs stay valid. After PyTorch's CUDA Graphs
 notes (torch.cuda.graph, warm-up on a side stream) and transformers' StaticCache."""
+
 import sys
 from collections import OrderedDict
 
@@ -36,34 +37,58 @@ class Step:
         # [Bb, KV, L, D] of each layer in the growing cache's dtypes (under autocast: float32, as it promotes)
         kv = lambda t: t.new_zeros(rows, t.shape[1], capacity, t.shape[3])  # noqa: E731
         self.index = torch.zeros(1, dtype=torch.long, device=device)
-        self.cache = Cache(layers=[ColumnLayer(kv(layer.keys), kv(layer.values), self.index) for layer in like])
-        self.ids, self.pos = (torch.zeros(rows, 1, dtype=torch.long, device=device) for _ in range(2))  # [Bb, 1]
-        self.mask = torch.zeros(rows, 1, 1, capacity, dtype=torch.bool, device=device)  # [Bb, 1, 1, L]
+        self.cache = Cache(
+            layers=[ColumnLayer(kv(layer.keys), kv(layer.values), self.index) for layer in like]
+        )
+        self.ids, self.pos = (
+            torch.zeros(rows, 1, dtype=torch.long, device=device) for _ in range(2)
+        )  # [Bb, 1]
+        self.mask = torch.zeros(
+            rows, 1, 1, capacity, dtype=torch.bool, device=device
+        )  # [Bb, 1, 1, L]
         self.mask[:, 0, 0, 0] = True  # no row attends to nothing (softmax of no column is NaN)
         self.model, self.graph = model, None
         if capture:
             # autocast's weight cache would free the casts the graph reads: the graph casts on every replay
-            cast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
-                                  enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
-            side, before, debug = torch.cuda.Stream(), torch.cuda.current_stream(), torch.cuda.get_sync_debug_mode()
+            cast = torch.autocast(
+                "cuda",
+                dtype=torch.get_autocast_dtype("cuda"),
+                enabled=torch.is_autocast_enabled("cuda"),
+                cache_enabled=False,
+            )
+            side, before, debug = (
+                torch.cuda.Stream(),
+                torch.cuda.current_stream(),
+                torch.cuda.get_sync_debug_mode(),
+            )
             side.wait_stream(before)
             try:  # a step that waits for the GPU fails in the warm-up: a failed capture cannot be undone cleanly
                 torch.cuda.set_sync_debug_mode("error")
                 with torch.cuda.stream(side), cast:
                     for _ in range(2):  # kernels chosen, workspaces allocated, outside the capture
                         self.forward()
-                torch.cuda.set_sync_debug_mode(debug)  # the capture synchronizes the device (the warm-up) first
+                torch.cuda.set_sync_debug_mode(
+                    debug
+                )  # the capture synchronizes the device (the warm-up) first
                 self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), cast:  # a sync may copy
-                    self.logits = self.forward()                                            # [Bb, V]
+                with (
+                    torch.cuda.graph(self.graph, capture_error_mode="thread_local"),
+                    cast,
+                ):  # a sync may copy
+                    self.logits = self.forward()  # [Bb, V]
             finally:  # a failed warm-up may still be writing the cache; a failed capture leaves its stream current
                 torch.cuda.set_sync_debug_mode(debug)
                 before.wait_stream(side)
                 torch.cuda.set_stream(before)
 
     def forward(self) -> torch.Tensor:
-        return self.model(input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos,
-                          past_key_values=self.cache, use_cache=True).logits[:, -1]
+        return self.model(
+            input_ids=self.ids,
+            attention_mask=self.mask,
+            position_ids=self.pos,
+            past_key_values=self.cache,
+            use_cache=True,
+        ).logits[:, -1]
 
     def __call__(self) -> torch.Tensor:
         """The next tokens' logits [Bb, V]; a captured step's are overwritten by its next call."""
@@ -89,12 +114,12 @@ class Replay:
 
     def __call__(self, tok: torch.Tensor) -> torch.Tensor:
         s = self.step
-        s.ids[:self.rows, 0] = tok
+        s.ids[: self.rows, 0] = tok
         s.pos += 1
         s.index.fill_(self.column)
         s.mask[:, 0, 0, self.column] = True
         self.column += 1
-        return s()[:self.rows]
+        return s()[: self.rows]
 
 
 class Graphs:
@@ -118,8 +143,11 @@ class Graphs:
                 self.steps[key] = Step(model, cache.layers, rows, capacity, self.capture)
             except Exception as e:  # a model whose step cannot be captured still decodes
                 self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                print(f"nanorft: CUDA graphs off, decoding eagerly: the capture failed ({self.failed})",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"nanorft: CUDA graphs off, decoding eagerly: the capture failed ({self.failed})",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if self.failed:
             return Decoding(model, cache, attn, pos, max_tokens)
         self.steps.move_to_end(key)

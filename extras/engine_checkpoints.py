@@ -1,4 +1,5 @@
 """Loading a published checkpoint directory into an engine (--sync-method checkpoint)."""
+
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ import sync
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of the *.safetensors files of a checkpoint directory (CPU); FileNotFoundError when there are none."""
     from safetensors.torch import load_file
+
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no safetensors files in {path}")

@@ -1,4 +1,5 @@
 """Mode explore (run.MODES): one explorer beside a `--mode train` launch, paced by the buffer (`Backpressure`)."""
+
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from metrics import JsonlLog
 
 class Backpressure:
     """explorer.explore's `pace`: no batch once the trainer has finished or while two batches wait."""
+
     def __init__(self, cfg, buffer: Buffer, receiver: sync.Receiver):
         self.cfg, self.buffer, self.receiver = cfg, buffer, receiver
 
@@ -33,11 +35,15 @@ class Backpressure:
 
     def before_batch(self, batch: int) -> bool:
         cfg, since = self.cfg, time.monotonic()
-        while (not (done := self.buffer.run_state("trainer_done"))
-               and self.buffer.counts()["ready"] >= 2 * cfg.batch_size * cfg.group_size):
+        while (
+            not (done := self.buffer.run_state("trainer_done"))
+            and self.buffer.counts()["ready"] >= 2 * cfg.batch_size * cfg.group_size
+        ):
             if time.monotonic() - since > cfg.buffer_timeout_s:
-                raise RuntimeError(f"explorer {cfg.explorer_name}: no trainer took a batch for "
-                                   f"{cfg.buffer_timeout_s:.0f} s")
+                raise RuntimeError(
+                    f"explorer {cfg.explorer_name}: no trainer took a batch for "
+                    f"{cfg.buffer_timeout_s:.0f} s"
+                )
             if cfg.sync_method == "broadcast":
                 self.catch_up()
             time.sleep(0.1)
@@ -46,32 +52,57 @@ class Backpressure:
         return not done
 
     def final(self) -> None:
-        if self.cfg.sync_method != "broadcast":  # broadcast: trainer_done is set once every receiver has the last
+        if (
+            self.cfg.sync_method != "broadcast"
+        ):  # broadcast: trainer_done is set once every receiver has the last
             self.catch_up()
 
 
 def run_mode_explore(cfg, prepared) -> None:
     """Generate batches until the trainer has finished; records to RUN_DIR/explorer_<name>.jsonl."""
     launch.split_threads(cfg, 1)
-    print(f"nanorft: mode explore ({cfg.explorer_name}), engine {cfg.engine}, {cfg.explorer_threads} threads, "
-          f"run dir {cfg.run_dir}")
+    print(
+        f"nanorft: mode explore ({cfg.explorer_name}), engine {cfg.engine}, {cfg.explorer_threads} threads, "
+        f"run dir {cfg.run_dir}"
+    )
     log = JsonlLog(Path(cfg.run_dir) / f"explorer_{cfg.explorer_name}.jsonl")
     buffer = open_buffer(cfg.buffer, cfg.run_dir)
     by_broadcast = cfg.sync_method == "broadcast"
+
     def log_and_share(record: dict) -> None:
         log.write(record)
         if "eval/accuracy" in record:
             add_record(buffer, cfg.explorer_name, record)
+
     try:
         engine = make_engine(cfg, prepared.model_path, engine_seed(cfg))
         # the trainer is no parent of ours: alive while its store answers (waited for: it may start after us)
-        alive = StoreAlive(cfg.sync_host, cfg.sync_port, cfg.sync_timeout_s) if by_broadcast else lambda: True
-        receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, log.write, alive=alive,
-                                 port=cfg.sync_port if by_broadcast else None, timeout_s=cfg.sync_timeout_s,
-                                 device="cuda" if torch.cuda.is_available() else "cpu", host=cfg.sync_host)
+        alive = (
+            StoreAlive(cfg.sync_host, cfg.sync_port, cfg.sync_timeout_s)
+            if by_broadcast
+            else lambda: True
+        )
+        receiver = sync.Receiver(
+            engine,
+            cfg.run_dir,
+            cfg.explorer_name,
+            log.write,
+            alive=alive,
+            port=cfg.sync_port if by_broadcast else None,
+            timeout_s=cfg.sync_timeout_s,
+            device="cuda" if torch.cuda.is_available() else "cpu",
+            host=cfg.sync_host,
+        )
         try:
-            explore(cfg, engine, prepared.tasks, buffer, Backpressure(cfg, buffer, receiver), log_and_share,
-                    sys.maxsize)
+            explore(
+                cfg,
+                engine,
+                prepared.tasks,
+                buffer,
+                Backpressure(cfg, buffer, receiver),
+                log_and_share,
+                sys.maxsize,
+            )
         finally:  # the trainer may go (its store with it) once every explorer has left
             if by_broadcast and engine.weights_joined():
                 engine.leave_weight_sync()

@@ -1,26 +1,40 @@
 """Sequence filters before training, named by import path in losses.FILTERS (contract: losses.py)."""
+
 from losses import FILTERS, register
 
 
 @register(FILTERS, "zero_advantage")
-def zero_advantage_filter(tokens: list[int], behaviour_logprobs: list[float], advantage: float,
-                          eps: float = 1e-8) -> bool:
+def zero_advantage_filter(
+    tokens: list[int], behaviour_logprobs: list[float], advantage: float, eps: float = 1e-8
+) -> bool:
     """Keep sequences with a non-zero advantage: the others carry no policy gradient."""
     return abs(advantage) > eps
 
 
 @register(FILTERS, "gibberish")
-def gibberish_filter(tokens: list[int], behaviour_logprobs: list[float], advantage: float,
-                     action_mask: list[int] | None = None, min_mean_logprob: float = -6.0) -> bool:
+def gibberish_filter(
+    tokens: list[int],
+    behaviour_logprobs: list[float],
+    advantage: float,
+    action_mask: list[int] | None = None,
+    min_mean_logprob: float = -6.0,
+) -> bool:
     """Keep sequences whose mean behaviour log-prob over the action_mask tokens is >= `min_mean_logprob`."""
-    own = [lp for lp, m in zip(behaviour_logprobs, action_mask or [1] * len(behaviour_logprobs)) if m]
+    own = [
+        lp for lp, m in zip(behaviour_logprobs, action_mask or [1] * len(behaviour_logprobs)) if m
+    ]
     return not own or sum(own) / len(own) >= min_mean_logprob
 
 
 @register(FILTERS, "repetition")
-def repetition_filter(tokens: list[int], behaviour_logprobs: list[float], advantage: float, ngram: int = 4,
-                      max_repeat_frac: float = 0.5) -> bool:
+def repetition_filter(
+    tokens: list[int],
+    behaviour_logprobs: list[float],
+    advantage: float,
+    ngram: int = 4,
+    max_repeat_frac: float = 0.5,
+) -> bool:
     """Keep responses in which at most `max_repeat_frac` of the `ngram`-grams repeat an earlier one."""
-    resp = tokens[len(tokens) - len(behaviour_logprobs):]
-    grams = [tuple(resp[i:i + ngram]) for i in range(len(resp) - ngram + 1)]
+    resp = tokens[len(tokens) - len(behaviour_logprobs) :]
+    grams = [tuple(resp[i : i + ngram]) for i in range(len(resp) - ngram + 1)]
     return not grams or (len(grams) - len(set(grams))) / len(grams) <= max_repeat_frac

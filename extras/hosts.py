@@ -1,4 +1,5 @@
 """Networking apart from the trainer: `gloo_interface` (gloo across hosts) and `StoreAlive` (watching the trainer)."""
+
 import ipaddress
 import os
 from datetime import timedelta
@@ -11,12 +12,17 @@ import sync
 
 class StoreAlive:
     """Whether trainer rank 0's weight-sync store answers; RuntimeError when none does within `wait_s`."""
+
     def __init__(self, host: str, port: int, wait_s: float):
         try:  # a client of its own: a WeightSync's may be blocked in the rendezvous
-            self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=wait_s))
+            self.store = dist.TCPStore(
+                host, port, is_master=False, timeout=timedelta(seconds=wait_s)
+            )
         except dist.DistError:
-            raise RuntimeError(f"weight sync: no trainer answered at {host}:{port} within {wait_s:.0f} s (is it "
-                               "running, with the same --sync-host/--sync-port?)") from None
+            raise RuntimeError(
+                f"weight sync: no trainer answered at {host}:{port} within {wait_s:.0f} s (is it "
+                "running, with the same --sync-host/--sync-port?)"
+            ) from None
 
     def __call__(self) -> bool:
         try:
@@ -41,5 +47,11 @@ def gloo_interface(master: str) -> str | None:
 
 def interface_of(address: str) -> str | None:
     """The name of this machine's network interface that holds `address` (e.g. "eth0"), else None."""
-    return next((name for name, addrs in psutil.net_if_addrs().items()
-                 if any(a.address == address for a in addrs)), None)
+    return next(
+        (
+            name
+            for name, addrs in psutil.net_if_addrs().items()
+            if any(a.address == address for a in addrs)
+        ),
+        None,
+    )

@@ -20,15 +20,24 @@ STORAGE_DEVICE = 6  # the argument of rebuild_cuda_tensor naming the GPU, by the
 class IpcSync(sync.WeightSync):
     """WeightSync's store, ranks and wire dtype without its process group: each bucket goes as a handle of one
     tensor on the device the weights are on (`device` takes part in the handshake only)."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._pending, self.handed, self.taken = [], 0, 0  # rank 0: (bucket, tensor, deadline) until acknowledged
+        self._pending, self.handed, self.taken = (
+            [],
+            0,
+            0,
+        )  # rank 0: (bucket, tensor, deadline) until acknowledged
 
     def _group(self) -> None:
         return None
 
-    def send(self, version: int, buckets: Iterable[list[torch.Tensor]],
-             alive: Callable[[], bool] = lambda: True) -> float | None:
+    def send(
+        self,
+        version: int,
+        buckets: Iterable[list[torch.Tensor]],
+        alive: Callable[[], bool] = lambda: True,
+    ) -> float | None:
         """Rank 0: announce, then hand out `buckets` (tensors in `named_parameters()` order) as `version`."""
         self.wait(alive)
         self.store.set("published", str(version))
@@ -59,8 +68,12 @@ class IpcSync(sync.WeightSync):
         """Rank 0: hold each bucket handed out until every explorer has acknowledged it; then let it go."""
         while self._pending:
             bucket, _, deadline = self._pending[0]
-            self._until(lambda: self.store.add(f"ipc_ack/{bucket}", 0) >= self.world_size - 1, alive,
-                        f"acknowledgement of bucket {bucket}", deadline)
+            self._until(
+                lambda: self.store.add(f"ipc_ack/{bucket}", 0) >= self.world_size - 1,
+                alive,
+                f"acknowledgement of bucket {bucket}",
+                deadline,
+            )
             self.store.delete_key(f"ipc/{bucket}")
             self.store.delete_key(f"ipc_ack/{bucket}")
             self._pending.pop(0)
@@ -74,13 +87,17 @@ class IpcSync(sync.WeightSync):
             version, gpu, (rebuild, args) = pickle.loads(self.store.get(key))
             if rebuild is rebuild_cuda_tensor:
                 if gpu != sync.gpu_id(ps[0].device):
-                    raise RuntimeError(f"weight sync: --sync-method ipc needs the explorer on the trainer's GPU "
-                                       f"({gpu}); this explorer's weights are on {ps[0].device}")
-                args = (*args[:STORAGE_DEVICE], ps[0].device.index, *args[STORAGE_DEVICE + 1:])
+                    raise RuntimeError(
+                        f"weight sync: --sync-method ipc needs the explorer on the trainer's GPU "
+                        f"({gpu}); this explorer's weights are on {ps[0].device}"
+                    )
+                args = (*args[:STORAGE_DEVICE], ps[0].device.index, *args[STORAGE_DEVICE + 1 :])
             flat = rebuild(*args)  # [bucket] the trainer's memory
             if flat.numel() != sum(p.numel() for p in ps):
-                raise RuntimeError(f"weight sync: a bucket of {flat.numel()} elements for {sum(p.numel() for p in ps)}"
-                                   " parameters: the trainer publishes other weights than this explorer holds")
+                raise RuntimeError(
+                    f"weight sync: a bucket of {flat.numel()} elements for {sum(p.numel() for p in ps)}"
+                    " parameters: the trainer publishes other weights than this explorer holds"
+                )
             copy_into(ps, flat)
             if flat.is_cuda:  # copied before the trainer may free it
                 torch.cuda.synchronize(flat.device)
@@ -89,8 +106,13 @@ class IpcSync(sync.WeightSync):
             self.taken += 1
         return version
 
-    def _until(self, ready: Callable[[], bool], alive: Callable[[], bool], what: str,
-               deadline: float | None = None) -> None:
+    def _until(
+        self,
+        ready: Callable[[], bool],
+        alive: Callable[[], bool],
+        what: str,
+        deadline: float | None = None,
+    ) -> None:
         """Poll `ready()` (from 0.1 ms apart up to 10 ms); RuntimeError once `alive()` is False or at `deadline`."""
         deadline, pause = deadline or time.monotonic() + self.timeout.total_seconds(), 1e-4
         peer = "an explorer" if self.rank == 0 else "the trainer"
@@ -99,13 +121,17 @@ class IpcSync(sync.WeightSync):
                 if not alive():
                     raise RuntimeError(f"weight sync: {peer} died (waiting for {what})")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"weight sync: no {what} within --sync-timeout-s "
-                                       f"{self.timeout.total_seconds():g} s")
+                    raise RuntimeError(
+                        f"weight sync: no {what} within --sync-timeout-s "
+                        f"{self.timeout.total_seconds():g} s"
+                    )
                 time.sleep(pause)
                 pause = min(2 * pause, 0.01)
         except dist.DistError as e:  # a receiver's store connection: rank 0 is gone
-            raise RuntimeError(f"weight sync: the trainer's store at {self.host}:{self.port} stopped answering (the "
-                               f"trainer is gone: {' '.join(str(e).split())})") from None
+            raise RuntimeError(
+                f"weight sync: the trainer's store at {self.host}:{self.port} stopped answering (the "
+                f"trainer is gone: {' '.join(str(e).split())})"
+            ) from None
 
 
 def copy_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:

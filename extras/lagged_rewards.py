@@ -1,5 +1,6 @@
 """Lagged rewards (reward_fn "human"): groups wait in the buffer (`pending_groups`) until `set_rewards` fills them,
 from code, extras/label_studio.py or `python buffer.py BUFFER pending | set-reward GROUP_ID REWARD...` (`main`)."""
+
 import argparse
 import math
 import sys
@@ -22,39 +23,70 @@ def set_rewards_many(buffer: Buffer, rewards: dict[str, list[float] | float]) ->
     n, db = 0, buffer.db
     with db.transaction():
         for group_id, values in rewards.items():
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                       for v in (values if isinstance(values, list) else [values])):
-                raise ValueError(f"group {group_id!r}: rewards must be finite numbers, got {values!r}")
-            ids = [r[0] for r in db.execute("SELECT id FROM experiences WHERE group_id = ? ORDER BY id", (group_id,))]
+            if not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                for v in (values if isinstance(values, list) else [values])
+            ):
+                raise ValueError(
+                    f"group {group_id!r}: rewards must be finite numbers, got {values!r}"
+                )
+            ids = [
+                r[0]
+                for r in db.execute(
+                    "SELECT id FROM experiences WHERE group_id = ? ORDER BY id", (group_id,)
+                )
+            ]
             vals = values if isinstance(values, list) else [values] * len(ids)
             if not ids or len(vals) != len(ids):
-                raise ValueError(f"group {group_id!r} has {len(ids)} experiences, got {len(vals)} rewards")
-            db.executemany("UPDATE experiences SET reward = ? WHERE id = ?", zip(map(float, vals), ids))
+                raise ValueError(
+                    f"group {group_id!r} has {len(ids)} experiences, got {len(vals)} rewards"
+                )
+            db.executemany(
+                "UPDATE experiences SET reward = ? WHERE id = ?", zip(map(float, vals), ids)
+            )
             n += len(ids)
     return n
 
 
 def pending_groups(buffer: Buffer) -> list[str]:
     """Groups still waiting for a reward, oldest first."""
-    return [r[0] for r in buffer.db.execute(
-        "SELECT group_id FROM experiences WHERE reward IS NULL GROUP BY group_id ORDER BY MIN(id)")]
+    return [
+        r[0]
+        for r in buffer.db.execute(
+            "SELECT group_id FROM experiences WHERE reward IS NULL GROUP BY group_id ORDER BY MIN(id)"
+        )
+    ]
 
 
 def pending_group_rows(buffer: Buffer) -> list[list[Experience]]:
     """The experiences of the groups still waiting for a reward, oldest group first."""
     ids = pending_groups(buffer)
-    return buffer.groups_of(ids, buffer.db.execute(
-        f"SELECT {COLUMNS} FROM experiences WHERE group_id IN ({','.join('?' * len(ids))}) ORDER BY id",
-        ids).fetchall()) if ids else []
+    return (
+        buffer.groups_of(
+            ids,
+            buffer.db.execute(
+                f"SELECT {COLUMNS} FROM experiences WHERE group_id IN ({','.join('?' * len(ids))}) ORDER BY id",
+                ids,
+            ).fetchall(),
+        )
+        if ids
+        else []
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """List the groups waiting for a reward, or set a group's rewards; exit code 2 on an error."""
-    p = argparse.ArgumentParser(prog="buffer.py", description="inspect a buffer and fill lagged rewards")
-    p.add_argument("buffer", help="RUN_DIR/buffer.sqlite, or postgresql://user@host:port/db?schema=NAME")
+    p = argparse.ArgumentParser(
+        prog="buffer.py", description="inspect a buffer and fill lagged rewards"
+    )
+    p.add_argument(
+        "buffer", help="RUN_DIR/buffer.sqlite, or postgresql://user@host:port/db?schema=NAME"
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("pending", help="list groups waiting for a reward")
-    s = sub.add_parser("set-reward", help="set the rewards of a group (one value, or one per experience)")
+    s = sub.add_parser(
+        "set-reward", help="set the rewards of a group (one value, or one per experience)"
+    )
     s.add_argument("group_id")
     s.add_argument("rewards", type=float, nargs="+")
     args = p.parse_args(argv)
@@ -65,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "pending":
             print("\n".join(pending_groups(buf)))
             return 0
-        n = set_rewards(buf, args.group_id, args.rewards[0] if len(args.rewards) == 1 else args.rewards)
+        n = set_rewards(
+            buf, args.group_id, args.rewards[0] if len(args.rewards) == 1 else args.rewards
+        )
     except ValueError as e:
         print(f"buffer.py: error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """LoRA (--lora-rank > 0, peft; Hu et al., arXiv:2106.09685): the trainer trains adapters on the frozen model and
 publishes only them; the engines sample with them. Reached by import path (`models.lora(name)`, trainer)."""
+
 from pathlib import Path
 
 import torch
@@ -21,14 +22,23 @@ def lora_config(cfg, base: str = ""):
     except ImportError:
         raise ValueError("--lora-rank needs peft: pip install peft") from None
     targets = cfg.lora_target_modules.strip()
-    targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
-    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets, task_type="CAUSAL_LM", base_model_name_or_path=base or None)
+    targets = (
+        targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    )
+    return LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base or None,
+    )
 
 
 def adapter_base(path: str | Path) -> str:
     """The base model directory that the peft adapter at `path` was trained on."""
     from peft import PeftConfig
+
     return PeftConfig.from_pretrained(str(path)).base_model_name_or_path
 
 
@@ -41,9 +51,15 @@ def save_adapter(model, path: str | Path, named: list[tuple[str, torch.Tensor]],
     """Write the adapters `named` ((name, CPU tensor) of `model`) and `config` as a peft adapter directory."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
+
     Path(path).mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(model, state_dict=dict(named)).items()},
-              str(Path(path) / "adapter_model.safetensors"))
+    save_file(
+        {
+            k: v.contiguous()
+            for k, v in get_peft_model_state_dict(model, state_dict=dict(named)).items()
+        },
+        str(Path(path) / "adapter_model.safetensors"),
+    )
     config.save_pretrained(str(path))
 
 
@@ -51,15 +67,21 @@ def load_adapter(model, path: str | Path) -> None:
     """Load the peft adapter directory `path` into the unsharded peft `model`. ValueError when it misses an adapter."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
-    result = set_peft_model_state_dict(model, load_file(str(Path(path) / "adapter_model.safetensors")))
+
+    result = set_peft_model_state_dict(
+        model, load_file(str(Path(path) / "adapter_model.safetensors"))
+    )
     if missing := [k for k in result.missing_keys if ".lora_" in k]:
-        raise ValueError(f"adapter {path} has no weights for {missing[:3]} ({len(missing)} tensors)")
+        raise ValueError(
+            f"adapter {path} has no weights for {missing[:3]} ({len(missing)} tensors)"
+        )
 
 
 def merge_adapter(adapter: str | Path, out: str | Path, dtype: torch.dtype) -> None:
     """Write the peft `adapter` merged into its base model (loaded again) as a Hugging Face directory."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
     base = AutoModelForCausalLM.from_pretrained(adapter_base(adapter), dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().to(dtype)
     merged.config.dtype = dtype  # (the config would record the float32 it was loaded in)
@@ -68,14 +90,19 @@ def merge_adapter(adapter: str | Path, out: str | Path, dtype: torch.dtype) -> N
 
 class LoraTrainer(Trainer):
     """A Trainer of fresh LoRA adapters on the frozen model; saves and resume states hold the adapters only."""
+
     def __init__(self, cfg, model_path: str, device: torch.device):
         self.lora = lora_config(cfg, model_path)
         super().__init__(cfg, model_path, device)
 
     def pretrained(self, model_path: str):
         from peft import get_peft_model
+
         model = get_peft_model(super().pretrained(model_path), self.lora)
-        for name, sub in model.named_modules():  # LoRA dropout, when asked for, applies while training
+        for (
+            name,
+            sub,
+        ) in model.named_modules():  # LoRA dropout, when asked for, applies while training
             if isinstance(sub, torch.nn.Dropout) and "lora_dropout" in name:
                 sub.training = True
         return model
@@ -83,13 +110,21 @@ class LoraTrainer(Trainer):
     def published(self) -> list[tuple[str, torch.Tensor]]:
         return published_parameters(self.model)
 
-    def save(self, path: str | Path, params: list[torch.Tensor] | None = None,
-             dtype: torch.dtype = torch.float32) -> None:
+    def save(
+        self,
+        path: str | Path,
+        params: list[torch.Tensor] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         """A peft adapter directory of the adapters (cast to `dtype`) and the tokenizer."""
         params = params if params is not None else self.full_parameters()
         if self.rank == 0:
-            save_adapter(self.model, path, [(n, p.detach().to("cpu", dtype)) for (n, _), p in
-                                            zip(self.published(), params)], self.lora)
+            save_adapter(
+                self.model,
+                path,
+                [(n, p.detach().to("cpu", dtype)) for (n, _), p in zip(self.published(), params)],
+                self.lora,
+            )
             self.tokenizer.save_pretrained(str(path))
 
     def save_final(self, path: str | Path, params: list[torch.Tensor] | None = None) -> None:
@@ -98,4 +133,3 @@ class LoraTrainer(Trainer):
         if self.rank == 0:
             merge_adapter(Path(path) / "adapter", path, self.final_dtype)
             self.tokenizer.save_pretrained(str(path))
-

@@ -1,4 +1,5 @@
 """Multi-turn workflows: the policy and an environment take turns (`MultiTurnWorkflow`; extras/guess_number.py)."""
+
 import asyncio
 import uuid
 
@@ -8,12 +9,18 @@ from workflows import Task, Workflow, chat_ids, in_thread
 
 def new_sample(prompt: list[int]) -> dict:
     """An empty sample (dict of tokens, prompt_length, mask, behaviour_logprobs, versions) starting at `prompt`."""
-    return {"tokens": list(prompt), "prompt_length": len(prompt), "mask": [], "behaviour_logprobs": [], "versions": []}
+    return {
+        "tokens": list(prompt),
+        "prompt_length": len(prompt),
+        "mask": [],
+        "behaviour_logprobs": [],
+        "versions": [],
+    }
 
 
 def extend_sample(s: dict, prompt: list[int], out) -> None:
     """Append the tokens of `prompt` past the sample's (mask 0: not trained on) and the completion `out` (mask 1)."""
-    extra = prompt[len(s["tokens"]):]
+    extra = prompt[len(s["tokens"]) :]
     s["tokens"] += extra + list(out.tokens)
     s["mask"] += [0] * len(extra) + [1] * len(out.tokens)
     s["behaviour_logprobs"] += [0.0] * len(extra) + list(out.behaviour_logprobs)
@@ -24,6 +31,7 @@ class MultiTurnWorkflow(Workflow):
     """Subclasses implement `make_env()`: an environment with `reset(task) -> str` (the first user message) and
     `step(reply) -> (message or None at the end, reward or None)`, called in a thread. A turn whose prompt extends
     the sample's tokens joins that sample, else a new one starts (prime-rl's merging rule)."""
+
     max_turns = 6
 
     def __init__(self, *args, **kwargs):
@@ -39,7 +47,9 @@ class MultiTurnWorkflow(Workflow):
 
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
         group_id = uuid.uuid4().hex
-        trajs = await asyncio.gather(*(self.episode(task, engine, group_id, f"{group_id}/{i}") for i in range(n)))
+        trajs = await asyncio.gather(
+            *(self.episode(task, engine, group_id, f"{group_id}/{i}") for i in range(n))
+        )
         return [e for t in trajs for e in t]
 
     async def episode(self, task: Task, engine, group_id: str, episode_id: str) -> list[Experience]:
@@ -64,10 +74,25 @@ class MultiTurnWorkflow(Workflow):
             transcript.append(message)
         self._idle_envs.append(env)
         reward = 0.0 if reward is None else float(reward)
-        return [Experience(s["tokens"], s["prompt_length"], s["behaviour_logprobs"], s["mask"], reward, group_id,
-                           task.task_id, min(s["versions"]),
-                           {"episode_id": episode_id, "turns": turns, "samples": len(samples),
-                            "versions": [min(s["versions"]), max(s["versions"])],
-                            "finish_reason": out.finish_reason, "answer": task.answer,
-                            "response": " | ".join(transcript)})
-                for s in samples]
+        return [
+            Experience(
+                s["tokens"],
+                s["prompt_length"],
+                s["behaviour_logprobs"],
+                s["mask"],
+                reward,
+                group_id,
+                task.task_id,
+                min(s["versions"]),
+                {
+                    "episode_id": episode_id,
+                    "turns": turns,
+                    "samples": len(samples),
+                    "versions": [min(s["versions"]), max(s["versions"])],
+                    "finish_reason": out.finish_reason,
+                    "answer": task.answer,
+                    "response": " | ".join(transcript),
+                },
+            )
+            for s in samples
+        ]

@@ -1,4 +1,5 @@
 """Offline data (info["offline"]): chats for SFT or MIX, pairs for DPO; JSONL task files (`jsonl_tasks`), `hold_out`."""
+
 import dataclasses
 import json
 import random
@@ -12,7 +13,7 @@ def hold_out(name: str, tasks: list[Task], eval_size: int) -> tuple[list[Task], 
     """(all but the last `eval_size` tasks, the last `eval_size`); ValueError when none remain."""
     if len(tasks) <= eval_size:
         raise ValueError(f"{name}: {len(tasks)} rows, need more than eval_size={eval_size}")
-    return tasks[:len(tasks) - eval_size], tasks[len(tasks) - eval_size:]
+    return tasks[: len(tasks) - eval_size], tasks[len(tasks) - eval_size :]
 
 
 def jsonl_rows(path: str | Path, what: str):
@@ -38,12 +39,20 @@ def jsonl_tasks(name: str, eval_size: int) -> tuple[list[Task], list[Task]]:
     for path, i, row in jsonl_rows(name, "task file"):
         if not isinstance(row, dict) or "question" not in row or "answer" not in row:
             raise ValueError(f"{path} line {i}: needs 'question' and 'answer' fields")
-        tasks.append(Task(str(row.get("id", f"{path.stem}/{i}")), str(row["question"]), str(row["answer"]), row))
+        tasks.append(
+            Task(
+                str(row.get("id", f"{path.stem}/{i}")),
+                str(row["question"]),
+                str(row["answer"]),
+                row,
+            )
+        )
     return hold_out(name, tasks, eval_size)
 
 
 class OfflineSampler:
     """Groups in a seeded shuffled order, cycled; `drawn`: how many (as many drawn again resume it)."""
+
     def __init__(self, groups: list[list[Experience]], seed: int):
         if not groups:
             raise ValueError("offline data is empty")
@@ -55,13 +64,19 @@ class OfflineSampler:
         for _ in range(n):
             if not self.order:
                 self.order = self.rng.sample(range(len(self.groups)), len(self.groups))
-            out.append([dataclasses.replace(e, info={**e.info, "offline": True}, explorer="offline")
-                        for e in self.groups[self.order.pop()]])
+            out.append(
+                [
+                    dataclasses.replace(e, info={**e.info, "offline": True}, explorer="offline")
+                    for e in self.groups[self.order.pop()]
+                ]
+            )
         return out
 
 
 def _is_messages(msgs) -> bool:
-    return isinstance(msgs, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in msgs)
+    return isinstance(msgs, list) and all(
+        isinstance(m, dict) and {"role", "content"} <= set(m) for m in msgs
+    )
 
 
 def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
@@ -70,24 +85,48 @@ def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
     for path, n, row in jsonl_rows(path, "chat data"):
         msgs = row.get("messages") if isinstance(row, dict) else None
         if not _is_messages(msgs):
-            raise ValueError(f'{path} line {n}: needs {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
+            raise ValueError(
+                f'{path} line {n}: needs {{"messages": [{{"role": ..., "content": ...}}, ...]}}'
+            )
         tokens, mask = [], []
         for i, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
-            prompt, full = chat_ids(tokenizer, msgs[:i], True), chat_ids(tokenizer, msgs[: i + 1], False)
+            prompt, full = (
+                chat_ids(tokenizer, msgs[:i], True),
+                chat_ids(tokenizer, msgs[: i + 1], False),
+            )
             if prompt[: len(tokens)] != tokens or full[: len(prompt)] != prompt:
-                raise ValueError(f"{path} line {n}: chat template output is not a token prefix across turns")
-            turn = full[len(prompt):]
-            end = turn.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in turn else len(turn)
+                raise ValueError(
+                    f"{path} line {n}: chat template output is not a token prefix across turns"
+                )
+            turn = full[len(prompt) :]
+            end = (
+                turn.index(tokenizer.eos_token_id) + 1
+                if tokenizer.eos_token_id in turn
+                else len(turn)
+            )
             mask += [0] * (len(prompt) - len(tokens)) + [1] * end + [0] * (len(turn) - end)
             tokens = full
         if 1 not in mask:
             raise ValueError(f"{path} line {n}: no assistant message")
         p, last = mask.index(1), len(mask) - mask[::-1].index(1)
         tokens, mask = tokens[:last], mask[:last]
-        out.append([Experience(tokens, p, [0.0] * (len(tokens) - p), mask[p:], 1.0, f"{path.stem}/{n}",
-                               f"{path.stem}/{n}", 0, {"offline": True})])
+        out.append(
+            [
+                Experience(
+                    tokens,
+                    p,
+                    [0.0] * (len(tokens) - p),
+                    mask[p:],
+                    1.0,
+                    f"{path.stem}/{n}",
+                    f"{path.stem}/{n}",
+                    0,
+                    {"offline": True},
+                )
+            ]
+        )
     return out
 
 
@@ -97,19 +136,38 @@ def load_preference_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]
     for path, n, row in jsonl_rows(path, "preference data"):
         if not (isinstance(row, dict) and {"prompt", "chosen", "rejected"} <= set(row)):
             raise ValueError(f"{path} line {n}: needs prompt, chosen and rejected fields")
-        msgs = [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str) else row["prompt"]
+        msgs = (
+            [{"role": "user", "content": row["prompt"]}]
+            if isinstance(row["prompt"], str)
+            else row["prompt"]
+        )
         if not _is_messages(msgs):
             raise ValueError(f"{path} line {n}: prompt must be a string or a list of messages")
         if not (isinstance(row["chosen"], str) and isinstance(row["rejected"], str)):
-            raise ValueError(f"{path} line {n}: chosen and rejected must be strings (the assistant replies)")
+            raise ValueError(
+                f"{path} line {n}: chosen and rejected must be strings (the assistant replies)"
+            )
         prompt, group = chat_ids(tokenizer, msgs, True), []
         for key, reward in (("chosen", 1.0), ("rejected", 0.0)):
             full = chat_ids(tokenizer, msgs + [{"role": "assistant", "content": row[key]}], False)
             if full[: len(prompt)] != prompt or len(full) == len(prompt):
-                raise ValueError(f"{path} line {n}: chat template output is not a token prefix of the {key} reply")
+                raise ValueError(
+                    f"{path} line {n}: chat template output is not a token prefix of the {key} reply"
+                )
             r = len(full) - len(prompt)
-            group.append(Experience(full, len(prompt), [0.0] * r, [1] * r, reward, f"{path.stem}/{n}",
-                                    f"{path.stem}/{n}", 0, {"offline": True, "preference": key}))
+            group.append(
+                Experience(
+                    full,
+                    len(prompt),
+                    [0.0] * r,
+                    [1] * r,
+                    reward,
+                    f"{path.stem}/{n}",
+                    f"{path.stem}/{n}",
+                    0,
+                    {"offline": True, "preference": key},
+                )
+            )
         out.append(group)
     return out
 
@@ -123,7 +181,9 @@ def load_offline_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
 
 def sampler(path: str | Path, tokenizer, seed: int, chats_only: bool = False) -> OfflineSampler:
     """An OfflineSampler of the JSONL file `path` (`chats_only`: MIX's expert data)."""
-    return OfflineSampler((load_chat_jsonl if chats_only else load_offline_jsonl)(path, tokenizer), seed)
+    return OfflineSampler(
+        (load_chat_jsonl if chats_only else load_offline_jsonl)(path, tokenizer), seed
+    )
 
 
 def attach(cfg, io, trainer, start: int) -> None:
@@ -132,12 +192,18 @@ def attach(cfg, io, trainer, start: int) -> None:
         io.expert = sampler(cfg.expert_data, trainer.tokenizer, cfg.seed, chats_only=True)
         io.expert.draw(trainer.loop_state.get("expert_drawn", 0))
         shape = io.shape
+
         def mixed(groups: list, step: int) -> tuple[list, dict]:
             groups, m = shape(groups, step) if shape else (groups, {})
             n = sum(map(len, groups))  # MIX: this fraction of the batch's sequences is expert data
-            groups += io.expert.draw(max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction))))
-            trainer.loop_state["expert_drawn"] = io.expert.drawn  # (n varies: the resume state records it)
+            groups += io.expert.draw(
+                max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction)))
+            )
+            trainer.loop_state["expert_drawn"] = (
+                io.expert.drawn
+            )  # (n varies: the resume state records it)
             return groups, m
+
         io.shape = mixed
     if cfg.train_data:
         io.offline = sampler(cfg.train_data, trainer.tokenizer, cfg.seed)

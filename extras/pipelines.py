@@ -1,6 +1,7 @@
 """Data pipelines (Trinity-RFT, arXiv:2505.17826 section 2.3; workflows.PIPELINES) of operators {op = NAME, ...kwargs}:
-    fn(tasks: list[Task], ctx: TaskContext, **kw) -> list[Task]
-    fn(groups: list[list[Experience]], ctx: ExperienceContext, **kw) -> list[list[Experience]]"""
+fn(tasks: list[Task], ctx: TaskContext, **kw) -> list[Task]
+fn(groups: list[list[Experience]], ctx: ExperienceContext, **kw) -> list[list[Experience]]"""
+
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -10,18 +11,41 @@ from buffer import COLUMNS, Buffer, Experience
 from losses import resolve
 from workflows import Shuffle, Task
 
-TASK_OPS: dict[str, Callable | str] = {name: f"extras.task_ops.{name}" for name in (
-    "dedup", "length_filter", "metadata_difficulty", "pass_rate_difficulty", "model_difficulty")}
-EXPERIENCE_OPS: dict[str, Callable | str] = {name: f"extras.experience_ops.{name}" for name in (
-    "quality_reward", "diversity_reward", "clean")}
-SELECTORS: dict[str, type | str] = {"shuffle": Shuffle, **{name: f"extras.selectors.{cls}" for name, cls in (
-    ("sequential", "Sequential"), ("random", "RandomTasks"), ("easy2hard", "Easy2Hard"), ("diff_based", "DiffBased"))}}
-ANNOTATION_CHECK = "extras.label_studio.check_annotation"  # cfg -> None: raises for a bad annotation setting
+TASK_OPS: dict[str, Callable | str] = {
+    name: f"extras.task_ops.{name}"
+    for name in (
+        "dedup",
+        "length_filter",
+        "metadata_difficulty",
+        "pass_rate_difficulty",
+        "model_difficulty",
+    )
+}
+EXPERIENCE_OPS: dict[str, Callable | str] = {
+    name: f"extras.experience_ops.{name}"
+    for name in ("quality_reward", "diversity_reward", "clean")
+}
+SELECTORS: dict[str, type | str] = {
+    "shuffle": Shuffle,
+    **{
+        name: f"extras.selectors.{cls}"
+        for name, cls in (
+            ("sequential", "Sequential"),
+            ("random", "RandomTasks"),
+            ("easy2hard", "Easy2Hard"),
+            ("diff_based", "DiffBased"),
+        )
+    },
+}
+ANNOTATION_CHECK = (
+    "extras.label_studio.check_annotation"  # cfg -> None: raises for a bad annotation setting
+)
 
 
 @dataclass
 class TaskContext:
     """What a task operator may use; rollouts(tasks, n) -> a group (None: skipped) per task, by the explorer."""
+
     tokenizer: Any = None
     rollouts: Callable[[list[Task], int], list] | None = None
     metrics: dict = field(default_factory=dict)
@@ -30,6 +54,7 @@ class TaskContext:
 @dataclass
 class ExperienceContext:
     """What an experience operator may use: the batch's trainer step, the policy's tokenizer and model."""
+
     step: int = 0
     tokenizer: Any = None
     model: str = ""
@@ -58,8 +83,12 @@ def run_task_pipeline(specs: list, tasks: list[Task], ctx: TaskContext) -> list[
     for name, fn, kwargs in parse_ops(specs, TASK_OPS, "task_pipeline"):
         before = len(tasks)
         tasks = fn(tasks, ctx, **kwargs)
-        ctx.metrics.update({f"pipeline/{_label(name)}/kept": len(tasks),
-                            f"pipeline/{_label(name)}/removed": before - len(tasks)})
+        ctx.metrics.update(
+            {
+                f"pipeline/{_label(name)}/kept": len(tasks),
+                f"pipeline/{_label(name)}/removed": before - len(tasks),
+            }
+        )
         if not tasks:
             raise ValueError(f"task_pipeline: {name} removed every task")
     return tasks
@@ -74,7 +103,10 @@ def curate(explorer, buffer: Buffer) -> tuple[list[Task], dict]:
     ctx = TaskContext(explorer.engine.tokenizer, lambda tasks, n: explorer.rollout(tasks, n=n))
     tasks = run_task_pipeline(cfg.task_pipeline, explorer.train, ctx)
     buffer.set_run_state(key, json.dumps([[t.task_id, t.difficulty] for t in tasks]))
-    print(f"explorer {cfg.explorer_name}: task pipeline kept {len(tasks)} of {len(explorer.train)} tasks", flush=True)
+    print(
+        f"explorer {cfg.explorer_name}: task pipeline kept {len(tasks)} of {len(explorer.train)} tasks",
+        flush=True,
+    )
     return tasks, ctx.metrics
 
 
@@ -92,39 +124,52 @@ def shape(e: Experience, op: str, bonus: float) -> None:
 
 class ExperiencePipeline:
     """(groups, step) -> (groups, metrics) of the experience operators; RuntimeError when no group is left."""
+
     def __init__(self, specs: list, tokenizer=None, model: str = ""):
         self.ops = parse_ops(specs, EXPERIENCE_OPS, "experience_pipeline")
         self.tokenizer, self.model = tokenizer, model
 
-    def __call__(self, groups: list[list[Experience]], step: int) -> tuple[list[list[Experience]], dict]:
+    def __call__(
+        self, groups: list[list[Experience]], step: int
+    ) -> tuple[list[list[Experience]], dict]:
         ctx = ExperienceContext(step, self.tokenizer, self.model)
         for name, fn, kwargs in self.ops:
             before = len(groups)
             groups = [g for g in fn(groups, ctx, **kwargs) if g]
             ctx.metrics[f"pipeline/{_label(name)}/groups_dropped"] = before - len(groups)
             if not groups:
-                raise RuntimeError(f"experience_pipeline: {name} dropped every group of step {step}")
+                raise RuntimeError(
+                    f"experience_pipeline: {name} dropped every group of step {step}"
+                )
         raw = [e.info.get("reward_raw", e.reward) for g in groups for e in g]
         ctx.metrics["pipeline/reward_raw_mean"] = sum(raw) / len(raw)
         return groups, ctx.metrics
 
 
-def replay(buffer: Buffer, step: int, groups: int = 1, decay: float = 2.0, use_count_limit: int = 3
-           ) -> tuple[list[list[Experience]], int]:
+def replay(
+    buffer: Buffer, step: int, groups: int = 1, decay: float = 2.0, use_count_limit: int = 3
+) -> tuple[list[list[Experience]], int]:
     """(Up to `groups` groups consumed before `step` by priority model_version - decay * use_count, how many were
     eligible). Reference: Trinity-RFT trinity/buffer/storage/queue.py @ 5a4234ec."""
     db = buffer.db
     with db.transaction(readers=True):
-        eligible = db.execute("SELECT group_id, MIN(model_version) - ? * MAX(use_count) AS priority FROM experiences "
+        eligible = db.execute(
+            "SELECT group_id, MIN(model_version) - ? * MAX(use_count) AS priority FROM experiences "
             "WHERE consumed BETWEEN 1 AND ? GROUP BY group_id HAVING MAX(use_count) < ? "
-            "ORDER BY priority DESC, MIN(id) DESC", (decay, step, use_count_limit)).fetchall()
+            "ORDER BY priority DESC, MIN(id) DESC",
+            (decay, step, use_count_limit),
+        ).fetchall()
         ids, priority = [g for g, _ in eligible[:groups]], dict(eligible[:groups])
         if not ids:
             return [], len(eligible)
         marks = ",".join("?" * len(ids))
-        rows = db.execute(f"SELECT {COLUMNS}, use_count FROM experiences WHERE group_id IN ({marks}) ORDER BY id",
-                          ids).fetchall()
-        db.execute(f"UPDATE experiences SET use_count = use_count + 1 WHERE group_id IN ({marks})", ids)
+        rows = db.execute(
+            f"SELECT {COLUMNS}, use_count FROM experiences WHERE group_id IN ({marks}) ORDER BY id",
+            ids,
+        ).fetchall()
+        db.execute(
+            f"UPDATE experiences SET use_count = use_count + 1 WHERE group_id IN ({marks})", ids
+        )
         db.executemany("INSERT INTO replays VALUES (?, ?)", [(step, g) for g in ids])
     out = buffer.groups_of(ids, [r[:-1] for r in rows])
     uses = {r[0]: r[-1] for r in rows}
@@ -136,8 +181,10 @@ def replay(buffer: Buffer, step: int, groups: int = 1, decay: float = 2.0, use_c
 
 def response_text(e: Experience, tokenizer) -> str:
     """The policy's part of a response (action_mask 1 tokens), decoded."""
-    resp = e.tokens[e.prompt_length:]
-    return tokenizer.decode([t for t, m in zip(resp, e.action_mask) if m], skip_special_tokens=True).strip()
+    resp = e.tokens[e.prompt_length :]
+    return tokenizer.decode(
+        [t for t, m in zip(resp, e.action_mask) if m], skip_special_tokens=True
+    ).strip()
 
 
 def check_config(cfg) -> None:
@@ -147,14 +194,27 @@ def check_config(cfg) -> None:
     selector = resolve(cfg.selector, SELECTORS, "selector", cfg.selector_kwargs)
     if hasattr(selector, "check_config"):
         selector.check_config(cfg)
-    for name, value, known in (("replay", cfg.replay, {"groups", "decay", "use_count_limit"}),
-                               ("annotation", cfg.annotation, {"url", "mode", "choices", "timeout_s", "timeout_reward",
-                                                               "project"})):
+    for name, value, known in (
+        ("replay", cfg.replay, {"groups", "decay", "use_count_limit"}),
+        (
+            "annotation",
+            cfg.annotation,
+            {"url", "mode", "choices", "timeout_s", "timeout_reward", "project"},
+        ),
+    ):
         if set(value) - known:
-            raise ValueError(f"{name}: unknown key(s) {sorted(set(value) - known)}; known: {sorted(known)}")
+            raise ValueError(
+                f"{name}: unknown key(s) {sorted(set(value) - known)}; known: {sorted(known)}"
+            )
     r = cfg.replay
-    if r and not (isinstance(r.get("groups", 1), int) and r.get("groups", 1) >= 1 and r.get("use_count_limit", 3) >= 2
-                  and r.get("decay", 2.0) >= 0):
-        raise ValueError(f"replay: need groups >= 1 (an integer), use_count_limit >= 2 and decay >= 0, got {r}")
+    if r and not (
+        isinstance(r.get("groups", 1), int)
+        and r.get("groups", 1) >= 1
+        and r.get("use_count_limit", 3) >= 2
+        and r.get("decay", 2.0) >= 0
+    ):
+        raise ValueError(
+            f"replay: need groups >= 1 (an integer), use_count_limit >= 2 and decay >= 0, got {r}"
+        )
     if cfg.annotation:
         resolve(ANNOTATION_CHECK, {}, "annotation")(cfg)

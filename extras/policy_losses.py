@@ -1,16 +1,20 @@
 """Policy losses besides PPO clip, named by import path in losses.POLICY_LOSSES (contract: losses.py)."""
+
 import torch
 
 from losses import POLICY_LOSSES, LossInputs, importance_ratio, ppo_clip_loss, register, seq_sum
 
 
-def part_totals(token_counts: torch.Tensor, expert: torch.Tensor,
-                keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def part_totals(
+    token_counts: torch.Tensor, expert: torch.Tensor, keep: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence, its part's (expert or rollout) kept tokens and sequences, the totals of losses.aggregate for a
     `split_expert` loss (MIX). token_counts [N], expert [N], keep [N] -> [N], [N]."""
-    kept, is_exp = keep.to(token_counts.dtype), expert.to(token_counts.dtype)   # [N]
-    tokens = torch.stack([(token_counts * kept * (1 - is_exp)).sum(), (token_counts * kept * is_exp).sum()])  # [2]
-    seqs = torch.stack([(kept * (1 - is_exp)).sum(), (kept * is_exp).sum()])    # [2]
+    kept, is_exp = keep.to(token_counts.dtype), expert.to(token_counts.dtype)  # [N]
+    tokens = torch.stack(
+        [(token_counts * kept * (1 - is_exp)).sum(), (token_counts * kept * is_exp).sum()]
+    )  # [2]
+    seqs = torch.stack([(kept * (1 - is_exp)).sum(), (kept * is_exp).sum()])  # [2]
     return tokens[expert.long()], seqs[expert.long()]
 
 
@@ -20,16 +24,21 @@ def spread(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @register(POLICY_LOSSES, "dppo_kl")
-def dppo_kl_loss(inp: LossInputs, dppo_mask_low: float = 0.2, dppo_mask_high: float = 0.2, adv_tau: float = 1.0,
-                 kl_tau: float = 1e-3):
+def dppo_kl_loss(
+    inp: LossInputs,
+    dppo_mask_low: float = 0.2,
+    dppo_mask_high: float = 0.2,
+    adv_tau: float = 1.0,
+    kl_tau: float = 1e-3,
+):
     """DPPO-Binary-TV + KL: -ratio adv_tau A inside the trust region on exp(logprobs) - exp(behaviour_logprobs),
     + kl_tau (log ratio)^2: {"loss", "masked"} [B, T]. Source: DPPO arXiv:2602.04879; Kimi K2.5 arXiv:2602.02276.
     Reference: PrimeIntellect-ai/prime-rl src/prime_rl/trainer/rl/loss.py default_loss_fn @ 559b447."""
-    log_ratio = inp.logprobs - inp.behaviour_logprobs                                     # [B, T]
-    diff = torch.exp(inp.logprobs) - torch.exp(inp.behaviour_logprobs)                    # [B, T]
+    log_ratio = inp.logprobs - inp.behaviour_logprobs  # [B, T]
+    diff = torch.exp(inp.logprobs) - torch.exp(inp.behaviour_logprobs)  # [B, T]
     masked = torch.where(inp.advantages > 0, diff > dppo_mask_high, diff < -dppo_mask_low)  # [B, T]
-    pg = torch.where(masked, 0.0, adv_tau * inp.advantages * torch.exp(log_ratio))        # [B, T]
-    return {"loss": -pg + kl_tau * log_ratio ** 2, "masked": masked.float()}
+    pg = torch.where(masked, 0.0, adv_tau * inp.advantages * torch.exp(log_ratio))  # [B, T]
+    return {"loss": -pg + kl_tau * log_ratio**2, "masked": masked.float()}
 
 
 @register(POLICY_LOSSES, "reinforce_tis", agg="seq-mean-token-sum")
@@ -37,8 +46,8 @@ def reinforce_tis_loss(inp: LossInputs, tis_cap: float = 1.02):
     """REINFORCE with truncated, detached IS weights: -min(ratio, tis_cap) A logprobs: {"loss", "truncated"} [B, T].
     Source: PipelineRL arXiv:2509.19128 sec. 3. Reference: ServiceNow/PipelineRL pipelinerl/finetune/rl/__init__.py
     rl_step @ 58d3934."""
-    ratio = importance_ratio(inp).detach()                               # [B, T]
-    w = ratio.clamp(max=tis_cap)                                         # [B, T]
+    ratio = importance_ratio(inp).detach()  # [B, T]
+    w = ratio.clamp(max=tis_cap)  # [B, T]
     return {"loss": -w * inp.advantages * inp.logprobs, "truncated": (ratio > tis_cap).float()}
 
 
@@ -46,8 +55,8 @@ def reinforce_tis_loss(inp: LossInputs, tis_cap: float = 1.02):
 def cispo_loss(inp: LossInputs, clip_low: float = 1.0, clip_high: float = 0.2):
     """CISPO: -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) A logprobs: {"loss", "clipped"} [B, T].
     Source: MiniMax-M1 arXiv:2506.13585 sec. 3.1. Reference: verl core_algos.py compute_policy_loss_cispo @ b178a3c."""
-    ratio = importance_ratio(inp).detach()                               # [B, T]
-    w = ratio.clamp(1 - clip_low, 1 + clip_high)                         # [B, T]
+    ratio = importance_ratio(inp).detach()  # [B, T]
+    w = ratio.clamp(1 - clip_low, 1 + clip_high)  # [B, T]
     return {"loss": -w * inp.advantages * inp.logprobs, "clipped": (w != ratio).float()}
 
 
@@ -55,11 +64,13 @@ def cispo_loss(inp: LossInputs, clip_low: float = 1.0, clip_high: float = 0.2):
 def gspo_loss(inp: LossInputs, clip_low: float = 3e-4, clip_high: float = 4e-4):
     """GSPO-token: PPO clip of the sequence-level ratio: {"loss", "clipped"} [B, T]. Source:
     arXiv:2507.18071 eq. 5-7. Reference: verl core_algos.py compute_policy_loss_gspo @ b178a3c."""
-    seq_log_ratio = seq_sum(inp.logprobs - inp.behaviour_logprobs, inp.mask) / inp.mask.sum(-1).clamp(min=1)  # [B]
-    log_s = seq_log_ratio.detach()[:, None] + inp.logprobs - inp.logprobs.detach()         # [B, T]
-    s = torch.exp(log_s.clamp(max=10.0))                                                   # [B, T]
+    seq_log_ratio = seq_sum(inp.logprobs - inp.behaviour_logprobs, inp.mask) / inp.mask.sum(
+        -1
+    ).clamp(min=1)  # [B]
+    log_s = seq_log_ratio.detach()[:, None] + inp.logprobs - inp.logprobs.detach()  # [B, T]
+    s = torch.exp(log_s.clamp(max=10.0))  # [B, T]
     A = inp.advantages
-    clipped = torch.clamp(s, 1 - clip_low, 1 + clip_high) * A                              # [B, T]
+    clipped = torch.clamp(s, 1 - clip_low, 1 + clip_high) * A  # [B, T]
     return {"loss": -torch.minimum(s * A, clipped), "clipped": (clipped < s * A).float()}
 
 
@@ -76,10 +87,10 @@ def dpo_loss(inp: LossInputs, beta: float = 0.1):
     trl/trainer/dpo_trainer.py @ f2cd577."""
     if inp.ref_logprobs is None:
         raise ValueError("dpo needs ref_logprobs (a reference model)")
-    logit = beta * seq_sum(inp.logprobs - inp.ref_logprobs, inp.mask)                # [B]
+    logit = beta * seq_sum(inp.logprobs - inp.ref_logprobs, inp.mask)  # [B]
     # 0 where no pair, but in the graph: a micro-batch without a pair still runs backward (FSDP2's reduce-scatter)
-    per_seq = logit * 0                                                               # [B]
-    correct = torch.zeros_like(logit)                                                 # [B]
+    per_seq = logit * 0  # [B]
+    correct = torch.zeros_like(logit)  # [B]
     for g in inp.group_index.unique():
         members = (inp.group_index == g).nonzero().squeeze(-1)
         r = inp.rewards[members]
@@ -92,13 +103,25 @@ def dpo_loss(inp: LossInputs, beta: float = 0.1):
 
 
 @register(POLICY_LOSSES, "mix", split_expert=True)
-def mix_loss(inp: LossInputs, mu: float = 0.1, clip_low: float = 0.2, clip_high: float = 0.2,
-             dual_clip: float | None = 3.0):
+def mix_loss(
+    inp: LossInputs,
+    mu: float = 0.1,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = 3.0,
+):
     """(1 - mu) ppo_clip on rollouts + mu SFT on expert tokens, each part normalised over itself (`part_totals`):
     {"loss", "clipped", "expert"} [B, T]. Reference: modelscope/Trinity-RFT
     trinity/algorithm/policy_loss_fn/mix_policy_loss.py @ c10d414."""
-    expert = (inp.expert if inp.expert is not None else
-              torch.zeros(len(inp.mask), dtype=torch.bool, device=inp.mask.device))[:, None]   # [B, 1]
+    expert = (
+        inp.expert
+        if inp.expert is not None
+        else torch.zeros(len(inp.mask), dtype=torch.bool, device=inp.mask.device)
+    )[:, None]  # [B, 1]
     ppo = ppo_clip_loss(inp, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
-    loss = torch.where(expert, mu * -inp.logprobs, (1 - mu) * ppo["loss"])              # [B, T]
-    return {"loss": loss, "clipped": ppo["clipped"] * ~expert, "expert": expert.float().expand_as(loss)}
+    loss = torch.where(expert, mu * -inp.logprobs, (1 - mu) * ppo["loss"])  # [B, T]
+    return {
+        "loss": loss,
+        "clipped": ppo["clipped"] * ~expert,
+        "expert": expert.float().expand_as(loss),
+    }

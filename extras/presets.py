@@ -1,4 +1,5 @@
 """TOML presets (`--config FILE.toml`): `read_preset` for config.parse_config, `coerce` also for mode bench."""
+
 import dataclasses
 import tomllib
 from pathlib import Path
@@ -18,7 +19,9 @@ def coerce(name: str, value, typ: str):
     except (TypeError, ValueError):
         raise ValueError(f"config key {name!r}: expected {typ}, got {value!r}") from None
     if value not in CHOICES.get(name, (value,)):
-        raise ValueError(f"config key {name!r}: expected one of {', '.join(CHOICES[name])}, got {value!r}")
+        raise ValueError(
+            f"config key {name!r}: expected one of {', '.join(CHOICES[name])}, got {value!r}"
+        )
     return value
 
 

@@ -1,4 +1,5 @@
 """The frozen reference policy of --kl-loss-coef, --kl-reward-coef and DPO (`Reference`, trainer.REFERENCE)."""
+
 import contextlib
 
 import torch
@@ -10,11 +11,13 @@ from losses import kl_estimate
 def frozen_model(trainer, model_path: str):
     """The model at `model_path`, sharded as `trainer`'s policy, without gradients, in eval mode."""
     from trainer import Trainer  # the plain model: a LoRA trainer's `pretrained` would add adapters
+
     return trainer.shard(Trainer.pretrained(trainer, model_path)).requires_grad_(False).eval()
 
 
 class Reference:
     """The reference log-probs of each step's sequences for `trainer`."""
+
     def __init__(self, trainer, model_path: str):
         self.trainer, self.seqs, self.model = trainer, {}, None
         if not trainer.lora:  # LoRA: the policy with its adapters disabled
@@ -36,23 +39,29 @@ class Reference:
             for mb, padding in self.trainer.rank_micro_batches(rows, filler):
                 _, lp, _ = self.trainer.logprobs(ref, mb, padding)
                 for i, e in enumerate([] if padding else mb):
-                    self.seqs[id(e)] = lp[i, :len(e.behaviour_logprobs)].float().cpu()
+                    self.seqs[id(e)] = lp[i, : len(e.behaviour_logprobs)].float().cpu()
         return self.seqs
 
     def micro_batch(self, mb: list, padding: bool, like: torch.Tensor) -> torch.Tensor:
         """The log-probs of micro-batch `mb` in the [B, R] layout of `like` (zeros if `padding`)."""
         out = torch.zeros_like(like)
         for i, e in enumerate([] if padding else mb):
-            out[i, :len(e.behaviour_logprobs)] = self.seqs[id(e)].to(like.device)
+            out[i, : len(e.behaviour_logprobs)] = self.seqs[id(e)].to(like.device)
         return out
 
-    def kl_reward_penalty(self, rewards: torch.Tensor, batch, rows: list[list], m: dict) -> torch.Tensor:
+    def kl_reward_penalty(
+        self, rewards: torch.Tensor, batch, rows: list[list], m: dict
+    ) -> torch.Tensor:
         """`rewards` [N] minus kl_reward_coef x each rollout's summed k1 KL(behaviour || reference); collective."""
         coef = self.trainer.cfg.kl_reward_coef
-        kl = torch.zeros(len(batch.exps), device=self.trainer.device)                        # [N]
-        for e in (e for row in rows for e in row if not batch.offline[batch.row[id(e)]]):  # offline: no behaviour
-            kl[batch.row[id(e)]] = (kl_estimate(torch.tensor(e.behaviour_logprobs), self.seqs[id(e)], "k1")
-                                    * torch.tensor(e.action_mask)).sum()
+        kl = torch.zeros(len(batch.exps), device=self.trainer.device)  # [N]
+        for e in (
+            e for row in rows for e in row if not batch.offline[batch.row[id(e)]]
+        ):  # offline: no behaviour
+            kl[batch.row[id(e)]] = (
+                kl_estimate(torch.tensor(e.behaviour_logprobs), self.seqs[id(e)], "k1")
+                * torch.tensor(e.action_mask)
+            ).sum()
         dist.all_reduce(kl)  # each sequence is on one rank
         kl = kl.cpu()
         m["reward/kl_penalty"] = float(coef * kl.mean())

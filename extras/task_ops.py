@@ -1,4 +1,5 @@
 """The task operators of `--task-pipeline` (pipelines.TASK_OPS): dedup, length_filter and difficulty estimates."""
+
 from extras.judge import RATINGS, expected_rating
 from extras.pipelines import TaskContext
 from workflows import Task
@@ -15,16 +16,21 @@ def dedup(tasks: list[Task], ctx: TaskContext) -> list[Task]:
     return out
 
 
-def length_filter(tasks: list[Task], ctx: TaskContext, min_tokens: int = 0, max_tokens: int = 0) -> list[Task]:
+def length_filter(
+    tasks: list[Task], ctx: TaskContext, min_tokens: int = 0, max_tokens: int = 0
+) -> list[Task]:
     """Tasks whose question has min_tokens..max_tokens policy tokens (max_tokens 0: no bound)."""
+
     def ok(t):
         n = len(ctx.tokenizer.encode(t.question, add_special_tokens=False))
         return n >= min_tokens and (not max_tokens or n <= max_tokens)
+
     return [t for t in tasks if ok(t)]
 
 
-def metadata_difficulty(tasks: list[Task], ctx: TaskContext, keys: tuple[str, ...] = ("num_digits", "num_terms")
-                        ) -> list[Task]:
+def metadata_difficulty(
+    tasks: list[Task], ctx: TaskContext, keys: tuple[str, ...] = ("num_digits", "num_terms")
+) -> list[Task]:
     """difficulty = the sum of the task's numeric metadata fields `keys`; ValueError for a task without."""
     for t in tasks:
         meta = t.entry.get("metadata", t.entry)
@@ -40,17 +46,26 @@ def pass_rate_difficulty(tasks: list[Task], ctx: TaskContext, k: int = 4) -> lis
     for t, g in zip(tasks, ctx.rollouts(tasks, k)):
         rewards = [e.reward for e in g or [] if e.reward is not None]
         t.difficulty = 1.0 - (sum(rewards) / len(rewards) if rewards else 0.0)
-    ctx.metrics["pipeline/pass_rate_difficulty/pass_rate"] = 1 - sum(t.difficulty for t in tasks) / len(tasks)
+    ctx.metrics["pipeline/pass_rate_difficulty/pass_rate"] = 1 - sum(
+        t.difficulty for t in tasks
+    ) / len(tasks)
     return tasks
 
 
-def model_difficulty(tasks: list[Task], ctx: TaskContext, model: str = "", url: str = "",
-                     timeout_s: float = 60.0) -> list[Task]:
+def model_difficulty(
+    tasks: list[Task], ctx: TaskContext, model: str = "", url: str = "", timeout_s: float = 60.0
+) -> list[Task]:
     """difficulty = an auxiliary model's rating of the question, 1 (easy) to 5 (hard) (extras.judge)."""
     from extras.judge import ask_judge
+
     for t in tasks:
-        msgs = [{"role": "user", "content": f"Rate how hard this problem is, from 1 (easy) to 5 (hard). "
-                 f"Reply with one digit.\nProblem: {t.question}"}]
+        msgs = [
+            {
+                "role": "user",
+                "content": f"Rate how hard this problem is, from 1 (easy) to 5 (hard). "
+                f"Reply with one digit.\nProblem: {t.question}",
+            }
+        ]
         t.difficulty = expected_rating(ask_judge(msgs, RATINGS, model, url, timeout_s))
     ctx.metrics["pipeline/model_difficulty/mean"] = sum(t.difficulty for t in tasks) / len(tasks)
     return tasks

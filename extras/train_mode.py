@@ -1,4 +1,5 @@
 """Mode train beside `--mode explore` launches (loop.TRAIN_MODE, by import path): the weight-sync group, records."""
+
 import json
 import math
 import sys
@@ -13,15 +14,21 @@ def connect_explorers(cfg, io, layout, trainer, rank: int):
     """Every rank: records from the buffer; with broadcast, rank 0 connects the explorers: a sync.WeightSync or None."""
     if rank == 0:
         io.records = records_from_buffer(io.buffer)
-    params = trainer.full_parameters() if cfg.sync_method == "broadcast" and trainer.version else None  # every rank
+    params = (
+        trainer.full_parameters() if cfg.sync_method == "broadcast" and trainer.version else None
+    )  # every rank
     if rank != 0 or cfg.sync_method != "broadcast":
         return None
     weights = weight_group(cfg, layout, cfg.num_explorers)
-    print0(f"weight sync: waiting for {cfg.num_explorers} explorer(s) at {cfg.sync_host}:{weights.port}")
+    print0(
+        f"weight sync: waiting for {cfg.num_explorers} explorer(s) at {cfg.sync_host}:{weights.port}"
+    )
     weights.connect()
     if weights.device.type != layout.sync_device:  # sync.group_backend
-        print0("weight sync: an explorer shares trainer rank 0's GPU, where NCCL cannot have two ranks: the weights "
-               "go through host memory (gloo)")
+        print0(
+            "weight sync: an explorer shares trainer rank 0's GPU, where NCCL cannot have two ranks: the weights "
+            "go through host memory (gloo)"
+        )
     io.send_weights = weights.send
     if params is not None:
         weights.send(trainer.version, [params])
@@ -33,8 +40,10 @@ def wait_left(weights, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while weights.store.add("left", 0) < weights.world_size - 1:
         if time.monotonic() > deadline:
-            print(f"run.py: warning: not every explorer left the weight-sync group within {timeout_s:.0f} s",
-                  file=sys.stderr)
+            print(
+                f"run.py: warning: not every explorer left the weight-sync group within {timeout_s:.0f} s",
+                file=sys.stderr,
+            )
             return False
         time.sleep(0.05)
     return True
@@ -42,22 +51,32 @@ def wait_left(weights, timeout_s: float) -> bool:
 
 def add_record(buffer, explorer: str, record: dict) -> None:
     """Store a record of `explorer` for the trainer's metrics (NaN as null)."""
-    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-    buffer.db.execute("INSERT INTO explorer_records (explorer, record) VALUES (?, ?)", (explorer, json.dumps(clean)))
+    clean = {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+    }
+    buffer.db.execute(
+        "INSERT INTO explorer_records (explorer, record) VALUES (?, ?)",
+        (explorer, json.dumps(clean)),
+    )
 
 
 def records_after(buffer, last_id: int) -> tuple[int, list[dict]]:
     """(the newest id, the records stored with id > `last_id`, each tagged with "explorer")."""
-    rows = buffer.db.execute("SELECT id, explorer, record FROM explorer_records WHERE id > ? ORDER BY id",
-                             (last_id,)).fetchall()
-    return (rows[-1][0] if rows else last_id), [{**json.loads(r), "explorer": e} for _, e, r in rows]
+    rows = buffer.db.execute(
+        "SELECT id, explorer, record FROM explorer_records WHERE id > ? ORDER BY id", (last_id,)
+    ).fetchall()
+    return (rows[-1][0] if rows else last_id), [
+        {**json.loads(r), "explorer": e} for _, e, r in rows
+    ]
 
 
 def records_from_buffer(buffer) -> Callable[[], list[dict]]:
     """A `LoopIO.records`: the explorers' records added to `buffer` since its last call."""
     last = 0
+
     def records() -> list[dict]:
         nonlocal last
         last, new = records_after(buffer, last)
         return new
+
     return records

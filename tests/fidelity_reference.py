@@ -35,6 +35,7 @@ Sources read (each at the commit test_fidelity.py names, except where noted):
 
 Dependencies: torch and numpy only.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -51,17 +52,21 @@ F64 = torch.float64
 # B = 4 sequences, T = 4 tokens: LP the current policy's log-probs, BEHAVIOUR the behaviour
 # policy's; sequence 1 has a token with ratio e^1.5 and A < 0 (dual clip), sequence 3 a
 # sequence-level ratio e^-0.4 with A < 0 (TOPR's taper)
-LP = [[-1.0, -0.1, -2.0, -0.3],
-      [-0.7, -1.2, -0.1, -0.5],
-      [-0.2, -0.9, -1.5, -0.6],
-      [-1.0, -0.8, -0.4, -2.2]]
-BEHAVIOUR = [[-1.3, -0.6, -1.0, -0.3],
-             [-0.2, -1.2, -0.6, -2.0],
-             [-0.25, -1.9, -1.4, -0.1],
-             [-0.9, -0.5, -0.6, -2.0]]
+LP = [
+    [-1.0, -0.1, -2.0, -0.3],
+    [-0.7, -1.2, -0.1, -0.5],
+    [-0.2, -0.9, -1.5, -0.6],
+    [-1.0, -0.8, -0.4, -2.2],
+]
+BEHAVIOUR = [
+    [-1.3, -0.6, -1.0, -0.3],
+    [-0.2, -1.2, -0.6, -2.0],
+    [-0.25, -1.9, -1.4, -0.1],
+    [-0.9, -0.5, -0.6, -2.0],
+]
 ADV = [1.5, -0.8, 0.6, -0.4]
 MASK = [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]]
-R4, G4 = [1.0, 0.0, 0.5, 0.2], [0, 0, 1, 1]   # rewards and groups of the four sequences
+R4, G4 = [1.0, 0.0, 0.5, 0.2], [0, 0, 1, 1]  # rewards and groups of the four sequences
 
 # advantages: 10 sequences in groups of 3, 4, 2 and 1, with their trained-token counts
 R10 = [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.2, 0.7, 0.9, 0.4]
@@ -86,19 +91,24 @@ PPO_EXTREME_BEHAVIOUR = [[-25.0, -0.5, 22.0]]
 GSPO_EXTREME_LP = [[0.0, -0.5]]
 GSPO_EXTREME_BEHAVIOUR = [[-30.0, -0.5]]
 
-MIX_EXPERT = [False, True, False, True]     # MIX: sequences 1 and 3 are expert (SFT) data
-DPO_REWARDS = [1.0, 0.0, 0.0, 1.0]          # DPO: pairs (chosen 0, rejected 1), (chosen 3, rejected 2)
+MIX_EXPERT = [False, True, False, True]  # MIX: sequences 1 and 3 are expert (SFT) data
+DPO_REWARDS = [1.0, 0.0, 0.0, 1.0]  # DPO: pairs (chosen 0, rejected 1), (chosen 3, rejected 2)
 
 # on-policy distillation: the teacher's log-probs of the sampled tokens (the behaviour policy's: BEHAVIOUR);
 # a prompt of DISTILL_PROMPT tokens before each response, MASK's trailing 0s the shorter responses' padding
-TEACHER = [[-0.9, -0.4, -1.6, -0.7],
-           [-0.5, -1.5, -0.9, -1.0],
-           [-0.6, -1.2, -0.3, -0.8],
-           [-1.1, -0.2, -0.8, -2.5]]
+TEACHER = [
+    [-0.9, -0.4, -1.6, -0.7],
+    [-0.5, -1.5, -0.9, -1.0],
+    [-0.6, -1.2, -0.3, -0.8],
+    [-1.1, -0.2, -0.8, -2.5],
+]
 TEACHER_PROMPT = [-2.0, -0.7]  # the teacher's log-probs of the prompt's tokens after the first
 DISTILL_PROMPT = 3
 
-ENTROPY_LOGITS = [[[1.0, -0.5, 2.0, 0.3], [0.0, 0.0, 0.0, 0.0]], [[-3.0, 1.0, 0.5, 0.5], [4.0, -2.0, 1.0, 0.0]]]
+ENTROPY_LOGITS = [
+    [[1.0, -0.5, 2.0, 0.3], [0.0, 0.0, 0.0, 0.0]],
+    [[-3.0, 1.0, 0.5, 0.5], [4.0, -2.0, 1.0, 0.0]],
+]
 
 
 def _t(x, dtype=F64) -> torch.Tensor:
@@ -128,6 +138,7 @@ def _response_mask(lengths, width) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- verl
+
 
 def verl_masked_sum(values, mask, axis=None):
     """volcengine/verl verl/utils/torch_functional.py masked_sum @ b178a3c."""
@@ -174,8 +185,15 @@ def verl_entropy_from_logits(logits: torch.Tensor):
     return entropy
 
 
-def verl_agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
-                  loss_scale_factor=None):
+def verl_agg_loss(
+    loss_mat,
+    loss_mask,
+    loss_agg_mode,
+    dp_size=1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+):
     """volcengine/verl verl/trainer/ppo/core_algos.py agg_loss @ b178a3c. The policy losses call
     it with **config.global_batch_info, {} by default (ActorConfig, verl/workers/config/actor.py):
     one rank whose micro-batch is the global batch."""
@@ -225,8 +243,17 @@ def verl_kl_penalty_forward(logprob, ref_logprob, kl_penalty):
     raise NotImplementedError
 
 
-def verl_compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                                     clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0):
+def verl_compute_policy_loss_vanilla(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode="token-mean",
+    clip_ratio=0.2,
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.28,
+    clip_ratio_c=3.0,
+):
     """volcengine/verl verl/trainer/ppo/core_algos.py compute_policy_loss_vanilla @ b178a3c
     (config.clip_ratio / clip_ratio_low / clip_ratio_high / clip_ratio_c as arguments; no
     rollout importance weights; the logging-only metrics left out). Returns (pg_loss, pg_losses [B, T])."""
@@ -250,31 +277,55 @@ def verl_compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, respons
     pg_losses3 = -advantages * clip_ratio_c
     clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
-    pg_loss = verl_agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode)
+    pg_loss = verl_agg_loss(
+        loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode
+    )
     return pg_loss, pg_losses
 
 
-def verl_compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
-                                  loss_agg_mode="seq-mean-token-mean", clip_ratio_low=3e-4, clip_ratio_high=4e-4):
+def verl_compute_policy_loss_gspo(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode="seq-mean-token-mean",
+    clip_ratio_low=3e-4,
+    clip_ratio_high=4e-4,
+):
     """volcengine/verl verl/trainer/ppo/core_algos.py compute_policy_loss_gspo @ b178a3c."""
     negative_approx_kl = log_prob - old_log_prob
     # compute sequence-level importance ratio
     seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
     negative_approx_kl_seq = torch.sum(negative_approx_kl * response_mask, dim=-1) / seq_lengths
     # Combined ratio at token level: s_i,t(theta) = sg[s_i(theta)] * pi(y_i,t) / sg[pi(y_i,t)]
-    log_seq_importance_ratio = log_prob - log_prob.detach() + negative_approx_kl_seq.detach().unsqueeze(-1)
-    log_seq_importance_ratio = torch.clamp(log_seq_importance_ratio, max=10.0)  # clamp for numerical stability
+    log_seq_importance_ratio = (
+        log_prob - log_prob.detach() + negative_approx_kl_seq.detach().unsqueeze(-1)
+    )
+    log_seq_importance_ratio = torch.clamp(
+        log_seq_importance_ratio, max=10.0
+    )  # clamp for numerical stability
     seq_importance_ratio = torch.exp(log_seq_importance_ratio)
     pg_losses1 = -advantages * seq_importance_ratio
-    pg_losses2 = -advantages * torch.clamp(seq_importance_ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    pg_losses2 = -advantages * torch.clamp(
+        seq_importance_ratio, 1 - clip_ratio_low, 1 + clip_ratio_high
+    )
     pg_losses = torch.maximum(pg_losses1, pg_losses2)
     # for GSPO, we need to aggregate the loss at the sequence level (seq-mean-token-mean)
-    pg_loss = verl_agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode="seq-mean-token-mean")
+    pg_loss = verl_agg_loss(
+        loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode="seq-mean-token-mean"
+    )
     return pg_loss
 
 
-def verl_compute_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                                   clip_ratio_low=1.0, clip_ratio_high=0.28):
+def verl_compute_policy_loss_cispo(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode="token-mean",
+    clip_ratio_low=1.0,
+    clip_ratio_high=0.28,
+):
     """volcengine/verl verl/trainer/ppo/core_algos.py compute_policy_loss_cispo @ b178a3c."""
     negative_approx_kl = log_prob - old_log_prob
     negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
@@ -282,12 +333,15 @@ def verl_compute_policy_loss_cispo(old_log_prob, log_prob, advantages, response_
     clipped_ratio = torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
     clipped_ratio_sg = clipped_ratio.detach()
     pg_losses = -clipped_ratio_sg * advantages * log_prob
-    pg_loss = verl_agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode)
+    pg_loss = verl_agg_loss(
+        loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode
+    )
     return pg_loss
 
 
-def verl_compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
-                                        norm_adv_by_std_in_grpo=True):
+def verl_compute_grpo_outcome_advantage(
+    token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True
+):
     """volcengine/verl verl/trainer/ppo/core_algos.py compute_grpo_outcome_advantage @ b178a3c."""
     scores = token_level_rewards.sum(dim=-1)
     id2score = defaultdict(list)
@@ -335,15 +389,16 @@ def verl_compute_rloo_outcome_advantage(token_level_rewards, response_mask, inde
         for i in range(bsz):
             response_num = len(id2score[index[i]])
             if response_num > 1:
-                scores[i] = scores[i] * response_num / (response_num - 1) - id2mean[index[i]] * response_num / (
-                    response_num - 1
-                )
+                scores[i] = scores[i] * response_num / (response_num - 1) - id2mean[
+                    index[i]
+                ] * response_num / (response_num - 1)
         scores = scores.unsqueeze(-1) * response_mask
     return scores, scores
 
 
-def verl_compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index,
-                                                                epsilon=1e-6):
+def verl_compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards, response_mask, index, epsilon=1e-6
+):
     """volcengine/verl verl/trainer/ppo/core_algos.py
     compute_reinforce_plus_plus_baseline_outcome_advantage @ b178a3c."""
     response_length = token_level_rewards.shape[-1]
@@ -368,7 +423,9 @@ def verl_compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewa
     return scores, scores
 
 
-def verl_compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma=1.0):
+def verl_compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards, response_mask, gamma=1.0
+):
     """volcengine/verl verl/trainer/ppo/core_algos.py compute_reinforce_plus_plus_outcome_advantage
     @ b178a3c (config.gamma as an argument)."""
     with torch.no_grad():
@@ -385,6 +442,7 @@ def verl_compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, resp
 
 
 # ----------------------------------------------------------------------------- prime-rl
+
 
 def primerl_compute_importance_ratio_and_mismatch_kl(trainer_logprobs, inference_logprobs):
     """PrimeIntellect-ai/prime-rl src/prime_rl/trainer/rl/loss.py
@@ -404,15 +462,17 @@ def primerl_default_loss_fn(inputs, loss_config):
     advantages = inputs.advantages
     loss_mask = inputs.loss_mask
 
-    log_importance_ratio, importance_ratio, mismatch_kl = primerl_compute_importance_ratio_and_mismatch_kl(
-        trainer_logprobs, inference_logprobs
+    log_importance_ratio, importance_ratio, mismatch_kl = (
+        primerl_compute_importance_ratio_and_mismatch_kl(trainer_logprobs, inference_logprobs)
     )
 
     probs_diff = torch.exp(trainer_logprobs) - torch.exp(inference_logprobs)
     dppo_invalid_mask_high = probs_diff > loss_config.dppo_mask_high
     dppo_invalid_mask_low = probs_diff < -loss_config.dppo_mask_low
     positive_advantages = advantages > 0
-    dppo_invalid_mask = torch.where(positive_advantages, dppo_invalid_mask_high, dppo_invalid_mask_low)
+    dppo_invalid_mask = torch.where(
+        positive_advantages, dppo_invalid_mask_high, dppo_invalid_mask_low
+    )
 
     is_masked = dppo_invalid_mask
     keep_mask = loss_mask & ~is_masked
@@ -427,7 +487,9 @@ def primerl_default_loss_fn(inputs, loss_config):
     return loss, is_masked
 
 
-def primerl_compute_loss(trainer_logprobs, inference_logprobs, advantages, loss_mask, loss_config, rl_scale):
+def primerl_compute_loss(
+    trainer_logprobs, inference_logprobs, advantages, loss_mask, loss_config, rl_scale
+):
     """PrimeIntellect-ai/prime-rl src/prime_rl/trainer/rl/loss.py compute_loss @ 559b447 with
     only the rl component (no rl/ce/ref_kl weight streams): the per-sample losses summed and
     divided by rl_scale, the global count of loss tokens."""
@@ -435,33 +497,55 @@ def primerl_compute_loss(trainer_logprobs, inference_logprobs, advantages, loss_
     ce_loss = 0.0
     ref_kl_loss = 0.0
     masked = []
-    for t_logp, i_logp, adv, mask in zip(trainer_logprobs, inference_logprobs, advantages, loss_mask):
-        inputs = SimpleNamespace(trainer_logprobs=t_logp, inference_logprobs=i_logp, ref_logprobs=None,
-                                 advantages=adv, loss_mask=mask, loss_weights=None)
+    for t_logp, i_logp, adv, mask in zip(
+        trainer_logprobs, inference_logprobs, advantages, loss_mask
+    ):
+        inputs = SimpleNamespace(
+            trainer_logprobs=t_logp,
+            inference_logprobs=i_logp,
+            ref_logprobs=None,
+            advantages=adv,
+            loss_mask=mask,
+            loss_weights=None,
+        )
         loss, is_masked = primerl_default_loss_fn(inputs, loss_config)
         rl_loss = rl_loss + loss
         masked.append(is_masked)
-    ce_scale = ref_kl_scale = 1  # train.py @ 559b447: max(global count, 1) of the empty ce / ref_kl components
+    ce_scale = ref_kl_scale = (
+        1  # train.py @ 559b447: max(global count, 1) of the empty ce / ref_kl components
+    )
     scaled_loss = rl_loss / rl_scale + ce_loss / ce_scale + ref_kl_loss / ref_kl_scale
     return scaled_loss, masked
 
 
 # DefaultLossConfig defaults, packages/prime-rl-configs/src/prime_rl/configs/trainer.py @ 559b447
-PRIMERL_DEFAULT_LOSS_CONFIG = SimpleNamespace(dppo_mask_low=0.2, dppo_mask_high=0.2, adv_tau=1.0, kl_tau=1e-3)
+PRIMERL_DEFAULT_LOSS_CONFIG = SimpleNamespace(
+    dppo_mask_low=0.2, dppo_mask_high=0.2, adv_tau=1.0, kl_tau=1e-3
+)
 
 
 def dppo():
     lp = _lp()
     mask = _t(MASK, torch.bool)
     adv = _adv_matrix(ADV)
-    loss, masked = primerl_compute_loss(list(lp), list(_t(BEHAVIOUR)), list(adv), list(mask),
-                                        PRIMERL_DEFAULT_LOSS_CONFIG, rl_scale=int(mask.sum()))
+    loss, masked = primerl_compute_loss(
+        list(lp),
+        list(_t(BEHAVIOUR)),
+        list(adv),
+        list(mask),
+        PRIMERL_DEFAULT_LOSS_CONFIG,
+        rl_scale=int(mask.sum()),
+    )
     loss.backward()
-    return {"DPPO_LOSS": loss.item(), "DPPO_GRAD": lp.grad.tolist(),
-            "DPPO_MASKED": (torch.stack(masked) & mask).long().tolist()}
+    return {
+        "DPPO_LOSS": loss.item(),
+        "DPPO_GRAD": lp.grad.tolist(),
+        "DPPO_MASKED": (torch.stack(masked) & mask).long().tolist(),
+    }
 
 
 # ----------------------------------------------------------------------------- TOPR (paper)
+
 
 def topr_objective(logprobs, behaviour_logprobs, rewards, mask):
     """Le Roux et al., "Tapered Off-Policy REINFORCE", arXiv:2503.14286, sec. 3 (no reference
@@ -493,6 +577,7 @@ def topr():
 
 
 # ----------------------------------------------------------------------------- Trinity-RFT
+
 
 def trinity_masked_sum(values, mask, axis=None):
     """trinity/algorithm/utils.py masked_sum (read in the fork pan-x-c/Trinity-RFT @ edb802e:
@@ -528,8 +613,14 @@ class TrinityPPOPolicyLossFn:
     """modelscope/Trinity-RFT trinity/algorithm/policy_loss_fn/ppo_policy_loss.py PPOPolicyLossFn
     @ 5a4234e (enable_sequence_masking False, its default; metrics left out)."""
 
-    def __init__(self, clip_range=None, clip_range_low=None, clip_range_high=None, clip_ratio_c=3.0,
-                 loss_agg_mode="token-mean"):
+    def __init__(
+        self,
+        clip_range=None,
+        clip_range_low=None,
+        clip_range_high=None,
+        clip_ratio_c=3.0,
+        loss_agg_mode="token-mean",
+    ):
         self.clip_range_low = clip_range if clip_range_low is None else clip_range_low
         self.clip_range_high = clip_range if clip_range_high is None else clip_range_high
         self.clip_ratio_c = clip_ratio_c
@@ -542,7 +633,9 @@ class TrinityPPOPolicyLossFn:
         negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
         ratio = torch.exp(negative_approx_kl)
         pg_losses1 = -advantages * ratio
-        pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - self.clip_range_low, 1.0 + self.clip_range_high)
+        pg_losses2 = -advantages * torch.clamp(
+            ratio, 1.0 - self.clip_range_low, 1.0 + self.clip_range_high
+        )
         clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
         pg_losses3 = -advantages * self.clip_ratio_c
         clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
@@ -569,17 +662,32 @@ class TrinityMIXPolicyLossFn:
     """modelscope/Trinity-RFT trinity/algorithm/policy_loss_fn/mix_policy_loss.py MIXPolicyLossFn
     @ c10d414 (use_dynamic_bsz False; the sizes are given so that gradient_accumulation is 1)."""
 
-    def __init__(self, mu=0.1, clip_range=None, clip_range_low=None, clip_range_high=None, use_dynamic_bsz=None,
-                 repeat_times=None, ppo_mini_batch_size=None, ppo_micro_batch_size_per_gpu=None, ngpus_trainer=None,
-                 read_batch_size_usual=None, read_batch_size_expert=None, use_token_level_loss_in_sft=True):
+    def __init__(
+        self,
+        mu=0.1,
+        clip_range=None,
+        clip_range_low=None,
+        clip_range_high=None,
+        use_dynamic_bsz=None,
+        repeat_times=None,
+        ppo_mini_batch_size=None,
+        ppo_micro_batch_size_per_gpu=None,
+        ngpus_trainer=None,
+        read_batch_size_usual=None,
+        read_batch_size_expert=None,
+        use_token_level_loss_in_sft=True,
+    ):
         self.mu = mu
         self.use_dynamic_bsz = use_dynamic_bsz
         self.experience_per_gpu = ppo_mini_batch_size * repeat_times // ngpus_trainer
-        self.gradient_accumulation = ppo_mini_batch_size * repeat_times // ppo_micro_batch_size_per_gpu
+        self.gradient_accumulation = (
+            ppo_mini_batch_size * repeat_times // ppo_micro_batch_size_per_gpu
+        )
         self.read_batch_size_usual = read_batch_size_usual
         self.read_batch_size_expert = read_batch_size_expert
-        self.grpo_loss_fn = TrinityPPOPolicyLossFn(clip_range=clip_range, clip_range_low=clip_range_low,
-                                                   clip_range_high=clip_range_high)
+        self.grpo_loss_fn = TrinityPPOPolicyLossFn(
+            clip_range=clip_range, clip_range_low=clip_range_low, clip_range_high=clip_range_high
+        )
         self.sft_loss_fn = TrinitySFTLossFn(use_token_level_loss=use_token_level_loss_in_sft)
 
     def __call__(self, logprob, old_logprob, action_mask, advantages, **kwargs):
@@ -592,15 +700,24 @@ class TrinityMIXPolicyLossFn:
         n_expert_exp = torch.sum(is_expert_mask).item()
 
         if self.use_dynamic_bsz:
-            per_micro_batch_weight_usual = self.experience_per_gpu / (logprob.shape[0] * self.read_batch_size_usual)
-            per_micro_batch_weight_expert = self.experience_per_gpu / (logprob.shape[0] * self.read_batch_size_expert)
+            per_micro_batch_weight_usual = self.experience_per_gpu / (
+                logprob.shape[0] * self.read_batch_size_usual
+            )
+            per_micro_batch_weight_expert = self.experience_per_gpu / (
+                logprob.shape[0] * self.read_batch_size_expert
+            )
         else:
             per_micro_batch_weight_usual = self.gradient_accumulation / self.read_batch_size_usual
             per_micro_batch_weight_expert = self.gradient_accumulation / self.read_batch_size_expert
 
         if n_usual_exp > 0:
-            grpo_loss, _ = self.grpo_loss_fn(logprob[~is_expert_mask], old_logprob[~is_expert_mask],
-                                             action_mask[~is_expert_mask], advantages[~is_expert_mask], **kwargs)
+            grpo_loss, _ = self.grpo_loss_fn(
+                logprob[~is_expert_mask],
+                old_logprob[~is_expert_mask],
+                action_mask[~is_expert_mask],
+                advantages[~is_expert_mask],
+                **kwargs,
+            )
             grpo_loss = grpo_loss * n_usual_exp * per_micro_batch_weight_usual
         else:
             grpo_loss = torch.tensor(0.0, device=logprob.device)
@@ -620,9 +737,17 @@ def mix():
     expert = _t(MIX_EXPERT, torch.bool)
     n_usual, n_expert = int((~expert).sum()), int(expert.sum())
     # one micro-batch holding the whole batch: ppo_mini_batch_size * repeat_times // micro = 1
-    fn = TrinityMIXPolicyLossFn(mu=0.25, clip_range=0.2, use_dynamic_bsz=False, repeat_times=len(LP),
-                                ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=len(LP), ngpus_trainer=1,
-                                read_batch_size_usual=n_usual, read_batch_size_expert=n_expert)
+    fn = TrinityMIXPolicyLossFn(
+        mu=0.25,
+        clip_range=0.2,
+        use_dynamic_bsz=False,
+        repeat_times=len(LP),
+        ppo_mini_batch_size=1,
+        ppo_micro_batch_size_per_gpu=len(LP),
+        ngpus_trainer=1,
+        read_batch_size_usual=n_usual,
+        read_batch_size_expert=n_expert,
+    )
     lp = _lp()
     loss, _ = fn(lp, _t(BEHAVIOUR), _t(MASK), _adv_matrix(ADV), is_expert_mask=expert)
     loss.backward()
@@ -648,7 +773,8 @@ def trinity_opmd_group_advantage(rewards, groups, opmd_baseline="mean", tau=1.0)
                     group_baseline = torch.mean(group_rewards)
                 else:
                     group_baseline = tau * (
-                        torch.logsumexp(group_rewards / tau, dim=-1) - torch.log(torch.tensor(len(members), dtype=F64))
+                        torch.logsumexp(group_rewards / tau, dim=-1)
+                        - torch.log(torch.tensor(len(members), dtype=F64))
                     )
             for i in members:
                 adv[i] = float(rewards[i] - group_baseline)
@@ -692,13 +818,17 @@ def kimi():
     for tau in (0.7, 2.0):
         adv = trinity_opmd_group_advantage(R4, G4, opmd_baseline="logavgexp", tau=tau)
         lp = _lp()
-        loss = yaochaorui_compute_policy_loss_opmd_v0(_t(BEHAVIOUR), lp, _adv_matrix(adv), _t(MASK), tau)
+        loss = yaochaorui_compute_policy_loss_opmd_v0(
+            _t(BEHAVIOUR), lp, _adv_matrix(adv), _t(MASK), tau
+        )
         loss.backward()
         out[tau] = (adv, loss.item(), lp.grad.tolist())
     return {"KIMI": out}
 
 
-def yaochaorui_compute_policy_loss_pairwise_opmd(old_log_prob, log_prob, token_level_scores, eos_mask, index, tau):
+def yaochaorui_compute_policy_loss_pairwise_opmd(
+    old_log_prob, log_prob, token_level_scores, eos_mask, index, tau
+):
     """Trinity-RFT trinity/trainer/verl/core_algos.py compute_policy_loss_pairwise_opmd, read in
     the fork yaochaorui/Trinity-RFT @ 50aba82 (the logging-only pg_clipfrac / ppo_kl left out)."""
     # loss for pairwise_opmd
@@ -732,8 +862,9 @@ def pairwise():
     for tau, groups in ((0.7, (0, 0, 1, 1)), (2.0, (0, 0, 0, 1))):
         lp = _lp()
         scores = _outcome_rewards(R4, lengths, len(LP[0]))
-        loss = yaochaorui_compute_policy_loss_pairwise_opmd(_t(BEHAVIOUR), lp, scores, _t(MASK), torch.tensor(groups),
-                                                            tau)
+        loss = yaochaorui_compute_policy_loss_pairwise_opmd(
+            _t(BEHAVIOUR), lp, scores, _t(MASK), torch.tensor(groups), tau
+        )
         loss.backward()
         out[(tau, groups)] = (loss.item(), lp.grad.tolist())
     return {"PAIRWISE": out}
@@ -752,7 +883,9 @@ class TrinityStepWiseGRPOAdvantageFn:
     StepWiseGRPOAdvantageFn @ 369bf62 (defaults: epsilon 1e-6, enable_step_norm False,
     std_cal_level "group", std_threshold None; metrics left out; float64)."""
 
-    def __init__(self, epsilon=1e-6, enable_step_norm=False, std_cal_level="group", std_threshold=None):
+    def __init__(
+        self, epsilon=1e-6, enable_step_norm=False, std_cal_level="group", std_threshold=None
+    ):
         self.epsilon = epsilon
         self.enable_step_norm = enable_step_norm
         self.std_cal_level = std_cal_level
@@ -800,7 +933,9 @@ class TrinityStepWiseGRPOAdvantageFn:
         for task_exp in task_exps.values():
             run_exps = trinity_group_by(task_exp, "run")
             last_step_exps = {run_id: step_exps[-1] for run_id, step_exps in run_exps.items()}
-            scores, metrics = self.calculate_last_step_advantage(last_step_exps, precomputed_std=precomputed_std)
+            scores, metrics = self.calculate_last_step_advantage(
+                last_step_exps, precomputed_std=precomputed_std
+            )
             if metrics.get("std_threshold_skipped", 0) == 1:
                 continue
             run_exps = self.broadcast_advantages(run_exps, scores)
@@ -810,13 +945,18 @@ class TrinityStepWiseGRPOAdvantageFn:
 
 
 def stepwise():
-    exps = [SimpleNamespace(eid=SimpleNamespace(task=g, run=r), reward=x, action_mask=torch.ones(1, dtype=F64))
-            for x, g, r in zip(STEP_R, STEP_G, STEP_T)]
+    exps = [
+        SimpleNamespace(
+            eid=SimpleNamespace(task=g, run=r), reward=x, action_mask=torch.ones(1, dtype=F64)
+        )
+        for x, g, r in zip(STEP_R, STEP_G, STEP_T)
+    ]
     TrinityStepWiseGRPOAdvantageFn().process(exps)
     return {"STEPWISE_ADV": [float(e.advantages[0]) for e in exps]}
 
 
 # ----------------------------------------------------------------------------- PipelineRL
+
 
 def pipelinerl_mask_sum(values, mask, axis=None):
     """ServiceNow/PipelineRL pipelinerl/finetune/rl/utils.py mask_sum @ 58d3934."""
@@ -830,8 +970,12 @@ def pipelinerl_sum_sum(values, masks, segments):
     is_sentinel_batch = values.shape[-1] == 1  # sentinel batch
     if segments and not is_sentinel_batch:
         assert values.shape[0] == 1, "seq packed samples must have dimension 0 of 1"
-        masked_sums = torch.stack([pipelinerl_mask_sum(values[0, start:end], masks[0, start:end])
-                                   for start, end in segments])
+        masked_sums = torch.stack(
+            [
+                pipelinerl_mask_sum(values[0, start:end], masks[0, start:end])
+                for start, end in segments
+            ]
+        )
         return masked_sums.sum()
     return pipelinerl_mask_sum(values, masks)
 
@@ -857,7 +1001,9 @@ def pipelinerl_rl_step_reinforce(new_logprobs, batch, config, current_step=0, ma
     overflow = batch.overflow[:, 1:]
 
     if config.group_normalization:
-        assert (group_tokens > 0).all(), "group_tokens must be greater than zero for group normalization"
+        assert (group_tokens > 0).all(), (
+            "group_tokens must be greater than zero for group normalization"
+        )
         tokens_weights = torch.ones_like(group_tokens) / group_tokens
     else:
         tokens_weights = torch.ones_like(group_tokens) / config.batch_size
@@ -874,10 +1020,17 @@ def pipelinerl_rl_step_reinforce(new_logprobs, batch, config, current_step=0, ma
     if config.relu_log_p_weights:
         log_p_weights = torch.clamp(log_p_weights, min=0)
 
-    log_ratio_ref_new_clamp = torch.clamp(log_ratio_ref_new, min=-config.clamp_log_ratio_ref_new_value,
-                                          max=config.clamp_log_ratio_ref_new_value)
-    approx_kl = torch.exp(log_ratio_ref_new_clamp) - log_ratio_ref_new_clamp - 1  # Schulman KL approx
-    kl_coef = pipelinerl_linear_decay_coef(current_step, max_step, config.kl_coef, config.final_kl_coef)
+    log_ratio_ref_new_clamp = torch.clamp(
+        log_ratio_ref_new,
+        min=-config.clamp_log_ratio_ref_new_value,
+        max=config.clamp_log_ratio_ref_new_value,
+    )
+    approx_kl = (
+        torch.exp(log_ratio_ref_new_clamp) - log_ratio_ref_new_clamp - 1
+    )  # Schulman KL approx
+    kl_coef = pipelinerl_linear_decay_coef(
+        current_step, max_step, config.kl_coef, config.final_kl_coef
+    )
 
     # case "reinforce"
     clamp_log_ratio_new_old_indicators = ratio_new_old > 1 + config.epsilon_high
@@ -893,9 +1046,18 @@ def pipelinerl_rl_step_reinforce(new_logprobs, batch, config, current_step=0, ma
 
 # conf/finetune/base.yaml rl: @ 58d3934 (policy_loss reinforce, kl_coef 0, epsilon 2e-2, use_advantages,
 # no relu, clamp 5, no overlong filtering); batch_size = the 4 sequences of the batch
-PIPELINERL_CONFIG = SimpleNamespace(epsilon_low=2e-2, epsilon_high=2e-2, kl_coef=0.0, final_kl_coef=0.0,
-                                    use_advantages=True, relu_log_p_weights=False, clamp_log_ratio_ref_new_value=5,
-                                    overlong_filtering=False, group_normalization=False, batch_size=4)
+PIPELINERL_CONFIG = SimpleNamespace(
+    epsilon_low=2e-2,
+    epsilon_high=2e-2,
+    kl_coef=0.0,
+    final_kl_coef=0.0,
+    use_advantages=True,
+    relu_log_p_weights=False,
+    clamp_log_ratio_ref_new_value=5,
+    overlong_filtering=False,
+    group_normalization=False,
+    batch_size=4,
+)
 
 
 def tis():
@@ -904,54 +1066,98 @@ def tis():
     def aligned(x):  # prepend the (prompt) position the batch tensors carry before the response
         return torch.cat([torch.zeros(B, 1, dtype=F64), _t(x)], dim=1)
 
-    labels = torch.cat([torch.full((B, 1), -100), torch.where(_t(MASK, torch.bool), 1, -100)], dim=1)
-    batch = SimpleNamespace(labels=labels, old_logprobs=aligned(BEHAVIOUR), ref_logprobs=aligned(BEHAVIOUR),
-                            advantages=aligned(_adv_matrix(ADV).tolist()), rewards=aligned([[0.0] * T] * B),
-                            group_tokens=aligned([[1.0] * T] * B), overflow=aligned([[0.0] * T] * B))
+    labels = torch.cat(
+        [torch.full((B, 1), -100), torch.where(_t(MASK, torch.bool), 1, -100)], dim=1
+    )
+    batch = SimpleNamespace(
+        labels=labels,
+        old_logprobs=aligned(BEHAVIOUR),
+        ref_logprobs=aligned(BEHAVIOUR),
+        advantages=aligned(_adv_matrix(ADV).tolist()),
+        rewards=aligned([[0.0] * T] * B),
+        group_tokens=aligned([[1.0] * T] * B),
+        overflow=aligned([[0.0] * T] * B),
+    )
     lp = _lp()
     loss, truncated = pipelinerl_rl_step_reinforce(lp, batch, PIPELINERL_CONFIG)
     loss.backward()
-    return {"TIS_LOSS": loss.item(), "TIS_GRAD": lp.grad.tolist(), "TIS_TRUNCATED": truncated.long().tolist()}
+    return {
+        "TIS_LOSS": loss.item(),
+        "TIS_GRAD": lp.grad.tolist(),
+        "TIS_TRUNCATED": truncated.long().tolist(),
+    }
 
 
 # ----------------------------------------------------------------------------- verl: losses, estimators
 
+
 def kl_estimators():
     logp, logq = _t(KL_LOGP), _t(KL_LOGQ)
     names = {"k1": "k1", "k2": "k2", "k3": "k3", "low_var": "low_var_kl"}
-    return {"KL_REF": {k: verl_kl_penalty_forward(logp, logq, v).tolist() for k, v in names.items()}}
+    return {
+        "KL_REF": {k: verl_kl_penalty_forward(logp, logq, v).tolist() for k, v in names.items()}
+    }
 
 
 def ppo():
     lp = _lp()
-    loss, tokens = verl_compute_policy_loss_vanilla(_t(BEHAVIOUR), lp, _adv_matrix(ADV), _t(MASK), "token-mean",
-                                                   clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28,
-                                                   clip_ratio_c=3.0)
+    loss, tokens = verl_compute_policy_loss_vanilla(
+        _t(BEHAVIOUR),
+        lp,
+        _adv_matrix(ADV),
+        _t(MASK),
+        "token-mean",
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+    )
     loss.backward()
-    _, extreme = verl_compute_policy_loss_vanilla(_t(PPO_EXTREME_BEHAVIOUR), _t(PPO_EXTREME_LP),
-                                                  -torch.ones(1, 3, dtype=F64), torch.ones(1, 3, dtype=F64))
-    return {"PPO_TOKENS": tokens.tolist(), "PPO_LOSS": loss.item(), "PPO_GRAD": lp.grad.tolist(),
-            "PPO_EXTREME": (PPO_EXTREME_LP, PPO_EXTREME_BEHAVIOUR, extreme.tolist())}
+    _, extreme = verl_compute_policy_loss_vanilla(
+        _t(PPO_EXTREME_BEHAVIOUR),
+        _t(PPO_EXTREME_LP),
+        -torch.ones(1, 3, dtype=F64),
+        torch.ones(1, 3, dtype=F64),
+    )
+    return {
+        "PPO_TOKENS": tokens.tolist(),
+        "PPO_LOSS": loss.item(),
+        "PPO_GRAD": lp.grad.tolist(),
+        "PPO_EXTREME": (PPO_EXTREME_LP, PPO_EXTREME_BEHAVIOUR, extreme.tolist()),
+    }
 
 
 def gspo():
     out = {}
     for clip in ((0.1, 0.2), (3e-4, 4e-4)):
         lp = _lp()
-        loss = verl_compute_policy_loss_gspo(_t(BEHAVIOUR), lp, _adv_matrix(ADV), _t(MASK), clip_ratio_low=clip[0],
-                                             clip_ratio_high=clip[1])
+        loss = verl_compute_policy_loss_gspo(
+            _t(BEHAVIOUR),
+            lp,
+            _adv_matrix(ADV),
+            _t(MASK),
+            clip_ratio_low=clip[0],
+            clip_ratio_high=clip[1],
+        )
         loss.backward()
         out[clip] = (loss.item(), lp.grad.tolist())
     lp = _t(GSPO_EXTREME_LP).requires_grad_(True)
-    extreme = verl_compute_policy_loss_gspo(_t(GSPO_EXTREME_BEHAVIOUR), lp, torch.ones(1, 2, dtype=F64),
-                                            torch.ones(1, 2, dtype=F64), clip_ratio_low=0.1, clip_ratio_high=1e9)
+    extreme = verl_compute_policy_loss_gspo(
+        _t(GSPO_EXTREME_BEHAVIOUR),
+        lp,
+        torch.ones(1, 2, dtype=F64),
+        torch.ones(1, 2, dtype=F64),
+        clip_ratio_low=0.1,
+        clip_ratio_high=1e9,
+    )
     return {"GSPO": out, "GSPO_EXTREME_LOSS": extreme.item()}
 
 
 def cispo():
     lp = _lp()
-    loss = verl_compute_policy_loss_cispo(_t(BEHAVIOUR), lp, _adv_matrix(ADV), _t(MASK), clip_ratio_low=1.0,
-                                          clip_ratio_high=0.28)
+    loss = verl_compute_policy_loss_cispo(
+        _t(BEHAVIOUR), lp, _adv_matrix(ADV), _t(MASK), clip_ratio_low=1.0, clip_ratio_high=0.28
+    )
     loss.backward()
     return {"CISPO_LOSS": loss.item(), "CISPO_GRAD": lp.grad.tolist()}
 
@@ -967,18 +1173,31 @@ def advantages():
 
     out = {
         "GRPO_ADV": first(verl_compute_grpo_outcome_advantage(rewards.clone(), mask, index)[0]),
-        "DR_GRPO_ADV": first(verl_compute_grpo_outcome_advantage(rewards.clone(), mask, index,
-                                                                 norm_adv_by_std_in_grpo=False)[0]),
+        "DR_GRPO_ADV": first(
+            verl_compute_grpo_outcome_advantage(
+                rewards.clone(), mask, index, norm_adv_by_std_in_grpo=False
+            )[0]
+        ),
         "RLOO_ADV": first(verl_compute_rloo_outcome_advantage(rewards.clone(), mask, index)[0]),
-        "RPP_BASELINE_ADV": first(verl_compute_reinforce_plus_plus_baseline_outcome_advantage(rewards.clone(), mask,
-                                                                                              index)[0]),
-        "RPP_ADV": first(verl_compute_reinforce_plus_plus_outcome_advantage(rewards.clone(), mask, gamma=1.0)[0]),
+        "RPP_BASELINE_ADV": first(
+            verl_compute_reinforce_plus_plus_baseline_outcome_advantage(
+                rewards.clone(), mask, index
+            )[0]
+        ),
+        "RPP_ADV": first(
+            verl_compute_reinforce_plus_plus_outcome_advantage(rewards.clone(), mask, gamma=1.0)[0]
+        ),
         "OPMD_ADV_MEAN": trinity_opmd_group_advantage(R10, G10),
-        "OPMD_ADV_LOGAVGEXP": trinity_opmd_group_advantage(R10, G10, opmd_baseline="logavgexp", tau=0.5),
+        "OPMD_ADV_LOGAVGEXP": trinity_opmd_group_advantage(
+            R10, G10, opmd_baseline="logavgexp", tau=0.5
+        ),
     }
     five = [5] * len(R10)
-    out["RPP_BASELINE_ADV_5_TOKENS"] = first(verl_compute_reinforce_plus_plus_baseline_outcome_advantage(
-        _outcome_rewards(R10, five, 5), _response_mask(five, 5), index)[0])
+    out["RPP_BASELINE_ADV_5_TOKENS"] = first(
+        verl_compute_reinforce_plus_plus_baseline_outcome_advantage(
+            _outcome_rewards(R10, five, 5), _response_mask(five, 5), index
+        )[0]
+    )
     return out
 
 
@@ -988,8 +1207,16 @@ def entropy():
 
 # ----------------------------------------------------------------------------- TRL DPO
 
-def trl_dpo_compute_loss(per_token_logps, ref_per_token_logps, shift_completion_mask, beta=0.1,
-                         loss_types=("sigmoid",), loss_weights=None, f_divergence_type="reverse_kl"):
+
+def trl_dpo_compute_loss(
+    per_token_logps,
+    ref_per_token_logps,
+    shift_completion_mask,
+    beta=0.1,
+    loss_types=("sigmoid",),
+    loss_weights=None,
+    f_divergence_type="reverse_kl",
+):
     """huggingface/trl trl/trainer/dpo_trainer.py DPOTrainer._compute_loss @ f2cd577, from the
     per-token log-probs on: the batch is [chosen..., rejected...]; ld_alpha None, reference
     log-probs computed (not precomputed), f_divergence_type "reverse_kl", loss_type ["sigmoid"],
@@ -1005,7 +1232,9 @@ def trl_dpo_compute_loss(per_token_logps, ref_per_token_logps, shift_completion_
         ref_per_token_logps = ref_per_token_logps.clone()
         ref_per_token_logps[shift_completion_mask == 0] = 0.0  # mask out non-completion tokens
         ref_logps = ref_per_token_logps.sum(dim=1)  # sum over sequence length
-        ref_chosen_logps, ref_rejected_logps = ref_logps.chunk(2, dim=0)  # batch is [chosen, rejected]
+        ref_chosen_logps, ref_rejected_logps = ref_logps.chunk(
+            2, dim=0
+        )  # batch is [chosen, rejected]
 
     # Get the log ratios for the chosen and rejected responses
     chosen_logratios = chosen_logps - ref_chosen_logps
@@ -1041,6 +1270,7 @@ def dpo():
 
 # ----------------------------------------------------------------------------- tinker-cookbook: on-policy distillation
 
+
 def tinker_compute_advantages(rewards_P):
     """thinking-machines-lab/tinker-cookbook tinker_cookbook/rl/data_processing.py compute_advantages
     @ 9dfcc3a, each group's total rewards given as a list (traj_group.get_total_rewards())."""
@@ -1060,8 +1290,11 @@ def tinker_datum(prompt_len, action_logprobs, traj_advantage):
     sampled_logprobs = [0.0] * prompt_len + action_logprobs
     advantages = [0] * prompt_len + [traj_advantage] * len(action_logprobs)
     mask = [0.0] * prompt_len + [1.0] * len(action_logprobs)
-    return {"logprobs": torch.tensor(sampled_logprobs[1:]), "advantages": torch.tensor(advantages[1:]),
-            "mask": torch.tensor(mask[1:])}
+    return {
+        "logprobs": torch.tensor(sampled_logprobs[1:]),
+        "advantages": torch.tensor(advantages[1:]),
+        "mask": torch.tensor(mask[1:]),
+    }
 
 
 def tinker_incorporate_kl_penalty(data_D, teacher_logprobs_D, kl_penalty_coef, kl_discount_factor):
@@ -1077,7 +1310,9 @@ def tinker_incorporate_kl_penalty(data_D, teacher_logprobs_D, kl_penalty_coef, k
     float_masks = [datum["mask"].float() for datum in data_D]
     reverse_kl = [
         (sampled_logprobs - torch.tensor(teacher_logprobs[1:])) * mask
-        for teacher_logprobs, sampled_logprobs, mask in zip(teacher_logprobs_D, sampled_logprobs_D, float_masks)
+        for teacher_logprobs, sampled_logprobs, mask in zip(
+            teacher_logprobs_D, sampled_logprobs_D, float_masks
+        )
     ]
     for i, datum in enumerate(data_D):
         # The advantage is the negative reverse KL. We can optionally apply a discount factor.
@@ -1085,7 +1320,9 @@ def tinker_incorporate_kl_penalty(data_D, teacher_logprobs_D, kl_penalty_coef, k
         assert kl_discount_factor == 0
         datum["advantages"] = datum["advantages"] + kl_advantages
     # Compute average reverse KL over the batch for logging purposes
-    avg_logp_diff = sum([diff.sum() for diff in reverse_kl]) / sum([mask.sum() for mask in float_masks])
+    avg_logp_diff = sum([diff.sum() for diff in reverse_kl]) / sum(
+        [mask.sum() for mask in float_masks]
+    )
     return {"teacher_kl": float(avg_logp_diff)}
 
 
@@ -1106,26 +1343,56 @@ def distill():
     out = {}
     for coef, task in ((0.5, "rewards"), (1.0, "none")):
         lengths = [int(sum(m)) for m in MASK]
-        groups = [[r if task == "rewards" else 0.0 for r, g in zip(R4, G4) if g == k] for k in sorted(set(G4))]
+        groups = [
+            [r if task == "rewards" else 0.0 for r, g in zip(R4, G4) if g == k]
+            for k in sorted(set(G4))
+        ]
         advantages = [a for adv in tinker_compute_advantages(groups) for a in adv.tolist()]
-        data_D = [tinker_datum(DISTILL_PROMPT, BEHAVIOUR[i][:n], advantages[i]) for i, n in enumerate(lengths)]
-        teacher_logprobs_D = [[None] + TEACHER_PROMPT + TEACHER[i][:n] for i, n in enumerate(lengths)]
+        data_D = [
+            tinker_datum(DISTILL_PROMPT, BEHAVIOUR[i][:n], advantages[i])
+            for i, n in enumerate(lengths)
+        ]
+        teacher_logprobs_D = [
+            [None] + TEACHER_PROMPT + TEACHER[i][:n] for i, n in enumerate(lengths)
+        ]
         metrics = tinker_incorporate_kl_penalty(data_D, teacher_logprobs_D, coef, 0.0)
         lp = _lp()
-        loss = sum(tinker_importance_sampling_loss(
-            torch.cat([torch.zeros(DISTILL_PROMPT - 1), lp[i, :n]]), datum["logprobs"], datum["advantages"])
-            for i, (n, datum) in enumerate(zip(lengths, data_D)))
+        loss = sum(
+            tinker_importance_sampling_loss(
+                torch.cat([torch.zeros(DISTILL_PROMPT - 1), lp[i, :n]]),
+                datum["logprobs"],
+                datum["advantages"],
+            )
+            for i, (n, datum) in enumerate(zip(lengths, data_D))
+        )
         loss.backward()
-        adv = [datum["advantages"][DISTILL_PROMPT - 1:].tolist() + [0.0] * (len(MASK[0]) - n)
-               for n, datum in zip(lengths, data_D)]
+        adv = [
+            datum["advantages"][DISTILL_PROMPT - 1 :].tolist() + [0.0] * (len(MASK[0]) - n)
+            for n, datum in zip(lengths, data_D)
+        ]
         out[(coef, task)] = (adv, metrics["teacher_kl"], loss.item(), lp.grad.tolist())
     return {"DISTILL": out}
 
 
 # ----------------------------------------------------------------------------- all of them
 
-FIDELITY_PARTS = (dppo, topr, kl_estimators, mix, kimi, ppo, gspo, cispo, tis, dpo, pairwise, opmd_simple, advantages,
-                  stepwise, entropy)  # the goldens of tests/test_fidelity.py
+FIDELITY_PARTS = (
+    dppo,
+    topr,
+    kl_estimators,
+    mix,
+    kimi,
+    ppo,
+    gspo,
+    cispo,
+    tis,
+    dpo,
+    pairwise,
+    opmd_simple,
+    advantages,
+    stepwise,
+    entropy,
+)  # the goldens of tests/test_fidelity.py
 DISTILL_PARTS = (distill,)  # of tests/test_distill.py
 
 
@@ -1155,8 +1422,13 @@ def _fmt(x):
     if isinstance(x, tuple):
         return "(" + ", ".join(_fmt(v) for v in x) + ("," if len(x) == 1 else "") + ")"
     if isinstance(x, dict):
-        return "{" + ", ".join(f"{_fmt(k) if not isinstance(k, str) else repr(k)}: {_fmt(v)}"
-                               for k, v in x.items()) + "}"
+        return (
+            "{"
+            + ", ".join(
+                f"{_fmt(k) if not isinstance(k, str) else repr(k)}: {_fmt(v)}" for k, v in x.items()
+            )
+            + "}"
+        )
     return repr(x)
 
 

@@ -1,4 +1,5 @@
 """Plug-ins given to run.py by import path in the end-to-end tests (and shown in the README)."""
+
 import asyncio
 import os
 import threading
@@ -17,10 +18,12 @@ from workflows import MathWorkflow, in_thread, last_number
 
 def clipped_reinforce(inp: LossInputs, cap: float = 1.5) -> dict[str, torch.Tensor]:
     """REINFORCE with the importance ratio capped at `cap` and detached. Returns [B, T] tensors."""
-    ratio = torch.exp(inp.logprobs - inp.behaviour_logprobs).detach()   # [B, T]
-    weight = ratio.clamp(max=cap)                                   # [B, T]
-    return {"loss": -weight * inp.advantages * inp.logprobs,        # [B, T], aggregated by the trainer
-            "capped": (ratio > cap).float()}                        # extra metric: loss/capped
+    ratio = torch.exp(inp.logprobs - inp.behaviour_logprobs).detach()  # [B, T]
+    weight = ratio.clamp(max=cap)  # [B, T]
+    return {
+        "loss": -weight * inp.advantages * inp.logprobs,  # [B, T], aggregated by the trainer
+        "capped": (ratio > cap).float(),
+    }  # extra metric: loss/capped
 
 
 def rank_advantages(rewards, group_index, episode_index, **kw):
@@ -38,7 +41,9 @@ class LaggedRewardWorkflow(MathWorkflow):
         rewards = [float(len(e.info["response"]) % 2 == 0) for e in group]
         for e in group:
             e.reward = None
-        threading.Thread(target=self._rate_later, args=(group[0].group_id, rewards), daemon=True).start()
+        threading.Thread(
+            target=self._rate_later, args=(group[0].group_id, rewards), daemon=True
+        ).start()
         return group
 
     def _rate_later(self, group_id, rewards):
@@ -71,13 +76,13 @@ class FlakyWorkflow(MathWorkflow):
 class CountdownEnv:
     """The policy must count down from the task's number to 0, one number per turn."""
 
-    def reset(self, task):                     # first user message; called again on reuse
+    def reset(self, task):  # first user message; called again on reuse
         self.left = int(task.answer)
         return f"Count down from {self.left} to 0, one number per reply."
 
-    def step(self, reply):                     # -> (next message or None = over, reward)
+    def step(self, reply):  # -> (next message or None = over, reward)
         if last_number(reply) != str(self.left):
-            return None, 0.0                   # wrong number: the episode ends, reward 0
+            return None, 0.0  # wrong number: the episode ends, reward 0
         self.left -= 1
         return (None, 1.0) if self.left < 0 else ("Next.", None)
 
@@ -85,7 +90,7 @@ class CountdownEnv:
 class Countdown(MultiTurnWorkflow):
     max_turns = 12
 
-    def make_env(self):                        # environments are reset and reused
+    def make_env(self):  # environments are reset and reused
         return CountdownEnv()
 
 
@@ -165,15 +170,23 @@ class WaitForPublish(MathWorkflow):
         state = {"steps": 0, "start": 0, "pause": False, "labels": set()}
 
         def generate_batch(*args):
-            words = engine.label.split()  # "batch 3 (version 2)"; a retry of the batch keeps its label
+            words = (
+                engine.label.split()
+            )  # "batch 3 (version 2)"; a retry of the batch keeps its label
             later_batch = len(words) > 1 and words[0] == "batch" and int(words[1]) >= 1
-            state.update(steps=0, start=engine.version, pause=later_batch and engine.label not in state["labels"])
+            state.update(
+                steps=0,
+                start=engine.version,
+                pause=later_batch and engine.label not in state["labels"],
+            )
             state["labels"].add(engine.label)
             return generate(*args)
 
         def step_hook():
             state["steps"] += 1
-            if state["pause"] and state["steps"] == 3:  # an update loaded at steps 1-2 already landed mid-sequence
+            if (
+                state["pause"] and state["steps"] == 3
+            ):  # an update loaded at steps 1-2 already landed mid-sequence
                 deadline = time.monotonic() + self.deadline_s
                 while self.announced(engine) <= state["start"]:
                     if time.monotonic() > deadline:

@@ -1,4 +1,5 @@
 """benchmarks/bench_trainer.py on a CPU (tiny shape) and the CUDA levers of the trainer that a CPU can check."""
+
 import json
 import subprocess
 import sys
@@ -12,12 +13,36 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bench_trainer_writes_both_arms_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, "benchmarks/bench_trainer.py", "--device", "cpu", "--shape", "tiny", "--lengths",
-                    "64,128", "--lora-ranks", "0,16", "--levers", "activation_checkpointing", "--tokens-per-step",
-                    "256", "--rounds", "1", "--json", str(out)], cwd=ROOT, check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_trainer.py",
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+            "--lengths",
+            "64,128",
+            "--lora-ranks",
+            "0,16",
+            "--levers",
+            "activation_checkpointing",
+            "--tokens-per-step",
+            "256",
+            "--rounds",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        check=True,
+        timeout=300,
+    )
     rec = json.loads(out.read_text())
     arms = {(r["arm"], r["lora_rank"], r["length"], r["lever"]) for r in rec["rows"]}
-    assert arms >= {(a, rank, n, "default") for a in ("nanorft", "raw") for rank in (0, 16) for n in (64, 128)}
+    assert arms >= {
+        (a, rank, n, "default") for a in ("nanorft", "raw") for rank in (0, 16) for n in (64, 128)
+    }
     assert ("nanorft", 0, 128, "activation_checkpointing=off") in arms and not rec["skipped"]
     assert all(r["tokens_per_s"] > 0 and r["tokens_per_step"] == 256 for r in rec["rows"])
     assert set(rec["nanorft_vs_raw"]) == {"r0_64", "r0_128", "r16_64", "r16_128"}
@@ -30,16 +55,24 @@ def test_causal_rows_give_the_logprobs_of_the_block_mask(tiny_model):
     from buffer import Experience
     from packing import pack, response_logprobs
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa")
-    exps = [Experience([5, 6, 7, n] + list(range(40, 40 + n)), 4, [-1.0] * n, [1] * n, 1.0, f"g{n}", "t", 0)
-            for n in (9, 3)]  # prompts differ: a row each
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    exps = [
+        Experience(
+            [5, 6, 7, n] + list(range(40, 40 + n)), 4, [-1.0] * n, [1] * n, 1.0, f"g{n}", "t", 0
+        )
+        for n in (9, 3)
+    ]  # prompts differ: a row each
     plain, causal = pack(exps, 2, 0, 8), pack(exps, 2, 0, 8, causal=True)
     assert causal["attention_mask"] is None and plain["attention_mask"].shape == (2, 1, 16, 16)
     with torch.no_grad():
-        a, _ = response_logprobs(model, plain, 1.0)                                      # [B, R]
-        b, _ = response_logprobs(model, causal, 1.0)                                     # [B, R]
+        a, _ = response_logprobs(model, plain, 1.0)  # [B, R]
+        b, _ = response_logprobs(model, causal, 1.0)  # [B, R]
     assert torch.allclose(a, b, atol=1e-5) and (a * plain["mask"]).abs().sum() > 0
-    shared = [Experience([5, 6, 7, 8, 40 + i], 4, [-1.0], [1], 1.0, "g", "t", 0) for i in range(2)]  # one row of two
+    shared = [
+        Experience([5, 6, 7, 8, 40 + i], 4, [-1.0], [1], 1.0, "g", "t", 0) for i in range(2)
+    ]  # one row of two
     assert pack(shared, 2, 0, 8, causal=True)["attention_mask"] is not None
 
 
@@ -49,6 +82,7 @@ def test_a_block_that_fails_to_compile_runs_eagerly(monkeypatch, capsys):
     def broken(fn):
         def fail(*args, **kwargs):
             raise torch._dynamo.exc.TorchDynamoException("no backend")
+
         return fail
 
     monkeypatch.setattr(torch, "compile", broken)
@@ -60,18 +94,26 @@ def test_a_block_that_fails_to_compile_runs_eagerly(monkeypatch, capsys):
 @pytest.mark.parametrize("chunk", [0, 64])
 def test_head_chunks_of_any_size_give_the_same_logprobs(chunk):
     from packing import chunked_logprobs
+
     torch.manual_seed(0)
     hidden, weight, targets = torch.randn(9, 8), torch.randn(16, 8), torch.randint(16, (9,))
     lp, _ = chunked_logprobs(hidden, weight, targets, 1.0, chunk_elems=chunk)
-    assert torch.allclose(lp, torch.log_softmax(hidden @ weight.T, -1).gather(-1, targets[:, None]).squeeze(-1),
-                          atol=1e-5)
+    assert torch.allclose(
+        lp,
+        torch.log_softmax(hidden @ weight.T, -1).gather(-1, targets[:, None]).squeeze(-1),
+        atol=1e-5,
+    )
 
 
-@pytest.mark.parametrize("lever", ["causal_rows", "fused_adamw", "one_gpu_fsdp", "checkpoint_if_needed"])
+@pytest.mark.parametrize(
+    "lever", ["causal_rows", "fused_adamw", "one_gpu_fsdp", "checkpoint_if_needed"]
+)
 def test_a_lever_is_flipped_from_its_default_and_back(lever):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_trainer
+
     import trainer
+
     default = trainer.CUDA_LEVERS[lever]
     bench_trainer.flip(lever, True)
     assert trainer.CUDA_LEVERS[lever] == (not default)

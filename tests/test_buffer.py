@@ -1,17 +1,29 @@
 """The buffer shared by writer and reader processes, in both backends (SQLite file, PostgreSQL server)."""
+
 import multiprocessing as mp
 import time
 
 import pytest
 
-from conftest import before_commit
-
 from buffer import Buffer, Experience
+from conftest import before_commit
 
 
 def group(gid: str, n: int = 3, reward=1.0, version=0) -> list[Experience]:
-    return [Experience([1, 2, 3, 4 + i], 2, [-0.5, -0.25], [1, 1], reward, gid, f"task-{gid}", version,
-                       {"i": i}) for i in range(n)]
+    return [
+        Experience(
+            [1, 2, 3, 4 + i],
+            2,
+            [-0.5, -0.25],
+            [1, 1],
+            reward,
+            gid,
+            f"task-{gid}",
+            version,
+            {"i": i},
+        )
+        for i in range(n)
+    ]
 
 
 def writer(path, n_groups):
@@ -36,8 +48,13 @@ def test_two_processes_fifo_complete_groups_once(buffer_url):
     assert [g[0].group_id for g in served] == [f"g{k}" for k in range(20)]
     assert all(len(g) == 3 and g[0].model_version == int(g[0].group_id[1:]) for g in served)
     first = served[0][1]
-    assert (first.tokens, first.prompt_length, first.behaviour_logprobs, first.action_mask, first.info) == \
-        ([1, 2, 3, 5], 2, [-0.5, -0.25], [1, 1], {"i": 1})
+    assert (
+        first.tokens,
+        first.prompt_length,
+        first.behaviour_logprobs,
+        first.action_mask,
+        first.info,
+    ) == ([1, 2, 3, 5], 2, [-0.5, -0.25], [1, 1], {"i": 1})
     assert reader.counts() == {"total": 63, "consumed": 60, "pending": 3, "ready": 0}
     with pytest.raises(TimeoutError):
         reader.read(1, timeout_s=0.2)  # only the pending group is left
@@ -68,7 +85,11 @@ def test_offline_sampler_cycles_all_and_marks_offline():
     groups = [[Experience([1, 2, i], 2, [0.0], [1], 1.0, f"g{i}", f"t{i}", 0)] for i in range(3)]
     s = OfflineSampler(groups, seed=0)
     drawn = [g[0] for g in s.draw(3) + s.draw(3)]
-    assert sorted(e.tokens[-1] for e in drawn[:3]) == [0, 1, 2] == sorted(e.tokens[-1] for e in drawn[3:])
+    assert (
+        sorted(e.tokens[-1] for e in drawn[:3])
+        == [0, 1, 2]
+        == sorted(e.tokens[-1] for e in drawn[3:])
+    )
     assert all(e.info["offline"] for e in drawn) and not groups[0][0].info
     with pytest.raises(ValueError, match="empty"):
         OfflineSampler([], 0)
@@ -86,7 +107,9 @@ def test_two_readers_never_take_the_same_group(postgres):
     Buffer(buffer_url).write_batch([group("g0"), group("g1")])
     inside, release, got = threading.Event(), threading.Event(), {}
 
-    def reader(name, hook=None):  # a connection per thread (sqlite3 connections stay in their thread)
+    def reader(
+        name, hook=None
+    ):  # a connection per thread (sqlite3 connections stay in their thread)
         buf = Buffer(buffer_url)
         if hook is not None:
             before_commit(buf, hook)
@@ -98,7 +121,9 @@ def test_two_readers_never_take_the_same_group(postgres):
     tb = threading.Thread(target=reader, args=("b",))
     tb.start()
     watch = Buffer(buffer_url)
-    while not watch.db.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'").fetchone()[0]:
+    while not watch.db.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+    ).fetchone()[0]:
         assert tb.is_alive()  # B is waiting or about to: never done before A commits
     release.set()
     ta.join()
@@ -136,7 +161,10 @@ def test_postgres_runs_share_a_database_in_their_own_schemas(postgres, tmp_path)
     b.clear()
     a.write(group("only-a"))
     assert a.counts()["total"] == 3 and b.counts()["total"] == 0
-    assert open_buffer(f"{postgres}?schema=nanorft_run_a", tmp_path / "elsewhere").counts()["total"] == 3
+    assert (
+        open_buffer(f"{postgres}?schema=nanorft_run_a", tmp_path / "elsewhere").counts()["total"]
+        == 3
+    )
     with pytest.raises(ValueError, match="schema 'Bad-Name'"):
         Buffer(f"{postgres}?schema=Bad-Name")
 
@@ -147,7 +175,9 @@ def test_unreachable_or_bad_buffers_are_one_line(tmp_path):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(ValueError, match=r"^buffer postgresql://127.0.0.1:\d+/db \(schema x\): .*") as e:
+    with pytest.raises(
+        ValueError, match=r"^buffer postgresql://127.0.0.1:\d+/db \(schema x\): .*"
+    ) as e:
         Buffer(f"postgresql://user:secret@127.0.0.1:{port}/db?schema=x", timeout_s=2)
     assert "secret" not in str(e.value) and "\n" not in str(e.value)
     (tmp_path / "junk").write_text("not a database" * 100)
@@ -178,7 +208,11 @@ def test_resume_serves_again_what_the_lost_steps_took(buffer_url):
     # their order; the group trained at step 0 is not
     buf = Buffer(buffer_url)
     buf.write_batch([group(f"g{k}") for k in range(4)])
-    assert [g[0].group_id for s in range(3) for g in buf.read(1, timeout_s=5, step=s)] == ["g0", "g1", "g2"]
+    assert [g[0].group_id for s in range(3) for g in buf.read(1, timeout_s=5, step=s)] == [
+        "g0",
+        "g1",
+        "g2",
+    ]
     assert Buffer(buffer_url).release_after(1) == 6  # 2 groups x 3 experiences
     assert [g[0].group_id for g in buf.read(3, timeout_s=5, step=1)] == ["g1", "g2", "g3"]
     assert buf.counts() == {"total": 12, "consumed": 12, "pending": 0, "ready": 0}

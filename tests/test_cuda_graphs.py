@@ -1,5 +1,6 @@
 """The HF engine's decode step over a static cache (extras/cuda_graphs.py): the same tokens and behaviour
 log-probs as the growing cache, run eagerly on the CPU and replayed as a CUDA graph where a GPU is visible."""
+
 import pytest
 import torch
 
@@ -7,11 +8,17 @@ from conftest import PROMPTS
 from engines import HFEngine, Sampling
 from extras.cuda_graphs import Graphs
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible here)")
-CASES = [pytest.param("cpu", torch.float32, id="cpu-eager-float32"),
-         pytest.param("cpu", "autocast", id="cpu-eager-autocast"),  # float32 weights, bf16 values, float32 keys
-         pytest.param("cuda:0", torch.float32, marks=needs_cuda, id="cuda-graph-float32"),
-         pytest.param("cuda:0", torch.bfloat16, marks=needs_cuda, id="cuda-graph-bf16")]
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible here)"
+)
+CASES = [
+    pytest.param("cpu", torch.float32, id="cpu-eager-float32"),
+    pytest.param(
+        "cpu", "autocast", id="cpu-eager-autocast"
+    ),  # float32 weights, bf16 values, float32 keys
+    pytest.param("cuda:0", torch.float32, marks=needs_cuda, id="cuda-graph-float32"),
+    pytest.param("cuda:0", torch.bfloat16, marks=needs_cuda, id="cuda-graph-bf16"),
+]
 # prompts sharing a prefix, of different lengths (left padding), one of a single token
 SHARED = [[3, 4, 5, 6, 7], [3, 4, 5, 9, 10, 11, 12, 13], [3, 4, 5, 20]]
 
@@ -19,7 +26,9 @@ SHARED = [[3, 4, 5, 6, 7], [3, 4, 5, 9, 10, 11, 12, 13], [3, 4, 5, 20]]
 def sample(engine, prompts, n, sampling):
     """(tokens, behaviour log-probs) of every completion, generated from seed 0."""
     engine.generator.manual_seed(0)
-    out = [c for group in engine.generate_batch(prompts, [n] * len(prompts), sampling) for c in group]
+    out = [
+        c for group in engine.generate_batch(prompts, [n] * len(prompts), sampling) for c in group
+    ]
     return [c.tokens for c in out], [c.behaviour_logprobs for c in out]
 
 
@@ -32,7 +41,10 @@ def test_static_cache_decodes_as_the_growing_cache(tiny_model, device, dtype, pr
     static = HFEngine(tiny_model, max_batch=16, device=device, dtype=dtype, bf16=bf16)
     static.graphs = Graphs(16, capture=capture)
     tol = 2e-2 if dtype == torch.bfloat16 or bf16 else 1e-5
-    for sampling in (Sampling(max_tokens=20, temperature=0.0), Sampling(max_tokens=20, temperature=1.0)):
+    for sampling in (
+        Sampling(max_tokens=20, temperature=0.0),
+        Sampling(max_tokens=20, temperature=1.0),
+    ):
         tokens, logprobs = sample(growing, prompts, 4, sampling)
         tokens_s, logprobs_s = sample(static, prompts, 4, sampling)
         if dtype == torch.float32 and not bf16 and device == "cpu":
@@ -50,7 +62,9 @@ def test_static_cache_decodes_as_the_growing_cache(tiny_model, device, dtype, pr
     if capture:  # the replayed graph against the same static step run eagerly: the same numbers
         eager = HFEngine(tiny_model, max_batch=16, device=device, dtype=dtype, bf16=bf16)
         eager.graphs = Graphs(16, capture=False)
-        (tokens_e, logprobs_e), (tokens_g, logprobs_g) = (sample(e, prompts, 4, sampling) for e in (eager, static))
+        (tokens_e, logprobs_e), (tokens_g, logprobs_g) = (
+            sample(e, prompts, 4, sampling) for e in (eager, static)
+        )
         assert tokens_g == tokens_e
         assert all(g == pytest.approx(e, abs=1e-4) for g, e in zip(logprobs_g, logprobs_e))
 
@@ -69,11 +83,16 @@ def test_each_layer_keeps_its_own_cache_shape():  # models whose layers differ i
     from types import SimpleNamespace
 
     from extras.cuda_graphs import Step
-    like = [SimpleNamespace(keys=torch.zeros(3, h, 5, d), values=torch.zeros(3, h, 5, e)) for h, d, e in
-            ((1, 32, 32), (2, 16, 8))]
+
+    like = [
+        SimpleNamespace(keys=torch.zeros(3, h, 5, d), values=torch.zeros(3, h, 5, e))
+        for h, d, e in ((1, 32, 32), (2, 16, 8))
+    ]
     step = Step(None, like, rows=4, capacity=128, capture=False)
     assert [(tuple(c.keys.shape), tuple(c.values.shape)) for c in step.cache.layers] == [
-        ((4, 1, 128, 32), (4, 1, 128, 32)), ((4, 2, 128, 16), (4, 2, 128, 8))]
+        ((4, 1, 128, 32), (4, 1, 128, 32)),
+        ((4, 2, 128, 16), (4, 2, 128, 8)),
+    ]
 
 
 def test_cuda_graphs_stay_off_on_a_cpu(tiny_model):
@@ -86,6 +105,7 @@ def test_a_step_that_cannot_be_captured_decodes_eagerly(tiny_model, monkeypatch,
 
     def fail(*args, **kwargs):  # ValueError: a model's own check, raised while it is traced
         raise error("operation not permitted when stream is capturing")
+
     engine, growing = (HFEngine(tiny_model, max_batch=16, device="cpu") for _ in range(2))
     engine.graphs = Graphs(16, capture=False)
     monkeypatch.setattr(cg, "Step", fail)
@@ -97,19 +117,31 @@ def test_a_step_that_cannot_be_captured_decodes_eagerly(tiny_model, monkeypatch,
 
 
 @needs_cuda
-def test_a_step_that_waits_for_the_gpu_decodes_eagerly_and_leaves_cuda_as_it_was(tiny_model, capsys):
-    engine, growing = (HFEngine(tiny_model, max_batch=16, device="cuda:0", dtype=torch.bfloat16) for _ in range(2))
+def test_a_step_that_waits_for_the_gpu_decodes_eagerly_and_leaves_cuda_as_it_was(
+    tiny_model, capsys
+):
+    engine, growing = (
+        HFEngine(tiny_model, max_batch=16, device="cuda:0", dtype=torch.bfloat16) for _ in range(2)
+    )
     engine.graphs, forward = Graphs(16), engine.model.forward
 
-    def waits(*args, **kwargs):  # reads a number back to the host: illegal while a stream is captured
+    def waits(
+        *args, **kwargs
+    ):  # reads a number back to the host: illegal while a stream is captured
         out = forward(*args, **kwargs)
         out.logits.sum().item()
         return out
+
     engine.model.forward = waits
     sampling = Sampling(max_tokens=12, temperature=0.0)
     assert sample(engine, PROMPTS, 2, sampling) == sample(growing, PROMPTS, 2, sampling)
-    assert "CUDA graphs off, decoding eagerly" in capsys.readouterr().err and not engine.graphs.steps
-    assert torch.cuda.current_stream() == torch.cuda.default_stream() and torch.cuda.get_sync_debug_mode() == 0
+    assert (
+        "CUDA graphs off, decoding eagerly" in capsys.readouterr().err and not engine.graphs.steps
+    )
+    assert (
+        torch.cuda.current_stream() == torch.cuda.default_stream()
+        and torch.cuda.get_sync_debug_mode() == 0
+    )
     torch.cuda.empty_cache()  # fails while an abandoned capture is still registered with the allocator
     captured = HFEngine(tiny_model, max_batch=16, device="cuda:0", dtype=torch.bfloat16)
     captured.graphs = Graphs(16)

@@ -1,6 +1,7 @@
 """The documentation holds: every relative link in README.md and docs/*.md names a file that
 exists, and every `#anchor` names a heading of its target (GitHub's slugs); the README stays a
 front door of at most 200 lines, and its forking example runs."""
+
 import importlib.util
 import inspect
 import json
@@ -12,8 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)   # fenced code blocks
-CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)          # inline code
+FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)  # fenced code blocks
+CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)  # inline code
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.+?)[ \t#]*$", re.M)
 
@@ -26,8 +27,8 @@ def prose(text: str) -> str:
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading: its rendered text, lowercased, punctuation dropped
     (letters, digits, underscores, hyphens and spaces stay), spaces turned into hyphens."""
-    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)   # a link shows its text
-    text = re.sub(r"[`*]|<[^>]+>", "", text)                       # code marks, emphasis, HTML tags
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link shows its text
+    text = re.sub(r"[`*]|<[^>]+>", "", text)  # code marks, emphasis, HTML tags
     return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
 
 
@@ -47,8 +48,11 @@ def shown(path: Path) -> str:
 
 
 def relative_links(page: Path) -> list[str]:
-    return [t for t in LINK.findall(prose(page.read_text()))
-            if not re.match(r"[a-z][a-z0-9+.-]*:", t, re.I)]   # http:, https:, mailto: are not checked
+    return [
+        t
+        for t in LINK.findall(prose(page.read_text()))
+        if not re.match(r"[a-z][a-z0-9+.-]*:", t, re.I)
+    ]  # http:, https:, mailto: are not checked
 
 
 def broken_links(page: Path) -> list[str]:
@@ -72,14 +76,20 @@ def test_links_and_anchors_resolve(page):
 
 def test_the_check_finds_what_is_broken(tmp_path):
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "a.md").write_text("# A page: `its` title\n\n## Two words, one comma\n## Two words, one comma\n")
+    (tmp_path / "docs" / "a.md").write_text(
+        "# A page: `its` title\n\n## Two words, one comma\n## Two words, one comma\n"
+    )
     page = tmp_path / "README.md"
-    page.write_text("[ok](docs/a.md#a-page-its-title) [ok](docs/a.md#two-words-one-comma-1) [ok](#top)\n"
-                    "[gone](docs/b.md) [bad](docs/a.md#two-words) [bad](#nowhere) [web](https://x.org/#y)\n"
-                    "`[code](docs/c.md)`\n\n```\n[code](docs/d.md)\n# not a heading\n```\n# Top\n")
-    assert broken_links(page) == ["docs/b.md: no such file",
-                                  f"docs/a.md#two-words: no heading 'two-words' in {tmp_path / 'docs' / 'a.md'}",
-                                  f"#nowhere: no heading 'nowhere' in {page}"]
+    page.write_text(
+        "[ok](docs/a.md#a-page-its-title) [ok](docs/a.md#two-words-one-comma-1) [ok](#top)\n"
+        "[gone](docs/b.md) [bad](docs/a.md#two-words) [bad](#nowhere) [web](https://x.org/#y)\n"
+        "`[code](docs/c.md)`\n\n```\n[code](docs/d.md)\n# not a heading\n```\n# Top\n"
+    )
+    assert broken_links(page) == [
+        "docs/b.md: no such file",
+        f"docs/a.md#two-words: no heading 'two-words' in {tmp_path / 'docs' / 'a.md'}",
+        f"#nowhere: no heading 'nowhere' in {page}",
+    ]
 
 
 def test_readme_is_a_front_door():

@@ -1,4 +1,5 @@
 """run.py end to end in a subprocess, on the tiny random model."""
+
 import json
 import sqlite3
 
@@ -24,16 +25,32 @@ def receipt(run_dir, version):
 def buffer_versions(run_dir, batch_size):
     """Weight version of each explorer batch, in write order."""
     db = sqlite3.connect(run_dir / "buffer.sqlite")
-    groups = db.execute("SELECT group_id, MIN(model_version) FROM experiences GROUP BY group_id ORDER BY MIN(id)").fetchall()
+    groups = db.execute(
+        "SELECT group_id, MIN(model_version) FROM experiences GROUP BY group_id ORDER BY MIN(id)"
+    ).fetchall()
     return [v for _, v in groups][::batch_size]
 
 
 @pytest.mark.slow
 def test_run_trains_and_syncs(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir,
-                 "--reward-fn", "tests.rewards.length_parity", "--steps", 4, "--sync-interval", 2, "--eval-k", 2,
-                 "--sync-checksum")
+    res = run_py(
+        "--config",
+        "configs/tiny.toml",
+        "--model",
+        tiny_model,
+        "--run-dir",
+        run_dir,
+        "--reward-fn",
+        "tests.rewards.length_parity",
+        "--steps",
+        4,
+        "--sync-interval",
+        2,
+        "--eval-k",
+        2,
+        "--sync-checksum",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     # run.py re-executes itself with the allocator preloaded (requirements.txt installs mimalloc)
     assert f"memory allocator {launch.allocator(parse_config([]))[0]};" in res.stdout
@@ -42,15 +59,37 @@ def test_run_trains_and_syncs(tiny_model, tmp_path):
     evals = [r for r in recs if "eval/accuracy" in r]
     assert [r["step"] for r in steps] == [0, 1, 2, 3]
     assert [r["eval/version"] for r in evals] == [0, 2, 4]
-    for key in ("loss/policy", "loss/clipped", "loss/kl_behaviour", "loss/grad_norm", "reward/std",
-                "response/len_mean", "staleness/mean", "time/train_s", "time/explore_s", "time/wait_s",
-                "time/sync_s", "train/tokens_per_s", "explorer/tokens_per_s", "buffer/consumed"):
+    for key in (
+        "loss/policy",
+        "loss/clipped",
+        "loss/kl_behaviour",
+        "loss/grad_norm",
+        "reward/std",
+        "response/len_mean",
+        "staleness/mean",
+        "time/train_s",
+        "time/explore_s",
+        "time/wait_s",
+        "time/sync_s",
+        "train/tokens_per_s",
+        "explorer/tokens_per_s",
+        "buffer/consumed",
+    ):
         assert key in steps[-1], key
-    for key in ("perf/trainer_model_flops", "perf/trainer_mfu", "perf/explorer_model_flops", "perf/explorer_mfu",
-                "perf/job_mfu"):
+    for key in (
+        "perf/trainer_model_flops",
+        "perf/trainer_mfu",
+        "perf/explorer_model_flops",
+        "perf/explorer_mfu",
+        "perf/job_mfu",
+    ):
         assert all(r[key] > 0 for r in steps), key
     # the base model's evaluation may come from NANORFT_CACHE (an earlier run of this test): no work, no FLOPs
-    assert all(r["perf/eval_model_flops"] > 0 and r["perf/eval_mfu"] > 0 for r in evals if not r.get("eval/cached"))
+    assert all(
+        r["perf/eval_model_flops"] > 0 and r["perf/eval_mfu"] > 0
+        for r in evals
+        if not r.get("eval/cached")
+    )
     assert all(not r.get("eval/cached") for r in evals[1:])
     # avg@2 with its standard error at every evaluation; at version 0 group_size (4) samples, for pass@4
     assert [r["eval/samples"] for r in evals] == [4, 2, 2] and all(r["eval/k"] == 2 for r in evals)
@@ -72,16 +111,32 @@ def test_run_trains_and_syncs(tiny_model, tmp_path):
     assert buffer_versions(run_dir, 2) == [0, 0, 2, 2]
     assert (run_dir / "plot.png").stat().st_size > 1000
     from transformers import AutoModelForCausalLM
+
     AutoModelForCausalLM.from_pretrained(run_dir / "final")
 
 
-@pytest.mark.parametrize("interval,offset,expected", [(1, 0, [0, 1, 2, 3]), (1, 1, [0, 0, 1, 2]),
-                                                      (3, 1, [0, 0, 0, 0])])
+@pytest.mark.parametrize(
+    "interval,offset,expected", [(1, 0, [0, 1, 2, 3]), (1, 1, [0, 0, 1, 2]), (3, 1, [0, 0, 0, 0])]
+)
 @pytest.mark.slow
 def test_sync_schedule_versions_in_buffer(tiny_model, tmp_path, interval, offset, expected):
     run_dir = tmp_path / "run"
-    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir, "--steps", 4,
-                 "--sync-interval", interval, "--sync-offset", offset, "--eval-size", 0)
+    res = run_py(
+        "--config",
+        "configs/tiny.toml",
+        "--model",
+        tiny_model,
+        "--run-dir",
+        run_dir,
+        "--steps",
+        4,
+        "--sync-interval",
+        interval,
+        "--sync-offset",
+        offset,
+        "--eval-size",
+        0,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert buffer_versions(run_dir, 2) == expected
     steps = [r for r in metrics(run_dir) if "reward/mean" in r]
@@ -92,9 +147,24 @@ def test_sync_schedule_versions_in_buffer(tiny_model, tmp_path, interval, offset
 def test_torchrun_two_trainer_ranks(tiny_model, tmp_path):
     # FSDP over 2 ranks with bucketed sync: every rank gathers one bucket (0.05 MiB) at a time, rank 0 sends it
     run_dir = tmp_path / "run"
-    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir,
-                 "--reward-fn", "tests.rewards.length_parity", "--steps", 2, "--eval-size", 0,
-                 "--sync-bucket-mb", 0.05, "--sync-checksum", nproc=2)
+    res = run_py(
+        "--config",
+        "configs/tiny.toml",
+        "--model",
+        tiny_model,
+        "--run-dir",
+        run_dir,
+        "--reward-fn",
+        "tests.rewards.length_parity",
+        "--steps",
+        2,
+        "--eval-size",
+        0,
+        "--sync-bucket-mb",
+        0.05,
+        "--sync-checksum",
+        nproc=2,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r for r in metrics(run_dir) if "reward/mean" in r]
     assert [r["trainer/ranks"] for r in steps] == [2, 2]
@@ -102,18 +172,22 @@ def test_torchrun_two_trainer_ranks(tiny_model, tmp_path):
     checksum = sum(v.double().sum().item() for v in final.values())
     assert receipt(run_dir, 2)["sync/explorer_checksum"] == pytest.approx(checksum, rel=1e-12)
     for r in steps:  # every publish arrived whole
-        assert receipt(run_dir, r["step"] + 1)["sync/explorer_checksum"] == pytest.approx(r["sync/trainer_checksum"],
-                                                                                          rel=1e-12)
+        assert receipt(run_dir, r["step"] + 1)["sync/explorer_checksum"] == pytest.approx(
+            r["sync/trainer_checksum"], rel=1e-12
+        )
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--no-such-flag"], "Unrecognized options: --no-such-flag"),
-    (["--sync-intervl", "2"], "Perhaps you meant: --sync-interval INT"),
-    (["--model", "/nonexistent/model"], "model directory not found"),
-    (["--task", "no_such_dataset"], "reasoning-gym dataset 'no_such_dataset'"),
-    (["--steps", "zero"], "Error parsing --steps: invalid literal for int()"),
-    (["--reward-fn", "no.such.module"], "reward_fn 'no.such.module' cannot be imported"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--no-such-flag"], "Unrecognized options: --no-such-flag"),
+        (["--sync-intervl", "2"], "Perhaps you meant: --sync-interval INT"),
+        (["--model", "/nonexistent/model"], "model directory not found"),
+        (["--task", "no_such_dataset"], "reasoning-gym dataset 'no_such_dataset'"),
+        (["--steps", "zero"], "Error parsing --steps: invalid literal for int()"),
+        (["--reward-fn", "no.such.module"], "reward_fn 'no.such.module' cannot be imported"),
+    ],
+)
 @pytest.mark.slow
 def test_bad_input_is_one_error_line(tmp_path, args, message):
     res = run_py("--run-dir", tmp_path / "r", *args, timeout=120)
@@ -128,35 +202,70 @@ def test_plugins_from_the_working_directory(tiny_model, tmp_path, monkeypatch, c
     # (the spawned explorer inherits sys.path), and an import path that still fails says where modules are looked up
     import sys
 
-    import run
     from conftest import ROOT
 
     (tmp_path / "cwd_plugins_e2e.py").write_text(
         "from workflows import MathWorkflow\n\n\n"
         "class MyWorkflow(MathWorkflow):\n    pass\n\n\n"
-        "def always_right(task, completion, dataset):\n    return 1.0\n")
+        "def always_right(task, completion, dataset):\n    return 1.0\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
-    argv = ["--config", str(ROOT / "configs" / "tiny.toml"), "--model", tiny_model, "--mode", "bench", "--run-dir",
-            str(tmp_path / "r"), "--bench-models", tiny_model, "--bench-k", "1", "--eval-size", "2",
-            "--train-size", "8", "--explorer-threads", str(torch.get_num_threads())]  # (in this process: leave its thread count)
-    assert run.main([*argv, "--workflow", "cwd_plugins_e2e.MyWorkflow", "--reward-fn",
-                     "cwd_plugins_e2e.always_right"]) == 0, capsys.readouterr().err
-    assert json.loads((tmp_path / "r" / "bench.json").read_text())[0]["avg@1"] == 1.0  # the plug-in's reward
+    argv = [
+        "--config",
+        str(ROOT / "configs" / "tiny.toml"),
+        "--model",
+        tiny_model,
+        "--mode",
+        "bench",
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--bench-models",
+        tiny_model,
+        "--bench-k",
+        "1",
+        "--eval-size",
+        "2",
+        "--train-size",
+        "8",
+        "--explorer-threads",
+        str(torch.get_num_threads()),
+    ]  # (in this process: leave its thread count)
+    assert (
+        run.main(
+            [
+                *argv,
+                "--workflow",
+                "cwd_plugins_e2e.MyWorkflow",
+                "--reward-fn",
+                "cwd_plugins_e2e.always_right",
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
+    assert (
+        json.loads((tmp_path / "r" / "bench.json").read_text())[0]["avg@1"] == 1.0
+    )  # the plug-in's reward
     capsys.readouterr()
     assert run.main([*argv, "--workflow", "not_here_e2e.MyWorkflow"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "workflow 'not_here_e2e.MyWorkflow' cannot be imported: No module named" in err
+    assert (
+        err.count("\n") == 0
+        and "workflow 'not_here_e2e.MyWorkflow' cannot be imported: No module named" in err
+    )
     assert "modules are looked up in " in err and f"{tmp_path} (the working directory)" in err, err
 
 
 def test_bad_config_and_jsonl(tmp_path):
     toml = tmp_path / "bad.toml"
-    toml.write_text('lr = 1e-5\nlearning_rate = 3\n')
+    toml.write_text("lr = 1e-5\nlearning_rate = 3\n")
     res = run_py("--config", toml, "--run-dir", tmp_path / "r", timeout=120)
     assert res.returncode == 2 and "unknown config key(s) ['learning_rate']" in res.stderr
     jsonl = tmp_path / "tasks.jsonl"
     jsonl.write_text('{"question": "1+1", "answer": "2"}\n{"question": "2+2"}\n')
     res = run_py("--task", jsonl, "--run-dir", tmp_path / "r", timeout=120)
-    assert res.returncode == 2 and "tasks.jsonl line 2: needs 'question' and 'answer' fields" in res.stderr
+    assert (
+        res.returncode == 2
+        and "tasks.jsonl line 2: needs 'question' and 'answer' fields" in res.stderr
+    )
     assert "Traceback" not in res.stderr

@@ -1,4 +1,5 @@
 """What a new user meets first: --help, any task by name, the model names, the outputs of a run."""
+
 import json
 import shutil
 import sys
@@ -17,8 +18,10 @@ from workflows import extract_answer, load_tasks
 
 def strict_json_lines(path):
     """Parse JSONL rejecting NaN / Infinity (Python's json accepts them; JSON does not)."""
+
     def bad(x):
         raise ValueError(f"not JSON: {x}")
+
     return [json.loads(x, parse_constant=bad) for x in path.read_text().splitlines()]
 
 
@@ -27,27 +30,49 @@ def test_help_groups_every_flag_by_stage_with_one_default(capsys):
         run.parse_config(["--config", "configs/tiny.toml", "--help"])
     assert done.value.code == 0
     text = capsys.readouterr().out
-    for title in ("mode and run", "model, task and reward", "explorer (rollouts)",
-                  "sync between explorer and trainer", "algorithm", "trainer", "outputs"):
+    for title in (
+        "mode and run",
+        "model, task and reward",
+        "explorer (rollouts)",
+        "sync between explorer and trainer",
+        "algorithm",
+        "trainer",
+        "outputs",
+    ):
         assert f"{title} options" in text, title  # one section per stage
     flat = " ".join(text.replace("│", " ").split())  # (tyro draws boxes on a terminal)
     assert flat.count("(default:") == len(run.dataclasses.fields(run.Config)) + 1  # and --config
     assert "(default: None)" not in flat
-    assert "--dtype {auto,bfloat16,float32} compute precision of trainer and engines: auto (bfloat16 where" in flat
+    assert (
+        "--dtype {auto,bfloat16,float32} compute precision of trainer and engines: auto (bfloat16 where"
+        in flat
+    )
     assert "--overwrite, --no-overwrite delete an existing run_dir first" in flat
-    assert "--steps INT trainer steps of the run (= explorer batches) (default: 3)" in flat  # the preset's value
+    assert (
+        "--steps INT trainer steps of the run (= explorer batches) (default: 3)" in flat
+    )  # the preset's value
     for name in ("--sync-interval", "--task-kwargs JSON", "--no-activation-checkpointing"):
         assert name in flat, name
     _, groups = config._field_help()
-    assert set(groups) == {f.name for f in run.dataclasses.fields(run.Config)} and "other" not in groups.values()
+    assert (
+        set(groups) == {f.name for f in run.dataclasses.fields(run.Config)}
+        and "other" not in groups.values()
+    )
 
 
 def test_default_toml_spells_out_the_defaults():
     # configs/default.toml is "the default job, spelled out": a changed default must change it too
     import dataclasses
 
-    spelled, defaults = run.parse_config(["--config", str(ROOT / "configs/default.toml")]), run.parse_config([])
-    differ = {f.name for f in dataclasses.fields(defaults) if getattr(spelled, f.name) != getattr(defaults, f.name)}
+    spelled, defaults = (
+        run.parse_config(["--config", str(ROOT / "configs/default.toml")]),
+        run.parse_config([]),
+    )
+    differ = {
+        f.name
+        for f in dataclasses.fields(defaults)
+        if getattr(spelled, f.name) != getattr(defaults, f.name)
+    }
     assert differ == set() and spelled.lr_schedule == "cosine_with_min_lr"
 
 
@@ -56,7 +81,9 @@ def test_task_by_name_uses_its_own_defaults():
     assert default.task == "basic_arithmetic" and default.task_kwargs["operators"] == ["+", "-"]
     other = run.parse_config(["--task", "leg_counting"])
     assert other.task_kwargs == {} and "as a number" not in other.system_prompt
-    given = run.parse_config(["--task", "chain_sum", "--task-kwargs", '{"min_terms": 3}', "--system-prompt", "S"])
+    given = run.parse_config(
+        ["--task", "chain_sum", "--task-kwargs", '{"min_terms": 3}', "--system-prompt", "S"]
+    )
     assert given.task_kwargs == {"min_terms": 3} and given.system_prompt == "S"
 
 
@@ -71,7 +98,9 @@ def test_every_reasoning_gym_dataset_loads_by_name():
         try:
             train, held, ds = load_tasks(name, {}, 4, 2, 0)
             assert train and held
-            if train[0].entry["answer"] is not None:  # some puzzles have no single answer: the verifier checks
+            if (
+                train[0].entry["answer"] is not None
+            ):  # some puzzles have no single answer: the verifier checks
                 assert ds.score_answer(train[0].answer, train[0].entry) == 1.0
         except Exception as e:  # collect all failures
             failed[name] = repr(e)[:200]
@@ -80,10 +109,18 @@ def test_every_reasoning_gym_dataset_loads_by_name():
         load_tasks("composite", {}, 4, 2, 0)
 
 
-@pytest.mark.parametrize("completion,reference,expected", [
-    ("so 3 + 4 = 7", "7", "7"), ("it is -12.0", "-12", "-12"), ("1,000 legs", "1000", "1000"),
-    ("sorted:\napple, banana", "apple, banana", "apple, banana"), ("<answer> x y </answer> z", "x y", "x y"),
-    ("no number", "3", None), ("  \n", "a", None)])
+@pytest.mark.parametrize(
+    "completion,reference,expected",
+    [
+        ("so 3 + 4 = 7", "7", "7"),
+        ("it is -12.0", "-12", "-12"),
+        ("1,000 legs", "1000", "1000"),
+        ("sorted:\napple, banana", "apple, banana", "apple, banana"),
+        ("<answer> x y </answer> z", "x y", "x y"),
+        ("no number", "3", None),
+        ("  \n", "a", None),
+    ],
+)
 def test_extract_answer(completion, reference, expected):
     assert extract_answer(completion, reference) == expected
 
@@ -91,44 +128,85 @@ def test_extract_answer(completion, reference, expected):
 def test_metrics_are_valid_json(tmp_path):
     m = metrics.Metrics(tmp_path)
     m.write({"step": 0, "eval/last_accuracy": float("nan"), "x": [float("inf"), 1.0]})
-    assert strict_json_lines(tmp_path / "metrics.jsonl") == [{"step": 0, "eval/last_accuracy": None, "x": [None, 1.0]}]
+    assert strict_json_lines(tmp_path / "metrics.jsonl") == [
+        {"step": 0, "eval/last_accuracy": None, "x": [None, 1.0]}
+    ]
 
 
 @pytest.mark.slow
 def test_another_task_that_cannot_learn_warns_and_saves_in_the_model_dtype(tiny_model, tmp_path):
-    model = tmp_path / "bf16_model"  # a model whose own dtype is bfloat16 (weights stored in float32)
+    model = (
+        tmp_path / "bf16_model"
+    )  # a model whose own dtype is bfloat16 (weights stored in float32)
     shutil.copytree(tiny_model, model)
     conf = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**conf, "dtype": "bfloat16"}))
-    res = run_py("--config", "configs/tiny.toml", "--model", model, "--run-dir", tmp_path / "run",
-                 "--task", "leg_counting", "--reward-fn", "tests.rewards.constant", "--eval-size", 0)
+    res = run_py(
+        "--config",
+        "configs/tiny.toml",
+        "--model",
+        model,
+        "--run-dir",
+        tmp_path / "run",
+        "--task",
+        "leg_counting",
+        "--reward-fn",
+        "tests.rewards.constant",
+        "--eval-size",
+        0,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "explorer: engine hf" in res.stdout
-    steps = [r for r in strict_json_lines(tmp_path / "run" / "metrics.jsonl") if "loss/grad_norm" in r]
+    steps = [
+        r for r in strict_json_lines(tmp_path / "run" / "metrics.jsonl") if "loss/grad_norm" in r
+    ]
     assert [r["advantage/zero_steps"] for r in steps] == [1, 2, 3]
     assert "warning: every advantage has been 0 for 3 steps" in res.stderr
     final = load_file(tmp_path / "run" / "final" / "model.safetensors")
     assert {t.dtype for t in final.values()} == {torch.bfloat16}
-    assert json.loads((tmp_path / "run" / "final" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert (
+        json.loads((tmp_path / "run" / "final" / "config.json").read_text())["dtype"] == "bfloat16"
+    )
     samples = (tmp_path / "run" / "samples.log").read_text()
     assert "[prompt]" in samples and "legs" in samples and "[policy]" in samples
 
 
 @pytest.mark.slow
 def test_bench_takes_the_model_names_of_model(tiny_model, tmp_path, monkeypatch):
-    cache = tmp_path / "cache"  # a converted default model in the cache: here the tiny model stands in
+    cache = (
+        tmp_path / "cache"
+    )  # a converted default model in the cache: here the tiny model stands in
     shutil.copytree(tiny_model, cache / "SmolLM2-135M-Instruct")
     monkeypatch.setenv("NANORFT_CACHE", str(cache))
-    res = run_py("--config", "configs/tiny.toml", "--mode", "bench", "--run-dir", tmp_path / "run",
-                 "--bench-models", f"smollm2-135m,{tiny_model}", "--bench-k", 2, "--eval-size", 2)
+    res = run_py(
+        "--config",
+        "configs/tiny.toml",
+        "--mode",
+        "bench",
+        "--run-dir",
+        tmp_path / "run",
+        "--bench-models",
+        f"smollm2-135m,{tiny_model}",
+        "--bench-k",
+        2,
+        "--eval-size",
+        2,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads((tmp_path / "run" / "bench.json").read_text())
     assert [r["model"] for r in rows] == [str(cache / "SmolLM2-135M-Instruct"), tiny_model]
-    res = run_py("--mode", "bench", "--run-dir", tmp_path / "run", "--bench-models", "/no/such/model")
-    assert res.returncode == 2 and "model directory not found (no config.json): /no/such/model" in res.stderr
+    res = run_py(
+        "--mode", "bench", "--run-dir", tmp_path / "run", "--bench-models", "/no/such/model"
+    )
+    assert (
+        res.returncode == 2
+        and "model directory not found (no config.json): /no/such/model" in res.stderr
+    )
 
 
-def test_model_by_hub_id_from_the_local_cache_and_a_clear_offline_error(tiny_model, tmp_path, monkeypatch):
+def test_model_by_hub_id_from_the_local_cache_and_a_clear_offline_error(
+    tiny_model, tmp_path, monkeypatch
+):
     # a Hugging Face cache populated as huggingface_hub lays it out (refs/main -> snapshots/<commit>/files)
     repo = tmp_path / "hub" / "models--tiny-org--tiny-llama"
     snapshot = repo / "snapshots" / ("0" * 40)
@@ -139,19 +217,25 @@ def test_model_by_hub_id_from_the_local_cache_and_a_clear_offline_error(tiny_mod
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     assert models.resolve_model("tiny-org/tiny-llama") == str(snapshot)
-    with pytest.raises(FileNotFoundError, match="model 'other-org/missing' is neither a local path nor in the local Hugging Face cache .* "
-                                                "`hf download other-org/missing`"):
+    with pytest.raises(
+        FileNotFoundError,
+        match="model 'other-org/missing' is neither a local path nor in the local Hugging Face cache .* "
+        "`hf download other-org/missing`",
+    ):
         models.resolve_model("other-org/missing")
 
 
-@pytest.mark.parametrize("device,native,requested,dtype,says", [
-    ("cpu", True, "auto", "bfloat16", "computes bf16 natively"),
-    ("cpu", False, "auto", "float32", "has no native bf16"),
-    ("cpu", False, "bfloat16", "bfloat16", "warning"),          # asked for: it runs, with a warning
-    ("cpu", True, "float32", "float32", "--dtype"),
-    ("cuda", True, "auto", "bfloat16", "CUDA device computes bf16 natively"),
-    ("cuda", False, "auto", "float32", "CUDA device has no native bf16"),
-])
+@pytest.mark.parametrize(
+    "device,native,requested,dtype,says",
+    [
+        ("cpu", True, "auto", "bfloat16", "computes bf16 natively"),
+        ("cpu", False, "auto", "float32", "has no native bf16"),
+        ("cpu", False, "bfloat16", "bfloat16", "warning"),  # asked for: it runs, with a warning
+        ("cpu", True, "float32", "float32", "--dtype"),
+        ("cuda", True, "auto", "bfloat16", "CUDA device computes bf16 natively"),
+        ("cuda", False, "auto", "float32", "CUDA device has no native bf16"),
+    ],
+)
 def test_precision_follows_the_hardware(monkeypatch, device, native, requested, dtype, says):
     monkeypatch.setattr(models, "native_bf16", lambda device_type: native)
     got, why = models.choose_dtype(requested, device)
@@ -166,24 +250,56 @@ def test_cpu_bf16_probe_can_be_forced(monkeypatch, forced, expected):
 
 @pytest.mark.slow
 def test_the_chosen_precision_is_in_the_banner_and_config_json(tiny_model, tmp_path):
-    builds = tmp_path / "builds.txt"  # tests/count_builds: a line per reasoning-gym dataset built, in any process
-    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", tmp_path / "r",
-                 "--dtype", "auto", "--steps", 1, "--eval-size", 0,
-                 env={"NANORFT_CPU_BF16": "0", "NANORFT_BUILD_LOG": str(builds),
-                      "PYTHONPATH": str(ROOT / "tests" / "count_builds")})
+    builds = (
+        tmp_path / "builds.txt"
+    )  # tests/count_builds: a line per reasoning-gym dataset built, in any process
+    res = run_py(
+        "--config",
+        "configs/tiny.toml",
+        "--model",
+        tiny_model,
+        "--run-dir",
+        tmp_path / "r",
+        "--dtype",
+        "auto",
+        "--steps",
+        1,
+        "--eval-size",
+        0,
+        env={
+            "NANORFT_CPU_BF16": "0",
+            "NANORFT_BUILD_LOG": str(builds),
+            "PYTHONPATH": str(ROOT / "tests" / "count_builds"),
+        },
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert len(builds.read_text().splitlines()) == 2  # the tasks are built once (train + held-out), not again by the explorer
+    assert (
+        len(builds.read_text().splitlines()) == 2
+    )  # the tasks are built once (train + held-out), not again by the explorer
     assert "precision float32 (this CPU" in res.stdout and "has no native bf16" in res.stdout
     saved = json.loads((tmp_path / "r" / "config.json").read_text())
     assert saved["dtype"] == "float32" and "no native bf16" in saved["precision"]
-    step = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
-            if "loss/grad_norm" in x][0]
-    assert 0 < step["memory/trainer_peak_rss_gib"] < 24 and 0 < step["memory/explorer_peak_rss_gib"] < 24
-    assert 0 < step["cpu/utilisation_pct"] and 0 < step["train/computed_tokens"] < step["train/sequence_tokens"]
-    assert "Loading weights" not in res.stdout + res.stderr  # transformers' bars stay out of the step bar
+    step = [
+        json.loads(x)
+        for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+        if "loss/grad_norm" in x
+    ][0]
+    assert (
+        0 < step["memory/trainer_peak_rss_gib"] < 24
+        and 0 < step["memory/explorer_peak_rss_gib"] < 24
+    )
+    assert (
+        0 < step["cpu/utilisation_pct"]
+        and 0 < step["train/computed_tokens"] < step["train/sequence_tokens"]
+    )
+    assert (
+        "Loading weights" not in res.stdout + res.stderr
+    )  # transformers' bars stay out of the step bar
 
 
-def test_the_default_task_without_reasoning_gym_is_one_error_line(tiny_model, tmp_path, monkeypatch, capsys):
+def test_the_default_task_without_reasoning_gym_is_one_error_line(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
     # the default task and reward are reasoning-gym's; a machine without it (the GPU box) gets the run's one
     # error line naming the package and the alternatives, not a ModuleNotFoundError traceback
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # `import reasoning_gym` fails
@@ -193,10 +309,13 @@ def test_the_default_task_without_reasoning_gym_is_one_error_line(tiny_model, tm
     assert "pip install reasoning-gym" in err and "guess_number" in err and ".jsonl" in err
 
 
-@pytest.mark.parametrize("dtype,weights", [("bfloat16", torch.bfloat16), ("float32", torch.float32)])
+@pytest.mark.parametrize(
+    "dtype,weights", [("bfloat16", torch.bfloat16), ("float32", torch.float32)]
+)
 def test_the_hf_engine_holds_its_weights_in_the_runs_precision(tiny_model, dtype, weights):
     # bf16 weights, not float32 ones cast at every decode step: faster decoding and half the explorer's weights
     from engines import HFEngine
+
     cfg = run.parse_config(["--model", tiny_model, "--dtype", dtype])
     engine = HFEngine.from_config(cfg, tiny_model, 0, "cpu", colocated=False)
     assert {p.dtype for p in engine.parameters()} == {weights}

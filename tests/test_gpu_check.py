@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py's plan and checks, on the CPU: what it runs on 1-3 GPUs and how it reads a stage's files
 (the stages themselves need CUDA: tests/test_gpu.py and the check's own run)."""
+
 import json
 import sys
 from pathlib import Path
@@ -13,14 +14,23 @@ import gpu_check  # noqa: E402
 @pytest.mark.parametrize("gpus", [["0"], ["0", "1"], ["0", "1", "2"]])
 def test_the_plan_runs_ipc_only_where_the_explorer_shares_trainer_rank_0s_gpu(tmp_path, gpus):
     stages = {s.name: s for s in gpu_check.plan(tmp_path, gpus)}
-    method = {name: s.cmd[s.cmd.index("--sync-method") + 1] for name, s in stages.items() if "--sync-method" in s.cmd}
-    jobs = [name for name in ("both-135m", "lora-135m", "both-0.5b") if name in stages]  # lora-135m: with peft
-    assert {name: m for name, m in method.items() if not name.startswith("multi")} == dict.fromkeys(jobs, "ipc")
+    method = {
+        name: s.cmd[s.cmd.index("--sync-method") + 1]
+        for name, s in stages.items()
+        if "--sync-method" in s.cmd
+    }
+    jobs = [
+        name for name in ("both-135m", "lora-135m", "both-0.5b") if name in stages
+    ]  # lora-135m: with peft
+    assert {name: m for name, m in method.items() if not name.startswith("multi")} == dict.fromkeys(
+        jobs, "ipc"
+    )
     assert all(method[name] == "auto" for name in ("multi-1rank", "multi-2ranks") if name in stages)
     assert ("multi-1rank" in stages) == (len(gpus) >= 2)
     names = list(stages)  # the criteria's measurements before the tests
-    assert names[:5] == ["cuda", "sync-135m", "sync-0.5b", "bench", "trainer"] and names.index("tests") > names.index(
-        "both-0.5b")
+    assert names[:5] == ["cuda", "sync-135m", "sync-0.5b", "bench", "trainer"] and names.index(
+        "tests"
+    ) > names.index("both-0.5b")
 
 
 def test_a_job_stage_reports_its_median_step(tmp_path):
@@ -28,10 +38,23 @@ def test_a_job_stage_reports_its_median_step(tmp_path):
     elapsed = [5.0, 5.5, 6.0, 16.0, 16.5, 17.0, 17.5, 18.0]
     recs = []
     for step, t in enumerate(elapsed):
-        recs.append({"step": step, "version": step + 1, "time/elapsed_s": t, "reward/mean": 0.0, "time/explore_s": 0.2,
-                     "time/train_s": 0.2, "time/sync_s": 0.05, "time/wait_s": 0.0, "explorer/tokens_per_s": 1e4,
-                     "train/tokens_per_s": 1e4, "memory/peak_allocated_gib": 1.0, "memory/reserved_gib": 2.0,
-                     "sync/trainer_checksum": 1.5})
+        recs.append(
+            {
+                "step": step,
+                "version": step + 1,
+                "time/elapsed_s": t,
+                "reward/mean": 0.0,
+                "time/explore_s": 0.2,
+                "time/train_s": 0.2,
+                "time/sync_s": 0.05,
+                "time/wait_s": 0.0,
+                "explorer/tokens_per_s": 1e4,
+                "train/tokens_per_s": 1e4,
+                "memory/peak_allocated_gib": 1.0,
+                "memory/reserved_gib": 2.0,
+                "sync/trainer_checksum": 1.5,
+            }
+        )
         recs.append({"explorer/received_version": step + 1, "sync/explorer_checksum": 1.5})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     detail, fig = gpu_check.check_both(tmp_path, "P")("placement: P\n")
@@ -42,10 +65,23 @@ def test_a_job_stage_reports_its_median_step(tmp_path):
 def test_a_sync_stage_reports_seconds_per_gb(tmp_path, monkeypatch):
     results = tmp_path / "benchmarks" / "results"
     results.mkdir(parents=True)
-    (results / "sync_colocated.json").write_text(json.dumps({
-        "bytes": 2e9, "nanorft_s": 1.0, "raw_s": 0.5, "bucketed_s": 1.2, "ratio_raw_over_nanorft": 0.5,
-        "ratio_raw_over_bucketed": 0.4, "nanorft_gb_per_s": 2.0, "raw_gb_per_s": 4.0, "ipc_s": 0.1,
-        "ratio_bucketed_over_ipc": 12.0, "ipc_gb_per_s": 20.0}))
+    (results / "sync_colocated.json").write_text(
+        json.dumps(
+            {
+                "bytes": 2e9,
+                "nanorft_s": 1.0,
+                "raw_s": 0.5,
+                "bucketed_s": 1.2,
+                "ratio_raw_over_nanorft": 0.5,
+                "ratio_raw_over_bucketed": 0.4,
+                "nanorft_gb_per_s": 2.0,
+                "raw_gb_per_s": 4.0,
+                "ipc_s": 0.1,
+                "ratio_bucketed_over_ipc": 12.0,
+                "ipc_gb_per_s": 20.0,
+            }
+        )
+    )
     monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
     detail, fig = gpu_check.check_sync("colocated")("")
     assert fig["ipc_s_per_gb"] == pytest.approx(0.05) and "0.050 s/GB" in detail

@@ -1,6 +1,7 @@
 """Code paths that matter on a GPU, checked on the CPU with stand-ins: FSDP's device mesh where
 an accelerator is visible, the trainer's attention implementation, the gathered weights, and
 vLLM's worker extension and engine (fake vLLM objects: vLLM itself is not needed)."""
+
 import json
 import shutil
 import sys
@@ -9,9 +10,9 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+from test_sync import gone_within
 
 import run
-from test_sync import gone_within
 from trainer import Trainer
 
 
@@ -37,7 +38,9 @@ def test_the_trainer_attends_with_packed_sdpa_whatever_the_checkpoint_asks(tiny_
     model = tmp_path / "flex"
     shutil.copytree(tiny_model, model)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "attn_implementation": "flex_attention"}))
+    (model / "config.json").write_text(
+        json.dumps({**config, "attn_implementation": "flex_attention"})
+    )
     assert trainer_on_cpu(str(model)).model.config._attn_implementation == packed_sdpa()
 
 
@@ -76,10 +79,14 @@ def test_the_vllm_worker_loads_into_the_model_not_its_cuda_graph_wrapper(monkeyp
     calls = []
     fake_vllm_reload(monkeypatch, calls)
     model = FakeModel()
-    config = types.SimpleNamespace(dtype=torch.bfloat16, hf_config=types.SimpleNamespace(tie_word_embeddings=False))
+    config = types.SimpleNamespace(
+        dtype=torch.bfloat16, hf_config=types.SimpleNamespace(tie_word_embeddings=False)
+    )
     worker = VLLMWeightReceiver()
     worker.vllm_config = types.SimpleNamespace(model_config=config)
-    worker.model_runner = types.SimpleNamespace(model=object(), get_model=lambda: model)  # .model: the wrapper
+    worker.model_runner = types.SimpleNamespace(
+        model=object(), get_model=lambda: model
+    )  # .model: the wrapper
     worker._nanorft_load([("w", torch.ones(2)), ("ids", torch.arange(2))])
     assert calls == [("initialize", model), ("finalize", model)]
     assert model.loaded == [("w", torch.bfloat16), ("ids", torch.int64)]
@@ -104,7 +111,13 @@ def test_vllm_keeps_its_prefix_cache_only_in_flight(inflight):
     from extras.vllm_engine import VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)
-    engine.llm, engine.inflight, engine.version, engine.lora, engine.checksum = FakeLLM(), inflight, 0, None, True
+    engine.llm, engine.inflight, engine.version, engine.lora, engine.checksum = (
+        FakeLLM(),
+        inflight,
+        0,
+        None,
+        True,
+    )
     assert engine.receive_weights(lambda: True) == (3, 1.5)
     assert engine.load_checkpoint("ckpt", 4) == 2.5 and engine.version == 4
     assert engine.llm.resets == (0 if inflight else 2)
@@ -115,13 +128,18 @@ def publishing_trainer(model: str, q) -> None:
     version 3, report (port, checksum) on `q`, then stay until killed."""
     import time
 
-    import sync
     from transformers import AutoModelForCausalLM
+
+    import sync
 
     ws = sync.WeightSync(0, 2, port=0, timeout_s=60, checksum=True)
     q.put(ws.port)
     ws.connect()
-    q.put(ws.send(3, [[p.detach() + 1 for p in AutoModelForCausalLM.from_pretrained(model).parameters()]]))
+    q.put(
+        ws.send(
+            3, [[p.detach() + 1 for p in AutoModelForCausalLM.from_pretrained(model).parameters()]]
+        )
+    )
     ws.wait()
     time.sleep(600)
 
@@ -137,14 +155,22 @@ def test_the_vllm_worker_watches_the_trainers_store_in_every_receive(tiny_model,
 
     fake_vllm_reload(monkeypatch, [])
     model = FakeModel()
-    config = types.SimpleNamespace(dtype=torch.float32, hf_config=types.SimpleNamespace(tie_word_embeddings=True))
+    config = types.SimpleNamespace(
+        dtype=torch.float32, hf_config=types.SimpleNamespace(tie_word_embeddings=True)
+    )
     worker = VLLMWeightReceiver()
-    worker.vllm_config, worker.device = types.SimpleNamespace(model_config=config), torch.device("cpu")
+    worker.vllm_config, worker.device = (
+        types.SimpleNamespace(model_config=config),
+        torch.device("cpu"),
+    )
     worker.model_runner = types.SimpleNamespace(get_model=lambda: model)
     watched = []
     recv = sync.WeightSync.recv
-    monkeypatch.setattr(sync.WeightSync, "recv", lambda self, params, alive=None: watched.append(alive) or
-                        recv(self, params, alive))
+    monkeypatch.setattr(
+        sync.WeightSync,
+        "recv",
+        lambda self, params, alive=None: watched.append(alive) or recv(self, params, alive),
+    )
     q = mp.get_context("spawn").Queue()
     trainer = mp.get_context("spawn").Process(target=publishing_trainer, args=(tiny_model, q))
     trainer.start()

@@ -5,6 +5,7 @@ that a multi-host run needs (the address gloo binds, the line a lost peer gives)
 
 The namespace tests need root and iproute2 (CI runs as root); without them they skip with
 the reason. The slow-link fault uses netem where the kernel has it, else a token bucket."""
+
 import os
 import signal
 import subprocess
@@ -31,14 +32,19 @@ def need_namespaces():
 def test_gloo_binds_the_interface_on_the_route_to_the_master(monkeypatch):
     # the FSDP group's gloo sockets bound the hostname's address (127.0.0.1 here, 127.0.1.1 on Debian), where a
     # second node cannot reach them: its rendezvous failed with "connectFullMesh ... remote=[127.0.0.1]"
-    import launch
-    from extras.hosts import interface_of
     from test_modes import host_address
 
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # (recorded, so that what gloo_interface sets is undone after)
+    import launch
+    from extras.hosts import interface_of
+
+    monkeypatch.setenv(
+        "GLOO_SOCKET_IFNAME", ""
+    )  # (recorded, so that what gloo_interface sets is undone after)
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    assert launch.gloo_interface() is None and "GLOO_SOCKET_IFNAME" not in os.environ  # one machine: as before
+    assert (
+        launch.gloo_interface() is None and "GLOO_SOCKET_IFNAME" not in os.environ
+    )  # one machine: as before
     assert interface_of("127.0.0.1") == "lo" and interface_of("192.0.2.77") is None
     addr = host_address()
     if addr == "127.0.0.1":
@@ -47,7 +53,9 @@ def test_gloo_binds_the_interface_on_the_route_to_the_master(monkeypatch):
     name = launch.gloo_interface()
     assert name and os.environ["GLOO_SOCKET_IFNAME"] == name and interface_of(addr) == name
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "given")
-    assert launch.gloo_interface() is None and os.environ["GLOO_SOCKET_IFNAME"] == "given"  # the user's choice stays
+    assert (
+        launch.gloo_interface() is None and os.environ["GLOO_SOCKET_IFNAME"] == "given"
+    )  # the user's choice stays
 
 
 def test_an_explorer_whose_trainer_vanished_says_so_in_one_line():
@@ -59,13 +67,20 @@ def test_an_explorer_whose_trainer_vanished_says_so_in_one_line():
 
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     receiver = sync.WeightSync(None, port=master.port)
-    receiver.store = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
+    receiver.store = dist.TCPStore(
+        "127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10)
+    )
     master.set("published", "3")
-    master.get("published")  # a set is not answered: a request after it on the same connection waits for it
+    master.get(
+        "published"
+    )  # a set is not answered: a request after it on the same connection waits for it
     assert receiver.announced() == 3
     del master  # the trainer's process is gone, and its store with it
-    with pytest.raises(RuntimeError, match=rf"^weight sync: the trainer's store at 127.0.0.1:{receiver.port} stopped "
-                                           r"answering \(the trainer is gone: "):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"^weight sync: the trainer's store at 127.0.0.1:{receiver.port} stopped "
+        r"answering \(the trainer is gone: ",
+    ):
         receiver.announced()
     receiver.leave()  # nothing to say goodbye to: no exception
 
@@ -78,9 +93,9 @@ def test_a_resumed_trainers_first_publish_reaches_bucketed_explorers():
     import multiprocessing as mp
 
     import torch
+    from test_sync import bucket_receiver
 
     import sync
-    from test_sync import bucket_receiver
 
     ws = sync.WeightSync(0, 2, port=0, timeout_s=60, bucket_elems=16, checksum=True)
     q = mp.get_context("spawn").Queue()
@@ -89,7 +104,11 @@ def test_a_resumed_trainers_first_publish_reaches_bucketed_explorers():
     try:
         ws.connect(proc.is_alive)
         torch.manual_seed(0)
-        params = [torch.randn(3, 5), torch.randn(40), torch.randn(2, 2)]  # 15 | 40 | 4 elements: three buckets
+        params = [
+            torch.randn(3, 5),
+            torch.randn(40),
+            torch.randn(2, 2),
+        ]  # 15 | 40 | 4 elements: three buckets
         digest = ws.send(5, [params], proc.is_alive)
         version, _, got, received_digest = q.get(timeout=60)
         ws.wait(proc.is_alive)
@@ -129,8 +148,11 @@ def test_an_explorer_in_a_receive_when_its_trainer_dies_names_the_trainer():
     try:
         receiver = sync.WeightSync(None, port=q.get(timeout=60), timeout_s=60).connect()
         connected.set()
-        with pytest.raises(RuntimeError, match=rf"^weight sync: a publish broke off, the trainer at 127.0.0.1:"
-                                               rf"{receiver.port} went away \(.*\)$"):
+        with pytest.raises(
+            RuntimeError,
+            match=rf"^weight sync: a publish broke off, the trainer at 127.0.0.1:"
+            rf"{receiver.port} went away \(.*\)$",
+        ):
             receiver.recv([torch.zeros(4)])
     finally:
         proc.join(60)
@@ -146,9 +168,12 @@ def test_a_lost_postgres_connection_is_one_line_naming_the_buffer(postgres):
     other = Buffer(postgres)
     pid = buf.db.conn.info.backend_pid
     other.db.execute("SELECT pg_terminate_backend(?)", (pid,))
-    with pytest.raises(ConnectionError, match=r"^buffer postgresql://127.0.0.1:\d+/postgres \(schema t_\w+\): "
-                                              r"connection to the server lost \(.*\); when it is back, the same "
-                                              r"commands with --resume continue the run$"):
+    with pytest.raises(
+        ConnectionError,
+        match=r"^buffer postgresql://127.0.0.1:\d+/postgres \(schema t_\w+\): "
+        r"connection to the server lost \(.*\); when it is back, the same "
+        r"commands with --resume continue the run$",
+    ):
         buf.counts()
     with pytest.raises(ConnectionError):
         buf.write([])  # a transaction too
@@ -165,12 +190,22 @@ def test_a_topology_is_removed_after_an_error_and_after_ctrl_c(tmp_path):
     assert sleeper.wait(timeout=30) == -signal.SIGKILL
     assert hosts.leftovers(topo.tag) == {"namespaces": [], "links": [], "processes": []}
     # Ctrl-C in a script that made one (the atexit hook): its namespaces, links and processes go
-    script = ("import subprocess, sys, time; sys.path.insert(0, 'benchmarks'); import hosts\n"
-              "t = hosts.Topology(('a', 'b')).up(); subprocess.Popen(t.exec('a') + ['sleep', '300'])\n"
-              "print(t.tag, flush=True); time.sleep(300)")
-    p = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a
-    tag = p.stdout.readline().strip()  # terminal: a suite started in the background (nohup ... &) passes SIGINT ignored
+    script = (
+        "import subprocess, sys, time; sys.path.insert(0, 'benchmarks'); import hosts\n"
+        "t = hosts.Topology(('a', 'b')).up(); subprocess.Popen(t.exec('a') + ['sleep', '300'])\n"
+        "print(t.tag, flush=True); time.sleep(300)"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # as from a
+    tag = (
+        p.stdout.readline().strip()
+    )  # terminal: a suite started in the background (nohup ... &) passes SIGINT ignored
     assert tag.startswith(hosts.PREFIX) and len(hosts.leftovers(tag)["namespaces"]) == 2
     p.send_signal(signal.SIGINT)
     p.wait(timeout=60)
@@ -185,16 +220,42 @@ def test_two_trainer_nodes_explorers_and_postgres_on_hosts_of_their_own(tiny_mod
     # goes on), the PostgreSQL server restarted and trainer node t1 killed (each ends the run with one error line
     # per process; --resume continues it); then checkpoint sync in a shared directory with a slow link on e1.
     need_namespaces()
-    flags = ["--config", "configs/tiny.toml", "--model", tiny_model, "--reward-fn", "tests.rewards.length_parity",
-             "--eval-size", "0", "--checkpoint-interval", "1", "--sync-bucket-mb", "4"]  # (several buckets)
+    flags = [
+        "--config",
+        "configs/tiny.toml",
+        "--model",
+        tiny_model,
+        "--reward-fn",
+        "tests.rewards.length_parity",
+        "--eval-size",
+        "0",
+        "--checkpoint-interval",
+        "1",
+        "--sync-bucket-mb",
+        "4",
+    ]  # (several buckets)
     results = {}
-    for method, faults, steps in (("broadcast", ["link", "postgres", "node"], 8), ("checkpoint", ["slow"], 4)):
+    for method, faults, steps in (
+        ("broadcast", ["link", "postgres", "node"], 8),
+        ("checkpoint", ["slow"], 4),
+    ):
         with hosts.Topology() as topo:
-            results[method] = r = hosts.run_job(topo, tmp_path / method, flags, method, faults, steps, 2, 4,
-                                                link_down_s=10, timeout_s=600)
+            results[method] = r = hosts.run_job(
+                topo,
+                tmp_path / method,
+                flags,
+                method,
+                faults,
+                steps,
+                2,
+                4,
+                link_down_s=10,
+                timeout_s=600,
+            )
         assert hosts.leftovers(topo.tag) == {"namespaces": [], "links": [], "processes": []}
-        assert {k: r[k] for k in ("lost", "trained_twice", "generated_twice", "left_running")} == dict.fromkeys(
-            ("lost", "trained_twice", "generated_twice", "left_running"), 0), r
+        assert {
+            k: r[k] for k in ("lost", "trained_twice", "generated_twice", "left_running")
+        } == dict.fromkeys(("lost", "trained_twice", "generated_twice", "left_running"), 0), r
         assert [f["fault"] for f in r["faults"]] == faults
         for f in r["faults"]:
             if f["fault"] in ("link", "slow"):
@@ -202,14 +263,25 @@ def test_two_trainer_nodes_explorers_and_postgres_on_hosts_of_their_own(tiny_mod
             else:  # every process ended by itself, each with at most one error line, the trainer's naming the cause
                 assert f["outcome"] == "ended" and f["left_running"] == 0, f
                 procs = f["processes"]
-                assert all(p["exit"] not in (None, 0) and len(p["errors"]) <= 1 for p in procs.values()), procs
+                assert all(
+                    p["exit"] not in (None, 0) and len(p["errors"]) <= 1 for p in procs.values()
+                ), procs
                 assert len(procs["trainer_t0"]["errors"]) == 1, procs
                 if f["fault"] == "postgres":
-                    assert any("connection to the server lost" in p["errors"][0] for p in procs.values()
-                               if p["errors"]), procs
+                    assert any(
+                        "connection to the server lost" in p["errors"][0]
+                        for p in procs.values()
+                        if p["errors"]
+                    ), procs
                 else:  # trainer rank 0 names the killed node's address; the explorers, that their trainer is gone
                     assert topo.addr["t1"] in procs["trainer_t0"]["errors"][0], procs
-                    assert all(len(procs[e]["errors"]) == 1 and "trainer" in procs[e]["errors"][0]
-                               for e in ("explorer_e0", "explorer_e1")), procs
+                    assert all(
+                        len(procs[e]["errors"]) == 1 and "trainer" in procs[e]["errors"][0]
+                        for e in ("explorer_e0", "explorer_e1")
+                    ), procs
         assert r["launches"] == 1 + sum(f["outcome"] == "ended" for f in r["faults"])
-    assert hosts.leftovers(hosts.process_prefix()) == {"namespaces": [], "links": [], "processes": []}
+    assert hosts.leftovers(hosts.process_prefix()) == {
+        "namespaces": [],
+        "links": [],
+        "processes": [],
+    }

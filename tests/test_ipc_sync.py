@@ -1,5 +1,6 @@
 """--sync-method ipc (extras/ipc_sync.py): the protocol in two real processes (shared memory on the CPU, CUDA IPC on
 a GPU), its failures as one line within the timeout, where auto picks it, and mode both end to end."""
+
 import contextlib
 import multiprocessing as mp
 import os
@@ -13,7 +14,9 @@ import launch
 import sync
 from conftest import run_py
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible here)")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible here)"
+)
 SHAPES = [(3, 5), (40,), (2, 2)]  # 15 | 40 | 4 elements: three buckets of at most 16
 SPAWN = mp.get_context("spawn")
 
@@ -47,15 +50,21 @@ def held() -> int:
 
 
 def receiver(ports, device, dtype, go, q):
-    syncs = [sync.transport("ipc")(None, port=port, timeout_s=60, wire_dtype=dtype).connect() for port in ports]
+    syncs = [
+        sync.transport("ipc")(None, port=port, timeout_s=60, wire_dtype=dtype).connect()
+        for port in ports
+    ]
     params = [torch.zeros(s, dtype=dtype, device=device) for s in SHAPES]
     for ws in syncs:
         assert go.acquire(timeout=60)  # the sender says when to take its publish
         q.put((ws.recv(params), [p.float().tolist() for p in params], sync.checksum(params)))
 
 
-@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32),
-                                          pytest.param("cuda", torch.bfloat16, marks=needs_cuda)], ids=["cpu", "cuda"])
+@pytest.mark.parametrize(
+    "device,dtype",
+    [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=needs_cuda)],
+    ids=["cpu", "cuda"],
+)
 def test_buckets_arrive_equal_and_are_held_until_acknowledged(device, dtype):
     # a bucketed publish (each bucket built after the one before was taken) and a whole one (held by the sender
     # until the receiver has copied it and acknowledged, then let go), cast to the dtype the receiver declared
@@ -82,7 +91,9 @@ def test_buckets_arrive_equal_and_are_held_until_acknowledged(device, dtype):
         assert received == pytest.approx(digest, rel=1e-12) and built == [0, 0, 0]
 
         params = [p * 2 for p in params]
-        digest = whole.send(4, [params], proc.is_alive)  # returns at once: the receiver waits for `go`
+        digest = whole.send(
+            4, [params], proc.is_alive
+        )  # returns at once: the receiver waits for `go`
         assert held() == 1 and q.empty()
         go.release()
         whole.wait(proc.is_alive)
@@ -109,14 +120,20 @@ def test_a_bucket_nobody_takes_is_one_error_line_within_the_timeout_or_once_the_
         ws.connect(proc.is_alive)
         ws.send(1, [[torch.ones(4)]])
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"^weight sync: no acknowledgement of bucket 0 within "
-                                               r"--sync-timeout-s 3 s$"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"^weight sync: no acknowledgement of bucket 0 within "
+            r"--sync-timeout-s 3 s$",
+        ):
             ws.wait(proc.is_alive)
         assert 2.5 < time.monotonic() - t0 < 10
         proc.kill()
         proc.join(30)
-        with pytest.raises(RuntimeError, match=r"^weight sync: an explorer died \(waiting for acknowledgement of "
-                                               r"bucket 0\)$"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"^weight sync: an explorer died \(waiting for acknowledgement of "
+            r"bucket 0\)$",
+        ):
             ws.wait(proc.is_alive)
 
 
@@ -131,7 +148,9 @@ def short_lived_trainer(ports, die):
 def test_a_receiver_stops_waiting_once_the_trainer_died():
     ports, die = SPAWN.Queue(), SPAWN.Event()
     with spawned(short_lived_trainer, ports, die) as proc:
-        ws = sync.transport("ipc")(None, port=ports.get(timeout=60), timeout_s=60).connect(proc.is_alive)
+        ws = sync.transport("ipc")(None, port=ports.get(timeout=60), timeout_s=60).connect(
+            proc.is_alive
+        )
         die.set()
         proc.join(30)
         t0 = time.monotonic()
@@ -141,25 +160,40 @@ def test_a_receiver_stops_waiting_once_the_trainer_died():
         assert time.monotonic() - t0 < 5
 
 
-@pytest.mark.parametrize("gpus,ranks,mode,engine,method,expected", [
-    (0, 1, "both", "hf", "auto", "broadcast"),     # CPU: gloo, as before
-    (1, 1, "both", "hf", "auto", "broadcast"),     # one GPU, colocated: ipc by name only, until run on a GPU
-    (8, 8, "both", "hf", "auto", "broadcast"),
-    (1, 1, "both", "vllm", "auto", "broadcast"),   # vLLM's worker receives by broadcast only
-    (2, 1, "both", "hf", "auto", "broadcast"),     # a GPU of its own: NCCL
-    (0, 2, "both", "hf", "ipc", "ipc"),            # CPU: shared memory
-    (1, 1, "both", "hf", "ipc", "ipc"),
-    (2, 1, "both", "hf", "ipc", ValueError),       # another GPU than rank 0's
-    (1, 1, "both", "vllm", "ipc", ValueError),
-    (0, 1, "train", "hf", "ipc", ValueError),      # no explorer in this launch
-    (1, 1, "both", "hf", "checkpoint", "checkpoint"),
-])
-def test_ipc_only_where_the_explorer_shares_rank_0s_device(gpus, ranks, mode, engine, method, expected):
+@pytest.mark.parametrize(
+    "gpus,ranks,mode,engine,method,expected",
+    [
+        (0, 1, "both", "hf", "auto", "broadcast"),  # CPU: gloo, as before
+        (
+            1,
+            1,
+            "both",
+            "hf",
+            "auto",
+            "broadcast",
+        ),  # one GPU, colocated: ipc by name only, until run on a GPU
+        (8, 8, "both", "hf", "auto", "broadcast"),
+        (1, 1, "both", "vllm", "auto", "broadcast"),  # vLLM's worker receives by broadcast only
+        (2, 1, "both", "hf", "auto", "broadcast"),  # a GPU of its own: NCCL
+        (0, 2, "both", "hf", "ipc", "ipc"),  # CPU: shared memory
+        (1, 1, "both", "hf", "ipc", "ipc"),
+        (2, 1, "both", "hf", "ipc", ValueError),  # another GPU than rank 0's
+        (1, 1, "both", "vllm", "ipc", ValueError),
+        (0, 1, "train", "hf", "ipc", ValueError),  # no explorer in this launch
+        (1, 1, "both", "hf", "checkpoint", "checkpoint"),
+    ],
+)
+def test_ipc_only_where_the_explorer_shares_rank_0s_device(
+    gpus, ranks, mode, engine, method, expected
+):
     cfg = types.SimpleNamespace(mode=mode, engine=engine, sync_method=method)
     layout = launch.place(gpus, ranks, mode)
     if expected is ValueError:
-        with pytest.raises(ValueError, match=r"^--sync-method ipc hands the weights to an hf engine on trainer rank "
-                                             r"0's device"):
+        with pytest.raises(
+            ValueError,
+            match=r"^--sync-method ipc hands the weights to an hf engine on trainer rank "
+            r"0's device",
+        ):
             launch.sync_method(cfg, layout)
     else:
         assert launch.sync_method(cfg, layout) == expected
@@ -168,8 +202,22 @@ def test_ipc_only_where_the_explorer_shares_rank_0s_device(gpus, ranks, mode, en
 def run_ipc(tiny_model, out, *extra):
     from test_lora import checksums
 
-    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", out, "--sync-method", "ipc",
-                 "--sync-checksum", "--eval-size", 0, "--reward-fn", "tests.rewards.length_parity", *extra)
+    res = run_py(
+        "--config",
+        "configs/tiny.toml",
+        "--model",
+        tiny_model,
+        "--run-dir",
+        out,
+        "--sync-method",
+        "ipc",
+        "--sync-checksum",
+        "--eval-size",
+        0,
+        "--reward-fn",
+        "tests.rewards.length_parity",
+        *extra,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "weight sync ipc" in res.stdout
     sent, got = checksums(out)
@@ -198,10 +246,18 @@ def test_a_bucket_is_handed_out_as_one_new_tensor_without_a_second_copy():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-            self.bytes += sum(t.untyped_storage().nbytes() for t in tree_leaves(out)
-                              if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given)
+            given = {
+                t.untyped_storage().data_ptr()
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)
+            }
+            self.bytes += sum(
+                t.untyped_storage().nbytes()
+                for t in tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given
+            )
             return out
+
     ws = sync.transport("ipc")(0, 2, port=0, timeout_s=5, bucket_elems=0, wire_dtype=torch.bfloat16)
     tensors = [torch.randn(300, 40), torch.randn(500)]
     with NewMemory() as new:

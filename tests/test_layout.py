@@ -1,9 +1,12 @@
 """benchmarks/layout.py counts what the layout's limits are about (docs/internals.md)."""
+
 import importlib.util
 import textwrap
 from pathlib import Path
 
-spec = importlib.util.spec_from_file_location("layout", Path(__file__).parent.parent / "benchmarks" / "layout.py")
+spec = importlib.util.spec_from_file_location(
+    "layout", Path(__file__).parent.parent / "benchmarks" / "layout.py"
+)
 layout = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(layout)
 
@@ -24,7 +27,13 @@ def test_lines_are_counted_by_kind():
             docstring."""
             y = "not a docstring"
         ''')
-    assert layout.line_kinds(src) == {"lines": 13, "docstring": 5, "comment": 1, "blank": 3, "code": 4}
+    assert layout.line_kinds(src) == {
+        "lines": 13,
+        "docstring": 5,
+        "comment": 1,
+        "blank": 3,
+        "code": 4,
+    }
 
 
 def test_limits_name_what_exceeds_them(tmp_path):

@@ -1,4 +1,5 @@
 """The explorer's behaviour logprobs equal the trainer's recomputation under equal weights."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,14 +32,18 @@ def test_explorer_logprobs_match_trainer(tiny_model, trainer, temperature):
     diff = ((lp - b["behaviour_logprobs"]).abs() * b["mask"]).max().item()
     assert diff < 1e-4, diff
     # and they are real log-probs of sampled tokens: not all zero, all <= 0
-    assert (b["behaviour_logprobs"] * b["mask"]).min() < -0.1 and (b["behaviour_logprobs"] <= 0).all()
+    assert (b["behaviour_logprobs"] * b["mask"]).min() < -0.1 and (
+        b["behaviour_logprobs"] <= 0
+    ).all()
 
 
 def test_trainer_step_changes_parameters(trainer):
     cfg, tr = trainer
     before = [p.detach().clone() for p in tr.full_parameters()]
-    exps = [Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0)
-            for i in range(4)]
+    exps = [
+        Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0)
+        for i in range(4)
+    ]
     m = tr.step([exps])
     after = tr.full_parameters()
     assert tr.version == 1 and m["loss/grad_norm"] > 0
@@ -53,20 +58,30 @@ def test_chat_jsonl_masks_exactly_the_assistant_turns(tiny_model, tmp_path):
     from extras.offline import load_chat_jsonl
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
-            {"role": "user", "content": "and 3+3?"}, {"role": "assistant", "content": "6"}]
+    msgs = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "and 3+3?"},
+        {"role": "assistant", "content": "6"},
+    ]
     path = tmp_path / "chat.jsonl"
-    path.write_text(json.dumps({"messages": msgs}) + "\n\n" + json.dumps({"messages": msgs[:1]}) + "\n")
+    path.write_text(
+        json.dumps({"messages": msgs}) + "\n\n" + json.dumps({"messages": msgs[:1]}) + "\n"
+    )
     with pytest.raises(ValueError, match="line 3: no assistant message"):
         load_chat_jsonl(path, tok)
     path.write_text(json.dumps({"messages": msgs}) + "\n")
     ((e,),) = load_chat_jsonl(path, tok)
-    resp = e.tokens[e.prompt_length:]
+    resp = e.tokens[e.prompt_length :]
     trained = tok.decode([t for t, m in zip(resp, e.action_mask) if m])
-    assert trained == "4<|im_end|>6<|im_end|>"  # what the model generates: not the template's newline after it
+    assert (
+        trained == "4<|im_end|>6<|im_end|>"
+    )  # what the model generates: not the template's newline after it
     assert "and 3+3?" in tok.decode([t for t, m in zip(resp, e.action_mask) if not m])
     full = list(tok.apply_chat_template(msgs, tokenize=True, return_dict=False))
-    assert e.tokens == full[:-1] and tok.decode(full[-1:]) == "\n"  # the sequence ends with the last turn's end
+    assert (
+        e.tokens == full[:-1] and tok.decode(full[-1:]) == "\n"
+    )  # the sequence ends with the last turn's end
     path.write_text('{"messages": "hi"}\n')
     with pytest.raises(ValueError, match="line 1: needs"):
         load_chat_jsonl(path, tok)
@@ -78,17 +93,19 @@ def test_chunked_logprobs_and_their_gradient_equal_the_unchunked_ones():
     from packing import chunked_logprobs, token_entropy
 
     torch.manual_seed(0)
-    hidden = torch.randn(37, 16, requires_grad=True)                   # [T, H]
-    weight = torch.randn(50, 16, requires_grad=True)                   # [V, H]
+    hidden = torch.randn(37, 16, requires_grad=True)  # [T, H]
+    weight = torch.randn(50, 16, requires_grad=True)  # [V, H]
     targets = torch.randint(0, 50, (37,))
-    g_lp, g_ent = torch.randn(37), torch.randn(37)                     # an arbitrary upstream gradient
+    g_lp, g_ent = torch.randn(37), torch.randn(37)  # an arbitrary upstream gradient
     results = {}
-    for name in ("float64", "float32", "chunked"):                     # chunked: 4 rows of logits at a time
+    for name in ("float64", "float32", "chunked"):  # chunked: 4 rows of logits at a time
         if name == "chunked":
-            lp, ent = chunked_logprobs(hidden, weight, targets, 0.7, entropy=True, chunk_elems=50 * 4)
+            lp, ent = chunked_logprobs(
+                hidden, weight, targets, 0.7, entropy=True, chunk_elems=50 * 4
+            )
         else:
             dt = getattr(torch, name)
-            logits = (hidden.to(dt) @ weight.to(dt).T) / 0.7           # [T, V]
+            logits = (hidden.to(dt) @ weight.to(dt).T) / 0.7  # [T, V]
             lp = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
             ent = token_entropy(logits)
         gh, gw = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (hidden, weight))
@@ -100,13 +117,16 @@ def test_chunked_logprobs_and_their_gradient_equal_the_unchunked_ones():
     lp, _ = chunked_logprobs(hidden, weight, targets, 0.7, entropy=True, chunk_elems=50 * 4)
     logits = (hidden.double() @ weight.double().T) / 0.7
     exact = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
-    for a, b in zip(torch.autograd.grad((lp * g_lp).sum(), (hidden, weight)),
-                    torch.autograd.grad((exact * g_lp.double()).sum(), (hidden, weight))):
+    for a, b in zip(
+        torch.autograd.grad((lp * g_lp).sum(), (hidden, weight)),
+        torch.autograd.grad((exact * g_lp.double()).sum(), (hidden, weight)),
+    ):
         assert torch.allclose(a, b, atol=1e-4) and b.abs().sum() > 0
 
 
 class CountOps(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the ops for which `counted(func, args, out)` holds."""
+
     def __init__(self, counted):
         super().__init__()
         self.counted, self.n = counted, 0
@@ -121,11 +141,21 @@ def test_the_lm_head_is_cast_once_per_pass_under_a_bf16_autocast_without_its_cac
     # the trainer's autocast keeps no cache of bf16 weights: the head cast its weight again for every chunk
     from packing import chunked_logprobs
 
-    hidden, weight = torch.randn(37, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
-    casts = CountOps(lambda func, args, out: func is torch.ops.aten._to_copy.default
-                     and args[0].shape == weight.shape and out.dtype == torch.bfloat16)
+    hidden, weight = (
+        torch.randn(37, 16, requires_grad=True),
+        torch.randn(50, 16, requires_grad=True),
+    )
+    casts = CountOps(
+        lambda func, args, out: (
+            func is torch.ops.aten._to_copy.default
+            and args[0].shape == weight.shape
+            and out.dtype == torch.bfloat16
+        )
+    )
     with casts, torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-        lp, _ = chunked_logprobs(hidden, weight, torch.randint(0, 50, (37,)), 1.0, chunk_elems=50 * 4)  # 10 chunks
+        lp, _ = chunked_logprobs(
+            hidden, weight, torch.randint(0, 50, (37,)), 1.0, chunk_elems=50 * 4
+        )  # 10 chunks
     assert casts.n == 1 and lp.isfinite().all()
 
 
@@ -136,7 +166,10 @@ def test_the_trainers_bf16_passes_keep_no_cache_of_cast_weights(tiny_model):
     seen = []
     block = [m for m in tr.model.modules() if type(m).__name__ in tr.model._no_split_modules][-1]
     block.register_forward_pre_hook(lambda *_: seen.append(torch.is_autocast_cache_enabled()))
-    exps = [Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0) for i in range(4)]
+    exps = [
+        Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0)
+        for i in range(4)
+    ]
     tr.step([exps])
     assert tr.autocast and seen and not any(seen)
 
@@ -147,24 +180,44 @@ def test_a_tied_embeddings_gradient_is_added_into_the_heads_in_place(tiny_model)
 
     cfg = run.parse_config(["--config", "configs/tiny.toml", "--dtype", "float32"])
     tr = Trainer(cfg, tiny_model, torch.device("cpu"))
-    plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa")
-    exps = [Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0) for i in range(4)]
+    plain = AutoModelForCausalLM.from_pretrained(
+        tiny_model, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    exps = [
+        Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0)
+        for i in range(4)
+    ]
     b = pack(exps, 2)
     weight = tr.model.get_input_embeddings().weight
     for accumulated in (False, True):  # the second backward adds into the gradient of the first
-        new = CountOps(lambda func, args, out: isinstance(out, torch.Tensor) and out.shape == weight.shape
-                       and out.layout == torch.strided and not func._schema.is_mutable)  # new dense [V, H]
+        new = CountOps(
+            lambda func, args, out: (
+                isinstance(out, torch.Tensor)
+                and out.shape == weight.shape
+                and out.layout == torch.strided
+                and not func._schema.is_mutable
+            )
+        )  # new dense [V, H]
         lp, _ = response_logprobs(tr.model, b, 0.8)
         with new:
             (lp * b["mask"]).sum().backward()
         (response_logprobs(plain, b, 0.8)[0] * b["mask"]).sum().backward()
-        assert new.n == (0 if accumulated else 1)  # the head's gradient, then nothing: no product, copy or sum
-        assert not weight.grad.is_sparse and torch.allclose(weight.grad, plain.get_input_embeddings().weight.grad)
-        assert all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(tr.model.parameters(), plain.parameters()))
+        assert new.n == (
+            0 if accumulated else 1
+        )  # the head's gradient, then nothing: no product, copy or sum
+        assert not weight.grad.is_sparse and torch.allclose(
+            weight.grad, plain.get_input_embeddings().weight.grad
+        )
+        assert all(
+            torch.allclose(p.grad, q.grad, atol=1e-6)
+            for p, q in zip(tr.model.parameters(), plain.parameters())
+        )
 
 
 @pytest.mark.parametrize("multiple, token_multiple", [(1, 1), (8, 8), (1, 32)])
-def test_shared_prompt_packing_gives_each_sequences_own_logprobs_and_gradient(tiny_model, multiple, token_multiple):
+def test_shared_prompt_packing_gives_each_sequences_own_logprobs_and_gradient(
+    tiny_model, multiple, token_multiple
+):
     # a group's rollouts share one row (the prompt once); log-probs and gradients equal those of each
     # sequence computed alone; a sequence with another prompt gets a row of its own; the dense layers see the
     # rows' tokens without pads (but up to a multiple: in pads' slots, or a row of pads where there are too few)
@@ -173,25 +226,34 @@ def test_shared_prompt_packing_gives_each_sequences_own_logprobs_and_gradient(ti
     from packing import packed_tokens
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    exps = [Experience([5, 6, 7, 8] + r, 4, [0.0] * len(r), [1] * len(r), 0.0, "g", "t", 0)
-            for r in ([20, 21, 22], [23], [24, 25], [])] + \
-        [Experience([9, 10] + [26, 27], 2, [0.0, 0.0], [1, 1], 0.0, "h", "t", 0)]
+    exps = [
+        Experience([5, 6, 7, 8] + r, 4, [0.0] * len(r), [1] * len(r), 0.0, "g", "t", 0)
+        for r in ([20, 21, 22], [23], [24, 25], [])
+    ] + [Experience([9, 10] + [26, 27], 2, [0.0, 0.0], [1, 1], 0.0, "h", "t", 0)]
     b = pack(exps, 2, 0, multiple, token_multiple=token_multiple)
-    T, N, L = {1: (14, 2, 10), 8: (16, 2, 16), 32: (32, 4, 10)}[token_multiple]  # rows: 4 + 3 + 1 + 2 + 0; 2 + 2
+    T, N, L = {1: (14, 2, 10), 8: (16, 2, 16), 32: (32, 4, 10)}[
+        token_multiple
+    ]  # rows: 4 + 3 + 1 + 2 + 0; 2 + 2
     assert b["input_ids"].shape == (1, T) and b["token_slots"].unique().numel() == T
-    assert b["attention_mask"].shape == (N, 1, L, L) and packed_tokens(exps) == 20 < 5 * (4 + 3)  # not B x (P + R)
+    assert b["attention_mask"].shape == (N, 1, L, L) and packed_tokens(exps) == 20 < 5 * (
+        4 + 3
+    )  # not B x (P + R)
     lp, _ = response_logprobs(model, b, 0.8)
     (lp * b["mask"]).sum().backward()
-    plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="eager")
+    plain = AutoModelForCausalLM.from_pretrained(
+        tiny_model, dtype=torch.float32, attn_implementation="eager"
+    )
     total = 0
-    for i, e in enumerate(exps):                               # each alone, as one ordinary sequence
+    for i, e in enumerate(exps):  # each alone, as one ordinary sequence
         ids = torch.tensor([e.tokens])
-        logits = plain(input_ids=ids).logits[0, e.prompt_length - 1:-1] / 0.8     # [R, V]
-        alone = logits.log_softmax(-1).gather(-1, ids[0, e.prompt_length:, None]).squeeze(-1)
+        logits = plain(input_ids=ids).logits[0, e.prompt_length - 1 : -1] / 0.8  # [R, V]
+        alone = logits.log_softmax(-1).gather(-1, ids[0, e.prompt_length :, None]).squeeze(-1)
         R = len(e.tokens) - e.prompt_length
         assert torch.allclose(lp[i, :R], alone, atol=1e-5), (i, lp[i, :R], alone)
         total = total + alone.sum()
     total.backward()
-    diffs = [((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() for p, q in zip(model.parameters(),
-                                                                                        plain.parameters())]
+    diffs = [
+        ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
+        for p, q in zip(model.parameters(), plain.parameters())
+    ]
     assert max(diffs) < 1e-4, diffs

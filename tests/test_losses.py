@@ -1,4 +1,5 @@
 """losses.py against slow, obviously-correct references written out element by element."""
+
 import math
 
 import pytest
@@ -13,9 +14,16 @@ from losses import LossInputs, grpo_advantages, kl_estimate, masked_sum, ppo_cli
 
 def inputs(lp, behaviour, adv, mask=None, rewards=None, group_index=None, ref=None, expert=None):
     B = lp.shape[0]
-    return LossInputs(lp, behaviour, adv, torch.ones_like(lp) if mask is None else mask,
-                      torch.zeros(B) if rewards is None else rewards,
-                      torch.arange(B) if group_index is None else group_index, ref, expert)
+    return LossInputs(
+        lp,
+        behaviour,
+        adv,
+        torch.ones_like(lp) if mask is None else mask,
+        torch.zeros(B) if rewards is None else rewards,
+        torch.arange(B) if group_index is None else group_index,
+        ref,
+        expert,
+    )
 
 
 def test_grpo_advantages_match_loop_reference():
@@ -51,12 +59,16 @@ def test_a_group_of_equal_non_dyadic_rewards_has_exactly_zero_advantage(name):
     for value in (0.7, 0.1, 1 / 3, 0.3, 0.9, 2 / 3):
         for size in (2, 3, 5, 8):
             for n_constant in (1, 2, 5, 8):
-                varying = torch.tensor([0.0, 1.0, 0.25])                                  # group 0
-                rewards = torch.cat([varying, torch.full((size * n_constant,), value)])   # [B]
-                index = torch.cat([torch.zeros(3), 1 + torch.arange(n_constant).repeat_interleave(size)]).long()
+                varying = torch.tensor([0.0, 1.0, 0.25])  # group 0
+                rewards = torch.cat([varying, torch.full((size * n_constant,), value)])  # [B]
+                index = torch.cat(
+                    [torch.zeros(3), 1 + torch.arange(n_constant).repeat_interleave(size)]
+                ).long()
                 adv = fn(rewards, index)
                 assert torch.all(adv[3:] == 0), (name, value, size, n_constant, adv[3:].abs().max())
-                assert adv[:3].abs().max() > 0.1  # the group with differing rewards keeps its advantage
+                assert (
+                    adv[:3].abs().max() > 0.1
+                )  # the group with differing rewards keeps its advantage
 
 
 def test_ppo_clip_matches_scalar_reference():
@@ -92,7 +104,9 @@ def test_kl_estimators_reference_and_k3_nonnegative():
     assert torch.allclose(kl_estimate(lp, ref, "k2"), (lp - ref) ** 2 / 2)
     for far in (30.0, 3.0, -12.0):  # e^3 - 4 = 16.1 and e^-12 + 11 = 11.0 are clamped too
         assert kl_estimate(torch.tensor([[0.0]]), torch.tensor([[far]]), "low_var").item() == 10.0
-    assert kl_estimate(torch.tensor([[0.0]]), torch.tensor([[2.0]]), "low_var").item() == pytest.approx(math.exp(2) - 3)
+    assert kl_estimate(
+        torch.tensor([[0.0]]), torch.tensor([[2.0]]), "low_var"
+    ).item() == pytest.approx(math.exp(2) - 3)
     with pytest.raises(ValueError, match="unknown KL estimator"):
         kl_estimate(lp, ref, "k4")
 
@@ -129,7 +143,7 @@ def test_sampled_tokens_follow_the_nucleus_distribution():
     g = torch.Generator().manual_seed(1)
     tok, _ = sample_token(logits.expand(n, -1), 1.0, top_p, g)
     probs = torch.softmax(logits, -1)
-    kept = (probs.cumsum(-1) - probs) < top_p                 # the smallest prefix reaching top_p (sorted already)
+    kept = (probs.cumsum(-1) - probs) < top_p  # the smallest prefix reaching top_p (sorted already)
     expected = torch.where(kept, probs, 0.0) / probs[kept].sum()
     freq = torch.bincount(tok, minlength=6).double() / n
     assert (freq[~kept] == 0).all()
@@ -146,5 +160,7 @@ def test_helpers_make_their_tensors_on_their_inputs_device():
         assert opmd_advantages(rewards, groups, baseline="logavgexp").device.type == "cpu"
         assert stepwise_grpo_advantages(rewards, groups, trajectories).device.type == "cpu"
     lp = torch.randn(4, 3, device="meta")
-    out = mix_loss(inputs(lp, lp, lp, mask=torch.ones(4, 3, device="meta")))  # no expert mask given: made here
+    out = mix_loss(
+        inputs(lp, lp, lp, mask=torch.ones(4, 3, device="meta"))
+    )  # no expert mask given: made here
     assert out["loss"].device.type == "meta"

@@ -1,6 +1,7 @@
 """The RFT modes end to end on the tiny model: fully asynchronous explore/train launches with
 several explorers, checkpoint sync, in-flight updates, max staleness, offline SFT/DPO,
 bench, and resume after a kill."""
+
 import json
 import os
 import signal
@@ -11,10 +12,10 @@ import time
 
 import pytest
 import torch
-
-from conftest import ROOT, run_py
 from test_e2e import buffer_versions, metrics
 from test_first_contact import strict_json_lines
+
+from conftest import ROOT, run_py
 
 COMMON = ["--config", "configs/tiny.toml", "--reward-fn", "tests.rewards.length_parity"]
 
@@ -24,8 +25,14 @@ def steps_of(run_dir):
 
 
 def popen(*args):
-    return subprocess.Popen([sys.executable, "run.py", *COMMON, *map(str, args)], cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "run.py", *COMMON, *map(str, args)],
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(condition, what, timeout=300):
@@ -41,7 +48,9 @@ def batches_of(run_dir, name):
         return 0
     db = sqlite3.connect(run_dir / "buffer.sqlite")
     try:
-        return db.execute("SELECT COUNT(DISTINCT group_id) FROM experiences WHERE explorer = ?", (name,)).fetchone()[0]
+        return db.execute(
+            "SELECT COUNT(DISTINCT group_id) FROM experiences WHERE explorer = ?", (name,)
+        ).fetchone()[0]
     except sqlite3.OperationalError:  # the schema is being created
         return 0
     finally:
@@ -71,13 +80,37 @@ def test_async_two_explorers_and_a_trainer_with_max_staleness(tiny_model, tmp_pa
     # Order forced, not raced: e1 writes a batch and is paused; the trainer starts and e2 runs alone until it has
     # written a batch (after the trainer took e1's first, if back-pressure held e2); then e1 continues. So e2's
     # first batch is among the first three the trainer reads, whichever process is faster.
-    e1 = popen("--model", tiny_model, "--run-dir", run_dir, "--mode", "explore", "--explorer-name", "e1")
+    e1 = popen(
+        "--model", tiny_model, "--run-dir", run_dir, "--mode", "explore", "--explorer-name", "e1"
+    )
     wait_for(lambda: batches_of(run_dir, "e1") >= 2 or e1.poll() is not None, "e1's first batch")
     pause(e1, run_dir)
-    e2 = popen("--model", tiny_model, "--run-dir", run_dir, "--mode", "explore", "--explorer-name", "e2")
-    trainer = subprocess.Popen([sys.executable, "run.py", *COMMON, "--model", tiny_model, "--run-dir", run_dir,
-                                "--mode", "train", "--steps", "6", "--sync-interval", "2", "--max-staleness", "2"],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    e2 = popen(
+        "--model", tiny_model, "--run-dir", run_dir, "--mode", "explore", "--explorer-name", "e2"
+    )
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "run.py",
+            *COMMON,
+            "--model",
+            tiny_model,
+            "--run-dir",
+            run_dir,
+            "--mode",
+            "train",
+            "--steps",
+            "6",
+            "--sync-interval",
+            "2",
+            "--max-staleness",
+            "2",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for(lambda: batches_of(run_dir, "e2") >= 2 or e2.poll() is not None, "e2's first batch")
     os.killpg(e1.pid, signal.SIGCONT)
     explorers = {"e1": e1, "e2": e2}
@@ -90,39 +123,74 @@ def test_async_two_explorers_and_a_trainer_with_max_staleness(tiny_model, tmp_pa
     assert [r["step"] for r in steps] == list(range(6))
     assert all(r["staleness/max"] <= 2 for r in steps)  # never trained on older experiences
     db = sqlite3.connect(run_dir / "buffer.sqlite")
-    first = {name: [t for (t,) in db.execute("SELECT DISTINCT task_id FROM experiences WHERE explorer = ? ORDER BY id "
-                                             "LIMIT 2", (name,))] for name in explorers}
-    assert first["e1"] != first["e2"]  # different explorers, different tasks (seeds mix in the explorer name)
+    first = {
+        name: [
+            t
+            for (t,) in db.execute(
+                "SELECT DISTINCT task_id FROM experiences WHERE explorer = ? ORDER BY id LIMIT 2",
+                (name,),
+            )
+        ]
+        for name in explorers
+    }
+    assert (
+        first["e1"] != first["e2"]
+    )  # different explorers, different tasks (seeds mix in the explorer name)
     names = {k.split("/")[1] for r in steps for k in r if k.endswith("/share")}
     assert names == {"e1", "e2"}, names  # both explorers' groups were trained on
     assert all("staleness/dropped_groups" in r for r in steps)
     db = sqlite3.connect(run_dir / "buffer.sqlite")
-    rows = db.execute("SELECT consumed, COUNT(DISTINCT group_id) FROM experiences WHERE consumed > 0 GROUP BY consumed").fetchall()
+    rows = db.execute(
+        "SELECT consumed, COUNT(DISTINCT group_id) FROM experiences WHERE consumed > 0 GROUP BY consumed"
+    ).fetchall()
     dropped = sum(r["staleness/dropped_groups"] for r in steps)
-    assert sum(n for _, n in rows) == 6 * 2 + dropped  # every consumed group was trained or counted as dropped
+    assert (
+        sum(n for _, n in rows) == 6 * 2 + dropped
+    )  # every consumed group was trained or counted as dropped
     # each explorer loaded the checkpoints the trainer published, up to the final one
     for name in ("e1", "e2"):
         log = [json.loads(x) for x in (run_dir / f"explorer_{name}.jsonl").read_text().splitlines()]
         assert max(r.get("explorer/received_version", 0) for r in log) == 6
-    assert sorted(p.name for p in (run_dir / "checkpoints").glob("[lv]*[0-9t]")) == ["latest", "v000002", "v000004",
-                                                                                       "v000006"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("[lv]*[0-9t]")) == [
+        "latest",
+        "v000002",
+        "v000004",
+        "v000006",
+    ]
     # the explorers' held-out evaluations reach the trainer's metrics (valid JSON: no NaN) and its plot
     evals = [r for r in strict_json_lines(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
-    assert {r["explorer"] for r in evals} == {"e1", "e2"} and all(0 <= r["eval/accuracy"] <= 1 for r in evals)
+    assert {r["explorer"] for r in evals} == {"e1", "e2"} and all(
+        0 <= r["eval/accuracy"] <= 1 for r in evals
+    )
     assert (run_dir / "plot.png").stat().st_size > 1000
 
 
 @pytest.mark.slow
 def test_both_with_checkpoint_sync_follows_the_schedule(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    res = run_py(*COMMON, "--model", tiny_model, "--run-dir", run_dir, "--steps", 4, "--sync-interval", 2,
-                 "--sync-method", "checkpoint", "--sync-checksum")
+    res = run_py(
+        *COMMON,
+        "--model",
+        tiny_model,
+        "--run-dir",
+        run_dir,
+        "--steps",
+        4,
+        "--sync-interval",
+        2,
+        "--sync-method",
+        "checkpoint",
+        "--sync-checksum",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert buffer_versions(run_dir, 2) == [0, 0, 2, 2]
     from safetensors.torch import load_file
+
     final = load_file(run_dir / "final" / "model.safetensors")
     receipt = next(r for r in metrics(run_dir) if r.get("explorer/received_version") == 4)
-    assert receipt["sync/explorer_checksum"] == pytest.approx(sum(t.double().sum().item() for t in final.values()), rel=1e-12)
+    assert receipt["sync/explorer_checksum"] == pytest.approx(
+        sum(t.double().sum().item() for t in final.values()), rel=1e-12
+    )
 
 
 class StubEngine:
@@ -153,13 +221,22 @@ def test_wait_for_publish_waits_for_weights_newer_than_the_call_started_with():
     wf.deadline_s = 0.2
     wf.install(engine)
     engine.label = "batch 0 (version 0)"
-    engine.generate_batch([[1]], [1], None)  # the first batch: trained before any publish, never paused
+    engine.generate_batch(
+        [[1]], [1], None
+    )  # the first batch: trained before any publish, never paused
     engine.generate_batch([[1]], [1], None)  # its retry, as a second call: the same
-    engine.label, engine.announced = "batch 1 (version 0)", 1  # the trainer published while batch 1 starts
-    engine.generate_batch([[1]], [1], None)  # loaded at step 1: waiting at step 3 for version 2 would hang
+    engine.label, engine.announced = (
+        "batch 1 (version 0)",
+        1,
+    )  # the trainer published while batch 1 starts
+    engine.generate_batch(
+        [[1]], [1], None
+    )  # loaded at step 1: waiting at step 3 for version 2 would hang
     assert engine.version == 1
     engine.label = "batch 2 (version 1)"
-    with pytest.raises(TimeoutError):  # nothing newer than the start's version 1 is announced: it waits
+    with pytest.raises(
+        TimeoutError
+    ):  # nothing newer than the start's version 1 is announced: it waits
         engine.generate_batch([[1]], [1], None)
 
 
@@ -168,12 +245,31 @@ def test_inflight_updates_mark_sequences_spanning_versions(tiny_model, tmp_path)
     run_dir = tmp_path / "run"
     # the workflow pauses each batch from the second on at its 3rd decode step until the trainer has announced
     # new weights: the update lands mid-sequence deterministically, not by the relative speed of the processes
-    res = run_py(*COMMON, "--model", tiny_model, "--run-dir", run_dir, "--steps", 4, "--sync-interval", 1,
-                 "--sync-offset", 1, "--inflight", "--max-tokens", 24, "--eval-size", 0,
-                 "--workflow", "tests.plugins.WaitForPublish")
+    res = run_py(
+        *COMMON,
+        "--model",
+        tiny_model,
+        "--run-dir",
+        run_dir,
+        "--steps",
+        4,
+        "--sync-interval",
+        1,
+        "--sync-offset",
+        1,
+        "--inflight",
+        "--max-tokens",
+        24,
+        "--eval-size",
+        0,
+        "--workflow",
+        "tests.plugins.WaitForPublish",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     steps = steps_of(run_dir)
-    assert all(r["inflight/multi_version_seqs"] > 0 for r in steps[1:])  # weights changed mid-sequence, every batch
+    assert all(
+        r["inflight/multi_version_seqs"] > 0 for r in steps[1:]
+    )  # weights changed mid-sequence, every batch
     db = sqlite3.connect(run_dir / "buffer.sqlite")
     spans = [json.loads(i)["versions"] for (i,) in db.execute("SELECT info FROM experiences")]
     assert all(a <= b <= a + 2 for a, b in spans) and any(a < b for a, b in spans)
@@ -214,23 +310,66 @@ def test_inflight_engine_switches_weights_between_decode_steps(tiny_model, tmp_p
 @pytest.mark.slow
 def test_offline_sft_and_dpo_train_only(tiny_model, tmp_path):
     sft, dpo = tmp_path / "sft.jsonl", tmp_path / "dpo.jsonl"
-    sft.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+{i}?"},
-                                                   {"role": "assistant", "content": str(2 * i)}]}) + "\n" for i in range(6)))
-    dpo.write_text("".join(json.dumps({"prompt": f"{i}+{i}?", "chosen": str(2 * i), "rejected": str(2 * i + 1)}) + "\n"
-                           for i in range(6)))
-    res = run_py(*COMMON, "--model", tiny_model, "--run-dir", tmp_path / "sft", "--mode", "train",
-                 "--train-data", sft, "--policy-loss", "sft")
+    sft.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"{i}+{i}?"},
+                        {"role": "assistant", "content": str(2 * i)},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(6)
+        )
+    )
+    dpo.write_text(
+        "".join(
+            json.dumps({"prompt": f"{i}+{i}?", "chosen": str(2 * i), "rejected": str(2 * i + 1)})
+            + "\n"
+            for i in range(6)
+        )
+    )
+    res = run_py(
+        *COMMON,
+        "--model",
+        tiny_model,
+        "--run-dir",
+        tmp_path / "sft",
+        "--mode",
+        "train",
+        "--train-data",
+        sft,
+        "--policy-loss",
+        "sft",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     losses = [r["loss/policy"] for r in steps_of(tmp_path / "sft")]
     assert len(losses) == 3 and losses[-1] < losses[0]  # NLL of the assistant tokens goes down
     # offline data has no rollouts: no reward curve, the progress bar shows the loss
     assert not any("reward/mean" in r for r in steps_of(tmp_path / "sft")) and "loss=" in res.stderr
     assert (tmp_path / "sft" / "plot.png").stat().st_size > 1000
-    res = run_py(*COMMON, "--model", tiny_model, "--run-dir", tmp_path / "dpo", "--mode", "train",
-                 "--train-data", dpo, "--policy-loss", "dpo", "--policy-loss-kwargs", '{"beta": 0.5}')
+    res = run_py(
+        *COMMON,
+        "--model",
+        tiny_model,
+        "--run-dir",
+        tmp_path / "dpo",
+        "--mode",
+        "train",
+        "--train-data",
+        dpo,
+        "--policy-loss",
+        "dpo",
+        "--policy-loss-kwargs",
+        '{"beta": 0.5}',
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     steps = steps_of(tmp_path / "dpo")
-    assert steps[0]["loss/policy"] == pytest.approx(0.6931, abs=1e-3)  # policy = reference: -log sigmoid(0)
+    assert steps[0]["loss/policy"] == pytest.approx(
+        0.6931, abs=1e-3
+    )  # policy = reference: -log sigmoid(0)
     assert all(r["train/expert_seqs"] == 4 for r in steps)  # 2 pairs per step
 
 
@@ -243,8 +382,17 @@ def test_the_plot_of_an_offline_run_has_no_empty_panel():
 
     import metrics
 
-    sft = [{"step": s, "loss/policy": 2.0 - 0.5 * s, "loss/grad_norm": 1.0, "loss/entropy": 3.0,
-            "response/len_mean": 4.0, "train/expert_seqs": 2} for s in range(3)]
+    sft = [
+        {
+            "step": s,
+            "loss/policy": 2.0 - 0.5 * s,
+            "loss/grad_norm": 1.0,
+            "loss/entropy": 3.0,
+            "response/len_mean": 4.0,
+            "train/expert_seqs": 2,
+        }
+        for s in range(3)
+    ]
     dpo = [{**r, "loss/pair_correct": 0.5} for r in sft]
     for recs in sft, dpo:
         fig = metrics.figure(recs, "offline")
@@ -263,11 +411,24 @@ def offline_argv(tiny_model, tmp_path):
     sft = tmp_path / "sft.jsonl"
     chat = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]
     sft.write_text(json.dumps({"messages": chat}) + "\n")
-    return [*COMMON, "--model", tiny_model, "--run-dir", str(tmp_path / "r"), "--mode", "train", "--train-data",
-            str(sft), "--policy-loss", "sft"]
+    return [
+        *COMMON,
+        "--model",
+        tiny_model,
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--mode",
+        "train",
+        "--train-data",
+        str(sft),
+        "--policy-loss",
+        "sft",
+    ]
 
 
-def test_offline_train_refuses_a_used_run_dir_and_overwrite_deletes_it(tiny_model, tmp_path, capsys, monkeypatch):
+def test_offline_train_refuses_a_used_run_dir_and_overwrite_deletes_it(
+    tiny_model, tmp_path, capsys, monkeypatch
+):
     # offline SFT / DPO has no other side sharing its run dir: like mode both, a second run into it is refused
     # (it appended to metrics.jsonl), and --overwrite (refused before) starts it afresh
     import run
@@ -278,13 +439,21 @@ def test_offline_train_refuses_a_used_run_dir_and_overwrite_deletes_it(tiny_mode
     (tmp_path / "r" / "metrics.jsonl").write_text('{"step": 0}\n')  # an earlier run's
     assert run.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "is not empty (use --overwrite, --resume or another --run-dir)" in err, err
+    assert (
+        err.count("\n") == 1
+        and "is not empty (use --overwrite, --resume or another --run-dir)" in err
+    ), err
     run.prepare(run.parse_config([*argv, "--overwrite"]), 0)
-    assert not (tmp_path / "r" / "metrics.jsonl").exists() and (tmp_path / "r" / "config.json").is_file()
+    assert (
+        not (tmp_path / "r" / "metrics.jsonl").exists()
+        and (tmp_path / "r" / "config.json").is_file()
+    )
 
 
 @pytest.mark.parametrize("loss", ["ppo_clip", "gspo", "cispo", "reinforce_tis"])
-def test_offline_data_with_a_ratio_loss_is_one_error_line(tiny_model, tmp_path, capsys, monkeypatch, loss):
+def test_offline_data_with_a_ratio_loss_is_one_error_line(
+    tiny_model, tmp_path, capsys, monkeypatch, loss
+):
     # offline rows carry 0.0 as behaviour log-probs: a ratio loss turned SFT into probability-weighted SFT
     import run
 
@@ -296,7 +465,9 @@ def test_offline_data_with_a_ratio_loss_is_one_error_line(tiny_model, tmp_path, 
     assert not (tmp_path / "r").exists()
 
 
-def test_offline_train_writes_config_json_and_the_async_trainer_config_train_json(tiny_model, tmp_path, monkeypatch):
+def test_offline_train_writes_config_json_and_the_async_trainer_config_train_json(
+    tiny_model, tmp_path, monkeypatch
+):
     # offline mode train owns its run dir (config.json, as the docs say); the fully asynchronous trainer shares
     # it with explorers and keeps a file of its own
     import run
@@ -312,18 +483,36 @@ def test_offline_train_writes_config_json_and_the_async_trainer_config_train_jso
 
 @pytest.mark.slow
 def test_bench_table_and_json(tiny_model, tmp_path):
-    res = run_py(*COMMON, "--model", tiny_model, "--run-dir", tmp_path / "b", "--mode", "bench",
-                 "--bench-models", f"{tiny_model},{tiny_model}", "--bench-k", 3)
+    res = run_py(
+        *COMMON,
+        "--model",
+        tiny_model,
+        "--run-dir",
+        tmp_path / "b",
+        "--mode",
+        "bench",
+        "--bench-models",
+        f"{tiny_model},{tiny_model}",
+        "--bench-k",
+        3,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert len(rows) == 2 and rows[0]["tasks"] == 8
     for r in rows:  # the aggregates of the per-task counts of correct samples
         c = r["correct"]
         assert len(c) == 8 and all(0 <= x <= 3 for x in c)
-        assert r["avg@3"] == pytest.approx(sum(c) / 24) and r["pass@3"] == pytest.approx(sum(x > 0 for x in c) / 8)
+        assert r["avg@3"] == pytest.approx(sum(c) / 24) and r["pass@3"] == pytest.approx(
+            sum(x > 0 for x in c) / 8
+        )
         from metrics import learnable_groups  # the learnability forecast at the run's group size
+
         assert r["learnable_groups"] == pytest.approx(learnable_groups(c, 3, r["group_size"]))
-    assert "avg@3" in res.stdout and "pass@3" in res.stdout and f"learnable groups of {rows[0]['group_size']}" in res.stdout
+    assert (
+        "avg@3" in res.stdout
+        and "pass@3" in res.stdout
+        and f"learnable groups of {rows[0]['group_size']}" in res.stdout
+    )
 
 
 def test_bench_on_a_run_dir_takes_the_runs_task(tiny_model, tmp_path, capsys, monkeypatch):
@@ -338,36 +527,86 @@ def test_bench_on_a_run_dir_takes_the_runs_task(tiny_model, tmp_path, capsys, mo
     monkeypatch.chdir(ROOT)
     final = tmp_path / "run" / "final"
     shutil.copytree(tiny_model, final)
-    saved = run.Config(task="leg_counting", task_kwargs={}, system_prompt="S", reward_fn="tests.rewards.constant",
-                       eval_size=3, seed=5, max_tokens=4)
+    saved = run.Config(
+        task="leg_counting",
+        task_kwargs={},
+        system_prompt="S",
+        reward_fn="tests.rewards.constant",
+        eval_size=3,
+        seed=5,
+        max_tokens=4,
+    )
     (final / "nanorft_config.json").write_text(json.dumps(dataclasses.asdict(saved)))
-    assert run.main(["--mode", "bench", "--run-dir", str(tmp_path / "run"), "--eval-size", "2", "--bench-k", "2",
-                     "--train-size", "8", "--engine", "hf", "--dtype", "float32",
-                     "--explorer-threads", str(torch.get_num_threads())]) == 0  # (in this process: its threads)
+    assert (
+        run.main(
+            [
+                "--mode",
+                "bench",
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--eval-size",
+                "2",
+                "--bench-k",
+                "2",
+                "--train-size",
+                "8",
+                "--engine",
+                "hf",
+                "--dtype",
+                "float32",
+                "--explorer-threads",
+                str(torch.get_num_threads()),
+            ]
+        )
+        == 0
+    )  # (in this process: its threads)
     out = capsys.readouterr().out
-    used = json.loads((tmp_path / "run" / "config_bench.json").read_text())  # what the bench ran with
+    used = json.loads(
+        (tmp_path / "run" / "config_bench.json").read_text()
+    )  # what the bench ran with
     want = {k: getattr(saved, k) for k in RUN_TASK_SETTINGS} | {"eval_size": 2}
     assert {k: used[k] for k in want} == want
     rows = json.loads((tmp_path / "run" / "bench.json").read_text())
     assert [(r["task"], r["tasks"]) for r in rows] == [("leg_counting", 2)]
-    assert "task leg_counting; task, task_kwargs, system_prompt, reward_fn, reward_kwargs, workflow, seed, " \
-           f"max_tokens from {final / 'nanorft_config.json'}" in out, out
+    assert (
+        "task leg_counting; task, task_kwargs, system_prompt, reward_fn, reward_kwargs, workflow, seed, "
+        f"max_tokens from {final / 'nanorft_config.json'}" in out
+    ), out
     assert "task leg_counting: 2 held-out tasks" in out
 
 
 # checkpoint sync, interval 1: the resumed explorer starts from the resume state that the resumed trainer's
 # first save_resume_state deletes (the fault benchmark found it failing to load); the trainer waits until it has loaded
 # (and the finished run deletes its resume state, unless --keep-resume-state)
-@pytest.mark.parametrize("sync", [["--checkpoint-interval", 2],
-                                  ["--checkpoint-interval", 1, "--sync-method", "checkpoint", "--keep-resume-state"]])
+@pytest.mark.parametrize(
+    "sync",
+    [
+        ["--checkpoint-interval", 2],
+        ["--checkpoint-interval", 1, "--sync-method", "checkpoint", "--keep-resume-state"],
+    ],
+)
 @pytest.mark.slow
 def test_resume_after_kill_loses_and_repeats_nothing(tiny_model, tmp_path, sync):
     run_dir = tmp_path / "run"
-    args = ["--model", tiny_model, "--run-dir", run_dir, "--steps", 6, *sync, "--sync-interval", 1, "--sync-offset", 1]
+    args = [
+        "--model",
+        tiny_model,
+        "--run-dir",
+        run_dir,
+        "--steps",
+        6,
+        *sync,
+        "--sync-interval",
+        1,
+        "--sync-offset",
+        1,
+    ]
     p = popen(*args)
     deadline = time.time() + 300
     while time.time() < deadline:  # kill -9 (trainer and explorer) once step 3 is recorded
-        if (run_dir / "metrics.jsonl").exists() and any(r.get("step") == 3 for r in steps_of(run_dir)):
+        if (run_dir / "metrics.jsonl").exists() and any(
+            r.get("step") == 3 for r in steps_of(run_dir)
+        ):
             break
         time.sleep(0.05)
     os.killpg(p.pid, signal.SIGKILL)
@@ -376,10 +615,19 @@ def test_resume_after_kill_loses_and_repeats_nothing(tiny_model, tmp_path, sync)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed at step" in res.stdout
     db = sqlite3.connect(run_dir / "buffer.sqlite")
-    per_step = db.execute("SELECT consumed, COUNT(DISTINCT group_id), MIN(model_version), MAX(model_version) "
-                          "FROM experiences GROUP BY consumed ORDER BY consumed").fetchall()
+    per_step = db.execute(
+        "SELECT consumed, COUNT(DISTINCT group_id), MIN(model_version), MAX(model_version) "
+        "FROM experiences GROUP BY consumed ORDER BY consumed"
+    ).fetchall()
     # every step 1..6 trained exactly 2 groups, one-step off-policy versions; nothing left over
-    assert per_step == [(1, 2, 0, 0), (2, 2, 0, 0), (3, 2, 1, 1), (4, 2, 2, 2), (5, 2, 3, 3), (6, 2, 4, 4)]
+    assert per_step == [
+        (1, 2, 0, 0),
+        (2, 2, 0, 0),
+        (3, 2, 1, 1),
+        (4, 2, 2, 2),
+        (5, 2, 3, 3),
+        (6, 2, 4, 4),
+    ]
     batches = db.execute("SELECT COUNT(DISTINCT group_id) FROM experiences").fetchone()[0]
     assert batches == 12  # the explorer did not generate any batch twice
     # each step logged once (the records of the steps trained again were dropped), each evaluated version once
@@ -390,24 +638,51 @@ def test_resume_after_kill_loses_and_repeats_nothing(tiny_model, tmp_path, sync)
     from checkpoints import resume_state
 
     if "--keep-resume-state" in sync:
-        assert resume_state(run_dir).name == "resume-000005" and "resume state deleted" not in res.stdout
+        assert (
+            resume_state(run_dir).name == "resume-000005"
+            and "resume state deleted" not in res.stdout
+        )
     else:  # the finished run's resume state is gone; a --resume of it has nothing to do (not: train from step 0)
-        assert not list((run_dir / "checkpoints").glob("resume*")) and "resume state deleted" in res.stdout
+        assert (
+            not list((run_dir / "checkpoints").glob("resume*"))
+            and "resume state deleted" in res.stdout
+        )
         assert run.finished_run(run.parse_config([*COMMON, *map(str, args), "--resume"]))
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--max-staleness", "0", "--sync-interval", "2"], "max_staleness 0 < sync_offset + sync_interval - 1 = 1"),
-    (["--inflight", "--mode", "train"], "--inflight is a setting of the explorer"),
-    (["--mode", "train", "--sync-method", "broadcast"], "with --sync-method broadcast needs --sync-port"),
-    (["--mode", "train", "--num-explorers", "0"], "num_explorers must be >= 1"),
-    (["--mode", "train", "--overwrite"], "--overwrite would delete a run directory shared"),
-    (["--train-data", "x.jsonl"], "--train-data is for --mode train"),
-    (["--mode", "train", "--train-data", "x.jsonl", "--policy-loss", "sft", "--sync-method", "broadcast",
-      "--sync-port", "29999"],
-     "--train-data trains offline, with no explorer to sync with"),
-    (["--resume"], "--resume: no run to resume in"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--max-staleness", "0", "--sync-interval", "2"],
+            "max_staleness 0 < sync_offset + sync_interval - 1 = 1",
+        ),
+        (["--inflight", "--mode", "train"], "--inflight is a setting of the explorer"),
+        (
+            ["--mode", "train", "--sync-method", "broadcast"],
+            "with --sync-method broadcast needs --sync-port",
+        ),
+        (["--mode", "train", "--num-explorers", "0"], "num_explorers must be >= 1"),
+        (["--mode", "train", "--overwrite"], "--overwrite would delete a run directory shared"),
+        (["--train-data", "x.jsonl"], "--train-data is for --mode train"),
+        (
+            [
+                "--mode",
+                "train",
+                "--train-data",
+                "x.jsonl",
+                "--policy-loss",
+                "sft",
+                "--sync-method",
+                "broadcast",
+                "--sync-port",
+                "29999",
+            ],
+            "--train-data trains offline, with no explorer to sync with",
+        ),
+        (["--resume"], "--resume: no run to resume in"),
+    ],
+)
 @pytest.mark.slow
 def test_bad_mode_config_is_one_error_line(tmp_path, args, message):
     res = run_py(*COMMON, "--model", str(tmp_path), "--run-dir", tmp_path / "r", *args)
@@ -419,7 +694,9 @@ def host_address() -> str:
     import sync
 
     try:
-        return sync.local_address("198.51.100.1")  # a documentation address: only the route is looked up
+        return sync.local_address(
+            "198.51.100.1"
+        )  # a documentation address: only the route is looked up
     except OSError:
         return "127.0.0.1"
 
@@ -442,12 +719,42 @@ def test_async_explorers_and_trainer_on_a_postgres_buffer(tiny_model, tmp_path, 
         s.bind(("", 0))
         port = s.getsockname()[1]
     run_dir = tmp_path / "run"
-    common = ["--model", tiny_model, "--run-dir", run_dir, "--buffer", url, "--sync-method", method,
-              "--sync-host", addr, "--sync-port", port, "--sync-checksum"]
-    workflow = ["--workflow", "tests.plugins.AllExplorersStarted"]  # both take part, however late one starts
-    explorers = {name: popen(*common, *workflow, "--mode", "explore", "--explorer-name", name) for name in ("e1", "e2")}
-    res = run_py(*COMMON, *common, "--mode", "train", "--steps", 4, "--sync-interval", 2, "--num-explorers", 2,
-                 timeout=600)
+    common = [
+        "--model",
+        tiny_model,
+        "--run-dir",
+        run_dir,
+        "--buffer",
+        url,
+        "--sync-method",
+        method,
+        "--sync-host",
+        addr,
+        "--sync-port",
+        port,
+        "--sync-checksum",
+    ]
+    workflow = [
+        "--workflow",
+        "tests.plugins.AllExplorersStarted",
+    ]  # both take part, however late one starts
+    explorers = {
+        name: popen(*common, *workflow, "--mode", "explore", "--explorer-name", name)
+        for name in ("e1", "e2")
+    }
+    res = run_py(
+        *COMMON,
+        *common,
+        "--mode",
+        "train",
+        "--steps",
+        4,
+        "--sync-interval",
+        2,
+        "--num-explorers",
+        2,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     for p in explorers.values():  # they see trainer_done in the buffer and stop by themselves
         assert p.wait(timeout=120) == 0, p.stderr.read()[-3000:]
@@ -459,11 +766,17 @@ def test_async_explorers_and_trainer_on_a_postgres_buffer(tiny_model, tmp_path, 
     assert all(buf.explorer_state(name) for name in ("e1", "e2"))
     assert {k.split("/")[1] for r in steps for k in r if k.endswith("/share")} <= {"e1", "e2"}
     assert buf.run_state("trainer_done") == "4" and buf.counts()["consumed"] == 4 * 2 * 4
-    sent = {r["step"] + 1: r["sync/trainer_checksum"] for r in steps if "sync/trainer_checksum" in r}
+    sent = {
+        r["step"] + 1: r["sync/trainer_checksum"] for r in steps if "sync/trainer_checksum" in r
+    }
     assert sorted(sent) == [2, 4]
     for name in ("e1", "e2"):
         log = [json.loads(x) for x in (run_dir / f"explorer_{name}.jsonl").read_text().splitlines()]
-        got = {r["explorer/received_version"]: r["sync/explorer_checksum"] for r in log if "explorer/received_version" in r}
+        got = {
+            r["explorer/received_version"]: r["sync/explorer_checksum"]
+            for r in log
+            if "explorer/received_version" in r
+        }
         if method == "broadcast":  # every publish reached every explorer, bit for bit
             assert got == pytest.approx(sent, rel=1e-12) and not (run_dir / "checkpoints").exists()
         else:

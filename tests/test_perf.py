@@ -1,6 +1,7 @@
 """Model FLOPs, the measured peak and MFU (perf.py); prefill once per distinct prompt
 (engines.HFEngine); evaluations after their version's first batch (explorer.explore);
 the choice of the memory allocator (launch.allocator)."""
+
 import json
 import os
 from pathlib import Path
@@ -10,9 +11,8 @@ import torch
 import torch.distributed as dist
 
 import explorer
-import metrics
-import perf
 import launch
+import perf
 import run
 from buffer import Experience
 from engines import HFEngine, Sampling
@@ -56,7 +56,9 @@ def test_each_distinct_prompt_is_prefilled_once(tiny_model):
     engine = HFEngine(tiny_model, max_batch=64, seed=0)
     engine.matmul = perf.matmul_params(tiny_model)
     rows = []
-    engine.model.register_forward_pre_hook(lambda m, a, kw: rows.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    engine.model.register_forward_pre_hook(
+        lambda m, a, kw: rows.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
     prompts = [[5, 6, 7], [8, 9]]
     out = engine.generate_batch(prompts, [4, 3], Sampling(max_tokens=5))
     assert [len(o) for o in out] == [4, 3]
@@ -78,7 +80,10 @@ def test_a_single_cpu_rank_trains_the_plain_model_and_reports_its_model_flops(ti
     cfg = run.parse_config(["--config", "configs/tiny.toml"])
     tr = Trainer(cfg, tiny_model, torch.device("cpu"))
     # one group: a 3-token prompt and 4 responses of 2 tokens: 3 + 8 tokens computed, 8 predicted
-    exps = [Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0) for i in range(4)]
+    exps = [
+        Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0)
+        for i in range(4)
+    ]
     # one CPU rank keeps the plain model: FSDP2 would only copy weights into and out of its buffers
     from torch.distributed.tensor import DTensor
 
@@ -133,8 +138,15 @@ def test_an_evaluation_runs_after_its_versions_last_batch(monkeypatch):
 
     explorer.explore(cfg, engine, ([], [], None), None, Pace(), lambda r: None, 4)
     # the trainer trains on batches 0 and 1 (2 and 3) while the explorer evaluates version 0 (2)
-    assert engine.calls == [("batch", 0, 0), ("batch", 1, 0), ("eval", 0), ("batch", 2, 2), ("batch", 3, 2),
-                            ("eval", 2), ("eval", 4)]
+    assert engine.calls == [
+        ("batch", 0, 0),
+        ("batch", 1, 0),
+        ("eval", 0),
+        ("batch", 2, 2),
+        ("batch", 3, 2),
+        ("eval", 2),
+        ("eval", 4),
+    ]
 
 
 def test_a_prefix_common_to_all_prompts_is_prefilled_once_and_logprobs_stay_exact(tiny_model):
@@ -143,12 +155,26 @@ def test_a_prefix_common_to_all_prompts_is_prefilled_once_and_logprobs_stay_exac
 
     engine = HFEngine(tiny_model, max_batch=64, seed=0)
     rows = []
-    engine.model.register_forward_pre_hook(lambda m, a, kw: rows.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
-    prompts = [[5, 6, 7, 8, 9, 20, 21], [5, 6, 7, 8, 9, 30], [5, 6, 7, 8, 9, 40, 41, 42]]  # 5 tokens in common
+    engine.model.register_forward_pre_hook(
+        lambda m, a, kw: rows.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    prompts = [
+        [5, 6, 7, 8, 9, 20, 21],
+        [5, 6, 7, 8, 9, 30],
+        [5, 6, 7, 8, 9, 40, 41, 42],
+    ]  # 5 tokens in common
     out = engine.generate_batch(prompts, [2, 2, 2], Sampling(max_tokens=6))
-    assert rows[:2] == [(1, 5), (3, 3)]  # the common prefix once, then each prompt's own tokens once
-    exps = [Experience(p + c.tokens, len(p), c.behaviour_logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0)
-            for i, (p, cs) in enumerate(zip(prompts, out)) for c in cs]
+    assert rows[:2] == [
+        (1, 5),
+        (3, 3),
+    ]  # the common prefix once, then each prompt's own tokens once
+    exps = [
+        Experience(
+            p + c.tokens, len(p), c.behaviour_logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0
+        )
+        for i, (p, cs) in enumerate(zip(prompts, out))
+        for c in cs
+    ]
     b = pack(exps, engine.pad)
     with torch.no_grad():
         lp, _ = response_logprobs(engine.model, b, 1.0)  # each sequence computed from scratch
@@ -163,23 +189,48 @@ def test_ended_rows_leave_the_decode_batch_with_the_same_tokens_and_exact_logpro
     engine = HFEngine(tiny_model, max_batch=64, seed=0)
     prompts = [[5, 6, 7, 8 + i] for i in range(8)]
     engine.drop_ended = 2.0  # never: the reference
-    full = [c.tokens for cs in engine.generate_batch(prompts, [1] * 8, Sampling(max_tokens=10, temperature=0)) for c in cs]
+    full = [
+        c.tokens
+        for cs in engine.generate_batch(prompts, [1] * 8, Sampling(max_tokens=10, temperature=0))
+        for c in cs
+    ]
     ends = {full[0][1], full[3][4], full[5][6]}  # sequences end at different steps
     engine.eos = torch.tensor(sorted(ends))
     rows = []
-    engine.model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
-    kept = [c.tokens for cs in engine.generate_batch(prompts, [1] * 8, Sampling(max_tokens=10, temperature=0)) for c in cs]
+    engine.model.register_forward_pre_hook(
+        lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    kept = [
+        c.tokens
+        for cs in engine.generate_batch(prompts, [1] * 8, Sampling(max_tokens=10, temperature=0))
+        for c in cs
+    ]
     engine.drop_ended = 0.25
     rows.clear()
-    dropped = [c.tokens for cs in engine.generate_batch(prompts, [1] * 8, Sampling(max_tokens=10, temperature=0)) for c in cs]
-    assert dropped == kept and len({len(t) for t in kept}) > 1  # greedy: the same tokens, ending at different steps
-    assert kept == [next(t[:j + 1] for j, x in enumerate(t) if x in ends) if ends & set(t) else t for t in full]
+    dropped = [
+        c.tokens
+        for cs in engine.generate_batch(prompts, [1] * 8, Sampling(max_tokens=10, temperature=0))
+        for c in cs
+    ]
+    assert (
+        dropped == kept and len({len(t) for t in kept}) > 1
+    )  # greedy: the same tokens, ending at different steps
+    assert kept == [
+        next(t[: j + 1] for j, x in enumerate(t) if x in ends) if ends & set(t) else t for t in full
+    ]
     assert rows[-1] < 8  # the last decode steps ran the rows still going only
     # sampled: the behaviour log-probs of each row are those of its own prompt and tokens
-    engine.eos = torch.arange(0, engine.model.config.vocab_size, 8)  # about an eighth of the random model's mass
+    engine.eos = torch.arange(
+        0, engine.model.config.vocab_size, 8
+    )  # about an eighth of the random model's mass
     out = engine.generate_batch(prompts, [3] * 8, Sampling(max_tokens=10))
-    exps = [Experience(p + c.tokens, len(p), c.behaviour_logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0)
-            for i, (p, cs) in enumerate(zip(prompts, out)) for c in cs]
+    exps = [
+        Experience(
+            p + c.tokens, len(p), c.behaviour_logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0
+        )
+        for i, (p, cs) in enumerate(zip(prompts, out))
+        for c in cs
+    ]
     assert len({len(e.behaviour_logprobs) for e in exps}) > 1
     b = pack(exps, engine.pad)
     with torch.no_grad():
@@ -195,7 +246,9 @@ def test_the_engines_grouped_query_attention_equals_transformers_sdpa(tiny_model
     engine = HFEngine(tiny_model, seed=0)
     assert engine.model.config._attn_implementation == "nanorft_sdpa"
     ref = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa").eval()
-    ids, attn, pos = left_pad([[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]], engine.pad)  # padding: a mask
+    ids, attn, pos = left_pad(
+        [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]], engine.pad
+    )  # padding: a mask
     with torch.no_grad():
         a = engine.model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
         b = ref(input_ids=ids, attention_mask=attn, position_ids=pos).logits
@@ -207,20 +260,32 @@ def test_the_first_installed_allocator_is_chosen_and_a_missing_one_refused(monke
 
     monkeypatch.setattr(launch, "gpu_count", lambda: 0)
     found = {"mimalloc": "/x/libmimalloc.so", "tcmalloc": "libtcmalloc_minimal.so.4"}
-    monkeypatch.setattr(launch, "ALLOCATORS", {k: (lambda k=k: found.get(k)) for k in ("tcmalloc", "mimalloc")})
+    monkeypatch.setattr(
+        launch, "ALLOCATORS", {k: (lambda k=k: found.get(k)) for k in ("tcmalloc", "mimalloc")}
+    )
     assert launch.allocator(parse_config([])) == ("tcmalloc", "libtcmalloc_minimal.so.4")
-    assert launch.allocator(parse_config(["--allocator", "mimalloc"])) == ("mimalloc", "/x/libmimalloc.so")
+    assert launch.allocator(parse_config(["--allocator", "mimalloc"])) == (
+        "mimalloc",
+        "/x/libmimalloc.so",
+    )
     assert launch.allocator(parse_config(["--allocator", "system"])) == ("system", None)
-    monkeypatch.setattr(launch, "gpu_count", lambda: 1)  # auto keeps the C library's malloc on a GPU machine
+    monkeypatch.setattr(
+        launch, "gpu_count", lambda: 1
+    )  # auto keeps the C library's malloc on a GPU machine
     assert launch.allocator(parse_config([])) == ("system", None)
-    assert launch.allocator(parse_config(["--allocator", "mimalloc"])) == ("mimalloc", "/x/libmimalloc.so")
+    assert launch.allocator(parse_config(["--allocator", "mimalloc"])) == (
+        "mimalloc",
+        "/x/libmimalloc.so",
+    )
     monkeypatch.setattr(launch, "gpu_count", lambda: 0)
     del found["tcmalloc"]
     assert launch.allocator(parse_config([])) == ("mimalloc", "/x/libmimalloc.so")
     found.clear()  # none installed
     assert launch.allocator(parse_config([])) == ("system", None)
     assert "pip install cmeel-mimalloc" in launch.allocator_banner(parse_config([]))
-    with pytest.raises(ValueError, match="--allocator mimalloc: not installed .pip install cmeel-mimalloc"):
+    with pytest.raises(
+        ValueError, match="--allocator mimalloc: not installed .pip install cmeel-mimalloc"
+    ):
         launch.allocator(parse_config(["--allocator", "mimalloc"]))
 
 
@@ -235,12 +300,22 @@ def test_mimalloc_runs_without_transparent_huge_pages_unless_the_user_says(given
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("MIMALLOC_")}
+    env = {
+        k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("MIMALLOC_")
+    }
     env |= {"MIMALLOC_ALLOW_THP": given} if given else {}
-    code = ("import os, launch; launch.preload_allocator(['--allocator', 'mimalloc']); "
-            "print(os.environ.get('LD_PRELOAD', ''), os.environ.get('MIMALLOC_ALLOW_THP'))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(launch.__file__).parent,
-                         capture_output=True, text=True, check=True).stdout.split()
+    code = (
+        "import os, launch; launch.preload_allocator(['--allocator', 'mimalloc']); "
+        "print(os.environ.get('LD_PRELOAD', ''), os.environ.get('MIMALLOC_ALLOW_THP'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=Path(launch.__file__).parent,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert "libmimalloc" in out[0] and out[1] == (given or "0")
 
 
@@ -250,9 +325,13 @@ def test_offline_training_takes_all_the_cores(monkeypatch):
 
     monkeypatch.setattr(launch.os, "cpu_count", lambda: 4)
     threads = {}
-    for name, argv, world in [("both", [], 1), ("async train", ["--mode", "train"], 1),
-                              ("explore", ["--mode", "explore"], 1), ("sft", ["--mode", "train", "--train-data", "x.jsonl"], 1),
-                              ("sft, 2 ranks", ["--mode", "train", "--train-data", "x.jsonl"], 2)]:
+    for name, argv, world in [
+        ("both", [], 1),
+        ("async train", ["--mode", "train"], 1),
+        ("explore", ["--mode", "explore"], 1),
+        ("sft", ["--mode", "train", "--train-data", "x.jsonl"], 1),
+        ("sft, 2 ranks", ["--mode", "train", "--train-data", "x.jsonl"], 2),
+    ]:
         cfg = parse_config(argv)
         launch.split_threads(cfg, world)
         threads[name] = (cfg.trainer_threads, cfg.explorer_threads)
@@ -265,7 +344,9 @@ def test_the_decode_cache_writes_each_step_into_reserved_room():
     from engines import decode_cache
 
     torch.manual_seed(0)
-    kv = [(torch.randn(2, 1, n, 4), torch.randn(2, 1, n, 4)) for n in (3, 1, 1, 2)]  # [B, KV, tokens, D]
+    kv = [
+        (torch.randn(2, 1, n, 4), torch.randn(2, 1, n, 4)) for n in (3, 1, 1, 2)
+    ]  # [B, KV, tokens, D]
     cache = decode_cache()
     cache.update(*kv[0], 0)
     layer = cache.layers[0]
@@ -274,8 +355,8 @@ def test_the_decode_cache_writes_each_step_into_reserved_room():
     for i in (1, 2):  # within the reserved room: written in place
         keys, values = cache.update(*kv[i], 0)
         assert keys.data_ptr() == room
-        assert torch.equal(keys, torch.cat([k for k, _ in kv[:i + 1]], 2))
-        assert torch.equal(values, torch.cat([v for _, v in kv[:i + 1]], 2))
+        assert torch.equal(keys, torch.cat([k for k, _ in kv[: i + 1]], 2))
+        assert torch.equal(values, torch.cat([v for _, v in kv[: i + 1]], 2))
     keys, values = cache.update(*kv[3], 0)  # past the room: concatenated, still right
     assert torch.equal(keys, torch.cat([k for k, _ in kv], 2)) and cache.get_seq_length() == 7
     cache.reorder_cache(torch.tensor([1, 1]))

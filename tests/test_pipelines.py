@@ -2,6 +2,7 @@
 by following the reference's update rule), experience operators, prioritised replay in
 both buffer backends, the pipelines from a config on the default job, and the human-label
 round trip against a real Label Studio server."""
+
 import json
 import random
 import subprocess
@@ -18,8 +19,14 @@ from conftest import ROOT, chat_endpoint, run_py, subprocess_env
 from extras.experience_ops import clean, diversity_reward, quality_reward
 from extras.label_studio import Annotator, LabelStudio
 from extras.lagged_rewards import pending_groups, set_rewards_many
-from extras.pipelines import (ExperienceContext, ExperiencePipeline, TaskContext, make_selector, replay,
-                              run_task_pipeline)
+from extras.pipelines import (
+    ExperienceContext,
+    ExperiencePipeline,
+    TaskContext,
+    make_selector,
+    replay,
+    run_task_pipeline,
+)
 from extras.selectors import DiffBased, Easy2Hard, RandomTasks, Sequential
 from workflows import Shuffle, Task
 
@@ -41,46 +48,81 @@ def group(tok, responses, rewards=None, version=0, group_id="g", prompt="What is
     out = []
     for i, text in enumerate(responses):
         r = tok.encode(text, add_special_tokens=False)
-        out.append(Experience(p + r, len(p), [-1.0] * len(r), [1] * len(r),
-                              None if rewards is None else rewards[i], group_id, f"task-{group_id}", version,
-                              {"question": prompt}))
+        out.append(
+            Experience(
+                p + r,
+                len(p),
+                [-1.0] * len(r),
+                [1] * len(r),
+                None if rewards is None else rewards[i],
+                group_id,
+                f"task-{group_id}",
+                version,
+                {"question": prompt},
+            )
+        )
     return out
 
 
 # ----------------------------------------------------------------------------- task curation
 
+
 def test_task_pipeline_dedups_filters_by_length_and_scores_difficulty(tok):
-    tasks = [arithmetic("a", "What is 1 + 2?", 1, 2), arithmetic("b", "what  is 1 + 2?", 1, 2),
-             arithmetic("c", "What is 12 + 34 + 56?", 2, 3), arithmetic("d", "Add " + "1 + " * 60 + "1.", 1, 61)]
+    tasks = [
+        arithmetic("a", "What is 1 + 2?", 1, 2),
+        arithmetic("b", "what  is 1 + 2?", 1, 2),
+        arithmetic("c", "What is 12 + 34 + 56?", 2, 3),
+        arithmetic("d", "Add " + "1 + " * 60 + "1.", 1, 61),
+    ]
     ctx = TaskContext(tok)
-    out = run_task_pipeline([{"op": "dedup"}, {"op": "length_filter", "max_tokens": 30},
-                             {"op": "metadata_difficulty", "keys": ["num_digits", "num_terms"]}], tasks, ctx)
+    out = run_task_pipeline(
+        [
+            {"op": "dedup"},
+            {"op": "length_filter", "max_tokens": 30},
+            {"op": "metadata_difficulty", "keys": ["num_digits", "num_terms"]},
+        ],
+        tasks,
+        ctx,
+    )
     assert [t.task_id for t in out] == ["a", "c"]
     assert [t.difficulty for t in out] == [3.0, 5.0]
-    assert ctx.metrics["pipeline/dedup/removed"] == 1 and ctx.metrics["pipeline/length_filter/removed"] == 1
+    assert (
+        ctx.metrics["pipeline/dedup/removed"] == 1
+        and ctx.metrics["pipeline/length_filter/removed"] == 1
+    )
     assert ctx.metrics["pipeline/metadata_difficulty/mean"] == 4.0
 
 
 def test_a_plug_in_operator_scores_by_a_user_function(tok):
     tasks = [Task("long", "What is 100 + 200 + 300?", "600"), Task("short", "1 + 1?", "2")]
     out = run_task_pipeline([{"op": "tests.plugins.difficulty_by_length"}], tasks, TaskContext(tok))
-    assert [t.task_id for t in out] == ["long", "short"] and [t.difficulty for t in out] == [24.0, 6.0]
+    assert [t.task_id for t in out] == ["long", "short"] and [t.difficulty for t in out] == [
+        24.0,
+        6.0,
+    ]
     assert Easy2Hard(out, 0).next(2) == [1, 0]
 
 
-@pytest.mark.parametrize("spec,message", [
-    ([{"op": "metadata_difficulty", "keys": ["num_carries"]}], r"task a has no numeric \['num_carries'\]"),
-    ([{"op": "nope"}], "unknown task_pipeline 'nope'"),
-    ([{"op": "length_filter", "maxtokens": 3}], r"takes no argument\(s\) \['maxtokens'\]"),
-    ([{"op": "length_filter", "max_tokens": 1}], "length_filter removed every task"),
-    (["dedup"], "each entry needs op = NAME"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        (
+            [{"op": "metadata_difficulty", "keys": ["num_carries"]}],
+            r"task a has no numeric \['num_carries'\]",
+        ),
+        ([{"op": "nope"}], "unknown task_pipeline 'nope'"),
+        ([{"op": "length_filter", "maxtokens": 3}], r"takes no argument\(s\) \['maxtokens'\]"),
+        ([{"op": "length_filter", "max_tokens": 1}], "length_filter removed every task"),
+        (["dedup"], "each entry needs op = NAME"),
+    ],
+)
 def test_task_pipeline_errors_name_the_problem(tok, spec, message):
     with pytest.raises(ValueError, match=message):
         run_task_pipeline(spec, [arithmetic("a", "What is 1 + 2?", 1, 2)], TaskContext(tok))
 
 
 # ----------------------------------------------------------------------------- selectors
+
 
 def tasks_with(difficulties):
     return [Task(f"t{i}", f"q{i}", "0", difficulty=d) for i, d in enumerate(difficulties)]
@@ -90,7 +132,9 @@ def test_rule_based_selectors():
     tasks = tasks_with([2.0, 0.0, 1.0, 0.0])
     seq = Sequential(tasks, 0)
     assert seq.next(3) == [0, 1, 2] and seq.next(3) == [3, 0, 1]  # cycled
-    assert Shuffle(tasks, 7).order == random.Random(7).sample(range(4), 4)  # the explorer's order before selectors
+    assert Shuffle(tasks, 7).order == random.Random(7).sample(
+        range(4), 4
+    )  # the explorer's order before selectors
     assert Easy2Hard(tasks, 0).next(4) == [1, 3, 2, 0]  # ascending difficulty, ties in list order
     with pytest.raises(ValueError, match="easy2hard needs a difficulty"):
         Easy2Hard([Task("x", "q", "0")], 0)
@@ -136,7 +180,9 @@ def test_diff_based_follows_the_bots_estimator():
 
 
 def test_diff_based_sampling_resumes_exactly():
-    sel = DiffBased(tasks_with([0.0, 1.0, 2.0, 3.0, 4.0]), 5, tau=0.5)  # softmax sampling of Beta draws
+    sel = DiffBased(
+        tasks_with([0.0, 1.0, 2.0, 3.0, 4.0]), 5, tau=0.5
+    )  # softmax sampling of Beta draws
     sel.update({"t1": 0.5, "t3": 0.0})
     saved = json.loads(json.dumps(sel.state()))
     picks = [sel.next(2) for _ in range(4)]
@@ -148,11 +194,16 @@ def test_diff_based_sampling_resumes_exactly():
 
 # ----------------------------------------------------------------------------- experience operators
 
+
 def test_diversity_reward_rewards_the_least_typical_rollout(tok, tiny_model):
-    groups = [group(tok, ["7", "7", "the answer is 42 because"], [1.0, 0.0, 0.0], group_id="g1"),
-              group(tok, ["5", "5"], [0.0, 0.0], group_id="g2")]
+    groups = [
+        group(tok, ["7", "7", "the answer is 42 because"], [1.0, 0.0, 0.0], group_id="g1"),
+        group(tok, ["5", "5"], [0.0, 0.0], group_id="g2"),
+    ]
     ctx = ExperienceContext(step=10, tokenizer=tok, model=tiny_model)
-    diversity_reward(groups, ctx, weight=0.5, final_weight=0.3, decay_steps=20)  # weight 0.4 at step 10
+    diversity_reward(
+        groups, ctx, weight=0.5, final_weight=0.3, decay_steps=20
+    )  # weight 0.4 at step 10
     g1, g2 = groups
     # identical responses embed alike up to float32 rounding, which differs between CPUs (1e-7 on some)
     assert [e.info["shaping"]["diversity"] for e in g1] == pytest.approx([0.0, 0.0, 0.4], abs=1e-6)
@@ -164,18 +215,25 @@ def test_diversity_reward_rewards_the_least_typical_rollout(tok, tiny_model):
 
 
 def test_clean_drops_long_repetitive_and_duplicate_rollouts(tok):
-    g = group(tok, ["12", "12", "one two three four five six seven", "go go go go go go"], [1.0] * 4)
+    g = group(
+        tok, ["12", "12", "one two three four five six seven", "go go go go go go"], [1.0] * 4
+    )
     ctx = ExperienceContext(tokenizer=tok)
     out = clean([g], ctx, max_tokens=6, ngram=2, max_repeat_frac=0.5, dedup=True)
     assert out == [[g[0]]]
-    assert ctx.metrics == {"pipeline/clean/dropped_length": 1, "pipeline/clean/dropped_repetition": 1,
-                           "pipeline/clean/dropped_duplicate": 1}
+    assert ctx.metrics == {
+        "pipeline/clean/dropped_length": 1,
+        "pipeline/clean/dropped_repetition": 1,
+        "pipeline/clean/dropped_duplicate": 1,
+    }
 
 
 def test_quality_reward_scales_the_rating_to_plus_minus_half(tok, tiny_model):
     g = group(tok, ["12", "13"], [1.0, 0.0])
     ctx = ExperienceContext(tokenizer=tok)
-    with chat_endpoint(lambda text: "4" if "Answer: 12" in text else "1") as url:  # an OpenAI-compatible rater
+    with chat_endpoint(
+        lambda text: "4" if "Answer: 12" in text else "1"
+    ) as url:  # an OpenAI-compatible rater
         quality_reward([g], ctx, url=url, model="rater", weight=2.0)
     assert [e.info["shaping"]["quality"] for e in g] == [2.0 * (4 - 3) / 4, 2.0 * (1 - 3) / 4]
     assert [e.reward for e in g] == [1.5, -1.0]
@@ -186,10 +244,15 @@ def test_quality_reward_scales_the_rating_to_plus_minus_half(tok, tiny_model):
 
 
 def test_experience_pipeline_composes_and_refuses_an_empty_batch(tok, tiny_model):
-    pipe = ExperiencePipeline([{"op": "clean", "max_tokens": 2}, {"op": "diversity_reward", "weight": 1.0}],
-                              tokenizer=tok, model=tiny_model)
-    groups = [group(tok, ["1", "the answer is 42 because"], [1.0, 0.0], group_id="a"),
-              group(tok, ["one two three four", "five six seven eight"], [0.0, 1.0], group_id="b")]
+    pipe = ExperiencePipeline(
+        [{"op": "clean", "max_tokens": 2}, {"op": "diversity_reward", "weight": 1.0}],
+        tokenizer=tok,
+        model=tiny_model,
+    )
+    groups = [
+        group(tok, ["1", "the answer is 42 because"], [1.0, 0.0], group_id="a"),
+        group(tok, ["one two three four", "five six seven eight"], [0.0, 1.0], group_id="b"),
+    ]
     out, m = pipe(groups, 0)
     assert [g[0].group_id for g in out] == ["a"] and len(out[0]) == 1  # b: every rollout too long
     assert m["pipeline/clean/groups_dropped"] == 1 and m["pipeline/reward_raw_mean"] == 1.0
@@ -201,6 +264,7 @@ def test_experience_pipeline_composes_and_refuses_an_empty_batch(tok, tiny_model
 
 # ----------------------------------------------------------------------------- replay
 
+
 def test_replay_serves_by_priority_up_to_the_use_limit_and_resume_undoes_it(tok, buffer_url):
     buf = Buffer(buffer_url)
     for v in range(3):
@@ -210,17 +274,29 @@ def test_replay_serves_by_priority_up_to_the_use_limit_and_resume_undoes_it(tok,
     got, eligible = replay(buf, step=1, groups=1, decay=2.0, use_count_limit=3)
     assert eligible == 3 and [g[0].group_id for g in got] == ["v2"]  # priorities 2-2, 1-2, 0-2
     assert (got[0][0].info["use_count"], got[0][0].info["priority"]) == (1, 0.0)
-    uses = lambda: dict(buf.db.execute("SELECT group_id, MAX(use_count) FROM experiences GROUP BY group_id").fetchall())  # noqa: E731
+
+    def uses():
+        return dict(
+            buf.db.execute(
+                "SELECT group_id, MAX(use_count) FROM experiences GROUP BY group_id"
+            ).fetchall()
+        )
+
     before = uses()
     got, _ = replay(buf, step=2, groups=2, decay=2.0, use_count_limit=3)
     assert [g[0].group_id for g in got] == ["v1", "v2"]  # -1, then -2 (v2, newest) before -2 (v0)
     got, eligible = replay(buf, step=3, groups=3, decay=2.0, use_count_limit=3)
-    assert eligible == 2 and [g[0].group_id for g in got] == ["v0", "v1"]  # -2 before 1 - 2 * 2; v2 has used its 3
+    assert eligible == 2 and [g[0].group_id for g in got] == [
+        "v0",
+        "v1",
+    ]  # -2 before 1 - 2 * 2; v2 has used its 3
     assert replay(buf, step=4, groups=3, decay=2.0, use_count_limit=3)[0][0][0].group_id == "v0"
     assert buf.release_after(2) == 0  # nothing was first consumed at steps >= 2
     assert uses() == before  # the replays of steps 2.. are undone
     buf.release_after(0)
-    assert uses() == {"v0": 0, "v1": 0, "v2": 0} and [g[0].group_id for g in buf.read(3, step=0)] == ["v0", "v1", "v2"]
+    assert uses() == {"v0": 0, "v1": 0, "v2": 0} and [
+        g[0].group_id for g in buf.read(3, step=0)
+    ] == ["v0", "v1", "v2"]
     buf.close()
 
 
@@ -238,16 +314,23 @@ def test_set_rewards_many_is_all_or_nothing(tok, buffer_url):
 
 # ----------------------------------------------------------------------------- from a config
 
-@pytest.mark.parametrize("args,message", [
-    (["--task-pipeline", '[{"op": "sort"}]'], "unknown task_pipeline 'sort'"),
-    (["--experience-pipeline", '[{"op": "diversity_reward", "wieght": 1}]'], r"takes no argument\(s\) \['wieght'\]"),
-    (["--selector", "easy2hard"], "selector easy2hard needs a difficulty"),
-    (["--replay", '{"group": 2}'], r"replay: unknown key\(s\) \['group'\]"),
-    (["--replay", '{"groups": 2, "use_count_limit": 1}'], "need groups >= 1"),
-    (["--selector", "diff_based", "--pool-easy", "0.9"], "leave pool_easy / pool_hard unset"),
-    (["--annotation", '{"url": "http://127.0.0.1:9"}'], "LABEL_STUDIO_API_KEY"),
-    (["--task-pipeline", '{"op": "dedup"}'], "expected a list"),
-])
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--task-pipeline", '[{"op": "sort"}]'], "unknown task_pipeline 'sort'"),
+        (
+            ["--experience-pipeline", '[{"op": "diversity_reward", "wieght": 1}]'],
+            r"takes no argument\(s\) \['wieght'\]",
+        ),
+        (["--selector", "easy2hard"], "selector easy2hard needs a difficulty"),
+        (["--replay", '{"group": 2}'], r"replay: unknown key\(s\) \['group'\]"),
+        (["--replay", '{"groups": 2, "use_count_limit": 1}'], "need groups >= 1"),
+        (["--selector", "diff_based", "--pool-easy", "0.9"], "leave pool_easy / pool_hard unset"),
+        (["--annotation", '{"url": "http://127.0.0.1:9"}'], "LABEL_STUDIO_API_KEY"),
+        (["--task-pipeline", '{"op": "dedup"}'], "expected a list"),
+    ],
+)
 def test_pipeline_settings_are_checked_before_anything_starts(args, message, capsys, monkeypatch):
     monkeypatch.delenv("LABEL_STUDIO_API_KEY", raising=False)
     assert run.main(["--run-dir", "/nonexistent/never-created", *args]) == 2
@@ -282,20 +365,32 @@ def test_a_failing_annotator_ends_the_trainers_wait_with_its_reason(tmp_path, mo
 
         def tasks(self, project):
             self.calls += 1
-            if self.calls > 1:  # (the first call is the annotator's start: the tasks sent before a restart)
+            if (
+                self.calls > 1
+            ):  # (the first call is the annotator's start: the tasks sent before a restart)
                 raise ValueError("unexpected reply from Label Studio")
             return []
 
     monkeypatch.setattr(label_studio, "LabelStudio", Broken)
     monkeypatch.setenv("LABEL_STUDIO_API_KEY", "token")
-    cfg = run.parse_config(["--run-dir", str(tmp_path), "--reward-fn", "human", "--annotation",
-                            '{"url": "http://127.0.0.1:9"}'])
+    cfg = run.parse_config(
+        [
+            "--run-dir",
+            str(tmp_path),
+            "--reward-fn",
+            "human",
+            "--annotation",
+            '{"url": "http://127.0.0.1:9"}',
+        ]
+    )
     stop, before = threading.Event(), set(threading.enumerate())
     extra_metrics = label_studio.start_annotator(cfg, None, stop)
     for t in set(threading.enumerate()) - before:  # (it may have died already)
         if t.name == "annotator":
             t.join(60)
-    loop = TrainLoop(cfg, SimpleNamespace(), 0, LoopIO(extra_metrics=extra_metrics), rank=0, world=1)
+    loop = TrainLoop(
+        cfg, SimpleNamespace(), 0, LoopIO(extra_metrics=extra_metrics), rank=0, world=1
+    )
     polls = []
 
     def waiting():
@@ -304,7 +399,9 @@ def test_a_failing_annotator_ends_the_trainers_wait_with_its_reason(tmp_path, mo
 
     buf = Buffer(tmp_path / "buffer.sqlite")
     try:
-        with pytest.raises(RuntimeError, match="annotator failed: ValueError: unexpected reply from Label Studio"):
+        with pytest.raises(
+            RuntimeError, match="annotator failed: ValueError: unexpected reply from Label Studio"
+        ):
             buf.read(cfg.batch_size, timeout_s=5, alive=waiting, poll_s=0.01)
         assert len(polls) == 1  # at the first poll, not after buffer_timeout_s
         with pytest.raises(RuntimeError, match="annotator failed"):  # and at the end of a step
@@ -321,26 +418,73 @@ def test_pipelines_preset_runs_on_the_default_job(tiny_model, tmp_path):
     their policy pass rate and served easy -> hard, cleaned and diversity-shaped
     experiences, replayed groups; every part reports its metrics."""
     run_dir = tmp_path / "run"
-    res = run_py("--config", "configs/pipelines.toml", "--model", tiny_model, "--run-dir", run_dir, "--steps", "3",
-                 "--batch-size", "2", "--group-size", "4", "--max-tokens", "8", "--train-size", "12", "--eval-size", "0",
-                 "--dtype", "float32", "--engine", "hf", "--reward-fn", "tests.rewards.length_parity",
-                 "--task-pipeline", '[{"op": "dedup"}, {"op": "pass_rate_difficulty", "k": 2}]', "--log", "none")
+    res = run_py(
+        "--config",
+        "configs/pipelines.toml",
+        "--model",
+        tiny_model,
+        "--run-dir",
+        run_dir,
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--group-size",
+        "4",
+        "--max-tokens",
+        "8",
+        "--train-size",
+        "12",
+        "--eval-size",
+        "0",
+        "--dtype",
+        "float32",
+        "--engine",
+        "hf",
+        "--reward-fn",
+        "tests.rewards.length_parity",
+        "--task-pipeline",
+        '[{"op": "dedup"}, {"op": "pass_rate_difficulty", "k": 2}]',
+        "--log",
+        "none",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     buf = Buffer(run_dir / "buffer.sqlite")
-    curated = json.loads(buf.run_state("tasks/explorer0"))  # [[task_id, difficulty]] kept for a resume
+    curated = json.loads(
+        buf.run_state("tasks/explorer0")
+    )  # [[task_id, difficulty]] kept for a resume
     assert {d for _, d in curated} <= {0.0, 0.5, 1.0} and len(curated) == 12
     order = [tid for tid, _ in sorted(curated, key=lambda x: x[1])]  # easy -> hard (stable)
-    served = [r[0] for r in buf.db.execute("SELECT task_id FROM experiences GROUP BY group_id ORDER BY MIN(id)")]
-    assert served == order[:len(served)]
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss/policy"' in x]
+    served = [
+        r[0]
+        for r in buf.db.execute(
+            "SELECT task_id FROM experiences GROUP BY group_id ORDER BY MIN(id)"
+        )
+    ]
+    assert served == order[: len(served)]
+    steps = [
+        json.loads(x)
+        for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"loss/policy"' in x
+    ]
     assert steps[0]["pipeline/pass_rate_difficulty/kept"] == 12
-    assert all("pipeline/diversity_reward/bonus_mean" in m and "pipeline/clean/dropped_duplicate" in m for m in steps)
-    assert [m["replay/groups"] for m in steps] == [0, 2, 2]  # the preset's 2, once batch 0 was trained on
+    assert all(
+        "pipeline/diversity_reward/bonus_mean" in m and "pipeline/clean/dropped_duplicate" in m
+        for m in steps
+    )
+    assert [m["replay/groups"] for m in steps] == [
+        0,
+        2,
+        2,
+    ]  # the preset's 2, once batch 0 was trained on
     shaped = [json.loads(r[0]) for r in buf.db.execute("SELECT info FROM experiences")]
-    assert all("reward_raw" not in i for i in shaped)  # shaping is applied on read: the buffer keeps raw rewards
+    assert all(
+        "reward_raw" not in i for i in shaped
+    )  # shaping is applied on read: the buffer keeps raw rewards
 
 
 # ----------------------------------------------------------------------------- human in the loop
+
 
 def label_all(ls: LabelStudio, project: int, choose) -> int:
     """Act as the human: annotate every task of the project that has no annotation yet, with
@@ -349,9 +493,20 @@ def label_all(ls: LabelStudio, project: int, choose) -> int:
     for t in ls.tasks(project):
         if not t["annotations"]:
             name, to = ("preferred", "a") if "a" in t["data"] else ("reward", "response")
-            ls.call("POST", f"/api/tasks/{t['id']}/annotations/",
-                    {"result": [{"from_name": name, "to_name": to, "type": "choices",
-                                 "value": {"choices": [choose(t["data"])]}}]})
+            ls.call(
+                "POST",
+                f"/api/tasks/{t['id']}/annotations/",
+                {
+                    "result": [
+                        {
+                            "from_name": name,
+                            "to_name": to,
+                            "type": "choices",
+                            "value": {"choices": [choose(t["data"])]},
+                        }
+                    ]
+                },
+            )
             n += 1
     return n
 
@@ -361,19 +516,46 @@ def test_annotation_round_trip_with_label_studio(label_studio, tok, tmp_path):
     buf = Buffer(tmp_path / "buffer.sqlite")
     buf.write(group(tok, ["12", "13", "14"], group_id="g1"))
     buf.write(group(tok, ["7", "8", "9"], group_id="g2"))
-    ann = Annotator(buf, tok, url, token, str(tmp_path), project="round trip", timeout_s=3600, timeout_reward=-1.0)
+    ann = Annotator(
+        buf,
+        tok,
+        url,
+        token,
+        str(tmp_path),
+        project="round trip",
+        timeout_s=3600,
+        timeout_reward=-1.0,
+    )
     m = ann.poll()
     assert m["annotation/sent"] == 2 and m["annotation/waiting"] == 2
     ls = LabelStudio(url, token)
     tasks = ls.tasks(ann.project)
-    assert sorted((t["data"]["group_id"], t["data"]["response"]) for t in tasks)[:3] == [("g1", "12"), ("g1", "13"),
-                                                                                        ("g1", "14")]
+    assert sorted((t["data"]["group_id"], t["data"]["response"]) for t in tasks)[:3] == [
+        ("g1", "12"),
+        ("g1", "13"),
+        ("g1", "14"),
+    ]
     # the human labels all of g1 and one rollout of g2
     for t in tasks:
         if t["data"]["group_id"] == "g1" or t["data"]["index"] == 0:
-            ls.call("POST", f"/api/tasks/{t['id']}/annotations/", {"result": [{
-                "from_name": "reward", "to_name": "response", "type": "choices",
-                "value": {"choices": ["good" if t["data"]["response"] in ("12", "14", "7") else "bad"]}}]})
+            ls.call(
+                "POST",
+                f"/api/tasks/{t['id']}/annotations/",
+                {
+                    "result": [
+                        {
+                            "from_name": "reward",
+                            "to_name": "response",
+                            "type": "choices",
+                            "value": {
+                                "choices": [
+                                    "good" if t["data"]["response"] in ("12", "14", "7") else "bad"
+                                ]
+                            },
+                        }
+                    ]
+                },
+            )
     m = ann.poll()
     assert (m["annotation/labelled"], m["annotation/waiting"]) == (1, 1)
     assert pending_groups(buf) == ["g2"]  # g2 waits for its other labels
@@ -390,8 +572,11 @@ def test_annotation_round_trip_with_label_studio(label_studio, tok, tmp_path):
     assert label_all(ls, pair.project, lambda d: "B" if d["b"] == "21" else "A") == 1
     pair.poll()
     assert [e.reward for e in buf.read(1)[0]] == [0.0, 1.0]
-    assert json.loads((tmp_path / "preferences.jsonl").read_text()) == {"prompt": "What is 5 + 7?", "chosen": "21",
-                                                                        "rejected": "12"}
+    assert json.loads((tmp_path / "preferences.jsonl").read_text()) == {
+        "prompt": "What is 5 + 7?",
+        "chosen": "21",
+        "rejected": "12",
+    }
     restarted = Annotator(buf, tok, url, token, str(tmp_path), project="round trip")
     assert set(restarted.sent) == {"g1", "g2"}  # a restarted annotator does not send them again
     buf.close()
@@ -405,17 +590,53 @@ def test_human_labels_train_the_default_job(label_studio, tiny_model, tmp_path, 
     run_dir = tmp_path / "human"
     monkeypatch.setenv("LABEL_STUDIO_API_KEY", token)
     proc = subprocess.Popen(
-        [sys.executable, "run.py", "--config", "configs/human.toml", "--model", tiny_model, "--run-dir", str(run_dir),
-         "--annotation", json.dumps({"url": url, "timeout_s": 600}), "--steps", "2", "--batch-size", "2",
-         "--group-size", "3", "--max-tokens", "6", "--train-size", "20", "--dtype", "float32", "--engine", "hf",
-         "--log", "none"], cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "run.py",
+            "--config",
+            "configs/human.toml",
+            "--model",
+            tiny_model,
+            "--run-dir",
+            str(run_dir),
+            "--annotation",
+            json.dumps({"url": url, "timeout_s": 600}),
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--group-size",
+            "3",
+            "--max-tokens",
+            "6",
+            "--train-size",
+            "20",
+            "--dtype",
+            "float32",
+            "--engine",
+            "hf",
+            "--log",
+            "none",
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     ls, project, labelled = LabelStudio(url, token), None, 0
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
-        projects = [p for p in ls.call("GET", "/api/projects?page_size=1000")["results"] if p["title"] == "nanorft human"]
+        projects = [
+            p
+            for p in ls.call("GET", "/api/projects?page_size=1000")["results"]
+            if p["title"] == "nanorft human"
+        ]
         if projects:
             project = projects[0]["id"]
-            labelled += label_all(ls, project, lambda d: "good" if len(d["response"]) % 2 == 0 else "bad")
+            labelled += label_all(
+                ls, project, lambda d: "good" if len(d["response"]) % 2 == 0 else "bad"
+            )
         time.sleep(0.5)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-3000:]
@@ -424,7 +645,11 @@ def test_human_labels_train_the_default_job(label_studio, tiny_model, tmp_path, 
     rows = buf.db.execute("SELECT reward, info FROM experiences WHERE consumed > 0").fetchall()
     assert len(rows) == 2 * 2 * 3
     assert all(r == float(len(json.loads(i)["response"].strip()) % 2 == 0) for r, i in rows)
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss/policy"' in x]
+    steps = [
+        json.loads(x)
+        for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"loss/policy"' in x
+    ]
     assert steps[-1]["annotation/labelled"] >= 2 and steps[-1]["annotation/timed_out"] == 0
 
 
@@ -440,13 +665,30 @@ def test_the_experience_pipeline_runs_without_lent_cores(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     buffer = Buffer(run_dir / "buffer.sqlite")
-    buffer.write([Experience([1, 2, 3, 4 + i], 2, [-0.5, -0.5], [1, 1], float(i % 2), "g0", "t0", 0, {}, "w")
-                  for i in range(2)])
+    buffer.write(
+        [
+            Experience(
+                [1, 2, 3, 4 + i], 2, [-0.5, -0.5], [1, 1], float(i % 2), "g0", "t0", 0, {}, "w"
+            )
+            for i in range(2)
+        ]
+    )
     buffer.close()
-    cfg = run.Config(run_dir=str(run_dir), steps=1, batch_size=1, sync_method="checkpoint", log="none",
-                     dtype="float32", save_dtype="float32", eval_size=0, checkpoint_interval=0)
+    cfg = run.Config(
+        run_dir=str(run_dir),
+        steps=1,
+        batch_size=1,
+        sync_method="checkpoint",
+        log="none",
+        dtype="float32",
+        save_dtype="float32",
+        eval_size=0,
+        checkpoint_interval=0,
+    )
     if not dist.is_initialized():  # a one-rank group in this process
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{launch.free_port()}", rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{launch.free_port()}", rank=0, world_size=1
+        )
     trainer = Trainer(cfg, tiny_model, torch.device("cpu"))
     io = loop.loop_io(cfg, trainer, 0, tiny_model)
     shaped = []
@@ -459,7 +701,9 @@ def test_the_experience_pipeline_runs_without_lent_cores(tiny_model, tmp_path):
         io.buffer.close()
         dist.destroy_process_group()
     assert shaped == [0]
-    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["pipeline/ran"] == 1.0
+    assert (
+        json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["pipeline/ran"] == 1.0
+    )
 
 
 def test_the_help_of_each_pipeline_flag_names_every_registered_operator():
@@ -469,6 +713,10 @@ def test_the_help_of_each_pipeline_flag_names_every_registered_operator():
     from extras.pipelines import EXPERIENCE_OPS, SELECTORS, TASK_OPS
 
     helps = _field_help()[0]
-    for field, registry in (("task_pipeline", TASK_OPS), ("selector", SELECTORS), ("experience_pipeline", EXPERIENCE_OPS)):
+    for field, registry in (
+        ("task_pipeline", TASK_OPS),
+        ("selector", SELECTORS),
+        ("experience_pipeline", EXPERIENCE_OPS),
+    ):
         missing = [name for name in registry if name not in helps[field]]
         assert not missing, f"--{field.replace('_', '-')} help lacks {missing}"

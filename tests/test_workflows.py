@@ -1,20 +1,21 @@
 """Agent-environment interaction: multi-turn token streams, the bundled game, lagged rewards,
 timeouts and retries, judge rewards, reflection, workflows by import path."""
+
 import asyncio
 import json
 import sqlite3
 
 import pytest
+from test_e2e import metrics
 from transformers import AutoTokenizer
 
 from conftest import chat_endpoint, run_py
 from engines import Completion, Engine, Sampling
-from test_e2e import metrics
+from extras.guess_number import GuessNumberWorkflow
 from extras.judge import judge_reward
 from extras.lagged_rewards import pending_groups
-from extras.reflect import ReflectWorkflow
-from extras.guess_number import GuessNumberWorkflow
 from extras.multiturn import MultiTurnWorkflow
+from extras.reflect import ReflectWorkflow
 from workflows import Task, last_number
 
 COMMON = ["--config", "configs/tiny.toml"]
@@ -34,8 +35,12 @@ class ScriptedEngine(Engine):
             self.seen.append(list(p))
             group = []
             for _ in range(n):
-                toks = self.tokenizer.encode(self.replies(p), add_special_tokens=False) + [self.tokenizer.eos_token_id]
-                group.append(Completion(toks, [-0.5] * len(toks), "stop", (self.version, self.version)))
+                toks = self.tokenizer.encode(self.replies(p), add_special_tokens=False) + [
+                    self.tokenizer.eos_token_id
+                ]
+                group.append(
+                    Completion(toks, [-0.5] * len(toks), "stop", (self.version, self.version))
+                )
             out.append(group)
         return out
 
@@ -60,7 +65,7 @@ def test_multi_turn_merges_exact_token_prefixes(tok):
     assert sample.tokens[: len(last)] == last
     for prompt in engine.seen:  # every turn's prompt is a prefix of the sample
         assert sample.tokens[: len(prompt)] == prompt
-    resp = sample.tokens[sample.prompt_length:]
+    resp = sample.tokens[sample.prompt_length :]
     trained = [t for t, m in zip(resp, sample.action_mask) if m]
     env = tok.decode([t for t, m in zip(resp, sample.action_mask) if not m])
     assert tok.decode(trained, skip_special_tokens=True) == "81210"  # only the model's guesses
@@ -104,9 +109,14 @@ def test_multi_turn_starts_a_new_sample_where_the_prefix_breaks(tok):
     engine.seen.clear()
     samples = play(Compacting(tok, None, None, "", Sampling(8)), engine, Task("f/2", "q", "7"))
     assert len(samples) == 3 and all(s.info["samples"] == 3 for s in samples)
-    for s, p in zip(samples, engine.seen):  # each sample = the prompt the engine saw + its completion
+    for s, p in zip(
+        samples, engine.seen
+    ):  # each sample = the prompt the engine saw + its completion
         assert s.prompt_length == len(p) and s.tokens[: len(p)] == p
-        assert s.action_mask == [1, 1] and tok.decode(s.tokens[len(p):], skip_special_tokens=True) == "7"
+        assert (
+            s.action_mask == [1, 1]
+            and tok.decode(s.tokens[len(p) :], skip_special_tokens=True) == "7"
+        )
 
 
 def test_reflect_keeps_one_correct_reflection(tok):
@@ -114,20 +124,45 @@ def test_reflect_keeps_one_correct_reflection(tok):
         return "12" if "incorrect" in tok.decode(prompt) else "11"
 
     engine = ScriptedEngine(tok, reply)
-    wf = ReflectWorkflow(tok, lambda t, c, d: float(last_number(c) == t.answer), None, "", Sampling(8))
+    wf = ReflectWorkflow(
+        tok, lambda t, c, d: float(last_number(c) == t.answer), None, "", Sampling(8)
+    )
     group = play(wf, engine, Task("r/0", "5+7?", "12"), n=3)
     assert [e.reward for e in group] == [0.0, 0.0, 0.0, 1.0] and group[-1].info["reflection"]
     ref = group[-1]
-    assert "11" in tok.decode(ref.tokens[: ref.prompt_length]) and "incorrect" in tok.decode(ref.tokens[: ref.prompt_length])
-    assert tok.decode(ref.tokens[ref.prompt_length:], skip_special_tokens=True) == "12"
+    assert "11" in tok.decode(ref.tokens[: ref.prompt_length]) and "incorrect" in tok.decode(
+        ref.tokens[: ref.prompt_length]
+    )
+    assert tok.decode(ref.tokens[ref.prompt_length :], skip_special_tokens=True) == "12"
 
 
 @pytest.mark.slow
 def test_guess_number_game_trains_on_cpu(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    res = run_py("--config", "configs/guess.toml", "--model", tiny_model, "--run-dir", run_dir, "--steps", 2,
-                 "--batch-size", 2, "--group-size", 4, "--eval-size", 4, "--dtype", "float32", "--engine", "hf",
-                 "--lr", "1e-3", "--explorer-max-batch", 64)
+    res = run_py(
+        "--config",
+        "configs/guess.toml",
+        "--model",
+        tiny_model,
+        "--run-dir",
+        run_dir,
+        "--steps",
+        2,
+        "--batch-size",
+        2,
+        "--group-size",
+        4,
+        "--eval-size",
+        4,
+        "--dtype",
+        "float32",
+        "--engine",
+        "hf",
+        "--lr",
+        "1e-3",
+        "--explorer-max-batch",
+        64,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r for r in metrics(run_dir) if "loss/grad_norm" in r]
     assert len(steps) == 2 and all(r["rollout/turns_mean"] >= 1 for r in steps)
@@ -135,22 +170,42 @@ def test_guess_number_game_trains_on_cpu(tiny_model, tmp_path):
     db = sqlite3.connect(run_dir / "buffer.sqlite")
     infos = [json.loads(i) for (i,) in db.execute("SELECT info FROM experiences")]
     assert all("episode_id" in i and 1 <= i["turns"] <= 6 for i in infos)
-    samples = (run_dir / "samples.log").read_text()  # prompt, policy turns and marked environment turns
+    samples = (
+        run_dir / "samples.log"
+    ).read_text()  # prompt, policy turns and marked environment turns
     assert "[prompt]" in samples and "[policy]" in samples and "[env]" in samples
 
 
 @pytest.mark.slow
 def test_lagged_rewards_train_and_nothing_unready_is_served(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    res = run_py(*COMMON, "--model", tiny_model, "--run-dir", run_dir, "--workflow", "tests.plugins.LaggedRewardWorkflow",
-                 "--steps", 3, "--eval-size", 0)
+    res = run_py(
+        *COMMON,
+        "--model",
+        tiny_model,
+        "--run-dir",
+        run_dir,
+        "--workflow",
+        "tests.plugins.LaggedRewardWorkflow",
+        "--steps",
+        3,
+        "--eval-size",
+        0,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     recs = metrics(run_dir)
-    assert all(r["rollout/reward_pending"] == 8 for r in recs if "rollout/reward_pending" in r)  # written unrated
+    assert all(
+        r["rollout/reward_pending"] == 8 for r in recs if "rollout/reward_pending" in r
+    )  # written unrated
     steps = [r for r in recs if "loss/grad_norm" in r]
     assert len(steps) == 3
     db = sqlite3.connect(run_dir / "buffer.sqlite")
-    assert db.execute("SELECT COUNT(*) FROM experiences WHERE consumed > 0 AND reward IS NULL").fetchone()[0] == 0
+    assert (
+        db.execute(
+            "SELECT COUNT(*) FROM experiences WHERE consumed > 0 AND reward IS NULL"
+        ).fetchone()[0]
+        == 0
+    )
     assert db.execute("SELECT COUNT(*) FROM experiences WHERE consumed > 0").fetchone()[0] == 24
 
 
@@ -170,9 +225,13 @@ def test_buffer_command_line_sets_lagged_rewards(buffer_url):
     cmd = [sys.executable, "buffer.py", str(path)]
     out = subprocess.run(cmd + ["pending"], cwd=ROOT, capture_output=True, text=True)
     assert out.stdout.split() == ["g1"]
-    bad = subprocess.run(cmd + ["set-reward", "g1", "1", "0", "1"], cwd=ROOT, capture_output=True, text=True)
+    bad = subprocess.run(
+        cmd + ["set-reward", "g1", "1", "0", "1"], cwd=ROOT, capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "has 2 experiences, got 3 rewards" in bad.stderr
-    ok = subprocess.run(cmd + ["set-reward", "g1", "1", "0"], cwd=ROOT, capture_output=True, text=True)
+    ok = subprocess.run(
+        cmd + ["set-reward", "g1", "1", "0"], cwd=ROOT, capture_output=True, text=True
+    )
     assert ok.returncode == 0, ok.stderr
     (group,) = buf.read(1, timeout_s=1)
     assert [e.reward for e in group] == [1.0, 0.0]
@@ -181,24 +240,60 @@ def test_buffer_command_line_sets_lagged_rewards(buffer_url):
 @pytest.mark.slow
 def test_timeouts_retries_and_crashes_do_not_block_the_run(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    res = run_py(*COMMON, "--model", tiny_model, "--run-dir", run_dir, "--workflow", "tests.plugins.FlakyWorkflow",
-                 "--reward-fn", "tests.rewards.length_parity", "--steps", 3, "--eval-size", 0,
-                 "--workflow-timeout-s", 2, "--workflow-retries", 1)
+    res = run_py(
+        *COMMON,
+        "--model",
+        tiny_model,
+        "--run-dir",
+        run_dir,
+        "--workflow",
+        "tests.plugins.FlakyWorkflow",
+        "--reward-fn",
+        "tests.rewards.length_parity",
+        "--steps",
+        3,
+        "--eval-size",
+        0,
+        "--workflow-timeout-s",
+        2,
+        "--workflow-retries",
+        1,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     recs = [r for r in metrics(run_dir) if "rollout/timeouts" in r]
-    assert sum(r["rollout/timeouts"] for r in recs) > 0 and sum(r["rollout/errors"] for r in recs) > 0
+    assert (
+        sum(r["rollout/timeouts"] for r in recs) > 0 and sum(r["rollout/errors"] for r in recs) > 0
+    )
     # every failure is retried, or skipped once its retries are used up (on a loaded machine a retry too can
     # time out: the 2 s limit counts real generation)
     assert sum(r["rollout/retries"] for r in recs) > 0
     assert sum(r["rollout/retries"] + r["rollout/skipped"] for r in recs) == sum(
-        r["rollout/timeouts"] + r["rollout/errors"] for r in recs)
+        r["rollout/timeouts"] + r["rollout/errors"] for r in recs
+    )
     assert len([r for r in metrics(run_dir) if "loss/grad_norm" in r]) == 3
 
 
 @pytest.mark.slow
 def test_skipped_tasks_are_replaced_then_a_clear_error(tiny_model, tmp_path):
-    res = run_py(*COMMON, "--model", tiny_model, "--run-dir", tmp_path / "run", "--workflow", "tests.plugins.FlakyWorkflow",
-                 "--steps", 1, "--eval-size", 0, "--workflow-timeout-s", 1, "--workflow-retries", 0, "--refill-rounds", 0)
+    res = run_py(
+        *COMMON,
+        "--model",
+        tiny_model,
+        "--run-dir",
+        tmp_path / "run",
+        "--workflow",
+        "tests.plugins.FlakyWorkflow",
+        "--steps",
+        1,
+        "--eval-size",
+        0,
+        "--workflow-timeout-s",
+        1,
+        "--workflow-retries",
+        0,
+        "--refill-rounds",
+        0,
+    )
     assert res.returncode != 0 and "groups after 0 refill rounds" in res.stderr
 
 
@@ -213,12 +308,24 @@ def test_judge_reward_over_http_and_with_a_local_model(tiny_model):
         judge_reward(task, "12", None)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--workflow", "tests.plugins.nothing"], "workflow 'tests.plugins.nothing' cannot be imported"),
-    (["--workflow", "tests.plugins.clipped_reinforce"], "is not a subclass of workflows.Workflow"),
-    (["--reward-fn", "judge", "--reward-kwargs", '{"modle": "x"}'], "takes no argument(s) ['modle']"),
-    (["--workflow-retries", "-1"], "workflow_retries must be >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--workflow", "tests.plugins.nothing"],
+            "workflow 'tests.plugins.nothing' cannot be imported",
+        ),
+        (
+            ["--workflow", "tests.plugins.clipped_reinforce"],
+            "is not a subclass of workflows.Workflow",
+        ),
+        (
+            ["--reward-fn", "judge", "--reward-kwargs", '{"modle": "x"}'],
+            "takes no argument(s) ['modle']",
+        ),
+        (["--workflow-retries", "-1"], "workflow_retries must be >= 0, got -1"),
+    ],
+)
 @pytest.mark.slow
 def test_bad_workflow_config_is_one_error_line(tiny_model, tmp_path, args, message):
     res = run_py(*COMMON, "--model", tiny_model, "--run-dir", tmp_path / "r", *args)
@@ -249,12 +356,20 @@ def test_held_out_tasks_are_a_sample_of_the_task_distribution():
 
     cfg = Config()
     train, held, _ = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
-    drawn = reasoning_gym.create_dataset(cfg.task, size=cfg.eval_size, seed=1_000_003, **cfg.task_kwargs)  # seed 0
-    assert [t.question for t in held] == [x["question"] for x in drawn]  # unfiltered, in the generator's order
-    assert len(train) == cfg.train_size and not {t.question for t in train} & {t.question for t in held}
+    drawn = reasoning_gym.create_dataset(
+        cfg.task, size=cfg.eval_size, seed=1_000_003, **cfg.task_kwargs
+    )  # seed 0
+    assert [t.question for t in held] == [
+        x["question"] for x in drawn
+    ]  # unfiltered, in the generator's order
+    assert len(train) == cfg.train_size and not {t.question for t in train} & {
+        t.question for t in held
+    }
 
     def one_digit_share(questions):
-        return sum(all(len(n) == 1 for n in re.findall(r"\d+", q)) for q in questions) / len(questions)
+        return sum(all(len(n) == 1 for n in re.findall(r"\d+", q)) for q in questions) / len(
+            questions
+        )
 
     population = reasoning_gym.create_dataset(cfg.task, size=2000, seed=12345, **cfg.task_kwargs)
     expected = one_digit_share([x["question"] for x in population])  # about 0.4
@@ -265,9 +380,17 @@ def test_a_task_space_too_small_for_its_held_out_set_is_one_error_line():
     pytest.importorskip("reasoning_gym")
     from workflows import load_tasks
 
-    kw = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"],
-          "allow_parentheses": False}  # 121 distinct questions (0-10), 113 of them in a held-out draw of 300
-    with pytest.raises(ValueError, match="only .* training tasks whose question is not among the 300 held-out"):
+    kw = {
+        "min_terms": 2,
+        "max_terms": 2,
+        "min_digits": 1,
+        "max_digits": 1,
+        "operators": ["+"],
+        "allow_parentheses": False,
+    }  # 121 distinct questions (0-10), 113 of them in a held-out draw of 300
+    with pytest.raises(
+        ValueError, match="only .* training tasks whose question is not among the 300 held-out"
+    ):
         load_tasks("basic_arithmetic", kw, 2000, 300, 0)
 
 
@@ -279,8 +402,13 @@ def test_run_seeds_draw_different_tasks():
     from workflows import load_tasks
 
     cfg = Config()
-    (train0, held0, _), (train1, held1, _) = (load_tasks(cfg.task, cfg.task_kwargs, 500, 200, s) for s in (0, 1))
+    (train0, held0, _), (train1, held1, _) = (
+        load_tasks(cfg.task, cfg.task_kwargs, 500, 200, s) for s in (0, 1)
+    )
     for a, b in ((train0, train1), (held0, held1)):
         shifted = sum(x.question == y.question for x, y in zip(a[1:], b))
         same = sum(x.question == y.question for x, y in zip(a, b))
-        assert max(shifted, same) < len(b) // 10, (shifted, same)  # chance matches in a small space only
+        assert max(shifted, same) < len(b) // 10, (
+            shifted,
+            same,
+        )  # chance matches in a small space only

@@ -1,5 +1,6 @@
 """Put on PYTHONPATH of a run.py subprocess (and so of the processes it spawns): every
 reasoning-gym dataset built appends a line to $NANORFT_BUILD_LOG (test_first_contact)."""
+
 import os
 
 import reasoning_gym
