@@ -121,9 +121,6 @@ class _SQLite:
 
 
 POSTGRES = ("postgresql://", "postgres://")  # URL prefixes of the PostgreSQL backend
-POSTGRES_BACKEND = (
-    "extras.postgres.Postgres"  # optional (psycopg), for several hosts: by import path
-)
 
 
 def open_buffer(url: str, run_dir: str | Path, timeout_s: float = 60.0) -> "Buffer":
@@ -137,11 +134,13 @@ class Buffer:
     def __init__(self, url: str | Path, timeout_s: float = 60.0, run_dir: str | Path | None = None):
         url = str(url)
         if url.startswith(POSTGRES):  # run_dir: the default schema's name
-            from losses import resolve
-
-            self.db = resolve(POSTGRES_BACKEND, {}, "buffer backend")(
-                url, timeout_s, SCHEMA, run_dir
-            )
+            try:  # optional (psycopg), for several hosts
+                from extras.postgres import Postgres
+            except ImportError as e:
+                raise ValueError(
+                    f"a PostgreSQL buffer needs psycopg: pip install 'psycopg[binary]' ({e})"
+                ) from None
+            self.db = Postgres(url, timeout_s, SCHEMA, run_dir)
         else:
             self.db = _SQLite(url.removeprefix("sqlite:///"), timeout_s)
         self.where = self.db.where
@@ -361,6 +360,6 @@ def check_config(cfg) -> None:
 
 
 if __name__ == "__main__":  # the command line for lagged rewards: pending, set-reward
-    from losses import resolve
+    from extras.lagged_rewards import main
 
-    raise SystemExit(resolve("extras.lagged_rewards.main", {}, "buffer.py")())
+    raise SystemExit(main())

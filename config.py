@@ -343,9 +343,11 @@ def parse_config(argv: list[str]) -> Config:
 
     preset = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), "")
     preset = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), preset)
-    values = (
-        losses.resolve("extras.presets.read_preset", {}, "--config")(Path(preset)) if preset else {}
-    )
+    values = {}
+    if preset:
+        from extras.presets import read_preset
+
+        values = read_preset(Path(preset))
     flagged = {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}
     defaults = dataclasses.asdict(Config())
     given = frozenset(values) | {n.removeprefix("no_") for n in flagged} & set(defaults)

@@ -47,17 +47,15 @@ class Engine:
             None,
             False,
         )  # version: loaded now
-        self.sync_method = (
-            "broadcast"  # how join_weight_sync receives: broadcast or ipc (sync.transport)
-        )
+        # how join_weight_sync receives: broadcast or ipc (sync.transport)
+        self.sync_method = "broadcast"
         self.status = lambda text: (
             None
         )  # a line saying what the engine is doing (mode both: the trainer's bar)
         self.label = ""  # what the current requests are for ("batch 3", "evaluation of version 10")
         self.matmul = (0, 0)  # (body, head) parameters per token (perf.matmul_params)
-        self.loaded_from = (
-            ""  # the model or adapter directory of the start weights (its files key eval_cache)
-        )
+        # the model or adapter directory of the start weights (its files key eval_cache)
+        self.loaded_from = ""
         self.model_flops = 0.0  # of every generate_batch so far (perf.generate_flops)
 
     async def generate(self, prompt_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
@@ -220,9 +218,8 @@ class Decoding:
 class HFEngine(Engine):
     """transformers engine. model_path: a model or peft adapter directory; lora: a LoRA run's peft LoraConfig."""
 
-    drop_ended = (
-        0.25  # ended rows leave the decode batch once they are this fraction of it (> 1: never)
-    )
+    # ended rows leave the decode batch once they are this fraction of it (> 1: never)
+    drop_ended = 0.25
 
     def __init__(
         self,
@@ -264,11 +261,11 @@ class HFEngine(Engine):
         )
         self.pad = models.pad_token_id(self.tokenizer)
         self.generator = torch.Generator(self.device).manual_seed(seed)
-        self.graphs = (
-            resolve("extras.cuda_graphs.Graphs", {}, "CUDA graphs")(max_batch)
-            if cuda_graphs and self.device.type == "cuda"
-            else None
-        )
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            from extras.cuda_graphs import Graphs
+
+            self.graphs = Graphs(max_batch)
 
     @classmethod
     def from_config(
@@ -320,9 +317,9 @@ class HFEngine(Engine):
         return self.version, sync.checksum(params) if self.checksum else None
 
     def load_checkpoint(self, path, version):
-        return resolve("extras.engine_checkpoints.load_into_hf", {}, "checkpoint sync")(
-            self, path, version
-        )
+        from extras.engine_checkpoints import load_into_hf
+
+        return load_into_hf(self, path, version)
 
     def generate_batch(self, prompts, ns, s):
         """max_batch rollouts at a time; a shared prompt prefix and each prompt are prefilled once."""
@@ -403,9 +400,8 @@ class HFEngine(Engine):
                         self.step_hook()  # in-flight: may load new weights; the KV cache is kept
                     if self.cores is not None:
                         self.cores.apply()
-                    if decoding.drops and int(done.sum()) >= self.drop_ended * len(
-                        done
-                    ):  # ended rows leave
+                    # ended rows leave
+                    if decoding.drops and int(done.sum()) >= self.drop_ended * len(done):
                         keep = (~done).nonzero().squeeze(1)  # [A']
                         live, tok, done = live[keep], tok[keep], done[keep]
                         decoding.keep(keep)

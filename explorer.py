@@ -22,13 +22,10 @@ import sync
 from buffer import Buffer, Experience, open_buffer, pool_for
 from config import Config
 from engines import Engine, HFEngine, Sampling, make_engine, use_gpu, vllm_available
-from losses import resolve
 from metrics import cpu_seconds, episode_means, mean_stderr, peak_rss_gib, sampled_eval
 from models import cache_dir, read_cached, write_cached
 from perf import mfu, unit_peak
-from workflows import PIPELINES, Shuffle, Task, load_reward_fn, load_workflow, readable
-
-TEACHER_EVAL = "extras.distill.evaluate_teacher"  # --teacher: its held-out accuracy, once, with batch 0's record
+from workflows import Shuffle, Task, load_reward_fn, load_workflow, readable
 
 
 def check_config(cfg, tokenizer, dataset) -> None:
@@ -74,9 +71,9 @@ def make_selector(cfg, tasks: list[Task], seed: int):
     """workflows.Shuffle, or cfg.selector from extras/pipelines.py (ValueError: unknown name or keyword)."""
     if cfg.selector == "shuffle" and not cfg.selector_kwargs:
         return Shuffle(tasks, seed)
-    return resolve(f"{PIPELINES}.make_selector", {}, "selector")(
-        cfg.selector, cfg.selector_kwargs, tasks, seed
-    )
+    from extras.pipelines import make_selector as pipeline_selector
+
+    return pipeline_selector(cfg.selector, cfg.selector_kwargs, tasks, seed)
 
 
 class Explorer:
@@ -129,9 +126,9 @@ class Explorer:
         cfg = self.cfg
         buffer.hold(cfg.explorer_name)
         if cfg.task_pipeline:
-            self.train, self.curation = resolve(f"{PIPELINES}.curate", {}, "task_pipeline")(
-                self, buffer
-            )
+            from extras.pipelines import curate
+
+            self.train, self.curation = curate(self, buffer)
             self.selector = make_selector(cfg, self.train, self.seed)
         if saved := buffer.explorer_state(cfg.explorer_name):
             self.restore(saved)
@@ -203,9 +200,8 @@ class Explorer:
             n or self.cfg.group_size,
             [None] * len(tasks),
         )
-        for attempt in range(
-            self.cfg.workflow_retries + 1
-        ):  # the runs of one attempt run concurrently
+        # the runs of one attempt run concurrently
+        for attempt in range(self.cfg.workflow_retries + 1):
             runs = {
                 i: workflow.run(t, self.engine, n) for i, t in enumerate(tasks) if groups[i] is None
             }
@@ -324,9 +320,8 @@ class Explorer:
         cfg, t0, since = self.cfg, time.perf_counter(), (self.engine.model_flops, cpu_seconds())
         n = max(cfg.eval_k, cfg.group_size) if version == 0 and cfg.eval_k else cfg.eval_k
         cache = eval_cache(cfg, self.engine, self.held_out, n) if version == 0 else None
-        if (
-            cache and (saved := read_cached(cache)).get("key") == cache.stem
-        ):  # else another format: a miss
+        # else another format: a miss
+        if cache and (saved := read_cached(cache)).get("key") == cache.stem:
             return {**saved["record"], "eval/cached": 1, "eval/seconds": time.perf_counter() - t0}
         sampler = self.engine.rng_state()
         self.engine.label = f"evaluation of version {version}"
@@ -467,9 +462,8 @@ class Schedule:
         self.cfg, self.receiver, self.last = cfg, receiver, last
 
     def join(self) -> None:
-        if (
-            self.receiver.port is None
-        ):  # checkpoint sync: the start weights are loaded, the trainer may go on
+        # checkpoint sync: the start weights are loaded, the trainer may go on
+        if self.receiver.port is None:
             self.receiver.log({"explorer/ready": True})
         self.receiver.join()
 
@@ -549,9 +543,8 @@ def run_mode_both(
         queue.close()
         queue.join_thread()
         sys.exit(1)
-    except (
-        SystemExit
-    ):  # SIGTERM (exit_quietly): the finally blocks have closed the engine. Run the exit
+    # SIGTERM (exit_quietly): the finally blocks have closed the engine. Run the exit
+    except SystemExit:
         queue.cancel_join_thread()  # handlers of multiprocessing, then leave without tearing down the weight-sync
         multiprocessing.util._exit_function()  # group: its destructor would wait for a broadcast that never comes
         os._exit(1)
@@ -564,7 +557,10 @@ def explore(cfg, engine: Engine, tasks: tuple, buffer: Buffer, pace, log, batche
         explorer = Explorer(cfg, engine, *tasks, log)
         first = explorer.resume(buffer)
         if cfg.teacher and cfg.eval_size and first == 0:
-            explorer.curation.update(resolve(TEACHER_EVAL, {}, "teacher")(cfg, engine, tasks))
+            from extras.distill import evaluate_teacher
+
+            # the teacher's held-out accuracy, once, with batch 0's record
+            explorer.curation.update(evaluate_teacher(cfg, engine, tasks))
         if cfg.inflight:
             engine.step_hook = pace.inflight
         evaluated = None  # the weight version last evaluated

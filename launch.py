@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from config import Config, parse_config
-from losses import resolve
 
 # a failed run's time to release its groups, stores and files on the way out (seconds; the tests shorten it)
 EXIT_GRACE_S = float(os.environ.get("NANORFT_EXIT_GRACE_S", "60"))
@@ -74,9 +73,8 @@ def sync_method(cfg: Config, layout: Placement) -> str:
     shared = (
         cfg.mode == "both" and cfg.engine == "hf" and layout.explorer in ("cpu", layout.trainer[0])
     )
-    if (
-        cfg.sync_method == "auto"
-    ):  # ipc is chosen by name until a GPU run has checked it (benchmarks/gpu_check.py)
+    # ipc is chosen by name until a GPU run has checked it (benchmarks/gpu_check.py)
+    if cfg.sync_method == "auto":
         return "broadcast"
     if cfg.sync_method == "ipc" and not shared:
         raise ValueError(
@@ -193,7 +191,9 @@ def gloo_interface() -> str | None:
         "localhost",
     ):  # set, or one host
         return None
-    return resolve("extras.hosts.gloo_interface", {}, "network interface lookup")(master)
+    from extras.hosts import gloo_interface
+
+    return gloo_interface(master)
 
 
 def split_threads(cfg: Config, world: int) -> None:
@@ -224,9 +224,8 @@ def guarded(cfg: Config, rank: int, run) -> int:
         run()
     except SystemExit:
         raise
-    except (
-        BaseException
-    ) as e:  # also torch.distributed.checkpoint's CheckpointException, a BaseException
+    # also torch.distributed.checkpoint's CheckpointException, a BaseException
+    except BaseException as e:
         if not (sigints or isinstance(e, KeyboardInterrupt)):
             failed(cfg, rank, e)
             return 1

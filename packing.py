@@ -162,9 +162,8 @@ def packed_sdpa() -> str:
         **kwargs,
     ):
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        if (
-            token_slots is not None
-        ):  # [1, h, T, D] -> [N, h, L, D]; index_copy_ and index_select: a cheap backward
+        # [1, h, T, D] -> [N, h, L, D]; index_copy_ and index_select: a cheap backward
+        if token_slots is not None:
             N, L = attention_mask.shape[0], attention_mask.shape[-1]
             query, key, value = (
                 x.new_zeros(N * L, *x.shape[1:])
@@ -364,9 +363,8 @@ class HeadLogprobs(torch.autograd.Function):
                 dz = dz if enabled else dz.to(weight.dtype)  # [c, V]
                 if gh is not None:
                     gh[c] = (dz @ weight).to(gh.dtype)  # [c, H]
-                if (
-                    gw is not None
-                ):  # [V, H]: a bf16 product added; a float32 one accumulated in place
+                # [V, H]: a bf16 product added; a float32 one accumulated in place
+                if gw is not None:
                     gw.add_(dz.T @ h) if enabled else gw.addmm_(dz.T, h.to(weight.dtype))
                 if gb is not None:
                     gb += dz.float().sum(0)  # [V]

@@ -1,5 +1,5 @@
-"""nanorft: reinforcement fine-tuning of LLMs. The table of modes (MODES) and `prepare`, which checks
-every input before any process starts.
+"""nanorft: reinforcement fine-tuning of LLMs. `rl_loop` is the RL cycle of modes both and
+train; `prepare` checks every input before any process starts; `main` runs the mode.
 
     torchrun run.py --mode both --sync-interval 2     # the default job (python run.py: the same)
     torchrun --nproc_per_node 2 run.py --mode both    # two FSDP trainer ranks
@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 import launch
+import sync
+from checkpoints import save_resume_state
 from config import Config, parse_config
-from losses import resolve
 from metrics import print0, trackers
 from perf import announce_peak
 
@@ -29,39 +30,64 @@ class Prepared(NamedTuple):
     layout: launch.Placement
 
 
-def trainer_ranks(cfg: Config, prepared: Prepared) -> None:
-    """Modes both and train: each trainer rank runs loop.run_trainer (mode both: rank 0 spawns the explorer)."""
+def rl_loop(cfg: Config, trainer, io, start: int) -> None:
+    """The RL cycle on one trainer rank (`trainer`: trainer.Trainer, `io`: loop.StepIO), one
+    step per explorer batch from `start` to cfg.steps. The explorer generates the batches in
+    its own process, with the weights the schedule in sync.py gives it, and evaluates them."""
+    for step in range(start, cfg.steps):
+        # the groups of this step, read from the buffer by rank 0 (too stale ones dropped)
+        groups, metrics = io.read_batch(step)
+        # advantages -> policy loss (forward, backward) -> optimizer step: weight version + 1
+        metrics.update(trainer.step(groups, io.progress))
+        # the explorer gets the new weights after every sync_interval steps
+        if sync.publishes_after(step, cfg.sync_interval, cfg.steps):
+            metrics.update(io.publish(step))
+        if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0:
+            if step < cfg.steps - 1:
+                save_resume_state(trainer, cfg.run_dir, step + 1)
+        # the explorer's evaluations and batch records join this step's metrics
+        io.log(step, metrics, groups)
+
+
+def train(cfg: Config, prepared: Prepared) -> None:
+    """Modes both and train, on each trainer rank: the RL loop (mode both: rank 0 spawns the
+    explorer; mode train: the explorers are launches of their own)."""
     import torch.distributed as dist
 
-    from loop import run_trainer
+    import loop
 
     rank, world, device = launch.init_distributed()
     shared = [prepared.model_path]
     dist.broadcast_object_list(shared, src=0)
+    model_path = shared[0]
     launch.split_threads(cfg, world)
-    explorer = (
-        "no explorer"
-        if cfg.mode == "train"
-        else f"explorer: engine {cfg.engine} x {cfg.explorer_threads} threads"
-    )
+    if cfg.mode == "train":
+        explorer = "no explorer"
+    else:
+        explorer = f"explorer: engine {cfg.engine} x {cfg.explorer_threads} threads"
     print0(
-        f"nanorft: mode {cfg.mode}, {world} trainer rank(s) x {cfg.trainer_threads} threads, {explorer}, "
-        f"model {shared[0]}, run dir {cfg.run_dir}\nplacement: {prepared.layout.describe(cfg.sync_method)}"
+        f"nanorft: mode {cfg.mode}, {world} trainer rank(s) x {cfg.trainer_threads} threads, "
+        f"{explorer}, model {model_path}, run dir {cfg.run_dir}\n"
+        f"placement: {prepared.layout.describe(cfg.sync_method)}"
     )
+    started = loop.started(cfg, model_path, rank, world, device, prepared.layout, prepared.tasks)
     try:
-        run_trainer(cfg, shared[0], rank, world, device, prepared.layout, prepared.tasks)
-        dist.barrier()  # the ranks leave together: none tears the group down while rank 0 still finishes
+        with started as (trainer, io, start):
+            rl_loop(cfg, trainer, io, start)
+        # the ranks leave together: none tears the group down while rank 0 still finishes
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-# mode -> what it starts; explore (one explorer beside a train launch) and bench (evaluation only) by import path
-MODES = {
-    "both": trainer_ranks,
-    "train": trainer_ranks,
-    "explore": "extras.explore_mode.run_mode_explore",
-    "bench": "extras.bench.bench",
-}
+def explore(cfg: Config, prepared: Prepared) -> None:
+    """Mode explore: one explorer beside a `--mode train` launch (extras/explore_mode.py)."""
+    from extras.explore_mode import run_mode_explore
+
+    run_mode_explore(cfg, prepared)
+
+
+MODES = {"both": train, "train": train, "explore": explore}
 
 
 # the losses that need no behaviour log-probs: offline rows carry none (MIX's expert rows: --expert-data)
@@ -100,15 +126,13 @@ def check_modes(cfg: Config) -> None:
         raise ValueError(
             "--train-data trains offline, with no explorer to sync with: leave out --sync-method broadcast"
         )
-    if (
-        cfg.overwrite and cfg.mode in ("explore", "train") and not cfg.train_data
-    ):  # (offline: no other side)
+    # (offline: no other side)
+    if cfg.overwrite and cfg.mode in ("explore", "train") and not cfg.train_data:
         raise ValueError(
             f"--overwrite would delete a run directory shared with the other side (mode {cfg.mode})"
         )
-    if (
-        cfg.resume and cfg.mode in ("both", "train") and not Path(cfg.run_dir).is_dir()
-    ):  # (without a buffer: step 0)
+    # (without a buffer: step 0)
+    if cfg.resume and cfg.mode in ("both", "train") and not Path(cfg.run_dir).is_dir():
         raise FileNotFoundError(f"--resume: no run to resume in {cfg.run_dir} (no such directory)")
 
 
@@ -146,9 +170,8 @@ def prepare(cfg: Config, rank: int) -> Prepared:
         f"{launch.allocator_banner(cfg)}; model {cfg.model}; "
         f"task {cfg.task} ({cfg.train_size} training + {cfg.eval_size} held-out tasks)"
     )
-    if (
-        int(os.environ.get("LOCAL_RANK", "0")) == 0
-    ):  # measured once per machine, before any process uses it
+    # measured once per machine, before any process uses it
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         announce_peak("cuda" if gpus else "cpu", cfg.dtype)
     model_path = models.resolve_model(cfg.model) if rank == 0 else None
     tasks = workflows.prepare_tasks(cfg)
@@ -156,9 +179,13 @@ def prepare(cfg: Config, rank: int) -> Prepared:
     explorer.check_config(cfg, tok, tasks[2])
     cfg.sync_method = launch.sync_method(cfg, layout)
     if rank == 0 and cfg.teacher:
-        resolve(trainer.TEACHER, {}, "teacher").check(cfg, tok)
+        from extras.distill import Teacher
+
+        Teacher.check(cfg, tok)
     if rank == 0 and (cfg.expert_fraction or cfg.train_data):
-        resolve("extras.offline.check_offline_data", {}, "offline data")(cfg, tok)
+        from extras.offline import check_offline_data
+
+        check_offline_data(cfg, tok)
     run_dir = Path(cfg.run_dir)
     if rank == 0:
         alone = cfg.mode == "both" or bool(
@@ -208,22 +235,23 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 0
         if cfg.mode == "bench":  # its errors are the user's input: exit code 2
-            return resolve(MODES["bench"], {}, "mode")(cfg)
+            from extras.bench import bench
+
+            return bench(cfg)
         prepared = prepare(cfg, rank)
     except (ValueError, OSError) as e:  # bad input: flags, files, directories
         print(f"run.py: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    return launch.guarded(cfg, rank, lambda: resolve(MODES[cfg.mode], {}, "mode")(cfg, prepared))
+    return launch.guarded(cfg, rank, lambda: MODES[cfg.mode](cfg, prepared))
 
 
 if __name__ == "__main__":
     launch.preload_allocator(sys.argv[1:])
-    if (
-        code := main()
-    ) == 130:  # Ctrl-C: a collective in flight would hang finalization (gloo joins its thread)
-        (
-            sys.stdout.flush(),
-            sys.stderr.flush(),
-            os._exit(code),
-        )  # no finalizers: kill -9 loses nothing either
+    code = main()
+    if code == 130:
+        # Ctrl-C: a collective in flight would hang finalization (gloo joins its thread); no
+        # finalizers: kill -9 loses nothing either
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)

@@ -12,12 +12,6 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from losses import resolve
-
-CHECKPOINT_SOURCE = (
-    "extras.checkpoint_sync.CheckpointSource"  # Receiver with --sync-method checkpoint
-)
-IPC_SYNC = "extras.ipc_sync.IpcSync"  # --sync-method ipc: WeightSync's interface, the weights by handle on one device
 CHECKSUM_CHUNK = 2**22  # elements a checksum sums at once: the float64 copy of them takes 32 MiB
 
 
@@ -98,18 +92,16 @@ class WeightSync:
             torch.device(device),
             host,
         )
-        if (
-            self.device.type == "cuda" and self.device.index is None
-        ):  # the group's thread has a current GPU of its own
+        # the group's thread has a current GPU of its own
+        if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout, self.bucket_elems, self.wire_dtype = (
             timedelta(seconds=timeout_s),
             bucket_elems,
             wire_dtype,
         )
-        self.store = self.group = self._pending = self._flat = (
-            None  # _flat: rank >= 1's receive buffer (CPU: kept)
-        )
+        # _flat: rank >= 1's receive buffer (CPU: kept)
+        self.store = self.group = self._pending = self._flat = None
         if rank == 0:
             self.store = dist.TCPStore(
                 host, port, world_size, is_master=True, timeout=self.timeout, wait_for_workers=False
@@ -207,9 +199,8 @@ class WeightSync:
             if work.is_completed():
                 try:
                     work.wait()
-                except (
-                    RuntimeError
-                ) as e:  # gloo: "Connection closed by peer [ADDR]:PORT", "Read error ..."
+                # gloo: "Connection closed by peer [ADDR]:PORT", "Read error ..."
+                except RuntimeError as e:
                     who = (
                         "an explorer"
                         if self.rank == 0
@@ -267,9 +258,8 @@ class WeightSync:
         if self._flat is None or self._flat.numel() != need or self._flat.dtype != self.wire_dtype:
             self._flat = torch.empty(need, dtype=self.wire_dtype, device=self.device)
         buffer = self._flat
-        if (
-            self.device.type != "cpu"
-        ):  # CUDA's caching allocator reuses the memory anyway: hold none between publishes
+        # CUDA's caching allocator reuses the memory anyway: hold none between publishes
+        if self.device.type != "cpu":
             self._flat = None
         for r in ranges:
             ps = [params[i] for i in r]
@@ -284,7 +274,11 @@ class WeightSync:
 
 def transport(sync_method: str) -> type:
     """The class of both ends of the weight sync for `sync_method` (broadcast or ipc)."""
-    return resolve(IPC_SYNC, {}, "sync_method") if sync_method == "ipc" else WeightSync
+    if sync_method == "ipc":  # WeightSync's interface, the weights by handle on one device
+        from extras.ipc_sync import IpcSync
+
+        return IpcSync
+    return WeightSync
 
 
 def flatten(
@@ -292,9 +286,8 @@ def flatten(
 ) -> torch.Tensor:
     """A new tensor [sum of numels] of `dtype` on `device`: `tensors` in order, each cast into its slice."""
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
-    for t, part in zip(
-        tensors, flat.split([t.numel() for t in tensors])
-    ):  # no second copy of the bucket
+    # no second copy of the bucket
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
         part.copy_(t.detach().reshape(-1))
     return flat
 
@@ -331,11 +324,12 @@ class Receiver:
         self.engine, self.log, self.alive = engine, log, alive
         self.port, self.timeout_s, self.device, self.host = port, timeout_s, device, host
         # what announces and receives the weights: the engine's group, or the run's checkpoints
-        self.source = (
-            engine
-            if port is not None
-            else resolve(CHECKPOINT_SOURCE, {}, "sync_method")(run_dir, name, engine)
-        )
+        if port is not None:
+            self.source = engine
+        else:
+            from extras.checkpoint_sync import CheckpointSource
+
+            self.source = CheckpointSource(run_dir, name, engine)
 
     def join(self) -> None:
         """Broadcast: join the weight-sync group (blocks until every rank is there)."""

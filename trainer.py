@@ -23,7 +23,6 @@ from losses import (
     kl_estimate,
     length_penalty,
     masked_sum,
-    resolve,
     resolve_algorithm,
 )
 from metrics import peak_rss_gib
@@ -39,22 +38,12 @@ from packing import (
 )
 from perf import matmul_params, mfu, train_flops, unit_peak
 
-GROUP_ADVANTAGES = (
-    "grpo",
-    "dr_grpo",
-    "rloo",
-    "opmd",
-    "grpo_stepwise",
-)  # baselines from the other rollouts of a group
-REFERENCE = "extras.reference.Reference"  # the frozen reference policy of the KL terms and DPO
-PART_TOTALS = (
-    "extras.policy_losses.part_totals"  # the aggregation totals of a split_expert loss (MIX)
-)
-TEACHER = (
-    "extras.distill.Teacher"  # --teacher: on-policy distillation's per-token term of the advantage
-)
-# packed tokens and rows padded to multiples of these: few tensor shapes, so the CPU allocator keeps few blocks (RSS)
-TOKEN_MULTIPLE, ROW_MULTIPLE = 128, 32
+# the advantage estimators whose baseline comes from the other rollouts of a group
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opmd", "grpo_stepwise")
+# packed tokens and rows padded to multiples of these: few tensor shapes, so the CPU allocator
+# keeps few blocks (RSS)
+TOKEN_MULTIPLE = 128
+ROW_MULTIPLE = 32
 # CUDA levers (benchmarks/bench_trainer.py times each on and off); a CPU runs none of them
 CUDA_LEVERS = {
     "causal_rows": True,  # rows of one sequence: is_causal attention (flash kernels), not pack's mask
@@ -153,9 +142,8 @@ def lr_schedule(cfg, opt) -> Callable[[int], float]:
             f"lr_schedule {cfg.lr_schedule!r} with {kwargs}: {type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}"
         ) from None
-    for (
-        group
-    ) in opt.param_groups:  # get_scheduler applied factor(0); optimizer_step sets each step's own
+    # get_scheduler applied factor(0); optimizer_step sets each step's own
+    for group in opt.param_groups:
         group["lr"] = cfg.lr
     return factor
 
@@ -211,13 +199,9 @@ class Trainer:
             cfg.dtype == "bfloat16" and self.cuda and self.sharded
         )  # FSDP2 mixed precision on CUDA
         self.autocast = cfg.dtype == "bfloat16" and not self.fsdp_bf16  # where FSDP2 does not cast
-        self.computed_tokens = (
-            0  # tokens the dense layers of the forward passes computed (packed, pads included)
-        )
-        self.cores = None  # sync.CoreShare: threads lent by an idle explorer (set by TrainLoop)
-        self.progress: Callable[[str], None] = lambda text: (
-            None
-        )  # rank 0's step bar shows where the step is
+        # tokens the dense layers of the forward passes computed (packed, pads included)
+        self.computed_tokens = 0
+        self.cores = None  # sync.CoreShare: threads lent by an idle explorer (set by loop.started)
         if device.type == "cpu":
             models.limit_heap_fragmentation()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -229,12 +213,16 @@ class Trainer:
         self.needs_ref = bool(
             cfg.kl_loss_coef or cfg.kl_reward_coef or getattr(self.loss_fn, "needs_ref", False)
         )
-        self.ref = resolve(REFERENCE, {}, "reference")(self, model_path) if self.needs_ref else None
-        self.teacher = (
-            resolve(TEACHER, {}, "teacher")(self, models.resolve_model(cfg.teacher))
-            if cfg.teacher
-            else None
-        )
+        self.ref = None  # the frozen reference policy of the KL terms and DPO
+        if self.needs_ref:
+            from extras.reference import Reference
+
+            self.ref = Reference(self, model_path)
+        self.teacher = None  # --teacher: on-policy distillation's per-token advantage term
+        if cfg.teacher:
+            from extras.distill import Teacher
+
+            self.teacher = Teacher(self, models.resolve_model(cfg.teacher))
         fused = (
             CUDA_LEVERS["fused_adamw"] if self.cuda else not self.sharded
         ) or None  # CPU: no temporaries
@@ -358,8 +346,12 @@ class Trainer:
             )  # [B, R]
         return b, lp, ent
 
-    def step(self, groups: list[list[Experience]]) -> dict[str, float]:
-        """One optimiser step on a batch's groups (the same on every rank): the global batch's metrics."""
+    def step(
+        self, groups: list[list[Experience]], progress: Callable[[str], None] | None = None
+    ) -> dict[str, float]:
+        """One optimiser step on a batch's groups (the same on every rank): rewards ->
+        advantages -> filters -> `forward_backward` of each micro-batch -> `optimizer_step`.
+        `progress` is told which micro-batch runs. Returns the global batch's metrics."""
         t0, cpu0 = time.perf_counter(), time.process_time()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -390,8 +382,9 @@ class Trainer:
         sums: dict[str, float] = {}
         micro = self.rank_micro_batches(my_rows, filler)
         for i, (mb, padding) in enumerate(micro):
-            self.progress(f"micro-batch {i + 1}/{len(micro)}")
-            for k, v in self.loss(mb, padding, batch, adv, rewards, totals).items():
+            if progress is not None:
+                progress(f"micro-batch {i + 1}/{len(micro)}")
+            for k, v in self.forward_backward(mb, padding, batch, adv, rewards, totals).items():
                 sums[k] = sums.get(k, 0.0) + v
         grad_norm = self.optimizer_step()
         self.version += 1
@@ -481,9 +474,9 @@ class Trainer:
     def loss_totals(self, batch: StepBatch, keep: torch.Tensor):
         """Micro-batch indices [n] -> the kept global batch's (tokens, sequences), or a split_expert loss's [n], [n]."""
         if getattr(self.loss_fn, "split_expert", False):
-            part_tokens, part_seqs = resolve(PART_TOTALS, {}, "part_totals")(
-                batch.token_counts, batch.offline, keep
-            )
+            from extras.policy_losses import part_totals
+
+            part_tokens, part_seqs = part_totals(batch.token_counts, batch.offline, keep)
             return lambda rows: (part_tokens[rows].to(self.device), part_seqs[rows].to(self.device))
         whole = (float(batch.token_counts[keep].sum()), int(keep.sum()))
         return lambda rows: whole
@@ -497,7 +490,7 @@ class Trainer:
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         return mbs + [([filler], True)] * (int(n) - len(mbs))
 
-    def loss(
+    def forward_backward(
         self,
         mb: list[Experience],
         padding: bool,
@@ -506,7 +499,8 @@ class Trainer:
         rewards: torch.Tensor,
         totals,
     ) -> dict[str, float]:
-        """Forward and backward of micro-batch `mb`; returns "loss/policy" (its share), "tokens" and metric sums."""
+        """Forward and backward of micro-batch `mb` through the policy loss; returns
+        "loss/policy" (its share), "tokens" and metric sums."""
         cfg, dev = self.cfg, lambda x: x.to(self.device)
         b, lp, ent = self.logprobs(self.model, mb, padding, entropy=True)
         mask, behaviour = b["mask"], b["behaviour_logprobs"]  # [B, R]
@@ -557,9 +551,8 @@ class Trainer:
         """Clip the gradients, AdamW step at the scheduled rate, zero them; the norm before clipping."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-        for (
-            group
-        ) in self.opt.param_groups:  # a function of the step: a resumed run goes on where it was
+        # a function of the step: a resumed run goes on where it was
+        for group in self.opt.param_groups:
             group["lr"] = self.cfg.lr * self.lr_factor(self.version)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)

@@ -28,12 +28,10 @@ class Task:
     difficulty: float | None = None  # higher = harder (set by a task pipeline)
 
 
-# task sources in extras/, by import path: name -> f(kwargs, train_size, eval_size, seed); prefix -> f(text after
-# "prefix:", train_size, eval_size); Hugging Face datasets: (is_dataset(name), tasks(...))
+# task sources in extras/ named by --task, by import path: name -> f(kwargs, train_size,
+# eval_size, seed); prefix -> f(text after "prefix:", train_size, eval_size)
 TASK_SOURCES = {"guess_number": "extras.guess_number.guess_number_tasks"}
 TASK_PREFIXES = {"verifiers": "extras.verifiers_env.verifiers_tasks"}
-HF_DATASETS = ("extras.hub.is_dataset", "extras.hub.hf_dataset_tasks")
-JSONL_TASKS = "extras.offline.jsonl_tasks"  # a .jsonl file: f(path, eval_size)
 
 
 def load_tasks(
@@ -48,10 +46,13 @@ def load_tasks(
     if rest and prefix in TASK_PREFIXES:  # an installed verifiers environment's tasks
         return (*resolve(TASK_PREFIXES[prefix], {}, "task")(rest, train_size, eval_size), None)
     if name.endswith(".jsonl"):  # a task file
-        return (*resolve(JSONL_TASKS, {}, "task")(name, eval_size), None)
-    is_dataset, dataset_tasks = (resolve(p, {}, "task") for p in HF_DATASETS)
+        from extras.offline import jsonl_tasks
+
+        return (*jsonl_tasks(name, eval_size), None)
+    from extras.hub import hf_dataset_tasks, is_dataset
+
     if is_dataset(name):  # Hugging Face datasets
-        return (*dataset_tasks(name, kwargs, train_size, eval_size), None)
+        return (*hf_dataset_tasks(name, kwargs, train_size, eval_size), None)
     try:
         import reasoning_gym
     except ImportError:
@@ -126,12 +127,10 @@ class Shuffle(Selector):
 
 
 # task and experience pipelines, other selectors, replay and human labels: by import path
-PIPELINES = "extras.pipelines"
 
 
 def check_pipelines(cfg) -> None:
     """Check cfg's data-pipeline settings, if any (ValueError, one line; ConnectionError: Label Studio unreachable)."""
-    from losses import resolve
 
     if (
         cfg.selector != "shuffle"
@@ -141,7 +140,9 @@ def check_pipelines(cfg) -> None:
         or cfg.replay
         or cfg.annotation
     ):
-        resolve(f"{PIPELINES}.check_config", {}, "pipelines")(cfg)
+        from extras.pipelines import check_config
+
+        check_config(cfg)
 
 
 def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
@@ -218,9 +219,8 @@ async def in_thread(fn, *args):
             result, error = fn(*args), None
         except BaseException as e:  # delivered to the awaiting coroutine
             result, error = None, e
-        with contextlib.suppress(
-            RuntimeError
-        ):  # the event loop is gone: nobody waits for this call any more
+        # the event loop is gone: nobody waits for this call any more
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(settle, result, error)
 
     threading.Thread(target=target, daemon=True).start()

@@ -34,12 +34,12 @@ import torch  # noqa: E402
 from bench_step import Sink  # noqa: E402
 
 import models  # noqa: E402
-from benchmarks.peak import cpu_model  # noqa: E402
 from config import parse_config  # noqa: E402
 from engines import HFEngine  # noqa: E402
 from explorer import Explorer  # noqa: E402
 from extras.calculator_agent import SYSTEM, TOOLS  # noqa: E402
 from extras.chat_tools import hermes_messages  # noqa: E402
+from perf import cpu_model  # noqa: E402
 from workflows import load_tasks  # noqa: E402
 
 AGENT = "agent:extras.calculator_agent.calculator_agent"

@@ -32,9 +32,9 @@ import torch  # noqa: E402
 
 import models  # noqa: E402
 import run  # noqa: E402
-from benchmarks.peak import cpu_model  # noqa: E402
 from engines import HFEngine, Sampling  # noqa: E402
 from extras.lora import lora_config, published_parameters  # noqa: E402
+from perf import cpu_model  # noqa: E402
 
 
 def published_megabytes(model_path: str, rank: int, targets: str) -> float:

@@ -37,11 +37,11 @@ import torch.distributed as dist  # noqa: E402
 
 import models  # noqa: E402
 import run  # noqa: E402
-from benchmarks.peak import cpu_model, measure_matmul  # noqa: E402
 from engines import HFEngine  # noqa: E402
 from explorer import Explorer  # noqa: E402
 from models import choose_dtype  # noqa: E402
 from packing import left_pad  # noqa: E402
+from perf import cpu_model, measure_matmul  # noqa: E402
 from trainer import Trainer  # noqa: E402
 from workflows import load_tasks  # noqa: E402
 

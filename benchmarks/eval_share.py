@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.peak import cpu_model  # noqa: E402
 from models import cache_dir  # noqa: E402
+from perf import cpu_model  # noqa: E402
 
 
 def one_run(flags: list[str], cache: Path) -> dict:

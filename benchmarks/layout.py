@@ -1,7 +1,7 @@
 """How large is nanorft to read? Lines of each module of the core (the top-level modules)
 and of extras/, split into code, docstrings, comments and blank lines, against the
-limits of the layout (docs/internals.md): core at most 4,000 lines, no module over 450,
-run.py at most 250, core + extras at most 7,500, README at most 200.
+guards of the layout against regrowth (docs/internals.md), counted as `ruff format` leaves
+the code: core at most 5,500 lines, no module over 600, README at most 200.
 
     python benchmarks/layout.py            # the table; exit code 1 when a limit is exceeded
     python benchmarks/layout.py --json     # the same as JSON
@@ -18,7 +18,7 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LIMITS = {"core": 4000, "module": 450, "run.py": 250, "core+extras": 7500, "README.md": 200}
+LIMITS = {"core": 5500, "module": 600, "README.md": 200}
 
 
 def line_kinds(source: str) -> dict[str, int]:
@@ -69,7 +69,7 @@ def measure(root: Path = ROOT) -> dict:
         "run.py": core.get("run.py", {"lines": 0})["lines"],
         "README.md": len(readme.read_text().splitlines()) if readme.is_file() else 0,
     }
-    over = {k: v for k, v in values.items() if v > LIMITS[k]}
+    over = {k: v for k, v in values.items() if k in LIMITS and v > LIMITS[k]}
     over.update({name: c["lines"] for name, c in core.items() if c["lines"] > LIMITS["module"]})
     return {
         "files": {"core": core, "extras": extras},
@@ -84,7 +84,8 @@ def table(m: dict) -> str:
     rows = [f"{'file':<34} {'lines':>6} {'code':>6} {'doc':>6} {'comment':>8} {'blank':>6}"]
     for part in ("core", "extras"):
         for name, c in m["files"][part].items():
-            flag = "  > 450" if part == "core" and c["lines"] > LIMITS["module"] else ""
+            over = part == "core" and c["lines"] > LIMITS["module"]
+            flag = f"  > {LIMITS['module']}" if over else ""
             rows.append(
                 f"{name:<34} {c['lines']:>6} {c['code']:>6} {c['docstring']:>6} {c['comment']:>8} "
                 f"{c['blank']:>6}{flag}"

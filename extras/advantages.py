@@ -17,9 +17,8 @@ def rloo_advantages(rewards, group_index, episode_index=None):
     """RLOO: r_i - mean of the rest of its group; a group of one keeps r. [B] -> [B]. Source:
     arXiv:2402.14740 eq. 10. Reference: verl core_algos.py compute_rloo_outcome_advantage @ b178a3c."""
     mean, _, count = group_stats(rewards, group_index)
-    return torch.where(
-        count > 1, (rewards - mean) * count / (count - 1).clamp(min=1), rewards
-    )  # [B]
+    # [B]
+    return torch.where(count > 1, (rewards - mean) * count / (count - 1).clamp(min=1), rewards)
 
 
 @register(ADVANTAGES, "reinforce_pp")

@@ -39,9 +39,8 @@ def publish_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
     save(tmp)
     with _lock(root):
-        if final.exists() and version in _leased(
-            root
-        ):  # republished after a resume while being read: keep it
+        # republished after a resume while being read: keep it
+        if final.exists() and version in _leased(root):
             shutil.rmtree(tmp)
         else:
             shutil.rmtree(final, ignore_errors=True)

@@ -52,9 +52,8 @@ class Backpressure:
         return not done
 
     def final(self) -> None:
-        if (
-            self.cfg.sync_method != "broadcast"
-        ):  # broadcast: trainer_done is set once every receiver has the last
+        # broadcast: trainer_done is set once every receiver has the last
+        if self.cfg.sync_method != "broadcast":
             self.catch_up()
 
 

@@ -260,9 +260,8 @@ def start_annotator(cfg, tokenizer, stop: threading.Event) -> Callable[[], dict]
                 ).run(stop, log=latest.update)
             finally:
                 buf.close()
-        except (
-            Exception
-        ) as e:  # any error, not only the ConnectionError that run() retries: metrics() raises it
+        # any error, not only the ConnectionError that run() retries: metrics() raises it
+        except Exception as e:
             failed.append(e)
 
     def metrics() -> dict:

@@ -1,4 +1,4 @@
-"""Data pipelines (Trinity-RFT, arXiv:2505.17826 section 2.3; workflows.PIPELINES) of operators {op = NAME, ...kwargs}:
+"""Data pipelines (Trinity-RFT, arXiv:2505.17826 section 2.3) of operators {op = NAME, ...kwargs}:
 fn(tasks: list[Task], ctx: TaskContext, **kw) -> list[Task]
 fn(groups: list[list[Experience]], ctx: ExperienceContext, **kw) -> list[list[Experience]]"""
 
@@ -37,9 +37,8 @@ SELECTORS: dict[str, type | str] = {
         )
     },
 }
-ANNOTATION_CHECK = (
-    "extras.label_studio.check_annotation"  # cfg -> None: raises for a bad annotation setting
-)
+# cfg -> None: raises for a bad annotation setting
+ANNOTATION_CHECK = "extras.label_studio.check_annotation"
 
 
 @dataclass

@@ -45,9 +45,8 @@ class Postgres:
             # collide), and only when missing (CREATE INDEX waits for every open transaction on the table)
             with self.conn.transaction():
                 self.conn.execute("SELECT pg_advisory_xact_lock(hashtext('nanorft schema'))")
-                if (
-                    self.conn.execute("SELECT to_regclass('replays')").fetchone()[0] is None
-                ):  # the newest table
+                # the newest table
+                if self.conn.execute("SELECT to_regclass('replays')").fetchone()[0] is None:
                     self.conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
                     self.conn.execute(schema_sql.format(id="BIGSERIAL PRIMARY KEY", blob="BYTEA"))
         except psycopg.Error as e:

@@ -55,9 +55,8 @@ class Reference:
         """`rewards` [N] minus kl_reward_coef x each rollout's summed k1 KL(behaviour || reference); collective."""
         coef = self.trainer.cfg.kl_reward_coef
         kl = torch.zeros(len(batch.exps), device=self.trainer.device)  # [N]
-        for e in (
-            e for row in rows for e in row if not batch.offline[batch.row[id(e)]]
-        ):  # offline: no behaviour
+        # offline: no behaviour
+        for e in (e for row in rows for e in row if not batch.offline[batch.row[id(e)]]):
             kl[batch.row[id(e)]] = (
                 kl_estimate(torch.tensor(e.behaviour_logprobs), self.seqs[id(e)], "k1")
                 * torch.tensor(e.action_mask)

@@ -15,9 +15,8 @@ from extras.engine_checkpoints import read_safetensors
 from extras.hosts import StoreAlive
 
 WORKER = "extras.vllm_engine.VLLMWeightReceiver"
-STORE_KNOWN_WAIT_S = (
-    30.0  # how long the worker waits for the trainer's store (known to exist) to answer
-)
+# how long the worker waits for the trainer's store (known to exist) to answer
+STORE_KNOWN_WAIT_S = 30.0
 
 
 class VLLMEngine(Engine):
@@ -62,9 +61,8 @@ class VLLMEngine(Engine):
             if lora
             else {}
         )
-        if (
-            threads and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
-        ):  # CPU build: bind to the last cores
+        # CPU build: bind to the last cores
+        if threads and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             cores = sorted(os.sched_getaffinity(0))[-threads:]
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         os.environ.setdefault(
@@ -232,9 +230,8 @@ class VLLMWeightReceiver:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         dtype = self.vllm_config.model_config.dtype  # the dtype it holds: bf16 to a bf16 vLLM
-        with torch.device(
-            "meta"
-        ):  # names and shapes of the HF checkpoint (or of its adapters), in wire order
+        # names and shapes of the HF checkpoint (or of its adapters), in wire order
+        with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(
                 AutoConfig.from_pretrained(model_path), dtype=dtype
             )

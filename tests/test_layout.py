@@ -38,13 +38,90 @@ def test_lines_are_counted_by_kind():
 
 def test_limits_name_what_exceeds_them(tmp_path):
     (tmp_path / "extras").mkdir()
-    (tmp_path / "run.py").write_text("x = 1\n" * 251)
+    (tmp_path / "run.py").write_text("x = 1\n" * 601)
     (tmp_path / "small.py").write_text("x = 1\n" * 10)
     (tmp_path / "extras" / "a.py").write_text("x = 1\n" * 5)
     (tmp_path / "README.md").write_text("line\n" * 200)
     m = layout.measure(tmp_path)
-    assert (m["core"], m["extras"], m["core+extras"], m["README.md"]) == (261, 5, 266, 200)
-    assert m["over"] == {"run.py": 251}
+    assert (m["core"], m["extras"], m["core+extras"], m["README.md"]) == (611, 5, 616, 200)
+    assert m["over"] == {"run.py": 601}
     assert layout.main(["--root", str(tmp_path)]) == 1
-    (tmp_path / "run.py").write_text("x = 1\n" * 250)
+    (tmp_path / "run.py").write_text("x = 1\n" * 600)
     assert layout.main(["--root", str(tmp_path)]) == 0
+
+
+def calls_between(outer, inner, run) -> list[int]:
+    """Run `run()` under sys.setprofile; for each call of the function `inner`, how many calls
+    lie between it and the nearest enclosing call of `outer` (a direct call: 1). Every frame
+    counts, a library's included."""
+    import sys
+
+    depths = []
+
+    def profile(frame, event, arg):
+        if event != "call" or frame.f_code is not inner.__code__:
+            return
+        hops, f = 0, frame
+        while f is not None and f.f_code is not outer.__code__:
+            hops, f = hops + 1, f.f_back
+        depths.append(hops if f is not None else -1)
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return depths
+
+
+def test_the_policy_loss_is_three_calls_below_the_rl_loop(tiny_model, tmp_path):
+    # a reader follows run.rl_loop -> Trainer.step -> Trainer.forward_backward -> the loss
+    import torch
+    import torch.distributed as dist
+
+    import launch
+    import loop
+    import run
+    from buffer import Buffer, Experience
+    from losses import ppo_clip_loss
+    from trainer import Trainer
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    buffer = Buffer(run_dir / "buffer.sqlite")
+    for s in range(2):
+        group = [
+            Experience(
+                [1, 2, 3, 4 + i], 2, [-0.5, -0.5], [1, 1], float(i), f"g{s}", "t", 0, {}, "w"
+            )
+            for i in range(2)
+        ]
+        buffer.write(group)
+    buffer.close()
+    cfg = run.Config(
+        run_dir=str(run_dir),
+        steps=2,
+        batch_size=1,
+        sync_method="checkpoint",
+        log="none",
+        dtype="float32",
+        save_dtype="float32",
+        eval_size=0,
+        checkpoint_interval=0,
+    )
+    if not dist.is_initialized():  # a one-rank group in this process
+        init = f"tcp://127.0.0.1:{launch.free_port()}"
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    trainer = Trainer(cfg, tiny_model, torch.device("cpu"))
+    io = loop.loop_io(cfg, trainer, 0, tiny_model)
+    step_io = loop.StepIO(cfg, trainer, 0, io, 0, 1)
+    try:
+        depths = calls_between(
+            run.rl_loop, ppo_clip_loss, lambda: run.rl_loop(cfg, trainer, step_io, 0)
+        )
+    finally:
+        step_io.bar.close()
+        io.metrics.close()
+        io.buffer.close()
+        dist.destroy_process_group()
+    assert depths and all(0 < d <= 3 for d in depths), depths

@@ -354,7 +354,7 @@ def test_a_failing_annotator_ends_the_trainers_wait_with_its_reason(tmp_path, mo
     from types import SimpleNamespace
 
     from extras import label_studio
-    from loop import LoopIO, TrainLoop
+    from loop import LoopIO, StepIO
 
     class Broken:  # a Label Studio client whose replies the annotator's polls cannot use
         def __init__(self, url, token, timeout_s=30.0):
@@ -388,9 +388,7 @@ def test_a_failing_annotator_ends_the_trainers_wait_with_its_reason(tmp_path, mo
     for t in set(threading.enumerate()) - before:  # (it may have died already)
         if t.name == "annotator":
             t.join(60)
-    loop = TrainLoop(
-        cfg, SimpleNamespace(), 0, LoopIO(extra_metrics=extra_metrics), rank=0, world=1
-    )
+    loop = StepIO(cfg, SimpleNamespace(), 0, LoopIO(extra_metrics=extra_metrics), rank=0, world=1)
     polls = []
 
     def waiting():
@@ -695,7 +693,7 @@ def test_the_experience_pipeline_runs_without_lent_cores(tiny_model, tmp_path):
     io.shape = lambda groups, step: (shaped.append(step) or groups, {"pipeline/ran": 1.0})
     assert io.cores is None
     try:
-        loop.TrainLoop(cfg, trainer, 0, io, 0, 1).run()
+        run.rl_loop(cfg, trainer, loop.StepIO(cfg, trainer, 0, io, 0, 1), 0)
     finally:
         io.metrics.close()
         io.buffer.close()

@@ -301,6 +301,7 @@ def test_mix_expert_data_continues_the_same_after_a_resume(tiny_model, tmp_path)
     import torch.distributed as dist
 
     import loop
+    import run
     from checkpoints import load_resume_state, resume_state
     from launch import free_port as _free_port
     from run import Config
@@ -372,7 +373,7 @@ def test_mix_expert_data_continues_the_same_after_a_resume(tiny_model, tmp_path)
 
         io.expert.draw = recorded
         try:
-            loop.TrainLoop(c, trainer, start, io, 0, 1).run()
+            run.rl_loop(c, trainer, loop.StepIO(c, trainer, start, io, 0, 1), start)
         finally:
             io.metrics.close()
             io.buffer.close()
@@ -725,7 +726,7 @@ def test_finish_reads_the_explorer_queue_while_waiting_for_it_to_exit(tmp_path):
         records=lambda: loop.queued(queue),
         alive=child.is_alive,
     )
-    the_loop = loop.TrainLoop(cfg, types.SimpleNamespace(version=n), n, io, 0, 1)
+    the_loop = loop.StepIO(cfg, types.SimpleNamespace(version=n), n, io, 0, 1)
     failed = []
 
     def finish():
