@@ -178,9 +178,12 @@ class Config:
     loss_agg: str = "auto"
     """loss aggregation: {AGGREGATIONS}, or auto (the loss's own default)"""
     kl_loss_coef: float = 0.0
-    """weight of the KL(policy || reference) loss term (loads a frozen reference model when > 0)"""
+    """weight of the KL loss term against a frozen reference model (loaded when > 0); which KL
+    its gradient follows is the estimator's (--kl-estimator)"""
     kl_estimator: str = "k3"
-    """per-token KL estimator of the KL loss: {KL_ESTIMATORS}"""
+    """per-token KL estimator of the KL loss, {KL_ESTIMATORS}: as a loss on the policy's own
+    samples, k3 (= low_var, clamped) has the gradient of KL(reference || policy), k2 that of
+    KL(policy || reference), and k1 a gradient of 0 in expectation (docs/algorithms.md)"""
     kl_reward_coef: float = 0.0
     """reward penalty: this times the summed k1 KL(behaviour || reference) of each sequence"""
     entropy_coef: float = 0.0

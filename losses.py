@@ -223,8 +223,12 @@ def grpo_advantages(rewards, group_index, episode_index=None, eps: float = 1e-6)
 
 
 def kl_estimate(logp: torch.Tensor, logq: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token KL(p || q) estimate k1, k2, k3 (= low_var, clamped as verl's): [B, T] -> [B, T]. Source:
-    J. Schulman, "Approximating KL divergence" (2020); verl core_algos.py kl_penalty_forward @ b178a3c."""
+    """Per-token estimate of KL(p || q) from a sample of p: k1, k2, k3 (= low_var, clamped as
+    verl's). [B, T] -> [B, T]. The values estimate KL(p || q); as a loss on p's own samples the
+    gradients differ: k1's is 0 in expectation, k2's is that of KL(p || q), k3's that of
+    KL(q || p) (tests/test_losses.py enumerates a categorical policy). ValueError: unknown kind.
+    Source: J. Schulman, "Approximating KL divergence" (2020); verl core_algos.py
+    kl_penalty_forward @ b178a3c."""
     if kind == "k1":
         return logp - logq
     if kind == "k2":
@@ -244,8 +248,10 @@ def importance_ratio(inp: LossInputs) -> torch.Tensor:
 def ppo_clip_loss(
     inp: LossInputs, clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float | None = 3.0
 ):
-    """PPO clipped surrogate with clip-higher and dual clip (None: off): {"loss", "clipped"}
-    [B, T]. Source: PPO arXiv:1707.06347 eq. 7; DAPO arXiv:2503.14476 sec. 3.1; dual clip
+    """PPO clipped surrogate with clip-higher and dual clip (None: off): {"loss", "clipped",
+    "clipped_low", "clipped_high", "clipped_dual"} [B, T], the clipped tokens in all and by the
+    bound that clipped them (low: ratio < 1 - clip_low with A < 0; high: ratio > 1 + clip_high
+    with A > 0; dual: the dual clip's bound with A < 0). Source: PPO arXiv:1707.06347 eq. 7; DAPO arXiv:2503.14476 sec. 3.1; dual clip
     arXiv:1912.09729 eq. 5; verl core_algos.py compute_policy_loss_vanilla @ b178a3c."""
     ratio = importance_ratio(inp)  # [B, T]
     A = inp.advantages
@@ -253,8 +259,16 @@ def ppo_clip_loss(
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * A  # [B, T]
     loss = -torch.minimum(unclipped, clipped)  # [B, T]
     active = clipped < unclipped  # [B, T]
+    dual = torch.zeros_like(active)  # [B, T]
     if dual_clip is not None:
         dual = (A < 0) & (loss > -dual_clip * A)  # [B, T]
         loss = torch.where(dual, -dual_clip * A, loss)
-        active = active | dual
-    return {"loss": loss, "clipped": active.float()}
+    low = active & (A < 0) & ~dual  # [B, T]
+    high = active & (A > 0)  # [B, T]
+    return {
+        "loss": loss,
+        "clipped": (active | dual).float(),
+        "clipped_low": low.float(),
+        "clipped_high": high.float(),
+        "clipped_dual": dual.float(),
+    }

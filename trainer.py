@@ -2,6 +2,7 @@
 
 import inspect
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from losses import (
     masked_sum,
     resolve_algorithm,
 )
-from metrics import peak_rss_gib
+from metrics import peak_rss_gib, print0
 from packing import (
     micro_batches,
     pack,
@@ -113,6 +114,11 @@ def check_config(cfg) -> None:
         raise FileNotFoundError(f"expert_data file not found: {cfg.expert_data!r}")
     if cfg.lora_rank:
         models.lora("check_config")(cfg)
+    if cfg.kl_loss_coef and cfg.kl_estimator == "k1":
+        print0(
+            "warning: --kl-estimator k1 as a loss has a gradient of 0 in expectation on the "
+            "policy's own samples: use k3 (KL(reference || policy)) or k2 (KL(policy || reference))"
+        )
 
 
 def lr_schedule_kwargs(cfg) -> dict:
@@ -385,7 +391,12 @@ class Trainer:
             if progress is not None:
                 progress(f"micro-batch {i + 1}/{len(micro)}")
             for k, v in self.forward_backward(mb, padding, batch, adv, rewards, totals).items():
-                sums[k] = sums.get(k, 0.0) + v
+                if k == "loss/ratio_max":
+                    sums[k] = max(sums.get(k, -math.inf), v)
+                elif k == "loss/ratio_min":
+                    sums[k] = min(sums.get(k, math.inf), v)
+                else:
+                    sums[k] = sums.get(k, 0.0) + v
         grad_norm = self.optimizer_step()
         self.version += 1
         train_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
@@ -532,19 +543,26 @@ class Trainer:
         (aggregate(per_token, mask, self.agg, *totals(idx)) * self.world).backward()
         with torch.no_grad():
             rollout = ~dev(batch.offline[idx])[:, None]  # expert tokens have no behaviour log-probs
+            log_ratio = lp - behaviour  # [B, R]
             parts = {
                 "loss/entropy": ent,
                 "loss/kl_behaviour": kl_estimate(behaviour, lp, "k3") * rollout,
-                "loss/logprob_abs_diff": (lp - behaviour).abs() * rollout,
+                "loss/logprob_abs_diff": log_ratio.abs() * rollout,
+                "loss/ratio_mean": torch.exp(log_ratio.clamp(-20, 20)) * rollout,
+                # the losses clamp the log-ratio to +-20 (as verl): a token beyond trains wrong
+                "loss/log_ratio_clamped": (log_ratio.abs() > 20) * rollout,
                 **{f"loss/{k}": v for k, v in out.items() if k != "loss"},
                 **extra,
             }
             if ref_lp is not None:
                 parts["loss/kl_ref"] = kl_estimate(lp, ref_lp, cfg.kl_estimator)
+            ratios = torch.exp(log_ratio.clamp(-20, 20))[(mask * rollout) > 0]  # [n]
             return {
                 "loss/policy": float(aggregate(out["loss"], mask, self.agg, *totals(idx))),
                 **{k: float(masked_sum(v.float(), mask)) for k, v in parts.items()},
                 "tokens": float(mask.sum()),
+                "loss/ratio_max": float(ratios.max()) if len(ratios) else -math.inf,
+                "loss/ratio_min": float(ratios.min()) if len(ratios) else math.inf,
             }
 
     def optimizer_step(self) -> float:
@@ -572,6 +590,11 @@ class Trainer:
             sum(len(e.tokens) - e.prompt_length for e in exps),
             passes=3 + self.needs_ref,
         )
+        # the extremes of the importance ratio over every rank's tokens: one all_reduce of MAX
+        extremes = [sums.pop("loss/ratio_max", -math.inf), -sums.pop("loss/ratio_min", math.inf)]
+        extremes = torch.tensor(extremes, dtype=torch.float64, device=self.device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        ratio_max, neg_ratio_min = extremes.tolist()
         names = sorted(sums)
         flat = torch.tensor(
             [flops, busy_s] + [sums[k] for k in names], dtype=torch.float64, device=self.device
@@ -580,7 +603,11 @@ class Trainer:
         flops, busy_s, *summed = flat.tolist()
         total = dict(zip(names, summed))
         tokens = max(total.pop("tokens", 1.0), 1.0)
+        ratios = {}
+        if math.isfinite(ratio_max):  # (offline data alone has no ratio)
+            ratios = {"loss/ratio_max": ratio_max, "loss/ratio_min": -neg_ratio_min}
         return {
+            **ratios,
             "loss/policy": total.pop("loss/policy", 0.0),
             **{k: v / tokens for k, v in total.items()},
             "perf/trainer_model_flops": flops,

@@ -62,6 +62,13 @@ def test_run_trains_and_syncs(tiny_model, tmp_path):
     for key in (
         "loss/policy",
         "loss/clipped",
+        "loss/clipped_low",
+        "loss/clipped_high",
+        "loss/clipped_dual",
+        "loss/ratio_mean",
+        "loss/ratio_min",
+        "loss/ratio_max",
+        "loss/log_ratio_clamped",
         "loss/kl_behaviour",
         "loss/grad_norm",
         "reward/std",

@@ -257,3 +257,22 @@ def test_shared_prompt_packing_gives_each_sequences_own_logprobs_and_gradient(
         for p, q in zip(model.parameters(), plain.parameters())
     ]
     assert max(diffs) < 1e-4, diffs
+
+
+@pytest.mark.parametrize("budget", [64, 4096])
+def test_on_policy_the_ratio_is_one_in_the_trainers_own_layout(tiny_model, trainer, budget):
+    # the step's real layout (token budget, row and token multiples, several groups and
+    # micro-batches), not pack()'s defaults: on-policy nothing is clipped, the ratio is 1
+    cfg = run.parse_config(["--config", "configs/tiny.toml", "--token-budget", str(budget)])
+    fresh = Trainer(cfg, tiny_model, torch.device("cpu"))
+    engine = HFEngine(tiny_model, max_batch=8, seed=1)
+    exps = rollouts(engine, PROMPTS, 4, Sampling(max_tokens=16, temperature=cfg.temperature))
+    for i, e in enumerate(exps):
+        e.reward = float(i % 3 == 0)
+    groups = [[e for e in exps if e.group_id == g] for g in ("0", "1", "2")]
+    m = fresh.step(groups)
+    assert m["loss/clipped"] == 0 and m["loss/log_ratio_clamped"] == 0
+    assert m["loss/logprob_abs_diff"] < 1e-4, m["loss/logprob_abs_diff"]
+    assert abs(m["loss/ratio_max"] - 1) < 1e-4 and abs(m["loss/ratio_min"] - 1) < 1e-4
+    assert abs(m["loss/ratio_mean"] - 1) < 1e-4
+    assert budget > 64 or m["train/micro_batches"] > 1

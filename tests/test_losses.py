@@ -71,6 +71,29 @@ def test_a_group_of_equal_non_dyadic_rewards_has_exactly_zero_advantage(name):
                 )  # the group with differing rewards keeps its advantage
 
 
+def test_kl_estimators_as_losses_follow_the_gradient_each_is_documented_with():
+    # exact enumeration over a categorical policy: the loss E_{y ~ pi}[k(log pi(y), log q(y))]
+    # with the samples' distribution held fixed, as the trainer sees its own samples
+    torch.manual_seed(0)
+    theta = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    log_q = torch.log_softmax(torch.randn(6, dtype=torch.float64), -1)
+
+    def grad(f):
+        (g,) = torch.autograd.grad(f(torch.log_softmax(theta, -1)), theta)
+        return g
+
+    def as_loss(kind):
+        return lambda log_pi: (log_pi.exp().detach() * kl_estimate(log_pi, log_q, kind)).sum()
+
+    forward_kl = grad(lambda log_pi: (log_pi.exp() * (log_pi - log_q)).sum())  # KL(pi || q)
+    reverse_kl = grad(lambda log_pi: (log_q.exp() * (log_q - log_pi)).sum())  # KL(q || pi)
+    assert grad(as_loss("k1")).abs().max() < 1e-12
+    assert torch.allclose(grad(as_loss("k2")), forward_kl, atol=1e-12)
+    assert torch.allclose(grad(as_loss("k3")), reverse_kl, atol=1e-12)
+    assert torch.allclose(grad(as_loss("low_var")), reverse_kl, atol=1e-12)
+    assert not torch.allclose(forward_kl, reverse_kl, atol=1e-3)  # the two differ here
+
+
 def test_ppo_clip_matches_scalar_reference():
     torch.manual_seed(1)
     lp, behaviour, adv = torch.randn(3, 5) * 0.3, torch.randn(3, 5) * 0.3, torch.randn(3, 5)
@@ -164,3 +187,14 @@ def test_helpers_make_their_tensors_on_their_inputs_device():
         inputs(lp, lp, lp, mask=torch.ones(4, 3, device="meta"))
     )  # no expert mask given: made here
     assert out["loss"].device.type == "meta"
+
+
+def test_ppo_clip_names_the_bound_that_clipped_each_token():
+    # ratios e^lp: 0.5 (A<0: low), 1.5 (A>0: high), 5.0 (A<0: dual), 1.0 (none), 0.5 (A>0: none)
+    ratio = torch.tensor([[0.5, 1.5, 5.0, 1.0, 0.5]])
+    adv = torch.tensor([[-1.0, 1.0, -1.0, 1.0, 1.0]])
+    out = ppo_clip_loss(inputs(ratio.log(), torch.zeros(1, 5), adv))
+    assert out["clipped_low"].tolist() == [[1, 0, 0, 0, 0]]
+    assert out["clipped_high"].tolist() == [[0, 1, 0, 0, 0]]
+    assert out["clipped_dual"].tolist() == [[0, 0, 1, 0, 0]]
+    assert out["clipped"].tolist() == [[1, 1, 1, 0, 0]]
