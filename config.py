@@ -341,19 +341,30 @@ def _one_line(box: str) -> str:
 
 
 def parse_config(argv: list[str]) -> Config:
-    """A Config: defaults < TOML preset < flags. ValueError (one line): bad flag, value, TOML key; FileNotFoundError."""
+    """A Config: defaults < TOML presets (each --config in turn) < flags. ValueError (one line):
+    bad flag, value, TOML key; FileNotFoundError: a --config file that does not exist."""
     import tyro
 
-    preset = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), "")
-    preset = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), preset)
+    presets = []  # every --config, in order: a later file overrides an earlier one
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv):
+            presets.append(argv[i + 1])
+        elif a.startswith("--config="):
+            presets.append(a.split("=", 1)[1])
     values = {}
-    if preset:
+    if presets:
         from extras.presets import read_preset
 
-        values = read_preset(Path(preset))
+        for preset in presets:
+            values.update(read_preset(Path(preset)))
+    preset = presets[-1] if presets else ""
     flagged = {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}
     defaults = dataclasses.asdict(Config())
-    given = frozenset(values) | {n.removeprefix("no_") for n in flagged} & set(defaults)
+    # a preset's run dir counts as a default: the same command run again gets a free one
+    # (run.own_run_dir); a --run-dir flag is the user's choice
+    given = frozenset(values) - {"run_dir"} | {n.removeprefix("no_") for n in flagged} & set(
+        defaults
+    )
     errors = io.StringIO()
     try:
         with contextlib.redirect_stderr(errors):

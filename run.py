@@ -57,9 +57,10 @@ def train(cfg: Config, prepared: Prepared) -> None:
     import loop
 
     rank, world, device = launch.init_distributed()
-    shared = [prepared.model_path]
+    # rank 0's model directory and run dir (a free one it chose: prepare)
+    shared = [prepared.model_path, cfg.run_dir]
     dist.broadcast_object_list(shared, src=0)
-    model_path = shared[0]
+    model_path, cfg.run_dir = shared
     launch.split_threads(cfg, world)
     if cfg.mode == "train":
         explorer = "no explorer"
@@ -148,6 +149,28 @@ def finished_run(cfg: Config) -> bool:
     )
 
 
+def runs_alone(cfg: Config) -> bool:
+    """Whether the run has its run dir to itself: mode both, or offline mode train (no explorers)."""
+    return cfg.mode == "both" or bool(cfg.train_data)
+
+
+def own_run_dir(cfg: Config) -> str:
+    """cfg.run_dir; or, for a run that has its run dir to itself, when the default run dir (no
+    --run-dir given, no --overwrite or --resume) holds an earlier run: the first free of
+    RUN_DIR-2, RUN_DIR-3, ..., so that the same command run again just works."""
+
+    def holds_a_run(path: Path) -> bool:
+        return path.is_dir() and any(path.iterdir())
+
+    run_dir = Path(cfg.run_dir)
+    if "run_dir" in cfg.given or cfg.overwrite or cfg.resume or not runs_alone(cfg):
+        return cfg.run_dir
+    n = 1
+    while holds_a_run(run_dir if n == 1 else Path(f"{run_dir}-{n}")):
+        n += 1
+    return cfg.run_dir if n == 1 else f"{run_dir}-{n}"
+
+
 def prepare(cfg: Config, rank: int) -> Prepared:
     """Check every input, build the tasks once; a run of its own refuses a non-empty run dir (FileExistsError)."""
     from transformers import AutoTokenizer
@@ -159,6 +182,10 @@ def prepare(cfg: Config, rank: int) -> Prepared:
     import workflows
 
     check_modes(cfg)
+    earlier = cfg.run_dir
+    cfg.run_dir = own_run_dir(cfg)
+    if cfg.run_dir != earlier:
+        print0(f"nanorft: {earlier} holds an earlier run: this run writes to {cfg.run_dir}")
     trainer.check_config(cfg)
     workflows.check_pipelines(cfg)
     trackers(cfg)
@@ -188,9 +215,7 @@ def prepare(cfg: Config, rank: int) -> Prepared:
         check_offline_data(cfg, tok)
     run_dir = Path(cfg.run_dir)
     if rank == 0:
-        alone = cfg.mode == "both" or bool(
-            cfg.train_data
-        )  # a run dir of its own (offline train: no explorers)
+        alone = runs_alone(cfg)
         if alone and not cfg.resume and run_dir.exists() and any(run_dir.iterdir()):
             if not cfg.overwrite:
                 raise FileExistsError(
@@ -200,9 +225,8 @@ def prepare(cfg: Config, rank: int) -> Prepared:
         run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.mode != "bench":
             buffer.check_config(cfg)
-        name = (
-            "config.json" if alone else f"config_{cfg.mode}.json"
-        )  # launches sharing the run dir: one file each
+        # launches sharing the run dir: one file each
+        name = "config.json" if alone else f"config_{cfg.mode}.json"
         (run_dir / name).write_text(
             json.dumps(
                 {

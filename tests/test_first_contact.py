@@ -319,3 +319,38 @@ def test_the_hf_engine_holds_its_weights_in_the_runs_precision(tiny_model, dtype
     cfg = run.parse_config(["--model", tiny_model, "--dtype", dtype])
     engine = HFEngine.from_config(cfg, tiny_model, 0, "cpu", colocated=False)
     assert {p.dtype for p in engine.parameters()} == {weights}
+
+
+def test_every_config_file_is_read_in_turn_and_a_missing_one_is_an_error(tmp_path):
+    # the second --config was ignored in silence: a run went on with the first file alone
+    from config import parse_config
+
+    first = tmp_path / "a.toml"
+    first.write_text("lr = 1e-5\nsteps = 7\n")
+    second = tmp_path / "b.toml"
+    second.write_text("steps = 9\n")
+    cfg = parse_config(["--config", str(first), f"--config={second}"])
+    assert (cfg.lr, cfg.steps) == (1e-5, 9)
+    assert (
+        parse_config(["--config", str(first), "--config", str(second), "--steps", "3"]).steps == 3
+    )
+    with pytest.raises(FileNotFoundError, match="config file not found: /nonexistent.toml"):
+        parse_config(["--config", "configs/tiny.toml", "--config", "/nonexistent.toml"])
+
+
+def test_the_same_command_run_again_writes_to_a_new_run_dir(tiny_model, tmp_path, monkeypatch):
+    # a second run of the README's command failed: "run_dir runs/default is not empty"
+    monkeypatch.chdir(tmp_path)
+    argv = ["--config", str(ROOT / "configs/tiny.toml"), "--model", tiny_model, "--eval-size", "2"]
+    dirs = []
+    for _ in range(3):
+        cfg = run.parse_config(argv)
+        run.prepare(cfg, 0)
+        dirs.append(cfg.run_dir)
+    assert dirs == ["runs/tiny", "runs/tiny-2", "runs/tiny-3"]
+    assert all((tmp_path / d / "config.json").is_file() for d in dirs)
+    # a run dir the user names is theirs: a used one is refused, as before
+    with pytest.raises(FileExistsError, match="is not empty"):
+        run.prepare(run.parse_config([*argv, "--run-dir", "runs/tiny"]), 0)
+    # --resume and --overwrite mean the run dir given
+    assert run.own_run_dir(run.parse_config([*argv, "--overwrite"])) == "runs/tiny"
