@@ -44,7 +44,10 @@ class Config:
     steps: int = 30
     """trainer steps of the run (= explorer batches)"""
     seed: int = 0
-    """seed of task generation, task order, sampling and model init"""
+    """seed of the training tasks, task order, sampling and model init"""
+    eval_seed: int = 0
+    """seed of the held-out tasks (reasoning-gym): fixed, so that runs of every --seed are
+    evaluated on the same tasks and share the base model's cached evaluation"""
     train_data: str = ""
     """mode train on offline data: JSONL of chats {"messages"} (SFT) or {"prompt", "chosen", "rejected"} (DPO)"""
     bench_models: str = ""

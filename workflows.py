@@ -35,9 +35,16 @@ TASK_PREFIXES = {"verifiers": "extras.verifiers_env.verifiers_tasks"}
 
 
 def load_tasks(
-    name: str, kwargs: dict, train_size: int, eval_size: int, seed: int
+    name: str,
+    kwargs: dict,
+    train_size: int,
+    eval_size: int,
+    seed: int,
+    eval_seed: int | None = None,
 ) -> tuple[list[Task], list[Task], Any]:
-    """(train, held-out tasks, verifier dataset or None). ValueError: bad dataset, kwargs, row; FileNotFoundError."""
+    """(train, held-out tasks, verifier dataset or None); a reasoning-gym dataset draws the
+    held-out tasks with `eval_seed` (default: `seed`) and the training tasks, none with a
+    held-out question, with `seed`. ValueError: bad dataset, kwargs, row; FileNotFoundError."""
     from losses import resolve
 
     if name in TASK_SOURCES:  # the bundled multi-turn game
@@ -60,12 +67,12 @@ def load_tasks(
             f"task {name!r} is a reasoning-gym dataset, and reasoning-gym is not installed: pip install "
             "reasoning-gym, or --task guess_number, a .jsonl file or a Hugging Face dataset"
         ) from None
-    base = (
-        seed * 10_000_019 % 2**31
-    )  # reasoning-gym seeds item i with base + i: seeds 0 and 1 must not overlap
+    # reasoning-gym seeds item i with base + i: seeds 0 and 1 must not overlap
+    base = seed * 10_000_019 % 2**31
+    eval_base = (seed if eval_seed is None else eval_seed) * 10_000_019 % 2**31
     try:
         eval_ds = reasoning_gym.create_dataset(
-            name, size=max(eval_size, 1), seed=base + 1_000_003, **kwargs
+            name, size=max(eval_size, 1), seed=eval_base + 1_000_003, **kwargs
         )
         # extra training candidates replace the ones whose question is held out
         train_ds = reasoning_gym.create_dataset(name, size=2 * train_size + 16, seed=base, **kwargs)
@@ -325,7 +332,7 @@ def load_workflow(name: str) -> type[Workflow]:
 def prepare_tasks(cfg) -> tuple[list[Task], list[Task], Any]:
     """The run's tasks (`load_tasks`); ValueError (one line): no tasks, an unknown reward function or workflow."""
     tasks = train, held_out, _ = load_tasks(
-        cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed
+        cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed, cfg.eval_seed
     )
     if not train:
         raise ValueError(f"task {cfg.task!r} produced no training tasks")

@@ -20,6 +20,7 @@ RUN_TASK_SETTINGS = (
     "workflow",
     "eval_size",
     "seed",
+    "eval_seed",
     "max_tokens",
 )
 

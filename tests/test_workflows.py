@@ -412,3 +412,22 @@ def test_run_seeds_draw_different_tasks():
             shifted,
             same,
         )  # chance matches in a small space only
+
+
+def test_every_seed_is_evaluated_on_the_same_held_out_tasks():
+    # --seed changed which held-out tasks were drawn: a seed study mixed task difficulty with
+    # the variance of training, and the base model's cached evaluation served one seed only
+    pytest.importorskip("reasoning_gym")
+    from config import Config, parse_config
+    from workflows import prepare_tasks
+
+    cfg = Config()
+    runs = [prepare_tasks(parse_config(["--seed", str(s), "--eval-size", "50"])) for s in (0, 1, 2)]
+    held = [[t.question for t in r[1]] for r in runs]
+    assert held[0] == held[1] == held[2] and len(held[0]) == 50
+    train = [[t.question for t in r[0]] for r in runs]
+    assert train[0] != train[1] != train[2]  # the training tasks follow --seed
+    assert all(not set(t) & set(held[0]) for t in train)  # and none is held out
+    other = prepare_tasks(parse_config(["--eval-seed", "7", "--eval-size", "50"]))
+    assert [t.question for t in other[1]] != held[0]
+    assert cfg.eval_seed == 0
