@@ -241,8 +241,13 @@ class Explorer:
             if all(e.reward is not None for e in g)
         ]
         self.selector.update({task: mean for task, mean, *_ in updates})
-        for e in itertools.chain(*groups):  # provenance: the buffer alone tells a run's history
-            e.explorer, e.info["batch"] = cfg.explorer_name, batch
+        # provenance: the buffer alone tells a run's history, and the trainer checks that it
+        # computes its log-probs under the distribution the tokens were sampled from
+        for e in itertools.chain(*groups):
+            e.explorer = cfg.explorer_name
+            e.info["batch"] = batch
+            e.info["temperature"] = cfg.temperature
+            e.info["top_p"] = cfg.top_p
         buffer.write_batch(groups, cfg.explorer_name, {"batch": batch + 1, **self.state()}, updates)
         self._write_samples(batch, version, groups)
         record = self._batch_record(

@@ -42,6 +42,7 @@ def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]
         ]
         dropped += len(got) - len(fresh)
         groups += fresh
+    check_sampling(cfg, groups)
     m = {"staleness/dropped_groups": dropped}
     if cfg.replay:
         from extras.pipelines import replay
@@ -59,6 +60,21 @@ def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]
             }
         )
     return groups, m
+
+
+def check_sampling(cfg, groups: list[list[Experience]]) -> None:
+    """RuntimeError (one line) for a rollout sampled at another temperature or top-p than
+    cfg's: the trainer computes the current log-probs at cfg.temperature, so every importance
+    ratio would be biased. (An explorer launched with other flags than the trainer.)"""
+    for e in (e for g in groups for e in g):
+        sampled = (e.info.get("temperature", cfg.temperature), e.info.get("top_p", cfg.top_p))
+        if sampled != (cfg.temperature, cfg.top_p):
+            raise RuntimeError(
+                f"experience {e.group_id} of explorer {e.explorer!r} was sampled at temperature "
+                f"{sampled[0]}, top_p {sampled[1]}; this trainer computes log-probs at temperature "
+                f"{cfg.temperature}, top_p {cfg.top_p}: launch both sides with the same "
+                "--temperature and --top-p"
+            )
 
 
 def bucket_elems(cfg) -> int:

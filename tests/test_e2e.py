@@ -83,6 +83,11 @@ def test_run_trains_and_syncs(tiny_model, tmp_path):
         "buffer/consumed",
     ):
         assert key in steps[-1], key
+    # every rollout records the sampling settings the trainer checks (loop.check_sampling)
+    db = sqlite3.connect(run_dir / "buffer.sqlite")
+    infos = [json.loads(i) for (i,) in db.execute("SELECT info FROM experiences")]
+    db.close()
+    assert infos and all((i["temperature"], i["top_p"]) == (1.0, 1.0) for i in infos)
     for key in (
         "perf/trainer_model_flops",
         "perf/trainer_mfu",

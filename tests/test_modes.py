@@ -15,6 +15,7 @@ import torch
 from test_e2e import buffer_versions, metrics
 from test_first_contact import strict_json_lines
 
+import run
 from conftest import ROOT, run_py
 
 COMMON = ["--config", "configs/tiny.toml", "--reward-fn", "tests.rewards.length_parity"]
@@ -785,3 +786,25 @@ def test_async_explorers_and_trainer_on_a_postgres_buffer(tiny_model, tmp_path, 
     evals = [r for r in strict_json_lines(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
     assert {r["explorer"] for r in evals} == {"e1", "e2"}
     assert sync.local_address(addr) == addr  # the address given by flag is this machine's own
+
+
+def test_a_batch_sampled_at_another_temperature_is_refused(tmp_path):
+    # an explorer launched with --temperature 0.7 feeding a trainer at 1.0 biased every ratio
+    import loop
+    from buffer import Buffer, Experience
+
+    buf = Buffer(tmp_path / "buffer.sqlite")
+    try:
+        for g, temperature in (("g0", 1.0), ("g1", 0.7)):
+            info = {"temperature": temperature, "top_p": 1.0}
+            group = [Experience([1, 2, 3], 2, [-0.5], [1], 1.0, g, "t", 0, info, "e") for _ in "ab"]
+            buf.write(group)
+        cfg = run.parse_config(["--batch-size", "1", "--temperature", "1.0"])
+        groups, _ = loop.read_batch(cfg, buf, 0, 0, lambda: True)  # g0: as the trainer samples
+        assert groups[0][0].group_id == "g0"
+        with pytest.raises(
+            RuntimeError, match="sampled at temperature 0.7, top_p 1.0; this trainer"
+        ):
+            loop.read_batch(cfg, buf, 1, 0, lambda: True)
+    finally:
+        buf.close()
