@@ -12,6 +12,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+GOLDEN_RATIO = 0.6180339887498949
 CHECKSUM_CHUNK = 2**22  # elements a checksum sums at once: the float64 copy of them takes 32 MiB
 
 
@@ -42,15 +43,32 @@ class CoreShare:
         return n
 
 
+class Checksum:
+    """An order-sensitive digest of a stream of tensors (--sync-checksum): the float64 sum of
+    each element times a weight in [1, 2) set by its position in the stream (the fractional
+    part of position x the golden ratio), so that two swapped tensors of one shape or a
+    mis-mapped parameter change it, which a plain sum would not. Tensors may come whole or
+    flattened into buckets: the position runs on across `add` calls. Summed in chunks of
+    CHECKSUM_CHUNK elements (a float64 copy of a chunk at a time)."""
+
+    def __init__(self):
+        self.position = 0
+        self.value = 0.0
+
+    def add(self, tensors: Iterable[torch.Tensor]) -> "Checksum":
+        for t in tensors:
+            for chunk in t.detach().reshape(-1).split(CHECKSUM_CHUNK):
+                end = self.position + chunk.numel()
+                k = torch.arange(self.position, end, dtype=torch.float64, device=chunk.device)
+                weight = 1.0 + torch.frac(k * GOLDEN_RATIO)  # [n]
+                self.value += float((chunk.double() * weight).sum())
+                self.position = end
+        return self
+
+
 def checksum(tensors: Iterable[torch.Tensor]) -> float:
-    """Float64 sum of all elements (--sync-checksum), in chunks: a float64 sum casts a whole tensor."""
-    return float(
-        sum(
-            c.sum(dtype=torch.float64)
-            for t in tensors
-            for c in t.detach().reshape(-1).split(CHECKSUM_CHUNK)
-        )
-    )
+    """The `Checksum` of `tensors`, in order."""
+    return Checksum().add(tensors).value
 
 
 def local_address(host: str) -> str:
@@ -228,16 +246,16 @@ class WeightSync:
         self._pending = [
             self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))
         ]
-        digest = 0.0 if self.checksum else None
+        digest = Checksum()
         for given in buckets:
             for r in bucket_ranges([t.numel() for t in given], self.bucket_elems):
                 flat = flatten([given[i] for i in r], self.wire_dtype, self.device)  # [bucket]
                 self._pending.append(self._broadcast(flat))
                 if self.checksum:
-                    digest += checksum([flat])  # while it is on its way (read only)
+                    digest.add([flat])  # while it is on its way (read only)
                 if self.bucket_elems:
                     self.wait(alive)
-        return digest
+        return digest.value if self.checksum else None
 
     def announced(self) -> int:
         """Rank >= 1: the newest version rank 0 has started to publish (-1: none); never blocks."""

@@ -41,18 +41,17 @@ class IpcSync(sync.WeightSync):
         """Rank 0: announce, then hand out `buckets` (tensors in `named_parameters()` order) as `version`."""
         self.wait(alive)
         self.store.set("published", str(version))
-        digest = 0.0 if self.checksum else None
+        digest = sync.Checksum()
         for given in buckets:
             for r in sync.bucket_ranges([t.numel() for t in given], self.bucket_elems):
-                summed = self._hand_out(version, [given[i] for i in r])
-                if self.checksum:
-                    digest += summed
+                self._hand_out(version, [given[i] for i in r], digest)
                 if self.bucket_elems:
                     self.wait(alive)
-        return digest
+        return digest.value if self.checksum else None
 
-    def _hand_out(self, version: int, tensors: list[torch.Tensor]) -> float | None:
-        """Put a handle of `tensors` in one new tensor into the store; it is held until acknowledged. Its checksum."""
+    def _hand_out(self, version: int, tensors: list[torch.Tensor], digest: sync.Checksum) -> None:
+        """Put a handle of `tensors` in one new tensor into the store; it is held until
+        acknowledged. The tensor is added to `digest` (--sync-checksum)."""
         flat = sync.flatten(tensors, self.wire_dtype, tensors[0].device)  # [bucket]
         if flat.is_cuda:  # written before another process reads it
             torch.cuda.synchronize(flat.device)
@@ -62,7 +61,8 @@ class IpcSync(sync.WeightSync):
         self.store.set(f"ipc/{self.handed}", bytes(handle))
         self._pending.append((self.handed, flat, time.monotonic() + self.timeout.total_seconds()))
         self.handed += 1
-        return sync.checksum([flat]) if self.checksum else None
+        if self.checksum:
+            digest.add([flat])
 
     def wait(self, alive: Callable[[], bool] = lambda: True) -> None:
         """Rank 0: hold each bucket handed out until every explorer has acknowledged it; then let it go."""

@@ -244,7 +244,9 @@ def test_a_checksum_holds_no_float64_copy_of_a_whole_tensor(monkeypatch):
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     ) as prof:
         digest = sync.checksum([t, torch.ones(3, dtype=torch.bfloat16), torch.arange(4)])
-    assert digest == 2**19 + 3 + 6
+    stream = torch.cat([t.double(), torch.ones(3, dtype=torch.float64), torch.arange(4.0)])
+    k = torch.arange(len(stream), dtype=torch.float64)
+    assert digest == pytest.approx(float((stream * (1 + torch.frac(k * 0.6180339887498949))).sum()))
     assert max(e.cpu_memory_usage for e in prof.events()) <= 8 * 2**16
 
 
@@ -425,3 +427,18 @@ def test_a_receive_is_posted_only_once_its_publish_is_announced(tmp_path):
     with pytest.raises(RuntimeError, match="the trainer died"):
         receiver.until(4)
     assert engine.received == [2]
+
+
+def test_the_checksum_sees_two_swapped_tensors_and_any_split_of_the_stream():
+    # a plain sum of all weights gave two swapped tensors of one shape the same digest
+    import sync
+
+    torch.manual_seed(0)
+    a, b, c = torch.randn(3, 5), torch.randn(3, 5), torch.randn(7)
+    digest = sync.checksum([a, b, c])
+    assert sync.checksum([b, a, c]) != pytest.approx(digest, rel=1e-9)
+    assert sync.checksum([a, b.flip(0), c]) != pytest.approx(digest, rel=1e-9)
+    # the sender sums flattened buckets, the receiver its parameters: the same digest
+    flat = torch.cat([a.reshape(-1), b.reshape(-1), c])
+    streamed = sync.Checksum().add([flat[:9]]).add([flat[9:22], flat[22:]]).value
+    assert streamed == pytest.approx(digest, rel=1e-12)
