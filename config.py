@@ -206,6 +206,9 @@ class Config:
     sampled token minus the behaviour log-prob joins that token's advantage ('' = none)"""
     distill_coef: float = 1.0
     """weight of the teacher's term: each token's advantage gains this x (teacher - behaviour log-prob, in nats); 0 = plain RL"""
+    teacher_temperature: float = 1.0
+    """temperature of the teacher's log-probs: 1.0 scores each token under the teacher's own
+    distribution (tinker-cookbook, prime-rl; Trinity-RFT's setting defaults to 1.0)"""
     # -- trainer
     lr: float = 3e-5
     """AdamW learning rate"""

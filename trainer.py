@@ -331,8 +331,17 @@ class Trainer:
         if self.cores is not None:
             self.cores.apply()
 
-    def logprobs(self, model, mb: list[Experience], padding: bool, entropy: bool = False):
-        """(`pack` of `mb` on the device, mask 0 if `padding`; log-probs [B, R]; entropy [B, R] or None)."""
+    def logprobs(
+        self,
+        model,
+        mb: list[Experience],
+        padding: bool,
+        entropy: bool = False,
+        temperature: float | None = None,
+    ):
+        """(`pack` of `mb` on the device, mask 0 if `padding`; log-probs [B, R] at `temperature`
+        (default: the sampling temperature); entropy [B, R] or None)."""
+        temperature = self.cfg.temperature if temperature is None else temperature
         self._lent_cores()
         causal = self.cuda and CUDA_LEVERS["causal_rows"]
         b = {
@@ -348,7 +357,7 @@ class Trainer:
             self.device.type, dtype=torch.bfloat16, enabled=self.autocast, cache_enabled=False
         ):
             lp, ent = response_logprobs(
-                model, b, self.cfg.temperature, entropy, entropy_grad=bool(self.cfg.entropy_coef)
+                model, b, temperature, entropy, entropy_grad=bool(self.cfg.entropy_coef)
             )  # [B, R]
         return b, lp, ent
 

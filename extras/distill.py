@@ -36,6 +36,7 @@ class Teacher(Reference):
 
     def __init__(self, trainer, model_path: str):
         self.trainer, self.seqs, self.coef = trainer, {}, trainer.cfg.distill_coef
+        self.temperature = trainer.cfg.teacher_temperature
         self.model = frozen_model(trainer, model_path)
 
     @staticmethod

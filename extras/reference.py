@@ -20,6 +20,8 @@ class Reference:
 
     def __init__(self, trainer, model_path: str):
         self.trainer, self.seqs, self.model = trainer, {}, None
+        # the KL terms compare the policy and the reference at the sampling temperature
+        self.temperature = trainer.cfg.temperature
         if not trainer.lora:  # LoRA: the policy with its adapters disabled
             self.model = frozen_model(trainer, model_path)
 
@@ -37,7 +39,7 @@ class Reference:
         self.seqs = {}
         with torch.no_grad(), self.module() as ref:
             for mb, padding in self.trainer.rank_micro_batches(rows, filler):
-                _, lp, _ = self.trainer.logprobs(ref, mb, padding)
+                _, lp, _ = self.trainer.logprobs(ref, mb, padding, temperature=self.temperature)
                 for i, e in enumerate([] if padding else mb):
                     self.seqs[id(e)] = lp[i, : len(e.behaviour_logprobs)].float().cpu()
         return self.seqs

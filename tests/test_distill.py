@@ -126,6 +126,20 @@ def test_the_trainer_adds_the_teachers_term_to_each_policy_token(make_trainer, t
     )
 
 
+def test_the_teacher_scores_at_its_own_temperature_not_the_students(make_trainer, teacher_model):
+    # the teacher was scored at the student's sampling temperature; tinker-cookbook and prime-rl
+    # score it at 1.0 (--teacher-temperature, default 1.0)
+    rollouts = [exp([5, 6, 7, 20 + i, 21, 22 + i], 3, [1, 1, 1], 0.0, "g") for i in range(4)]
+    tr = make_trainer("--teacher", teacher_model, "--temperature", "0.7")
+    seqs = tr.teacher.compute([rollouts], rollouts[0])
+    got = torch.stack([seqs[id(e)] for e in rollouts])  # [B, R]
+    assert torch.allclose(got, teacher_logprobs(teacher_model, rollouts, tr.pad), atol=1e-5)
+    tr = make_trainer("--teacher", teacher_model, "--teacher-temperature", "0.5")
+    seqs = tr.teacher.compute([rollouts], rollouts[0])
+    at_half = torch.stack([seqs[id(e)] for e in rollouts])
+    assert not torch.allclose(at_half, got, atol=1e-3)
+
+
 def test_a_teacher_with_the_students_weights_has_reverse_kl_0(make_trainer, tiny_model):
     tr = make_trainer("--teacher", tiny_model)
     group = [exp([5, 6, 20 + i, 21 + i], 2, [1, 1], float(i % 2), "g") for i in range(4)]
