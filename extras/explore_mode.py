@@ -13,7 +13,7 @@ from engines import make_engine
 from explorer import engine_seed, explore
 from extras.hosts import StoreAlive
 from extras.train_mode import add_record
-from metrics import JsonlLog
+from metrics import JsonlLog, eval_line
 
 
 class Backpressure:
@@ -35,10 +35,19 @@ class Backpressure:
 
     def before_batch(self, batch: int) -> bool:
         cfg, since = self.cfg, time.monotonic()
+        said = False
         while (
             not (done := self.buffer.run_state("trainer_done"))
             and self.buffer.counts()["ready"] >= 2 * cfg.batch_size * cfg.group_size
         ):
+            if not said:  # a user who started the explorer first sees why nothing happens
+                print(
+                    f"{cfg.explorer_name}: two batches wait in the buffer; waiting for a trainer to "
+                    f"take them (python run.py --mode train --run-dir {cfg.run_dir}), at most "
+                    f"{cfg.buffer_timeout_s:.0f} s",
+                    flush=True,
+                )
+                said = True
             if time.monotonic() - since > cfg.buffer_timeout_s:
                 raise RuntimeError(
                     f"explorer {cfg.explorer_name}: no trainer took a batch for "
@@ -72,6 +81,16 @@ def run_mode_explore(cfg, prepared) -> None:
         log.write(record)
         if "eval/accuracy" in record:
             add_record(buffer, cfg.explorer_name, record)
+            line = eval_line(record, cfg.group_size)
+            print(
+                f"{cfg.explorer_name}: eval @ version {record['eval/version']}: {line}", flush=True
+            )
+        elif "batch" in record:
+            print(
+                f"{cfg.explorer_name}: batch {record['batch']} (version "
+                f"{record['explorer/version']}) written in {record['time/explore_s']:.1f} s",
+                flush=True,
+            )
 
     try:
         engine = make_engine(cfg, prepared.model_path, engine_seed(cfg))

@@ -808,3 +808,16 @@ def test_a_batch_sampled_at_another_temperature_is_refused(tmp_path):
             loop.read_batch(cfg, buf, 1, 0, lambda: True)
     finally:
         buf.close()
+
+
+@pytest.mark.slow
+def test_an_explorer_without_a_trainer_says_what_it_waits_for(tiny_model, tmp_path):
+    # to a file, mode explore printed its banner and then nothing until buffer_timeout_s ran out
+    args = ("--model", tiny_model, "--run-dir", tmp_path / "r", "--buffer-timeout-s", "5")
+    res = run_py(*COMMON, "--mode", "explore", *args)
+    lines = res.stdout.splitlines()
+    assert "explorer0: batch 0 (version 0) written in" in res.stdout, res.stdout
+    assert "explorer0: batch 1 (version 0) written in" in res.stdout
+    waiting = [x for x in lines if "waiting for a trainer to take them" in x]
+    assert len(waiting) == 1 and f"--mode train --run-dir {tmp_path / 'r'}" in waiting[0]
+    assert res.returncode == 1 and "no trainer took a batch for 5 s" in res.stderr
