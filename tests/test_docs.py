@@ -113,3 +113,16 @@ def test_readme_forking_example_runs(tmp_path):
     inspect.signature(reward).bind(task, "5", None, **kwargs)
     assert reward(task, "2 + 3 = 5", None, **kwargs) == 1.0
     assert reward(task, "2 + 3 = 7", None, **kwargs) == 0.0
+
+
+def test_every_test_the_correctness_map_names_exists():
+    # docs/correctness.md is the map from a bug class to its test: a renamed test breaks it
+    import re
+
+    text = (ROOT / "docs" / "correctness.md").read_text()
+    named = re.findall(r"(tests/\w+\.py)(?:::(\w+))?", text)
+    assert len(named) > 15
+    for path, name in named:
+        assert (ROOT / path).is_file(), path
+        if name:
+            assert f"def {name}(" in (ROOT / path).read_text(), f"{path}::{name}"
