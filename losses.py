@@ -23,7 +23,7 @@ class LossInputs:
     logprobs: torch.Tensor  # [B, T] under the current policy (grad)
     behaviour_logprobs: torch.Tensor  # [B, T] under the behaviour policy (no grad)
     advantages: torch.Tensor  # [B, T] each sequence's advantage over its tokens
-    mask: torch.Tensor  # [B, T] 1.0 on trained tokens
+    action_mask: torch.Tensor  # [B, T] 1.0 on trained tokens (the experiences' action_mask)
     rewards: torch.Tensor  # [B]
     group_index: torch.Tensor  # [B] int (whole groups present when the loss `needs_groups`)
     ref_logprobs: torch.Tensor | None = None  # [B, T] under the frozen reference policy

@@ -46,8 +46,8 @@ def opmd_kimi_loss(inp: LossInputs, tau: float = 1.0):
     """(-A logprobs + spread(tau / 2 s^2)) / max(1, tau), s the sequence's summed log-ratio: {"loss"} [B, T]. Source:
     Kimi k1.5 arXiv:2501.12599 sec. 2.3.2. Reference: Trinity-RFT trinity/trainer/verl/core_algos.py
     compute_policy_loss_opmd (fork yaochaorui/Trinity-RFT @ 50aba82)."""
-    s = seq_sum(inp.logprobs - inp.behaviour_logprobs, inp.mask)  # [B]
-    loss = -inp.advantages * inp.logprobs + spread(0.5 * tau * s**2, inp.mask)  # [B, T]
+    s = seq_sum(inp.logprobs - inp.behaviour_logprobs, inp.action_mask)  # [B]
+    loss = -inp.advantages * inp.logprobs + spread(0.5 * tau * s**2, inp.action_mask)  # [B, T]
     return {"loss": loss / max(1.0, tau)}  # [B, T]
 
 
@@ -55,11 +55,11 @@ def opmd_kimi_loss(inp: LossInputs, tau: float = 1.0):
 def opmd_pairwise_loss(inp: LossInputs, tau: float = 1.0):
     """(d_i - mean_group d)^2 / max(1, tau), d = r - tau (log pi - sg(log pi)): {"loss"} [B, T]. Reference: Trinity-RFT
     trinity/trainer/verl/core_algos.py compute_policy_loss_pairwise_opmd (fork yaochaorui/Trinity-RFT @ 50aba82)."""
-    s = seq_sum(inp.logprobs, inp.mask)  # [B]
+    s = seq_sum(inp.logprobs, inp.action_mask)  # [B]
     d = inp.rewards - tau * (s - s.detach())  # [B]
     same = (inp.group_index[:, None] == inp.group_index[None, :]).to(d.dtype)  # [B, B]
     centred = d - (same @ d) / same.sum(-1)  # [B]
-    return {"loss": spread(centred**2 / max(1.0, tau), inp.mask)}  # [B, T]
+    return {"loss": spread(centred**2 / max(1.0, tau), inp.action_mask)}  # [B, T]
 
 
 @register(POLICY_LOSSES, "opmd_simple")

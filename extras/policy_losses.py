@@ -64,7 +64,7 @@ def cispo_loss(inp: LossInputs, clip_low: float = 1.0, clip_high: float = 0.2):
 def gspo_loss(inp: LossInputs, clip_low: float = 3e-4, clip_high: float = 4e-4):
     """GSPO-token: PPO clip of the sequence-level ratio: {"loss", "clipped"} [B, T]. Source:
     arXiv:2507.18071 eq. 5-7. Reference: verl core_algos.py compute_policy_loss_gspo @ b178a3c."""
-    seq_log_ratio = seq_sum(inp.logprobs - inp.behaviour_logprobs, inp.mask) / inp.mask.sum(
+    seq_log_ratio = seq_sum(inp.logprobs - inp.behaviour_logprobs, inp.action_mask) / inp.action_mask.sum(
         -1
     ).clamp(min=1)  # [B]
     log_s = seq_log_ratio.detach()[:, None] + inp.logprobs - inp.logprobs.detach()  # [B, T]
@@ -87,7 +87,7 @@ def dpo_loss(inp: LossInputs, beta: float = 0.1):
     trl/trainer/dpo_trainer.py @ f2cd577."""
     if inp.ref_logprobs is None:
         raise ValueError("dpo needs ref_logprobs (a reference model)")
-    logit = beta * seq_sum(inp.logprobs - inp.ref_logprobs, inp.mask)  # [B]
+    logit = beta * seq_sum(inp.logprobs - inp.ref_logprobs, inp.action_mask)  # [B]
     # 0 where no pair, but in the graph: a micro-batch without a pair still runs backward (FSDP2's reduce-scatter)
     per_seq = logit * 0  # [B]
     correct = torch.zeros_like(logit)  # [B]
@@ -99,7 +99,7 @@ def dpo_loss(inp: LossInputs, beta: float = 0.1):
             margin = logit[c] - logit[w]
             per_seq[c] = per_seq[w] = -torch.nn.functional.logsigmoid(margin)
             correct[c] = correct[w] = float(margin.detach() > 0)
-    return {"loss": spread(per_seq, inp.mask), "pair_correct": correct[:, None].expand_as(inp.mask)}
+    return {"loss": spread(per_seq, inp.action_mask), "pair_correct": correct[:, None].expand_as(inp.action_mask)}
 
 
 @register(POLICY_LOSSES, "mix", split_expert=True)
@@ -116,7 +116,7 @@ def mix_loss(
     expert = (
         inp.expert
         if inp.expert is not None
-        else torch.zeros(len(inp.mask), dtype=torch.bool, device=inp.mask.device)
+        else torch.zeros(len(inp.action_mask), dtype=torch.bool, device=inp.action_mask.device)
     )[:, None]  # [B, 1]
     ppo = ppo_clip_loss(inp, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
     loss = torch.where(expert, mu * -inp.logprobs, (1 - mu) * ppo["loss"])  # [B, T]
