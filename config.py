@@ -20,7 +20,9 @@ from typing import Annotated, Literal
 import losses
 
 DEFAULT_TASK = "basic_arithmetic"
-# Settings tuned for the default task; another task, unless they are given, gets these instead:
+# The preset of a task other than the default one: the defaults of these settings are tuned for
+# basic_arithmetic, so another task gets these unless they are given (the first line of a run
+# names them: `task_preset`)
 OTHER_TASK_DEFAULTS = {"task_kwargs": {}, "system_prompt": "Give only the final answer."}
 
 
@@ -393,12 +395,18 @@ def parse_config(argv: list[str]) -> Config:
         if dataclasses.is_dataclass(stage)
         for k, v in vars(stage).items()
     }
-    if values["task"] != DEFAULT_TASK:
-        values.update({k: v for k, v in OTHER_TASK_DEFAULTS.items() if k not in given})
+    values.update(task_preset(values["task"], given))
     cfg = Config(**values)
     cfg.given = given
     check_values(cfg)
     return cfg
+
+
+def task_preset(task: str, given: frozenset) -> dict:
+    """The settings OTHER_TASK_DEFAULTS gives a task other than the default one, those not given."""
+    if task == DEFAULT_TASK:
+        return {}
+    return {k: v for k, v in OTHER_TASK_DEFAULTS.items() if k not in given}
 
 
 def check_values(cfg: Config) -> None:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import launch
 import sync
 from checkpoints import save_resume_state
-from config import Config, parse_config
+from config import Config, parse_config, task_preset
 from metrics import print0, trackers
 from perf import announce_peak
 
@@ -192,6 +192,12 @@ def prepare(cfg: Config, rank: int) -> Prepared:
     gpus = launch.gpu_count()
     layout = launch.place(gpus, int(os.environ.get("WORLD_SIZE", "1")), cfg.mode)
     cfg.dtype, why = models.choose_dtype(cfg.dtype, "cuda" if gpus else "cpu")
+    preset = task_preset(cfg.task, cfg.given)
+    if preset:
+        shown = ", ".join(f"{k} {v!r}" for k, v in preset.items())
+        print0(
+            f"nanorft: task {cfg.task}: {shown} (the defaults are basic_arithmetic's; give them to change)"
+        )
     print0(
         f"nanorft: preparing mode {cfg.mode}: precision {cfg.dtype} ({why}); memory allocator "
         f"{launch.allocator_banner(cfg)}; model {cfg.model}; "

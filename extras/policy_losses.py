@@ -64,9 +64,9 @@ def cispo_loss(inp: LossInputs, clip_low: float = 1.0, clip_high: float = 0.2):
 def gspo_loss(inp: LossInputs, clip_low: float = 3e-4, clip_high: float = 4e-4):
     """GSPO-token: PPO clip of the sequence-level ratio: {"loss", "clipped"} [B, T]. Source:
     arXiv:2507.18071 eq. 5-7. Reference: verl core_algos.py compute_policy_loss_gspo @ b178a3c."""
-    seq_log_ratio = seq_sum(inp.logprobs - inp.behaviour_logprobs, inp.action_mask) / inp.action_mask.sum(
-        -1
-    ).clamp(min=1)  # [B]
+    seq_log_ratio = seq_sum(
+        inp.logprobs - inp.behaviour_logprobs, inp.action_mask
+    ) / inp.action_mask.sum(-1).clamp(min=1)  # [B]
     log_s = seq_log_ratio.detach()[:, None] + inp.logprobs - inp.logprobs.detach()  # [B, T]
     s = torch.exp(log_s.clamp(max=10.0))  # [B, T]
     A = inp.advantages
@@ -99,7 +99,10 @@ def dpo_loss(inp: LossInputs, beta: float = 0.1):
             margin = logit[c] - logit[w]
             per_seq[c] = per_seq[w] = -torch.nn.functional.logsigmoid(margin)
             correct[c] = correct[w] = float(margin.detach() > 0)
-    return {"loss": spread(per_seq, inp.action_mask), "pair_correct": correct[:, None].expand_as(inp.action_mask)}
+    return {
+        "loss": spread(per_seq, inp.action_mask),
+        "pair_correct": correct[:, None].expand_as(inp.action_mask),
+    }
 
 
 @register(POLICY_LOSSES, "mix", split_expert=True)

@@ -354,3 +354,23 @@ def test_the_same_command_run_again_writes_to_a_new_run_dir(tiny_model, tmp_path
         run.prepare(run.parse_config([*argv, "--run-dir", "runs/tiny"]), 0)
     # --resume and --overwrite mean the run dir given
     assert run.own_run_dir(run.parse_config([*argv, "--overwrite"])) == "runs/tiny"
+
+
+def test_another_tasks_preset_is_named_at_the_start(tiny_model, tmp_path, capsys):
+    # --task chain_sum changed task_kwargs and system_prompt in silence
+    argv = [
+        "--config",
+        "configs/tiny.toml",
+        "--model",
+        tiny_model,
+        "--run-dir",
+        str(tmp_path / "r"),
+    ]
+    cfg = run.parse_config([*argv, "--task", "chain_sum", "--system-prompt", "Answer."])
+    assert (cfg.task_kwargs, cfg.system_prompt) == ({}, "Answer.")
+    run.prepare(cfg, 0)
+    out = capsys.readouterr().out
+    assert "nanorft: task chain_sum: task_kwargs {} (the defaults are basic_arithmetic's" in out
+    assert "system_prompt" not in out.split("nanorft: task chain_sum:")[1].splitlines()[0]
+    run.prepare(run.parse_config([*argv, "--overwrite"]), 0)
+    assert "nanorft: task basic_arithmetic:" not in capsys.readouterr().out
