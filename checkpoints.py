@@ -1,5 +1,4 @@
-"""Resume states, RUN_DIR/checkpoints/resume-{step:06d} (`save_resume_state`, `load_resume_state`).
-A file of its own: trainer ranks, run.py and the explorer of a resumed run all read these directories."""
+"""Resume states, RUN_DIR/checkpoints/resume-{step:06d} (`save_resume_state`, `load_resume_state`)."""
 
 import os
 import shutil

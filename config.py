@@ -1,5 +1,4 @@
-"""Every setting of a run (`Config`), each a flag with its docstring as --help, and `parse_config`.
-A file of its own: the explorer, the trainer and every extra read the same Config."""
+"""Every setting of a run (`Config`), each a flag with its docstring as --help, and `parse_config`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Inference engines the explorer samples rollouts with: `Engine`, `HFEngine` (transformers), `ENGINES` (--engine;
-vLLM: extras/vllm_engine.py) and `make_engine`. A file of its own: the explorer, mode bench and extras share it."""
+vLLM: extras/vllm_engine.py) and `make_engine`."""
 
 import asyncio
 import functools
@@ -271,7 +271,8 @@ class HFEngine(Engine):
     def from_config(
         cls, cfg, model_path: str, seed: int, device: str, colocated: bool
     ) -> "HFEngine":
-        """bf16 weights for --dtype bfloat16: no float32 copy cast at every step (on a CPU 20% faster decoding)."""
+        """bf16 weights for --dtype bfloat16: no float32 copy cast at every step (faster decoding,
+        docs/benchmarks.md)."""
         bf16 = cfg.dtype == "bfloat16"
         return cls(
             model_path,

@@ -1,5 +1,4 @@
-"""Process plumbing: device placement (`place`), allocator, gloo's interface, threads, how a run ends (`guarded`).
-A file of its own: every mode needs this plumbing, and none of it is RL."""
+"""Process plumbing: device placement (`place`), allocator, gloo's interface, threads, how a run ends (`guarded`)."""
 
 import ctypes.util
 import importlib.metadata
@@ -111,7 +110,8 @@ INSTALL = {
     "mimalloc": "pip install cmeel-mimalloc",
     "tcmalloc": "apt-get install libtcmalloc-minimal4",
 }
-# mimalloc's transparent huge pages, faulted in 2 MiB at a time, cost the trainer 0.1 GiB of RSS (allocators.py)
+# mimalloc's transparent huge pages are faulted in 2 MiB at a time: they grow the trainer's
+# RSS (docs/benchmarks.md)
 ALLOCATOR_ENV = {"mimalloc": {"MIMALLOC_ALLOW_THP": "0"}}
 
 

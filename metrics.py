@@ -1,5 +1,4 @@
-"""A run's numbers: RUN_DIR/metrics.jsonl (`Metrics`), trackers (TRACKERS), plot.png (`plot`), `sampled_eval`.
-A file of its own: the loop, the explorer and run.py all write here."""
+"""A run's numbers: RUN_DIR/metrics.jsonl (`Metrics`), trackers (TRACKERS), plot.png (`plot`), `sampled_eval`."""
 
 import contextlib
 import dataclasses

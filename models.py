@@ -1,5 +1,4 @@
-"""Models: which model (`resolve_model`), in which precision (`choose_dtype`), pad token, cache (`cache_dir`).
-A file of its own: run.py, the trainer, the engines and the benchmarks all resolve models here."""
+"""Models: which model (`resolve_model`), in which precision (`choose_dtype`), pad token, cache (`cache_dir`)."""
 
 import contextlib
 import importlib.util

@@ -1,5 +1,4 @@
-"""Token layouts of a batch: `pack` (shared prompts), `micro_batches`, `response_logprobs` and `left_pad`.
-A file of its own: the trainer, the engines and the log-prob tests share these layouts."""
+"""Token layouts of a batch: `pack` (shared prompts), `micro_batches`, `response_logprobs` and `left_pad`."""
 
 import functools
 

@@ -1,5 +1,4 @@
-"""Model FLOPs and MFU (`train_flops`, `generate_flops`, `mfu`, `JobMeter`) against the device's peak (`unit_peak`).
-A file of its own so that measurement sits beside the RL code, not inside it."""
+"""Model FLOPs and MFU (`train_flops`, `generate_flops`, `mfu`, `JobMeter`) against the device's peak (`unit_peak`)."""
 
 import os
 import time

@@ -1,5 +1,4 @@
-"""Weight sync: the schedule (`required_version`, `publishes_after`), the group (`WeightSync`) and `Receiver`.
-A file of its own: both ends of the weight sync, the trainer's and the explorer's, live here."""
+"""Weight sync: the schedule (`required_version`, `publishes_after`), the group (`WeightSync`) and `Receiver`."""
 
 import contextlib
 import socket

@@ -352,7 +352,8 @@ class Trainer:
         }
         b["mask"] = b["mask"] * (not padding)
         self.computed_tokens += b["input_ids"].numel()
-        # no cache of bf16 weights: each is cast once per pass anyway, and the blocks' recompute casts again (-0.08 GiB)
+        # no cache of bf16 weights: each is cast once per pass anyway, and the blocks' recompute
+        # casts again (a cache would only hold memory)
         with torch.autocast(
             self.device.type, dtype=torch.bfloat16, enabled=self.autocast, cache_enabled=False
         ):
