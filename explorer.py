@@ -1,5 +1,6 @@
 """Explorer: `rollout_batch` runs one workflow per task concurrently into the buffer, `evaluate` scores held-out
-tasks; `run_mode_both` is mode both's explorer process, `explore` its loop, paced by a `Schedule`."""
+tasks; `run_mode_both` is mode both's explorer process, `explore` its loop, paced by a
+`schedule.Pace`."""
 
 import asyncio
 import base64
@@ -25,6 +26,7 @@ from engines import Engine, HFEngine, Sampling, make_engine, use_gpu, vllm_avail
 from metrics import cpu_seconds, episode_means, mean_stderr, peak_rss_gib, sampled_eval
 from models import cache_dir, read_cached, write_cached
 from perf import mfu, unit_peak
+from schedule import Pace, Schedule, required_version
 from workflows import Shuffle, Task, load_reward_fn, load_workflow, readable
 
 
@@ -459,33 +461,6 @@ def exit_quietly(*_) -> None:
     sys.exit(1)
 
 
-class Schedule:
-    """`explore`'s pace in mode both: batch e waits for sync.required_version(e), the final evaluation for `last`
-    (the version of the last step: the trainer publishes after it whatever the interval)."""
-
-    def __init__(self, cfg, receiver: sync.Receiver, last: int):
-        self.cfg, self.receiver, self.last = cfg, receiver, last
-
-    def join(self) -> None:
-        # checkpoint sync: the start weights are loaded, the trainer may go on
-        if self.receiver.port is None:
-            self.receiver.log({"explorer/ready": True})
-        self.receiver.join()
-
-    def before_batch(self, batch: int) -> bool:
-        self.receiver.until(
-            sync.required_version(batch, self.cfg.sync_interval, self.cfg.sync_offset)
-        )
-        return True
-
-    def inflight(self) -> None:
-        if self.receiver.newest() > self.receiver.engine.version:
-            self.receiver.receive()
-
-    def final(self) -> None:
-        self.receiver.until(self.last)
-
-
 def run_mode_both(
     cfg,
     model_path: str,
@@ -555,7 +530,9 @@ def run_mode_both(
         os._exit(1)
 
 
-def explore(cfg, engine: Engine, tasks: tuple, buffer: Buffer, pace, log, batches: int) -> None:
+def explore(
+    cfg, engine: Engine, tasks: tuple, buffer: Buffer, pace: Pace, log, batches: int
+) -> None:
     """The explorer's loop up to batch `batches`, paced by `pace`, evaluating each eval_interval; closes `engine`."""
     try:
         pace.join()
@@ -588,7 +565,7 @@ def explore(cfg, engine: Engine, tasks: tuple, buffer: Buffer, pace, log, batche
             busy(True)
             log(explorer.rollout_batch(batch, buffer))
             # after the last batch of a version: the trainer trains every batch of it while we evaluate
-            last_of_version = batch + 1 == batches or engine.version < sync.required_version(
+            last_of_version = batch + 1 == batches or engine.version < required_version(
                 batch + 1, cfg.sync_interval, cfg.sync_offset
             )
             if last_of_version and (

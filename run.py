@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 import launch
-import sync
 from checkpoints import save_resume_state
 from config import Config, parse_config, task_preset
 from metrics import print0, trackers
 from perf import announce_peak
+from schedule import publishes_after
 
 
 class Prepared(NamedTuple):
@@ -40,7 +40,7 @@ def rl_loop(cfg: Config, trainer, io, start: int) -> None:
         # advantages -> policy loss (forward, backward) -> optimizer step: weight version + 1
         metrics.update(trainer.step(groups, io.progress))
         # the explorer gets the new weights after every sync_interval steps
-        if sync.publishes_after(step, cfg.sync_interval, cfg.steps):
+        if publishes_after(step, cfg.sync_interval, cfg.steps):
             metrics.update(io.publish(step))
         if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0:
             if step < cfg.steps - 1:

@@ -1,4 +1,5 @@
-"""Weight sync: the schedule (`required_version`, `publishes_after`), the group (`WeightSync`) and `Receiver`."""
+"""Weight sync, both ends: the torch.distributed group (`WeightSync`), the explorer's `Receiver`
+and the order-sensitive `Checksum`; the schedule of publishes is schedule.py's."""
 
 import contextlib
 import socket
@@ -13,16 +14,6 @@ import torch.distributed as dist
 
 GOLDEN_RATIO = 0.6180339887498949
 CHECKSUM_CHUNK = 2**22  # elements a checksum sums at once: the float64 copy of them takes 32 MiB
-
-
-def required_version(batch: int, sync_interval: int, sync_offset: int) -> int:
-    """Weight version explorer batch `batch` must be generated with: k * floor(max(0, e - m) / k)."""
-    return sync_interval * (max(0, batch - sync_offset) // sync_interval)
-
-
-def publishes_after(step: int, sync_interval: int, total_steps: int) -> bool:
-    """True if the trainer publishes weights (version step + 1) after 0-based `step`."""
-    return (step + 1) % sync_interval == 0 or step == total_steps - 1
 
 
 class CoreShare:

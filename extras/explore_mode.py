@@ -17,7 +17,8 @@ from metrics import JsonlLog, eval_line
 
 
 class Backpressure:
-    """explorer.explore's `pace`: no batch once the trainer has finished or while two batches wait."""
+    """The `schedule.Pace` of mode explore: no batch once the trainer has finished or while two
+    batches wait in the buffer; new weights are taken when published."""
 
     def __init__(self, cfg, buffer: Buffer, receiver: sync.Receiver):
         self.cfg, self.buffer, self.receiver = cfg, buffer, receiver

@@ -130,7 +130,7 @@ def test_an_evaluation_runs_after_its_versions_last_batch(monkeypatch):
             pass
 
         def before_batch(self, batch):
-            engine.version = 2 * (batch // 2)  # sync.required_version with interval 2, offset 0
+            engine.version = 2 * (batch // 2)  # schedule.required_version with interval 2, offset 0
             return True
 
         def final(self):

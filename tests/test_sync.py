@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 
+import schedule
 import sync
 from extras.hosts import StoreAlive
 
@@ -23,15 +24,15 @@ SCHEDULES = {
 
 @pytest.mark.parametrize("interval,offset", sorted(SCHEDULES))
 def test_required_version_table(interval, offset):
-    assert [sync.required_version(e, interval, offset) for e in range(6)] == SCHEDULES[
+    assert [schedule.required_version(e, interval, offset) for e in range(6)] == SCHEDULES[
         (interval, offset)
     ]
 
 
 def test_published_versions_include_last_step():
-    assert [t + 1 for t in range(5) if sync.publishes_after(t, 2, 5)] == [2, 4, 5]
-    assert [t + 1 for t in range(4) if sync.publishes_after(t, 1, 4)] == [1, 2, 3, 4]
-    assert [t + 1 for t in range(6) if sync.publishes_after(t, 3, 6)] == [3, 6]
+    assert [t + 1 for t in range(5) if schedule.publishes_after(t, 2, 5)] == [2, 4, 5]
+    assert [t + 1 for t in range(4) if schedule.publishes_after(t, 1, 4)] == [1, 2, 3, 4]
+    assert [t + 1 for t in range(6) if schedule.publishes_after(t, 3, 6)] == [3, 6]
 
 
 def receiver(port, q):
