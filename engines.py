@@ -41,12 +41,9 @@ class Engine:
 
     def __init__(self):
         self._pending: dict[Sampling, list] = {}
-        self.version, self.step_hook, self.cores, self.checksum = (
-            0,
-            None,
-            None,
-            False,
-        )  # version: loaded now
+        self.version = 0  # the weight version loaded now
+        self.step_hook = None
+        self.checksum = False
         # how join_weight_sync receives: broadcast or ipc (sync.transport)
         self.sync_method = "broadcast"
         self.status = lambda text: (
@@ -339,8 +336,6 @@ class HFEngine(Engine):
                     [distinct.index(tuple(p)) for p in chunk], device=dev
                 )  # [B] its prompt's row
                 cache = decode_cache()
-                if self.cores is not None:
-                    self.cores.apply()
                 C = len(os.path.commonprefix(distinct)) if len(distinct) > 1 else 0
                 C = min(
                     C, min(map(len, distinct)) - 1
@@ -399,8 +394,6 @@ class HFEngine(Engine):
                         break
                     if self.step_hook is not None:
                         self.step_hook()  # in-flight: may load new weights; the KV cache is kept
-                    if self.cores is not None:
-                        self.cores.apply()
                     # ended rows leave
                     if decoding.drops and int(done.sum()) >= self.drop_ended * len(done):
                         keep = (~done).nonzero().squeeze(1)  # [A']

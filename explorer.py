@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+import perf
 import sync
 from buffer import Buffer, Experience, open_buffer, pool_for
 from config import Config
@@ -491,8 +492,6 @@ def run_mode_both(
         )
         engine.version = start_version
         engine.status = lambda text: queue.put({"status": text})
-        if core_flags is not None and isinstance(engine, HFEngine):
-            engine.cores = sync.CoreShare(core_flags, 1, cfg.explorer_threads, cfg.trainer_threads)
         receiver = sync.Receiver(
             engine,
             cfg.run_dir,
@@ -504,15 +503,14 @@ def run_mode_both(
             sync_device,
             cfg.sync_host,
         )
-        explore(
-            cfg,
-            engine,
-            tasks,
-            open_buffer(cfg.buffer, cfg.run_dir),
-            Schedule(cfg, receiver, total_steps),
-            queue.put,
-            total_steps,
-        )
+        pace = Schedule(cfg, receiver, total_steps)
+        if core_flags is not None and isinstance(engine, HFEngine):
+            # one machine's cores: the side that waits lends its threads to the other
+            cores = perf.CoreShare(core_flags, 1, cfg.explorer_threads, cfg.trainer_threads)
+            perf.lend_threads(engine.model, cores)
+            pace = perf.LendingPace(pace, cores)
+        buffer = open_buffer(cfg.buffer, cfg.run_dir)
+        explore(cfg, engine, tasks, buffer, pace, queue.put, total_steps)
     except Exception as e:  # reported by the trainer as one line; the process exits with code 1
         (Path(cfg.run_dir) / f"error_{cfg.explorer_name}.log").write_text(traceback.format_exc())
         queue.put(
@@ -557,12 +555,9 @@ def explore(
             engine.step_hook = hook
             return engine.version
 
-        busy = engine.cores.busy if engine.cores is not None else (lambda flag: None)
         for batch in range(first, batches):
-            busy(False)  # waiting for weights or for the trainer: the trainer may use our cores
             if not pace.before_batch(batch):
                 break
-            busy(True)
             log(explorer.rollout_batch(batch, buffer))
             # after the last batch of a version: the trainer trains every batch of it while we evaluate
             last_of_version = batch + 1 == batches or engine.version < required_version(
@@ -573,7 +568,6 @@ def explore(
                 or engine.version // cfg.eval_interval > evaluated // cfg.eval_interval
             ):
                 evaluated = evaluate()
-        busy(False)
         engine.step_hook = None
         pace.final()
         if evaluated != engine.version:

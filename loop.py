@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+import perf
 import sync
 from buffer import Experience, open_buffer
 from checkpoints import delete_resume_states, load_resume_state, resume_state
@@ -336,7 +337,8 @@ def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks: 
             from extras.train_mode import connect_explorers
 
             weights = connect_explorers(cfg, io, layout, trainer, rank)
-        trainer.cores = io.cores  # (once the explorer started)
+        if io.cores is not None:  # (once the explorer started) threads it lends while it waits
+            perf.lend_threads(trainer.model, io.cores)
         step_io.t_start = time.perf_counter()
         yield trainer, step_io, start
         step_io.bar.close()
@@ -421,7 +423,7 @@ def start_explorer(cfg, io, model_path: str, version: int, layout, tasks: tuple)
     )
     explorer.start()
     if flags is not None:
-        io.cores = sync.CoreShare(flags, 0, cfg.trainer_threads, cfg.explorer_threads)
+        io.cores = perf.CoreShare(flags, 0, cfg.trainer_threads, cfg.explorer_threads)
     io.alive, io.records = explorer.is_alive, lambda: queued(queue)
     if weights:
         weights.connect(io.alive)

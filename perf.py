@@ -3,6 +3,8 @@
 import os
 import time
 
+import torch
+
 from metrics import cpu_seconds, print0
 
 
@@ -177,3 +179,59 @@ class JobMeter:
         }
         self.mark, self.explorer_flops = (cpu_s, now), 0.0
         return out
+
+
+class CoreShare:
+    """The side that waits (`flags`: trainer busy, explorer busy) lends its CPU threads to the busy one."""
+
+    def __init__(self, flags, side: int, own: int, other: int):
+        self.flags, self.side, self.own, self.other = flags, side, own, other
+
+    def busy(self, flag: bool) -> None:
+        self.flags[self.side] = int(flag)
+
+    def apply(self) -> int:
+        """Set torch's threads to own + other while the other side is idle, else own; returns them."""
+        n = self.own if self.flags[1 - self.side] else self.own + self.other
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        return n
+
+
+def lend_threads(model, cores: CoreShare) -> None:
+    """Take or give back the threads the idle side lends (`cores.apply`) before each forward
+    pass of `model`'s decoder blocks (`_no_split_modules`); a block's hook also runs in each
+    recompute of the backward pass."""
+    blocks = set(model._no_split_modules or [])
+
+    def apply(*_) -> None:
+        cores.apply()
+
+    for m in model.modules():
+        if type(m).__name__ in blocks:
+            m.register_forward_pre_hook(apply)
+
+
+class LendingPace:
+    """A `schedule.Pace` that lends this process's threads to the other side (`cores.busy`)
+    while `pace` waits for weights or for the trainer, and takes them back to generate."""
+
+    def __init__(self, pace, cores: CoreShare):
+        self.pace = pace
+        self.cores = cores
+
+    def join(self) -> None:
+        self.pace.join()
+
+    def before_batch(self, batch: int) -> bool:
+        self.cores.busy(False)
+        go = self.pace.before_batch(batch)
+        self.cores.busy(True)
+        return go
+
+    def inflight(self) -> None:
+        self.pace.inflight()
+
+    def final(self) -> None:
+        self.cores.busy(False)
+        self.pace.final()

@@ -16,23 +16,6 @@ GOLDEN_RATIO = 0.6180339887498949
 CHECKSUM_CHUNK = 2**22  # elements a checksum sums at once: the float64 copy of them takes 32 MiB
 
 
-class CoreShare:
-    """The side that waits (`flags`: trainer busy, explorer busy) lends its CPU threads to the busy one."""
-
-    def __init__(self, flags, side: int, own: int, other: int):
-        self.flags, self.side, self.own, self.other = flags, side, own, other
-
-    def busy(self, flag: bool) -> None:
-        self.flags[self.side] = int(flag)
-
-    def apply(self) -> int:
-        """Set torch's threads to own + other while the other side is idle, else own; returns them."""
-        n = self.own if self.flags[1 - self.side] else self.own + self.other
-        if torch.get_num_threads() != n:
-            torch.set_num_threads(n)
-        return n
-
-
 class Checksum:
     """An order-sensitive digest of a stream of tensors (--sync-checksum): the float64 sum of
     each element times a weight in [1, 2) set by its position in the stream (the fractional

@@ -207,7 +207,6 @@ class Trainer:
         self.autocast = cfg.dtype == "bfloat16" and not self.fsdp_bf16  # where FSDP2 does not cast
         # tokens the dense layers of the forward passes computed (packed, pads included)
         self.computed_tokens = 0
-        self.cores = None  # sync.CoreShare: threads lent by an idle explorer (set by loop.started)
         if device.type == "cpu":
             models.limit_heap_fragmentation()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -285,9 +284,6 @@ class Trainer:
             if type(m).__name__ in blocks:
                 # transformers recomputes a block in training mode only; its submodules stay in eval mode (no dropout)
                 m.training = ckpt
-                m.register_forward_pre_hook(
-                    self._lent_cores
-                )  # also runs in each recompute of the backward pass
                 if self.cfg.compile_layers and self.cuda:
                     m.forward = compiled(m.forward)
                 if self.sharded:
@@ -325,12 +321,6 @@ class Trainer:
                 for i in r
             ]
 
-    def _lent_cores(
-        self, *_
-    ) -> None:  # take or give back the threads an idle explorer lends (sync.CoreShare)
-        if self.cores is not None:
-            self.cores.apply()
-
     def logprobs(
         self,
         model,
@@ -342,7 +332,6 @@ class Trainer:
         """(`pack` of `mb` on the device, mask 0 if `padding`; log-probs [B, R] at `temperature`
         (default: the sampling temperature); entropy [B, R] or None)."""
         temperature = self.cfg.temperature if temperature is None else temperature
-        self._lent_cores()
         causal = self.cuda and CUDA_LEVERS["causal_rows"]
         b = {
             k: v if v is None else v.to(self.device)

@@ -278,7 +278,7 @@ def test_cores_lent_in_the_middle_of_a_step_are_taken_at_the_next_block(tiny_mod
 
     import torch.distributed as dist
 
-    import sync
+    import perf
     from buffer import Experience
     from trainer import Trainer
 
@@ -288,7 +288,8 @@ def test_cores_lent_in_the_middle_of_a_step_are_taken_at_the_next_block(tiny_mod
     cfg = run.parse_config(["--config", "configs/tiny.toml", "--dtype", "float32"])
     trainer = Trainer(cfg, tiny_model, torch.device("cpu"))
     flags = mp.get_context("spawn").Array("i", 2)
-    trainer.cores, explorer = sync.CoreShare(flags, 0, 1, 1), sync.CoreShare(flags, 1, 1, 1)
+    cores, explorer = perf.CoreShare(flags, 0, 1, 1), perf.CoreShare(flags, 1, 1, 1)
+    perf.lend_threads(trainer.model, cores)
     blocks = [m for m in trainer.model.modules() if type(m).__name__.endswith("LlamaDecoderLayer")]
     seen = []
     blocks[0].register_forward_pre_hook(
@@ -301,7 +302,7 @@ def test_cores_lent_in_the_middle_of_a_step_are_taken_at_the_next_block(tiny_mod
     ]
     try:
         explorer.busy(True)
-        trainer.cores.busy(True)
+        cores.busy(True)
         m = trainer.step([group])
     finally:
         torch.set_num_threads(before)

@@ -98,7 +98,7 @@ class Fake:
     """Stand-ins for explore: an engine, an Explorer that records what it is asked, a buffer."""
 
     def __init__(self):
-        self.calls, self.version, self.step_hook, self.cores = [], 0, None, None
+        self.calls, self.version, self.step_hook = [], 0, None
 
     def close(self):
         pass
@@ -361,3 +361,33 @@ def test_the_decode_cache_writes_each_step_into_reserved_room():
     assert torch.equal(keys, torch.cat([k for k, _ in kv], 2)) and cache.get_seq_length() == 7
     cache.reorder_cache(torch.tensor([1, 1]))
     assert torch.equal(cache.layers[0].values[0], torch.cat([v for _, v in kv], 2)[1])
+
+
+def test_the_explorer_lends_its_threads_while_its_pace_waits():
+    # the explorer marks itself idle while it waits for weights and busy while it generates
+    import torch.multiprocessing as mp
+
+    import perf
+
+    flags = mp.get_context("spawn").Array("i", 2)
+    seen = []
+
+    class Pace:
+        def join(self):
+            pass
+
+        def before_batch(self, batch):
+            seen.append(("wait", flags[1]))
+            return batch < 1
+
+        def inflight(self):
+            pass
+
+        def final(self):
+            seen.append(("final", flags[1]))
+
+    pace = perf.LendingPace(Pace(), perf.CoreShare(flags, 1, 1, 1))
+    assert pace.before_batch(0) and flags[1] == 1  # generating: busy
+    assert not pace.before_batch(1)
+    pace.final()
+    assert seen == [("wait", 0), ("wait", 0), ("final", 0)] and flags[1] == 0

@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 
+import perf
 import schedule
 import sync
 from extras.hosts import StoreAlive
@@ -175,7 +176,7 @@ def test_bucketed_sync_equals_unbucketed_and_holds_one_bucket(bucket_elems, dtyp
 
 def test_the_idle_side_lends_its_threads_to_the_busy_one():
     flags = mp.get_context("spawn").Array("i", 2)
-    trainer, explorer = sync.CoreShare(flags, 0, 1, 1), sync.CoreShare(flags, 1, 1, 1)
+    trainer, explorer = perf.CoreShare(flags, 0, 1, 1), perf.CoreShare(flags, 1, 1, 1)
     before = torch.get_num_threads()
     try:
         explorer.busy(True)
