@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -126,3 +127,26 @@ def test_every_test_the_correctness_map_names_exists():
         assert (ROOT / path).is_file(), path
         if name:
             assert f"def {name}(" in (ROOT / path).read_text(), f"{path}::{name}"
+
+
+@pytest.mark.slow
+def test_the_fork_page_runs_as_written(tiny_model, tmp_path):
+    # docs/fork.md: its file, saved as my_rl.py, and its command's flags train a tiny model
+    from safetensors.torch import load_file
+
+    from conftest import run_py
+
+    page = (ROOT / "docs" / "fork.md").read_text()
+    (tmp_path / "my_rl.py").write_text(re.search(r"```python\n(.*?)```", page, re.S).group(1))
+    flags = re.search(r"```bash\npython run.py (.*?)\n```", page, re.S).group(1).split()
+    run_dir = tmp_path / "run"
+    args = ["--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir]
+    args += ["--reward-fn", "tests.rewards.length_parity"]  # rewards that differ in a group
+    res = run_py(*args, "--steps", "2", *flags, env={"PYTHONPATH": str(tmp_path)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "loss/policy" in r]
+    assert len(steps) == 2 and all(r["loss/off_policy"] == 0.0 for r in steps)
+    before = load_file(f"{tiny_model}/model.safetensors")
+    after = load_file(run_dir / "final" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
