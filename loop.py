@@ -97,6 +97,7 @@ class LoopIO:
     send_weights: Callable[[int, Any], float | None] | None = None
     alive: Callable[[], bool] = lambda: True  # noqa: E731
     cores: Any = None
+    trainer_meter: Any = None
 
 
 class StepIO:
@@ -228,8 +229,11 @@ class StepIO:
         rollouts = [g for g in groups if not g[0].info.get("offline")]
         if rollouts:
             self.rollout_health(step, m, rollouts)
-        flops = m.get("perf/trainer_model_flops", 0.0)
-        m.update(self.meter.since_last(flops, self.trainer.peak, self.trainer.device.type))
+        if self.io.trainer_meter is not None:
+            m.update(self.io.trainer_meter.measure(m))
+            flops = m["perf/trainer_model_flops"]
+            peak = self.io.trainer_meter.peak
+            m.update(self.meter.since_last(flops, peak, self.trainer.device.type))
         m.update(
             {
                 "step": step,
@@ -320,6 +324,9 @@ def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks: 
     state = resume_state(cfg.run_dir) if cfg.resume else None
     start = load_resume_state(trainer, state) if state else 0
     io = loop_io(cfg, trainer, start, model_path) if rank == 0 else LoopIO()
+    if rank == 0:  # model FLOPs and MFU beside the RL step
+        passes = 3 + trainer.needs_ref  # forward and backward, and a reference model's forward
+        io.trainer_meter = perf.TrainerMeter(model_path, device.type, cfg.dtype, passes)
     explorer = weights = None
     step_io = StepIO(cfg, trainer, start, io, rank, world)
     annotating = threading.Event()

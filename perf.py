@@ -153,6 +153,26 @@ def mfu(flops: float, seconds: float, peak: float) -> float:
     return flops / (seconds * peak) if seconds > 0 and peak > 0 else 0.0
 
 
+class TrainerMeter:
+    """perf/trainer_model_flops and perf/trainer_mfu of a trainer step, from the tokens it
+    computed and predicted and its busy seconds (Trainer.step's train/packed_tokens,
+    train/predicted_tokens, time/train_busy_s, summed over ranks). `passes`: 3 (forward and
+    backward) plus one forward of a reference model if one is loaded."""
+
+    def __init__(self, model_path: str, device_type: str, dtype: str, passes: int):
+        self.matmul = matmul_params(model_path)
+        self.peak = unit_peak(device_type, dtype)  # FLOP/s of one core (CPU) or device (CUDA)
+        self.passes = passes
+
+    def measure(self, m: dict) -> dict[str, float]:
+        tokens, predicted = m["train/packed_tokens"], m["train/predicted_tokens"]
+        flops = train_flops(*self.matmul, tokens, predicted, passes=self.passes)
+        return {
+            "perf/trainer_model_flops": flops,
+            "perf/trainer_mfu": mfu(flops, m["time/train_busy_s"], self.peak),
+        }
+
+
 class JobMeter:
     """cpu/utilisation_pct (200 = two cores busy) and perf/job_mfu of the whole job between steps."""
 

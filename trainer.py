@@ -37,7 +37,6 @@ from packing import (
     row_length,
     share_prompts,
 )
-from perf import matmul_params, mfu, train_flops, unit_peak
 
 # the advantage estimators whose baseline comes from the other rollouts of a group
 GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opmd", "grpo_stepwise")
@@ -239,10 +238,6 @@ class Trainer:
             fused=fused,
         )
         self.lr_factor, self.version = lr_schedule(cfg, self.opt), 0
-        self.matmul = matmul_params(
-            model_path
-        )  # (body, head) parameters per token: model FLOPs for perf/trainer_mfu
-        self.peak = unit_peak(device.type, cfg.dtype)  # FLOP/s of one core (CPU) or device (CUDA)
         self.loop_state: dict = {}  # rank 0: loop.TrainLoop's position, saved with the resume state
 
     def pretrained(self, model_path: str):
@@ -400,6 +395,7 @@ class Trainer:
         self.version += 1
         train_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
         m.update(
+            # busy: the process's CPU seconds on a CPU (threads lent by the explorer count), else wall
             self.reduce_metrics(sums, my_rows, cpu_s if self.device.type == "cpu" else train_s)
         )
         if (rollout := ~batch.offline).any():
@@ -578,28 +574,23 @@ class Trainer:
     def reduce_metrics(
         self, sums: dict[str, float], rows: list[list[Experience]], busy_s: float
     ) -> dict[str, float]:
-        """One all_reduce: `loss/policy`, each metric of `sums` as a mean over its tokens, model FLOPs and MFU."""
+        """All ranks' metrics: `loss/policy`, each metric of `sums` as a mean over its tokens,
+        the ratio's extremes; the tokens the step computed and predicted (perf.TrainerMeter
+        counts their model FLOPs) and the seconds it kept the ranks busy."""
         exps = [e for row in rows for e in row]
-        tokens = sum(
-            row_length(exps, *row) for row in share_prompts(exps, self.cfg.token_budget)
-        )  # no padding
-        flops = train_flops(
-            *self.matmul,
-            tokens,
-            sum(len(e.tokens) - e.prompt_length for e in exps),
-            passes=3 + self.needs_ref,
-        )
+        # each row's tokens once: a group's shared prompt, then its responses; no padding
+        packed = sum(row_length(exps, *row) for row in share_prompts(exps, self.cfg.token_budget))
+        predicted = sum(len(e.tokens) - e.prompt_length for e in exps)
         # the extremes of the importance ratio over every rank's tokens: one all_reduce of MAX
         extremes = [sums.pop("loss/ratio_max", -math.inf), -sums.pop("loss/ratio_min", math.inf)]
         extremes = torch.tensor(extremes, dtype=torch.float64, device=self.device)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
         ratio_max, neg_ratio_min = extremes.tolist()
         names = sorted(sums)
-        flat = torch.tensor(
-            [flops, busy_s] + [sums[k] for k in names], dtype=torch.float64, device=self.device
-        )
+        flat = [packed, predicted, busy_s] + [sums[k] for k in names]
+        flat = torch.tensor(flat, dtype=torch.float64, device=self.device)
         dist.all_reduce(flat)
-        flops, busy_s, *summed = flat.tolist()
+        packed, predicted, busy_s, *summed = flat.tolist()
         total = dict(zip(names, summed))
         tokens = max(total.pop("tokens", 1.0), 1.0)
         ratios = {}
@@ -609,8 +600,9 @@ class Trainer:
             **ratios,
             "loss/policy": total.pop("loss/policy", 0.0),
             **{k: v / tokens for k, v in total.items()},
-            "perf/trainer_model_flops": flops,
-            "perf/trainer_mfu": mfu(flops, busy_s, self.peak),
+            "train/packed_tokens": packed,
+            "train/predicted_tokens": predicted,
+            "time/train_busy_s": busy_s,
         }
 
     def save(

@@ -89,6 +89,8 @@ def test_a_single_cpu_rank_trains_the_plain_model_and_reports_its_model_flops(ti
 
     assert not any(isinstance(p, DTensor) for p in tr.model.parameters())
     m = tr.step([exps])
+    assert (m["train/packed_tokens"], m["train/predicted_tokens"]) == (11, 8)
+    m.update(perf.TrainerMeter(tiny_model, "cpu", cfg.dtype, passes=3).measure(m))
     body, head = perf.matmul_params(tiny_model)
     assert m["perf/trainer_model_flops"] == 6 * (body * 11 + head * 8)
     assert 0 < m["perf/trainer_mfu"] < 1
