@@ -328,10 +328,9 @@ class HFEngine(Engine):
                     f"{self.label}: sequences {start}-{min(len(seqs), start + self.max_batch)} of {len(seqs)}"
                 )
                 chunk = seqs[start : start + self.max_batch]
-                B, distinct = (
-                    len(chunk),
-                    list(dict.fromkeys(map(tuple, chunk))),
-                )  # a group shares its prompt
+                # a group shares its prompt
+                B = len(chunk)
+                distinct = list(dict.fromkeys(map(tuple, chunk)))
                 of = torch.tensor(
                     [distinct.index(tuple(p)) for p in chunk], device=dev
                 )  # [B] its prompt's row
@@ -377,10 +376,9 @@ class HFEngine(Engine):
                     B, device=dev
                 )  # [A] the row of `chunk` of each row still decoding
                 done = torch.zeros(B, dtype=torch.bool, device=dev)  # [A]
-                first, last = (
-                    self.version,
-                    torch.full((B,), self.version, device=dev),
-                )  # [B] latest version
+                # [B] latest version
+                first = self.version
+                last = torch.full((B,), self.version, device=dev)
                 for step in range(s.max_tokens):
                     tok, lp = sample_token(
                         logits, s.temperature, s.top_p, self.generator
@@ -433,11 +431,9 @@ def make_engine(
     engine = resolve(cfg.engine, ENGINES, "engine").from_config(
         cfg, model_path, seed, device, colocated
     )
-    engine.matmul, engine.checksum, engine.sync_method = (
-        matmul_params(model_path),
-        cfg.sync_checksum,
-        cfg.sync_method,
-    )
+    engine.matmul = matmul_params(model_path)
+    engine.checksum = cfg.sync_checksum
+    engine.sync_method = cfg.sync_method
     return engine
 
 

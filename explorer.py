@@ -83,17 +83,13 @@ class Explorer:
     """Rollouts of the tasks with one engine and the workflow class cfg.workflow."""
 
     def __init__(self, cfg, engine: Engine, train: list[Task], held_out: list[Task], dataset, log):
-        self.cfg, self.engine, self.train, self.held_out, self.log = (
-            cfg,
-            engine,
-            train,
-            held_out,
-            log,
-        )
-        reward_fn, make = (
-            load_reward_fn(cfg.reward_fn, cfg.reward_kwargs),
-            load_workflow(cfg.workflow),
-        )
+        self.cfg = cfg
+        self.engine = engine
+        self.train = train
+        self.held_out = held_out
+        self.log = log
+        reward_fn = load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
+        make = load_workflow(cfg.workflow)
         self.workflow, self.eval_workflow = [
             make(engine.tokenizer, reward_fn, dataset, cfg.system_prompt, s, run_dir=cfg.run_dir)
             for s in (
@@ -101,10 +97,8 @@ class Explorer:
                 Sampling(cfg.max_tokens, cfg.eval_temperature, 1.0),
             )
         ]
-        self.counts, self.last_error = (
-            dict.fromkeys(("timeouts", "errors", "retries", "skipped"), 0),
-            "",
-        )
+        self.counts = dict.fromkeys(("timeouts", "errors", "retries", "skipped"), 0)
+        self.last_error = ""
         self.seed = explorer_seed(cfg.seed, cfg.explorer_name)
         self.selector = (
             None if cfg.task_pipeline else make_selector(cfg, train, self.seed)

@@ -74,12 +74,10 @@ def register(
     """Decorator: register a function as `name` with its default aggregation and needs."""
 
     def wrap(fn):
-        fn.agg, fn.needs_groups, fn.needs_ref, fn.split_expert = (
-            agg,
-            needs_groups,
-            needs_ref,
-            split_expert,
-        )
+        fn.agg = agg
+        fn.needs_groups = needs_groups
+        fn.needs_ref = needs_ref
+        fn.split_expert = split_expert
         registry[name] = fn
         return fn
 

@@ -77,20 +77,16 @@ class WeightSync:
         wire_dtype: torch.dtype = torch.float32,
         checksum: bool = False,
     ):
-        self.rank, self.world_size, self.device, self.host = (
-            rank,
-            world_size,
-            torch.device(device),
-            host,
-        )
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.host = host
         # the group's thread has a current GPU of its own
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.timeout, self.bucket_elems, self.wire_dtype = (
-            timedelta(seconds=timeout_s),
-            bucket_elems,
-            wire_dtype,
-        )
+        self.timeout = timedelta(seconds=timeout_s)
+        self.bucket_elems = bucket_elems
+        self.wire_dtype = wire_dtype
         # _flat: rank >= 1's receive buffer (CPU: kept)
         self.store = self.group = self._pending = self._flat = None
         if rank == 0:

@@ -185,12 +185,10 @@ class Trainer:
     def __init__(self, cfg, model_path: str, device: torch.device):
         from transformers import AutoConfig, AutoTokenizer
 
-        self.cfg, self.device, self.rank, self.world = (
-            cfg,
-            device,
-            dist.get_rank(),
-            dist.get_world_size(),
-        )
+        self.cfg = cfg
+        self.device = device
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
         self.mesh = init_device_mesh(
             device.type, (self.world,)
         )  # FSDP2's default: CUDA wherever a GPU is visible
@@ -255,11 +253,9 @@ class Trainer:
             if self.fsdp_bf16
             else MixedPrecisionPolicy()
         )
-        blocks, c, ckpt = (
-            set(model._no_split_modules or []),
-            model.config,
-            self.cfg.activation_checkpointing,
-        )
+        blocks = set(model._no_split_modules or [])
+        c = model.config
+        ckpt = self.cfg.activation_checkpointing
         if (
             ckpt
             and self.cuda

@@ -55,6 +55,7 @@ def take_run_settings(cfg: Config) -> None:
     ]
     for name in taken:
         setattr(cfg, name, coerce(name, saved[name], types[name]))
+    cfg.given = cfg.given | set(taken)  # the run's own settings, as if given
     if taken:
         print(
             f"nanorft: mode bench on {run_dir / 'final'}: task {cfg.task}; {', '.join(taken)} from {src} "

@@ -261,7 +261,7 @@ def test_a_bucket_is_handed_out_as_one_new_tensor_without_a_second_copy():
     ws = sync.transport("ipc")(0, 2, port=0, timeout_s=5, bucket_elems=0, wire_dtype=torch.bfloat16)
     tensors = [torch.randn(300, 40), torch.randn(500)]
     with NewMemory() as new:
-        ws._hand_out(0, tensors)
+        ws._hand_out(0, tensors, sync.Checksum())
     flat = ws._pending[0][1]
     assert new.bytes == flat.untyped_storage().nbytes() == 12_500 * 2
     assert torch.equal(flat, torch.cat([t.reshape(-1) for t in tensors]).bfloat16())

@@ -571,7 +571,7 @@ def test_bench_on_a_run_dir_takes_the_runs_task(tiny_model, tmp_path, capsys, mo
     assert [(r["task"], r["tasks"]) for r in rows] == [("leg_counting", 2)]
     assert (
         "task leg_counting; task, task_kwargs, system_prompt, reward_fn, reward_kwargs, workflow, seed, "
-        f"max_tokens from {final / 'nanorft_config.json'}" in out
+        f"eval_seed, max_tokens from {final / 'nanorft_config.json'}" in out
     ), out
     assert "task leg_counting: 2 held-out tasks" in out
 
