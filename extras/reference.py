@@ -1,4 +1,4 @@
-"""The frozen reference policy of --kl-loss-coef, --kl-reward-coef and DPO (`Reference`, trainer.REFERENCE)."""
+"""The frozen reference policy of --kl-loss-coef, --kl-reward-coef and DPO (`Reference`)."""
 
 import contextlib
 

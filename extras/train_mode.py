@@ -1,4 +1,4 @@
-"""Mode train beside `--mode explore` launches (loop.TRAIN_MODE, by import path): the weight-sync group, records."""
+"""Mode train beside `--mode explore` launches (imported by loop.started and loop.finish): the weight-sync group, records."""
 
 import json
 import math
@@ -71,7 +71,7 @@ def records_after(buffer, last_id: int) -> tuple[int, list[dict]]:
 
 
 def records_from_buffer(buffer) -> Callable[[], list[dict]]:
-    """A `LoopIO.records`: the explorers' records added to `buffer` since its last call."""
+    """A `loop.LoopIO.records`: the explorers' records added to `buffer` since its last call."""
     last = 0
 
     def records() -> list[dict]:
