@@ -13,7 +13,6 @@ import models
 import sync
 from losses import resolve
 from packing import left_pad, packed_sdpa
-from perf import generate_flops, matmul_params
 
 
 @dataclass(frozen=True)
@@ -50,10 +49,11 @@ class Engine:
             None
         )  # a line saying what the engine is doing (mode both: the trainer's bar)
         self.label = ""  # what the current requests are for ("batch 3", "evaluation of version 10")
-        self.matmul = (0, 0)  # (body, head) parameters per token (perf.matmul_params)
         # the model or adapter directory of the start weights (its files key eval_cache)
         self.loaded_from = ""
-        self.model_flops = 0.0  # of every generate_batch so far (perf.generate_flops)
+        # tokens of every generate_batch so far: prefilled (a prompt a group shares: once), sampled
+        self.prefilled_tokens = 0
+        self.sampled_tokens = 0
 
     async def generate(self, prompt_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
         """`n` completions of one prompt, sampled in one `generate_batch` with the requests in flight."""
@@ -76,9 +76,8 @@ class Engine:
                     fut.set_exception(e)
             return
         prompts = {tuple(p) for p, _, _ in batch}  # each distinct prompt is prefilled once
-        self.model_flops += generate_flops(
-            *self.matmul, sum(map(len, prompts)), sum(len(c.tokens) for out in outs for c in out)
-        )
+        self.prefilled_tokens += sum(map(len, prompts))
+        self.sampled_tokens += sum(len(c.tokens) for out in outs for c in out)
         for (_, _, fut), out in zip(batch, outs):
             if not fut.done():  # a workflow that timed out has cancelled its future
                 fut.set_result(out)
@@ -431,7 +430,6 @@ def make_engine(
     engine = resolve(cfg.engine, ENGINES, "engine").from_config(
         cfg, model_path, seed, device, colocated
     )
-    engine.matmul = matmul_params(model_path)
     engine.checksum = cfg.sync_checksum
     engine.sync_method = cfg.sync_method
     return engine

@@ -26,7 +26,6 @@ from config import Config
 from engines import Engine, HFEngine, Sampling, make_engine, use_gpu, vllm_available
 from metrics import cpu_seconds, episode_means, mean_stderr, peak_rss_gib, sampled_eval
 from models import cache_dir, read_cached, write_cached
-from perf import mfu, unit_peak
 from schedule import Pace, Schedule, required_version
 from workflows import Shuffle, Task, load_reward_fn, load_workflow, readable
 
@@ -108,15 +107,22 @@ class Explorer:
         device = getattr(
             engine, "device", torch.device("cuda" if torch.cuda.is_available() else "cpu")
         )
-        self.on_cpu, self.peak = device.type == "cpu", unit_peak(device.type, cfg.dtype)
+        self.on_cpu = device.type == "cpu"
 
-    def utilisation(
-        self, since: tuple[float, float], wall_s: float, prefix: str
-    ) -> dict[str, float]:
-        """PREFIX_model_flops and PREFIX_mfu since `since` = (engine.model_flops, cpu_seconds())."""
-        flops = self.engine.model_flops - since[0]
-        busy = cpu_seconds() - since[1] if self.on_cpu else wall_s
-        return {f"{prefix}_model_flops": flops, f"{prefix}_mfu": mfu(flops, busy, self.peak)}
+    def work_since(self) -> tuple[int, int, float]:
+        """The engine's prefilled and sampled tokens so far and this process's CPU seconds."""
+        return self.engine.prefilled_tokens, self.engine.sampled_tokens, cpu_seconds()
+
+    def work(self, since: tuple[int, int, float], wall_s: float, prefix: str) -> dict[str, float]:
+        """PREFIX/prefilled_tokens, PREFIX/sampled_tokens and PREFIX/busy_s since `since`
+        (`work_since`): the CPU seconds on a CPU, else `wall_s` (perf.ExplorerMeter turns
+        them into model FLOPs and MFU)."""
+        prefilled, sampled, cpu_s = self.work_since()
+        return {
+            f"{prefix}/prefilled_tokens": prefilled - since[0],
+            f"{prefix}/sampled_tokens": sampled - since[1],
+            f"{prefix}/busy_s": cpu_s - since[2] if self.on_cpu else wall_s,
+        }
 
     def resume(self, buffer: Buffer) -> int:
         """Hold this explorer's name, curate the tasks and restore its state; returns the batch to generate next."""
@@ -209,7 +215,7 @@ class Explorer:
     def rollout_batch(self, batch: int, buffer: Buffer) -> dict:
         """Generate batch `batch` and write it to `buffer`; returns its metrics record. RuntimeError: it stays short."""
         cfg, t0, version = self.cfg, time.perf_counter(), self.engine.version
-        since = (self.engine.model_flops, cpu_seconds())
+        since = self.work_since()
         self.counts = dict.fromkeys(self.counts, 0)
         self.engine.label = f"batch {batch} (version {version})"
         retired = buffer.retired()
@@ -256,7 +262,7 @@ class Explorer:
             len(retired),
             picked,
         )
-        record.update(self.utilisation(since, seconds, "perf/explorer"))
+        record.update(self.work(since, seconds, "explorer"))
         if cfg.difficulty_filter:
             record.update(
                 {
@@ -319,7 +325,7 @@ class Explorer:
         """The eval/* record at `version` (None without held-out tasks); version 0 is cached (`eval_cache`)."""
         if not self.held_out:
             return None
-        cfg, t0, since = self.cfg, time.perf_counter(), (self.engine.model_flops, cpu_seconds())
+        cfg, t0, since = self.cfg, time.perf_counter(), self.work_since()
         n = max(cfg.eval_k, cfg.group_size) if version == 0 and cfg.eval_k else cfg.eval_k
         cache = eval_cache(cfg, self.engine, self.held_out, n) if version == 0 else None
         # else another format: a miss
@@ -360,7 +366,7 @@ class Explorer:
         return {
             **record,
             "eval/seconds": time.perf_counter() - t0,
-            **self.utilisation(since, time.perf_counter() - t0, "perf/eval"),
+            **self.work(since, time.perf_counter() - t0, "eval"),
         }
 
     def _write_samples(self, batch: int, version: int, groups) -> None:

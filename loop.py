@@ -98,6 +98,7 @@ class LoopIO:
     alive: Callable[[], bool] = lambda: True  # noqa: E731
     cores: Any = None
     trainer_meter: Any = None
+    explorer_meter: Any = None
 
 
 class StepIO:
@@ -198,6 +199,8 @@ class StepIO:
     def drain(self) -> None:
         """Rank 0: the explorers' new records (batch stats join their step's record)."""
         for r in self.io.records():
+            if self.io.explorer_meter is not None:
+                r.update(self.io.explorer_meter.measure(r))
             self.meter.add(r)
             if "batch" in r:
                 self.pending[r["batch"]] = r
@@ -327,6 +330,10 @@ def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks: 
     if rank == 0:  # model FLOPs and MFU beside the RL step
         passes = 3 + trainer.needs_ref  # forward and backward, and a reference model's forward
         io.trainer_meter = perf.TrainerMeter(model_path, device.type, cfg.dtype, passes)
+        # mode both: the explorer's device; mode train: explorers taken to be on the trainer's kind
+        explorer_device = layout.explorer if cfg.mode == "both" else device.type
+        explorer_device = "cuda" if explorer_device.startswith("cuda") else "cpu"
+        io.explorer_meter = perf.ExplorerMeter(model_path, explorer_device, cfg.dtype)
     explorer = weights = None
     step_io = StepIO(cfg, trainer, start, io, rank, world)
     annotating = threading.Event()

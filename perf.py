@@ -173,6 +173,27 @@ class TrainerMeter:
         }
 
 
+class ExplorerMeter:
+    """perf/explorer_model_flops and perf/explorer_mfu of an explorer's batch record, and
+    perf/eval_* of an evaluation record, from the tokens its engine prefilled and sampled and
+    its busy seconds (Explorer.work)."""
+
+    def __init__(self, model_path: str, device_type: str, dtype: str):
+        self.matmul = matmul_params(model_path)
+        self.peak = unit_peak(device_type, dtype)
+
+    def measure(self, record: dict) -> dict[str, float]:
+        out = {}
+        for part in ("explorer", "eval"):
+            if f"{part}/prefilled_tokens" in record:
+                prefilled = record[f"{part}/prefilled_tokens"]
+                sampled = record[f"{part}/sampled_tokens"]
+                flops = generate_flops(*self.matmul, prefilled, sampled)
+                out[f"perf/{part}_model_flops"] = flops
+                out[f"perf/{part}_mfu"] = mfu(flops, record[f"{part}/busy_s"], self.peak)
+        return out
+
+
 class JobMeter:
     """cpu/utilisation_pct (200 = two cores busy) and perf/job_mfu of the whole job between steps."""
 

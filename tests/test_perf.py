@@ -54,7 +54,6 @@ def test_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
 
 def test_each_distinct_prompt_is_prefilled_once(tiny_model):
     engine = HFEngine(tiny_model, max_batch=64, seed=0)
-    engine.matmul = perf.matmul_params(tiny_model)
     rows = []
     engine.model.register_forward_pre_hook(
         lambda m, a, kw: rows.append(tuple(kw["input_ids"].shape)), with_kwargs=True
@@ -64,14 +63,17 @@ def test_each_distinct_prompt_is_prefilled_once(tiny_model):
     assert [len(o) for o in out] == [4, 3]
     assert rows[0] == (2, 3)  # the prefill: 2 distinct prompts, not 7 rollouts
     assert all(r[0] == 7 and r[1] == 1 for r in rows[1:])  # then every rollout decodes
-    # the engine's model FLOPs count each prompt once
-
+    # the engine's prefilled tokens count each prompt once (and so its model FLOPs)
     from conftest import rollouts
 
-    engine.model_flops = 0.0
+    before = engine.prefilled_tokens
     exps = rollouts(engine, prompts, 3, Sampling(max_tokens=5))
     sampled = sum(len(e.behaviour_logprobs) for e in exps)
-    assert engine.model_flops == perf.generate_flops(*engine.matmul, 5, sampled)
+    assert engine.prefilled_tokens - before == 5
+    meter = perf.ExplorerMeter(tiny_model, "cpu", "float32")
+    record = {"explorer/prefilled_tokens": 5, "explorer/sampled_tokens": sampled}
+    flops = meter.measure({**record, "explorer/busy_s": 1.0})["perf/explorer_model_flops"]
+    assert flops == perf.generate_flops(*perf.matmul_params(tiny_model), 5, sampled)
 
 
 def test_a_single_cpu_rank_trains_the_plain_model_and_reports_its_model_flops(tiny_model):
