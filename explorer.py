@@ -1,32 +1,25 @@
 """Explorer: `rollout_batch` runs one workflow per task concurrently into the buffer, `evaluate` scores held-out
-tasks; `run_mode_both` is mode both's explorer process, `explore` its loop, paced by a
-`schedule.Pace`."""
+tasks; `explore` is the explorer's loop, paced by a `schedule.Pace` (mode both's process:
+launch.run_mode_both)."""
 
 import asyncio
 import base64
 import hashlib
 import itertools
 import json
-import multiprocessing.util
-import os
 import random
-import signal
-import sys
 import time
-import traceback
 import zlib
 from pathlib import Path
 
 import torch
 
-import perf
-import sync
-from buffer import Buffer, Experience, open_buffer, pool_for
+from buffer import Buffer, Experience, pool_for
 from config import Config
-from engines import Engine, HFEngine, Sampling, make_engine, use_gpu, vllm_available
+from engines import Engine, Sampling, vllm_available
 from metrics import cpu_seconds, episode_means, mean_stderr, peak_rss_gib, sampled_eval
 from models import cache_dir, read_cached, write_cached
-from schedule import Pace, Schedule, required_version
+from schedule import Pace, required_version
 from workflows import Shuffle, Task, load_reward_fn, load_workflow, readable
 
 
@@ -454,78 +447,6 @@ def format_rate(exps: list[Experience], key: str) -> dict[str, float]:
     """{key: the fraction of `exps` with a readable reply (`workflows.readable`)}; {} without replies."""
     marks = [m for m in (readable(e.info) for e in exps) if m is not None]
     return {key: sum(marks) / len(marks)} if marks else {}
-
-
-def exit_quietly(*_) -> None:
-    """SIGTERM handler (the trainer failed and reported it): exit code 1, no second report."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-    sys.exit(1)
-
-
-def run_mode_both(
-    cfg,
-    model_path: str,
-    tasks: tuple,
-    port: int,
-    total_steps: int,
-    queue,
-    start_version: int = 0,
-    device: str = "",
-    sync_device: str = "cpu",
-    core_flags=None,
-) -> None:
-    """Mode both's explorer process: puts metric records, and an error line if it fails (exit code 1), on `queue`."""
-    parent = os.getppid()
-    alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
-    signal.signal(signal.SIGTERM, exit_quietly)
-    signal.signal(
-        signal.SIGINT, exit_quietly
-    )  # Ctrl-C: the trainer says how to resume; no second report
-    try:
-        queue.put({"status": f"starting the {cfg.engine} engine"})
-        engine = make_engine(
-            cfg,
-            model_path,
-            engine_seed(cfg),
-            use_gpu(device),
-            colocated=device.startswith("cuda") and sync_device == "cpu",
-        )
-        engine.version = start_version
-        engine.status = lambda text: queue.put({"status": text})
-        receiver = sync.Receiver(
-            engine,
-            cfg.run_dir,
-            cfg.explorer_name,
-            queue.put,
-            alive,
-            None if cfg.sync_method == "checkpoint" else port,
-            cfg.sync_timeout_s,
-            sync_device,
-            cfg.sync_host,
-        )
-        pace = Schedule(cfg, receiver, total_steps)
-        if core_flags is not None and isinstance(engine, HFEngine):
-            # one machine's cores: the side that waits lends its threads to the other
-            cores = perf.CoreShare(core_flags, 1, cfg.explorer_threads, cfg.trainer_threads)
-            perf.lend_threads(engine.model, cores)
-            pace = perf.LendingPace(pace, cores)
-        buffer = open_buffer(cfg.buffer, cfg.run_dir)
-        explore(cfg, engine, tasks, buffer, pace, queue.put, total_steps)
-    except Exception as e:  # reported by the trainer as one line; the process exits with code 1
-        (Path(cfg.run_dir) / f"error_{cfg.explorer_name}.log").write_text(traceback.format_exc())
-        queue.put(
-            {
-                "error": f"{type(e).__name__}: {e} (traceback: {cfg.run_dir}/error_{cfg.explorer_name}.log)"
-            }
-        )
-        queue.close()
-        queue.join_thread()
-        sys.exit(1)
-    # SIGTERM (exit_quietly): the finally blocks have closed the engine. Run the exit
-    except SystemExit:
-        queue.cancel_join_thread()  # handlers of multiprocessing, then leave without tearing down the weight-sync
-        multiprocessing.util._exit_function()  # group: its destructor would wait for a broadcast that never comes
-        os._exit(1)
 
 
 def explore(

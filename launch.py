@@ -2,6 +2,7 @@
 
 import ctypes.util
 import importlib.metadata
+import multiprocessing.util
 import os
 import signal
 import socket
@@ -255,3 +256,82 @@ def failed(cfg: Config, rank: int, e: BaseException) -> None:
     if rank == 0:
         print(f"run.py: error: {' '.join(str(e).split())} (traceback: {log})", file=sys.stderr)
     faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True, file=out)
+
+
+def exit_quietly(*_) -> None:
+    """SIGTERM handler (the trainer failed and reported it): exit code 1, no second report."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    sys.exit(1)
+
+
+def run_mode_both(
+    cfg,
+    model_path: str,
+    tasks: tuple,
+    port: int,
+    total_steps: int,
+    queue,
+    start_version: int = 0,
+    device: str = "",
+    sync_device: str = "cpu",
+    core_flags=None,
+) -> None:
+    """Mode both's explorer process: puts metric records, and an error line if it fails (exit code 1), on `queue`."""
+    import perf
+    import sync
+    from buffer import open_buffer
+    from engines import HFEngine, make_engine, use_gpu
+    from explorer import engine_seed, explore
+    from schedule import Schedule
+
+    parent = os.getppid()
+    alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
+    signal.signal(signal.SIGTERM, exit_quietly)
+    signal.signal(
+        signal.SIGINT, exit_quietly
+    )  # Ctrl-C: the trainer says how to resume; no second report
+    try:
+        queue.put({"status": f"starting the {cfg.engine} engine"})
+        engine = make_engine(
+            cfg,
+            model_path,
+            engine_seed(cfg),
+            use_gpu(device),
+            colocated=device.startswith("cuda") and sync_device == "cpu",
+        )
+        engine.version = start_version
+        engine.status = lambda text: queue.put({"status": text})
+        receiver = sync.Receiver(
+            engine,
+            cfg.run_dir,
+            cfg.explorer_name,
+            queue.put,
+            alive,
+            None if cfg.sync_method == "checkpoint" else port,
+            cfg.sync_timeout_s,
+            sync_device,
+            cfg.sync_host,
+        )
+        pace = Schedule(cfg, receiver, total_steps)
+        if core_flags is not None and isinstance(engine, HFEngine):
+            # one machine's cores: the side that waits lends its threads to the other
+            cores = perf.CoreShare(core_flags, 1, cfg.explorer_threads, cfg.trainer_threads)
+            perf.lend_threads(engine.model, cores)
+            pace = perf.LendingPace(pace, cores)
+        buffer = open_buffer(cfg.buffer, cfg.run_dir)
+        explore(cfg, engine, tasks, buffer, pace, queue.put, total_steps)
+    except Exception as e:  # reported by the trainer as one line; the process exits with code 1
+        (Path(cfg.run_dir) / f"error_{cfg.explorer_name}.log").write_text(traceback.format_exc())
+        queue.put(
+            {
+                "error": f"{type(e).__name__}: {e} (traceback: {cfg.run_dir}/error_{cfg.explorer_name}.log)"
+            }
+        )
+        queue.close()
+        queue.join_thread()
+        sys.exit(1)
+    # SIGTERM (exit_quietly): the finally blocks have closed the engine. Run the exit
+    except SystemExit:
+        queue.cancel_join_thread()  # handlers of multiprocessing, then leave without tearing down the weight-sync
+        multiprocessing.util._exit_function()  # group: its destructor would wait for a broadcast that never comes
+        os._exit(1)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+import launch
 import perf
 import sync
 from buffer import Experience, open_buffer
@@ -410,8 +411,6 @@ def start_explorer(cfg, io, model_path: str, version: int, layout, tasks: tuple)
     """Mode both, rank 0: spawn the explorer process, connect `io`; returns (it, sync.WeightSync or None)."""
     import torch.multiprocessing as mp
 
-    from explorer import run_mode_both
-
     weights = weight_group(cfg, layout, 1) if cfg.sync_method != "checkpoint" else None
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -420,7 +419,7 @@ def start_explorer(cfg, io, model_path: str, version: int, layout, tasks: tuple)
     )  # cores of one machine, one rank
     flags = ctx.Array("i", 2) if share else None
     explorer = ctx.Process(
-        target=run_mode_both,
+        target=launch.run_mode_both,
         name="explorer",
         args=(
             cfg,

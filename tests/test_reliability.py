@@ -762,8 +762,8 @@ def test_a_stopped_explorer_unwinds_without_a_second_report():
     from conftest import ROOT
 
     code = (
-        "import asyncio, os, signal, explorer\n"
-        "signal.signal(signal.SIGTERM, explorer.exit_quietly)\n"
+        "import asyncio, os, signal, launch\n"
+        "signal.signal(signal.SIGTERM, launch.exit_quietly)\n"
         "async def work():\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    while True: sum(range(1000))\n"
