@@ -29,9 +29,8 @@ OTHER_TASK_DEFAULTS = {"task_kwargs": {}, "system_prompt": "Give only the final 
 class Config:
     """Every setting of a run. Each field is a --flag; the `# -- title` comments group them in --help."""
 
-    given = (
-        frozenset()
-    )  # (not a setting) the names set in --config or by flag: parse_config records them
+    # (not a setting) the names set in --config or by flag: parse_config records them
+    given = frozenset()
 
     # -- mode and run
     mode: str = "both"

@@ -335,9 +335,8 @@ class HFEngine(Engine):
                 )  # [B] its prompt's row
                 cache = decode_cache()
                 C = len(os.path.commonprefix(distinct)) if len(distinct) > 1 else 0
-                C = min(
-                    C, min(map(len, distinct)) - 1
-                )  # every prompt keeps a token of its own to prefill
+                # every prompt keeps a token of its own to prefill
+                C = min(C, min(map(len, distinct)) - 1)
                 if C > 0:  # the prefix all prompts share, prefilled once in one row
                     self.model(
                         input_ids=torch.tensor([distinct[0][:C]], device=dev),

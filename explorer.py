@@ -92,9 +92,8 @@ class Explorer:
         self.counts = dict.fromkeys(("timeouts", "errors", "retries", "skipped"), 0)
         self.last_error = ""
         self.seed = explorer_seed(cfg.seed, cfg.explorer_name)
-        self.selector = (
-            None if cfg.task_pipeline else make_selector(cfg, train, self.seed)
-        )  # else in `resume`
+        # else in `resume`
+        self.selector = None if cfg.task_pipeline else make_selector(cfg, train, self.seed)
         self.rng, self.samples = random.Random(self.seed + 1), Path(cfg.run_dir) / "samples.log"
         self.curation: dict = {}  # metrics reported with the next batch: the task pipeline's, the teacher's
         device = getattr(
@@ -107,14 +106,14 @@ class Explorer:
         return self.engine.prefilled_tokens, self.engine.sampled_tokens, cpu_seconds()
 
     def work(self, since: tuple[int, int, float], wall_s: float, prefix: str) -> dict[str, float]:
-        """PREFIX/prefilled_tokens, PREFIX/sampled_tokens and PREFIX/busy_s since `since`
+        """PREFIX_prefilled_tokens, PREFIX_sampled_tokens and PREFIX_busy_s since `since`
         (`work_since`): the CPU seconds on a CPU, else `wall_s` (perf.ExplorerMeter turns
         them into model FLOPs and MFU)."""
         prefilled, sampled, cpu_s = self.work_since()
         return {
-            f"{prefix}/prefilled_tokens": prefilled - since[0],
-            f"{prefix}/sampled_tokens": sampled - since[1],
-            f"{prefix}/busy_s": cpu_s - since[2] if self.on_cpu else wall_s,
+            f"{prefix}_prefilled_tokens": prefilled - since[0],
+            f"{prefix}_sampled_tokens": sampled - since[1],
+            f"{prefix}_busy_s": cpu_s - since[2] if self.on_cpu else wall_s,
         }
 
     def resume(self, buffer: Buffer) -> int:
@@ -255,7 +254,7 @@ class Explorer:
             len(retired),
             picked,
         )
-        record.update(self.work(since, seconds, "explorer"))
+        record.update(self.work(since, seconds, "perf/explorer"))
         if cfg.difficulty_filter:
             record.update(
                 {
@@ -276,9 +275,8 @@ class Explorer:
         retired: int,
         picked: list,
     ) -> dict:
-        gen_tokens = sum(
-            sum(e.action_mask) for e in exps
-        )  # sampled: not a multi-turn sample's environment tokens
+        # sampled: not a multi-turn sample's environment tokens
+        gen_tokens = sum(sum(e.action_mask) for e in exps)
         record = {
             "batch": batch,
             "explorer/version": version,
@@ -359,7 +357,7 @@ class Explorer:
         return {
             **record,
             "eval/seconds": time.perf_counter() - t0,
-            **self.work(since, time.perf_counter() - t0, "eval"),
+            **self.work(since, time.perf_counter() - t0, "perf/eval"),
         }
 
     def _write_samples(self, batch: int, version: int, groups) -> None:

@@ -414,9 +414,8 @@ def start_explorer(cfg, io, model_path: str, version: int, layout, tasks: tuple)
     weights = weight_group(cfg, layout, 1) if cfg.sync_method != "checkpoint" else None
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    share = (
-        layout.explorer == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) == 1
-    )  # cores of one machine, one rank
+    # cores of one machine, one rank
+    share = layout.explorer == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) == 1
     flags = ctx.Array("i", 2) if share else None
     explorer = ctx.Process(
         target=launch.run_mode_both,

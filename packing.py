@@ -85,9 +85,8 @@ def pack(
     if causal and len(rows) == len(exps):  # causal up to each row's pads, which nothing reads
         attn, pos = None, torch.arange(L)[None]  # [1, L]
     else:
-        tail = (
-            -int((seg >= 0).sum()) % token_multiple
-        )  # extra tokens up to a multiple: in pads' slots
+        # extra tokens up to a multiple: in pads' slots
+        tail = -int((seg >= 0).sum()) % token_multiple
         if (extra := -((int((seg < 0).sum()) - tail) // L)) > 0:  # too few pads: rows of them
             ids, pos, seg = (
                 torch.cat([x, x.new_full((extra, L), v)])

@@ -2,6 +2,7 @@
 
 import os
 import time
+from typing import Callable
 
 import torch
 
@@ -185,12 +186,12 @@ class ExplorerMeter:
     def measure(self, record: dict) -> dict[str, float]:
         out = {}
         for part in ("explorer", "eval"):
-            if f"{part}/prefilled_tokens" in record:
-                prefilled = record[f"{part}/prefilled_tokens"]
-                sampled = record[f"{part}/sampled_tokens"]
+            if f"perf/{part}_prefilled_tokens" in record:
+                prefilled = record[f"perf/{part}_prefilled_tokens"]
+                sampled = record[f"perf/{part}_sampled_tokens"]
                 flops = generate_flops(*self.matmul, prefilled, sampled)
                 out[f"perf/{part}_model_flops"] = flops
-                out[f"perf/{part}_mfu"] = mfu(flops, record[f"{part}/busy_s"], self.peak)
+                out[f"perf/{part}_mfu"] = mfu(flops, record[f"perf/{part}_busy_s"], self.peak)
         return out
 
 
@@ -276,3 +277,22 @@ class LendingPace:
     def final(self) -> None:
         self.cores.busy(False)
         self.pace.final()
+
+
+def compiled(forward: Callable) -> Callable:
+    """torch.compile of `forward`; where compiling fails, `forward` itself from then on (one warning line)."""
+    fast = torch.compile(forward)
+
+    def call(*args, **kwargs):
+        nonlocal fast
+        try:
+            return fast(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as e:  # the backend's errors too
+            print(
+                f"warning: torch.compile of a decoder block failed, it runs eagerly: {type(e).__name__}",
+                flush=True,
+            )
+            fast = forward
+            return forward(*args, **kwargs)
+
+    return call

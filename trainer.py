@@ -16,6 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from torch.distributed.tensor import DTensor
 
 import models
+import perf
 import sync
 from buffer import Experience
 from losses import (
@@ -61,9 +62,7 @@ class StepBatch:
     rewards: torch.Tensor  # [N] float
     group_index: torch.Tensor  # [N] long: the group of each
     episode_index: torch.Tensor  # [N] long: shared by the samples of one multi-turn episode
-    offline: (
-        torch.Tensor
-    )  # [N] bool: expert / offline data (no behaviour log-probs, never filtered)
+    offline: torch.Tensor  # [N] bool: expert / offline data (no behaviour log-probs; kept)
     token_counts: torch.Tensor  # [N] float: trained tokens (sum of action_mask)
     row: dict[int, int]  # id(experience) -> its index
 
@@ -153,25 +152,6 @@ def lr_schedule(cfg, opt) -> Callable[[int], float]:
     return factor
 
 
-def compiled(forward: Callable) -> Callable:
-    """torch.compile of `forward`; where compiling fails, `forward` itself from then on (one warning line)."""
-    fast = torch.compile(forward)
-
-    def call(*args, **kwargs):
-        nonlocal fast
-        try:
-            return fast(*args, **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as e:  # the backend's errors too
-            print(
-                f"warning: torch.compile of a decoder block failed, it runs eagerly: {type(e).__name__}",
-                flush=True,
-            )
-            fast = forward
-            return forward(*args, **kwargs)
-
-    return call
-
-
 def make_trainer(cfg, model_path: str, device: torch.device) -> "Trainer":
     """The Trainer of `cfg`, or for --lora-rank > 0 extras/lora.py's LoraTrainer (ValueError without peft)."""
     return (models.lora("LoraTrainer") if cfg.lora_rank else Trainer)(cfg, model_path, device)
@@ -189,18 +169,15 @@ class Trainer:
         self.device = device
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        self.mesh = init_device_mesh(
-            device.type, (self.world,)
-        )  # FSDP2's default: CUDA wherever a GPU is visible
+        # FSDP2's default: CUDA wherever a GPU is visible
+        self.mesh = init_device_mesh(device.type, (self.world,))
         torch.manual_seed(cfg.seed)
         self.advantage_fn, self.loss_fn, self.agg, self.filters = resolve_algorithm(cfg)
         self.cuda = device.type == "cuda"
-        self.sharded = (
-            self.world > 1 or self.cuda and CUDA_LEVERS["one_gpu_fsdp"]
-        )  # one CPU rank: FSDP2 only copies
-        self.fsdp_bf16 = (
-            cfg.dtype == "bfloat16" and self.cuda and self.sharded
-        )  # FSDP2 mixed precision on CUDA
+        # one CPU rank: FSDP2 only copies
+        self.sharded = self.world > 1 or self.cuda and CUDA_LEVERS["one_gpu_fsdp"]
+        # FSDP2 mixed precision on CUDA
+        self.fsdp_bf16 = cfg.dtype == "bfloat16" and self.cuda and self.sharded
         self.autocast = cfg.dtype == "bfloat16" and not self.fsdp_bf16  # where FSDP2 does not cast
         # tokens the dense layers of the forward passes computed (packed, pads included)
         self.computed_tokens = 0
@@ -276,7 +253,7 @@ class Trainer:
                 # transformers recomputes a block in training mode only; its submodules stay in eval mode (no dropout)
                 m.training = ckpt
                 if self.cfg.compile_layers and self.cuda:
-                    m.forward = compiled(m.forward)
+                    m.forward = perf.compiled(m.forward)
                 if self.sharded:
                     fully_shard(m, mesh=self.mesh, mp_policy=policy)
         model.nanorft_logprobs = MethodType(packed_logprobs, model)

@@ -199,9 +199,8 @@ def attach(cfg, io, trainer, start: int) -> None:
             groups += io.expert.draw(
                 max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction)))
             )
-            trainer.loop_state["expert_drawn"] = (
-                io.expert.drawn
-            )  # (n varies: the resume state records it)
+            # (n varies: the resume state records it)
+            trainer.loop_state["expert_drawn"] = io.expert.drawn
             return groups, m
 
         io.shape = mixed

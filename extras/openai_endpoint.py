@@ -136,9 +136,8 @@ class Endpoint:
         self._episodes: dict[str, Episode] = {}
         self._gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
-        self._sock = socket.create_server(
-            ("127.0.0.1", 0), backlog=512
-        )  # queued until the server thread accepts
+        # queued until the server thread accepts
+        self._sock = socket.create_server(("127.0.0.1", 0), backlog=512)
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(
@@ -254,9 +253,8 @@ class Endpoint:
         return Choice(tokens, behaviour, tuple(out.versions), reason, text)
 
     def _choice(self, i: int, c: Choice, req, ep: Episode, tok) -> dict:
-        raw = tok.decode(
-            c.tokens, skip_special_tokens=True
-        )  # what the model wrote, stop string included
+        # what the model wrote, stop string included
+        raw = tok.decode(c.tokens, skip_special_tokens=True)
         content, calls = (
             (c.text, []) if not req.tools or req.tool_choice == "none" else ep.parser(c.text)
         )

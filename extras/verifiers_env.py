@@ -114,9 +114,8 @@ class VerifiersWorkflow(AgentWorkflow):
                 base_url=str(client.base_url).rstrip("/"), api_key_var="NANORFT_ENDPOINT_KEY"
             ),
         )
-        env = load_env(
-            self.env_name, self.harness
-        )  # serving() holds per-env state: one env per episode
+        # serving() holds per-env state: one env per episode
+        env = load_env(self.env_name, self.harness)
         async with env.serving():
             episode = await env.run_episode(self.vf_task(task), ctx)
         errors = list(episode.errors) + [e for t in episode.traces for e in t.errors]

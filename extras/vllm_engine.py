@@ -295,12 +295,10 @@ class VLLMWeightReceiver:
             initialize_layerwise_reload,
         )
 
-        model = (
-            self.model_runner.get_model()
-        )  # not `.model`: on CUDA that is vLLM's CUDAGraphWrapper around it
-        dtype = (
-            self.vllm_config.model_config.dtype
-        )  # a checkpoint may hold float32; vLLM may hold bf16
+        # not `.model`: on CUDA that is vLLM's CUDAGraphWrapper around it
+        model = self.model_runner.get_model()
+        # a checkpoint may hold float32; vLLM may hold bf16
+        dtype = self.vllm_config.model_config.dtype
         tied = self.vllm_config.model_config.hf_config.tie_word_embeddings
         expected = ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
         # layers a publish has no tensors for keep theirs: vLLM's "Failed to load weights" for them is noise

@@ -77,7 +77,7 @@ def test_causal_rows_give_the_logprobs_of_the_block_mask(tiny_model):
 
 
 def test_a_block_that_fails_to_compile_runs_eagerly(monkeypatch, capsys):
-    import trainer
+    import perf
 
     def broken(fn):
         def fail(*args, **kwargs):
@@ -86,7 +86,7 @@ def test_a_block_that_fails_to_compile_runs_eagerly(monkeypatch, capsys):
         return fail
 
     monkeypatch.setattr(torch, "compile", broken)
-    forward = trainer.compiled(lambda x: x + 1)
+    forward = perf.compiled(lambda x: x + 1)
     assert forward(1) == 2 and forward(2) == 3
     assert capsys.readouterr().out.count("warning: torch.compile") == 1
 

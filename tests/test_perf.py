@@ -71,8 +71,8 @@ def test_each_distinct_prompt_is_prefilled_once(tiny_model):
     sampled = sum(len(e.behaviour_logprobs) for e in exps)
     assert engine.prefilled_tokens - before == 5
     meter = perf.ExplorerMeter(tiny_model, "cpu", "float32")
-    record = {"explorer/prefilled_tokens": 5, "explorer/sampled_tokens": sampled}
-    flops = meter.measure({**record, "explorer/busy_s": 1.0})["perf/explorer_model_flops"]
+    record = {"perf/explorer_prefilled_tokens": 5, "perf/explorer_sampled_tokens": sampled}
+    flops = meter.measure({**record, "perf/explorer_busy_s": 1.0})["perf/explorer_model_flops"]
     assert flops == perf.generate_flops(*perf.matmul_params(tiny_model), 5, sampled)
 
 
