@@ -45,13 +45,6 @@ GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opmd", "grpo_stepwise")
 # keeps few blocks (RSS)
 TOKEN_MULTIPLE = 128
 ROW_MULTIPLE = 32
-# CUDA levers (benchmarks/bench_trainer.py times each on and off); a CPU runs none of them
-CUDA_LEVERS = {
-    "causal_rows": True,  # rows of one sequence: is_causal attention (flash kernels), not pack's mask
-    "fused_adamw": True,  # AdamW in one fused kernel per step
-    "one_gpu_fsdp": False,  # one GPU: FSDP2 mixed precision; False: float32 parameters under bf16 autocast
-    "checkpoint_if_needed": True,
-}  # unless the flag is given, activation checkpointing only where it must
 
 
 @dataclass
@@ -175,7 +168,7 @@ class Trainer:
         self.advantage_fn, self.loss_fn, self.agg, self.filters = resolve_algorithm(cfg)
         self.cuda = device.type == "cuda"
         # one CPU rank: FSDP2 only copies
-        self.sharded = self.world > 1 or self.cuda and CUDA_LEVERS["one_gpu_fsdp"]
+        self.sharded = self.world > 1 or self.cuda and perf.CUDA_LEVERS["one_gpu_fsdp"]
         # FSDP2 mixed precision on CUDA
         self.fsdp_bf16 = cfg.dtype == "bfloat16" and self.cuda and self.sharded
         self.autocast = cfg.dtype == "bfloat16" and not self.fsdp_bf16  # where FSDP2 does not cast
@@ -203,7 +196,7 @@ class Trainer:
 
             self.teacher = Teacher(self, models.resolve_model(cfg.teacher))
         fused = (
-            CUDA_LEVERS["fused_adamw"] if self.cuda else not self.sharded
+            perf.CUDA_LEVERS["fused_adamw"] if self.cuda else not self.sharded
         ) or None  # CPU: no temporaries
         self.opt = torch.optim.AdamW(
             [p for _, p in self.published()],
@@ -236,7 +229,7 @@ class Trainer:
         if (
             ckpt
             and self.cuda
-            and CUDA_LEVERS["checkpoint_if_needed"]
+            and perf.CUDA_LEVERS["checkpoint_if_needed"]
             and "activation_checkpointing" not in self.cfg.given
         ):
             # unless asked for: only where a micro-batch's activations (~80 B per token, layer, hidden unit) > half free
@@ -300,7 +293,7 @@ class Trainer:
         """(`pack` of `mb` on the device, mask 0 if `padding`; log-probs [B, R] at `temperature`
         (default: the sampling temperature); entropy [B, R] or None)."""
         temperature = self.cfg.temperature if temperature is None else temperature
-        causal = self.cuda and CUDA_LEVERS["causal_rows"]
+        causal = self.cuda and perf.CUDA_LEVERS["causal_rows"]
         b = {
             k: v if v is None else v.to(self.device)
             for k, v in pack(

@@ -18,7 +18,7 @@ tokens + causal attention 6 x layers x heads x head_dim x length^2 per rollout; 
 dense bf16 peak of perf.CUDA_PEAKS (989 TFLOP/s for an H100), or a measured bf16 matmul on other GPUs; none on a CPU.
 Peak memory: torch.cuda.max_memory_allocated over a timed step.
 Levers (`--levers`): each is timed flipped from nanorft's default at the longest length with full fine-tuning:
-causal_rows, fused_adamw, one_gpu_fsdp, checkpoint_if_needed (trainer.CUDA_LEVERS), head_chunk
+causal_rows, fused_adamw, one_gpu_fsdp, checkpoint_if_needed (perf.CUDA_LEVERS), head_chunk
 (packing.HEAD_CHUNK_ELEMS["cuda"] 2**28 -> 2**22), activation_checkpointing, compile_layers (Config fields). Variants
 that would start past `--budget-s` (counted from the model build) are skipped with a SKIP line.
 """
@@ -40,6 +40,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import packing  # noqa: E402
+import perf  # noqa: E402
 import trainer as trainer_mod  # noqa: E402
 from buffer import Experience  # noqa: E402
 from config import Config, check_values  # noqa: E402
@@ -281,13 +282,13 @@ class Bench:
             torch.cuda.empty_cache()
 
 
-DEFAULT_LEVERS = dict(trainer_mod.CUDA_LEVERS)
+DEFAULT_LEVERS = dict(perf.CUDA_LEVERS)
 
 
 def flip(lever: str, on: bool) -> dict:
     """Set lever `lever` to its non-default value (`on`) or back; the Config overrides it needs."""
-    if lever in trainer_mod.CUDA_LEVERS:
-        trainer_mod.CUDA_LEVERS[lever] = DEFAULT_LEVERS[lever] != on
+    if lever in perf.CUDA_LEVERS:
+        perf.CUDA_LEVERS[lever] = DEFAULT_LEVERS[lever] != on
     elif lever == "head_chunk":
         packing.HEAD_CHUNK_ELEMS["cuda"] = 2**22 if on else 2**28
     elif on:
@@ -367,7 +368,7 @@ def main() -> int:
         ) in levers:  # each lever flipped from the default, full fine-tuning at the longest length
             if bench.over_budget(f"lever {lever}"):
                 continue
-            default = trainer_mod.CUDA_LEVERS.get(
+            default = perf.CUDA_LEVERS.get(
                 lever, lever == "head_chunk" or getattr(Config, lever, False)
             )
             tr = bench.trainer(bench.config(0, length, **flip(lever, True)))
@@ -389,7 +390,7 @@ def main() -> int:
         "peak_flops": bench.peak,
         "peak_source": "perf.CUDA_PEAKS nominal (or measured)" if bench.peak else None,
         "defaults": {
-            **trainer_mod.CUDA_LEVERS,
+            **perf.CUDA_LEVERS,
             "head_chunk_elems": packing.HEAD_CHUNK_ELEMS,
             "activation_checkpointing": Config.activation_checkpointing,
             "compile_layers": Config.compile_layers,

@@ -112,10 +112,10 @@ def test_a_lever_is_flipped_from_its_default_and_back(lever):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_trainer
 
-    import trainer
+    import perf
 
-    default = trainer.CUDA_LEVERS[lever]
+    default = perf.CUDA_LEVERS[lever]
     bench_trainer.flip(lever, True)
-    assert trainer.CUDA_LEVERS[lever] == (not default)
+    assert perf.CUDA_LEVERS[lever] == (not default)
     bench_trainer.flip(lever, False)
-    assert trainer.CUDA_LEVERS[lever] == default
+    assert perf.CUDA_LEVERS[lever] == default

@@ -361,11 +361,12 @@ def test_the_fused_adamw_lever_decides_on_one_gpu(tiny_model, monkeypatch, lever
     # the lever once had no effect on one unsharded GPU: fused AdamW whatever it said
     import torch.distributed as dist
 
+    import perf
     import trainer
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    monkeypatch.setitem(trainer.CUDA_LEVERS, "fused_adamw", lever)
+    monkeypatch.setitem(perf.CUDA_LEVERS, "fused_adamw", lever)
     cfg = run.parse_config(["--config", "configs/tiny.toml", "--no-compile-layers"])
     t = trainer.Trainer(cfg, tiny_model, torch.device("cuda", 0))
     assert bool(t.opt.defaults["fused"]) == lever
