@@ -14,7 +14,8 @@ causal, no mask), full logits, float32 log-softmax and gather of the taken token
 then gradient clipping and AdamW (fused on CUDA); no activation checkpointing; peft adapters of the same LoRA config.
 Timing: one warm-up step of each arm, then `--rounds` interleaved timed steps between CUDA synchronisations; medians.
 tokens/s: sequence tokens trained per second. MFU: model FLOPs (6 x matmul parameters x tokens + 6 x LM head x reply
-tokens + causal attention 6 x layers x heads x head_dim x length^2 per rollout; no recomputation) over the nominal
+tokens + attention 12 x layers x heads x head_dim x length^2 per rollout, PaLM's count (arXiv:2204.02311 appendix B)
+without a causal discount; no recomputation) over the nominal
 dense bf16 peak of perf.CUDA_PEAKS (989 TFLOP/s for an H100), or a measured bf16 matmul on other GPUs; none on a CPU.
 Peak memory: torch.cuda.max_memory_allocated over a timed step.
 Levers (`--levers`): each is timed flipped from nanorft's default at the longest length with full fine-tuning:
@@ -182,16 +183,13 @@ def timed(device: torch.device, fn) -> tuple[float, float | None]:
 
 
 def model_flops(fields: dict, body: int, length: int, n: int) -> float:
-    """Model FLOPs of training on `n` rollouts of `length` tokens (module docstring)."""
+    """Model FLOPs of training on `n` rollouts of `length` tokens: PaLM's count (arXiv:2204.02311
+    appendix B), 6 per matmul parameter and token plus 12 x layers x heads x head_dim x length
+    per token for attention, with no discount for the causal mask (module docstring)."""
     P = max(1, length // 10)
-    attention = (
-        6
-        * fields["num_hidden_layers"]
-        * fields["num_attention_heads"]
-        * fields["head_dim"]
-        * length**2
-        / 2
-    )
+    layers = fields["num_hidden_layers"]
+    heads = fields["num_attention_heads"]
+    attention = 12 * layers * heads * fields["head_dim"] * length**2  # per rollout
     return n * (
         6 * body * length
         + 6 * fields["vocab_size"] * fields["hidden_size"] * (length - P)
@@ -344,6 +342,9 @@ def main() -> int:
             f"peak {bench.peak / 1e12:.0f} TFLOP/s"
             + (" (nominal)" if device.type == "cuda" else ""),
             flush=True,
+        )
+        print(
+            "MFU: PaLM's model FLOPs (arXiv:2204.02311 app. B: 6N + 12 L H Q T per token, no causal discount)"
         )
         print(
             f"{'arm':8} {'rank':4} {'length':>6} {'lever':26} {'tokens/s':>10} {'MFU':>6} {'GiB':>6} {'step_s':>7}"

@@ -119,3 +119,18 @@ def test_a_lever_is_flipped_from_its_default_and_back(lever):
     assert perf.CUDA_LEVERS[lever] == (not default)
     bench_trainer.flip(lever, False)
     assert perf.CUDA_LEVERS[lever] == default
+
+
+def test_mfu_counts_attention_as_palm_does():
+    # PaLM (arXiv:2204.02311 appendix B): 6N + 12 L H Q T per token; attention was counted at a
+    # quarter of that (6 L H Q T^2 / 2 per rollout)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_trainer
+
+    fields = {"num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 8, "vocab_size": 100}
+    fields["hidden_size"] = 32
+    length, n, body = 50, 3, 1000
+    reply = length - length // 10
+    per_token = 6 * body + 12 * 2 * 4 * 8 * length
+    want = n * (per_token * length + 6 * 100 * 32 * reply)
+    assert bench_trainer.model_flops(fields, body, length, n) == want
