@@ -276,3 +276,27 @@ def test_on_policy_the_ratio_is_one_in_the_trainers_own_layout(tiny_model, train
     assert abs(m["loss/ratio_max"] - 1) < 1e-4 and abs(m["loss/ratio_min"] - 1) < 1e-4
     assert abs(m["loss/ratio_mean"] - 1) < 1e-4
     assert budget > 64 or m["train/micro_batches"] > 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
+def test_a_strict_on_policy_run_clips_nothing_at_any_step(tiny_model, tmp_path, lora):
+    # float32, sync_interval 1, offset 0: every batch is sampled with the weights the trainer
+    # computes its log-probs with, so the ratio is 1 at every step (with LoRA: the adapters too)
+    import json
+
+    from conftest import run_py
+
+    run_dir = tmp_path / "run"
+    flags = ["--sync-interval", "1", "--sync-offset", "0", "--dtype", "float32", "--steps", "3"]
+    res = run_py(
+        *["--config", "configs/tiny.toml", "--model", tiny_model, "--run-dir", run_dir],
+        *["--reward-fn", "tests.rewards.length_parity", "--eval-size", "0", *flags, *lora],
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss/clipped" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    for r in steps:
+        assert r["loss/clipped"] == 0 and r["loss/logprob_abs_diff"] < 1e-4, r
+        assert abs(r["loss/ratio_max"] - 1) < 1e-4 and abs(r["loss/ratio_min"] - 1) < 1e-4, r
