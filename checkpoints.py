@@ -91,7 +91,9 @@ def load_resume_state(trainer, path: str | Path) -> int:
 
 
 def _adapter_state(trainer) -> dict:
-    return {"adapters": {n: p for n, p in trainer.published()}} if trainer.lora else {}
+    return (
+        {"adapters": {n: p for n, p in trainer.named_trained_parameters()}} if trainer.lora else {}
+    )
 
 
 def _load_weights(trainer, hf: Path) -> None:

@@ -93,7 +93,7 @@ class LoopIO:
     expert: Any = None
     metrics: Any = None
     records: Callable[[], list[dict]] = list
-    shape: Callable[[list, int], tuple[list, dict]] | None = None
+    shape_experiences: Callable[[list, int], tuple[list, dict]] | None = None
     extra_metrics: Callable[[], dict] = dict
     send_weights: Callable[[int, Any], float | None] | None = None
     alive: Callable[[], bool] = lambda: True  # noqa: E731
@@ -154,8 +154,8 @@ class StepIO:
             groups, m = read_batch(self.cfg, io.buffer, step, self.trainer.version, self.waiting)
         if io.cores is not None:
             io.cores.busy(True)
-        if io.shape:
-            groups, shaped = io.shape(groups, step)
+        if io.shape_experiences:
+            groups, shaped = io.shape_experiences(groups, step)
             m.update(shaped)
         return groups, m
 
@@ -389,7 +389,9 @@ def loop_io(cfg, trainer, start: int, model_path: str):
     if cfg.experience_pipeline:
         from extras.pipelines import ExperiencePipeline
 
-        io.shape = ExperiencePipeline(cfg.experience_pipeline, trainer.tokenizer, model_path)
+        io.shape_experiences = ExperiencePipeline(
+            cfg.experience_pipeline, trainer.tokenizer, model_path
+        )
     io.buffer.set_run_state("trainer_done", None)  # a trainer is running (again)
     if cfg.resume:
         released = io.buffer.release_after(start)

@@ -199,7 +199,7 @@ class Trainer:
             perf.CUDA_LEVERS["fused_adamw"] if self.cuda else not self.sharded
         ) or None  # CPU: no temporaries
         self.opt = torch.optim.AdamW(
-            [p for _, p in self.published()],
+            [p for _, p in self.named_trained_parameters()],
             lr=cfg.lr,
             weight_decay=cfg.weight_decay,
             betas=(0.9, 0.99),
@@ -260,18 +260,18 @@ class Trainer:
             )  # so HeadLogprobs adds into .grad
         return model
 
-    def published(self) -> list[tuple[str, torch.Tensor]]:
+    def named_trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """(name, parameter) of what this trainer trains and publishes, in `named_parameters()` order."""
         return list(self.model.named_parameters())
 
     def full_parameters(self) -> list[torch.Tensor]:
-        """The `published` parameters as full tensors. Collective: every rank gets them."""
+        """The `named_trained_parameters` as full tensors. Collective: every rank gets them."""
         return next(self.parameter_buckets(0))
 
     @torch.no_grad()  # full_tensor() of a parameter would otherwise record the gather for autograd
     def parameter_buckets(self, bucket_elems: int):
-        """The `published` parameters as full tensors, one bucket (sync.bucket_ranges) per advance. Collective."""
-        params = [p for _, p in self.published()]
+        """The `named_trained_parameters` as full tensors, one bucket (sync.bucket_ranges) per advance. Collective."""
+        params = [p for _, p in self.named_trained_parameters()]
         for r in sync.bucket_ranges([p.numel() for p in params], bucket_elems):
             yield [
                 (
@@ -582,7 +582,7 @@ class Trainer:
         if self.rank == 0:
             state = {
                 n: p.detach().to("cpu", dtype).contiguous()
-                for (n, _), p in zip(self.published(), params)
+                for (n, _), p in zip(self.named_trained_parameters(), params)
             }
             self.model.save_pretrained(str(path), state_dict=state)
             self.tokenizer.save_pretrained(str(path))

@@ -107,7 +107,7 @@ class LoraTrainer(Trainer):
                 sub.training = True
         return model
 
-    def published(self) -> list[tuple[str, torch.Tensor]]:
+    def named_trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return published_parameters(self.model)
 
     def save(
@@ -122,7 +122,10 @@ class LoraTrainer(Trainer):
             save_adapter(
                 self.model,
                 path,
-                [(n, p.detach().to("cpu", dtype)) for (n, _), p in zip(self.published(), params)],
+                [
+                    (n, p.detach().to("cpu", dtype))
+                    for (n, _), p in zip(self.named_trained_parameters(), params)
+                ],
                 self.lora,
             )
             self.tokenizer.save_pretrained(str(path))

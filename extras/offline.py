@@ -191,7 +191,7 @@ def attach(cfg, io, trainer, start: int) -> None:
     if cfg.expert_fraction:
         io.expert = sampler(cfg.expert_data, trainer.tokenizer, cfg.seed, chats_only=True)
         io.expert.draw(trainer.loop_state.get("expert_drawn", 0))
-        shape = io.shape
+        shape = io.shape_experiences
 
         def mixed(groups: list, step: int) -> tuple[list, dict]:
             groups, m = shape(groups, step) if shape else (groups, {})
@@ -203,7 +203,7 @@ def attach(cfg, io, trainer, start: int) -> None:
             trainer.loop_state["expert_drawn"] = io.expert.drawn
             return groups, m
 
-        io.shape = mixed
+        io.shape_experiences = mixed
     if cfg.train_data:
         io.offline = sampler(cfg.train_data, trainer.tokenizer, cfg.seed)
         io.offline.draw(start * cfg.batch_size)

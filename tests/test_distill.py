@@ -121,7 +121,7 @@ def test_the_trainer_adds_the_teachers_term_to_each_policy_token(make_trainer, t
     assert abs(kl) > 1e-3 and m["distill/reverse_kl"] == pytest.approx(kl / tokens, abs=1e-5)
     assert m["loss/policy"] == pytest.approx(0.5 * kl / tokens, abs=1e-5)
     frozen = {id(p) for p in tr.teacher.model.parameters()}  # only the student trains and syncs
-    assert not frozen & {id(p) for _, p in tr.published()} and not any(
+    assert not frozen & {id(p) for _, p in tr.named_trained_parameters()} and not any(
         p.requires_grad for p in tr.teacher.model.parameters()
     )
 

@@ -42,7 +42,7 @@ def gradients(model_path: str, flags: list[str]) -> list[torch.Tensor]:
     step = trainer.optimizer_step
 
     def record_then_step() -> float:
-        for _, p in trainer.published():
+        for _, p in trainer.named_trained_parameters():
             g = p.grad
             g = g.full_tensor() if hasattr(g, "full_tensor") else g
             got.append(g.to_dense().clone() if g.is_sparse else g.clone())

@@ -60,7 +60,7 @@ def trained(tiny_model):
 
 def test_only_the_adapters_train_and_are_published(tiny_model):
     cfg, tr = make_trainer(tiny_model)
-    names = [n for n, _ in tr.published()]
+    names = [n for n, _ in tr.named_trained_parameters()]
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
     # all-linear: every projection of every block, and not the LM head
     assert {n.split(".")[-4] for n in names} == {
@@ -84,7 +84,7 @@ def test_only_the_adapters_train_and_are_published(tiny_model):
     assert any(not torch.equal(a, b) for a, b in zip(adapters, tr.full_parameters()))
     # AdamW holds moments for the adapters only
     assert len(tr.opt.state) == len(names) and sum(
-        p.numel() for _, p in tr.published()
+        p.numel() for _, p in tr.named_trained_parameters()
     ) < 0.1 * sum(p.numel() for p in base.values())
 
 
@@ -168,7 +168,7 @@ def test_resume_state_holds_adapters_and_their_optimizer_only(tiny_model, traine
     size = sum(
         f.stat().st_size for f in path.rglob("*") if f.is_file() and "tokenizer" not in f.name
     )
-    adapters = sum(p.numel() for _, p in tr.published())
+    adapters = sum(p.numel() for _, p in tr.named_trained_parameters())
     assert (
         size < 4 * 12 * adapters + 2**20
     )  # about 12 bytes per adapter parameter, nothing of the base

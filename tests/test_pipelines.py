@@ -652,7 +652,7 @@ def test_human_labels_train_the_default_job(label_studio, tiny_model, tmp_path, 
 
 
 def test_the_experience_pipeline_runs_without_lent_cores(tiny_model, tmp_path):
-    # io.shape (the experience pipeline) ran only inside `if io.cores is not None`: with several trainer ranks or a
+    # io.shape_experiences (the experience pipeline) ran only inside `if io.cores is not None`: with several trainer ranks or a
     # GPU explorer (no lent cores) the pipeline was skipped without a word
     import torch
     import torch.distributed as dist
@@ -690,7 +690,10 @@ def test_the_experience_pipeline_runs_without_lent_cores(tiny_model, tmp_path):
     trainer = Trainer(cfg, tiny_model, torch.device("cpu"))
     io = loop.loop_io(cfg, trainer, 0, tiny_model)
     shaped = []
-    io.shape = lambda groups, step: (shaped.append(step) or groups, {"pipeline/ran": 1.0})
+    io.shape_experiences = lambda groups, step: (
+        shaped.append(step) or groups,
+        {"pipeline/ran": 1.0},
+    )
     assert io.cores is None
     try:
         run.rl_loop(cfg, trainer, loop.StepIO(cfg, trainer, 0, io, 0, 1), 0)
