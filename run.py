@@ -33,7 +33,7 @@ class Prepared(NamedTuple):
 def rl_loop(cfg: Config, trainer, io, start: int) -> None:
     """The RL cycle on one trainer rank (`trainer`: trainer.Trainer, `io`: loop.StepIO), one
     step per explorer batch from `start` to cfg.steps. The explorer generates the batches in
-    its own process, with the weights the schedule in sync.py gives it, and evaluates them."""
+    its own process, with the weights the schedule (schedule.py) gives it, and evaluates them."""
     for step in range(start, cfg.steps):
         # the groups of this step, read from the buffer by rank 0 (too stale ones dropped)
         groups, metrics = io.read_batch(step)

@@ -359,3 +359,31 @@ def chat_endpoint(reply):
         yield f"http://127.0.0.1:{server.server_port}/v1"
     finally:
         server.shutdown()
+
+
+def trainer_in_this_process(model: str, run_dir: Path, groups: list, **settings):
+    """(cfg, Trainer, loop.loop_io) of one trainer rank in this process (a one-rank gloo group),
+    `groups` written to the buffer in `run_dir` first; `settings` override the Config. The
+    caller closes io.metrics and io.buffer and destroys the process group."""
+    import torch
+    import torch.distributed as dist
+
+    import launch
+    import loop
+    import run
+    from buffer import Buffer
+    from trainer import Trainer
+
+    run_dir.mkdir()
+    buffer = Buffer(run_dir / "buffer.sqlite")
+    for group in groups:
+        buffer.write(group)
+    buffer.close()
+    fixed = dict(sync_method="checkpoint", log="none", dtype="float32", save_dtype="float32")
+    fixed.update(eval_size=0, checkpoint_interval=0, batch_size=1)
+    cfg = run.Config(run_dir=str(run_dir), **{**fixed, **settings})
+    if not dist.is_initialized():
+        init = f"tcp://127.0.0.1:{launch.free_port()}"
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    trainer = Trainer(cfg, model, torch.device("cpu"))
+    return cfg, trainer, loop.loop_io(cfg, trainer, 0, model)

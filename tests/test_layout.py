@@ -76,44 +76,22 @@ def calls_between(outer, inner, run) -> list[int]:
 
 def test_the_policy_loss_is_three_calls_below_the_rl_loop(tiny_model, tmp_path):
     # a reader follows run.rl_loop -> Trainer.step -> Trainer.forward_backward -> the loss
-    import torch
     import torch.distributed as dist
 
-    import launch
     import loop
     import run
-    from buffer import Buffer, Experience
+    from buffer import Experience
+    from conftest import trainer_in_this_process
     from losses import ppo_clip_loss
-    from trainer import Trainer
 
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    buffer = Buffer(run_dir / "buffer.sqlite")
-    for s in range(2):
-        group = [
-            Experience(
-                [1, 2, 3, 4 + i], 2, [-0.5, -0.5], [1, 1], float(i), f"g{s}", "t", 0, {}, "w"
-            )
+    groups = [
+        [
+            Experience([1, 2, 3, 4 + i], 2, [-0.5] * 2, [1, 1], float(i), f"g{s}", "t", 0, {}, "w")
             for i in range(2)
         ]
-        buffer.write(group)
-    buffer.close()
-    cfg = run.Config(
-        run_dir=str(run_dir),
-        steps=2,
-        batch_size=1,
-        sync_method="checkpoint",
-        log="none",
-        dtype="float32",
-        save_dtype="float32",
-        eval_size=0,
-        checkpoint_interval=0,
-    )
-    if not dist.is_initialized():  # a one-rank group in this process
-        init = f"tcp://127.0.0.1:{launch.free_port()}"
-        dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
-    trainer = Trainer(cfg, tiny_model, torch.device("cpu"))
-    io = loop.loop_io(cfg, trainer, 0, tiny_model)
+        for s in range(2)
+    ]
+    cfg, trainer, io = trainer_in_this_process(tiny_model, tmp_path / "run", groups, steps=2)
     step_io = loop.StepIO(cfg, trainer, 0, io, 0, 1)
     try:
         depths = calls_between(

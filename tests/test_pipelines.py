@@ -12,7 +12,6 @@ import time
 import numpy as np
 import pytest
 
-import launch
 import run
 from buffer import Buffer, Experience
 from conftest import ROOT, chat_endpoint, run_py, subprocess_env
@@ -652,43 +651,18 @@ def test_human_labels_train_the_default_job(label_studio, tiny_model, tmp_path, 
 
 
 def test_the_experience_pipeline_runs_without_lent_cores(tiny_model, tmp_path):
-    # io.shape_experiences (the experience pipeline) ran only inside `if io.cores is not None`: with several trainer ranks or a
-    # GPU explorer (no lent cores) the pipeline was skipped without a word
-    import torch
+    # io.shape_experiences (the experience pipeline) ran only inside `if io.cores is not None`:
+    # with several trainer ranks or a GPU explorer (no lent cores) it was skipped without a word
     import torch.distributed as dist
 
     import loop
-    from trainer import Trainer
+    from conftest import trainer_in_this_process
 
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    buffer = Buffer(run_dir / "buffer.sqlite")
-    buffer.write(
-        [
-            Experience(
-                [1, 2, 3, 4 + i], 2, [-0.5, -0.5], [1, 1], float(i % 2), "g0", "t0", 0, {}, "w"
-            )
-            for i in range(2)
-        ]
-    )
-    buffer.close()
-    cfg = run.Config(
-        run_dir=str(run_dir),
-        steps=1,
-        batch_size=1,
-        sync_method="checkpoint",
-        log="none",
-        dtype="float32",
-        save_dtype="float32",
-        eval_size=0,
-        checkpoint_interval=0,
-    )
-    if not dist.is_initialized():  # a one-rank group in this process
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{launch.free_port()}", rank=0, world_size=1
-        )
-    trainer = Trainer(cfg, tiny_model, torch.device("cpu"))
-    io = loop.loop_io(cfg, trainer, 0, tiny_model)
+    group = [
+        Experience([1, 2, 3, 4 + i], 2, [-0.5] * 2, [1, 1], float(i % 2), "g0", "t0", 0, {}, "w")
+        for i in range(2)
+    ]
+    cfg, trainer, io = trainer_in_this_process(tiny_model, tmp_path / "run", [group], steps=1)
     shaped = []
     io.shape_experiences = lambda groups, step: (
         shaped.append(step) or groups,
@@ -702,9 +676,8 @@ def test_the_experience_pipeline_runs_without_lent_cores(tiny_model, tmp_path):
         io.buffer.close()
         dist.destroy_process_group()
     assert shaped == [0]
-    assert (
-        json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["pipeline/ran"] == 1.0
-    )
+    first = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0]
+    assert json.loads(first)["pipeline/ran"] == 1.0
 
 
 def test_the_help_of_each_pipeline_flag_names_every_registered_operator():
