@@ -329,12 +329,13 @@ def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks: 
     start = load_resume_state(trainer, state) if state else 0
     io = loop_io(cfg, trainer, start, model_path) if rank == 0 else LoopIO()
     if rank == 0:  # model FLOPs and MFU beside the RL step
+        matmul = perf.matmul_params(model_path)  # the explorer samples with the same model
         passes = 3 + trainer.needs_ref  # forward and backward, and a reference model's forward
-        io.trainer_meter = perf.TrainerMeter(model_path, device.type, cfg.dtype, passes)
+        io.trainer_meter = perf.TrainerMeter(matmul, device.type, cfg.dtype, passes)
         # mode both: the explorer's device; mode train: explorers taken to be on the trainer's kind
         explorer_device = layout.explorer if cfg.mode == "both" else device.type
         explorer_device = "cuda" if explorer_device.startswith("cuda") else "cpu"
-        io.explorer_meter = perf.ExplorerMeter(model_path, explorer_device, cfg.dtype)
+        io.explorer_meter = perf.ExplorerMeter(matmul, explorer_device, cfg.dtype)
     explorer = weights = None
     step_io = StepIO(cfg, trainer, start, io, rank, world)
     annotating = threading.Event()

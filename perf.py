@@ -166,10 +166,11 @@ class TrainerMeter:
     """perf/trainer_model_flops and perf/trainer_mfu of a trainer step, from the tokens it
     computed and predicted and its busy seconds (Trainer.step's train/packed_tokens,
     train/predicted_tokens, time/train_busy_s, summed over ranks). `passes`: 3 (forward and
-    backward) plus one forward of a reference model if one is loaded."""
+    backward) plus one forward of a reference model if one is loaded; `matmul`: the model's
+    `matmul_params`."""
 
-    def __init__(self, model_path: str, device_type: str, dtype: str, passes: int):
-        self.matmul = matmul_params(model_path)
+    def __init__(self, matmul: tuple[int, int], device_type: str, dtype: str, passes: int):
+        self.matmul = matmul
         self.peak = unit_peak(device_type, dtype)  # FLOP/s of one core (CPU) or device (CUDA)
         self.passes = passes
 
@@ -185,10 +186,10 @@ class TrainerMeter:
 class ExplorerMeter:
     """perf/explorer_model_flops and perf/explorer_mfu of an explorer's batch record, and
     perf/eval_* of an evaluation record, from the tokens its engine prefilled and sampled and
-    its busy seconds (Explorer.work)."""
+    its busy seconds (Explorer.work); `matmul`: the model's `matmul_params`."""
 
-    def __init__(self, model_path: str, device_type: str, dtype: str):
-        self.matmul = matmul_params(model_path)
+    def __init__(self, matmul: tuple[int, int], device_type: str, dtype: str):
+        self.matmul = matmul
         self.peak = unit_peak(device_type, dtype)
 
     def measure(self, record: dict) -> dict[str, float]:

@@ -70,7 +70,7 @@ def test_each_distinct_prompt_is_prefilled_once(tiny_model):
     exps = rollouts(engine, prompts, 3, Sampling(max_tokens=5))
     sampled = sum(len(e.behaviour_logprobs) for e in exps)
     assert engine.prefilled_tokens - before == 5
-    meter = perf.ExplorerMeter(tiny_model, "cpu", "float32")
+    meter = perf.ExplorerMeter(perf.matmul_params(tiny_model), "cpu", "float32")
     record = {"perf/explorer_prefilled_tokens": 5, "perf/explorer_sampled_tokens": sampled}
     flops = meter.measure({**record, "perf/explorer_busy_s": 1.0})["perf/explorer_model_flops"]
     assert flops == perf.generate_flops(*perf.matmul_params(tiny_model), 5, sampled)
@@ -92,7 +92,8 @@ def test_a_single_cpu_rank_trains_the_plain_model_and_reports_its_model_flops(ti
     assert not any(isinstance(p, DTensor) for p in tr.model.parameters())
     m = tr.step([exps])
     assert (m["train/packed_tokens"], m["train/predicted_tokens"]) == (11, 8)
-    m.update(perf.TrainerMeter(tiny_model, "cpu", cfg.dtype, passes=3).measure(m))
+    matmul = perf.matmul_params(tiny_model)
+    m.update(perf.TrainerMeter(matmul, "cpu", cfg.dtype, passes=3).measure(m))
     body, head = perf.matmul_params(tiny_model)
     assert m["perf/trainer_model_flops"] == 6 * (body * 11 + head * 8)
     assert 0 < m["perf/trainer_mfu"] < 1
