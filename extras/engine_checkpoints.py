@@ -18,6 +18,35 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     return {k: v for f in files for k, v in load_file(f).items()}
 
 
+def published_meta(model_path: str, dtype: torch.dtype, lora=None):
+    """(meta model, [(name, meta tensor)]): the Hugging Face model of `model_path` on the meta
+    device (with `lora`, a peft LoraConfig, its peft model) and what a weight sync carries of it,
+    in wire order (the trainer's named_parameters; with LoRA the adapters)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(model_path), dtype=dtype
+        )
+        if lora is None:
+            return model, list(model.named_parameters())
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora)
+        return model, models.lora("published_parameters")(model)
+
+
+def wire_order(model_path: str, lora=None) -> list[str]:
+    """The names a checkpoint directory gives the tensors of a publish, in wire order: the order
+    in which the trainer's sync.checksum sums them (a safetensors file keeps no order)."""
+    model, named = published_meta(model_path, torch.float32, lora)
+    if lora is None:
+        return [n for n, _ in named]
+    from peft import get_peft_model_state_dict
+
+    return list(get_peft_model_state_dict(model, state_dict=dict(named)))
+
+
 def load_into_hf(engine, path: str | Path, version: int) -> float | None:
     """engines.HFEngine.load_checkpoint: the weights (or with LoRA the adapters) of `path`, in place."""
     if engine.lora:  # a peft adapter directory

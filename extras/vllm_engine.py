@@ -11,7 +11,7 @@ import torch
 import models
 import sync
 from engines import Completion, Engine
-from extras.engine_checkpoints import read_safetensors
+from extras.engine_checkpoints import published_meta, read_safetensors, wire_order
 from extras.hosts import StoreAlive
 
 WORKER = "extras.vllm_engine.VLLMWeightReceiver"
@@ -194,11 +194,13 @@ class VLLMEngine(Engine):
         self.llm.collective_rpc("nanorft_leave")
 
     def load_checkpoint(self, path, version):
+        order = wire_order(self.model_path, self.lora) if self.checksum else None
         if self.lora:  # a peft adapter directory
-            checksum = sync.checksum(read_safetensors(path).values()) if self.checksum else None
+            adapters = read_safetensors(path)
+            checksum = sync.checksum(adapters[n] for n in order) if self.checksum else None
             self._use_adapter(path, version, copy=True)
         else:
-            checksum = self.llm.collective_rpc("nanorft_load", args=(str(path), self.checksum))[0]
+            checksum = self.llm.collective_rpc("nanorft_load", args=(str(path), order))[0]
         self._forget_prefixes()
         self.version = version
         return checksum
@@ -227,29 +229,17 @@ class VLLMWeightReceiver:
         lora_root: str = "",
     ) -> None:
         """Join the group at `host`:`port`; with `lora` (LoraConfig.to_dict()) write adapters to lora_root/vVERSION."""
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         dtype = self.vllm_config.model_config.dtype  # the dtype it holds: bf16 to a bf16 vLLM
-        # names and shapes of the HF checkpoint (or of its adapters), in wire order
-        with torch.device("meta"):
-            hf = AutoModelForCausalLM.from_config(
-                AutoConfig.from_pretrained(model_path), dtype=dtype
-            )
-            if lora is not None:
-                from peft import LoraConfig, get_peft_model
+        if lora is not None:
+            from peft import LoraConfig
 
-                lora = LoraConfig.from_peft_type(**lora)
-                hf = get_peft_model(hf, lora)
+            lora = LoraConfig.from_peft_type(**lora)
+        hf, named = published_meta(model_path, dtype, lora)
         self.nanorft_lora, self.nanorft_meta, self.nanorft_root = lora, hf, lora_root
         device = (
             self.device
             if self.device.type == "cuda" and sync_device == "cuda"
             else torch.device("cpu")
-        )
-        named = (
-            models.lora("published_parameters")(hf)
-            if lora is not None
-            else list(hf.named_parameters())
         )
         self.nanorft_named = [
             (n, torch.empty(p.shape, dtype=dtype, device=device)) for n, p in named
@@ -283,11 +273,12 @@ class VLLMWeightReceiver:
     def nanorft_leave(self) -> None:
         self.nanorft_sync.leave()
 
-    def nanorft_load(self, path: str, checksum: bool = False) -> float | None:
-        """Load a checkpoint directory in place; its sync.checksum if `checksum`."""
-        named = list(read_safetensors(path).items())
-        self._nanorft_load(named)
-        return sync.checksum(t for _, t in named) if checksum else None
+    def nanorft_load(self, path: str, order: list[str] | None = None) -> float | None:
+        """Load a checkpoint directory in place; with `order` (extras.engine_checkpoints.wire_order)
+        its sync.checksum, the tensors summed in that order."""
+        state = read_safetensors(path)
+        self._nanorft_load(list(state.items()))
+        return sync.checksum(state[n] for n in order) if order is not None else None
 
     def _nanorft_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         from vllm.model_executor.model_loader.reload import (

@@ -31,7 +31,6 @@ def buffer_versions(run_dir, batch_size):
     return [v for _, v in groups][::batch_size]
 
 
-@pytest.mark.slow
 def published_checksum(model_dir) -> float:
     """sync.checksum of a saved model's parameters in the order the trainer publishes them."""
     from transformers import AutoModelForCausalLM
@@ -42,6 +41,7 @@ def published_checksum(model_dir) -> float:
     return sync.checksum(p for _, p in model.named_parameters())
 
 
+@pytest.mark.slow
 def test_run_trains_and_syncs(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     res = run_py(

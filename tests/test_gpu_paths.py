@@ -105,12 +105,13 @@ class FakeLLM:
 
 
 @pytest.mark.parametrize("inflight", [False, True])
-def test_vllm_keeps_its_prefix_cache_only_in_flight(inflight):
+def test_vllm_keeps_its_prefix_cache_only_in_flight(tiny_model, inflight):
     # in flight, requests are running when weights arrive: vLLM refuses the reset (a warning on every publish),
     # and prefix caching is off there anyway
     from extras.vllm_engine import VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)
+    engine.model_path = tiny_model
     engine.llm, engine.inflight, engine.version, engine.lora, engine.checksum = (
         FakeLLM(),
         inflight,

@@ -140,6 +140,27 @@ def test_checkpoint_sync_and_resume_start_carry_a_peft_adapter(tiny_model, train
     assert sync.checksum(started.parameters()) == sync.checksum(params)
 
 
+def test_a_checkpoint_read_in_wire_order_has_the_trainers_checksum(tiny_model, trained, tmp_path):
+    # a safetensors file keeps no order: an engine that sums a checkpoint (vLLM's) sums it in wire order
+    from extras.engine_checkpoints import read_safetensors, wire_order
+
+    cfg, tr = trained
+    params = tr.full_parameters()
+    tr.save(tmp_path / "adapters", params)
+    adapters = read_safetensors(tmp_path / "adapters")
+    order = wire_order(tiny_model, lora_config(cfg))
+    assert sorted(order) == sorted(adapters)
+    assert sync.checksum(adapters[n] for n in order) == pytest.approx(
+        sync.checksum(params), rel=1e-12
+    )
+    assert sync.checksum(adapters.values()) != pytest.approx(sync.checksum(params), rel=1e-12)
+    weights = read_safetensors(tiny_model)
+    published = HFEngine(tiny_model).parameters()
+    assert sync.checksum(weights[n] for n in wire_order(tiny_model)) == pytest.approx(
+        sync.checksum(published), rel=1e-12
+    )
+
+
 def test_final_adapter_loads_in_peft_and_merged_model_in_transformers(
     tiny_model, trained, tmp_path
 ):

@@ -74,7 +74,7 @@ def test_vllm_logprobs_match_trainer_and_follow_a_sync(tiny_model, engine):
 @needs_vllm
 def test_run_with_vllm_engine(tiny_model, tmp_path):
     from safetensors.torch import load_file
-    from test_e2e import buffer_versions, metrics, receipt
+    from test_e2e import buffer_versions, metrics, published_checksum, receipt
 
     run_dir = tmp_path / "run"
     res = run_py(
@@ -101,7 +101,7 @@ def test_run_with_vllm_engine(tiny_model, tmp_path):
     init = load_file(f"{tiny_model}/model.safetensors")
     assert any(not torch.equal(init[k], final[k]) for k in init)
     assert receipt(run_dir, 3)["sync/explorer_checksum"] == pytest.approx(
-        sum(v.double().sum().item() for v in final.values()), rel=1e-12
+        published_checksum(run_dir / "final"), rel=1e-12
     )
     assert buffer_versions(run_dir, 2) == [0, 1, 2]
 
@@ -111,8 +111,7 @@ def test_vllm_inflight_with_checkpoint_sync(tiny_model, tmp_path):
     import json
     import sqlite3
 
-    from safetensors.torch import load_file
-    from test_e2e import metrics, receipt
+    from test_e2e import metrics, published_checksum, receipt
 
     run_dir = tmp_path / "run"
     # the weights travel as checkpoints, loaded by the vLLM worker between engine steps; from its second batch on
@@ -156,8 +155,7 @@ def test_vllm_inflight_with_checkpoint_sync(tiny_model, tmp_path):
         )
     ]
     assert any(a < b for a, b in spans)
-    final = load_file(run_dir / "final" / "model.safetensors")
-    checksum = sum(v.double().sum().item() for v in final.values())
+    checksum = published_checksum(run_dir / "final")
     assert receipt(run_dir, 6)["sync/explorer_checksum"] == pytest.approx(checksum, rel=1e-12)
 
 
