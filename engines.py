@@ -2,10 +2,12 @@
 vLLM: extras/vllm_engine.py) and `make_engine`."""
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -45,15 +47,29 @@ class Engine:
         self.checksum = False
         # how join_weight_sync receives: broadcast or ipc (sync.transport)
         self.sync_method = "broadcast"
-        self.status = lambda text: (
-            None
-        )  # a line saying what the engine is doing (mode both: the trainer's bar)
+        # says what the engine is doing (mode both: on the trainer's progress bar)
+        self.status = lambda text: None
         self.label = ""  # what the current requests are for ("batch 3", "evaluation of version 10")
         # the model or adapter directory of the start weights (its files key eval_cache)
         self.loaded_from = ""
         # tokens of every generate_batch so far: prefilled (a prompt a group shares: once), sampled
         self.prefilled_tokens = 0
         self.sampled_tokens = 0
+
+    def working_on(self, label: str) -> None:
+        """Name what the next requests are for, in the engine's status lines."""
+        self.label = label
+
+    @contextlib.contextmanager
+    def paced_by(self, step_hook: Callable[[], None] | None):
+        """Call `step_hook` between decode steps inside the block (in flight: new weights for the
+        sequences being decoded); None: no call, one weight version per request."""
+        outer = self.step_hook
+        self.step_hook = step_hook
+        try:
+            yield
+        finally:
+            self.step_hook = outer
 
     async def generate(self, prompt_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
         """`n` completions of one prompt, sampled in one `generate_batch` with the requests in flight."""
@@ -234,7 +250,7 @@ class HFEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         adapter = models.is_adapter(model_path)
-        base = models.lora("adapter_base")(model_path) if adapter else model_path
+        base = models.base_model_dir(model_path)
         attention = {"attn_implementation": packed_sdpa()} if self.device.type == "cpu" else {}
         self.model = (
             AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **attention)
@@ -247,7 +263,9 @@ class HFEngine(Engine):
 
             self.model = get_peft_model(self.model, lora).eval()
             if adapter:
-                models.lora("load_adapter")(self.model, model_path)
+                from extras.lora import load_adapter
+
+                load_adapter(self.model, model_path)
         self.max_batch, self.bf16, self.loaded_from = max_batch, bf16, model_path
         gen_eos = self.model.generation_config.eos_token_id
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
@@ -270,6 +288,11 @@ class HFEngine(Engine):
         """bf16 weights for --dtype bfloat16: no float32 copy cast at every step (faster decoding,
         docs/benchmarks.md)."""
         bf16 = cfg.dtype == "bfloat16"
+        lora = None
+        if cfg.lora_rank:
+            from extras.lora import lora_config
+
+            lora = lora_config(cfg)
         return cls(
             model_path,
             max_batch=cfg.explorer_max_batch,
@@ -277,7 +300,7 @@ class HFEngine(Engine):
             bf16=bf16,
             device=device,
             dtype=torch.bfloat16 if bf16 else torch.float32,
-            lora=models.lora("lora_config")(cfg) if cfg.lora_rank else None,
+            lora=lora,
             cuda_graphs=cfg.cuda_graphs,
         )
 
@@ -289,14 +312,11 @@ class HFEngine(Engine):
 
     def parameters(self) -> list[torch.Tensor]:
         """What a weight sync carries, in the wire order (named_parameters): the weights, or the adapters."""
-        return [
-            p
-            for _, p in (
-                models.lora("published_parameters")(self.model)
-                if self.lora
-                else self.model.named_parameters()
-            )
-        ]
+        if self.lora is None:
+            return list(self.model.parameters())
+        from extras.lora import published_parameters
+
+        return [p for _, p in published_parameters(self.model)]
 
     def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
         self.weights = sync.transport(self.sync_method)(
@@ -422,15 +442,25 @@ ENGINES = {"hf": HFEngine, "vllm": "extras.vllm_engine.VLLMEngine"}
 
 
 def make_engine(
-    cfg, model_path: str, seed: int, device: str = "", colocated: bool = False
+    cfg,
+    model_path: str,
+    seed: int,
+    device: str = "",
+    colocated: bool = False,
+    version: int = 0,
+    status: Callable[[str], None] | None = None,
 ) -> Engine:
-    """The engine cfg.engine names (after explorer.check_config), sampling with `seed` on `device`."""
+    """The engine cfg.engine names (after explorer.check_config), sampling with `seed` on `device`,
+    holding weight `version`, saying what it does to `status`."""
     torch.set_num_threads(cfg.explorer_threads)
     engine = resolve(cfg.engine, ENGINES, "engine").from_config(
         cfg, model_path, seed, device, colocated
     )
     engine.checksum = cfg.sync_checksum
     engine.sync_method = cfg.sync_method
+    engine.version = version
+    if status is not None:
+        engine.status = status
     return engine
 
 

@@ -209,7 +209,7 @@ class Explorer:
         cfg, t0, version = self.cfg, time.perf_counter(), self.engine.version
         since = self.work_since()
         self.counts = dict.fromkeys(self.counts, 0)
-        self.engine.label = f"batch {batch} (version {version})"
+        self.engine.working_on(f"batch {batch} (version {version})")
         retired = buffer.retired()
         informative = lambda g: not cfg.difficulty_filter or len({e.reward for e in g}) > 1  # noqa: E731
         tasks = picked = self.next_tasks(cfg.batch_size, retired)
@@ -323,7 +323,7 @@ class Explorer:
         if cache and (saved := read_cached(cache)).get("key") == cache.stem:
             return {**saved["record"], "eval/cached": 1, "eval/seconds": time.perf_counter() - t0}
         sampler = self.engine.rng_state()
-        self.engine.label = f"evaluation of version {version}"
+        self.engine.working_on(f"evaluation of version {version}")
         groups = self.rollout(self.held_out, self.eval_workflow, 1)
         exps = [g[0] for g in groups if g]
         rewards = [e.reward or 0.0 for e in exps] + [0.0] * (
@@ -342,7 +342,7 @@ class Explorer:
             [float(r == 1.0) for r in rewards]
         )
         if n:
-            self.engine.label = f"evaluation of version {version}, {n} samples per task"
+            self.engine.working_on(f"evaluation of version {version}, {n} samples per task")
             sampled = self.rollout(self.held_out, n=n)
             record.update(
                 sampled_eval(
@@ -460,34 +460,28 @@ def explore(
 
             # the teacher's held-out accuracy, once, with batch 0's record
             explorer.curation.update(evaluate_teacher(cfg, engine, tasks))
-        if cfg.inflight:
-            engine.step_hook = pace.inflight
         evaluated = None  # the weight version last evaluated
 
         def evaluate() -> int:
-            hook, engine.step_hook = (
-                engine.step_hook,
-                None,
-            )  # no in-flight updates: one version per evaluation
-            if cfg.eval_size and (record := explorer.evaluate(engine.version)) is not None:
-                log(record)
-            engine.step_hook = hook
+            with engine.paced_by(None):  # no in-flight updates: one version per evaluation
+                if cfg.eval_size and (record := explorer.evaluate(engine.version)) is not None:
+                    log(record)
             return engine.version
 
-        for batch in range(first, batches):
-            if not pace.before_batch(batch):
-                break
-            log(explorer.rollout_batch(batch, buffer))
-            # after the last batch of a version: the trainer trains every batch of it while we evaluate
-            last_of_version = batch + 1 == batches or engine.version < required_version(
-                batch + 1, cfg.sync_interval, cfg.sync_offset
-            )
-            if last_of_version and (
-                evaluated is None
-                or engine.version // cfg.eval_interval > evaluated // cfg.eval_interval
-            ):
-                evaluated = evaluate()
-        engine.step_hook = None
+        with engine.paced_by(pace.inflight if cfg.inflight else None):
+            for batch in range(first, batches):
+                if not pace.before_batch(batch):
+                    break
+                log(explorer.rollout_batch(batch, buffer))
+                # after the last batch of a version: the trainer trains every batch of it while we evaluate
+                last_of_version = batch + 1 == batches or engine.version < required_version(
+                    batch + 1, cfg.sync_interval, cfg.sync_offset
+                )
+                if last_of_version and (
+                    evaluated is None
+                    or engine.version // cfg.eval_interval > evaluated // cfg.eval_interval
+                ):
+                    evaluated = evaluate()
         pace.final()
         if evaluated != engine.version:
             evaluate()

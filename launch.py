@@ -298,9 +298,9 @@ def run_mode_both(
             engine_seed(cfg),
             use_gpu(device),
             colocated=device.startswith("cuda") and sync_device == "cpu",
+            version=start_version,
+            status=lambda text: queue.put({"status": text}),
         )
-        engine.version = start_version
-        engine.status = lambda text: queue.put({"status": text})
         receiver = sync.Receiver(
             engine,
             cfg.run_dir,

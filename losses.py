@@ -1,11 +1,12 @@
 """The default algorithm as pure tensor functions (GRPO, PPO clip, KL, aggregation) and the registries
 of advantages, policy losses and filters (`resolve_algorithm`). B sequences, T response tokens. Contracts,
 also of plug-ins given by import path `module.function` (docs/algorithms.md):
-  ADVANTAGES[name](rewards [B], group_index [B], episode_index [B], **kw) -> [B]  (+ token_counts [B] if taken)
-  POLICY_LOSSES[name](LossInputs, **kw) -> {"loss": [B, T], metrics: [B, T]}, with `register`'s attributes
-  FILTERS[name](tokens, behaviour_logprobs, advantage, **kw) -> bool keep  (+ action_mask if taken)
+  ADVANTAGES[name](rewards [B], group_index [B], episode_index [B], token_counts [B], **kw) -> [B]
+  POLICY_LOSSES[name].fn(LossInputs, **kw) -> {"loss": [B, T], metrics: [B, T]}, its needs in a PolicyLoss
+  FILTERS[name](tokens, behaviour_logprobs, advantage, action_mask, **kw) -> bool keep
 """
 
+import dataclasses
 import importlib
 import inspect
 import os
@@ -30,8 +31,9 @@ class LossInputs:
     expert: torch.Tensor | None = None  # [B] bool: expert (SFT) sequences
 
 
-# name -> function, or the import path of one (in extras/: imported when a run names it); the default first
-ADVANTAGES: dict[str, Callable | str] = {
+# name -> the import path of its function (nanorft's own under extras/ are imported only when
+# a run names them); the default first
+ADVANTAGES: dict[str, str] = {
     "grpo": "losses.grpo_advantages",
     "dr_grpo": "extras.advantages.dr_grpo_advantages",
     "rloo": "extras.advantages.rloo_advantages",
@@ -40,21 +42,7 @@ ADVANTAGES: dict[str, Callable | str] = {
     "opmd": "extras.opmd.opmd_advantages",
     "none": "extras.distill.no_advantages",
 }
-POLICY_LOSSES: dict[str, Callable | str] = {
-    "ppo_clip": "losses.ppo_clip_loss",
-    "dppo_kl": "extras.policy_losses.dppo_kl_loss",
-    "reinforce_tis": "extras.policy_losses.reinforce_tis_loss",
-    "cispo": "extras.policy_losses.cispo_loss",
-    "gspo": "extras.policy_losses.gspo_loss",
-    "sft": "extras.policy_losses.sft_loss",
-    "dpo": "extras.policy_losses.dpo_loss",
-    "mix": "extras.policy_losses.mix_loss",
-    "topr": "extras.topr.topr_loss",
-    "opmd_kimi": "extras.opmd.opmd_kimi_loss",
-    "opmd_pairwise": "extras.opmd.opmd_pairwise_loss",
-    "opmd_simple": "extras.opmd.opmd_simple_loss",
-}
-FILTERS: dict[str, Callable | str] = {
+FILTERS: dict[str, str] = {
     "zero_advantage": "extras.filters.zero_advantage_filter",
     "gibberish": "extras.filters.gibberish_filter",
     "repetition": "extras.filters.repetition_filter",
@@ -63,61 +51,116 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var")
 
 
-def register(
-    registry: dict,
-    name: str,
-    agg: str = "token-mean",
-    needs_groups: bool = False,
-    needs_ref: bool = False,
-    split_expert: bool = False,
-):
-    """Decorator: register a function as `name` with its default aggregation and needs."""
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A policy loss (the contract above) and what the trainer arranges around it. A plug-in
+    named by import path is a plain function (these defaults) or a PolicyLoss object."""
 
-    def wrap(fn):
-        fn.agg = agg
-        fn.needs_groups = needs_groups
-        fn.needs_ref = needs_ref
-        fn.split_expert = split_expert
-        registry[name] = fn
-        return fn
-
-    return wrap
+    fn: Callable[..., dict[str, torch.Tensor]] | str  # the function, or its import path
+    agg: str = "token-mean"  # its aggregation under --loss-agg auto
+    needs_groups: bool = False  # whole groups in one micro-batch (a pairwise loss)
+    needs_ref: bool = False  # the reference model's log-probs (LossInputs.ref_logprobs)
+    split_expert: bool = False  # expert and rollout tokens aggregated apart (MIX)
 
 
-def resolve(name: str, registry: dict, what: str, kwargs: dict | None = None) -> Callable:
-    """The function registered as `name` or at import path `module.function`, accepting `kwargs`; ValueError."""
-    fn = registry.get(name, name)
-    if isinstance(fn, str):
-        module, _, attr = fn.rpartition(".")
-        if not module:
-            raise ValueError(
-                f"unknown {what} {name!r}; known: {sorted(registry)} or module.function"
-            )
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"{what} {name!r} cannot be imported: {e} ({import_dirs()})") from None
-        if not callable(fn):
-            raise ValueError(f"{what} {name!r} is not callable")
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "ppo_clip": PolicyLoss("losses.ppo_clip_loss"),
+    "dppo_kl": PolicyLoss("extras.policy_losses.dppo_kl_loss"),
+    "reinforce_tis": PolicyLoss("extras.policy_losses.reinforce_tis_loss", "seq-mean-token-sum"),
+    "cispo": PolicyLoss("extras.policy_losses.cispo_loss"),
+    "gspo": PolicyLoss("extras.policy_losses.gspo_loss", "seq-mean-token-mean"),
+    "sft": PolicyLoss("extras.policy_losses.sft_loss"),
+    "dpo": PolicyLoss(
+        "extras.policy_losses.dpo_loss", "seq-mean-token-sum", needs_groups=True, needs_ref=True
+    ),
+    "mix": PolicyLoss("extras.policy_losses.mix_loss", split_expert=True),
+    "topr": PolicyLoss("extras.topr.topr_loss", "seq-mean-token-sum"),
+    "opmd_kimi": PolicyLoss("extras.opmd.opmd_kimi_loss"),
+    "opmd_pairwise": PolicyLoss("extras.opmd.opmd_pairwise_loss", needs_groups=True),
+    "opmd_simple": PolicyLoss("extras.opmd.opmd_simple_loss"),
+}
+# the positional arguments each contract passes
+ADVANTAGE_ARGS = ("rewards", "group_index", "episode_index", "token_counts")
+FILTER_ARGS = ("tokens", "behaviour_logprobs", "advantage", "action_mask")
+LOSS_ARGS = ("inputs",)
+
+
+def imported(name: str, registry: dict, what: str):
+    """What `registry` names `name`, or what import path `module.attribute` points to, imported;
+    ValueError (one line)."""
+    target = registry.get(name, name)
+    if not isinstance(target, str):
+        return target
+    module, _, attr = target.rpartition(".")
+    if not module:
+        raise ValueError(f"unknown {what} {name!r}; known: {sorted(registry)} or module.function")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{what} {name!r} cannot be imported: {e} ({import_dirs()})") from None
+
+
+def check_signature(fn, name: str, what: str, kwargs: dict | None, takes: tuple[str, ...]) -> None:
+    """ValueError (one line) unless `fn` is callable with the contract's positional arguments
+    `takes` and the options `kwargs`."""
+    if not callable(fn):
+        raise ValueError(f"{what} {name!r} is not callable")
     params = inspect.signature(fn).parameters
-    if not any(p.kind == p.VAR_KEYWORD for p in params.values()) and (
-        bad := sorted(set(kwargs or {}) - set(params))
-    ):
-        raise ValueError(f"{what} {name!r} takes no argument(s) {bad}; it takes {sorted(params)}")
+    kinds = [p.kind for p in params.values()]
+    by_position = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = sum(kind in by_position for kind in kinds)
+    if positional < len(takes) and inspect.Parameter.VAR_POSITIONAL not in kinds:
+        raise ValueError(
+            f"{what} {name!r} takes ({', '.join(params)}); losses.py's contract passes "
+            f"({', '.join(takes)}, **options)"
+        )
+    if clash := sorted(set(kwargs or {}) & set(takes)):
+        raise ValueError(f"{what} {name!r}: {clash} are given by the trainer, not as options")
+    if inspect.Parameter.VAR_KEYWORD not in kinds:
+        if bad := sorted(set(kwargs or {}) - set(params)):
+            raise ValueError(
+                f"{what} {name!r} takes no argument(s) {bad}; it takes {sorted(params)}"
+            )
+
+
+def resolve(
+    name: str,
+    registry: dict,
+    what: str,
+    kwargs: dict | None = None,
+    takes: tuple[str, ...] = (),
+) -> Callable:
+    """The function or class registered as `name` or at import path `module.attribute`, taking
+    the contract's positional arguments `takes` and the options `kwargs`; ValueError (one line)."""
+    fn = imported(name, registry, what)
+    check_signature(fn, name, what, kwargs, takes)
     return fn
 
 
-def resolve_algorithm(cfg) -> tuple[Callable, Callable, str, dict[str, Callable]]:
+def resolve_loss(name: str, kwargs: dict | None = None) -> PolicyLoss:
+    """The PolicyLoss named `name` in POLICY_LOSSES or at an import path (a function or a
+    PolicyLoss), its function imported and checked against `kwargs`; ValueError (one line)."""
+    spec = imported(name, POLICY_LOSSES, "policy_loss")
+    if not isinstance(spec, PolicyLoss):
+        spec = PolicyLoss(spec)
+    fn = imported(spec.fn, {}, "policy_loss") if isinstance(spec.fn, str) else spec.fn
+    check_signature(fn, name, "policy_loss", kwargs, LOSS_ARGS)
+    return dataclasses.replace(spec, fn=fn)
+
+
+def resolve_algorithm(cfg) -> tuple[Callable, PolicyLoss, str, dict[str, Callable]]:
     """(advantage function, policy loss, aggregation, filters by name) of `cfg`; ValueError (one line)."""
-    advantage_fn = resolve(cfg.advantage, ADVANTAGES, "advantage", cfg.advantage_kwargs)
-    loss_fn = resolve(cfg.policy_loss, POLICY_LOSSES, "policy_loss", cfg.policy_loss_kwargs)
+    advantage_fn = resolve(
+        cfg.advantage, ADVANTAGES, "advantage", cfg.advantage_kwargs, ADVANTAGE_ARGS
+    )
+    loss = resolve_loss(cfg.policy_loss, cfg.policy_loss_kwargs)
     filters = {}
     for name, kwargs in cfg.filters.items():
         if not isinstance(kwargs, dict):
             raise ValueError(
                 f"filters: the value of {name!r} must be a table of keyword arguments, got {kwargs!r}"
             )
-        filters[name] = resolve(name, FILTERS, "filter", kwargs)
+        filters[name] = resolve(name, FILTERS, "filter", kwargs, FILTER_ARGS)
     if cfg.loss_agg != "auto" and cfg.loss_agg not in AGGREGATIONS:
         raise ValueError(
             f"unknown loss_agg {cfg.loss_agg!r}; known: auto, {', '.join(AGGREGATIONS)}"
@@ -126,8 +169,8 @@ def resolve_algorithm(cfg) -> tuple[Callable, Callable, str, dict[str, Callable]
         raise ValueError(
             f"unknown kl_estimator {cfg.kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}"
         )
-    agg = getattr(loss_fn, "agg", "token-mean") if cfg.loss_agg == "auto" else cfg.loss_agg
-    return advantage_fn, loss_fn, agg, filters
+    agg = loss.agg if cfg.loss_agg == "auto" else cfg.loss_agg
+    return advantage_fn, loss, agg, filters
 
 
 def import_dirs() -> str:
@@ -212,8 +255,7 @@ def length_penalty(rewards: torch.Tensor, lengths: torch.Tensor, coef: float) ->
     return rewards - coef * lengths
 
 
-@register(ADVANTAGES, "grpo")
-def grpo_advantages(rewards, group_index, episode_index=None, eps: float = 1e-6):
+def grpo_advantages(rewards, group_index, episode_index=None, token_counts=None, eps: float = 1e-6):
     """GRPO: (r - mean_group) / (std_group + eps). [B] -> [B]. Source: DeepSeekMath, arXiv:2402.03300
     sec. 4.1.2; verl core_algos.py compute_grpo_outcome_advantage @ b178a3c."""
     mean, std, _ = group_stats(rewards, group_index)
@@ -242,7 +284,6 @@ def importance_ratio(inp: LossInputs) -> torch.Tensor:
     return torch.exp((inp.logprobs - inp.behaviour_logprobs).clamp(-20, 20))
 
 
-@register(POLICY_LOSSES, "ppo_clip")
 def ppo_clip_loss(
     inp: LossInputs, clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float | None = 3.0
 ):

@@ -5,11 +5,8 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import Callable
 
 import torch
-
-from losses import resolve
 
 
 def limit_heap_fragmentation() -> None:
@@ -137,11 +134,16 @@ def pad_token_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def lora(name: str) -> Callable:
-    """`name` of extras/lora.py, the LoRA glue (peft); ValueError (one line) when it cannot be imported."""
-    return resolve(f"extras.lora.{name}", {}, "LoRA")
-
-
 def is_adapter(path: str | Path) -> bool:
     """Whether `path` is a peft adapter directory (a LoRA run's publishes and saves)."""
     return (Path(path) / "adapter_config.json").is_file()
+
+
+def base_model_dir(path: str | Path) -> str:
+    """The model directory of `path`: itself, or for a peft adapter directory the base model
+    it was trained on."""
+    if not is_adapter(path):
+        return str(path)
+    from peft import PeftConfig
+
+    return PeftConfig.from_pretrained(str(path)).base_model_name_or_path

@@ -202,9 +202,11 @@ def packed_logprobs(
     targets: torch.Tensor,
     temperature: float,
     entropy: bool,
+    head_grad_into_weight: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [T'] and entropy [T'] or None of a `pack` batch, the LM head on predicting positions only; switches
-    `model` to `packed_sdpa` (plain sdpa where no slots are given)."""
+    `model` to `packed_sdpa` (plain sdpa where no slots are given). `head_grad_into_weight`: see
+    `chunked_logprobs`."""
     if model.config._attn_implementation != packed_sdpa():
         model.set_attn_implementation(packed_sdpa())
     hidden = model.get_decoder()(
@@ -216,7 +218,13 @@ def packed_logprobs(
     ).last_hidden_state  # [N, L, H] or [1, T, H]
     head = model.get_output_embeddings()
     return chunked_logprobs(
-        hidden[rows, positions], head.weight, targets, temperature, entropy, bias=head.bias
+        hidden[rows, positions],
+        head.weight,
+        targets,
+        temperature,
+        entropy,
+        bias=head.bias,
+        grad_into_weight=head_grad_into_weight,
     )
 
 
@@ -226,8 +234,10 @@ def response_logprobs(
     temperature: float,
     entropy: bool = False,
     entropy_grad: bool = False,
+    head_grad_into_weight: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [B, R] of a `pack` batch's responses and, if `entropy`, their entropy [B, R] (nats); padding 0."""
+    """Log-probs [B, R] of a `pack` batch's responses and, if `entropy`, their entropy [B, R] (nats); padding 0.
+    `head_grad_into_weight`: see `chunked_logprobs`."""
     forward = getattr(model, "nanorft_logprobs", None) or (lambda *a: packed_logprobs(model, *a))
     lp, ent = forward(
         *(
@@ -244,6 +254,7 @@ def response_logprobs(
         ),
         temperature,
         entropy,
+        head_grad_into_weight,
     )  # [T'], [T']
     B, R = batch["response_ids"].shape
     where = batch["seq"] * R + batch["col"]  # [T]
@@ -272,16 +283,21 @@ def chunked_logprobs(
     entropy: bool = False,
     chunk_elems: int = 0,
     bias: torch.Tensor | None = None,
+    grad_into_weight: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Float32 log-probs [T] of `targets` [T] under softmax((hidden [T, H] @ weight [V, H].T + bias) / temperature),
     and the entropy [T], `chunk_elems` (0: HEAD_CHUNK_ELEMS) logits at a time (Liger-Kernel's
-    fused_linear_cross_entropy.py)."""
+    fused_linear_cross_entropy.py). `grad_into_weight`: the backward adds the weight's gradient
+    into `weight.grad` in place instead of returning a new [V, H] (a weight tied to a sparse
+    embedding, whose gradient autograd would otherwise add into one more [V, H])."""
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float)
         return empty, (empty if entropy else None)
     chunk_elems = chunk_elems or HEAD_CHUNK_ELEMS.get(hidden.device.type, 2**22)
     rows = max(1, chunk_elems // weight.shape[0])
-    lp, ent = HeadLogprobs.apply(hidden, weight, bias, targets, temperature, rows, entropy)
+    lp, ent = HeadLogprobs.apply(
+        hidden, weight, bias, targets, temperature, rows, entropy, grad_into_weight
+    )
     return lp, (ent if entropy else None)
 
 
@@ -296,7 +312,7 @@ class HeadLogprobs(torch.autograd.Function):
         return torch.nn.functional.linear(h, weight, bias).float().div_(temperature)  # [c, V]
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, rows, entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, rows, entropy, grad_into_weight):
         lps, logzs, ents, device = [], [], [], hidden.device.type
         cast = (
             weight.to(torch.get_autocast_dtype(device))
@@ -312,7 +328,9 @@ class HeadLogprobs(torch.autograd.Function):
                 ents.append(logz - torch.softmax(z, -1).mul_(z).sum(-1))  # [c] (token_entropy)
         lp, logz = torch.cat(lps), torch.cat(logzs)  # [T], [T]
         ent = torch.cat(ents) if entropy else lp.new_zeros(0)  # [T] or [0]
-        ctx.temperature, ctx.rows = temperature, rows
+        ctx.temperature = temperature
+        ctx.rows = rows
+        ctx.grad_into_weight = grad_into_weight
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         ctx.set_materialize_grads(False)  # an output nobody differentiates brings None, not zeros
         ctx.save_for_backward(hidden, weight, bias, targets, logz, ent)
@@ -323,9 +341,7 @@ class HeadLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, logz, ent = ctx.saved_tensors
         device, dtype, enabled = ctx.autocast
         gh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        into_grad = ctx.needs_input_grad[1] and getattr(
-            weight, "grad_added_by_head", False
-        )  # see Trainer.shard
+        into_grad = ctx.needs_input_grad[1] and ctx.grad_into_weight
         if into_grad and weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         gw = (
@@ -370,6 +386,7 @@ class HeadLogprobs(torch.autograd.Function):
             gh,
             None if gw is None or into_grad else gw.to(weight.dtype),
             None if gb is None else gb.to(bias.dtype),
+            None,
             None,
             None,
             None,

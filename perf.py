@@ -60,7 +60,7 @@ def matmul_params(model_path: str) -> tuple[int, int]:
 
     import models
 
-    path = models.lora("adapter_base")(model_path) if models.is_adapter(model_path) else model_path
+    path = models.base_model_dir(model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     embed = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}

@@ -1,6 +1,5 @@
 """Trainer: one RL step on an FSDP2 model (`Trainer.step`: shape_rewards, advantages, filters, loss, optimizer_step)."""
 
-import inspect
 import json
 import math
 import time
@@ -104,7 +103,9 @@ def check_config(cfg) -> None:
     if cfg.expert_fraction > 0 and not Path(cfg.expert_data).is_file():
         raise FileNotFoundError(f"expert_data file not found: {cfg.expert_data!r}")
     if cfg.lora_rank:
-        models.lora("check_config")(cfg)
+        from extras.lora import check_config as check_lora
+
+        check_lora(cfg)
     if cfg.kl_loss_coef and cfg.kl_estimator == "k1":
         print0(
             "warning: --kl-estimator k1 as a loss has a gradient of 0 in expectation on the "
@@ -147,7 +148,11 @@ def lr_schedule(cfg, opt) -> Callable[[int], float]:
 
 def make_trainer(cfg, model_path: str, device: torch.device) -> "Trainer":
     """The Trainer of `cfg`, or for --lora-rank > 0 extras/lora.py's LoraTrainer (ValueError without peft)."""
-    return (models.lora("LoraTrainer") if cfg.lora_rank else Trainer)(cfg, model_path, device)
+    if not cfg.lora_rank:
+        return Trainer(cfg, model_path, device)
+    from extras.lora import LoraTrainer
+
+    return LoraTrainer(cfg, model_path, device)
 
 
 class Trainer:
@@ -165,7 +170,7 @@ class Trainer:
         # FSDP2's default: CUDA wherever a GPU is visible
         self.mesh = init_device_mesh(device.type, (self.world,))
         torch.manual_seed(cfg.seed)
-        self.advantage_fn, self.loss_fn, self.agg, self.filters = resolve_algorithm(cfg)
+        self.advantage_fn, self.policy_loss, self.agg, self.filters = resolve_algorithm(cfg)
         self.cuda = device.type == "cuda"
         # one CPU rank: FSDP2 only copies
         self.sharded = self.world > 1 or self.cuda and perf.CUDA_LEVERS["one_gpu_fsdp"]
@@ -178,13 +183,13 @@ class Trainer:
             models.limit_heap_fragmentation()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad = models.pad_token_id(self.tokenizer)
+        # the LM head adds its gradient into the tied embedding's (shard sets it)
+        self.head_grad_into_weight = False
         self.model = self.shard(self.pretrained(model_path))
         own = AutoConfig.from_pretrained(model_path).dtype
         own = getattr(torch, own) if isinstance(own, str) else own or torch.float32
         self.final_dtype = own if cfg.save_dtype == "auto" else getattr(torch, cfg.save_dtype)
-        self.needs_ref = bool(
-            cfg.kl_loss_coef or cfg.kl_reward_coef or getattr(self.loss_fn, "needs_ref", False)
-        )
+        self.needs_ref = bool(cfg.kl_loss_coef or cfg.kl_reward_coef or self.policy_loss.needs_ref)
         self.ref = None  # the frozen reference policy of the KL terms and DPO
         if self.needs_ref:
             from extras.reference import Reference
@@ -253,11 +258,11 @@ class Trainer:
         if self.sharded:
             model = fully_shard(model, mesh=self.mesh, mp_policy=policy)
             register_fsdp_forward_method(model, "nanorft_logprobs")
-        # tied: autograd would add the head's gradient (a Python backward's) to the embedding's into a new [V, H]
+        # tied: autograd would add the head's gradient (a Python backward's) to the embedding's
+        # into a new [V, H]; a sparse embedding gradient added into the head's in place does not
         elif (e := model.get_input_embeddings()).weight is model.get_output_embeddings().weight:
-            e.sparse = e.weight.grad_added_by_head = (
-                e.weight.requires_grad
-            )  # so HeadLogprobs adds into .grad
+            e.sparse = e.weight.requires_grad
+            self.head_grad_into_weight = e.weight.requires_grad
         return model
 
     def named_trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
@@ -308,7 +313,12 @@ class Trainer:
             self.device.type, dtype=torch.bfloat16, enabled=self.autocast, cache_enabled=False
         ):
             lp, ent = response_logprobs(
-                model, b, temperature, entropy, entropy_grad=bool(self.cfg.entropy_coef)
+                model,
+                b,
+                temperature,
+                entropy,
+                entropy_grad=bool(self.cfg.entropy_coef),
+                head_grad_into_weight=self.head_grad_into_weight,
             )  # [B, R]
         return b, lp, ent
 
@@ -326,7 +336,7 @@ class Trainer:
         # the rows of shared-prompt packing (whole groups for a group-level loss), shortest first
         rows = (
             [list(g) for g in groups]
-            if getattr(self.loss_fn, "needs_groups", False)
+            if self.policy_loss.needs_groups
             else sorted(
                 (
                     [g[i] for i in members]
@@ -413,11 +423,13 @@ class Trainer:
         return rewards, m
 
     def advantages(self, batch: StepBatch, rewards: torch.Tensor) -> torch.Tensor:
-        """Advantages [N] of the configured estimator from rewards [N] (+ token_counts if it takes them)."""
-        takes = inspect.signature(self.advantage_fn).parameters  # REINFORCE++ whitens over tokens
-        counts = {"token_counts": batch.token_counts} if "token_counts" in takes else {}
+        """Advantages [N] of the configured estimator from rewards [N] (losses.py's contract)."""
         return self.advantage_fn(
-            rewards, batch.group_index, batch.episode_index, **counts, **self.cfg.advantage_kwargs
+            rewards,
+            batch.group_index,
+            batch.episode_index,
+            batch.token_counts,
+            **self.cfg.advantage_kwargs,
         ).float()
 
     def apply_filters(
@@ -426,7 +438,6 @@ class Trainer:
         """Which sequences [N] bool all filters keep (offline ones always); `filter/<name>`: how many it dropped."""
         keep, m = torch.ones(len(batch.exps), dtype=torch.bool), {}
         for name, fn in self.filters.items():
-            masked = "action_mask" in inspect.signature(fn).parameters
             drop = [
                 i
                 for i, e in enumerate(batch.exps)
@@ -436,16 +447,17 @@ class Trainer:
                     e.tokens,
                     e.behaviour_logprobs,
                     float(adv[i]),
-                    **({"action_mask": e.action_mask} if masked else {}),
+                    e.action_mask,
                     **self.cfg.filters[name],
                 )
             ]
-            keep[drop], m[f"filter/{name}"] = False, len(drop)
+            keep[drop] = False
+            m[f"filter/{name}"] = len(drop)
         return keep, m
 
     def loss_totals(self, batch: StepBatch, keep: torch.Tensor):
         """Micro-batch indices [n] -> the kept global batch's (tokens, sequences), or a split_expert loss's [n], [n]."""
-        if getattr(self.loss_fn, "split_expert", False):
+        if self.policy_loss.split_expert:
             from extras.policy_losses import part_totals
 
             part_tokens, part_seqs = part_totals(batch.token_counts, batch.offline, keep)
@@ -483,7 +495,7 @@ class Trainer:
             adv_t, extra = self.teacher.advantages(
                 adv_t, mb, padding, behaviour, mask, dev(batch.offline[idx])
             )
-        out = self.loss_fn(
+        out = self.policy_loss.fn(
             LossInputs(
                 lp,
                 behaviour,

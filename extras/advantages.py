@@ -2,18 +2,16 @@
 
 import torch
 
-from losses import ADVANTAGES, group_stats, grpo_advantages, register
+from losses import group_stats, grpo_advantages
 
 
-@register(ADVANTAGES, "dr_grpo")
-def dr_grpo_advantages(rewards, group_index, episode_index=None):
+def dr_grpo_advantages(rewards, group_index, episode_index=None, token_counts=None):
     """Dr. GRPO: r - mean_group, no std division. [B] -> [B]. Source: arXiv:2503.20783 sec. 3.2.
     Reference: verl core_algos.py compute_grpo_outcome_advantage (norm_adv_by_std_in_grpo=False) @ b178a3c."""
     return rewards - group_stats(rewards, group_index)[0]
 
 
-@register(ADVANTAGES, "rloo")
-def rloo_advantages(rewards, group_index, episode_index=None):
+def rloo_advantages(rewards, group_index, episode_index=None, token_counts=None):
     """RLOO: r_i - mean of the rest of its group; a group of one keeps r. [B] -> [B]. Source:
     arXiv:2402.14740 eq. 10. Reference: verl core_algos.py compute_rloo_outcome_advantage @ b178a3c."""
     mean, _, count = group_stats(rewards, group_index)
@@ -21,13 +19,12 @@ def rloo_advantages(rewards, group_index, episode_index=None):
     return torch.where(count > 1, (rewards - mean) * count / (count - 1).clamp(min=1), rewards)
 
 
-@register(ADVANTAGES, "reinforce_pp")
 def reinforce_pp_advantages(
     rewards,
     group_index,
     episode_index=None,
-    group_baseline: bool = True,
     token_counts: torch.Tensor | None = None,
+    group_baseline: bool = True,
     eps: float = 1e-8,
 ):
     """REINFORCE++(-baseline): r - group mean (if `group_baseline`), whitened over the batch's tokens (`token_counts`
@@ -41,8 +38,9 @@ def reinforce_pp_advantages(
     return (adv - mean) * torch.rsqrt(var + eps)  # [B]
 
 
-@register(ADVANTAGES, "grpo_stepwise")
-def stepwise_grpo_advantages(rewards, group_index, episode_index, eps: float = 1e-6):
+def stepwise_grpo_advantages(
+    rewards, group_index, episode_index, token_counts=None, eps: float = 1e-6
+):
     """GRPO over episodes (each with its last sample's reward), given to all their samples. [B] -> [B]. Source:
     arXiv:2505.17826 sec. 2.2. Reference: Trinity-RFT trinity/algorithm/advantage_fn/multi_step_grpo_advantage.py
     @ 369bf62."""

@@ -6,12 +6,10 @@ import dataclasses
 import torch
 
 from extras.reference import Reference, frozen_model
-from losses import ADVANTAGES, register
 from models import resolve_model
 
 
-@register(ADVANTAGES, "none")
-def no_advantages(rewards, group_index, episode_index=None):
+def no_advantages(rewards, group_index, episode_index=None, token_counts=None):
     """Zeros [B]: no task advantage, so that --teacher alone trains (pure on-policy distillation)."""
     return torch.zeros_like(rewards)
 

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import torch
 
-import models
 import sync
 
 
@@ -33,7 +32,9 @@ def published_meta(model_path: str, dtype: torch.dtype, lora=None):
         from peft import get_peft_model
 
         model = get_peft_model(model, lora)
-        return model, models.lora("published_parameters")(model)
+        from extras.lora import published_parameters
+
+        return model, published_parameters(model)
 
 
 def wire_order(model_path: str, lora=None) -> list[str]:
@@ -50,7 +51,9 @@ def wire_order(model_path: str, lora=None) -> list[str]:
 def load_into_hf(engine, path: str | Path, version: int) -> float | None:
     """engines.HFEngine.load_checkpoint: the weights (or with LoRA the adapters) of `path`, in place."""
     if engine.lora:  # a peft adapter directory
-        models.lora("load_adapter")(engine.model, path)
+        from extras.lora import load_adapter
+
+        load_adapter(engine.model, path)
     else:
         state = read_safetensors(path)
         with torch.no_grad():

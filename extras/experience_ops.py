@@ -119,7 +119,12 @@ def clean(
                 else "repetition"
                 if ngram
                 and not repetition_filter(
-                    e.tokens, e.behaviour_logprobs, 0.0, ngram, max_repeat_frac
+                    e.tokens,
+                    e.behaviour_logprobs,
+                    0.0,
+                    e.action_mask,
+                    ngram=ngram,
+                    max_repeat_frac=max_repeat_frac,
                 )
                 else "duplicate"
                 if dedup and text in seen

@@ -1,17 +1,17 @@
 """Sequence filters before training, named by import path in losses.FILTERS (contract: losses.py)."""
 
-from losses import FILTERS, register
 
-
-@register(FILTERS, "zero_advantage")
 def zero_advantage_filter(
-    tokens: list[int], behaviour_logprobs: list[float], advantage: float, eps: float = 1e-8
+    tokens: list[int],
+    behaviour_logprobs: list[float],
+    advantage: float,
+    action_mask: list[int] | None = None,
+    eps: float = 1e-8,
 ) -> bool:
     """Keep sequences with a non-zero advantage: the others carry no policy gradient."""
     return abs(advantage) > eps
 
 
-@register(FILTERS, "gibberish")
 def gibberish_filter(
     tokens: list[int],
     behaviour_logprobs: list[float],
@@ -26,11 +26,11 @@ def gibberish_filter(
     return not own or sum(own) / len(own) >= min_mean_logprob
 
 
-@register(FILTERS, "repetition")
 def repetition_filter(
     tokens: list[int],
     behaviour_logprobs: list[float],
     advantage: float,
+    action_mask: list[int] | None = None,
     ngram: int = 4,
     max_repeat_frac: float = 0.5,
 ) -> bool:

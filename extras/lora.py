@@ -1,10 +1,11 @@
 """LoRA (--lora-rank > 0, peft; Hu et al., arXiv:2106.09685): the trainer trains adapters on the frozen model and
-publishes only them; the engines sample with them. Reached by import path (`models.lora(name)`, trainer)."""
+publishes only them; the engines sample with them. Imported where a LoRA run needs it."""
 
 from pathlib import Path
 
 import torch
 
+import models
 from trainer import Trainer
 
 
@@ -33,13 +34,6 @@ def lora_config(cfg, base: str = ""):
         task_type="CAUSAL_LM",
         base_model_name_or_path=base or None,
     )
-
-
-def adapter_base(path: str | Path) -> str:
-    """The base model directory that the peft adapter at `path` was trained on."""
-    from peft import PeftConfig
-
-    return PeftConfig.from_pretrained(str(path)).base_model_name_or_path
 
 
 def published_parameters(model) -> list[tuple[str, torch.Tensor]]:
@@ -82,7 +76,7 @@ def merge_adapter(adapter: str | Path, out: str | Path, dtype: torch.dtype) -> N
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(adapter_base(adapter), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(models.base_model_dir(adapter), dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().to(dtype)
     merged.config.dtype = dtype  # (the config would record the float32 it was loaded in)
     merged.save_pretrained(str(out))

@@ -5,12 +5,16 @@ import math
 import torch
 
 from extras.policy_losses import spread
-from losses import ADVANTAGES, POLICY_LOSSES, LossInputs, group_stats, register, seq_sum
+from losses import LossInputs, group_stats, seq_sum
 
 
-@register(ADVANTAGES, "opmd")
 def opmd_advantages(
-    rewards, group_index, episode_index=None, baseline: str = "mean", tau: float = 1.0
+    rewards,
+    group_index,
+    episode_index=None,
+    token_counts=None,
+    baseline: str = "mean",
+    tau: float = 1.0,
 ):
     """r - b, b the group's mean ("mean") or tau log mean exp(r / tau) ("logavgexp"); 0 for a group of one. [B] -> [B].
     ValueError for another baseline. Reference: Trinity-RFT trinity/algorithm/advantage_fn/opmd_advantage.py
@@ -41,7 +45,6 @@ def logavgexp_baseline(
     return (tau * (top + torch.log(sums / count)))[group_index]  # [B]
 
 
-@register(POLICY_LOSSES, "opmd_kimi")
 def opmd_kimi_loss(inp: LossInputs, tau: float = 1.0):
     """(-A logprobs + spread(tau / 2 s^2)) / max(1, tau), s the sequence's summed log-ratio: {"loss"} [B, T]. Source:
     Kimi k1.5 arXiv:2501.12599 sec. 2.3.2. Reference: Trinity-RFT trinity/trainer/verl/core_algos.py
@@ -51,7 +54,6 @@ def opmd_kimi_loss(inp: LossInputs, tau: float = 1.0):
     return {"loss": loss / max(1.0, tau)}  # [B, T]
 
 
-@register(POLICY_LOSSES, "opmd_pairwise", needs_groups=True)
 def opmd_pairwise_loss(inp: LossInputs, tau: float = 1.0):
     """(d_i - mean_group d)^2 / max(1, tau), d = r - tau (log pi - sg(log pi)): {"loss"} [B, T]. Reference: Trinity-RFT
     trinity/trainer/verl/core_algos.py compute_policy_loss_pairwise_opmd (fork yaochaorui/Trinity-RFT @ 50aba82)."""
@@ -62,7 +64,6 @@ def opmd_pairwise_loss(inp: LossInputs, tau: float = 1.0):
     return {"loss": spread(centred**2 / max(1.0, tau), inp.action_mask)}  # [B, T]
 
 
-@register(POLICY_LOSSES, "opmd_simple")
 def opmd_simple_loss(inp: LossInputs, tau: float = 1.0):
     """-A logprobs / (1 + tau): {"loss"} [B, T]. Reference: Trinity-RFT
     trinity/algorithm/policy_loss_fn/opmd_policy_loss.py @ 70c21ac."""

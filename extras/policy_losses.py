@@ -2,7 +2,7 @@
 
 import torch
 
-from losses import POLICY_LOSSES, LossInputs, importance_ratio, ppo_clip_loss, register, seq_sum
+from losses import LossInputs, importance_ratio, ppo_clip_loss, seq_sum
 
 
 def part_totals(
@@ -23,7 +23,6 @@ def spread(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return per_seq[:, None] * mask / mask.sum(-1, keepdim=True).clamp(min=1)
 
 
-@register(POLICY_LOSSES, "dppo_kl")
 def dppo_kl_loss(
     inp: LossInputs,
     dppo_mask_low: float = 0.2,
@@ -41,7 +40,6 @@ def dppo_kl_loss(
     return {"loss": -pg + kl_tau * log_ratio**2, "masked": masked.float()}
 
 
-@register(POLICY_LOSSES, "reinforce_tis", agg="seq-mean-token-sum")
 def reinforce_tis_loss(inp: LossInputs, tis_cap: float = 1.02):
     """REINFORCE with truncated, detached IS weights: -min(ratio, tis_cap) A logprobs: {"loss", "truncated"} [B, T].
     Source: PipelineRL arXiv:2509.19128 sec. 3. Reference: ServiceNow/PipelineRL pipelinerl/finetune/rl/__init__.py
@@ -51,7 +49,6 @@ def reinforce_tis_loss(inp: LossInputs, tis_cap: float = 1.02):
     return {"loss": -w * inp.advantages * inp.logprobs, "truncated": (ratio > tis_cap).float()}
 
 
-@register(POLICY_LOSSES, "cispo")
 def cispo_loss(inp: LossInputs, clip_low: float = 1.0, clip_high: float = 0.2):
     """CISPO: -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) A logprobs: {"loss", "clipped"} [B, T].
     Source: MiniMax-M1 arXiv:2506.13585 sec. 3.1. Reference: verl core_algos.py compute_policy_loss_cispo @ b178a3c."""
@@ -60,7 +57,6 @@ def cispo_loss(inp: LossInputs, clip_low: float = 1.0, clip_high: float = 0.2):
     return {"loss": -w * inp.advantages * inp.logprobs, "clipped": (w != ratio).float()}
 
 
-@register(POLICY_LOSSES, "gspo", agg="seq-mean-token-mean")
 def gspo_loss(inp: LossInputs, clip_low: float = 3e-4, clip_high: float = 4e-4):
     """GSPO-token: PPO clip of the sequence-level ratio: {"loss", "clipped"} [B, T]. Source:
     arXiv:2507.18071 eq. 5-7. Reference: verl core_algos.py compute_policy_loss_gspo @ b178a3c."""
@@ -74,13 +70,11 @@ def gspo_loss(inp: LossInputs, clip_low: float = 3e-4, clip_high: float = 4e-4):
     return {"loss": -torch.minimum(s * A, clipped), "clipped": (clipped < s * A).float()}
 
 
-@register(POLICY_LOSSES, "sft")
 def sft_loss(inp: LossInputs):
     """-logprobs: {"loss"} [B, T]. Reference: Trinity-RFT trinity/algorithm/policy_loss_fn/sft_loss.py @ 51d229f."""
     return {"loss": -inp.logprobs}
 
 
-@register(POLICY_LOSSES, "dpo", agg="seq-mean-token-sum", needs_groups=True, needs_ref=True)
 def dpo_loss(inp: LossInputs, beta: float = 0.1):
     """DPO on each group's best and worst sequence by reward, both carrying the pair's loss: {"loss", "pair_correct"}
     [B, T]. ValueError without ref_logprobs. Source: arXiv:2305.18290 eq. 7. Reference: huggingface/trl
@@ -105,7 +99,6 @@ def dpo_loss(inp: LossInputs, beta: float = 0.1):
     }
 
 
-@register(POLICY_LOSSES, "mix", split_expert=True)
 def mix_loss(
     inp: LossInputs,
     mu: float = 0.1,

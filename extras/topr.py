@@ -2,10 +2,9 @@
 
 import torch
 
-from losses import POLICY_LOSSES, LossInputs, register, seq_sum
+from losses import LossInputs, seq_sum
 
 
-@register(POLICY_LOSSES, "topr", agg="seq-mean-token-sum")
 def topr_loss(inp: LossInputs):
     """-A log pi(y) for A >= 0, -sg(clip(pi(y) / mu(y), 0, 1)) A log pi(y) for A < 0 (sequence-level ratio): {"loss",
     "truncated"} [B, T]. Source: Le Roux et al., arXiv:2503.14286 sec. 3 (no reference implementation)."""

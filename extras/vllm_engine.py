@@ -41,7 +41,7 @@ class VLLMEngine(Engine):
             ) from None
         adapter, self.loaded_from = models.is_adapter(model_path), model_path
         self.model_path, self.inflight, self.lora = (
-            models.lora("adapter_base")(model_path) if adapter else model_path,
+            models.base_model_dir(model_path),
             inflight,
             lora,
         )
@@ -89,6 +89,11 @@ class VLLMEngine(Engine):
         cls, cfg, model_path: str, seed: int, device: str, colocated: bool
     ) -> "VLLMEngine":
         """vLLM takes the first GPU this process sees (engines.use_gpu), whatever `device` says."""
+        lora = None
+        if cfg.lora_rank:
+            from extras.lora import lora_config
+
+            lora = lora_config(cfg)
         return cls(
             model_path,
             seed=seed,
@@ -96,7 +101,7 @@ class VLLMEngine(Engine):
             threads=cfg.explorer_threads,
             memory_fraction=cfg.vllm_memory_fraction,
             inflight=cfg.inflight,
-            lora=models.lora("lora_config")(cfg) if cfg.lora_rank else None,
+            lora=lora,
         )
 
     def _use_adapter(self, path: str | Path, version: int, copy: bool = False) -> None:
@@ -254,7 +259,9 @@ class VLLMWeightReceiver:
         tensors = [t for _, t in self.nanorft_named]
         version = self.nanorft_sync.recv(tensors, self.nanorft_alive)
         if self.nanorft_lora is not None:
-            models.lora("save_adapter")(
+            from extras.lora import save_adapter
+
+            save_adapter(
                 self.nanorft_meta,
                 Path(self.nanorft_root) / f"v{version:06d}",
                 [(n, t.cpu()) for n, t in self.nanorft_named],

@@ -12,7 +12,7 @@ from buffer import Buffer
 from extras import checkpoint_sync
 from extras.lagged_rewards import set_rewards
 from extras.multiturn import MultiTurnWorkflow
-from losses import LossInputs
+from losses import LossInputs, PolicyLoss
 from workflows import MathWorkflow, in_thread, last_number
 
 
@@ -26,10 +26,19 @@ def clipped_reinforce(inp: LossInputs, cap: float = 1.5) -> dict[str, torch.Tens
     }  # extra metric: loss/capped
 
 
-def rank_advantages(rewards, group_index, episode_index, **kw):
+def rank_advantages(rewards, group_index, episode_index, token_counts, **kw):
     """Advantage = rank of the reward within the batch, centred: [B] -> [B]."""
     ranks = rewards.argsort().argsort().float()
     return ranks - ranks.mean()
+
+
+# a pairwise loss given by import path with what it needs (losses.PolicyLoss)
+PAIRWISE = PolicyLoss("extras.policy_losses.dpo_loss", needs_groups=True, needs_ref=True)
+
+
+def rewards_only_advantages(rewards, group_index):
+    """Not losses.py's advantage contract (no episode_index, token_counts): refused by name."""
+    return rewards
 
 
 class LaggedRewardWorkflow(MathWorkflow):

@@ -2,6 +2,7 @@
 gradient-level checks where the theory gives one and a one-step direction check of every
 policy loss. tests/test_fidelity.py pins each one to numbers from its reference code."""
 
+import dataclasses
 import json
 import math
 
@@ -179,7 +180,7 @@ def test_detached_weight_losses_reference_and_gradients():
         ("topr", lambda r, a, b: 1.0 if a >= 0 else min(seq_ratio[b], 1.0)),
     ]:
         lp.grad = None
-        out = L.resolve(name, L.POLICY_LOSSES, "policy_loss")(inp)
+        out = L.resolve_loss(name).fn(inp)
         (out["loss"] * mask).sum().backward()
         for b in range(4):
             for t in range(5):
@@ -218,9 +219,7 @@ def test_on_policy_case_reduces_to_policy_gradient(name):
     kwargs = (
         {"kl_tau": 0.3} if name == "dppo_kl" else {}
     )  # the squared log-ratio has zero gradient at ratio 1
-    out = L.resolve(name, L.POLICY_LOSSES, "policy_loss")(
-        inputs(lp, lp.detach(), adv, mask), **kwargs
-    )
+    out = L.resolve_loss(name).fn(inputs(lp, lp.detach(), adv, mask), **kwargs)
     (out["loss"] * mask).sum().backward()
     scale = 0.9 if name == "mix" else 1.0  # (1 - mu) on rollouts
     assert torch.allclose(lp.grad, -adv * mask * scale, atol=1e-6), name
@@ -302,7 +301,7 @@ def test_pairwise_opmd_gradient_is_mean_baseline_policy_gradient():
         )
         n_tokens = mask.sum()
         L.aggregate(
-            out["loss"], mask, OPMD.opmd_pairwise_loss.agg, n_tokens, len(rewards)
+            out["loss"], mask, L.POLICY_LOSSES["opmd_pairwise"].agg, n_tokens, len(rewards)
         ).backward()
         group_mean = torch.tensor([1 / 3] * 3 + [0.7] * 2)
         expect = -(2 * tau / (n_tokens * max(1.0, tau))) * (rewards - group_mean)[:, None] * mask
@@ -370,23 +369,36 @@ def test_filters():
 
 
 def test_resolve_plugins_and_errors():
-    assert (
-        L.resolve("ppo_clip", L.POLICY_LOSSES, "policy_loss", {"dual_clip": 3.0}) is L.ppo_clip_loss
-    )
-    assert L.resolve("extras.policy_losses.sft_loss", L.POLICY_LOSSES, "policy_loss") is EP.sft_loss
+    assert L.resolve_loss("ppo_clip", {"dual_clip": 3.0}).fn is L.ppo_clip_loss
+    plugin = L.resolve_loss("extras.policy_losses.dpo_loss")  # by path: a plain function's defaults
+    assert plugin.fn is EP.dpo_loss and not plugin.needs_ref and plugin.agg == "token-mean"
+    declared = L.resolve_loss("tests.plugins.PAIRWISE")  # by path: a PolicyLoss with its needs
+    assert declared.fn is EP.dpo_loss and declared.needs_groups and declared.needs_ref
     with pytest.raises(ValueError, match="unknown policy_loss 'nope'"):
-        L.resolve("nope", L.POLICY_LOSSES, "policy_loss")
+        L.resolve_loss("nope")
     with pytest.raises(ValueError, match="cannot be imported"):
-        L.resolve("no_such_module.fn", L.POLICY_LOSSES, "policy_loss")
+        L.resolve_loss("no_such_module.fn")
     with pytest.raises(ValueError, match=r"takes no argument\(s\) \['clip'\]"):
-        L.resolve("ppo_clip", L.POLICY_LOSSES, "policy_loss", {"clip": 0.1})
+        L.resolve_loss("ppo_clip", {"clip": 0.1})
+
+
+def test_every_estimator_and_filter_takes_its_contracts_arguments():
+    # the trainer passes every estimator and filter the same positional arguments (losses.py)
+    for registry, takes in ((L.ADVANTAGES, L.ADVANTAGE_ARGS), (L.FILTERS, L.FILTER_ARGS)):
+        for name in registry:
+            L.resolve(name, registry, name, {}, takes)
+    old = "tests.plugins.rewards_only_advantages"  # (rewards, group_index): a plug-in of another contract
+    with pytest.raises(ValueError, match=r"takes \(rewards, group_index\); losses.py's contract"):
+        L.resolve(old, L.ADVANTAGES, "advantage", {}, L.ADVANTAGE_ARGS)
+    with pytest.raises(ValueError, match=r"\['token_counts'\] are given by the trainer"):
+        L.resolve("reinforce_pp", L.ADVANTAGES, "advantage", {"token_counts": 1}, L.ADVANTAGE_ARGS)
 
 
 # ----------------------------------------------------------------------------- one step moves the right way
 
 
-def one_step(fn, name):
-    """One SGD step on free logits [B, T, V] (the parameters) with the loss `fn` (registered as
+def one_step(loss: L.PolicyLoss, name):
+    """One SGD step on free logits [B, T, V] (the parameters) with `loss` (registered as
     `name`) aggregated as the trainer does, on-policy, on a batch of 4 sequences: rewards 1, 1,
     0, 0 in groups {0, 2} and {1, 3}, so sequences 0 and 1 have A > 0 (and are DPO's chosen
     ones), 2 and 3 A < 0; for MIX sequence 1 is expert data. Token (1, 2) is padding.
@@ -409,19 +421,19 @@ def one_step(fn, name):
         return torch.log_softmax(z, -1).gather(-1, tokens[..., None]).squeeze(-1)  # [B, T]
 
     lp = logprobs(logits)
-    out = fn(L.LossInputs(lp, lp.detach(), adv, mask, rewards, index, lp.detach(), expert))
+    out = loss.fn(L.LossInputs(lp, lp.detach(), adv, mask, rewards, index, lp.detach(), expert))
     totals = (
         EP.part_totals(mask.sum(-1), expert, torch.ones(B, dtype=torch.bool))
-        if fn.split_expert
+        if loss.split_expert
         else (mask.sum(), B)
     )
-    L.aggregate(out["loss"], mask, fn.agg, *totals).backward()
+    L.aggregate(out["loss"], mask, loss.agg, *totals).backward()
     with torch.no_grad():
         return logprobs(logits - 0.5 * logits.grad) - lp, mask
 
 
-def moves_as_intended(fn, name):
-    delta, mask = one_step(fn, name)
+def moves_as_intended(loss: L.PolicyLoss, name):
+    delta, mask = one_step(loss, name)
     on = mask > 0
     if delta[~on].abs().max() != 0:  # padding never moves
         return False
@@ -433,27 +445,21 @@ def moves_as_intended(fn, name):
     return bool((delta[:2][on[:2]] > 0).all() and (delta[2:][on[2:]] < 0).all())
 
 
-def flipped(fn):
-    """The loss with its sign flipped (same registry attributes)."""
+def flipped(loss: L.PolicyLoss) -> L.PolicyLoss:
+    """`loss` with its sign flipped (the same needs)."""
 
     def neg(inp, **kw):
-        out = fn(inp, **kw)
+        out = loss.fn(inp, **kw)
         return {**out, "loss": -out["loss"]}
 
-    neg.agg, neg.needs_groups, neg.needs_ref, neg.split_expert = (
-        fn.agg,
-        fn.needs_groups,
-        fn.needs_ref,
-        fn.split_expert,
-    )
-    return neg
+    return dataclasses.replace(loss, fn=neg)
 
 
 @pytest.mark.parametrize("name", sorted(L.POLICY_LOSSES))
 def test_one_step_raises_positive_and_lowers_negative_sequences(name):
-    fn = L.resolve(name, L.POLICY_LOSSES, "policy_loss")
-    assert moves_as_intended(fn, name)
-    assert not moves_as_intended(flipped(fn), name)
+    loss = L.resolve_loss(name)
+    assert moves_as_intended(loss, name)
+    assert not moves_as_intended(flipped(loss), name)
 
 
 def test_pass_at_k_is_the_unbiased_estimator():

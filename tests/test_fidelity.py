@@ -62,8 +62,8 @@ def run(name, adv=None, rewards=R4, groups=G4, ref=None, expert=None, totals=Non
     lp = torch.tensor(LP, requires_grad=True)
     mask = torch.tensor(MASK, dtype=torch.float)
     adv = torch.tensor(ADV)[:, None].expand(4, 4) if adv is None else adv
-    fn = L.resolve(name, L.POLICY_LOSSES, "policy_loss")
-    out = fn(
+    loss = L.resolve_loss(name)
+    out = loss.fn(
         L.LossInputs(
             lp,
             torch.tensor(BEHAVIOUR),
@@ -77,7 +77,7 @@ def run(name, adv=None, rewards=R4, groups=G4, ref=None, expert=None, totals=Non
         **kw,
     )
     tokens, seqs = totals if totals is not None else (mask.sum(), 4)
-    loss = L.aggregate(out["loss"], mask, fn.agg, tokens, seqs)
+    loss = L.aggregate(out["loss"], mask, loss.agg, tokens, seqs)
     loss.backward()
     return loss, lp.grad, out
 
@@ -167,7 +167,7 @@ def test_mix_normalises_rollout_and_expert_parts_separately():
     mask = torch.tensor(MASK, dtype=torch.float)
     tokens, seqs = EP.part_totals(mask.sum(-1), expert, torch.ones(4, dtype=torch.bool))
     assert tokens.tolist() == [5, 8, 5, 8] and seqs.tolist() == [2, 2, 2, 2]
-    assert EP.mix_loss.split_expert
+    assert L.POLICY_LOSSES["mix"].split_expert
     loss, grad, _ = run("mix", expert=expert, totals=(tokens, seqs), mu=0.25)
     assert close(loss, MIX_LOSS) and close(grad, MIX_GRAD)
 
@@ -327,7 +327,7 @@ def test_gspo_is_verl_gspo(clip):
     out = L.aggregate(
         EP.gspo_loss(inp, clip_low=0.1, clip_high=1e9)["loss"],
         torch.ones(1, 2),
-        EP.gspo_loss.agg,
+        L.POLICY_LOSSES["gspo"].agg,
         2,
         1,
     )

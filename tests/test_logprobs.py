@@ -198,7 +198,7 @@ def test_a_tied_embeddings_gradient_is_added_into_the_heads_in_place(tiny_model)
                 and not func._schema.is_mutable
             )
         )  # new dense [V, H]
-        lp, _ = response_logprobs(tr.model, b, 0.8)
+        lp, _ = response_logprobs(tr.model, b, 0.8, head_grad_into_weight=tr.head_grad_into_weight)
         with new:
             (lp * b["mask"]).sum().backward()
         (response_logprobs(plain, b, 0.8)[0] * b["mask"]).sum().backward()

@@ -15,7 +15,7 @@ import launch
 import perf
 import run
 from buffer import Experience
-from engines import HFEngine, Sampling
+from engines import Engine, HFEngine, Sampling
 from trainer import Trainer
 
 
@@ -99,14 +99,12 @@ def test_a_single_cpu_rank_trains_the_plain_model_and_reports_its_model_flops(ti
     assert 0 < m["perf/trainer_mfu"] < 1
 
 
-class Fake:
-    """Stand-ins for explore: an engine, an Explorer that records what it is asked, a buffer."""
+class Fake(Engine):
+    """An engine for explore that generates nothing; `calls` records what explore asks."""
 
     def __init__(self):
-        self.calls, self.version, self.step_hook = [], 0, None
-
-    def close(self):
-        pass
+        super().__init__()
+        self.calls = []
 
 
 def test_an_evaluation_runs_after_its_versions_last_batch(monkeypatch):
