@@ -21,9 +21,9 @@ import perf
 import sync
 from buffer import Experience, open_buffer
 from checkpoints import delete_resume_states, load_resume_state, resume_state
-from metrics import Metrics, eval_line, plot, print0, trackers
+from metrics import Metrics, eval_line, print0, trackers
 from perf import JobMeter
-from trainer import Trainer, make_trainer
+from trainer import Trainer
 
 # warn once every advantage has been 0 for this many consecutive steps
 ZERO_ADVANTAGE_WARN_STEPS = 3
@@ -317,6 +317,15 @@ def queued(queue) -> list[dict]:
     return [queue.get() for _ in iter(lambda: queue.empty(), True)]
 
 
+def make_trainer(cfg, model_path: str, device: torch.device) -> Trainer:
+    """The Trainer of `cfg`, or for --lora-rank > 0 extras/lora.py's LoraTrainer (ValueError without peft)."""
+    if not cfg.lora_rank:
+        return Trainer(cfg, model_path, device)
+    from extras.lora import LoraTrainer
+
+    return LoraTrainer(cfg, model_path, device)
+
+
 @contextlib.contextmanager
 def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks: tuple):
     """Modes both and train on this trainer rank: yields (the resumed Trainer, its StepIO, the
@@ -489,6 +498,8 @@ def finish(cfg, loop, explorer, weights) -> None:
         print0(
             f"resume state deleted ({freed / 2**20:.0f} MiB), the run has finished: --keep-resume-state keeps it"
         )
+    from extras.plot import plot
+
     board = (
         f" (TensorBoard: tensorboard --logdir {run_dir})" if "tensorboard" in trackers(cfg) else ""
     )

@@ -18,14 +18,7 @@ import models
 import perf
 import sync
 from buffer import Experience
-from losses import (
-    LossInputs,
-    aggregate,
-    kl_estimate,
-    length_penalty,
-    masked_sum,
-    resolve_algorithm,
-)
+from losses import LossInputs, aggregate, kl_estimate, length_penalty, masked_sum, resolve_algorithm
 from metrics import peak_rss_gib, print0
 from packing import (
     micro_batches,
@@ -144,15 +137,6 @@ def lr_schedule(cfg, opt) -> Callable[[int], float]:
     for group in opt.param_groups:
         group["lr"] = cfg.lr
     return factor
-
-
-def make_trainer(cfg, model_path: str, device: torch.device) -> "Trainer":
-    """The Trainer of `cfg`, or for --lora-rank > 0 extras/lora.py's LoraTrainer (ValueError without peft)."""
-    if not cfg.lora_rank:
-        return Trainer(cfg, model_path, device)
-    from extras.lora import LoraTrainer
-
-    return LoraTrainer(cfg, model_path, device)
 
 
 class Trainer:

@@ -14,8 +14,8 @@ from checkpoints import load_resume_state, save_resume_state
 from conftest import PROMPTS, rollouts, run_py
 from engines import HFEngine, Sampling
 from extras.lora import lora_config
+from loop import make_trainer as build_trainer
 from packing import pack, response_logprobs
-from trainer import make_trainer as build_trainer
 
 pytest.importorskip("peft", reason="LoRA needs peft (requirements.txt)")
 

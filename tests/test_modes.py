@@ -378,7 +378,7 @@ def test_the_plot_of_an_offline_run_has_no_empty_panel():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    import metrics
+    from extras.plot import figure
 
     sft = [
         {
@@ -393,7 +393,7 @@ def test_the_plot_of_an_offline_run_has_no_empty_panel():
     ]
     dpo = [{**r, "loss/pair_correct": 0.5} for r in sft]
     for recs in sft, dpo:
-        fig = metrics.figure(recs, "offline")
+        fig = figure(recs, "offline")
         try:
             for ax in fig.axes:  # every panel has a curve with the run's points
                 assert any(len(line.get_xydata()) == 3 for line in ax.lines), ax.get_title()
