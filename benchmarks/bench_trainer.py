@@ -42,9 +42,9 @@ import torch.distributed as dist  # noqa: E402
 
 import packing  # noqa: E402
 import perf  # noqa: E402
-import trainer as trainer_mod  # noqa: E402
 from buffer import Experience  # noqa: E402
 from config import Config, check_values  # noqa: E402
+from loop import make_trainer  # noqa: E402
 
 SHAPES = {  # Qwen3Config fields besides the vocabulary
     "qwen3-0.6b": dict(
@@ -272,7 +272,7 @@ class Bench:
             )
 
     def trainer(self, cfg: Config):
-        return trainer_mod.make_trainer(cfg, self.path, self.device)
+        return make_trainer(cfg, self.path, self.device)
 
     def free(self) -> None:
         gc.collect()
