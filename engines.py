@@ -228,10 +228,9 @@ class Decoding:
 
 
 class HFEngine(Engine):
-    """transformers engine. model_path: a model or peft adapter directory; lora: a LoRA run's peft LoraConfig."""
-
-    # ended rows leave the decode batch once they are this fraction of it (> 1: never)
-    drop_ended = 0.25
+    """transformers engine. model_path: a model or peft adapter directory; lora: a LoRA run's peft
+    LoraConfig; drop_ended: ended rows leave the decode batch once they are this fraction of it
+    (> 1: never; a smaller batch costs a reorder of the KV cache)."""
 
     def __init__(
         self,
@@ -243,8 +242,10 @@ class HFEngine(Engine):
         dtype: torch.dtype = torch.float32,
         lora=None,
         cuda_graphs: bool = False,
+        drop_ended: float = 0.25,
     ):
         super().__init__()
+        self.drop_ended = drop_ended
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)

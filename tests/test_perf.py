@@ -189,27 +189,25 @@ def test_ended_rows_leave_the_decode_batch_with_the_same_tokens_and_exact_logpro
     # every decode step ran all rows until the longest sequence ended, ended ones as padding
     from packing import pack, response_logprobs
 
+    reference = HFEngine(tiny_model, max_batch=64, seed=0, drop_ended=2.0)  # no row leaves
     engine = HFEngine(tiny_model, max_batch=64, seed=0)
     prompts = [[5, 6, 7, 8 + i] for i in range(8)]
-    engine.drop_ended = 2.0  # never: the reference
     full = [
         c.tokens
-        for cs in engine.generate_batch(prompts, [1] * 8, Sampling(max_tokens=10, temperature=0))
+        for cs in reference.generate_batch(prompts, [1] * 8, Sampling(max_tokens=10, temperature=0))
         for c in cs
     ]
     ends = {full[0][1], full[3][4], full[5][6]}  # sequences end at different steps
-    engine.eos = torch.tensor(sorted(ends))
+    reference.eos = engine.eos = torch.tensor(sorted(ends))
+    kept = [
+        c.tokens
+        for cs in reference.generate_batch(prompts, [1] * 8, Sampling(max_tokens=10, temperature=0))
+        for c in cs
+    ]
     rows = []
     engine.model.register_forward_pre_hook(
         lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True
     )
-    kept = [
-        c.tokens
-        for cs in engine.generate_batch(prompts, [1] * 8, Sampling(max_tokens=10, temperature=0))
-        for c in cs
-    ]
-    engine.drop_ended = 0.25
-    rows.clear()
     dropped = [
         c.tokens
         for cs in engine.generate_batch(prompts, [1] * 8, Sampling(max_tokens=10, temperature=0))
