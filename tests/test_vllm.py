@@ -32,6 +32,7 @@ def engine(tiny_model):
     engine.close()
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_vllm_logprobs_match_trainer_and_follow_a_sync(tiny_model, engine):
     from transformers import AutoModelForCausalLM
@@ -71,6 +72,7 @@ def test_vllm_logprobs_match_trainer_and_follow_a_sync(tiny_model, engine):
     )
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_run_with_vllm_engine(tiny_model, tmp_path):
     from safetensors.torch import load_file
@@ -106,6 +108,7 @@ def test_run_with_vllm_engine(tiny_model, tmp_path):
     assert buffer_versions(run_dir, 2) == [0, 1, 2]
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_vllm_inflight_with_checkpoint_sync(tiny_model, tmp_path):
     import json
