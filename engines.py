@@ -245,8 +245,9 @@ class HFEngine(Engine):
         drop_ended: float = 0.25,
     ):
         super().__init__()
-        self.drop_ended = drop_ended
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.drop_ended = drop_ended
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -45,6 +45,8 @@ class VLLMEngine(Engine):
             inflight,
             lora,
         )
+        # the names of a checkpoint's tensors in wire order (--sync-checksum), on first use
+        self.checkpoint_order = None
         self.lora_request, self.lora_root = (
             None,
             tempfile.mkdtemp(prefix="nanorft-lora-") if lora else "",
@@ -199,16 +201,24 @@ class VLLMEngine(Engine):
         self.llm.collective_rpc("nanorft_leave")
 
     def load_checkpoint(self, path, version):
-        order = wire_order(self.model_path, self.lora) if self.checksum else None
+        order = self.wire_order() if self.checksum else None
         if self.lora:  # a peft adapter directory
-            adapters = read_safetensors(path)
-            checksum = sync.checksum(adapters[n] for n in order) if self.checksum else None
+            checksum = None
+            if order is not None:
+                adapters = read_safetensors(path)
+                checksum = sync.checksum(adapters[n] for n in order)
             self._use_adapter(path, version, copy=True)
         else:
             checksum = self.llm.collective_rpc("nanorft_load", args=(str(path), order))[0]
         self._forget_prefixes()
         self.version = version
         return checksum
+
+    def wire_order(self) -> list[str]:
+        """extras.engine_checkpoints.wire_order of this engine's model, built once (a meta model)."""
+        if self.checkpoint_order is None:
+            self.checkpoint_order = wire_order(self.model_path, self.lora)
+        return self.checkpoint_order
 
     def _forget_prefixes(self) -> None:
         if not self.inflight:

@@ -112,6 +112,7 @@ def test_vllm_keeps_its_prefix_cache_only_in_flight(tiny_model, inflight):
 
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.model_path = tiny_model
+    engine.checkpoint_order = None
     engine.llm, engine.inflight, engine.version, engine.lora, engine.checksum = (
         FakeLLM(),
         inflight,
