@@ -36,12 +36,93 @@ class Completion:
     versions: tuple[int, int] = (0, 0)
 
 
+@dataclass
+class Batch:
+    """The requests of one sampling setting that workflows wait on: one `generate_batch` call.
+    `requests`: (prompt token ids, n, the future of its n completions)."""
+
+    sampling: Sampling
+    requests: list[tuple[list[int], int, asyncio.Future]]
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [p for p, _, _ in self.requests]
+
+    @property
+    def ns(self) -> list[int]:
+        return [n for _, n, _ in self.requests]
+
+    @property
+    def futures(self) -> list[asyncio.Future]:
+        return [f for _, _, f in self.requests]
+
+
+class WorkflowRuns:
+    """Workflow runs (coroutines) on an event loop of their own, each cut off after `timeout_s`,
+    whose `engine.generate` calls the caller serves (Explorer.rollout):
+
+        with WorkflowRuns(engine, runs, timeout_s) as waiting:
+            for batch in waiting:  # the requests of every run waiting for completions
+                outs = engine.generate_batch(batch.prompts, batch.ns, batch.sampling)
+                engine.deliver(batch, outs)
+        waiting.outcomes  # per run, in order: its result, or the exception it ended with
+
+    The event loop runs only while the caller asks for the next batch: the workflows run until
+    each waits for completions or has ended; then the caller generates."""
+
+    def __init__(self, engine: "Engine", runs, timeout_s: float):
+        self.engine = engine
+        self.runner = asyncio.Runner()
+        loop = self.runner.get_loop()
+        self.jobs = [loop.create_task(asyncio.wait_for(r, timeout_s)) for r in runs]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.outcomes: list = []
+
+    def __enter__(self) -> "WorkflowRuns":
+        if self.engine._batches is not None:
+            raise RuntimeError("the engine already serves another rollout loop")
+        self.engine._batches = self.queue
+        return self
+
+    def __iter__(self):
+        while (batch := self.runner.run(self._next())) is not None:
+            yield batch
+
+    async def _next(self) -> Batch | None:
+        """The next batch of waiting requests; None once every run has ended."""
+        while self.queue.empty():
+            running = [j for j in self.jobs if not j.done()]
+            if not running:
+                return None
+            get = asyncio.ensure_future(self.queue.get())
+            await asyncio.wait([get, *running], return_when=asyncio.FIRST_COMPLETED)
+            if get.done():
+                return get.result()
+            get.cancel()
+        return self.queue.get_nowait()
+
+    def __exit__(self, *exc) -> None:
+        self.engine._batches = None
+        # cancels what still runs (an exception left the loop), closes the event loop
+        self.runner.close()
+        self.outcomes = [outcome(j) for j in self.jobs]
+
+
+def outcome(job: asyncio.Task):
+    """A finished task's result, or the exception it ended with (CancelledError if cancelled)."""
+    if job.cancelled():
+        return asyncio.CancelledError()
+    return job.exception() or job.result()
+
+
 class Engine:
     """Base engine. Subclasses implement `generate_batch`, `join_weight_sync`, `receive_weights(alive)` -> (version,
     checksum), `load_checkpoint(path, version)` -> checksum and `from_config`; `step_hook` runs between decode steps."""
 
     def __init__(self):
         self._pending: dict[Sampling, list] = {}
+        # while a rollout loop serves the requests (WorkflowRuns): where they wait for it
+        self._batches: asyncio.Queue | None = None
         self.version = 0  # the weight version loaded now
         self.step_hook = None
         self.checksum = False
@@ -83,20 +164,29 @@ class Engine:
     async def _flush(self, sampling: Sampling) -> None:
         for _ in range(3):  # let every runnable workflow reach its generate call
             await asyncio.sleep(0)
-        batch = self._pending.pop(sampling)
-        try:
-            outs = self.generate_batch([p for p, _, _ in batch], [n for _, n, _ in batch], sampling)
-        except Exception as e:
-            for _, _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(e)
+        batch = Batch(sampling, self._pending.pop(sampling))
+        if self._batches is not None:  # a rollout loop generates it (WorkflowRuns)
+            self._batches.put_nowait(batch)
             return
-        prompts = {tuple(p) for p, _, _ in batch}  # each distinct prompt is prefilled once
-        self.prefilled_tokens += sum(map(len, prompts))
-        self.sampled_tokens += sum(len(c.tokens) for out in outs for c in out)
-        for (_, _, fut), out in zip(batch, outs):
-            if not fut.done():  # a workflow that timed out has cancelled its future
-                fut.set_result(out)
+        try:
+            outs = self.generate_batch(batch.prompts, batch.ns, sampling)
+        except Exception as e:
+            outs = e
+        self.deliver(batch, outs)
+
+    def deliver(self, batch: "Batch", outs: list[list["Completion"]] | Exception) -> None:
+        """Hand each waiting request its completions (or the engine's exception)."""
+        if not isinstance(outs, Exception):
+            prompts = {tuple(p) for p in batch.prompts}  # each distinct prompt is prefilled once
+            self.prefilled_tokens += sum(map(len, prompts))
+            self.sampled_tokens += sum(len(c.tokens) for out in outs for c in out)
+        for i, fut in enumerate(batch.futures):
+            if fut.done():  # a workflow that timed out has cancelled its future
+                continue
+            if isinstance(outs, Exception):
+                fut.set_exception(outs)
+            else:
+                fut.set_result(outs[i])
 
     def generate_batch(
         self, prompts: list[list[int]], ns: list[int], sampling: Sampling

@@ -16,7 +16,7 @@ import torch
 
 from buffer import Buffer, Experience, pool_for
 from config import Config
-from engines import Engine, Sampling, vllm_available
+from engines import Engine, Sampling, WorkflowRuns, vllm_available
 from metrics import cpu_seconds, episode_means, mean_stderr, peak_rss_gib, sampled_eval
 from models import cache_dir, read_cached, write_cached
 from schedule import Pace, required_version
@@ -161,16 +161,10 @@ class Explorer:
         if state.get("sampler"):
             self.engine.set_rng_state(base64.b64decode(state["sampler"]))
 
-    def settle(self, groups: list, runs: dict, attempt: int) -> bool:
-        """Await `runs` (index into `groups` -> a workflow run) into `groups` (a failure: None). True: none left."""
-
-        async def gather() -> list:  # a failed run's exception in place of its group
-            return await asyncio.gather(
-                *(asyncio.wait_for(r, self.cfg.workflow_timeout_s) for r in runs.values()),
-                return_exceptions=True,
-            )
-
-        for i, out in zip(runs, asyncio.run(gather())):
+    def settle(self, groups: list, outcomes: dict, attempt: int) -> bool:
+        """Put each run's group (index into `groups` -> its outcome) into `groups`; a failed run
+        stays None and is counted. True: none left."""
+        for i, out in outcomes.items():
             if not isinstance(out, BaseException):
                 groups[i] = out
                 continue
@@ -189,18 +183,24 @@ class Explorer:
     def rollout(
         self, tasks: list[Task], workflow=None, n: int = 0
     ) -> list[list[Experience] | None]:
-        """One group of `n` rollouts (default group_size) of `task`; None for a skipped task."""
-        workflow, n, groups = (
-            workflow or self.workflow,
-            n or self.cfg.group_size,
-            [None] * len(tasks),
-        )
-        # the runs of one attempt run concurrently
+        """One group of `n` rollouts (default group_size) per task; None for a skipped task. The
+        rollout loop: the workflows of all tasks run concurrently until each waits for
+        completions, the engine generates them in one batch, and again until every run ends."""
+        workflow = workflow or self.workflow
+        n = n or self.cfg.group_size
+        groups = [None] * len(tasks)
+        engine = self.engine
         for attempt in range(self.cfg.workflow_retries + 1):
-            runs = {
-                i: workflow.run(t, self.engine, n) for i, t in enumerate(tasks) if groups[i] is None
-            }
-            if self.settle(groups, runs, attempt):
+            todo = [i for i in range(len(tasks)) if groups[i] is None]
+            runs = [workflow.run(tasks[i], engine, n) for i in todo]
+            with WorkflowRuns(engine, runs, self.cfg.workflow_timeout_s) as waiting:
+                for batch in waiting:
+                    try:
+                        outs = engine.generate_batch(batch.prompts, batch.ns, batch.sampling)
+                    except Exception as e:  # the runs waiting on it fail, and are retried
+                        outs = e
+                    engine.deliver(batch, outs)
+            if self.settle(groups, dict(zip(todo, waiting.outcomes)), attempt):
                 break
         return groups
 

@@ -1113,3 +1113,35 @@ def test_a_cached_evaluation_is_of_the_weights_the_engine_loaded(tiny_model, tmp
     path.write_text(json.dumps({**records[0], "eval/accuracy": -1.0}))
     again = X.Explorer(cfg, HFEngine(tiny_model, seed=3), [], held_out, None, print).evaluate(0)
     assert "eval/cached" not in again and again["eval/accuracy"] == records[0]["eval/accuracy"]
+
+
+def test_an_engine_failure_fails_the_runs_waiting_on_it_and_they_are_retried(tiny_model, tmp_path):
+    from engines import HFEngine
+    from explorer import Explorer
+    from run import Config
+    from workflows import Task
+
+    class FailsOnce(HFEngine):
+        failed = False
+
+        def generate_batch(self, prompts, ns, sampling):
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("engine hiccup")
+            return super().generate_batch(prompts, ns, sampling)
+
+    cfg = Config(
+        run_dir=str(tmp_path),
+        group_size=2,
+        max_tokens=4,
+        workflow_retries=1,
+        reward_fn="tests.rewards.length_parity",
+        system_prompt="",
+    )
+    tasks = [Task(f"t{i}", f"question {i}", "1") for i in range(3)]
+    explorer = Explorer(cfg, FailsOnce(tiny_model, seed=1), tasks, [], None, print)
+    groups = explorer.rollout(tasks)
+    assert [len(g) for g in groups] == [2, 2, 2]
+    # the three runs shared the failed batch: each failed once and succeeded on its retry
+    assert explorer.counts == {"timeouts": 0, "errors": 3, "retries": 3, "skipped": 0}
+    assert explorer.last_error == "RuntimeError: engine hiccup"
