@@ -121,7 +121,7 @@ class Engine:
 
     def __init__(self):
         self._pending: dict[Sampling, list] = {}
-        # while a rollout loop serves the requests (WorkflowRuns): where they wait for it
+        # while a rollout loop serves generate's requests (WorkflowRuns): where they wait
         self._batches: asyncio.Queue | None = None
         self.version = 0  # the weight version loaded now
         self.step_hook = None
@@ -153,7 +153,10 @@ class Engine:
             self.step_hook = outer
 
     async def generate(self, prompt_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
-        """`n` completions of one prompt, sampled in one `generate_batch` with the requests in flight."""
+        """`n` completions of one prompt, sampled in one `generate_batch` with the requests in
+        flight. Runs inside `WorkflowRuns` (RuntimeError elsewhere): the rollout loop samples them."""
+        if self._batches is None:
+            raise RuntimeError("Engine.generate runs in WorkflowRuns: the rollout loop serves it")
         fut = asyncio.get_running_loop().create_future()
         queue = self._pending.setdefault(sampling, [])
         queue.append((prompt_ids, n, fut))
@@ -164,15 +167,7 @@ class Engine:
     async def _flush(self, sampling: Sampling) -> None:
         for _ in range(3):  # let every runnable workflow reach its generate call
             await asyncio.sleep(0)
-        batch = Batch(sampling, self._pending.pop(sampling))
-        if self._batches is not None:  # a rollout loop generates it (WorkflowRuns)
-            self._batches.put_nowait(batch)
-            return
-        try:
-            outs = self.generate_batch(batch.prompts, batch.ns, sampling)
-        except Exception as e:
-            outs = e
-        self.deliver(batch, outs)
+        self._batches.put_nowait(Batch(sampling, self._pending.pop(sampling)))
 
     def deliver(self, batch: "Batch", outs: list[list["Completion"]] | Exception) -> None:
         """Hand each waiting request its completions (or the engine's exception)."""

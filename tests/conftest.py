@@ -113,6 +113,20 @@ def run_py(*args, timeout=600, nproc: int = 0, env: dict | None = None):
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]  # different lengths: exercises padding
 
 
+def served(engine, coro, timeout_s: float = 600):
+    """Run `coro` (a workflow run, or a coroutine around some) with `engine` serving its
+    generate calls as Explorer.rollout does; its result, or the exception it raised."""
+    from engines import WorkflowRuns
+
+    with WorkflowRuns(engine, [coro], timeout_s) as waiting:
+        for batch in waiting:
+            engine.deliver(batch, engine.generate_batch(batch.prompts, batch.ns, batch.sampling))
+    (out,) = waiting.outcomes
+    if isinstance(out, BaseException):
+        raise out
+    return out
+
+
 def rollouts(engine, prompts, n, sampling):
     """Sample n completions per prompt through engine.generate; returns Experiences."""
     import asyncio
@@ -122,7 +136,7 @@ def rollouts(engine, prompts, n, sampling):
     async def go():
         return await asyncio.gather(*(engine.generate(p, n, sampling) for p in prompts))
 
-    outs = asyncio.run(go())
+    outs = served(engine, go())
     return [
         Experience(
             p + c.tokens, len(p), c.behaviour_logprobs, [1] * len(c.tokens), 0.0, str(i), "t", 0

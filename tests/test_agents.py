@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import engines
-from conftest import ROOT
+from conftest import ROOT, served
 from engines import HFEngine, Sampling, vllm_available
 from extras.agent import AgentWorkflow, call_samples, check_reward
 from extras.chat_tools import RequestError, hermes_tool_calls, parse_request, prompt_ids
@@ -556,8 +556,8 @@ def test_two_turn_tool_agent_is_token_exact(engine, tok, seen, script, trainer):
         TERSE_CALL,
         "The answer is 5.",
     ]  # sent back, it is rendered as the model wrote it, not re-serialised
-    (e,) = asyncio.run(
-        workflow(tok, tool_agent, Sampling(48, temperature=0.8)).run(TASK, engine, 1)
+    (e,) = served(
+        engine, workflow(tok, tool_agent, Sampling(48, temperature=0.8)).run(TASK, engine, 1)
     )
     assert e.reward == 1.0 and e.info["turns"] == 2 and e.info["samples"] == 1
     (p1,), (p2,) = seen  # the two prompts the engine saw
@@ -592,7 +592,7 @@ def test_demonstrations_are_the_tokens_the_endpoint_records(engine, tok, script,
     script += [
         m["content"] for m in demo["messages"] if m["role"] == "assistant"
     ]  # the model acts as demonstrated
-    (e,) = asyncio.run(workflow(tok, calculator_agent).run(task, engine, 1))
+    (e,) = served(engine, workflow(tok, calculator_agent).run(task, engine, 1))
     assert e.reward == 1.0 and e.info["metrics"] == {
         "used_tool": 1.0,
         "tool_calls": 1.0,
@@ -635,7 +635,7 @@ def test_concurrent_episodes_are_batched_and_attributed(engine, tok, seen, train
     wf = workflow(
         tok, staggered, Sampling(10), batch_wait_s=600.0
     )  # only the gate's "all waiting" lets calls pass
-    exps = asyncio.run(wf.run(TASK, engine, 4))
+    exps = served(engine, wf.run(TASK, engine, 4))
     assert [len(batch) for batch in seen] == [4, 4]  # each turn of the 4 episodes: one engine call
     by_episode = {}
     for e in exps:
@@ -686,7 +686,7 @@ def test_stop_max_tokens_logprobs_and_streaming(engine, tok, script):
         results["logprobs"] = await agent(client, task)
         return 1.0
 
-    stopped, cut, full, streamed = asyncio.run(workflow(tok, keep).run(TASK, engine, 1))
+    stopped, cut, full, streamed = served(engine, workflow(tok, keep).run(TASK, engine, 1))
     assert (
         tok.decode(stopped.tokens[stopped.prompt_length :]) == "The answer is"
     )  # through the stop string's token
@@ -740,7 +740,7 @@ def test_malformed_requests_get_4xx_and_the_endpoint_goes_on(engine, tok, seen, 
         await client.close()
         return statuses, endpoint.close_episode(ep)
 
-    statuses, calls = asyncio.run(main())
+    statuses, calls = served(engine, main())
     assert [s for s, _ in statuses] == [400, 400, 400, 400, 413, 404, 404]
     assert "not JSON" in statuses[0][1] and "logit_bias is not supported" in statuses[2][1]
     assert "over the model's 512" in statuses[3][1] and "no open episode 'nope'" in statuses[5][1]
@@ -799,7 +799,7 @@ def test_hanging_and_disconnecting_clients_lose_nothing(engine, tok, monkeypatch
         await client.close()
         return r, server.close_episode(ep)
 
-    r, calls = asyncio.run(main())
+    r, calls = served(engine, main())
     assert r.choices[0].message.role == "assistant"
     assert len(calls) == 1 and "kept" in tok.decode(
         calls[0].prompt
@@ -828,7 +828,7 @@ def test_a_hanging_agent_times_out_and_its_episode_is_closed(engine, tok):
             TASK, engine, 2
         )  # the next group runs
 
-    assert len({e.info["episode_id"] for e in asyncio.run(main())}) == 2
+    assert len({e.info["episode_id"] for e in served(engine, main())}) == 2
 
 
 needs_vllm = pytest.mark.skipif(
@@ -849,8 +849,9 @@ def test_the_vllm_engine_serves_agents(tiny_model, tok):
     engine = VLLMEngine(tiny_model, seed=0, threads=1)
     try:
         assert context_length(engine) == 512
-        exps = asyncio.run(
-            workflow(tok, marked_agent, Sampling(10), batch_wait_s=600.0).run(TASK, engine, 3)
+        exps = served(
+            engine,
+            workflow(tok, marked_agent, Sampling(10), batch_wait_s=600.0).run(TASK, engine, 3),
         )
     finally:
         engine.close()
@@ -938,7 +939,7 @@ def test_verifiers_environment_rollouts_go_through_the_endpoint(
         "What is 1 + 6?",
     ]
     wf = load_workflow("verifiers:nanorft_echo_env")(tok, None, None, "", Sampling(8))
-    exps = asyncio.run(wf.run(train[1], engine, 2))
+    exps = served(engine, wf.run(train[1], engine, 2))
     assert len({e.info["episode_id"] for e in exps}) == 2 and all(
         e.reward == 0.25 for e in exps
     )  # the rubric's
@@ -951,7 +952,7 @@ def test_verifiers_environment_rollouts_go_through_the_endpoint(
     with pytest.raises(ValueError, match="verifiers environment 'no_such_env' cannot be loaded"):
         load_workflow("verifiers:no_such_env")
     with pytest.raises(RuntimeError, match="needs its tasks: --task verifiers:nanorft_echo_env"):
-        asyncio.run(wf.run(TASK, engine, 1))
+        served(engine, wf.run(TASK, engine, 1))
 
 
 @pytest.mark.slow
@@ -973,7 +974,7 @@ def test_a_published_verifiers_environment_runs(tok, tmp_path):
     assert len(train) == 2 and len(held) == 1 and all("ring" in t.question for t in train + held)
     wf = load_workflow("verifiers:marble-v1")(tok, None, None, "", Sampling(16))
     try:
-        exps = asyncio.run(wf.run(train[0], engine, 2))
+        exps = served(engine, wf.run(train[0], engine, 2))
     finally:
         engine.close()
     assert len({e.info["episode_id"] for e in exps}) == 2 and all(e.reward == 0.0 for e in exps)

@@ -1,7 +1,6 @@
 """Agent-environment interaction: multi-turn token streams, the bundled game, lagged rewards,
 timeouts and retries, judge rewards, reflection, workflows by import path."""
 
-import asyncio
 import json
 import sqlite3
 
@@ -9,7 +8,7 @@ import pytest
 from test_e2e import metrics
 from transformers import AutoTokenizer
 
-from conftest import chat_endpoint, run_py
+from conftest import chat_endpoint, run_py, served
 from engines import Completion, Engine, Sampling
 from extras.guess_number import GuessNumberWorkflow
 from extras.judge import judge_reward
@@ -51,7 +50,7 @@ def tok(tiny_model):
 
 
 def play(workflow, engine, task, n=1):
-    return asyncio.run(workflow.run(task, engine, n))
+    return served(engine, workflow.run(task, engine, n))
 
 
 def test_multi_turn_merges_exact_token_prefixes(tok):
