@@ -124,6 +124,8 @@ class Engine:
         # while a rollout loop serves generate's requests (WorkflowRuns): where they wait
         self._batches: asyncio.Queue | None = None
         self.version = 0  # the weight version loaded now
+        # run by close, newest first: services started on this engine (an OpenAI endpoint)
+        self.closers: list[Callable[[], None]] = []
         self.step_hook = None
         self.checksum = False
         # how join_weight_sync receives: broadcast or ipc (sync.transport)
@@ -206,8 +208,15 @@ class Engine:
     def set_rng_state(self, state: bytes) -> None:
         """Restore a `rng_state()`."""
 
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Run `fn` when the engine closes (before the engine's own release)."""
+        self.closers.append(fn)
+
     def close(self) -> None:
-        """Release engine processes (vLLM's engine core)."""
+        """Stop what was started on the engine (`on_close`); subclasses then release their
+        processes (vLLM's engine core)."""
+        while self.closers:
+            self.closers.pop()()
 
 
 def sample_token(
@@ -423,7 +432,9 @@ class HFEngine(Engine):
     def load_checkpoint(self, path, version):
         from extras.engine_checkpoints import load_into_hf
 
-        return load_into_hf(self, path, version)
+        checksum = load_into_hf(self, path)
+        self.version = version
+        return checksum
 
     def generate_batch(self, prompts, ns, s):
         """max_batch rollouts at a time; a shared prompt prefix and each prompt are prefilled once."""

@@ -48,8 +48,9 @@ def wire_order(model_path: str, lora=None) -> list[str]:
     return list(get_peft_model_state_dict(model, state_dict=dict(named)))
 
 
-def load_into_hf(engine, path: str | Path, version: int) -> float | None:
-    """engines.HFEngine.load_checkpoint: the weights (or with LoRA the adapters) of `path`, in place."""
+def load_into_hf(engine, path: str | Path) -> float | None:
+    """engines.HFEngine.load_checkpoint: the weights (or with LoRA the adapters) of `path`, in
+    place; their checksum when the engine checks syncs (else None)."""
     if engine.lora:  # a peft adapter directory
         from extras.lora import load_adapter
 
@@ -59,5 +60,4 @@ def load_into_hf(engine, path: str | Path, version: int) -> float | None:
         with torch.no_grad():
             for name, p in engine.model.named_parameters():
                 p.copy_(state[name])
-    engine.version = version
     return sync.checksum(engine.parameters()) if engine.checksum else None

@@ -390,13 +390,13 @@ def endpoint_for(engine) -> Endpoint:
         endpoint = _ENDPOINTS.get(engine)
         if endpoint is None:
             endpoint = _ENDPOINTS[engine] = Endpoint(engine)
-            close = engine.close
-
-            def close_both():
-                with _ENDPOINTS_LOCK:
-                    _ENDPOINTS.pop(engine, None)
-                endpoint.close()
-                close()
-
-            engine.close = close_both
+            engine.on_close(lambda: stop_endpoint(engine))
     return endpoint
+
+
+def stop_endpoint(engine) -> None:
+    """Close the endpoint of `engine`, if it has one (Engine.close runs it)."""
+    with _ENDPOINTS_LOCK:
+        endpoint = _ENDPOINTS.pop(engine, None)
+    if endpoint is not None:
+        endpoint.close()

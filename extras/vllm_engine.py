@@ -225,6 +225,7 @@ class VLLMEngine(Engine):
             self.llm.reset_prefix_cache()
 
     def close(self):
+        super().close()
         self.llm.llm_engine.engine_core.shutdown()
         if self.lora_root:
             shutil.rmtree(self.lora_root, ignore_errors=True)

@@ -984,3 +984,17 @@ def test_a_published_verifiers_environment_runs(tok, tmp_path):
         and min(e.behaviour_logprobs) < 0
         for e in exps
     )
+
+
+@needs_packages
+def test_closing_the_engine_stops_its_endpoint_without_replacing_its_close(tiny_model):
+    from extras.openai_endpoint import endpoint_for
+
+    engine = HFEngine(tiny_model, seed=0)
+    endpoint = endpoint_for(engine)
+    assert endpoint_for(engine) is endpoint and endpoint._thread.is_alive()
+    assert "close" not in vars(engine)  # the engine's own close, nothing set over it
+    engine.close()
+    assert not endpoint._thread.is_alive()
+    assert endpoint_for(engine) is not endpoint  # a closed endpoint is not handed out again
+    engine.close()
