@@ -4,6 +4,7 @@ the buffer, publishes the weights and logs the step."""
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -31,37 +32,49 @@ ZERO_ADVANTAGE_WARN_STEPS = 3
 REWARD_ERROR_STEPS = 3
 
 
-def read_batch(cfg, buffer, step: int, version: int, alive) -> tuple[list, dict]:
-    """Rank 0: the groups of `step` (too stale: dropped, replaced; then cfg.replay's) and their metrics."""
-    groups, dropped = [], 0
-    while len(groups) < cfg.batch_size:
-        got = buffer.read(cfg.batch_size - len(groups), cfg.buffer_timeout_s, alive, step=step)
-        fresh = [
-            g
-            for g in got
-            if cfg.max_staleness < 0
-            or version - min(e.model_version for e in g) <= cfg.max_staleness
-        ]
-        dropped += len(got) - len(fresh)
-        groups += fresh
-    check_sampling(cfg, groups)
-    m = {"staleness/dropped_groups": dropped}
-    if cfg.replay:
-        from extras.pipelines import replay
+class BufferBatches:
+    """The batch source of online RL: each step's groups from the buffer, as the explorers wrote
+    them; too stale ones dropped and replaced (max_staleness), then cfg.replay's."""
 
-        again, eligible = replay(buffer, step, **cfg.replay)
-        groups += again
-        m.update(
-            {
-                "replay/groups": len(again),
-                "replay/eligible_groups": eligible,
-                "replay/use_count_mean": sum(g[0].info["use_count"] for g in again)
-                / max(1, len(again)),
-                "replay/priority_mean": sum(g[0].info["priority"] for g in again)
-                / max(1, len(again)),
-            }
-        )
-    return groups, m
+    def __init__(self, cfg, buffer):
+        self.cfg = cfg
+        self.buffer = buffer
+
+    def next(self, step: int, version: int, alive: Callable[[], bool]) -> tuple[list, dict]:
+        """Rank 0: the groups of `step` for weights of `version`, and their metrics; `alive` is
+        polled while it waits (False: the explorer died)."""
+        cfg = self.cfg
+        groups, dropped = [], 0
+        while len(groups) < cfg.batch_size:
+            got = self.buffer.read(
+                cfg.batch_size - len(groups), cfg.buffer_timeout_s, alive, step=step
+            )
+            fresh = [
+                g
+                for g in got
+                if cfg.max_staleness < 0
+                or version - min(e.model_version for e in g) <= cfg.max_staleness
+            ]
+            dropped += len(got) - len(fresh)
+            groups += fresh
+        check_sampling(cfg, groups)
+        m = {"staleness/dropped_groups": dropped}
+        if cfg.replay:
+            from extras.pipelines import replay
+
+            again, eligible = replay(self.buffer, step, **cfg.replay)
+            groups += again
+            m.update(
+                {
+                    "replay/groups": len(again),
+                    "replay/eligible_groups": eligible,
+                    "replay/use_count_mean": sum(g[0].info["use_count"] for g in again)
+                    / max(1, len(again)),
+                    "replay/priority_mean": sum(g[0].info["priority"] for g in again)
+                    / max(1, len(again)),
+                }
+            )
+        return groups, m
 
 
 def check_sampling(cfg, groups: list[list[Experience]]) -> None:
@@ -85,37 +98,92 @@ def bucket_elems(cfg) -> int:
 
 
 @dataclass
-class LoopIO:
-    """What the loop talks to on rank 0 (other ranks: the defaults); send_weights None: checkpoint sync."""
+class Explorers:
+    """Rank 0's link to the explorers: their records so far, whether they still run, and the
+    cores they borrow while the trainer waits (perf.CoreShare: one CPU machine; else None)."""
 
-    buffer: Any = None
-    offline: Any = None
-    expert: Any = None
-    metrics: Any = None
     records: Callable[[], list[dict]] = list
-    shape_experiences: Callable[[list, int], tuple[list, dict]] | None = None
-    extra_metrics: Callable[[], dict] = dict
-    send_weights: Callable[[int, Any], float | None] | None = None
     alive: Callable[[], bool] = lambda: True  # noqa: E731
-    cores: Any = None
-    trainer_meter: Any = None
-    explorer_meter: Any = None
+    cores: perf.CoreShare | None = None
+
+
+class SentWeights:
+    """The weight publisher of broadcast and ipc sync: rank 0 sends to the explorers' group
+    (`send(version, buckets)` -> checksum or None; None on the other ranks, which take part in
+    the gathers), in buckets of `bucket_elems` (0: all at once)."""
+
+    def __init__(self, send: Callable | None, bucket_elems: int):
+        self.send = send
+        self.bucket_elems = bucket_elems
+
+    def publish(self, trainer: Trainer) -> tuple[float | None, list | None]:
+        """(the checksum sent, the full parameters when gathered at once). Collective."""
+        if self.bucket_elems:
+            buckets = trainer.parameter_buckets(self.bucket_elems)
+            digest = self.send(trainer.version, buckets) if self.send else None
+            for _ in buckets:  # the other ranks take part in every gather
+                pass
+            return digest, None
+        params = trainer.full_parameters()
+        return (self.send(trainer.version, [params]) if self.send else None), params
+
+
+class NoWeights:
+    """Offline training (--train-data): no explorer takes the weights."""
+
+    def publish(self, trainer: Trainer) -> tuple[None, None]:
+        return None, None
+
+
+def make_publisher(cfg, rank: int, send: Callable | None):
+    """This rank's weight publisher: none offline, a checkpoint (extras/checkpoint_sync.py), or
+    `send` to the explorers' weight-sync group."""
+    if cfg.train_data:
+        return NoWeights()
+    if cfg.sync_method == "checkpoint":
+        from extras.checkpoint_sync import CheckpointWeights
+
+        return CheckpointWeights(cfg.run_dir, cfg.sync_checksum, rank)
+    return SentWeights(send, bucket_elems(cfg))
 
 
 class StepIO:
     """What one trainer step reads and writes around `Trainer.step` on this rank: the batch
-    (rank 0 reads it and every rank gets it), the weights to publish, the metrics and the
-    progress bar. `errors`: the error lines the explorer reported."""
+    (rank 0 reads it from `batches`, shaped by `shape`, and every rank gets it), the weights to
+    publish (`connect`), the metrics (`metrics`, with the `meters`' FLOPs) and the progress bar.
+    `errors`: the error lines the explorer reported."""
 
-    def __init__(self, cfg, trainer: Trainer, start: int, io: LoopIO, rank: int, world: int):
+    def __init__(
+        self,
+        cfg,
+        trainer: Trainer,
+        start: int,
+        rank: int,
+        world: int,
+        buffer=None,
+        metrics: Metrics | None = None,
+        batches=None,
+        shape: Callable[[list, int], tuple[list, dict]] | None = None,
+        meters: tuple | None = None,
+    ):
         from tqdm import tqdm
 
         self.cfg = cfg
         self.trainer = trainer
         self.start = start
-        self.io = io
         self.rank = rank
         self.world = world
+        self.buffer = buffer
+        self.metrics = metrics
+        # the batch source: BufferBatches, or extras.offline.OfflineBatches
+        self.batches = batches
+        # the experience pipeline and --expert-data's mixing, after the batch is read
+        self.shape = shape
+        # (perf.TrainerMeter, perf.ExplorerMeter) on rank 0: model FLOPs and MFU
+        self.meters = meters
+        self.explorers = Explorers()
+        self.publisher = make_publisher(cfg, rank, None)
+        self.extra_metrics: Callable[[], dict] = dict
         # when rank 0 last looked for explorer status while waiting for a batch
         self.status_at = 0.0
         # explorer batch records by batch index, merged into that step's record
@@ -132,6 +200,16 @@ class StepIO:
         self.t_start = time.perf_counter()
         self.t_trained = self.t_start
 
+    def connect(
+        self, explorers: Explorers, publisher, extra_metrics: Callable[[], dict] = dict
+    ) -> None:
+        """Once the explorers run: their link, the weight publisher, the metrics of a service
+        beside the run (extras/label_studio.py's annotator); the step's clock starts."""
+        self.explorers = explorers
+        self.publisher = publisher
+        self.extra_metrics = extra_metrics
+        self.t_start = time.perf_counter()
+
     def progress(self, text: str) -> None:
         """Where the step is, shown beside rank 0's progress bar."""
         self.bar.set_postfix_str(text)
@@ -146,47 +224,26 @@ class StepIO:
         return groups, m
 
     def next_batch(self, step: int) -> tuple[list, dict]:
-        """Rank 0: the groups of `step` (the buffer's or offline data), shaped, and their metrics."""
-        io = self.io
-        if io.offline:
-            groups, m = io.offline.draw(self.cfg.batch_size), {}
-        else:
-            groups, m = read_batch(self.cfg, io.buffer, step, self.trainer.version, self.waiting)
-        if io.cores is not None:
-            io.cores.busy(True)
-        if io.shape_experiences:
-            groups, shaped = io.shape_experiences(groups, step)
+        """Rank 0: the groups of `step` from the batch source, shaped, and their metrics."""
+        groups, m = self.batches.next(step, self.trainer.version, self.waiting)
+        if self.explorers.cores is not None:
+            self.explorers.cores.busy(True)
+        if self.shape:
+            groups, shaped = self.shape(groups, step)
             m.update(shaped)
         return groups, m
 
     def publish(self, step: int) -> dict:
-        """Send the new weights to the explorers or publish a checkpoint; the last step also
-        saves RUN_DIR/final. Collective. Returns the metrics of the publish."""
-        cfg, io, version = self.cfg, self.io, self.trainer.version
+        """Hand the new weights to the explorers (the publisher: sent, a checkpoint, or none);
+        the last step also saves RUN_DIR/final. Collective. Returns the metrics of the publish."""
         t0 = time.perf_counter()
-        params = digest = None
-        # (run.check_modes: never with offline data)
-        if cfg.sync_bucket_mb and cfg.sync_method != "checkpoint":
-            buckets = self.trainer.parameter_buckets(bucket_elems(cfg))
-            if self.rank == 0:
-                digest = io.send_weights(version, buckets)
-            for _ in buckets:  # the other ranks take part in every gather
-                pass
-        else:
-            params = self.trainer.full_parameters()
-            if self.rank == 0 and io.send_weights:
-                digest = io.send_weights(version, [params])
-            elif self.rank == 0 and not io.offline:
-                from extras.checkpoint_sync import publish_checkpoint
-
-                publish_checkpoint(cfg.run_dir, version, lambda d: self.trainer.save(d, params))
-                digest = sync.checksum(params) if cfg.sync_checksum else None
+        digest, params = self.publisher.publish(self.trainer)
         m = {"time/sync_s": time.perf_counter() - t0}
         if digest is not None:
             m["sync/trainer_checksum"] = digest
-        if step == cfg.steps - 1:
+        if step == self.cfg.steps - 1:
             final = params or self.trainer.full_parameters()
-            self.trainer.save_final(Path(cfg.run_dir) / "final", final)
+            self.trainer.save_final(Path(self.cfg.run_dir) / "final", final)
         return m
 
     def waiting(self) -> bool:
@@ -194,26 +251,26 @@ class StepIO:
         if time.perf_counter() - self.status_at > 0.5:
             self.status_at = time.perf_counter()
             self.drain()
-        self.io.extra_metrics()
-        return self.io.alive()
+        self.extra_metrics()
+        return self.explorers.alive()
 
     def drain(self) -> None:
         """Rank 0: the explorers' new records (batch stats join their step's record)."""
-        for r in self.io.records():
-            if self.io.explorer_meter is not None:
-                r.update(self.io.explorer_meter.measure(r))
+        for r in self.explorers.records():
+            if self.meters is not None:
+                r.update(self.meters[1].measure(r))
             self.meter.add(r)
             if "batch" in r:
                 self.pending[r["batch"]] = r
             elif "eval/accuracy" in r:
-                self.io.metrics.write({"step": r["eval/version"], **r})
+                self.metrics.write({"step": r["eval/version"], **r})
                 who = f" ({r['explorer']})" if "explorer" in r else ""
                 self.bar.write(
                     f"eval @ version {r['eval/version']}{who}: {eval_line(r, self.cfg.group_size)}"
                 )
                 self.last_eval.update(r)
             elif "explorer/received_version" in r:
-                self.io.metrics.write({"step": r["explorer/received_version"], **r})
+                self.metrics.write({"step": r["explorer/received_version"], **r})
             elif "error" in r:
                 self.errors.append(r["error"])
             elif "status" in r:  # what the explorer is doing while the trainer waits for it
@@ -222,21 +279,22 @@ class StepIO:
     def log(self, step: int, m: dict, groups: list[list[Experience]]) -> None:
         """Rank 0: complete and write the step's metrics, move the progress bar; on every rank,
         lend the cores to the explorer while the next batch is awaited."""
-        if self.io.cores is not None:
-            self.io.cores.busy(False)
+        if self.explorers.cores is not None:
+            self.explorers.cores.busy(False)
         if self.rank != 0:
             return
         self.drain()
-        m.update(self.io.extra_metrics())
+        m.update(self.extra_metrics())
         m.update(self.pending.pop(step, {}))
-        m.update({f"buffer/{k}": v for k, v in self.io.buffer.counts().items()})
+        m.update({f"buffer/{k}": v for k, v in self.buffer.counts().items()})
         rollouts = [g for g in groups if not g[0].info.get("offline")]
         if rollouts:
             self.rollout_health(step, m, rollouts)
-        if self.io.trainer_meter is not None:
-            m.update(self.io.trainer_meter.measure(m))
+        if self.meters is not None:
+            trainer_meter = self.meters[0]
+            m.update(trainer_meter.measure(m))
             flops = m["perf/trainer_model_flops"]
-            peak = self.io.trainer_meter.peak
+            peak = trainer_meter.peak
             m.update(self.meter.since_last(flops, peak, self.trainer.device.type))
         m.update(
             {
@@ -250,7 +308,7 @@ class StepIO:
             }
         )
         m.setdefault("time/sync_s", 0.0)  # a step that published nothing
-        self.io.metrics.write(m)
+        self.metrics.write(m)
         shown = {"reward": m["reward/mean"]} if "reward/mean" in m else {"loss": m["loss/policy"]}
         if self.last_eval:
             shown["acc"] = self.last_eval["eval/accuracy"]
@@ -336,35 +394,31 @@ def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks: 
     trainer = make_trainer(cfg, model_path, device)
     state = resume_state(cfg.run_dir) if cfg.resume else None
     start = load_resume_state(trainer, state) if state else 0
-    io = loop_io(cfg, trainer, start, model_path) if rank == 0 else LoopIO()
-    if rank == 0:  # model FLOPs and MFU beside the RL step
-        matmul = perf.matmul_params(model_path)  # the explorer samples with the same model
-        passes = 3 + trainer.needs_ref  # forward and backward, and a reference model's forward
-        io.trainer_meter = perf.TrainerMeter(matmul, device.type, cfg.dtype, passes)
-        # mode both: the explorer's device; mode train: explorers taken to be on the trainer's kind
-        explorer_device = layout.explorer if cfg.mode == "both" else device.type
-        explorer_device = "cuda" if explorer_device.startswith("cuda") else "cpu"
-        io.explorer_meter = perf.ExplorerMeter(matmul, explorer_device, cfg.dtype)
+    step_io = make_step_io(cfg, trainer, start, model_path, rank, world, layout, device)
     explorer = weights = None
-    step_io = StepIO(cfg, trainer, start, io, rank, world)
     annotating = threading.Event()
     try:
+        extra_metrics = dict
         if rank == 0 and cfg.annotation:
             from extras.label_studio import start_annotator
 
-            io.extra_metrics = start_annotator(cfg, trainer.tokenizer, annotating)
+            extra_metrics = start_annotator(cfg, trainer.tokenizer, annotating)
+        explorers, send = Explorers(), None
         if rank == 0 and cfg.mode == "both":
             explorer_model = str(state / "hf") if state else model_path
-            explorer, weights = start_explorer(
-                cfg, io, explorer_model, trainer.version, layout, tasks
+            explorer, weights, explorers = start_explorer(
+                cfg, explorer_model, trainer.version, layout, tasks
             )
+            if weights:
+                send = functools.partial(weights.send, alive=explorers.alive)
         if cfg.mode == "train" and not cfg.train_data:
             from extras.train_mode import connect_explorers
 
-            weights = connect_explorers(cfg, io, layout, trainer, rank)
-        if io.cores is not None:  # (once the explorer started) threads it lends while it waits
-            perf.lend_threads(trainer.model, io.cores)
-        step_io.t_start = time.perf_counter()
+            weights, explorers = connect_explorers(cfg, step_io.buffer, layout, trainer, rank)
+            send = weights.send if weights else None
+        step_io.connect(explorers, make_publisher(cfg, rank, send), extra_metrics)
+        if explorers.cores is not None:  # threads the explorer lends while it waits
+            perf.lend_threads(trainer.model, explorers.cores)
         yield trainer, step_io, start
         step_io.bar.close()
         if rank == 0:
@@ -376,8 +430,8 @@ def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks: 
         raise
     finally:
         annotating.set()
-        if io.metrics is not None:
-            io.metrics.close()
+        if step_io.metrics is not None:
+            step_io.metrics.close()
 
 
 def kept_on_resume(start: int, evals_from_buffer: bool) -> Callable[[dict], bool]:
@@ -393,34 +447,62 @@ def kept_on_resume(start: int, evals_from_buffer: bool) -> Callable[[dict], bool
     return keep
 
 
-def loop_io(cfg, trainer, start: int, model_path: str):
-    """Rank 0's `LoopIO` at step `start` (on --resume, experiences served after `start` go back)."""
-    io = LoopIO(buffer=open_buffer(cfg.buffer, cfg.run_dir))
-    if cfg.experience_pipeline:
-        from extras.pipelines import ExperiencePipeline
-
-        io.shape_experiences = ExperiencePipeline(
-            cfg.experience_pipeline, trainer.tokenizer, model_path
-        )
-    io.buffer.set_run_state("trainer_done", None)  # a trainer is running (again)
+def make_step_io(
+    cfg,
+    trainer,
+    start: int,
+    model_path: str,
+    rank: int = 0,
+    world: int = 1,
+    layout=None,
+    device=None,
+) -> StepIO:
+    """This rank's StepIO at step `start`. Rank 0 opens the buffer (on --resume, experiences
+    served after `start` go back), metrics.jsonl, the batch source (the buffer, or --train-data),
+    the shaping (experience pipeline, --expert-data) and, given the `layout`, the FLOP meters."""
+    if rank != 0:
+        return StepIO(cfg, trainer, start, rank, world)
+    buffer = open_buffer(cfg.buffer, cfg.run_dir)
+    buffer.set_run_state("trainer_done", None)  # a trainer is running (again)
     if cfg.resume:
-        released = io.buffer.release_after(start)
+        released = buffer.release_after(start)
         print0(
             f"resumed at step {start} (version {trainer.version}); {released} experiences served again"
         )
     evals_from_buffer = cfg.mode == "train" and not cfg.train_data
-    io.metrics = Metrics(
+    metrics = Metrics(
         Path(cfg.run_dir), cfg, kept_on_resume(start, evals_from_buffer) if cfg.resume else None
     )
-    if cfg.expert_fraction or cfg.train_data:
-        from extras.offline import attach
+    shape = None
+    if cfg.experience_pipeline:
+        from extras.pipelines import ExperiencePipeline
 
-        attach(cfg, io, trainer, start)
-    return io
+        shape = ExperiencePipeline(cfg.experience_pipeline, trainer.tokenizer, model_path)
+    if cfg.expert_fraction:
+        from extras.offline import ExpertMixing
+
+        shape = ExpertMixing(cfg, trainer, shape)
+    if cfg.train_data:
+        from extras.offline import OfflineBatches
+
+        batches = OfflineBatches(cfg, trainer.tokenizer, start)
+    else:
+        batches = BufferBatches(cfg, buffer)
+    meters = None
+    if layout is not None:  # model FLOPs and MFU beside the RL step
+        matmul = perf.matmul_params(model_path)  # the explorer samples with the same model
+        passes = 3 + trainer.needs_ref  # forward and backward, and a reference model's forward
+        trainer_meter = perf.TrainerMeter(matmul, device.type, cfg.dtype, passes)
+        # mode both: the explorer's device; mode train: explorers taken to be on the trainer's kind
+        explorer_device = layout.explorer if cfg.mode == "both" else device.type
+        explorer_device = "cuda" if explorer_device.startswith("cuda") else "cpu"
+        meters = (trainer_meter, perf.ExplorerMeter(matmul, explorer_device, cfg.dtype))
+    return StepIO(cfg, trainer, start, rank, world, buffer, metrics, batches, shape, meters)
 
 
-def start_explorer(cfg, io, model_path: str, version: int, layout, tasks: tuple):
-    """Mode both, rank 0: spawn the explorer process, connect `io`; returns (it, sync.WeightSync or None)."""
+def start_explorer(cfg, model_path: str, version: int, layout, tasks: tuple):
+    """Mode both, rank 0: spawn the explorer process; returns (it, sync.WeightSync or None, its
+    Explorers link)."""
     import torch.multiprocessing as mp
 
     weights = weight_group(cfg, layout, 1) if cfg.sync_method != "checkpoint" else None
@@ -446,17 +528,17 @@ def start_explorer(cfg, io, model_path: str, version: int, layout, tasks: tuple)
         ),
     )
     explorer.start()
+    cores = None
     if flags is not None:
-        io.cores = perf.CoreShare(flags, 0, cfg.trainer_threads, cfg.explorer_threads)
-    io.alive, io.records = explorer.is_alive, lambda: queued(queue)
+        cores = perf.CoreShare(flags, 0, cfg.trainer_threads, cfg.explorer_threads)
+    explorers = Explorers(lambda: queued(queue), explorer.is_alive, cores)
     if weights:
-        weights.connect(io.alive)
-        io.send_weights = lambda v, buckets: weights.send(v, buckets, io.alive)
+        weights.connect(explorers.alive)
     else:
         from extras.checkpoint_sync import wait_until_loaded
 
         wait_until_loaded(explorer, queue)
-    return explorer, weights
+    return explorer, weights, explorers
 
 
 def weight_group(cfg, layout, receivers: int):
@@ -477,7 +559,7 @@ def finish(cfg, loop, explorer, weights) -> None:
     """Rank 0 after the last step: wait for the explorer(s) (RuntimeError if one failed), write the final files."""
     run_dir = Path(cfg.run_dir)
     if weights:
-        weights.wait(loop.io.alive)
+        weights.wait(loop.explorers.alive)
     if explorer:
         join_draining(
             explorer, loop.drain
@@ -486,7 +568,7 @@ def finish(cfg, loop, explorer, weights) -> None:
             raise RuntimeError(
                 f"explorer failed: {loop.errors[0] if loop.errors else explorer.exitcode}"
             )
-    loop.io.buffer.set_run_state("trainer_done", str(loop.trainer.version))
+    loop.buffer.set_run_state("trainer_done", str(loop.trainer.version))
     if weights and not explorer:  # mode train: the explorers see trainer_done and leave the group
         from extras.train_mode import wait_left
 
@@ -526,7 +608,7 @@ def stop_explorer(explorer, loop) -> None:
     if explorer.is_alive():
         explorer.terminate()
         # its records are dropped: the trainer's error counts
-        if not join_draining(explorer, loop.io.records, 30):
+        if not join_draining(explorer, loop.explorers.records, 30):
             print(
                 "run.py: warning: the explorer did not stop within 30 s of SIGTERM; killed",
                 file=sys.stderr,

@@ -10,6 +10,8 @@ from pathlib import Path
 from queue import Empty
 from typing import Any, Callable
 
+import sync
+
 
 @contextmanager
 def _lock(root: Path):
@@ -52,6 +54,24 @@ def publish_checkpoint(
             if int(old.name[1:]) not in protected:
                 shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+class CheckpointWeights:
+    """The weight publisher of --sync-method checkpoint (loop.make_publisher): rank 0 writes
+    each version to RUN_DIR/checkpoints, where the explorers look for it."""
+
+    def __init__(self, run_dir: str | Path, checksum: bool, rank: int):
+        self.run_dir = run_dir
+        self.checksum = checksum
+        self.rank = rank
+
+    def publish(self, trainer) -> tuple[float | None, list]:
+        """(the checksum of what was written, or None; the full parameters). Collective."""
+        params = trainer.full_parameters()
+        if self.rank != 0:
+            return None, params
+        publish_checkpoint(self.run_dir, trainer.version, lambda d: trainer.save(d, params))
+        return (sync.checksum(params) if self.checksum else None), params
 
 
 def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:

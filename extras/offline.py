@@ -186,27 +186,38 @@ def sampler(path: str | Path, tokenizer, seed: int, chats_only: bool = False) ->
     )
 
 
-def attach(cfg, io, trainer, start: int) -> None:
-    """loop.loop_io at `start`: io.offline (--train-data) and --expert-data mixed into each shaped batch."""
-    if cfg.expert_fraction:
-        io.expert = sampler(cfg.expert_data, trainer.tokenizer, cfg.seed, chats_only=True)
-        io.expert.draw(trainer.loop_state.get("expert_drawn", 0))
-        shape = io.shape_experiences
+class OfflineBatches:
+    """The batch source of --train-data (loop.make_step_io): batch_size rows a step from the
+    file, in the order `cfg.seed` draws them; at `start`, the rows of earlier steps drawn."""
 
-        def mixed(groups: list, step: int) -> tuple[list, dict]:
-            groups, m = shape(groups, step) if shape else (groups, {})
-            n = sum(map(len, groups))  # MIX: this fraction of the batch's sequences is expert data
-            groups += io.expert.draw(
-                max(1, round(cfg.expert_fraction * n / (1 - cfg.expert_fraction)))
-            )
-            # (n varies: the resume state records it)
-            trainer.loop_state["expert_drawn"] = io.expert.drawn
-            return groups, m
+    def __init__(self, cfg, tokenizer, start: int):
+        self.batch_size = cfg.batch_size
+        self.rows = sampler(cfg.train_data, tokenizer, cfg.seed)
+        self.rows.draw(start * cfg.batch_size)
 
-        io.shape_experiences = mixed
-    if cfg.train_data:
-        io.offline = sampler(cfg.train_data, trainer.tokenizer, cfg.seed)
-        io.offline.draw(start * cfg.batch_size)
+    def next(self, step: int, version: int, alive) -> tuple[list, dict]:
+        return self.rows.draw(self.batch_size), {}
+
+
+class ExpertMixing:
+    """The shaping of a step's groups (loop.StepIO.shape) with --expert-data mixed in after
+    `shape` (None: none): MIX's expert_fraction of the batch's sequences. The rows drawn so far
+    are kept in the trainer's resume state."""
+
+    def __init__(self, cfg, trainer, shape):
+        self.fraction = cfg.expert_fraction
+        self.trainer = trainer
+        self.shape = shape
+        self.expert = sampler(cfg.expert_data, trainer.tokenizer, cfg.seed, chats_only=True)
+        self.expert.draw(trainer.loop_state.get("expert_drawn", 0))
+
+    def __call__(self, groups: list, step: int) -> tuple[list, dict]:
+        groups, m = self.shape(groups, step) if self.shape else (groups, {})
+        n = sum(map(len, groups))  # MIX: this fraction of the batch's sequences is expert data
+        groups += self.expert.draw(max(1, round(self.fraction * n / (1 - self.fraction))))
+        # (n varies: the resume state records it)
+        self.trainer.loop_state["expert_drawn"] = self.expert.drawn
+        return groups, m
 
 
 def check_offline_data(cfg, tok) -> None:

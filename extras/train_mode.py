@@ -6,19 +6,19 @@ import sys
 import time
 from typing import Callable
 
-from loop import weight_group
+from loop import Explorers, weight_group
 from metrics import print0
 
 
-def connect_explorers(cfg, io, layout, trainer, rank: int):
-    """Every rank: records from the buffer; with broadcast, rank 0 connects the explorers: a sync.WeightSync or None."""
-    if rank == 0:
-        io.records = records_from_buffer(io.buffer)
+def connect_explorers(cfg, buffer, layout, trainer, rank: int):
+    """Every rank: (a sync.WeightSync or None, the loop.Explorers link: records from the
+    buffer); with broadcast, rank 0 connects the explorers' weight-sync group."""
+    explorers = Explorers(records_from_buffer(buffer)) if rank == 0 else Explorers()
     params = (
         trainer.full_parameters() if cfg.sync_method == "broadcast" and trainer.version else None
     )  # every rank
     if rank != 0 or cfg.sync_method != "broadcast":
-        return None
+        return None, explorers
     weights = weight_group(cfg, layout, cfg.num_explorers)
     print0(
         f"weight sync: waiting for {cfg.num_explorers} explorer(s) at {cfg.sync_host}:{weights.port}"
@@ -29,10 +29,9 @@ def connect_explorers(cfg, io, layout, trainer, rank: int):
             "weight sync: an explorer shares trainer rank 0's GPU, where NCCL cannot have two ranks: the weights "
             "go through host memory (gloo)"
         )
-    io.send_weights = weights.send
     if params is not None:
         weights.send(trainer.version, [params])
-    return weights
+    return weights, explorers
 
 
 def wait_left(weights, timeout_s: float) -> bool:
@@ -71,7 +70,7 @@ def records_after(buffer, last_id: int) -> tuple[int, list[dict]]:
 
 
 def records_from_buffer(buffer) -> Callable[[], list[dict]]:
-    """A `loop.LoopIO.records`: the explorers' records added to `buffer` since its last call."""
+    """An `Explorers.records`: the explorers' records added to `buffer` since its last call."""
     last = 0
 
     def records() -> list[dict]:

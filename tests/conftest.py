@@ -376,9 +376,9 @@ def chat_endpoint(reply):
 
 
 def trainer_in_this_process(model: str, run_dir: Path, groups: list, **settings):
-    """(cfg, Trainer, loop.loop_io) of one trainer rank in this process (a one-rank gloo group),
+    """(cfg, Trainer, loop.make_step_io) of one trainer rank in this process (a one-rank gloo group),
     `groups` written to the buffer in `run_dir` first; `settings` override the Config. The
-    caller closes io.metrics and io.buffer and destroys the process group."""
+    caller closes the StepIO's bar, metrics and buffer and destroys the process group."""
     import torch
     import torch.distributed as dist
 
@@ -400,4 +400,4 @@ def trainer_in_this_process(model: str, run_dir: Path, groups: list, **settings)
         init = f"tcp://127.0.0.1:{launch.free_port()}"
         dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
     trainer = Trainer(cfg, model, torch.device("cpu"))
-    return cfg, trainer, loop.loop_io(cfg, trainer, 0, model)
+    return cfg, trainer, loop.make_step_io(cfg, trainer, 0, model)

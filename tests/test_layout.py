@@ -78,7 +78,6 @@ def test_the_policy_loss_is_three_calls_below_the_rl_loop(tiny_model, tmp_path):
     # a reader follows run.rl_loop -> Trainer.step -> Trainer.forward_backward -> the loss
     import torch.distributed as dist
 
-    import loop
     import run
     from buffer import Experience
     from conftest import trainer_in_this_process
@@ -91,16 +90,15 @@ def test_the_policy_loss_is_three_calls_below_the_rl_loop(tiny_model, tmp_path):
         ]
         for s in range(2)
     ]
-    cfg, trainer, io = trainer_in_this_process(tiny_model, tmp_path / "run", groups, steps=2)
-    step_io = loop.StepIO(cfg, trainer, 0, io, 0, 1)
+    cfg, trainer, step_io = trainer_in_this_process(tiny_model, tmp_path / "run", groups, steps=2)
     try:
         depths = calls_between(
             run.rl_loop, ppo_clip_loss, lambda: run.rl_loop(cfg, trainer, step_io, 0)
         )
     finally:
         step_io.bar.close()
-        io.metrics.close()
-        io.buffer.close()
+        step_io.metrics.close()
+        step_io.buffer.close()
         dist.destroy_process_group()
     assert depths and all(0 < d <= 3 for d in depths), depths
 

@@ -797,12 +797,13 @@ def test_a_batch_sampled_at_another_temperature_is_refused(tmp_path):
             group = [Experience([1, 2, 3], 2, [-0.5], [1], 1.0, g, "t", 0, info, "e") for _ in "ab"]
             buf.write(group)
         cfg = run.parse_config(["--batch-size", "1", "--temperature", "1.0"])
-        groups, _ = loop.read_batch(cfg, buf, 0, 0, lambda: True)  # g0: as the trainer samples
+        batches = loop.BufferBatches(cfg, buf)
+        groups, _ = batches.next(0, 0, lambda: True)  # g0: as the trainer samples
         assert groups[0][0].group_id == "g0"
         with pytest.raises(
             RuntimeError, match="sampled at temperature 0.7, top_p 1.0; this trainer"
         ):
-            loop.read_batch(cfg, buf, 1, 0, lambda: True)
+            batches.next(1, 0, lambda: True)
     finally:
         buf.close()
 

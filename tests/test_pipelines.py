@@ -353,7 +353,7 @@ def test_a_failing_annotator_ends_the_trainers_wait_with_its_reason(tmp_path, mo
     from types import SimpleNamespace
 
     from extras import label_studio
-    from loop import LoopIO, StepIO
+    from loop import StepIO
 
     class Broken:  # a Label Studio client whose replies the annotator's polls cannot use
         def __init__(self, url, token, timeout_s=30.0):
@@ -387,7 +387,8 @@ def test_a_failing_annotator_ends_the_trainers_wait_with_its_reason(tmp_path, mo
     for t in set(threading.enumerate()) - before:  # (it may have died already)
         if t.name == "annotator":
             t.join(60)
-    loop = StepIO(cfg, SimpleNamespace(), 0, LoopIO(extra_metrics=extra_metrics), rank=0, world=1)
+    loop = StepIO(cfg, SimpleNamespace(), 0, rank=0, world=1)
+    loop.connect(loop.explorers, loop.publisher, extra_metrics)
     polls = []
 
     def waiting():
@@ -651,29 +652,29 @@ def test_human_labels_train_the_default_job(label_studio, tiny_model, tmp_path, 
 
 
 def test_the_experience_pipeline_runs_without_lent_cores(tiny_model, tmp_path):
-    # io.shape_experiences (the experience pipeline) ran only inside `if io.cores is not None`:
+    # the experience pipeline (the step's shaping) ran only inside `if io.cores is not None`:
     # with several trainer ranks or a GPU explorer (no lent cores) it was skipped without a word
     import torch.distributed as dist
 
-    import loop
     from conftest import trainer_in_this_process
 
     group = [
         Experience([1, 2, 3, 4 + i], 2, [-0.5] * 2, [1, 1], float(i % 2), "g0", "t0", 0, {}, "w")
         for i in range(2)
     ]
-    cfg, trainer, io = trainer_in_this_process(tiny_model, tmp_path / "run", [group], steps=1)
+    cfg, trainer, step_io = trainer_in_this_process(tiny_model, tmp_path / "run", [group], steps=1)
     shaped = []
-    io.shape_experiences = lambda groups, step: (
+    step_io.shape = lambda groups, step: (
         shaped.append(step) or groups,
         {"pipeline/ran": 1.0},
     )
-    assert io.cores is None
+    assert step_io.explorers.cores is None
     try:
-        run.rl_loop(cfg, trainer, loop.StepIO(cfg, trainer, 0, io, 0, 1), 0)
+        run.rl_loop(cfg, trainer, step_io, 0)
     finally:
-        io.metrics.close()
-        io.buffer.close()
+        step_io.bar.close()
+        step_io.metrics.close()
+        step_io.buffer.close()
         dist.destroy_process_group()
     assert shaped == [0]
     first = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0]

@@ -267,7 +267,9 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
         "".join(json.dumps(r) + "\n" for r in old) + '{"step": 4, "loss/gr'
     )
     cfg = Config(run_dir=str(tmp_path), resume=True, log="none")
-    io = loop.loop_io(cfg, types.SimpleNamespace(version=2, tokenizer=None, loop_state={}), 2, "")
+    io = loop.make_step_io(
+        cfg, types.SimpleNamespace(version=2, tokenizer=None, loop_state={}), 2, ""
+    )
     for r in (
         {"step": 2, "eval/version": 2, "eval/accuracy": 0.3},
         {"step": 2, "loss/grad_norm": 1.0},
@@ -275,6 +277,7 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
         {"step": 3, "loss/grad_norm": 1.0},
     ):
         io.metrics.write(r)
+    io.bar.close()
     io.metrics.close()
     io.buffer.close()
     recs = strict_json_lines(tmp_path / "metrics.jsonl")
@@ -363,18 +366,19 @@ def test_mix_expert_data_continues_the_same_after_a_resume(tiny_model, tmp_path)
         c = dataclasses.replace(cfg, resume=resume)
         trainer = Trainer(c, tiny_model, torch.device("cpu"))
         assert (load_resume_state(trainer, resume_state(run_dir)) if resume else 0) == start
-        io = loop.loop_io(c, trainer, start, tiny_model)
-        drawn, draw = [], io.expert.draw
+        io = loop.make_step_io(c, trainer, start, tiny_model)
+        drawn, draw = [], io.shape.expert.draw
 
         def recorded(n):
             got = draw(n)
             drawn.append([e.tokens for g in got for e in g])
             return got
 
-        io.expert.draw = recorded
+        io.shape.expert.draw = recorded
         try:
-            run.rl_loop(c, trainer, loop.StepIO(c, trainer, start, io, 0, 1), start)
+            run.rl_loop(c, trainer, io, start)
         finally:
+            io.bar.close()
             io.metrics.close()
             io.buffer.close()
         return drawn
@@ -720,13 +724,17 @@ def test_finish_reads_the_explorer_queue_while_waiting_for_it_to_exit(tmp_path):
     cfg = Config(run_dir=str(tmp_path), log="none", steps=n)
     (tmp_path / "final").mkdir()
     run_state = {}  # (a SQLite buffer would refuse finish's thread)
-    io = loop.LoopIO(
+    metrics = Metrics(tmp_path)
+    the_loop = loop.StepIO(
+        cfg,
+        types.SimpleNamespace(version=n),
+        n,
+        0,
+        1,
         buffer=types.SimpleNamespace(set_run_state=run_state.__setitem__),
-        metrics=Metrics(tmp_path),
-        records=lambda: loop.queued(queue),
-        alive=child.is_alive,
+        metrics=metrics,
     )
-    the_loop = loop.StepIO(cfg, types.SimpleNamespace(version=n), n, io, 0, 1)
+    the_loop.connect(loop.Explorers(lambda: loop.queued(queue), child.is_alive), loop.NoWeights())
     failed = []
 
     def finish():
@@ -747,7 +755,7 @@ def test_finish_reads_the_explorer_queue_while_waiting_for_it_to_exit(tmp_path):
         loop.queued(queue)
         child.join(0.1)
     t.join()
-    io.metrics.close()
+    metrics.close()
     assert not hung, "finish() joined the explorer before reading its queue: deadlock"
     assert not failed and child.exitcode == 0, failed
     assert sorted(the_loop.pending) == list(range(n))  # every record was read
