@@ -1,6 +1,7 @@
 """What the RL loop in run.py talks to on a trainer rank: `started` makes the trainer and starts
 the explorer (mode both) or joins the explorers (mode train); `StepIO` reads each batch from
-the buffer, publishes the weights and logs the step."""
+its batch source (`BufferBatches`, or offline data), hands the weights to its publisher
+(`SentWeights`, a checkpoint, `NoWeights`) and logs the step."""
 
 import contextlib
 import dataclasses
