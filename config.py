@@ -230,6 +230,16 @@ class Config:
     """recompute decoder blocks' activations in the backward pass (less memory, more compute)"""
     compile_layers: bool = True
     """torch.compile each decoder block (CUDA only; a block that fails to compile runs eagerly)"""
+    causal_rows: bool = True
+    """CUDA: a packed row that holds one sequence attends with is_causal (flash kernels) instead of the packed mask"""
+    fused_adamw: bool = True
+    """CUDA: AdamW in one fused kernel per step"""
+    one_gpu_fsdp: bool = False
+    """CUDA, one GPU: FSDP2 mixed precision; off: float32 parameters under bf16 autocast"""
+    checkpoint_if_needed: bool = True
+    """CUDA: unless --activation-checkpointing is given, recompute only where a micro-batch's activations would take over half the free memory"""
+    head_chunk_elems: int = 0
+    """logits the trainer's LM head computes at a time (0: 2**22 on a CPU, 2**28 on a GPU)"""
     token_budget: int = 2048
     """max tokens one forward pass of the trainer computes (a packed micro-batch)"""
     trainer_threads: int = 0

@@ -203,10 +203,11 @@ def packed_logprobs(
     temperature: float,
     entropy: bool,
     head_grad_into_weight: bool = False,
+    head_chunk_elems: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [T'] and entropy [T'] or None of a `pack` batch, the LM head on predicting positions only; switches
-    `model` to `packed_sdpa` (plain sdpa where no slots are given). `head_grad_into_weight`: see
-    `chunked_logprobs`."""
+    `model` to `packed_sdpa` (plain sdpa where no slots are given). `head_grad_into_weight`,
+    `head_chunk_elems`: `chunked_logprobs`' grad_into_weight and chunk_elems."""
     if model.config._attn_implementation != packed_sdpa():
         model.set_attn_implementation(packed_sdpa())
     hidden = model.get_decoder()(
@@ -223,6 +224,7 @@ def packed_logprobs(
         targets,
         temperature,
         entropy,
+        chunk_elems=head_chunk_elems,
         bias=head.bias,
         grad_into_weight=head_grad_into_weight,
     )
@@ -235,9 +237,10 @@ def response_logprobs(
     entropy: bool = False,
     entropy_grad: bool = False,
     head_grad_into_weight: bool = False,
+    head_chunk_elems: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, R] of a `pack` batch's responses and, if `entropy`, their entropy [B, R] (nats); padding 0.
-    `head_grad_into_weight`: see `chunked_logprobs`."""
+    `head_grad_into_weight`, `head_chunk_elems`: see `packed_logprobs`."""
     forward = getattr(model, "nanorft_logprobs", None) or (lambda *a: packed_logprobs(model, *a))
     lp, ent = forward(
         *(
@@ -255,6 +258,7 @@ def response_logprobs(
         temperature,
         entropy,
         head_grad_into_weight,
+        head_chunk_elems,
     )  # [T'], [T']
     B, R = batch["response_ids"].shape
     where = batch["seq"] * R + batch["col"]  # [T]

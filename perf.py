@@ -8,14 +8,6 @@ import torch
 
 from metrics import cpu_seconds, print0
 
-# CUDA levers (benchmarks/bench_trainer.py times each on and off); a CPU runs none of them
-CUDA_LEVERS = {
-    "causal_rows": True,  # rows of one sequence: is_causal attention (flash kernels), not pack's mask
-    "fused_adamw": True,  # AdamW in one fused kernel per step
-    "one_gpu_fsdp": False,  # one GPU: FSDP2 mixed precision; False: float32 parameters under bf16 autocast
-    "checkpoint_if_needed": True,
-}  # unless the flag is given, activation checkpointing only where it must
-
 
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo ("" where there is none)."""

@@ -157,7 +157,7 @@ class Trainer:
         self.advantage_fn, self.policy_loss, self.agg, self.filters = resolve_algorithm(cfg)
         self.cuda = device.type == "cuda"
         # one CPU rank: FSDP2 only copies
-        self.sharded = self.world > 1 or self.cuda and perf.CUDA_LEVERS["one_gpu_fsdp"]
+        self.sharded = self.world > 1 or self.cuda and self.cfg.one_gpu_fsdp
         # FSDP2 mixed precision on CUDA
         self.fsdp_bf16 = cfg.dtype == "bfloat16" and self.cuda and self.sharded
         self.autocast = cfg.dtype == "bfloat16" and not self.fsdp_bf16  # where FSDP2 does not cast
@@ -185,7 +185,7 @@ class Trainer:
 
             self.teacher = Teacher(self, models.resolve_model(cfg.teacher))
         fused = (
-            perf.CUDA_LEVERS["fused_adamw"] if self.cuda else not self.sharded
+            self.cfg.fused_adamw if self.cuda else not self.sharded
         ) or None  # CPU: no temporaries
         self.opt = torch.optim.AdamW(
             [p for _, p in self.named_trained_parameters()],
@@ -218,7 +218,7 @@ class Trainer:
         if (
             ckpt
             and self.cuda
-            and perf.CUDA_LEVERS["checkpoint_if_needed"]
+            and self.cfg.checkpoint_if_needed
             and "activation_checkpointing" not in self.cfg.given
         ):
             # unless asked for: only where a micro-batch's activations (~80 B per token, layer, hidden unit) > half free
@@ -282,7 +282,7 @@ class Trainer:
         """(`pack` of `mb` on the device, mask 0 if `padding`; log-probs [B, R] at `temperature`
         (default: the sampling temperature); entropy [B, R] or None)."""
         temperature = self.cfg.temperature if temperature is None else temperature
-        causal = self.cuda and perf.CUDA_LEVERS["causal_rows"]
+        causal = self.cuda and self.cfg.causal_rows
         b = {
             k: v if v is None else v.to(self.device)
             for k, v in pack(
@@ -303,6 +303,7 @@ class Trainer:
                 entropy,
                 entropy_grad=bool(self.cfg.entropy_coef),
                 head_grad_into_weight=self.head_grad_into_weight,
+                head_chunk_elems=self.cfg.head_chunk_elems,
             )  # [B, R]
         return b, lp, ent
 

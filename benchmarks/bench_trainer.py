@@ -19,8 +19,8 @@ without a causal discount; no recomputation) over the nominal
 dense bf16 peak of perf.CUDA_PEAKS (989 TFLOP/s for an H100), or a measured bf16 matmul on other GPUs; none on a CPU.
 Peak memory: torch.cuda.max_memory_allocated over a timed step.
 Levers (`--levers`): each is timed flipped from nanorft's default at the longest length with full fine-tuning:
-causal_rows, fused_adamw, one_gpu_fsdp, checkpoint_if_needed (perf.CUDA_LEVERS), head_chunk
-(packing.HEAD_CHUNK_ELEMS["cuda"] 2**28 -> 2**22), activation_checkpointing, compile_layers (Config fields). Variants
+causal_rows, fused_adamw, one_gpu_fsdp, checkpoint_if_needed, head_chunk_elems (0, i.e. 2**28 on a GPU -> 2**22),
+activation_checkpointing, compile_layers: each a Config field, set in the arm's Config. Variants
 that would start past `--budget-s` (counted from the model build) are skipped with a SKIP line.
 """
 
@@ -41,7 +41,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import packing  # noqa: E402
-import perf  # noqa: E402
 from buffer import Experience  # noqa: E402
 from config import Config, check_values  # noqa: E402
 from loop import make_trainer  # noqa: E402
@@ -73,7 +72,7 @@ SHAPES = {  # Qwen3Config fields besides the vocabulary
 }
 LEVERS = (
     "causal_rows",
-    "head_chunk",
+    "head_chunk_elems",
     "fused_adamw",
     "one_gpu_fsdp",
     "checkpoint_if_needed",
@@ -280,18 +279,11 @@ class Bench:
             torch.cuda.empty_cache()
 
 
-DEFAULT_LEVERS = dict(perf.CUDA_LEVERS)
-
-
-def flip(lever: str, on: bool) -> dict:
-    """Set lever `lever` to its non-default value (`on`) or back; the Config overrides it needs."""
-    if lever in perf.CUDA_LEVERS:
-        perf.CUDA_LEVERS[lever] = DEFAULT_LEVERS[lever] != on
-    elif lever == "head_chunk":
-        packing.HEAD_CHUNK_ELEMS["cuda"] = 2**22 if on else 2**28
-    elif on:
-        return {lever: not getattr(Config, lever)}
-    return {}
+def flip(lever: str) -> dict:
+    """The Config overrides that set lever `lever` (a Config field) away from its default."""
+    if lever == "head_chunk_elems":
+        return {lever: 2**22}
+    return {lever: not getattr(Config, lever)}
 
 
 def main() -> int:
@@ -369,16 +361,12 @@ def main() -> int:
         ) in levers:  # each lever flipped from the default, full fine-tuning at the longest length
             if bench.over_budget(f"lever {lever}"):
                 continue
-            default = perf.CUDA_LEVERS.get(
-                lever, lever == "head_chunk" or getattr(Config, lever, False)
-            )
-            tr = bench.trainer(bench.config(0, length, **flip(lever, True)))
+            (value,) = flip(lever).values()
+            shown = ("on" if value else "off") if isinstance(value, bool) else value
+            tr = bench.trainer(bench.config(0, length, **flip(lever)))
             try:
-                bench.measure(
-                    {"nanorft": tr.step}, 0, length, f"{lever}={'off' if default else 'on'}"
-                )
+                bench.measure({"nanorft": tr.step}, 0, length, f"{lever}={shown}")
             finally:
-                flip(lever, False)
                 del tr
                 bench.free()
     out = {
@@ -390,12 +378,8 @@ def main() -> int:
         "dtype": bench.dtype,
         "peak_flops": bench.peak,
         "peak_source": "perf.CUDA_PEAKS nominal (or measured)" if bench.peak else None,
-        "defaults": {
-            **perf.CUDA_LEVERS,
-            "head_chunk_elems": packing.HEAD_CHUNK_ELEMS,
-            "activation_checkpointing": Config.activation_checkpointing,
-            "compile_layers": Config.compile_layers,
-        },
+        "defaults": {lever: getattr(Config, lever) for lever in LEVERS},
+        "head_chunk_elems_by_device": packing.HEAD_CHUNK_ELEMS,
         "rows": bench.rows,
         "skipped": bench.skipped,
         "seconds": time.perf_counter() - bench.start,

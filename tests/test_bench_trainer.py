@@ -106,19 +106,25 @@ def test_head_chunks_of_any_size_give_the_same_logprobs(chunk):
 
 
 @pytest.mark.parametrize(
-    "lever", ["causal_rows", "fused_adamw", "one_gpu_fsdp", "checkpoint_if_needed"]
+    "lever",
+    ["causal_rows", "fused_adamw", "one_gpu_fsdp", "checkpoint_if_needed", "head_chunk_elems"],
 )
-def test_a_lever_is_flipped_from_its_default_and_back(lever):
+def test_a_lever_is_a_setting_flipped_from_its_default(lever):
+    # the levers are Config fields: an arm sets them in its own Config, nothing module-wide
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_trainer
 
-    import perf
+    from config import Config, parse_config
 
-    default = perf.CUDA_LEVERS[lever]
-    bench_trainer.flip(lever, True)
-    assert perf.CUDA_LEVERS[lever] == (not default)
-    bench_trainer.flip(lever, False)
-    assert perf.CUDA_LEVERS[lever] == default
+    assert lever in bench_trainer.LEVERS
+    (value,) = bench_trainer.flip(lever).values()
+    assert value != getattr(Config(), lever)
+    name = lever.replace("_", "-")
+    if isinstance(value, bool):
+        flags = [f"--{name}" if value else f"--no-{name}"]
+    else:
+        flags = [f"--{name}", str(value)]
+    assert getattr(parse_config(flags), lever) == value  # a user sets it as the arm does
 
 
 def test_mfu_counts_attention_as_palm_does():

@@ -357,16 +357,15 @@ def test_an_engine_holding_bf16_weights_receives_the_trainers_float32(tiny_model
 
 @needs_cuda
 @pytest.mark.parametrize("lever", [True, False])
-def test_the_fused_adamw_lever_decides_on_one_gpu(tiny_model, monkeypatch, lever):
+def test_the_fused_adamw_lever_decides_on_one_gpu(tiny_model, lever):
     # the lever once had no effect on one unsharded GPU: fused AdamW whatever it said
     import torch.distributed as dist
 
-    import perf
     import trainer
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    monkeypatch.setitem(perf.CUDA_LEVERS, "fused_adamw", lever)
-    cfg = run.parse_config(["--config", "configs/tiny.toml", "--no-compile-layers"])
+    flag = "--fused-adamw" if lever else "--no-fused-adamw"
+    cfg = run.parse_config(["--config", "configs/tiny.toml", "--no-compile-layers", flag])
     t = trainer.Trainer(cfg, tiny_model, torch.device("cuda", 0))
     assert bool(t.opt.defaults["fused"]) == lever
