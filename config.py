@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import copy
 import dataclasses
-import inspect
 import io
 import json
 import math
@@ -14,9 +11,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
-
-import losses
+from typing import Literal
 
 DEFAULT_TASK = "basic_arithmetic"
 # The preset of a task other than the default one: the defaults of these settings are tuned for
@@ -27,13 +22,14 @@ OTHER_TASK_DEFAULTS = {"task_kwargs": {}, "system_prompt": "Give only the final 
 
 @dataclass
 class Config:
-    """Every setting of a run. Each field is a --flag; the `# -- title` comments group them in --help."""
+    """Every setting of a run. Each field is a --flag, its docstring the flag's help; the
+    `# -- title` comments group them for a reader of this file."""
 
     # (not a setting) the names set in --config or by flag: parse_config records them
     given = frozenset()
 
     # -- mode and run
-    mode: str = "both"
+    mode: Literal["both", "explore", "train", "bench"] = "both"
     """both = trainer ranks + a spawned explorer; explore / train = one side each (sharing run_dir); bench = evaluate"""
     run_dir: str = "runs/default"
     """output directory (metrics, samples, buffer, plot, final weights)"""
@@ -46,12 +42,11 @@ class Config:
     seed: int = 0
     """seed of the training tasks, task order, sampling and model init"""
     eval_seed: int = 0
-    """seed of the held-out tasks (reasoning-gym): fixed, so that runs of every --seed are
-    evaluated on the same tasks and share the base model's cached evaluation"""
+    """seed of the held-out tasks (reasoning-gym): fixed, so that runs of every --seed are evaluated on the same tasks and share the base model's cached evaluation"""
     train_data: str = ""
     """mode train on offline data: JSONL of chats {"messages"} (SFT) or {"prompt", "chosen", "rejected"} (DPO)"""
     bench_models: str = ""
-    """mode bench: comma-separated models, each as for --model (default: RUN_DIR/final)"""
+    """mode bench: comma-separated models, each as for --model; empty: RUN_DIR/final"""
     bench_k: int = 4
     """mode bench: samples per held-out task (avg@k, pass@k)"""
     # -- model, task and reward
@@ -83,7 +78,7 @@ class Config:
     workflow: str = "math"
     """workflow: math (single turn), guess_number, reflect, module.Class, agent:module.function, or verifiers:NAME"""
     # -- explorer (rollouts)
-    engine: str = "auto"
+    engine: Literal["auto", "hf", "vllm"] = "auto"
     """inference engine of the explorer: hf, vllm, or auto (vllm when installed, else hf)"""
     vllm_memory_fraction: float = 0.2
     """fraction of device memory (CPU build: of RAM) vLLM reserves for weights and KV cache"""
@@ -112,9 +107,9 @@ class Config:
     refill_rounds: int = 4
     """max extra sampling rounds per batch to replace dropped or failed groups"""
     pool_easy: float = 2.0
-    """retire a task once a group's mean reward is >= this (default: never)"""
+    """retire a task once a group's mean reward is >= this; empty: never"""
     pool_hard: float = -1.0
-    """retire a task once a group's mean reward is <= this (default: never)"""
+    """retire a task once a group's mean reward is <= this; empty: never"""
     pool_lift_fraction: float = 0.0
     """fraction of each batch drawn back from the retired tasks"""
     explorer_max_batch: int = 128
@@ -126,10 +121,8 @@ class Config:
     explorer_name: str = "explorer0"
     """name recorded on every experience of this explorer"""
     # -- sync between explorer and trainer
-    sync_method: str = "auto"
-    """weight sync: broadcast (torch.distributed), ipc (mode both, explorer on trainer rank 0's device: handles of the
-    weights, CUDA IPC on a GPU, shared memory on the CPU), checkpoint (files in run_dir), or auto (mode both: broadcast;
-    explore / train: checkpoint)"""
+    sync_method: Literal["auto", "broadcast", "ipc", "checkpoint"] = "auto"
+    """weight sync: broadcast (torch.distributed), ipc (mode both, explorer on trainer rank 0's device: handles of the weights, CUDA IPC on a GPU, shared memory on the CPU), checkpoint (files in run_dir), or auto (mode both: broadcast; explore / train: checkpoint)"""
     sync_host: str = "127.0.0.1"
     """address of the weight-sync store, where trainer rank 0 listens"""
     sync_port: int = 0
@@ -156,37 +149,32 @@ class Config:
     """experience buffer: "" = RUN_DIR/buffer.sqlite, a SQLite path, or postgresql://user@host:port/db[?schema=NAME]"""
     # -- data pipelines (extras/pipelines.py)
     task_pipeline: list = field(default_factory=list)
-    """task operators run before the loop, a list of {op = NAME, ...}: dedup, length_filter, metadata_difficulty,
-    pass_rate_difficulty, model_difficulty, or module.function"""
+    """task operators run before the loop, a list of {op = NAME, ...}: dedup, length_filter, metadata_difficulty, pass_rate_difficulty, model_difficulty, or module.function"""
     selector: str = "shuffle"
     """how the explorer picks the next tasks: shuffle, sequential, random, easy2hard, diff_based, or module.Class"""
     selector_kwargs: dict = field(default_factory=dict)
     """keyword arguments of the selector (JSON), e.g. {"target": 0.5, "tau": 0} for diff_based"""
     experience_pipeline: list = field(default_factory=list)
-    """experience operators before the trainer, a list of {op = NAME, ...}: quality_reward, diversity_reward,
-    clean, or module.function"""
+    """experience operators before the trainer, a list of {op = NAME, ...}: quality_reward, diversity_reward, clean, or module.function"""
     replay: dict = field(default_factory=dict)
     """prioritised experience replay: {"groups": N} adds N consumed groups to each batch ("decay", "use_count_limit")"""
     annotation: dict = field(default_factory=dict)
     """human labels through Label Studio (reward_fn human): {"url": ...}, mode, choices, timeout_s, timeout_reward"""
     # -- algorithm
     advantage: str = "grpo"
-    """advantage estimator: {ADVANTAGES}, or module.function"""
+    """advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, grpo_stepwise, opmd, none, or module.function"""
     advantage_kwargs: dict = field(default_factory=dict)
     """keyword arguments of the advantage estimator (JSON), e.g. {"baseline": "logavgexp"} for opmd"""
     policy_loss: str = "ppo_clip"
-    """policy loss: {POLICY_LOSSES}, or module.function"""
+    """policy loss: ppo_clip, dppo_kl, reinforce_tis, cispo, gspo, sft, dpo, mix, topr, opmd_kimi, opmd_pairwise, opmd_simple, or module.function"""
     policy_loss_kwargs: dict = field(default_factory=dict)
     """keyword arguments of the policy loss (JSON), e.g. {"clip_high": 0.28, "dual_clip": 3.0} for ppo_clip"""
     loss_agg: str = "auto"
-    """loss aggregation: {AGGREGATIONS}, or auto (the loss's own default)"""
+    """loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, or auto (the loss's own default)"""
     kl_loss_coef: float = 0.0
-    """weight of the KL loss term against a frozen reference model (loaded when > 0); which KL
-    its gradient follows is the estimator's (--kl-estimator)"""
+    """weight of the KL loss term against a frozen reference model (loaded when > 0); which KL its gradient follows is the estimator's (--kl-estimator)"""
     kl_estimator: str = "k3"
-    """per-token KL estimator of the KL loss, {KL_ESTIMATORS}: as a loss on the policy's own
-    samples, k3 (= low_var, clamped) has the gradient of KL(reference || policy), k2 that of
-    KL(policy || reference), and k1 a gradient of 0 in expectation (docs/algorithms.md)"""
+    """per-token KL estimator of the KL loss, k1, k2, k3, low_var: as a loss on the policy's own samples, k3 (= low_var, clamped) has the gradient of KL(reference || policy), k2 that of KL(policy || reference), and k1 a gradient of 0 in expectation (docs/algorithms.md)"""
     kl_reward_coef: float = 0.0
     """reward penalty: this times the summed k1 KL(behaviour || reference) of each sequence"""
     entropy_coef: float = 0.0
@@ -196,19 +184,17 @@ class Config:
     length_unit: str = "tokens"
     """unit of the length penalty: tokens (trained tokens) or turns (multi-turn)"""
     filters: dict = field(default_factory=dict)
-    """sequence filters before training, name -> kwargs (JSON): {FILTERS}, or module.function"""
+    """sequence filters before training, name -> kwargs (JSON): zero_advantage, gibberish, repetition, or module.function"""
     expert_data: str = ""
     """JSONL of chats ({"messages": [...]}) mixed into each batch as expert data (policy_loss mix)"""
     expert_fraction: float = 0.0
     """fraction of each training batch's sequences that are expert data"""
     teacher: str = ""
-    """on-policy distillation: a teacher model (as --model, with the student's tokenizer); its log-prob of each
-    sampled token minus the behaviour log-prob joins that token's advantage ('' = none)"""
+    """on-policy distillation: a teacher model (as --model, with the student's tokenizer); its log-prob of each sampled token minus the behaviour log-prob joins that token's advantage ('' = none)"""
     distill_coef: float = 1.0
     """weight of the teacher's term: each token's advantage gains this x (teacher - behaviour log-prob, in nats); 0 = plain RL"""
     teacher_temperature: float = 1.0
-    """temperature of the teacher's log-probs: 1.0 scores each token under the teacher's own
-    distribution (tinker-cookbook, prime-rl; Trinity-RFT's setting defaults to 1.0)"""
+    """temperature of the teacher's log-probs: 1.0 scores each token under the teacher's own distribution (tinker-cookbook, prime-rl; Trinity-RFT's setting defaults to 1.0)"""
     # -- trainer
     lr: float = 3e-5
     """AdamW learning rate"""
@@ -222,9 +208,9 @@ class Config:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clipping"""
-    dtype: str = "auto"
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """compute precision of trainer and engines: auto (bfloat16 where the device computes it natively, else float32)"""
-    allocator: str = "auto"
+    allocator: Literal["auto", "tcmalloc", "mimalloc", "system"] = "auto"
     """memory allocator of the processes on a CPU: auto (tcmalloc where installed, else mimalloc; a GPU: system), tcmalloc, mimalloc, system (the C library's malloc)"""
     activation_checkpointing: bool = True
     """recompute decoder blocks' activations in the backward pass (less memory, more compute)"""
@@ -260,86 +246,31 @@ class Config:
     # -- outputs
     log_samples: int = 2
     """groups per batch written to samples.log"""
-    save_dtype: str = "auto"
+    save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype of the final weights: auto (the model's own, from its config.json), float32, bfloat16, float16"""
     log: str = "tensorboard"
     """experiment trackers besides RUN_DIR/metrics.jsonl, comma-separated: tensorboard, wandb, mlflow, or none"""
 
 
-def _field_help() -> tuple[dict[str, str], dict[str, str]]:
-    """Config's field docstrings ({REGISTRY} filled from losses.py) and each field's `# -- title` group."""
-    src = inspect.getsource(Config)
-    body = ast.parse(src).body[0].body
-    fields = [
-        (a, b)
-        for a, b in zip(body, body[1:])
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
-    ]
-    titles = {
-        i: x.removeprefix("    # -- ")
-        for i, x in enumerate(src.splitlines(), 1)
-        if x.startswith("    # -- ")
-    }
-    helps = {a.target.id: " ".join(b.value.value.split()) for a, b in fields}
-    helps = {
-        k: re.sub(r"\{([A-Z_]+)\}", lambda m: ", ".join(getattr(losses, m[1])), v)
-        for k, v in helps.items()
-    }
-    return helps, {a.target.id: titles[max(i for i in titles if i < a.lineno)] for a, _ in fields}
-
-
-TYPES = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "list": list}
-CHOICES = {
-    "mode": ("both", "explore", "train", "bench"),
-    "engine": ("auto", "hf", "vllm"),
-    "sync_method": ("auto", "broadcast", "ipc", "checkpoint"),
-    "dtype": ("auto", "bfloat16", "float32"),
-    "save_dtype": ("auto", "float32", "bfloat16", "float16"),
-    "allocator": ("auto", "tcmalloc", "mimalloc", "system"),
-}
-
-
-def _flags(defaults: dict, preset: str) -> type:
-    """The command line for tyro: one dataclass per `# -- title` group of Config's fields, `defaults` as defaults."""
+def _json_arguments():
+    """tyro's reading of dict and list settings: one JSON argument each."""
     import tyro
 
-    json_arg = tyro.constructors.PrimitiveConstructorSpec(
-        nargs=1,
-        metavar="JSON",
-        instance_from_str=lambda args: json.loads(args[0]),
-        is_instance=lambda x: isinstance(x, (dict, list)),
-        str_from_instance=lambda x: [json.dumps(x)],
-    )
-    helps, groups = _field_help()
-    stages: dict[str, list] = {}
-    for f in dataclasses.fields(Config):
-        hint = "" if "(default:" in helps[f.name] else None  # a help that names its default itself
-        marks = (tyro.conf.arg(help=helps[f.name], help_behavior_hint=hint),) + (json_arg,) * (
-            f.type in ("dict", "list")
+    registry = tyro.constructors.ConstructorRegistry()
+
+    @registry.primitive_rule
+    def json_argument(info):
+        if info.type not in (dict, list):
+            return None
+        return tyro.constructors.PrimitiveConstructorSpec(
+            nargs=1,
+            metavar="JSON",
+            instance_from_str=lambda args: json.loads(args[0]),
+            is_instance=lambda x: isinstance(x, (dict, list)),
+            str_from_instance=lambda x: [json.dumps(x)],
         )
-        typ = Literal[CHOICES[f.name]] if f.name in CHOICES else TYPES[f.type]
-        stages.setdefault(groups[f.name], []).append(
-            (
-                f.name,
-                Annotated[(typ, *marks)],
-                field(default_factory=lambda v=defaults[f.name]: copy.deepcopy(v)),
-            )
-        )
-    fields = [
-        (
-            "config",
-            Annotated[
-                str, tyro.conf.arg(help="TOML preset (keys = Config fields); flags override it")
-            ],
-            field(default=preset),
-        )
-    ]
-    for title, members in stages.items():
-        cls = dataclasses.make_dataclass(re.sub(r"\W+", "_", title), members)
-        fields.append(
-            (cls.__name__, Annotated[cls, tyro.conf.arg(name=title)], field(default_factory=cls))
-        )
-    return dataclasses.make_dataclass("Flags", fields)
+
+    return registry
 
 
 def _one_line(box: str) -> str:
@@ -373,7 +304,6 @@ def parse_config(argv: list[str]) -> Config:
 
         for preset in presets:
             values.update(read_preset(Path(preset)))
-    preset = presets[-1] if presets else ""
     flagged = {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}
     defaults = dataclasses.asdict(Config())
     # a preset's run dir counts as a default: the same command run again gets a free one
@@ -381,28 +311,30 @@ def parse_config(argv: list[str]) -> Config:
     given = frozenset(values) - {"run_dir"} | {n.removeprefix("no_") for n in flagged} & set(
         defaults
     )
+    # --config FILE is read above; tyro parses the flags over the presets' values
+    flags = [
+        a
+        for i, a in enumerate(argv)
+        if not (a == "--config" or a.startswith("--config=") or i and argv[i - 1] == "--config")
+    ]
     errors = io.StringIO()
     try:
         with contextlib.redirect_stderr(errors):
-            flags = tyro.cli(
-                _flags({**defaults, **values}, preset),
-                args=argv,
+            cfg = tyro.cli(
+                Config,
+                args=flags,
+                default=Config(**{**defaults, **values}),
                 prog="run.py",
-                config=(tyro.conf.OmitArgPrefixes,),
-                description="nanorft: reinforcement fine-tuning of LLMs. Settings: Config "
-                "defaults < --config FILE.toml < flags.",
+                registry=_json_arguments(),
+                description="nanorft: reinforcement fine-tuning of LLMs. Settings: the defaults "
+                "below < each --config FILE.toml (TOML, keys = these settings) < flags.",
             )
     except SystemExit as e:
         if e.code:
             raise ValueError(_one_line(errors.getvalue())) from None
         raise
     sys.stderr.write(errors.getvalue())
-    values = {
-        k: v
-        for stage in vars(flags).values()
-        if dataclasses.is_dataclass(stage)
-        for k, v in vars(stage).items()
-    }
+    values = dataclasses.asdict(cfg)
     values.update(task_preset(values["task"], given))
     cfg = Config(**values)
     cfg.given = given

@@ -1,7 +1,7 @@
 """What the RL loop in run.py talks to on a trainer rank: `started` makes the trainer and starts
 the explorer (mode both) or joins the explorers (mode train); `StepIO` reads each batch from
 its batch source (`BufferBatches`, or offline data), hands the weights to its publisher
-(`SentWeights`, a checkpoint, `NoWeights`) and logs the step."""
+(sync.py: sent to the explorers, a checkpoint, none) and logs the step."""
 
 import contextlib
 import dataclasses
@@ -93,11 +93,6 @@ def check_sampling(cfg, groups: list[list[Experience]]) -> None:
             )
 
 
-def bucket_elems(cfg) -> int:
-    """The weight-sync bucket in elements: --sync-bucket-mb MiB of float32; 0 = unbucketed."""
-    return int(cfg.sync_bucket_mb * 2**20) // 4
-
-
 @dataclass
 class Explorers:
     """Rank 0's link to the explorers: their records so far, whether they still run, and the
@@ -106,46 +101,6 @@ class Explorers:
     records: Callable[[], list[dict]] = list
     alive: Callable[[], bool] = lambda: True  # noqa: E731
     cores: perf.CoreShare | None = None
-
-
-class SentWeights:
-    """The weight publisher of broadcast and ipc sync: rank 0 sends to the explorers' group
-    (`send(version, buckets)` -> checksum or None; None on the other ranks, which take part in
-    the gathers), in buckets of `bucket_elems` (0: all at once)."""
-
-    def __init__(self, send: Callable | None, bucket_elems: int):
-        self.send = send
-        self.bucket_elems = bucket_elems
-
-    def publish(self, trainer: Trainer) -> tuple[float | None, list | None]:
-        """(the checksum sent, the full parameters when gathered at once). Collective."""
-        if self.bucket_elems:
-            buckets = trainer.parameter_buckets(self.bucket_elems)
-            digest = self.send(trainer.version, buckets) if self.send else None
-            for _ in buckets:  # the other ranks take part in every gather
-                pass
-            return digest, None
-        params = trainer.full_parameters()
-        return (self.send(trainer.version, [params]) if self.send else None), params
-
-
-class NoWeights:
-    """Offline training (--train-data): no explorer takes the weights."""
-
-    def publish(self, trainer: Trainer) -> tuple[None, None]:
-        return None, None
-
-
-def make_publisher(cfg, rank: int, send: Callable | None):
-    """This rank's weight publisher: none offline, a checkpoint (extras/checkpoint_sync.py), or
-    `send` to the explorers' weight-sync group."""
-    if cfg.train_data:
-        return NoWeights()
-    if cfg.sync_method == "checkpoint":
-        from extras.checkpoint_sync import CheckpointWeights
-
-        return CheckpointWeights(cfg.run_dir, cfg.sync_checksum, rank)
-    return SentWeights(send, bucket_elems(cfg))
 
 
 class StepIO:
@@ -183,7 +138,7 @@ class StepIO:
         # (perf.TrainerMeter, perf.ExplorerMeter) on rank 0: model FLOPs and MFU
         self.meters = meters
         self.explorers = Explorers()
-        self.publisher = make_publisher(cfg, rank, None)
+        self.publisher = sync.make_publisher(cfg, rank, None)
         self.extra_metrics: Callable[[], dict] = dict
         # when rank 0 last looked for explorer status while waiting for a batch
         self.status_at = 0.0
@@ -417,7 +372,7 @@ def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks: 
 
             weights, explorers = connect_explorers(cfg, step_io.buffer, layout, trainer, rank)
             send = weights.send if weights else None
-        step_io.connect(explorers, make_publisher(cfg, rank, send), extra_metrics)
+        step_io.connect(explorers, sync.make_publisher(cfg, rank, send), extra_metrics)
         if explorers.cores is not None:  # threads the explorer lends while it waits
             perf.lend_threads(trainer.model, explorers.cores)
         yield trainer, step_io, start
@@ -551,7 +506,7 @@ def weight_group(cfg, layout, receivers: int):
         host=cfg.sync_host,
         device=layout.sync_device,
         timeout_s=cfg.sync_timeout_s,
-        bucket_elems=bucket_elems(cfg),
+        bucket_elems=sync.bucket_elems(cfg),
         checksum=cfg.sync_checksum,
     )
 

@@ -1,5 +1,7 @@
-"""Weight sync, both ends: the torch.distributed group (`WeightSync`), the explorer's `Receiver`
-and the order-sensitive `Checksum`; the schedule of publishes is schedule.py's."""
+"""Weight sync, both ends: the trainer's weight publishers (`make_publisher`: `SentWeights`,
+`NoWeights`; a checkpoint: extras/checkpoint_sync.py), the torch.distributed group
+(`WeightSync`), the explorer's `Receiver` and the order-sensitive `Checksum`; the schedule of
+publishes is schedule.py's."""
 
 import contextlib
 import socket
@@ -346,3 +348,48 @@ class Receiver:
             "time/explorer_wait_sync_s": time.perf_counter() - t0,
         }
         self.log(record if digest is None else {**record, "sync/explorer_checksum": digest})
+
+
+def bucket_elems(cfg) -> int:
+    """The weight-sync bucket in elements: --sync-bucket-mb MiB of float32; 0 = unbucketed."""
+    return int(cfg.sync_bucket_mb * 2**20) // 4
+
+
+class SentWeights:
+    """The weight publisher of broadcast and ipc sync: rank 0 sends to the explorers' group
+    (`send(version, buckets)` -> checksum or None; None on the other ranks, which take part in
+    the gathers), in buckets of `bucket_elems` (0: all at once)."""
+
+    def __init__(self, send: Callable | None, bucket_elems: int):
+        self.send = send
+        self.bucket_elems = bucket_elems
+
+    def publish(self, trainer) -> tuple[float | None, list | None]:
+        """(the checksum sent, the full parameters when gathered at once). Collective."""
+        if self.bucket_elems:
+            buckets = trainer.parameter_buckets(self.bucket_elems)
+            digest = self.send(trainer.version, buckets) if self.send else None
+            for _ in buckets:  # the other ranks take part in every gather
+                pass
+            return digest, None
+        params = trainer.full_parameters()
+        return (self.send(trainer.version, [params]) if self.send else None), params
+
+
+class NoWeights:
+    """Offline training (--train-data): no explorer takes the weights."""
+
+    def publish(self, trainer) -> tuple[None, None]:
+        return None, None
+
+
+def make_publisher(cfg, rank: int, send: Callable | None):
+    """This rank's weight publisher: none offline, a checkpoint (extras/checkpoint_sync.py), or
+    `send` to the explorers' weight-sync group."""
+    if cfg.train_data:
+        return NoWeights()
+    if cfg.sync_method == "checkpoint":
+        from extras.checkpoint_sync import CheckpointWeights
+
+        return CheckpointWeights(cfg.run_dir, cfg.sync_checksum, rank)
+    return SentWeights(send, bucket_elems(cfg))

@@ -1,7 +1,6 @@
 """Mode bench: avg@k, pass@k and pass@1 of models (default RUN_DIR/final) on the held-out tasks, RUN_DIR/bench.json.
 python run.py --mode bench --bench-models base,runs/default/final --bench-k 8"""
 
-import dataclasses
 import json
 import os
 import time
@@ -45,7 +44,6 @@ def take_run_settings(cfg: Config) -> None:
     if not isinstance(saved, dict):
         raise ValueError(f"{src}: not a saved config (a JSON object)")
     same_task = "task" not in cfg.given or cfg.task == saved.get("task")
-    types = {f.name: f.type for f in dataclasses.fields(Config)}
     taken = [
         name
         for name in RUN_TASK_SETTINGS
@@ -54,7 +52,7 @@ def take_run_settings(cfg: Config) -> None:
         and (same_task or name not in OTHER_TASK_DEFAULTS)
     ]
     for name in taken:
-        setattr(cfg, name, coerce(name, saved[name], types[name]))
+        setattr(cfg, name, coerce(name, saved[name]))
     cfg.given = cfg.given | set(taken)  # the run's own settings, as if given
     if taken:
         print(

@@ -57,7 +57,7 @@ def publish_checkpoint(
 
 
 class CheckpointWeights:
-    """The weight publisher of --sync-method checkpoint (loop.make_publisher): rank 0 writes
+    """The weight publisher of --sync-method checkpoint (sync.make_publisher): rank 0 writes
     each version to RUN_DIR/checkpoints, where the explorers look for it."""
 
     def __init__(self, run_dir: str | Path, checksum: bool, rank: int):

@@ -1,26 +1,30 @@
 """TOML presets (`--config FILE.toml`): `read_preset` for config.parse_config, `coerce` also for mode bench."""
 
-import dataclasses
 import tomllib
+import typing
 from pathlib import Path
 
-from config import CHOICES, TYPES, Config
+from config import Config
 
 
-def coerce(name: str, value, typ: str):
-    """A TOML (or saved-config) value as field `name` of type `typ` takes it; ValueError (one line) otherwise."""
-    if typ in ("bool", "dict", "list"):
-        if not isinstance(value, TYPES[typ]):
-            want = {"bool": "true/false", "dict": "a table", "list": "a list"}[typ]
+def coerce(name: str, value):
+    """A TOML (or saved-config) value as setting `name` takes it (its type, one of its choices);
+    ValueError (one line) otherwise."""
+    hint = typing.get_type_hints(Config)[name]
+    choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else ()
+    typ = type(choices[0]) if choices else hint
+    if typ in (bool, dict, list):
+        if not isinstance(value, typ):
+            want = {bool: "true/false", dict: "a table", list: "a list"}[typ]
             raise ValueError(f"config key {name!r}: expected {want}, got {value!r}")
         return value
     try:
-        value = TYPES[typ](value)
+        value = typ(value)
     except (TypeError, ValueError):
-        raise ValueError(f"config key {name!r}: expected {typ}, got {value!r}") from None
-    if value not in CHOICES.get(name, (value,)):
+        raise ValueError(f"config key {name!r}: expected {typ.__name__}, got {value!r}") from None
+    if choices and value not in choices:
         raise ValueError(
-            f"config key {name!r}: expected one of {', '.join(CHOICES[name])}, got {value!r}"
+            f"config key {name!r}: expected one of {', '.join(choices)}, got {value!r}"
         )
     return value
 
@@ -33,7 +37,6 @@ def read_preset(path: Path) -> dict:
         values = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: invalid TOML ({e})") from None
-    types = {f.name: f.type for f in dataclasses.fields(Config)}
-    if unknown := set(values) - set(types):
+    if unknown := set(values) - set(typing.get_type_hints(Config)):
         raise ValueError(f"{path}: unknown config key(s) {sorted(unknown)}")
-    return {k: coerce(k, v, types[k]) for k, v in values.items()}
+    return {k: coerce(k, v) for k, v in values.items()}
