@@ -85,7 +85,7 @@ def load_resume_state(trainer, path: str | Path) -> int:
     if not trainer.lora:
         _load_weights(trainer, Path(path) / "hf")
     meta = torch.load(Path(path) / "trainer.pt", weights_only=False)
-    trainer.version, trainer.loop_state = meta["version"], dict(meta["loop"])
+    trainer.resume_at(meta["version"], dict(meta["loop"]))
     torch.set_rng_state(meta["rng"])
     return meta["step"]
 

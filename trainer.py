@@ -195,7 +195,8 @@ class Trainer:
             fused=fused,
         )
         self.lr_factor, self.version = lr_schedule(cfg, self.opt), 0
-        self.loop_state: dict = {}  # rank 0: loop.TrainLoop's position, saved with the resume state
+        # rank 0: the loop's position in data it reads (--expert-data), saved with the resume state
+        self.loop_state: dict = {}
 
     def pretrained(self, model_path: str):
         """The model at `model_path` in float32 on the device, attending by `packed_sdpa` (`pack`'s layout)."""
@@ -248,6 +249,12 @@ class Trainer:
             e.sparse = e.weight.requires_grad
             self.head_grad_into_weight = e.weight.requires_grad
         return model
+
+    def resume_at(self, version: int, loop_state: dict) -> None:
+        """Continue from a resume state (checkpoints.load_resume_state): the weight version it
+        had reached and the loop's position, its weights and optimizer already loaded."""
+        self.version = version
+        self.loop_state = loop_state
 
     def named_trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """(name, parameter) of what this trainer trains and publishes, in `named_parameters()` order."""
