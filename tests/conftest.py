@@ -127,6 +127,19 @@ def served(engine, coro, timeout_s: float = 600):
     return out
 
 
+def tiny_explorer(engine, run_dir, tasks: int, **settings):
+    """(an explorer.Explorer of `engine`, its `tasks` training tasks "question i") with short
+    replies rewarded by tests.rewards.length_parity; `settings` override the Config."""
+    from config import Config
+    from explorer import Explorer
+    from workflows import Task
+
+    fixed = dict(group_size=2, max_tokens=4, reward_fn="tests.rewards.length_parity")
+    cfg = Config(run_dir=str(run_dir), system_prompt="", **{**fixed, **settings})
+    train = [Task(f"t{i}", f"question {i}", "1") for i in range(tasks)]
+    return Explorer(cfg, engine, train, [], None, print), train
+
+
 def rollouts(engine, prompts, n, sampling):
     """Sample n completions per prompt through engine.generate; returns Experiences."""
     import asyncio

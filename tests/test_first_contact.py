@@ -8,7 +8,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import config
 import metrics
 import models
 import run

@@ -106,10 +106,9 @@ def test_the_policy_loss_is_three_calls_below_the_rl_loop(tiny_model, tmp_path):
 def test_the_sampling_call_is_three_calls_below_a_batch_of_the_explorers_loop(tiny_model, tmp_path):
     # a reader follows explore's loop -> Explorer.rollout_batch -> Explorer.rollout (the
     # rollout loop) -> HFEngine.generate_batch -> sample_token
-    from config import Config
+    from conftest import tiny_explorer
     from engines import HFEngine, sample_token
     from explorer import Explorer
-    from workflows import Task
 
     class Written:
         def __init__(self):
@@ -121,16 +120,7 @@ def test_the_sampling_call_is_three_calls_below_a_batch_of_the_explorers_loop(ti
         def retired(self):
             return {}
 
-    cfg = Config(
-        run_dir=str(tmp_path),
-        batch_size=2,
-        group_size=2,
-        max_tokens=4,
-        reward_fn="tests.rewards.length_parity",
-        system_prompt="",
-    )
-    tasks = [Task(f"t{i}", f"question {i}", "1") for i in range(4)]
-    explorer = Explorer(cfg, HFEngine(tiny_model, seed=1), tasks, [], None, print)
+    explorer, _ = tiny_explorer(HFEngine(tiny_model, seed=1), tmp_path, 4, batch_size=2)
     written = Written()
     depths = calls_between(
         Explorer.rollout_batch, sample_token, lambda: explorer.rollout_batch(0, written)

@@ -1125,10 +1125,8 @@ def test_a_cached_evaluation_is_of_the_weights_the_engine_loaded(tiny_model, tmp
 
 
 def test_an_engine_failure_fails_the_runs_waiting_on_it_and_they_are_retried(tiny_model, tmp_path):
+    from conftest import tiny_explorer
     from engines import HFEngine
-    from explorer import Explorer
-    from run import Config
-    from workflows import Task
 
     class FailsOnce(HFEngine):
         failed = False
@@ -1139,16 +1137,8 @@ def test_an_engine_failure_fails_the_runs_waiting_on_it_and_they_are_retried(tin
                 raise RuntimeError("engine hiccup")
             return super().generate_batch(prompts, ns, sampling)
 
-    cfg = Config(
-        run_dir=str(tmp_path),
-        group_size=2,
-        max_tokens=4,
-        workflow_retries=1,
-        reward_fn="tests.rewards.length_parity",
-        system_prompt="",
-    )
-    tasks = [Task(f"t{i}", f"question {i}", "1") for i in range(3)]
-    explorer = Explorer(cfg, FailsOnce(tiny_model, seed=1), tasks, [], None, print)
+    engine = FailsOnce(tiny_model, seed=1)
+    explorer, tasks = tiny_explorer(engine, tmp_path, 3, workflow_retries=1)
     groups = explorer.rollout(tasks)
     assert [len(g) for g in groups] == [2, 2, 2]
     # the three runs shared the failed batch: each failed once and succeeded on its retry
