@@ -9,6 +9,7 @@ import json
 import math
 import re
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -260,7 +261,8 @@ def _json_arguments():
 
     @registry.primitive_rule
     def json_argument(info):
-        if info.type not in (dict, list):
+        # (a list default narrows the type: list[dict] for a preset's list of tables)
+        if info.type not in (dict, list) and typing.get_origin(info.type) not in (dict, list):
             return None
         return tyro.constructors.PrimitiveConstructorSpec(
             nargs=1,

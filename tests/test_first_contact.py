@@ -359,3 +359,17 @@ def test_another_tasks_preset_is_named_at_the_start(tiny_model, tmp_path, capsys
     assert "system_prompt" not in out.split("nanorft: task chain_sum:")[1].splitlines()[0]
     run.prepare(run.parse_config([*argv, "--overwrite"]), 0)
     assert "nanorft: task basic_arithmetic:" not in capsys.readouterr().out
+
+
+def test_a_json_flag_replaces_a_presets_list_of_tables():
+    # a preset's list of tables narrowed the setting's type to a list of dicts, and the flag's
+    # JSON list became one entry of it
+    flag = '[{"op": "dedup"}, {"op": "pass_rate_difficulty", "k": 2}]'
+    preset = run.parse_config(["--config", str(ROOT / "configs/pipelines.toml")])
+    assert preset.task_pipeline[0] == {"op": "dedup"} and len(preset.task_pipeline) == 3
+    cfg = run.parse_config(
+        ["--config", str(ROOT / "configs/pipelines.toml"), "--task-pipeline", flag]
+    )
+    assert cfg.task_pipeline == [{"op": "dedup"}, {"op": "pass_rate_difficulty", "k": 2}]
+    cfg = run.parse_config(["--task-kwargs", '{"min_terms": 3}'])  # over a non-empty dict default
+    assert cfg.task_kwargs == {"min_terms": 3}
