@@ -300,7 +300,10 @@ class Decoding:
     drops = True  # ended rows can leave the batch
 
     def __init__(self, model, cache, attn: torch.Tensor, pos: torch.Tensor, max_tokens: int):
-        self.model, self.cache, self.attn, self.pos = model, cache, attn, pos  # [A, P], [A, S]
+        self.model = model
+        self.cache = cache
+        self.attn = attn  # [A, P]
+        self.pos = pos  # [A, S]
         for layer in cache.layers:
             layer.reserve(attn.shape[1] + max_tokens)  # each decode step writes its slot: no copy
 
@@ -362,7 +365,9 @@ class HFEngine(Engine):
                 from extras.lora import load_adapter
 
                 load_adapter(self.model, model_path)
-        self.max_batch, self.bf16, self.loaded_from = max_batch, bf16, model_path
+        self.max_batch = max_batch
+        self.bf16 = bf16
+        self.loaded_from = model_path
         gen_eos = self.model.generation_config.eos_token_id
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos = torch.tensor(
@@ -438,7 +443,9 @@ class HFEngine(Engine):
 
     def generate_batch(self, prompts, ns, s):
         """max_batch rollouts at a time; a shared prompt prefix and each prompt are prefilled once."""
-        seqs, out, dev = [p for p, n in zip(prompts, ns) for _ in range(n)], [], self.device
+        seqs = [p for p, n in zip(prompts, ns) for _ in range(n)]
+        out = []
+        dev = self.device
         with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.bf16):
             for start in range(0, len(seqs), self.max_batch):
                 self.status(

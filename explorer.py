@@ -206,7 +206,9 @@ class Explorer:
 
     def rollout_batch(self, batch: int, buffer: Buffer) -> dict:
         """Generate batch `batch` and write it to `buffer`; returns its metrics record. RuntimeError: it stays short."""
-        cfg, t0, version = self.cfg, time.perf_counter(), self.engine.version
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        version = self.engine.version
         since = self.work_since()
         self.counts = dict.fromkeys(self.counts, 0)
         self.engine.working_on(f"batch {batch} (version {version})")
@@ -316,7 +318,9 @@ class Explorer:
         """The eval/* record at `version` (None without held-out tasks); version 0 is cached (`eval_cache`)."""
         if not self.held_out:
             return None
-        cfg, t0, since = self.cfg, time.perf_counter(), self.work_since()
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        since = self.work_since()
         n = max(cfg.eval_k, cfg.group_size) if version == 0 and cfg.eval_k else cfg.eval_k
         cache = eval_cache(cfg, self.engine, self.held_out, n) if version == 0 else None
         # else another format: a miss

@@ -317,7 +317,8 @@ class HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, rows, entropy, grad_into_weight):
-        lps, logzs, ents, device = [], [], [], hidden.device.type
+        lps, logzs, ents = [], [], []
+        device = hidden.device.type
         cast = (
             weight.to(torch.get_autocast_dtype(device))
             if torch.is_autocast_enabled(device)

@@ -228,7 +228,10 @@ class CoreShare:
     """The side that waits (`flags`: trainer busy, explorer busy) lends its CPU threads to the busy one."""
 
     def __init__(self, flags, side: int, own: int, other: int):
-        self.flags, self.side, self.own, self.other = flags, side, own, other
+        self.flags = flags
+        self.side = side
+        self.own = own
+        self.other = other
 
     def busy(self, flag: bool) -> None:
         self.flags[self.side] = int(flag)

@@ -310,8 +310,13 @@ class Receiver:
         device: str = "cpu",
         host: str = "127.0.0.1",
     ):
-        self.engine, self.log, self.alive = engine, log, alive
-        self.port, self.timeout_s, self.device, self.host = port, timeout_s, device, host
+        self.engine = engine
+        self.log = log
+        self.alive = alive
+        self.port = port
+        self.timeout_s = timeout_s
+        self.device = device
+        self.host = host
         # what announces and receives the weights: the engine's group, or the run's checkpoints
         if port is not None:
             self.source = engine

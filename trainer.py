@@ -397,7 +397,9 @@ class Trainer:
 
     def shape_rewards(self, batch: StepBatch, my_rows: list[list]) -> tuple[torch.Tensor, dict]:
         """Rewards [N] minus the KL reward and length penalties, and the rollouts' reward metrics."""
-        cfg, rewards, m = self.cfg, batch.rewards, {}
+        cfg = self.cfg
+        rewards = batch.rewards
+        m = {}
         rollout_rewards = rewards[~batch.offline]  # [N_rollout]
         if len(rollout_rewards):
             m["reward/mean"] = float(rollout_rewards.mean())

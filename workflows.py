@@ -105,7 +105,10 @@ class Selector:
     """The indices of the next training tasks: `order`, cycled (Trinity-RFT trinity/buffer/selector/selector.py @ 3e9eb605)."""
 
     def __init__(self, tasks: list[Task], seed: int):
-        self.tasks, self.seed, self.cursor, self.order = tasks, seed, 0, list(range(len(tasks)))
+        self.tasks = tasks
+        self.seed = seed
+        self.cursor = 0
+        self.order = list(range(len(tasks)))
 
     def next(self, k: int) -> list[int]:
         out = [self.order[(self.cursor + i) % len(self.order)] for i in range(k)]
@@ -240,8 +243,12 @@ class Workflow:
     def __init__(
         self, tokenizer, reward_fn, dataset, system_prompt: str, sampling, run_dir: str = ""
     ):
-        self.tokenizer, self.reward_fn, self.dataset = tokenizer, reward_fn, dataset
-        self.system_prompt, self.sampling, self.run_dir = system_prompt, sampling, run_dir
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.dataset = dataset
+        self.system_prompt = system_prompt
+        self.sampling = sampling
+        self.run_dir = run_dir
 
     async def score(self, task: Task, completion: str) -> tuple[float | None, str | None]:
         """(reward, error): the reward function in a thread; an error or a non-finite reward scores 0."""
