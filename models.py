@@ -147,3 +147,25 @@ def base_model_dir(path: str | Path) -> str:
     from peft import PeftConfig
 
     return PeftConfig.from_pretrained(str(path)).base_model_name_or_path
+
+
+def final_dtype(model_path: str, save_dtype: str) -> torch.dtype:
+    """The dtype of a run's final weights: `save_dtype`, or for "auto" the model's own (its
+    config.json's; float32 where it names none)."""
+    if save_dtype != "auto":
+        return getattr(torch, save_dtype)
+    from transformers import AutoConfig
+
+    own = AutoConfig.from_pretrained(model_path).dtype
+    return getattr(torch, own) if isinstance(own, str) else own or torch.float32
+
+
+def save_pretrained(model, tokenizer, path, state: dict, dtype: torch.dtype) -> None:
+    """A Hugging Face directory at `path`: the weights `state` (name -> tensor), the tokenizer,
+    and a config.json that names `dtype` (save_pretrained records the live model's float32)."""
+    model.save_pretrained(str(path), state_dict=state)
+    tokenizer.save_pretrained(str(path))
+    conf = Path(path) / "config.json"
+    settings = json.loads(conf.read_text())
+    settings["dtype"] = str(dtype).removeprefix("torch.")
+    conf.write_text(json.dumps(settings, indent=2))

@@ -1,6 +1,5 @@
 """Trainer: one RL step on an FSDP2 model (`Trainer.step`: shape_rewards, advantages, filters, loss, optimizer_step)."""
 
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -145,7 +144,7 @@ class Trainer:
     lora = None  # the peft LoraConfig of extras/lora.py's LoraTrainer: resume states then hold the adapters only
 
     def __init__(self, cfg, model_path: str, device: torch.device):
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.cfg = cfg
         self.device = device
@@ -170,9 +169,7 @@ class Trainer:
         # the LM head adds its gradient into the tied embedding's (shard sets it)
         self.head_grad_into_weight = False
         self.model = self.shard(self.pretrained(model_path))
-        own = AutoConfig.from_pretrained(model_path).dtype
-        own = getattr(torch, own) if isinstance(own, str) else own or torch.float32
-        self.final_dtype = own if cfg.save_dtype == "auto" else getattr(torch, cfg.save_dtype)
+        self.final_dtype = models.final_dtype(model_path, cfg.save_dtype)
         self.needs_ref = bool(cfg.kl_loss_coef or cfg.kl_reward_coef or self.policy_loss.needs_ref)
         self.ref = None  # the frozen reference policy of the KL terms and DPO
         if self.needs_ref:
@@ -590,15 +587,7 @@ class Trainer:
                 n: p.detach().to("cpu", dtype).contiguous()
                 for (n, _), p in zip(self.named_trained_parameters(), params)
             }
-            self.model.save_pretrained(str(path), state_dict=state)
-            self.tokenizer.save_pretrained(str(path))
-            conf = Path(path) / "config.json"  # save_pretrained records the live model's float32
-            conf.write_text(
-                json.dumps(
-                    {**json.loads(conf.read_text()), "dtype": str(dtype).removeprefix("torch.")},
-                    indent=2,
-                )
-            )
+            models.save_pretrained(self.model, self.tokenizer, path, state, dtype)
 
     def save_final(self, path: str | Path, params: list[torch.Tensor] | None = None) -> None:
         """The run's final weights at `path` in `final_dtype`. Collective unless `params` is given."""
