@@ -106,7 +106,7 @@ class Explorers:
 class StepIO:
     """What one trainer step reads and writes around `Trainer.step` on this rank: the batch
     (rank 0 reads it from `batches`, shaped by `shape`, and every rank gets it), the weights to
-    publish (`connect`), the metrics (`metrics`, with the `meters`' FLOPs) and the progress bar.
+    publish (`connect`), the metrics (`metrics`, with the meters' FLOPs) and the progress bar.
     `errors`: the error lines the explorer reported."""
 
     def __init__(
@@ -120,7 +120,8 @@ class StepIO:
         metrics: Metrics | None = None,
         batches=None,
         shape: Callable[[list, int], tuple[list, dict]] | None = None,
-        meters: tuple | None = None,
+        trainer_meter: perf.TrainerMeter | None = None,
+        explorer_meter: perf.ExplorerMeter | None = None,
     ):
         from tqdm import tqdm
 
@@ -135,8 +136,9 @@ class StepIO:
         self.batches = batches
         # the experience pipeline and --expert-data's mixing, after the batch is read
         self.shape = shape
-        # (perf.TrainerMeter, perf.ExplorerMeter) on rank 0: model FLOPs and MFU
-        self.meters = meters
+        # rank 0: the model FLOPs and MFU of the trainer's steps and the explorer's batches
+        self.trainer_meter = trainer_meter
+        self.explorer_meter = explorer_meter
         self.explorers = Explorers()
         self.publisher = sync.make_publisher(cfg, rank, None)
         self.extra_metrics: Callable[[], dict] = dict
@@ -213,8 +215,8 @@ class StepIO:
     def drain(self) -> None:
         """Rank 0: the explorers' new records (batch stats join their step's record)."""
         for r in self.explorers.records():
-            if self.meters is not None:
-                r.update(self.meters[1].measure(r))
+            if self.explorer_meter is not None:
+                r.update(self.explorer_meter.measure(r))
             self.meter.add(r)
             if "batch" in r:
                 self.pending[r["batch"]] = r
@@ -246,11 +248,10 @@ class StepIO:
         rollouts = [g for g in groups if not g[0].info.get("offline")]
         if rollouts:
             self.rollout_health(step, m, rollouts)
-        if self.meters is not None:
-            trainer_meter = self.meters[0]
-            m.update(trainer_meter.measure(m))
+        if self.trainer_meter is not None:
+            m.update(self.trainer_meter.measure(m))
             flops = m["perf/trainer_model_flops"]
-            peak = trainer_meter.peak
+            peak = self.trainer_meter.peak
             m.update(self.meter.since_last(flops, peak, self.trainer.device.type))
         m.update(
             {
@@ -444,7 +445,7 @@ def make_step_io(
         batches = OfflineBatches(cfg, trainer.tokenizer, start)
     else:
         batches = BufferBatches(cfg, buffer)
-    meters = None
+    trainer_meter = explorer_meter = None
     if layout is not None:  # model FLOPs and MFU beside the RL step
         matmul = perf.matmul_params(model_path)  # the explorer samples with the same model
         passes = 3 + trainer.needs_ref  # forward and backward, and a reference model's forward
@@ -452,8 +453,20 @@ def make_step_io(
         # mode both: the explorer's device; mode train: explorers taken to be on the trainer's kind
         explorer_device = layout.explorer if cfg.mode == "both" else device.type
         explorer_device = "cuda" if explorer_device.startswith("cuda") else "cpu"
-        meters = (trainer_meter, perf.ExplorerMeter(matmul, explorer_device, cfg.dtype))
-    return StepIO(cfg, trainer, start, rank, world, buffer, metrics, batches, shape, meters)
+        explorer_meter = perf.ExplorerMeter(matmul, explorer_device, cfg.dtype)
+    return StepIO(
+        cfg,
+        trainer,
+        start,
+        rank,
+        world,
+        buffer,
+        metrics,
+        batches,
+        shape,
+        trainer_meter,
+        explorer_meter,
+    )
 
 
 def start_explorer(cfg, model_path: str, version: int, layout, tasks: tuple):

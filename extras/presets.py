@@ -6,11 +6,14 @@ from pathlib import Path
 
 from config import Config
 
+# each setting's type, resolved once (Config's annotations are strings)
+HINTS = typing.get_type_hints(Config)
+
 
 def coerce(name: str, value):
     """A TOML (or saved-config) value as setting `name` takes it (its type, one of its choices);
     ValueError (one line) otherwise."""
-    hint = typing.get_type_hints(Config)[name]
+    hint = HINTS[name]
     choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else ()
     typ = type(choices[0]) if choices else hint
     if typ in (bool, dict, list):
@@ -37,6 +40,6 @@ def read_preset(path: Path) -> dict:
         values = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: invalid TOML ({e})") from None
-    if unknown := set(values) - set(typing.get_type_hints(Config)):
+    if unknown := set(values) - set(HINTS):
         raise ValueError(f"{path}: unknown config key(s) {sorted(unknown)}")
     return {k: coerce(k, v) for k, v in values.items()}
