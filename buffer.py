@@ -30,10 +30,9 @@ CREATE TABLE IF NOT EXISTS run_state (key TEXT PRIMARY KEY, value TEXT NOT NULL)
 CREATE TABLE IF NOT EXISTS explorer_records (id {id}, explorer TEXT NOT NULL, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS replays (step INTEGER NOT NULL, group_id TEXT NOT NULL);
 """
-COLUMNS = (
-    "group_id, task_id, model_version, prompt_length, tokens, behaviour_logprobs, action_mask, reward, info, "
-    "explorer"
-)
+COLUMNS = "group_id, task_id, model_version, prompt_length, tokens, behaviour_logprobs, action_mask, reward, info, explorer"
+# every table of SCHEMA (Buffer.clear)
+TABLES = ("experiences", "explorer_state", "task_pool", "run_state", "explorer_records", "replays")
 
 
 @dataclass
@@ -52,17 +51,15 @@ class Experience:
     explorer: str = Config.explorer_name
 
     def __post_init__(self):
-        if self.reward is not None and not (
-            isinstance(self.reward, (int, float)) and math.isfinite(self.reward)
-        ):
+        finite = isinstance(self.reward, (int, float)) and math.isfinite(self.reward)
+        if self.reward is not None and not finite:
             raise ValueError(
                 f"experience {self.task_id}: reward must be a finite number or None, got {self.reward!r}"
             )
         r = len(self.tokens) - self.prompt_length
         if not (len(self.behaviour_logprobs) == len(self.action_mask) == r >= 0):
             raise ValueError(
-                f"experience {self.task_id}: response has {r} tokens but {len(self.behaviour_logprobs)} "
-                f"behaviour_logprobs and {len(self.action_mask)} mask entries"
+                f"experience {self.task_id}: response has {r} tokens but {len(self.behaviour_logprobs)} behaviour_logprobs and {len(self.action_mask)} mask entries"
             )
 
 
@@ -152,14 +149,7 @@ class Buffer:
     def clear(self) -> None:
         """Delete everything in this buffer, in one transaction."""
         with self.db.transaction(readers=True):
-            for table in (
-                "experiences",
-                "explorer_state",
-                "task_pool",
-                "run_state",
-                "explorer_records",
-                "replays",
-            ):
+            for table in TABLES:
                 self.db.execute(f"DELETE FROM {table}")
 
     def write(self, group: list[Experience]) -> None:
@@ -214,11 +204,8 @@ class Buffer:
         if self.db.hold(name, wait=False):
             return True
         if wait:
-            print(
-                f"explorer {name}: waiting for the previous explorer of this name to stop",
-                file=sys.stderr,
-                flush=True,
-            )
+            waiting = f"explorer {name}: waiting for the previous explorer of this name to stop"
+            print(waiting, file=sys.stderr, flush=True)
             self.db.hold(name, wait=True)
         return wait
 
@@ -237,13 +224,11 @@ class Buffer:
     def release_after(self, step: int) -> int:
         """Serve again what trainer steps >= `step` took; returns the number of experiences."""
         with self.db.transaction(readers=True):
-            for (group_id,) in self.db.execute(
-                "SELECT group_id FROM replays WHERE step >= ?", (step,)
-            ).fetchall():
-                self.db.execute(
-                    "UPDATE experiences SET use_count = use_count - 1 WHERE group_id = ?",
-                    (group_id,),
-                )
+            replayed = self.db.execute("SELECT group_id FROM replays WHERE step >= ?", (step,))
+            self.db.executemany(
+                "UPDATE experiences SET use_count = use_count - 1 WHERE group_id = ?",
+                replayed.fetchall(),
+            )
             self.db.execute("DELETE FROM replays WHERE step >= ?", (step,))
             return self.db.execute(
                 "UPDATE experiences SET consumed = 0, use_count = 0 WHERE consumed > ?", (step,)
@@ -275,14 +260,12 @@ class Buffer:
 
     def _take(self, num_groups: int, step: int) -> list[list[Experience]] | None:
         with self.db.transaction(readers=True):
-            ids = [
-                r[0]
-                for r in self.db.execute(
-                    "SELECT group_id FROM experiences WHERE consumed = 0 GROUP BY group_id "
-                    "HAVING COUNT(*) = COUNT(reward) ORDER BY MIN(id) LIMIT ?",
-                    (num_groups,),
-                )
-            ]
+            ready = self.db.execute(
+                "SELECT group_id FROM experiences WHERE consumed = 0 GROUP BY group_id "
+                "HAVING COUNT(*) = COUNT(reward) ORDER BY MIN(id) LIMIT ?",
+                (num_groups,),
+            )
+            ids = [r[0] for r in ready]
             if len(ids) < num_groups:
                 return None
             marks = ",".join("?" * len(ids))
@@ -302,21 +285,14 @@ class Buffer:
     def groups_of(ids: list[str], rows) -> list[list[Experience]]:
         """Rows of COLUMNS (ordered by id) as groups, in the order of `ids`."""
         by_group: dict[str, list[Experience]] = {g: [] for g in ids}
-        for g, task, ver, plen, tok, lp, mask, reward, info, explorer in rows:
-            by_group[g].append(
-                Experience(
-                    list(array("i", tok)),
-                    plen,
-                    list(array("f", lp)),
-                    list(array("b", mask)),
-                    reward,
-                    g,
-                    task,
-                    ver,
-                    json.loads(info),
-                    explorer,
-                )
+        for g, task, ver, plen, tok, lp, msk, reward, info, explorer in rows:
+            tokens = list(array("i", tok))
+            logprobs = list(array("f", lp))
+            mask = list(array("b", msk))
+            e = Experience(
+                tokens, plen, logprobs, mask, reward, g, task, ver, json.loads(info), explorer
             )
+            by_group[g].append(e)
         return list(by_group.values())
 
     def counts(self) -> dict[str, int]:
@@ -324,12 +300,7 @@ class Buffer:
         total, consumed, known = self.db.execute(
             "SELECT COUNT(*), COUNT(CASE WHEN consumed > 0 THEN 1 END), COUNT(reward) FROM experiences"
         ).fetchone()
-        return {
-            "total": total,
-            "consumed": consumed,
-            "pending": total - known,
-            "ready": known - consumed,
-        }
+        return dict(total=total, consumed=consumed, pending=total - known, ready=known - consumed)
 
     def _set_pool(self, task_id: str, mean_reward: float, easy: float, hard: float) -> None:
         pool = pool_for(mean_reward, easy, hard)

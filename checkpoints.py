@@ -31,7 +31,6 @@ def delete_resume_states(run_dir: str | Path) -> int:
 def save_resume_state(trainer, run_dir: str | Path, step: int) -> Path:
     """Write `trainer`'s state after `step` steps, return its path; resume-latest names it when complete. Collective."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     root = Path(run_dir) / "checkpoints"
     path = root / f"resume-{step:06d}"
@@ -39,23 +38,13 @@ def save_resume_state(trainer, run_dir: str | Path, step: int) -> Path:
         shutil.rmtree(path, ignore_errors=True)  # a partial state left by a crash
         path.mkdir(parents=True)
     dist.barrier()
-    dcp.save(
-        {"optim": get_optimizer_state_dict(trainer.model, trainer.opt), **_adapter_state(trainer)},
-        checkpoint_id=str(path / "dcp"),
-    )
-    trainer.save(
-        path / "hf"
-    )  # the one copy of the weights: the explorer of a resumed run starts from it
+    dcp.save(_dcp_state(trainer), checkpoint_id=str(path / "dcp"))
+    # the one copy of the weights: the explorer of a resumed run starts from it
+    trainer.save(path / "hf")
     if trainer.rank == 0:
-        torch.save(
-            {
-                "step": step,
-                "version": trainer.version,
-                "rng": torch.get_rng_state(),
-                "loop": trainer.loop_state,
-            },
-            path / "trainer.pt",
-        )
+        rng = torch.get_rng_state()
+        meta = dict(step=step, version=trainer.version, rng=rng, loop=trainer.loop_state)
+        torch.save(meta, path / "trainer.pt")
         tmp = root / ".resume-latest.tmp"
         tmp.write_text(path.name)
         os.replace(tmp, root / "resume-latest")
@@ -69,18 +58,11 @@ def save_resume_state(trainer, run_dir: str | Path, step: int) -> Path:
 def load_resume_state(trainer, path: str | Path) -> int:
     """Load a resume state into `trainer`; returns its step. Collective. ValueError for missing weights."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    state = {
-        "optim": get_optimizer_state_dict(trainer.model, trainer.opt),
-        **_adapter_state(trainer),
-    }
-    dcp.load(
-        state, checkpoint_id=str(Path(path) / "dcp")
-    )  # LoRA: the adapters in place, as sharded
+    state = _dcp_state(trainer)
+    # LoRA: the adapters in place, as sharded
+    dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
     set_optimizer_state_dict(trainer.model, trainer.opt, state["optim"])
     if not trainer.lora:
         _load_weights(trainer, Path(path) / "hf")
@@ -90,10 +72,14 @@ def load_resume_state(trainer, path: str | Path) -> int:
     return meta["step"]
 
 
-def _adapter_state(trainer) -> dict:
-    return (
-        {"adapters": {n: p for n, p in trainer.named_trained_parameters()}} if trainer.lora else {}
-    )
+def _dcp_state(trainer) -> dict:
+    """What dcp saves and loads, sharded: the optimizer's state, and LoRA's adapters."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = {"optim": get_optimizer_state_dict(trainer.model, trainer.opt)}
+    if trainer.lora:
+        state["adapters"] = dict(trainer.named_trained_parameters())
+    return state
 
 
 def _load_weights(trainer, hf: Path) -> None:
@@ -109,8 +95,5 @@ def _load_weights(trainer, hf: Path) -> None:
             f"resume state {hf}: no weights for {missing[:3]} ({len(missing)} parameters)"
         )
     # strict=False: the tied alias of a weight (lm_head.weight) is not a parameter of its own
-    set_model_state_dict(
-        trainer.model,
-        {n: full[n] for n in names},
-        options=StateDictOptions(full_state_dict=True, strict=False),
-    )
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(trainer.model, {n: full[n] for n in names}, options=options)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import itertools
 import json
 import math
 import re
@@ -15,16 +16,14 @@ from pathlib import Path
 from typing import Literal
 
 DEFAULT_TASK = "basic_arithmetic"
-# The preset of a task other than the default one: the defaults of these settings are tuned for
-# basic_arithmetic, so another task gets these unless they are given (the first line of a run
-# names them: `task_preset`)
+# the defaults of these settings are tuned for basic_arithmetic: another task gets these unless
+# they are given (`task_preset`; the first line of a run names them)
 OTHER_TASK_DEFAULTS = {"task_kwargs": {}, "system_prompt": "Give only the final answer."}
 
 
 @dataclass
 class Config:
-    """Every setting of a run. Each field is a --flag, its docstring the flag's help; the
-    `# -- title` comments group them for a reader of this file."""
+    """Every setting of a run: each field is a --flag, its docstring the flag's help; `# -- title` comments group them."""
 
     # (not a setting) the names set in --config or by flag: parse_config records them
     given = frozenset()
@@ -278,15 +277,9 @@ def _json_arguments():
 def _one_line(box: str) -> str:
     """tyro's error box as one line: its text without the frame, the rules, the title and the pointer to --help."""
     lines = [re.sub(r"^[\s│╭╰|]*(─+\s)?|(\s─+)?[\s│╮╯|]*$", "", x) for x in box.splitlines()][1:]
-    end = next(
-        (
-            i
-            for i, x in enumerate(lines)
-            if x.startswith(("For full helptext", "Argument helptext"))
-        ),
-        len(lines),
-    )
-    return " ".join(x for x in lines[:end] if x and set(x) != {"─"})
+    ends = ("For full helptext", "Argument helptext")
+    body = itertools.takewhile(lambda x: not x.startswith(ends), lines)
+    return " ".join(x for x in body if x and set(x) != {"─"})
 
 
 def parse_config(argv: list[str]) -> Config:
@@ -295,30 +288,26 @@ def parse_config(argv: list[str]) -> Config:
     import tyro
 
     presets = []  # every --config, in order: a later file overrides an earlier one
+    flags = []  # the rest: tyro parses the flags over the presets' values
     for i, a in enumerate(argv):
         if a == "--config" and i + 1 < len(argv):
             presets.append(argv[i + 1])
         elif a.startswith("--config="):
             presets.append(a.split("=", 1)[1])
+        elif not (a == "--config" or i and argv[i - 1] == "--config"):
+            flags.append(a)
     values = {}
     if presets:
         from extras.presets import read_preset
 
         for preset in presets:
             values.update(read_preset(Path(preset)))
-    flagged = {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}
+    names = {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}
     defaults = dataclasses.asdict(Config())
+    flagged = {n.removeprefix("no_") for n in names} & set(defaults)
     # a preset's run dir counts as a default: the same command run again gets a free one
     # (run.own_run_dir); a --run-dir flag is the user's choice
-    given = frozenset(values) - {"run_dir"} | {n.removeprefix("no_") for n in flagged} & set(
-        defaults
-    )
-    # --config FILE is read above; tyro parses the flags over the presets' values
-    flags = [
-        a
-        for i, a in enumerate(argv)
-        if not (a == "--config" or a.startswith("--config=") or i and argv[i - 1] == "--config")
-    ]
+    given = frozenset(values) - {"run_dir"} | flagged
     errors = io.StringIO()
     try:
         with contextlib.redirect_stderr(errors):
@@ -336,9 +325,7 @@ def parse_config(argv: list[str]) -> Config:
             raise ValueError(_one_line(errors.getvalue())) from None
         raise
     sys.stderr.write(errors.getvalue())
-    values = dataclasses.asdict(cfg)
-    values.update(task_preset(values["task"], given))
-    cfg = Config(**values)
+    cfg = dataclasses.replace(cfg, **task_preset(cfg.task, given))
     cfg.given = given
     check_values(cfg)
     return cfg
@@ -351,19 +338,22 @@ def task_preset(task: str, given: frozenset) -> dict:
     return {k: v for k, v in OTHER_TASK_DEFAULTS.items() if k not in given}
 
 
+# the settings that must be at least 1, and at least 0 (`check_values`)
+AT_LEAST_ONE = (
+    "steps batch_size group_size max_tokens sync_interval eval_interval token_budget bench_k "
+    "num_explorers"
+).split()
+AT_LEAST_ZERO = (
+    "lr weight_decay max_grad_norm kl_loss_coef kl_reward_coef entropy_coef length_penalty "
+    "eval_temperature buffer_timeout_s sync_timeout_s sync_bucket_mb train_size eval_size "
+    "checkpoint_interval log_samples trainer_threads explorer_threads lora_rank eval_k "
+    "lr_warmup_steps workflow_retries refill_rounds sync_offset distill_coef"
+).split()
+
+
 def check_values(cfg: Config) -> None:
     """ValueError (one line naming the setting) for a value out of its range."""
-    for name in (
-        "steps",
-        "batch_size",
-        "group_size",
-        "max_tokens",
-        "sync_interval",
-        "eval_interval",
-        "token_budget",
-        "bench_k",
-        "num_explorers",
-    ):
+    for name in AT_LEAST_ONE:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.workflow_timeout_s <= 0 or cfg.temperature <= 0 or not 0 < cfg.top_p <= 1:
@@ -371,31 +361,6 @@ def check_values(cfg: Config) -> None:
     for f in dataclasses.fields(Config):
         if f.type == "float" and not math.isfinite(getattr(cfg, f.name)):
             raise ValueError(f"{f.name} must be a finite number, got {getattr(cfg, f.name)}")
-    for name in (
-        "lr",
-        "weight_decay",
-        "max_grad_norm",
-        "kl_loss_coef",
-        "kl_reward_coef",
-        "entropy_coef",
-        "length_penalty",
-        "eval_temperature",
-        "buffer_timeout_s",
-        "sync_timeout_s",
-        "sync_bucket_mb",
-        "train_size",
-        "eval_size",
-        "checkpoint_interval",
-        "log_samples",
-        "trainer_threads",
-        "explorer_threads",
-        "lora_rank",
-        "eval_k",
-        "lr_warmup_steps",
-        "workflow_retries",
-        "refill_rounds",
-        "sync_offset",
-        "distill_coef",
-    ):
+    for name in AT_LEAST_ZERO:
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")

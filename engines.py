@@ -6,7 +6,7 @@ import contextlib
 import functools
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -39,22 +39,12 @@ class Completion:
 @dataclass
 class Batch:
     """The requests of one sampling setting that workflows wait on: one `generate_batch` call.
-    `requests`: (prompt token ids, n, the future of its n completions)."""
+    Per request: its prompt token ids, n, and the future of its n completions."""
 
     sampling: Sampling
-    requests: list[tuple[list[int], int, asyncio.Future]]
-
-    @property
-    def prompts(self) -> list[list[int]]:
-        return [p for p, _, _ in self.requests]
-
-    @property
-    def ns(self) -> list[int]:
-        return [n for _, n, _ in self.requests]
-
-    @property
-    def futures(self) -> list[asyncio.Future]:
-        return [f for _, _, f in self.requests]
+    prompts: list[list[int]] = field(default_factory=list)
+    ns: list[int] = field(default_factory=list)
+    futures: list[asyncio.Future] = field(default_factory=list)
 
 
 class WorkflowRuns:
@@ -105,14 +95,11 @@ class WorkflowRuns:
         self.engine._batches = None
         # cancels what still runs (an exception left the loop), closes the event loop
         self.runner.close()
-        self.outcomes = [outcome(j) for j in self.jobs]
-
-
-def outcome(job: asyncio.Task):
-    """A finished task's result, or the exception it ended with (CancelledError if cancelled)."""
-    if job.cancelled():
-        return asyncio.CancelledError()
-    return job.exception() or job.result()
+        # per run: its result, or the exception it ended with (CancelledError if cancelled)
+        self.outcomes = [
+            asyncio.CancelledError() if j.cancelled() else j.exception() or j.result()
+            for j in self.jobs
+        ]
 
 
 class Engine:
@@ -120,7 +107,7 @@ class Engine:
     checksum), `load_checkpoint(path, version)` -> checksum and `from_config`; `step_hook` runs between decode steps."""
 
     def __init__(self):
-        self._pending: dict[Sampling, list] = {}
+        self._pending: dict[Sampling, Batch] = {}
         # while a rollout loop serves generate's requests (WorkflowRuns): where they wait
         self._batches: asyncio.Queue | None = None
         self.version = 0  # the weight version loaded now
@@ -160,16 +147,19 @@ class Engine:
         if self._batches is None:
             raise RuntimeError("Engine.generate runs in WorkflowRuns: the rollout loop serves it")
         fut = asyncio.get_running_loop().create_future()
-        queue = self._pending.setdefault(sampling, [])
-        queue.append((prompt_ids, n, fut))
-        if len(queue) == 1:
+        if sampling not in self._pending:
+            self._pending[sampling] = Batch(sampling)
             asyncio.get_running_loop().create_task(self._flush(sampling))
+        batch = self._pending[sampling]
+        batch.prompts.append(prompt_ids)
+        batch.ns.append(n)
+        batch.futures.append(fut)
         return await fut
 
     async def _flush(self, sampling: Sampling) -> None:
         for _ in range(3):  # let every runnable workflow reach its generate call
             await asyncio.sleep(0)
-        self._batches.put_nowait(Batch(sampling, self._pending.pop(sampling)))
+        self._batches.put_nowait(self._pending.pop(sampling))
 
     def deliver(self, batch: "Batch", outs: list[list["Completion"]] | Exception) -> None:
         """Hand each waiting request its completions (or the engine's exception)."""
@@ -253,23 +243,18 @@ def slot_layer() -> type:
             if not self.is_initialized or self.keys.shape[-2] >= capacity:
                 return
             B, H, L, D = self.keys.shape
-            self.room = (
-                self.keys.new_empty(B, H, capacity, D),
-                self.values.new_empty(B, H, capacity, D),
-            )
+            self.room = tuple(x.new_empty(B, H, capacity, D) for x in (self.keys, self.values))
             self.room[0][:, :, :L], self.room[1][:, :, :L] = self.keys, self.values
             self.keys, self.values = self.room[0][:, :, :L], self.room[1][:, :, :L]
 
         def update(self, key_states, value_states, *args, **kwargs):
-            if (
-                self.room is None
-                or self.keys.shape[-2] + key_states.shape[-2] > self.room[0].shape[-2]
-            ):
+            room = self.room
+            if room is None or self.keys.shape[-2] + key_states.shape[-2] > room[0].shape[-2]:
                 self.room = None
                 return super().update(key_states, value_states, *args, **kwargs)
             L, n = self.keys.shape[-2], key_states.shape[-2]
-            self.room[0][:, :, L : L + n], self.room[1][:, :, L : L + n] = key_states, value_states
-            self.keys, self.values = self.room[0][:, :, : L + n], self.room[1][:, :, : L + n]
+            room[0][:, :, L : L + n], room[1][:, :, L : L + n] = key_states, value_states
+            self.keys, self.values = room[0][:, :, : L + n], room[1][:, :, : L + n]
             return self.keys, self.values
 
         def reorder_cache(self, beam_idx):
@@ -345,23 +330,18 @@ class HFEngine(Engine):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.drop_ended = drop_ended
-
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        adapter = models.is_adapter(model_path)
         base = models.base_model_dir(model_path)
         attention = {"attn_implementation": packed_sdpa()} if self.device.type == "cpu" else {}
-        self.model = (
-            AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **attention)
-            .to(self.device)
-            .eval()
-        )
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **attention)
+        self.model = model.to(self.device).eval()
         self.lora = lora
         if lora is not None:
             from peft import get_peft_model
 
             self.model = get_peft_model(self.model, lora).eval()
-            if adapter:
+            if models.is_adapter(model_path):
                 from extras.lora import load_adapter
 
                 load_adapter(self.model, model_path)
@@ -370,10 +350,8 @@ class HFEngine(Engine):
         self.loaded_from = model_path
         gen_eos = self.model.generation_config.eos_token_id
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
-        self.eos = torch.tensor(
-            sorted({e for e in gen_eos + [self.tokenizer.eos_token_id] if e is not None}),
-            device=self.device,
-        )
+        eos = {e for e in gen_eos + [self.tokenizer.eos_token_id] if e is not None}
+        self.eos = torch.tensor(sorted(eos), device=self.device)
         self.pad = models.pad_token_id(self.tokenizer)
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.graphs = None
@@ -448,16 +426,13 @@ class HFEngine(Engine):
         dev = self.device
         with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.bf16):
             for start in range(0, len(seqs), self.max_batch):
-                self.status(
-                    f"{self.label}: sequences {start}-{min(len(seqs), start + self.max_batch)} of {len(seqs)}"
-                )
-                chunk = seqs[start : start + self.max_batch]
-                # a group shares its prompt
+                stop = min(len(seqs), start + self.max_batch)
+                self.status(f"{self.label}: sequences {start}-{stop} of {len(seqs)}")
+                chunk = seqs[start:stop]
                 B = len(chunk)
+                # a group shares its prompt: [B] the row in `distinct` of each sequence's prompt
                 distinct = list(dict.fromkeys(map(tuple, chunk)))
-                of = torch.tensor(
-                    [distinct.index(tuple(p)) for p in chunk], device=dev
-                )  # [B] its prompt's row
+                of = torch.tensor([distinct.index(tuple(p)) for p in chunk], device=dev)
                 cache = decode_cache()
                 C = len(os.path.commonprefix(distinct)) if len(distinct) > 1 else 0
                 # every prompt keeps a token of its own to prefill
@@ -471,13 +446,10 @@ class HFEngine(Engine):
                         logits_to_keep=1,
                     )
                     cache.reorder_cache(torch.zeros(len(distinct), dtype=torch.long, device=dev))
-                ids, attn, pos = (
-                    x.to(dev) for x in left_pad([list(p[C:]) for p in distinct], self.pad)
-                )  # [U, S]
-                attn, pos = (
-                    torch.cat([attn.new_ones(len(distinct), C), attn], 1),
-                    pos + C,
-                )  # [U, C + S], [U, S]
+                rest = [list(p[C:]) for p in distinct]
+                ids, attn, pos = (x.to(dev) for x in left_pad(rest, self.pad))  # [U, S]
+                attn = torch.cat([attn.new_ones(len(distinct), C), attn], 1)  # [U, C + S]
+                pos = pos + C
                 logits = self.model(
                     input_ids=ids,
                     attention_mask=attn,
@@ -491,21 +463,18 @@ class HFEngine(Engine):
                     logits = logits[of]  # [B, V]
                 attn, pos = attn[of], pos[of]  # [B, P]
                 decoding = (self.graphs or Decoding)(self.model, cache, attn, pos, s.max_tokens)
-                tokens = torch.full(
-                    (B, s.max_tokens), self.pad, dtype=torch.long, device=dev
-                )  # [B, R]
-                behaviour = torch.zeros(B, s.max_tokens, device=dev)  # [B, R]
-                live = torch.arange(
-                    B, device=dev
-                )  # [A] the row of `chunk` of each row still decoding
+                # [B, R] the sampled tokens and their behaviour log-probs
+                tokens = torch.full((B, s.max_tokens), self.pad, dtype=torch.long, device=dev)
+                behaviour = torch.zeros(B, s.max_tokens, device=dev)
+                # [A] the row of `chunk` of each row still decoding
+                live = torch.arange(B, device=dev)
                 done = torch.zeros(B, dtype=torch.bool, device=dev)  # [A]
                 # [B] latest version
                 first = self.version
                 last = torch.full((B,), self.version, device=dev)
                 for step in range(s.max_tokens):
-                    tok, lp = sample_token(
-                        logits, s.temperature, s.top_p, self.generator
-                    )  # [A], [A]
+                    # [A] tokens, [A] their log-probs
+                    tok, lp = sample_token(logits, s.temperature, s.top_p, self.generator)
                     tok = tok.masked_fill(done, self.pad)
                     tokens[live, step], behaviour[live, step] = tok, lp
                     if self.version != first:
@@ -526,11 +495,8 @@ class HFEngine(Engine):
                     tokens[:, : step + 1].tolist(), behaviour[:, : step + 1].tolist(), last.tolist()
                 ):
                     end = next((j + 1 for j, x in enumerate(t) if x in eos), None)
-                    out.append(
-                        Completion(
-                            t[:end], lp[:end], "length" if end is None else "stop", (first, v)
-                        )
-                    )
+                    reason = "length" if end is None else "stop"
+                    out.append(Completion(t[:end], lp[:end], reason, (first, v)))
         completions = iter(out)
         return [list(itertools.islice(completions, n)) for n in ns]
 
@@ -558,9 +524,8 @@ def make_engine(
     """The engine cfg.engine names (after explorer.check_config), sampling with `seed` on `device`,
     holding weight `version`, saying what it does to `status`."""
     torch.set_num_threads(cfg.explorer_threads)
-    engine = resolve(cfg.engine, ENGINES, "engine").from_config(
-        cfg, model_path, seed, device, colocated
-    )
+    engine_class = resolve(cfg.engine, ENGINES, "engine")
+    engine = engine_class.from_config(cfg, model_path, seed, device, colocated)
     engine.checksum = cfg.sync_checksum
     engine.sync_method = cfg.sync_method
     engine.version = version

@@ -36,16 +36,13 @@ def check_config(cfg, tokenizer, dataset) -> None:
             "--inflight with --lora-rank needs --engine hf: a vLLM request keeps the LoRA adapter it "
             "started with, so new adapters cannot reach sequences in flight"
         )
+    if tokenizer is None:
+        return
     try:
-        if tokenizer is not None:
-            load_workflow(cfg.workflow)(
-                tokenizer,
-                load_reward_fn(cfg.reward_fn, cfg.reward_kwargs),
-                dataset,
-                cfg.system_prompt,
-                Sampling(cfg.max_tokens),
-                run_dir=cfg.run_dir,
-            )
+        make = load_workflow(cfg.workflow)
+        reward_fn = load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
+        sampling = Sampling(cfg.max_tokens)
+        make(tokenizer, reward_fn, dataset, cfg.system_prompt, sampling, run_dir=cfg.run_dir)
     except Exception as e:
         raise ValueError(
             f"workflow {cfg.workflow!r} cannot be created: {type(e).__name__}: {e}"
@@ -94,12 +91,11 @@ class Explorer:
         self.seed = explorer_seed(cfg.seed, cfg.explorer_name)
         # else in `resume`
         self.selector = None if cfg.task_pipeline else make_selector(cfg, train, self.seed)
-        self.rng, self.samples = random.Random(self.seed + 1), Path(cfg.run_dir) / "samples.log"
+        self.rng = random.Random(self.seed + 1)
+        self.samples = Path(cfg.run_dir) / "samples.log"
         self.curation: dict = {}  # metrics reported with the next batch: the task pipeline's, the teacher's
-        device = getattr(
-            engine, "device", torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        )
-        self.on_cpu = device.type == "cpu"
+        default = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.on_cpu = getattr(engine, "device", default).type == "cpu"
 
     def work_since(self) -> tuple[int, int, float]:
         """The engine's prefilled and sampled tokens so far and this process's CPU seconds."""
@@ -155,9 +151,8 @@ class Explorer:
 
     def restore(self, state: dict) -> None:
         self.selector.restore(state["selector"])
-        self.rng.setstate(
-            (state["rng"][0], tuple(state["rng"][1]), state["rng"][2])
-        )  # JSON made the tuple a list
+        # JSON made the tuple a list
+        self.rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))
         if state.get("sampler"):
             self.engine.set_rng_state(base64.b64decode(state["sampler"]))
 
@@ -170,14 +165,13 @@ class Explorer:
                 continue
             if not isinstance(out, Exception):  # cancelled: not a failure of the workflow
                 raise out
-            timeout, cfg = isinstance(out, asyncio.TimeoutError), self.cfg
-            self.counts["timeouts" if timeout else "errors"] += 1
-            self.last_error = (
-                f"timeout after {cfg.workflow_timeout_s:.0f} s"
-                if timeout
-                else f"{type(out).__name__}: {out}"
-            )
-            self.counts["retries" if attempt < cfg.workflow_retries else "skipped"] += 1
+            if isinstance(out, asyncio.TimeoutError):
+                self.counts["timeouts"] += 1
+                self.last_error = f"timeout after {self.cfg.workflow_timeout_s:.0f} s"
+            else:
+                self.counts["errors"] += 1
+                self.last_error = f"{type(out).__name__}: {out}"
+            self.counts["retries" if attempt < self.cfg.workflow_retries else "skipped"] += 1
         return all(g is not None for g in groups)
 
     def rollout(
@@ -247,36 +241,19 @@ class Explorer:
             e.info["top_p"] = cfg.top_p
         buffer.write_batch(groups, cfg.explorer_name, {"batch": batch + 1, **self.state()}, updates)
         self._write_samples(batch, version, groups)
-        record = self._batch_record(
-            batch,
-            version,
-            seconds,
-            [e for g in generated for e in g],
-            [pool_for(*u[1:]) for u in updates],
-            len(retired),
-            picked,
-        )
+        exps = [e for g in generated for e in g]
+        pools = [pool_for(*u[1:]) for u in updates]
+        record = self._batch_record(batch, version, seconds, exps, pools, len(retired), picked)
         record.update(self.work(since, seconds, "perf/explorer"))
         if cfg.difficulty_filter:
-            record.update(
-                {
-                    "filter/difficulty_dropped": len(generated) - len(kept),
-                    "filter/difficulty_rounds": rounds,
-                    "filter/difficulty_short": short,
-                }
-            )
+            record["filter/difficulty_dropped"] = len(generated) - len(kept)
+            record["filter/difficulty_rounds"] = rounds
+            record["filter/difficulty_short"] = short
         return record
 
-    def _batch_record(
-        self,
-        batch: int,
-        version: int,
-        seconds: float,
-        exps: list[Experience],
-        pools: list,
-        retired: int,
-        picked: list,
-    ) -> dict:
+    def _batch_record(self, batch, version, seconds, exps, pools, retired, picked) -> dict:
+        """The metrics of batch `batch`: `exps` the Experiences generated, `pools` the pool of each
+        task retired, `retired` the number retired before, `picked` the Tasks drawn."""
         # sampled: not a multi-turn sample's environment tokens
         gen_tokens = sum(sum(e.action_mask) for e in exps)
         record = {
@@ -303,14 +280,11 @@ class Explorer:
         if difficulties := [t.difficulty for t in picked if t.difficulty is not None]:
             record["selector/difficulty_mean"] = sum(difficulties) / len(difficulties)
         record.update(self.selector.metrics())
-        episodes = {e.info["episode_id"]: e.info for e in exps if "episode_id" in e.info}
+        episodes = {e.info["episode_id"]: e.info for e in exps if "episode_id" in e.info}.values()
         if episodes:  # multi-turn
-            record["rollout/samples_per_episode"] = sum(
-                i["samples"] for i in episodes.values()
-            ) / len(episodes)
-            record["rollout/turns_mean"] = sum(i["turns"] for i in episodes.values()) / len(
-                episodes
-            )
+            samples = sum(i["samples"] for i in episodes)
+            record["rollout/samples_per_episode"] = samples / len(episodes)
+            record["rollout/turns_mean"] = sum(i["turns"] for i in episodes) / len(episodes)
         record.update(episode_means([e.info for e in exps], "rollout/"))
         return record
 
@@ -330,9 +304,8 @@ class Explorer:
         self.engine.working_on(f"evaluation of version {version}")
         groups = self.rollout(self.held_out, self.eval_workflow, 1)
         exps = [g[0] for g in groups if g]
-        rewards = [e.reward or 0.0 for e in exps] + [0.0] * (
-            len(groups) - len(exps)
-        )  # skipped / lagged: 0
+        # skipped / lagged: 0
+        rewards = [e.reward or 0.0 for e in exps] + [0.0] * (len(groups) - len(exps))
         record = {
             "eval/version": version,
             "eval/n": len(rewards),
@@ -342,27 +315,22 @@ class Explorer:
             **format_rate(exps, "eval/format_rate"),
             **episode_means([e.info for e in exps], "eval/"),
         }
-        record["eval/accuracy"], record["eval/accuracy_stderr"] = mean_stderr(
-            [float(r == 1.0) for r in rewards]
-        )
+        correct = [float(r == 1.0) for r in rewards]
+        record["eval/accuracy"], record["eval/accuracy_stderr"] = mean_stderr(correct)
         if n:
             self.engine.working_on(f"evaluation of version {version}, {n} samples per task")
             sampled = self.rollout(self.held_out, n=n)
-            record.update(
-                sampled_eval(
-                    correct_counts(sampled), n, cfg.eval_k, cfg.group_size * (version == 0)
-                ),
-                **format_rate([e for g in sampled if g for e in g], "eval/sampled_format_rate"),
-            )
+            # eval/learnable_groups at version 0 only
+            group_size = cfg.group_size * (version == 0)
+            record.update(sampled_eval(correct_counts(sampled), n, cfg.eval_k, group_size))
+            sampled_exps = [e for g in sampled if g for e in g]
+            record.update(format_rate(sampled_exps, "eval/sampled_format_rate"))
         if sampler is not None:
             self.engine.set_rng_state(sampler)
         if cache and not record["eval/skipped"]:
             write_cached(cache, {"key": cache.stem, "record": record})
-        return {
-            **record,
-            "eval/seconds": time.perf_counter() - t0,
-            **self.work(since, time.perf_counter() - t0, "perf/eval"),
-        }
+        seconds = time.perf_counter() - t0
+        return {**record, "eval/seconds": seconds, **self.work(since, seconds, "perf/eval")}
 
     def _write_samples(self, batch: int, version: int, groups) -> None:
         """samples.log: the prompt and two responses of each of the first log_samples groups."""
@@ -375,19 +343,14 @@ class Explorer:
                     f"[prompt] {decode(e.tokens[: e.prompt_length])}\n"
                 )
                 for x in g[:2]:
-                    err = (
-                        f" | reward error: {x.info['reward_error']}"
-                        if "reward_error" in x.info
-                        else ""
-                    )
-                    f.write(
-                        f"--- reward {'pending' if x.reward is None else f'{x.reward:.2f}'}{err}\n"
-                    )
+                    reward = "pending" if x.reward is None else f"{x.reward:.2f}"
+                    if "reward_error" in x.info:
+                        reward += f" | reward error: {x.info['reward_error']}"
+                    f.write(f"--- reward {reward}\n")
                     pairs = zip(x.action_mask, x.tokens[x.prompt_length :])
                     for policy, run in itertools.groupby(pairs, key=lambda p: p[0]):
-                        f.write(
-                            f"[{'policy' if policy else 'env'}] {decode([t for _, t in run])}\n"
-                        )
+                        role = "policy" if policy else "env"
+                        f.write(f"[{role}] {decode([t for _, t in run])}\n")
 
 
 # what a version-0 evaluation depends on, besides the weights, the held-out tasks and the engine
@@ -416,33 +379,20 @@ def eval_cache(cfg, engine: Engine, held_out: list[Task], n: int) -> Path | None
             key.update(
                 str(f.relative_to(model)).encode() + hashlib.file_digest(fh, "sha256").digest()
             )
-    key.update(
-        json.dumps(
-            [
-                [[t.task_id, t.question, t.answer] for t in held_out],
-                type(engine).__name__,
-                str(getattr(engine, "device", "")),
-                [getattr(cfg, k) for k in EVAL_SETTINGS],
-                n,
-            ],
-            default=str,
-        ).encode()
-    )
+    tasks = [[t.task_id, t.question, t.answer] for t in held_out]
+    settings = [getattr(cfg, k) for k in EVAL_SETTINGS]
+    described = [tasks, type(engine).__name__, str(getattr(engine, "device", "")), settings, n]
+    key.update(json.dumps(described, default=str).encode())
     return cache_dir() / "evals" / f"{key.hexdigest()}.json"
 
 
 def correct_counts(groups: list[list[Experience] | None]) -> list[int]:
     """Per task, its samples with reward 1 (an episode counts once; a skipped task: 0)."""
-    return [
-        len(
-            {
-                e.info.get("episode_id", id(e))
-                for e in g or []
-                if e.reward == 1.0 and not e.info.get("reflection")
-            }
-        )
-        for g in groups
-    ]
+    counts = []
+    for g in groups:
+        correct = [e for e in g or [] if e.reward == 1.0 and not e.info.get("reflection")]
+        counts.append(len({e.info.get("episode_id", id(e)) for e in correct}))
+    return counts
 
 
 def format_rate(exps: list[Experience], key: str) -> dict[str, float]:
@@ -478,9 +428,8 @@ def explore(
                     break
                 log(explorer.rollout_batch(batch, buffer))
                 # after the last batch of a version: the trainer trains every batch of it while we evaluate
-                last_of_version = batch + 1 == batches or engine.version < required_version(
-                    batch + 1, cfg.sync_interval, cfg.sync_offset
-                )
+                next_version = required_version(batch + 1, cfg.sync_interval, cfg.sync_offset)
+                last_of_version = batch + 1 == batches or engine.version < next_version
                 if last_of_version and (
                     evaluated is None
                     or engine.version // cfg.eval_interval > evaluated // cfg.eval_interval

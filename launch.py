@@ -41,14 +41,15 @@ class Placement:
     def describe(self, sync_method: str = "broadcast") -> str:
         where = f"trainer on {', '.join(self.trainer)}"
         if self.explorer:
-            where += f"; explorer on {self.explorer}" + (
-                " (colocated with trainer rank 0)" if self.colocated else ""
-            )
-            how = (
-                "ipc" if sync_method == "ipc" else "NCCL" if self.sync_device == "cuda" else "gloo"
-            )
-            where += f"; weight sync {how}"
-        return where + (f"; {self.unused_gpus} GPU(s) unused" if self.unused_gpus else "")
+            where += f"; explorer on {self.explorer}"
+        if self.explorer and self.colocated:
+            where += " (colocated with trainer rank 0)"
+        if self.explorer:
+            how = "NCCL" if self.sync_device == "cuda" else "gloo"
+            where += f"; weight sync {'ipc' if sync_method == 'ipc' else how}"
+        if self.unused_gpus:
+            where += f"; {self.unused_gpus} GPU(s) unused"
+        return where
 
 
 def place(gpus: int, ranks: int, mode: str) -> Placement:
@@ -154,9 +155,9 @@ def preload_allocator(argv: list[str]) -> None:
     except (ValueError, OSError):
         return  # main reports it
     if lib and lib not in os.environ.get("LD_PRELOAD", ""):
-        os.environ.update(
-            {k: v for k, v in ALLOCATOR_ENV.get(name, {}).items() if k not in os.environ}
-        )  # user's win
+        # the user's own settings win
+        for key, value in ALLOCATOR_ENV.get(name, {}).items():
+            os.environ.setdefault(key, value)
         os.environ["LD_PRELOAD"] = " ".join(filter(None, [lib, os.environ.get("LD_PRELOAD", "")]))
         sys.stdout.flush()
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
@@ -186,11 +187,8 @@ def init_distributed():
 def gloo_interface() -> str | None:
     """Across hosts, set GLOO_SOCKET_IFNAME to the interface towards MASTER_ADDR; returns it, or None."""
     master = os.environ.get("MASTER_ADDR", "")
-    if os.environ.get("GLOO_SOCKET_IFNAME") or master in (
-        "",
-        "127.0.0.1",
-        "localhost",
-    ):  # set, or one host
+    one_host = master in ("", "127.0.0.1", "localhost")
+    if os.environ.get("GLOO_SOCKET_IFNAME") or one_host:
         return None
     from extras.hosts import gloo_interface
 
@@ -287,9 +285,8 @@ def run_mode_both(
     parent = os.getppid()
     alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
     signal.signal(signal.SIGTERM, exit_quietly)
-    signal.signal(
-        signal.SIGINT, exit_quietly
-    )  # Ctrl-C: the trainer says how to resume; no second report
+    # Ctrl-C: the trainer says how to resume; no second report
+    signal.signal(signal.SIGINT, exit_quietly)
     try:
         queue.put({"status": f"starting the {cfg.engine} engine"})
         engine = make_engine(
@@ -321,17 +318,16 @@ def run_mode_both(
         buffer = open_buffer(cfg.buffer, cfg.run_dir)
         explore(cfg, engine, tasks, buffer, pace, queue.put, total_steps)
     except Exception as e:  # reported by the trainer as one line; the process exits with code 1
-        (Path(cfg.run_dir) / f"error_{cfg.explorer_name}.log").write_text(traceback.format_exc())
-        queue.put(
-            {
-                "error": f"{type(e).__name__}: {e} (traceback: {cfg.run_dir}/error_{cfg.explorer_name}.log)"
-            }
-        )
+        log = Path(cfg.run_dir) / f"error_{cfg.explorer_name}.log"
+        log.write_text(traceback.format_exc())
+        queue.put({"error": f"{type(e).__name__}: {e} (traceback: {log})"})
         queue.close()
         queue.join_thread()
         sys.exit(1)
-    # SIGTERM (exit_quietly): the finally blocks have closed the engine. Run the exit
     except SystemExit:
-        queue.cancel_join_thread()  # handlers of multiprocessing, then leave without tearing down the weight-sync
-        multiprocessing.util._exit_function()  # group: its destructor would wait for a broadcast that never comes
+        # SIGTERM (exit_quietly): the finally blocks have closed the engine. Run the exit handlers
+        # of multiprocessing, then leave without tearing down the weight-sync group: its
+        # destructor would wait for a broadcast that never comes
+        queue.cancel_join_thread()
+        multiprocessing.util._exit_function()
         os._exit(1)

@@ -45,7 +45,8 @@ class BufferBatches:
         """Rank 0: the groups of `step` for weights of `version`, and their metrics; `alive` is
         polled while it waits (False: the explorer died)."""
         cfg = self.cfg
-        groups, dropped = [], 0
+        groups = []
+        dropped = 0
         while len(groups) < cfg.batch_size:
             got = self.buffer.read(
                 cfg.batch_size - len(groups), cfg.buffer_timeout_s, alive, step=step
@@ -65,16 +66,11 @@ class BufferBatches:
 
             again, eligible = replay(self.buffer, step, **cfg.replay)
             groups += again
-            m.update(
-                {
-                    "replay/groups": len(again),
-                    "replay/eligible_groups": eligible,
-                    "replay/use_count_mean": sum(g[0].info["use_count"] for g in again)
-                    / max(1, len(again)),
-                    "replay/priority_mean": sum(g[0].info["priority"] for g in again)
-                    / max(1, len(again)),
-                }
-            )
+            n = max(1, len(again))
+            m["replay/groups"] = len(again)
+            m["replay/eligible_groups"] = eligible
+            m["replay/use_count_mean"] = sum(g[0].info["use_count"] for g in again) / n
+            m["replay/priority_mean"] = sum(g[0].info["priority"] for g in again) / n
         return groups, m
 
 
@@ -278,32 +274,21 @@ class StepIO:
     def rollout_health(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
         """Staleness and zero-advantage metrics, warnings; RuntimeError after REWARD_ERROR_STEPS
         steps whose rewards all failed."""
-        v = [e.model_version for g in rollouts for e in g]
-        m.update(
-            {
-                "staleness/mean": sum(step - x for x in v) / len(v),
-                "staleness/max": max(step - x for x in v),
-            }
-        )
+        staleness = [step - e.model_version for g in rollouts for e in g]
+        m["staleness/mean"] = sum(staleness) / len(staleness)
+        m["staleness/max"] = max(staleness)
         # each explorer's share of the batch and staleness
         for name in sorted({g[0].explorer for g in rollouts}):
-            theirs = [g for g in rollouts if g[0].explorer == name]
+            theirs = [step - g[0].model_version for g in rollouts if g[0].explorer == name]
             m[f"explorer/{name}/share"] = len(theirs) / len(rollouts)
-            m[f"explorer/{name}/staleness"] = sum(step - g[0].model_version for g in theirs) / len(
-                theirs
-            )
+            m[f"explorer/{name}/staleness"] = sum(theirs) / len(theirs)
         # a teacher's per-token term teaches where every task advantage is 0
-        self.zero_adv_steps = (
-            self.zero_adv_steps + 1 if m["advantage/abs_mean"] == 0 and not self.cfg.teacher else 0
-        )
-        errored = sum("reward_error" in e.info for g in rollouts for e in g) == len(v)
+        nothing_learned = m["advantage/abs_mean"] == 0 and not self.cfg.teacher
+        self.zero_adv_steps = self.zero_adv_steps + 1 if nothing_learned else 0
+        errored = all("reward_error" in e.info for g in rollouts for e in g)
         self.errored_steps = self.errored_steps + 1 if errored else 0
-        m.update(
-            {
-                "advantage/zero_steps": self.zero_adv_steps,
-                "rollout/all_rewards_errored": int(errored),
-            }
-        )
+        m["advantage/zero_steps"] = self.zero_adv_steps
+        m["rollout/all_rewards_errored"] = int(errored)
         if self.zero_adv_steps == ZERO_ADVANTAGE_WARN_STEPS:
             self.bar.write(
                 f"warning: every advantage has been 0 for {self.zero_adv_steps} steps: each group got equal "
@@ -360,7 +345,8 @@ def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks: 
             from extras.label_studio import start_annotator
 
             extra_metrics = start_annotator(cfg, trainer.tokenizer, annotating)
-        explorers, send = Explorers(), None
+        explorers = Explorers()
+        send = None
         if rank == 0 and cfg.mode == "both":
             explorer_model = str(state / "hf") if state else model_path
             explorer, weights, explorers = start_explorer(
@@ -445,7 +431,8 @@ def make_step_io(
         batches = OfflineBatches(cfg, trainer.tokenizer, start)
     else:
         batches = BufferBatches(cfg, buffer)
-    trainer_meter = explorer_meter = None
+    trainer_meter = None
+    explorer_meter = None
     if layout is not None:  # model FLOPs and MFU beside the RL step
         matmul = perf.matmul_params(model_path)  # the explorer samples with the same model
         passes = 3 + trainer.needs_ref  # forward and backward, and a reference model's forward
@@ -530,9 +517,8 @@ def finish(cfg, loop, explorer, weights) -> None:
     if weights:
         weights.wait(loop.explorers.alive)
     if explorer:
-        join_draining(
-            explorer, loop.drain
-        )  # drained while it exits: join, then drain, can deadlock
+        # drained while it exits: join, then drain, can deadlock
+        join_draining(explorer, loop.drain)
         if explorer.exitcode != 0:
             raise RuntimeError(
                 f"explorer failed: {loop.errors[0] if loop.errors else explorer.exitcode}"
@@ -551,12 +537,12 @@ def finish(cfg, loop, explorer, weights) -> None:
         )
     from extras.plot import plot
 
-    board = (
-        f" (TensorBoard: tensorboard --logdir {run_dir})" if "tensorboard" in trackers(cfg) else ""
-    )
-    print0(
-        f"final weights: {run_dir / 'final'}\nplot: {plot(run_dir)}\nmetrics: {run_dir / 'metrics.jsonl'}{board}"
-    )
+    print0(f"final weights: {run_dir / 'final'}")
+    print0(f"plot: {plot(run_dir)}")
+    board = ""
+    if "tensorboard" in trackers(cfg):
+        board = f" (TensorBoard: tensorboard --logdir {run_dir})"
+    print0(f"metrics: {run_dir / 'metrics.jsonl'}{board}")
 
 
 def join_draining(process, drain: Callable[[], Any], timeout_s: float | None = None) -> bool:

@@ -11,13 +11,12 @@ import importlib
 import inspect
 import os
 import sys
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 
-@dataclass
+@dataclasses.dataclass
 class LossInputs:
     """Inputs of a policy loss on one micro-batch, all on one device."""
 
@@ -51,7 +50,7 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class PolicyLoss:
     """A policy loss (the contract above) and what the trainer arranges around it. A plug-in
     named by import path is a plain function (these defaults) or a PolicyLoss object."""
@@ -116,19 +115,13 @@ def check_signature(fn, name: str, what: str, kwargs: dict | None, takes: tuple[
         )
     if clash := sorted(set(kwargs or {}) & set(takes)):
         raise ValueError(f"{what} {name!r}: {clash} are given by the trainer, not as options")
-    if inspect.Parameter.VAR_KEYWORD not in kinds:
-        if bad := sorted(set(kwargs or {}) - set(params)):
-            raise ValueError(
-                f"{what} {name!r} takes no argument(s) {bad}; it takes {sorted(params)}"
-            )
+    bad = sorted(set(kwargs or {}) - set(params))
+    if bad and inspect.Parameter.VAR_KEYWORD not in kinds:
+        raise ValueError(f"{what} {name!r} takes no argument(s) {bad}; it takes {sorted(params)}")
 
 
 def resolve(
-    name: str,
-    registry: dict,
-    what: str,
-    kwargs: dict | None = None,
-    takes: tuple[str, ...] = (),
+    name: str, registry: dict, what: str, kwargs: dict | None = None, takes: tuple[str, ...] = ()
 ) -> Callable:
     """The function or class registered as `name` or at import path `module.attribute`, taking
     the contract's positional arguments `takes` and the options `kwargs`; ValueError (one line)."""
@@ -214,12 +207,9 @@ def group_stats(
     mean = (onehot * x64[:, None]).sum(0) / count  # [G]
     dev = x64 - mean[index]  # [B]
     var = (onehot * dev[:, None] ** 2).sum(0) / (count - 1).clamp(min=1)  # [G]
-    low = torch.full((G,), torch.inf, dtype=x64.dtype, device=x.device).scatter_reduce(
-        0, index, x64, "amin"
-    )
-    high = torch.full((G,), -torch.inf, dtype=x64.dtype, device=x.device).scatter_reduce(
-        0, index, x64, "amax"
-    )
+    inf = torch.full((G,), torch.inf, dtype=x64.dtype, device=x.device)  # [G]
+    low = inf.scatter_reduce(0, index, x64, "amin")  # [G]
+    high = (-inf).scatter_reduce(0, index, x64, "amax")  # [G]
     constant = (low == high)[index]  # [B]
     single = count[index] == 1  # [B]
     member_mean = torch.where(single, 0.0, torch.where(constant, x64, mean[index]))  # [B]
@@ -235,9 +225,8 @@ def aggregate(
     Modes: token-mean (DAPO, arXiv:2503.14476 sec. 3.3), seq-mean-token-sum, seq-mean-token-mean
     (GRPO); verl's agg_loss (verl/trainer/ppo/core_algos.py @ b178a3c)."""
 
-    def _totals(
-        total, like: torch.Tensor
-    ) -> torch.Tensor:  # a number, 0-d or [B] -> a float tensor >= 1
+    # a number, 0-d or [B] -> a float tensor >= 1
+    def _totals(total, like: torch.Tensor) -> torch.Tensor:
         return torch.as_tensor(total, dtype=like.dtype, device=like.device).clamp(min=1)
 
     if mode == "token-mean":

@@ -49,9 +49,8 @@ def mean_stderr(xs: list[float]) -> tuple[float, float]:
     if not xs:
         raise ValueError("mean_stderr of no scores")
     mean = sum(xs) / len(xs)
-    return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) if len(
-        xs
-    ) > 1 else 0.0
+    var = sum((x - mean) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else 0.0
+    return mean, math.sqrt(var / len(xs))
 
 
 def learnable_groups(correct: list[int], n: int, group_size: int) -> float:
@@ -60,9 +59,8 @@ def learnable_groups(correct: list[int], n: int, group_size: int) -> float:
 
     def all_same(c: int) -> float:
         if n >= group_size:
-            return (math.comb(c, group_size) + math.comb(n - c, group_size)) / math.comb(
-                n, group_size
-            )
+            same = math.comb(c, group_size) + math.comb(n - c, group_size)
+            return same / math.comb(n, group_size)
         return (c / n) ** group_size + (1 - c / n) ** group_size
 
     return sum(1 - all_same(c) for c in correct) / len(correct)
@@ -92,12 +90,9 @@ def episode_means(infos: list[dict], prefix: str) -> dict[str, float]:
     for info in infos:
         if "metrics" in info:
             firsts.setdefault(info.get("episode_id", id(info)), info["metrics"])
-    names = dict.fromkeys(k for m in firsts.values() for k in m)
-    return {
-        prefix + k: sum(m[k] for m in firsts.values() if k in m)
-        / sum(k in m for m in firsts.values())
-        for k in names
-    }
+    ms = list(firsts.values())
+    names = dict.fromkeys(k for m in ms for k in m)
+    return {prefix + k: sum(m[k] for m in ms if k in m) / sum(k in m for m in ms) for k in names}
 
 
 def eval_line(r: dict, group_size: int = 0) -> str:

@@ -23,33 +23,24 @@ def native_bf16(device_type: str) -> bool:
     if device_type == "cuda":
         return torch.cuda.is_bf16_supported()
     forced = os.environ.get("NANORFT_CPU_BF16")
-    return (
-        forced == "1"
-        if forced in ("0", "1")
-        else bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    if forced in ("0", "1"):
+        return forced == "1"
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def choose_dtype(requested: str, device_type: str) -> tuple[str, str]:
     """(dtype, reason) for `requested` on `device_type`: auto picks bfloat16 only where it is native."""
-    where = (
-        "CUDA device"
-        if device_type == "cuda"
-        else f"this CPU ({torch.backends.cpu.get_cpu_capability()})"
-    )
+    where = "CUDA device"
+    if device_type != "cuda":
+        where = f"this CPU ({torch.backends.cpu.get_cpu_capability()})"
     native = native_bf16(device_type)
+    if requested == "auto" and native:
+        return "bfloat16", f"{where} computes bf16 natively"
     if requested == "auto":
-        return (
-            ("bfloat16", f"{where} computes bf16 natively")
-            if native
-            else ("float32", f"{where} has no native bf16: emulated bf16 is many times slower")
-        )
+        return "float32", f"{where} has no native bf16: emulated bf16 is many times slower"
     if requested == "bfloat16" and not native:
-        return (
-            requested,
-            f"--dtype; warning: {where} has no native bf16, so bf16 is emulated and many times slower "
-            "than float32 (--dtype auto picks float32 here)",
-        )
+        slow = f"{where} has no native bf16, so bf16 is emulated and many times slower than float32"
+        return requested, f"--dtype; warning: {slow} (--dtype auto picks float32 here)"
     return requested, "--dtype"
 
 
@@ -81,12 +72,8 @@ def write_cached(path: Path, record: dict) -> None:
 
 def resolve_model(name: str) -> str:
     """Path of a local model directory (smollm2-135m, a Hub id, a directory). FileNotFoundError when missing."""
-    if (
-        name != BUILTIN_MODEL
-        and not Path(name).exists()
-        and name.count("/") == 1
-        and not name.startswith((".", "/"))
-    ):
+    hub_id = name.count("/") == 1 and not name.startswith((".", "/"))
+    if name != BUILTIN_MODEL and hub_id and not Path(name).exists():
         from extras.hub import hub_snapshot
 
         name = hub_snapshot(name)
@@ -121,9 +108,8 @@ def resolve_model(name: str) -> str:
     model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.to(torch.bfloat16).save_pretrained(
-        tmp
-    )  # the upstream dtype: vLLM loads it as it is, the trainer upcasts
+    # the upstream dtype: vLLM loads it as it is, the trainer upcasts
+    model.to(torch.bfloat16).save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.replace(out)
     return str(out)

@@ -20,17 +20,12 @@ def share_prompts(exps: list[Experience], row_tokens: int = 0) -> list[tuple[lis
     rows: list[tuple[list[int], list[int]]] = []
     for i, e in enumerate(exps):
         prompt = e.tokens[: e.prompt_length]
-        if (
-            rows
-            and rows[-1][0] == prompt
-            and (
-                not row_tokens
-                or row_length(exps, *rows[-1]) + len(e.tokens) - len(prompt) <= row_tokens
-            )
-        ):
-            rows[-1][1].append(i)
-        else:
-            rows.append((prompt, [i]))
+        if rows and rows[-1][0] == prompt:
+            grown = row_length(exps, *rows[-1]) + len(e.tokens) - len(prompt)
+            if not row_tokens or grown <= row_tokens:
+                rows[-1][1].append(i)
+                continue
+        rows.append((prompt, [i]))
     return rows
 
 
@@ -63,16 +58,13 @@ def pack(
     L = -(-max(row_length(exps, *row) for row in rows) // multiple) * multiple
     # seg: 0 = prompt, k = k-th response of the row, -1 = pad
     ids, pos, seg = (torch.full((len(rows), L), v, dtype=torch.long) for v in (pad, 0, -1))
-    index: list[
-        tuple[int, int, int, int]
-    ] = []  # (row, predicting position, sequence, column) per response token
+    # (row, predicting position, sequence, column) per response token
+    index: list[tuple[int, int, int, int]] = []
     for r, (prompt, members) in enumerate(rows):
         P = len(prompt)
-        ids[r, :P], pos[r, :P], seg[r, :P] = (
-            torch.tensor(prompt, dtype=torch.long),
-            torch.arange(P),
-            0,
-        )
+        ids[r, :P] = torch.tensor(prompt, dtype=torch.long)
+        pos[r, :P] = torch.arange(P)
+        seg[r, :P] = 0
         s = P
         for k, i in enumerate(members, 1):
             n = len(exps[i].tokens) - P
@@ -94,16 +86,13 @@ def pack(
             )
         q, k = seg[:, :, None], seg[:, None, :]  # [N, L, 1], [N, 1, L]
         tril = torch.ones(L, L, dtype=torch.bool).tril()  # [L, L]
-        attn = (tril & (q >= 0) & ((k == 0) | (k == q)) | torch.eye(L, dtype=torch.bool))[
-            :, None
-        ]  # [N, 1, L, L]
+        # [N, 1, L, L]
+        attn = (tril & (q >= 0) & ((k == 0) | (k == q)) | torch.eye(L, dtype=torch.bool))[:, None]
         is_token = seg.flatten() >= 0  # [N x L]
         real, free = is_token.nonzero().squeeze(1), (~is_token).nonzero().squeeze(1)
         token_slots = torch.cat([real, free[:tail]])  # [T]
-        rows_i, positions = (
-            torch.zeros_like(rows_i),
-            (is_token.cumsum(0) - 1)[rows_i * L + positions],
-        )
+        positions = (is_token.cumsum(0) - 1)[rows_i * L + positions]
+        rows_i = torch.zeros_like(rows_i)
         ids, pos = ids.flatten()[token_slots][None], pos.flatten()[token_slots][None]  # [1, T]
     response = torch.full((len(exps), R), pad, dtype=torch.long)
     behaviour, mask = torch.zeros((len(exps), R)), torch.zeros((len(exps), R))
@@ -180,11 +169,9 @@ def packed_sdpa() -> str:
             is_causal=bool(causal and attention_mask is None and query.shape[2] > 1),
             enable_gqa=key.shape[1] != query.shape[1],
         ).transpose(1, 2)  # [B, q, H, D]
-        return (
-            out.contiguous()
-            if token_slots is None
-            else out.flatten(0, 1).index_select(0, token_slots)[None]
-        ), None
+        if token_slots is None:
+            return out.contiguous(), None
+        return out.flatten(0, 1).index_select(0, token_slots)[None], None
 
     AttentionInterface.register("nanorft_sdpa", attention)
     AttentionMaskInterface.register("nanorft_sdpa", sdpa_mask)
@@ -242,24 +229,10 @@ def response_logprobs(
     """Log-probs [B, R] of a `pack` batch's responses and, if `entropy`, their entropy [B, R] (nats); padding 0.
     `head_grad_into_weight`, `head_chunk_elems`: see `packed_logprobs`."""
     forward = getattr(model, "nanorft_logprobs", None) or (lambda *a: packed_logprobs(model, *a))
-    lp, ent = forward(
-        *(
-            batch[k]
-            for k in (
-                "input_ids",
-                "attention_mask",
-                "position_ids",
-                "token_slots",
-                "rows",
-                "positions",
-                "targets",
-            )
-        ),
-        temperature,
-        entropy,
-        head_grad_into_weight,
-        head_chunk_elems,
-    )  # [T'], [T']
+    keys = "input_ids attention_mask position_ids token_slots rows positions targets".split()
+    inputs = [batch[k] for k in keys]
+    # [T'], [T']
+    lp, ent = forward(*inputs, temperature, entropy, head_grad_into_weight, head_chunk_elems)
     B, R = batch["response_ids"].shape
     where = batch["seq"] * R + batch["col"]  # [T]
     out = lp.new_zeros(B * R).index_put((where,), lp).view(B, R)  # [B, R]
@@ -319,11 +292,10 @@ class HeadLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, temperature, rows, entropy, grad_into_weight):
         lps, logzs, ents = [], [], []
         device = hidden.device.type
-        cast = (
-            weight.to(torch.get_autocast_dtype(device))
-            if torch.is_autocast_enabled(device)
-            else weight
-        )  # once
+        # cast once, not in each chunk's product
+        cast = weight
+        if torch.is_autocast_enabled(device):
+            cast = weight.to(torch.get_autocast_dtype(device))
         for i in range(0, hidden.shape[0], rows):
             z = HeadLogprobs.logits(hidden[i : i + rows], cast, bias, temperature)  # [c, V]
             logz = torch.logsumexp(z, -1)  # [c]
@@ -347,20 +319,15 @@ class HeadLogprobs(torch.autograd.Function):
         device, dtype, enabled = ctx.autocast
         gh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         into_grad = ctx.needs_input_grad[1] and ctx.grad_into_weight
-        if into_grad and weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        gw = (
-            weight.grad
-            if into_grad
-            else torch.zeros_like(weight, dtype=torch.float)
-            if ctx.needs_input_grad[1]
-            else None
-        )
-        gb = (
-            torch.zeros_like(bias, dtype=torch.float)
-            if bias is not None and ctx.needs_input_grad[2]
-            else None
-        )
+        gw = None
+        if into_grad:
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            gw = weight.grad
+        elif ctx.needs_input_grad[1]:
+            gw = torch.zeros_like(weight, dtype=torch.float)
+        # needs_input_grad is False for a bias of None
+        gb = torch.zeros_like(bias, dtype=torch.float) if ctx.needs_input_grad[2] else None
         g_lp = torch.zeros_like(logz) if g_lp is None else g_lp.float()  # [T]
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             for i in range(0, hidden.shape[0], ctx.rows):
@@ -370,15 +337,10 @@ class HeadLogprobs(torch.autograd.Function):
                 p = (z - logz[c, None]).exp_()  # [c, V]
                 scale = g_lp[c, None]  # [c, 1]
                 if g_ent is not None:
-                    scale = scale + g_ent[c, None].float() * (
-                        z - (logz[c] - ent[c])[:, None]
-                    )  # [c, V]
-                dz = (
-                    p.mul_(scale)
-                    .neg_()
-                    .scatter_add_(-1, t[:, None], g_lp[c, None])
-                    .div_(ctx.temperature)
-                )
+                    # [c, V]
+                    scale = scale + g_ent[c, None].float() * (z - (logz[c] - ent[c])[:, None])
+                dz = p.mul_(scale).neg_().scatter_add_(-1, t[:, None], g_lp[c, None])
+                dz.div_(ctx.temperature)
                 dz = dz if enabled else dz.to(weight.dtype)  # [c, V]
                 if gh is not None:
                     gh[c] = (dz @ weight).to(gh.dtype)  # [c, H]
@@ -387,13 +349,6 @@ class HeadLogprobs(torch.autograd.Function):
                     gw.add_(dz.T @ h) if enabled else gw.addmm_(dz.T, h.to(weight.dtype))
                 if gb is not None:
                     gb += dz.float().sum(0)  # [V]
-        return (
-            gh,
-            None if gw is None or into_grad else gw.to(weight.dtype),
-            None if gb is None else gb.to(bias.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        gw = None if gw is None or into_grad else gw.to(weight.dtype)
+        gb = None if gb is None else gb.to(bias.dtype)
+        return gh, gw, gb, None, None, None, None, None

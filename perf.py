@@ -6,29 +6,22 @@ from typing import Callable
 
 import torch
 
+import models
 from metrics import cpu_seconds, print0
 
 
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo ("" where there is none)."""
     try:
-        return next(
-            (
-                x.split(":", 1)[1].strip()
-                for x in open("/proc/cpuinfo")
-                if x.startswith("model name")
-            ),
-            "",
-        )
+        names = [x for x in open("/proc/cpuinfo") if x.startswith("model name")]
     except OSError:
         return ""
+    return names[0].split(":", 1)[1].strip() if names else ""
 
 
 def measure_matmul(device, dtype, n: int, trials: int = 5, trial_s: float = 0.15) -> float:
     """FLOP/s of n x n matrix products on `device` in `dtype` (torch's): the best of
     `trials` runs of about `trial_s` seconds."""
-    import torch
-
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(2):
@@ -47,10 +40,7 @@ def measure_matmul(device, dtype, n: int, trials: int = 5, trial_s: float = 0.15
 
 def matmul_params(model_path: str) -> tuple[int, int]:
     """(body, head) parameters a token meets in matrix products (the output embedding is the head)."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    import models
 
     path = models.base_model_dir(model_path)
     with torch.device("meta"):
@@ -82,30 +72,14 @@ CUDA_PEAKS = {
 
 def peak_flops(device: str = "cpu", dtype: str = "float32", threads: int = 1) -> float:
     """FLOP/s of `CUDA_PEAKS`, or of `threads` threads' measured matrix products, cached per CPU."""
-    import torch
-
-    import models
-
     dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name(torch.device(device))
-        known = [
-            peaks[dt != torch.bfloat16] for key, peaks in CUDA_PEAKS.items() if key in name
-        ]  # (bf16, fp32)
+        known = [peaks[dt != torch.bfloat16] for key, peaks in CUDA_PEAKS.items() if key in name]
         return known[0] if known else measure_matmul(torch.device(device), dt, 8192)
-    key = "|".join(
-        [
-            cpu_model(),
-            torch.backends.cpu.get_cpu_capability(),
-            torch.__version__,
-            dtype,
-            str(threads),
-        ]
-        + [
-            os.environ.get(v, "")
-            for v in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
-        ]
-    )
+    cpu = [cpu_model(), torch.backends.cpu.get_cpu_capability(), torch.__version__]
+    isa = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+    key = "|".join(cpu + [dtype, str(threads)] + [os.environ.get(v, "") for v in isa])
     path = models.cache_dir() / "peak.json"
     cached = models.read_cached(path)
     if key not in cached:
@@ -121,8 +95,6 @@ def peak_flops(device: str = "cpu", dtype: str = "float32", threads: int = 1) ->
 
 def job_units(device_type: str) -> int:
     """The cores this process may run on, or the CUDA devices."""
-    import torch
-
     return torch.cuda.device_count() if device_type == "cuda" else len(os.sched_getaffinity(0))
 
 
@@ -136,17 +108,13 @@ def unit_peak(device_type: str, dtype: str) -> float:
 
 def announce_peak(device: str, dtype: str) -> None:
     """Print the peak MFU is measured against (measured first if not cached)."""
-    import models
-
     units = job_units(device)
-    print0(
-        f"nanorft: MFU is measured against {unit_peak(device, dtype) * units / 1e12:.3g} TFLOP/s, "
-        + (
-            f"the nominal {dtype} peak of {units} GPU(s)"
-            if device == "cuda"
-            else f"{dtype} matrix products measured on {units} core(s) (once per CPU, cached in {models.cache_dir()})"
-        )
-    )
+    tflops = unit_peak(device, dtype) * units / 1e12
+    if device == "cuda":
+        what = f"the nominal {dtype} peak of {units} GPU(s)"
+    else:
+        what = f"{dtype} matrix products measured on {units} core(s) (once per CPU, cached in {models.cache_dir()})"
+    print0(f"nanorft: MFU is measured against {tflops:.3g} TFLOP/s, {what}")
 
 
 def mfu(flops: float, seconds: float, peak: float) -> float:
@@ -155,11 +123,10 @@ def mfu(flops: float, seconds: float, peak: float) -> float:
 
 
 class TrainerMeter:
-    """perf/trainer_model_flops and perf/trainer_mfu of a trainer step, from the tokens it
-    computed and predicted and its busy seconds (Trainer.step's train/packed_tokens,
-    train/predicted_tokens, time/train_busy_s, summed over ranks). `passes`: 3 (forward and
-    backward) plus one forward of a reference model if one is loaded; `matmul`: the model's
-    `matmul_params`."""
+    """perf/trainer_model_flops and perf/trainer_mfu of a trainer step, from the tokens it computed and
+    predicted and its busy seconds (Trainer.step's train/packed_tokens, train/predicted_tokens,
+    time/train_busy_s, summed over ranks). `passes`: 3 (forward and backward) plus one forward of a
+    reference model if one is loaded; `matmul`: the model's `matmul_params`."""
 
     def __init__(self, matmul: tuple[int, int], device_type: str, dtype: str, passes: int):
         self.matmul = matmul
@@ -214,11 +181,10 @@ class JobMeter:
         """The two metrics since the last call; `unit_peak`: FLOP/s of one core or device."""
         cpu_s, now = cpu_seconds(), time.perf_counter()
         wall = now - self.mark[1]
+        flops = trainer_flops + self.explorer_flops
         out = {
             "cpu/utilisation_pct": 100 * (cpu_s - self.mark[0]) / max(1e-9, wall),
-            "perf/job_mfu": mfu(
-                trainer_flops + self.explorer_flops, wall, unit_peak * job_units(device_type)
-            ),
+            "perf/job_mfu": mfu(flops, wall, unit_peak * job_units(device_type)),
         }
         self.mark, self.explorer_flops = (cpu_s, now), 0.0
         return out

@@ -233,16 +233,9 @@ def prepare(cfg: Config, rank: int) -> Prepared:
             buffer.check_config(cfg)
         # launches sharing the run dir: one file each
         name = "config.json" if alone else f"config_{cfg.mode}.json"
-        (run_dir / name).write_text(
-            json.dumps(
-                {
-                    **dataclasses.asdict(cfg),
-                    "placement": dataclasses.asdict(layout),
-                    "precision": why,
-                },
-                indent=2,
-            )
-        )
+        record = {**dataclasses.asdict(cfg), "placement": dataclasses.asdict(layout)}
+        record["precision"] = why
+        (run_dir / name).write_text(json.dumps(record, indent=2))
     return Prepared(model_path, tasks, layout)
 
 
@@ -253,9 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     # plug-ins by import path (--workflow mymod.MyWorkflow) from the working directory, last: never shadowing ours
     if not any(os.path.abspath(p or ".") == os.getcwd() for p in sys.path):
         sys.path.append(os.getcwd())
-    os.environ.setdefault(
-        "HF_HUB_DISABLE_PROGRESS_BARS", "1"
-    )  # transformers' loading bars would break the step bar
+    # transformers' loading bars would break the step bar
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         cfg = parse_config(argv)
         if finished_run(cfg):

@@ -73,8 +73,7 @@ class Schedule:
         self.receiver.join()
 
     def before_batch(self, batch: int) -> bool:
-        version = required_version(batch, self.cfg.sync_interval, self.cfg.sync_offset)
-        self.receiver.until(version)
+        self.receiver.until(required_version(batch, self.cfg.sync_interval, self.cfg.sync_offset))
         return True
 
     def inflight(self) -> None:

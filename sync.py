@@ -23,8 +23,7 @@ class Checksum:
     each element times a weight in [1, 2) set by its position in the stream (the fractional
     part of position x the golden ratio), so that two swapped tensors of one shape or a
     mis-mapped parameter change it, which a plain sum would not. Tensors may come whole or
-    flattened into buckets: the position runs on across `add` calls. Summed in chunks of
-    CHECKSUM_CHUNK elements (a float64 copy of a chunk at a time)."""
+    flattened into buckets: the position runs on across `add` calls."""
 
     def __init__(self):
         self.position = 0
@@ -132,29 +131,24 @@ class WeightSync:
         self.rank = self.store.add("joined", 1)
         if self.rank >= self.world_size:
             raise RuntimeError(
-                f"the trainer expects {self.world_size - 1} explorer(s) (--num-explorers) "
-                "and all have joined"
+                f"the trainer expects {self.world_size - 1} explorer(s) (--num-explorers) and all have joined"
             )
         if self.store.get("device").decode() != self.device.type:
             raise RuntimeError(
-                f"the trainer syncs on {self.store.get('device').decode()}, this explorer "
-                f"on {self.device.type}"
+                f"the trainer syncs on {self.store.get('device').decode()}, this explorer on {self.device.type}"
             )
         self.bucket_elems = int(self.store.get("bucket_elems"))
         self.store.set(f"gpu/{self.rank}", gpu_id(self.device))
-        self.store.set(
-            f"wire_dtype/{self.rank}", str(self.wire_dtype).removeprefix("torch.")
-        )  # declared last
+        # declared last
+        self.store.set(f"wire_dtype/{self.rank}", str(self.wire_dtype).removeprefix("torch."))
 
     def _announce(self) -> None:
         receivers = range(1, self.world_size)
         self.store.wait([f"wire_dtype/{r}" for r in receivers])
         names = {self.store.get(f"wire_dtype/{r}").decode() for r in receivers}
         self.store.set("wire_dtype", names.pop() if len(names) == 1 else "float32")
-        self.store.set(
-            "backend",
-            group_backend([self.store.get(f"gpu/{r}").decode() for r in range(self.world_size)]),
-        )
+        gpus = [self.store.get(f"gpu/{r}").decode() for r in range(self.world_size)]
+        self.store.set("backend", group_backend(gpus))
 
     def _group(self):
         # NCCL: the communicator at once, not at the first broadcast where no `alive()` is watched (as _dist2.py)
@@ -190,14 +184,9 @@ class WeightSync:
                     work.wait()
                 # gloo: "Connection closed by peer [ADDR]:PORT", "Read error ..."
                 except RuntimeError as e:
-                    who = (
-                        "an explorer"
-                        if self.rank == 0
-                        else f"the trainer at {self.host}:{self.port}"
-                    )
+                    who = f"the trainer at {self.host}:{self.port}" if self.rank else "an explorer"
                     raise RuntimeError(
-                        f"weight sync: a publish broke off, {who} went away "
-                        f"({' '.join(str(e).split())})"
+                        f"weight sync: a publish broke off, {who} went away ({' '.join(str(e).split())})"
                     ) from None
                 self._pending.pop(0)
             elif not alive():
@@ -214,9 +203,8 @@ class WeightSync:
         """Rank 0: announce, then broadcast `buckets` (tensors in `named_parameters()` order) as `version`."""
         self.wait(alive)
         self.store.set("published", str(version))
-        self._pending = [
-            self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))
-        ]
+        version_tensor = torch.tensor([version], dtype=torch.int64, device=self.device)
+        self._pending = [self._broadcast(version_tensor)]
         digest = Checksum()
         for given in buckets:
             for r in bucket_ranges([t.numel() for t in given], self.bucket_elems):
@@ -234,8 +222,7 @@ class WeightSync:
             return int(self.store.get("published")) if self.store.check(["published"]) else -1
         except dist.DistError as e:
             raise RuntimeError(
-                f"weight sync: the trainer's store at {self.host}:{self.port} stopped answering (the "
-                f"trainer is gone: {' '.join(str(e).split())})"
+                f"weight sync: the trainer's store at {self.host}:{self.port} stopped answering (the trainer is gone: {' '.join(str(e).split())})"
             ) from None
 
     def recv(self, params: list[torch.Tensor], alive: Callable[[], bool] = lambda: True) -> int:

@@ -14,21 +14,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from torch.distributed.tensor import DTensor
 
 import models
+import packing
 import perf
 import sync
 from buffer import Experience
 from losses import LossInputs, aggregate, kl_estimate, length_penalty, masked_sum, resolve_algorithm
 from metrics import peak_rss_gib, print0
-from packing import (
-    micro_batches,
-    pack,
-    packed_logprobs,
-    packed_sdpa,
-    packed_tokens,
-    response_logprobs,
-    row_length,
-    share_prompts,
-)
 
 # the advantage estimators whose baseline comes from the other rollouts of a group
 GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opmd", "grpo_stepwise")
@@ -68,6 +59,17 @@ class StepBatch:
             torch.tensor([float(sum(e.action_mask)) for e in exps]),
             {id(e): i for i, e in enumerate(exps)},
         )
+
+
+def accumulate(sums: dict[str, float], micro_batch: dict[str, float]) -> None:
+    """Add a micro-batch's metric sums into `sums`; the importance ratio's extremes are kept."""
+    for k, v in micro_batch.items():
+        if k == "loss/ratio_max":
+            sums[k] = max(sums.get(k, -math.inf), v)
+        elif k == "loss/ratio_min":
+            sums[k] = min(sums.get(k, math.inf), v)
+        else:
+            sums[k] = sums.get(k, 0.0) + v
 
 
 def check_config(cfg) -> None:
@@ -181,9 +183,8 @@ class Trainer:
             from extras.distill import Teacher
 
             self.teacher = Teacher(self, models.resolve_model(cfg.teacher))
-        fused = (
-            self.cfg.fused_adamw if self.cuda else not self.sharded
-        ) or None  # CPU: no temporaries
+        # one CPU rank: fused, no temporaries
+        fused = (self.cfg.fused_adamw if self.cuda else not self.sharded) or None
         self.opt = torch.optim.AdamW(
             [p for _, p in self.named_trained_parameters()],
             lr=cfg.lr,
@@ -191,7 +192,8 @@ class Trainer:
             betas=(0.9, 0.99),
             fused=fused,
         )
-        self.lr_factor, self.version = lr_schedule(cfg, self.opt), 0
+        self.lr_factor = lr_schedule(cfg, self.opt)
+        self.version = 0
         # rank 0: the loop's position in data it reads (--expert-data), saved with the resume state
         self.loop_state: dict = {}
 
@@ -200,30 +202,22 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, attn_implementation=packed_sdpa()
+            model_path, dtype=torch.float32, attn_implementation=packing.packed_sdpa()
         ).to(self.device)
 
     def shard(self, model):
         """`model` with FSDP2 on each decoder block and the root (if `sharded`); activation checkpointing."""
-        policy = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if self.fsdp_bf16
-            else MixedPrecisionPolicy()
-        )
+        policy = MixedPrecisionPolicy()
+        if self.fsdp_bf16:
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         blocks = set(model._no_split_modules or [])
         c = model.config
         ckpt = self.cfg.activation_checkpointing
-        if (
-            ckpt
-            and self.cuda
-            and self.cfg.checkpoint_if_needed
-            and "activation_checkpointing" not in self.cfg.given
-        ):
-            # unless asked for: only where a micro-batch's activations (~80 B per token, layer, hidden unit) > half free
-            ckpt = (
-                80 * self.cfg.token_budget * c.num_hidden_layers * c.hidden_size
-                > torch.cuda.mem_get_info(self.device)[0] / 2
-            )
+        asked = "activation_checkpointing" in self.cfg.given
+        if ckpt and self.cuda and self.cfg.checkpoint_if_needed and not asked:
+            # only where a micro-batch's activations (~80 B per token, layer, hidden unit) > half free
+            activations = 80 * self.cfg.token_budget * c.num_hidden_layers * c.hidden_size
+            ckpt = activations > torch.cuda.mem_get_info(self.device)[0] / 2
         if ckpt:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -236,7 +230,7 @@ class Trainer:
                     m.forward = perf.compiled(m.forward)
                 if self.sharded:
                     fully_shard(m, mesh=self.mesh, mp_policy=policy)
-        model.nanorft_logprobs = MethodType(packed_logprobs, model)
+        model.nanorft_logprobs = MethodType(packing.packed_logprobs, model)
         if self.sharded:
             model = fully_shard(model, mesh=self.mesh, mp_policy=policy)
             register_fsdp_forward_method(model, "nanorft_logprobs")
@@ -266,14 +260,15 @@ class Trainer:
         """The `named_trained_parameters` as full tensors, one bucket (sync.bucket_ranges) per advance. Collective."""
         params = [p for _, p in self.named_trained_parameters()]
         for r in sync.bucket_ranges([p.numel() for p in params], bucket_elems):
-            yield [
-                (
-                    params[i].detach().to_local() if self.world == 1 else params[i].full_tensor()
-                )  # one rank: no copy
-                if isinstance(params[i], DTensor)
-                else params[i].detach()
-                for i in r
-            ]
+            yield [self.full_tensor(params[i]) for i in r]
+
+    def full_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        """The whole of a (sharded) parameter; with one rank its local tensor, not a copy."""
+        if not isinstance(param, DTensor):
+            return param.detach()
+        if self.world == 1:
+            return param.detach().to_local()
+        return param.full_tensor()
 
     def logprobs(
         self,
@@ -287,12 +282,9 @@ class Trainer:
         (default: the sampling temperature); entropy [B, R] or None)."""
         temperature = self.cfg.temperature if temperature is None else temperature
         causal = self.cuda and self.cfg.causal_rows
-        b = {
-            k: v if v is None else v.to(self.device)
-            for k, v in pack(
-                mb, self.pad, self.cfg.token_budget, ROW_MULTIPLE, causal, TOKEN_MULTIPLE
-            ).items()
-        }
+        budget = self.cfg.token_budget
+        packed = packing.pack(mb, self.pad, budget, ROW_MULTIPLE, causal, TOKEN_MULTIPLE)
+        b = {k: v if v is None else v.to(self.device) for k, v in packed.items()}
         b["mask"] = b["mask"] * (not padding)
         self.computed_tokens += b["input_ids"].numel()
         # no cache of bf16 weights: each is cast once per pass anyway, and the blocks' recompute
@@ -300,7 +292,8 @@ class Trainer:
         with torch.autocast(
             self.device.type, dtype=torch.bfloat16, enabled=self.autocast, cache_enabled=False
         ):
-            lp, ent = response_logprobs(
+            # [B, R]
+            lp, ent = packing.response_logprobs(
                 model,
                 b,
                 temperature,
@@ -308,7 +301,7 @@ class Trainer:
                 entropy_grad=bool(self.cfg.entropy_coef),
                 head_grad_into_weight=self.head_grad_into_weight,
                 head_chunk_elems=self.cfg.head_chunk_elems,
-            )  # [B, R]
+            )
         return b, lp, ent
 
     def step(
@@ -317,26 +310,16 @@ class Trainer:
         """One optimiser step on a batch's groups (the same on every rank): rewards ->
         advantages -> filters -> `forward_backward` of each micro-batch -> `optimizer_step`.
         `progress` is told which micro-batch runs. Returns the global batch's metrics."""
-        t0, cpu0 = time.perf_counter(), time.process_time()
+        t0 = time.perf_counter()
+        cpu0 = time.process_time()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.computed_tokens = 0
         batch = StepBatch.of(groups)
-        # the rows of shared-prompt packing (whole groups for a group-level loss), shortest first
-        rows = (
-            [list(g) for g in groups]
-            if self.policy_loss.needs_groups
-            else sorted(
-                (
-                    [g[i] for i in members]
-                    for g in groups
-                    for _, members in share_prompts(g, self.cfg.token_budget)
-                ),
-                key=packed_tokens,
-            )
-        )
-        my_rows = rows[self.rank :: self.world]  # this rank's share
-        filler = batch.exps[0]  # a padding micro-batch: this sequence, masked out
+        # this rank's share of the rows
+        my_rows = self.rows(groups)[self.rank :: self.world]
+        # a padding micro-batch: this sequence, masked out
+        filler = batch.exps[0]
         for frozen in filter(None, (self.ref, self.teacher)):
             frozen.compute(my_rows, filler)
         rewards, m = self.shape_rewards(batch, my_rows)
@@ -349,25 +332,16 @@ class Trainer:
         for i, (mb, padding) in enumerate(micro):
             if progress is not None:
                 progress(f"micro-batch {i + 1}/{len(micro)}")
-            for k, v in self.forward_backward(mb, padding, batch, adv, rewards, totals).items():
-                if k == "loss/ratio_max":
-                    sums[k] = max(sums.get(k, -math.inf), v)
-                elif k == "loss/ratio_min":
-                    sums[k] = min(sums.get(k, math.inf), v)
-                else:
-                    sums[k] = sums.get(k, 0.0) + v
+            accumulate(sums, self.forward_backward(mb, padding, batch, adv, rewards, totals))
         grad_norm = self.optimizer_step()
         self.version += 1
-        train_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
-        m.update(
-            # busy: the process's CPU seconds on a CPU (threads lent by the explorer count), else wall
-            self.reduce_metrics(sums, my_rows, cpu_s if self.device.type == "cpu" else train_s)
-        )
+        train_s = time.perf_counter() - t0
+        # busy: the process's CPU seconds on a CPU (threads lent by the explorer count), else wall
+        busy_s = time.process_time() - cpu0 if self.device.type == "cpu" else train_s
+        m.update(self.reduce_metrics(sums, my_rows, busy_s))
         if (rollout := ~batch.offline).any():
-            m["advantage/mean"], m["advantage/abs_mean"] = (
-                float(adv[rollout].mean()),
-                float(adv[rollout].abs().mean()),
-            )
+            m["advantage/mean"] = float(adv[rollout].mean())
+            m["advantage/abs_mean"] = float(adv[rollout].abs().mean())
         lengths = [len(e.behaviour_logprobs) for e in batch.exps]
         tokens = sum(len(e.tokens) for e in batch.exps)
         m.update(
@@ -391,6 +365,16 @@ class Trainer:
             m["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             m["memory/reserved_gib"] = torch.cuda.memory_reserved(self.device) / 2**30
         return m
+
+    def rows(self, groups: list[list[Experience]]) -> list[list[Experience]]:
+        """The rows of shared-prompt packing (whole groups for a group-level loss), shortest first."""
+        if self.policy_loss.needs_groups:
+            return [list(g) for g in groups]
+        rows = []
+        for g in groups:
+            for _, members in packing.share_prompts(g, self.cfg.token_budget):
+                rows.append([g[i] for i in members])
+        return sorted(rows, key=packing.packed_tokens)
 
     def shape_rewards(self, batch: StepBatch, my_rows: list[list]) -> tuple[torch.Tensor, dict]:
         """Rewards [N] minus the KL reward and length penalties, and the rollouts' reward metrics."""
@@ -427,7 +411,8 @@ class Trainer:
         self, batch: StepBatch, adv: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, int]]:
         """Which sequences [N] bool all filters keep (offline ones always); `filter/<name>`: how many it dropped."""
-        keep, m = torch.ones(len(batch.exps), dtype=torch.bool), {}
+        keep = torch.ones(len(batch.exps), dtype=torch.bool)
+        m = {}
         for name, fn in self.filters.items():
             drop = [
                 i
@@ -460,7 +445,7 @@ class Trainer:
         self, rows: list[list[Experience]], filler: Experience
     ) -> list[tuple[list, bool]]:
         """This rank's (micro-batch, padding) pairs, padded with masked `filler`s to the ranks' largest count."""
-        mbs = [(mb, False) for mb in micro_batches(rows, self.cfg.token_budget)]
+        mbs = [(mb, False) for mb in packing.micro_batches(rows, self.cfg.token_budget)]
         n = torch.tensor(len(mbs), device=self.device)  # NCCL takes device tensors only
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         return mbs + [([filler], True)] * (int(n) - len(mbs))
@@ -476,29 +461,31 @@ class Trainer:
     ) -> dict[str, float]:
         """Forward and backward of micro-batch `mb` through the policy loss; returns
         "loss/policy" (its share), "tokens" and metric sums."""
-        cfg, dev = self.cfg, lambda x: x.to(self.device)
+        cfg = self.cfg
         b, lp, ent = self.logprobs(self.model, mb, padding, entropy=True)
-        mask, behaviour = b["mask"], b["behaviour_logprobs"]  # [B, R]
+        mask = b["mask"]  # [B, R]
+        behaviour = b["behaviour_logprobs"]  # [B, R]
+        # each sequence's index in the step's batch
         idx = torch.tensor([batch.row[id(e)] for e in mb])  # [B]
+        offline = batch.offline[idx].to(self.device)  # [B]
         ref_lp = self.ref.micro_batch(mb, padding, behaviour) if self.ref else None  # [B, R]
-        adv_t, extra = dev(adv[idx][:, None].expand(*mask.shape)), {}  # [B, R]
+        adv_t = adv[idx][:, None].expand(*mask.shape).to(self.device)  # [B, R]
+        extra = {}
         if self.teacher:  # per-token terms of the advantage, and their metrics
-            adv_t, extra = self.teacher.advantages(
-                adv_t, mb, padding, behaviour, mask, dev(batch.offline[idx])
-            )
-        out = self.policy_loss.fn(
-            LossInputs(
-                lp,
-                behaviour,
-                adv_t,
-                mask,
-                dev(rewards[idx]),
-                dev(torch.unique(batch.group_index[idx], return_inverse=True)[1]),
-                ref_lp,
-                dev(batch.offline[idx]),
+            adv_t, extra = self.teacher.advantages(adv_t, mb, padding, behaviour, mask, offline)
+        inputs = LossInputs(
+            logprobs=lp,
+            behaviour_logprobs=behaviour,
+            advantages=adv_t,
+            action_mask=mask,
+            rewards=rewards[idx].to(self.device),
+            group_index=torch.unique(batch.group_index[idx], return_inverse=True)[1].to(
+                self.device
             ),
-            **cfg.policy_loss_kwargs,
+            ref_logprobs=ref_lp,
+            expert=offline,
         )
+        out = self.policy_loss.fn(inputs, **cfg.policy_loss_kwargs)
         per_token = out["loss"]  # [B, R]
         if cfg.kl_loss_coef:
             per_token = per_token + cfg.kl_loss_coef * kl_estimate(lp, ref_lp, cfg.kl_estimator)
@@ -506,7 +493,8 @@ class Trainer:
             per_token = per_token - cfg.entropy_coef * ent
         (aggregate(per_token, mask, self.agg, *totals(idx)) * self.world).backward()
         with torch.no_grad():
-            rollout = ~dev(batch.offline[idx])[:, None]  # expert tokens have no behaviour log-probs
+            # expert tokens have no behaviour log-probs
+            rollout = ~offline[:, None]
             log_ratio = lp - behaviour  # [B, R]
             parts = {
                 "loss/entropy": ent,
@@ -548,7 +536,8 @@ class Trainer:
         counts their model FLOPs) and the seconds it kept the ranks busy."""
         exps = [e for row in rows for e in row]
         # each row's tokens once: a group's shared prompt, then its responses; no padding
-        packed = sum(row_length(exps, *row) for row in share_prompts(exps, self.cfg.token_budget))
+        shared = packing.share_prompts(exps, self.cfg.token_budget)
+        packed = sum(packing.row_length(exps, *row) for row in shared)
         predicted = sum(len(e.tokens) - e.prompt_length for e in exps)
         # the extremes of the importance ratio over every rank's tokens: one all_reduce of MAX
         extremes = [sums.pop("loss/ratio_max", -math.inf), -sums.pop("loss/ratio_min", math.inf)]

@@ -78,21 +78,15 @@ def load_tasks(
         train_ds = reasoning_gym.create_dataset(name, size=2 * train_size + 16, seed=base, **kwargs)
     except Exception as e:  # reasoning-gym raises several types for bad names/kwargs
         raise ValueError(f"reasoning-gym dataset {name!r} with {kwargs}: {e}") from None
+
+    def task(split: str, i: int, x: dict) -> Task:
+        return Task(f"{name}/{split}/{i}", x["question"], str(x["answer"]), x)
+
     # the held-out set is not filtered (that would skew it towards the rarest questions): training gives way
-    held = [
-        Task(f"{name}/eval/{i}", x["question"], str(x["answer"]), x) for i, x in enumerate(eval_ds)
-    ][:eval_size]
+    held = [task("eval", i, x) for i, x in enumerate(eval_ds)][:eval_size]
     seen = {t.question for t in held}
-    train = list(
-        itertools.islice(
-            (
-                Task(f"{name}/train/{i}", x["question"], str(x["answer"]), x)
-                for i, x in enumerate(train_ds)
-                if x["question"] not in seen
-            ),
-            train_size,
-        )
-    )
+    fresh = (task("train", i, x) for i, x in enumerate(train_ds) if x["question"] not in seen)
+    train = list(itertools.islice(fresh, train_size))
     if len(train) < train_size:
         raise ValueError(
             f"reasoning-gym dataset {name!r} with {kwargs}: only {len(train)} training tasks whose "
@@ -136,20 +130,11 @@ class Shuffle(Selector):
         self.order = random.Random(seed).sample(range(len(tasks)), len(tasks))
 
 
-# task and experience pipelines, other selectors, replay and human labels: by import path
-
-
+# task and experience pipelines, other selectors, replay and human labels: in extras/, by import path
 def check_pipelines(cfg) -> None:
     """Check cfg's data-pipeline settings, if any (ValueError, one line; ConnectionError: Label Studio unreachable)."""
-
-    if (
-        cfg.selector != "shuffle"
-        or cfg.selector_kwargs
-        or cfg.task_pipeline
-        or cfg.experience_pipeline
-        or cfg.replay
-        or cfg.annotation
-    ):
+    pipelines = (cfg.task_pipeline, cfg.experience_pipeline, cfg.replay, cfg.annotation)
+    if cfg.selector != "shuffle" or cfg.selector_kwargs or any(pipelines):
         from extras.pipelines import check_config
 
         check_config(cfg)
@@ -157,11 +142,10 @@ def check_pipelines(cfg) -> None:
 
 def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
     """Token ids of `messages` under the chat template (with the assistant's turn prompt)."""
-    return list(
-        tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
-        )
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
     )
+    return list(ids)
 
 
 def last_number(text: str) -> str | None:
@@ -184,10 +168,8 @@ def readable(info: dict) -> bool | None:
     """Whether a reply (an Experience's info) ended within its budget with an answer; None without "response"."""
     if "response" not in info:
         return None
-    return (
-        info.get("finish_reason") == "stop"
-        and extract_answer(info["response"], info.get("answer", "")) is not None
-    )
+    answer = extract_answer(info["response"], info.get("answer", ""))
+    return info.get("finish_reason") == "stop" and answer is not None
 
 
 def reasoning_gym_reward(task: Task, completion: str, dataset: Any) -> float:
@@ -273,9 +255,8 @@ class MathWorkflow(Workflow):
     """Single turn: system prompt + question -> n sampled answers, each scored by `score`."""
 
     def prompt_ids(self, task: Task) -> list[int]:
-        return chat_ids(
-            self.tokenizer, self.system() + [{"role": "user", "content": task.question}], True
-        )
+        messages = self.system() + [{"role": "user", "content": task.question}]
+        return chat_ids(self.tokenizer, messages, True)
 
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
         prompt = self.prompt_ids(task)
@@ -326,11 +307,10 @@ def load_workflow(name: str) -> type[Workflow]:
     from losses import resolve
 
     prefix, colon, rest = name.partition(":")
-    cls = (
-        resolve(WORKFLOW_PREFIXES[prefix], {}, "workflow")(rest)
-        if colon and prefix in WORKFLOW_PREFIXES
-        else resolve(name, WORKFLOWS, "workflow")
-    )
+    if colon and prefix in WORKFLOW_PREFIXES:
+        cls = resolve(WORKFLOW_PREFIXES[prefix], {}, "workflow")(rest)
+    else:
+        cls = resolve(name, WORKFLOWS, "workflow")
     if not (isinstance(cls, type) and issubclass(cls, Workflow)):
         raise ValueError(f"workflow {name!r} is not a subclass of workflows.Workflow")
     return cls
