@@ -106,10 +106,10 @@ class Config:
     """drop groups whose rewards are all equal and sample more tasks"""
     refill_rounds: int = 4
     """max extra sampling rounds per batch to replace dropped or failed groups"""
-    pool_easy: float = 2.0
-    """retire a task once a group's mean reward is >= this; empty: never"""
-    pool_hard: float = -1.0
-    """retire a task once a group's mean reward is <= this; empty: never"""
+    pool_easy: float = math.inf
+    """retire a task once a group's mean reward is >= this (prime-rl's easy pool); inf: never"""
+    pool_hard: float = -math.inf
+    """retire a task once a group's mean reward is <= this (prime-rl's hard pool); -inf: never"""
     pool_lift_fraction: float = 0.0
     """fraction of each batch drawn back from the retired tasks"""
     explorer_max_batch: int = 128
@@ -338,6 +338,8 @@ def task_preset(task: str, given: frozenset) -> dict:
     return {k: v for k, v in OTHER_TASK_DEFAULTS.items() if k not in given}
 
 
+# the unbounded value of a bound that may be off: a task pool that retires no task
+NEVER = {"pool_easy": math.inf, "pool_hard": -math.inf}
 # the settings that must be at least 1, and at least 0 (`check_values`)
 AT_LEAST_ONE = (
     "steps batch_size group_size max_tokens sync_interval eval_interval token_budget bench_k "
@@ -359,8 +361,9 @@ def check_values(cfg: Config) -> None:
     if cfg.workflow_timeout_s <= 0 or cfg.temperature <= 0 or not 0 < cfg.top_p <= 1:
         raise ValueError("need workflow_timeout_s > 0, temperature > 0 and 0 < top_p <= 1")
     for f in dataclasses.fields(Config):
-        if f.type == "float" and not math.isfinite(getattr(cfg, f.name)):
-            raise ValueError(f"{f.name} must be a finite number, got {getattr(cfg, f.name)}")
+        value = getattr(cfg, f.name)
+        if f.type == "float" and not math.isfinite(value) and value != NEVER.get(f.name):
+            raise ValueError(f"{f.name} must be a finite number, got {value}")
     for name in AT_LEAST_ZERO:
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")

@@ -1,5 +1,7 @@
 """Task selectors besides workflows.Shuffle (extras/pipelines.py's SELECTORS): sequential, random, easy2hard, BOTS."""
 
+import math
+
 import numpy as np
 
 from workflows import Selector, Task
@@ -58,7 +60,7 @@ class DiffBased(Selector):
     @staticmethod
     def check_config(cfg) -> None:
         """ValueError with task pools (pool_easy / pool_hard) set: it targets a difficulty itself."""
-        if cfg.pool_easy <= 1 or cfg.pool_hard >= 0:
+        if math.isfinite(cfg.pool_easy) or math.isfinite(cfg.pool_hard):
             raise ValueError(
                 "selector diff_based already targets a difficulty: leave pool_easy / pool_hard unset"
             )

@@ -1,5 +1,6 @@
 """The buffer shared by writer and reader processes, in both backends (SQLite file, PostgreSQL server)."""
 
+import math
 import multiprocessing as mp
 import time
 
@@ -77,6 +78,29 @@ def test_task_pools_persist_and_reactivate(buffer_url):
     assert Buffer(buffer_url).retired() == {"t1": "easy", "t2": "hard"}  # persisted
     buf.write_batch([], pools=[("t1", 0.5, 0.9, 0.1)])  # a lifted task that is no longer easy
     assert buf.retired() == {"t2": "hard"}
+
+
+def test_the_default_settings_retire_no_task_whatever_its_rewards():
+    # rewards outside [0, 1] (a -1 for a wrong format, a bonus of 2) are no reason to retire a task
+    from buffer import pool_for
+    from config import Config
+
+    cfg = Config()
+    for mean_reward in (-5.0, -1.0, 0.0, 0.5, 1.0, 2.0, 5.0):
+        assert pool_for(mean_reward, cfg.pool_easy, cfg.pool_hard) is None
+    assert pool_for(-1.0, cfg.pool_easy, -1.0) == "hard"
+    assert pool_for(2.0, 2.0, cfg.pool_hard) == "easy"
+
+
+def test_a_pool_bound_is_a_number_or_off():
+    from config import parse_config
+
+    cfg = parse_config(["--pool-easy", "0.9", "--pool-hard", "0.1"])
+    assert (cfg.pool_easy, cfg.pool_hard) == (0.9, 0.1)
+    assert parse_config(["--pool-easy", "inf", "--pool-hard", "-inf"]).pool_hard == -math.inf
+    # an unbounded bound the other way would retire every task
+    with pytest.raises(ValueError, match="pool_easy must be a finite number"):
+        parse_config(["--pool-easy", "-inf"])
 
 
 def test_offline_sampler_cycles_all_and_marks_offline():
