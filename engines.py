@@ -310,9 +310,11 @@ class Decoding:
 
 
 class HFEngine(Engine):
-    """transformers engine. model_path: a model or peft adapter directory; lora: a LoRA run's peft
-    LoraConfig; drop_ended: ended rows leave the decode batch once they are this fraction of it
-    (> 1: never; a smaller batch costs a reorder of the KV cache)."""
+    """transformers engine. model_path: a model or peft adapter directory; drop_ended: ended rows
+    leave the decode batch once they are this fraction of it (> 1: never; a smaller batch costs a
+    reorder of the KV cache). With LoRA adapters: extras/lora.py's LoraHFEngine."""
+
+    lora = None  # LoraHFEngine's peft LoraConfig: a weight sync then carries the adapters only
 
     def __init__(
         self,
@@ -322,29 +324,16 @@ class HFEngine(Engine):
         bf16: bool = False,
         device: str = "",
         dtype: torch.dtype = torch.float32,
-        lora=None,
         cuda_graphs: bool = False,
         drop_ended: float = 0.25,
     ):
         super().__init__()
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.drop_ended = drop_ended
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        base = models.base_model_dir(model_path)
-        attention = {"attn_implementation": packed_sdpa()} if self.device.type == "cpu" else {}
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **attention)
-        self.model = model.to(self.device).eval()
-        self.lora = lora
-        if lora is not None:
-            from peft import get_peft_model
-
-            self.model = get_peft_model(self.model, lora).eval()
-            if models.is_adapter(model_path):
-                from extras.lora import load_adapter
-
-                load_adapter(self.model, model_path)
+        self.model = self.pretrained(model_path, dtype)
         self.max_batch = max_batch
         self.bf16 = bf16
         self.loaded_from = model_path
@@ -360,28 +349,35 @@ class HFEngine(Engine):
 
             self.graphs = Graphs(max_batch)
 
+    def pretrained(self, model_path: str, dtype: torch.dtype):
+        """The model of `model_path` on this engine's device, in eval mode (LoraHFEngine adds its adapters)."""
+        from transformers import AutoModelForCausalLM
+
+        base = models.base_model_dir(model_path)
+        attention = {"attn_implementation": packed_sdpa()} if self.device.type == "cpu" else {}
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **attention)
+        return model.to(self.device).eval()
+
     @classmethod
     def from_config(
         cls, cfg, model_path: str, seed: int, device: str, colocated: bool
     ) -> "HFEngine":
         """bf16 weights for --dtype bfloat16: no float32 copy cast at every step (faster decoding,
-        docs/benchmarks.md)."""
+        docs/benchmarks.md). --lora-rank > 0: extras/lora.py's LoraHFEngine."""
         bf16 = cfg.dtype == "bfloat16"
-        lora = None
-        if cfg.lora_rank:
-            from extras.lora import lora_config
-
-            lora = lora_config(cfg)
-        return cls(
-            model_path,
+        settings = dict(
             max_batch=cfg.explorer_max_batch,
             seed=seed,
             bf16=bf16,
             device=device,
             dtype=torch.bfloat16 if bf16 else torch.float32,
-            lora=lora,
             cuda_graphs=cfg.cuda_graphs,
         )
+        if cfg.lora_rank:
+            from extras.lora import LoraHFEngine, lora_config
+
+            return LoraHFEngine(model_path, lora_config(cfg), **settings)
+        return cls(model_path, **settings)
 
     def rng_state(self):
         return bytes(self.generator.get_state().tolist())
@@ -390,12 +386,8 @@ class HFEngine(Engine):
         self.generator.set_state(torch.tensor(list(state), dtype=torch.uint8))
 
     def parameters(self) -> list[torch.Tensor]:
-        """What a weight sync carries, in the wire order (named_parameters): the weights, or the adapters."""
-        if self.lora is None:
-            return list(self.model.parameters())
-        from extras.lora import published_parameters
-
-        return [p for _, p in published_parameters(self.model)]
+        """What a weight sync carries, in the wire order (named_parameters): the weights."""
+        return list(self.model.parameters())
 
     def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
         self.weights = sync.transport(self.sync_method)(
@@ -410,7 +402,8 @@ class HFEngine(Engine):
     def receive_weights(self, alive):
         params = self.parameters()
         self.version = self.weights.recv(params, alive)
-        return self.version, sync.checksum(params) if self.checksum else None
+        digest = sync.new_digest(self.checksum)
+        return self.version, None if digest is None else digest.add(params).value
 
     def load_checkpoint(self, path, version):
         from extras.engine_checkpoints import load_into_hf

@@ -17,7 +17,7 @@ import torch
 from buffer import Buffer, Experience, pool_for
 from config import Config
 from engines import Engine, Sampling, WorkflowRuns, vllm_available
-from metrics import cpu_seconds, episode_means, mean_stderr, peak_rss_gib, sampled_eval
+from metrics import cpu_seconds, mean_stderr, peak_rss_gib, sampled_eval
 from models import cache_dir, read_cached, write_cached
 from schedule import Pace, required_version
 from workflows import Shuffle, Task, load_reward_fn, load_workflow, readable
@@ -79,13 +79,11 @@ class Explorer:
         self.log = log
         reward_fn = load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
         make = load_workflow(cfg.workflow)
-        self.workflow, self.eval_workflow = [
-            make(engine.tokenizer, reward_fn, dataset, cfg.system_prompt, s, run_dir=cfg.run_dir)
-            for s in (
-                Sampling(cfg.max_tokens, cfg.temperature, cfg.top_p),
-                Sampling(cfg.max_tokens, cfg.eval_temperature, 1.0),
-            )
-        ]
+        sampling = Sampling(cfg.max_tokens, cfg.temperature, cfg.top_p)
+        eval_sampling = Sampling(cfg.max_tokens, cfg.eval_temperature, 1.0)
+        shared = (engine.tokenizer, reward_fn, dataset, cfg.system_prompt)
+        self.workflow = make(*shared, sampling, run_dir=cfg.run_dir)
+        self.eval_workflow = make(*shared, eval_sampling, run_dir=cfg.run_dir)
         self.counts = dict.fromkeys(("timeouts", "errors", "retries", "skipped"), 0)
         self.last_error = ""
         self.seed = explorer_seed(cfg.seed, cfg.explorer_name)
@@ -126,19 +124,12 @@ class Explorer:
         return saved["batch"] if saved else 0
 
     def next_tasks(self, k: int, retired: dict[str, str]) -> list[Task]:
-        """The next k training tasks, not retired ones except round(k * pool_lift_fraction) drawn back."""
-        if len(retired) >= len(self.train):
-            retired = {}
-        lift = min(round(k * self.cfg.pool_lift_fraction), len(retired))
-        by_id = {t.task_id: t for t in self.train} if lift else {}
-        out = [by_id[i] for i in self.rng.sample(sorted(retired), lift)]
+        """The next k training tasks, none of the `retired` (task_id -> pool) ones but those task pools lift."""
         if not retired:
-            return out + [self.train[i] for i in self.selector.next(k - len(out))]
-        while len(out) < k:
-            task = self.train[self.selector.next(1)[0]]
-            if task.task_id not in retired:
-                out.append(task)
-        return out
+            return [self.train[i] for i in self.selector.next(k)]
+        from extras.selectors import pool_tasks
+
+        return pool_tasks(self, k, retired)
 
     def state(self) -> dict:
         """Resume state: the selector's, the lift sampler's and the engine's sampling RNG."""
@@ -280,12 +271,10 @@ class Explorer:
         if difficulties := [t.difficulty for t in picked if t.difficulty is not None]:
             record["selector/difficulty_mean"] = sum(difficulties) / len(difficulties)
         record.update(self.selector.metrics())
-        episodes = {e.info["episode_id"]: e.info for e in exps if "episode_id" in e.info}.values()
-        if episodes:  # multi-turn
-            samples = sum(i["samples"] for i in episodes)
-            record["rollout/samples_per_episode"] = samples / len(episodes)
-            record["rollout/turns_mean"] = sum(i["turns"] for i in episodes) / len(episodes)
-        record.update(episode_means([e.info for e in exps], "rollout/"))
+        if any("episode_id" in e.info or "metrics" in e.info for e in exps):  # multi-turn, agents
+            from extras.multiturn import episode_record
+
+            record.update(episode_record(exps))
         return record
 
     def evaluate(self, version: int) -> dict | None:
@@ -313,8 +302,11 @@ class Explorer:
             "eval/reward_mean": sum(rewards) / len(rewards),
             "eval/response_len": sum(len(e.behaviour_logprobs) for e in exps) / max(1, len(exps)),
             **format_rate(exps, "eval/format_rate"),
-            **episode_means([e.info for e in exps], "eval/"),
         }
+        if any("metrics" in e.info for e in exps):  # an agent's own metrics
+            from extras.multiturn import episode_means
+
+            record.update(episode_means([e.info for e in exps], "eval/"))
         correct = [float(r == 1.0) for r in rewards]
         record["eval/accuracy"], record["eval/accuracy_stderr"] = mean_stderr(correct)
         if n:

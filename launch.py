@@ -70,18 +70,14 @@ def place(gpus: int, ranks: int, mode: str) -> Placement:
 
 def sync_method(cfg: Config, layout: Placement) -> str:
     """cfg.sync_method for `layout` (auto: broadcast). ValueError (one line): ipc where the explorer does not share
-    trainer rank 0's device."""
-    shared = (
-        cfg.mode == "both" and cfg.engine == "hf" and layout.explorer in ("cpu", layout.trainer[0])
-    )
+    trainer rank 0's device (extras/ipc_sync.py's check_placement)."""
     # ipc is chosen by name until a GPU run has checked it (benchmarks/gpu_check.py)
     if cfg.sync_method == "auto":
         return "broadcast"
-    if cfg.sync_method == "ipc" and not shared:
-        raise ValueError(
-            "--sync-method ipc hands the weights to an hf engine on trainer rank 0's device: mode both, "
-            "--engine hf, as many GPUs as trainer ranks (or none)"
-        )
+    if cfg.sync_method == "ipc":
+        from extras.ipc_sync import check_placement
+
+        check_placement(cfg, layout)
     return cfg.sync_method
 
 
@@ -267,7 +263,6 @@ def run_mode_both(
     model_path: str,
     tasks: tuple,
     port: int,
-    total_steps: int,
     queue,
     start_version: int = 0,
     device: str = "",
@@ -309,14 +304,14 @@ def run_mode_both(
             sync_device,
             cfg.sync_host,
         )
-        pace = Schedule(cfg, receiver, total_steps)
+        pace = Schedule(cfg, receiver, cfg.steps)
         if core_flags is not None and isinstance(engine, HFEngine):
             # one machine's cores: the side that waits lends its threads to the other
             cores = perf.CoreShare(core_flags, 1, cfg.explorer_threads, cfg.trainer_threads)
             perf.lend_threads(engine.model, cores)
             pace = perf.LendingPace(pace, cores)
         buffer = open_buffer(cfg.buffer, cfg.run_dir)
-        explore(cfg, engine, tasks, buffer, pace, queue.put, total_steps)
+        explore(cfg, engine, tasks, buffer, pace, queue.put, cfg.steps)
     except Exception as e:  # reported by the trainer as one line; the process exits with code 1
         log = Path(cfg.run_dir) / f"error_{cfg.explorer_name}.log"
         log.write_text(traceback.format_exc())

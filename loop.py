@@ -35,7 +35,7 @@ REWARD_ERROR_STEPS = 3
 
 class BufferBatches:
     """The batch source of online RL: each step's groups from the buffer, as the explorers wrote
-    them; too stale ones dropped and replaced (max_staleness), then cfg.replay's."""
+    them; too stale ones dropped and replaced (max_staleness)."""
 
     def __init__(self, cfg, buffer):
         self.cfg = cfg
@@ -59,34 +59,13 @@ class BufferBatches:
             ]
             dropped += len(got) - len(fresh)
             groups += fresh
-        check_sampling(cfg, groups)
-        m = {"staleness/dropped_groups": dropped}
-        if cfg.replay:
-            from extras.pipelines import replay
+        # mode both's explorer samples with this very cfg: only another launch, or the run
+        # resumed, can have sampled at other settings
+        if cfg.mode == "train" or cfg.resume:
+            from extras.train_mode import check_sampling
 
-            again, eligible = replay(self.buffer, step, **cfg.replay)
-            groups += again
-            n = max(1, len(again))
-            m["replay/groups"] = len(again)
-            m["replay/eligible_groups"] = eligible
-            m["replay/use_count_mean"] = sum(g[0].info["use_count"] for g in again) / n
-            m["replay/priority_mean"] = sum(g[0].info["priority"] for g in again) / n
-        return groups, m
-
-
-def check_sampling(cfg, groups: list[list[Experience]]) -> None:
-    """RuntimeError (one line) for a rollout sampled at another temperature or top-p than
-    cfg's: the trainer computes the current log-probs at cfg.temperature, so every importance
-    ratio would be biased. (An explorer launched with other flags than the trainer.)"""
-    for e in (e for g in groups for e in g):
-        sampled = (e.info.get("temperature", cfg.temperature), e.info.get("top_p", cfg.top_p))
-        if sampled != (cfg.temperature, cfg.top_p):
-            raise RuntimeError(
-                f"experience {e.group_id} of explorer {e.explorer!r} was sampled at temperature "
-                f"{sampled[0]}, top_p {sampled[1]}; this trainer computes log-probs at temperature "
-                f"{cfg.temperature}, top_p {cfg.top_p}: launch both sides with the same "
-                "--temperature and --top-p"
-            )
+            check_sampling(cfg, groups)
+        return groups, {"staleness/dropped_groups": dropped}
 
 
 @dataclass
@@ -130,7 +109,7 @@ class StepIO:
         self.metrics = metrics
         # the batch source: BufferBatches, or extras.offline.OfflineBatches
         self.batches = batches
-        # the experience pipeline and --expert-data's mixing, after the batch is read
+        # --replay's groups, the experience pipeline and --expert-data's mixing, in that order
         self.shape = shape
         # rank 0: the model FLOPs and MFU of the trainer's steps and the explorer's batches
         self.trainer_meter = trainer_meter
@@ -317,15 +296,6 @@ def queued(queue) -> list[dict]:
     return [queue.get() for _ in iter(lambda: queue.empty(), True)]
 
 
-def make_trainer(cfg, model_path: str, device: torch.device) -> Trainer:
-    """The Trainer of `cfg`, or for --lora-rank > 0 extras/lora.py's LoraTrainer (ValueError without peft)."""
-    if not cfg.lora_rank:
-        return Trainer(cfg, model_path, device)
-    from extras.lora import LoraTrainer
-
-    return LoraTrainer(cfg, model_path, device)
-
-
 @contextlib.contextmanager
 def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks: tuple):
     """Modes both and train on this trainer rank: yields (the resumed Trainer, its StepIO, the
@@ -333,7 +303,12 @@ def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks: 
     running; on leaving, rank 0 waits for the explorers and writes the final files. On an
     error the explorer is stopped."""
     torch.set_num_threads(cfg.trainer_threads)
-    trainer = make_trainer(cfg, model_path, device)
+    trainer_class = Trainer
+    if cfg.lora_rank:  # peft adapters on a frozen model (ValueError without peft)
+        from extras.lora import LoraTrainer
+
+        trainer_class = LoraTrainer
+    trainer = trainer_class(cfg, model_path, device)
     state = resume_state(cfg.run_dir) if cfg.resume else None
     start = load_resume_state(trainer, state) if state else 0
     step_io = make_step_io(cfg, trainer, start, model_path, rank, world, layout, device)
@@ -402,7 +377,7 @@ def make_step_io(
 ) -> StepIO:
     """This rank's StepIO at step `start`. Rank 0 opens the buffer (on --resume, experiences
     served after `start` go back), metrics.jsonl, the batch source (the buffer, or --train-data),
-    the shaping (experience pipeline, --expert-data) and, given the `layout`, the FLOP meters."""
+    the shaping (--replay, experience pipeline, --expert-data) and, given `layout`, FLOP meters."""
     if rank != 0:
         return StepIO(cfg, trainer, start, rank, world)
     buffer = open_buffer(cfg.buffer, cfg.run_dir)
@@ -413,24 +388,27 @@ def make_step_io(
             f"resumed at step {start} (version {trainer.version}); {released} experiences served again"
         )
     evals_from_buffer = cfg.mode == "train" and not cfg.train_data
-    metrics = Metrics(
-        Path(cfg.run_dir), cfg, kept_on_resume(start, evals_from_buffer) if cfg.resume else None
-    )
+    keep = kept_on_resume(start, evals_from_buffer) if cfg.resume else None
+    metrics = Metrics(Path(cfg.run_dir), cfg, keep)
     shape = None
-    if cfg.experience_pipeline:
-        from extras.pipelines import ExperiencePipeline
-
-        shape = ExperiencePipeline(cfg.experience_pipeline, trainer.tokenizer, model_path)
-    if cfg.expert_fraction:
-        from extras.offline import ExpertMixing
-
-        shape = ExpertMixing(cfg, trainer, shape)
     if cfg.train_data:
         from extras.offline import OfflineBatches
 
         batches = OfflineBatches(cfg, trainer.tokenizer, start)
     else:
         batches = BufferBatches(cfg, buffer)
+        if cfg.replay:  # consumed groups after the fresh ones, shaped with them
+            from extras.pipelines import Replay
+
+            shape = Replay(buffer, cfg.replay)
+    if cfg.experience_pipeline:
+        from extras.pipelines import ExperiencePipeline
+
+        shape = ExperiencePipeline(cfg.experience_pipeline, trainer.tokenizer, model_path, shape)
+    if cfg.expert_fraction:
+        from extras.offline import ExpertMixing
+
+        shape = ExpertMixing(cfg, trainer, shape)
     trainer_meter = None
     explorer_meter = None
     if layout is not None:  # model FLOPs and MFU beside the RL step
@@ -475,7 +453,6 @@ def start_explorer(cfg, model_path: str, version: int, layout, tasks: tuple):
             model_path,
             tasks,
             weights.port if weights else 0,
-            cfg.steps,
             queue,
             version,
             layout.explorer,

@@ -239,11 +239,6 @@ def aggregate(
     raise ValueError(f"unknown loss aggregation {mode!r}; known: {list(AGGREGATIONS)}")
 
 
-def length_penalty(rewards: torch.Tensor, lengths: torch.Tensor, coef: float) -> torch.Tensor:
-    """Rewards minus `coef` per unit of length. [B], [B] -> [B]."""
-    return rewards - coef * lengths
-
-
 def grpo_advantages(rewards, group_index, episode_index=None, token_counts=None, eps: float = 1e-6):
     """GRPO: (r - mean_group) / (std_group + eps). [B] -> [B]. Source: DeepSeekMath, arXiv:2402.03300
     sec. 4.1.2; verl core_algos.py compute_grpo_outcome_advantage @ b178a3c."""

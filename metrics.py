@@ -31,7 +31,8 @@ def cpu_seconds() -> float:
     """CPU seconds (user + system) of this process and its children (the explorer) so far."""
     import psutil
 
-    total, me = 0.0, psutil.Process()
+    total = 0.0
+    me = psutil.Process()
     for p in [me, *me.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):  # a child that just ended
             t = p.cpu_times()
@@ -72,9 +73,7 @@ LEARNABLE_MIN = 0.25  # below: most groups give no advantage, so most steps lear
 def sampled_eval(correct: list[int], n: int, k: int, group_size: int = 0) -> dict[str, float]:
     """eval/* of n samples per task, correct[i] right for task i: avg_at_k, stderr, pass_at_J, learnable_groups."""
     if n < k or not correct:
-        raise ValueError(
-            f"sampled_eval needs n >= k and tasks (n={n}, k={k}, {len(correct)} tasks)"
-        )
+        raise ValueError(f"sampled_eval needs n >= k and tasks: n={n}, k={k}, {len(correct)} tasks")
     avg, err = mean_stderr([c / n for c in correct])
     out = {"eval/avg_at_k": avg, "eval/avg_at_k_stderr": err, "eval/k": k, "eval/samples": n}
     for j in sorted({2**i for i in range(n.bit_length())} | {n}):
@@ -82,17 +81,6 @@ def sampled_eval(correct: list[int], n: int, k: int, group_size: int = 0) -> dic
     if group_size >= 2:
         out["eval/learnable_groups"] = learnable_groups(correct, n, group_size)
     return out
-
-
-def episode_means(infos: list[dict], prefix: str) -> dict[str, float]:
-    """{prefix + NAME: mean} of the episodes' own info["metrics"], one sample per episode."""
-    firsts = {}
-    for info in infos:
-        if "metrics" in info:
-            firsts.setdefault(info.get("episode_id", id(info)), info["metrics"])
-    ms = list(firsts.values())
-    names = dict.fromkeys(k for m in ms for k in m)
-    return {prefix + k: sum(m[k] for m in ms if k in m) / sum(k in m for m in ms) for k in names}
 
 
 def eval_line(r: dict, group_size: int = 0) -> str:

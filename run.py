@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import launch
-from checkpoints import save_resume_state
+from checkpoints import resume_state, save_resume_state
 from config import Config, parse_config, task_preset
 from metrics import print0, trackers
 from perf import announce_peak
@@ -91,21 +91,13 @@ def explore(cfg: Config, prepared: Prepared) -> None:
 MODES = {"both": train, "train": train, "explore": explore}
 
 
-# the losses that need no behaviour log-probs: offline rows carry none (MIX's expert rows: --expert-data)
-OFFLINE_LOSSES = ("sft", "dpo")
-
-
 def check_modes(cfg: Config) -> None:
     """Resolve sync_method "auto" (mode both: in prepare); ValueError: conflicting flags; FileNotFoundError: no run."""
-    if cfg.sync_method == "auto" and cfg.mode != "both":
-        cfg.sync_method = "checkpoint"
-    if cfg.mode in ("explore", "train") and cfg.sync_method == "broadcast" and not cfg.sync_port:
-        raise ValueError(
-            f"mode {cfg.mode} with --sync-method broadcast needs --sync-port (the same on trainer and "
-            "explorers) and, across hosts, --sync-host (the trainer host's address)"
-        )
-    if cfg.inflight and cfg.mode not in ("both", "explore"):
-        raise ValueError("--inflight is a setting of the explorer (mode both or explore)")
+    # the checks of modes explore, train, bench and of --train-data, which a default run skips
+    if cfg.mode != "both" or cfg.train_data:
+        from extras.train_mode import check_config
+
+        check_config(cfg)
     bound = cfg.sync_offset + cfg.sync_interval - 1
     if cfg.mode == "both" and 0 <= cfg.max_staleness < bound:
         raise ValueError(
@@ -116,22 +108,6 @@ def check_modes(cfg: Config) -> None:
         raise ValueError(f"max_staleness must be >= 0, or -1 for no bound, got {cfg.max_staleness}")
     if cfg.bench_models and cfg.mode != "bench":
         raise ValueError("--bench-models is for --mode bench")
-    if cfg.train_data and cfg.mode != "train":
-        raise ValueError("--train-data is for --mode train (offline SFT / DPO)")
-    if cfg.train_data and cfg.policy_loss not in OFFLINE_LOSSES:
-        raise ValueError(
-            f"--train-data has no behaviour log-probs for policy_loss {cfg.policy_loss!r} to take a "
-            f"ratio against: train offline data with --policy-loss {' or '.join(OFFLINE_LOSSES)}"
-        )
-    if cfg.train_data and cfg.sync_method == "broadcast":
-        raise ValueError(
-            "--train-data trains offline, with no explorer to sync with: leave out --sync-method broadcast"
-        )
-    # (offline: no other side)
-    if cfg.overwrite and cfg.mode in ("explore", "train") and not cfg.train_data:
-        raise ValueError(
-            f"--overwrite would delete a run directory shared with the other side (mode {cfg.mode})"
-        )
     # (without a buffer: step 0)
     if cfg.resume and cfg.mode in ("both", "train") and not Path(cfg.run_dir).is_dir():
         raise FileNotFoundError(f"--resume: no run to resume in {cfg.run_dir} (no such directory)")
@@ -139,8 +115,6 @@ def check_modes(cfg: Config) -> None:
 
 def finished_run(cfg: Config) -> bool:
     """Whether --resume names a finished run (final config written, resume state deleted)."""
-    from checkpoints import resume_state
-
     return (
         cfg.resume
         and cfg.mode in ("both", "train")

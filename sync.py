@@ -1,7 +1,7 @@
-"""Weight sync, both ends: the trainer's weight publishers (`make_publisher`: `SentWeights`,
-`NoWeights`; a checkpoint: extras/checkpoint_sync.py), the torch.distributed group
-(`WeightSync`), the explorer's `Receiver` and the order-sensitive `Checksum`; the schedule of
-publishes is schedule.py's."""
+"""Weight sync, both ends: the trainer's weight publishers (`make_publisher`: `SentWeights`; a
+checkpoint: extras/checkpoint_sync.py; offline: extras/offline.py), the torch.distributed group
+(`WeightSync`), the explorer's `Receiver`; the schedule of publishes is schedule.py's, the
+checksum of --sync-checksum extras/checksum.py's."""
 
 import contextlib
 import socket
@@ -13,36 +13,6 @@ from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
-
-GOLDEN_RATIO = 0.6180339887498949
-CHECKSUM_CHUNK = 2**22  # elements a checksum sums at once: the float64 copy of them takes 32 MiB
-
-
-class Checksum:
-    """An order-sensitive digest of a stream of tensors (--sync-checksum): the float64 sum of
-    each element times a weight in [1, 2) set by its position in the stream (the fractional
-    part of position x the golden ratio), so that two swapped tensors of one shape or a
-    mis-mapped parameter change it, which a plain sum would not. Tensors may come whole or
-    flattened into buckets: the position runs on across `add` calls."""
-
-    def __init__(self):
-        self.position = 0
-        self.value = 0.0
-
-    def add(self, tensors: Iterable[torch.Tensor]) -> "Checksum":
-        for t in tensors:
-            for chunk in t.detach().reshape(-1).split(CHECKSUM_CHUNK):
-                end = self.position + chunk.numel()
-                k = torch.arange(self.position, end, dtype=torch.float64, device=chunk.device)
-                weight = 1.0 + torch.frac(k * GOLDEN_RATIO)  # [n]
-                self.value += float((chunk.double() * weight).sum())
-                self.position = end
-        return self
-
-
-def checksum(tensors: Iterable[torch.Tensor]) -> float:
-    """The `Checksum` of `tensors`, in order."""
-    return Checksum().add(tensors).value
 
 
 def local_address(host: str) -> str:
@@ -205,16 +175,16 @@ class WeightSync:
         self.store.set("published", str(version))
         version_tensor = torch.tensor([version], dtype=torch.int64, device=self.device)
         self._pending = [self._broadcast(version_tensor)]
-        digest = Checksum()
+        digest = new_digest(self.checksum)
         for given in buckets:
             for r in bucket_ranges([t.numel() for t in given], self.bucket_elems):
                 flat = flatten([given[i] for i in r], self.wire_dtype, self.device)  # [bucket]
                 self._pending.append(self._broadcast(flat))
-                if self.checksum:
+                if digest is not None:
                     digest.add([flat])  # while it is on its way (read only)
                 if self.bucket_elems:
                     self.wait(alive)
-        return digest.value if self.checksum else None
+        return digest.value if digest is not None else None
 
     def announced(self) -> int:
         """Rank >= 1: the newest version rank 0 has started to publish (-1: none); never blocks."""
@@ -246,6 +216,16 @@ class WeightSync:
                 for p, part in zip(ps, flat.split([p.numel() for p in ps])):
                     p.copy_(part.view_as(p))
         return int(version.item())
+
+
+def new_digest(checksum: bool):
+    """An empty extras/checksum.py `Checksum` when `checksum` (--sync-checksum), else None: by
+    default no end makes a pass over the weights."""
+    if not checksum:
+        return None
+    from extras.checksum import Checksum
+
+    return Checksum()
 
 
 def transport(sync_method: str) -> type:
@@ -368,17 +348,12 @@ class SentWeights:
         return (self.send(trainer.version, [params]) if self.send else None), params
 
 
-class NoWeights:
-    """Offline training (--train-data): no explorer takes the weights."""
-
-    def publish(self, trainer) -> tuple[None, None]:
-        return None, None
-
-
 def make_publisher(cfg, rank: int, send: Callable | None):
-    """This rank's weight publisher: none offline, a checkpoint (extras/checkpoint_sync.py), or
-    `send` to the explorers' weight-sync group."""
+    """This rank's weight publisher: none offline (extras/offline.py), a checkpoint
+    (extras/checkpoint_sync.py), or `send` to the explorers' weight-sync group."""
     if cfg.train_data:
+        from extras.offline import NoWeights
+
         return NoWeights()
     if cfg.sync_method == "checkpoint":
         from extras.checkpoint_sync import CheckpointWeights

@@ -18,7 +18,7 @@ import packing
 import perf
 import sync
 from buffer import Experience
-from losses import LossInputs, aggregate, kl_estimate, length_penalty, masked_sum, resolve_algorithm
+from losses import LossInputs, aggregate, kl_estimate, masked_sum, resolve_algorithm
 from metrics import peak_rss_gib, print0
 
 # the advantage estimators whose baseline comes from the other rollouts of a group
@@ -388,13 +388,9 @@ class Trainer:
         if cfg.kl_reward_coef:
             rewards = self.ref.kl_reward_penalty(rewards, batch, my_rows, m)
         if cfg.length_penalty:  # per trained token, or per turn of a multi-turn episode
-            lengths = [
-                sum(e.action_mask) if cfg.length_unit == "tokens" else e.info.get("turns", 1)
-                for e in batch.exps
-            ]
-            rewards = length_penalty(
-                rewards, torch.tensor(lengths, dtype=torch.float), cfg.length_penalty
-            )
+            from extras.advantages import penalize_length
+
+            rewards = penalize_length(rewards, batch.exps, cfg)
         return rewards, m
 
     def advantages(self, batch: StepBatch, rewards: torch.Tensor) -> torch.Tensor:
@@ -411,25 +407,11 @@ class Trainer:
         self, batch: StepBatch, adv: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, int]]:
         """Which sequences [N] bool all filters keep (offline ones always); `filter/<name>`: how many it dropped."""
-        keep = torch.ones(len(batch.exps), dtype=torch.bool)
-        m = {}
-        for name, fn in self.filters.items():
-            drop = [
-                i
-                for i, e in enumerate(batch.exps)
-                if keep[i]
-                and not batch.offline[i]
-                and not fn(
-                    e.tokens,
-                    e.behaviour_logprobs,
-                    float(adv[i]),
-                    e.action_mask,
-                    **self.cfg.filters[name],
-                )
-            ]
-            keep[drop] = False
-            m[f"filter/{name}"] = len(drop)
-        return keep, m
+        if not self.filters:
+            return torch.ones(len(batch.exps), dtype=torch.bool), {}
+        from extras.filters import apply_filters
+
+        return apply_filters(self.filters, self.cfg.filters, batch, adv)
 
     def loss_totals(self, batch: StepBatch, keep: torch.Tensor):
         """Micro-batch indices [n] -> the kept global batch's (tokens, sequences), or a split_expert loss's [n], [n]."""

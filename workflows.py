@@ -28,12 +28,6 @@ class Task:
     difficulty: float | None = None  # higher = harder (set by a task pipeline)
 
 
-# task sources in extras/ named by --task, by import path: name -> f(kwargs, train_size,
-# eval_size, seed); prefix -> f(text after "prefix:", train_size, eval_size)
-TASK_SOURCES = {"guess_number": "extras.guess_number.guess_number_tasks"}
-TASK_PREFIXES = {"verifiers": "extras.verifiers_env.verifiers_tasks"}
-
-
 def load_tasks(
     name: str,
     kwargs: dict,
@@ -45,21 +39,12 @@ def load_tasks(
     """(train, held-out tasks, verifier dataset or None); a reasoning-gym dataset draws the
     held-out tasks with `eval_seed` (default: `seed`) and the training tasks, none with a
     held-out question, with `seed`. ValueError: bad dataset, kwargs, row; FileNotFoundError."""
-    from losses import resolve
+    from extras.task_sources import source_tasks
 
-    if name in TASK_SOURCES:  # the bundled multi-turn game
-        return (*resolve(TASK_SOURCES[name], {}, "task")(kwargs, train_size, eval_size, seed), None)
-    prefix, _, rest = name.partition(":")
-    if rest and prefix in TASK_PREFIXES:  # an installed verifiers environment's tasks
-        return (*resolve(TASK_PREFIXES[prefix], {}, "task")(rest, train_size, eval_size), None)
-    if name.endswith(".jsonl"):  # a task file
-        from extras.offline import jsonl_tasks
-
-        return (*jsonl_tasks(name, eval_size), None)
-    from extras.hub import hf_dataset_tasks, is_dataset
-
-    if is_dataset(name):  # Hugging Face datasets
-        return (*hf_dataset_tasks(name, kwargs, train_size, eval_size), None)
+    # the other task sources (guess_number, verifiers:NAME, .jsonl, Hugging Face datasets) first
+    tasks = source_tasks(name, kwargs, train_size, eval_size, seed)
+    if tasks is not None:
+        return tasks
     try:
         import reasoning_gym
     except ImportError:
@@ -318,15 +303,11 @@ def load_workflow(name: str) -> type[Workflow]:
 
 def prepare_tasks(cfg) -> tuple[list[Task], list[Task], Any]:
     """The run's tasks (`load_tasks`); ValueError (one line): no tasks, an unknown reward function or workflow."""
-    tasks = train, held_out, _ = load_tasks(
+    tasks = train, _, _ = load_tasks(
         cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed, cfg.eval_seed
     )
     if not train:
         raise ValueError(f"task {cfg.task!r} produced no training tasks")
-    if cfg.mode == "bench" and not held_out:
-        raise ValueError(
-            f"mode bench needs held-out tasks: task {cfg.task!r} with eval_size {cfg.eval_size} has none"
-        )
     load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
     load_workflow(cfg.workflow)
     return tasks

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import models  # noqa: E402
 import run  # noqa: E402
 from engines import HFEngine, Sampling  # noqa: E402
-from extras.lora import lora_config, published_parameters  # noqa: E402
+from extras.lora import LoraHFEngine, lora_config, published_parameters  # noqa: E402
 from perf import cpu_model  # noqa: E402
 
 
@@ -95,7 +95,7 @@ def generation(model_path: str, rank: int, rounds: int, threads: int) -> dict:
     adapter's cost, not a fresh one's zeros)."""
     torch.set_num_threads(threads)
     cfg = run.parse_config(["--lora-rank", str(rank)])
-    unmerged = HFEngine(model_path, max_batch=128, lora=lora_config(cfg))
+    unmerged = LoraHFEngine(model_path, lora_config(cfg), max_batch=128)
     with torch.no_grad():
         for _, p in published_parameters(unmerged.model):
             p.normal_(0, 0.01)

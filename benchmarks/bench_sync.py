@@ -32,6 +32,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import models  # noqa: E402
 import sync  # noqa: E402
+from extras.checksum import checksum  # noqa: E402
 
 
 def shapes(model_dir: str) -> list[torch.Size]:
@@ -77,7 +78,7 @@ def receiver(ports: dict, sizes: list, device: str, sync_device: str, rounds: in
                 group.recv(params)
             if device.startswith("cuda") or sync_device == "cuda":
                 torch.cuda.synchronize()
-            q.put((kind, time.monotonic(), sync.checksum(params) if group else None))
+            q.put((kind, time.monotonic(), checksum(params) if group else None))
 
 
 def main() -> None:
@@ -163,7 +164,7 @@ def main() -> None:
             got, t1, digest = q.get(timeout=600)
             if kind != "raw":
                 group.wait(proc.is_alive)
-                assert got == kind and digest == sync.checksum(params), (
+                assert got == kind and digest == checksum(params), (
                     "the receiver holds other weights"
                 )
             times[kind].append(t1 - t0)

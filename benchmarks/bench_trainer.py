@@ -43,7 +43,7 @@ import torch.distributed as dist  # noqa: E402
 import packing  # noqa: E402
 from buffer import Experience  # noqa: E402
 from config import Config, check_values  # noqa: E402
-from loop import make_trainer  # noqa: E402
+from trainer import Trainer  # noqa: E402
 
 SHAPES = {  # Qwen3Config fields besides the vocabulary
     "qwen3-0.6b": dict(
@@ -271,7 +271,11 @@ class Bench:
             )
 
     def trainer(self, cfg: Config):
-        return make_trainer(cfg, self.path, self.device)
+        if not cfg.lora_rank:
+            return Trainer(cfg, self.path, self.device)
+        from extras.lora import LoraTrainer
+
+        return LoraTrainer(cfg, self.path, self.device)
 
     def free(self) -> None:
         gc.collect()

@@ -1,8 +1,23 @@
-"""Advantage estimators besides GRPO, named by import path in losses.ADVANTAGES (contract: losses.py)."""
+"""Advantage estimators besides GRPO, named by import path in losses.ADVANTAGES (contract: losses.py),
+and the length penalty on rewards (--length-penalty, off by default: trainer.Trainer.shape_rewards)."""
 
 import torch
 
 from losses import group_stats, grpo_advantages
+
+
+def length_penalty(rewards: torch.Tensor, lengths: torch.Tensor, coef: float) -> torch.Tensor:
+    """Rewards minus `coef` per unit of length. [B], [B] -> [B]."""
+    return rewards - coef * lengths
+
+
+def penalize_length(rewards: torch.Tensor, exps: list, cfg) -> torch.Tensor:
+    """`rewards` [N] of the N Experiences `exps` minus cfg.length_penalty per unit of
+    cfg.length_unit: per trained token, or per turn of a multi-turn episode. [N] -> [N]."""
+    lengths = [
+        sum(e.action_mask) if cfg.length_unit == "tokens" else e.info.get("turns", 1) for e in exps
+    ]
+    return length_penalty(rewards, torch.tensor(lengths, dtype=torch.float), cfg.length_penalty)
 
 
 def dr_grpo_advantages(rewards, group_index, episode_index=None, token_counts=None):

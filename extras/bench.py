@@ -66,7 +66,12 @@ def bench(cfg: Config) -> int:
     from run import prepare
 
     take_run_settings(cfg)
-    evaluate_models(cfg, prepare(cfg, 0).tasks)
+    tasks = prepare(cfg, 0).tasks
+    if not tasks[1]:
+        raise ValueError(
+            f"mode bench needs held-out tasks: task {cfg.task!r} with eval_size {cfg.eval_size} has none"
+        )
+    evaluate_models(cfg, tasks)
     return 0
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from queue import Empty
 from typing import Any, Callable
 
-import sync
+from extras.checksum import checksum
 
 
 @contextmanager
@@ -71,7 +71,7 @@ class CheckpointWeights:
         if self.rank != 0:
             return None, params
         publish_checkpoint(self.run_dir, trainer.version, lambda d: trainer.save(d, params))
-        return (sync.checksum(params) if self.checksum else None), params
+        return (checksum(params) if self.checksum else None), params
 
 
 def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:

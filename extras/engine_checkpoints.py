@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-import sync
+from extras.checksum import checksum
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -39,7 +39,7 @@ def published_meta(model_path: str, dtype: torch.dtype, lora=None):
 
 def wire_order(model_path: str, lora=None) -> list[str]:
     """The names a checkpoint directory gives the tensors of a publish, in wire order: the order
-    in which the trainer's sync.checksum sums them (a safetensors file keeps no order)."""
+    in which the trainer's checksum (extras/checksum.py) sums them (a safetensors file keeps no order)."""
     model, named = published_meta(model_path, torch.float32, lora)
     if lora is None:
         return [n for n, _ in named]
@@ -60,4 +60,4 @@ def load_into_hf(engine, path: str | Path) -> float | None:
         with torch.no_grad():
             for name, p in engine.model.named_parameters():
                 p.copy_(state[name])
-    return sync.checksum(engine.parameters()) if engine.checksum else None
+    return checksum(engine.parameters()) if engine.checksum else None

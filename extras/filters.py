@@ -1,4 +1,7 @@
-"""Sequence filters before training, named by import path in losses.FILTERS (contract: losses.py)."""
+"""Sequence filters before training, named by import path in losses.FILTERS (contract: losses.py), and
+`apply_filters`, which runs them for trainer.Trainer.apply_filters (--filters; none by default)."""
+
+import torch
 
 
 def zero_advantage_filter(
@@ -38,3 +41,30 @@ def repetition_filter(
     resp = tokens[len(tokens) - len(behaviour_logprobs) :]
     grams = [tuple(resp[i : i + ngram]) for i in range(len(resp) - ngram + 1)]
     return not grams or (len(grams) - len(set(grams))) / len(grams) <= max_repeat_frac
+
+
+def apply_filters(
+    filters: dict, filter_kwargs: dict[str, dict], batch, adv: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, int]]:
+    """Which sequences [N] bool all `filters` (name -> function, losses.resolve_algorithm) keep
+    with their `filter_kwargs` (--filters), in order, of a trainer.StepBatch of N sequences with
+    advantages `adv` [N]; offline ones always. `filter/<name>`: how many it dropped."""
+    keep = torch.ones(len(batch.exps), dtype=torch.bool)
+    m = {}
+    for name, fn in filters.items():
+        drop = [
+            i
+            for i, e in enumerate(batch.exps)
+            if keep[i]
+            and not batch.offline[i]
+            and not fn(
+                e.tokens,
+                e.behaviour_logprobs,
+                float(adv[i]),
+                e.action_mask,
+                **filter_kwargs[name],
+            )
+        ]
+        keep[drop] = False
+        m[f"filter/{name}"] = len(drop)
+    return keep, m

@@ -17,6 +17,19 @@ import sync
 STORAGE_DEVICE = 6  # the argument of rebuild_cuda_tensor naming the GPU, by the sender's numbering (rlhf_utils.py)
 
 
+def check_placement(cfg, layout) -> None:
+    """launch.sync_method's check of --sync-method ipc: ValueError (one line) unless the explorer
+    shares trainer rank 0's device in `layout` (a launch.Placement) and is an hf engine of mode both."""
+    shared = (
+        cfg.mode == "both" and cfg.engine == "hf" and layout.explorer in ("cpu", layout.trainer[0])
+    )
+    if not shared:
+        raise ValueError(
+            "--sync-method ipc hands the weights to an hf engine on trainer rank 0's device: mode both, "
+            "--engine hf, as many GPUs as trainer ranks (or none)"
+        )
+
+
 class IpcSync(sync.WeightSync):
     """WeightSync's store, ranks and wire dtype without its process group: each bucket goes as a handle of one
     tensor on the device the weights are on (`device` takes part in the handshake only)."""
@@ -41,17 +54,17 @@ class IpcSync(sync.WeightSync):
         """Rank 0: announce, then hand out `buckets` (tensors in `named_parameters()` order) as `version`."""
         self.wait(alive)
         self.store.set("published", str(version))
-        digest = sync.Checksum()
+        digest = sync.new_digest(self.checksum)
         for given in buckets:
             for r in sync.bucket_ranges([t.numel() for t in given], self.bucket_elems):
                 self._hand_out(version, [given[i] for i in r], digest)
                 if self.bucket_elems:
                     self.wait(alive)
-        return digest.value if self.checksum else None
+        return digest.value if digest is not None else None
 
-    def _hand_out(self, version: int, tensors: list[torch.Tensor], digest: sync.Checksum) -> None:
+    def _hand_out(self, version: int, tensors: list[torch.Tensor], digest) -> None:
         """Put a handle of `tensors` in one new tensor into the store; it is held until
-        acknowledged. The tensor is added to `digest` (--sync-checksum)."""
+        acknowledged. The tensor is added to `digest` (--sync-checksum: a Checksum, else None)."""
         flat = sync.flatten(tensors, self.wire_dtype, tensors[0].device)  # [bucket]
         if flat.is_cuda:  # written before another process reads it
             torch.cuda.synchronize(flat.device)
@@ -61,7 +74,7 @@ class IpcSync(sync.WeightSync):
         self.store.set(f"ipc/{self.handed}", bytes(handle))
         self._pending.append((self.handed, flat, time.monotonic() + self.timeout.total_seconds()))
         self.handed += 1
-        if self.checksum:
+        if digest is not None:
             digest.add([flat])
 
     def wait(self, alive: Callable[[], bool] = lambda: True) -> None:

@@ -1,11 +1,13 @@
 """LoRA (--lora-rank > 0, peft; Hu et al., arXiv:2106.09685): the trainer trains adapters on the frozen model and
-publishes only them; the engines sample with them. Imported where a LoRA run needs it."""
+publishes only them (`LoraTrainer`); the engines sample with them (`LoraHFEngine`; vLLM's in
+extras/vllm_engine.py). Imported where a LoRA run needs it."""
 
 from pathlib import Path
 
 import torch
 
 import models
+from engines import HFEngine
 from trainer import Trainer
 
 
@@ -130,3 +132,25 @@ class LoraTrainer(Trainer):
         if self.rank == 0:
             merge_adapter(Path(path) / "adapter", path, self.final_dtype)
             self.tokenizer.save_pretrained(str(path))
+
+
+class LoraHFEngine(HFEngine):
+    """An HFEngine sampling with the peft LoraConfig `lora`'s adapters on the frozen model (from
+    `model_path` when it is a peft adapter directory, else fresh); a weight sync carries the
+    adapters only."""
+
+    def __init__(self, model_path: str, lora, **kwargs):
+        self.lora = lora  # (pretrained, called by HFEngine.__init__, needs it)
+        super().__init__(model_path, **kwargs)
+
+    def pretrained(self, model_path: str, dtype: torch.dtype):
+        from peft import get_peft_model
+
+        model = get_peft_model(super().pretrained(model_path, dtype), self.lora).eval()
+        if models.is_adapter(model_path):
+            load_adapter(model, model_path)
+        return model
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The adapters, in the wire order (named_parameters)."""
+        return [p for _, p in published_parameters(self.model)]

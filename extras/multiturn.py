@@ -1,4 +1,6 @@
-"""Multi-turn workflows: the policy and an environment take turns (`MultiTurnWorkflow`; extras/guess_number.py)."""
+"""Multi-turn workflows: the policy and an environment take turns (`MultiTurnWorkflow`; extras/guess_number.py);
+the metrics of their episodes and of agents' (`episode_record`, `episode_means`: explorer.py asks for them
+only when experiences carry an episode_id or metrics)."""
 
 import asyncio
 import uuid
@@ -96,3 +98,27 @@ class MultiTurnWorkflow(Workflow):
             )
             for s in samples
         ]
+
+
+def episode_means(infos: list[dict], prefix: str) -> dict[str, float]:
+    """{prefix + NAME: mean} of the episodes' own info["metrics"], one sample per episode."""
+    firsts = {}
+    for info in infos:
+        if "metrics" in info:
+            firsts.setdefault(info.get("episode_id", id(info)), info["metrics"])
+    ms = list(firsts.values())
+    names = dict.fromkeys(k for m in ms for k in m)
+    return {prefix + k: sum(m[k] for m in ms if k in m) / sum(k in m for m in ms) for k in names}
+
+
+def episode_record(exps: list[Experience]) -> dict[str, float]:
+    """A batch's rollout/* metrics of its multi-turn episodes (samples per episode, mean turns) and
+    the episodes' own metrics (`episode_means`)."""
+    episodes = {e.info["episode_id"]: e.info for e in exps if "episode_id" in e.info}.values()
+    record = {}
+    if episodes:
+        samples = sum(i["samples"] for i in episodes)
+        record["rollout/samples_per_episode"] = samples / len(episodes)
+        record["rollout/turns_mean"] = sum(i["turns"] for i in episodes) / len(episodes)
+    record.update(episode_means([e.info for e in exps], "rollout/"))
+    return record

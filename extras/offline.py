@@ -1,4 +1,5 @@
-"""Offline data (info["offline"]): chats for SFT or MIX, pairs for DPO; JSONL task files (`jsonl_tasks`), `hold_out`."""
+"""Offline data (info["offline"]): chats for SFT or MIX, pairs for DPO; JSONL task files (`jsonl_tasks`), `hold_out`;
+`NoWeights`, the publisher of offline training (--train-data)."""
 
 import dataclasses
 import json
@@ -226,3 +227,11 @@ def check_offline_data(cfg, tok) -> None:
         raise ValueError(f"expert_data {cfg.expert_data}: no conversations")
     if cfg.train_data and not load_offline_jsonl(cfg.train_data, tok):
         raise ValueError(f"train_data {cfg.train_data}: no rows")
+
+
+class NoWeights:
+    """The weight publisher of offline training (--train-data; sync.make_publisher): no explorer takes the weights."""
+
+    def publish(self, trainer) -> tuple[None, None]:
+        """Nothing published: (no checksum, no full parameters)."""
+        return None, None

@@ -122,16 +122,19 @@ def shape(e: Experience, op: str, bonus: float) -> None:
 
 
 class ExperiencePipeline:
-    """(groups, step) -> (groups, metrics) of the experience operators; RuntimeError when no group is left."""
+    """(groups, step) -> (groups, metrics) of the experience operators, after `shape` (None:
+    none; loop.make_step_io: Replay); RuntimeError when no group is left."""
 
-    def __init__(self, specs: list, tokenizer=None, model: str = ""):
+    def __init__(self, specs: list, tokenizer=None, model: str = "", shape=None):
         self.ops = parse_ops(specs, EXPERIENCE_OPS, "experience_pipeline")
         self.tokenizer, self.model = tokenizer, model
+        self.shape = shape
 
     def __call__(
         self, groups: list[list[Experience]], step: int
     ) -> tuple[list[list[Experience]], dict]:
-        ctx = ExperienceContext(step, self.tokenizer, self.model)
+        groups, m = self.shape(groups, step) if self.shape else (groups, {})
+        ctx = ExperienceContext(step, self.tokenizer, self.model, m)
         for name, fn, kwargs in self.ops:
             before = len(groups)
             groups = [g for g in fn(groups, ctx, **kwargs) if g]
@@ -176,6 +179,29 @@ def replay(
         for e in g:
             e.info.update(use_count=uses[e.group_id], priority=float(priority[e.group_id]))
     return out, len(eligible)
+
+
+class Replay:
+    """(groups, step) -> (groups, metrics): the step's groups, then `replay`'s (cfg.replay: its
+    keyword arguments). The first shaping of a batch (loop.make_step_io), so the experience
+    pipeline and --expert-data's mixing see the replayed groups too."""
+
+    def __init__(self, buffer: Buffer, kwargs: dict):
+        self.buffer = buffer
+        self.kwargs = kwargs
+
+    def __call__(
+        self, groups: list[list[Experience]], step: int
+    ) -> tuple[list[list[Experience]], dict]:
+        again, eligible = replay(self.buffer, step, **self.kwargs)
+        n = max(1, len(again))
+        m = {
+            "replay/groups": len(again),
+            "replay/eligible_groups": eligible,
+            "replay/use_count_mean": sum(g[0].info["use_count"] for g in again) / n,
+            "replay/priority_mean": sum(g[0].info["priority"] for g in again) / n,
+        }
+        return groups + again, m
 
 
 def response_text(e: Experience, tokenizer) -> str:

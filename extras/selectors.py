@@ -1,4 +1,5 @@
-"""Task selectors besides workflows.Shuffle (extras/pipelines.py's SELECTORS): sequential, random, easy2hard, BOTS."""
+"""Task selectors besides workflows.Shuffle (extras/pipelines.py's SELECTORS): sequential, random, easy2hard, BOTS;
+and `pool_tasks`, the next tasks while task pools have retired some (--pool-easy, --pool-hard)."""
 
 import math
 
@@ -10,6 +11,22 @@ NEEDS_DIFFICULTY = (
     "selector easy2hard needs a difficulty for every task: add metadata_difficulty, "
     "pass_rate_difficulty, model_difficulty or your own operator to task_pipeline"
 )
+
+
+def pool_tasks(explorer, k: int, retired: dict[str, str]) -> list[Task]:
+    """The next k training tasks of `explorer` (explorer.Explorer.next_tasks), none of the `retired`
+    (task_id -> pool) ones except round(k * pool_lift_fraction) of them drawn back; all retired: all
+    come back."""
+    if len(retired) >= len(explorer.train):
+        return explorer.next_tasks(k, {})
+    lift = min(round(k * explorer.cfg.pool_lift_fraction), len(retired))
+    by_id = {t.task_id: t for t in explorer.train} if lift else {}
+    out = [by_id[i] for i in explorer.rng.sample(sorted(retired), lift)]
+    while len(out) < k:
+        task = explorer.train[explorer.selector.next(1)[0]]
+        if task.task_id not in retired:
+            out.append(task)
+    return out
 
 
 class Sequential(Selector):

@@ -1,4 +1,6 @@
-"""Mode train beside `--mode explore` launches (imported by loop.started and loop.finish): the weight-sync group, records."""
+"""Modes train and explore as launches of their own, and offline --train-data: their checks
+(run.check_modes, loop.BufferBatches); mode train's weight-sync group and explorer records
+(loop.started, loop.finish)."""
 
 import json
 import math
@@ -6,8 +8,57 @@ import sys
 import time
 from typing import Callable
 
+from buffer import Experience
 from loop import Explorers, weight_group
 from metrics import print0
+
+# the losses that need no behaviour log-probs: offline rows carry none (MIX's expert rows: --expert-data)
+OFFLINE_LOSSES = ("sft", "dpo")
+
+
+def check_config(cfg) -> None:
+    """run.check_modes outside mode both, or with --train-data: resolve sync_method "auto"
+    (checkpoint); ValueError (one line) for conflicting flags."""
+    if cfg.sync_method == "auto" and cfg.mode != "both":
+        cfg.sync_method = "checkpoint"
+    if cfg.mode in ("explore", "train") and cfg.sync_method == "broadcast" and not cfg.sync_port:
+        raise ValueError(
+            f"mode {cfg.mode} with --sync-method broadcast needs --sync-port (the same on trainer and "
+            "explorers) and, across hosts, --sync-host (the trainer host's address)"
+        )
+    if cfg.inflight and cfg.mode not in ("both", "explore"):
+        raise ValueError("--inflight is a setting of the explorer (mode both or explore)")
+    if cfg.train_data and cfg.mode != "train":
+        raise ValueError("--train-data is for --mode train (offline SFT / DPO)")
+    if cfg.train_data and cfg.policy_loss not in OFFLINE_LOSSES:
+        raise ValueError(
+            f"--train-data has no behaviour log-probs for policy_loss {cfg.policy_loss!r} to take a "
+            f"ratio against: train offline data with --policy-loss {' or '.join(OFFLINE_LOSSES)}"
+        )
+    if cfg.train_data and cfg.sync_method == "broadcast":
+        raise ValueError(
+            "--train-data trains offline, with no explorer to sync with: leave out --sync-method broadcast"
+        )
+    # (offline: no other side)
+    if cfg.overwrite and cfg.mode in ("explore", "train") and not cfg.train_data:
+        raise ValueError(
+            f"--overwrite would delete a run directory shared with the other side (mode {cfg.mode})"
+        )
+
+
+def check_sampling(cfg, groups: list[list[Experience]]) -> None:
+    """RuntimeError (one line) for a rollout sampled at another temperature or top-p than
+    cfg's: the trainer computes the current log-probs at cfg.temperature, so every importance
+    ratio would be biased. (An explorer launched with other flags than the trainer.)"""
+    for e in (e for g in groups for e in g):
+        sampled = (e.info.get("temperature", cfg.temperature), e.info.get("top_p", cfg.top_p))
+        if sampled != (cfg.temperature, cfg.top_p):
+            raise RuntimeError(
+                f"experience {e.group_id} of explorer {e.explorer!r} was sampled at temperature "
+                f"{sampled[0]}, top_p {sampled[1]}; this trainer computes log-probs at temperature "
+                f"{cfg.temperature}, top_p {cfg.top_p}: launch both sides with the same "
+                "--temperature and --top-p"
+            )
 
 
 def connect_explorers(cfg, buffer, layout, trainer, rank: int):

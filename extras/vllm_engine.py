@@ -11,6 +11,7 @@ import torch
 import models
 import sync
 from engines import Completion, Engine
+from extras.checksum import Checksum, checksum
 from extras.engine_checkpoints import published_meta, read_safetensors, wire_order
 from extras.hosts import StoreAlive
 
@@ -183,13 +184,11 @@ class VLLMEngine(Engine):
         )
 
     def receive_weights(self, alive):
-        self.version, checksum = self.llm.collective_rpc("nanorft_receive", args=(self.checksum,))[
-            0
-        ]
+        self.version, digest = self.llm.collective_rpc("nanorft_receive", args=(self.checksum,))[0]
         if self.lora:  # the worker wrote the adapters to lora_root/v{version}
             self._use_adapter(Path(self.lora_root) / f"v{self.version:06d}", self.version)
         self._forget_prefixes()
-        return self.version, checksum
+        return self.version, digest
 
     def weights_announced(self):
         return self.llm.collective_rpc("nanorft_announced")[0]
@@ -203,16 +202,16 @@ class VLLMEngine(Engine):
     def load_checkpoint(self, path, version):
         order = self.wire_order() if self.checksum else None
         if self.lora:  # a peft adapter directory
-            checksum = None
+            digest = None
             if order is not None:
                 adapters = read_safetensors(path)
-                checksum = sync.checksum(adapters[n] for n in order)
+                digest = checksum(adapters[n] for n in order)
             self._use_adapter(path, version, copy=True)
         else:
-            checksum = self.llm.collective_rpc("nanorft_load", args=(str(path), order))[0]
+            digest = self.llm.collective_rpc("nanorft_load", args=(str(path), order))[0]
         self._forget_prefixes()
         self.version = version
-        return checksum
+        return digest
 
     def wire_order(self) -> list[str]:
         """extras.engine_checkpoints.wire_order of this engine's model, built once (a meta model)."""
@@ -266,7 +265,7 @@ class VLLMWeightReceiver:
         ).connect(self.nanorft_alive)
 
     def nanorft_receive(self, checksum: bool = False) -> tuple[int, float | None]:
-        """The next publish, loaded: (version, its sync.checksum or None)."""
+        """The next publish, loaded: (version, its checksum (--sync-checksum) or None)."""
         tensors = [t for _, t in self.nanorft_named]
         version = self.nanorft_sync.recv(tensors, self.nanorft_alive)
         if self.nanorft_lora is not None:
@@ -280,7 +279,8 @@ class VLLMWeightReceiver:
             )
         else:
             self._nanorft_load(self.nanorft_named)
-        return version, sync.checksum(tensors) if checksum else None
+        # (the argument `checksum` hides the function of that name here)
+        return version, Checksum().add(tensors).value if checksum else None
 
     def nanorft_announced(self) -> int:
         return self.nanorft_sync.announced()
@@ -293,10 +293,10 @@ class VLLMWeightReceiver:
 
     def nanorft_load(self, path: str, order: list[str] | None = None) -> float | None:
         """Load a checkpoint directory in place; with `order` (extras.engine_checkpoints.wire_order)
-        its sync.checksum, the tensors summed in that order."""
+        its checksum, the tensors summed in that order."""
         state = read_safetensors(path)
         self._nanorft_load(list(state.items()))
-        return sync.checksum(state[n] for n in order) if order is not None else None
+        return checksum(state[n] for n in order) if order is not None else None
 
     def _nanorft_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         from vllm.model_executor.model_loader.reload import (

@@ -303,7 +303,7 @@ def test_agent_rewards_are_checked():
 
 
 def test_episode_metrics_are_averaged_per_episode():
-    from metrics import episode_means
+    from extras.multiturn import episode_means
 
     infos = [
         {"episode_id": "a", "metrics": {"tool_calls": 2.0, "used_tool": 1.0}},

@@ -90,7 +90,7 @@ def test_stepwise_grpo_counts_each_trajectory_once():
 
 
 def test_length_penalty_and_aggregations():
-    assert L.length_penalty(
+    assert EA.length_penalty(
         torch.tensor([1.0, 1.0]), torch.tensor([10.0, 3.0]), 0.01
     ).tolist() == pytest.approx([0.9, 0.97])
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])

@@ -32,13 +32,13 @@ def buffer_versions(run_dir, batch_size):
 
 
 def published_checksum(model_dir) -> float:
-    """sync.checksum of a saved model's parameters in the order the trainer publishes them."""
+    """The checksum of a saved model's parameters in the order the trainer publishes them."""
     from transformers import AutoModelForCausalLM
 
-    import sync
+    from extras.checksum import checksum
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return sync.checksum(p for _, p in model.named_parameters())
+    return checksum(p for _, p in model.named_parameters())
 
 
 @pytest.mark.slow
@@ -93,7 +93,7 @@ def test_run_trains_and_syncs(tiny_model, tmp_path):
         "buffer/consumed",
     ):
         assert key in steps[-1], key
-    # every rollout records the sampling settings the trainer checks (loop.check_sampling)
+    # every rollout records the sampling settings the trainer checks (extras/train_mode.py's check_sampling)
     db = sqlite3.connect(run_dir / "buffer.sqlite")
     infos = [json.loads(i) for (i,) in db.execute("SELECT info FROM experiences")]
     db.close()

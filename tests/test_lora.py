@@ -13,8 +13,8 @@ from buffer import Experience
 from checkpoints import load_resume_state, save_resume_state
 from conftest import PROMPTS, rollouts, run_py
 from engines import HFEngine, Sampling
-from extras.lora import lora_config
-from loop import make_trainer as build_trainer
+from extras.checksum import checksum
+from extras.lora import LoraHFEngine, LoraTrainer, lora_config
 from packing import pack, response_logprobs
 
 pytest.importorskip("peft", reason="LoRA needs peft (requirements.txt)")
@@ -26,7 +26,7 @@ def make_trainer(model, *flags):
     cfg = run.parse_config(
         ["--config", "configs/tiny.toml", "--lora-rank", "4", "--lr", "1e-2", *flags]
     )
-    return cfg, build_trainer(cfg, model, torch.device("cpu"))
+    return cfg, LoraTrainer(cfg, model, torch.device("cpu"))
 
 
 def batch(seed: int = 0) -> list[list[Experience]]:
@@ -90,15 +90,13 @@ def test_only_the_adapters_train_and_are_published(tiny_model):
 
 def test_engine_logprobs_equal_the_trainers_after_an_adapter_sync(tiny_model, trained):
     cfg, tr = trained
-    engine = HFEngine(tiny_model, max_batch=5, seed=0, lora=lora_config(cfg))
+    engine = LoraHFEngine(tiny_model, lora_config(cfg), max_batch=5, seed=0)
     sent = tr.full_parameters()
-    assert sync.checksum(engine.parameters()) != sync.checksum(sent)  # fresh adapters: B = 0
+    assert checksum(engine.parameters()) != checksum(sent)  # fresh adapters: B = 0
     with torch.no_grad():
         for p, t in zip(engine.parameters(), sent):  # what WeightSync.recv does, in place
             p.copy_(t)
-    assert len(engine.parameters()) == len(sent) and sync.checksum(
-        engine.parameters()
-    ) == sync.checksum(sent)
+    assert len(engine.parameters()) == len(sent) and checksum(engine.parameters()) == checksum(sent)
     exps = rollouts(engine, PROMPTS, 3, Sampling(max_tokens=12, temperature=1.0))
     b = pack(exps, tr.pad)
     with torch.no_grad():
@@ -130,14 +128,12 @@ def test_checkpoint_sync_and_resume_start_carry_a_peft_adapter(tiny_model, train
     tr.save(tmp_path / "v1", params)
     assert (tmp_path / "v1" / "adapter_config.json").is_file()
     assert not list((tmp_path / "v1").glob("model*.safetensors"))  # the adapters only
-    engine = HFEngine(tiny_model, lora=lora_config(cfg))
+    engine = LoraHFEngine(tiny_model, lora_config(cfg))
     engine.checksum = True
-    assert (
-        engine.load_checkpoint(tmp_path / "v1", 1) == sync.checksum(params) and engine.version == 1
-    )
+    assert engine.load_checkpoint(tmp_path / "v1", 1) == checksum(params) and engine.version == 1
     # an explorer that starts from an adapter directory (a resumed LoRA run) loads its base and the adapter
-    started = HFEngine(str(tmp_path / "v1"), lora=lora_config(cfg))
-    assert sync.checksum(started.parameters()) == sync.checksum(params)
+    started = LoraHFEngine(str(tmp_path / "v1"), lora_config(cfg))
+    assert checksum(started.parameters()) == checksum(params)
 
 
 def test_a_checkpoint_read_in_wire_order_has_the_trainers_checksum(tiny_model, trained, tmp_path):
@@ -150,14 +146,12 @@ def test_a_checkpoint_read_in_wire_order_has_the_trainers_checksum(tiny_model, t
     adapters = read_safetensors(tmp_path / "adapters")
     order = wire_order(tiny_model, lora_config(cfg))
     assert sorted(order) == sorted(adapters)
-    assert sync.checksum(adapters[n] for n in order) == pytest.approx(
-        sync.checksum(params), rel=1e-12
-    )
-    assert sync.checksum(adapters.values()) != pytest.approx(sync.checksum(params), rel=1e-12)
+    assert checksum(adapters[n] for n in order) == pytest.approx(checksum(params), rel=1e-12)
+    assert checksum(adapters.values()) != pytest.approx(checksum(params), rel=1e-12)
     weights = read_safetensors(tiny_model)
     published = HFEngine(tiny_model).parameters()
-    assert sync.checksum(weights[n] for n in wire_order(tiny_model)) == pytest.approx(
-        sync.checksum(published), rel=1e-12
+    assert checksum(weights[n] for n in wire_order(tiny_model)) == pytest.approx(
+        checksum(published), rel=1e-12
     )
 
 
@@ -383,9 +377,9 @@ def test_vllm_samples_with_the_published_adapters(tiny_model, trained, tmp_path)
         joiner.join()
         sent = tr.full_parameters()  # the adapters only
         ws.send(5, [sent])
-        version, checksum = engine.receive_weights(lambda: True)
+        version, digest = engine.receive_weights(lambda: True)
         ws.wait()
-        assert version == 5 and checksum == pytest.approx(sync.checksum(sent), rel=1e-12)
+        assert version == 5 and digest == pytest.approx(checksum(sent), rel=1e-12)
         sampling = Sampling(max_tokens=12, temperature=1.0)
         for step in ("broadcast", "checkpoint"):
             exps = rollouts(engine, PROMPTS, 3, sampling)
@@ -399,7 +393,7 @@ def test_vllm_samples_with_the_published_adapters(tiny_model, trained, tmp_path)
             tr.step(batch(4))  # new adapters, published as a checkpoint directory this time
             tr.save(tmp_path / "v6")
             assert engine.load_checkpoint(tmp_path / "v6", 6) == pytest.approx(
-                sync.checksum(tr.full_parameters()), rel=1e-12
+                checksum(tr.full_parameters()), rel=1e-12
             )
     finally:
         engine.close()

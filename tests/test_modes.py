@@ -796,7 +796,8 @@ def test_a_batch_sampled_at_another_temperature_is_refused(tmp_path):
             info = {"temperature": temperature, "top_p": 1.0}
             group = [Experience([1, 2, 3], 2, [-0.5], [1], 1.0, g, "t", 0, info, "e") for _ in "ab"]
             buf.write(group)
-        cfg = run.parse_config(["--batch-size", "1", "--temperature", "1.0"])
+        # mode train: in mode both the explorer samples with the trainer's own cfg
+        cfg = run.parse_config(["--mode", "train", "--batch-size", "1", "--temperature", "1.0"])
         batches = loop.BufferBatches(cfg, buf)
         groups, _ = batches.next(0, 0, lambda: True)  # g0: as the trainer samples
         assert groups[0][0].group_id == "g0"

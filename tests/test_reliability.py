@@ -710,7 +710,7 @@ def test_finish_reads_the_explorer_queue_while_waiting_for_it_to_exit(tmp_path):
     import types
 
     import loop
-    import sync
+    from extras.offline import NoWeights
     from metrics import Metrics
     from run import Config
 
@@ -735,7 +735,7 @@ def test_finish_reads_the_explorer_queue_while_waiting_for_it_to_exit(tmp_path):
         buffer=types.SimpleNamespace(set_run_state=run_state.__setitem__),
         metrics=metrics,
     )
-    the_loop.connect(loop.Explorers(lambda: loop.queued(queue), child.is_alive), sync.NoWeights())
+    the_loop.connect(loop.Explorers(lambda: loop.queued(queue), child.is_alive), NoWeights())
     failed = []
 
     def finish():

@@ -10,6 +10,7 @@ import torch
 import perf
 import schedule
 import sync
+from extras.checksum import Checksum, checksum
 from extras.hosts import StoreAlive
 
 # explorer batch e -> weight version it must be generated with (Trinity-RFT semantics)
@@ -136,7 +137,7 @@ def bucket_receiver(port, dtype, q):
         torch.zeros(2, 2, dtype=dtype),
     ]
     version = ws.recv(params)
-    q.put((version, ws.bucket_elems, [p.float().tolist() for p in params], sync.checksum(params)))
+    q.put((version, ws.bucket_elems, [p.float().tolist() for p in params], checksum(params)))
 
 
 @pytest.mark.slow
@@ -240,12 +241,12 @@ def test_the_backend_is_nccl_only_when_every_rank_has_a_gpu_of_its_own():
 
 def test_a_checksum_holds_no_float64_copy_of_a_whole_tensor(monkeypatch):
     # a float64 sum casts its input first (also sum(dtype=torch.float64)): of a whole embedding, GiBs of GPU memory
-    monkeypatch.setattr(sync, "CHECKSUM_CHUNK", 2**16)
+    monkeypatch.setattr("extras.checksum.CHECKSUM_CHUNK", 2**16)
     t = torch.full((2**20,), 0.5)
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     ) as prof:
-        digest = sync.checksum([t, torch.ones(3, dtype=torch.bfloat16), torch.arange(4)])
+        digest = checksum([t, torch.ones(3, dtype=torch.bfloat16), torch.arange(4)])
     stream = torch.cat([t.double(), torch.ones(3, dtype=torch.float64), torch.arange(4.0)])
     k = torch.arange(len(stream), dtype=torch.float64)
     assert digest == pytest.approx(float((stream * (1 + torch.frac(k * 0.6180339887498949))).sum()))
@@ -260,10 +261,10 @@ def test_without_sync_checksum_neither_end_sums_the_weights(tiny_model, monkeypa
     import run
     from engines import make_engine
 
-    def no_checksum(tensors):
+    def no_checksum(digest, tensors):
         raise AssertionError("a checksum was computed without --sync-checksum")
 
-    monkeypatch.setattr(sync, "checksum", no_checksum)
+    monkeypatch.setattr(Checksum, "add", no_checksum)
     cfg = run.parse_config(
         [
             "--config",
@@ -433,14 +434,12 @@ def test_a_receive_is_posted_only_once_its_publish_is_announced(tmp_path):
 
 def test_the_checksum_sees_two_swapped_tensors_and_any_split_of_the_stream():
     # a plain sum of all weights gave two swapped tensors of one shape the same digest
-    import sync
-
     torch.manual_seed(0)
     a, b, c = torch.randn(3, 5), torch.randn(3, 5), torch.randn(7)
-    digest = sync.checksum([a, b, c])
-    assert sync.checksum([b, a, c]) != pytest.approx(digest, rel=1e-9)
-    assert sync.checksum([a, b.flip(0), c]) != pytest.approx(digest, rel=1e-9)
+    digest = checksum([a, b, c])
+    assert checksum([b, a, c]) != pytest.approx(digest, rel=1e-9)
+    assert checksum([a, b.flip(0), c]) != pytest.approx(digest, rel=1e-9)
     # the sender sums flattened buckets, the receiver its parameters: the same digest
     flat = torch.cat([a.reshape(-1), b.reshape(-1), c])
-    streamed = sync.Checksum().add([flat[:9]]).add([flat[9:22], flat[22:]]).value
+    streamed = Checksum().add([flat[:9]]).add([flat[9:22], flat[22:]]).value
     assert streamed == pytest.approx(digest, rel=1e-12)

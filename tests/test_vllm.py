@@ -9,6 +9,7 @@ import run
 import sync
 from conftest import PROMPTS, rollouts, run_py
 from engines import Sampling, vllm_available
+from extras.checksum import checksum
 from packing import pack, response_logprobs
 
 needs_vllm = pytest.mark.skipif(
@@ -57,9 +58,9 @@ def test_vllm_logprobs_match_trainer_and_follow_a_sync(tiny_model, engine):
             p.add_(torch.randn_like(p) * 0.05)
     params = [p for _, p in model.named_parameters()]
     ws.send(7, [params])
-    version, checksum = engine.receive_weights(lambda: True)
+    version, digest = engine.receive_weights(lambda: True)
     ws.wait()
-    assert version == 7 and checksum == pytest.approx(sync.checksum(params), rel=1e-12)
+    assert version == 7 and digest == pytest.approx(checksum(params), rel=1e-12)
 
     exps = rollouts(engine, PROMPTS, 3, sampling)
     lp_new, b = recompute(model, exps, 1.0)
