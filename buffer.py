@@ -72,7 +72,8 @@ class _SQLite:
     """The SQLite dialect: BEGIN IMMEDIATE transactions; explorer names are flocks beside the file."""
 
     def __init__(self, path: str, timeout_s: float):
-        self.path, self.where = Path(path), str(path)
+        self.path = Path(path)
+        self.where = str(path)
         try:
             self.conn = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
             self.conn.execute("PRAGMA journal_mode=WAL")

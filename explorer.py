@@ -24,18 +24,14 @@ from workflows import Shuffle, Task, load_reward_fn, load_workflow, readable
 
 
 def check_config(cfg, tokenizer, dataset) -> None:
-    """Resolve engine "auto"; ValueError (one line) for an engine or (with `tokenizer`) a workflow that cannot work."""
+    """Resolve engine "auto"; ValueError (one line) for an engine (vLLM's: extras/vllm_engine.py's check_config)
+    or (with `tokenizer`) a workflow that cannot work."""
     if cfg.engine == "auto":
         cfg.engine = "vllm" if vllm_available() else "hf"
-    if cfg.engine == "vllm" and not vllm_available():
-        raise ValueError(
-            "--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)"
-        )
-    if cfg.engine == "vllm" and cfg.lora_rank and cfg.inflight:
-        raise ValueError(
-            "--inflight with --lora-rank needs --engine hf: a vLLM request keeps the LoRA adapter it "
-            "started with, so new adapters cannot reach sequences in flight"
-        )
+    if cfg.engine == "vllm":
+        from extras.vllm_engine import check_config as check_vllm
+
+        check_vllm(cfg)
     if tokenizer is None:
         return
     try:
@@ -347,18 +343,9 @@ class Explorer:
 
 # what a version-0 evaluation depends on, besides the weights, the held-out tasks and the engine
 EVAL_SETTINGS = (
-    "system_prompt",
-    "reward_fn",
-    "reward_kwargs",
-    "workflow",
-    "dtype",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "eval_temperature",
-    "eval_k",
-    "group_size",
-)
+    "system_prompt reward_fn reward_kwargs workflow dtype max_tokens temperature top_p "
+    "eval_temperature eval_k group_size"
+).split()
 
 
 def eval_cache(cfg, engine: Engine, held_out: list[Task], n: int) -> Path | None:

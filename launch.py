@@ -42,9 +42,8 @@ class Placement:
         where = f"trainer on {', '.join(self.trainer)}"
         if self.explorer:
             where += f"; explorer on {self.explorer}"
-        if self.explorer and self.colocated:
-            where += " (colocated with trainer rank 0)"
-        if self.explorer:
+            if self.colocated:
+                where += " (colocated with trainer rank 0)"
             how = "NCCL" if self.sync_device == "cuda" else "gloo"
             where += f"; weight sync {'ipc' if sync_method == 'ipc' else how}"
         if self.unused_gpus:
@@ -135,11 +134,10 @@ def allocator_banner(cfg: Config) -> str:
     name, lib = allocator(cfg)
     if lib and lib in os.environ.get("LD_PRELOAD", ""):
         return name
-    return "the C library's malloc" + (
-        ""
-        if cfg.allocator == "system" or gpu_count()
-        else f": {INSTALL['mimalloc']} (requirements.txt) for a faster CPU trainer"
-    )
+    malloc = "the C library's malloc"
+    if cfg.allocator == "system" or gpu_count():
+        return malloc
+    return f"{malloc}: {INSTALL['mimalloc']} (requirements.txt) for a faster CPU trainer"
 
 
 def preload_allocator(argv: list[str]) -> None:
@@ -262,14 +260,14 @@ def run_mode_both(
     cfg,
     model_path: str,
     tasks: tuple,
-    port: int,
+    port: int | None,
     queue,
-    start_version: int = 0,
-    device: str = "",
-    sync_device: str = "cpu",
+    start_version: int,
+    layout: Placement,
     core_flags=None,
 ) -> None:
-    """Mode both's explorer process: puts metric records, and an error line if it fails (exit code 1), on `queue`."""
+    """Mode both's explorer process (`port` None: checkpoint sync): puts metric records, and an
+    error line if it fails (exit code 1), on `queue`."""
     import perf
     import sync
     from buffer import open_buffer
@@ -288,22 +286,12 @@ def run_mode_both(
             cfg,
             model_path,
             engine_seed(cfg),
-            use_gpu(device),
-            colocated=device.startswith("cuda") and sync_device == "cpu",
+            use_gpu(layout.explorer),
+            colocated=layout.colocated,
             version=start_version,
             status=lambda text: queue.put({"status": text}),
         )
-        receiver = sync.Receiver(
-            engine,
-            cfg.run_dir,
-            cfg.explorer_name,
-            queue.put,
-            alive,
-            None if cfg.sync_method == "checkpoint" else port,
-            cfg.sync_timeout_s,
-            sync_device,
-            cfg.sync_host,
-        )
+        receiver = sync.Receiver(engine, cfg, queue.put, alive, port, layout.sync_device)
         pace = Schedule(cfg, receiver, cfg.steps)
         if core_flags is not None and isinstance(engine, HFEngine):
             # one machine's cores: the side that waits lends its threads to the other

@@ -452,11 +452,10 @@ def start_explorer(cfg, model_path: str, version: int, layout, tasks: tuple):
             cfg,
             model_path,
             tasks,
-            weights.port if weights else 0,
+            weights.port if weights else None,
             queue,
             version,
-            layout.explorer,
-            layout.sync_device,
+            layout,
             flags,
         ),
     )

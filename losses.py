@@ -154,14 +154,9 @@ def resolve_algorithm(cfg) -> tuple[Callable, PolicyLoss, str, dict[str, Callabl
                 f"filters: the value of {name!r} must be a table of keyword arguments, got {kwargs!r}"
             )
         filters[name] = resolve(name, FILTERS, "filter", kwargs, FILTER_ARGS)
-    if cfg.loss_agg != "auto" and cfg.loss_agg not in AGGREGATIONS:
-        raise ValueError(
-            f"unknown loss_agg {cfg.loss_agg!r}; known: auto, {', '.join(AGGREGATIONS)}"
-        )
-    if cfg.kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(
-            f"unknown kl_estimator {cfg.kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}"
-        )
+    for name, known in (("loss_agg", ("auto", *AGGREGATIONS)), ("kl_estimator", KL_ESTIMATORS)):
+        if getattr(cfg, name) not in known:
+            raise ValueError(f"unknown {name} {getattr(cfg, name)!r}; known: {', '.join(known)}")
     agg = loss.agg if cfg.loss_agg == "auto" else cfg.loss_agg
     return advantage_fn, loss, agg, filters
 
@@ -169,7 +164,8 @@ def resolve_algorithm(cfg) -> tuple[Callable, PolicyLoss, str, dict[str, Callabl
 def import_dirs() -> str:
     """Where import paths are looked up (sys.path, installed packages named once), for error lines."""
     installed = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    cwd, dirs = os.getcwd(), {}  # a dict: each named once, in order
+    cwd = os.getcwd()
+    dirs = {}  # a dict: each named once, in order
     for p in map(os.path.abspath, (p or "." for p in sys.path)):
         if any(p == x or p.startswith(x + os.sep) for x in installed):
             p = "the installed packages"

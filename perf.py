@@ -167,7 +167,9 @@ class JobMeter:
     """cpu/utilisation_pct (200 = two cores busy) and perf/job_mfu of the whole job between steps."""
 
     def __init__(self):
-        self.mark, self.explorer_flops = (cpu_seconds(), time.perf_counter()), 0.0
+        # (CPU seconds, wall clock) at the last call
+        self.mark = (cpu_seconds(), time.perf_counter())
+        self.explorer_flops = 0.0
 
     def add(self, record: dict) -> None:
         """Count the model FLOPs of an explorer's record (a batch or an evaluation)."""
@@ -179,14 +181,16 @@ class JobMeter:
         self, trainer_flops: float, unit_peak: float, device_type: str
     ) -> dict[str, float]:
         """The two metrics since the last call; `unit_peak`: FLOP/s of one core or device."""
-        cpu_s, now = cpu_seconds(), time.perf_counter()
+        cpu_s = cpu_seconds()
+        now = time.perf_counter()
         wall = now - self.mark[1]
         flops = trainer_flops + self.explorer_flops
         out = {
             "cpu/utilisation_pct": 100 * (cpu_s - self.mark[0]) / max(1e-9, wall),
             "perf/job_mfu": mfu(flops, wall, unit_peak * job_units(device_type)),
         }
-        self.mark, self.explorer_flops = (cpu_s, now), 0.0
+        self.mark = (cpu_s, now)
+        self.explorer_flops = 0.0
         return out
 
 

@@ -132,17 +132,14 @@ def own_run_dir(cfg: Config) -> str:
     """cfg.run_dir; or, for a run that has its run dir to itself, when the default run dir (no
     --run-dir given, no --overwrite or --resume) holds an earlier run: the first free of
     RUN_DIR-2, RUN_DIR-3, ..., so that the same command run again just works."""
-
-    def holds_a_run(path: Path) -> bool:
-        return path.is_dir() and any(path.iterdir())
-
-    run_dir = Path(cfg.run_dir)
     if "run_dir" in cfg.given or cfg.overwrite or cfg.resume or not runs_alone(cfg):
         return cfg.run_dir
+    run_dir = cfg.run_dir
     n = 1
-    while holds_a_run(run_dir if n == 1 else Path(f"{run_dir}-{n}")):
+    while Path(run_dir).is_dir() and any(Path(run_dir).iterdir()):
         n += 1
-    return cfg.run_dir if n == 1 else f"{run_dir}-{n}"
+        run_dir = f"{Path(cfg.run_dir)}-{n}"
+    return run_dir
 
 
 def prepare(cfg: Config, rank: int) -> Prepared:

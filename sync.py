@@ -8,7 +8,6 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
@@ -58,8 +57,11 @@ class WeightSync:
         self.timeout = timedelta(seconds=timeout_s)
         self.bucket_elems = bucket_elems
         self.wire_dtype = wire_dtype
-        # _flat: rank >= 1's receive buffer (CPU: kept)
-        self.store = self.group = self._pending = self._flat = None
+        self.store = None
+        self.group = None
+        self._pending = None
+        # rank >= 1's receive buffer (CPU: kept)
+        self._flat = None
         if rank == 0:
             self.store = dist.TCPStore(
                 host, port, world_size, is_master=True, timeout=self.timeout, wait_for_workers=False
@@ -68,7 +70,8 @@ class WeightSync:
             self.store.set("device", self.device.type)
             self.store.set("bucket_elems", str(bucket_elems))
             self.store.set("gpu/0", gpu_id(self.device))
-        self.port, self.checksum = self.store.port if self.store is not None else port, checksum
+        self.port = self.store.port if self.store is not None else port
+        self.checksum = checksum
 
     def connect(self, alive: Callable[[], bool] = lambda: True) -> "WeightSync":
         """Build the group once every rank has called it. RuntimeError if `alive()` turns False."""
@@ -263,40 +266,37 @@ def bucket_ranges(numels: list[int], limit: int) -> list[range]:
 
 
 class Receiver:
-    """The explorer's end: takes published weights into `engine` (`port` None: checkpoints) and logs them."""
+    """The explorer's end: takes published weights into `engine` (`port` None: checkpoints) and logs
+    them; of `cfg` it reads the run dir, explorer name, sync host and sync timeout."""
 
     def __init__(
         self,
         engine,
-        run_dir: str | Path,
-        name: str,
+        cfg,
         log: Callable[[dict], None],
         alive: Callable[[], bool],
         port: int | None = None,
-        timeout_s: float = 600.0,
         device: str = "cpu",
-        host: str = "127.0.0.1",
     ):
         self.engine = engine
+        self.cfg = cfg
         self.log = log
         self.alive = alive
         self.port = port
-        self.timeout_s = timeout_s
         self.device = device
-        self.host = host
         # what announces and receives the weights: the engine's group, or the run's checkpoints
         if port is not None:
             self.source = engine
         else:
             from extras.checkpoint_sync import CheckpointSource
 
-            self.source = CheckpointSource(run_dir, name, engine)
+            self.source = CheckpointSource(cfg.run_dir, cfg.explorer_name, engine)
 
     def join(self) -> None:
         """Broadcast: join the weight-sync group (blocks until every rank is there)."""
         if self.port is not None:
             self.engine.join_weight_sync(
-                self.host, self.port, self.timeout_s, self.alive, self.device
+                self.cfg.sync_host, self.port, self.cfg.sync_timeout_s, self.alive, self.device
             )
 
     def newest(self) -> int:

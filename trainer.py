@@ -266,9 +266,7 @@ class Trainer:
         """The whole of a (sharded) parameter; with one rank its local tensor, not a copy."""
         if not isinstance(param, DTensor):
             return param.detach()
-        if self.world == 1:
-            return param.detach().to_local()
-        return param.full_tensor()
+        return param.full_tensor() if self.world > 1 else param.detach().to_local()
 
     def logprobs(
         self,

@@ -246,7 +246,8 @@ class MathWorkflow(Workflow):
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
         prompt = self.prompt_ids(task)
         outs = await engine.generate(prompt, n, self.sampling)
-        group_id, group = uuid.uuid4().hex, []
+        group_id = uuid.uuid4().hex
+        group = []
         texts = [self.tokenizer.decode(out.tokens, skip_special_tokens=True) for out in outs]
         scores = await asyncio.gather(*(self.score(task, text) for text in texts))
         for out, text, (reward, error) in zip(outs, texts, scores):

@@ -103,14 +103,11 @@ def run_mode_explore(cfg, prepared) -> None:
         )
         receiver = sync.Receiver(
             engine,
-            cfg.run_dir,
-            cfg.explorer_name,
+            cfg,
             log.write,
             alive=alive,
             port=cfg.sync_port if by_broadcast else None,
-            timeout_s=cfg.sync_timeout_s,
             device="cuda" if torch.cuda.is_available() else "cpu",
-            host=cfg.sync_host,
         )
         try:
             explore(

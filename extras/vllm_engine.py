@@ -10,7 +10,7 @@ import torch
 
 import models
 import sync
-from engines import Completion, Engine
+from engines import Completion, Engine, vllm_available
 from extras.checksum import Checksum, checksum
 from extras.engine_checkpoints import published_meta, read_safetensors, wire_order
 from extras.hosts import StoreAlive
@@ -18,6 +18,19 @@ from extras.hosts import StoreAlive
 WORKER = "extras.vllm_engine.VLLMWeightReceiver"
 # how long the worker waits for the trainer's store (known to exist) to answer
 STORE_KNOWN_WAIT_S = 30.0
+
+
+def check_config(cfg) -> None:
+    """explorer.check_config for --engine vllm: ValueError (one line) without vLLM, or for --inflight with LoRA."""
+    if not vllm_available():
+        raise ValueError(
+            "--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)"
+        )
+    if cfg.lora_rank and cfg.inflight:
+        raise ValueError(
+            "--inflight with --lora-rank needs --engine hf: a vLLM request keeps the LoRA adapter it "
+            "started with, so new adapters cannot reach sequences in flight"
+        )
 
 
 class VLLMEngine(Engine):

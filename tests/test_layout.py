@@ -50,6 +50,12 @@ def test_limits_name_what_exceeds_them(tmp_path):
     assert layout.main(["--root", str(tmp_path)]) == 0
 
 
+def test_the_repository_keeps_within_the_guards_of_its_layout():
+    # against regrowth: the core, each module and the README as this checkout holds them
+    # (formatted: CI runs ruff format --check)
+    assert layout.measure()["over"] == {}
+
+
 def calls_between(outer, inner, run) -> list[int]:
     """Run `run()` under sys.setprofile; for each call of the function `inner`, how many calls
     lie between it and the nearest enclosing call of `outer` (a direct call: 1). Every frame

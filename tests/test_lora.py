@@ -201,6 +201,7 @@ def test_resume_state_holds_adapters_and_their_optimizer_only(tiny_model, traine
 def test_lora_settings_are_checked(tiny_model, monkeypatch):
     import explorer
     import trainer
+    from extras import vllm_engine
 
     for flags, match in (
         (["--lora-alpha", "0"], "lora_alpha > 0"),
@@ -210,7 +211,7 @@ def test_lora_settings_are_checked(tiny_model, monkeypatch):
         with pytest.raises(ValueError, match=match):
             trainer.check_config(cfg)
     cfg = run.parse_config(["--lora-rank", "8", "--engine", "vllm", "--inflight"])
-    monkeypatch.setattr(explorer, "vllm_available", lambda: True)
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: True)
     with pytest.raises(ValueError, match="--inflight with --lora-rank needs --engine hf"):
         explorer.check_config(cfg, None, None)
     with pytest.raises(ValueError, match="lora_rank must be >= 0"):

@@ -10,6 +10,7 @@ import torch
 import perf
 import schedule
 import sync
+from config import Config
 from extras.checksum import Checksum, checksum
 from extras.hosts import StoreAlive
 
@@ -284,9 +285,7 @@ def test_without_sync_checksum_neither_end_sums_the_weights(tiny_model, monkeypa
     joiner = threading.Thread(target=ws.connect)
     joiner.start()
     records = []
-    receiver = sync.Receiver(
-        engine, cfg.run_dir, cfg.explorer_name, records.append, lambda: True, ws.port
-    )
+    receiver = sync.Receiver(engine, cfg, records.append, lambda: True, ws.port)
     receiver.join()
     joiner.join()
     assert ws.send(2, [[p.detach() + 1 for p in engine.parameters()]]) is None
@@ -416,9 +415,8 @@ def test_a_receive_is_posted_only_once_its_publish_is_announced(tmp_path):
     import threading
 
     engine, trainer = AnnouncingEngine(), {"alive": True}
-    receiver = sync.Receiver(
-        engine, tmp_path, "e", lambda record: None, lambda: trainer["alive"], port=1
-    )
+    cfg = Config(run_dir=str(tmp_path), explorer_name="e")
+    receiver = sync.Receiver(engine, cfg, lambda record: None, lambda: trainer["alive"], port=1)
     waiting = threading.Thread(target=receiver.until, args=(2,))
     waiting.start()
     time.sleep(0.3)

@@ -164,9 +164,9 @@ def test_vllm_inflight_with_checkpoint_sync(tiny_model, tmp_path):
 
 
 def test_engine_vllm_without_vllm_is_one_error_line(monkeypatch, capsys, tmp_path):
-    import explorer
+    from extras import vllm_engine
 
-    monkeypatch.setattr(explorer, "vllm_available", lambda: False)
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
     assert run.main(["--engine", "vllm", "--run-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
