@@ -230,8 +230,10 @@ class Trainer:
                     m.forward = perf.compiled(m.forward)
                 if self.sharded:
                     fully_shard(m, mesh=self.mesh, mp_policy=policy)
-        model.nanorft_logprobs = MethodType(packing.packed_logprobs, model)
         if self.sharded:
+            # FSDP2 gathers the root's parameters (embedding, norm, head) around a forward: the
+            # packed log-probs, which call the model's parts, become one (packing.response_logprobs)
+            model.nanorft_logprobs = MethodType(packing.packed_logprobs, model)
             model = fully_shard(model, mesh=self.mesh, mp_policy=policy)
             register_fsdp_forward_method(model, "nanorft_logprobs")
         # tied: autograd would add the head's gradient (a Python backward's) to the embedding's
