@@ -226,8 +226,8 @@ class Config:
     """CUDA: unless --activation-checkpointing is given, recompute only where a micro-batch's activations would take over half the free memory"""
     head_chunk_elems: int = 0
     """logits the trainer's LM head computes at a time (0: 2**22 on a CPU, 2**28 on a GPU)"""
-    token_budget: int = 2048
-    """max tokens one forward pass of the trainer computes (a packed micro-batch)"""
+    token_budget: int = 4096
+    """max tokens one forward pass of the trainer computes (a packed micro-batch); the default job's steps fit one: a lower CPU peak (docs/benchmarks.md)"""
     trainer_threads: int = 0
     """torch threads per trainer rank (0 = split the cores between ranks and explorer)"""
     checkpoint_interval: int = 10

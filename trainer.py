@@ -561,5 +561,8 @@ class Trainer:
             models.save_pretrained(self.model, self.tokenizer, path, state, dtype)
 
     def save_final(self, path: str | Path, params: list[torch.Tensor] | None = None) -> None:
-        """The run's final weights at `path` in `final_dtype`. Collective unless `params` is given."""
+        """The run's final weights at `path` in `final_dtype`, after its last update: the AdamW
+        moments go first, so that the copies the save makes take their memory, not new memory.
+        Collective unless `params` is given."""
+        self.opt.state.clear()
         self.save(path, params, self.final_dtype)

@@ -639,14 +639,16 @@ def test_lr_schedules_are_transformers_and_bad_ones_one_error_line():
         0.5 * (1 + math.cos(math.pi * 4 / 8))
     )  # by hand
     assert opt.param_groups[0]["lr"] == 1e-3  # the optimiser keeps cfg.lr until its first step
-    # the default: 3 steps of warm-up from 0, then a cosine to a tenth of lr at step 30 (by hand)
+    # the default: 3 steps of warm-up from 0, then a cosine to a tenth of lr at the last step
+    # (by hand)
+    n = Config().steps
     default = lr_schedule(Config(), opt)
     assert [default(i) for i in range(4)] == [0.0, 1 / 3, 2 / 3, 1.0]
-    assert default(29) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 26 / 27)))
-    assert default(30) == pytest.approx(0.1)
-    assert lr_schedule(Config(lr_schedule_kwargs={"min_lr_rate": 0.5}), opt)(30) == pytest.approx(
-        0.5
-    )
+    cosine = 0.5 * (1 + math.cos(math.pi * (n - 4) / (n - 3)))
+    assert default(n - 1) == pytest.approx(0.1 + 0.9 * cosine)
+    assert default(n) == pytest.approx(0.1)
+    half_floor = lr_schedule(Config(lr_schedule_kwargs={"min_lr_rate": 0.5}), opt)
+    assert half_floor(n) == pytest.approx(0.5)
     assert (
         lr_schedule(Config(lr_schedule="constant"), opt)(29) == 1.0
     )  # no floor handed to another schedule

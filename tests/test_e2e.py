@@ -97,7 +97,9 @@ def test_run_trains_and_syncs(tiny_model, tmp_path):
     db = sqlite3.connect(run_dir / "buffer.sqlite")
     infos = [json.loads(i) for (i,) in db.execute("SELECT info FROM experiences")]
     db.close()
-    assert infos and all((i["temperature"], i["top_p"]) == (1.0, 1.0) for i in infos)
+    defaults = parse_config([])
+    sampled = (defaults.temperature, defaults.top_p)
+    assert infos and all((i["temperature"], i["top_p"]) == sampled for i in infos)
     for key in (
         "perf/trainer_model_flops",
         "perf/trainer_mfu",

@@ -50,6 +50,26 @@ def test_trainer_step_changes_parameters(trainer):
     assert any(not torch.equal(a, b) for a, b in zip(before, after))
 
 
+def test_the_final_save_frees_the_moments_and_writes_the_last_weights(trainer, tmp_path):
+    # after the last update the AdamW moments are dead: the save's copies take their memory
+    from safetensors.torch import load_file
+
+    cfg, tr = trainer
+    exps = [
+        Experience([5, 6, 7, 20 + i, 30 + i], 3, [-2.0, -2.0], [1, 1], float(i % 2), "g", "t", 0)
+        for i in range(4)
+    ]
+    tr.step([exps])
+    assert tr.opt.state
+    tr.save_final(tmp_path / "final")
+    assert not tr.opt.state
+    saved = load_file(tmp_path / "final" / "model.safetensors")
+    named = dict(zip([n for n, _ in tr.named_trained_parameters()], tr.full_parameters()))
+    assert len(set(saved) & set(named)) >= len(named) - 1  # (a tied head is saved once)
+    for name in set(saved) & set(named):
+        assert torch.equal(saved[name], named[name].to(saved[name].dtype))
+
+
 def test_chat_jsonl_masks_exactly_the_assistant_turns(tiny_model, tmp_path):
     import json
 
