@@ -1,4 +1,6 @@
-"""Model FLOPs and MFU (`train_flops`, `generate_flops`, `mfu`, `JobMeter`) against the device's peak (`unit_peak`)."""
+"""Performance beside the RL: model FLOPs and MFU (`train_flops`, `generate_flops`, `mfu`, the
+meters) against the device's peak (`unit_peak`); on one CPU machine, the threads the waiting side
+lends to the busy one (`CoreShare`, `lend_threads`, `LendingPace`); `compiled` decoder blocks."""
 
 import os
 import time
