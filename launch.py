@@ -199,8 +199,13 @@ def split_threads(cfg: Config, world: int) -> None:
         cfg.trainer_threads = max(1, (cores - (0 if offline else cfg.explorer_threads)) // world)
 
 
-def guarded(cfg: Config, rank: int, run) -> int:
-    """Call `run()`; the exit code: 0, 130 after Ctrl-C (one line on how to resume), 1 after a failure."""
+def guarded(cfg: Config, rank: int, run, leave_on_interrupt: bool = False) -> int:
+    """Call `run()`; the exit code: 0, 130 after Ctrl-C (one line on how to resume), 1 after a
+    failure. `leave_on_interrupt` (the command line): after Ctrl-C and its line the process ends
+    at once, before the interrupted step's objects are freed or the interpreter finalizes: their
+    finalizers (a process group with a broadcast in flight, a library's worker thread) may wait
+    for a peer or a thread that the interrupt stopped. Nothing is lost: a resume starts from the
+    last resume state, as after kill -9."""
     sigints = []  # Ctrl-C seen: a library may wrap its KeyboardInterrupt (torch.distributed.checkpoint does)
 
     def on_sigint(*_):
@@ -227,6 +232,10 @@ def guarded(cfg: Config, rank: int, run) -> int:
                 f"\nrun.py: interrupted; to continue: the same command with --resume (run dir {cfg.run_dir})",
                 file=sys.stderr,
             )
+        if leave_on_interrupt:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
         return 130
     finally:
         if ours:

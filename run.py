@@ -210,8 +210,9 @@ def prepare(cfg: Config, rank: int) -> Prepared:
     return Prepared(model_path, tasks, layout)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse, check, run the mode; the exit code: 2 (one line) for bad input, 1 for a failed run, 130: Ctrl-C."""
+def main(argv: list[str] | None = None, leave_on_interrupt: bool = False) -> int:
+    """Parse, check, run the mode; the exit code: 2 (one line) for bad input, 1 for a failed run,
+    130: Ctrl-C (`leave_on_interrupt`: the process ends there, launch.guarded)."""
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
     # plug-ins by import path (--workflow mymod.MyWorkflow) from the working directory, last: never shadowing ours
@@ -235,16 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # bad input: flags, files, directories
         print(f"run.py: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    return launch.guarded(cfg, rank, lambda: MODES[cfg.mode](cfg, prepared))
+    return launch.guarded(cfg, rank, lambda: MODES[cfg.mode](cfg, prepared), leave_on_interrupt)
 
 
 if __name__ == "__main__":
     launch.preload_allocator(sys.argv[1:])
-    code = main()
-    if code == 130:
-        # Ctrl-C: a collective in flight would hang finalization (gloo joins its thread); no
-        # finalizers: kill -9 loses nothing either
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    sys.exit(main(leave_on_interrupt=True))

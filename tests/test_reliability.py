@@ -918,7 +918,8 @@ def test_ctrl_c_says_how_to_resume_in_one_line(tiny_model, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "run.py", *args],
         cwd=ROOT,
-        env=subprocess_env(),
+        # SIGABRT prints where every thread of a process waits
+        env={**subprocess_env(), "PYTHONFAULTHANDLER": "1"},
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -927,24 +928,30 @@ def test_ctrl_c_says_how_to_resume_in_one_line(tiny_model, tmp_path):
     )  # as from a terminal
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    while not (
-        metrics.is_file() and "loss/grad_norm" in metrics.read_text()
-    ):  # a condition, not a duration
+    # a condition, not a duration
+    while not (metrics.is_file() and "loss/grad_norm" in metrics.read_text()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGINT)  # the terminal sends it to the whole process group
     try:
         out, err = proc.communicate(timeout=120)
-    except (
-        subprocess.TimeoutExpired
-    ):  # say which processes are left and where they wait; leave none behind
+    except subprocess.TimeoutExpired:
+        # which processes are left and where they wait; none left behind
         left = subprocess.run(
-            ["ps", "-o", "pid,ppid,stat,wchan:32,etime,args", "-g", str(proc.pid)],
+            ["ps", "-ww", "-o", "pid,ppid,stat,wchan:32,etime,args", "-g", str(proc.pid)],
             capture_output=True,
             text=True,
         ).stdout
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"no exit within 120 s of SIGINT; the processes of its group:\n{left}")
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            err = proc.communicate(timeout=60)[1]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            err = proc.communicate()[1]
+        pytest.fail(
+            f"no exit within 120 s of SIGINT; the processes of its group:\n{left}\n"
+            f"their threads at SIGABRT:\n{err[-8000:]}"
+        )
     assert proc.returncode == 130, err[-3000:]
     assert "interrupted; to continue: the same command with --resume" in err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
@@ -952,30 +959,42 @@ def test_ctrl_c_says_how_to_resume_in_one_line(tiny_model, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
 
 
-def test_ctrl_c_with_a_collective_in_flight_still_exits(tmp_path):
-    # a broadcast in flight when the interrupt came hung the interpreter's exit after the --resume line: the
-    # group's destructor (ProcessGroupGloo) joins its thread, which waits for a peer that never receives
+def test_ctrl_c_with_a_collective_in_flight_still_exits(tiny_model, tmp_path):
+    # Ctrl-C while a broadcast is in flight to a peer that never receives it: after the --resume
+    # line, freeing the interrupted frame (its process group) or finalizing the interpreter would
+    # wait for that peer; the process must end at once, with exit code 130
     import subprocess
     import sys
 
     from conftest import ROOT, subprocess_env
 
+    args = [
+        "--config",
+        "configs/tiny.toml",
+        "--model",
+        tiny_model,
+        "--run-dir",
+        str(tmp_path / "r"),
+    ]
     script = tmp_path / "interrupted.py"
-    script.write_text(f"""import os, runpy, subprocess, sys
+    script.write_text(f"""import os, runpy, signal, subprocess, sys
+from datetime import timedelta
 import torch, torch.distributed as dist
 sys.path.insert(0, {str(ROOT)!r})
 import launch
 store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
 peer = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as dist; "
-    f"dist.init_process_group('gloo', store=dist.TCPStore('127.0.0.1', {{store.port}}, 2, False), rank=1, world_size=2); "
+    f"g = dist.ProcessGroupGloo(dist.TCPStore('127.0.0.1', {{store.port}}, 2, False), 1, 2); "
     "time.sleep(600)"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-dist.init_process_group("gloo", store=store, rank=0, world_size=2)
-def interrupted(cfg, rank, run):  # Ctrl-C while a broadcast is in flight: the peer never receives it
-    dist.broadcast(torch.zeros(1 << 24), src=0, async_op=True)
-    return 130
-launch.guarded = interrupted
 print(peer.pid, flush=True)
-sys.argv = ["run.py", "--allocator", "system", "--run-dir", {str(tmp_path / "r")!r}]
+def interrupted_in_a_broadcast():  # mode both's first call, inside launch.guarded
+    group = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=600))
+    work = group.broadcast([torch.zeros(1 << 24)])  # 64 MiB: more than the sockets hold
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(10**6):  # the handler raises here, with `group` and `work` in this frame
+        pass
+launch.init_distributed = interrupted_in_a_broadcast
+sys.argv = ["run.py", *{args!r}]
 runpy.run_path("run.py", run_name="__main__")
 """)
     proc = subprocess.Popen(
@@ -986,15 +1005,18 @@ runpy.run_path("run.py", run_name="__main__")
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
-    )
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # as from a terminal
+    peer = int(proc.stdout.readline())
     try:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
     finally:
-        subprocess.run(["pkill", "-f", "time.sleep\\(600\\)"])  # the peer
+        os.kill(peer, signal.SIGKILL)
     assert proc.returncode == 130, err[-2000:]
+    assert "interrupted; to continue: the same command with --resume" in err
 
 
 def test_the_base_models_evaluation_is_read_from_the_cache_when_nothing_it_depends_on_changed(
