@@ -304,17 +304,23 @@ class Receiver:
         return self.source.weights_announced()
 
     def until(self, version: int) -> None:
+        """Block until the engine has `version`: a broadcast delivers the publishes in order,
+        checkpoint sync loads `version` itself (not a newer one the trainer may have written)."""
         while self.engine.version < version:
-            self.receive()
+            self.receive(version)
 
-    def receive(self) -> None:
-        """Block until a newer version is loaded; RuntimeError once `alive()` is False."""
+    def receive(self, version: int | None = None) -> None:
+        """Block until a newer version is loaded (checkpoint sync: `version`, else the newest);
+        RuntimeError once `alive()` is False."""
         t0 = time.perf_counter()
         while self.newest() <= self.engine.version:
             if not self.alive():
                 raise RuntimeError("explorer: the trainer died")
             time.sleep(0.05)  # an NCCL receive posted before the publish counts against the timeout
-        _, digest = self.source.receive_weights(self.alive)
+        if self.port is None:
+            _, digest = self.source.receive_weights(self.alive, version)
+        else:
+            _, digest = self.source.receive_weights(self.alive)
         record = {
             "explorer/received_version": self.engine.version,
             "time/explorer_wait_sync_s": time.perf_counter() - t0,
@@ -358,5 +364,5 @@ def make_publisher(cfg, rank: int, send: Callable | None):
     if cfg.sync_method == "checkpoint":
         from extras.checkpoint_sync import CheckpointWeights
 
-        return CheckpointWeights(cfg.run_dir, cfg.sync_checksum, rank)
+        return CheckpointWeights(cfg, rank)
     return SentWeights(send, bucket_elems(cfg))

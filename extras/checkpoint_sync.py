@@ -58,11 +58,13 @@ def publish_checkpoint(
 
 class CheckpointWeights:
     """The weight publisher of --sync-method checkpoint (sync.make_publisher): rank 0 writes
-    each version to RUN_DIR/checkpoints, where the explorers look for it."""
+    each version to RUN_DIR/checkpoints, where the explorers look for it. It keeps every
+    version that mode both's schedule may still ask for (`kept_versions`)."""
 
-    def __init__(self, run_dir: str | Path, checksum: bool, rank: int):
-        self.run_dir = run_dir
-        self.checksum = checksum
+    def __init__(self, cfg, rank: int):
+        self.run_dir = cfg.run_dir
+        self.checksum = cfg.sync_checksum
+        self.keep = kept_versions(cfg.sync_interval, cfg.sync_offset)
         self.rank = rank
 
     def publish(self, trainer) -> tuple[float | None, list]:
@@ -70,8 +72,18 @@ class CheckpointWeights:
         params = trainer.full_parameters()
         if self.rank != 0:
             return None, params
-        publish_checkpoint(self.run_dir, trainer.version, lambda d: trainer.save(d, params))
+        publish_checkpoint(
+            self.run_dir, trainer.version, lambda d: trainer.save(d, params), self.keep
+        )
         return (checksum(params) if self.checksum else None), params
+
+
+def kept_versions(sync_interval: int, sync_offset: int) -> int:
+    """How many checkpoints to keep: 3, or more where mode both's schedule may still ask for an
+    older one. When the trainer publishes version t + 1 after step t, batches t + 1 onwards are
+    not generated yet; the oldest they need is required_version(t + 1) (schedule.py), which
+    lags t + 1 by at most sync_offset + sync_interval - 1, that is (m + k - 1) // k publishes."""
+    return max(3, (sync_offset + sync_interval - 1) // sync_interval + 1)
 
 
 def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
@@ -83,15 +95,30 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
     return version, marker.parent / f"v{version:06d}"
 
 
-def load_latest_checkpoint(
-    run_dir: str | Path, reader: str, load: Callable[[Path, int], Any], newer_than: int = -1
+def load_checkpoint(
+    run_dir: str | Path,
+    reader: str,
+    load: Callable[[Path, int], Any],
+    newer_than: int = -1,
+    version: int | None = None,
 ) -> tuple[int, Any] | None:
-    """(version, load(directory, version)) of the newest checkpoint if newer than `newer_than`, else None."""
+    """(v, load(directory, v)) for checkpoint v = `version`, or (`version` None) the newest if
+    newer than `newer_than`; None while there is no such checkpoint yet. RuntimeError when
+    checkpoint `version` was deleted (a newer one is published and it is not there)."""
     lease = Path(run_dir) / "checkpoints" / "loading" / reader
     with _lock(lease.parent.parent):
         latest = latest_checkpoint(run_dir)
         if latest is None or latest[0] <= newer_than:
             return None
+        if version is not None:
+            if latest[0] < version:
+                return None
+            wanted = latest[1].parent / f"v{version:06d}"
+            if not wanted.is_dir():
+                raise RuntimeError(
+                    f"checkpoint sync: version {version} was deleted before it was loaded"
+                )
+            latest = version, wanted
         lease.parent.mkdir(exist_ok=True)
         lease.write_text(str(latest[0]))
     try:
@@ -101,19 +128,25 @@ def load_latest_checkpoint(
 
 
 class CheckpointSource:
-    """sync.Receiver's source with checkpoint sync: the newest checkpoint, loaded into `engine`."""
+    """sync.Receiver's source with checkpoint sync: a published checkpoint, loaded into `engine`."""
 
     def __init__(self, run_dir: str | Path, name: str, engine):
-        self.run_dir, self.name, self.engine = run_dir, name, engine
+        self.run_dir = run_dir
+        self.name = name
+        self.engine = engine
 
     def weights_announced(self) -> int:
         return (latest_checkpoint(self.run_dir) or (-1,))[0]
 
-    def receive_weights(self, alive: Callable[[], bool]) -> tuple[int, float | None]:
+    def receive_weights(
+        self, alive: Callable[[], bool], version: int | None = None
+    ) -> tuple[int, float | None]:
+        """Load checkpoint `version` (mode both's schedule asks for exactly it), or the newest
+        (`version` None: in-flight updates, fully asynchronous explorers); waits until it is
+        published. (version, checksum or None). RuntimeError when the trainer died."""
+        load = self.engine.load_checkpoint
         while (
-            got := load_latest_checkpoint(
-                self.run_dir, self.name, self.engine.load_checkpoint, self.engine.version
-            )
+            got := load_checkpoint(self.run_dir, self.name, load, self.engine.version, version)
         ) is None:
             if not alive():
                 raise RuntimeError("explorer: the trainer died")

@@ -232,7 +232,7 @@ def test_retention_never_deletes_a_checkpoint_being_loaded(tmp_path):
             checkpoint_sync.publish_checkpoint(tmp_path, v, save, keep=2)
         return (directory / "w").read_text()
 
-    assert checkpoint_sync.load_latest_checkpoint(tmp_path, "e1", load) == (1, "x")
+    assert checkpoint_sync.load_checkpoint(tmp_path, "e1", load) == (1, "x")
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("v*"))
     assert names == [
         "v000001",
@@ -242,7 +242,7 @@ def test_retention_never_deletes_a_checkpoint_being_loaded(tmp_path):
     checkpoint_sync.publish_checkpoint(tmp_path, 6, save, keep=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("v*")) == ["v000005", "v000006"]
     assert (
-        checkpoint_sync.load_latest_checkpoint(tmp_path, "e1", lambda d, v: v, newer_than=6) is None
+        checkpoint_sync.load_checkpoint(tmp_path, "e1", lambda d, v: v, newer_than=6) is None
     )
 
 

@@ -430,6 +430,66 @@ def test_a_receive_is_posted_only_once_its_publish_is_announced(tmp_path):
     assert engine.received == [2]
 
 
+class CheckpointEngine:
+    """An engine that records which checkpoint versions it loads."""
+
+    def __init__(self):
+        self.version = 0
+        self.loaded = []
+
+    def load_checkpoint(self, directory, version):
+        self.version = version
+        self.loaded.append(version)
+
+
+def test_checkpoint_sync_loads_the_version_the_schedule_asks_not_a_newer_one(tmp_path):
+    # the trainer may have written versions 1 and 2 before a lagging explorer asks for 1: the
+    # batch must be generated with 1 (and recorded so), as a broadcast would deliver it
+    from extras import checkpoint_sync
+
+    def save(d):
+        d.mkdir()
+
+    for v in (1, 2):
+        checkpoint_sync.publish_checkpoint(tmp_path, v, save)
+    engine = CheckpointEngine()
+    cfg = Config(run_dir=str(tmp_path), explorer_name="e")
+    receiver = sync.Receiver(engine, cfg, lambda record: None, lambda: True)
+    receiver.until(1)
+    assert engine.loaded == [1]
+    receiver.receive()  # an in-flight update takes the newest
+    assert engine.loaded == [1, 2]
+    # a version the explorer still needs that retention deleted: one clear error, not a newer one
+    checkpoint_sync.publish_checkpoint(tmp_path, 4, save)
+    (tmp_path / "checkpoints" / "v000002").rename(tmp_path / "checkpoints" / "gone")
+    engine.version = 1
+    with pytest.raises(RuntimeError, match="version 2 was deleted before it was loaded"):
+        receiver.until(2)
+
+
+@pytest.mark.parametrize("interval", [1, 2, 3])
+@pytest.mark.parametrize("offset", [0, 1, 2, 5, 9])
+def test_checkpoint_retention_keeps_every_version_the_schedule_may_still_ask_for(
+    tmp_path, interval, offset
+):
+    # when the trainer publishes after step t, batches t + 1 onwards are still to be generated:
+    # the version the oldest of them needs must still be there (a sync_offset of 5 needs 6)
+    from extras import checkpoint_sync
+
+    def save(d):
+        d.mkdir()
+
+    keep = checkpoint_sync.kept_versions(interval, offset)
+    steps = 30
+    for t in range(steps):
+        if not schedule.publishes_after(t, interval, steps):
+            continue
+        checkpoint_sync.publish_checkpoint(tmp_path, t + 1, save, keep)
+        needed = schedule.required_version(t + 1, interval, offset)
+        if needed > 0:  # version 0: the explorer's start weights, never a checkpoint
+            assert (tmp_path / "checkpoints" / f"v{needed:06d}").is_dir(), (t, needed, keep)
+
+
 def test_the_checksum_sees_two_swapped_tensors_and_any_split_of_the_stream():
     # a plain sum of all weights gave two swapped tensors of one shape the same digest
     torch.manual_seed(0)
