@@ -241,9 +241,7 @@ def test_retention_never_deletes_a_checkpoint_being_loaded(tmp_path):
     ]  # v1 survived its reader; the others beyond keep=2 went
     checkpoint_sync.publish_checkpoint(tmp_path, 6, save, keep=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("v*")) == ["v000005", "v000006"]
-    assert (
-        checkpoint_sync.load_checkpoint(tmp_path, "e1", lambda d, v: v, newer_than=6) is None
-    )
+    assert checkpoint_sync.load_checkpoint(tmp_path, "e1", lambda d, v: v, newer_than=6) is None
 
 
 def test_a_resumed_run_logs_each_step_once(tmp_path):
