@@ -201,11 +201,8 @@ def split_threads(cfg: Config, world: int) -> None:
 
 def guarded(cfg: Config, rank: int, run, leave_on_interrupt: bool = False) -> int:
     """Call `run()`; the exit code: 0, 130 after Ctrl-C (one line on how to resume), 1 after a
-    failure. `leave_on_interrupt` (the command line): after Ctrl-C and its line the process ends
-    at once, before the interrupted step's objects are freed or the interpreter finalizes: their
-    finalizers (a process group with a broadcast in flight, a library's worker thread) may wait
-    for a peer or a thread that the interrupt stopped. Nothing is lost: a resume starts from the
-    last resume state, as after kill -9."""
+    failure. `leave_on_interrupt`: the process ends after that line, before the finalizers of the
+    interrupted step (a broadcast in flight) wait for a peer the interrupt stopped, as kill -9."""
     sigints = []  # Ctrl-C seen: a library may wrap its KeyboardInterrupt (torch.distributed.checkpoint does)
 
     def on_sigint(*_):
@@ -317,9 +314,8 @@ def run_mode_both(
         queue.join_thread()
         sys.exit(1)
     except SystemExit:
-        # SIGTERM (exit_quietly): the finally blocks have closed the engine. Run the exit handlers
-        # of multiprocessing, then leave without tearing down the weight-sync group: its
-        # destructor would wait for a broadcast that never comes
+        # SIGTERM, Ctrl-C (exit_quietly): multiprocessing's exit handlers, then no teardown of the
+        # weight-sync group, whose destructor would wait for a broadcast that never comes
         queue.cancel_join_thread()
         multiprocessing.util._exit_function()
         os._exit(1)

@@ -79,10 +79,9 @@ class Explorers:
 
 
 class StepIO:
-    """What one trainer step reads and writes around `Trainer.step` on this rank: the batch
-    (rank 0 reads it from `batches`, shaped by `shape`, and every rank gets it), the weights to
-    publish (`connect`), the metrics (`metrics`, with the meters' FLOPs) and the progress bar.
-    `errors`: the error lines the explorer reported."""
+    """What one trainer step reads and writes around `Trainer.step` on this rank: the batch (rank 0
+    reads it from `batches`, shaped by `shape`), the weights to publish (`connect`), the metrics
+    (with the meters' FLOPs), the progress bar; `errors`: the explorer's error lines."""
 
     def __init__(
         self,
@@ -298,10 +297,9 @@ def queued(queue) -> list[dict]:
 
 @contextlib.contextmanager
 def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks: tuple):
-    """Modes both and train on this trainer rank: yields (the resumed Trainer, its StepIO, the
-    first step) with the explorer (mode both, rank 0) or the explorers' group (mode train)
-    running; on leaving, rank 0 waits for the explorers and writes the final files. On an
-    error the explorer is stopped."""
+    """Modes both and train on this trainer rank: yields (the resumed Trainer, its StepIO, the first
+    step) with the explorer (mode both, rank 0; stopped on an error) or the explorers' group (mode
+    train) running; on leaving, rank 0 waits for the explorers and writes the final files."""
     torch.set_num_threads(cfg.trainer_threads)
     trainer_class = Trainer
     if cfg.lora_rank:  # peft adapters on a frozen model (ValueError without peft)
@@ -309,6 +307,7 @@ def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks: 
 
         trainer_class = LoraTrainer
     trainer = trainer_class(cfg, model_path, device)
+    perf.return_free_memory(cfg.return_memory_s)
     state = resume_state(cfg.run_dir) if cfg.resume else None
     start = load_resume_state(trainer, state) if state else 0
     step_io = make_step_io(cfg, trainer, start, model_path, rank, world, layout, device)

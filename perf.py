@@ -1,8 +1,11 @@
 """Performance beside the RL: model FLOPs and MFU (`train_flops`, `generate_flops`, `mfu`, the
 meters) against the device's peak (`unit_peak`); on one CPU machine, the threads the waiting side
-lends to the busy one (`CoreShare`, `lend_threads`, `LendingPace`); `compiled` decoder blocks."""
+lends to the busy one (`CoreShare`, `lend_threads`, `LendingPace`); `compiled` decoder blocks;
+the allocator's free pages returned to the system (`return_free_memory`)."""
 
+import ctypes
 import os
+import threading
 import time
 from typing import Callable
 
@@ -125,10 +128,9 @@ def mfu(flops: float, seconds: float, peak: float) -> float:
 
 
 class TrainerMeter:
-    """perf/trainer_model_flops and perf/trainer_mfu of a trainer step, from the tokens it computed and
-    predicted and its busy seconds (Trainer.step's train/packed_tokens, train/predicted_tokens,
-    time/train_busy_s, summed over ranks). `passes`: 3 (forward and backward) plus one forward of a
-    reference model if one is loaded; `matmul`: the model's `matmul_params`."""
+    """perf/trainer_model_flops and perf/trainer_mfu of a step, from its tokens computed and predicted
+    and its busy seconds (summed over ranks). `passes`: 3 (forward and backward) plus one forward of
+    a reference model if one is loaded; `matmul`: the model's `matmul_params`."""
 
     def __init__(self, matmul: tuple[int, int], device_type: str, dtype: str, passes: int):
         self.matmul = matmul
@@ -272,3 +274,19 @@ def compiled(forward: Callable) -> Callable:
             return forward(*args, **kwargs)
 
     return call
+
+
+def return_free_memory(every_s: float) -> None:
+    """Under tcmalloc, a thread returning its free pages to the system every `every_s` seconds:
+    tensors of other sizes than the freed ones grow the heap, the freed pages stay resident.
+    A returned page costs a fault when used again."""
+    release = getattr(ctypes.CDLL(None), "MallocExtension_ReleaseFreeMemory", None)
+    if release is None or every_s <= 0:
+        return
+
+    def run() -> None:
+        while True:
+            time.sleep(every_s)
+            release()
+
+    threading.Thread(target=run, name="return-free-memory", daemon=True).start()

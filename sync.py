@@ -304,14 +304,12 @@ class Receiver:
         return self.source.weights_announced()
 
     def until(self, version: int) -> None:
-        """Block until the engine has `version`: a broadcast delivers the publishes in order,
-        checkpoint sync loads `version` itself (not a newer one the trainer may have written)."""
+        """Block until the engine has `version` (checkpoint sync: exactly it, not a newer one)."""
         while self.engine.version < version:
             self.receive(version)
 
     def receive(self, version: int | None = None) -> None:
-        """Block until a newer version is loaded (checkpoint sync: `version`, else the newest);
-        RuntimeError once `alive()` is False."""
+        """Block until a newer version (checkpoint sync: `version`) is loaded; RuntimeError once `alive()` is False."""
         t0 = time.perf_counter()
         while self.newest() <= self.engine.version:
             if not self.alive():

@@ -392,3 +392,41 @@ def test_the_explorer_lends_its_threads_while_its_pace_waits():
     assert not pace.before_batch(1)
     pace.final()
     assert seen == [("wait", 0), ("wait", 0), ("final", 0)] and flags[1] == 0
+
+
+@pytest.mark.parametrize("every_s", [0.0, 0.05])
+def test_the_trainer_returns_the_allocators_free_pages_to_the_system(tmp_path, every_s):
+    # tcmalloc keeps the pages of a freed tensor resident: with return_memory_s the process's RSS
+    # falls back once the tensor is freed; with 0 nothing returns them
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    lib = launch.allocator_library("tcmalloc")
+    if lib is None:
+        pytest.skip("needs tcmalloc (apt-get install libtcmalloc-minimal4; CI installs it)")
+    script = f"""import sys, time
+sys.path.insert(0, {str(ROOT)!r})
+import torch, perf
+def rss_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+x = torch.ones(2**27)  # 512 MiB, every page touched
+before = rss_mib()
+del x
+perf.return_free_memory({every_s})
+deadline = time.monotonic() + (60 if {every_s} else 2)
+while rss_mib() > before - 256 and time.monotonic() < deadline:  # a condition, bounded
+    time.sleep(0.05)
+print(round(before - rss_mib()))
+"""
+    env = {**os.environ, "LD_PRELOAD": lib}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    returned_mib = int(out.stdout.split()[-1])
+    if every_s:
+        assert returned_mib > 256
+    else:
+        assert returned_mib < 256
