@@ -37,7 +37,7 @@ class Config:
     """delete an existing run_dir first (mode both, offline mode train)"""
     resume: bool = False
     """continue a killed run from its last resume state (RUN_DIR/checkpoints) and its buffer"""
-    steps: int = 30
+    steps: int = 60
     """trainer steps of the run (= explorer batches)"""
     seed: int = 0
     """seed of the training tasks, task order, sampling and model init"""
@@ -88,7 +88,7 @@ class Config:
     """rollouts per task (the group of GRPO)"""
     max_tokens: int = 24
     """max tokens of a rollout's response"""
-    temperature: float = 1.0
+    temperature: float = 0.7
     """sampling temperature of the rollouts (the trainer's logprobs use the same)"""
     top_p: float = 1.0
     """nucleus sampling (mode bench only: training needs 1)"""

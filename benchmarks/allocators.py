@@ -7,6 +7,9 @@ installed) and mimalloc (the `cmeel-mimalloc` wheel of requirements.txt), with r
     python benchmarks/allocators.py                      # 6 steps, 2 rounds
     python benchmarks/allocators.py --steps 4 --rounds 1 --out benchmarks/results/allocators.json
     python benchmarks/allocators.py --allocators mimalloc,mimalloc-thp --steps 12 --rounds 2
+    python benchmarks/allocators.py --allocators tcmalloc-kept,tcmalloc --steps 12 --rounds 2
+
+tcmalloc-kept is tcmalloc with `--return-memory-s 0`: the trainer keeps the free pages.
 
 Prints per allocator: the trainer's step (time/train_s, steps after the first), wall seconds
 per step, the minor page faults of the whole job (all its processes), the trainer's and the
@@ -92,7 +95,8 @@ def main() -> None:
         "--allocators",
         default="glibc,tcmalloc,mimalloc,mimalloc-thp",
         help="comma-separated: glibc, tcmalloc, mimalloc (with run.py's settings), mimalloc-thp "
-        "(transparent huge pages allowed, mimalloc's own default)",
+        "(transparent huge pages allowed, mimalloc's own default), tcmalloc-kept (tcmalloc, "
+        "--return-memory-s 0)",
     )
     args, flags = p.parse_known_args()
     if args.steps < 3:
@@ -101,7 +105,10 @@ def main() -> None:
         "glibc": (None, {}),
         "mimalloc-thp": ("mimalloc", {"MIMALLOC_ALLOW_THP": "1"}),
         **{name: (name, launch.ALLOCATOR_ENV.get(name, {})) for name in launch.ALLOCATORS},
+        "tcmalloc-kept": ("tcmalloc", {}),
     }
+    # run.py flags of a variant
+    variant_flags = {"tcmalloc-kept": ["--return-memory-s", "0"]}
     allocators = {}
     for name in args.allocators.split(","):
         if name not in variants:
@@ -115,7 +122,8 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name in allocators}
     for r in range(args.rounds):
         for name, (lib, settings) in allocators.items():
-            runs[name].append(one_run(lib, settings, args.steps, flags))
+            extra = variant_flags.get(name, [])
+            runs[name].append(one_run(lib, settings, args.steps, [*flags, *extra]))
             print(
                 f"round {r + 1} {name}: "
                 + ", ".join(f"{k} {v:.3g}" for k, v in runs[name][-1].items()),

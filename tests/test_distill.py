@@ -141,7 +141,8 @@ def test_the_teacher_scores_at_its_own_temperature_not_the_students(make_trainer
 
 
 def test_a_teacher_with_the_students_weights_has_reverse_kl_0(make_trainer, tiny_model):
-    tr = make_trainer("--teacher", tiny_model)
+    # the same weights at the same temperature (the teacher scores at --teacher-temperature 1.0)
+    tr = make_trainer("--teacher", tiny_model, "--temperature", "1.0")
     group = [exp([5, 6, 20 + i, 21 + i], 2, [1, 1], float(i % 2), "g") for i in range(4)]
     own_logprobs(tr, group)
     assert abs(tr.step([group])["distill/reverse_kl"]) < 1e-5

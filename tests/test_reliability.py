@@ -1066,7 +1066,8 @@ def test_the_base_models_evaluation_is_read_from_the_cache_when_nothing_it_depen
         for k, v in again.items()
         if k.startswith("eval/") and k not in ("eval/cached", "eval/seconds")
     } == {k: v for k, v in first.items() if k.startswith("eval/") and k != "eval/seconds"}
-    evaluation(temperature=0.7)  # another sampling setting, or a later version: evaluated afresh
+    # another sampling setting, or a later version: evaluated afresh
+    evaluation(temperature=Config().temperature / 2)
     assert calls
     calls.clear()
     evaluation(version=2)
