@@ -80,6 +80,11 @@ def tiny_model(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 
+def tiny_args(model: str, run_dir, *more) -> list[str]:
+    """run.py's flags of a run of the tiny preset with `model` in `run_dir`, then `more`."""
+    return ["--config", "configs/tiny.toml", "--model", model, "--run-dir", str(run_dir), *more]
+
+
 def subprocess_env() -> dict:
     """This environment for a run.py subprocess: unbuffered, without torchrun's rank variables."""
     env = {

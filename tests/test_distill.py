@@ -301,6 +301,9 @@ def test_distillation_runs_end_to_end(tiny_model, teacher_model, tmp_path):
         tiny_model,
         "--advantage",
         "none",
+        # the student samples at the teacher's temperature (--teacher-temperature 1.0)
+        "--temperature",
+        1.0,
         "--run-dir",
         run_dir,
         "--steps",

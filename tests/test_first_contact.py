@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 import metrics
 import models
 import run
-from conftest import ROOT, run_py
+from conftest import ROOT, run_py, tiny_args
 from workflows import extract_answer, load_tasks
 
 
@@ -343,14 +343,7 @@ def test_the_same_command_run_again_writes_to_a_new_run_dir(tiny_model, tmp_path
 
 def test_another_tasks_preset_is_named_at_the_start(tiny_model, tmp_path, capsys):
     # --task chain_sum changed task_kwargs and system_prompt in silence
-    argv = [
-        "--config",
-        "configs/tiny.toml",
-        "--model",
-        tiny_model,
-        "--run-dir",
-        str(tmp_path / "r"),
-    ]
+    argv = tiny_args(tiny_model, tmp_path / "r")
     cfg = run.parse_config([*argv, "--task", "chain_sum", "--system-prompt", "Answer."])
     assert (cfg.task_kwargs, cfg.system_prompt) == ({}, "Answer.")
     run.prepare(cfg, 0)

@@ -896,23 +896,11 @@ def test_ctrl_c_says_how_to_resume_in_one_line(tiny_model, tmp_path):
     import sys
     import time
 
-    from conftest import ROOT, subprocess_env
+    from conftest import ROOT, subprocess_env, tiny_args
 
     run_dir = tmp_path / "r"
-    args = [
-        "--config",
-        "configs/tiny.toml",
-        "--model",
-        tiny_model,
-        "--run-dir",
-        str(run_dir),
-        "--steps",
-        "200",
-        "--eval-size",
-        "0",
-        "--checkpoint-interval",
-        "1",
-    ]
+    more = ["--steps", "200", "--eval-size", "0", "--checkpoint-interval", "1"]
+    args = tiny_args(tiny_model, run_dir, *more)
     proc = subprocess.Popen(
         [sys.executable, "run.py", *args],
         cwd=ROOT,
@@ -964,16 +952,9 @@ def test_ctrl_c_with_a_collective_in_flight_still_exits(tiny_model, tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT, subprocess_env
+    from conftest import ROOT, subprocess_env, tiny_args
 
-    args = [
-        "--config",
-        "configs/tiny.toml",
-        "--model",
-        tiny_model,
-        "--run-dir",
-        str(tmp_path / "r"),
-    ]
+    args = tiny_args(tiny_model, tmp_path / "r")
     script = tmp_path / "interrupted.py"
     script.write_text(f"""import os, runpy, signal, subprocess, sys
 from datetime import timedelta
