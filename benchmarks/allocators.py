@@ -101,28 +101,30 @@ def main() -> None:
     args, flags = p.parse_known_args()
     if args.steps < 3:
         p.error("--steps must be at least 3 (the first step is not timed)")
+    # name -> (allocator, its environment, run.py flags)
     variants = {
-        "glibc": (None, {}),
-        "mimalloc-thp": ("mimalloc", {"MIMALLOC_ALLOW_THP": "1"}),
-        **{name: (name, launch.ALLOCATOR_ENV.get(name, {})) for name in launch.ALLOCATORS},
-        "tcmalloc-kept": ("tcmalloc", {}),
+        "glibc": (None, {}, []),
+        "mimalloc-thp": ("mimalloc", {"MIMALLOC_ALLOW_THP": "1"}, []),
+        **{name: (name, launch.ALLOCATOR_ENV.get(name, {}), []) for name in launch.ALLOCATORS},
+        "tcmalloc-kept": (
+            "tcmalloc",
+            launch.ALLOCATOR_ENV.get("tcmalloc", {}),
+            ["--return-memory-s", "0"],
+        ),
     }
-    # run.py flags of a variant
-    variant_flags = {"tcmalloc-kept": ["--return-memory-s", "0"]}
     allocators = {}
     for name in args.allocators.split(","):
         if name not in variants:
             p.error(f"--allocators: unknown {name!r} (one of {', '.join(variants)})")
-        lib_name, settings = variants[name]
+        lib_name, settings, extra = variants[name]
         lib = lib_name and launch.allocator_library(lib_name)
         if lib_name and not lib:
             print(f"{name}: not installed, skipped")
         else:
-            allocators[name] = lib, settings
+            allocators[name] = lib, settings, extra
     runs: dict[str, list[dict]] = {name: [] for name in allocators}
     for r in range(args.rounds):
-        for name, (lib, settings) in allocators.items():
-            extra = variant_flags.get(name, [])
+        for name, (lib, settings, extra) in allocators.items():
             runs[name].append(one_run(lib, settings, args.steps, [*flags, *extra]))
             print(
                 f"round {r + 1} {name}: "
