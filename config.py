@@ -236,6 +236,8 @@ class Config:
     """save the resume state every this many trainer steps (0 = never)"""
     keep_resume_state: bool = False
     """keep the last resume state (RUN_DIR/checkpoints, 12 bytes per parameter) after the run has finished"""
+    plot: bool = True
+    """draw RUN_DIR/plot.png (reward, loss, held-out accuracy by step) when the run has finished"""
     # -- LoRA (peft)
     lora_rank: int = 0
     """LoRA rank: > 0 trains LoRA adapters (peft) on the frozen model; 0 = full fine-tuning"""

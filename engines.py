@@ -185,6 +185,10 @@ class Engine:
         """Newest version the trainer has started to publish (-1 before any); never blocks."""
         return self.weights.announced()
 
+    def wait_weights(self, alive: Callable[[], bool]) -> None:
+        """Block until the trainer starts its next publish; RuntimeError once `alive()` is False."""
+        self.weights.wait_announced(alive)
+
     def weights_joined(self) -> bool:
         return getattr(self, "weights", None) is not None
 
@@ -280,33 +284,51 @@ def decode_cache():
 
 
 class Decoding:
-    """Decode steps over a prefilled cache of `decode_cache()`: logits [A, V] of the next tokens [A]."""
+    """Decode steps over a prefilled cache of `decode_cache()`: each call takes the tokens [A] just sampled and
+    samples the next ones under `sampling` with `generator`: (tokens [A], behaviour log-probs [A])."""
 
     drops = True  # ended rows can leave the batch
 
-    def __init__(self, model, cache, attn: torch.Tensor, pos: torch.Tensor, max_tokens: int):
+    def __init__(
+        self,
+        model,
+        cache,
+        attn: torch.Tensor,
+        pos: torch.Tensor,
+        sampling: Sampling,
+        generator: torch.Generator,
+    ):
         self.model = model
         self.cache = cache
         self.attn = attn  # [A, P]
         self.pos = pos  # [A, S]
+        self.sampling = sampling
+        self.generator = generator
         for layer in cache.layers:
-            layer.reserve(attn.shape[1] + max_tokens)  # each decode step writes its slot: no copy
+            # each decode step writes its slot: no copy
+            layer.reserve(attn.shape[1] + sampling.max_tokens)
 
     def keep(self, rows: torch.Tensor) -> None:
         self.attn, self.pos = self.attn[rows], self.pos[rows]
         for layer in self.cache.layers:
             layer.keep(rows)
 
-    def __call__(self, tok: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.attn = torch.cat([self.attn, self.attn.new_ones((len(tok), 1))], dim=1)
         self.pos = self.pos[:, -1:] + 1
-        return self.model(
+        logits = self.model(
             input_ids=tok[:, None],
             attention_mask=self.attn,
             position_ids=self.pos,
             past_key_values=self.cache,
             use_cache=True,
         ).logits[:, -1]
+        return sample_token(logits, self.sampling.temperature, self.sampling.top_p, self.generator)
+
+
+# decode steps between two reads of `done` on a GPU: each read waits for the GPU to finish the step, while a row
+# that has ended only decodes padding until the next read
+GPU_CHECK_EVERY = 8
 
 
 class HFEngine(Engine):
@@ -333,6 +355,8 @@ class HFEngine(Engine):
         self.drop_ended = drop_ended
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # decode steps between two reads of which rows have ended
+        self.check_every = 1 if self.device.type == "cpu" else GPU_CHECK_EVERY
         self.model = self.pretrained(model_path, dtype)
         self.max_batch = max_batch
         self.bf16 = bf16
@@ -354,8 +378,9 @@ class HFEngine(Engine):
         from transformers import AutoModelForCausalLM
 
         base = models.base_model_dir(model_path)
-        attention = {"attn_implementation": packed_sdpa()} if self.device.type == "cpu" else {}
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **attention)
+        model = AutoModelForCausalLM.from_pretrained(
+            base, dtype=dtype, attn_implementation=packed_sdpa()
+        )
         return model.to(self.device).eval()
 
     @classmethod
@@ -455,7 +480,9 @@ class HFEngine(Engine):
                     cache.reorder_cache(of)
                     logits = logits[of]  # [B, V]
                 attn, pos = attn[of], pos[of]  # [B, P]
-                decoding = (self.graphs or Decoding)(self.model, cache, attn, pos, s.max_tokens)
+                decoding = (self.graphs or Decoding)(
+                    self.model, cache, attn, pos, s, self.generator
+                )
                 # [B, R] the sampled tokens and their behaviour log-probs
                 tokens = torch.full((B, s.max_tokens), self.pad, dtype=torch.long, device=dev)
                 behaviour = torch.zeros(B, s.max_tokens, device=dev)
@@ -465,24 +492,27 @@ class HFEngine(Engine):
                 # [B] latest version
                 first = self.version
                 last = torch.full((B,), self.version, device=dev)
+                # [A] tokens, [A] their log-probs: the first from the prefill, the next ones from decoding
+                tok, lp = sample_token(logits, s.temperature, s.top_p, self.generator)
                 for step in range(s.max_tokens):
-                    # [A] tokens, [A] their log-probs
-                    tok, lp = sample_token(logits, s.temperature, s.top_p, self.generator)
+                    if step > 0:
+                        tok, lp = decoding(tok)
                     tok = tok.masked_fill(done, self.pad)
                     tokens[live, step], behaviour[live, step] = tok, lp
                     if self.version != first:
                         last[live[~done]] = self.version
                     done = done | torch.isin(tok, self.eos)
-                    if done.all():
+                    checking = (step + 1) % self.check_every == 0
+                    if checking and done.all():
                         break
                     if self.step_hook is not None:
                         self.step_hook()  # in-flight: may load new weights; the KV cache is kept
                     # ended rows leave
-                    if decoding.drops and int(done.sum()) >= self.drop_ended * len(done):
+                    ending = checking and decoding.drops
+                    if ending and int(done.sum()) >= self.drop_ended * len(done):
                         keep = (~done).nonzero().squeeze(1)  # [A']
                         live, tok, done = live[keep], tok[keep], done[keep]
                         decoding.keep(keep)
-                    logits = decoding(tok)  # [A, V]
                 eos = set(self.eos.tolist())
                 for t, lp, v in zip(
                     tokens[:, : step + 1].tolist(), behaviour[:, : step + 1].tolist(), last.tolist()

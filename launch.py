@@ -68,14 +68,15 @@ def place(gpus: int, ranks: int, mode: str) -> Placement:
 
 
 def sync_method(cfg: Config, layout: Placement) -> str:
-    """cfg.sync_method for `layout` (auto: broadcast). ValueError (one line): ipc where the explorer does not share
-    trainer rank 0's device (extras/ipc_sync.py's check_placement)."""
-    # ipc is chosen by name until a GPU run has checked it (benchmarks/gpu_check.py)
-    if cfg.sync_method == "auto":
-        return "broadcast"
-    if cfg.sync_method == "ipc":
-        from extras.ipc_sync import check_placement
+    """cfg.sync_method for `layout` (auto: ipc where the explorer shares trainer rank 0's GPU, else broadcast).
+    ValueError (one line): ipc where the explorer does not share trainer rank 0's device (extras/ipc_sync.py)."""
+    from extras.ipc_sync import check_placement, shares_rank_0s_device
 
+    if cfg.sync_method == "auto":
+        # on one GPU a broadcast goes through host memory (gloo), a handle does not (docs/gpus.md)
+        on_a_gpu = layout.explorer.startswith("cuda")
+        return "ipc" if on_a_gpu and shares_rank_0s_device(cfg, layout) else "broadcast"
+    if cfg.sync_method == "ipc":
         check_placement(cfg, layout)
     return cfg.sync_method
 

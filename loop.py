@@ -510,10 +510,11 @@ def finish(cfg, loop, explorer, weights) -> None:
         print0(
             f"resume state deleted ({freed / 2**20:.0f} MiB), the run has finished: --keep-resume-state keeps it"
         )
-    from extras.plot import plot
-
     print0(f"final weights: {run_dir / 'final'}")
-    print0(f"plot: {plot(run_dir)}")
+    if cfg.plot:
+        from extras.plot import plot
+
+        print0(f"plot: {plot(run_dir)}")
     board = ""
     if "tensorboard" in trackers(cfg):
         board = f" (TensorBoard: tensorboard --logdir {run_dir})"

@@ -149,6 +149,8 @@ def packed_sdpa() -> str:
         **kwargs,
     ):
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if token_slots is None and query.shape[2] == 1 and key.shape[1] != query.shape[1]:
+            return grouped_decode_attention(query, key, value, attention_mask, scaling), None
         # [1, h, T, D] -> [N, h, L, D]; index_copy_ and index_select: a cheap backward
         if token_slots is not None:
             N, L = attention_mask.shape[0], attention_mask.shape[-1]
@@ -176,6 +178,27 @@ def packed_sdpa() -> str:
     AttentionInterface.register("nanorft_sdpa", attention)
     AttentionMaskInterface.register("nanorft_sdpa", sdpa_mask)
     return "nanorft_sdpa"
+
+
+def grouped_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """Attention of one new token per row under grouped-query heads: query [B, H, 1, D], key and value [B, KV, L, D]
+    (H a multiple of KV), mask [B, 1, 1, L] (bool or additive) or None -> [B, 1, H, D]. The G = H / KV query heads
+    that share a key-value head are the G query rows of one attention over it, so no kernel copies the cache's keys
+    and values once per query head (transformers' repeat_kv; sdpa's enable_gqa under a mask on a CPU, or its
+    fallback to the math kernel on a GPU). Query head h reads key-value head h // G, as repeat_kv pairs them."""
+    B, H, _, D = query.shape
+    KV = key.shape[1]
+    grouped = query.reshape(B, KV, H // KV, D)  # [B, KV, G, D]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grouped, key, value, attn_mask=mask, scale=scale
+    )  # [B, KV, G, D]
+    return out.reshape(B, 1, H, D)
 
 
 def packed_logprobs(

@@ -60,6 +60,9 @@ class WeightSync:
         self.store = None
         self.group = None
         self._pending = None
+        # publishes started (rank 0) or received (rank >= 1): rank 0 numbers each one's key publish/N
+        self.publishes = 0
+        self.waiter = None  # wait_for's connection to the store
         # rank >= 1's receive buffer (CPU: kept)
         self._flat = None
         if rank == 0:
@@ -167,6 +170,62 @@ class WeightSync:
             else:
                 time.sleep(poll_s)
 
+    def announce(self, version: int) -> None:
+        """Rank 0: `version` is being published (`announced`, `wait_announced`)."""
+        self.publishes += 1
+        self.store.set("published", str(version))
+        self.store.set(f"publish/{self.publishes}", str(version))
+
+    def wait_for(
+        self, keys: list[str], alive: Callable[[], bool], what: str, deadline: float | None = None
+    ) -> None:
+        """Block until `keys` are set in the store; RuntimeError (one line) once `alive()` is False, at `deadline`
+        (time.monotonic(); default: --sync-timeout-s from now), or when the store is gone. The store's own wait
+        runs in a thread, on a connection of its own (a wait holds its connection), so that `alive()` is watched
+        meanwhile and the caller wakes as soon as the keys are set: no polling of the store."""
+        deadline = deadline or time.monotonic() + self.timeout.total_seconds()
+        peer = "an explorer" if self.rank == 0 else "the trainer"
+        failed: list = []
+
+        def block():
+            try:
+                left = timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
+                self.waiter.wait(keys, left)
+            except Exception as e:  # raised below, in the caller's thread
+                failed.append(e)
+
+        try:
+            if self.store.check(keys):
+                return
+            if self.waiter is None:
+                self.waiter = dist.TCPStore(
+                    self.host, self.port, is_master=False, timeout=self.timeout
+                )
+            waiting = threading.Thread(target=block, daemon=True)
+            waiting.start()
+            while waiting.is_alive():
+                if not alive():
+                    self.waiter = None  # its thread still waits on it
+                    raise RuntimeError(f"weight sync: {peer} died (waiting for {what})")
+                waiting.join(0.05)
+            if failed:
+                raise failed[0]
+        except dist.DistStoreError:
+            raise RuntimeError(
+                f"weight sync: no {what} within --sync-timeout-s {self.timeout.total_seconds():g} s"
+            ) from None
+        except dist.DistError as e:  # a receiver's store connection: rank 0 is gone
+            raise RuntimeError(
+                f"weight sync: the trainer's store at {self.host}:{self.port} stopped answering (the "
+                f"trainer is gone: {' '.join(str(e).split())})"
+            ) from None
+
+    def wait_announced(self, alive: Callable[[], bool]) -> None:
+        """Rank >= 1: block until rank 0 starts the publish after the last one received (no time limit: the
+        trainer steps first). RuntimeError (one line) once `alive()` is False or the trainer's store is gone."""
+        no_limit = time.monotonic() + 365 * 24 * 3600.0
+        self.wait_for([f"publish/{self.publishes + 1}"], alive, "next publish", no_limit)
+
     def send(
         self,
         version: int,
@@ -175,7 +234,7 @@ class WeightSync:
     ) -> float | None:
         """Rank 0: announce, then broadcast `buckets` (tensors in `named_parameters()` order) as `version`."""
         self.wait(alive)
-        self.store.set("published", str(version))
+        self.announce(version)
         version_tensor = torch.tensor([version], dtype=torch.int64, device=self.device)
         self._pending = [self._broadcast(version_tensor)]
         digest = new_digest(self.checksum)
@@ -218,6 +277,7 @@ class WeightSync:
             with torch.no_grad():
                 for p, part in zip(ps, flat.split([p.numel() for p in ps])):
                     p.copy_(part.view_as(p))
+        self.publishes += 1
         return int(version.item())
 
 
@@ -241,10 +301,17 @@ def transport(sync_method: str) -> type:
 
 
 def flatten(
-    tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device | str
+    tensors: list[torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A new tensor [sum of numels] of `dtype` on `device`: `tensors` in order, each cast into its slice."""
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+    """`tensors` in order, each cast into its slice of a new tensor [sum of numels] of `dtype` on `device`, or of
+    the first elements of `out` (a 1-D tensor at least that long, whose dtype and device are then those used)."""
+    numel = sum(t.numel() for t in tensors)
+    if out is None:
+        out = torch.empty(numel, dtype=dtype, device=device)
+    flat = out[:numel]
     # no second copy of the bucket
     for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
         part.copy_(t.detach().reshape(-1))
@@ -311,13 +378,11 @@ class Receiver:
     def receive(self, version: int | None = None) -> None:
         """Block until a newer version (checkpoint sync: `version`) is loaded; RuntimeError once `alive()` is False."""
         t0 = time.perf_counter()
-        while self.newest() <= self.engine.version:
-            if not self.alive():
-                raise RuntimeError("explorer: the trainer died")
-            time.sleep(0.05)  # an NCCL receive posted before the publish counts against the timeout
-        if self.port is None:
+        if self.port is None:  # waits until checkpoint `version` (or a newer one) is published
             _, digest = self.source.receive_weights(self.alive, version)
         else:
+            # an NCCL receive posted before the publish counts against the timeout: first its announcement
+            self.source.wait_weights(self.alive)
             _, digest = self.source.receive_weights(self.alive)
         record = {
             "explorer/received_version": self.engine.version,

@@ -341,6 +341,29 @@ def drop_ended_ab(args, extra):
     )
 
 
+def attention_ab(args, extra):
+    """--attention-ab: one explorer batch with each decode step's grouped-query heads as the query rows of one
+    attention per key-value head (packing.grouped_decode_attention) and with transformers' sdpa attention (its
+    keys and values repeated per query head under a mask); the same sampled tokens unless roundings differ."""
+    from packing import packed_sdpa
+
+    def batch(ex, rnd):
+        t = time.perf_counter()
+        _, groups = explore_rate(ex, rnd)
+        return time.perf_counter() - t, [e.tokens for g in groups for e in g]
+
+    lever_ab(
+        args,
+        extra,
+        "decode attention of the HF engine, one explorer batch",
+        {
+            "repeated": lambda e: e.model.set_attn_implementation("sdpa"),
+            "grouped": lambda e: e.model.set_attn_implementation(packed_sdpa()),
+        },
+        batch,
+    )
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model directory (default: the run.py default)")
@@ -365,7 +388,14 @@ def main():
         help="only time one held-out evaluation with ended rows kept in vs dropped from the decode batch "
         "(give a trained --model: the base model's replies run to the budget)",
     )
+    p.add_argument(
+        "--attention-ab",
+        action="store_true",
+        help="only time one explorer batch with grouped-query decode attention vs transformers' sdpa (repeat_kv)",
+    )
     args, extra = p.parse_known_args()
+    if args.attention_ab:
+        return attention_ab(args, extra)
     if args.kv_cache_ab:
         return kv_cache_ab(args, extra)
     if args.drop_ended_ab:

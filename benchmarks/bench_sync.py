@@ -6,7 +6,8 @@ Two processes join one weight-sync group (sync.WeightSync: gloo on CPU, NCCL bet
 GPUs; `colocated`: both on cuda:0, gloo through host memory, as launch.place lays out one GPU).
 Each round, interleaved: (1) nanorft: rank 0 `send` of every parameter of the model (random
 weights of its architecture, float32) and rank 1 `recv` into its parameters; (2) raw: one
-broadcast of a preallocated flat buffer of the same bytes; (3) bucketed: the publish of (1)
+broadcast of a preallocated flat buffer of the same bytes (colocated: with the copies from the sender's GPU
+to host memory and back to the receiver's GPU that such a publish needs); (3) bucketed: the publish of (1)
 over a second group with --sync-bucket-mb's buckets (gathered lazily, sent one at a time); on one
 device (cpu, colocated) also (4) ipc: the same buckets handed over by handle (--sync-method ipc: CUDA IPC on
 the GPU, shared memory on the CPU; extras/ipc_sync.py).
@@ -46,10 +47,19 @@ def shapes(model_dir: str) -> list[torch.Size]:
     return [p.shape for p in model.parameters()]
 
 
-def raw_broadcast(ws: sync.WeightSync, flat: torch.Tensor) -> None:
+def raw_broadcast(
+    ws: sync.WeightSync, flat: torch.Tensor, on_device: torch.Tensor | None = None
+) -> None:
+    """One broadcast of `flat` (on the group's device); with `on_device` (colocated: a buffer of the same bytes on
+    the weights' GPU) the copies a publish through host memory needs: device -> host before on the sender, host ->
+    device after on a receiver."""
+    if on_device is not None and ws.rank == 0:
+        flat.copy_(on_device)
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     ws.group.broadcast([flat], opts).wait()
+    if on_device is not None and ws.rank != 0:
+        on_device.copy_(flat)
 
 
 def receiver(ports: dict, sizes: list, device: str, sync_device: str, rounds: int, q) -> None:
@@ -65,6 +75,7 @@ def receiver(ports: dict, sizes: list, device: str, sync_device: str, rounds: in
     }
     ws, params = groups["nanorft"], [torch.empty(s, device=device) for s in sizes]
     flat = torch.empty(sum(p.numel() for p in params), device=sync_device)
+    on_device = torch.empty_like(flat, device=device) if device != sync_device else None
     for _ in range(rounds):
         for kind in (
             "nanorft",
@@ -73,7 +84,7 @@ def receiver(ports: dict, sizes: list, device: str, sync_device: str, rounds: in
         ):  # the sender's order
             group = groups.get(kind)
             if group is None:
-                raw_broadcast(ws, flat)
+                raw_broadcast(ws, flat, on_device)
             else:
                 group.recv(params)
             if device.startswith("cuda") or sync_device == "cuda":
@@ -111,7 +122,10 @@ def main() -> None:
     sizes = shapes(models.resolve_model(args.model))
     params = [torch.randn(s, device=sender_dev) for s in sizes]
     nbytes = sum(x.numel() * x.element_size() for x in params)
-    flat = torch.cat([x.reshape(-1) for x in params]).to(sync_device)
+    on_device = torch.cat([x.reshape(-1) for x in params])
+    flat = on_device.to(sync_device)
+    if sender_dev == sync_device:
+        on_device = None
     elems = int(args.bucket_mb * 2**20) // 4
     groups = {
         "nanorft": sync.WeightSync(0, 2, port=0, device=sync_device, timeout_s=600),
@@ -150,7 +164,7 @@ def main() -> None:
         for kind in times:
             t0 = time.monotonic()
             if kind == "raw":
-                raw_broadcast(ws, flat)
+                raw_broadcast(ws, flat, on_device)
             else:
                 group = groups[kind]
                 group.send(

@@ -120,9 +120,10 @@ def experiences(length: int, n: int, vocab: int, seed: int) -> list[Experience]:
 
 
 class RawLoop:
-    """The plain loop (module docstring) on its own copy of the model."""
+    """The plain loop (module docstring) on its own copy of the model; `compiled`: its forward under
+    torch.compile (the whole model, as a user compiles it)."""
 
-    def __init__(self, path: str, device: torch.device, cfg: Config):
+    def __init__(self, path: str, device: torch.device, cfg: Config, compiled: bool = False):
         from transformers import AutoModelForCausalLM
 
         self.device, self.bf16 = device, cfg.dtype == "bfloat16"
@@ -136,6 +137,7 @@ class RawLoop:
 
             model = get_peft_model(model, lora_config(cfg, path))
         self.model = model
+        self.forward = torch.compile(model) if compiled else model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(
             self.params, lr=cfg.lr, betas=(0.9, 0.99), fused=device.type == "cuda" or None
@@ -150,7 +152,7 @@ class RawLoop:
             ids = torch.tensor(e.tokens, device=self.device)[None]  # [1, L]
             behaviour = torch.tensor(e.behaviour_logprobs, device=self.device)[None]  # [1, R]
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-                logits = self.model(input_ids=ids, use_cache=False).logits[
+                logits = self.forward(input_ids=ids, use_cache=False).logits[
                     :, e.prompt_length - 1 : -1
                 ]  # [1, R, V]
             lp = (
@@ -265,7 +267,7 @@ class Bench:
             mfu = f"{row['mfu']:6.1%}" if row["mfu"] is not None else "     -"
             mem = f"{row['peak_gib']:6.1f}" if row["peak_gib"] is not None else "     -"
             print(
-                f"{a:8} r{rank:<3} {length:6} {lever:26} {row['tokens_per_s']:10,.0f} {mfu} {mem} "
+                f"{a:12} r{rank:<3} {length:6} {lever:26} {row['tokens_per_s']:10,.0f} {mfu} {mem} "
                 f"{s:7.3f}",
                 flush=True,
             )
@@ -343,21 +345,22 @@ def main() -> int:
             "MFU: PaLM's model FLOPs (arXiv:2204.02311 app. B: 6N + 12 L H Q T per token, no causal discount)"
         )
         print(
-            f"{'arm':8} {'rank':4} {'length':>6} {'lever':26} {'tokens/s':>10} {'MFU':>6} {'GiB':>6} {'step_s':>7}"
+            f"{'arm':12} {'rank':4} {'length':>6} {'lever':26} {'tokens/s':>10} {'MFU':>6} {'GiB':>6} {'step_s':>7}"
         )
         for rank in ranks:  # nanorft and the raw loop with nanorft's defaults
             if bench.over_budget(f"lora_rank {rank}"):
                 continue
-            tr, raw = (
-                bench.trainer(bench.config(rank, lengths[0])),
-                RawLoop(bench.path, device, bench.config(rank, lengths[0])),
-            )
+            cfg = bench.config(rank, lengths[0])
+            tr = bench.trainer(cfg)
+            raw = RawLoop(bench.path, device, cfg)
+            raw_compiled = RawLoop(bench.path, device, cfg, compiled=True)
+            arms = {"nanorft": tr.step, "raw": raw.step, "raw_compiled": raw_compiled.step}
             for length in lengths:
                 if bench.over_budget(f"lora_rank {rank} length {length}"):
                     continue
                 tr.cfg.token_budget = length
-                bench.measure({"nanorft": tr.step, "raw": raw.step}, rank, length, "default")
-            del tr, raw
+                bench.measure(arms, rank, length, "default")
+            del tr, raw, raw_compiled, arms
             bench.free()
         length = max(lengths)
         for (
@@ -395,11 +398,11 @@ def main() -> int:
                 for r in bench.rows
                 if r["lora_rank"] == rank and r["length"] == length and r["lever"] == "default"
             }
-            if len(pair) == 2:
-                out.setdefault("nanorft_vs_raw", {})[f"r{rank}_{length}"] = (
-                    pair["nanorft"] / pair["raw"]
-                )
-                print(f"nanorft / raw  r{rank} {length}: {pair['nanorft'] / pair['raw']:.2f}x")
+            for raw in ("raw", "raw_compiled"):
+                if "nanorft" in pair and raw in pair:
+                    ratio = pair["nanorft"] / pair[raw]
+                    out.setdefault(f"nanorft_vs_{raw}", {})[f"r{rank}_{length}"] = ratio
+                    print(f"nanorft / {raw}  r{rank} {length}: {ratio:.2f}x")
     print(f"total {out['seconds']:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

@@ -136,11 +136,16 @@ STEPS, MULTI_STEPS, TASKS = 8, 4, 400
 LONG_TOKENS = {
     "0.5b": 512
 }  # the bench stage also times replies of this many tokens on these models
+# prompt tokens the static-cache generate's cache holds beside the reply (the check's prompts are shorter)
+STATIC_CACHE_LEN = 256
 MIN_STAGE_S = 20.0  # a stage with less of the budget left is not started (it fails as not run)
 TESTS = [
     "tests/test_gpu.py",
-    "tests/test_ipc_sync.py::test_buckets_arrive_equal_and_are_held_until_acknowledged[cuda]",
+    "tests/test_ipc_sync.py::test_publishes_arrive_equal_through_one_mapping_and_wait_for_their_acknowledgement[cuda]",
     "tests/test_cuda_graphs.py",
+    # mode both colocated on one GPU: the both-* and sync-* stages run it on the real shapes
+    "--deselect",
+    "tests/test_gpu.py::test_colocated_mode_both_on_one_gpu",
 ]
 
 
@@ -196,11 +201,9 @@ def build_model(path: Path, shape: dict, tokenizer) -> int:
     return params
 
 
-def both_flags(
-    work: Path, model: str, steps: int, run_dir: Path, sync_method: str = "ipc"
-) -> list[str]:
-    """run.py flags of a mode-both job on the default job's shape with a weight sync after every step (ipc for the
-    explorer colocated with trainer rank 0 on one GPU; the multi-GPU stages check auto's choice)."""
+def both_flags(work: Path, model: str, steps: int, run_dir: Path) -> list[str]:
+    """run.py flags of a mode-both job on the default job's shape with a weight sync after every step, by auto's
+    choice (ipc for the explorer colocated with trainer rank 0 on one GPU), no evaluation and no plot."""
     return [
         "--mode",
         "both",
@@ -215,13 +218,12 @@ def both_flags(
         "--sync-interval",
         "1",
         "--eval-size",
-        "16",
+        "0",
+        "--no-plot",
         "--run-dir",
         str(run_dir),
         "--overwrite",
         "--sync-checksum",
-        "--sync-method",
-        sync_method,
     ]
 
 
@@ -604,9 +606,11 @@ def check_bench(work: Path) -> Callable[[str], tuple[str, dict]]:
             f"decode"
             + (f" (CUDA graphs off: {r['graphs_failed']})" if r["graphs_failed"] else "")
             + f", {r['explorer_vs_generate']:.2f}x generate"
+            + f", {r['explorer_vs_static_generate']:.2f}x compiled static-cache generate"
             + (
                 f", {r['long_rows']} x {r['long_tokens']} tokens {r['long_graphs_tokens_per_s']:.0f} tok/s "
-                f"= {r['long_graphs_vs_eager']:.2f}x eager"
+                f"= {r['long_graphs_vs_eager']:.2f}x eager, "
+                f"{r['long_graphs_vs_static_generate']:.2f}x compiled static-cache generate"
                 if "long_tokens" in r
                 else ""
             )
@@ -638,6 +642,11 @@ def check_trainer(path: Path) -> Callable[[str], tuple[str, dict]]:
             f"{rows[('nanorft', rank, n, 'default')]['tokens_per_s']:.0f} tok/s (MFU "
             f"{rows[('nanorft', rank, n, 'default')]['mfu']:.2f}) = "
             f"{res['nanorft_vs_raw'][f'r{rank}_{n}']:.2f}x raw"
+            + (
+                f", {res['nanorft_vs_raw_compiled'][f'r{rank}_{n}']:.2f}x raw compiled"
+                if f"r{rank}_{n}" in res.get("nanorft_vs_raw_compiled", {})
+                else ""
+            )
             for rank, n in cells
         ), res
 
@@ -680,8 +689,8 @@ def check_sync(device: str) -> Callable[[str], tuple[str, dict]]:
     return check
 
 
-def placement(gpus: int, ranks: int, sync_method: str = "ipc") -> str:
-    """The placement line of a mode-both job (HF engine, `sync_method`) with `ranks` trainer ranks on `gpus`."""
+def placement(gpus: int, ranks: int) -> str:
+    """The placement line of a mode-both job (HF engine, auto's sync) with `ranks` trainer ranks on `gpus`."""
     import types
 
     import launch
@@ -689,7 +698,7 @@ def placement(gpus: int, ranks: int, sync_method: str = "ipc") -> str:
     layout = launch.place(gpus, ranks, "both")
     return layout.describe(
         launch.sync_method(
-            types.SimpleNamespace(mode="both", engine="hf", sync_method=sync_method), layout
+            types.SimpleNamespace(mode="both", engine="hf", sync_method="auto"), layout
         )
     )
 
@@ -786,17 +795,17 @@ def plan(work: Path, gpus: list[str]) -> list[Stage]:
         stages += [
             Stage(
                 "multi-1rank",
-                torchrun(1, both_flags(work, "135m", MULTI_STEPS, d1, "auto")),
+                torchrun(1, both_flags(work, "135m", MULTI_STEPS, d1)),
                 gpus[:2],
                 150,
-                check_both(d1, placement(2, 1, "auto")),
+                check_both(d1, placement(2, 1)),
             ),
             Stage(
                 "multi-2ranks",
-                torchrun(2, both_flags(work, "135m", MULTI_STEPS, d2, "auto")),
+                torchrun(2, both_flags(work, "135m", MULTI_STEPS, d2)),
                 three,
                 150,
-                check_both(d2, placement(len(three), 2, "auto")),
+                check_both(d2, placement(len(three), 2)),
             ),
             Stage(
                 "sync-nccl",
@@ -907,9 +916,13 @@ def cuda_timed(fn):
     return result, time.perf_counter() - t, torch.cuda.max_memory_allocated() / 2**30
 
 
-def raw_generate(model, prompts: list[list[int]], n: int, max_tokens: int, pad: int) -> int:
-    """`model.generate` (sampling at temperature 1, no top-k/top-p) of n completions per
-    prompt, left-padded on the model's device; returns the generated tokens (end token included)."""
+def raw_generate(
+    model, prompts: list[list[int]], n: int, max_tokens: int, pad: int, **static
+) -> int:
+    """`model.generate` (sampling at temperature 1, no top-k/top-p) of n completions per prompt, left-padded on the
+    model's device; returns the generated tokens (end token included). `static`: generate's settings of a static
+    cache (cache_implementation, max_cache_len), under which transformers compiles the decode step on a GPU
+    (generation_config.compile_config): what an HF user runs for speed."""
     import torch
 
     from packing import left_pad
@@ -927,6 +940,7 @@ def raw_generate(model, prompts: list[list[int]], n: int, max_tokens: int, pad: 
             top_k=0,
             max_new_tokens=max_tokens,
             pad_token_id=pad,
+            **static,
         )
     gen = out[:, ids.shape[1] :]  # [B, R], pad after the end token
     after_end = (gen == pad).long().cumsum(1) - (
@@ -1007,20 +1021,28 @@ def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0
     raw = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     raw_opt = torch.optim.AdamW(raw.parameters(), lr=0.0)
     resident = torch.cuda.memory_allocated() / 2**30
+    # one static cache length for every round: the compiled step is not compiled again
+    static = dict(cache_implementation="static", max_cache_len=STATIC_CACHE_LEN + cfg.max_tokens)
     rows: dict[str, list[float]] = {
-        k: [] for k in ("explore", "explore_eager", "generate", "train", "raw_train")
+        k: [] for k in ("explore", "explore_eager", "generate", "static", "train", "raw_train")
     }
     peaks = dict.fromkeys(rows, 0.0)
-    for rnd in range(
-        rounds + 1
-    ):  # round 0 warms up (kernels, allocator, cuBLAS, graphs): not counted
-        engine.graphs = None  # the same batch decoded eagerly, step by step
-        (eager, _), _, _ = cuda_timed(lambda: explore_rate(explorer, rnd))
-        engine.graphs = graphs
+    # round 0 warms up (kernels, allocator, cuBLAS, graphs, the static generate's compile): not counted
+    for rnd in range(rounds + 1):
+        if rnd == 1:  # one round of the same batch decoded eagerly, step by step
+            engine.graphs = None
+            (eager, _), _, _ = cuda_timed(lambda: explore_rate(explorer, rnd))
+            rows["explore_eager"].append(eager)
+            engine.graphs = graphs
         (rate, groups), _, peak_e = cuda_timed(lambda: explore_rate(explorer, rnd))
         prompts = [g[0].tokens[: g[0].prompt_length] for g in groups]  # the tasks just explored
         n_gen, gen_s, peak_g = cuda_timed(
             lambda: raw_generate(gen_model, prompts, cfg.group_size, cfg.max_tokens, engine.pad)
+        )
+        n_static, static_s, peak_s = cuda_timed(
+            lambda: raw_generate(
+                gen_model, prompts, cfg.group_size, cfg.max_tokens, engine.pad, **static
+            )
         )
         exps = [e for g in groups for e in g]
         tokens = sum(len(e.tokens) for e in exps)
@@ -1029,10 +1051,10 @@ def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0
             lambda: raw_train(raw, raw_opt, exps, cfg.token_budget, trainer.pad)
         )
         if rnd:
-            rows["explore_eager"].append(eager)
             for k, v, p in (
                 ("explore", rate, peak_e),
                 ("generate", n_gen / gen_s, peak_g),
+                ("static", n_static / static_s, peak_s),
                 ("train", tokens / train_s, peak_t),
                 ("raw_train", tokens / raw_s, peak_r),
             ):
@@ -1042,25 +1064,47 @@ def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0
     long = {}
     if long_tokens:  # replies of long_tokens tokens (random weights rarely sample the end token)
         sampling = Sampling(max_tokens=long_tokens, temperature=1.0)
-        rates = {"graphs": [], "eager": []}
-        for rnd in range(3):  # round 0 captures the graph of this length: not counted
-            for arm in ("graphs", "eager")[: 1 if rnd == 0 else 2]:
+        long_static = dict(static, max_cache_len=STATIC_CACHE_LEN + long_tokens)
+        rates = {"graphs": [], "eager": [], "static": []}
+        # round 0 captures the graph of this length and compiles the static generate's: not counted; one eager round
+        for rnd, arms in enumerate(
+            (("graphs", "static"), ("graphs", "static", "eager"), ("graphs", "static"))
+        ):
+            for arm in arms:
                 engine.graphs = graphs if arm == "graphs" else None
-                out, sec, _ = cuda_timed(
-                    lambda: engine.generate_batch(
-                        prompts, [cfg.group_size] * len(prompts), sampling
+                if arm == "static":
+                    n, sec, _ = cuda_timed(
+                        lambda: raw_generate(
+                            gen_model,
+                            prompts,
+                            cfg.group_size,
+                            long_tokens,
+                            engine.pad,
+                            **long_static,
+                        )
                     )
-                )
+                else:
+                    out, sec, _ = cuda_timed(
+                        lambda: engine.generate_batch(
+                            prompts, [cfg.group_size] * len(prompts), sampling
+                        )
+                    )
+                    n = sum(len(c.tokens) for g in out for c in g)
                 if rnd:
-                    rates[arm].append(sum(len(c.tokens) for g in out for c in g) / sec)
+                    rates[arm].append(n / sec)
+        engine.graphs = graphs
         long = {
             "long_tokens": long_tokens,
             "long_rows": len(prompts) * cfg.group_size,
             "long_graphs_tokens_per_s": statistics.median(rates["graphs"]),
             "long_eager_tokens_per_s": statistics.median(rates["eager"]),
+            "long_static_generate_tokens_per_s": statistics.median(rates["static"]),
         }
         long["long_graphs_vs_eager"] = (
             long["long_graphs_tokens_per_s"] / long["long_eager_tokens_per_s"]
+        )
+        long["long_graphs_vs_static_generate"] = (
+            long["long_graphs_tokens_per_s"] / long["long_static_generate_tokens_per_s"]
         )
     params = sum(p.numel() for p in raw.parameters())
     flat = torch.randn(
@@ -1077,6 +1121,8 @@ def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0
         "explorer_tokens_per_s": med["explore"],
         "generate_tokens_per_s": med["generate"],
         "explorer_vs_generate": med["explore"] / med["generate"],
+        "static_generate_tokens_per_s": med["static"],
+        "explorer_vs_static_generate": med["explore"] / med["static"],
         "explorer_eager_tokens_per_s": med["explore_eager"],
         "graphs_vs_eager": med["explore"] / med["explore_eager"],
         "trainer_tokens_per_s": med["train"],

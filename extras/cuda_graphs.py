@@ -1,7 +1,9 @@
-"""The HF engine's decode step as a CUDA graph (`--cuda-graphs`): one launch instead of tens per layer. Graphs need
-fixed shapes and addresses, so the KV cache is static ([Bb, KV, L, D] per layer for a batch bucket Bb and a capacity
-L) with a boolean mask [Bb, 1, 1, L]; syncs copy weights in place, so graphs stay valid. After PyTorch's CUDA Graphs
-notes (torch.cuda.graph, warm-up on a side stream) and transformers' StaticCache."""
+"""The HF engine's decode step, sampling included, as a CUDA graph (`--cuda-graphs`): one launch instead of tens per
+layer and no host sync. Graphs need fixed shapes and addresses, so the KV cache is static ([Bb, KV, L, D] per layer
+for a batch bucket Bb and a capacity L) with a boolean mask [Bb, 1, 1, L]; syncs copy weights in place, so graphs
+stay valid; the engine's generator is registered with each graph (its draws advance as eager steps' would). After
+PyTorch's CUDA Graphs notes (torch.cuda.graph, warm-up on a side stream, CUDAGraph.register_generator_state) and
+transformers' StaticCache."""
 
 import sys
 from collections import OrderedDict
@@ -9,7 +11,7 @@ from collections import OrderedDict
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from engines import Decoding
+from engines import Decoding, sample_token
 
 CAPACITY_STEP = 128  # tokens: the capacities of the static caches
 
@@ -29,8 +31,9 @@ class ColumnLayer(DynamicLayer):
 
 
 class Step:
-    """One decode step of `model` over a static cache shaped like `like` (a prefilled cache's layers) for
-    `rows` sequences and `capacity` tokens; captured as a CUDA graph when `capture`, else run eagerly."""
+    """One decode step of `model` over a static cache shaped like `like` (a prefilled cache's layers) for `rows`
+    sequences and `capacity` tokens, the next tokens sampled in the step; captured as a CUDA graph per sampling
+    (its temperature and top-p) when `capture`, else run eagerly."""
 
     def __init__(self, model, like: list, rows: int, capacity: int, capture: bool):
         device = like[0].keys.device
@@ -40,62 +43,77 @@ class Step:
         self.cache = Cache(
             layers=[ColumnLayer(kv(layer.keys), kv(layer.values), self.index) for layer in like]
         )
-        self.ids, self.pos = (
-            torch.zeros(rows, 1, dtype=torch.long, device=device) for _ in range(2)
-        )  # [Bb, 1]
+        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [Bb, 1]
+        self.pos = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [Bb, 1]
         self.mask = torch.zeros(
             rows, 1, 1, capacity, dtype=torch.bool, device=device
         )  # [Bb, 1, 1, L]
         self.mask[:, 0, 0, 0] = True  # no row attends to nothing (softmax of no column is NaN)
-        self.model, self.graph = model, None
-        if capture:
-            # autocast's weight cache would free the casts the graph reads: the graph casts on every replay
-            cast = torch.autocast(
-                "cuda",
-                dtype=torch.get_autocast_dtype("cuda"),
-                enabled=torch.is_autocast_enabled("cuda"),
-                cache_enabled=False,
-            )
-            side, before, debug = (
-                torch.cuda.Stream(),
-                torch.cuda.current_stream(),
-                torch.cuda.get_sync_debug_mode(),
-            )
-            side.wait_stream(before)
-            try:  # a step that waits for the GPU fails in the warm-up: a failed capture cannot be undone cleanly
-                torch.cuda.set_sync_debug_mode("error")
-                with torch.cuda.stream(side), cast:
-                    for _ in range(2):  # kernels chosen, workspaces allocated, outside the capture
-                        self.forward()
-                torch.cuda.set_sync_debug_mode(
-                    debug
-                )  # the capture synchronizes the device (the warm-up) first
-                self.graph = torch.cuda.CUDAGraph()
-                with (
-                    torch.cuda.graph(self.graph, capture_error_mode="thread_local"),
-                    cast,
-                ):  # a sync may copy
-                    self.logits = self.forward()  # [Bb, V]
-            finally:  # a failed warm-up may still be writing the cache; a failed capture leaves its stream current
-                torch.cuda.set_sync_debug_mode(debug)
-                before.wait_stream(side)
-                torch.cuda.set_stream(before)
+        self.model = model
+        self.capture = capture
+        # (temperature, top_p) -> (graph, its sampled tokens [Bb], their log-probs [Bb])
+        self.graphs: dict[tuple, tuple] = {}
 
-    def forward(self) -> torch.Tensor:
-        return self.model(
+    def forward(self, sampling, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model(
             input_ids=self.ids,
             attention_mask=self.mask,
             position_ids=self.pos,
             past_key_values=self.cache,
             use_cache=True,
-        ).logits[:, -1]
+        ).logits[:, -1]  # [Bb, V]
+        return sample_token(logits, sampling.temperature, sampling.top_p, generator)
 
-    def __call__(self) -> torch.Tensor:
-        """The next tokens' logits [Bb, V]; a captured step's are overwritten by its next call."""
-        if self.graph is None:
-            return self.forward()
-        self.graph.replay()
-        return self.logits
+    def prepare(self, sampling, generator: torch.Generator) -> None:
+        """Capture the step for `sampling` unless it is (eager: nothing to do). Raises what the capture raised."""
+        key = (sampling.temperature, sampling.top_p)
+        if self.capture and key not in self.graphs:
+            self.graphs[key] = self.captured(sampling, generator)
+
+    def captured(self, sampling, generator: torch.Generator) -> tuple:
+        """(graph, tokens [Bb], log-probs [Bb]) of the step under `sampling`, drawing from `generator` (registered
+        with the graph: each replay advances it as the eager step would); the generator is left as it was."""
+        # autocast's weight cache would free the casts the graph reads: the graph casts on every replay
+        cast = torch.autocast(
+            "cuda",
+            dtype=torch.get_autocast_dtype("cuda"),
+            enabled=torch.is_autocast_enabled("cuda"),
+            cache_enabled=False,
+        )
+        side = torch.cuda.Stream()
+        before = torch.cuda.current_stream()
+        debug = torch.cuda.get_sync_debug_mode()
+        state = generator.get_state()  # the warm-up's draws are not the batch's
+        graph = torch.cuda.CUDAGraph()
+        graph.register_generator_state(generator)
+        side.wait_stream(before)
+        try:  # a step that waits for the GPU fails in the warm-up: a failed capture cannot be undone cleanly
+            torch.cuda.set_sync_debug_mode("error")
+            with torch.cuda.stream(side), cast:
+                for _ in range(2):  # kernels chosen, workspaces allocated, outside the capture
+                    self.forward(sampling, generator)
+            # the capture synchronizes the device (the warm-up) first
+            torch.cuda.set_sync_debug_mode(debug)
+            with (
+                torch.cuda.graph(graph, capture_error_mode="thread_local"),
+                cast,
+            ):  # a sync may copy
+                tokens, logprobs = self.forward(sampling, generator)
+        finally:  # a failed warm-up may still be writing the cache; a failed capture leaves its stream current
+            torch.cuda.set_sync_debug_mode(debug)
+            before.wait_stream(side)
+            torch.cuda.set_stream(before)
+            generator.set_state(state)
+        return graph, tokens, logprobs
+
+    def __call__(self, sampling, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next tokens [Bb] and their log-probs [Bb]; a captured step's are overwritten by its next call."""
+        key = (sampling.temperature, sampling.top_p)
+        if key not in self.graphs:
+            return self.forward(sampling, generator)
+        graph, tokens, logprobs = self.graphs[key]
+        graph.replay()
+        return tokens, logprobs
 
 
 class Replay:
@@ -103,52 +121,62 @@ class Replay:
 
     drops = False
 
-    def __init__(self, step: Step, cache, attn: torch.Tensor, pos: torch.Tensor):
+    def __init__(
+        self, step: Step, cache, attn: torch.Tensor, pos: torch.Tensor, sampling, generator
+    ):
         B, P = attn.shape
         for column, layer in zip(step.cache.layers, cache.layers):
             column.keys[:B, :, :P], column.values[:B, :, :P] = layer.keys, layer.values
         step.mask[:, :, :, 1:] = False
         step.mask[:B, 0, 0, :P] = attn.bool()
         step.pos[:B] = pos[:, -1:]
-        self.step, self.rows, self.column = step, B, P
+        self.step = step
+        self.rows = B
+        self.column = P
+        self.sampling = sampling
+        self.generator = generator
 
-    def __call__(self, tok: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.step
         s.ids[: self.rows, 0] = tok
         s.pos += 1
         s.index.fill_(self.column)
         s.mask[:, 0, 0, self.column] = True
         self.column += 1
-        return s()[: self.rows]
+        tokens, logprobs = s(self.sampling, self.generator)
+        return tokens[: self.rows], logprobs[: self.rows]
 
 
 class Graphs:
-    """engines.Decoding for each batch: the last `keep` steps used, by (batch bucket, capacity, dtype); eager if not
-    `capture`."""
+    """engines.Decoding for each batch: the last `keep` steps used, by (batch bucket, capacity, dtype), each with
+    a graph per sampling; eager if not `capture`."""
 
     def __init__(self, max_batch: int, capture: bool = True, keep: int = 8):
         self.max_batch, self.capture, self.keep = max_batch, capture, keep
         self.steps: OrderedDict[tuple, Step] = OrderedDict()
         self.failed = ""  # why a capture failed: from then on every batch decodes eagerly
 
-    def __call__(self, model, cache, attn: torch.Tensor, pos: torch.Tensor, max_tokens: int):
+    def __call__(self, model, cache, attn: torch.Tensor, pos: torch.Tensor, sampling, generator):
         B, P = attn.shape
         rows = max(B, min(self.max_batch, 1 << (B - 1).bit_length()))
-        capacity = -(-(P + max_tokens) // CAPACITY_STEP) * CAPACITY_STEP
+        capacity = -(-(P + sampling.max_tokens) // CAPACITY_STEP) * CAPACITY_STEP
         key = (id(model), rows, capacity, cache.layers[0].keys.dtype, cache.layers[0].values.dtype)
-        if key not in self.steps and not self.failed:
-            while len(self.steps) >= self.keep:
-                self.steps.popitem(last=False)
+        if not self.failed:
             try:
-                self.steps[key] = Step(model, cache.layers, rows, capacity, self.capture)
+                if key not in self.steps:
+                    while len(self.steps) >= self.keep:
+                        self.steps.popitem(last=False)
+                    self.steps[key] = Step(model, cache.layers, rows, capacity, self.capture)
+                self.steps[key].prepare(sampling, generator)
             except Exception as e:  # a model whose step cannot be captured still decodes
                 self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                self.steps.clear()  # their static caches are not used again
                 print(
                     f"nanorft: CUDA graphs off, decoding eagerly: the capture failed ({self.failed})",
                     file=sys.stderr,
                     flush=True,
                 )
         if self.failed:
-            return Decoding(model, cache, attn, pos, max_tokens)
+            return Decoding(model, cache, attn, pos, sampling, generator)
         self.steps.move_to_end(key)
-        return Replay(self.steps[key], cache, attn, pos)
+        return Replay(self.steps[key], cache, attn, pos, sampling, generator)

@@ -1,6 +1,9 @@
-"""Weight sync by handle (--sync-method ipc): rank 0 puts a handle of each weight bucket (CUDA IPC; shared memory on
-the CPU) into the weight-sync store and keeps the bucket until the explorer has copied it in place and acknowledged.
-After vLLM's `ColocateWorkerExtension` (rlhf_colocate.py @ 04ba446, rlhf_utils.py @ 081b8e3), the store for ZMQ."""
+"""Weight sync by handle (--sync-method ipc): rank 0 writes each publish into a staging tensor on the device the
+weights are on, whose handle (CUDA IPC; shared memory on the CPU) the explorers map once, and announces it by a key
+of the weight-sync store; each explorer copies it in place and acknowledges it by a key of its own before the next
+publish may overwrite it: one write, one announcement and one acknowledgement per publish, the gathers of
+--sync-bucket-mb's buckets each written into its slice. After vLLM's `ColocateWorkerExtension` (rlhf_colocate.py @
+04ba446, rlhf_utils.py @ 081b8e3), the store for ZMQ."""
 
 import pickle
 import time
@@ -8,7 +11,6 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
@@ -20,27 +22,33 @@ STORAGE_DEVICE = 6  # the argument of rebuild_cuda_tensor naming the GPU, by the
 def check_placement(cfg, layout) -> None:
     """launch.sync_method's check of --sync-method ipc: ValueError (one line) unless the explorer
     shares trainer rank 0's device in `layout` (a launch.Placement) and is an hf engine of mode both."""
-    shared = (
-        cfg.mode == "both" and cfg.engine == "hf" and layout.explorer in ("cpu", layout.trainer[0])
-    )
-    if not shared:
+    if not shares_rank_0s_device(cfg, layout):
         raise ValueError(
             "--sync-method ipc hands the weights to an hf engine on trainer rank 0's device: mode both, "
             "--engine hf, as many GPUs as trainer ranks (or none)"
         )
 
 
+def shares_rank_0s_device(cfg, layout) -> bool:
+    """Whether mode both's hf engine runs on trainer rank 0's device (or both on the CPU) in `layout`."""
+    return (
+        cfg.mode == "both" and cfg.engine == "hf" and layout.explorer in ("cpu", layout.trainer[0])
+    )
+
+
 class IpcSync(sync.WeightSync):
-    """WeightSync's store, ranks and wire dtype without its process group: each bucket goes as a handle of one
-    tensor on the device the weights are on (`device` takes part in the handshake only)."""
+    """WeightSync's store, ranks, wire dtype and announcements without its process group (`device` takes part in
+    the handshake only)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._pending, self.handed, self.taken = (
-            [],
-            0,
-            0,
-        )  # rank 0: (bucket, tensor, deadline) until acknowledged
+        # rank 0: the staging tensor [elements] handed out and how many were (its key: ipc/staging/N); rank >= 1:
+        # (N, staging tensor N of the trainer, mapped)
+        self.staging = None
+        self.stagings = 0
+        self.mapped = None
+        # rank 0: the time.monotonic() by which the explorers must have acknowledged the publish in staging
+        self.deadline = None
 
     def _group(self) -> None:
         return None
@@ -51,100 +59,85 @@ class IpcSync(sync.WeightSync):
         buckets: Iterable[list[torch.Tensor]],
         alive: Callable[[], bool] = lambda: True,
     ) -> float | None:
-        """Rank 0: announce, then hand out `buckets` (tensors in `named_parameters()` order) as `version`."""
+        """Rank 0: once the explorers have copied the publish before, write `buckets` (tensors in
+        `named_parameters()` order, gathered as they are asked for) into staging and announce them as `version`;
+        returns without waiting for the acknowledgement (the next publish waits for it)."""
         self.wait(alive)
-        self.store.set("published", str(version))
-        digest = sync.new_digest(self.checksum)
+        written = 0
         for given in buckets:
-            for r in sync.bucket_ranges([t.numel() for t in given], self.bucket_elems):
-                self._hand_out(version, [given[i] for i in r], digest)
-                if self.bucket_elems:
-                    self.wait(alive)
-        return digest.value if digest is not None else None
-
-    def _hand_out(self, version: int, tensors: list[torch.Tensor], digest) -> None:
-        """Put a handle of `tensors` in one new tensor into the store; it is held until
-        acknowledged. The tensor is added to `digest` (--sync-checksum: a Checksum, else None)."""
-        flat = sync.flatten(tensors, self.wire_dtype, tensors[0].device)  # [bucket]
+            numel = sum(t.numel() for t in given)
+            self._fit(written + numel, given[0].device, written)
+            sync.flatten(given, self.wire_dtype, given[0].device, out=self.staging[written:])
+            written += numel
+        flat = self.staging[:written]  # [publish]
         if flat.is_cuda:  # written before another process reads it
             torch.cuda.synchronize(flat.device)
-        else:  # a CPU tensor then pickles as a shared-memory file's name, which the store can carry
+        self.announce(version)
+        self.store.set(f"ipc/{self.publishes}", f"{version} {written} {self.stagings}")
+        self.deadline = time.monotonic() + self.timeout.total_seconds()
+        digest = sync.new_digest(self.checksum)
+        return digest.add([flat]).value if digest is not None else None
+
+    def _fit(self, numel: int, device: torch.device, kept: int) -> None:
+        """Staging of at least `numel` elements on `device`: a new one if it is smaller or elsewhere, holding the
+        first `kept` elements of the one before; its handle in the store."""
+        if (
+            self.staging is not None
+            and self.staging.numel() >= numel
+            and self.staging.device == device
+        ):
+            return
+        before = self.staging
+        self.staging = torch.empty(numel, dtype=self.wire_dtype, device=device)
+        if kept:
+            self.staging[:kept] = before[:kept]
+        if device.type == "cpu":  # a CPU tensor then pickles as a shared-memory file's name
             mp.set_sharing_strategy("file_system")
-        handle = ForkingPickler.dumps((version, sync.gpu_id(flat.device), reduce_tensor(flat)))
-        self.store.set(f"ipc/{self.handed}", bytes(handle))
-        self._pending.append((self.handed, flat, time.monotonic() + self.timeout.total_seconds()))
-        self.handed += 1
-        if digest is not None:
-            digest.add([flat])
+        self.stagings += 1
+        handle = ForkingPickler.dumps((sync.gpu_id(device), reduce_tensor(self.staging)))
+        self.store.set(f"ipc/staging/{self.stagings}", bytes(handle))
 
     def wait(self, alive: Callable[[], bool] = lambda: True) -> None:
-        """Rank 0: hold each bucket handed out until every explorer has acknowledged it; then let it go."""
-        while self._pending:
-            bucket, _, deadline = self._pending[0]
-            self._until(
-                lambda: self.store.add(f"ipc_ack/{bucket}", 0) >= self.world_size - 1,
-                alive,
-                f"acknowledgement of bucket {bucket}",
-                deadline,
-            )
-            self.store.delete_key(f"ipc/{bucket}")
-            self.store.delete_key(f"ipc_ack/{bucket}")
-            self._pending.pop(0)
+        """Rank 0: block until every explorer has acknowledged the publish in staging."""
+        if self.deadline is None:
+            return
+        acks = [f"ipc_ack/{self.publishes}/{r}" for r in range(1, self.world_size)]
+        self.wait_for(acks, alive, f"acknowledgement of publish {self.publishes}", self.deadline)
+        self.deadline = None
 
     def recv(self, params: list[torch.Tensor], alive: Callable[[], bool] = lambda: True) -> int:
-        """Rank >= 1: copy the next publish into `params` in place, bucket by bucket; returns its version.
-        RuntimeError: the trainer's weights are on another GPU or have other sizes."""
-        for r in sync.bucket_ranges([p.numel() for p in params], self.bucket_elems):
-            key, ps = f"ipc/{self.taken}", [params[i] for i in r]
-            self._until(lambda: self.store.check([key]), alive, "next bucket from the trainer")
-            version, gpu, (rebuild, args) = pickle.loads(self.store.get(key))
-            if rebuild is rebuild_cuda_tensor:
-                if gpu != sync.gpu_id(ps[0].device):
-                    raise RuntimeError(
-                        f"weight sync: --sync-method ipc needs the explorer on the trainer's GPU "
-                        f"({gpu}); this explorer's weights are on {ps[0].device}"
-                    )
-                args = (*args[:STORAGE_DEVICE], ps[0].device.index, *args[STORAGE_DEVICE + 1 :])
-            flat = rebuild(*args)  # [bucket] the trainer's memory
-            if flat.numel() != sum(p.numel() for p in ps):
-                raise RuntimeError(
-                    f"weight sync: a bucket of {flat.numel()} elements for {sum(p.numel() for p in ps)}"
-                    " parameters: the trainer publishes other weights than this explorer holds"
-                )
-            copy_into(ps, flat)
-            if flat.is_cuda:  # copied before the trainer may free it
-                torch.cuda.synchronize(flat.device)
-            del flat, args  # no handle of the trainer's memory outlives the acknowledgement
-            self.store.add(f"ipc_ack/{self.taken}", 1)
-            self.taken += 1
+        """Rank >= 1: copy the next publish into `params` in place; returns its version. RuntimeError: the
+        trainer's weights are on another GPU or have other sizes."""
+        key = f"ipc/{self.publishes + 1}"
+        self.wait_for([key], alive, "next publish from the trainer")
+        version, numel, staging = map(int, self.store.get(key).split())
+        if numel != sum(p.numel() for p in params):
+            raise RuntimeError(
+                f"weight sync: a publish of {numel} elements for {sum(p.numel() for p in params)}"
+                " parameters: the trainer publishes other weights than this explorer holds"
+            )
+        copy_into(params, self._map(staging, params[0].device)[:numel])
+        if params[0].is_cuda:  # copied before the trainer overwrites it
+            torch.cuda.synchronize(params[0].device)
+        self.publishes += 1
+        self.store.set(f"ipc_ack/{self.publishes}/{self.rank}", "1")
         return version
 
-    def _until(
-        self,
-        ready: Callable[[], bool],
-        alive: Callable[[], bool],
-        what: str,
-        deadline: float | None = None,
-    ) -> None:
-        """Poll `ready()` (from 0.1 ms apart up to 10 ms); RuntimeError once `alive()` is False or at `deadline`."""
-        deadline, pause = deadline or time.monotonic() + self.timeout.total_seconds(), 1e-4
-        peer = "an explorer" if self.rank == 0 else "the trainer"
-        try:
-            while not ready():
-                if not alive():
-                    raise RuntimeError(f"weight sync: {peer} died (waiting for {what})")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"weight sync: no {what} within --sync-timeout-s "
-                        f"{self.timeout.total_seconds():g} s"
-                    )
-                time.sleep(pause)
-                pause = min(2 * pause, 0.01)
-        except dist.DistError as e:  # a receiver's store connection: rank 0 is gone
-            raise RuntimeError(
-                f"weight sync: the trainer's store at {self.host}:{self.port} stopped answering (the "
-                f"trainer is gone: {' '.join(str(e).split())})"
-            ) from None
+    def _map(self, staging: int, device: torch.device) -> torch.Tensor:
+        """The trainer's staging tensor number `staging`, mapped once. RuntimeError: on another GPU than `device`."""
+        if self.mapped is not None and self.mapped[0] == staging:
+            return self.mapped[1]
+        self.mapped = None  # the older one let go first
+        gpu, (rebuild, args) = pickle.loads(self.store.get(f"ipc/staging/{staging}"))
+        if rebuild is rebuild_cuda_tensor:
+            if gpu != sync.gpu_id(device):
+                raise RuntimeError(
+                    f"weight sync: --sync-method ipc needs the explorer on the trainer's GPU "
+                    f"({gpu}); this explorer's weights are on {device}"
+                )
+            args = (*args[:STORAGE_DEVICE], device.index, *args[STORAGE_DEVICE + 1 :])
+        self.mapped = (staging, rebuild(*args))
+        return self.mapped[1]
 
 
 def copy_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:

@@ -4,6 +4,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -205,6 +206,13 @@ class VLLMEngine(Engine):
 
     def weights_announced(self):
         return self.llm.collective_rpc("nanorft_announced")[0]
+
+    def wait_weights(self, alive):
+        """The worker's store is its own: asked every 50 ms (a blocking wait there would hold the worker)."""
+        while self.weights_announced() <= self.version:
+            if not alive():
+                raise RuntimeError("explorer: the trainer died")
+            time.sleep(0.05)
 
     def weights_joined(self):
         return self.llm.collective_rpc("nanorft_joined")[0]

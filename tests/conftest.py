@@ -48,9 +48,11 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(saved or CARRIED_TOKENIZER)
 
 
-def make_tiny_model(path: Path, seed: int = 0, context: int = 512) -> Path:
+def make_tiny_model(
+    path: Path, seed: int = 0, context: int = 512, heads: int = 2, kv_heads: int = 1
+) -> Path:
     """Write a 2-layer, hidden-64 Llama with the SmolLM2 tokenizer to `path`, `context`
-    tokens long."""
+    tokens long, of `heads` query heads sharing `kv_heads` key-value heads."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -60,8 +62,8 @@ def make_tiny_model(path: Path, seed: int = 0, context: int = 512) -> Path:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         head_dim=32,
         max_position_embeddings=context,
         tie_word_embeddings=True,

@@ -47,18 +47,16 @@ def test_static_cache_decodes_as_the_growing_cache(tiny_model, device, dtype, pr
     ):
         tokens, logprobs = sample(growing, prompts, 4, sampling)
         tokens_s, logprobs_s = sample(static, prompts, 4, sampling)
-        if dtype == torch.float32 and not bf16 and device == "cpu":
-            assert tokens_s == tokens
-            assert all(b == pytest.approx(a, abs=tol) for a, b in zip(logprobs, logprobs_s))
-            continue
-        # bf16 rounding, or a GPU's kernels chosen by shape (12 growing rows, 16 static), can tip a near tie (the
-        # tiny model's random weights make many): up to each reply's first different token, the same log-probs
+        # bf16 rounding, or kernels chosen by shape (12 growing rows, 16 static; a cache of 128 columns, not the
+        # replies' length), can tip a near tie (the tiny model's random weights make many); and a static step
+        # draws a number for each of its 16 rows: up to each reply's first different token, the same log-probs
         for a, b, lp_a, lp_b in zip(tokens, tokens_s, logprobs, logprobs_s):
             same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             assert same >= 1 and lp_b[:same] == pytest.approx(lp_a[:same], abs=tol)
         if sampling.temperature == 0:
             assert sum(a == b for a, b in zip(tokens_s, tokens)) >= 0.75 * len(tokens)
-    assert len(static.graphs.steps) == 1  # both samplings replayed the one step of their shape
+    # both samplings decoded with the one step of their shape, a graph of each where captured
+    assert [len(step.graphs) for step in static.graphs.steps.values()] == [2 if capture else 0]
     if capture:  # the replayed graph against the same static step run eagerly: the same numbers
         eager = HFEngine(tiny_model, max_batch=16, device=device, dtype=dtype, bf16=bf16)
         eager.graphs = Graphs(16, capture=False)
@@ -146,4 +144,4 @@ def test_a_step_that_waits_for_the_gpu_decodes_eagerly_and_leaves_cuda_as_it_was
     captured = HFEngine(tiny_model, max_batch=16, device="cuda:0", dtype=torch.bfloat16)
     captured.graphs = Graphs(16)
     sample(captured, PROMPTS, 2, sampling)
-    assert [step.graph is not None for step in captured.graphs.steps.values()] == [True]
+    assert [len(step.graphs) for step in captured.graphs.steps.values()] == [1]

@@ -4,6 +4,7 @@ a GPU), its failures as one line within the timeout, where auto picks it, and mo
 import contextlib
 import multiprocessing as mp
 import os
+import threading
 import time
 import types
 
@@ -43,22 +44,14 @@ def spawned(target, *args):
         proc.kill()
 
 
-def held() -> int:
-    """Tensors this process handed out by handle that are still alive (torch's cache of shared storages)."""
-    from torch.multiprocessing.reductions import shared_cache
-
-    return sum(not ref.expired() for ref in list(shared_cache.values()))
-
-
-def receiver(ports, device, dtype, go, q):
-    syncs = [
-        sync.transport("ipc")(None, port=port, timeout_s=60, wire_dtype=dtype).connect()
-        for port in ports
-    ]
+def receiver(port, publishes, device, dtype, go, q):
+    """Join, then take each of `publishes` publishes once `go` allows it."""
+    ws = sync.transport("ipc")(None, port=port, timeout_s=60, wire_dtype=dtype).connect()
     params = [torch.zeros(s, dtype=dtype, device=device) for s in SHAPES]
-    for ws in syncs:
+    for _ in range(publishes):
         assert go.acquire(timeout=60)  # the sender says when to take its publish
-        q.put((ws.recv(params), [p.float().tolist() for p in params], checksum(params)))
+        version = ws.recv(params)
+        q.put((version, [p.float().tolist() for p in params], checksum(params), ws.mapped[0]))
 
 
 @pytest.mark.parametrize(
@@ -66,42 +59,49 @@ def receiver(ports, device, dtype, go, q):
     [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=needs_cuda)],
     ids=["cpu", "cuda"],
 )
-def test_buckets_arrive_equal_and_are_held_until_acknowledged(device, dtype):
-    # a bucketed publish (each bucket built after the one before was taken) and a whole one (held by the sender
-    # until the receiver has copied it and acknowledged, then let go), cast to the dtype the receiver declared
+def test_publishes_arrive_equal_through_one_mapping_and_wait_for_their_acknowledgement(
+    device, dtype
+):
+    # publishes gathered in buckets of at most 16 elements, each written into the staging tensor, cast to the dtype
+    # the receiver declared; the receiver maps staging once, and a publish is not written before the receiver
+    # has copied and acknowledged the one before
     go, q = SPAWN.Semaphore(0), SPAWN.Queue()
-    bucketed = sync.transport("ipc")(0, 2, port=0, timeout_s=60, bucket_elems=16, checksum=True)
-    whole = sync.transport("ipc")(0, 2, port=0, timeout_s=60, checksum=True)
-    with spawned(receiver, [bucketed.port, whole.port], device, dtype, go, q) as proc:
-        for ws in (bucketed, whole):
-            ws.connect(proc.is_alive)
-            assert ws.wire_dtype == dtype
+    ws = sync.transport("ipc")(0, 2, port=0, timeout_s=60, bucket_elems=16, checksum=True)
+    with spawned(receiver, ws.port, 3, device, dtype, go, q) as proc:
+        ws.connect(proc.is_alive)
+        assert ws.wire_dtype == dtype
         torch.manual_seed(0)
         params = [torch.randn(s, device=device) for s in SHAPES]
-        built = []
+        gathered = []
 
-        def buckets():  # lazily, as the trainer gathers them
+        def buckets(scale):  # lazily, as the trainer gathers them
             for r in sync.bucket_ranges([p.numel() for p in params], 16):
-                built.append(held())
-                yield [params[i] for i in r]
+                gathered.append(r)
+                yield [params[i] * scale for i in r]
 
+        # returns at once: the receiver waits for `go`
+        digests = [ws.send(3, buckets(1), proc.is_alive)]
+        assert len(gathered) == 3 and ws.stagings == 3 and q.empty()  # staging grew: 15, 55, 59
+        second = threading.Thread(
+            target=lambda: digests.append(ws.send(4, buckets(2), proc.is_alive))
+        )
+        second.start()
+        second.join(0.5)
+        # staging still holds version 3, not acknowledged: nothing of version 4 gathered yet
+        assert second.is_alive() and len(gathered) == 3
         go.release()
-        digest = bucketed.send(3, buckets(), proc.is_alive)
-        version, got, received = q.get(timeout=60)
-        assert version == 3 and got == [p.to(dtype).float().tolist() for p in params]
-        assert received == pytest.approx(digest, rel=1e-12) and built == [0, 0, 0]
-
-        params = [p * 2 for p in params]
-        digest = whole.send(
-            4, [params], proc.is_alive
-        )  # returns at once: the receiver waits for `go`
-        assert held() == 1 and q.empty()
+        second.join(60)
+        assert not second.is_alive() and len(gathered) == 6
         go.release()
-        whole.wait(proc.is_alive)
-        assert held() == 0
-        version, got, received = q.get(timeout=60)
-        assert version == 4 and got == [p.to(dtype).float().tolist() for p in params]
-        assert received == pytest.approx(digest, rel=1e-12)
+        digests.append(ws.send(5, buckets(3), proc.is_alive))
+        go.release()
+        ws.wait(proc.is_alive)
+        for scale, digest in zip((1, 2, 3), digests):
+            version, got, received, mapped = q.get(timeout=60)
+            assert version == scale + 2
+            assert got == [(p * scale).to(dtype).float().tolist() for p in params]
+            assert received == pytest.approx(digest, rel=1e-12)
+            assert mapped == ws.stagings == 3  # the one staging tensor of every publish
         proc.join(60)
         assert proc.exitcode == 0
 
@@ -123,7 +123,7 @@ def test_a_bucket_nobody_takes_is_one_error_line_within_the_timeout_or_once_the_
         t0 = time.monotonic()
         with pytest.raises(
             RuntimeError,
-            match=r"^weight sync: no acknowledgement of bucket 0 within "
+            match=r"^weight sync: no acknowledgement of publish 1 within "
             r"--sync-timeout-s 3 s$",
         ):
             ws.wait(proc.is_alive)
@@ -133,7 +133,7 @@ def test_a_bucket_nobody_takes_is_one_error_line_within_the_timeout_or_once_the_
         with pytest.raises(
             RuntimeError,
             match=r"^weight sync: an explorer died \(waiting for acknowledgement of "
-            r"bucket 0\)$",
+            r"publish 1\)$",
         ):
             ws.wait(proc.is_alive)
 
@@ -171,9 +171,9 @@ def test_a_receiver_stops_waiting_once_the_trainer_died():
             "both",
             "hf",
             "auto",
-            "broadcast",
-        ),  # one GPU, colocated: ipc by name only, until run on a GPU
-        (8, 8, "both", "hf", "auto", "broadcast"),
+            "ipc",
+        ),  # one GPU, colocated: a broadcast would go through the host
+        (8, 8, "both", "hf", "auto", "ipc"),  # the explorer beside rank 0 on cuda:0
         (1, 1, "both", "vllm", "auto", "broadcast"),  # vLLM's worker receives by broadcast only
         (2, 1, "both", "hf", "auto", "broadcast"),  # a GPU of its own: NCCL
         (0, 2, "both", "hf", "ipc", "ipc"),  # CPU: shared memory
@@ -237,8 +237,8 @@ def test_mode_both_syncs_lora_adapters_by_handle_with_equal_checksums(tiny_model
     run_ipc(tiny_model, tmp_path / "run", "--lora-rank", 4, "--sync-bucket-mb", 0.005)
 
 
-def test_a_bucket_is_handed_out_as_one_new_tensor_without_a_second_copy():
-    # the cast of each tensor goes straight into the bucket: no temporaries of the bucket's size beside it
+def test_a_publish_is_written_into_the_staging_tensor_without_a_second_copy():
+    # the cast of each tensor goes straight into staging: no temporaries of the publish's size beside it
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -262,7 +262,14 @@ def test_a_bucket_is_handed_out_as_one_new_tensor_without_a_second_copy():
     ws = sync.transport("ipc")(0, 2, port=0, timeout_s=5, bucket_elems=0, wire_dtype=torch.bfloat16)
     tensors = [torch.randn(300, 40), torch.randn(500)]
     with NewMemory() as new:
-        ws._hand_out(0, tensors, None)  # no --sync-checksum
-    flat = ws._pending[0][1]
-    assert new.bytes == flat.untyped_storage().nbytes() == 12_500 * 2
-    assert torch.equal(flat, torch.cat([t.reshape(-1) for t in tensors]).bfloat16())
+        ws.send(0, [tensors])  # no --sync-checksum
+    assert new.bytes == ws.staging.untyped_storage().nbytes() == 12_500 * 2
+    assert torch.equal(ws.staging, torch.cat([t.reshape(-1) for t in tensors]).bfloat16())
+    ws.deadline = (
+        None  # as if acknowledged: the next publish is written into the same staging tensor
+    )
+    doubled = [t * 2 for t in tensors]
+    with NewMemory() as new:
+        ws.send(1, [doubled])
+    assert new.bytes == 0 and ws.stagings == 1
+    assert torch.equal(ws.staging, torch.cat([t.reshape(-1) for t in doubled]).bfloat16())

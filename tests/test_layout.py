@@ -111,7 +111,8 @@ def test_the_policy_loss_is_three_calls_below_the_rl_loop(tiny_model, tmp_path):
 
 def test_the_sampling_call_is_three_calls_below_a_batch_of_the_explorers_loop(tiny_model, tmp_path):
     # a reader follows explore's loop -> Explorer.rollout_batch -> Explorer.rollout (the
-    # rollout loop) -> HFEngine.generate_batch -> sample_token
+    # rollout loop) -> HFEngine.generate_batch -> sample_token for the first token of a reply;
+    # the next ones are sampled in the decode step (engines.Decoding), which a CUDA graph holds whole
     from conftest import tiny_explorer
     from engines import HFEngine, sample_token
     from explorer import Explorer
@@ -132,4 +133,4 @@ def test_the_sampling_call_is_three_calls_below_a_batch_of_the_explorers_loop(ti
         Explorer.rollout_batch, sample_token, lambda: explorer.rollout_batch(0, written)
     )
     assert [len(g) for g in written.groups[0]] == [2, 2]
-    assert depths and all(0 < d <= 3 for d in depths), depths
+    assert set(depths) == {3, 4}, depths

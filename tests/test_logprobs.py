@@ -320,3 +320,75 @@ def test_a_strict_on_policy_run_clips_nothing_at_any_step(tiny_model, tmp_path, 
     for r in steps:
         assert r["loss/clipped"] == 0 and r["loss/logprob_abs_diff"] < 1e-4, r
         assert abs(r["loss/ratio_max"] - 1) < 1e-4 and abs(r["loss/ratio_min"] - 1) < 1e-4, r
+
+
+@pytest.mark.parametrize("additive", [False, True], ids=["bool-mask", "additive-mask"])
+def test_a_grouped_decode_step_attends_as_repeated_key_value_heads_do(additive):
+    # transformers' repeat_kv pairs query head h with key-value head h // G; grouping the queries must too
+    from packing import grouped_decode_attention
+
+    torch.manual_seed(0)
+    B, H, KV, L, D = 3, 6, 2, 7, 8
+    query, key, value = torch.randn(B, H, 1, D), torch.randn(B, KV, L, D), torch.randn(B, KV, L, D)
+    mask = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    mask[0, :, :, :3] = False  # left padding of different lengths
+    mask[1, :, :, :1] = False
+    if additive:
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    repeated = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key.repeat_interleave(H // KV, 1),
+        value.repeat_interleave(H // KV, 1),
+        attn_mask=mask,
+    )  # [B, H, 1, D]
+    out = grouped_decode_attention(query, key, value, mask, None)
+    assert out.shape == (B, 1, H, D)
+    torch.testing.assert_close(out, repeated.transpose(1, 2), atol=1e-6, rtol=1e-5)
+
+
+def test_the_engine_decodes_with_grouped_queries_as_transformers_sdpa_does(tiny_model, tmp_path):
+    # four query heads per key-value head, left-padded prompts: the same replies and behaviour log-probs as
+    # transformers' own sdpa (repeat_kv), and no decode step hands sdpa a repeated cache
+    from unittest import mock
+
+    from conftest import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "gqa3", heads=8, kv_heads=2)
+    engine = HFEngine(str(path), max_batch=8, seed=0)
+    sampling = Sampling(max_tokens=10, temperature=1.0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    queries = []  # the shape [B, heads, rows, D] of every query sdpa saw
+
+    def recording(query, *args, **kwargs):
+        queries.append(tuple(query.shape))
+        return sdpa(query, *args, **kwargs)
+
+    engine.generator.manual_seed(0)
+    with mock.patch("torch.nn.functional.scaled_dot_product_attention", recording):
+        grouped = rollouts(engine, PROMPTS, 2, sampling)
+    assert any(q[1:3] == (2, 4) for q in queries)  # decode steps: 2 key-value heads x 4 query rows
+    assert not any(q[1] == 8 and q[2] == 1 for q in queries)  # no step over 8 (repeated) heads
+    engine.model.set_attn_implementation("sdpa")
+    engine.generator.manual_seed(0)
+    repeated = rollouts(engine, PROMPTS, 2, sampling)
+    assert [e.tokens for e in grouped] == [e.tokens for e in repeated]
+    for a, b in zip(grouped, repeated):
+        torch.testing.assert_close(a.behaviour_logprobs, b.behaviour_logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_reading_which_rows_ended_every_few_steps_gives_the_same_replies(tiny_model, temperature):
+    # a GPU reads `done` back every few steps, not every step: rows that ended meanwhile only decode padding
+    sampling = Sampling(max_tokens=12, temperature=temperature)
+    replies = []
+    for check_every in (1, 4):
+        engine = HFEngine(tiny_model, max_batch=8, seed=0, drop_ended=2.0)
+        engine.check_every = check_every
+        engine.eos = torch.tensor([t for t in range(engine.model.config.vocab_size) if t % 7 == 0])
+        replies.append(engine.generate_batch(PROMPTS, [3] * len(PROMPTS), sampling))
+    flat = [[(c.tokens, c.finish_reason) for c in g] for g in replies[0]]
+    assert flat == [[(c.tokens, c.finish_reason) for c in g] for g in replies[1]]
+    assert any(c.finish_reason == "stop" and len(c.tokens) < 12 for g in replies[0] for c in g)
+    for a, b in zip(replies[0], replies[1]):
+        for x, y in zip(a, b):
+            assert x.behaviour_logprobs == y.behaviour_logprobs

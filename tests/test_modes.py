@@ -362,8 +362,10 @@ def test_offline_sft_and_dpo_train_only(tiny_model, tmp_path):
         "dpo",
         "--policy-loss-kwargs",
         '{"beta": 0.5}',
+        "--no-plot",
     )
     assert res.returncode == 0, res.stderr[-3000:]
+    assert not (tmp_path / "dpo" / "plot.png").exists() and "plot:" not in res.stdout
     steps = steps_of(tmp_path / "dpo")
     assert steps[0]["loss/policy"] == pytest.approx(
         0.6931, abs=1e-3

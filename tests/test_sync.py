@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 
+import engines
 import perf
 import schedule
 import sync
@@ -394,40 +395,49 @@ def test_mode_explore_watches_the_trainer_of_the_other_launch(trainer_store, tmp
     assert gone_within(receiver.alive, 2)
 
 
-class AnnouncingEngine:
-    """An engine whose trainer announces publishes through `announced`; records its receives."""
+class AnnouncingEngine(engines.Engine):
+    """An engine that joined the weight-sync store of a trainer (a WeightSync of rank 0) and waits for its
+    announcements as engines do; records its receives."""
 
-    def __init__(self):
-        self.version, self.announced, self.received = 0, -1, []
-
-    def weights_announced(self):
-        return self.announced
+    def __init__(self, port: int):
+        super().__init__()
+        self.weights = sync.WeightSync(None, port=port, timeout_s=60)
+        self.weights._join()
+        self.received = []
 
     def receive_weights(self, alive):
-        self.version = self.announced
+        self.version = int(self.weights.store.get("published"))
+        self.weights.publishes += 1
         self.received.append(self.version)
-        return self.version, 0.0
+        return self.version, None
 
 
 def test_a_receive_is_posted_only_once_its_publish_is_announced(tmp_path):
     # mode both: an NCCL receive posted while the trainer still trains counts against the group's timeout (its
-    # watchdog then kills the explorer); the receiver waits for the announcement, watching the trainer meanwhile
+    # watchdog then kills the explorer); the receiver blocks on the store until the announcement, watching the
+    # trainer meanwhile
     import threading
 
-    engine, trainer = AnnouncingEngine(), {"alive": True}
+    trainer = sync.WeightSync(0, 2, port=0, timeout_s=60)
+    engine, state = AnnouncingEngine(trainer.port), {"alive": True}
     cfg = Config(run_dir=str(tmp_path), explorer_name="e")
-    receiver = sync.Receiver(engine, cfg, lambda record: None, lambda: trainer["alive"], port=1)
+    receiver = sync.Receiver(engine, cfg, lambda record: None, lambda: state["alive"], port=1)
     waiting = threading.Thread(target=receiver.until, args=(2,))
     waiting.start()
-    time.sleep(0.3)
+    waiting.join(0.3)
     assert engine.received == [] and waiting.is_alive()
-    engine.announced = 2
-    waiting.join(5)
+    trainer.announce(2)
+    waiting.join(30)
     assert engine.received == [2] and not waiting.is_alive()
-    trainer["alive"] = False
-    with pytest.raises(RuntimeError, match="the trainer died"):
+    trainer.announce(3)  # announced before the explorer asks: no wait
+    receiver.until(3)
+    assert engine.received == [2, 3]
+    state["alive"] = False
+    with pytest.raises(
+        RuntimeError, match=r"^weight sync: the trainer died \(waiting for next publish\)$"
+    ):
         receiver.until(4)
-    assert engine.received == [2]
+    assert engine.received == [2, 3]
 
 
 class CheckpointEngine:
