@@ -499,8 +499,8 @@ class HFEngine(Engine):
                         tok, lp = decoding(tok)
                     tok = tok.masked_fill(done, self.pad)
                     tokens[live, step], behaviour[live, step] = tok, lp
-                    if self.version != first:
-                        last[live[~done]] = self.version
+                    if self.version != first:  # no boolean index: it would wait for the device
+                        last[live] = torch.where(done, last[live], self.version)
                     done = done | torch.isin(tok, self.eos)
                     checking = (step + 1) % self.check_every == 0
                     if checking and done.all():

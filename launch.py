@@ -68,14 +68,15 @@ def place(gpus: int, ranks: int, mode: str) -> Placement:
 
 
 def sync_method(cfg: Config, layout: Placement) -> str:
-    """cfg.sync_method for `layout` (auto: ipc where the explorer shares trainer rank 0's GPU, else broadcast).
+    """cfg.sync_method for `layout` (auto: ipc where the explorer shares trainer rank 0's GPU and the CUDA allocator
+    allows handles, else broadcast).
     ValueError (one line): ipc where the explorer does not share trainer rank 0's device (extras/ipc_sync.py)."""
-    from extras.ipc_sync import check_placement, shares_rank_0s_device
+    from extras.ipc_sync import check_placement, cuda_ipc_allowed, shares_rank_0s_device
 
     if cfg.sync_method == "auto":
         # on one GPU a broadcast goes through host memory (gloo), a handle does not (docs/gpus.md)
-        on_a_gpu = layout.explorer.startswith("cuda")
-        return "ipc" if on_a_gpu and shares_rank_0s_device(cfg, layout) else "broadcast"
+        by_handle = layout.explorer.startswith("cuda") and cuda_ipc_allowed()
+        return "ipc" if by_handle and shares_rank_0s_device(cfg, layout) else "broadcast"
     if cfg.sync_method == "ipc":
         check_placement(cfg, layout)
     return cfg.sync_method

@@ -161,6 +161,13 @@ def packed_sdpa() -> str:
                 .transpose(1, 2)
                 for x in (t[0].transpose(0, 1) for t in (query, key, value))
             )
+        grouped = key.shape[1] != query.shape[1]
+        if grouped and attention_mask is not None and query.is_cuda:
+            # a GPU's kernels that take a mask take no grouped heads (sdpa's enable_gqa would fall back to
+            # the math kernel): the heads repeated, as transformers' sdpa attention does
+            key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+            value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+            grouped = False
         out = torch.nn.functional.scaled_dot_product_attention(
             query,
             key,
@@ -169,7 +176,7 @@ def packed_sdpa() -> str:
             dropout_p=dropout,
             scale=scaling,
             is_causal=bool(causal and attention_mask is None and query.shape[2] > 1),
-            enable_gqa=key.shape[1] != query.shape[1],
+            enable_gqa=grouped,
         ).transpose(1, 2)  # [B, q, H, D]
         if token_slots is None:
             return out.contiguous(), None

@@ -61,15 +61,19 @@ class StepBatch:
         )
 
 
-def accumulate(sums: dict[str, float], micro_batch: dict[str, float]) -> None:
-    """Add a micro-batch's metric sums into `sums`; the importance ratio's extremes are kept."""
+def accumulate(sums: dict[str, torch.Tensor], micro_batch: dict[str, torch.Tensor]) -> None:
+    """Add a micro-batch's metric sums (0-dim tensors on the trainer's device: no wait for the device per
+    micro-batch) into `sums` in float64; the importance ratio's extremes are kept."""
     for k, v in micro_batch.items():
-        if k == "loss/ratio_max":
-            sums[k] = max(sums.get(k, -math.inf), v)
+        v = v.double()
+        if k not in sums:
+            sums[k] = v
+        elif k == "loss/ratio_max":
+            sums[k] = torch.maximum(sums[k], v)
         elif k == "loss/ratio_min":
-            sums[k] = min(sums.get(k, math.inf), v)
+            sums[k] = torch.minimum(sums[k], v)
         else:
-            sums[k] = sums.get(k, 0.0) + v
+            sums[k] = sums[k] + v
 
 
 def check_config(cfg) -> None:
@@ -327,7 +331,7 @@ class Trainer:
         keep, filtered = self.apply_filters(batch, adv)
         my_rows = [kept for row in my_rows if (kept := [e for e in row if keep[batch.row[id(e)]]])]
         totals = self.loss_totals(batch, keep)
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}
         micro = self.rank_micro_batches(my_rows, filler)
         for i, (mb, padding) in enumerate(micro):
             if progress is not None:
@@ -440,9 +444,9 @@ class Trainer:
         adv: torch.Tensor,
         rewards: torch.Tensor,
         totals,
-    ) -> dict[str, float]:
-        """Forward and backward of micro-batch `mb` through the policy loss; returns
-        "loss/policy" (its share), "tokens" and metric sums."""
+    ) -> dict[str, torch.Tensor]:
+        """Forward and backward of micro-batch `mb` through the policy loss; returns "loss/policy" (its share),
+        "tokens", metric sums and the importance ratio's extremes, as 0-dim tensors on the trainer's device."""
         cfg = self.cfg
         b, lp, ent = self.logprobs(self.model, mb, padding, entropy=True)
         mask = b["mask"]  # [B, R]
@@ -490,13 +494,15 @@ class Trainer:
             }
             if ref_lp is not None:
                 parts["loss/kl_ref"] = kl_estimate(lp, ref_lp, cfg.kl_estimator)
-            ratios = torch.exp(log_ratio.clamp(-20, 20))[(mask * rollout) > 0]  # [n]
+            # no boolean index: its size would wait for the device
+            ratio = torch.exp(log_ratio.clamp(-20, 20))  # [B, R]
+            rated = (mask * rollout) > 0  # [B, R]
             return {
-                "loss/policy": float(aggregate(out["loss"], mask, self.agg, *totals(idx))),
-                **{k: float(masked_sum(v.float(), mask)) for k, v in parts.items()},
-                "tokens": float(mask.sum()),
-                "loss/ratio_max": float(ratios.max()) if len(ratios) else -math.inf,
-                "loss/ratio_min": float(ratios.min()) if len(ratios) else math.inf,
+                "loss/policy": aggregate(out["loss"], mask, self.agg, *totals(idx)),
+                **{k: masked_sum(v.float(), mask) for k, v in parts.items()},
+                "tokens": mask.sum(),
+                "loss/ratio_max": torch.where(rated, ratio, -math.inf).max(),
+                "loss/ratio_min": torch.where(rated, ratio, math.inf).min(),
             }
 
     def optimizer_step(self) -> float:
@@ -511,7 +517,7 @@ class Trainer:
         return float(grad_norm)
 
     def reduce_metrics(
-        self, sums: dict[str, float], rows: list[list[Experience]], busy_s: float
+        self, sums: dict[str, torch.Tensor], rows: list[list[Experience]], busy_s: float
     ) -> dict[str, float]:
         """All ranks' metrics: `loss/policy`, each metric of `sums` as a mean over its tokens,
         the ratio's extremes; the tokens the step computed and predicted (perf.TrainerMeter
@@ -523,12 +529,11 @@ class Trainer:
         predicted = sum(len(e.tokens) - e.prompt_length for e in exps)
         # the extremes of the importance ratio over every rank's tokens: one all_reduce of MAX
         extremes = [sums.pop("loss/ratio_max", -math.inf), -sums.pop("loss/ratio_min", math.inf)]
-        extremes = torch.tensor(extremes, dtype=torch.float64, device=self.device)
+        extremes = self.float64_vector(extremes)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
         ratio_max, neg_ratio_min = extremes.tolist()
         names = sorted(sums)
-        flat = [packed, predicted, busy_s] + [sums[k] for k in names]
-        flat = torch.tensor(flat, dtype=torch.float64, device=self.device)
+        flat = self.float64_vector([packed, predicted, busy_s] + [sums[k] for k in names])
         dist.all_reduce(flat)
         packed, predicted, busy_s, *summed = flat.tolist()
         total = dict(zip(names, summed))
@@ -544,6 +549,12 @@ class Trainer:
             "train/predicted_tokens": predicted,
             "time/train_busy_s": busy_s,
         }
+
+    def float64_vector(self, values: list) -> torch.Tensor:
+        """Numbers and 0-dim tensors as one float64 vector [n] on the trainer's device (NCCL: device tensors)."""
+        return torch.stack(
+            [torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values]
+        )
 
     def save(
         self,

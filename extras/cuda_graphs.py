@@ -35,7 +35,7 @@ class Step:
     sequences and `capacity` tokens, the next tokens sampled in the step; captured as a CUDA graph per sampling
     (its temperature and top-p) when `capture`, else run eagerly."""
 
-    def __init__(self, model, like: list, rows: int, capacity: int, capture: bool):
+    def __init__(self, model, like: list, rows: int, capacity: int, capture: bool, pool=None):
         device = like[0].keys.device
         # [Bb, KV, L, D] of each layer in the growing cache's dtypes (under autocast: float32, as it promotes)
         kv = lambda t: t.new_zeros(rows, t.shape[1], capacity, t.shape[3])  # noqa: E731
@@ -51,6 +51,7 @@ class Step:
         self.mask[:, 0, 0, 0] = True  # no row attends to nothing (softmax of no column is NaN)
         self.model = model
         self.capture = capture
+        self.pool = pool  # the memory pool its graphs share (torch.cuda.graph_pool_handle)
         # (temperature, top_p) -> (graph, its sampled tokens [Bb], their log-probs [Bb])
         self.graphs: dict[tuple, tuple] = {}
 
@@ -95,7 +96,7 @@ class Step:
             # the capture synchronizes the device (the warm-up) first
             torch.cuda.set_sync_debug_mode(debug)
             with (
-                torch.cuda.graph(graph, capture_error_mode="thread_local"),
+                torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"),
                 cast,
             ):  # a sync may copy
                 tokens, logprobs = self.forward(sampling, generator)
@@ -154,6 +155,9 @@ class Graphs:
     def __init__(self, max_batch: int, capture: bool = True, keep: int = 8):
         self.max_batch, self.capture, self.keep = max_batch, capture, keep
         self.steps: OrderedDict[tuple, Step] = OrderedDict()
+        # every graph's memory in one pool: replays run one at a time, and what a graph keeps across them (its
+        # inputs, cache and outputs) is allocated outside its capture or stays referenced
+        self.pool = None
         self.failed = ""  # why a capture failed: from then on every batch decodes eagerly
 
     def __call__(self, model, cache, attn: torch.Tensor, pos: torch.Tensor, sampling, generator):
@@ -166,7 +170,11 @@ class Graphs:
                 if key not in self.steps:
                     while len(self.steps) >= self.keep:
                         self.steps.popitem(last=False)
-                    self.steps[key] = Step(model, cache.layers, rows, capacity, self.capture)
+                    if self.capture and self.pool is None:
+                        self.pool = torch.cuda.graph_pool_handle()
+                    self.steps[key] = Step(
+                        model, cache.layers, rows, capacity, self.capture, self.pool
+                    )
                 self.steps[key].prepare(sampling, generator)
             except Exception as e:  # a model whose step cannot be captured still decodes
                 self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -5,6 +5,7 @@ publish may overwrite it: one write, one announcement and one acknowledgement pe
 --sync-bucket-mb's buckets each written into its slice. After vLLM's `ColocateWorkerExtension` (rlhf_colocate.py @
 04ba446, rlhf_utils.py @ 081b8e3), the store for ZMQ."""
 
+import os
 import pickle
 import time
 from multiprocessing.reduction import ForkingPickler
@@ -36,15 +37,25 @@ def shares_rank_0s_device(cfg, layout) -> bool:
     )
 
 
+def cuda_ipc_allowed() -> bool:
+    """Whether the CUDA caching allocator's settings (PYTORCH_CUDA_ALLOC_CONF, PYTORCH_ALLOC_CONF) let a tensor go
+    by CUDA IPC handle: not from cudaMallocAsync's pools, and not from expandable segments, whose handles need
+    pidfd_getfd, which containers often refuse."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    conf = conf.replace(" ", "")
+    return "cudaMallocAsync" not in conf and "expandable_segments:True" not in conf
+
+
 class IpcSync(sync.WeightSync):
     """WeightSync's store, ranks, wire dtype and announcements without its process group (`device` takes part in
     the handshake only)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # rank 0: the staging tensor [elements] handed out and how many were (its key: ipc/staging/N); rank >= 1:
-        # (N, staging tensor N of the trainer, mapped)
+        # rank 0: the staging tensor [elements] and how many were handed out (the key of the last: ipc/staging/N);
+        # rank >= 1: (N, staging tensor N of the trainer, mapped)
         self.staging = None
+        self.shared = None  # the staging tensor last handed out
         self.stagings = 0
         self.mapped = None
         # rank 0: the time.monotonic() by which the explorers must have acknowledged the publish in staging
@@ -69,6 +80,12 @@ class IpcSync(sync.WeightSync):
             self._fit(written + numel, given[0].device, written)
             sync.flatten(given, self.wire_dtype, given[0].device, out=self.staging[written:])
             written += numel
+        if (
+            self.staging is not self.shared
+        ):  # grown by this publish: its exact size, handed out once
+            if self.staging.numel() > written:
+                self.staging = self.staging[:written].clone()
+            self._share()
         flat = self.staging[:written]  # [publish]
         if flat.is_cuda:  # written before another process reads it
             torch.cuda.synchronize(flat.device)
@@ -79,8 +96,8 @@ class IpcSync(sync.WeightSync):
         return digest.add([flat]).value if digest is not None else None
 
     def _fit(self, numel: int, device: torch.device, kept: int) -> None:
-        """Staging of at least `numel` elements on `device`: a new one if it is smaller or elsewhere, holding the
-        first `kept` elements of the one before; its handle in the store."""
+        """Staging of at least `numel` elements on `device`, holding the first `kept` elements of the one before:
+        twice as large when it grows, so that a first publish of K buckets copies O(log K) times."""
         if (
             self.staging is not None
             and self.staging.numel() >= numel
@@ -88,13 +105,23 @@ class IpcSync(sync.WeightSync):
         ):
             return
         before = self.staging
-        self.staging = torch.empty(numel, dtype=self.wire_dtype, device=device)
+        grown = 2 * before.numel() if before is not None and before.device == device else 0
+        self.staging = torch.empty(max(numel, grown), dtype=self.wire_dtype, device=device)
         if kept:
             self.staging[:kept] = before[:kept]
-        if device.type == "cpu":  # a CPU tensor then pickles as a shared-memory file's name
+
+    def _share(self) -> None:
+        """Put the handle of staging into the store (ipc/staging/N). torch keeps the one before alive while an
+        explorer still maps it (its cache of shared storages); a handle no explorer maps would never be freed."""
+        if (
+            self.staging.device.type == "cpu"
+        ):  # a CPU tensor then pickles as a shared-memory file's name
             mp.set_sharing_strategy("file_system")
+        self.shared = self.staging
         self.stagings += 1
-        handle = ForkingPickler.dumps((sync.gpu_id(device), reduce_tensor(self.staging)))
+        handle = ForkingPickler.dumps(
+            (sync.gpu_id(self.staging.device), reduce_tensor(self.staging))
+        )
         self.store.set(f"ipc/staging/{self.stagings}", bytes(handle))
 
     def wait(self, alive: Callable[[], bool] = lambda: True) -> None:
@@ -122,6 +149,11 @@ class IpcSync(sync.WeightSync):
         self.publishes += 1
         self.store.set(f"ipc_ack/{self.publishes}/{self.rank}", "1")
         return version
+
+    def leave(self) -> None:
+        """Rank >= 1: let go of the trainer's staging tensor, then leave the store."""
+        self.mapped = None
+        super().leave()
 
     def _map(self, staging: int, device: torch.device) -> torch.Tensor:
         """The trainer's staging tensor number `staging`, mapped once. RuntimeError: on another GPU than `device`."""

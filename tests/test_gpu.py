@@ -98,9 +98,9 @@ def test_placement_is_recorded_in_config_json(tiny_model, tasks, tmp_path):
 
 
 @needs_cuda
-@pytest.mark.parametrize("method,shown", [("ipc", "ipc"), ("auto", "gloo")])
+@pytest.mark.parametrize("method,shown", [("auto", "ipc"), ("broadcast", "gloo")])
 def test_colocated_mode_both_on_one_gpu(tiny_model, tasks, tmp_path, monkeypatch, method, shown):
-    # trainer rank 0 and the HF explorer share cuda:0; weights go by CUDA IPC or over gloo (auto's choice) through
+    # trainer rank 0 and the HF explorer share cuda:0; weights go by CUDA IPC (auto's choice) or over gloo through
     # host memory; after every sync the explorer's weights equal the trainer's (checksums)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     res = run_py(

@@ -81,7 +81,8 @@ def test_publishes_arrive_equal_through_one_mapping_and_wait_for_their_acknowled
 
         # returns at once: the receiver waits for `go`
         digests = [ws.send(3, buckets(1), proc.is_alive)]
-        assert len(gathered) == 3 and ws.stagings == 3 and q.empty()  # staging grew: 15, 55, 59
+        # staging grew from the first bucket (15, then 55 and 110 elements) and is handed out at its size, once
+        assert len(gathered) == 3 and ws.stagings == 1 and ws.staging.numel() == 59 and q.empty()
         second = threading.Thread(
             target=lambda: digests.append(ws.send(4, buckets(2), proc.is_alive))
         )
@@ -101,7 +102,7 @@ def test_publishes_arrive_equal_through_one_mapping_and_wait_for_their_acknowled
             assert version == scale + 2
             assert got == [(p * scale).to(dtype).float().tolist() for p in params]
             assert received == pytest.approx(digest, rel=1e-12)
-            assert mapped == ws.stagings == 3  # the one staging tensor of every publish
+            assert mapped == ws.stagings == 1  # the one staging tensor of every publish
         proc.join(60)
         assert proc.exitcode == 0
 
@@ -159,6 +160,18 @@ def test_a_receiver_stops_waiting_once_the_trainer_died():
         with pytest.raises(RuntimeError, match=gone):
             ws.recv([torch.zeros(4)], proc.is_alive)
         assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize(
+    "conf",
+    ["backend:cudaMallocAsync", "expandable_segments:True", "garbage_collection_threshold:0.6"],
+)
+def test_auto_takes_ipc_only_where_the_cuda_allocator_can_hand_out_handles(monkeypatch, conf):
+    # cudaMallocAsync's pools export no CUDA IPC handle and expandable segments' need pidfd_getfd: broadcast then
+    cfg = types.SimpleNamespace(mode="both", engine="hf", sync_method="auto")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    expected = "ipc" if conf.startswith("garbage") else "broadcast"
+    assert launch.sync_method(cfg, launch.place(1, 1, "both")) == expected
 
 
 @pytest.mark.parametrize(

@@ -12,10 +12,15 @@ from packing import pack, response_logprobs
 from trainer import Trainer
 
 
-@pytest.fixture(scope="module")
-def trainer(tiny_model):
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    """A Trainer needs the default process group: one rank, whichever test of this module runs first."""
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model):
     cfg = run.parse_config(["--config", "configs/tiny.toml"])
     return cfg, Trainer(cfg, tiny_model, torch.device("cpu"))
 
