@@ -95,10 +95,11 @@ class Step:
                     self.forward(sampling, generator)
             # the capture synchronizes the device (the warm-up) first
             torch.cuda.set_sync_debug_mode(debug)
+            # thread_local: a weight sync in another thread may copy meanwhile
             with (
                 torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"),
                 cast,
-            ):  # a sync may copy
+            ):
                 tokens, logprobs = self.forward(sampling, generator)
         finally:  # a failed warm-up may still be writing the cache; a failed capture leaves its stream current
             torch.cuda.set_sync_debug_mode(debug)

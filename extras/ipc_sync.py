@@ -80,9 +80,8 @@ class IpcSync(sync.WeightSync):
             self._fit(written + numel, given[0].device, written)
             sync.flatten(given, self.wire_dtype, given[0].device, out=self.staging[written:])
             written += numel
-        if (
-            self.staging is not self.shared
-        ):  # grown by this publish: its exact size, handed out once
+        # grown by this publish: its exact size, handed out once
+        if self.staging is not self.shared:
             if self.staging.numel() > written:
                 self.staging = self.staging[:written].clone()
             self._share()
@@ -113,9 +112,8 @@ class IpcSync(sync.WeightSync):
     def _share(self) -> None:
         """Put the handle of staging into the store (ipc/staging/N). torch keeps the one before alive while an
         explorer still maps it (its cache of shared storages); a handle no explorer maps would never be freed."""
-        if (
-            self.staging.device.type == "cpu"
-        ):  # a CPU tensor then pickles as a shared-memory file's name
+        # a CPU tensor then pickles as a shared-memory file's name
+        if self.staging.device.type == "cpu":
             mp.set_sharing_strategy("file_system")
         self.shared = self.staging
         self.stagings += 1
