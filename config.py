@@ -122,7 +122,7 @@ class Config:
     """name recorded on every experience of this explorer"""
     # -- sync between explorer and trainer
     sync_method: Literal["auto", "broadcast", "ipc", "checkpoint"] = "auto"
-    """weight sync: broadcast (torch.distributed), ipc (mode both, explorer on trainer rank 0's device: handles of the weights, CUDA IPC on a GPU, shared memory on the CPU), checkpoint (files in run_dir), or auto (mode both: ipc where the hf explorer shares trainer rank 0's GPU, else broadcast; explore / train: checkpoint)"""
+    """weight sync: broadcast (torch.distributed), ipc (mode both, explorer on trainer rank 0's device: handles of the weights, CUDA IPC on a GPU, shared memory on the CPU), checkpoint (files in run_dir), or auto (mode both: ipc where the hf explorer shares trainer rank 0's GPU and PYTORCH_CUDA_ALLOC_CONF allows CUDA IPC, else broadcast; explore / train: checkpoint)"""
     sync_host: str = "127.0.0.1"
     """address of the weight-sync store, where trainer rank 0 listens"""
     sync_port: int = 0

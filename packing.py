@@ -130,9 +130,11 @@ def micro_batches(units: list[list[Experience]], token_budget: int) -> list[list
 
 @functools.cache
 def packed_sdpa() -> str:
-    """The name of nanorft's attention in transformers: torch's sdpa, grouped-query attention in the kernel. Given a
-    `pack` batch's token_slots [T] (a forward kwarg), q, k, v [1, heads, T, D] go to their slots of the rows
-    [N, heads, L, D] under the mask [N, 1, L, L], the output back to [1, T, heads, D]: dense layers compute no pads."""
+    """The name of nanorft's attention in transformers: torch's sdpa; grouped-query heads by sdpa's kernel, as the
+    query rows of one attention per key-value head in a decode step (`grouped_decode_attention`), repeated under a
+    mask on a GPU. Given a `pack` batch's token_slots [T] (a forward kwarg), q, k, v [1, heads, T, D] go to their
+    slots of the rows [N, heads, L, D] under the mask [N, 1, L, L], the output back to [1, T, heads, D]: dense
+    layers compute no pads."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 

@@ -9,8 +9,9 @@ weights of its architecture, float32) and rank 1 `recv` into its parameters; (2)
 broadcast of a preallocated flat buffer of the same bytes (colocated: with the copies from the sender's GPU
 to host memory and back to the receiver's GPU that such a publish needs); (3) bucketed: the publish of (1)
 over a second group with --sync-bucket-mb's buckets (gathered lazily, sent one at a time); on one
-device (cpu, colocated) also (4) ipc: the same buckets handed over by handle (--sync-method ipc: CUDA IPC on
-the GPU, shared memory on the CPU; extras/ipc_sync.py).
+device (cpu, colocated) also (4) ipc: the same buckets written into one staging tensor the receiver maps once,
+one acknowledgement per publish (--sync-method ipc: CUDA IPC on the GPU, shared memory on the CPU;
+extras/ipc_sync.py).
 The time of a publish runs from
 rank 0 starting it to rank 1 holding the weights (time.monotonic, one clock for both
 processes). Prints the medians, their ratio (raw / nanorft: 1.0 = no overhead), GB/s, and

@@ -563,7 +563,7 @@ def check_both(run_dir: Path, placement: str) -> Callable[[str], tuple[str, dict
             raise Failed(
                 "a step record has no memory/peak_allocated_gib: the trainer did not run on CUDA"
             )
-        timed = steps[1:]  # the first step includes start-up and the first evaluation
+        timed = steps[1:]  # the first step includes start-up
 
         def mean(key: str) -> float:
             return statistics.fmean(r[key] for r in timed)
@@ -1033,10 +1033,13 @@ def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0
     peaks = dict.fromkeys(rows, 0.0)
     # round 0 warms up (kernels, allocator, cuBLAS, graphs, the static generate's compile): not counted
     for rnd in range(rounds + 1):
-        if rnd == 1:  # one round of the same batch decoded eagerly, step by step
+        if (
+            rnd <= 1
+        ):  # the same batch decoded eagerly, step by step: warmed up, then one round timed
             engine.graphs = None
             (eager, _), _, _ = cuda_timed(lambda: explore_rate(explorer, rnd))
-            rows["explore_eager"].append(eager)
+            if rnd:
+                rows["explore_eager"].append(eager)
             engine.graphs = graphs
         (rate, groups), _, peak_e = cuda_timed(lambda: explore_rate(explorer, rnd))
         prompts = [g[0].tokens[: g[0].prompt_length] for g in groups]  # the tasks just explored

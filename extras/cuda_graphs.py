@@ -156,8 +156,8 @@ class Graphs:
     def __init__(self, max_batch: int, capture: bool = True, keep: int = 8):
         self.max_batch, self.capture, self.keep = max_batch, capture, keep
         self.steps: OrderedDict[tuple, Step] = OrderedDict()
-        # every graph's memory in one pool: replays run one at a time, and what a graph keeps across them (its
-        # inputs, cache and outputs) is allocated outside its capture or stays referenced
+        # every graph's memory in one pool: a graph's inputs and cache are allocated outside its capture, and
+        # its outputs, which another graph's replay may overwrite, are read before the next replay (generate_batch)
         self.pool = None
         self.failed = ""  # why a capture failed: from then on every batch decodes eagerly
 

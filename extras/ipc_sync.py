@@ -22,11 +22,17 @@ STORAGE_DEVICE = 6  # the argument of rebuild_cuda_tensor naming the GPU, by the
 
 def check_placement(cfg, layout) -> None:
     """launch.sync_method's check of --sync-method ipc: ValueError (one line) unless the explorer
-    shares trainer rank 0's device in `layout` (a launch.Placement) and is an hf engine of mode both."""
+    shares trainer rank 0's device in `layout` (a launch.Placement) and is an hf engine of mode both,
+    and on a GPU unless the CUDA allocator can hand out handles (`cuda_ipc_allowed`)."""
     if not shares_rank_0s_device(cfg, layout):
         raise ValueError(
             "--sync-method ipc hands the weights to an hf engine on trainer rank 0's device: mode both, "
             "--engine hf, as many GPUs as trainer ranks (or none)"
+        )
+    if layout.explorer.startswith("cuda") and not cuda_ipc_allowed():
+        raise ValueError(
+            "--sync-method ipc needs CUDA IPC handles, which PYTORCH_CUDA_ALLOC_CONF's cudaMallocAsync or "
+            "expandable segments do not give: leave them out or use --sync-method broadcast"
         )
 
 
@@ -52,14 +58,15 @@ class IpcSync(sync.WeightSync):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # rank 0: the staging tensor [elements] and how many were handed out (the key of the last: ipc/staging/N);
-        # rank >= 1: (N, staging tensor N of the trainer, mapped)
+        # rank 0: the staging tensor [elements] each publish is written into
         self.staging = None
-        self.shared = None  # the staging tensor last handed out
+        # rank 0: the staging tensor last handed out, and how many were (the key of the last: ipc/staging/N)
+        self.shared = None
         self.stagings = 0
-        self.mapped = None
         # rank 0: the time.monotonic() by which the explorers must have acknowledged the publish in staging
         self.deadline = None
+        # rank >= 1: (N, the trainer's staging tensor N, mapped)
+        self.mapped = None
 
     def _group(self) -> None:
         return None

@@ -208,10 +208,12 @@ class VLLMEngine(Engine):
         return self.llm.collective_rpc("nanorft_announced")[0]
 
     def wait_weights(self, alive):
-        """The worker's store is its own: asked every 50 ms (a blocking wait there would hold the worker)."""
+        """Block until the trainer starts a publish newer than the loaded version; RuntimeError (one line) once
+        `alive()` is False. The worker holds the store connection: asked every 50 ms, as a blocking wait there
+        would hold the worker."""
         while self.weights_announced() <= self.version:
             if not alive():
-                raise RuntimeError("explorer: the trainer died")
+                raise RuntimeError("weight sync: the trainer died (waiting for next publish)")
             time.sleep(0.05)
 
     def weights_joined(self):

@@ -50,11 +50,15 @@ def test_static_cache_decodes_as_the_growing_cache(tiny_model, device, dtype, pr
         # bf16 rounding, or kernels chosen by shape (12 growing rows, 16 static; a cache of 128 columns, not the
         # replies' length), can tip a near tie (the tiny model's random weights make many); and a static step
         # draws a number for each of its 16 rows: up to each reply's first different token, the same log-probs
+        exact = device == "cpu" and dtype == torch.float32 and not bf16
         for a, b, lp_a, lp_b in zip(tokens, tokens_s, logprobs, logprobs_s):
             same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             assert same >= 1 and lp_b[:same] == pytest.approx(lp_a[:same], abs=tol)
+            # the first decode step draws the growing cache's numbers for the first 12 of its 16 rows
+            assert same >= min(2, len(a)) or not exact
+        equal = sum(a == b for a, b in zip(tokens_s, tokens))
         if sampling.temperature == 0:
-            assert sum(a == b for a, b in zip(tokens_s, tokens)) >= 0.75 * len(tokens)
+            assert equal >= (len(tokens) - 1 if exact else 0.75 * len(tokens))
     # both samplings decoded with the one step of their shape, a graph of each where captured
     assert [len(step.graphs) for step in static.graphs.steps.values()] == [2 if capture else 0]
     if capture:  # the replayed graph against the same static step run eagerly: the same numbers

@@ -12,9 +12,16 @@ import gpu_check  # noqa: E402
 
 
 @pytest.mark.parametrize("gpus", [["0"], ["0", "1"], ["0", "1", "2"]])
-def test_the_plan_runs_ipc_only_where_the_explorer_shares_trainer_rank_0s_gpu(tmp_path, gpus):
+def test_the_plan_runs_ipc_only_where_the_explorer_shares_trainer_rank_0s_gpu(
+    tmp_path, gpus, monkeypatch
+):
     # every job stage syncs by auto's choice, and its check expects it: ipc where the explorer shares trainer rank
     # 0's GPU, NCCL where it has one of its own
+    for name in (
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "PYTORCH_ALLOC_CONF",
+    ):  # settings that rule CUDA IPC out
+        monkeypatch.delenv(name, raising=False)
     stages = {s.name: s for s in gpu_check.plan(tmp_path, gpus)}
     jobs = [name for name in stages if name.startswith(("both-", "lora-", "multi-"))]
     assert jobs and not any("--sync-method" in stages[name].cmd for name in jobs)

@@ -113,7 +113,7 @@ def idle_receiver(ports, q):
     time.sleep(120)  # joined, never takes a bucket
 
 
-def test_a_bucket_nobody_takes_is_one_error_line_within_the_timeout_or_once_the_explorer_died():
+def test_a_publish_nobody_takes_is_one_error_line_within_the_timeout_or_once_the_explorer_died():
     ports, q = SPAWN.Queue(), SPAWN.Queue()
     with spawned(idle_receiver, ports, q) as proc:
         assert q.get(timeout=60) == "ready"
@@ -168,10 +168,18 @@ def test_a_receiver_stops_waiting_once_the_trainer_died():
 )
 def test_auto_takes_ipc_only_where_the_cuda_allocator_can_hand_out_handles(monkeypatch, conf):
     # cudaMallocAsync's pools export no CUDA IPC handle and expandable segments' need pidfd_getfd: broadcast then
-    cfg = types.SimpleNamespace(mode="both", engine="hf", sync_method="auto")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
-    expected = "ipc" if conf.startswith("garbage") else "broadcast"
-    assert launch.sync_method(cfg, launch.place(1, 1, "both")) == expected
+    layout = launch.place(1, 1, "both")
+    allowed = conf.startswith("garbage")
+    auto = types.SimpleNamespace(mode="both", engine="hf", sync_method="auto")
+    assert launch.sync_method(auto, layout) == ("ipc" if allowed else "broadcast")
+    ipc = types.SimpleNamespace(mode="both", engine="hf", sync_method="ipc")
+    if allowed:
+        assert launch.sync_method(ipc, layout) == "ipc"
+    else:  # asked for by name: one line
+        with pytest.raises(ValueError, match=r"^--sync-method ipc needs CUDA IPC handles"):
+            launch.sync_method(ipc, layout)
 
 
 @pytest.mark.parametrize(
@@ -198,8 +206,13 @@ def test_auto_takes_ipc_only_where_the_cuda_allocator_can_hand_out_handles(monke
     ],
 )
 def test_ipc_only_where_the_explorer_shares_rank_0s_device(
-    gpus, ranks, mode, engine, method, expected
+    gpus, ranks, mode, engine, method, expected, monkeypatch
 ):
+    for name in (
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "PYTORCH_ALLOC_CONF",
+    ):  # settings that rule CUDA IPC out
+        monkeypatch.delenv(name, raising=False)
     cfg = types.SimpleNamespace(mode=mode, engine=engine, sync_method=method)
     layout = launch.place(gpus, ranks, mode)
     if expected is ValueError:
@@ -278,9 +291,8 @@ def test_a_publish_is_written_into_the_staging_tensor_without_a_second_copy():
         ws.send(0, [tensors])  # no --sync-checksum
     assert new.bytes == ws.staging.untyped_storage().nbytes() == 12_500 * 2
     assert torch.equal(ws.staging, torch.cat([t.reshape(-1) for t in tensors]).bfloat16())
-    ws.deadline = (
-        None  # as if acknowledged: the next publish is written into the same staging tensor
-    )
+    # acknowledged as a receiver of rank 1 does: the next publish is written into the same staging tensor
+    ws.store.set("ipc_ack/1/1", "1")
     doubled = [t * 2 for t in tensors]
     with NewMemory() as new:
         ws.send(1, [doubled])

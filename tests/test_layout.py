@@ -109,7 +109,7 @@ def test_the_policy_loss_is_three_calls_below_the_rl_loop(tiny_model, tmp_path):
     assert depths and all(0 < d <= 3 for d in depths), depths
 
 
-def test_the_sampling_call_is_three_calls_below_a_batch_of_the_explorers_loop(tiny_model, tmp_path):
+def test_sampling_is_three_calls_below_a_batch_and_four_in_the_decode_step(tiny_model, tmp_path):
     # a reader follows explore's loop -> Explorer.rollout_batch -> Explorer.rollout (the
     # rollout loop) -> HFEngine.generate_batch -> sample_token for the first token of a reply;
     # the next ones are sampled in the decode step (engines.Decoding), which a CUDA graph holds whole

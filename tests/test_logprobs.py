@@ -381,19 +381,29 @@ def test_the_engine_decodes_with_grouped_queries_as_transformers_sdpa_does(tiny_
         torch.testing.assert_close(a.behaviour_logprobs, b.behaviour_logprobs, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_reading_which_rows_ended_every_few_steps_gives_the_same_replies(tiny_model, temperature):
-    # a GPU reads `done` back every few steps, not every step: rows that ended meanwhile only decode padding
+@pytest.mark.parametrize(
+    "temperature,drop_ended",
+    [(0.0, 2.0), (1.0, 2.0), (0.0, 0.25)],
+    ids=["greedy", "sampled", "dropping"],
+)
+def test_reading_which_rows_ended_every_few_steps_gives_the_same_replies(
+    tiny_model, temperature, drop_ended
+):
+    # a GPU reads `done` back every few steps, not every step: rows that ended meanwhile only decode padding, and
+    # ended rows leave the batch at those reads only (then greedy: a smaller batch draws fewer random numbers)
     sampling = Sampling(max_tokens=12, temperature=temperature)
     replies = []
     for check_every in (1, 4):
-        engine = HFEngine(tiny_model, max_batch=8, seed=0, drop_ended=2.0)
+        engine = HFEngine(tiny_model, max_batch=8, seed=0, drop_ended=drop_ended)
         engine.check_every = check_every
         engine.eos = torch.tensor([t for t in range(engine.model.config.vocab_size) if t % 7 == 0])
-        replies.append(engine.generate_batch(PROMPTS, [3] * len(PROMPTS), sampling))
-    flat = [[(c.tokens, c.finish_reason) for c in g] for g in replies[0]]
-    assert flat == [[(c.tokens, c.finish_reason) for c in g] for g in replies[1]]
-    assert any(c.finish_reason == "stop" and len(c.tokens) < 12 for g in replies[0] for c in g)
-    for a, b in zip(replies[0], replies[1]):
-        for x, y in zip(a, b):
-            assert x.behaviour_logprobs == y.behaviour_logprobs
+        out = engine.generate_batch(PROMPTS, [3] * len(PROMPTS), sampling)
+        replies.append([c for group in out for c in group])
+    assert any(c.finish_reason == "stop" and len(c.tokens) < 12 for c in replies[0])
+    same = [
+        (x.tokens, x.finish_reason, x.behaviour_logprobs)
+        == (y.tokens, y.finish_reason, y.behaviour_logprobs)
+        for x, y in zip(*replies)
+    ]
+    # batches of other sizes may round a near tie the other way
+    assert all(same) if drop_ended > 1 else sum(same) >= len(same) - 1

@@ -419,7 +419,8 @@ def test_a_receive_is_posted_only_once_its_publish_is_announced(tmp_path):
     import threading
 
     trainer = sync.WeightSync(0, 2, port=0, timeout_s=60)
-    engine, state = AnnouncingEngine(trainer.port), {"alive": True}
+    engine = AnnouncingEngine(trainer.port)
+    state = {"alive": True}
     cfg = Config(run_dir=str(tmp_path), explorer_name="e")
     receiver = sync.Receiver(engine, cfg, lambda record: None, lambda: state["alive"], port=1)
     waiting = threading.Thread(target=receiver.until, args=(2,))
