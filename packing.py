@@ -151,7 +151,8 @@ def packed_sdpa() -> str:
         **kwargs,
     ):
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        if token_slots is None and query.shape[2] == 1 and key.shape[1] != query.shape[1]:
+        grouped = key.shape[1] != query.shape[1]
+        if grouped and token_slots is None and query.shape[2] == 1:
             return grouped_decode_attention(query, key, value, attention_mask, scaling), None
         # [1, h, T, D] -> [N, h, L, D]; index_copy_ and index_select: a cheap backward
         if token_slots is not None:
@@ -163,7 +164,6 @@ def packed_sdpa() -> str:
                 .transpose(1, 2)
                 for x in (t[0].transpose(0, 1) for t in (query, key, value))
             )
-        grouped = key.shape[1] != query.shape[1]
         if grouped and attention_mask is not None and query.is_cuda:
             # a GPU's kernels that take a mask take no grouped heads (sdpa's enable_gqa would fall back to
             # the math kernel): the heads repeated, as transformers' sdpa attention does

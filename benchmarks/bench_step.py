@@ -296,15 +296,17 @@ def lever_ab(args, extra, name: str, variants: dict, work) -> None:
     )
 
 
+def explorer_batch(ex, rnd: int) -> tuple[float, list]:
+    """`lever_ab`'s work: one explorer batch -> (seconds, the sampled sequences' tokens)."""
+    t = time.perf_counter()
+    _, groups = explore_rate(ex, rnd)
+    return time.perf_counter() - t, [e.tokens for g in groups for e in g]
+
+
 def kv_cache_ab(args, extra):
     """--kv-cache-ab: one explorer batch with the engine's KV cache writing into reserved room
     (engines.decode_cache) and with concatenation, the same sampled tokens."""
     import engines
-
-    def batch(ex, rnd):
-        t = time.perf_counter()
-        _, groups = explore_rate(ex, rnd)
-        return time.perf_counter() - t, [e.tokens for g in groups for e in g]
 
     reserved = engines.decode_cache
     lever_ab(
@@ -315,7 +317,7 @@ def kv_cache_ab(args, extra):
             "concatenated": lambda e: setattr(engines, "decode_cache", concat_cache),
             "reserved": lambda e: setattr(engines, "decode_cache", reserved),
         },
-        batch,
+        explorer_batch,
     )
 
 
@@ -347,11 +349,6 @@ def attention_ab(args, extra):
     keys and values repeated per query head under a mask); the same sampled tokens unless roundings differ."""
     from packing import packed_sdpa
 
-    def batch(ex, rnd):
-        t = time.perf_counter()
-        _, groups = explore_rate(ex, rnd)
-        return time.perf_counter() - t, [e.tokens for g in groups for e in g]
-
     lever_ab(
         args,
         extra,
@@ -360,7 +357,7 @@ def attention_ab(args, extra):
             "repeated": lambda e: e.model.set_attn_implementation("sdpa"),
             "grouped": lambda e: e.model.set_attn_implementation(packed_sdpa()),
         },
-        batch,
+        explorer_batch,
     )
 
 
