@@ -284,8 +284,9 @@ def decode_cache():
 
 
 class Decoding:
-    """Decode steps over a prefilled cache of `decode_cache()`: each call takes the tokens [A] just sampled and
-    samples the next ones under `sampling` with `generator`: (tokens [A], behaviour log-probs [A])."""
+    """Decode steps over a prefilled cache of `decode_cache()`: each call takes the tokens [A] just
+    sampled and samples the next ones under `sampling` with `generator`: (tokens [A], behaviour
+    log-probs [A])."""
 
     drops = True  # ended rows can leave the batch
 
@@ -326,8 +327,8 @@ class Decoding:
         return sample_token(logits, self.sampling.temperature, self.sampling.top_p, self.generator)
 
 
-# decode steps between two reads of `done` on a GPU: each read waits for the GPU to finish the step, while a row
-# that has ended only decodes padding until the next read
+# decode steps between two reads of `done` on a GPU: each read waits for the GPU to finish the step,
+# while a row that has ended only decodes padding until the next read
 GPU_CHECK_EVERY = 8
 
 
@@ -492,7 +493,7 @@ class HFEngine(Engine):
                 # [B] latest version
                 first = self.version
                 last = torch.full((B,), self.version, device=dev)
-                # [A] tokens, [A] their log-probs: the first from the prefill, the next ones from decoding
+                # [A] tokens, [A] their log-probs: the first from the prefill, then from decoding
                 tok, lp = sample_token(logits, s.temperature, s.top_p, self.generator)
                 for step in range(s.max_tokens):
                     if step > 0:

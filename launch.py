@@ -68,9 +68,9 @@ def place(gpus: int, ranks: int, mode: str) -> Placement:
 
 
 def sync_method(cfg: Config, layout: Placement) -> str:
-    """cfg.sync_method for `layout` (auto: ipc where the explorer shares trainer rank 0's GPU and the CUDA allocator
-    allows handles, else broadcast).
-    ValueError (one line): ipc where the explorer does not share trainer rank 0's device (extras/ipc_sync.py)."""
+    """cfg.sync_method for `layout` (auto: ipc where the explorer shares trainer rank 0's GPU and
+    the CUDA allocator allows handles, else broadcast). ValueError (one line): ipc where the
+    explorer does not share trainer rank 0's device (extras/ipc_sync.py)."""
     from extras.ipc_sync import check_placement, cuda_ipc_allowed, shares_rank_0s_device
 
     if cfg.sync_method == "auto":

@@ -130,11 +130,12 @@ def micro_batches(units: list[list[Experience]], token_budget: int) -> list[list
 
 @functools.cache
 def packed_sdpa() -> str:
-    """The name of nanorft's attention in transformers: torch's sdpa; grouped-query heads by sdpa's kernel, as the
-    query rows of one attention per key-value head in a decode step (`grouped_decode_attention`), repeated under a
-    mask on a GPU. Given a `pack` batch's token_slots [T] (a forward kwarg), q, k, v [1, heads, T, D] go to their
-    slots of the rows [N, heads, L, D] under the mask [N, 1, L, L], the output back to [1, T, heads, D]: dense
-    layers compute no pads."""
+    """The name of nanorft's attention in transformers: torch's sdpa; grouped-query heads by sdpa's
+    kernel, as the query rows of one attention per key-value head in a decode step
+    (`grouped_decode_attention`), repeated under a mask on a GPU. Given a `pack` batch's token_slots
+    [T] (a forward kwarg), q, k, v [1, heads, T, D] go to their slots of the rows [N, heads, L, D]
+    under the mask [N, 1, L, L], the output back to [1, T, heads, D]: dense layers compute no
+    pads."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
@@ -165,8 +166,8 @@ def packed_sdpa() -> str:
                 for x in (t[0].transpose(0, 1) for t in (query, key, value))
             )
         if grouped and attention_mask is not None and query.is_cuda:
-            # a GPU's kernels that take a mask take no grouped heads (sdpa's enable_gqa would fall back to
-            # the math kernel): the heads repeated, as transformers' sdpa attention does
+            # a GPU's kernels that take a mask take no grouped heads (sdpa's enable_gqa would fall
+            # back to the math kernel): the heads repeated, as transformers' sdpa attention does
             key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
             value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
             grouped = False
@@ -196,11 +197,12 @@ def grouped_decode_attention(
     mask: torch.Tensor | None,
     scale: float | None,
 ) -> torch.Tensor:
-    """Attention of one new token per row under grouped-query heads: query [B, H, 1, D], key and value [B, KV, L, D]
-    (H a multiple of KV), mask [B, 1, 1, L] (bool or additive) or None -> [B, 1, H, D]. The G = H / KV query heads
-    that share a key-value head are the G query rows of one attention over it, so no kernel copies the cache's keys
-    and values once per query head (transformers' repeat_kv; sdpa's enable_gqa under a mask on a CPU, or its
-    fallback to the math kernel on a GPU). Query head h reads key-value head h // G, as repeat_kv pairs them."""
+    """Attention of one new token per row under grouped-query heads: query [B, H, 1, D], key and
+    value [B, KV, L, D] (H a multiple of KV), mask [B, 1, 1, L] (bool or additive) or None
+    -> [B, 1, H, D]. The G = H / KV query heads that share a key-value head are the G query rows of
+    one attention over it, so no kernel copies the cache's keys and values once per query head
+    (transformers' repeat_kv; sdpa's enable_gqa under a mask on a CPU, or its fallback to the math
+    kernel on a GPU). Query head h reads key-value head h // G, as repeat_kv pairs them."""
     B, H, _, D = query.shape
     KV = key.shape[1]
     grouped = query.reshape(B, KV, H // KV, D)  # [B, KV, G, D]

@@ -128,9 +128,9 @@ def mfu(flops: float, seconds: float, peak: float) -> float:
 
 
 class TrainerMeter:
-    """perf/trainer_model_flops and perf/trainer_mfu of a step, from its tokens computed and predicted
-    and its busy seconds (summed over ranks). `passes`: 3 (forward and backward) plus one forward of
-    a reference model if one is loaded; `matmul`: the model's `matmul_params`."""
+    """perf/trainer_model_flops and perf/trainer_mfu of a step, from its tokens computed and
+    predicted and its busy seconds (summed over ranks). `passes`: 3 (forward and backward) plus one
+    forward of a reference model if one is loaded; `matmul`: the model's `matmul_params`."""
 
     def __init__(self, matmul: tuple[int, int], device_type: str, dtype: str, passes: int):
         self.matmul = matmul

@@ -211,7 +211,8 @@ def prepare(cfg: Config, rank: int) -> Prepared:
 
 
 def main(argv: list[str] | None = None, leave_on_interrupt: bool = False) -> int:
-    """Parse, check, run the mode; exit code 2 (one line): bad input, 1: a failed run, 130: Ctrl-C."""
+    """Parse, check, run the mode. Exit code 2 (one line): bad input; 1: a failed run;
+    130: Ctrl-C."""
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
     # plug-ins by import path (--workflow mymod.MyWorkflow) from the working directory, last: never shadowing ours

@@ -60,7 +60,7 @@ class WeightSync:
         self.store = None
         self.group = None
         self._pending = None
-        # publishes started (rank 0) or received (rank >= 1): rank 0 numbers each one's key publish/N
+        # publishes started (rank 0) or received (rank >= 1); rank 0's key of each: publish/N
         self.publishes = 0
         self.waiter = None  # wait_for's connection to the store
         # rank >= 1's receive buffer (CPU: kept)
@@ -179,10 +179,11 @@ class WeightSync:
     def wait_for(
         self, keys: list[str], alive: Callable[[], bool], what: str, deadline: float | None = None
     ) -> None:
-        """Block until `keys` are set in the store; RuntimeError (one line) once `alive()` is False, at `deadline`
-        (time.monotonic(); default: --sync-timeout-s from now), or when the store is gone. The store's own wait
-        runs in a thread, on a connection of its own (a wait holds its connection), so that `alive()` is watched
-        meanwhile and the caller wakes as soon as the keys are set: no polling of the store."""
+        """Block until `keys` are set in the store; RuntimeError (one line) once `alive()` is False,
+        at `deadline` (time.monotonic(); default: --sync-timeout-s from now), or when the store is
+        gone. The store's own wait runs in a thread, on a connection of its own (a wait holds its
+        connection), so that `alive()` is watched meanwhile and the caller wakes as soon as the keys
+        are set: no polling of the store."""
         deadline = deadline or time.monotonic() + self.timeout.total_seconds()
         peer = "an explorer" if self.rank == 0 else "the trainer"
         failed: list = []
@@ -215,14 +216,17 @@ class WeightSync:
                 f"weight sync: no {what} within --sync-timeout-s {self.timeout.total_seconds():g} s"
             ) from None
         except dist.DistError as e:  # a receiver's store connection: rank 0 is gone
+            store = f"{self.host}:{self.port}"
+            reason = " ".join(str(e).split())
             raise RuntimeError(
-                f"weight sync: the trainer's store at {self.host}:{self.port} stopped answering (the "
-                f"trainer is gone: {' '.join(str(e).split())})"
+                f"weight sync: the trainer's store at {store} stopped answering "
+                f"(the trainer is gone: {reason})"
             ) from None
 
     def wait_announced(self, alive: Callable[[], bool]) -> None:
-        """Rank >= 1: block until rank 0 starts the publish after the last one received (no time limit: the
-        trainer steps first). RuntimeError (one line) once `alive()` is False or the trainer's store is gone."""
+        """Rank >= 1: block until rank 0 starts the publish after the last one received (no time
+        limit: the trainer steps first). RuntimeError (one line) once `alive()` is False or the
+        trainer's store is gone."""
         no_limit = time.monotonic() + 365 * 24 * 3600.0
         self.wait_for([f"publish/{self.publishes + 1}"], alive, "next publish", no_limit)
 
@@ -306,8 +310,9 @@ def flatten(
     device: torch.device | str,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`tensors` in order, each cast into its slice of a new tensor [sum of numels] of `dtype` on `device`, or of
-    the first elements of `out` (a 1-D tensor at least that long, whose dtype and device are then those used)."""
+    """`tensors` in order, each cast into its slice of a new tensor [sum of numels] of `dtype` on
+    `device`, or of the first elements of `out` (a 1-D tensor at least that long, whose dtype and
+    device are then those used)."""
     numel = sum(t.numel() for t in tensors)
     if out is None:
         out = torch.empty(numel, dtype=dtype, device=device)
@@ -376,12 +381,13 @@ class Receiver:
             self.receive(version)
 
     def receive(self, version: int | None = None) -> None:
-        """Block until a newer version (checkpoint sync: `version`) is loaded; RuntimeError once `alive()` is False."""
+        """Block until a newer version (checkpoint sync: `version`) is loaded; RuntimeError once
+        `alive()` is False."""
         t0 = time.perf_counter()
         if self.port is None:  # waits until checkpoint `version` (or a newer one) is published
             _, digest = self.source.receive_weights(self.alive, version)
         else:
-            # an NCCL receive posted before the publish counts against the timeout: first its announcement
+            # a receive posted before its publish counts against NCCL's timeout: announced first
             self.source.wait_weights(self.alive)
             _, digest = self.source.receive_weights(self.alive)
         record = {

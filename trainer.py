@@ -62,8 +62,8 @@ class StepBatch:
 
 
 def accumulate(sums: dict[str, torch.Tensor], micro_batch: dict[str, torch.Tensor]) -> None:
-    """Add a micro-batch's metric sums (0-dim tensors on the trainer's device: no wait for the device per
-    micro-batch) into `sums` in float64; the importance ratio's extremes are kept."""
+    """Add a micro-batch's metric sums (0-dim tensors on the trainer's device: no wait for the
+    device per micro-batch) into `sums` in float64; the importance ratio's extremes are kept."""
     for k, v in micro_batch.items():
         v = v.double()
         if k not in sums:
@@ -445,8 +445,9 @@ class Trainer:
         rewards: torch.Tensor,
         totals,
     ) -> dict[str, torch.Tensor]:
-        """Forward and backward of micro-batch `mb` through the policy loss; returns "loss/policy" (its share),
-        "tokens", metric sums and the importance ratio's extremes, as 0-dim tensors on the trainer's device."""
+        """Forward and backward of micro-batch `mb` through the policy loss; returns "loss/policy"
+        (its share), "tokens", metric sums and the importance ratio's extremes, as 0-dim tensors on
+        the trainer's device."""
         cfg = self.cfg
         b, lp, ent = self.logprobs(self.model, mb, padding, entropy=True)
         mask = b["mask"]  # [B, R]
@@ -551,7 +552,7 @@ class Trainer:
         }
 
     def float64_vector(self, values: list) -> torch.Tensor:
-        """Numbers and 0-dim tensors as one float64 vector [n] on the trainer's device (NCCL: device tensors)."""
+        """Numbers and 0-dim tensors as one float64 vector [n] on the trainer's device (NCCL's)."""
         return torch.stack(
             [torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values]
         )
