@@ -198,6 +198,9 @@ class WeightSync:
         try:
             if self.store.check(keys):
                 return
+            # a wait past its deadline ends at once: a dead peer is said before it
+            if not alive():
+                raise RuntimeError(f"weight sync: {peer} died (waiting for {what})")
             if self.waiter is None:
                 self.waiter = dist.TCPStore(
                     self.host, self.port, is_master=False, timeout=self.timeout

@@ -512,3 +512,19 @@ def test_the_checksum_sees_two_swapped_tensors_and_any_split_of_the_stream():
     flat = torch.cat([a.reshape(-1), b.reshape(-1), c])
     streamed = Checksum().add([flat[:9]]).add([flat[9:22], flat[22:]]).value
     assert streamed == pytest.approx(digest, rel=1e-12)
+
+
+def test_a_peer_found_dead_is_reported_dead_even_when_the_wait_ended_first(monkeypatch):
+    # past its deadline the store's wait ends at once, possibly before the waiting side looks at its peer
+    # (a loaded machine): the error still says the peer died, not that the timeout passed
+    import threading
+
+    class AtOnce(threading.Thread):
+        def start(self):  # the wait has ended before anyone asks whether it runs
+            self.run()
+
+    ws = sync.WeightSync(0, 2, port=0, timeout_s=60)
+    monkeypatch.setattr(threading, "Thread", AtOnce)
+    died = r"^weight sync: an explorer died \(waiting for acknowledgement\)$"
+    with pytest.raises(RuntimeError, match=died):
+        ws.wait_for(["never set"], lambda: False, "acknowledgement", time.monotonic() - 1)
