@@ -1,5 +1,7 @@
-"""Experience (the explorer/trainer contract) and the buffer between them, SQLite or PostgreSQL (extras/postgres.py).
-The trainer takes complete groups in FIFO order, each once; `release_after` serves again what a crashed one took."""
+"""Experience (the explorer/trainer contract) and the buffer between them: a SQLite file, or a
+server database through a backend with the same dialect methods (PostgreSQL's, handed over by
+the composition root). The trainer takes complete groups in FIFO order, each once;
+`release_after` serves again what a crashed one took."""
 
 import fcntl
 import json
@@ -121,24 +123,30 @@ class _SQLite:
 POSTGRES = ("postgresql://", "postgres://")  # URL prefixes of the PostgreSQL backend
 
 
-def open_buffer(url: str, run_dir: str | Path, timeout_s: float = 60.0) -> "Buffer":
-    """The buffer of a run (config `buffer`; "" = RUN_DIR/buffer.sqlite). ValueError when it cannot be opened."""
-    return Buffer(url or Path(run_dir) / "buffer.sqlite", timeout_s, run_dir)
+def open_buffer(
+    url: str, run_dir: str | Path, timeout_s: float = 60.0, backend: type | None = None
+) -> "Buffer":
+    """The buffer of a run (config `buffer`; "" = RUN_DIR/buffer.sqlite; `backend`: as Buffer's).
+    ValueError when it cannot be opened."""
+    return Buffer(url or Path(run_dir) / "buffer.sqlite", timeout_s, run_dir, backend)
 
 
 class Buffer:
-    """The buffer, one per process: a SQLite path or postgresql://...[?schema=NAME]; ValueError if unusable."""
+    """The buffer, one per process: a SQLite path, or postgresql://...[?schema=NAME] with the
+    class of its connection `backend(url, timeout_s, SCHEMA, run_dir)`; ValueError if unusable."""
 
-    def __init__(self, url: str | Path, timeout_s: float = 60.0, run_dir: str | Path | None = None):
+    def __init__(
+        self,
+        url: str | Path,
+        timeout_s: float = 60.0,
+        run_dir: str | Path | None = None,
+        backend: type | None = None,
+    ):
         url = str(url)
         if url.startswith(POSTGRES):  # run_dir: the default schema's name
-            try:  # optional (psycopg), for several hosts
-                from extras.postgres import Postgres
-            except ImportError as e:
-                raise ValueError(
-                    f"a PostgreSQL buffer needs psycopg: pip install 'psycopg[binary]' ({e})"
-                ) from None
-            self.db = Postgres(url, timeout_s, SCHEMA, run_dir)
+            if backend is None:
+                raise ValueError(f"buffer {url}: a PostgreSQL buffer is opened with its backend")
+            self.db = backend(url, timeout_s, SCHEMA, run_dir)
         else:
             self.db = _SQLite(url.removeprefix("sqlite:///"), timeout_s)
         self.where = self.db.where
@@ -319,9 +327,10 @@ class Buffer:
         return dict(self.db.execute("SELECT task_id, pool FROM task_pool").fetchall())
 
 
-def check_config(cfg) -> None:
-    """Open the run's buffer before any process starts; FileExistsError for another run's (--overwrite)."""
-    with closing(open_buffer(cfg.buffer, cfg.run_dir)) as buf:
+def check_config(cfg, backend: type | None = None) -> None:
+    """Open the run's buffer (`backend`: as Buffer's) before any process starts; FileExistsError
+    for another run's (--overwrite)."""
+    with closing(open_buffer(cfg.buffer, cfg.run_dir, backend=backend)) as buf:
         if cfg.buffer and cfg.mode == "both" and not cfg.resume and buf.counts()["total"]:
             if not cfg.overwrite:
                 raise FileExistsError(
@@ -329,9 +338,3 @@ def check_config(cfg) -> None:
                     "(use --overwrite, --resume or another ?schema=)"
                 )
             buf.clear()
-
-
-if __name__ == "__main__":  # the command line for lagged rewards: pending, set-reward
-    from extras.lagged_rewards import main
-
-    raise SystemExit(main())

@@ -1,4 +1,5 @@
-"""Resume states, RUN_DIR/checkpoints/resume-{step:06d} (`save_resume_state`, `load_resume_state`)."""
+"""Resume states, RUN_DIR/checkpoints/resume-{step:06d} (`save_resume_state`,
+`load_resume_state`)."""
 
 import os
 import shutil
@@ -29,7 +30,8 @@ def delete_resume_states(run_dir: str | Path) -> int:
 
 
 def save_resume_state(trainer, run_dir: str | Path, step: int) -> Path:
-    """Write `trainer`'s state after `step` steps, return its path; resume-latest names it when complete. Collective."""
+    """Write `trainer`'s state after `step` steps, return its path; resume-latest names it when
+    complete. Collective."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(run_dir) / "checkpoints"
@@ -56,15 +58,16 @@ def save_resume_state(trainer, run_dir: str | Path, step: int) -> Path:
 
 
 def load_resume_state(trainer, path: str | Path) -> int:
-    """Load a resume state into `trainer`; returns its step. Collective. ValueError for missing weights."""
+    """Load a resume state into `trainer`; returns its step. Collective. ValueError for missing
+    weights."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     state = _dcp_state(trainer)
-    # LoRA: the adapters in place, as sharded
+    # the trainer's resume_tensors in place, as sharded
     dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
     set_optimizer_state_dict(trainer.model, trainer.opt, state["optim"])
-    if not trainer.lora:
+    if state.keys() == {"optim"}:  # no trained tensors in dcp: the whole model from the HF copy
         _load_weights(trainer, Path(path) / "hf")
     meta = torch.load(Path(path) / "trainer.pt", weights_only=False)
     trainer.resume_at(meta["version"], dict(meta["loop"]))
@@ -73,13 +76,14 @@ def load_resume_state(trainer, path: str | Path) -> int:
 
 
 def _dcp_state(trainer) -> dict:
-    """What dcp saves and loads, sharded: the optimizer's state, and LoRA's adapters."""
+    """What dcp saves and loads, sharded: the optimizer's state and the trainer's
+    `resume_tensors`."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    state = {"optim": get_optimizer_state_dict(trainer.model, trainer.opt)}
-    if trainer.lora:
-        state["adapters"] = dict(trainer.named_trained_parameters())
-    return state
+    return {
+        "optim": get_optimizer_state_dict(trainer.model, trainer.opt),
+        **trainer.resume_tensors(),
+    }
 
 
 def _load_weights(trainer, hf: Path) -> None:

@@ -10,6 +10,7 @@ import json
 import math
 import re
 import sys
+import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,7 +148,7 @@ class Config:
     """mode train: give up when the buffer has not delivered a batch for this long (seconds)"""
     buffer: str = ""
     """experience buffer: "" = RUN_DIR/buffer.sqlite, a SQLite path, or postgresql://user@host:port/db[?schema=NAME]"""
-    # -- data pipelines (extras/pipelines.py)
+    # -- data pipelines: task and experience operators, selectors, replay, human labels
     task_pipeline: list = field(default_factory=list)
     """task operators run before the loop, a list of {op = NAME, ...}: dedup, length_filter, metadata_difficulty, pass_rate_difficulty, model_difficulty, or module.function"""
     selector: str = "shuffle"
@@ -286,6 +287,45 @@ def _one_line(box: str) -> str:
     return " ".join(x for x in body if x and set(x) != {"─"})
 
 
+# each setting's type, resolved once (Config's annotations are strings)
+HINTS = typing.get_type_hints(Config)
+
+
+def coerce(name: str, value):
+    """A TOML (or saved-config) value as setting `name` takes it (its type, one of its choices);
+    ValueError (one line) otherwise."""
+    hint = HINTS[name]
+    choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else ()
+    typ = type(choices[0]) if choices else hint
+    if typ in (bool, dict, list):
+        if not isinstance(value, typ):
+            want = {bool: "true/false", dict: "a table", list: "a list"}[typ]
+            raise ValueError(f"config key {name!r}: expected {want}, got {value!r}")
+        return value
+    try:
+        value = typ(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"config key {name!r}: expected {typ.__name__}, got {value!r}") from None
+    if choices and value not in choices:
+        raise ValueError(
+            f"config key {name!r}: expected one of {', '.join(choices)}, got {value!r}"
+        )
+    return value
+
+
+def read_preset(path: Path) -> dict:
+    """The settings of TOML preset `path`, coerced; FileNotFoundError / ValueError (one line) for a bad file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        values = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: invalid TOML ({e})") from None
+    if unknown := set(values) - set(HINTS):
+        raise ValueError(f"{path}: unknown config key(s) {sorted(unknown)}")
+    return {k: coerce(k, v) for k, v in values.items()}
+
+
 def parse_config(argv: list[str]) -> Config:
     """A Config: defaults < TOML presets (each --config in turn) < flags. ValueError (one line):
     bad flag, value, TOML key; FileNotFoundError: a --config file that does not exist."""
@@ -302,8 +342,6 @@ def parse_config(argv: list[str]) -> Config:
             flags.append(a)
     values = {}
     if presets:
-        from extras.presets import read_preset
-
         for preset in presets:
             values.update(read_preset(Path(preset)))
     names = {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}

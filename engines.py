@@ -1,5 +1,6 @@
-"""Inference engines the explorer samples rollouts with: `Engine`, `HFEngine` (transformers), `ENGINES` (--engine;
-vLLM: extras/vllm_engine.py) and `make_engine`."""
+"""Inference engines the explorer samples rollouts with: `Engine`, `HFEngine` (transformers),
+`ENGINES` (--engine names of the core; the composition root adds the others, vLLM's) and
+`make_engine`."""
 
 import asyncio
 import contextlib
@@ -7,6 +8,7 @@ import functools
 import itertools
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -28,7 +30,8 @@ class Sampling:
 
 @dataclass
 class Completion:
-    """One response: tokens [R], behaviour_logprobs [R], finish_reason (stop, length), weight versions (first, last)."""
+    """One response: tokens [R], behaviour_logprobs [R], finish_reason (stop, length), weight
+    versions (first, last)."""
 
     tokens: list[int]
     behaviour_logprobs: list[float]
@@ -103,8 +106,9 @@ class WorkflowRuns:
 
 
 class Engine:
-    """Base engine. Subclasses implement `generate_batch`, `join_weight_sync`, `receive_weights(alive)` -> (version,
-    checksum), `load_checkpoint(path, version)` -> checksum and `from_config`; `step_hook` runs between decode steps."""
+    """Base engine. Subclasses implement `generate_batch`, `join_weight_sync`,
+    `receive_weights(alive)` -> (version, checksum), `load_checkpoint(path, version)` -> checksum
+    and `from_config`; `step_hook` runs between decode steps."""
 
     def __init__(self):
         self._pending: dict[Sampling, Batch] = {}
@@ -115,8 +119,6 @@ class Engine:
         self.closers: list[Callable[[], None]] = []
         self.step_hook = None
         self.checksum = False
-        # how join_weight_sync receives: broadcast or ipc (sync.transport)
-        self.sync_method = "broadcast"
         # says what the engine is doing (mode both: on the trainer's progress bar)
         self.status = lambda text: None
         self.label = ""  # what the current requests are for ("batch 3", "evaluation of version 10")
@@ -143,7 +145,8 @@ class Engine:
 
     async def generate(self, prompt_ids: list[int], n: int, sampling: Sampling) -> list[Completion]:
         """`n` completions of one prompt, sampled in one `generate_batch` with the requests in
-        flight. Runs inside `WorkflowRuns` (RuntimeError elsewhere): the rollout loop samples them."""
+        flight. Runs inside `WorkflowRuns` (RuntimeError elsewhere): the rollout loop samples
+        them."""
         if self._batches is None:
             raise RuntimeError("Engine.generate runs in WorkflowRuns: the rollout loop serves it")
         fut = asyncio.get_running_loop().create_future()
@@ -216,8 +219,9 @@ class Engine:
 def sample_token(
     logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B], behaviour_logprobs [B]) from logits [B, V]: softmax(logits / temperature) renormalised in the
-    top-p nucleus (Holtzman et al., arXiv:1904.09751). temperature 0: greedy, log-prob 0."""
+    """(tokens [B], behaviour_logprobs [B]) from logits [B, V]: softmax(logits / temperature)
+    renormalised in the top-p nucleus (Holtzman et al., arXiv:1904.09751). temperature 0: greedy,
+    log-prob 0."""
     if temperature == 0:
         return logits.argmax(-1), logits.new_zeros(logits.shape[0], dtype=torch.float)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, V]
@@ -239,7 +243,8 @@ def slot_layer() -> type:
     from transformers.cache_utils import DynamicLayer
 
     class SlotLayer(DynamicLayer):
-        """After `reserve(capacity)`, each decode step writes its slot of buffers [B, KV, capacity, D]."""
+        """After `reserve(capacity)`, each decode step writes its slot of buffers [B, KV, capacity,
+        D]."""
 
         room = None  # (keys, values) buffers [B, KV, capacity, D]
 
@@ -332,12 +337,24 @@ class Decoding:
 GPU_CHECK_EVERY = 8
 
 
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the *.safetensors files of a checkpoint directory (CPU);
+    FileNotFoundError when there are none."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors files in {path}")
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
 class HFEngine(Engine):
     """transformers engine. model_path: a model or peft adapter directory; drop_ended: ended rows
     leave the decode batch once they are this fraction of it (> 1: never; a smaller batch costs a
-    reorder of the KV cache). With LoRA adapters: extras/lora.py's LoraHFEngine."""
-
-    lora = None  # LoraHFEngine's peft LoraConfig: a weight sync then carries the adapters only
+    reorder of the KV cache); graphs: on a CUDA device, a factory(max_batch) of `Decoding`'s
+    contract that the decode steps run on (the composition root's CUDA graphs for --cuda-graphs),
+    else `Decoding`. A subclass with adapters overrides `pretrained`, `parameters` and
+    `load_weights`."""
 
     def __init__(
         self,
@@ -347,7 +364,7 @@ class HFEngine(Engine):
         bf16: bool = False,
         device: str = "",
         dtype: torch.dtype = torch.float32,
-        cuda_graphs: bool = False,
+        graphs: Callable[[int], Callable] | None = None,
         drop_ended: float = 0.25,
     ):
         super().__init__()
@@ -369,13 +386,11 @@ class HFEngine(Engine):
         self.pad = models.pad_token_id(self.tokenizer)
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.graphs = None
-        if cuda_graphs and self.device.type == "cuda":
-            from extras.cuda_graphs import Graphs
-
-            self.graphs = Graphs(max_batch)
+        if graphs is not None and self.device.type == "cuda":
+            self.graphs = graphs(max_batch)
 
     def pretrained(self, model_path: str, dtype: torch.dtype):
-        """The model of `model_path` on this engine's device, in eval mode (LoraHFEngine adds its adapters)."""
+        """The model of `model_path` on this engine's device, in eval mode."""
         from transformers import AutoModelForCausalLM
 
         base = models.base_model_dir(model_path)
@@ -386,24 +401,24 @@ class HFEngine(Engine):
 
     @classmethod
     def from_config(
-        cls, cfg, model_path: str, seed: int, device: str, colocated: bool
+        cls, cfg, model_path: str, seed: int, device: str, colocated: bool, graphs=None
     ) -> "HFEngine":
-        """bf16 weights for --dtype bfloat16: no float32 copy cast at every step (faster decoding,
-        docs/benchmarks.md). --lora-rank > 0: extras/lora.py's LoraHFEngine."""
+        """The engine of cfg's settings (`settings`), sampling with `seed` on `device`."""
+        return cls(model_path, **cls.settings(cfg, seed, device, graphs))
+
+    @staticmethod
+    def settings(cfg, seed: int, device: str, graphs=None) -> dict:
+        """The keyword arguments of cfg's engine: bf16 weights for --dtype bfloat16, so that no
+        float32 copy is cast at every step (faster decoding, docs/benchmarks.md)."""
         bf16 = cfg.dtype == "bfloat16"
-        settings = dict(
+        return dict(
             max_batch=cfg.explorer_max_batch,
             seed=seed,
             bf16=bf16,
             device=device,
             dtype=torch.bfloat16 if bf16 else torch.float32,
-            cuda_graphs=cfg.cuda_graphs,
+            graphs=graphs,
         )
-        if cfg.lora_rank:
-            from extras.lora import LoraHFEngine, lora_config
-
-            return LoraHFEngine(model_path, lora_config(cfg), **settings)
-        return cls(model_path, **settings)
 
     def rng_state(self):
         return bytes(self.generator.get_state().tolist())
@@ -415,8 +430,10 @@ class HFEngine(Engine):
         """What a weight sync carries, in the wire order (named_parameters): the weights."""
         return list(self.model.parameters())
 
-    def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
-        self.weights = sync.transport(self.sync_method)(
+    def join_weight_sync(
+        self, host, port, timeout_s, alive, device="cpu", transport=sync.WeightSync
+    ):
+        self.weights = transport(
             None,
             port=port,
             host=host,
@@ -432,14 +449,22 @@ class HFEngine(Engine):
         return self.version, None if digest is None else digest.add(params).value
 
     def load_checkpoint(self, path, version):
-        from extras.engine_checkpoints import load_into_hf
-
-        checksum = load_into_hf(self, path)
+        """Load the checkpoint directory `path` of weight `version` (`load_weights`) in place;
+        the checksum of what a weight sync carries when the engine checks syncs, else None."""
+        self.load_weights(path)
         self.version = version
-        return checksum
+        return sync.checksum(self.parameters()) if self.checksum else None
+
+    def load_weights(self, path: str | Path) -> None:
+        """Copy the weights of the checkpoint directory `path` into the model."""
+        state = read_safetensors(path)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(state[name])
 
     def generate_batch(self, prompts, ns, s):
-        """max_batch rollouts at a time; a shared prompt prefix and each prompt are prefilled once."""
+        """max_batch rollouts at a time; a shared prompt prefix and each prompt are prefilled
+        once."""
         seqs = [p for p, n in zip(prompts, ns) for _ in range(n)]
         out = []
         dev = self.device
@@ -532,8 +557,8 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-# --engine -> the engine class; the vLLM engine outside the core, by import path (losses.resolve)
-ENGINES = {"hf": HFEngine, "vllm": "extras.vllm_engine.VLLMEngine"}
+# --engine name -> the engine class
+ENGINES = {"hf": HFEngine}
 
 
 def make_engine(
@@ -544,14 +569,16 @@ def make_engine(
     colocated: bool = False,
     version: int = 0,
     status: Callable[[str], None] | None = None,
+    build: Callable[..., Engine] | None = None,
 ) -> Engine:
-    """The engine cfg.engine names (after explorer.check_config), sampling with `seed` on `device`,
-    holding weight `version`, saying what it does to `status`."""
+    """The engine of `model_path`, sampling with `seed` on `device`, holding weight `version`,
+    saying what it does to `status`. build: (cfg, model_path, seed, device, colocated) -> the
+    engine, the composition root's for cfg.engine; None: the from_config of the class ENGINES
+    or an import path names."""
     torch.set_num_threads(cfg.explorer_threads)
-    engine_class = resolve(cfg.engine, ENGINES, "engine")
-    engine = engine_class.from_config(cfg, model_path, seed, device, colocated)
+    build = build or resolve(cfg.engine, ENGINES, "engine").from_config
+    engine = build(cfg, model_path, seed, device, colocated)
     engine.checksum = cfg.sync_checksum
-    engine.sync_method = cfg.sync_method
     engine.version = version
     if status is not None:
         engine.status = status
@@ -559,7 +586,8 @@ def make_engine(
 
 
 def use_gpu(device: str) -> str:
-    """Make `device` the only GPU this process sees (vLLM takes the first): "cuda:0", else `device`."""
+    """Make `device` the only GPU this process sees (vLLM takes the first): "cuda:0", else
+    `device`."""
     if not device.startswith("cuda:"):
         return device
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -1,6 +1,6 @@
-"""Explorer: `rollout_batch` runs one workflow per task concurrently into the buffer, `evaluate` scores held-out
-tasks; `explore` is the explorer's loop, paced by a `schedule.Pace` (mode both's process:
-launch.run_mode_both)."""
+"""Explorer: `rollout_batch` runs the rollouts of one batch of tasks into the buffer, `evaluate`
+scores the held-out tasks. The explorer's loop that calls them, paced by the sync schedule, is
+run.explorer_loop; the parts it samples with (workflow, reward, selector) are `ExplorerParts`."""
 
 import asyncio
 import base64
@@ -10,39 +10,44 @@ import json
 import random
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from buffer import Buffer, Experience, pool_for
 from config import Config
-from engines import Engine, Sampling, WorkflowRuns, vllm_available
+from engines import Engine, Sampling, WorkflowRuns
 from metrics import cpu_seconds, mean_stderr, peak_rss_gib, sampled_eval
 from models import cache_dir, read_cached, write_cached
-from schedule import Pace, required_version
-from workflows import Shuffle, Task, load_reward_fn, load_workflow, readable
+from workflows import (
+    MathWorkflow,
+    Selector,
+    Shuffle,
+    Task,
+    Workflow,
+    readable,
+    reasoning_gym_reward,
+)
 
 
-def check_config(cfg, tokenizer, dataset) -> None:
-    """Resolve engine "auto"; ValueError (one line) for an engine (vLLM's: extras/vllm_engine.py's check_config)
-    or (with `tokenizer`) a workflow that cannot work."""
-    if cfg.engine == "auto":
-        cfg.engine = "vllm" if vllm_available() else "hf"
-    if cfg.engine == "vllm":
-        from extras.vllm_engine import check_config as check_vllm
+@dataclass(frozen=True)
+class ExplorerParts:
+    """The objects the composition root picks for an explorer by the config's names (the
+    defaults: a default run's).
 
-        check_vllm(cfg)
-    if tokenizer is None:
-        return
-    try:
-        make = load_workflow(cfg.workflow)
-        reward_fn = load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
-        sampling = Sampling(cfg.max_tokens)
-        make(tokenizer, reward_fn, dataset, cfg.system_prompt, sampling, run_dir=cfg.run_dir)
-    except Exception as e:
-        raise ValueError(
-            f"workflow {cfg.workflow!r} cannot be created: {type(e).__name__}: {e}"
-        ) from None
+    workflow: the class of --workflow; reward_fn: --reward-fn's function, its keyword arguments
+    bound; selector: (tasks, seed) -> the Selector of --selector; curate: (explorer, buffer) ->
+    (its training tasks, metrics), the task pipeline, run once before the first batch (None: the
+    tasks as they are); teacher_eval: explorer -> the teacher's held-out record, reported once
+    with batch 0's (None: no teacher)."""
+
+    workflow: type[Workflow] = MathWorkflow
+    reward_fn: Callable[[Task, str, Any], float | None] = reasoning_gym_reward
+    selector: Callable[[list[Task], int], Selector] = Shuffle
+    curate: Callable[["Explorer", Buffer], tuple[list[Task], dict]] | None = None
+    teacher_eval: Callable[["Explorer"], dict] | None = None
 
 
 def explorer_seed(seed: int, name: str) -> int:
@@ -55,39 +60,40 @@ def engine_seed(cfg) -> int:
     return explorer_seed(cfg.seed, cfg.explorer_name) + 1
 
 
-def make_selector(cfg, tasks: list[Task], seed: int):
-    """workflows.Shuffle, or cfg.selector from extras/pipelines.py (ValueError: unknown name or keyword)."""
-    if cfg.selector == "shuffle" and not cfg.selector_kwargs:
-        return Shuffle(tasks, seed)
-    from extras.pipelines import make_selector as pipeline_selector
-
-    return pipeline_selector(cfg.selector, cfg.selector_kwargs, tasks, seed)
-
-
 class Explorer:
-    """Rollouts of the tasks with one engine and the workflow class cfg.workflow."""
+    """Rollouts of the tasks with one engine and the workflow of `parts`."""
 
-    def __init__(self, cfg, engine: Engine, train: list[Task], held_out: list[Task], dataset, log):
+    def __init__(
+        self,
+        cfg,
+        engine: Engine,
+        train: list[Task],
+        held_out: list[Task],
+        dataset,
+        log,
+        parts: ExplorerParts = ExplorerParts(),
+    ):
         self.cfg = cfg
         self.engine = engine
         self.train = train
         self.held_out = held_out
+        self.dataset = dataset  # the verifier's (reasoning-gym's), or None
         self.log = log
-        reward_fn = load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
-        make = load_workflow(cfg.workflow)
+        self.parts = parts
         sampling = Sampling(cfg.max_tokens, cfg.temperature, cfg.top_p)
         eval_sampling = Sampling(cfg.max_tokens, cfg.eval_temperature, 1.0)
-        shared = (engine.tokenizer, reward_fn, dataset, cfg.system_prompt)
-        self.workflow = make(*shared, sampling, run_dir=cfg.run_dir)
-        self.eval_workflow = make(*shared, eval_sampling, run_dir=cfg.run_dir)
+        shared = (engine.tokenizer, parts.reward_fn, dataset, cfg.system_prompt)
+        self.workflow = parts.workflow(*shared, sampling, run_dir=cfg.run_dir)
+        self.eval_workflow = parts.workflow(*shared, eval_sampling, run_dir=cfg.run_dir)
         self.counts = dict.fromkeys(("timeouts", "errors", "retries", "skipped"), 0)
         self.last_error = ""
         self.seed = explorer_seed(cfg.seed, cfg.explorer_name)
-        # else in `resume`
-        self.selector = None if cfg.task_pipeline else make_selector(cfg, train, self.seed)
+        # with a task pipeline: in `resume`, on the curated tasks
+        self.selector = None if parts.curate else parts.selector(train, self.seed)
         self.rng = random.Random(self.seed + 1)
         self.samples = Path(cfg.run_dir) / "samples.log"
-        self.curation: dict = {}  # metrics reported with the next batch: the task pipeline's, the teacher's
+        # metrics reported with the next batch: the task pipeline's, the teacher's
+        self.curation: dict = {}
         default = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.on_cpu = getattr(engine, "device", default).type == "cpu"
 
@@ -107,25 +113,35 @@ class Explorer:
         }
 
     def resume(self, buffer: Buffer) -> int:
-        """Hold this explorer's name, curate the tasks and restore its state; returns the batch to generate next."""
+        """Hold this explorer's name, curate the tasks, restore its state and, at the start of a
+        run with a teacher, evaluate the teacher; returns the batch to generate next."""
         cfg = self.cfg
         buffer.hold(cfg.explorer_name)
-        if cfg.task_pipeline:
-            from extras.pipelines import curate
-
-            self.train, self.curation = curate(self, buffer)
-            self.selector = make_selector(cfg, self.train, self.seed)
+        if self.parts.curate is not None:
+            self.train, self.curation = self.parts.curate(self, buffer)
+            self.selector = self.parts.selector(self.train, self.seed)
         if saved := buffer.explorer_state(cfg.explorer_name):
             self.restore(saved)
-        return saved["batch"] if saved else 0
+        first = saved["batch"] if saved else 0
+        if first == 0 and cfg.eval_size and self.parts.teacher_eval is not None:
+            # the teacher's held-out accuracy, once, with batch 0's record
+            self.curation.update(self.parts.teacher_eval(self))
+        return first
 
     def next_tasks(self, k: int, retired: dict[str, str]) -> list[Task]:
-        """The next k training tasks, none of the `retired` (task_id -> pool) ones but those task pools lift."""
-        if not retired:
+        """The next k training tasks, none of the `retired` (task_id -> pool: --pool-easy,
+        --pool-hard) ones except round(k * pool_lift_fraction) of them drawn back; all retired:
+        all come back."""
+        if not retired or len(retired) >= len(self.train):
             return [self.train[i] for i in self.selector.next(k)]
-        from extras.selectors import pool_tasks
-
-        return pool_tasks(self, k, retired)
+        lift = min(round(k * self.cfg.pool_lift_fraction), len(retired))
+        by_id = {t.task_id: t for t in self.train} if lift else {}
+        out = [by_id[i] for i in self.rng.sample(sorted(retired), lift)]
+        while len(out) < k:
+            task = self.train[self.selector.next(1)[0]]
+            if task.task_id not in retired:
+                out.append(task)
+        return out
 
     def state(self) -> dict:
         """Resume state: the selector's, the lift sampler's and the engine's sampling RNG."""
@@ -186,7 +202,8 @@ class Explorer:
         return groups
 
     def rollout_batch(self, batch: int, buffer: Buffer) -> dict:
-        """Generate batch `batch` and write it to `buffer`; returns its metrics record. RuntimeError: it stays short."""
+        """Generate batch `batch` and write it to `buffer`; returns its metrics record.
+        RuntimeError: it stays short."""
         cfg = self.cfg
         t0 = time.perf_counter()
         version = self.engine.version
@@ -194,7 +211,10 @@ class Explorer:
         self.counts = dict.fromkeys(self.counts, 0)
         self.engine.working_on(f"batch {batch} (version {version})")
         retired = buffer.retired()
-        informative = lambda g: not cfg.difficulty_filter or len({e.reward for e in g}) > 1  # noqa: E731
+
+        def informative(group: list[Experience]) -> bool:
+            return not cfg.difficulty_filter or len({e.reward for e in group}) > 1
+
         tasks = picked = self.next_tasks(cfg.batch_size, retired)
         generated, kept = [], []
         for rounds in range(cfg.refill_rounds + 1):
@@ -209,8 +229,8 @@ class Explorer:
         groups = kept[: cfg.batch_size] + [g for g in generated if not informative(g)][:short]
         if len(groups) < cfg.batch_size:
             raise RuntimeError(
-                f"explorer: only {len(groups)} of {cfg.batch_size} groups after {rounds} refill rounds "
-                f"({self.counts['skipped']} tasks skipped; last error: {self.last_error})"
+                f"explorer: only {len(groups)} of {cfg.batch_size} groups after {rounds} refill "
+                f"rounds ({self.counts['skipped']} tasks skipped; last error: {self.last_error})"
             )
         seconds = time.perf_counter() - t0
         updates = [
@@ -267,14 +287,12 @@ class Explorer:
         if difficulties := [t.difficulty for t in picked if t.difficulty is not None]:
             record["selector/difficulty_mean"] = sum(difficulties) / len(difficulties)
         record.update(self.selector.metrics())
-        if any("episode_id" in e.info or "metrics" in e.info for e in exps):  # multi-turn, agents
-            from extras.multiturn import episode_record
-
-            record.update(episode_record(exps))
+        record.update(episode_record(exps))
         return record
 
     def evaluate(self, version: int) -> dict | None:
-        """The eval/* record at `version` (None without held-out tasks); version 0 is cached (`eval_cache`)."""
+        """The eval/* record at `version` (None without held-out tasks); version 0 is cached
+        (`eval_cache`)."""
         if not self.held_out:
             return None
         cfg = self.cfg
@@ -299,10 +317,7 @@ class Explorer:
             "eval/response_len": sum(len(e.behaviour_logprobs) for e in exps) / max(1, len(exps)),
             **format_rate(exps, "eval/format_rate"),
         }
-        if any("metrics" in e.info for e in exps):  # an agent's own metrics
-            from extras.multiturn import episode_means
-
-            record.update(episode_means([e.info for e in exps], "eval/"))
+        record.update(episode_means([e.info for e in exps], "eval/"))
         correct = [float(r == 1.0) for r in rewards]
         record["eval/accuracy"], record["eval/accuracy_stderr"] = mean_stderr(correct)
         if n:
@@ -322,12 +337,16 @@ class Explorer:
 
     def _write_samples(self, batch: int, version: int, groups) -> None:
         """samples.log: the prompt and two responses of each of the first log_samples groups."""
-        decode = lambda ids: self.engine.tokenizer.decode(ids, skip_special_tokens=True).strip()  # noqa: E731
+
+        def decode(ids: list[int]) -> str:
+            return self.engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
         with self.samples.open("a") as f:
             for g in groups[: self.cfg.log_samples]:
                 e = g[0]
                 f.write(
-                    f"=== batch {batch} | version {version} | task {e.task_id} | answer {e.info.get('answer')}\n"
+                    f"=== batch {batch} | version {version} | task {e.task_id} | "
+                    f"answer {e.info.get('answer')}\n"
                     f"[prompt] {decode(e.tokens[: e.prompt_length])}\n"
                 )
                 for x in g[:2]:
@@ -349,7 +368,8 @@ EVAL_SETTINGS = (
 
 
 def eval_cache(cfg, engine: Engine, held_out: list[Task], n: int) -> Path | None:
-    """NANORFT_CACHE/evals/KEY.json, KEY a digest of engine.loaded_from's files, tasks, settings (None: none)."""
+    """NANORFT_CACHE/evals/KEY.json, KEY a digest of engine.loaded_from's files, tasks, settings
+    (None: none)."""
     if not engine.loaded_from or not (model := Path(engine.loaded_from)).is_dir():
         return None
     key = hashlib.sha256()
@@ -374,48 +394,34 @@ def correct_counts(groups: list[list[Experience] | None]) -> list[int]:
     return counts
 
 
+def episode_means(infos: list[dict], prefix: str) -> dict[str, float]:
+    """{prefix + NAME: mean} of the episodes' own info["metrics"] (an agent's), one sample per
+    episode; {} where none has any."""
+    firsts = {}
+    for info in infos:
+        if "metrics" in info:
+            firsts.setdefault(info.get("episode_id", id(info)), info["metrics"])
+    ms = list(firsts.values())
+    names = dict.fromkeys(k for m in ms for k in m)
+    return {prefix + k: sum(m[k] for m in ms if k in m) / sum(k in m for m in ms) for k in names}
+
+
+def episode_record(exps: list[Experience]) -> dict[str, float]:
+    """A batch's rollout/* metrics of its multi-turn episodes (the Experiences with an
+    info["episode_id"]: samples per episode, mean turns) and the episodes' own metrics
+    (`episode_means`); {} for single-turn rollouts."""
+    episodes = {e.info["episode_id"]: e.info for e in exps if "episode_id" in e.info}.values()
+    record = {}
+    if episodes:
+        samples = sum(i["samples"] for i in episodes)
+        record["rollout/samples_per_episode"] = samples / len(episodes)
+        record["rollout/turns_mean"] = sum(i["turns"] for i in episodes) / len(episodes)
+    record.update(episode_means([e.info for e in exps], "rollout/"))
+    return record
+
+
 def format_rate(exps: list[Experience], key: str) -> dict[str, float]:
-    """{key: the fraction of `exps` with a readable reply (`workflows.readable`)}; {} without replies."""
+    """{key: the fraction of `exps` with a readable reply (`workflows.readable`)}; {} without
+    replies."""
     marks = [m for m in (readable(e.info) for e in exps) if m is not None]
     return {key: sum(marks) / len(marks)} if marks else {}
-
-
-def explore(
-    cfg, engine: Engine, tasks: tuple, buffer: Buffer, pace: Pace, log, batches: int
-) -> None:
-    """The explorer's loop up to batch `batches`, paced by `pace`, evaluating each eval_interval; closes `engine`."""
-    try:
-        pace.join()
-        explorer = Explorer(cfg, engine, *tasks, log)
-        first = explorer.resume(buffer)
-        if cfg.teacher and cfg.eval_size and first == 0:
-            from extras.distill import evaluate_teacher
-
-            # the teacher's held-out accuracy, once, with batch 0's record
-            explorer.curation.update(evaluate_teacher(cfg, engine, tasks))
-        evaluated = None  # the weight version last evaluated
-
-        def evaluate() -> int:
-            with engine.paced_by(None):  # no in-flight updates: one version per evaluation
-                if cfg.eval_size and (record := explorer.evaluate(engine.version)) is not None:
-                    log(record)
-            return engine.version
-
-        with engine.paced_by(pace.inflight if cfg.inflight else None):
-            for batch in range(first, batches):
-                if not pace.before_batch(batch):
-                    break
-                log(explorer.rollout_batch(batch, buffer))
-                # after the last batch of a version: the trainer trains every batch of it while we evaluate
-                next_version = required_version(batch + 1, cfg.sync_interval, cfg.sync_offset)
-                last_of_version = batch + 1 == batches or engine.version < next_version
-                if last_of_version and (
-                    evaluated is None
-                    or engine.version // cfg.eval_interval > evaluated // cfg.eval_interval
-                ):
-                    evaluated = evaluate()
-        pace.final()
-        if evaluated != engine.version:
-            evaluate()
-    finally:
-        engine.close()

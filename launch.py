@@ -2,7 +2,7 @@
 
 import ctypes.util
 import importlib.metadata
-import multiprocessing.util
+import ipaddress
 import os
 import signal
 import socket
@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 
+import sync
 from config import Config, parse_config
 
 # a failed run's time to release its groups, stores and files on the way out (seconds; the tests shorten it)
@@ -65,21 +67,6 @@ def place(gpus: int, ranks: int, mode: str) -> Placement:
     if gpus == ranks:
         return Placement(trainer, "cuda:0", True, "cpu")
     return Placement(trainer, f"cuda:{ranks}", False, "cuda", gpus - ranks - 1)
-
-
-def sync_method(cfg: Config, layout: Placement) -> str:
-    """cfg.sync_method for `layout` (auto: ipc where the explorer shares trainer rank 0's GPU and
-    the CUDA allocator allows handles, else broadcast). ValueError (one line): ipc where the
-    explorer does not share trainer rank 0's device (extras/ipc_sync.py)."""
-    from extras.ipc_sync import check_placement, cuda_ipc_allowed, shares_rank_0s_device
-
-    if cfg.sync_method == "auto":
-        # on one GPU a broadcast goes through host memory (gloo), a handle does not (docs/gpus.md)
-        by_handle = layout.explorer.startswith("cuda") and cuda_ipc_allowed()
-        return "ipc" if by_handle and shares_rank_0s_device(cfg, layout) else "broadcast"
-    if cfg.sync_method == "ipc":
-        check_placement(cfg, layout)
-    return cfg.sync_method
 
 
 def gpu_count() -> int:
@@ -186,9 +173,29 @@ def gloo_interface() -> str | None:
     one_host = master in ("", "127.0.0.1", "localhost")
     if os.environ.get("GLOO_SOCKET_IFNAME") or one_host:
         return None
-    from extras.hosts import gloo_interface
+    try:
+        address = sync.local_address(master)
+    except OSError:  # no route to it: torch's own error names the address
+        return None
+    # gloo would bind the hostname's address, often loopback (Debian: 127.0.1.1), where other
+    # nodes cannot reach it
+    if ipaddress.ip_address(address).is_loopback:  # one host
+        return None
+    if (name := interface_of(address)) is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+    return name
 
-    return gloo_interface(master)
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface that holds `address` (e.g. "eth0"), else None."""
+    return next(
+        (
+            name
+            for name, addrs in psutil.net_if_addrs().items()
+            if any(a.address == address for a in addrs)
+        ),
+        None,
+    )
 
 
 def split_threads(cfg: Config, world: int) -> None:
@@ -262,62 +269,3 @@ def exit_quietly(*_) -> None:
     """SIGTERM handler (the trainer failed and reported it): exit code 1, no second report."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     sys.exit(1)
-
-
-def run_mode_both(
-    cfg,
-    model_path: str,
-    tasks: tuple,
-    port: int | None,
-    queue,
-    start_version: int,
-    layout: Placement,
-    core_flags=None,
-) -> None:
-    """Mode both's explorer process (`port` None: checkpoint sync): puts metric records, and an
-    error line if it fails (exit code 1), on `queue`."""
-    import perf
-    import sync
-    from buffer import open_buffer
-    from engines import HFEngine, make_engine, use_gpu
-    from explorer import engine_seed, explore
-    from schedule import Schedule
-
-    parent = os.getppid()
-    alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
-    signal.signal(signal.SIGTERM, exit_quietly)
-    # Ctrl-C: the trainer says how to resume; no second report
-    signal.signal(signal.SIGINT, exit_quietly)
-    try:
-        queue.put({"status": f"starting the {cfg.engine} engine"})
-        engine = make_engine(
-            cfg,
-            model_path,
-            engine_seed(cfg),
-            use_gpu(layout.explorer),
-            colocated=layout.colocated,
-            version=start_version,
-            status=lambda text: queue.put({"status": text}),
-        )
-        receiver = sync.Receiver(engine, cfg, queue.put, alive, port, layout.sync_device)
-        pace = Schedule(cfg, receiver, cfg.steps)
-        if core_flags is not None and isinstance(engine, HFEngine):
-            # one machine's cores: the side that waits lends its threads to the other
-            cores = perf.CoreShare(core_flags, 1, cfg.explorer_threads, cfg.trainer_threads)
-            perf.lend_threads(engine.model, cores)
-            pace = perf.LendingPace(pace, cores)
-        buffer = open_buffer(cfg.buffer, cfg.run_dir)
-        explore(cfg, engine, tasks, buffer, pace, queue.put, cfg.steps)
-    except Exception as e:  # reported by the trainer as one line; the process exits with code 1
-        log = Path(cfg.run_dir) / f"error_{cfg.explorer_name}.log"
-        log.write_text(traceback.format_exc())
-        queue.put({"error": f"{type(e).__name__}: {e} (traceback: {log})"})
-        queue.close()
-        queue.join_thread()
-        sys.exit(1)
-    except SystemExit:
-        # SIGTERM, Ctrl-C (exit_quietly): multiprocessing's exit handlers, then no teardown of the
-        # weight-sync group, whose destructor would wait for a broadcast that never comes
-        queue.cancel_join_thread()
-        multiprocessing.util._exit_function()
-        os._exit(1)

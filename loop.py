@@ -1,29 +1,24 @@
-"""What the RL loop in run.py talks to on a trainer rank: `started` makes the trainer and starts
-the explorer (mode both) or joins the explorers (mode train); `StepIO` reads each batch from
-its batch source (`BufferBatches`, or offline data), hands the weights to its publisher
-(sync.py: sent to the explorers, a checkpoint, none) and logs the step."""
+"""What the RL loop in run.py talks to on a trainer rank: `StepIO` reads each batch from its batch
+source (`BufferBatches`, or offline data), hands the weights to its publisher (sync.py: sent to
+the explorers, a checkpoint, none) and logs the step; `start_explorer` spawns mode both's
+explorer process, `finish` ends the run. The composition root (components.py) builds them."""
 
-import contextlib
 import dataclasses
-import functools
 import json
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
-import launch
 import perf
 import sync
-from buffer import Experience, open_buffer
-from checkpoints import delete_resume_states, load_resume_state, resume_state
-from metrics import Metrics, eval_line, print0, trackers
+from buffer import Experience
+from checkpoints import delete_resume_states
+from metrics import Metrics, eval_line, plot, print0
 from perf import JobMeter
 from trainer import Trainer
 
@@ -31,6 +26,21 @@ from trainer import Trainer
 ZERO_ADVANTAGE_WARN_STEPS = 3
 # stop when the reward function failed on every rollout of this many consecutive steps
 REWARD_ERROR_STEPS = 3
+
+
+def check_sampling(cfg, groups: list[list[Experience]]) -> None:
+    """RuntimeError (one line) for a rollout sampled at another temperature or top-p than
+    cfg's: the trainer computes the current log-probs at cfg.temperature, so every importance
+    ratio would be biased. (An explorer launched with other flags than the trainer.)"""
+    for e in (e for g in groups for e in g):
+        sampled = (e.info.get("temperature", cfg.temperature), e.info.get("top_p", cfg.top_p))
+        if sampled != (cfg.temperature, cfg.top_p):
+            raise RuntimeError(
+                f"experience {e.group_id} of explorer {e.explorer!r} was sampled at temperature "
+                f"{sampled[0]}, top_p {sampled[1]}; this trainer computes log-probs at temperature "
+                f"{cfg.temperature}, top_p {cfg.top_p}: launch both sides with the same "
+                "--temperature and --top-p"
+            )
 
 
 class BufferBatches:
@@ -62,8 +72,6 @@ class BufferBatches:
         # mode both's explorer samples with this very cfg: only another launch, or the run
         # resumed, can have sampled at other settings
         if cfg.mode == "train" or cfg.resume:
-            from extras.train_mode import check_sampling
-
             check_sampling(cfg, groups)
         return groups, {"staleness/dropped_groups": dropped}
 
@@ -106,7 +114,7 @@ class StepIO:
         self.world = world
         self.buffer = buffer
         self.metrics = metrics
-        # the batch source: BufferBatches, or extras.offline.OfflineBatches
+        # the batch source: BufferBatches, or offline data's
         self.batches = batches
         # --replay's groups, the experience pipeline and --expert-data's mixing, in that order
         self.shape = shape
@@ -114,7 +122,7 @@ class StepIO:
         self.trainer_meter = trainer_meter
         self.explorer_meter = explorer_meter
         self.explorers = Explorers()
-        self.publisher = sync.make_publisher(cfg, rank, None)
+        self.publisher = None  # until `connect`
         self.extra_metrics: Callable[[], dict] = dict
         # when rank 0 last looked for explorer status while waiting for a batch
         self.status_at = 0.0
@@ -136,7 +144,7 @@ class StepIO:
         self, explorers: Explorers, publisher, extra_metrics: Callable[[], dict] = dict
     ) -> None:
         """Once the explorers run: their link, the weight publisher, the metrics of a service
-        beside the run (extras/label_studio.py's annotator); the step's clock starts."""
+        beside the run (a human annotator's); the step's clock starts."""
         self.explorers = explorers
         self.publisher = publisher
         self.extra_metrics = extra_metrics
@@ -295,62 +303,6 @@ def queued(queue) -> list[dict]:
     return [queue.get() for _ in iter(lambda: queue.empty(), True)]
 
 
-@contextlib.contextmanager
-def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks: tuple):
-    """Modes both and train on this trainer rank: yields (the resumed Trainer, its StepIO, the first
-    step) with the explorer (mode both, rank 0; stopped on an error) or the explorers' group (mode
-    train) running; on leaving, rank 0 waits for the explorers and writes the final files."""
-    torch.set_num_threads(cfg.trainer_threads)
-    trainer_class = Trainer
-    if cfg.lora_rank:  # peft adapters on a frozen model (ValueError without peft)
-        from extras.lora import LoraTrainer
-
-        trainer_class = LoraTrainer
-    trainer = trainer_class(cfg, model_path, device)
-    perf.return_free_memory(cfg.return_memory_s)
-    state = resume_state(cfg.run_dir) if cfg.resume else None
-    start = load_resume_state(trainer, state) if state else 0
-    step_io = make_step_io(cfg, trainer, start, model_path, rank, world, layout, device)
-    explorer = weights = None
-    annotating = threading.Event()
-    try:
-        extra_metrics = dict
-        if rank == 0 and cfg.annotation:
-            from extras.label_studio import start_annotator
-
-            extra_metrics = start_annotator(cfg, trainer.tokenizer, annotating)
-        explorers = Explorers()
-        send = None
-        if rank == 0 and cfg.mode == "both":
-            explorer_model = str(state / "hf") if state else model_path
-            explorer, weights, explorers = start_explorer(
-                cfg, explorer_model, trainer.version, layout, tasks
-            )
-            if weights:
-                send = functools.partial(weights.send, alive=explorers.alive)
-        if cfg.mode == "train" and not cfg.train_data:
-            from extras.train_mode import connect_explorers
-
-            weights, explorers = connect_explorers(cfg, step_io.buffer, layout, trainer, rank)
-            send = weights.send if weights else None
-        step_io.connect(explorers, sync.make_publisher(cfg, rank, send), extra_metrics)
-        if explorers.cores is not None:  # threads the explorer lends while it waits
-            perf.lend_threads(trainer.model, explorers.cores)
-        yield trainer, step_io, start
-        step_io.bar.close()
-        if rank == 0:
-            finish(cfg, step_io, explorer, weights)
-    except BaseException:
-        step_io.bar.close()
-        if explorer is not None:
-            stop_explorer(explorer, step_io)
-        raise
-    finally:
-        annotating.set()
-        if step_io.metrics is not None:
-            step_io.metrics.close()
-
-
 def kept_on_resume(start: int, evals_from_buffer: bool) -> Callable[[dict], bool]:
     """On --resume from `start`: whether a record of metrics.jsonl stays, so that each is logged once."""
 
@@ -364,88 +316,29 @@ def kept_on_resume(start: int, evals_from_buffer: bool) -> Callable[[dict], bool
     return keep
 
 
-def make_step_io(
+def start_explorer(
     cfg,
-    trainer,
-    start: int,
     model_path: str,
-    rank: int = 0,
-    world: int = 1,
-    layout=None,
-    device=None,
-) -> StepIO:
-    """This rank's StepIO at step `start`. Rank 0 opens the buffer (on --resume, experiences
-    served after `start` go back), metrics.jsonl, the batch source (the buffer, or --train-data),
-    the shaping (--replay, experience pipeline, --expert-data) and, given `layout`, FLOP meters."""
-    if rank != 0:
-        return StepIO(cfg, trainer, start, rank, world)
-    buffer = open_buffer(cfg.buffer, cfg.run_dir)
-    buffer.set_run_state("trainer_done", None)  # a trainer is running (again)
-    if cfg.resume:
-        released = buffer.release_after(start)
-        print0(
-            f"resumed at step {start} (version {trainer.version}); {released} experiences served again"
-        )
-    evals_from_buffer = cfg.mode == "train" and not cfg.train_data
-    keep = kept_on_resume(start, evals_from_buffer) if cfg.resume else None
-    metrics = Metrics(Path(cfg.run_dir), cfg, keep)
-    shape = None
-    if cfg.train_data:
-        from extras.offline import OfflineBatches
-
-        batches = OfflineBatches(cfg, trainer.tokenizer, start)
-    else:
-        batches = BufferBatches(cfg, buffer)
-        if cfg.replay:  # consumed groups after the fresh ones, shaped with them
-            from extras.pipelines import Replay
-
-            shape = Replay(buffer, cfg.replay)
-    if cfg.experience_pipeline:
-        from extras.pipelines import ExperiencePipeline
-
-        shape = ExperiencePipeline(cfg.experience_pipeline, trainer.tokenizer, model_path, shape)
-    if cfg.expert_fraction:
-        from extras.offline import ExpertMixing
-
-        shape = ExpertMixing(cfg, trainer, shape)
-    trainer_meter = None
-    explorer_meter = None
-    if layout is not None:  # model FLOPs and MFU beside the RL step
-        matmul = perf.matmul_params(model_path)  # the explorer samples with the same model
-        passes = 3 + trainer.needs_ref  # forward and backward, and a reference model's forward
-        trainer_meter = perf.TrainerMeter(matmul, device.type, cfg.dtype, passes)
-        # mode both: the explorer's device; mode train: explorers taken to be on the trainer's kind
-        explorer_device = layout.explorer if cfg.mode == "both" else device.type
-        explorer_device = "cuda" if explorer_device.startswith("cuda") else "cpu"
-        explorer_meter = perf.ExplorerMeter(matmul, explorer_device, cfg.dtype)
-    return StepIO(
-        cfg,
-        trainer,
-        start,
-        rank,
-        world,
-        buffer,
-        metrics,
-        batches,
-        shape,
-        trainer_meter,
-        explorer_meter,
-    )
-
-
-def start_explorer(cfg, model_path: str, version: int, layout, tasks: tuple):
-    """Mode both, rank 0: spawn the explorer process; returns (it, sync.WeightSync or None, its
-    Explorers link)."""
+    version: int,
+    layout,
+    tasks: tuple,
+    target: Callable,
+    transport: type | None,
+    wait_loaded: Callable | None = None,
+):
+    """Mode both, rank 0: spawn the explorer process running `target` (run.explorer_process);
+    returns (it, its weight-sync group of class `transport` or None (checkpoints: then
+    `wait_loaded(process, queue)` waits for its start weights), its Explorers link)."""
     import torch.multiprocessing as mp
 
-    weights = weight_group(cfg, layout, 1) if cfg.sync_method != "checkpoint" else None
+    weights = weight_group(cfg, layout, 1, transport) if transport else None
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     # cores of one machine, one rank
     share = layout.explorer == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) == 1
     flags = ctx.Array("i", 2) if share else None
     explorer = ctx.Process(
-        target=launch.run_mode_both,
+        target=target,
         name="explorer",
         args=(
             cfg,
@@ -466,15 +359,14 @@ def start_explorer(cfg, model_path: str, version: int, layout, tasks: tuple):
     if weights:
         weights.connect(explorers.alive)
     else:
-        from extras.checkpoint_sync import wait_until_loaded
-
-        wait_until_loaded(explorer, queue)
+        wait_loaded(explorer, queue)
     return explorer, weights, explorers
 
 
-def weight_group(cfg, layout, receivers: int):
-    """Trainer rank 0's end of the weight-sync group of `receivers` explorers."""
-    return sync.transport(cfg.sync_method)(
+def weight_group(cfg, layout, receivers: int, transport: type = sync.WeightSync):
+    """Trainer rank 0's end of the weight-sync group of `receivers` explorers (`transport`:
+    sync.WeightSync, or a class with its interface)."""
+    return transport(
         0,
         1 + receivers,
         port=cfg.sync_port,
@@ -486,8 +378,9 @@ def weight_group(cfg, layout, receivers: int):
     )
 
 
-def finish(cfg, loop, explorer, weights) -> None:
-    """Rank 0 after the last step: wait for the explorer(s) (RuntimeError if one failed), write the final files."""
+def finish(cfg, loop, explorer, weights, board: bool) -> None:
+    """Rank 0 after the last step: wait for the explorer(s) (RuntimeError if one failed), write
+    the final files; `board`: the run logs to TensorBoard."""
     run_dir = Path(cfg.run_dir)
     if weights:
         weights.wait(loop.explorers.alive)
@@ -500,9 +393,7 @@ def finish(cfg, loop, explorer, weights) -> None:
             )
     loop.buffer.set_run_state("trainer_done", str(loop.trainer.version))
     if weights and not explorer:  # mode train: the explorers see trainer_done and leave the group
-        from extras.train_mode import wait_left
-
-        wait_left(weights, cfg.sync_timeout_s)
+        weights.wait_left(cfg.sync_timeout_s)
     (run_dir / "final" / "nanorft_config.json").write_text(
         json.dumps(dataclasses.asdict(cfg), indent=2)
     )
@@ -512,13 +403,9 @@ def finish(cfg, loop, explorer, weights) -> None:
         )
     print0(f"final weights: {run_dir / 'final'}")
     if cfg.plot:
-        from extras.plot import plot
-
         print0(f"plot: {plot(run_dir)}")
-    board = ""
-    if "tensorboard" in trackers(cfg):
-        board = f" (TensorBoard: tensorboard --logdir {run_dir})"
-    print0(f"metrics: {run_dir / 'metrics.jsonl'}{board}")
+    shown = f" (TensorBoard: tensorboard --logdir {run_dir})" if board else ""
+    print0(f"metrics: {run_dir / 'metrics.jsonl'}{shown}")
 
 
 def join_draining(process, drain: Callable[[], Any], timeout_s: float | None = None) -> bool:

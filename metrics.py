@@ -1,17 +1,14 @@
-"""A run's numbers: RUN_DIR/metrics.jsonl (`Metrics`), trackers (TRACKERS; their adapters in extras/),
-the evaluation's statistics (`sampled_eval`, `pass_at_k`); plot.png is extras/plot.py's."""
+"""A run's numbers: RUN_DIR/metrics.jsonl (`Metrics`) and the trackers it writes to
+(`TensorBoardLog`, the default; the others are handed over by the composition root), the
+evaluation's statistics (`sampled_eval`, `pass_at_k`), and RUN_DIR/plot.png (`plot`)."""
 
 import contextlib
-import dataclasses
-import importlib.util
 import json
 import math
 import numbers
 import os
 from pathlib import Path
 from typing import Callable
-
-from losses import resolve
 
 
 def print0(*args) -> None:
@@ -114,28 +111,114 @@ def json_safe(x):
     return [json_safe(v) for v in x] if isinstance(x, (list, tuple)) else x
 
 
-# name -> the adapter's import path (imported only when a run logs to it)
-TRACKERS = {
-    "tensorboard": "extras.tensorboard_log.TensorBoardLog",
-    "wandb": "extras.wandb_log.WandbLog",
-    "mlflow": "extras.mlflow_log.MLflowLog",
-}
-PIP = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny sqlalchemy alembic"}
+class TensorBoardLog:
+    """Scalars as TensorBoard event files in RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`)."""
+
+    def __init__(self, run_dir: Path, config: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.writer.add_text(
+            "config", "    " + json.dumps(config, indent=2).replace("\n", "\n    ")
+        )
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for k, v in scalars.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
-def trackers(cfg) -> list[str]:
-    """The trackers named by cfg.log. ValueError (one line): an unknown one, or its package missing."""
-    names = [x.strip() for x in cfg.log.split(",") if x.strip() and x.strip() != "none"]
-    for name in names:
-        if name not in TRACKERS:
-            raise ValueError(
-                f"--log: unknown tracker {name!r} (choose from {', '.join(TRACKERS)}, or none)"
-            )
-        if name in PIP and importlib.util.find_spec(name) is None:
-            raise ValueError(
-                f"--log {name}: the {name} package is not installed (pip install {PIP[name]})"
-            )
-    return names
+def plot(run_dir: Path) -> Path:
+    """Draw RUN_DIR/metrics.jsonl into RUN_DIR/plot.png (`figure`); returns its path."""
+    recs = [
+        json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()
+    ]
+    figure(recs, run_dir.name).savefig(out := run_dir / "plot.png", dpi=100)
+    return out
+
+
+def eval_curves(ax, evals: list[dict]) -> None:
+    """Greedy accuracy, avg@k (+- 1 s.e.), format rate and the base model's pass@J against version."""
+    ax.errorbar(
+        [r["eval/version"] for r in evals],
+        [r["eval/accuracy"] for r in evals],
+        [r.get("eval/accuracy_stderr", 0) for r in evals],
+        fmt="o-",
+        capsize=3,
+        label="held-out accuracy (greedy)",
+    )
+    if sampled := [r for r in evals if "eval/avg_at_k" in r]:
+        ax.errorbar(
+            [r["eval/version"] for r in sampled],
+            [r["eval/avg_at_k"] for r in sampled],
+            [r["eval/avg_at_k_stderr"] for r in sampled],
+            fmt="s-",
+            capsize=3,
+            label=f"held-out avg@{sampled[0]['eval/k']} (+- 1 s.e.)",
+        )
+    if fmt := [r for r in evals if "eval/format_rate" in r]:
+        ax.plot(
+            [r["eval/version"] for r in fmt],
+            [r["eval/format_rate"] for r in fmt],
+            "^--",
+            alpha=0.6,
+            label="format rate (greedy)",
+        )
+    if base := [
+        r for r in evals if r["eval/version"] == 0 and r.get("eval/samples", 0) > r.get("eval/k", 0)
+    ]:
+        n = base[0]["eval/samples"]
+        ax.axhline(
+            base[0][f"eval/pass_at_{n}"], color="gray", linestyle=":", label=f"base model pass@{n}"
+        )
+
+
+def figure(recs: list[dict], title: str = ""):
+    """The Figure of metric records `recs`: reward, accuracy, length, losses, entropy, grad norm against step."""
+    from matplotlib.figure import Figure
+
+    steps = [r for r in recs if "loss/grad_norm" in r]
+    evals = [r for r in recs if r.get("eval/accuracy") is not None]
+    fig = Figure(figsize=(12, 7))
+    axes = fig.subplots(2, 2)
+
+    def curve(ax, key, label, **kw):
+        xs = [(r["step"], r[key]) for r in steps if r.get(key) is not None]
+        if xs:
+            ax.plot(*zip(*xs), label=label, **kw)
+        return bool(xs)
+
+    ax = axes[0, 0]
+    rewards = curve(ax, "reward/mean", "train reward (mean)", alpha=0.7)
+    if evals:
+        eval_curves(ax, evals)
+    if rewards or evals:
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title("reward and held-out accuracy" if rewards else "held-out accuracy")
+    else:  # offline data (SFT, DPO): no rollouts to reward, no evaluations
+        curve(ax, "loss/policy", "training loss", color="tab:red")
+        curve(ax, "loss/pair_correct", "pairs ranked right (DPO)", color="tab:purple")
+        ax.set_title("training loss (offline data: no rewards)")
+    curve(axes[0, 1], "response/len_mean", "mean response length (tokens)", color="tab:green")
+    axes[0, 1].set_title("response length (tokens)")
+    curve(axes[1, 0], "loss/policy", "policy loss")
+    curve(axes[1, 0], "loss/kl_ref", "KL to reference")
+    curve(axes[1, 0], "loss/kl_behaviour", "KL to behaviour policy")
+    axes[1, 0].set_title("loss")
+    curve(axes[1, 1], "loss/entropy", "token entropy (nats)")
+    curve(axes[1, 1], "loss/grad_norm", "grad norm (before clipping)")
+    axes[1, 1].set_title("entropy and gradient norm")
+    for a in axes.flat:
+        a.set_xlabel("trainer step (weight version)")
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
 
 
 class JsonlLog:
@@ -165,15 +248,15 @@ class JsonlLog:
 
 
 class Metrics(JsonlLog):
-    """Rank 0's log: each record to RUN_DIR/metrics.jsonl, its finite numbers to the trackers. `keep`: as JsonlLog's."""
+    """Rank 0's log: each record to RUN_DIR/metrics.jsonl, its finite numbers to `trackers`
+    (objects with `log(scalars, step)` and `close()`, such as TensorBoardLog). `keep`: as
+    JsonlLog's."""
 
-    def __init__(self, run_dir: Path, cfg=None, keep: Callable[[dict], bool] | None = None):
+    def __init__(
+        self, run_dir: Path, trackers: list = (), keep: Callable[[dict], bool] | None = None
+    ):
         super().__init__(run_dir / "metrics.jsonl", keep)
-        names = trackers(cfg) if cfg else []
-        self.trackers = [
-            resolve(TRACKERS[name], {}, "tracker")(run_dir, dataclasses.asdict(cfg))
-            for name in names
-        ]
+        self.trackers = list(trackers)
 
     def write(self, record: dict) -> None:
         super().write(record)
@@ -189,3 +272,98 @@ class Metrics(JsonlLog):
         super().close()
         for t in self.trackers:
             t.close()
+
+
+# ----------------------------------------------------------------------------- a training step's
+
+
+def reward_metrics(rewards) -> dict[str, float]:
+    """reward/mean and reward/std of the rollouts' rewards [n] (none of no rollouts)."""
+    if not len(rewards):
+        return {}
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+    }
+
+
+def micro_batch_sums(share, lp, behaviour, entropy, mask, offline, terms: dict) -> dict:
+    """Trainer.forward_backward's metrics of one micro-batch, 0-dim tensors on its device (no
+    wait for the device per micro-batch): "loss/policy" (`share`, its part of the policy loss),
+    each per-token metric summed over the trained tokens (the policy's and behaviour's
+    log-probs `lp`, `behaviour`, `entropy`, `mask` [B, R]; `terms`: name -> [B, R] of the loss
+    and the scorers), "tokens", and the importance ratio's extremes. `offline` [B]: expert
+    sequences, which have no behaviour log-probs."""
+    import torch
+
+    from losses import kl_estimate, masked_sum
+
+    rollout = ~offline[:, None]  # [B, 1]
+    log_ratio = lp - behaviour  # [B, R]
+    ratio = torch.exp(log_ratio.clamp(-20, 20))  # [B, R]
+    parts = {
+        "loss/entropy": entropy,
+        "loss/kl_behaviour": kl_estimate(behaviour, lp, "k3") * rollout,
+        "loss/logprob_abs_diff": log_ratio.abs() * rollout,
+        "loss/ratio_mean": ratio * rollout,
+        # the losses clamp the log-ratio to +-20 (as verl): a token beyond trains wrong
+        "loss/log_ratio_clamped": (log_ratio.abs() > 20) * rollout,
+        **terms,
+    }
+    # no boolean index: its size would wait for the device
+    rated = (mask * rollout) > 0  # [B, R]
+    return {
+        "loss/policy": share,
+        **{k: masked_sum(v.float(), mask) for k, v in parts.items()},
+        "tokens": mask.sum(),
+        "loss/ratio_max": torch.where(rated, ratio, -math.inf).max(),
+        "loss/ratio_min": torch.where(rated, ratio, math.inf).min(),
+    }
+
+
+def step_metrics(
+    batch,
+    adv,
+    keep,
+    filtered: dict[str, int],
+    *,
+    grad_norm: float,
+    lr: float,
+    micro_batches: int,
+    train_s: float,
+    computed_tokens: int,
+    device,
+) -> dict[str, float]:
+    """Trainer.step's metrics beside its reduced loss sums, of its global batch `batch` (a
+    trainer.StepBatch) with advantages `adv` [N], the sequences the filters kept (`keep` [N],
+    `filtered`: filter/<name> -> how many it dropped), and the step's own numbers; the peak
+    memory of this process (and of its GPU, on `device` cuda)."""
+    import torch
+
+    m = {}
+    if (rollout := ~batch.offline).any():
+        m["advantage/mean"] = float(adv[rollout].mean())
+        m["advantage/abs_mean"] = float(adv[rollout].abs().mean())
+    lengths = [len(e.behaviour_logprobs) for e in batch.exps]
+    tokens = sum(len(e.tokens) for e in batch.exps)
+    m.update(
+        {
+            **filtered,
+            "loss/grad_norm": grad_norm,
+            "train/lr": lr,
+            "filter/kept": int(keep.sum()),
+            "train/expert_seqs": int(batch.offline.sum()),
+            "train/micro_batches": micro_batches,
+            "response/len_mean": sum(lengths) / len(lengths),
+            "response/len_max": max(lengths),
+            "time/train_s": train_s,
+            "train/tokens_per_s": tokens / train_s,
+            "train/computed_tokens": computed_tokens,
+            "train/sequence_tokens": tokens,
+            "memory/trainer_peak_rss_gib": peak_rss_gib(),
+        }
+    )
+    if device.type == "cuda":
+        m["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        m["memory/reserved_gib"] = torch.cuda.memory_reserved(device) / 2**30
+    return m

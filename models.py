@@ -1,4 +1,5 @@
-"""Models: which model (`resolve_model`), in which precision (`choose_dtype`), pad token, cache (`cache_dir`)."""
+"""Models: which model (`resolve_model`), in which precision (`choose_dtype`), pad token, cache
+(`cache_dir`)."""
 
 import contextlib
 import importlib.util
@@ -10,7 +11,8 @@ import torch
 
 
 def limit_heap_fragmentation() -> None:
-    """glibc: allocations of 64 KiB and more get their own mmap (the growing default leaves the heap fragmented)."""
+    """glibc: allocations of 64 KiB and more get their own mmap (the growing default leaves the heap
+    fragmented)."""
     import ctypes.util
 
     with contextlib.suppress(OSError, AttributeError):
@@ -19,7 +21,8 @@ def limit_heap_fragmentation() -> None:
 
 
 def native_bf16(device_type: str) -> bool:
-    """Whether the device computes bf16 natively (a CPU: oneDNN's bf16 kernels; NANORFT_CPU_BF16=1/0 forces it)."""
+    """Whether the device computes bf16 natively (a CPU: oneDNN's bf16 kernels; NANORFT_CPU_BF16=1/0
+    forces it)."""
     if device_type == "cuda":
         return torch.cuda.is_bf16_supported()
     forced = os.environ.get("NANORFT_CPU_BF16")
@@ -29,7 +32,8 @@ def native_bf16(device_type: str) -> bool:
 
 
 def choose_dtype(requested: str, device_type: str) -> tuple[str, str]:
-    """(dtype, reason) for `requested` on `device_type`: auto picks bfloat16 only where it is native."""
+    """(dtype, reason) for `requested` on `device_type`: auto picks bfloat16 only where it is
+    native."""
     where = "CUDA device"
     if device_type != "cuda":
         where = f"this CPU ({torch.backends.cpu.get_cpu_capability()})"
@@ -54,7 +58,8 @@ def cache_dir() -> Path:
 
 
 def read_cached(path: Path) -> dict:
-    """The JSON object in cache file `path`; {} where it is missing or unreadable (a miss, never an error)."""
+    """The JSON object in cache file `path`; {} where it is missing or unreadable (a miss, never an
+    error)."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -62,7 +67,8 @@ def read_cached(path: Path) -> dict:
 
 
 def write_cached(path: Path, record: dict) -> None:
-    """Write cache file `path` atomically; one that cannot be written is skipped (computed again next time)."""
+    """Write cache file `path` atomically; one that cannot be written is skipped (computed again
+    next time)."""
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -70,13 +76,16 @@ def write_cached(path: Path, record: dict) -> None:
         os.replace(tmp, path)
 
 
-def resolve_model(name: str) -> str:
-    """Path of a local model directory (smollm2-135m, a Hub id, a directory). FileNotFoundError when missing."""
-    hub_id = name.count("/") == 1 and not name.startswith((".", "/"))
-    if name != BUILTIN_MODEL and hub_id and not Path(name).exists():
-        from extras.hub import hub_snapshot
+def hub_id(name: str) -> bool:
+    """Whether model `name` is a Hugging Face Hub id (owner/name), which the composition root
+    fetches, rather than a directory or the default model."""
+    owner_name = name.count("/") == 1 and not name.startswith((".", "/"))
+    return name != BUILTIN_MODEL and owner_name and not Path(name).exists()
 
-        name = hub_snapshot(name)
+
+def resolve_model(name: str) -> str:
+    """Path of a local model directory (smollm2-135m, converted once, or a directory).
+    FileNotFoundError when missing; ValueError: its config.json cannot be loaded."""
     if name != BUILTIN_MODEL:
         if not (Path(name) / "config.json").is_file():
             raise FileNotFoundError(f"model directory not found (no config.json): {name}")

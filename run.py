@@ -1,25 +1,38 @@
-"""nanorft: reinforcement fine-tuning of LLMs. `rl_loop` is the RL cycle of modes both and
-train; `prepare` checks every input before any process starts; `main` runs the mode.
+"""nanorft: reinforcement fine-tuning of LLMs. The two cycles: `rl_loop` (the trainer's, modes
+both and train) and `explorer_loop` (the explorer's, in its own process); `prepare` checks every
+input before any process starts; `main` runs the mode. Together with components.py, the
+composition root: the only place that names the optional parts of extras/.
 
     torchrun run.py --mode both --sync-interval 2     # the default job (python run.py: the same)
     torchrun --nproc_per_node 2 run.py --mode both    # two FSDP trainer ranks
     python run.py --help                              # every setting (config.py), with its help
 """
 
+import contextlib
 import dataclasses
+import functools
 import json
+import multiprocessing.util
 import os
 import shutil
+import signal
 import sys
+import threading
+import traceback
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
+import components
 import launch
-from checkpoints import resume_state, save_resume_state
+import loop
+import perf
+from checkpoints import load_resume_state, resume_state, save_resume_state
 from config import Config, parse_config, task_preset
-from metrics import print0, trackers
+from metrics import print0
 from perf import announce_peak
-from schedule import publishes_after
+from schedule import publishes_after, required_version
 
 
 class Prepared(NamedTuple):
@@ -49,12 +62,95 @@ def rl_loop(cfg: Config, trainer, io, start: int) -> None:
         io.log(step, metrics, groups)
 
 
+def explorer_loop(cfg: Config, explorer, buffer, pace, log, batches: int) -> None:
+    """The explorer's cycle (`explorer`: explorer.Explorer), from the batch it resumes at up to
+    `batches`: for each batch, the weights the schedule asks for (`pace`: schedule.Schedule),
+    the rollouts of its tasks written to `buffer`, and an evaluation once a weight version
+    reaches a multiple of eval_interval. Records go to `log`."""
+    engine = explorer.engine
+    first = explorer.resume(buffer)
+    evaluated = None  # the weight version last evaluated
+    with engine.paced_by(pace.inflight if cfg.inflight else None):
+        for batch in range(first, batches):
+            # wait for (or load) the weights the schedule asks for; False: the run is over
+            if not pace.before_batch(batch):
+                break
+            # rollouts of the batch's tasks -> groups of experiences -> the buffer
+            log(explorer.rollout_batch(batch, buffer))
+            # after the last batch of a version: the trainer trains it while we evaluate
+            next_version = required_version(batch + 1, cfg.sync_interval, cfg.sync_offset)
+            last_of_version = batch + 1 == batches or engine.version < next_version
+            due = evaluated is None or (
+                engine.version // cfg.eval_interval > evaluated // cfg.eval_interval
+            )
+            if last_of_version and due:
+                evaluated = evaluate(cfg, explorer, log)
+    pace.final()
+    if evaluated != engine.version:
+        evaluate(cfg, explorer, log)
+
+
+def evaluate(cfg: Config, explorer, log) -> int:
+    """Score the held-out tasks with the engine's weights (no in-flight update meanwhile);
+    returns the version evaluated."""
+    engine = explorer.engine
+    with engine.paced_by(None):
+        if cfg.eval_size and (record := explorer.evaluate(engine.version)) is not None:
+            log(record)
+    return engine.version
+
+
+def explorer_process(
+    cfg: Config,
+    model_path: str,
+    tasks: tuple,
+    port: int | None,
+    queue,
+    start_version: int,
+    layout: launch.Placement,
+    core_flags=None,
+) -> None:
+    """Mode both's explorer process (`port` None: checkpoint sync): builds the engine, the
+    weight receiver and the explorer, runs `explorer_loop`; puts metric records, and an error
+    line if it fails (exit code 1), on `queue`."""
+    parent = os.getppid()
+    alive = lambda: os.getppid() == parent  # noqa: E731 - the trainer is our parent
+    signal.signal(signal.SIGTERM, launch.exit_quietly)
+    # Ctrl-C: the trainer says how to resume; no second report
+    signal.signal(signal.SIGINT, launch.exit_quietly)
+    try:
+        queue.put({"status": f"starting the {cfg.engine} engine"})
+        status = lambda text: queue.put({"status": text})  # noqa: E731
+        engine = components.explorer_engine(cfg, model_path, layout, start_version, status)
+        receiver = components.receiver(cfg, engine, queue.put, alive, port, layout.sync_device)
+        pace = components.explorer_pace(cfg, engine, receiver, core_flags)
+        buffer = components.open_buffer(cfg)
+        try:
+            pace.join()
+            explorer = components.make_explorer(cfg, engine, tasks, queue.put)
+            explorer_loop(cfg, explorer, buffer, pace, queue.put, cfg.steps)
+        finally:
+            engine.close()
+    except Exception as e:  # reported by the trainer as one line; the process exits with code 1
+        log = Path(cfg.run_dir) / f"error_{cfg.explorer_name}.log"
+        log.write_text(traceback.format_exc())
+        queue.put({"error": f"{type(e).__name__}: {e} (traceback: {log})"})
+        queue.close()
+        queue.join_thread()
+        sys.exit(1)
+    except SystemExit:
+        # SIGTERM, Ctrl-C (launch.exit_quietly): multiprocessing's exit handlers, then no
+        # teardown of the weight-sync group, whose destructor would wait for a broadcast that
+        # never comes
+        queue.cancel_join_thread()
+        multiprocessing.util._exit_function()
+        os._exit(1)
+
+
 def train(cfg: Config, prepared: Prepared) -> None:
     """Modes both and train, on each trainer rank: the RL loop (mode both: rank 0 spawns the
     explorer; mode train: the explorers are launches of their own)."""
     import torch.distributed as dist
-
-    import loop
 
     rank, world, device = launch.init_distributed()
     # rank 0's model directory and run dir (a free one it chose: prepare)
@@ -71,9 +167,9 @@ def train(cfg: Config, prepared: Prepared) -> None:
         f"{explorer}, model {model_path}, run dir {cfg.run_dir}\n"
         f"placement: {prepared.layout.describe(cfg.sync_method)}"
     )
-    started = loop.started(cfg, model_path, rank, world, device, prepared.layout, prepared.tasks)
+    the_run = started(cfg, model_path, rank, world, device, prepared.layout, prepared.tasks)
     try:
-        with started as (trainer, io, start):
+        with the_run as (trainer, io, start):
             rl_loop(cfg, trainer, io, start)
         # the ranks leave together: none tears the group down while rank 0 still finishes
         dist.barrier()
@@ -81,11 +177,85 @@ def train(cfg: Config, prepared: Prepared) -> None:
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks):
+    """Modes both and train on this trainer rank: yields (the resumed Trainer, its StepIO, the first
+    step) with the explorer (mode both, rank 0, running `explorer_process`; stopped on an error)
+    or the explorers' group (mode train) running; on leaving, rank 0 waits for the explorers and
+    writes the final files."""
+    torch.set_num_threads(cfg.trainer_threads)
+    trainer = components.make_trainer(cfg, model_path, device)
+    perf.return_free_memory(cfg.return_memory_s)
+    state = resume_state(cfg.run_dir) if cfg.resume else None
+    start = load_resume_state(trainer, state) if state else 0
+    step_io = components.make_step_io(cfg, trainer, start, model_path, rank, world, layout, device)
+    explorer = weights = None
+    annotating = threading.Event()
+    try:
+        extra_metrics = dict
+        if rank == 0 and cfg.annotation:
+            from extras.label_studio import start_annotator
+
+            extra_metrics = start_annotator(cfg, trainer.tokenizer, annotating)
+        explorers = loop.Explorers()
+        send = None
+        if rank == 0 and cfg.mode == "both":
+            explorer_model = str(state / "hf") if state else model_path
+            wait_loaded = None
+            if cfg.sync_method == "checkpoint":
+                from extras.checkpoint_sync import wait_until_loaded as wait_loaded
+            explorer, weights, explorers = loop.start_explorer(
+                cfg,
+                explorer_model,
+                trainer.version,
+                layout,
+                tasks,
+                explorer_process,
+                components.transport(cfg),
+                wait_loaded,
+            )
+            if weights:
+                send = functools.partial(weights.send, alive=explorers.alive)
+        if cfg.mode == "train" and not cfg.train_data:
+            from extras.train_mode import connect_explorers
+
+            connected = connect_explorers(
+                cfg, step_io.buffer, layout, trainer, rank, components.transport(cfg)
+            )
+            weights, explorers = connected
+            send = weights.send if weights else None
+        step_io.connect(explorers, components.publisher(cfg, rank, send), extra_metrics)
+        if explorers.cores is not None:  # threads the explorer lends while it waits
+            perf.lend_threads(trainer.model, explorers.cores)
+        yield trainer, step_io, start
+        step_io.bar.close()
+        if rank == 0:
+            board = "tensorboard" in components.tracker_names(cfg)
+            loop.finish(cfg, step_io, explorer, weights, board)
+    except BaseException:
+        step_io.bar.close()
+        if explorer is not None:
+            loop.stop_explorer(explorer, step_io)
+        raise
+    finally:
+        annotating.set()
+        if step_io.metrics is not None:
+            step_io.metrics.close()
+
+
 def explore(cfg: Config, prepared: Prepared) -> None:
-    """Mode explore: one explorer beside a `--mode train` launch (extras/explore_mode.py)."""
+    """Mode explore: one explorer beside a `--mode train` launch, running `explorer_loop`."""
     from extras.explore_mode import run_mode_explore
 
-    run_mode_explore(cfg, prepared)
+    run_mode_explore(
+        cfg,
+        prepared,
+        explorer_loop,
+        components.make_engine,
+        components.make_explorer,
+        components.receiver,
+        components.open_buffer,
+    )
 
 
 MODES = {"both": train, "train": train, "explore": explore}
@@ -146,20 +316,16 @@ def prepare(cfg: Config, rank: int) -> Prepared:
     """Check every input, build the tasks once; a run of its own refuses a non-empty run dir (FileExistsError)."""
     from transformers import AutoTokenizer
 
-    import buffer
-    import explorer
     import models
-    import trainer
-    import workflows
 
     check_modes(cfg)
     earlier = cfg.run_dir
     cfg.run_dir = own_run_dir(cfg)
     if cfg.run_dir != earlier:
         print0(f"nanorft: {earlier} holds an earlier run: this run writes to {cfg.run_dir}")
-    trainer.check_config(cfg)
-    workflows.check_pipelines(cfg)
-    trackers(cfg)
+    components.check_trainer(cfg)
+    components.check_pipelines(cfg)
+    components.tracker_names(cfg)
     gpus = launch.gpu_count()
     layout = launch.place(gpus, int(os.environ.get("WORLD_SIZE", "1")), cfg.mode)
     cfg.dtype, why = models.choose_dtype(cfg.dtype, "cuda" if gpus else "cpu")
@@ -177,15 +343,13 @@ def prepare(cfg: Config, rank: int) -> Prepared:
     # measured once per machine, before any process uses it
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         announce_peak("cuda" if gpus else "cpu", cfg.dtype)
-    model_path = models.resolve_model(cfg.model) if rank == 0 else None
-    tasks = workflows.prepare_tasks(cfg)
+    model_path = components.resolve_model(cfg.model) if rank == 0 else None
+    tasks = components.tasks(cfg)
     tok = AutoTokenizer.from_pretrained(model_path) if rank == 0 else None
-    explorer.check_config(cfg, tok, tasks[2])
-    cfg.sync_method = launch.sync_method(cfg, layout)
-    if rank == 0 and cfg.teacher:
-        from extras.distill import Teacher
-
-        Teacher.check(cfg, tok)
+    components.check_explorer(cfg, tok, tasks[2])
+    cfg.sync_method = components.sync_method(cfg, layout)
+    if rank == 0:
+        components.check_teacher(cfg, tok)
     if rank == 0 and (cfg.expert_fraction or cfg.train_data):
         from extras.offline import check_offline_data
 
@@ -201,7 +365,7 @@ def prepare(cfg: Config, rank: int) -> Prepared:
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.mode != "bench":
-            buffer.check_config(cfg)
+            components.check_buffer(cfg)
         # launches sharing the run dir: one file each
         name = "config.json" if alone else f"config_{cfg.mode}.json"
         record = {**dataclasses.asdict(cfg), "placement": dataclasses.asdict(layout)}
@@ -231,7 +395,7 @@ def main(argv: list[str] | None = None, leave_on_interrupt: bool = False) -> int
         if cfg.mode == "bench":  # its errors are the user's input: exit code 2
             from extras.bench import bench
 
-            return bench(cfg)
+            return bench(cfg, prepare, components.make_engine, components.explorer_parts)
         prepared = prepare(cfg, rank)
     except (ValueError, OSError) as e:  # bad input: flags, files, directories
         print(f"run.py: error: {' '.join(str(e).split())}", file=sys.stderr)

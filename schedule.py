@@ -1,6 +1,6 @@
 """When the explorer may generate and when the trainer publishes: the sync schedule of every
 mode (Trinity-RFT semantics, arXiv:2505.17826 sec. 2.2), and the pacing protocol `Pace` that
-the explorer's loop (`explorer.explore`) follows. A module of its own because both sides
+the explorer's loop (`run.explorer_loop`) follows. A module of its own because both sides
 follow it: the trainer's loop (run.rl_loop) asks `publishes_after`, the explorer asks its
 `Pace`.
 
@@ -21,7 +21,7 @@ it generate k batches per version while the trainer works. In-flight updates (Pi
 --inflight) never pause generation: `Pace.inflight` runs between decode steps and takes a
 published version at once, and since every token records its behaviour log-prob the loss
 stays exact for sequences that span two versions. Fully asynchronous launches (--mode
-explore beside --mode train) pace by the buffer instead (extras/explore_mode.Backpressure):
+explore beside --mode train) pace by the buffer instead (mode explore's Backpressure):
 two waiting batches stop the explorer, new weights are taken when published.
 """
 
@@ -41,7 +41,7 @@ def publishes_after(step: int, sync_interval: int, total_steps: int) -> bool:
 
 
 class Pace(Protocol):
-    """What `explorer.explore` asks of its pace, in this order."""
+    """What `run.explorer_loop` asks of its pace, in this order."""
 
     def join(self) -> None:
         """Before the first batch: join the weight sync (and load the start weights)."""

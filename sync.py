@@ -1,10 +1,11 @@
-"""Weight sync, both ends: the trainer's weight publishers (`make_publisher`: `SentWeights`; a
-checkpoint: extras/checkpoint_sync.py; offline: extras/offline.py), the torch.distributed group
-(`WeightSync`), the explorer's `Receiver`; the schedule of publishes is schedule.py's, the
-checksum of --sync-checksum extras/checksum.py's."""
+"""Weight sync, both ends: the torch.distributed group (`WeightSync`), the trainer's weight
+publisher over it (`SentWeights`), the explorer's `Receiver`, and the order-sensitive digest of
+--sync-checksum (`Checksum`). Other methods (CUDA IPC handles, checkpoints) keep these interfaces
+and are handed over by the composition root; the schedule of publishes is schedule.py's."""
 
 import contextlib
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -142,9 +143,24 @@ class WeightSync:
         return dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, opts)
 
     def leave(self) -> None:
-        """Rank >= 1: done with the store (extras.train_mode.wait_left)."""
+        """Rank >= 1: done with the store (a trainer of mode train waits for every explorer to leave)."""
         with contextlib.suppress(dist.DistError):
             self.store.add("left", 1)
+
+    def wait_left(self, timeout_s: float) -> bool:
+        """Rank 0: wait until every other rank has left (`leave`); False (a warning) after
+        `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self.store.add("left", 0) < self.world_size - 1:
+            if time.monotonic() > deadline:
+                print(
+                    "run.py: warning: not every explorer left the weight-sync group within "
+                    f"{timeout_s:.0f} s",
+                    file=sys.stderr,
+                )
+                return False
+            time.sleep(0.05)
+        return True
 
     def _broadcast(self, t: torch.Tensor):
         opts = dist.BroadcastOptions()
@@ -288,23 +304,43 @@ class WeightSync:
         return int(version.item())
 
 
-def new_digest(checksum: bool):
-    """An empty extras/checksum.py `Checksum` when `checksum` (--sync-checksum), else None: by
-    default no end makes a pass over the weights."""
+GOLDEN_RATIO = 0.6180339887498949
+CHECKSUM_CHUNK = 2**22  # elements a checksum sums at once: the float64 copy of them takes 32 MiB
+
+
+class Checksum:
+    """An order-sensitive digest of a stream of tensors (--sync-checksum): the float64 sum of
+    each element times a weight in [1, 2) set by its position in the stream (the fractional
+    part of position x the golden ratio), so that two swapped tensors of one shape or a
+    mis-mapped parameter change it, which a plain sum would not. Tensors may come whole or
+    flattened into buckets: the position runs on across `add` calls."""
+
+    def __init__(self):
+        self.position = 0
+        self.value = 0.0
+
+    def add(self, tensors: Iterable[torch.Tensor]) -> "Checksum":
+        for t in tensors:
+            for chunk in t.detach().reshape(-1).split(CHECKSUM_CHUNK):
+                end = self.position + chunk.numel()
+                k = torch.arange(self.position, end, dtype=torch.float64, device=chunk.device)
+                weight = 1.0 + torch.frac(k * GOLDEN_RATIO)  # [n]
+                self.value += float((chunk.double() * weight).sum())
+                self.position = end
+        return self
+
+
+def checksum(tensors: Iterable[torch.Tensor]) -> float:
+    """The `Checksum` of `tensors`, in order."""
+    return Checksum().add(tensors).value
+
+
+def new_digest(checksum: bool) -> Checksum | None:
+    """An empty `Checksum` when `checksum` (--sync-checksum), else None: by default no end makes
+    a pass over the weights."""
     if not checksum:
         return None
-    from extras.checksum import Checksum
-
     return Checksum()
-
-
-def transport(sync_method: str) -> type:
-    """The class of both ends of the weight sync for `sync_method` (broadcast or ipc)."""
-    if sync_method == "ipc":  # WeightSync's interface, the weights by handle on one device
-        from extras.ipc_sync import IpcSync
-
-        return IpcSync
-    return WeightSync
 
 
 def flatten(
@@ -341,8 +377,10 @@ def bucket_ranges(numels: list[int], limit: int) -> list[range]:
 
 
 class Receiver:
-    """The explorer's end: takes published weights into `engine` (`port` None: checkpoints) and logs
-    them; of `cfg` it reads the run dir, explorer name, sync host and sync timeout."""
+    """The explorer's end: takes published weights into `engine` and logs them; of `cfg` it reads
+    the sync host and sync timeout. `port`: the weight-sync group's, whose class is `transport`
+    (WeightSync, or one with its interface); None: `source` announces and loads the weights
+    (checkpoints)."""
 
     def __init__(
         self,
@@ -352,6 +390,8 @@ class Receiver:
         alive: Callable[[], bool],
         port: int | None = None,
         device: str = "cpu",
+        transport: type = WeightSync,
+        source=None,
     ):
         self.engine = engine
         self.cfg = cfg
@@ -359,19 +399,20 @@ class Receiver:
         self.alive = alive
         self.port = port
         self.device = device
-        # what announces and receives the weights: the engine's group, or the run's checkpoints
-        if port is not None:
-            self.source = engine
-        else:
-            from extras.checkpoint_sync import CheckpointSource
-
-            self.source = CheckpointSource(cfg.run_dir, cfg.explorer_name, engine)
+        self.transport = transport
+        # what announces and receives the weights: the engine's group, or the source given
+        self.source = engine if port is not None else source
 
     def join(self) -> None:
         """Broadcast: join the weight-sync group (blocks until every rank is there)."""
         if self.port is not None:
             self.engine.join_weight_sync(
-                self.cfg.sync_host, self.port, self.cfg.sync_timeout_s, self.alive, self.device
+                self.cfg.sync_host,
+                self.port,
+                self.cfg.sync_timeout_s,
+                self.alive,
+                self.device,
+                self.transport,
             )
 
     def newest(self) -> int:
@@ -424,17 +465,3 @@ class SentWeights:
             return digest, None
         params = trainer.full_parameters()
         return (self.send(trainer.version, [params]) if self.send else None), params
-
-
-def make_publisher(cfg, rank: int, send: Callable | None):
-    """This rank's weight publisher: none offline (extras/offline.py), a checkpoint
-    (extras/checkpoint_sync.py), or `send` to the explorers' weight-sync group."""
-    if cfg.train_data:
-        from extras.offline import NoWeights
-
-        return NoWeights()
-    if cfg.sync_method == "checkpoint":
-        from extras.checkpoint_sync import CheckpointWeights
-
-        return CheckpointWeights(cfg, rank)
-    return SentWeights(send, bucket_elems(cfg))

@@ -1,4 +1,5 @@
-"""Trainer: one RL step on an FSDP2 model (`Trainer.step`: shape_rewards, advantages, filters, loss, optimizer_step)."""
+"""Trainer: one RL step on an FSDP2 model (`Trainer.step`: shape_rewards, advantages, filters,
+loss, optimizer_step) of the algorithm and with the frozen scorers the composition root gives it."""
 
 import math
 import time
@@ -18,11 +19,18 @@ import packing
 import perf
 import sync
 from buffer import Experience
-from losses import LossInputs, aggregate, kl_estimate, masked_sum, resolve_algorithm
-from metrics import peak_rss_gib, print0
+from losses import (
+    Algorithm,
+    LossInputs,
+    aggregate,
+    apply_filters,
+    kl_estimate,
+    length_penalty,
+    part_totals,
+    resolve_algorithm,
+)
+from metrics import micro_batch_sums, print0, reward_metrics, step_metrics
 
-# the advantage estimators whose baseline comes from the other rollouts of a group
-GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opmd", "grpo_stepwise")
 # packed tokens and rows padded to multiples of these: few tensor shapes, so the CPU allocator
 # keeps few blocks (RSS)
 TOKEN_MULTIPLE = 128
@@ -76,34 +84,29 @@ def accumulate(sums: dict[str, torch.Tensor], micro_batch: dict[str, torch.Tenso
             sums[k] = sums[k] + v
 
 
-def check_config(cfg) -> None:
-    """ValueError (one line) for a bad algorithm, pool, expert or LoRA setting; FileNotFoundError."""
-    resolve_algorithm(cfg)
+def check_config(cfg, algorithm: Algorithm) -> None:
+    """ValueError (one line) for a bad length unit, sampling, pool or expert setting of `cfg`,
+    which runs `algorithm` (resolve_algorithm checked its names); FileNotFoundError."""
     if cfg.length_unit not in ("tokens", "turns"):
         raise ValueError(f"length_unit must be tokens or turns, got {cfg.length_unit!r}")
     if cfg.top_p < 1 and cfg.mode != "bench":
         raise ValueError(
-            f"top_p {cfg.top_p} < 1 is for mode bench only: the behaviour logprobs would be those of the "
-            "renormalised nucleus, the trainer's of the full softmax; train with top_p 1"
+            f"top_p {cfg.top_p} < 1 is for mode bench only: the behaviour logprobs would be those "
+            "of the renormalised nucleus, the trainer's of the full softmax; train with top_p 1"
         )
     if not 0 <= cfg.expert_fraction < 1 or not 0 <= cfg.pool_lift_fraction <= 1:
         raise ValueError("need 0 <= expert_fraction < 1 and 0 <= pool_lift_fraction <= 1")
-    if cfg.advantage == "none" and not cfg.teacher:
+    if algorithm.loss.split_expert and not cfg.expert_fraction > 0:
         raise ValueError(
-            "advantage none makes every advantage 0: it trains beside --teacher only (on-policy distillation)"
+            f"policy_loss {cfg.policy_loss} and expert_fraction > 0 go together (with expert_data)"
         )
-    if cfg.group_size < 2 and cfg.advantage in GROUP_ADVANTAGES and not cfg.train_data:
+    if cfg.expert_fraction > 0 and not algorithm.loss.split_expert:
         raise ValueError(
-            f"advantage {cfg.advantage} compares the rollouts of a group: it needs group_size >= 2"
+            "expert_fraction > 0 needs a policy loss that aggregates expert tokens apart "
+            f"(a PolicyLoss with split_expert, as --policy-loss mix); {cfg.policy_loss} does not"
         )
-    if (cfg.policy_loss == "mix") != (cfg.expert_fraction > 0):
-        raise ValueError("policy_loss mix and expert_fraction > 0 go together (with expert_data)")
     if cfg.expert_fraction > 0 and not Path(cfg.expert_data).is_file():
         raise FileNotFoundError(f"expert_data file not found: {cfg.expert_data!r}")
-    if cfg.lora_rank:
-        from extras.lora import check_config as check_lora
-
-        check_lora(cfg)
     if cfg.kl_loss_coef and cfg.kl_estimator == "k1":
         print0(
             "warning: --kl-estimator k1 as a loss has a gradient of 0 in expectation on the "
@@ -112,7 +115,8 @@ def check_config(cfg) -> None:
 
 
 def lr_schedule_kwargs(cfg) -> dict:
-    """cfg.lr_schedule_kwargs, with min_lr_rate 0.1 for cosine_with_min_lr unless they set a floor."""
+    """cfg.lr_schedule_kwargs, with min_lr_rate 0.1 for cosine_with_min_lr unless they set a
+    floor."""
     kwargs = dict(cfg.lr_schedule_kwargs)
     if cfg.lr_schedule == "cosine_with_min_lr" and not {"min_lr", "min_lr_rate"} & kwargs.keys():
         kwargs["min_lr_rate"] = 0.1
@@ -120,7 +124,8 @@ def lr_schedule_kwargs(cfg) -> dict:
 
 
 def lr_schedule(cfg, opt) -> Callable[[int], float]:
-    """The factor of cfg.lr at each 0-based step (transformers' get_scheduler); ValueError (one line)."""
+    """The factor of cfg.lr at each 0-based step (transformers' get_scheduler); ValueError (one
+    line)."""
     from transformers import get_scheduler
 
     kwargs = lr_schedule_kwargs(cfg)
@@ -145,11 +150,24 @@ def lr_schedule(cfg, opt) -> Callable[[int], float]:
 
 
 class Trainer:
-    """FSDP2 policy + AdamW on this rank for `cfg` in an initialised process group; ValueError (bad algorithm)."""
+    """FSDP2 policy + AdamW on this rank for `cfg` in an initialised process group, training
+    `algorithm` (default: resolve_algorithm of cfg's names in the core's registries).
+    `reference` and `teacher` make the frozen scorers from this trainer once its policy is
+    built: the reference policy, which `algorithm.needs_ref` asks for (KL terms, DPO), and
+    --teacher's (on-policy distillation). A scorer scores this rank's rows each step
+    (`compute(rows, filler)`) and gives a micro-batch's log-probs (`micro_batch`); the
+    reference also `kl_reward_penalty`, the teacher `advantages` (their per-token term).
+    ValueError (one line): a bad algorithm, a scorer the config needs and was not given."""
 
-    lora = None  # the peft LoraConfig of extras/lora.py's LoraTrainer: resume states then hold the adapters only
-
-    def __init__(self, cfg, model_path: str, device: torch.device):
+    def __init__(
+        self,
+        cfg,
+        model_path: str,
+        device: torch.device,
+        algorithm: Algorithm | None = None,
+        reference: Callable[["Trainer"], object] | None = None,
+        teacher: Callable[["Trainer"], object] | None = None,
+    ):
         from transformers import AutoTokenizer
 
         self.cfg = cfg
@@ -159,7 +177,17 @@ class Trainer:
         # FSDP2's default: CUDA wherever a GPU is visible
         self.mesh = init_device_mesh(device.type, (self.world,))
         torch.manual_seed(cfg.seed)
-        self.advantage_fn, self.policy_loss, self.agg, self.filters = resolve_algorithm(cfg)
+        self.algorithm = algorithm or resolve_algorithm(cfg)
+        self.needs_ref = self.algorithm.needs_ref
+        if self.needs_ref and reference is None:
+            raise ValueError(
+                "the KL terms or the policy loss need a reference model and none was given "
+                "(components.make_trainer builds one)"
+            )
+        if cfg.teacher and teacher is None:
+            raise ValueError(
+                f"--teacher {cfg.teacher}: no teacher was given (components.make_trainer builds it)"
+            )
         self.cuda = device.type == "cuda"
         # one CPU rank: FSDP2 only copies
         self.sharded = self.world > 1 or self.cuda and self.cfg.one_gpu_fsdp
@@ -176,17 +204,10 @@ class Trainer:
         self.head_grad_into_weight = False
         self.model = self.shard(self.pretrained(model_path))
         self.final_dtype = models.final_dtype(model_path, cfg.save_dtype)
-        self.needs_ref = bool(cfg.kl_loss_coef or cfg.kl_reward_coef or self.policy_loss.needs_ref)
-        self.ref = None  # the frozen reference policy of the KL terms and DPO
-        if self.needs_ref:
-            from extras.reference import Reference
-
-            self.ref = Reference(self, model_path)
-        self.teacher = None  # --teacher: on-policy distillation's per-token advantage term
-        if cfg.teacher:
-            from extras.distill import Teacher
-
-            self.teacher = Teacher(self, models.resolve_model(cfg.teacher))
+        # the frozen reference policy of the KL terms and DPO
+        self.ref = reference(self) if self.needs_ref else None
+        # --teacher: on-policy distillation's per-token advantage term
+        self.teacher = teacher(self) if cfg.teacher else None
         # one CPU rank: fused, no temporaries
         fused = (self.cfg.fused_adamw if self.cuda else not self.sharded) or None
         self.opt = torch.optim.AdamW(
@@ -202,7 +223,8 @@ class Trainer:
         self.loop_state: dict = {}
 
     def pretrained(self, model_path: str):
-        """The model at `model_path` in float32 on the device, attending by `packed_sdpa` (`pack`'s layout)."""
+        """The model at `model_path` in float32 on the device, attending by `packed_sdpa`
+        (`pack`'s layout)."""
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(
@@ -210,7 +232,8 @@ class Trainer:
         ).to(self.device)
 
     def shard(self, model):
-        """`model` with FSDP2 on each decoder block and the root (if `sharded`); activation checkpointing."""
+        """`model` with FSDP2 on each decoder block and the root (if `sharded`); activation
+        checkpointing."""
         policy = MixedPrecisionPolicy()
         if self.fsdp_bf16:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -219,7 +242,8 @@ class Trainer:
         ckpt = self.cfg.activation_checkpointing
         asked = "activation_checkpointing" in self.cfg.given
         if ckpt and self.cuda and self.cfg.checkpoint_if_needed and not asked:
-            # only where a micro-batch's activations (~80 B per token, layer, hidden unit) > half free
+            # only where a micro-batch's activations (~80 B per token, layer, hidden unit) > half
+            # the free memory
             activations = 80 * self.cfg.token_budget * c.num_hidden_layers * c.hidden_size
             ckpt = activations > torch.cuda.mem_get_info(self.device)[0] / 2
         if ckpt:
@@ -228,7 +252,8 @@ class Trainer:
             )
         for m in model.modules():
             if type(m).__name__ in blocks:
-                # transformers recomputes a block in training mode only; its submodules stay in eval mode (no dropout)
+                # transformers recomputes a block in training mode only; its submodules stay in
+                # eval mode (no dropout)
                 m.training = ckpt
                 if self.cfg.compile_layers and self.cuda:
                     m.forward = perf.compiled(m.forward)
@@ -253,8 +278,15 @@ class Trainer:
         self.version = version
         self.loop_state = loop_state
 
+    def resume_tensors(self) -> dict:
+        """What a resume state keeps of this trainer sharded beside the optimizer's state, loaded
+        back in place (checkpoints.py): nothing here, the weights come back whole from the
+        state's Hugging Face copy; a subclass that trains part of a frozen model keeps that part."""
+        return {}
+
     def named_trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, parameter) of what this trainer trains and publishes, in `named_parameters()` order."""
+        """(name, parameter) of what this trainer trains and publishes, in `named_parameters()`
+        order."""
         return list(self.model.named_parameters())
 
     def full_parameters(self) -> list[torch.Tensor]:
@@ -263,7 +295,8 @@ class Trainer:
 
     @torch.no_grad()  # full_tensor() of a parameter would otherwise record the gather for autograd
     def parameter_buckets(self, bucket_elems: int):
-        """The `named_trained_parameters` as full tensors, one bucket (sync.bucket_ranges) per advance. Collective."""
+        """The `named_trained_parameters` as full tensors, one bucket (sync.bucket_ranges) per
+        advance. Collective."""
         params = [p for _, p in self.named_trained_parameters()]
         for r in sync.bucket_ranges([p.numel() for p in params], bucket_elems):
             yield [self.full_tensor(params[i]) for i in r]
@@ -328,7 +361,7 @@ class Trainer:
             frozen.compute(my_rows, filler)
         rewards, m = self.shape_rewards(batch, my_rows)
         adv = self.advantages(batch, rewards)
-        keep, filtered = self.apply_filters(batch, adv)
+        keep, filtered = apply_filters(self.algorithm.filters, self.cfg.filters, batch, adv)
         my_rows = [kept for row in my_rows if (kept := [e for e in row if keep[batch.row[id(e)]]])]
         totals = self.loss_totals(batch, keep)
         sums: dict[str, torch.Tensor] = {}
@@ -343,36 +376,26 @@ class Trainer:
         # busy: the process's CPU seconds on a CPU (threads lent by the explorer count), else wall
         busy_s = time.process_time() - cpu0 if self.device.type == "cpu" else train_s
         m.update(self.reduce_metrics(sums, my_rows, busy_s))
-        if (rollout := ~batch.offline).any():
-            m["advantage/mean"] = float(adv[rollout].mean())
-            m["advantage/abs_mean"] = float(adv[rollout].abs().mean())
-        lengths = [len(e.behaviour_logprobs) for e in batch.exps]
-        tokens = sum(len(e.tokens) for e in batch.exps)
         m.update(
-            {
-                **filtered,
-                "loss/grad_norm": grad_norm,
-                "train/lr": self.opt.param_groups[0]["lr"],
-                "filter/kept": int(keep.sum()),
-                "train/expert_seqs": int(batch.offline.sum()),
-                "train/micro_batches": len(micro),
-                "response/len_mean": sum(lengths) / len(lengths),
-                "response/len_max": max(lengths),
-                "time/train_s": train_s,
-                "train/tokens_per_s": tokens / train_s,
-                "train/computed_tokens": self.computed_tokens,
-                "train/sequence_tokens": tokens,
-                "memory/trainer_peak_rss_gib": peak_rss_gib(),
-            }
+            step_metrics(
+                batch,
+                adv,
+                keep,
+                filtered,
+                grad_norm=grad_norm,
+                lr=self.opt.param_groups[0]["lr"],
+                micro_batches=len(micro),
+                train_s=train_s,
+                computed_tokens=self.computed_tokens,
+                device=self.device,
+            )
         )
-        if self.device.type == "cuda":
-            m["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-            m["memory/reserved_gib"] = torch.cuda.memory_reserved(self.device) / 2**30
         return m
 
     def rows(self, groups: list[list[Experience]]) -> list[list[Experience]]:
-        """The rows of shared-prompt packing (whole groups for a group-level loss), shortest first."""
-        if self.policy_loss.needs_groups:
+        """The rows of shared-prompt packing (whole groups for a group-level loss), shortest
+        first."""
+        if self.algorithm.loss.needs_groups:
             return [list(g) for g in groups]
         rows = []
         for g in groups:
@@ -381,25 +404,24 @@ class Trainer:
         return sorted(rows, key=packing.packed_tokens)
 
     def shape_rewards(self, batch: StepBatch, my_rows: list[list]) -> tuple[torch.Tensor, dict]:
-        """Rewards [N] minus the KL reward and length penalties, and the rollouts' reward metrics."""
+        """Rewards [N] minus the KL reward and length penalties, and the rollouts' reward
+        metrics."""
         cfg = self.cfg
         rewards = batch.rewards
-        m = {}
-        rollout_rewards = rewards[~batch.offline]  # [N_rollout]
-        if len(rollout_rewards):
-            m["reward/mean"] = float(rollout_rewards.mean())
-            m["reward/std"] = float(rollout_rewards.std()) if len(rollout_rewards) > 1 else 0.0
+        m = reward_metrics(rewards[~batch.offline])
         if cfg.kl_reward_coef:
             rewards = self.ref.kl_reward_penalty(rewards, batch, my_rows, m)
         if cfg.length_penalty:  # per trained token, or per turn of a multi-turn episode
-            from extras.advantages import penalize_length
-
-            rewards = penalize_length(rewards, batch.exps, cfg)
+            lengths = batch.token_counts  # [N]
+            if cfg.length_unit == "turns":
+                turns = [e.info.get("turns", 1) for e in batch.exps]
+                lengths = torch.tensor(turns, dtype=torch.float)  # [N]
+            rewards = length_penalty(rewards, lengths, cfg.length_penalty)
         return rewards, m
 
     def advantages(self, batch: StepBatch, rewards: torch.Tensor) -> torch.Tensor:
         """Advantages [N] of the configured estimator from rewards [N] (losses.py's contract)."""
-        return self.advantage_fn(
+        return self.algorithm.advantage(
             rewards,
             batch.group_index,
             batch.episode_index,
@@ -407,21 +429,10 @@ class Trainer:
             **self.cfg.advantage_kwargs,
         ).float()
 
-    def apply_filters(
-        self, batch: StepBatch, adv: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, int]]:
-        """Which sequences [N] bool all filters keep (offline ones always); `filter/<name>`: how many it dropped."""
-        if not self.filters:
-            return torch.ones(len(batch.exps), dtype=torch.bool), {}
-        from extras.filters import apply_filters
-
-        return apply_filters(self.filters, self.cfg.filters, batch, adv)
-
     def loss_totals(self, batch: StepBatch, keep: torch.Tensor):
-        """Micro-batch indices [n] -> the kept global batch's (tokens, sequences), or a split_expert loss's [n], [n]."""
-        if self.policy_loss.split_expert:
-            from extras.policy_losses import part_totals
-
+        """Micro-batch indices [n] -> the kept global batch's (tokens, sequences), or a
+        split_expert loss's [n], [n]."""
+        if self.algorithm.loss.split_expert:
             part_tokens, part_seqs = part_totals(batch.token_counts, batch.offline, keep)
             return lambda rows: (part_tokens[rows].to(self.device), part_seqs[rows].to(self.device))
         whole = (float(batch.token_counts[keep].sum()), int(keep.sum()))
@@ -430,7 +441,8 @@ class Trainer:
     def rank_micro_batches(
         self, rows: list[list[Experience]], filler: Experience
     ) -> list[tuple[list, bool]]:
-        """This rank's (micro-batch, padding) pairs, padded with masked `filler`s to the ranks' largest count."""
+        """This rank's (micro-batch, padding) pairs, padded with masked `filler`s to the ranks'
+        largest count."""
         mbs = [(mb, False) for mb in packing.micro_batches(rows, self.cfg.token_budget)]
         n = torch.tensor(len(mbs), device=self.device)  # NCCL takes device tensors only
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
@@ -449,6 +461,7 @@ class Trainer:
         (its share), "tokens", metric sums and the importance ratio's extremes, as 0-dim tensors on
         the trainer's device."""
         cfg = self.cfg
+        agg = self.algorithm.agg
         b, lp, ent = self.logprobs(self.model, mb, padding, entropy=True)
         mask = b["mask"]  # [B, R]
         behaviour = b["behaviour_logprobs"]  # [B, R]
@@ -457,9 +470,9 @@ class Trainer:
         offline = batch.offline[idx].to(self.device)  # [B]
         ref_lp = self.ref.micro_batch(mb, padding, behaviour) if self.ref else None  # [B, R]
         adv_t = adv[idx][:, None].expand(*mask.shape).to(self.device)  # [B, R]
-        extra = {}
+        terms = {}  # per-token metrics [B, R] of the scorers and the loss
         if self.teacher:  # per-token terms of the advantage, and their metrics
-            adv_t, extra = self.teacher.advantages(adv_t, mb, padding, behaviour, mask, offline)
+            adv_t, terms = self.teacher.advantages(adv_t, mb, padding, behaviour, mask, offline)
         inputs = LossInputs(
             logprobs=lp,
             behaviour_logprobs=behaviour,
@@ -472,42 +485,23 @@ class Trainer:
             ref_logprobs=ref_lp,
             expert=offline,
         )
-        out = self.policy_loss.fn(inputs, **cfg.policy_loss_kwargs)
+        out = self.algorithm.loss.fn(inputs, **cfg.policy_loss_kwargs)
         per_token = out["loss"]  # [B, R]
         if cfg.kl_loss_coef:
             per_token = per_token + cfg.kl_loss_coef * kl_estimate(lp, ref_lp, cfg.kl_estimator)
         if cfg.entropy_coef:
             per_token = per_token - cfg.entropy_coef * ent
-        (aggregate(per_token, mask, self.agg, *totals(idx)) * self.world).backward()
+        (aggregate(per_token, mask, agg, *totals(idx)) * self.world).backward()
         with torch.no_grad():
-            # expert tokens have no behaviour log-probs
-            rollout = ~offline[:, None]
-            log_ratio = lp - behaviour  # [B, R]
-            parts = {
-                "loss/entropy": ent,
-                "loss/kl_behaviour": kl_estimate(behaviour, lp, "k3") * rollout,
-                "loss/logprob_abs_diff": log_ratio.abs() * rollout,
-                "loss/ratio_mean": torch.exp(log_ratio.clamp(-20, 20)) * rollout,
-                # the losses clamp the log-ratio to +-20 (as verl): a token beyond trains wrong
-                "loss/log_ratio_clamped": (log_ratio.abs() > 20) * rollout,
-                **{f"loss/{k}": v for k, v in out.items() if k != "loss"},
-                **extra,
-            }
+            terms.update({f"loss/{k}": v for k, v in out.items() if k != "loss"})
             if ref_lp is not None:
-                parts["loss/kl_ref"] = kl_estimate(lp, ref_lp, cfg.kl_estimator)
-            # no boolean index: its size would wait for the device
-            ratio = torch.exp(log_ratio.clamp(-20, 20))  # [B, R]
-            rated = (mask * rollout) > 0  # [B, R]
-            return {
-                "loss/policy": aggregate(out["loss"], mask, self.agg, *totals(idx)),
-                **{k: masked_sum(v.float(), mask) for k, v in parts.items()},
-                "tokens": mask.sum(),
-                "loss/ratio_max": torch.where(rated, ratio, -math.inf).max(),
-                "loss/ratio_min": torch.where(rated, ratio, math.inf).min(),
-            }
+                terms["loss/kl_ref"] = kl_estimate(lp, ref_lp, cfg.kl_estimator)
+            share = aggregate(out["loss"], mask, agg, *totals(idx))
+            return micro_batch_sums(share, lp, behaviour, ent, mask, offline, terms)
 
     def optimizer_step(self) -> float:
-        """Clip the gradients, AdamW step at the scheduled rate, zero them; the norm before clipping."""
+        """Clip the gradients, AdamW step at the scheduled rate, zero them; the norm before
+        clipping."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
         # a function of the step: a resumed run goes on where it was
@@ -563,7 +557,8 @@ class Trainer:
         params: list[torch.Tensor] | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        """Rank 0 writes a Hugging Face directory of the weights in `dtype`. Collective unless `params` is given."""
+        """Rank 0 writes a Hugging Face directory of the weights in `dtype`. Collective unless
+        `params` is given."""
         params = params if params is not None else self.full_parameters()
         if self.rank == 0:
             state = {

@@ -1,8 +1,10 @@
-"""Tasks (`load_tasks`), their order (`Shuffle`), rewards and workflows: a `Workflow` turns a task into a group of
-rollouts (`MathWorkflow`: n samples of one prompt); new ones are named by `--workflow module.Class`."""
+"""Tasks (`load_tasks`: reasoning-gym's), their order (`Shuffle`), rewards and workflows: a
+`Workflow` turns a task into a group of rollouts (`MathWorkflow`: n samples of one prompt); new
+ones are named by `--workflow module.Class`."""
 
 import asyncio
 import contextlib
+import importlib.util
 import itertools
 import math
 import numbers
@@ -28,6 +30,15 @@ class Task:
     difficulty: float | None = None  # higher = harder (set by a task pipeline)
 
 
+def is_reasoning_gym(name: str) -> bool:
+    """Whether task `name` is a dataset of reasoning-gym (installed), the core's task source."""
+    if importlib.util.find_spec("reasoning_gym") is None:
+        return False
+    from reasoning_gym.factory import DATASETS
+
+    return name in DATASETS
+
+
 def load_tasks(
     name: str,
     kwargs: dict,
@@ -36,21 +47,16 @@ def load_tasks(
     seed: int,
     eval_seed: int | None = None,
 ) -> tuple[list[Task], list[Task], Any]:
-    """(train, held-out tasks, verifier dataset or None); a reasoning-gym dataset draws the
-    held-out tasks with `eval_seed` (default: `seed`) and the training tasks, none with a
-    held-out question, with `seed`. ValueError: bad dataset, kwargs, row; FileNotFoundError."""
-    from extras.task_sources import source_tasks
-
-    # the other task sources (guess_number, verifiers:NAME, .jsonl, Hugging Face datasets) first
-    tasks = source_tasks(name, kwargs, train_size, eval_size, seed)
-    if tasks is not None:
-        return tasks
+    """(train, held-out tasks, verifier dataset) of the reasoning-gym dataset `name`: the
+    held-out tasks drawn with `eval_seed` (default: `seed`), the training tasks, none with a
+    held-out question, with `seed`. ValueError: bad dataset or kwargs; the other task sources
+    (a JSONL file, a Hugging Face dataset, ...) are the composition root's to pick."""
     try:
         import reasoning_gym
     except ImportError:
         raise ValueError(
-            f"task {name!r} is a reasoning-gym dataset, and reasoning-gym is not installed: pip install "
-            "reasoning-gym, or --task guess_number, a .jsonl file or a Hugging Face dataset"
+            f"task {name!r} is a reasoning-gym dataset, and reasoning-gym is not installed: pip "
+            "install reasoning-gym, or --task guess_number, a .jsonl file or a Hugging Face dataset"
         ) from None
     # reasoning-gym seeds item i with base + i: seeds 0 and 1 must not overlap
     base = seed * 10_000_019 % 2**31
@@ -67,7 +73,8 @@ def load_tasks(
     def task(split: str, i: int, x: dict) -> Task:
         return Task(f"{name}/{split}/{i}", x["question"], str(x["answer"]), x)
 
-    # the held-out set is not filtered (that would skew it towards the rarest questions): training gives way
+    # the held-out set is not filtered (that would skew it towards the rarest questions): training
+    # gives way
     held = [task("eval", i, x) for i, x in enumerate(eval_ds)][:eval_size]
     seen = {t.question for t in held}
     fresh = (task("train", i, x) for i, x in enumerate(train_ds) if x["question"] not in seen)
@@ -81,7 +88,8 @@ def load_tasks(
 
 
 class Selector:
-    """The indices of the next training tasks: `order`, cycled (Trinity-RFT trinity/buffer/selector/selector.py @ 3e9eb605)."""
+    """The indices of the next training tasks: `order`, cycled (Trinity-RFT
+    trinity/buffer/selector/selector.py @ 3e9eb605)."""
 
     def __init__(self, tasks: list[Task], seed: int):
         self.tasks = tasks
@@ -115,16 +123,6 @@ class Shuffle(Selector):
         self.order = random.Random(seed).sample(range(len(tasks)), len(tasks))
 
 
-# task and experience pipelines, other selectors, replay and human labels: in extras/, by import path
-def check_pipelines(cfg) -> None:
-    """Check cfg's data-pipeline settings, if any (ValueError, one line; ConnectionError: Label Studio unreachable)."""
-    pipelines = (cfg.task_pipeline, cfg.experience_pipeline, cfg.replay, cfg.annotation)
-    if cfg.selector != "shuffle" or cfg.selector_kwargs or any(pipelines):
-        from extras.pipelines import check_config
-
-        check_config(cfg)
-
-
 def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
     """Token ids of `messages` under the chat template (with the assistant's turn prompt)."""
     ids = tokenizer.apply_chat_template(
@@ -140,7 +138,8 @@ def last_number(text: str) -> str | None:
 
 
 def extract_answer(completion: str, reference: str) -> str | None:
-    """The last <answer>...</answer> block, else the last number (numeric reference), else the last line, or None."""
+    """The last <answer>...</answer> block, else the last number (numeric reference), else the last
+    line, or None."""
     if tagged := re.findall(r"<answer>(.*?)</answer>", completion, re.DOTALL):
         return tagged[-1].strip()
     if last_number(reference) == reference.strip().replace(",", "").removesuffix(".0"):
@@ -150,7 +149,8 @@ def extract_answer(completion: str, reference: str) -> str | None:
 
 
 def readable(info: dict) -> bool | None:
-    """Whether a reply (an Experience's info) ended within its budget with an answer; None without "response"."""
+    """Whether a reply (an Experience's info) ended within its budget with an answer; None without
+    "response"."""
     if "response" not in info:
         return None
     answer = extract_answer(info["response"], info.get("answer", ""))
@@ -158,28 +158,27 @@ def readable(info: dict) -> bool | None:
 
 
 def reasoning_gym_reward(task: Task, completion: str, dataset: Any) -> float:
-    """The dataset's `score_answer` of the completion's answer; without a dataset (JSONL) exact match."""
+    """The dataset's `score_answer` of the completion's answer; without a dataset (JSONL) exact
+    match."""
     answer = extract_answer(completion, task.answer)
     if dataset is None:
         return float(answer is not None and answer == extract_answer(task.answer, task.answer))
     return float(dataset.score_answer(answer, task.entry))
 
 
-def load_reward_fn(path: str, kwargs: dict | None = None) -> Callable[[Task, str, Any], float]:
-    """fn(task, completion, dataset) -> float or None (lagged), `kwargs` bound. ValueError: bad path or keyword."""
+# --reward-fn name -> function fn(task, completion, dataset) -> float, or None (a lagged reward)
+REWARD_FNS = {"reasoning_gym": reasoning_gym_reward}
+
+
+def load_reward_fn(
+    path: str, kwargs: dict | None = None, registry: dict = REWARD_FNS
+) -> Callable[[Task, str, Any], float]:
+    """The reward function `registry` names `path`, or at import path `module.function`, with
+    `kwargs` bound. ValueError (one line): bad path or keyword."""
     from losses import resolve
 
-    fn = resolve(path, REWARD_FNS, "reward_fn", kwargs)
+    fn = resolve(path, registry, "reward_fn", kwargs)
     return partial(fn, **kwargs) if kwargs else fn
-
-
-# name -> function, or the import path of an optional one (extras/)
-REWARD_FNS = {
-    "reasoning_gym": reasoning_gym_reward,
-    "human": "extras.lagged_rewards.human_reward",
-    "judge": "extras.judge.judge_reward",
-    "math_verify": "extras.math_verify_reward.math_verify_reward",
-}
 
 
 async def in_thread(fn, *args):
@@ -205,7 +204,8 @@ async def in_thread(fn, *args):
 
 
 class Workflow:
-    """A task -> a group of Experiences (reward None: lagged); subclasses implement `async run(task, engine, n)`."""
+    """A task -> a group of Experiences (reward None: lagged); subclasses implement `async run(task,
+    engine, n)`."""
 
     def __init__(
         self, tokenizer, reward_fn, dataset, system_prompt: str, sampling, run_dir: str = ""
@@ -218,7 +218,8 @@ class Workflow:
         self.run_dir = run_dir
 
     async def score(self, task: Task, completion: str) -> tuple[float | None, str | None]:
-        """(reward, error): the reward function in a thread; an error or a non-finite reward scores 0."""
+        """(reward, error): the reward function in a thread; an error or a non-finite reward scores
+        0."""
         try:
             r = await in_thread(self.reward_fn, task, completion, self.dataset)
         except Exception as e:
@@ -276,39 +277,16 @@ class MathWorkflow(Workflow):
         return group
 
 
-# name -> class, or the import path of one in extras/; prefix -> import path of a factory(text after the prefix)
-WORKFLOWS: dict[str, type[Workflow] | str] = {
-    "math": MathWorkflow,
-    "guess_number": "extras.guess_number.GuessNumberWorkflow",
-    "reflect": "extras.reflect.ReflectWorkflow",
-}
-WORKFLOW_PREFIXES = {
-    "agent": "extras.agent.agent_workflow",
-    "verifiers": "extras.verifiers_env.verifiers_workflow",
-}
+# --workflow name -> class
+WORKFLOWS: dict[str, type[Workflow]] = {"math": MathWorkflow}
 
 
-def load_workflow(name: str) -> type[Workflow]:
-    """The workflow class of WORKFLOWS, `module.Class`, `agent:module.function` or `verifiers:NAME`; else ValueError."""
+def load_workflow(name: str, registry: dict = WORKFLOWS) -> type[Workflow]:
+    """The workflow class `registry` names `name`, or at import path `module.Class`; ValueError
+    (one line) for another name or a class that is no Workflow."""
     from losses import resolve
 
-    prefix, colon, rest = name.partition(":")
-    if colon and prefix in WORKFLOW_PREFIXES:
-        cls = resolve(WORKFLOW_PREFIXES[prefix], {}, "workflow")(rest)
-    else:
-        cls = resolve(name, WORKFLOWS, "workflow")
+    cls = resolve(name, registry, "workflow")
     if not (isinstance(cls, type) and issubclass(cls, Workflow)):
         raise ValueError(f"workflow {name!r} is not a subclass of workflows.Workflow")
     return cls
-
-
-def prepare_tasks(cfg) -> tuple[list[Task], list[Task], Any]:
-    """The run's tasks (`load_tasks`); ValueError (one line): no tasks, an unknown reward function or workflow."""
-    tasks = train, _, _ = load_tasks(
-        cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed, cfg.eval_seed
-    )
-    if not train:
-        raise ValueError(f"task {cfg.task!r} produced no training tasks")
-    load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
-    load_workflow(cfg.workflow)
-    return tasks

@@ -33,14 +33,15 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from bench_step import Sink  # noqa: E402
 
+import components  # noqa: E402
 import models  # noqa: E402
+from components import load_tasks  # noqa: E402
 from config import parse_config  # noqa: E402
 from engines import HFEngine  # noqa: E402
 from explorer import Explorer  # noqa: E402
 from extras.calculator_agent import SYSTEM, TOOLS  # noqa: E402
 from extras.chat_tools import hermes_messages  # noqa: E402
 from perf import cpu_model  # noqa: E402
-from workflows import load_tasks  # noqa: E402
 
 AGENT = "agent:extras.calculator_agent.calculator_agent"
 
@@ -60,12 +61,16 @@ def explorers(args, extra) -> tuple[dict, HFEngine]:
     dtype, _ = models.choose_dtype(cfg.dtype, "cpu")
     train, held, ds = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, 1, cfg.seed)
     engine = HFEngine(
-        models.resolve_model(cfg.model),
+        components.resolve_model(cfg.model),
         max_batch=cfg.explorer_max_batch,
         seed=cfg.seed,
         bf16=dtype == "bfloat16",
     )
-    return {k: Explorer(c, engine, train, held, ds, print) for k, c in cfgs.items()}, engine
+    explorers = {
+        k: Explorer(c, engine, train, held, ds, print, components.explorer_parts(c))
+        for k, c in cfgs.items()
+    }
+    return explorers, engine
 
 
 def one_batch(ex: Explorer, rnd: int, engine: HFEngine) -> dict:

@@ -32,8 +32,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-from buffer import Buffer, Experience  # noqa: E402
+from buffer import Experience  # noqa: E402
 from conftest import start_postgres  # noqa: E402 (the tests' PostgreSQL server)
+from extras.postgres import open_buffer  # noqa: E402
 
 
 def groups_of(name: str, n: int, size: int, tokens: int) -> list[list[Experience]]:
@@ -59,7 +60,7 @@ def groups_of(name: str, n: int, size: int, tokens: int) -> list[list[Experience
 
 
 def writer(url: str, name: str, n: int, size: int, tokens: int, start, done) -> None:
-    buf, groups = Buffer(url), groups_of(name, n, size, tokens)
+    buf, groups = open_buffer(url), groups_of(name, n, size, tokens)
     done.put("ready")
     start.wait()
     for i, g in enumerate(groups):
@@ -76,7 +77,7 @@ def run_writers(url: str, writers: int, n: int, size: int, tokens: int, reader: 
     ]
     for p in procs:
         p.start()
-    buf = Buffer(url)
+    buf = open_buffer(url)
     assert [done.get(timeout=120) for _ in procs] == [
         "ready"
     ] * writers  # connected, groups built: not timed
@@ -94,7 +95,7 @@ def run_writers(url: str, writers: int, n: int, size: int, tokens: int, reader: 
 
 
 def read_all(url: str, total: int) -> float:
-    buf = Buffer(url)
+    buf = open_buffer(url)
     t0 = time.perf_counter()
     got = 0
     while got < total:
@@ -122,13 +123,13 @@ def main() -> None:
                     return f"{pg}?schema=b_{uuid.uuid4().hex[:12]}"
 
                 url = fresh()
-                Buffer(url)  # the schema exists before the writers start
+                open_buffer(url)  # the schema exists before the writers start
                 w = run_writers(
                     url, writers, args.groups, args.group_size, args.tokens, reader=False
                 )
                 r = read_all(url, w["groups"])
                 url = fresh()
-                Buffer(url)
+                open_buffer(url)
                 m = run_writers(
                     url, writers, args.groups, args.group_size, args.tokens, reader=True
                 )

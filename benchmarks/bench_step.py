@@ -37,13 +37,13 @@ import torch.distributed as dist  # noqa: E402
 
 import models  # noqa: E402
 import run  # noqa: E402
+from components import explorer_parts, load_tasks, resolve_model  # noqa: E402
 from engines import HFEngine  # noqa: E402
 from explorer import Explorer  # noqa: E402
 from models import choose_dtype  # noqa: E402
 from packing import left_pad  # noqa: E402
 from perf import cpu_model, measure_matmul  # noqa: E402
 from trainer import Trainer  # noqa: E402
-from workflows import load_tasks  # noqa: E402
 
 
 def pipeline(args, extra):
@@ -193,7 +193,7 @@ def setup(args, extra, dtype: str) -> dict:
         + ["--run-dir", tempfile.mkdtemp(), "--dtype", dtype]
         + (["--model", args.model] if args.model else [])
     )
-    path = models.resolve_model(cfg.model)
+    path = resolve_model(cfg.model)
     train, held, ds = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
     engine = HFEngine(
         path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=dtype == "bfloat16"
@@ -201,7 +201,7 @@ def setup(args, extra, dtype: str) -> dict:
     raw = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return {
         "cfg": cfg,
-        "ex": Explorer(cfg, engine, train, held, ds, print),
+        "ex": Explorer(cfg, engine, train, held, ds, print, explorer_parts(cfg)),
         "pad": engine.pad,
         "trainer": Trainer(cfg, path, torch.device("cpu")),
         "raw": raw,

@@ -34,7 +34,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import models  # noqa: E402
 import sync  # noqa: E402
-from extras.checksum import checksum  # noqa: E402
+from extras.ipc_sync import IpcSync  # noqa: E402
+from sync import checksum  # noqa: E402
 
 
 def shapes(model_dir: str) -> list[torch.Size]:
@@ -69,7 +70,7 @@ def receiver(ports: dict, sizes: list, device: str, sync_device: str, rounds: in
     ):  # the weight-sync group's "cuda" is the current device: this side's own GPU
         torch.cuda.set_device(torch.device(device))
     groups = {
-        kind: sync.transport("ipc" if kind == "ipc" else "broadcast")(
+        kind: (IpcSync if kind == "ipc" else sync.WeightSync)(
             None, port=port, device=sync_device, timeout_s=600
         ).connect()
         for kind, port in ports.items()
@@ -135,9 +136,7 @@ def main() -> None:
         ),
     }
     if args.device != "cuda":  # one device on both sides
-        groups["ipc"] = sync.transport("ipc")(
-            0, 2, port=0, device=sync_device, timeout_s=600, bucket_elems=elems
-        )
+        groups["ipc"] = IpcSync(0, 2, port=0, device=sync_device, timeout_s=600, bucket_elems=elems)
     ws = groups["nanorft"]
     q = mp.get_context("spawn").Queue()
     proc = mp.get_context("spawn").Process(

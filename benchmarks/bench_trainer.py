@@ -40,10 +40,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import components  # noqa: E402
 import packing  # noqa: E402
 from buffer import Experience  # noqa: E402
 from config import Config, check_values  # noqa: E402
-from trainer import Trainer  # noqa: E402
 
 SHAPES = {  # Qwen3Config fields besides the vocabulary
     "qwen3-0.6b": dict(
@@ -273,11 +273,7 @@ class Bench:
             )
 
     def trainer(self, cfg: Config):
-        if not cfg.lora_rank:
-            return Trainer(cfg, self.path, self.device)
-        from extras.lora import LoraTrainer
-
-        return LoraTrainer(cfg, self.path, self.device)
+        return components.make_trainer(cfg, self.path, self.device)
 
     def free(self) -> None:
         gc.collect()

@@ -22,12 +22,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from bench_step import explore_rate, pipeline  # noqa: E402
 
-import models  # noqa: E402
+import components  # noqa: E402
 import run  # noqa: E402
+from components import load_tasks  # noqa: E402
 from engines import HFEngine  # noqa: E402
 from explorer import Explorer  # noqa: E402
 from extras.vllm_engine import VLLMEngine  # noqa: E402
-from workflows import load_tasks  # noqa: E402
 
 
 def raw_rate(llm, prompts, n, cfg):
@@ -53,7 +53,7 @@ def main():
     cfg = run.parse_config(
         extra + ["--run-dir", tempfile.mkdtemp()] + (["--model", args.model] if args.model else [])
     )
-    path = models.resolve_model(cfg.model)
+    path = components.resolve_model(cfg.model)
     train, held, ds = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, 1, cfg.seed)
     vllm_engine = VLLMEngine(
         path, seed=cfg.seed, bf16=cfg.dtype == "bfloat16", threads=args.threads
@@ -61,8 +61,9 @@ def main():
     hf_engine = HFEngine(
         path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=cfg.dtype == "bfloat16"
     )
-    ex_v = Explorer(cfg, vllm_engine, train, held, ds, print)
-    ex_h = Explorer(cfg, hf_engine, train, held, ds, print)
+    parts = components.explorer_parts(cfg)
+    ex_v = Explorer(cfg, vllm_engine, train, held, ds, print, parts)
+    ex_h = Explorer(cfg, hf_engine, train, held, ds, print, parts)
     rows = {"nanorft_vllm": [], "raw_vllm": [], "hf": []}
     for rnd in range(args.rounds):
         ex_v.selector.cursor = rnd * cfg.batch_size

@@ -697,11 +697,12 @@ def placement(gpus: int, ranks: int) -> str:
     """The placement line of a mode-both job (HF engine, auto's sync) with `ranks` trainer ranks on `gpus`."""
     import types
 
+    import components
     import launch
 
     layout = launch.place(gpus, ranks, "both")
     return layout.describe(
-        launch.sync_method(
+        components.sync_method(
             types.SimpleNamespace(mode="both", engine="hf", sync_method="auto"), layout
         )
     )
@@ -986,12 +987,13 @@ def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0
     )  # the CPU benchmark's explorer timing: one batch through Explorer
     from transformers import AutoModelForCausalLM
 
+    import components
     import run
+    from components import load_tasks
     from engines import HFEngine, Sampling
     from explorer import Explorer
     from models import choose_dtype
     from trainer import Trainer
-    from workflows import load_tasks
 
     path = str(work / "models" / name)
     cfg = run.parse_config(
@@ -1016,10 +1018,11 @@ def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0
         bf16=cfg.dtype == "bfloat16",
         device=str(device),
         dtype=torch.bfloat16,
-        cuda_graphs=True,
+        graphs=components.cuda_graphs,
     )  # as make_engine makes it, colocated
     graphs = engine.graphs
-    explorer = Explorer(cfg, engine, train, held, dataset, lambda record: None)
+    parts = components.explorer_parts(cfg)
+    explorer = Explorer(cfg, engine, train, held, dataset, lambda record: None, parts)
     trainer = Trainer(cfg, path, device)
     gen_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
     raw = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)

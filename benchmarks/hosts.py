@@ -400,9 +400,9 @@ class Job:
             )
 
     def buffer(self):
-        from buffer import Buffer
+        from extras.postgres import open_buffer
 
-        return Buffer(self.url)
+        return open_buffer(self.url)
 
     def consumed_steps(self) -> int:
         """Trainer steps whose groups are marked consumed in the buffer (0 while it is not there)."""

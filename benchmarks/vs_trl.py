@@ -343,9 +343,9 @@ def train_trl(args) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from components import load_tasks, reward_fn
     from losses import ppo_clip_loss
     from trainer import lr_schedule_kwargs
-    from workflows import load_reward_fn, load_tasks
 
     torch.set_num_threads(args.threads)
     out = Path(args.trl_child)
@@ -354,7 +354,7 @@ def train_trl(args) -> None:
     train, _, dataset = load_tasks(
         cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed
     )  # nanorft's
-    reward_fn = load_reward_fn(cfg.reward_fn, cfg.reward_kwargs)
+    score = reward_fn(cfg)
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     data = Dataset.from_list(
         [
@@ -364,7 +364,7 @@ def train_trl(args) -> None:
     )
 
     def reward(completions, task, **_):
-        return [reward_fn(train[i], c[0]["content"], dataset) for i, c in zip(task, completions)]
+        return [score(train[i], c[0]["content"], dataset) for i, c in zip(task, completions)]
 
     class StepEnds(TrainerCallback):
         def on_step_end(self, _args, state, control, **_):
@@ -418,16 +418,15 @@ def train_trl(args) -> None:
 def evaluate(cfg: run.Config, model_dir: str) -> dict:
     """Held-out accuracy of a model directory by nanorft's evaluation (Explorer.evaluate:
     greedy, the HF engine, the reward function of the job) on cfg.eval_size tasks."""
-    from engines import make_engine
+    from components import explorer_parts, load_tasks, make_engine
     from explorer import Explorer, engine_seed
-    from workflows import load_tasks
 
     _, held_out, dataset = load_tasks(
         cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed
     )
     engine = make_engine(cfg, model_dir, engine_seed(cfg))
     try:
-        r = Explorer(cfg, engine, [], held_out, dataset, print).evaluate(0)
+        r = Explorer(cfg, engine, [], held_out, dataset, print, explorer_parts(cfg)).evaluate(0)
     finally:
         engine.close()
     return {"accuracy": r["eval/accuracy"], "n": r["eval/n"]}

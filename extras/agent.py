@@ -2,8 +2,9 @@
     async def my_agent(client: openai.AsyncOpenAI, task: workflows.Task) -> float | None | dict:
         reply = await client.chat.completions.create(model="nanorft", messages=[...], tools=[...])
         return 1.0 if ... else 0.0  # its reward; None: lagged; or {"reward": 1.0, "tool_calls": 2}
-Each rollout is one episode of the engine's OpenAI-compatible endpoint (extras/openai_endpoint.py), its calls
-experiences by the multi-turn rule (`call_samples`). Needs `pip install openai fastapi uvicorn`."""
+Each rollout is one episode of the engine's OpenAI-compatible endpoint (extras/openai_endpoint.py),
+its calls experiences by the multi-turn rule (`call_samples`). Needs `pip install openai fastapi
+uvicorn`."""
 
 import asyncio
 import inspect
@@ -17,7 +18,8 @@ from workflows import Task, Workflow
 
 
 def call_samples(calls) -> list[dict]:
-    """The samples (new_sample + texts) of an episode's calls: a first choice extends the longest prefix sample."""
+    """The samples (new_sample + texts) of an episode's calls: a first choice extends the longest
+    prefix sample."""
     samples: list[dict] = []
     for call in calls:
         for j, ch in enumerate(call.choices):
@@ -32,7 +34,8 @@ def call_samples(calls) -> list[dict]:
 
 
 def check_reward(r) -> tuple[float | None, str | None, dict]:
-    """(reward, error, metrics) of an agent's return: a finite number, None or {"reward": that, NAME: number}."""
+    """(reward, error, metrics) of an agent's return: a finite number, None or {"reward": that,
+    NAME: number}."""
     metrics = {}
     if isinstance(r, dict):
         metrics = {k: float(v) for k, v in r.items() if k != "reward" and _finite(v)}
@@ -51,7 +54,8 @@ def _finite(x) -> bool:
 
 
 class AgentWorkflow(Workflow):
-    """Runs `agent(client, task)` once per rollout; RuntimeError for an episode without a model call."""
+    """Runs `agent(client, task)` once per rollout; RuntimeError for an episode without a model
+    call."""
 
     agent = None
     tool_parser = "hermes"  # extras.chat_tools.TOOL_PARSERS name or module.function
@@ -139,7 +143,8 @@ class AgentWorkflow(Workflow):
 
 
 def agent_workflow(path: str) -> type[AgentWorkflow]:
-    """The AgentWorkflow of `--workflow agent:PATH`; ValueError (one line): missing packages, a bad PATH."""
+    """The AgentWorkflow of `--workflow agent:PATH`; ValueError (one line): missing packages, a bad
+    PATH."""
     from extras.openai_endpoint import require_packages
     from losses import resolve
 

@@ -6,8 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from config import OTHER_TASK_DEFAULTS, Config
-from extras.presets import coerce
+from config import OTHER_TASK_DEFAULTS, Config, coerce
 
 # what mode bench on a run directory takes from the run's saved config
 RUN_TASK_SETTINGS = (
@@ -61,31 +60,30 @@ def take_run_settings(cfg: Config) -> None:
         )
 
 
-def bench(cfg: Config) -> int:
-    """Mode bench (run.MODES); returns the exit code 0. ValueError / OSError (one line): bad input."""
-    from run import prepare
-
+def bench(cfg: Config, prepare, make_engine, explorer_parts) -> int:
+    """Mode bench, its tasks from `prepare` (run.prepare), its engines and explorer parts from
+    the composition root (components.make_engine, components.explorer_parts); returns the exit
+    code 0. ValueError / OSError (one line): bad input."""
     take_run_settings(cfg)
     tasks = prepare(cfg, 0).tasks
     if not tasks[1]:
         raise ValueError(
             f"mode bench needs held-out tasks: task {cfg.task!r} with eval_size {cfg.eval_size} has none"
         )
-    evaluate_models(cfg, tasks)
+    evaluate_models(cfg, tasks, make_engine, explorer_parts)
     return 0
 
 
-def evaluate_models(cfg: Config, tasks: tuple) -> list[dict]:
+def evaluate_models(cfg: Config, tasks: tuple, make_engine, explorer_parts) -> list[dict]:
     """Evaluate each model of --bench-models on the held-out tasks: print a table, save RUN_DIR/bench.json, its rows."""
-    from engines import make_engine
     from explorer import Explorer, correct_counts, engine_seed
+    from extras.hub import model_dir
     from metrics import LEARNABLE_MIN, sampled_eval
-    from models import resolve_model
 
     models = [m.strip() for m in cfg.bench_models.split(",") if m.strip()] or [
         str(Path(cfg.run_dir) / "final")
     ]
-    paths = [resolve_model(m) for m in models]
+    paths = [model_dir(m) for m in models]
     cfg.explorer_threads = cfg.explorer_threads or (os.cpu_count() or 1)
     k, (_, held_out, dataset) = cfg.bench_k, tasks
     print(
@@ -97,7 +95,9 @@ def evaluate_models(cfg: Config, tasks: tuple) -> list[dict]:
         try:
             t0 = time.perf_counter()
             correct = correct_counts(
-                Explorer(cfg, engine, [], held_out, dataset, print).rollout(held_out, n=k)
+                Explorer(cfg, engine, [], held_out, dataset, print, explorer_parts(cfg)).rollout(
+                    held_out, n=k
+                )
             )
             r = sampled_eval(correct, k, k, cfg.group_size)
             rows.append(

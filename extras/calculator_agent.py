@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     from config import parse_config
-    from workflows import load_tasks
+    from extras.task_sources import load_tasks
 
     ap = argparse.ArgumentParser(prog="python -m extras.calculator_agent", description=main.__doc__)
     ap.add_argument("out", help="the JSONL file to write")

@@ -10,7 +10,7 @@ from pathlib import Path
 from queue import Empty
 from typing import Any, Callable
 
-from extras.checksum import checksum
+from sync import checksum
 
 
 @contextmanager

@@ -1,9 +1,11 @@
-"""The HF engine's decode step, sampling included, as a CUDA graph (`--cuda-graphs`): one launch instead of tens per
-layer and no host sync. Graphs need fixed shapes and addresses, so the KV cache is static ([Bb, KV, L, D] per layer
-for a batch bucket Bb and a capacity L) with a boolean mask [Bb, 1, 1, L]; syncs copy weights in place, so graphs
-stay valid; the engine's generator is registered with each graph (its draws advance as eager steps' would). After
-PyTorch's CUDA Graphs notes (torch.cuda.graph, warm-up on a side stream, CUDAGraph.register_generator_state) and
-transformers' StaticCache."""
+"""The HF engine's decode step, sampling included, as a CUDA graph (`--cuda-graphs`: the
+composition root gives engines.HFEngine the factory `Graphs`): one launch instead of tens per
+layer and no host sync. Graphs need fixed shapes and addresses, so the KV cache is static
+([Bb, KV, L, D] per layer for a batch bucket Bb and a capacity L) with a boolean mask
+[Bb, 1, 1, L]; syncs copy weights in place, so graphs stay valid; the engine's generator is
+registered with each graph (its draws advance as eager steps' would). After PyTorch's CUDA
+Graphs notes (torch.cuda.graph, warm-up on a side stream, CUDAGraph.register_generator_state)
+and transformers' StaticCache."""
 
 import sys
 from collections import OrderedDict
@@ -17,7 +19,8 @@ CAPACITY_STEP = 128  # tokens: the capacities of the static caches
 
 
 class ColumnLayer(DynamicLayer):
-    """KV buffers [Bb, KV, L, D]; each update writes the column `index` [1], a device tensor set between steps."""
+    """KV buffers [Bb, KV, L, D]; each update writes the column `index` [1], a device tensor set
+    between steps."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor):
         super().__init__()
@@ -31,13 +34,15 @@ class ColumnLayer(DynamicLayer):
 
 
 class Step:
-    """One decode step of `model` over a static cache shaped like `like` (a prefilled cache's layers) for `rows`
-    sequences and `capacity` tokens, the next tokens sampled in the step; captured as a CUDA graph per sampling
-    (its temperature and top-p) when `capture`, else run eagerly."""
+    """One decode step of `model` over a static cache shaped like `like` (a prefilled cache's
+    layers) for `rows` sequences and `capacity` tokens, the next tokens sampled in the step;
+    captured as a CUDA graph per sampling (its temperature and top-p) when `capture`, else run
+    eagerly."""
 
     def __init__(self, model, like: list, rows: int, capacity: int, capture: bool, pool=None):
         device = like[0].keys.device
-        # [Bb, KV, L, D] of each layer in the growing cache's dtypes (under autocast: float32, as it promotes)
+        # [Bb, KV, L, D] of each layer in the growing cache's dtypes (under autocast: float32, as it
+        # promotes)
         kv = lambda t: t.new_zeros(rows, t.shape[1], capacity, t.shape[3])  # noqa: E731
         self.index = torch.zeros(1, dtype=torch.long, device=device)
         self.cache = Cache(
@@ -66,15 +71,18 @@ class Step:
         return sample_token(logits, sampling.temperature, sampling.top_p, generator)
 
     def prepare(self, sampling, generator: torch.Generator) -> None:
-        """Capture the step for `sampling` unless it is (eager: nothing to do). Raises what the capture raised."""
+        """Capture the step for `sampling` unless it is (eager: nothing to do). Raises what the
+        capture raised."""
         key = (sampling.temperature, sampling.top_p)
         if self.capture and key not in self.graphs:
             self.graphs[key] = self.captured(sampling, generator)
 
     def captured(self, sampling, generator: torch.Generator) -> tuple:
-        """(graph, tokens [Bb], log-probs [Bb]) of the step under `sampling`, drawing from `generator` (registered
-        with the graph: each replay advances it as the eager step would); the generator is left as it was."""
-        # autocast's weight cache would free the casts the graph reads: the graph casts on every replay
+        """(graph, tokens [Bb], log-probs [Bb]) of the step under `sampling`, drawing from
+        `generator` (registered with the graph: each replay advances it as the eager step would);
+        the generator is left as it was."""
+        # autocast's weight cache would free the casts the graph reads: the graph casts on every
+        # replay
         cast = torch.autocast(
             "cuda",
             dtype=torch.get_autocast_dtype("cuda"),
@@ -88,7 +96,9 @@ class Step:
         graph = torch.cuda.CUDAGraph()
         graph.register_generator_state(generator)
         side.wait_stream(before)
-        try:  # a step that waits for the GPU fails in the warm-up: a failed capture cannot be undone cleanly
+        try:
+            # a step that waits for the GPU fails in the warm-up: a failed capture cannot be
+            # undone cleanly
             torch.cuda.set_sync_debug_mode("error")
             with torch.cuda.stream(side), cast:
                 for _ in range(2):  # kernels chosen, workspaces allocated, outside the capture
@@ -101,7 +111,9 @@ class Step:
                 cast,
             ):
                 tokens, logprobs = self.forward(sampling, generator)
-        finally:  # a failed warm-up may still be writing the cache; a failed capture leaves its stream current
+        finally:
+            # a failed warm-up may still be writing the cache; a failed capture leaves its stream
+            # current
             torch.cuda.set_sync_debug_mode(debug)
             before.wait_stream(side)
             torch.cuda.set_stream(before)
@@ -109,7 +121,8 @@ class Step:
         return graph, tokens, logprobs
 
     def __call__(self, sampling, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next tokens [Bb] and their log-probs [Bb]; a captured step's are overwritten by its next call."""
+        """The next tokens [Bb] and their log-probs [Bb]; a captured step's are overwritten by its
+        next call."""
         key = (sampling.temperature, sampling.top_p)
         if key not in self.graphs:
             return self.forward(sampling, generator)
@@ -150,14 +163,16 @@ class Replay:
 
 
 class Graphs:
-    """engines.Decoding for each batch: the last `keep` steps used, by (batch bucket, capacity, dtype), each with
-    a graph per sampling; eager if not `capture`."""
+    """engines.Decoding for each batch: the last `keep` steps used, by (batch bucket, capacity,
+    dtype), each with a graph per sampling; eager if not `capture`."""
 
     def __init__(self, max_batch: int, capture: bool = True, keep: int = 8):
         self.max_batch, self.capture, self.keep = max_batch, capture, keep
         self.steps: OrderedDict[tuple, Step] = OrderedDict()
-        # every graph's memory in one pool: a graph's inputs and cache are allocated outside its capture, and
-        # its outputs, which another graph's replay may overwrite, are read before the next replay (generate_batch)
+        # every graph's memory in one pool: a graph's inputs and cache are allocated outside its
+        # capture, and
+        # its outputs, which another graph's replay may overwrite, are read before the next replay
+        # (generate_batch)
         self.pool = None
         self.failed = ""  # why a capture failed: from then on every batch decodes eagerly
 
@@ -181,7 +196,8 @@ class Graphs:
                 self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 self.steps.clear()  # their static caches are not used again
                 print(
-                    f"nanorft: CUDA graphs off, decoding eagerly: the capture failed ({self.failed})",
+                    "nanorft: CUDA graphs off, decoding eagerly: the capture failed "
+                    f"({self.failed})",
                     file=sys.stderr,
                     flush=True,
                 )

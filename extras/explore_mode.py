@@ -1,4 +1,5 @@
-"""Mode explore (run.MODES): one explorer beside a `--mode train` launch, paced by the buffer (`Backpressure`)."""
+"""Mode explore (run.MODES): one explorer beside a `--mode train` launch, paced by the buffer
+(`Backpressure`); the composition root hands it its loop and the makers of its parts."""
 
 import sys
 import time
@@ -8,9 +9,8 @@ import torch
 
 import launch
 import sync
-from buffer import Buffer, open_buffer
-from engines import make_engine
-from explorer import engine_seed, explore
+from buffer import Buffer
+from explorer import engine_seed
 from extras.hosts import StoreAlive
 from extras.train_mode import add_record
 from metrics import JsonlLog, eval_line
@@ -67,15 +67,20 @@ class Backpressure:
             self.catch_up()
 
 
-def run_mode_explore(cfg, prepared) -> None:
-    """Generate batches until the trainer has finished; records to RUN_DIR/explorer_<name>.jsonl."""
+def run_mode_explore(
+    cfg, prepared, explorer_loop, make_engine, make_explorer, receiver, open_buffer
+) -> None:
+    """Generate batches with `explorer_loop` (run.explorer_loop) until the trainer has finished;
+    records to RUN_DIR/explorer_<name>.jsonl. The makers, from components.py:
+    `make_engine(cfg, model_path, seed)`, `make_explorer(cfg, engine, tasks, log)`,
+    `receiver(cfg, engine, log, alive, port, device)`, `open_buffer(cfg)`."""
     launch.split_threads(cfg, 1)
     print(
         f"nanorft: mode explore ({cfg.explorer_name}), engine {cfg.engine}, {cfg.explorer_threads} threads, "
         f"run dir {cfg.run_dir}"
     )
     log = JsonlLog(Path(cfg.run_dir) / f"explorer_{cfg.explorer_name}.jsonl")
-    buffer = open_buffer(cfg.buffer, cfg.run_dir)
+    buffer = open_buffer(cfg)
     by_broadcast = cfg.sync_method == "broadcast"
 
     def log_and_share(record: dict) -> None:
@@ -101,25 +106,15 @@ def run_mode_explore(cfg, prepared) -> None:
             if by_broadcast
             else lambda: True
         )
-        receiver = sync.Receiver(
-            engine,
-            cfg,
-            log.write,
-            alive=alive,
-            port=cfg.sync_port if by_broadcast else None,
-            device="cuda" if torch.cuda.is_available() else "cpu",
-        )
+        port = cfg.sync_port if by_broadcast else None
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        pace = Backpressure(cfg, buffer, receiver(cfg, engine, log.write, alive, port, device))
         try:
-            explore(
-                cfg,
-                engine,
-                prepared.tasks,
-                buffer,
-                Backpressure(cfg, buffer, receiver),
-                log_and_share,
-                sys.maxsize,
-            )
+            pace.join()
+            explorer = make_explorer(cfg, engine, prepared.tasks, log_and_share)
+            explorer_loop(cfg, explorer, buffer, pace, log_and_share, sys.maxsize)
         finally:  # the trainer may go (its store with it) once every explorer has left
+            engine.close()
             if by_broadcast and engine.weights_joined():
                 engine.leave_weight_sync()
     finally:

@@ -1,4 +1,5 @@
-"""`--task guess_number --workflow guess_number` (configs/guess.toml): find a secret number by higher/lower."""
+"""`--task guess_number --workflow guess_number` (configs/guess.toml): find a secret number by
+higher/lower."""
 
 from extras.multiturn import MultiTurnWorkflow
 from workflows import Task, last_number
@@ -7,7 +8,8 @@ from workflows import Task, last_number
 def guess_number_tasks(
     kwargs: dict, train_size: int, eval_size: int, seed: int
 ) -> tuple[list[Task], list[Task]]:
-    """(train, held-out) tasks with secrets drawn uniformly from [low, high] (kwargs, default 1..16)."""
+    """(train, held-out) tasks with secrets drawn uniformly from [low, high] (kwargs, default
+    1..16)."""
     import random
 
     low, high = int(kwargs.get("low", 1)), int(kwargs.get("high", 16))
@@ -29,7 +31,8 @@ def guess_number_tasks(
 
 
 class GuessNumberEnv:
-    """Each reply's last number guesses the task's answer: reward 1 when found, else higher / lower."""
+    """Each reply's last number guesses the task's answer: reward 1 when found, else higher /
+    lower."""
 
     def reset(self, task: Task) -> str:
         self.secret = int(task.answer)

@@ -1,7 +1,9 @@
-"""The Hugging Face Hub and datasets: `hub_snapshot` (by Hub id) and `hf_dataset_tasks`, reached by import path."""
+"""The Hugging Face Hub and datasets: `hub_snapshot` (by Hub id), `model_dir` (a model by Hub id
+or as models.resolve_model finds it) and `hf_dataset_tasks`."""
 
 from pathlib import Path
 
+import models
 from extras.offline import hold_out
 from workflows import Task
 
@@ -16,7 +18,8 @@ HF_TASK_KWARGS = {
 
 
 def hub_snapshot(repo_id: str, repo_type: str = "model") -> str:
-    """Local directory of a Hub model or dataset (cached, else downloaded); FileNotFoundError (one line) otherwise."""
+    """Local directory of a Hub model or dataset (cached, else downloaded); FileNotFoundError (one
+    line) otherwise."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         LocalEntryNotFoundError,
@@ -32,8 +35,9 @@ def hub_snapshot(repo_id: str, repo_type: str = "model") -> str:
         return snapshot_download(repo_id, repo_type=repo_type, allow_patterns=patterns)
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         raise FileNotFoundError(
-            f"{repo_type} {repo_id!r} is neither a local path nor in the local Hugging Face cache ({constants.HF_HUB_CACHE}), "
-            f"and the Hub cannot be reached; on a connected machine run `hf download{flag} {repo_id}` (or copy its cache here)"
+            f"{repo_type} {repo_id!r} is neither a local path nor in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}), and the Hub cannot be reached; on a connected machine "
+            f"run `hf download{flag} {repo_id}` (or copy its cache here)"
         ) from None
     except RepositoryNotFoundError:
         raise FileNotFoundError(
@@ -41,14 +45,22 @@ def hub_snapshot(repo_id: str, repo_type: str = "model") -> str:
         ) from None
 
 
+def model_dir(name: str) -> str:
+    """The local directory of model `name` (models.resolve_model), a Hugging Face Hub id
+    (models.hub_id) fetched first (`hub_snapshot`). FileNotFoundError (one line) when missing."""
+    return models.resolve_model(hub_snapshot(name) if models.hub_id(name) else name)
+
+
 def hf_dataset_tasks(
     name: str, kwargs: dict, train_size: int, eval_size: int
 ) -> tuple[list[Task], list[Task]]:
-    """(train, held-out) tasks of a .parquet / .json / .csv file, dataset directory or Hub id; answers after "####"
-    (GSM8K; verl's examples/data_preprocess/gsm8k.py). ValueError / FileNotFoundError (one line) for bad input."""
+    """(train, held-out) tasks of a .parquet / .json / .csv file, dataset directory or Hub id;
+    answers after "####" (GSM8K; verl's examples/data_preprocess/gsm8k.py). ValueError /
+    FileNotFoundError (one line) for bad input."""
     if unknown := set(kwargs) - set(HF_TASK_KWARGS):
         raise ValueError(
-            f"task {name}: unknown task_kwargs {sorted(unknown)} (a Hugging Face dataset takes {sorted(HF_TASK_KWARGS)})"
+            f"task {name}: unknown task_kwargs {sorted(unknown)} "
+            f"(a Hugging Face dataset takes {sorted(HF_TASK_KWARGS)})"
         )
     kw = {**HF_TASK_KWARGS, **kwargs}
     suffix = Path(name).suffix
@@ -95,5 +107,6 @@ def hf_dataset_tasks(
 
 
 def is_dataset(name: str) -> bool:
-    """Whether task `name` is a Hugging Face dataset: a data file, a directory or a Hub id (owner/name)."""
+    """Whether task `name` is a Hugging Face dataset: a data file, a directory or a Hub id
+    (owner/name)."""
     return Path(name).suffix in DATA_FILE_BUILDERS or Path(name).is_dir() or name.count("/") == 1

@@ -1,4 +1,5 @@
-"""An LLM as judge: `ask_judge` (also the pipelines' ratings) and `--reward-fn judge` (`judge_reward`)."""
+"""An LLM as judge: `ask_judge` (also the pipelines' ratings) and `--reward-fn judge`
+(`judge_reward`)."""
 
 import json
 from typing import Any
@@ -16,8 +17,9 @@ def ask_judge(
     url: str = "",
     timeout_s: float = 60.0,
 ) -> list[float]:
-    """The judge's probability of starting its reply with each of `choices`: a local model directory `model` (softmax
-    of its next-token logits) or an OpenAI-compatible endpoint `url` (1.0 for its greedy reply's); else ValueError."""
+    """The judge's probability of starting its reply with each of `choices`: a local model directory
+    `model` (softmax of its next-token logits) or an OpenAI-compatible endpoint `url` (1.0 for its
+    greedy reply's); else ValueError."""
     if url:
         import urllib.request
 
@@ -59,9 +61,11 @@ def judge_reward(
     url: str = "",
     timeout_s: float = 60.0,
 ) -> float:
-    """The judge's P("yes") / (P("yes") + P("no")) that the completion is correct; ValueError without `model`/`url`."""
+    """The judge's P("yes") / (P("yes") + P("no")) that the completion is correct; ValueError
+    without `model`/`url`."""
     question = (
-        f"Question: {task.question}\nReference answer: {task.answer}\nStudent answer: {completion}\n"
+        f"Question: {task.question}\nReference answer: {task.answer}\n"
+        f"Student answer: {completion}\n"
         "Is the student answer correct? Reply with yes or no."
     )
     if not (model or url):

@@ -245,7 +245,7 @@ def label_studio(cfg) -> LabelStudio:
 
 def start_annotator(cfg, tokenizer, stop: threading.Event) -> Callable[[], dict]:
     """A daemon thread running an Annotator until `stop`; returns its metrics getter (RuntimeError once it died)."""
-    from buffer import open_buffer
+    from extras.postgres import open_buffer
 
     latest, failed = {}, []
     url = label_studio(cfg).url  # ValueError without url or token

@@ -1,5 +1,6 @@
 """Lagged rewards (reward_fn "human"): groups wait in the buffer (`pending_groups`) until `set_rewards` fills them,
-from code, extras/label_studio.py or `python buffer.py BUFFER pending | set-reward GROUP_ID REWARD...` (`main`)."""
+from code, extras/label_studio.py or `python -m extras.lagged_rewards BUFFER pending | set-reward GROUP_ID REWARD...`
+(`main`)."""
 
 import argparse
 import math
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 from buffer import COLUMNS, POSTGRES, Buffer, Experience
+from extras.postgres import open_buffer
 
 
 def human_reward(task, completion: str, dataset) -> None:
@@ -77,7 +79,8 @@ def pending_group_rows(buffer: Buffer) -> list[list[Experience]]:
 def main(argv: list[str] | None = None) -> int:
     """List the groups waiting for a reward, or set a group's rewards; exit code 2 on an error."""
     p = argparse.ArgumentParser(
-        prog="buffer.py", description="inspect a buffer and fill lagged rewards"
+        prog="python -m extras.lagged_rewards",
+        description="inspect a buffer and fill lagged rewards",
     )
     p.add_argument(
         "buffer", help="RUN_DIR/buffer.sqlite, or postgresql://user@host:port/db?schema=NAME"
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.buffer.startswith(POSTGRES) and not Path(args.buffer).is_file():
             raise ValueError(f"no buffer file {args.buffer}")
-        buf = Buffer(args.buffer)
+        buf = open_buffer(args.buffer)
         if args.cmd == "pending":
             print("\n".join(pending_groups(buf)))
             return 0
@@ -101,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
             buf, args.group_id, args.rewards[0] if len(args.rewards) == 1 else args.rewards
         )
     except ValueError as e:
-        print(f"buffer.py: error: {e}", file=sys.stderr)
+        print(f"extras.lagged_rewards: error: {e}", file=sys.stderr)
         return 2
     print(f"set {n} rewards of group {args.group_id}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
-"""LoRA (--lora-rank > 0, peft; Hu et al., arXiv:2106.09685): the trainer trains adapters on the frozen model and
-publishes only them (`LoraTrainer`); the engines sample with them (`LoraHFEngine`; vLLM's in
-extras/vllm_engine.py). Imported where a LoRA run needs it."""
+"""LoRA (--lora-rank > 0, peft; Hu et al., arXiv:2106.09685): the trainer trains adapters on the
+frozen model and publishes only them (`LoraTrainer`); the engines sample with them
+(`LoraHFEngine`; vLLM's in extras/vllm_engine.py). Imported where a LoRA run needs it."""
 
 from pathlib import Path
 
@@ -19,7 +19,8 @@ def check_config(cfg) -> None:
 
 
 def lora_config(cfg, base: str = ""):
-    """The peft `LoraConfig` of cfg's --lora-* settings on base model `base`. ValueError (one line) without peft."""
+    """The peft `LoraConfig` of cfg's --lora-* settings on base model `base`. ValueError (one
+    line) without peft."""
     try:
         from peft import LoraConfig
     except ImportError:
@@ -39,12 +40,14 @@ def lora_config(cfg, base: str = ""):
 
 
 def published_parameters(model) -> list[tuple[str, torch.Tensor]]:
-    """(name, parameter) of the peft `model`'s adapters in `named_parameters()` order: what LoRA trains."""
+    """(name, parameter) of the peft `model`'s adapters in `named_parameters()` order: what LoRA
+    trains."""
     return [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
 
 
 def save_adapter(model, path: str | Path, named: list[tuple[str, torch.Tensor]], config) -> None:
-    """Write the adapters `named` ((name, CPU tensor) of `model`) and `config` as a peft adapter directory."""
+    """Write the adapters `named` ((name, CPU tensor) of `model`) and `config` as a peft adapter
+    directory."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -60,7 +63,8 @@ def save_adapter(model, path: str | Path, named: list[tuple[str, torch.Tensor]],
 
 
 def load_adapter(model, path: str | Path) -> None:
-    """Load the peft adapter directory `path` into the unsharded peft `model`. ValueError when it misses an adapter."""
+    """Load the peft adapter directory `path` into the unsharded peft `model`. ValueError when it
+    misses an adapter."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -74,7 +78,8 @@ def load_adapter(model, path: str | Path) -> None:
 
 
 def merge_adapter(adapter: str | Path, out: str | Path, dtype: torch.dtype) -> None:
-    """Write the peft `adapter` merged into its base model (loaded again) as a Hugging Face directory."""
+    """Write the peft `adapter` merged into its base model (loaded again) as a Hugging Face
+    directory."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -85,11 +90,12 @@ def merge_adapter(adapter: str | Path, out: str | Path, dtype: torch.dtype) -> N
 
 
 class LoraTrainer(Trainer):
-    """A Trainer of fresh LoRA adapters on the frozen model; saves and resume states hold the adapters only."""
+    """A Trainer of fresh LoRA adapters on the frozen model; saves and resume states hold the
+    adapters only. `parts`: the Trainer's keyword arguments (its algorithm, frozen scorers)."""
 
-    def __init__(self, cfg, model_path: str, device: torch.device):
+    def __init__(self, cfg, model_path: str, device: torch.device, **parts):
         self.lora = lora_config(cfg, model_path)
-        super().__init__(cfg, model_path, device)
+        super().__init__(cfg, model_path, device, **parts)
 
     def pretrained(self, model_path: str):
         from peft import get_peft_model
@@ -105,6 +111,10 @@ class LoraTrainer(Trainer):
 
     def named_trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return published_parameters(self.model)
+
+    def resume_tensors(self) -> dict:
+        """The adapters, sharded: the frozen model comes back from --model, not the resume state."""
+        return {"adapters": dict(self.named_trained_parameters())}
 
     def save(
         self,
@@ -127,7 +137,8 @@ class LoraTrainer(Trainer):
             self.tokenizer.save_pretrained(str(path))
 
     def save_final(self, path: str | Path, params: list[torch.Tensor] | None = None) -> None:
-        """The adapters (float32) in path/adapter and the merged model at `path` in `final_dtype`."""
+        """The adapters (float32) in path/adapter and the merged model at `path` in
+        `final_dtype`."""
         self.save(Path(path) / "adapter", params)
         if self.rank == 0:
             merge_adapter(Path(path) / "adapter", path, self.final_dtype)
@@ -143,6 +154,13 @@ class LoraHFEngine(HFEngine):
         self.lora = lora  # (pretrained, called by HFEngine.__init__, needs it)
         super().__init__(model_path, **kwargs)
 
+    @classmethod
+    def from_config(
+        cls, cfg, model_path: str, seed: int, device: str, colocated: bool, graphs=None
+    ) -> "LoraHFEngine":
+        """The engine of cfg's settings with the adapters of its --lora-* settings."""
+        return cls(model_path, lora_config(cfg), **cls.settings(cfg, seed, device, graphs))
+
     def pretrained(self, model_path: str, dtype: torch.dtype):
         from peft import get_peft_model
 
@@ -154,3 +172,7 @@ class LoraHFEngine(HFEngine):
     def parameters(self) -> list[torch.Tensor]:
         """The adapters, in the wire order (named_parameters)."""
         return [p for _, p in published_parameters(self.model)]
+
+    def load_weights(self, path: str | Path) -> None:
+        """Load the peft adapter directory `path` (a publish carries the adapters only)."""
+        load_adapter(self.model, path)

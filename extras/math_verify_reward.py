@@ -9,8 +9,9 @@ from workflows import Task
 
 
 def math_verify_reward(task: Task, completion: str, dataset: Any) -> float:
-    """1.0 when math-verify finds the completion's answer equal to the reference (a bare one as "\\boxed{reference}",
-    verl/utils/reward_score/math_verify.py @ 1309a22), else 0.0. ValueError for a reference without an answer."""
+    """1.0 when math-verify finds the completion's answer equal to the reference (a bare one as
+    "\\boxed{reference}", verl/utils/reward_score/math_verify.py @ 1309a22), else 0.0. ValueError
+    for a reference without an answer."""
     ref = task.answer.strip()
     gold = parse(
         ref if "$" in ref or "\\boxed" in ref else f"\\boxed{{{ref}}}", parsing_timeout=None

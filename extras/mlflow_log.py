@@ -1,4 +1,4 @@
-"""The MLflow tracker (`--log mlflow`), in metrics.TRACKERS by import path."""
+"""The MLflow tracker (`--log mlflow`): components.trackers hands it to metrics.Metrics."""
 
 import json
 import os

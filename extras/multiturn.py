@@ -1,6 +1,6 @@
-"""Multi-turn workflows: the policy and an environment take turns (`MultiTurnWorkflow`; extras/guess_number.py);
-the metrics of their episodes and of agents' (`episode_record`, `episode_means`: explorer.py asks for them
-only when experiences carry an episode_id or metrics)."""
+"""Multi-turn workflows: the policy and an environment take turns (`MultiTurnWorkflow`;
+extras/guess_number.py). Their episodes' metrics (samples per episode, turns) are the
+explorer's (explorer.episode_record): each sample records its episode in its info."""
 
 import asyncio
 import uuid
@@ -10,7 +10,8 @@ from workflows import Task, Workflow, chat_ids, in_thread
 
 
 def new_sample(prompt: list[int]) -> dict:
-    """An empty sample (dict of tokens, prompt_length, mask, behaviour_logprobs, versions) starting at `prompt`."""
+    """An empty sample (dict of tokens, prompt_length, mask, behaviour_logprobs, versions) starting
+    at `prompt`."""
     return {
         "tokens": list(prompt),
         "prompt_length": len(prompt),
@@ -21,7 +22,8 @@ def new_sample(prompt: list[int]) -> dict:
 
 
 def extend_sample(s: dict, prompt: list[int], out) -> None:
-    """Append the tokens of `prompt` past the sample's (mask 0: not trained on) and the completion `out` (mask 1)."""
+    """Append the tokens of `prompt` past the sample's (mask 0: not trained on) and the completion
+    `out` (mask 1)."""
     extra = prompt[len(s["tokens"]) :]
     s["tokens"] += extra + list(out.tokens)
     s["mask"] += [0] * len(extra) + [1] * len(out.tokens)
@@ -30,9 +32,10 @@ def extend_sample(s: dict, prompt: list[int], out) -> None:
 
 
 class MultiTurnWorkflow(Workflow):
-    """Subclasses implement `make_env()`: an environment with `reset(task) -> str` (the first user message) and
-    `step(reply) -> (message or None at the end, reward or None)`, called in a thread. A turn whose prompt extends
-    the sample's tokens joins that sample, else a new one starts (prime-rl's merging rule)."""
+    """Subclasses implement `make_env()`: an environment with `reset(task) -> str` (the first user
+    message) and `step(reply) -> (message or None at the end, reward or None)`, called in a thread.
+    A turn whose prompt extends the sample's tokens joins that sample, else a new one starts
+    (prime-rl's merging rule)."""
 
     max_turns = 6
 
@@ -44,7 +47,8 @@ class MultiTurnWorkflow(Workflow):
         raise NotImplementedError
 
     def context(self, messages: list[dict]) -> list[dict]:
-        """The messages the policy sees this turn (override to compact them: a new sample starts)."""
+        """The messages the policy sees this turn (override to compact them: a new sample
+        starts)."""
         return messages
 
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
@@ -98,27 +102,3 @@ class MultiTurnWorkflow(Workflow):
             )
             for s in samples
         ]
-
-
-def episode_means(infos: list[dict], prefix: str) -> dict[str, float]:
-    """{prefix + NAME: mean} of the episodes' own info["metrics"], one sample per episode."""
-    firsts = {}
-    for info in infos:
-        if "metrics" in info:
-            firsts.setdefault(info.get("episode_id", id(info)), info["metrics"])
-    ms = list(firsts.values())
-    names = dict.fromkeys(k for m in ms for k in m)
-    return {prefix + k: sum(m[k] for m in ms if k in m) / sum(k in m for m in ms) for k in names}
-
-
-def episode_record(exps: list[Experience]) -> dict[str, float]:
-    """A batch's rollout/* metrics of its multi-turn episodes (samples per episode, mean turns) and
-    the episodes' own metrics (`episode_means`)."""
-    episodes = {e.info["episode_id"]: e.info for e in exps if "episode_id" in e.info}.values()
-    record = {}
-    if episodes:
-        samples = sum(i["samples"] for i in episodes)
-        record["rollout/samples_per_episode"] = samples / len(episodes)
-        record["rollout/turns_mean"] = sum(i["turns"] for i in episodes) / len(episodes)
-    record.update(episode_means([e.info for e in exps], "rollout/"))
-    return record

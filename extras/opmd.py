@@ -1,11 +1,13 @@
-"""Online policy mirror descent (Trinity-RFT, arXiv:2505.17826 appendix A): the `opmd` advantage and opmd_* losses."""
+"""Online policy mirror descent (Trinity-RFT, arXiv:2505.17826 appendix A): the `opmd` advantage
+and the opmd_* losses, in `ADVANTAGES` and `POLICY_LOSSES` (merged into the core's by the
+composition root when a run names one)."""
 
 import math
 
 import torch
 
 from extras.policy_losses import spread
-from losses import LossInputs, group_stats, seq_sum
+from losses import LossInputs, PolicyLoss, group_stats, seq_sum
 
 
 def opmd_advantages(
@@ -16,9 +18,9 @@ def opmd_advantages(
     baseline: str = "mean",
     tau: float = 1.0,
 ):
-    """r - b, b the group's mean ("mean") or tau log mean exp(r / tau) ("logavgexp"); 0 for a group of one. [B] -> [B].
-    ValueError for another baseline. Reference: Trinity-RFT trinity/algorithm/advantage_fn/opmd_advantage.py
-    @ 547adf1."""
+    """r - b, b the group's mean ("mean") or tau log mean exp(r / tau) ("logavgexp"); 0 for a
+    group of one. [B] -> [B]. ValueError for another baseline. Reference: Trinity-RFT
+    trinity/algorithm/advantage_fn/opmd_advantage.py @ 547adf1."""
     if baseline == "mean":
         return rewards - group_stats(rewards, group_index)[0]
     if baseline != "logavgexp":
@@ -46,17 +48,19 @@ def logavgexp_baseline(
 
 
 def opmd_kimi_loss(inp: LossInputs, tau: float = 1.0):
-    """(-A logprobs + spread(tau / 2 s^2)) / max(1, tau), s the sequence's summed log-ratio: {"loss"} [B, T]. Source:
-    Kimi k1.5 arXiv:2501.12599 sec. 2.3.2. Reference: Trinity-RFT trinity/trainer/verl/core_algos.py
-    compute_policy_loss_opmd (fork yaochaorui/Trinity-RFT @ 50aba82)."""
+    """(-A logprobs + spread(tau / 2 s^2)) / max(1, tau), s the sequence's summed log-ratio:
+    {"loss"} [B, T]. Source: Kimi k1.5 arXiv:2501.12599 sec. 2.3.2. Reference: Trinity-RFT
+    trinity/trainer/verl/core_algos.py compute_policy_loss_opmd (fork yaochaorui/Trinity-RFT
+    @ 50aba82)."""
     s = seq_sum(inp.logprobs - inp.behaviour_logprobs, inp.action_mask)  # [B]
     loss = -inp.advantages * inp.logprobs + spread(0.5 * tau * s**2, inp.action_mask)  # [B, T]
     return {"loss": loss / max(1.0, tau)}  # [B, T]
 
 
 def opmd_pairwise_loss(inp: LossInputs, tau: float = 1.0):
-    """(d_i - mean_group d)^2 / max(1, tau), d = r - tau (log pi - sg(log pi)): {"loss"} [B, T]. Reference: Trinity-RFT
-    trinity/trainer/verl/core_algos.py compute_policy_loss_pairwise_opmd (fork yaochaorui/Trinity-RFT @ 50aba82)."""
+    """(d_i - mean_group d)^2 / max(1, tau), d = r - tau (log pi - sg(log pi)): {"loss"} [B, T].
+    Reference: Trinity-RFT trinity/trainer/verl/core_algos.py compute_policy_loss_pairwise_opmd
+    (fork yaochaorui/Trinity-RFT @ 50aba82)."""
     s = seq_sum(inp.logprobs, inp.action_mask)  # [B]
     d = inp.rewards - tau * (s - s.detach())  # [B]
     same = (inp.group_index[:, None] == inp.group_index[None, :]).to(d.dtype)  # [B, B]
@@ -68,3 +72,11 @@ def opmd_simple_loss(inp: LossInputs, tau: float = 1.0):
     """-A logprobs / (1 + tau): {"loss"} [B, T]. Reference: Trinity-RFT
     trinity/algorithm/policy_loss_fn/opmd_policy_loss.py @ 70c21ac."""
     return {"loss": -inp.advantages * inp.logprobs / (1 + tau)}
+
+
+ADVANTAGES = {"opmd": opmd_advantages}
+POLICY_LOSSES = {
+    "opmd_kimi": PolicyLoss(opmd_kimi_loss),
+    "opmd_pairwise": PolicyLoss(opmd_pairwise_loss, needs_groups=True),
+    "opmd_simple": PolicyLoss(opmd_simple_loss),
+}

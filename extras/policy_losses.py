@@ -1,25 +1,14 @@
-"""Policy losses besides PPO clip, named by import path in losses.POLICY_LOSSES (contract: losses.py)."""
+"""Policy losses besides PPO clip (the contract of losses.py), in `POLICY_LOSSES`, which the
+composition root merges into the core's when --policy-loss names one of them."""
 
 import torch
 
-from losses import LossInputs, importance_ratio, ppo_clip_loss, seq_sum
-
-
-def part_totals(
-    token_counts: torch.Tensor, expert: torch.Tensor, keep: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sequence, its part's (expert or rollout) kept tokens and sequences, the totals of losses.aggregate for a
-    `split_expert` loss (MIX). token_counts [N], expert [N], keep [N] -> [N], [N]."""
-    kept, is_exp = keep.to(token_counts.dtype), expert.to(token_counts.dtype)  # [N]
-    tokens = torch.stack(
-        [(token_counts * kept * (1 - is_exp)).sum(), (token_counts * kept * is_exp).sum()]
-    )  # [2]
-    seqs = torch.stack([(kept * (1 - is_exp)).sum(), (kept * is_exp).sum()])  # [2]
-    return tokens[expert.long()], seqs[expert.long()]
+from losses import LossInputs, PolicyLoss, importance_ratio, ppo_clip_loss, seq_sum
 
 
 def spread(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """A per-sequence value spread evenly over its trained tokens (their sum is the value): [B] -> [B, T]."""
+    """A per-sequence value spread evenly over its trained tokens (their sum is the value):
+    [B] -> [B, T]."""
     return per_seq[:, None] * mask / mask.sum(-1, keepdim=True).clamp(min=1)
 
 
@@ -30,9 +19,10 @@ def dppo_kl_loss(
     adv_tau: float = 1.0,
     kl_tau: float = 1e-3,
 ):
-    """DPPO-Binary-TV + KL: -ratio adv_tau A inside the trust region on exp(logprobs) - exp(behaviour_logprobs),
-    + kl_tau (log ratio)^2: {"loss", "masked"} [B, T]. Source: DPPO arXiv:2602.04879; Kimi K2.5 arXiv:2602.02276.
-    Reference: PrimeIntellect-ai/prime-rl src/prime_rl/trainer/rl/loss.py default_loss_fn @ 559b447."""
+    """DPPO-Binary-TV + KL: -ratio adv_tau A inside the trust region on exp(logprobs) -
+    exp(behaviour_logprobs), + kl_tau (log ratio)^2: {"loss", "masked"} [B, T]. Source: DPPO
+    arXiv:2602.04879; Kimi K2.5 arXiv:2602.02276. Reference: PrimeIntellect-ai/prime-rl
+    src/prime_rl/trainer/rl/loss.py default_loss_fn @ 559b447."""
     log_ratio = inp.logprobs - inp.behaviour_logprobs  # [B, T]
     diff = torch.exp(inp.logprobs) - torch.exp(inp.behaviour_logprobs)  # [B, T]
     masked = torch.where(inp.advantages > 0, diff > dppo_mask_high, diff < -dppo_mask_low)  # [B, T]
@@ -41,17 +31,18 @@ def dppo_kl_loss(
 
 
 def reinforce_tis_loss(inp: LossInputs, tis_cap: float = 1.02):
-    """REINFORCE with truncated, detached IS weights: -min(ratio, tis_cap) A logprobs: {"loss", "truncated"} [B, T].
-    Source: PipelineRL arXiv:2509.19128 sec. 3. Reference: ServiceNow/PipelineRL pipelinerl/finetune/rl/__init__.py
-    rl_step @ 58d3934."""
+    """REINFORCE with truncated, detached IS weights: -min(ratio, tis_cap) A logprobs: {"loss",
+    "truncated"} [B, T]. Source: PipelineRL arXiv:2509.19128 sec. 3. Reference:
+    ServiceNow/PipelineRL pipelinerl/finetune/rl/__init__.py rl_step @ 58d3934."""
     ratio = importance_ratio(inp).detach()  # [B, T]
     w = ratio.clamp(max=tis_cap)  # [B, T]
     return {"loss": -w * inp.advantages * inp.logprobs, "truncated": (ratio > tis_cap).float()}
 
 
 def cispo_loss(inp: LossInputs, clip_low: float = 1.0, clip_high: float = 0.2):
-    """CISPO: -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) A logprobs: {"loss", "clipped"} [B, T].
-    Source: MiniMax-M1 arXiv:2506.13585 sec. 3.1. Reference: verl core_algos.py compute_policy_loss_cispo @ b178a3c."""
+    """CISPO: -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) A logprobs: {"loss", "clipped"}
+    [B, T]. Source: MiniMax-M1 arXiv:2506.13585 sec. 3.1. Reference: verl core_algos.py
+    compute_policy_loss_cispo @ b178a3c."""
     ratio = importance_ratio(inp).detach()  # [B, T]
     w = ratio.clamp(1 - clip_low, 1 + clip_high)  # [B, T]
     return {"loss": -w * inp.advantages * inp.logprobs, "clipped": (w != ratio).float()}
@@ -71,18 +62,20 @@ def gspo_loss(inp: LossInputs, clip_low: float = 3e-4, clip_high: float = 4e-4):
 
 
 def sft_loss(inp: LossInputs):
-    """-logprobs: {"loss"} [B, T]. Reference: Trinity-RFT trinity/algorithm/policy_loss_fn/sft_loss.py @ 51d229f."""
+    """-logprobs: {"loss"} [B, T]. Reference: Trinity-RFT
+    trinity/algorithm/policy_loss_fn/sft_loss.py @ 51d229f."""
     return {"loss": -inp.logprobs}
 
 
 def dpo_loss(inp: LossInputs, beta: float = 0.1):
-    """DPO on each group's best and worst sequence by reward, both carrying the pair's loss: {"loss", "pair_correct"}
-    [B, T]. ValueError without ref_logprobs. Source: arXiv:2305.18290 eq. 7. Reference: huggingface/trl
-    trl/trainer/dpo_trainer.py @ f2cd577."""
+    """DPO on each group's best and worst sequence by reward, both carrying the pair's loss:
+    {"loss", "pair_correct"} [B, T]. ValueError without ref_logprobs. Source: arXiv:2305.18290
+    eq. 7. Reference: huggingface/trl trl/trainer/dpo_trainer.py @ f2cd577."""
     if inp.ref_logprobs is None:
         raise ValueError("dpo needs ref_logprobs (a reference model)")
     logit = beta * seq_sum(inp.logprobs - inp.ref_logprobs, inp.action_mask)  # [B]
-    # 0 where no pair, but in the graph: a micro-batch without a pair still runs backward (FSDP2's reduce-scatter)
+    # 0 where no pair, but in the graph: a micro-batch without a pair still runs backward
+    # (FSDP2's reduce-scatter)
     per_seq = logit * 0  # [B]
     correct = torch.zeros_like(logit)  # [B]
     for g in inp.group_index.unique():
@@ -106,8 +99,8 @@ def mix_loss(
     clip_high: float = 0.2,
     dual_clip: float | None = 3.0,
 ):
-    """(1 - mu) ppo_clip on rollouts + mu SFT on expert tokens, each part normalised over itself (`part_totals`):
-    {"loss", "clipped", "expert"} [B, T]. Reference: modelscope/Trinity-RFT
+    """(1 - mu) ppo_clip on rollouts + mu SFT on expert tokens, each part normalised over itself
+    (losses.part_totals): {"loss", "clipped", "expert"} [B, T]. Reference: modelscope/Trinity-RFT
     trinity/algorithm/policy_loss_fn/mix_policy_loss.py @ c10d414."""
     expert = (
         inp.expert
@@ -121,3 +114,14 @@ def mix_loss(
         "clipped": ppo["clipped"] * ~expert,
         "expert": expert.float().expand_as(loss),
     }
+
+
+POLICY_LOSSES = {
+    "dppo_kl": PolicyLoss(dppo_kl_loss),
+    "reinforce_tis": PolicyLoss(reinforce_tis_loss, "seq-mean-token-sum"),
+    "cispo": PolicyLoss(cispo_loss),
+    "gspo": PolicyLoss(gspo_loss, "seq-mean-token-mean"),
+    "sft": PolicyLoss(sft_loss),
+    "dpo": PolicyLoss(dpo_loss, "seq-mean-token-sum", needs_groups=True, needs_ref=True),
+    "mix": PolicyLoss(mix_loss, split_expert=True),
+}

@@ -1,9 +1,12 @@
-"""The PostgreSQL backend of buffer.Buffer (`--buffer postgresql://user@host:port/db`), by import path."""
+"""The PostgreSQL backend of buffer.Buffer (`--buffer postgresql://user@host:port/db`), and
+`open_buffer`, which opens either kind of buffer."""
 
 import re
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import buffer
 
 
 class Postgres:
@@ -95,3 +98,9 @@ class Postgres:
 
     def close(self) -> None:
         self.conn.close()
+
+
+def open_buffer(url: str, run_dir: str | Path | None = None, timeout_s: float = 60.0):
+    """buffer.open_buffer for a SQLite path or a postgresql:// URL; ValueError (one line)."""
+    backend = Postgres if str(url).startswith(buffer.POSTGRES) else None
+    return buffer.open_buffer(url, run_dir, timeout_s, backend)

@@ -1,4 +1,5 @@
-"""The frozen reference policy of --kl-loss-coef, --kl-reward-coef and DPO (`Reference`)."""
+"""The frozen reference policy of --kl-loss-coef, --kl-reward-coef and DPO (`Reference`), which
+the composition root hands the trainer when the KL terms or the loss need it."""
 
 import contextlib
 
@@ -16,13 +17,15 @@ def frozen_model(trainer, model_path: str):
 
 
 class Reference:
-    """The reference log-probs of each step's sequences for `trainer`."""
+    """The reference log-probs of each step's sequences for `trainer`: the model at `model_path`,
+    or with `adapters_off` (a LoRA trainer's) the policy with its adapters disabled, which is
+    the frozen model without a second copy of it."""
 
-    def __init__(self, trainer, model_path: str):
+    def __init__(self, trainer, model_path: str, adapters_off: bool = False):
         self.trainer, self.seqs, self.model = trainer, {}, None
         # the KL terms compare the policy and the reference at the sampling temperature
         self.temperature = trainer.cfg.temperature
-        if not trainer.lora:  # LoRA: the policy with its adapters disabled
+        if not adapters_off:
             self.model = frozen_model(trainer, model_path)
 
     @contextlib.contextmanager
@@ -54,7 +57,8 @@ class Reference:
     def kl_reward_penalty(
         self, rewards: torch.Tensor, batch, rows: list[list], m: dict
     ) -> torch.Tensor:
-        """`rewards` [N] minus kl_reward_coef x each rollout's summed k1 KL(behaviour || reference); collective."""
+        """`rewards` [N] minus kl_reward_coef x each rollout's summed k1 KL(behaviour ||
+        reference); collective."""
         coef = self.trainer.cfg.kl_reward_coef
         kl = torch.zeros(len(batch.exps), device=self.trainer.device)  # [N]
         # offline: no behaviour

@@ -7,7 +7,8 @@ from workflows import MathWorkflow, Task, chat_ids
 
 
 class ReflectWorkflow(MathWorkflow):
-    """n rollouts; each wrong one answered again after "incorrect", the first correct one kept (arXiv:2505.17826)."""
+    """n rollouts; each wrong one answered again after "incorrect", the first correct one kept
+    (arXiv:2505.17826)."""
 
     async def run(self, task: Task, engine, n: int) -> list[Experience]:
         group = await super().run(task, engine, n)
@@ -21,7 +22,8 @@ class ReflectWorkflow(MathWorkflow):
                     {"role": "assistant", "content": e.info["response"]},
                     {
                         "role": "user",
-                        "content": "That answer is incorrect. Check your work and give the final answer again.",
+                        "content": "That answer is incorrect. Check your work and give the "
+                        "final answer again.",
                     },
                 ],
                 True,

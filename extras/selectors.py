@@ -1,5 +1,5 @@
-"""Task selectors besides workflows.Shuffle (extras/pipelines.py's SELECTORS): sequential, random, easy2hard, BOTS;
-and `pool_tasks`, the next tasks while task pools have retired some (--pool-easy, --pool-hard)."""
+"""Task selectors besides workflows.Shuffle (extras/pipelines.py's SELECTORS): sequential,
+random, easy2hard, BOTS."""
 
 import math
 
@@ -13,28 +13,13 @@ NEEDS_DIFFICULTY = (
 )
 
 
-def pool_tasks(explorer, k: int, retired: dict[str, str]) -> list[Task]:
-    """The next k training tasks of `explorer` (explorer.Explorer.next_tasks), none of the `retired`
-    (task_id -> pool) ones except round(k * pool_lift_fraction) of them drawn back; all retired: all
-    come back."""
-    if len(retired) >= len(explorer.train):
-        return explorer.next_tasks(k, {})
-    lift = min(round(k * explorer.cfg.pool_lift_fraction), len(retired))
-    by_id = {t.task_id: t for t in explorer.train} if lift else {}
-    out = [by_id[i] for i in explorer.rng.sample(sorted(retired), lift)]
-    while len(out) < k:
-        task = explorer.train[explorer.selector.next(1)[0]]
-        if task.task_id not in retired:
-            out.append(task)
-    return out
-
-
 class Sequential(Selector):
     """The task list in its own order (after the task pipeline), cycled."""
 
 
 class RandomTasks(Selector):
-    """k distinct tasks drawn uniformly (Trinity-RFT's RandomSelector; seeded by the count drawn: resumes)."""
+    """k distinct tasks drawn uniformly (Trinity-RFT's RandomSelector; seeded by the count drawn:
+    resumes)."""
 
     def next(self, k: int) -> list[int]:
         out = (
@@ -47,7 +32,8 @@ class RandomTasks(Selector):
 
 
 class Easy2Hard(Selector):
-    """The tasks by ascending difficulty, cycled (Trinity-RFT's offline_easy2hard); ValueError without."""
+    """The tasks by ascending difficulty, cycled (Trinity-RFT's offline_easy2hard); ValueError
+    without."""
 
     def __init__(self, tasks: list[Task], seed: int):
         super().__init__(tasks, seed)
@@ -63,9 +49,10 @@ class Easy2Hard(Selector):
 
 
 class DiffBased(Selector):
-    """Difficulty-targeted selection (BOTS, Trinity-RFT `diff_based`: trinity/buffer/selector/selector.py @ 3e9eb605
-    DiffBasedSelector, diff_estimator.py @ 607f1dbd InterpolationBetaPREstimator). Task i has a Beta(alpha_i, beta_i)
-    belief over its pass rate; after a batch with pass rates pr_j:
+    """Difficulty-targeted selection (BOTS, Trinity-RFT `diff_based`:
+    trinity/buffer/selector/selector.py @ 3e9eb605 DiffBasedSelector, diff_estimator.py @ 607f1dbd
+    InterpolationBetaPREstimator). Task i has a Beta(alpha_i, beta_i) belief over its pass rate;
+    after a batch with pass rates pr_j:
         cap  <- (mean pr - mean f0_j) / (mean f1_j - mean f0_j + 1e-6)   (EMA, discount 0.9)
         p~_i  = clip((f1_i - f0_i) * cap + f0_i, 0, 1), and p~_j = pr_j
         alpha <- (1 - lamb) alpha + lamb + (1 - rho) s_bar + rho m p~
@@ -76,10 +63,12 @@ class DiffBased(Selector):
 
     @staticmethod
     def check_config(cfg) -> None:
-        """ValueError with task pools (pool_easy / pool_hard) set: it targets a difficulty itself."""
+        """ValueError with task pools (pool_easy / pool_hard) set: it targets a difficulty
+        itself."""
         if math.isfinite(cfg.pool_easy) or math.isfinite(cfg.pool_hard):
             raise ValueError(
-                "selector diff_based already targets a difficulty: leave pool_easy / pool_hard unset"
+                "selector diff_based already targets a difficulty: "
+                "leave pool_easy / pool_hard unset"
             )
 
     def __init__(

@@ -1,7 +1,11 @@
-"""The task sources besides reasoning-gym that --task names: the bundled guessing game, an installed
-verifiers environment (`verifiers:NAME`), a .jsonl task file and a Hugging Face dataset.
-workflows.load_tasks asks `source_tasks` first and draws a reasoning-gym dataset where it finds none."""
+"""The task sources besides reasoning-gym that --task names: the bundled guessing game, an
+installed verifiers environment (`verifiers:NAME`), a .jsonl task file and a Hugging Face
+dataset. `load_tasks` asks `source_tasks` first and the core's reasoning-gym source where they
+find none (the composition root asks it for a --task that is no reasoning-gym dataset)."""
 
+from typing import Any
+
+import workflows
 from losses import resolve
 
 # task sources in extras/ named by --task, by import path: name -> f(kwargs, train_size,
@@ -29,3 +33,19 @@ def source_tasks(
     if is_dataset(name):  # Hugging Face datasets
         return (*hf_dataset_tasks(name, kwargs, train_size, eval_size), None)
     return None
+
+
+def load_tasks(
+    name: str,
+    kwargs: dict,
+    train_size: int,
+    eval_size: int,
+    seed: int,
+    eval_seed: int | None = None,
+) -> tuple[list[workflows.Task], list[workflows.Task], Any]:
+    """(train, held-out tasks, verifier dataset or None) of task `name`: from the sources above,
+    else the reasoning-gym dataset of workflows.load_tasks (its error for an unknown name)."""
+    tasks = source_tasks(name, kwargs, train_size, eval_size, seed)
+    if tasks is not None:
+        return tasks
+    return workflows.load_tasks(name, kwargs, train_size, eval_size, seed, eval_seed)

@@ -1,14 +1,10 @@
 """Modes train and explore as launches of their own, and offline --train-data: their checks
-(run.check_modes, loop.BufferBatches); mode train's weight-sync group and explorer records
-(loop.started, loop.finish)."""
+(run.check_modes); mode train's weight-sync group and explorer records (components.started)."""
 
 import json
 import math
-import sys
-import time
 from typing import Callable
 
-from buffer import Experience
 from loop import Explorers, weight_group
 from metrics import print0
 
@@ -46,31 +42,17 @@ def check_config(cfg) -> None:
         )
 
 
-def check_sampling(cfg, groups: list[list[Experience]]) -> None:
-    """RuntimeError (one line) for a rollout sampled at another temperature or top-p than
-    cfg's: the trainer computes the current log-probs at cfg.temperature, so every importance
-    ratio would be biased. (An explorer launched with other flags than the trainer.)"""
-    for e in (e for g in groups for e in g):
-        sampled = (e.info.get("temperature", cfg.temperature), e.info.get("top_p", cfg.top_p))
-        if sampled != (cfg.temperature, cfg.top_p):
-            raise RuntimeError(
-                f"experience {e.group_id} of explorer {e.explorer!r} was sampled at temperature "
-                f"{sampled[0]}, top_p {sampled[1]}; this trainer computes log-probs at temperature "
-                f"{cfg.temperature}, top_p {cfg.top_p}: launch both sides with the same "
-                "--temperature and --top-p"
-            )
-
-
-def connect_explorers(cfg, buffer, layout, trainer, rank: int):
+def connect_explorers(cfg, buffer, layout, trainer, rank: int, transport: type | None):
     """Every rank: (a sync.WeightSync or None, the loop.Explorers link: records from the
-    buffer); with broadcast, rank 0 connects the explorers' weight-sync group."""
+    buffer); with broadcast, rank 0 connects the explorers' weight-sync group (of class
+    `transport`)."""
     explorers = Explorers(records_from_buffer(buffer)) if rank == 0 else Explorers()
     params = (
         trainer.full_parameters() if cfg.sync_method == "broadcast" and trainer.version else None
     )  # every rank
     if rank != 0 or cfg.sync_method != "broadcast":
         return None, explorers
-    weights = weight_group(cfg, layout, cfg.num_explorers)
+    weights = weight_group(cfg, layout, cfg.num_explorers, transport)
     print0(
         f"weight sync: waiting for {cfg.num_explorers} explorer(s) at {cfg.sync_host}:{weights.port}"
     )
@@ -83,20 +65,6 @@ def connect_explorers(cfg, buffer, layout, trainer, rank: int):
     if params is not None:
         weights.send(trainer.version, [params])
     return weights, explorers
-
-
-def wait_left(weights, timeout_s: float) -> bool:
-    """Rank 0: wait until every explorer has left the weight-sync group; False (a warning) after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while weights.store.add("left", 0) < weights.world_size - 1:
-        if time.monotonic() > deadline:
-            print(
-                f"run.py: warning: not every explorer left the weight-sync group within {timeout_s:.0f} s",
-                file=sys.stderr,
-            )
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def add_record(buffer, explorer: str, record: dict) -> None:

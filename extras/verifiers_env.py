@@ -1,6 +1,7 @@
-"""`--task verifiers:NAME --workflow verifiers:NAME`: train on an installed `verifiers` (>= 0.4) environment,
-NAME its taskset id. Each rollout is a verifiers episode recorded like any agent's (extras/agent.py); its
-reward is the mean over its traces. verifiers runs the harness programs with `uv`, which must be on PATH."""
+"""`--task verifiers:NAME --workflow verifiers:NAME`: train on an installed `verifiers` (>= 0.4)
+environment, NAME its taskset id. Each rollout is a verifiers episode recorded like any agent's
+(extras/agent.py); its reward is the mean over its traces. verifiers runs the harness programs with
+`uv`, which must be on PATH."""
 
 import importlib.util
 import os
@@ -28,8 +29,9 @@ def require_verifiers(what: str) -> None:
 
 
 def load_env(name: str, harness: str | None = None):
-    """The verifiers Env of taskset `name` in a local subprocess runtime, with `harness`, else the taskset's own,
-    else `null` (verifiers' default `bash` would run the model's commands here). ValueError (one line)."""
+    """The verifiers Env of taskset `name` in a local subprocess runtime, with `harness`, else the
+    taskset's own, else `null` (verifiers' default `bash` would run the model's commands here).
+    ValueError (one line)."""
     require_verifiers(f"verifiers:{name}")
     from verifiers.v1.configs.env import EnvConfig
     from verifiers.v1.env import Env
@@ -54,7 +56,8 @@ def load_env(name: str, harness: str | None = None):
 
 
 def verifiers_tasks(name: str, train_size: int, eval_size: int) -> tuple[list[Task], list[Task]]:
-    """(train, held-out) of the first train_size + eval_size tasks of taskset `name`; ValueError (one line)."""
+    """(train, held-out) of the first train_size + eval_size tasks of taskset `name`; ValueError
+    (one line)."""
     env = load_env(name)
     tasks = []
     for t in env.taskset:
@@ -80,7 +83,8 @@ def verifiers_tasks(name: str, train_size: int, eval_size: int) -> tuple[list[Ta
 
 
 class VerifiersWorkflow(AgentWorkflow):
-    """Rollouts of verifiers environment `env_name`; RuntimeError for a foreign task or a failed episode."""
+    """Rollouts of verifiers environment `env_name`; RuntimeError for a foreign task or a failed
+    episode."""
 
     env_name = ""
     harness: str | None = None
@@ -96,7 +100,8 @@ class VerifiersWorkflow(AgentWorkflow):
             idx := task.entry.get("verifiers_idx") if isinstance(task.entry, dict) else None
         ) is None:
             raise RuntimeError(
-                f"--workflow verifiers:{self.env_name} needs its tasks: --task verifiers:{self.env_name}"
+                f"--workflow verifiers:{self.env_name} needs its tasks: "
+                f"--task verifiers:{self.env_name}"
             )
         if idx not in self._tasks:
             for t in self.env.taskset:
@@ -130,7 +135,8 @@ class VerifiersWorkflow(AgentWorkflow):
 
 
 def verifiers_workflow(name: str) -> type[VerifiersWorkflow]:
-    """The workflow class of `--workflow verifiers:NAME`; ValueError (one line) when it is missing."""
+    """The workflow class of `--workflow verifiers:NAME`; ValueError (one line) when it is
+    missing."""
     load_env(name)
     return type(
         f"Verifiers_{name}",

@@ -1,4 +1,5 @@
-"""The vLLM engine (`--engine vllm`) and `VLLMWeightReceiver`, its worker extension that receives the weights."""
+"""The vLLM engine (`--engine vllm`) and `VLLMWeightReceiver`, its worker extension that receives
+the weights."""
 
 import logging
 import os
@@ -11,10 +12,10 @@ import torch
 
 import models
 import sync
-from engines import Completion, Engine, vllm_available
-from extras.checksum import Checksum, checksum
-from extras.engine_checkpoints import published_meta, read_safetensors, wire_order
+from engines import Completion, Engine, read_safetensors, vllm_available
+from extras.engine_checkpoints import published_meta, wire_order
 from extras.hosts import StoreAlive
+from sync import Checksum, checksum
 
 WORKER = "extras.vllm_engine.VLLMWeightReceiver"
 # how long the worker waits for the trainer's store (known to exist) to answer
@@ -22,20 +23,22 @@ STORE_KNOWN_WAIT_S = 30.0
 
 
 def check_config(cfg) -> None:
-    """explorer.check_config for --engine vllm: ValueError (one line) without vLLM, or for --inflight with LoRA."""
+    """components.check_explorer's check of --engine vllm: ValueError (one line) without vLLM,
+    or for --inflight with LoRA."""
     if not vllm_available():
         raise ValueError(
             "--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)"
         )
     if cfg.lora_rank and cfg.inflight:
         raise ValueError(
-            "--inflight with --lora-rank needs --engine hf: a vLLM request keeps the LoRA adapter it "
-            "started with, so new adapters cannot reach sequences in flight"
+            "--inflight with --lora-rank needs --engine hf: a vLLM request keeps the LoRA adapter "
+            "it started with, so new adapters cannot reach sequences in flight"
         )
 
 
 class VLLMEngine(Engine):
-    """A `vllm.LLM` whose processed log-probs are the behaviour log-probs (`lora`: peft LoraConfig); ImportError."""
+    """A `vllm.LLM` whose processed log-probs are the behaviour log-probs (`lora`: peft LoraConfig);
+    ImportError."""
 
     def __init__(
         self,
@@ -164,7 +167,8 @@ class VLLMEngine(Engine):
         )
 
     def _generate_inflight(self, inputs, params) -> list[list[Completion]]:
-        """Step vLLM's engine by hand, `step_hook` between steps (new weights for the sequences in flight)."""
+        """Step vLLM's engine by hand, `step_hook` between steps (new weights for the sequences in
+        flight)."""
         engine, first = self.llm.llm_engine, self.version
         self.calls = getattr(self, "calls", 0) + 1
         ids = [f"nanorft-{self.calls}-{i}" for i in range(len(inputs))]
@@ -189,8 +193,9 @@ class VLLMEngine(Engine):
             for rid, p in zip(ids, params)
         ]
 
-    def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
-        """The worker joins; it watches the trainer itself (StoreAlive): `alive` cannot cross to it."""
+    def join_weight_sync(self, host, port, timeout_s, alive, device="cpu", transport=None):
+        """The worker joins; it watches the trainer itself (StoreAlive): `alive` cannot cross to
+        it."""
         lora = self.lora.to_dict() if self.lora else None  # (collective_rpc sends plain data)
         self.llm.collective_rpc(
             "nanorft_join",
@@ -208,9 +213,9 @@ class VLLMEngine(Engine):
         return self.llm.collective_rpc("nanorft_announced")[0]
 
     def wait_weights(self, alive):
-        """Block until the trainer starts a publish newer than the loaded version; RuntimeError (one line) once
-        `alive()` is False. The worker holds the store connection: asked every 50 ms, as a blocking wait there
-        would hold the worker."""
+        """Block until the trainer starts a publish newer than the loaded version; RuntimeError (one
+        line) once `alive()` is False. The worker holds the store connection: asked every 50 ms, as
+        a blocking wait there would hold the worker."""
         while self.weights_announced() <= self.version:
             if not alive():
                 raise RuntimeError("weight sync: the trainer died (waiting for next publish)")
@@ -237,7 +242,8 @@ class VLLMEngine(Engine):
         return digest
 
     def wire_order(self) -> list[str]:
-        """extras.engine_checkpoints.wire_order of this engine's model, built once (a meta model)."""
+        """extras.engine_checkpoints.wire_order of this engine's model, built once (a meta
+        model)."""
         if self.checkpoint_order is None:
             self.checkpoint_order = wire_order(self.model_path, self.lora)
         return self.checkpoint_order
@@ -254,7 +260,8 @@ class VLLMEngine(Engine):
 
 
 class VLLMWeightReceiver:
-    """vLLM worker extension (`WORKER`): a receiving rank of the weight-sync group; loads each publish in place."""
+    """vLLM worker extension (`WORKER`): a receiving rank of the weight-sync group; loads each
+    publish in place."""
 
     def nanorft_join(
         self,
@@ -266,7 +273,8 @@ class VLLMWeightReceiver:
         lora: dict | None = None,
         lora_root: str = "",
     ) -> None:
-        """Join the group at `host`:`port`; with `lora` (LoraConfig.to_dict()) write adapters to lora_root/vVERSION."""
+        """Join the group at `host`:`port`; with `lora` (LoraConfig.to_dict()) write adapters to
+        lora_root/vVERSION."""
         dtype = self.vllm_config.model_config.dtype  # the dtype it holds: bf16 to a bf16 vLLM
         if lora is not None:
             from peft import LoraConfig
@@ -333,7 +341,8 @@ class VLLMWeightReceiver:
         dtype = self.vllm_config.model_config.dtype
         tied = self.vllm_config.model_config.hf_config.tie_word_embeddings
         expected = ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
-        # layers a publish has no tensors for keep theirs: vLLM's "Failed to load weights" for them is noise
+        # layers a publish has no tensors for keep theirs: vLLM's "Failed to load weights" for them
+        # is noise
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").filters = [
             lambda r: r.getMessage() not in {f"{name}: Failed to load weights" for name in expected}
         ]
@@ -342,5 +351,6 @@ class VLLMWeightReceiver:
         finalize_layerwise_reload(model, self.vllm_config.model_config)
         lm_head = getattr(model, "lm_head", None)
         if tied and hasattr(lm_head, "quant_method"):
-            # the reload reprocesses only embed_tokens; on CPU the tied lm_head keeps its own prepacked copy
+            # the reload reprocesses only embed_tokens; on CPU the tied lm_head keeps its own
+            # prepacked copy
             lm_head.quant_method.process_weights_after_loading(lm_head)

@@ -1,4 +1,4 @@
-"""The W&B tracker (`--log wandb`), in metrics.TRACKERS by import path."""
+"""The W&B tracker (`--log wandb`): components.trackers hands it to metrics.Metrics."""
 
 import os
 import uuid

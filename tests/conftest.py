@@ -137,6 +137,7 @@ def served(engine, coro, timeout_s: float = 600):
 def tiny_explorer(engine, run_dir, tasks: int, **settings):
     """(an explorer.Explorer of `engine`, its `tasks` training tasks "question i") with short
     replies rewarded by tests.rewards.length_parity; `settings` override the Config."""
+    import components
     from config import Config
     from explorer import Explorer
     from workflows import Task
@@ -144,7 +145,8 @@ def tiny_explorer(engine, run_dir, tasks: int, **settings):
     fixed = dict(group_size=2, max_tokens=4, reward_fn="tests.rewards.length_parity")
     cfg = Config(run_dir=str(run_dir), system_prompt="", **{**fixed, **settings})
     train = [Task(f"t{i}", f"question {i}", "1") for i in range(tasks)]
-    return Explorer(cfg, engine, train, [], None, print), train
+    parts = components.explorer_parts(cfg)
+    return Explorer(cfg, engine, train, [], None, print, parts), train
 
 
 def rollouts(engine, prompts, n, sampling):
@@ -396,17 +398,17 @@ def chat_endpoint(reply):
 
 
 def trainer_in_this_process(model: str, run_dir: Path, groups: list, **settings):
-    """(cfg, Trainer, loop.make_step_io) of one trainer rank in this process (a one-rank gloo group),
+    """(cfg, Trainer, components.make_step_io) of one trainer rank in this process (a one-rank gloo group),
     `groups` written to the buffer in `run_dir` first; `settings` override the Config. The
     caller closes the StepIO's bar, metrics and buffer and destroys the process group."""
     import torch
     import torch.distributed as dist
 
+    import components
     import launch
     import loop
     import run
     from buffer import Buffer
-    from trainer import Trainer
 
     run_dir.mkdir()
     buffer = Buffer(run_dir / "buffer.sqlite")
@@ -419,5 +421,7 @@ def trainer_in_this_process(model: str, run_dir: Path, groups: list, **settings)
     if not dist.is_initialized():
         init = f"tcp://127.0.0.1:{launch.free_port()}"
         dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
-    trainer = Trainer(cfg, model, torch.device("cpu"))
-    return cfg, trainer, loop.make_step_io(cfg, trainer, 0, model)
+    trainer = components.make_trainer(cfg, model, torch.device("cpu"))
+    step_io = components.make_step_io(cfg, trainer, 0, model)
+    step_io.connect(loop.Explorers(), components.publisher(cfg, 0, None))
+    return cfg, trainer, step_io

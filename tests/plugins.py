@@ -12,6 +12,7 @@ from buffer import Buffer
 from extras import checkpoint_sync
 from extras.lagged_rewards import set_rewards
 from extras.multiturn import MultiTurnWorkflow
+from extras.policy_losses import dpo_loss
 from losses import LossInputs, PolicyLoss
 from workflows import MathWorkflow, in_thread, last_number
 
@@ -33,7 +34,7 @@ def rank_advantages(rewards, group_index, episode_index, token_counts, **kw):
 
 
 # a pairwise loss given by import path with what it needs (losses.PolicyLoss)
-PAIRWISE = PolicyLoss("extras.policy_losses.dpo_loss", needs_groups=True, needs_ref=True)
+PAIRWISE = PolicyLoss(dpo_loss, needs_groups=True, needs_ref=True)
 
 
 def rewards_only_advantages(rewards, group_index):

@@ -15,13 +15,15 @@ import threading
 import pytest
 import torch
 
+import components
 import engines
+from config import Config
 from conftest import ROOT, served
 from engines import HFEngine, Sampling, vllm_available
 from extras.agent import AgentWorkflow, call_samples, check_reward
 from extras.chat_tools import RequestError, hermes_tool_calls, parse_request, prompt_ids
 from extras.openai_endpoint import Call, Choice
-from workflows import Task, load_workflow
+from workflows import Task
 
 AGENT_PACKAGES = ("fastapi", "uvicorn", "openai")
 needs_packages = pytest.mark.skipif(
@@ -30,6 +32,12 @@ needs_packages = pytest.mark.skipif(
 )
 if all(importlib.util.find_spec(p) for p in AGENT_PACKAGES):
     import openai
+
+
+def load_workflow(name: str) -> type:
+    """The workflow class of `--workflow name`, as the composition root picks it."""
+    return components.workflow_class(Config(workflow=name))
+
 
 TOOLS = [
     {
@@ -303,7 +311,7 @@ def test_agent_rewards_are_checked():
 
 
 def test_episode_metrics_are_averaged_per_episode():
-    from extras.multiturn import episode_means
+    from explorer import episode_means
 
     infos = [
         {"episode_id": "a", "metrics": {"tool_calls": 2.0, "used_tool": 1.0}},
@@ -361,7 +369,8 @@ def test_core_modules_import_without_the_agent_packages():
 
     code = (
         "import sys; sys.modules.update(dict.fromkeys(['fastapi', 'uvicorn', 'openai', 'starlette'])); "
-        "import workflows\ntry:\n    workflows.load_workflow('agent:extras.calculator_agent.calculator_agent')\n"
+        "import components, config\ntry:\n    components.workflow_class(\n"
+        "        config.Config(workflow='agent:extras.calculator_agent.calculator_agent'))\n"
         "except ValueError as e:\n    print(e)"
     )
     out = subprocess.run(
@@ -475,8 +484,8 @@ def test_calculator_demonstrations_are_written_by_code(tmp_path, monkeypatch):
     main(
         ["runs/demos.jsonl", "--n", "40", "--config", f"{ROOT}/configs/calculator.toml"]
     )  # runs/: not there yet
+    from components import load_tasks
     from config import parse_config
-    from workflows import load_tasks
 
     cfg = parse_config(["--config", f"{ROOT}/configs/calculator.toml"])
     train, held_out, _ = load_tasks(
@@ -930,7 +939,7 @@ def test_verifiers_environment_rollouts_go_through_the_endpoint(
     (tmp_path / "nanorft_echo_env").mkdir()
     (tmp_path / "nanorft_echo_env" / "__init__.py").write_text(VF_TASKSET)
     monkeypatch.syspath_prepend(str(tmp_path))
-    from workflows import load_tasks
+    from components import load_tasks
 
     train, held, _ = load_tasks("verifiers:nanorft_echo_env", {}, 2, 1, 0)
     assert [t.question for t in train + held] == [
@@ -963,8 +972,8 @@ def test_a_published_verifiers_environment_runs(tok, tmp_path):
     pytest.importorskip("marble_v1", reason="pip install marble-v1 (docs/agents.md)")
     if shutil.which("uv") is None:
         pytest.skip("verifiers runs its harness programs with uv: pip install uv")
+    from components import load_tasks
     from conftest import make_tiny_model
-    from workflows import load_tasks
 
     engine = HFEngine(
         str(make_tiny_model(tmp_path / "model", context=2048)), seed=0

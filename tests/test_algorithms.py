@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_losses import inputs
 
+import components
 import losses as L
 from buffer import Experience
 from extras import advantages as EA
@@ -20,6 +21,11 @@ from packing import token_entropy
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.2, 0.7, 0.9])
 INDEX = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2])
+
+
+def loss_named(name: str) -> L.PolicyLoss:
+    """The policy loss registered as `name`, resolved as the composition root does."""
+    return L.resolve_loss(name, registry=components.policy_losses(name))
 
 
 def groups():
@@ -90,7 +96,7 @@ def test_stepwise_grpo_counts_each_trajectory_once():
 
 
 def test_length_penalty_and_aggregations():
-    assert EA.length_penalty(
+    assert L.length_penalty(
         torch.tensor([1.0, 1.0]), torch.tensor([10.0, 3.0]), 0.01
     ).tolist() == pytest.approx([0.9, 0.97])
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
@@ -114,7 +120,7 @@ def test_length_penalty_and_aggregations():
         1.5 / 2 + 4 / 1
     )
     expert = torch.tensor([True, False, True, False])
-    tok, seq = EP.part_totals(
+    tok, seq = L.part_totals(
         torch.tensor([2.0, 3.0, 5.0, 7.0]), expert, torch.tensor([True, True, True, False])
     )
     assert tok.tolist() == [7.0, 3.0, 7.0, 3.0] and seq.tolist() == [2.0, 1.0, 2.0, 1.0]
@@ -180,7 +186,7 @@ def test_detached_weight_losses_reference_and_gradients():
         ("topr", lambda r, a, b: 1.0 if a >= 0 else min(seq_ratio[b], 1.0)),
     ]:
         lp.grad = None
-        out = L.resolve_loss(name).fn(inp)
+        out = loss_named(name).fn(inp)
         (out["loss"] * mask).sum().backward()
         for b in range(4):
             for t in range(5):
@@ -219,7 +225,7 @@ def test_on_policy_case_reduces_to_policy_gradient(name):
     kwargs = (
         {"kl_tau": 0.3} if name == "dppo_kl" else {}
     )  # the squared log-ratio has zero gradient at ratio 1
-    out = L.resolve_loss(name).fn(inputs(lp, lp.detach(), adv, mask), **kwargs)
+    out = loss_named(name).fn(inputs(lp, lp.detach(), adv, mask), **kwargs)
     (out["loss"] * mask).sum().backward()
     scale = 0.9 if name == "mix" else 1.0  # (1 - mu) on rollouts
     assert torch.allclose(lp.grad, -adv * mask * scale, atol=1e-6), name
@@ -301,7 +307,11 @@ def test_pairwise_opmd_gradient_is_mean_baseline_policy_gradient():
         )
         n_tokens = mask.sum()
         L.aggregate(
-            out["loss"], mask, L.POLICY_LOSSES["opmd_pairwise"].agg, n_tokens, len(rewards)
+            out["loss"],
+            mask,
+            components.policy_losses()["opmd_pairwise"].agg,
+            n_tokens,
+            len(rewards),
         ).backward()
         group_mean = torch.tensor([1 / 3] * 3 + [0.7] * 2)
         expect = -(2 * tau / (n_tokens * max(1.0, tau))) * (rewards - group_mean)[:, None] * mask
@@ -382,16 +392,60 @@ def test_resolve_plugins_and_errors():
         L.resolve_loss("ppo_clip", {"clip": 0.1})
 
 
+def test_the_core_registries_are_the_cores_and_the_root_imports_extras_for_their_names_only():
+    import subprocess
+    import sys
+
+    from conftest import ROOT, subprocess_env
+
+    assert L.ADVANTAGES == {"grpo": L.grpo_advantages} and L.FILTERS == {}
+    assert L.POLICY_LOSSES == {"ppo_clip": L.PolicyLoss(L.ppo_clip_loss)}
+    code = (
+        "import sys, components, config\n"
+        "def extras(): return sorted(m for m in sys.modules if m.split('.')[0] == 'extras')\n"
+        "a = components.algorithm(config.Config())\n"
+        "assert (a.advantage, a.loss.fn) == (components.losses.grpo_advantages,\n"
+        "    components.losses.ppo_clip_loss)\n"
+        "print(extras())\n"
+        "components.algorithm(config.Config(policy_loss='cispo'))\n"
+        "print(extras())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    default, cispo = out.stdout.strip().splitlines()
+    assert default == "[]" and "extras.policy_losses" in cispo
+
+
+def test_expert_data_goes_with_a_loss_that_aggregates_it_apart():
+    from config import Config
+
+    with pytest.raises(ValueError, match="policy_loss mix and expert_fraction > 0 go together"):
+        components.check_trainer(Config(policy_loss="mix"))
+    with pytest.raises(ValueError, match="needs a policy loss that aggregates expert tokens apart"):
+        components.check_trainer(Config(expert_fraction=0.5))
+    with pytest.raises(ValueError, match="compares the rollouts of a group"):
+        components.check_trainer(Config(advantage="rloo", group_size=1))
+
+
 def test_every_estimator_and_filter_takes_its_contracts_arguments():
     # the trainer passes every estimator and filter the same positional arguments (losses.py)
-    for registry, takes in ((L.ADVANTAGES, L.ADVANTAGE_ARGS), (L.FILTERS, L.FILTER_ARGS)):
+    every = ((components.advantages(), L.ADVANTAGE_ARGS), (components.filters(), L.FILTER_ARGS))
+    for registry, takes in every:
         for name in registry:
             L.resolve(name, registry, name, {}, takes)
     old = "tests.plugins.rewards_only_advantages"  # (rewards, group_index): a plug-in of another contract
     with pytest.raises(ValueError, match=r"takes \(rewards, group_index\); losses.py's contract"):
         L.resolve(old, L.ADVANTAGES, "advantage", {}, L.ADVANTAGE_ARGS)
     with pytest.raises(ValueError, match=r"\['token_counts'\] are given by the trainer"):
-        L.resolve("reinforce_pp", L.ADVANTAGES, "advantage", {"token_counts": 1}, L.ADVANTAGE_ARGS)
+        L.resolve(
+            "reinforce_pp",
+            components.advantages("reinforce_pp"),
+            "advantage",
+            {"token_counts": 1},
+            L.ADVANTAGE_ARGS,
+        )
 
 
 # ----------------------------------------------------------------------------- one step moves the right way
@@ -423,7 +477,7 @@ def one_step(loss: L.PolicyLoss, name):
     lp = logprobs(logits)
     out = loss.fn(L.LossInputs(lp, lp.detach(), adv, mask, rewards, index, lp.detach(), expert))
     totals = (
-        EP.part_totals(mask.sum(-1), expert, torch.ones(B, dtype=torch.bool))
+        L.part_totals(mask.sum(-1), expert, torch.ones(B, dtype=torch.bool))
         if loss.split_expert
         else (mask.sum(), B)
     )
@@ -455,9 +509,9 @@ def flipped(loss: L.PolicyLoss) -> L.PolicyLoss:
     return dataclasses.replace(loss, fn=neg)
 
 
-@pytest.mark.parametrize("name", sorted(L.POLICY_LOSSES))
+@pytest.mark.parametrize("name", sorted(components.policy_losses()))
 def test_one_step_raises_positive_and_lowers_negative_sequences(name):
-    loss = L.resolve_loss(name)
+    loss = loss_named(name)
     assert moves_as_intended(loss, name)
     assert not moves_as_intended(flipped(loss), name)
 

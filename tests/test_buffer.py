@@ -6,8 +6,9 @@ import time
 
 import pytest
 
-from buffer import Buffer, Experience
+from buffer import Experience
 from conftest import before_commit
+from extras.postgres import open_buffer
 
 
 def group(gid: str, n: int = 3, reward=1.0, version=0) -> list[Experience]:
@@ -28,7 +29,7 @@ def group(gid: str, n: int = 3, reward=1.0, version=0) -> list[Experience]:
 
 
 def writer(path, n_groups):
-    buf = Buffer(path)
+    buf = open_buffer(path)
     buf.write(group("pending", reward=None))  # never complete: must never be served
     for k in range(n_groups):
         buf.write(group(f"g{k}", version=k))
@@ -37,10 +38,10 @@ def writer(path, n_groups):
 
 def test_two_processes_fifo_complete_groups_once(buffer_url):
     path = buffer_url
-    Buffer(path)  # create the schema before both processes open it
+    open_buffer(path)  # create the schema before both processes open it
     proc = mp.get_context("spawn").Process(target=writer, args=(path, 20))
     proc.start()
-    reader = Buffer(path)
+    reader = open_buffer(path)
     served = []
     for _ in range(5):
         served += reader.read(4, timeout_s=60)
@@ -62,7 +63,7 @@ def test_two_processes_fifo_complete_groups_once(buffer_url):
 
 
 def test_reader_does_not_hang_on_dead_writer(buffer_url):
-    buf = Buffer(buffer_url)
+    buf = open_buffer(buffer_url)
     with pytest.raises(RuntimeError, match="writer stopped"):
         buf.read(1, alive=lambda: False)
 
@@ -73,9 +74,9 @@ def test_experience_rejects_mismatched_lengths():
 
 
 def test_task_pools_persist_and_reactivate(buffer_url):
-    buf = Buffer(buffer_url)
+    buf = open_buffer(buffer_url)
     buf.write_batch([], pools=[("t1", 1.0, 0.9, 0.1), ("t2", 0.0, 0.9, 0.1), ("t3", 0.5, 0.9, 0.1)])
-    assert Buffer(buffer_url).retired() == {"t1": "easy", "t2": "hard"}  # persisted
+    assert open_buffer(buffer_url).retired() == {"t1": "easy", "t2": "hard"}  # persisted
     buf.write_batch([], pools=[("t1", 0.5, 0.9, 0.1)])  # a lifted task that is no longer easy
     assert buf.retired() == {"t2": "hard"}
 
@@ -128,13 +129,13 @@ def test_two_readers_never_take_the_same_group(postgres):
     import uuid
 
     buffer_url = f"{postgres}?schema=t_{uuid.uuid4().hex[:12]}"
-    Buffer(buffer_url).write_batch([group("g0"), group("g1")])
+    open_buffer(buffer_url).write_batch([group("g0"), group("g1")])
     inside, release, got = threading.Event(), threading.Event(), {}
 
     def reader(
         name, hook=None
     ):  # a connection per thread (sqlite3 connections stay in their thread)
-        buf = Buffer(buffer_url)
+        buf = open_buffer(buffer_url)
         if hook is not None:
             before_commit(buf, hook)
         got[name] = buf.read(1, timeout_s=60)
@@ -144,7 +145,7 @@ def test_two_readers_never_take_the_same_group(postgres):
     assert inside.wait(60)
     tb = threading.Thread(target=reader, args=("b",))
     tb.start()
-    watch = Buffer(buffer_url)
+    watch = open_buffer(buffer_url)
     while not watch.db.execute(
         "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
     ).fetchone()[0]:
@@ -158,10 +159,10 @@ def test_two_readers_never_take_the_same_group(postgres):
 def test_run_state_records_and_clear(buffer_url):
     from extras.train_mode import add_record, records_after
 
-    buf = Buffer(buffer_url)
+    buf = open_buffer(buffer_url)
     assert buf.run_state("trainer_done") is None
     buf.set_run_state("trainer_done", "4")
-    assert Buffer(buffer_url).run_state("trainer_done") == "4"
+    assert open_buffer(buffer_url).run_state("trainer_done") == "4"
     buf.set_run_state("trainer_done", None)
     assert buf.run_state("trainer_done") is None
     add_record(buf, "e1", {"eval/accuracy": 0.5, "eval/bad": float("nan")})
@@ -176,7 +177,7 @@ def test_run_state_records_and_clear(buffer_url):
 
 
 def test_postgres_runs_share_a_database_in_their_own_schemas(postgres, tmp_path):
-    from buffer import open_buffer
+    from extras.postgres import open_buffer
 
     a = open_buffer(postgres, tmp_path / "Run-A")  # default schema: nanorft_<run dir name>
     b = open_buffer(postgres, tmp_path / "run-b")
@@ -190,7 +191,7 @@ def test_postgres_runs_share_a_database_in_their_own_schemas(postgres, tmp_path)
         == 3
     )
     with pytest.raises(ValueError, match="schema 'Bad-Name'"):
-        Buffer(f"{postgres}?schema=Bad-Name")
+        open_buffer(f"{postgres}?schema=Bad-Name")
 
 
 def test_unreachable_or_bad_buffers_are_one_line(tmp_path):
@@ -202,41 +203,41 @@ def test_unreachable_or_bad_buffers_are_one_line(tmp_path):
     with pytest.raises(
         ValueError, match=r"^buffer postgresql://127.0.0.1:\d+/db \(schema x\): .*"
     ) as e:
-        Buffer(f"postgresql://user:secret@127.0.0.1:{port}/db?schema=x", timeout_s=2)
+        open_buffer(f"postgresql://user:secret@127.0.0.1:{port}/db?schema=x", timeout_s=2)
     assert "secret" not in str(e.value) and "\n" not in str(e.value)
     (tmp_path / "junk").write_text("not a database" * 100)
     with pytest.raises(ValueError, match="not a usable SQLite database"):
-        Buffer(tmp_path / "junk")
+        open_buffer(tmp_path / "junk")
 
 
 def test_a_new_run_does_not_mix_into_a_used_postgres_schema(postgres, tmp_path):
     # mode both refuses a schema holding another run's experiences (as it refuses a non-empty run dir);
     # --overwrite empties it, --resume and the fully asynchronous modes share it
-    from buffer import check_config as check_buffer
+    from components import check_buffer
     from run import Config
 
     run_dir = tmp_path / "shared"
     url = f"{postgres}?schema=t_reuse_{tmp_path.name[-8:].lower().replace('-', '_')}"
-    Buffer(url).write_batch([group("old")], "e1", {"batch": 1})
+    open_buffer(url).write_batch([group("old")], "e1", {"batch": 1})
     with pytest.raises(FileExistsError, match="holds experiences of another run"):
         check_buffer(Config(run_dir=str(run_dir), buffer=url))
     check_buffer(Config(run_dir=str(run_dir), buffer=url, mode="train"))
     check_buffer(Config(run_dir=str(run_dir), buffer=url, resume=True))
-    assert Buffer(url).counts()["total"] == 3
+    assert open_buffer(url).counts()["total"] == 3
     check_buffer(Config(run_dir=str(run_dir), buffer=url, overwrite=True))
-    assert Buffer(url).counts()["total"] == 0 and Buffer(url).explorer_state("e1") is None
+    assert open_buffer(url).counts()["total"] == 0 and open_buffer(url).explorer_state("e1") is None
 
 
 def test_resume_serves_again_what_the_lost_steps_took(buffer_url):
     # --resume at step 1: the groups taken by steps 1 and 2 (lost with the crash) are served again, in
     # their order; the group trained at step 0 is not
-    buf = Buffer(buffer_url)
+    buf = open_buffer(buffer_url)
     buf.write_batch([group(f"g{k}") for k in range(4)])
     assert [g[0].group_id for s in range(3) for g in buf.read(1, timeout_s=5, step=s)] == [
         "g0",
         "g1",
         "g2",
     ]
-    assert Buffer(buffer_url).release_after(1) == 6  # 2 groups x 3 experiences
+    assert open_buffer(buffer_url).release_after(1) == 6  # 2 groups x 3 experiences
     assert [g[0].group_id for g in buf.read(3, timeout_s=5, step=1)] == ["g1", "g2", "g3"]
     assert buf.counts() == {"total": 12, "consumed": 12, "pending": 0, "ready": 0}

@@ -1,5 +1,6 @@
-"""The HF engine's decode step over a static cache (extras/cuda_graphs.py): the same tokens and behaviour
-log-probs as the growing cache, run eagerly on the CPU and replayed as a CUDA graph where a GPU is visible."""
+"""The HF engine's decode step over a static cache (extras/cuda_graphs.py): the same tokens and
+behaviour log-probs as the growing cache, run eagerly on the CPU and replayed as a CUDA graph
+where a GPU is visible."""
 
 import pytest
 import torch
@@ -98,7 +99,7 @@ def test_each_layer_keeps_its_own_cache_shape():  # models whose layers differ i
 
 
 def test_cuda_graphs_stay_off_on_a_cpu(tiny_model):
-    assert HFEngine(tiny_model, device="cpu", cuda_graphs=True).graphs is None
+    assert HFEngine(tiny_model, device="cpu", graphs=Graphs).graphs is None
 
 
 @pytest.mark.parametrize("error", [RuntimeError, ValueError])

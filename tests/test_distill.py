@@ -187,8 +187,10 @@ def test_a_teacher_must_have_the_students_tokenizer(
 def test_the_teachers_evaluation_is_its_own_and_cached(
     tiny_model, teacher_model, tmp_path, monkeypatch
 ):
+    import components
     from config import Config
     from engines import HFEngine
+    from explorer import Explorer
     from workflows import Task
 
     monkeypatch.setenv("NANORFT_CACHE", str(tmp_path / "cache"))
@@ -202,9 +204,10 @@ def test_the_teachers_evaluation_is_its_own_and_cached(
         reward_fn="tests.rewards.length_parity",
         system_prompt="",
     )
-    tasks = ([], [Task(f"h{i}", f"question {i}", "1") for i in range(6)], None)
+    held_out = [Task(f"h{i}", f"question {i}", "1") for i in range(6)]
     student = HFEngine(tiny_model)
-    first, again = (D.evaluate_teacher(cfg, student, tasks) for _ in range(2))
+    explorer = Explorer(cfg, student, [], held_out, None, print, components.explorer_parts(cfg))
+    first, again = (D.evaluate_teacher(explorer) for _ in range(2))
     assert (
         "teacher/cached" not in first
         and first["teacher/samples"] == 4
@@ -219,19 +222,19 @@ def test_the_teachers_evaluation_is_its_own_and_cached(
     assert (
         entry.name
         == eval_cache(
-            dataclasses.replace(cfg, model=teacher_model), HFEngine(teacher_model), tasks[1], 4
+            dataclasses.replace(cfg, model=teacher_model), HFEngine(teacher_model), held_out, 4
         ).name
     )
-    assert entry.name != eval_cache(cfg, student, tasks[1], 4).name
+    assert entry.name != eval_cache(cfg, student, held_out, 4).name
 
 
 def test_no_advantage_without_a_teacher_is_refused():
+    from components import check_trainer
     from config import Config
-    from trainer import check_config
 
-    check_config(Config(advantage="none", teacher="smollm2-135m"))
+    check_trainer(Config(advantage="none", teacher="smollm2-135m"))
     with pytest.raises(ValueError, match="advantage none makes every advantage 0"):
-        check_config(Config(advantage="none"))
+        check_trainer(Config(advantage="none"))
 
 
 @pytest.mark.slow

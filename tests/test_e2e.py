@@ -35,7 +35,7 @@ def published_checksum(model_dir) -> float:
     """The checksum of a saved model's parameters in the order the trainer publishes them."""
     from transformers import AutoModelForCausalLM
 
-    from extras.checksum import checksum
+    from sync import checksum
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return checksum(p for _, p in model.named_parameters())

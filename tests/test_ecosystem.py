@@ -12,10 +12,11 @@ import struct
 
 import pytest
 
-import metrics
+import components
+from components import load_tasks
 from conftest import run_py
 from extras.math_verify_reward import math_verify_reward
-from workflows import Task, load_tasks
+from workflows import Task
 
 
 def gsm8k_style(n: int) -> dict[str, list[str]]:
@@ -245,10 +246,11 @@ def test_gsm8k_style_dataset_trains_with_math_verify_and_every_tracker(
 
 
 def test_tracker_errors_are_one_line(monkeypatch):
+    import components
     import run
 
     with pytest.raises(ValueError, match="--log: unknown tracker 'tensorbord'"):
-        metrics.trackers(run.Config(log="tensorbord"))
+        components.tracker_names(run.Config(log="tensorbord"))
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
@@ -256,8 +258,8 @@ def test_tracker_errors_are_one_line(monkeypatch):
     with pytest.raises(
         ValueError, match=r"--log wandb: the wandb package is not installed \(pip install wandb\)"
     ):
-        metrics.trackers(run.Config(log="tensorboard, wandb"))
-    assert metrics.trackers(run.Config(log="none")) == [] and metrics.trackers(
+        components.tracker_names(run.Config(log="tensorboard, wandb"))
+    assert components.tracker_names(run.Config(log="none")) == [] and components.tracker_names(
         run.Config(log="tensorboard")
     ) == ["tensorboard"]
 
@@ -267,7 +269,7 @@ def test_optional_packages_missing_give_one_error_line(monkeypatch, tmp_path):
     # (ModuleNotFoundError is not a user error to run.main); now each is one line naming the package
     import sys
 
-    from workflows import load_reward_fn
+    from config import Config
 
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     monkeypatch.setitem(sys.modules, "math_verify", None)
@@ -276,4 +278,4 @@ def test_optional_packages_missing_give_one_error_line(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="needs the datasets package: pip install datasets"):
         load_tasks(str(tmp_path / "t.csv"), {}, 10, 1, 0)
     with pytest.raises(ValueError, match="reward_fn 'math_verify' cannot be imported"):
-        load_reward_fn("math_verify")
+        components.reward_fn(Config(reward_fn="math_verify"))

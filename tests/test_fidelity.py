@@ -37,6 +37,7 @@ from fidelity_reference import (
     STEP_T,
 )
 
+import components
 import losses as L
 from extras import advantages as EA
 from extras import filters as EF
@@ -62,7 +63,7 @@ def run(name, adv=None, rewards=R4, groups=G4, ref=None, expert=None, totals=Non
     lp = torch.tensor(LP, requires_grad=True)
     mask = torch.tensor(MASK, dtype=torch.float)
     adv = torch.tensor(ADV)[:, None].expand(4, 4) if adv is None else adv
-    loss = L.resolve_loss(name)
+    loss = L.resolve_loss(name, registry=components.policy_losses(name))
     out = loss.fn(
         L.LossInputs(
             lp,
@@ -165,9 +166,9 @@ MIX_GRAD = [
 def test_mix_normalises_rollout_and_expert_parts_separately():
     expert = torch.tensor(MIX_EXPERT)
     mask = torch.tensor(MASK, dtype=torch.float)
-    tokens, seqs = EP.part_totals(mask.sum(-1), expert, torch.ones(4, dtype=torch.bool))
+    tokens, seqs = L.part_totals(mask.sum(-1), expert, torch.ones(4, dtype=torch.bool))
     assert tokens.tolist() == [5, 8, 5, 8] and seqs.tolist() == [2, 2, 2, 2]
-    assert L.POLICY_LOSSES["mix"].split_expert
+    assert components.policy_losses()["mix"].split_expert
     loss, grad, _ = run("mix", expert=expert, totals=(tokens, seqs), mu=0.25)
     assert close(loss, MIX_LOSS) and close(grad, MIX_GRAD)
 
@@ -177,7 +178,7 @@ def test_mix_split_totals_add_up_over_micro_batches():
     # rows' part totals; a filtered-out rollout (row 4) counts in neither part
     expert = torch.tensor(MIX_EXPERT + [False])
     counts = torch.tensor(MASK, dtype=torch.float).sum(-1)
-    tokens, seqs = EP.part_totals(
+    tokens, seqs = L.part_totals(
         torch.cat([counts, torch.tensor([3.0])]),
         expert,
         torch.tensor([True, True, True, True, False]),
@@ -327,7 +328,7 @@ def test_gspo_is_verl_gspo(clip):
     out = L.aggregate(
         EP.gspo_loss(inp, clip_low=0.1, clip_high=1e9)["loss"],
         torch.ones(1, 2),
-        L.POLICY_LOSSES["gspo"].agg,
+        components.policy_losses()["gspo"].agg,
         2,
         1,
     )
@@ -596,12 +597,12 @@ def make_trainer(tiny_model):
     """Trainer(cfg) factory on the tiny model, one rank, lr 0 (the policy stays the reference)."""
     import torch.distributed as dist
 
+    import components
     import run
-    from trainer import Trainer
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return lambda *flags: Trainer(
+    return lambda *flags: components.make_trainer(
         run.parse_config(["--config", "configs/tiny.toml", "--lr", "0", *flags]),
         tiny_model,
         torch.device("cpu"),

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import components
 import metrics
 import models
 import run
@@ -201,13 +202,13 @@ def test_model_by_hub_id_from_the_local_cache_and_a_clear_offline_error(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-    assert models.resolve_model("tiny-org/tiny-llama") == str(snapshot)
+    assert components.resolve_model("tiny-org/tiny-llama") == str(snapshot)
     with pytest.raises(
         FileNotFoundError,
         match="model 'other-org/missing' is neither a local path nor in the local Hugging Face cache .* "
         "`hf download other-org/missing`",
     ):
-        models.resolve_model("other-org/missing")
+        components.resolve_model("other-org/missing")
 
 
 @pytest.mark.parametrize(

@@ -167,11 +167,18 @@ def test_hf_engine_follows_a_perturbed_sync(tiny_model, device, dtype, graphs):
     import sync
     from conftest import PROMPTS, rollouts
     from engines import HFEngine, Sampling
+    from extras.cuda_graphs import Graphs
     from packing import pack, response_logprobs
 
     bf16 = dtype == torch.bfloat16
     engine = HFEngine(
-        tiny_model, max_batch=16, seed=0, bf16=bf16, device=device, dtype=dtype, cuda_graphs=graphs
+        tiny_model,
+        max_batch=16,
+        seed=0,
+        bf16=bf16,
+        device=device,
+        dtype=dtype,
+        graphs=Graphs if graphs else None,
     )
     engine.checksum = True
     if graphs:  # the graph is captured on the old weights: the sync must reach it in place
@@ -330,7 +337,7 @@ def test_an_engine_holding_bf16_weights_receives_the_trainers_float32(tiny_model
     from transformers import AutoModelForCausalLM
 
     import sync
-    from extras.checksum import checksum
+    from sync import checksum
 
     sent = [
         p.detach() + 0.01 for p in AutoModelForCausalLM.from_pretrained(tiny_model).parameters()

@@ -19,6 +19,8 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import hosts  # noqa: E402
 
+from extras.postgres import open_buffer
+
 
 def need_namespaces():
     """Skip with the reason where network namespaces cannot be made; fail instead with
@@ -35,7 +37,7 @@ def test_gloo_binds_the_interface_on_the_route_to_the_master(monkeypatch):
     from test_modes import host_address
 
     import launch
-    from extras.hosts import interface_of
+    from launch import interface_of
 
     monkeypatch.setenv(
         "GLOO_SOCKET_IFNAME", ""
@@ -162,10 +164,8 @@ def test_a_lost_postgres_connection_is_one_line_naming_the_buffer(postgres):
     # a restarted server ended the explorers with psycopg's bare "terminating connection due to administrator command"
     import uuid
 
-    from buffer import Buffer
-
-    buf = Buffer(f"{postgres}?schema=t_{uuid.uuid4().hex[:12]}")
-    other = Buffer(postgres)
+    buf = open_buffer(f"{postgres}?schema=t_{uuid.uuid4().hex[:12]}")
+    other = open_buffer(postgres)
     pid = buf.db.conn.info.backend_pid
     other.db.execute("SELECT pg_terminate_backend(?)", (pid,))
     with pytest.raises(

@@ -33,11 +33,11 @@ def batch() -> list[list]:
 def gradients(model_path: str, flags: list[str]) -> list[torch.Tensor]:
     """The full gradient of each published parameter after one step on `batch()` (every rank
     takes part; the process group is initialised)."""
+    import components
     import run
-    from trainer import Trainer
 
     cfg = run.parse_config(["--config", "configs/tiny.toml", "--lr", "0", *flags])
-    trainer = Trainer(cfg, model_path, torch.device("cpu"))
+    trainer = components.make_trainer(cfg, model_path, torch.device("cpu"))
     got = []
     step = trainer.optimizer_step
 

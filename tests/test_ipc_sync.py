@@ -11,10 +11,12 @@ import types
 import pytest
 import torch
 
+import components
 import launch
 import sync
 from conftest import run_py
-from extras.checksum import checksum
+from extras.ipc_sync import IpcSync
+from sync import checksum
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible here)"
@@ -46,7 +48,7 @@ def spawned(target, *args):
 
 def receiver(port, publishes, device, dtype, go, q):
     """Join, then take each of `publishes` publishes once `go` allows it."""
-    ws = sync.transport("ipc")(None, port=port, timeout_s=60, wire_dtype=dtype).connect()
+    ws = IpcSync(None, port=port, timeout_s=60, wire_dtype=dtype).connect()
     params = [torch.zeros(s, dtype=dtype, device=device) for s in SHAPES]
     for _ in range(publishes):
         assert go.acquire(timeout=60)  # the sender says when to take its publish
@@ -66,7 +68,7 @@ def test_publishes_arrive_equal_through_one_mapping_and_wait_for_their_acknowled
     # the receiver declared; the receiver maps staging once, and a publish is not written before the receiver
     # has copied and acknowledged the one before
     go, q = SPAWN.Semaphore(0), SPAWN.Queue()
-    ws = sync.transport("ipc")(0, 2, port=0, timeout_s=60, bucket_elems=16, checksum=True)
+    ws = IpcSync(0, 2, port=0, timeout_s=60, bucket_elems=16, checksum=True)
     with spawned(receiver, ws.port, 3, device, dtype, go, q) as proc:
         ws.connect(proc.is_alive)
         assert ws.wire_dtype == dtype
@@ -109,7 +111,7 @@ def test_publishes_arrive_equal_through_one_mapping_and_wait_for_their_acknowled
 
 def idle_receiver(ports, q):
     q.put("ready")
-    sync.transport("ipc")(None, port=ports.get(timeout=60), timeout_s=60).connect()
+    IpcSync(None, port=ports.get(timeout=60), timeout_s=60).connect()
     time.sleep(120)  # joined, never takes a bucket
 
 
@@ -117,7 +119,7 @@ def test_a_publish_nobody_takes_is_one_error_line_within_the_timeout_or_once_the
     ports, q = SPAWN.Queue(), SPAWN.Queue()
     with spawned(idle_receiver, ports, q) as proc:
         assert q.get(timeout=60) == "ready"
-        ws = sync.transport("ipc")(0, 2, port=0, timeout_s=3)
+        ws = IpcSync(0, 2, port=0, timeout_s=3)
         ports.put(ws.port)
         ws.connect(proc.is_alive)
         ws.send(1, [[torch.ones(4)]])
@@ -140,7 +142,7 @@ def test_a_publish_nobody_takes_is_one_error_line_within_the_timeout_or_once_the
 
 
 def short_lived_trainer(ports, die):
-    ws = sync.transport("ipc")(0, 2, port=0, timeout_s=60)
+    ws = IpcSync(0, 2, port=0, timeout_s=60)
     ports.put(ws.port)
     ws.connect()
     die.wait(60)
@@ -150,9 +152,7 @@ def short_lived_trainer(ports, die):
 def test_a_receiver_stops_waiting_once_the_trainer_died():
     ports, die = SPAWN.Queue(), SPAWN.Event()
     with spawned(short_lived_trainer, ports, die) as proc:
-        ws = sync.transport("ipc")(None, port=ports.get(timeout=60), timeout_s=60).connect(
-            proc.is_alive
-        )
+        ws = IpcSync(None, port=ports.get(timeout=60), timeout_s=60).connect(proc.is_alive)
         die.set()
         proc.join(30)
         t0 = time.monotonic()
@@ -173,13 +173,13 @@ def test_auto_takes_ipc_only_where_the_cuda_allocator_can_hand_out_handles(monke
     layout = launch.place(1, 1, "both")
     allowed = conf.startswith("garbage")
     auto = types.SimpleNamespace(mode="both", engine="hf", sync_method="auto")
-    assert launch.sync_method(auto, layout) == ("ipc" if allowed else "broadcast")
+    assert components.sync_method(auto, layout) == ("ipc" if allowed else "broadcast")
     ipc = types.SimpleNamespace(mode="both", engine="hf", sync_method="ipc")
     if allowed:
-        assert launch.sync_method(ipc, layout) == "ipc"
+        assert components.sync_method(ipc, layout) == "ipc"
     else:  # asked for by name: one line
         with pytest.raises(ValueError, match=r"^--sync-method ipc needs CUDA IPC handles"):
-            launch.sync_method(ipc, layout)
+            components.sync_method(ipc, layout)
 
 
 @pytest.mark.parametrize(
@@ -221,9 +221,9 @@ def test_ipc_only_where_the_explorer_shares_rank_0s_device(
             match=r"^--sync-method ipc hands the weights to an hf engine on trainer rank "
             r"0's device",
         ):
-            launch.sync_method(cfg, layout)
+            components.sync_method(cfg, layout)
     else:
-        assert launch.sync_method(cfg, layout) == expected
+        assert components.sync_method(cfg, layout) == expected
 
 
 def run_ipc(tiny_model, out, *extra):
@@ -285,7 +285,7 @@ def test_a_publish_is_written_into_the_staging_tensor_without_a_second_copy():
             )
             return out
 
-    ws = sync.transport("ipc")(0, 2, port=0, timeout_s=5, bucket_elems=0, wire_dtype=torch.bfloat16)
+    ws = IpcSync(0, 2, port=0, timeout_s=5, bucket_elems=0, wire_dtype=torch.bfloat16)
     tensors = [torch.randn(300, 40), torch.randn(500)]
     with NewMemory() as new:
         ws.send(0, [tensors])  # no --sync-checksum

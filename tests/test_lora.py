@@ -7,15 +7,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import components
 import run
 import sync
 from buffer import Experience
 from checkpoints import load_resume_state, save_resume_state
 from conftest import PROMPTS, rollouts, run_py
 from engines import HFEngine, Sampling
-from extras.checksum import checksum
 from extras.lora import LoraHFEngine, LoraTrainer, lora_config
 from packing import pack, response_logprobs
+from sync import checksum
 
 pytest.importorskip("peft", reason="LoRA needs peft (requirements.txt)")
 
@@ -26,7 +27,9 @@ def make_trainer(model, *flags):
     cfg = run.parse_config(
         ["--config", "configs/tiny.toml", "--lora-rank", "4", "--lr", "1e-2", *flags]
     )
-    return cfg, LoraTrainer(cfg, model, torch.device("cpu"))
+    trainer = components.make_trainer(cfg, model, torch.device("cpu"))
+    assert isinstance(trainer, LoraTrainer)
+    return cfg, trainer
 
 
 def batch(seed: int = 0) -> list[list[Experience]]:
@@ -138,7 +141,8 @@ def test_checkpoint_sync_and_resume_start_carry_a_peft_adapter(tiny_model, train
 
 def test_a_checkpoint_read_in_wire_order_has_the_trainers_checksum(tiny_model, trained, tmp_path):
     # a safetensors file keeps no order: an engine that sums a checkpoint (vLLM's) sums it in wire order
-    from extras.engine_checkpoints import read_safetensors, wire_order
+    from engines import read_safetensors
+    from extras.engine_checkpoints import wire_order
 
     cfg, tr = trained
     params = tr.full_parameters()
@@ -199,8 +203,6 @@ def test_resume_state_holds_adapters_and_their_optimizer_only(tiny_model, traine
 
 
 def test_lora_settings_are_checked(tiny_model, monkeypatch):
-    import explorer
-    import trainer
     from extras import vllm_engine
 
     for flags, match in (
@@ -209,11 +211,11 @@ def test_lora_settings_are_checked(tiny_model, monkeypatch):
     ):
         cfg = run.parse_config(["--lora-rank", "8", *flags])
         with pytest.raises(ValueError, match=match):
-            trainer.check_config(cfg)
+            components.check_trainer(cfg)
     cfg = run.parse_config(["--lora-rank", "8", "--engine", "vllm", "--inflight"])
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: True)
     with pytest.raises(ValueError, match="--inflight with --lora-rank needs --engine hf"):
-        explorer.check_config(cfg, None, None)
+        components.check_explorer(cfg, None, None)
     with pytest.raises(ValueError, match="lora_rank must be >= 0"):
         run.parse_config(["--lora-rank", "-1"])
 

@@ -17,6 +17,7 @@ from test_first_contact import strict_json_lines
 
 import run
 from conftest import ROOT, run_py
+from extras.postgres import open_buffer
 
 COMMON = ["--config", "configs/tiny.toml", "--reward-fn", "tests.rewards.length_parity"]
 
@@ -278,8 +279,7 @@ def test_inflight_updates_mark_sequences_spanning_versions(tiny_model, tmp_path)
 @pytest.mark.slow
 def test_inflight_engine_switches_weights_between_decode_steps(tiny_model, tmp_path):
     from conftest import make_tiny_model
-    from engines import HFEngine, Sampling
-    from extras.engine_checkpoints import read_safetensors
+    from engines import HFEngine, Sampling, read_safetensors
 
     engine = HFEngine(tiny_model, seed=0)
     other = read_safetensors(make_tiny_model(tmp_path / "other", seed=1))
@@ -380,7 +380,7 @@ def test_the_plot_of_an_offline_run_has_no_empty_panel():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from extras.plot import figure
+    from metrics import figure
 
     sft = [
         {
@@ -711,7 +711,6 @@ def test_async_explorers_and_trainer_on_a_postgres_buffer(tiny_model, tmp_path, 
     import uuid
 
     import sync
-    from buffer import Buffer
 
     addr = host_address()
     url = postgres.replace("127.0.0.1", addr) + f"?schema=t_{uuid.uuid4().hex[:12]}"
@@ -761,7 +760,7 @@ def test_async_explorers_and_trainer_on_a_postgres_buffer(tiny_model, tmp_path, 
     assert not (run_dir / "buffer.sqlite").exists()
     steps = steps_of(run_dir)
     assert [r["step"] for r in steps] == list(range(4))
-    buf = Buffer(url)
+    buf = open_buffer(url)
     # each explorer wrote batches (which of them the trainer took depends on their speed)
     assert all(buf.explorer_state(name) for name in ("e1", "e2"))
     assert {k.split("/")[1] for r in steps for k in r if k.endswith("/share")} <= {"e1", "e2"}
@@ -790,9 +789,9 @@ def test_async_explorers_and_trainer_on_a_postgres_buffer(tiny_model, tmp_path, 
 def test_a_batch_sampled_at_another_temperature_is_refused(tmp_path):
     # an explorer launched with --temperature 0.7 feeding a trainer at 1.0 biased every ratio
     import loop
-    from buffer import Buffer, Experience
+    from buffer import Experience
 
-    buf = Buffer(tmp_path / "buffer.sqlite")
+    buf = open_buffer(tmp_path / "buffer.sqlite")
     try:
         for g, temperature in (("g0", 1.0), ("g1", 0.7)):
             info = {"temperature": temperature, "top_p": 1.0}

@@ -1,5 +1,5 @@
 """Model FLOPs, the measured peak and MFU (perf.py); prefill once per distinct prompt
-(engines.HFEngine); evaluations after their version's first batch (explorer.explore);
+(engines.HFEngine); evaluations after their version's last batch (run.explorer_loop);
 the choice of the memory allocator (launch.allocator)."""
 
 import json
@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import explorer
 import launch
 import perf
 import run
@@ -111,8 +110,8 @@ def test_an_evaluation_runs_after_its_versions_last_batch(monkeypatch):
     engine = Fake()
 
     class Recorder:
-        def __init__(self, *a):
-            pass
+        def __init__(self):
+            self.engine = engine
 
         def resume(self, buffer):
             return 0
@@ -125,7 +124,6 @@ def test_an_evaluation_runs_after_its_versions_last_batch(monkeypatch):
             engine.calls.append(("eval", version))
             return None
 
-    monkeypatch.setattr(explorer, "Explorer", Recorder)
     cfg = run.parse_config(["--eval-interval", "2", "--sync-interval", "2"])
 
     class Pace:
@@ -139,7 +137,7 @@ def test_an_evaluation_runs_after_its_versions_last_batch(monkeypatch):
         def final(self):
             engine.version = 4
 
-    explorer.explore(cfg, engine, ([], [], None), None, Pace(), lambda r: None, 4)
+    run.explorer_loop(cfg, Recorder(), None, Pace(), lambda r: None, 4)
     # the trainer trains on batches 0 and 1 (2 and 3) while the explorer evaluates version 0 (2)
     assert engine.calls == [
         ("batch", 0, 0),

