@@ -21,8 +21,9 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS experiences (
     id {id}, group_id TEXT NOT NULL, task_id TEXT NOT NULL, model_version INTEGER NOT NULL,
     prompt_length INTEGER NOT NULL, tokens {blob} NOT NULL, behaviour_logprobs {blob} NOT NULL,
-    action_mask {blob} NOT NULL, reward DOUBLE PRECISION, info TEXT NOT NULL, explorer TEXT NOT NULL,
-    created DOUBLE PRECISION NOT NULL, consumed INTEGER NOT NULL DEFAULT 0, use_count INTEGER NOT NULL DEFAULT 0);
+    action_mask {blob} NOT NULL, reward DOUBLE PRECISION, info TEXT NOT NULL,
+    explorer TEXT NOT NULL, created DOUBLE PRECISION NOT NULL, consumed INTEGER NOT NULL DEFAULT 0,
+    use_count INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS experiences_group ON experiences (group_id);
 CREATE INDEX IF NOT EXISTS experiences_open ON experiences (consumed, id);
 CREATE TABLE IF NOT EXISTS explorer_state (name TEXT PRIMARY KEY, state TEXT NOT NULL);
@@ -32,14 +33,18 @@ CREATE TABLE IF NOT EXISTS run_state (key TEXT PRIMARY KEY, value TEXT NOT NULL)
 CREATE TABLE IF NOT EXISTS explorer_records (id {id}, explorer TEXT NOT NULL, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS replays (step INTEGER NOT NULL, group_id TEXT NOT NULL);
 """
-COLUMNS = "group_id, task_id, model_version, prompt_length, tokens, behaviour_logprobs, action_mask, reward, info, explorer"
+COLUMNS = (
+    "group_id, task_id, model_version, prompt_length, tokens, behaviour_logprobs, action_mask, "
+    "reward, info, explorer"
+)
 # every table of SCHEMA (Buffer.clear)
 TABLES = ("experiences", "explorer_state", "task_pool", "run_state", "explorer_records", "replays")
 
 
 @dataclass
 class Experience:
-    """One training sample: tokens = prompt + response (R); behaviour_logprobs, action_mask [R]; reward None: lagged."""
+    """One training sample: tokens = prompt + response (R); behaviour_logprobs, action_mask [R];
+    reward None: lagged."""
 
     tokens: list[int]
     prompt_length: int
@@ -56,22 +61,27 @@ class Experience:
         finite = isinstance(self.reward, (int, float)) and math.isfinite(self.reward)
         if self.reward is not None and not finite:
             raise ValueError(
-                f"experience {self.task_id}: reward must be a finite number or None, got {self.reward!r}"
+                f"experience {self.task_id}: reward must be a finite number or None, "
+                f"got {self.reward!r}"
             )
         r = len(self.tokens) - self.prompt_length
         if not (len(self.behaviour_logprobs) == len(self.action_mask) == r >= 0):
             raise ValueError(
-                f"experience {self.task_id}: response has {r} tokens but {len(self.behaviour_logprobs)} behaviour_logprobs and {len(self.action_mask)} mask entries"
+                f"experience {self.task_id}: response has {r} tokens but "
+                f"{len(self.behaviour_logprobs)} behaviour_logprobs and {len(self.action_mask)} "
+                "mask entries"
             )
 
 
 def pool_for(mean_reward: float, easy: float, hard: float) -> str | None:
-    """A task's pool after a group with `mean_reward`: "easy", "hard" or None (active; prime-rl's pools)."""
+    """A task's pool after a group with `mean_reward`: "easy", "hard" or None (active; prime-rl's
+    pools)."""
     return "easy" if mean_reward >= easy else "hard" if mean_reward <= hard else None
 
 
 class _SQLite:
-    """The SQLite dialect: BEGIN IMMEDIATE transactions; explorer names are flocks beside the file."""
+    """The SQLite dialect: BEGIN IMMEDIATE transactions; explorer names are flocks beside the
+    file."""
 
     def __init__(self, path: str, timeout_s: float):
         self.path = Path(path)
@@ -251,7 +261,8 @@ class Buffer:
         poll_s: float = 0.05,
         step: int = 0,
     ) -> list[list[Experience]]:
-        """Wait for and take the `num_groups` oldest complete groups; TimeoutError, RuntimeError (writer died)."""
+        """Wait for and take the `num_groups` oldest complete groups; TimeoutError, RuntimeError
+        (writer died)."""
         deadline = time.monotonic() + timeout_s
         while True:
             groups = self._take(num_groups, step)
@@ -284,8 +295,8 @@ class Buffer:
                 ids,
             ).fetchall()
             self.db.execute(
-                f"UPDATE experiences SET consumed = ?, use_count = 1 WHERE consumed = 0 AND group_id IN "
-                f"({marks})",
+                "UPDATE experiences SET consumed = ?, use_count = 1 WHERE consumed = 0 "
+                f"AND group_id IN ({marks})",
                 [step + 1, *ids],
             )
         return self.groups_of(ids, rows)
@@ -305,9 +316,11 @@ class Buffer:
         return list(by_group.values())
 
     def counts(self) -> dict[str, int]:
-        """Experience counts: total, consumed, ready (reward known, unconsumed), pending (reward NULL)."""
+        """Experience counts: total, consumed, ready (reward known, unconsumed), pending (reward
+        NULL)."""
         total, consumed, known = self.db.execute(
-            "SELECT COUNT(*), COUNT(CASE WHEN consumed > 0 THEN 1 END), COUNT(reward) FROM experiences"
+            "SELECT COUNT(*), COUNT(CASE WHEN consumed > 0 THEN 1 END), COUNT(reward) "
+            "FROM experiences"
         ).fetchone()
         return dict(total=total, consumed=consumed, pending=total - known, ready=known - consumed)
 
@@ -318,7 +331,8 @@ class Buffer:
         else:
             self.db.execute(
                 "INSERT INTO task_pool VALUES (?, ?, ?, ?) ON CONFLICT (task_id) DO UPDATE SET "
-                "pool = excluded.pool, mean_reward = excluded.mean_reward, updated = excluded.updated",
+                "pool = excluded.pool, mean_reward = excluded.mean_reward, "
+                "updated = excluded.updated",
                 (task_id, pool, mean_reward, time.time()),
             )
 

@@ -102,7 +102,7 @@ def teacher(cfg):
         return None
     from extras.distill import Teacher
 
-    return lambda policy: Teacher(policy, models.resolve_model(cfg.teacher))
+    return lambda policy: Teacher(policy, resolve_model(cfg.teacher))
 
 
 def make_trainer(cfg, model_path: str, device: torch.device) -> trainer.Trainer:
@@ -163,22 +163,16 @@ def resolve_model(name: str) -> str:
     return model_dir(name)
 
 
-def load_tasks(
-    name: str,
-    kwargs: dict,
-    train_size: int,
-    eval_size: int,
-    seed: int,
-    eval_seed: int | None = None,
-) -> tuple:
-    """(train, held-out tasks, verifier dataset or None) of --task `name`: a reasoning-gym
-    dataset (workflows.load_tasks), else guess_number, verifiers:NAME, a .jsonl file or a Hugging
-    Face dataset (extras/task_sources.py). ValueError (one line); FileNotFoundError."""
+def load_tasks(name: str, *settings) -> tuple:
+    """(train, held-out tasks, verifier dataset or None) of --task `name` (`settings`:
+    workflows.load_tasks' kwargs, train_size, eval_size, seed, eval_seed): a reasoning-gym
+    dataset (workflows.load_tasks), else guess_number, verifiers:NAME, a .jsonl file or a
+    Hugging Face dataset (extras/task_sources.py). ValueError (one line); FileNotFoundError."""
     if workflows.is_reasoning_gym(name):
-        return workflows.load_tasks(name, kwargs, train_size, eval_size, seed, eval_seed)
+        return workflows.load_tasks(name, *settings)
     from extras.task_sources import load_tasks as any_tasks
 
-    return any_tasks(name, kwargs, train_size, eval_size, seed, eval_seed)
+    return any_tasks(name, *settings)
 
 
 def tasks(cfg) -> tuple:
@@ -289,22 +283,15 @@ def cuda_graphs(max_batch: int):
     return Graphs(max_batch)
 
 
-def make_engine(
-    cfg,
-    model_path: str,
-    seed: int,
-    device: str = "",
-    colocated: bool = False,
-    version: int = 0,
-    status: Callable[[str], None] | None = None,
-) -> engines.Engine:
-    """engines.make_engine of the engine class cfg names (`engine_class`), an HF engine's decode
-    steps CUDA graphs where --cuda-graphs asks for them."""
+def make_engine(cfg, model_path: str, seed: int, *where) -> engines.Engine:
+    """engines.make_engine (`where`: its device, colocated, version and status, in that order)
+    of the engine class cfg names (`engine_class`), an HF engine's decode steps CUDA graphs
+    where --cuda-graphs asks for them."""
     cls = engine_class(cfg)
     build = cls.from_config
     if cfg.cuda_graphs and issubclass(cls, engines.HFEngine):
         build = functools.partial(cls.from_config, graphs=cuda_graphs)
-    return engines.make_engine(cfg, model_path, seed, device, colocated, version, status, build)
+    return engines.make_engine(cfg, model_path, seed, *where, build=build)
 
 
 def check_pipelines(cfg) -> None:
@@ -461,7 +448,7 @@ def check_buffer(cfg) -> None:
     buffer.check_config(cfg, backend)
 
 
-def make_step_io(
+def reader_and_log(
     cfg,
     trainer,
     start: int,
@@ -470,12 +457,13 @@ def make_step_io(
     world: int = 1,
     layout=None,
     device=None,
-) -> loop.StepIO:
-    """This rank's StepIO at step `start`. Rank 0 opens the buffer (on --resume, experiences
-    served after `start` go back), metrics.jsonl, the batch source (the buffer, or --train-data),
-    the shaping (--replay, experience pipeline, --expert-data) and, given `layout`, FLOP meters."""
+) -> tuple[loop.BatchReader, loop.StepLog]:
+    """This rank's BatchReader and StepLog at step `start`. Rank 0 opens the buffer (on --resume,
+    experiences served after `start` go back), metrics.jsonl, the batch source (the buffer, or
+    --train-data), the shaping (--replay, experience pipeline, --expert-data) and, given
+    `layout`, FLOP meters."""
     if rank != 0:
-        return loop.StepIO(cfg, trainer, start, rank, world)
+        return loop.BatchReader(rank), loop.StepLog(cfg, rank, world, start)
     buf = open_buffer(cfg)
     buf.set_run_state("trainer_done", None)  # a trainer is running (again)
     if cfg.resume:
@@ -506,8 +494,7 @@ def make_step_io(
         from extras.offline import ExpertMixing
 
         shape = ExpertMixing(cfg, trainer, shape)
-    trainer_meter = None
-    explorer_meter = None
+    meters = perf.StepMeters()
     if layout is not None:  # model FLOPs and MFU beside the RL step
         matmul = perf.matmul_params(model_path)  # the explorer samples with the same model
         passes = 3 + trainer.needs_ref  # forward and backward, and a reference model's forward
@@ -516,19 +503,9 @@ def make_step_io(
         explorer_device = layout.explorer if cfg.mode == "both" else device.type
         explorer_device = "cuda" if explorer_device.startswith("cuda") else "cpu"
         explorer_meter = perf.ExplorerMeter(matmul, explorer_device, cfg.dtype)
-    return loop.StepIO(
-        cfg,
-        trainer,
-        start,
-        rank,
-        world,
-        buf,
-        log,
-        batches,
-        shape,
-        trainer_meter,
-        explorer_meter,
-    )
+        meters = perf.StepMeters(trainer_meter, explorer_meter, device.type)
+    reader = loop.BatchReader(rank, batches, shape)
+    return reader, loop.StepLog(cfg, rank, world, start, buf, log, meters)
 
 
 def explorer_engine(cfg, model_path: str, layout, version: int, status):

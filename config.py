@@ -1,4 +1,5 @@
-"""Every setting of a run (`Config`), each a flag with its docstring as --help, and `parse_config`."""
+"""Every setting of a run (`Config`), each a flag with its docstring as --help, and
+`parse_config`."""
 
 from __future__ import annotations
 
@@ -24,14 +25,18 @@ OTHER_TASK_DEFAULTS = {"task_kwargs": {}, "system_prompt": "Give only the final 
 
 @dataclass
 class Config:
-    """Every setting of a run: each field is a --flag, its docstring the flag's help; `# -- title` comments group them."""
+    """Every setting of a run: each field is a --flag, its docstring the flag's help; `# -- title`
+    comments group them."""
+
+    # a field's docstring is its --help text, whose line breaks tyro keeps: one longer than a line
+    # stays whole, marked noqa: E501
 
     # (not a setting) the names set in --config or by flag: parse_config records them
     given = frozenset()
 
     # -- mode and run
     mode: Literal["both", "explore", "train", "bench"] = "both"
-    """both = trainer ranks + a spawned explorer; explore / train = one side each (sharing run_dir); bench = evaluate"""
+    """both = trainer ranks + a spawned explorer; explore / train = one side each (sharing run_dir); bench = evaluate"""  # noqa: E501
     run_dir: str = "runs/default"
     """output directory (metrics, samples, buffer, plot, final weights)"""
     overwrite: bool = False
@@ -43,9 +48,9 @@ class Config:
     seed: int = 0
     """seed of the training tasks, task order, sampling and model init"""
     eval_seed: int = 0
-    """seed of the held-out tasks (reasoning-gym): fixed, so that runs of every --seed are evaluated on the same tasks and share the base model's cached evaluation"""
+    """seed of the held-out tasks (reasoning-gym): fixed, so that runs of every --seed are evaluated on the same tasks and share the base model's cached evaluation"""  # noqa: E501
     train_data: str = ""
-    """mode train on offline data: JSONL of chats {"messages"} (SFT) or {"prompt", "chosen", "rejected"} (DPO)"""
+    """mode train on offline data: JSONL of chats {"messages"} (SFT) or {"prompt", "chosen", "rejected"} (DPO)"""  # noqa: E501
     bench_models: str = ""
     """mode bench: comma-separated models, each as for --model; empty: RUN_DIR/final"""
     bench_k: int = 4
@@ -54,7 +59,7 @@ class Config:
     model: str = "smollm2-135m"
     """a local Hugging Face model directory, a Hub id (owner/name), or smollm2-135m (built in)"""
     task: str = DEFAULT_TASK
-    """a reasoning-gym dataset, a JSONL file, a Hugging Face dataset (Hub id, directory, data file) or verifiers:NAME"""
+    """a reasoning-gym dataset, a JSONL file, a Hugging Face dataset (Hub id, directory, data file) or verifiers:NAME"""  # noqa: E501
     task_kwargs: dict = field(
         default_factory=lambda: {
             "min_terms": 2,
@@ -69,15 +74,15 @@ class Config:
     train_size: int = 2000
     """number of generated training tasks"""
     eval_size: int = 100
-    """number of held-out tasks (another seed; 0 disables evaluation): 100 gives avg@4 a standard error near 0.04"""
+    """number of held-out tasks (another seed; 0 disables evaluation): 100 gives avg@4 a standard error near 0.04"""  # noqa: E501
     system_prompt: str = "Give only the final answer, as a number."
     """system message before each question ('' for none)"""
     reward_fn: str = "reasoning_gym"
-    """reward function: reasoning_gym (the dataset's verifier), math_verify, judge (an LLM judge), or module.function"""
+    """reward function: reasoning_gym (the dataset's verifier), math_verify, judge (an LLM judge), or module.function"""  # noqa: E501
     reward_kwargs: dict = field(default_factory=dict)
     """keyword arguments of the reward function (JSON), e.g. {"url": ..., "model": ...} for judge"""
     workflow: str = "math"
-    """workflow: math (single turn), guess_number, reflect, module.Class, agent:module.function, or verifiers:NAME"""
+    """workflow: math (single turn), guess_number, reflect, module.Class, agent:module.function, or verifiers:NAME"""  # noqa: E501
     # -- explorer (rollouts)
     engine: Literal["auto", "hf", "vllm"] = "auto"
     """inference engine of the explorer: hf, vllm, or auto (vllm when installed, else hf)"""
@@ -96,7 +101,7 @@ class Config:
     eval_temperature: float = 0.0
     """temperature for held-out evaluation (0 = greedy)"""
     eval_k: int = 4
-    """samples per held-out task for avg@k (0 = greedy only); version 0 takes at least group_size, for pass@k"""
+    """samples per held-out task for avg@k (0 = greedy only); version 0 takes at least group_size, for pass@k"""  # noqa: E501
     eval_interval: int = 15
     """evaluate held-out accuracy every this many weight versions (and at the start and end)"""
     workflow_timeout_s: float = 600.0
@@ -123,19 +128,19 @@ class Config:
     """name recorded on every experience of this explorer"""
     # -- sync between explorer and trainer
     sync_method: Literal["auto", "broadcast", "ipc", "checkpoint"] = "auto"
-    """weight sync: broadcast (torch.distributed), ipc (mode both, explorer on trainer rank 0's device: handles of the weights, CUDA IPC on a GPU, shared memory on the CPU), checkpoint (files in run_dir), or auto (mode both: ipc where the hf explorer shares trainer rank 0's GPU and PYTORCH_CUDA_ALLOC_CONF allows CUDA IPC, else broadcast; explore / train: checkpoint)"""
+    """weight sync: broadcast (torch.distributed), ipc (mode both, explorer on trainer rank 0's device: handles of the weights, CUDA IPC on a GPU, shared memory on the CPU), checkpoint (files in run_dir), or auto (mode both: ipc where the hf explorer shares trainer rank 0's GPU and PYTORCH_CUDA_ALLOC_CONF allows CUDA IPC, else broadcast; explore / train: checkpoint)"""  # noqa: E501
     sync_host: str = "127.0.0.1"
     """address of the weight-sync store, where trainer rank 0 listens"""
     sync_port: int = 0
-    """port of the weight-sync store (0 = a free one; explore / train with broadcast: the same on both sides)"""
+    """port of the weight-sync store (0 = a free one; explore / train with broadcast: the same on both sides)"""  # noqa: E501
     sync_bucket_mb: float = 64.0
-    """broadcast and ipc sync in buckets of at most this many MiB of float32 parameters (0 = the whole model at once)"""
+    """broadcast and ipc sync in buckets of at most this many MiB of float32 parameters (0 = the whole model at once)"""  # noqa: E501
     num_explorers: int = 1
     """mode train with broadcast sync: explorers that join the weight-sync group"""
     sync_interval: int = 2
     """trainer steps between two weight publishes to the explorer"""
     sync_offset: int = 0
-    """explorer batches generated ahead of the trainer before the first wait (1 with interval 1: one-step off-policy)"""
+    """explorer batches generated ahead of the trainer before the first wait (1 with interval 1: one-step off-policy)"""  # noqa: E501
     inflight: bool = False
     """in-flight updates (PipelineRL): new weights replace old ones between decode steps"""
     max_staleness: int = -1
@@ -150,32 +155,32 @@ class Config:
     """experience buffer: "" = RUN_DIR/buffer.sqlite, a SQLite path, or postgresql://user@host:port/db[?schema=NAME]"""
     # -- data pipelines: task and experience operators, selectors, replay, human labels
     task_pipeline: list = field(default_factory=list)
-    """task operators run before the loop, a list of {op = NAME, ...}: dedup, length_filter, metadata_difficulty, pass_rate_difficulty, model_difficulty, or module.function"""
+    """task operators run before the loop, a list of {op = NAME, ...}: dedup, length_filter, metadata_difficulty, pass_rate_difficulty, model_difficulty, or module.function"""  # noqa: E501
     selector: str = "shuffle"
-    """how the explorer picks the next tasks: shuffle, sequential, random, easy2hard, diff_based, or module.Class"""
+    """how the explorer picks the next tasks: shuffle, sequential, random, easy2hard, diff_based, or module.Class"""  # noqa: E501
     selector_kwargs: dict = field(default_factory=dict)
     """keyword arguments of the selector (JSON), e.g. {"target": 0.5, "tau": 0} for diff_based"""
     experience_pipeline: list = field(default_factory=list)
-    """experience operators before the trainer, a list of {op = NAME, ...}: quality_reward, diversity_reward, clean, or module.function"""
+    """experience operators before the trainer, a list of {op = NAME, ...}: quality_reward, diversity_reward, clean, or module.function"""  # noqa: E501
     replay: dict = field(default_factory=dict)
-    """prioritised experience replay: {"groups": N} adds N consumed groups to each batch ("decay", "use_count_limit")"""
+    """prioritised experience replay: {"groups": N} adds N consumed groups to each batch ("decay", "use_count_limit")"""  # noqa: E501
     annotation: dict = field(default_factory=dict)
-    """human labels through Label Studio (reward_fn human): {"url": ...}, mode, choices, timeout_s, timeout_reward"""
+    """human labels through Label Studio (reward_fn human): {"url": ...}, mode, choices, timeout_s, timeout_reward"""  # noqa: E501
     # -- algorithm
     advantage: str = "grpo"
-    """advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, grpo_stepwise, opmd, none, or module.function"""
+    """advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, grpo_stepwise, opmd, none, or module.function"""  # noqa: E501
     advantage_kwargs: dict = field(default_factory=dict)
-    """keyword arguments of the advantage estimator (JSON), e.g. {"baseline": "logavgexp"} for opmd"""
+    """keyword arguments of the advantage estimator (JSON), e.g. {"baseline": "logavgexp"} for opmd"""  # noqa: E501
     policy_loss: str = "ppo_clip"
-    """policy loss: ppo_clip, dppo_kl, reinforce_tis, cispo, gspo, sft, dpo, mix, topr, opmd_kimi, opmd_pairwise, opmd_simple, or module.function"""
+    """policy loss: ppo_clip, dppo_kl, reinforce_tis, cispo, gspo, sft, dpo, mix, topr, opmd_kimi, opmd_pairwise, opmd_simple, or module.function"""  # noqa: E501
     policy_loss_kwargs: dict = field(default_factory=dict)
-    """keyword arguments of the policy loss (JSON), e.g. {"clip_high": 0.28, "dual_clip": 3.0} for ppo_clip"""
+    """keyword arguments of the policy loss (JSON), e.g. {"clip_high": 0.28, "dual_clip": 3.0} for ppo_clip"""  # noqa: E501
     loss_agg: str = "auto"
-    """loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, or auto (the loss's own default)"""
+    """loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, or auto (the loss's own default)"""  # noqa: E501
     kl_loss_coef: float = 0.0
-    """weight of the KL loss term against a frozen reference model (loaded when > 0); which KL its gradient follows is the estimator's (--kl-estimator)"""
+    """weight of the KL loss term against a frozen reference model (loaded when > 0); which KL its gradient follows is the estimator's (--kl-estimator)"""  # noqa: E501
     kl_estimator: str = "k3"
-    """per-token KL estimator of the KL loss, k1, k2, k3, low_var: as a loss on the policy's own samples, k3 (= low_var, clamped) has the gradient of KL(reference || policy), k2 that of KL(policy || reference), and k1 a gradient of 0 in expectation (docs/algorithms.md)"""
+    """per-token KL estimator of the KL loss, k1, k2, k3, low_var: as a loss on the policy's own samples, k3 (= low_var, clamped) has the gradient of KL(reference || policy), k2 that of KL(policy || reference), and k1 a gradient of 0 in expectation (docs/algorithms.md)"""  # noqa: E501
     kl_reward_coef: float = 0.0
     """reward penalty: this times the summed k1 KL(behaviour || reference) of each sequence"""
     entropy_coef: float = 0.0
@@ -185,22 +190,22 @@ class Config:
     length_unit: str = "tokens"
     """unit of the length penalty: tokens (trained tokens) or turns (multi-turn)"""
     filters: dict = field(default_factory=dict)
-    """sequence filters before training, name -> kwargs (JSON): zero_advantage, gibberish, repetition, or module.function"""
+    """sequence filters before training, name -> kwargs (JSON): zero_advantage, gibberish, repetition, or module.function"""  # noqa: E501
     expert_data: str = ""
-    """JSONL of chats ({"messages": [...]}) mixed into each batch as expert data (policy_loss mix)"""
+    """JSONL of chats ({"messages": [...]}) mixed into each batch as expert data (policy_loss mix)"""  # noqa: E501
     expert_fraction: float = 0.0
     """fraction of each training batch's sequences that are expert data"""
     teacher: str = ""
-    """on-policy distillation: a teacher model (as --model, with the student's tokenizer); its log-prob of each sampled token minus the behaviour log-prob joins that token's advantage ('' = none)"""
+    """on-policy distillation: a teacher model (as --model, with the student's tokenizer); its log-prob of each sampled token minus the behaviour log-prob joins that token's advantage ('' = none)"""  # noqa: E501
     distill_coef: float = 1.0
-    """weight of the teacher's term: each token's advantage gains this x (teacher - behaviour log-prob, in nats); 0 = plain RL"""
+    """weight of the teacher's term: each token's advantage gains this x (teacher - behaviour log-prob, in nats); 0 = plain RL"""  # noqa: E501
     teacher_temperature: float = 1.0
-    """temperature of the teacher's log-probs: 1.0 scores each token under the teacher's own distribution (tinker-cookbook, prime-rl; Trinity-RFT's setting defaults to 1.0)"""
+    """temperature of the teacher's log-probs: 1.0 scores each token under the teacher's own distribution (tinker-cookbook, prime-rl; Trinity-RFT's setting defaults to 1.0)"""  # noqa: E501
     # -- trainer
     lr: float = 3e-5
     """AdamW learning rate"""
     lr_schedule: str = "cosine_with_min_lr"
-    """learning-rate schedule over --steps, a name of transformers' get_scheduler (cosine_with_min_lr: to 0.1 x lr)"""
+    """learning-rate schedule over --steps, a name of transformers' get_scheduler (cosine_with_min_lr: to 0.1 x lr)"""  # noqa: E501
     lr_warmup_steps: int = 3
     """steps of linear warm-up from 0 to lr"""
     lr_schedule_kwargs: dict = field(default_factory=dict)
@@ -210,33 +215,33 @@ class Config:
     max_grad_norm: float = 1.0
     """gradient-norm clipping"""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """compute precision of trainer and engines: auto (bfloat16 where the device computes it natively, else float32)"""
+    """compute precision of trainer and engines: auto (bfloat16 where the device computes it natively, else float32)"""  # noqa: E501
     allocator: Literal["auto", "tcmalloc", "mimalloc", "system"] = "auto"
-    """memory allocator of the processes on a CPU: auto (tcmalloc where installed, else mimalloc; a GPU: system), tcmalloc, mimalloc, system (the C library's malloc)"""
+    """memory allocator of the processes on a CPU: auto (tcmalloc where installed, else mimalloc; a GPU: system), tcmalloc, mimalloc, system (the C library's malloc)"""  # noqa: E501
     return_memory_s: float = 0.2
-    """tcmalloc: every this many seconds the trainer returns the allocator's free pages to the system (a lower peak RSS; 0: never)"""
+    """tcmalloc: every this many seconds the trainer returns the allocator's free pages to the system (a lower peak RSS; 0: never)"""  # noqa: E501
     activation_checkpointing: bool = True
     """recompute decoder blocks' activations in the backward pass (less memory, more compute)"""
     compile_layers: bool = True
     """torch.compile each decoder block (CUDA only; a block that fails to compile runs eagerly)"""
     causal_rows: bool = True
-    """CUDA: a packed row that holds one sequence attends with is_causal (flash kernels) instead of the packed mask"""
+    """CUDA: a packed row that holds one sequence attends with is_causal (flash kernels) instead of the packed mask"""  # noqa: E501
     fused_adamw: bool = True
     """CUDA: AdamW in one fused kernel per step"""
     one_gpu_fsdp: bool = False
     """CUDA, one GPU: FSDP2 mixed precision; off: float32 parameters under bf16 autocast"""
     checkpoint_if_needed: bool = True
-    """CUDA: unless --activation-checkpointing is given, recompute only where a micro-batch's activations would take over half the free memory"""
+    """CUDA: unless --activation-checkpointing is given, recompute only where a micro-batch's activations would take over half the free memory"""  # noqa: E501
     head_chunk_elems: int = 0
     """logits the trainer's LM head computes at a time (0: 2**22 on a CPU, 2**28 on a GPU)"""
     token_budget: int = 4096
-    """max tokens one forward pass of the trainer computes (a packed micro-batch); the default job's steps fit one: a lower CPU peak (docs/benchmarks.md)"""
+    """max tokens one forward pass of the trainer computes (a packed micro-batch); the default job's steps fit one: a lower CPU peak (docs/benchmarks.md)"""  # noqa: E501
     trainer_threads: int = 0
     """torch threads per trainer rank (0 = split the cores between ranks and explorer)"""
     checkpoint_interval: int = 10
     """save the resume state every this many trainer steps (0 = never)"""
     keep_resume_state: bool = False
-    """keep the last resume state (RUN_DIR/checkpoints, 12 bytes per parameter) after the run has finished"""
+    """keep the last resume state (RUN_DIR/checkpoints, 12 bytes per parameter) after the run has finished"""  # noqa: E501
     plot: bool = True
     """draw RUN_DIR/plot.png (reward, loss, held-out accuracy by step) when the run has finished"""
     # -- LoRA (peft)
@@ -252,9 +257,9 @@ class Config:
     log_samples: int = 2
     """groups per batch written to samples.log"""
     save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype of the final weights: auto (the model's own, from its config.json), float32, bfloat16, float16"""
+    """dtype of the final weights: auto (the model's own, from its config.json), float32, bfloat16, float16"""  # noqa: E501
     log: str = "tensorboard"
-    """experiment trackers besides RUN_DIR/metrics.jsonl, comma-separated: tensorboard, wandb, mlflow, or none"""
+    """experiment trackers besides RUN_DIR/metrics.jsonl, comma-separated: tensorboard, wandb, mlflow, or none"""  # noqa: E501
 
 
 def _json_arguments():
@@ -280,7 +285,8 @@ def _json_arguments():
 
 
 def _one_line(box: str) -> str:
-    """tyro's error box as one line: its text without the frame, the rules, the title and the pointer to --help."""
+    """tyro's error box as one line: its text without the frame, the rules, the title and the
+    pointer to --help."""
     lines = [re.sub(r"^[\s│╭╰|]*(─+\s)?|(\s─+)?[\s│╮╯|]*$", "", x) for x in box.splitlines()][1:]
     ends = ("For full helptext", "Argument helptext")
     body = itertools.takewhile(lambda x: not x.startswith(ends), lines)
@@ -314,7 +320,8 @@ def coerce(name: str, value):
 
 
 def read_preset(path: Path) -> dict:
-    """The settings of TOML preset `path`, coerced; FileNotFoundError / ValueError (one line) for a bad file."""
+    """The settings of TOML preset `path`, coerced; FileNotFoundError / ValueError (one line) for a
+    bad file."""
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     try:

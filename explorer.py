@@ -1,6 +1,7 @@
-"""Explorer: `rollout_batch` runs the rollouts of one batch of tasks into the buffer, `evaluate`
-scores the held-out tasks. The explorer's loop that calls them, paced by the sync schedule, is
-run.explorer_loop; the parts it samples with (workflow, reward, selector) are `ExplorerParts`."""
+"""Explorer: a batch's tasks (`plan_batch`), their rollouts (`rollout`, the rollout loop) and the
+batch written to the buffer (`write_batch`); `evaluate` scores the held-out tasks. The
+explorer's loop that calls them, paced by the sync schedule, is run.explorer_loop; the parts it
+samples with (workflow, reward, selector) are `ExplorerParts`."""
 
 import asyncio
 import base64
@@ -58,6 +59,20 @@ def explorer_seed(seed: int, name: str) -> int:
 def engine_seed(cfg) -> int:
     """The engine's sampling seed for this explorer (`explorer_seed` + 1)."""
     return explorer_seed(cfg.seed, cfg.explorer_name) + 1
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A batch being generated (Explorer.plan_batch): its index, the weight version it started
+    with, its start (perf_counter seconds, Explorer.work_since), the tasks retired before it
+    (task_id -> pool) and the tasks drawn for it."""
+
+    batch: int
+    version: int
+    t0: float
+    since: tuple[int, int, float]
+    retired: dict[str, str]
+    tasks: list[Task]
 
 
 class Explorer:
@@ -201,30 +216,40 @@ class Explorer:
                 break
         return groups
 
-    def rollout_batch(self, batch: int, buffer: Buffer) -> dict:
-        """Generate batch `batch` and write it to `buffer`; returns its metrics record.
-        RuntimeError: it stays short."""
-        cfg = self.cfg
-        t0 = time.perf_counter()
+    def plan_batch(self, batch: int, buffer: Buffer) -> "BatchPlan":
+        """Start batch `batch`: its tasks, drawn by the selector (none of the tasks `buffer`
+        retired to a pool but those the pools lift), and its clock."""
         version = self.engine.version
-        since = self.work_since()
         self.counts = dict.fromkeys(self.counts, 0)
         self.engine.working_on(f"batch {batch} (version {version})")
         retired = buffer.retired()
+        tasks = self.next_tasks(self.cfg.batch_size, retired)
+        return BatchPlan(batch, version, time.perf_counter(), self.work_since(), retired, tasks)
+
+    def write_batch(
+        self, plan: "BatchPlan", groups: list[list[Experience] | None], buffer: Buffer
+    ) -> dict:
+        """Complete batch `plan` from the rollouts of its tasks (`groups`: `rollout`'s, None for a
+        skipped task) and write it to `buffer` with this explorer's state; returns its metrics
+        record. A skipped task, and with --difficulty-filter a group of equal rewards, is
+        replaced by the rollouts of another task, at most refill_rounds times. RuntimeError:
+        the batch stays short."""
+        cfg = self.cfg
 
         def informative(group: list[Experience]) -> bool:
             return not cfg.difficulty_filter or len({e.reward for e in group}) > 1
 
-        tasks = picked = self.next_tasks(cfg.batch_size, retired)
-        generated, kept = [], []
-        for rounds in range(cfg.refill_rounds + 1):
-            groups = self.rollout(tasks)
-            generated += [g for g in groups if g]
-            kept += [g for g in groups if g and informative(g)]
-            if len(kept) >= cfg.batch_size or rounds == cfg.refill_rounds:
-                break
-            tasks = self.next_tasks(cfg.batch_size - len(kept), retired)
-            picked = picked + tasks
+        generated = [g for g in groups if g]
+        kept = [g for g in generated if informative(g)]
+        picked = list(plan.tasks)
+        rounds = 0
+        while len(kept) < cfg.batch_size and rounds < cfg.refill_rounds:
+            rounds += 1
+            tasks = self.next_tasks(cfg.batch_size - len(kept), plan.retired)
+            picked += tasks
+            more = [g for g in self.rollout(tasks) if g]
+            generated += more
+            kept += [g for g in more if informative(g)]
         short = max(0, cfg.batch_size - len(kept))
         groups = kept[: cfg.batch_size] + [g for g in generated if not informative(g)][:short]
         if len(groups) < cfg.batch_size:
@@ -232,13 +257,14 @@ class Explorer:
                 f"explorer: only {len(groups)} of {cfg.batch_size} groups after {rounds} refill "
                 f"rounds ({self.counts['skipped']} tasks skipped; last error: {self.last_error})"
             )
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - plan.t0
         updates = [
             (g[0].task_id, sum(e.reward for e in g) / len(g), cfg.pool_easy, cfg.pool_hard)
             for g in generated
             if all(e.reward is not None for e in g)
         ]
         self.selector.update({task: mean for task, mean, *_ in updates})
+        batch = plan.batch
         # provenance: the buffer alone tells a run's history, and the trainer checks that it
         # computes its log-probs under the distribution the tokens were sampled from
         for e in itertools.chain(*groups):
@@ -247,11 +273,12 @@ class Explorer:
             e.info["temperature"] = cfg.temperature
             e.info["top_p"] = cfg.top_p
         buffer.write_batch(groups, cfg.explorer_name, {"batch": batch + 1, **self.state()}, updates)
-        self._write_samples(batch, version, groups)
+        self._write_samples(batch, plan.version, groups)
         exps = [e for g in generated for e in g]
         pools = [pool_for(*u[1:]) for u in updates]
-        record = self._batch_record(batch, version, seconds, exps, pools, len(retired), picked)
-        record.update(self.work(since, seconds, "perf/explorer"))
+        retired = len(plan.retired)
+        record = self._batch_record(batch, plan.version, seconds, exps, pools, retired, picked)
+        record.update(self.work(plan.since, seconds, "perf/explorer"))
         if cfg.difficulty_filter:
             record["filter/difficulty_dropped"] = len(generated) - len(kept)
             record["filter/difficulty_rounds"] = rounds

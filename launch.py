@@ -1,4 +1,5 @@
-"""Process plumbing: device placement (`place`), allocator, gloo's interface, threads, how a run ends (`guarded`)."""
+"""Process plumbing: device placement (`place`), allocator, gloo's interface, threads, how a run
+ends (`guarded`)."""
 
 import ctypes.util
 import importlib.metadata
@@ -20,7 +21,8 @@ import torch.distributed as dist
 import sync
 from config import Config, parse_config
 
-# a failed run's time to release its groups, stores and files on the way out (seconds; the tests shorten it)
+# a failed run's time to release its groups, stores and files on the way out (seconds; the tests
+# shorten it)
 EXIT_GRACE_S = float(os.environ.get("NANORFT_EXIT_GRACE_S", "60"))
 
 
@@ -32,7 +34,8 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class Placement:
-    """Each trainer rank's device, the explorer's, whether it shares rank 0's GPU, and the weight-sync device type."""
+    """Each trainer rank's device, the explorer's, whether it shares rank 0's GPU, and the
+    weight-sync device type."""
 
     trainer: tuple[str, ...]
     explorer: str
@@ -54,12 +57,14 @@ class Placement:
 
 
 def place(gpus: int, ranks: int, mode: str) -> Placement:
-    """Rank i on cuda:i, the explorer on the first free GPU, else on cuda:0. ValueError: fewer GPUs than ranks."""
+    """Rank i on cuda:i, the explorer on the first free GPU, else on cuda:0. ValueError: fewer GPUs
+    than ranks."""
     if gpus == 0:
         return Placement(("cpu",) * ranks, "cpu" if mode == "both" else "", False, "cpu")
     if ranks > gpus:
         raise ValueError(
-            f"{ranks} trainer ranks need {ranks} GPUs, {gpus} visible (torchrun --nproc_per_node <= GPUs)"
+            f"{ranks} trainer ranks need {ranks} GPUs, {gpus} visible "
+            "(torchrun --nproc_per_node <= GPUs)"
         )
     trainer = tuple(f"cuda:{i}" for i in range(ranks))
     if mode != "both":
@@ -84,8 +89,9 @@ def _mimalloc() -> str | None:
     return str(lib) if Path(lib).is_file() else None
 
 
-# preloaded allocators, the best first (benchmarks/allocators.py, docs/benchmarks.md): both keep freed
-# pages for the next step, where glibc's malloc returns large blocks to the kernel and faults them in again
+# preloaded allocators, the best first (benchmarks/allocators.py, docs/benchmarks.md): both keep
+# freed pages for the next step, where glibc's malloc returns large blocks to the kernel and faults
+# them in again
 ALLOCATORS = {
     "tcmalloc": lambda: (
         ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
@@ -107,7 +113,8 @@ def allocator_library(name: str) -> str | None:
 
 
 def allocator(cfg: Config) -> tuple[str, str | None]:
-    """(name, library to preload) of the run's allocator. ValueError: an allocator asked for is not installed."""
+    """(name, library to preload) of the run's allocator. ValueError: an allocator asked for is not
+    installed."""
     if cfg.allocator == "system" or (cfg.allocator == "auto" and gpu_count()):
         return "system", None
     for name in ALLOCATORS if cfg.allocator == "auto" else [cfg.allocator]:
@@ -147,7 +154,8 @@ def preload_allocator(argv: list[str]) -> None:
 
 
 def init_distributed():
-    """(rank, world_size, device) in the default (FSDP) group, from torchrun's env or as one rank."""
+    """(rank, world_size, device) in the default (FSDP) group, from torchrun's env or as one
+    rank."""
     if "RANK" not in os.environ:
         os.environ.update(
             RANK="0",
@@ -162,13 +170,15 @@ def init_distributed():
         return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
-    # gloo beside NCCL: a CPU tensor in a collective (a resume's checkpoint metadata, say) would otherwise raise
+    # gloo beside NCCL: a CPU tensor in a collective (a resume's checkpoint metadata, say) would
+    # otherwise raise
     dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=timedelta(hours=1))
     return dist.get_rank(), dist.get_world_size(), device
 
 
 def gloo_interface() -> str | None:
-    """Across hosts, set GLOO_SOCKET_IFNAME to the interface towards MASTER_ADDR; returns it, or None."""
+    """Across hosts, set GLOO_SOCKET_IFNAME to the interface towards MASTER_ADDR; returns it, or
+    None."""
     master = os.environ.get("MASTER_ADDR", "")
     one_host = master in ("", "127.0.0.1", "localhost")
     if os.environ.get("GLOO_SOCKET_IFNAME") or one_host:
@@ -187,7 +197,8 @@ def gloo_interface() -> str | None:
 
 
 def interface_of(address: str) -> str | None:
-    """The name of this machine's network interface that holds `address` (e.g. "eth0"), else None."""
+    """The name of this machine's network interface that holds `address` (e.g. "eth0"), else
+    None."""
     return next(
         (
             name
@@ -199,7 +210,8 @@ def interface_of(address: str) -> str | None:
 
 
 def split_threads(cfg: Config, world: int) -> None:
-    """Fill 0 thread counts: the explorer (none offline) and the `world` trainer ranks share the cores."""
+    """Fill 0 thread counts: the explorer (none offline) and the `world` trainer ranks share the
+    cores."""
     cores = os.cpu_count() or 1
     offline = cfg.mode == "train" and bool(cfg.train_data)
     if cfg.explorer_threads == 0:
@@ -212,13 +224,15 @@ def guarded(cfg: Config, rank: int, run, leave_on_interrupt: bool = False) -> in
     """Call `run()`; the exit code: 0, 130 after Ctrl-C (one line on how to resume), 1 after a
     failure. `leave_on_interrupt`: the process ends after that line, before the finalizers of the
     interrupted step (a broadcast in flight) wait for a peer the interrupt stopped, as kill -9."""
-    sigints = []  # Ctrl-C seen: a library may wrap its KeyboardInterrupt (torch.distributed.checkpoint does)
+    # Ctrl-C seen: a library may wrap its KeyboardInterrupt (torch.distributed.checkpoint does)
+    sigints = []
 
     def on_sigint(*_):
         sigints.append(1)
         raise KeyboardInterrupt
 
-    # Python's own Ctrl-C handler only (not in a thread, nor where SIGINT is ignored: a job started with nohup ... &)
+    # Python's own Ctrl-C handler only (not in a thread, nor where SIGINT is ignored: a job started
+    # with nohup ... &)
     ours = (
         threading.current_thread() is threading.main_thread()
         and signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -235,7 +249,8 @@ def guarded(cfg: Config, rank: int, run, leave_on_interrupt: bool = False) -> in
             return 1
         if rank == 0:
             print(
-                f"\nrun.py: interrupted; to continue: the same command with --resume (run dir {cfg.run_dir})",
+                "\nrun.py: interrupted; to continue: the same command with --resume "
+                f"(run dir {cfg.run_dir})",
                 file=sys.stderr,
             )
         if leave_on_interrupt:
@@ -250,7 +265,8 @@ def guarded(cfg: Config, rank: int, run, leave_on_interrupt: bool = False) -> in
 
 
 def failed(cfg: Config, rank: int, e: BaseException) -> None:
-    """The traceback to RUN_DIR/error*.log, one line naming it; still alive EXIT_GRACE_S later, the process exits."""
+    """The traceback to RUN_DIR/error*.log, one line naming it; still alive EXIT_GRACE_S later, the
+    process exits."""
     import faulthandler
 
     name = f"_{cfg.explorer_name}" if cfg.mode == "explore" else f"_rank{rank}" if rank else ""

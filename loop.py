@@ -1,7 +1,9 @@
-"""What the RL loop in run.py talks to on a trainer rank: `StepIO` reads each batch from its batch
-source (`BufferBatches`, or offline data), hands the weights to its publisher (sync.py: sent to
-the explorers, a checkpoint, none) and logs the step; `start_explorer` spawns mode both's
-explorer process, `finish` ends the run. The composition root (components.py) builds them."""
+"""What the RL loop in run.py talks to on a trainer rank, one job each: `BatchReader` reads each
+step's groups from the batch source (`BufferBatches`, or offline data's), `publish` hands the
+weights to a publisher (sync.py: sent to the explorers, a checkpoint, none), `StepLog` writes
+the step's record with the explorers' records (`ExplorerRecords`) and the rollouts' health
+(`RolloutHealth`); `start_explorer` spawns mode both's explorer process, `finish` ends the run.
+The composition root (components.py, run.py) builds them."""
 
 import dataclasses
 import json
@@ -19,7 +21,6 @@ import sync
 from buffer import Experience
 from checkpoints import delete_resume_states
 from metrics import Metrics, eval_line, plot, print0
-from perf import JobMeter
 from trainer import Trainer
 
 # warn once every advantage has been 0 for this many consecutive steps
@@ -86,86 +87,39 @@ class Explorers:
     cores: perf.CoreShare | None = None
 
 
-class StepIO:
-    """What one trainer step reads and writes around `Trainer.step` on this rank: the batch (rank 0
-    reads it from `batches`, shaped by `shape`), the weights to publish (`connect`), the metrics
-    (with the meters' FLOPs), the progress bar; `errors`: the explorer's error lines."""
+class BatchReader:
+    """Each step's groups on every trainer rank: rank 0 reads them from its batch source
+    (`BufferBatches`, or offline data's) and shapes them (`shape`: --replay's groups, the
+    experience pipeline, --expert-data's mixing, in that order); the other ranks get them by
+    broadcast."""
 
-    def __init__(
-        self,
-        cfg,
-        trainer: Trainer,
-        start: int,
-        rank: int,
-        world: int,
-        buffer=None,
-        metrics: Metrics | None = None,
-        batches=None,
-        shape: Callable[[list, int], tuple[list, dict]] | None = None,
-        trainer_meter: perf.TrainerMeter | None = None,
-        explorer_meter: perf.ExplorerMeter | None = None,
-    ):
-        from tqdm import tqdm
-
-        self.cfg = cfg
-        self.trainer = trainer
-        self.start = start
+    def __init__(self, rank: int, batches=None, shape: Callable | None = None):
         self.rank = rank
-        self.world = world
-        self.buffer = buffer
-        self.metrics = metrics
-        # the batch source: BufferBatches, or offline data's
         self.batches = batches
-        # --replay's groups, the experience pipeline and --expert-data's mixing, in that order
         self.shape = shape
-        # rank 0: the model FLOPs and MFU of the trainer's steps and the explorer's batches
-        self.trainer_meter = trainer_meter
-        self.explorer_meter = explorer_meter
         self.explorers = Explorers()
-        self.publisher = None  # until `connect`
-        self.extra_metrics: Callable[[], dict] = dict
-        # when rank 0 last looked for explorer status while waiting for a batch
-        self.status_at = 0.0
-        # explorer batch records by batch index, merged into that step's record
-        self.pending: dict[int, dict] = {}
-        self.last_eval: dict = {}
-        self.errors: list[str] = []
-        # consecutive steps with every advantage 0 / with every reward errored
-        self.zero_adv_steps = 0
-        self.errored_steps = 0
-        self.bar = tqdm(
-            total=cfg.steps, initial=start, desc="steps", disable=rank != 0, dynamic_ncols=True
-        )
-        self.meter = JobMeter()  # cpu/utilisation_pct, perf/job_mfu
-        self.t_start = time.perf_counter()
-        self.t_trained = self.t_start
+        # rank 0's poll while it waits for a batch: False once the explorer died
+        self.waiting: Callable[[], bool] = lambda: True
 
-    def connect(
-        self, explorers: Explorers, publisher, extra_metrics: Callable[[], dict] = dict
-    ) -> None:
-        """Once the explorers run: their link, the weight publisher, the metrics of a service
-        beside the run (a human annotator's); the step's clock starts."""
+    def connect(self, explorers: Explorers, waiting: Callable[[], bool]) -> None:
+        """Once the explorers run: their link (whose cores the trainer takes back once a batch
+        is read) and the poll while waiting (ExplorerRecords.waiting)."""
         self.explorers = explorers
-        self.publisher = publisher
-        self.extra_metrics = extra_metrics
-        self.t_start = time.perf_counter()
+        self.waiting = waiting
 
-    def progress(self, text: str) -> None:
-        """Where the step is, shown beside rank 0's progress bar."""
-        self.bar.set_postfix_str(text)
-
-    def read_batch(self, step: int) -> tuple[list[list[Experience]], dict]:
-        """The groups of `step` on every rank (rank 0 reads them) and rank 0's metrics of reading."""
+    def read(self, step: int, version: int) -> tuple[list[list[Experience]], dict]:
+        """The groups of `step` for the weights of `version`, on every rank, and rank 0's
+        metrics of reading."""
         t0 = time.perf_counter()
-        batch = [self.next_batch(step) if self.rank == 0 else None]
+        batch = [self.next_batch(step, version) if self.rank == 0 else None]
         dist.broadcast_object_list(batch, src=0)
         groups, m = batch[0]
         m["time/wait_s"] = time.perf_counter() - t0
         return groups, m
 
-    def next_batch(self, step: int) -> tuple[list, dict]:
+    def next_batch(self, step: int, version: int) -> tuple[list, dict]:
         """Rank 0: the groups of `step` from the batch source, shaped, and their metrics."""
-        groups, m = self.batches.next(step, self.trainer.version, self.waiting)
+        groups, m = self.batches.next(step, version, self.waiting)
         if self.explorers.cores is not None:
             self.explorers.cores.busy(True)
         if self.shape:
@@ -173,41 +127,52 @@ class StepIO:
             m.update(shaped)
         return groups, m
 
-    def publish(self, step: int) -> dict:
-        """Hand the new weights to the explorers (the publisher: sent, a checkpoint, or none);
-        the last step also saves RUN_DIR/final. Collective. Returns the metrics of the publish."""
-        t0 = time.perf_counter()
-        digest, params = self.publisher.publish(self.trainer)
-        m = {"time/sync_s": time.perf_counter() - t0}
-        if digest is not None:
-            m["sync/trainer_checksum"] = digest
-        if step == self.cfg.steps - 1:
-            final = params or self.trainer.full_parameters()
-            self.trainer.save_final(Path(self.cfg.run_dir) / "final", final)
-        return m
 
-    def waiting(self) -> bool:
-        """Rank 0's poll while it waits for a batch; False once the explorer has died."""
-        if time.perf_counter() - self.status_at > 0.5:
-            self.status_at = time.perf_counter()
-            self.drain()
-        self.extra_metrics()
-        return self.explorers.alive()
+def publish(cfg, trainer: Trainer, publisher, step: int) -> dict:
+    """Hand the new weights to the explorers through `publisher` (sync.SentWeights, a checkpoint
+    or none); the last step also saves RUN_DIR/final. Collective. Returns the metrics of the
+    publish."""
+    t0 = time.perf_counter()
+    digest, params = publisher.publish(trainer)
+    m = {"time/sync_s": time.perf_counter() - t0}
+    if digest is not None:
+        m["sync/trainer_checksum"] = digest
+    if step == cfg.steps - 1:
+        final = params or trainer.full_parameters()
+        trainer.save_final(Path(cfg.run_dir) / "final", final)
+    return m
+
+
+class ExplorerRecords:
+    """Rank 0's reading of the explorers' records: a batch's stats wait for its step's record
+    (`pending`), an evaluation is written to `metrics` and shown on `bar` at once, an error line
+    is kept (`errors`), a status shows beside the bar; `meters` (perf.StepMeters) count their
+    model FLOPs."""
+
+    def __init__(self, metrics: Metrics | None, bar, group_size: int, meters: perf.StepMeters):
+        self.metrics = metrics
+        self.bar = bar
+        self.group_size = group_size
+        self.meters = meters
+        self.explorers = Explorers()
+        # explorer batch records by batch index, merged into that step's record
+        self.pending: dict[int, dict] = {}
+        self.last_eval: dict = {}
+        self.errors: list[str] = []
+        # when rank 0 last looked for explorer status while waiting for a batch
+        self.status_at = 0.0
 
     def drain(self) -> None:
-        """Rank 0: the explorers' new records (batch stats join their step's record)."""
+        """The explorers' new records."""
         for r in self.explorers.records():
-            if self.explorer_meter is not None:
-                r.update(self.explorer_meter.measure(r))
-            self.meter.add(r)
+            self.meters.add_explorer(r)
             if "batch" in r:
                 self.pending[r["batch"]] = r
             elif "eval/accuracy" in r:
                 self.metrics.write({"step": r["eval/version"], **r})
                 who = f" ({r['explorer']})" if "explorer" in r else ""
-                self.bar.write(
-                    f"eval @ version {r['eval/version']}{who}: {eval_line(r, self.cfg.group_size)}"
-                )
+                line = eval_line(r, self.group_size)
+                self.bar.write(f"eval @ version {r['eval/version']}{who}: {line}")
                 self.last_eval.update(r)
             elif "explorer/received_version" in r:
                 self.metrics.write({"step": r["explorer/received_version"], **r})
@@ -216,49 +181,112 @@ class StepIO:
             elif "status" in r:  # what the explorer is doing while the trainer waits for it
                 self.bar.set_postfix_str(f"waiting for the explorer: {r['status']}")
 
-    def log(self, step: int, m: dict, groups: list[list[Experience]]) -> None:
-        """Rank 0: complete and write the step's metrics, move the progress bar; on every rank,
-        lend the cores to the explorer while the next batch is awaited."""
-        if self.explorers.cores is not None:
-            self.explorers.cores.busy(False)
+    def waiting(self) -> bool:
+        """Rank 0's poll while it waits for a batch: new records every 0.5 s; False once the
+        explorer has died."""
+        if time.perf_counter() - self.status_at > 0.5:
+            self.status_at = time.perf_counter()
+            self.drain()
+        return self.explorers.alive()
+
+
+class StepLog:
+    """Rank 0's account of each step: the explorers' records (`records`), metrics.jsonl and the
+    trackers (`metrics`), the progress bar, the rollouts' health; the cores go back to the
+    explorer at each step's end (one CPU machine). `buffer`: its counts join each record."""
+
+    def __init__(
+        self, cfg, rank: int, world: int, start: int, buffer=None, metrics=None, meters=None
+    ):
+        from tqdm import tqdm
+
+        self.rank = rank
+        # in every step's record: how the cores are split
+        self.placement = {
+            "threads/trainer": cfg.trainer_threads,
+            "threads/explorer": cfg.explorer_threads,
+            "trainer/ranks": world,
+        }
+        self.buffer = buffer
+        self.metrics = metrics
+        disabled = rank != 0
+        self.bar = tqdm(
+            total=cfg.steps, initial=start, desc="steps", disable=disabled, dynamic_ncols=True
+        )
+        meters = meters or perf.StepMeters()
+        self.records = ExplorerRecords(metrics, self.bar, cfg.group_size, meters)
+        self.health = RolloutHealth(cfg.teacher, self.bar)
+        # a service beside the run (a human annotator): its metrics, polled while waiting too
+        self.extra_metrics: Callable[[], dict] = dict
+        # the run's clock: the step it started at, the time the explorers ran
+        self.started = (start, time.perf_counter())
+
+    def connect(self, explorers: Explorers, extra_metrics: Callable[[], dict] = dict) -> None:
+        """Once the explorers run: their link, the metrics of a service beside the run; the
+        run's clock starts."""
+        self.records.explorers = explorers
+        self.extra_metrics = extra_metrics
+        self.started = (self.started[0], time.perf_counter())
+
+    def waiting(self) -> bool:
+        """Rank 0's poll while it waits for a batch (BatchReader.waiting); False once the
+        explorer has died."""
+        self.extra_metrics()
+        return self.records.waiting()
+
+    def progress(self, text: str) -> None:
+        """Where the step is, shown beside rank 0's progress bar."""
+        self.bar.set_postfix_str(text)
+
+    def step(self, step: int, m: dict, groups: list[list[Experience]], version: int) -> None:
+        """Rank 0: complete and write the step's metrics `m` (the weights now at `version`),
+        move the progress bar; on every rank, lend the cores to the explorer while the next
+        batch is awaited."""
+        if self.records.explorers.cores is not None:
+            self.records.explorers.cores.busy(False)
         if self.rank != 0:
             return
-        self.drain()
+        self.records.drain()
         m.update(self.extra_metrics())
-        m.update(self.pending.pop(step, {}))
+        m.update(self.records.pending.pop(step, {}))
         m.update({f"buffer/{k}": v for k, v in self.buffer.counts().items()})
         rollouts = [g for g in groups if not g[0].info.get("offline")]
         if rollouts:
-            self.rollout_health(step, m, rollouts)
-        if self.trainer_meter is not None:
-            m.update(self.trainer_meter.measure(m))
-            flops = m["perf/trainer_model_flops"]
-            peak = self.trainer_meter.peak
-            m.update(self.meter.since_last(flops, peak, self.trainer.device.type))
-        m.update(
-            {
-                "step": step,
-                "version": self.trainer.version,
-                "time/elapsed_s": time.perf_counter() - self.t_start,
-                "threads/trainer": self.cfg.trainer_threads,
-                "threads/explorer": self.cfg.explorer_threads,
-                "trainer/ranks": self.world,
-                "eval/last_accuracy": self.last_eval.get("eval/accuracy"),
-            }
-        )
+            self.health.check(step, m, rollouts)
+        self.records.meters.add_step(m)
+        start, t_start = self.started
+        last_eval = self.records.last_eval
+        m["step"] = step
+        m["version"] = version
+        m["time/elapsed_s"] = time.perf_counter() - t_start
+        m.update(self.placement)
+        m["eval/last_accuracy"] = last_eval.get("eval/accuracy")
         m.setdefault("time/sync_s", 0.0)  # a step that published nothing
         self.metrics.write(m)
         shown = {"reward": m["reward/mean"]} if "reward/mean" in m else {"loss": m["loss/policy"]}
-        if self.last_eval:
-            shown["acc"] = self.last_eval["eval/accuracy"]
+        if last_eval:
+            shown["acc"] = last_eval["eval/accuracy"]
         self.bar.set_postfix(
             {k: f"{v:.3f}" for k, v in shown.items()},
-            s_per_step=f"{m['time/elapsed_s'] / (step + 1 - self.start):.1f}",
+            s_per_step=f"{m['time/elapsed_s'] / (step + 1 - start):.1f}",
         )
         self.bar.update()
 
-    def rollout_health(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
-        """Staleness and zero-advantage metrics, warnings; RuntimeError after REWARD_ERROR_STEPS
+
+class RolloutHealth:
+    """Staleness and zero-advantage metrics of each step's rollouts, and their warnings (on
+    `bar`): every advantage 0 for ZERO_ADVANTAGE_WARN_STEPS steps (unless a `teacher` teaches
+    per token), every reward failed."""
+
+    def __init__(self, teacher: str, bar):
+        self.teacher = teacher
+        self.bar = bar
+        # consecutive steps with every advantage 0 / with every reward errored
+        self.zero_adv_steps = 0
+        self.errored_steps = 0
+
+    def check(self, step: int, m: dict, rollouts: list[list[Experience]]) -> None:
+        """Add the metrics of `rollouts` to `m`, warn; RuntimeError after REWARD_ERROR_STEPS
         steps whose rewards all failed."""
         staleness = [step - e.model_version for g in rollouts for e in g]
         m["staleness/mean"] = sum(staleness) / len(staleness)
@@ -269,7 +297,7 @@ class StepIO:
             m[f"explorer/{name}/share"] = len(theirs) / len(rollouts)
             m[f"explorer/{name}/staleness"] = sum(theirs) / len(theirs)
         # a teacher's per-token term teaches where every task advantage is 0
-        nothing_learned = m["advantage/abs_mean"] == 0 and not self.cfg.teacher
+        nothing_learned = m["advantage/abs_mean"] == 0 and not self.teacher
         self.zero_adv_steps = self.zero_adv_steps + 1 if nothing_learned else 0
         errored = all("reward_error" in e.info for g in rollouts for e in g)
         self.errored_steps = self.errored_steps + 1 if errored else 0
@@ -277,9 +305,9 @@ class StepIO:
         m["rollout/all_rewards_errored"] = int(errored)
         if self.zero_adv_steps == ZERO_ADVANTAGE_WARN_STEPS:
             self.bar.write(
-                f"warning: every advantage has been 0 for {self.zero_adv_steps} steps: each group got equal "
-                "rewards, so nothing is learned (task too easy or too hard, group_size 1, or a broken reward "
-                "function)",
+                f"warning: every advantage has been 0 for {self.zero_adv_steps} steps: each "
+                "group got equal rewards, so nothing is learned (task too easy or too hard, "
+                "group_size 1, or a broken reward function)",
                 file=sys.stderr,
             )
         example = next(
@@ -292,8 +320,8 @@ class StepIO:
             )
         if errored:
             self.bar.write(
-                f"warning: step {step}: the reward function failed on every rollout (e.g. {example}); "
-                "see samples.log",
+                f"warning: step {step}: the reward function failed on every rollout (e.g. "
+                f"{example}); see samples.log",
                 file=sys.stderr,
             )
 
@@ -304,7 +332,8 @@ def queued(queue) -> list[dict]:
 
 
 def kept_on_resume(start: int, evals_from_buffer: bool) -> Callable[[dict], bool]:
-    """On --resume from `start`: whether a record of metrics.jsonl stays, so that each is logged once."""
+    """On --resume from `start`: whether a record of metrics.jsonl stays, so that each is logged
+    once."""
 
     def keep(r: dict) -> bool:
         if "eval/accuracy" in r:
@@ -378,20 +407,19 @@ def weight_group(cfg, layout, receivers: int, transport: type = sync.WeightSync)
     )
 
 
-def finish(cfg, loop, explorer, weights, board: bool) -> None:
-    """Rank 0 after the last step: wait for the explorer(s) (RuntimeError if one failed), write
-    the final files; `board`: the run logs to TensorBoard."""
+def finish(cfg, log: StepLog, version: int, explorer, weights, board: bool) -> None:
+    """Rank 0 after the last step (the weights at `version`): wait for the explorer(s)
+    (RuntimeError if one failed), write the final files; `board`: the run logs to TensorBoard."""
     run_dir = Path(cfg.run_dir)
     if weights:
-        weights.wait(loop.explorers.alive)
+        weights.wait(log.records.explorers.alive)
     if explorer:
         # drained while it exits: join, then drain, can deadlock
-        join_draining(explorer, loop.drain)
+        join_draining(explorer, log.records.drain)
         if explorer.exitcode != 0:
-            raise RuntimeError(
-                f"explorer failed: {loop.errors[0] if loop.errors else explorer.exitcode}"
-            )
-    loop.buffer.set_run_state("trainer_done", str(loop.trainer.version))
+            errors = log.records.errors
+            raise RuntimeError(f"explorer failed: {errors[0] if errors else explorer.exitcode}")
+    log.buffer.set_run_state("trainer_done", str(version))
     if weights and not explorer:  # mode train: the explorers see trainer_done and leave the group
         weights.wait_left(cfg.sync_timeout_s)
     (run_dir / "final" / "nanorft_config.json").write_text(
@@ -399,7 +427,8 @@ def finish(cfg, loop, explorer, weights, board: bool) -> None:
     )
     if not cfg.keep_resume_state and (freed := delete_resume_states(run_dir)):
         print0(
-            f"resume state deleted ({freed / 2**20:.0f} MiB), the run has finished: --keep-resume-state keeps it"
+            f"resume state deleted ({freed / 2**20:.0f} MiB), the run has finished: "
+            "--keep-resume-state keeps it"
         )
     print0(f"final weights: {run_dir / 'final'}")
     if cfg.plot:
@@ -409,7 +438,8 @@ def finish(cfg, loop, explorer, weights, board: bool) -> None:
 
 
 def join_draining(process, drain: Callable[[], Any], timeout_s: float | None = None) -> bool:
-    """Wait until `process` has exited (False after `timeout_s`), calling `drain()`: it exits once its queue is read."""
+    """Wait until `process` has exited (False after `timeout_s`), calling `drain()`: it exits once
+    its queue is read."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         drain()
@@ -421,12 +451,13 @@ def join_draining(process, drain: Callable[[], Any], timeout_s: float | None = N
             return False
 
 
-def stop_explorer(explorer, loop) -> None:
-    """The trainer failed: stop the explorer; RuntimeError with its error line if it failed first."""
+def stop_explorer(explorer, records: ExplorerRecords) -> None:
+    """The trainer failed: stop the explorer; RuntimeError with its error line if it failed
+    first."""
     if explorer.is_alive():
         explorer.terminate()
         # its records are dropped: the trainer's error counts
-        if not join_draining(explorer, loop.explorers.records, 30):
+        if not join_draining(explorer, records.explorers.records, 30):
             print(
                 "run.py: warning: the explorer did not stop within 30 s of SIGTERM; killed",
                 file=sys.stderr,
@@ -434,6 +465,6 @@ def stop_explorer(explorer, loop) -> None:
             explorer.kill()
             explorer.join()
     else:  # the trainer noticed that the explorer failed: its reason is on the queue
-        loop.drain()
-        if loop.errors:
-            raise RuntimeError(f"explorer failed: {loop.errors[0]}") from None
+        records.drain()
+        if records.errors:
+            raise RuntimeError(f"explorer failed: {records.errors[0]}") from None

@@ -38,12 +38,14 @@ def cpu_seconds() -> float:
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of n samples, c correct: 1 - C(n - c, k) / C(n, k) (Chen et al., arXiv:2107.03374, eq. 1)."""
+    """Unbiased pass@k of n samples, c correct: 1 - C(n - c, k) / C(n, k) (Chen et al.,
+    arXiv:2107.03374, eq. 1)."""
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def mean_stderr(xs: list[float]) -> tuple[float, float]:
-    """(mean, standard error) of per-task mean scores (Miller, "Adding Error Bars to Evals", arXiv:2411.00640)."""
+    """(mean, standard error) of per-task mean scores (Miller, "Adding Error Bars to Evals",
+    arXiv:2411.00640)."""
     if not xs:
         raise ValueError("mean_stderr of no scores")
     mean = sum(xs) / len(xs)
@@ -52,8 +54,9 @@ def mean_stderr(xs: list[float]) -> tuple[float, float]:
 
 
 def learnable_groups(correct: list[int], n: int, group_size: int) -> float:
-    """Expected fraction of groups of `group_size` whose rewards are not all equal: the mean of 1 - p^g - (1 - p)^g
-    over tasks, p^g estimated by C(c, g) / C(n, g) where n >= g, else (c / n)^g; correct[i]: task i's c of n."""
+    """Expected fraction of groups of `group_size` whose rewards are not all equal: the mean of
+    1 - p^g - (1 - p)^g over tasks, p^g estimated by C(c, g) / C(n, g) where n >= g, else (c / n)^g;
+    correct[i]: task i's c of n."""
 
     def all_same(c: int) -> float:
         if n >= group_size:
@@ -68,7 +71,8 @@ LEARNABLE_MIN = 0.25  # below: most groups give no advantage, so most steps lear
 
 
 def sampled_eval(correct: list[int], n: int, k: int, group_size: int = 0) -> dict[str, float]:
-    """eval/* of n samples per task, correct[i] right for task i: avg_at_k, stderr, pass_at_J, learnable_groups."""
+    """eval/* of n samples per task, correct[i] right for task i: avg_at_k, stderr, pass_at_J,
+    learnable_groups."""
     if n < k or not correct:
         raise ValueError(f"sampled_eval needs n >= k and tasks: n={n}, k={k}, {len(correct)} tasks")
     avg, err = mean_stderr([c / n for c in correct])
@@ -81,8 +85,12 @@ def sampled_eval(correct: list[int], n: int, k: int, group_size: int = 0) -> dic
 
 
 def eval_line(r: dict, group_size: int = 0) -> str:
-    """Lines for an evaluation record, with what to try where learnable_groups is below LEARNABLE_MIN."""
-    line = f"held-out accuracy {r['eval/accuracy']:.3f} +- {r.get('eval/accuracy_stderr', 0):.3f} (greedy)"
+    """Lines for an evaluation record, with what to try where learnable_groups is below
+    LEARNABLE_MIN."""
+    line = (
+        f"held-out accuracy {r['eval/accuracy']:.3f} "
+        f"+- {r.get('eval/accuracy_stderr', 0):.3f} (greedy)"
+    )
     if "eval/avg_at_k" in r:
         line += f", avg@{r['eval/k']} {r['eval/avg_at_k']:.3f} +- {r['eval/avg_at_k_stderr']:.3f}"
     if "eval/format_rate" in r:
@@ -95,9 +103,10 @@ def eval_line(r: dict, group_size: int = 0) -> str:
         line += f", learnable groups {f:.0%}"
         if f < LEARNABLE_MIN:
             line += (
-                f"\nwarning: only {f:.0%} of groups of {group_size or 'this size'} are expected to have rewards "
-                "that differ, the rest give no advantage and no gradient: try a larger --group-size, an easier "
-                "--task-kwargs, a warm start by SFT (--mode train --train-data), --difficulty-filter or --selector diff_based"
+                f"\nwarning: only {f:.0%} of groups of {group_size or 'this size'} are expected "
+                "to have rewards that differ, the rest give no advantage and no gradient: try a "
+                "larger --group-size, an easier --task-kwargs, a warm start by SFT (--mode train "
+                "--train-data), --difficulty-filter or --selector diff_based"
             )
     return line
 
@@ -112,7 +121,8 @@ def json_safe(x):
 
 
 class TensorBoardLog:
-    """Scalars as TensorBoard event files in RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`)."""
+    """Scalars as TensorBoard event files in RUN_DIR/tensorboard
+    (`tensorboard --logdir RUN_DIR`)."""
 
     def __init__(self, run_dir: Path, config: dict):
         from torch.utils.tensorboard import SummaryWriter
@@ -141,7 +151,8 @@ def plot(run_dir: Path) -> Path:
 
 
 def eval_curves(ax, evals: list[dict]) -> None:
-    """Greedy accuracy, avg@k (+- 1 s.e.), format rate and the base model's pass@J against version."""
+    """Greedy accuracy, avg@k (+- 1 s.e.), format rate and the base model's pass@J against
+    version."""
     ax.errorbar(
         [r["eval/version"] for r in evals],
         [r["eval/accuracy"] for r in evals],
@@ -177,7 +188,8 @@ def eval_curves(ax, evals: list[dict]) -> None:
 
 
 def figure(recs: list[dict], title: str = ""):
-    """The Figure of metric records `recs`: reward, accuracy, length, losses, entropy, grad norm against step."""
+    """The Figure of metric records `recs`: reward, accuracy, length, losses, entropy, grad norm
+    against step."""
     from matplotlib.figure import Figure
 
     steps = [r for r in recs if "loss/grad_norm" in r]
@@ -222,7 +234,8 @@ def figure(recs: list[dict], title: str = ""):
 
 
 class JsonlLog:
-    """Appends records to a JSONL file; with `keep` (a resume), drops the records where keep(record) is False first."""
+    """Appends records to a JSONL file; with `keep` (a resume), drops the records where keep(record)
+    is False first."""
 
     def __init__(self, path: Path, keep: Callable[[dict], bool] | None = None):
         if keep is not None and path.is_file():

@@ -1,4 +1,5 @@
-"""Token layouts of a batch: `pack` (shared prompts), `micro_batches`, `response_logprobs` and `left_pad`."""
+"""Token layouts of a batch: `pack` (shared prompts), `micro_batches`, `response_logprobs` and
+`left_pad`."""
 
 import functools
 
@@ -8,7 +9,8 @@ from buffer import Experience
 
 
 def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token lists left-padded with `pad`: input_ids, attention_mask, position_ids [B, P] long (pads at position 0)."""
+    """Token lists left-padded with `pad`: input_ids, attention_mask, position_ids [B, P] long (pads
+    at position 0)."""
     P = max(map(len, seqs))
     ids = torch.tensor([[pad] * (P - len(s)) + list(s) for s in seqs], dtype=torch.long)
     attn = torch.tensor([[0] * (P - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
@@ -16,7 +18,8 @@ def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def share_prompts(exps: list[Experience], row_tokens: int = 0) -> list[tuple[list[int], list[int]]]:
-    """Rows (prompt ids, indices into `exps`): consecutive same-prompt experiences within `row_tokens` (0: any)."""
+    """Rows (prompt ids, indices into `exps`): consecutive same-prompt experiences within
+    `row_tokens` (0: any)."""
     rows: list[tuple[list[int], list[int]]] = []
     for i, e in enumerate(exps):
         prompt = e.tokens[: e.prompt_length]
@@ -35,7 +38,8 @@ def row_length(exps: list[Experience], prompt: list[int], members: list[int]) ->
 
 
 def packed_tokens(exps: list[Experience], row_tokens: int = 0) -> int:
-    """Tokens of `pack(exps, pad, row_tokens)`'s rows [N, L]: rows x the longest (the dense layers compute fewer)."""
+    """Tokens of `pack(exps, pad, row_tokens)`'s rows [N, L]: rows x the longest (the dense layers
+    compute fewer)."""
     lengths = [row_length(exps, *row) for row in share_prompts(exps, row_tokens)]
     return len(lengths) * max(lengths)
 
@@ -48,11 +52,12 @@ def pack(
     causal: bool = False,
     token_multiple: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """`share_prompts` rows [N, L] under a block mask: each response gets the log-probs of prompt + response alone.
-    `packed_sdpa`'s layout: input_ids, position_ids [1, T] (the rows' tokens, T a `token_multiple`), token_slots [T]
-    (each one's slot of the rows), attention_mask [N, 1, L, L] bool (L a `multiple`); if `causal` and each row holds
-    one sequence: input_ids [N, L], position_ids [1, L], no mask or slots. Per response token rows / positions
-    (predicting it) / targets / seq / col [T'] long; response_ids / behaviour_logprobs / mask [B, R]."""
+    """`share_prompts` rows [N, L] under a block mask: each response gets the log-probs of
+    prompt + response alone. `packed_sdpa`'s layout: input_ids, position_ids [1, T] (the rows'
+    tokens, T a `token_multiple`), token_slots [T] (each one's slot of the rows), attention_mask
+    [N, 1, L, L] bool (L a `multiple`); if `causal` and each row holds one sequence: input_ids
+    [N, L], position_ids [1, L], no mask or slots. Per response token rows / positions (predicting
+    it) / targets / seq / col [T'] long; response_ids / behaviour_logprobs / mask [B, R]."""
     R = max(1, max(len(e.tokens) - e.prompt_length for e in exps))
     rows = share_prompts(exps, row_tokens)
     L = -(-max(row_length(exps, *row) for row in rows) // multiple) * multiple
@@ -118,7 +123,8 @@ def pack(
 
 
 def micro_batches(units: list[list[Experience]], token_budget: int) -> list[list[Experience]]:
-    """Consecutive units (experience lists, never split) in micro-batches within `token_budget` packed tokens."""
+    """Consecutive units (experience lists, never split) in micro-batches within `token_budget`
+    packed tokens."""
     out: list[list[Experience]] = []
     for unit in units:
         if out and packed_tokens(out[-1] + unit, token_budget) <= token_budget:
@@ -226,9 +232,10 @@ def packed_logprobs(
     head_grad_into_weight: bool = False,
     head_chunk_elems: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [T'] and entropy [T'] or None of a `pack` batch, the LM head on predicting positions only; switches
-    `model` to `packed_sdpa` (plain sdpa where no slots are given). `head_grad_into_weight`,
-    `head_chunk_elems`: `chunked_logprobs`' grad_into_weight and chunk_elems."""
+    """Log-probs [T'] and entropy [T'] or None of a `pack` batch, the LM head on predicting
+    positions only; switches `model` to `packed_sdpa` (plain sdpa where no slots are given).
+    `head_grad_into_weight`, `head_chunk_elems`: `chunked_logprobs`' grad_into_weight and
+    chunk_elems."""
     if model.config._attn_implementation != packed_sdpa():
         model.set_attn_implementation(packed_sdpa())
     hidden = model.get_decoder()(
@@ -260,8 +267,8 @@ def response_logprobs(
     head_grad_into_weight: bool = False,
     head_chunk_elems: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [B, R] of a `pack` batch's responses and, if `entropy`, their entropy [B, R] (nats); padding 0.
-    `head_grad_into_weight`, `head_chunk_elems`: see `packed_logprobs`."""
+    """Log-probs [B, R] of a `pack` batch's responses and, if `entropy`, their entropy [B, R]
+    (nats); padding 0. `head_grad_into_weight`, `head_chunk_elems`: see `packed_logprobs`."""
     forward = getattr(model, "nanorft_logprobs", None) or (lambda *a: packed_logprobs(model, *a))
     keys = "input_ids attention_mask position_ids token_slots rows positions targets".split()
     inputs = [batch[k] for k in keys]
@@ -277,12 +284,14 @@ def response_logprobs(
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy (nats) of logits [B, T, V] -> [B, T]; verl/utils/torch_functional.py entropy_from_logits @ b178a3c."""
+    """Entropy (nats) of logits [B, T, V] -> [B, T]; verl/utils/torch_functional.py
+    entropy_from_logits @ b178a3c."""
     logz = torch.logsumexp(logits, -1)  # [B, T]
     return logz - (torch.softmax(logits, -1) * logits).sum(-1)  # [B, T]
 
 
-# float32 logits per chunk of the LM head: 16 MiB on a CPU; a GPU needs many rows a chunk to keep its matmuls busy
+# float32 logits per chunk of the LM head: 16 MiB on a CPU; a GPU needs many rows a chunk to keep
+# its matmuls busy
 HEAD_CHUNK_ELEMS = {"cpu": 2**22, "cuda": 2**28}
 
 
@@ -296,11 +305,12 @@ def chunked_logprobs(
     bias: torch.Tensor | None = None,
     grad_into_weight: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Float32 log-probs [T] of `targets` [T] under softmax((hidden [T, H] @ weight [V, H].T + bias) / temperature),
-    and the entropy [T], `chunk_elems` (0: HEAD_CHUNK_ELEMS) logits at a time (Liger-Kernel's
-    fused_linear_cross_entropy.py). `grad_into_weight`: the backward adds the weight's gradient
-    into `weight.grad` in place instead of returning a new [V, H] (a weight tied to a sparse
-    embedding, whose gradient autograd would otherwise add into one more [V, H])."""
+    """Float32 log-probs [T] of `targets` [T] under
+    softmax((hidden [T, H] @ weight [V, H].T + bias) / temperature), and the entropy [T],
+    `chunk_elems` (0: HEAD_CHUNK_ELEMS) logits at a time (Liger-Kernel's
+    fused_linear_cross_entropy.py). `grad_into_weight`: the backward adds the weight's gradient into
+    `weight.grad` in place instead of returning a new [V, H] (a weight tied to a sparse embedding,
+    whose gradient autograd would otherwise add into one more [V, H])."""
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float)
         return empty, (empty if entropy else None)

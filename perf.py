@@ -44,7 +44,8 @@ def measure_matmul(device, dtype, n: int, trials: int = 5, trial_s: float = 0.15
 
 
 def matmul_params(model_path: str) -> tuple[int, int]:
-    """(body, head) parameters a token meets in matrix products (the output embedding is the head)."""
+    """(body, head) parameters a token meets in matrix products (the output embedding is the
+    head)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = models.base_model_dir(model_path)
@@ -56,8 +57,9 @@ def matmul_params(model_path: str) -> tuple[int, int]:
 
 
 def train_flops(body: int, head: int, tokens: int, predicted: int, passes: int = 3) -> float:
-    """Model FLOPs of training on `tokens`, the head on `predicted` ones: 2 per parameter, token and pass (3:
-    forward + backward, Kaplan et al., arXiv:2001.08361); no recomputation or attention, as PaLM (arXiv:2204.02311)."""
+    """Model FLOPs of training on `tokens`, the head on `predicted` ones: 2 per parameter, token and
+    pass (3: forward + backward, Kaplan et al., arXiv:2001.08361); no recomputation or attention, as
+    PaLM (arXiv:2204.02311)."""
     return 2.0 * passes * (body * tokens + head * predicted)
 
 
@@ -118,7 +120,10 @@ def announce_peak(device: str, dtype: str) -> None:
     if device == "cuda":
         what = f"the nominal {dtype} peak of {units} GPU(s)"
     else:
-        what = f"{dtype} matrix products measured on {units} core(s) (once per CPU, cached in {models.cache_dir()})"
+        what = (
+            f"{dtype} matrix products measured on {units} core(s) (once per CPU, cached in "
+            f"{models.cache_dir()})"
+        )
     print0(f"nanorft: MFU is measured against {tflops:.3g} TFLOP/s, {what}")
 
 
@@ -168,7 +173,8 @@ class ExplorerMeter:
 
 
 class JobMeter:
-    """cpu/utilisation_pct (200 = two cores busy) and perf/job_mfu of the whole job between steps."""
+    """cpu/utilisation_pct (200 = two cores busy) and perf/job_mfu of the whole job between
+    steps."""
 
     def __init__(self):
         # (CPU seconds, wall clock) at the last call
@@ -198,8 +204,41 @@ class JobMeter:
         return out
 
 
+class StepMeters:
+    """The model FLOPs and MFU of a run's work, measured beside the RL step: each explorer
+    record's (`add_explorer`), each trainer step's and the whole job's since the last step
+    (`add_step`); without meters (None) only the job's CPU use is kept between records."""
+
+    def __init__(
+        self,
+        trainer: TrainerMeter | None = None,
+        explorer: ExplorerMeter | None = None,
+        device_type: str = "cpu",
+    ):
+        self.trainer = trainer
+        self.explorer = explorer
+        self.device_type = device_type
+        self.job = JobMeter()  # cpu/utilisation_pct, perf/job_mfu
+
+    def add_explorer(self, record: dict) -> None:
+        """Add an explorer record's model FLOPs and MFU to it; count them for the job's."""
+        if self.explorer is not None:
+            record.update(self.explorer.measure(record))
+        self.job.add(record)
+
+    def add_step(self, m: dict) -> None:
+        """Add a trainer step's model FLOPs and MFU, and the job's since the last step, to its
+        metrics `m`."""
+        if self.trainer is None:
+            return
+        m.update(self.trainer.measure(m))
+        flops = m["perf/trainer_model_flops"]
+        m.update(self.job.since_last(flops, self.trainer.peak, self.device_type))
+
+
 class CoreShare:
-    """The side that waits (`flags`: trainer busy, explorer busy) lends its CPU threads to the busy one."""
+    """The side that waits (`flags`: trainer busy, explorer busy) lends its CPU threads to the busy
+    one."""
 
     def __init__(self, flags, side: int, own: int, other: int):
         self.flags = flags
@@ -211,7 +250,8 @@ class CoreShare:
         self.flags[self.side] = int(flag)
 
     def apply(self) -> int:
-        """Set torch's threads to own + other while the other side is idle, else own; returns them."""
+        """Set torch's threads to own + other while the other side is idle, else own; returns
+        them."""
         n = self.own if self.flags[1 - self.side] else self.own + self.other
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
@@ -258,7 +298,8 @@ class LendingPace:
 
 
 def compiled(forward: Callable) -> Callable:
-    """torch.compile of `forward`; where compiling fails, `forward` itself from then on (one warning line)."""
+    """torch.compile of `forward`; where compiling fails, `forward` itself from then on (one warning
+    line)."""
     fast = torch.compile(forward)
 
     def call(*args, **kwargs):
@@ -267,7 +308,8 @@ def compiled(forward: Callable) -> Callable:
             return fast(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:  # the backend's errors too
             print(
-                f"warning: torch.compile of a decoder block failed, it runs eagerly: {type(e).__name__}",
+                "warning: torch.compile of a decoder block failed, it runs eagerly: "
+                f"{type(e).__name__}",
                 flush=True,
             )
             fast = forward

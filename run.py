@@ -36,30 +36,32 @@ from schedule import publishes_after, required_version
 
 
 class Prepared(NamedTuple):
-    """The model directory (rank 0; None elsewhere), the tasks (train, held-out, verifier dataset), the placement."""
+    """The model directory (rank 0; None elsewhere), the tasks (train, held-out, verifier
+    dataset), the placement."""
 
     model_path: str | None
     tasks: tuple
     layout: launch.Placement
 
 
-def rl_loop(cfg: Config, trainer, io, start: int) -> None:
-    """The RL cycle on one trainer rank (`trainer`: trainer.Trainer, `io`: loop.StepIO), one
-    step per explorer batch from `start` to cfg.steps. The explorer generates the batches in
-    its own process, with the weights the schedule (schedule.py) gives it, and evaluates them."""
+def rl_loop(cfg: Config, trainer, reader, publisher, log, start: int) -> None:
+    """The RL cycle on one trainer rank, one step per explorer batch from `start` to cfg.steps
+    (`trainer`: trainer.Trainer; `reader`: loop.BatchReader; `publisher`: sync.SentWeights or
+    another publisher; `log`: loop.StepLog). The explorer generates the batches in its own
+    process, with the weights the schedule (schedule.py) gives it, and evaluates them."""
     for step in range(start, cfg.steps):
         # the groups of this step, read from the buffer by rank 0 (too stale ones dropped)
-        groups, metrics = io.read_batch(step)
+        groups, metrics = reader.read(step, trainer.version)
         # advantages -> policy loss (forward, backward) -> optimizer step: weight version + 1
-        metrics.update(trainer.step(groups, io.progress))
+        metrics.update(trainer.step(groups, log.progress))
         # the explorer gets the new weights after every sync_interval steps
         if publishes_after(step, cfg.sync_interval, cfg.steps):
-            metrics.update(io.publish(step))
+            metrics.update(loop.publish(cfg, trainer, publisher, step))
         if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0:
             if step < cfg.steps - 1:
                 save_resume_state(trainer, cfg.run_dir, step + 1)
         # the explorer's evaluations and batch records join this step's metrics
-        io.log(step, metrics, groups)
+        log.step(step, metrics, groups, trainer.version)
 
 
 def explorer_loop(cfg: Config, explorer, buffer, pace, log, batches: int) -> None:
@@ -75,8 +77,12 @@ def explorer_loop(cfg: Config, explorer, buffer, pace, log, batches: int) -> Non
             # wait for (or load) the weights the schedule asks for; False: the run is over
             if not pace.before_batch(batch):
                 break
-            # rollouts of the batch's tasks -> groups of experiences -> the buffer
-            log(explorer.rollout_batch(batch, buffer))
+            # the batch's tasks, drawn by the selector
+            plan = explorer.plan_batch(batch, buffer)
+            # one group of group_size rollouts per task: the engine samples every token
+            groups = explorer.rollout(plan.tasks)
+            # the groups -> the buffer, which the trainer reads; the batch's record -> the log
+            log(explorer.write_batch(plan, groups, buffer))
             # after the last batch of a version: the trainer trains it while we evaluate
             next_version = required_version(batch + 1, cfg.sync_interval, cfg.sync_offset)
             last_of_version = batch + 1 == batches or engine.version < next_version
@@ -169,8 +175,8 @@ def train(cfg: Config, prepared: Prepared) -> None:
     )
     the_run = started(cfg, model_path, rank, world, device, prepared.layout, prepared.tasks)
     try:
-        with the_run as (trainer, io, start):
-            rl_loop(cfg, trainer, io, start)
+        with the_run as (trainer, reader, publisher, log, start):
+            rl_loop(cfg, trainer, reader, publisher, log, start)
         # the ranks leave together: none tears the group down while rank 0 still finishes
         dist.barrier()
     finally:
@@ -179,16 +185,17 @@ def train(cfg: Config, prepared: Prepared) -> None:
 
 @contextlib.contextmanager
 def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks):
-    """Modes both and train on this trainer rank: yields (the resumed Trainer, its StepIO, the first
-    step) with the explorer (mode both, rank 0, running `explorer_process`; stopped on an error)
-    or the explorers' group (mode train) running; on leaving, rank 0 waits for the explorers and
-    writes the final files."""
+    """Modes both and train on this trainer rank: yields (the resumed Trainer, its BatchReader,
+    its weight publisher, its StepLog, the first step) with the explorer (mode both, rank 0,
+    running `explorer_process`; stopped on an error) or the explorers' group (mode train)
+    running; on leaving, rank 0 waits for the explorers and writes the final files."""
     torch.set_num_threads(cfg.trainer_threads)
     trainer = components.make_trainer(cfg, model_path, device)
     perf.return_free_memory(cfg.return_memory_s)
     state = resume_state(cfg.run_dir) if cfg.resume else None
     start = load_resume_state(trainer, state) if state else 0
-    step_io = components.make_step_io(cfg, trainer, start, model_path, rank, world, layout, device)
+    parts = components.reader_and_log(cfg, trainer, start, model_path, rank, world, layout, device)
+    reader, log = parts
     explorer = weights = None
     annotating = threading.Event()
     try:
@@ -220,27 +227,29 @@ def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks):
             from extras.train_mode import connect_explorers
 
             connected = connect_explorers(
-                cfg, step_io.buffer, layout, trainer, rank, components.transport(cfg)
+                cfg, log.buffer, layout, trainer, rank, components.transport(cfg)
             )
             weights, explorers = connected
             send = weights.send if weights else None
-        step_io.connect(explorers, components.publisher(cfg, rank, send), extra_metrics)
+        publisher = components.publisher(cfg, rank, send)
+        log.connect(explorers, extra_metrics)
+        reader.connect(explorers, log.waiting)
         if explorers.cores is not None:  # threads the explorer lends while it waits
             perf.lend_threads(trainer.model, explorers.cores)
-        yield trainer, step_io, start
-        step_io.bar.close()
+        yield trainer, reader, publisher, log, start
+        log.bar.close()
         if rank == 0:
             board = "tensorboard" in components.tracker_names(cfg)
-            loop.finish(cfg, step_io, explorer, weights, board)
+            loop.finish(cfg, log, trainer.version, explorer, weights, board)
     except BaseException:
-        step_io.bar.close()
+        log.bar.close()
         if explorer is not None:
-            loop.stop_explorer(explorer, step_io)
+            loop.stop_explorer(explorer, log.records)
         raise
     finally:
         annotating.set()
-        if step_io.metrics is not None:
-            step_io.metrics.close()
+        if log.metrics is not None:
+            log.metrics.close()
 
 
 def explore(cfg: Config, prepared: Prepared) -> None:
@@ -262,7 +271,8 @@ MODES = {"both": train, "train": train, "explore": explore}
 
 
 def check_modes(cfg: Config) -> None:
-    """Resolve sync_method "auto" (mode both: in prepare); ValueError: conflicting flags; FileNotFoundError: no run."""
+    """Resolve sync_method "auto" (mode both: in prepare); ValueError: conflicting flags;
+    FileNotFoundError: no run."""
     # the checks of modes explore, train, bench and of --train-data, which a default run skips
     if cfg.mode != "both" or cfg.train_data:
         from extras.train_mode import check_config
@@ -294,7 +304,8 @@ def finished_run(cfg: Config) -> bool:
 
 
 def runs_alone(cfg: Config) -> bool:
-    """Whether the run has its run dir to itself: mode both, or offline mode train (no explorers)."""
+    """Whether the run has its run dir to itself: mode both, or offline mode train (no
+    explorers)."""
     return cfg.mode == "both" or bool(cfg.train_data)
 
 
@@ -313,7 +324,8 @@ def own_run_dir(cfg: Config) -> str:
 
 
 def prepare(cfg: Config, rank: int) -> Prepared:
-    """Check every input, build the tasks once; a run of its own refuses a non-empty run dir (FileExistsError)."""
+    """Check every input, build the tasks once; a run of its own refuses a non-empty run dir
+    (FileExistsError)."""
     from transformers import AutoTokenizer
 
     import models
@@ -333,7 +345,8 @@ def prepare(cfg: Config, rank: int) -> Prepared:
     if preset:
         shown = ", ".join(f"{k} {v!r}" for k, v in preset.items())
         print0(
-            f"nanorft: task {cfg.task}: {shown} (the defaults are basic_arithmetic's; give them to change)"
+            f"nanorft: task {cfg.task}: {shown} (the defaults are basic_arithmetic's; give them "
+            "to change)"
         )
     print0(
         f"nanorft: preparing mode {cfg.mode}: precision {cfg.dtype} ({why}); memory allocator "
@@ -360,7 +373,8 @@ def prepare(cfg: Config, rank: int) -> Prepared:
         if alone and not cfg.resume and run_dir.exists() and any(run_dir.iterdir()):
             if not cfg.overwrite:
                 raise FileExistsError(
-                    f"run_dir {run_dir} is not empty (use --overwrite, --resume or another --run-dir)"
+                    f"run_dir {run_dir} is not empty (use --overwrite, --resume or another "
+                    "--run-dir)"
                 )
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -379,7 +393,8 @@ def main(argv: list[str] | None = None, leave_on_interrupt: bool = False) -> int
     130: Ctrl-C."""
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
-    # plug-ins by import path (--workflow mymod.MyWorkflow) from the working directory, last: never shadowing ours
+    # plug-ins by import path (--workflow mymod.MyWorkflow) from the working directory, last:
+    # never shadowing ours
     if not any(os.path.abspath(p or ".") == os.getcwd() for p in sys.path):
         sys.path.append(os.getcwd())
     # transformers' loading bars would break the step bar
@@ -388,8 +403,8 @@ def main(argv: list[str] | None = None, leave_on_interrupt: bool = False) -> int
         cfg = parse_config(argv)
         if finished_run(cfg):
             print0(
-                f"nanorft: the run in {cfg.run_dir} has finished (final weights in {Path(cfg.run_dir) / 'final'}): "
-                "nothing to resume"
+                f"nanorft: the run in {cfg.run_dir} has finished (final weights in "
+                f"{Path(cfg.run_dir) / 'final'}): nothing to resume"
             )
             return 0
         if cfg.mode == "bench":  # its errors are the user's input: exit code 2

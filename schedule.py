@@ -31,7 +31,8 @@ import sync
 
 
 def required_version(batch: int, sync_interval: int, sync_offset: int) -> int:
-    """Weight version explorer batch `batch` must be generated with: k * floor(max(0, e - m) / k)."""
+    """Weight version explorer batch `batch` must be generated with:
+    k * floor(max(0, e - m) / k)."""
     return sync_interval * (max(0, batch - sync_offset) // sync_interval)
 
 

@@ -29,12 +29,14 @@ def gpu_id(device: torch.device) -> str:
 
 
 def group_backend(gpus: list[str]) -> str:
-    """ "nccl" when every rank (`gpu_id`s in rank order) has a GPU of its own, else "gloo" (as TRL's vllm_serve.py)."""
+    """ "nccl" when every rank (`gpu_id`s in rank order) has a GPU of its own, else "gloo" (as TRL's
+    vllm_serve.py)."""
     return "nccl" if all(gpus) and len(set(gpus)) == len(gpus) else "gloo"
 
 
 class WeightSync:
-    """One end of the weight-sync group: rank 0 hosts the store at `host`:`port`; `rank` None: the next free."""
+    """One end of the weight-sync group: rank 0 hosts the store at `host`:`port`; `rank` None: the
+    next free."""
 
     def __init__(
         self,
@@ -108,11 +110,13 @@ class WeightSync:
         self.rank = self.store.add("joined", 1)
         if self.rank >= self.world_size:
             raise RuntimeError(
-                f"the trainer expects {self.world_size - 1} explorer(s) (--num-explorers) and all have joined"
+                f"the trainer expects {self.world_size - 1} explorer(s) (--num-explorers) and all "
+                "have joined"
             )
         if self.store.get("device").decode() != self.device.type:
             raise RuntimeError(
-                f"the trainer syncs on {self.store.get('device').decode()}, this explorer on {self.device.type}"
+                f"the trainer syncs on {self.store.get('device').decode()}, this explorer on "
+                f"{self.device.type}"
             )
         self.bucket_elems = int(self.store.get("bucket_elems"))
         self.store.set(f"gpu/{self.rank}", gpu_id(self.device))
@@ -128,7 +132,8 @@ class WeightSync:
         self.store.set("backend", group_backend(gpus))
 
     def _group(self):
-        # NCCL: the communicator at once, not at the first broadcast where no `alive()` is watched (as _dist2.py)
+        # NCCL: the communicator at once, not at the first broadcast where no `alive()` is watched
+        # (as _dist2.py)
         prefixed = dist.PrefixStore("weights", self.store)
         if self.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
@@ -143,7 +148,8 @@ class WeightSync:
         return dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, opts)
 
     def leave(self) -> None:
-        """Rank >= 1: done with the store (a trainer of mode train waits for every explorer to leave)."""
+        """Rank >= 1: done with the store (a trainer of mode train waits for every explorer to
+        leave)."""
         with contextlib.suppress(dist.DistError):
             self.store.add("left", 1)
 
@@ -178,7 +184,8 @@ class WeightSync:
                 except RuntimeError as e:
                     who = f"the trainer at {self.host}:{self.port}" if self.rank else "an explorer"
                     raise RuntimeError(
-                        f"weight sync: a publish broke off, {who} went away ({' '.join(str(e).split())})"
+                        f"weight sync: a publish broke off, {who} went away "
+                        f"({' '.join(str(e).split())})"
                     ) from None
                 self._pending.pop(0)
             elif not alive():
@@ -255,7 +262,8 @@ class WeightSync:
         buckets: Iterable[list[torch.Tensor]],
         alive: Callable[[], bool] = lambda: True,
     ) -> float | None:
-        """Rank 0: announce, then broadcast `buckets` (tensors in `named_parameters()` order) as `version`."""
+        """Rank 0: announce, then broadcast `buckets` (tensors in `named_parameters()` order) as
+        `version`."""
         self.wait(alive)
         self.announce(version)
         version_tensor = torch.tensor([version], dtype=torch.int64, device=self.device)
@@ -277,7 +285,8 @@ class WeightSync:
             return int(self.store.get("published")) if self.store.check(["published"]) else -1
         except dist.DistError as e:
             raise RuntimeError(
-                f"weight sync: the trainer's store at {self.host}:{self.port} stopped answering (the trainer is gone: {' '.join(str(e).split())})"
+                f"weight sync: the trainer's store at {self.host}:{self.port} stopped answering "
+                f"(the trainer is gone: {' '.join(str(e).split())})"
             ) from None
 
     def recv(self, params: list[torch.Tensor], alive: Callable[[], bool] = lambda: True) -> int:
@@ -363,7 +372,8 @@ def flatten(
 
 
 def bucket_ranges(numels: list[int], limit: int) -> list[range]:
-    """Consecutive index ranges of at most `limit` elements (a larger tensor alone; 0: one range)."""
+    """Consecutive index ranges of at most `limit` elements (a larger tensor alone; 0: one
+    range)."""
     if limit <= 0 or not numels:
         return [range(len(numels))]
     out, start, size = [], 0, 0

@@ -86,7 +86,8 @@ def one_batch(ex: Explorer, rnd: int, engine: HFEngine) -> dict:
     ex.selector.cursor = rnd * ex.cfg.batch_size  # the same tasks for every workflow
     t = time.perf_counter()
     try:
-        ex.rollout_batch(rnd, sink)
+        plan = ex.plan_batch(rnd, sink)
+        ex.write_batch(plan, ex.rollout(plan.tasks), sink)
     finally:
         del engine.generate_batch
     seconds = time.perf_counter() - t

@@ -138,7 +138,8 @@ def explore_rate(ex, rnd):
     sink = Sink()
     ex.selector.cursor = rnd * ex.cfg.batch_size  # the tasks of batch rnd
     t = time.perf_counter()
-    ex.rollout_batch(rnd, sink)
+    plan = ex.plan_batch(rnd, sink)
+    ex.write_batch(plan, ex.rollout(plan.tasks), sink)
     return sum(len(e.behaviour_logprobs) for g in sink.groups for e in g) / (
         time.perf_counter() - t
     ), sink.groups

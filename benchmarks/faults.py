@@ -159,7 +159,7 @@ def audit(
     lost (partial, skipped, or missing from a step), trained twice (split over steps, or a
     step with more than `batch` groups), generated twice (an explorer batch stored more
     than once)."""
-    from buffer import open_buffer
+    from extras.postgres import open_buffer
 
     db = open_buffer(buffer, run_dir)
     try:

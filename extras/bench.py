@@ -1,4 +1,5 @@
-"""Mode bench: avg@k, pass@k and pass@1 of models (default RUN_DIR/final) on the held-out tasks, RUN_DIR/bench.json.
+"""Mode bench: avg@k, pass@k and pass@1 of models (default RUN_DIR/final) on the held-out tasks,
+RUN_DIR/bench.json.
 python run.py --mode bench --bench-models base,runs/default/final --bench-k 8"""
 
 import json
@@ -24,7 +25,8 @@ RUN_TASK_SETTINGS = (
 
 
 def take_run_settings(cfg: Config) -> None:
-    """Without --bench-models: take the RUN_TASK_SETTINGS not given from the run's saved config; ValueError."""
+    """Without --bench-models: take the RUN_TASK_SETTINGS not given from the run's saved config;
+    ValueError."""
     run_dir = Path(cfg.run_dir)
     src = next(
         (
@@ -55,7 +57,8 @@ def take_run_settings(cfg: Config) -> None:
     cfg.given = cfg.given | set(taken)  # the run's own settings, as if given
     if taken:
         print(
-            f"nanorft: mode bench on {run_dir / 'final'}: task {cfg.task}; {', '.join(taken)} from {src} "
+            f"nanorft: mode bench on {run_dir / 'final'}: task {cfg.task}; "
+            f"{', '.join(taken)} from {src} "
             "(a flag or --config sets any of them)"
         )
 
@@ -68,14 +71,16 @@ def bench(cfg: Config, prepare, make_engine, explorer_parts) -> int:
     tasks = prepare(cfg, 0).tasks
     if not tasks[1]:
         raise ValueError(
-            f"mode bench needs held-out tasks: task {cfg.task!r} with eval_size {cfg.eval_size} has none"
+            f"mode bench needs held-out tasks: task {cfg.task!r} with eval_size {cfg.eval_size} "
+            "has none"
         )
     evaluate_models(cfg, tasks, make_engine, explorer_parts)
     return 0
 
 
 def evaluate_models(cfg: Config, tasks: tuple, make_engine, explorer_parts) -> list[dict]:
-    """Evaluate each model of --bench-models on the held-out tasks: print a table, save RUN_DIR/bench.json, its rows."""
+    """Evaluate each model of --bench-models on the held-out tasks: print a table, save
+    RUN_DIR/bench.json, its rows."""
     from explorer import Explorer, correct_counts, engine_seed
     from extras.hub import model_dir
     from metrics import LEARNABLE_MIN, sampled_eval
@@ -87,7 +92,8 @@ def evaluate_models(cfg: Config, tasks: tuple, make_engine, explorer_parts) -> l
     cfg.explorer_threads = cfg.explorer_threads or (os.cpu_count() or 1)
     k, (_, held_out, dataset) = cfg.bench_k, tasks
     print(
-        f"nanorft: mode bench, task {cfg.task}, engine {cfg.engine}, {len(paths)} model(s), {k} samples per task"
+        f"nanorft: mode bench, task {cfg.task}, engine {cfg.engine}, {len(paths)} model(s), "
+        f"{k} samples per task"
     )
     rows = []
     for path in paths:
@@ -118,14 +124,16 @@ def evaluate_models(cfg: Config, tasks: tuple, make_engine, explorer_parts) -> l
         finally:
             engine.close()
     print(
-        f"task {cfg.task}: {len(held_out)} held-out tasks, {k} samples each at temperature {cfg.temperature}"
+        f"task {cfg.task}: {len(held_out)} held-out tasks, {k} samples each at temperature "
+        f"{cfg.temperature}"
     )
     g = f"learnable groups of {cfg.group_size}"  # metrics.learnable_groups: rewards that differ
     print(f"{'model':<50} {'tasks':>5} {f'avg@{k}':>8} {f'pass@{k}':>8} {'pass@1':>8} {g:>24}")
     for r in rows:
         f = r["learnable_groups"]
         print(
-            f"{r['model'][-50:]:<50} {r['tasks']:>5} {r[f'avg@{k}']:>8.3f} {r[f'pass@{k}']:>8.3f} {r['pass@1']:>8.3f} "
+            f"{r['model'][-50:]:<50} {r['tasks']:>5} {r[f'avg@{k}']:>8.3f} "
+            f"{r[f'pass@{k}']:>8.3f} {r['pass@1']:>8.3f} "
             f"{'-' if f is None else f'{f:.0%}':>24}"
             + (
                 f" (below {LEARNABLE_MIN:.0%}: most groups would give no advantage)"

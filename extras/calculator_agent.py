@@ -1,6 +1,7 @@
-"""The example agent of `--workflow agent:...` (docs/agents.md, configs/calculator.toml): one tool, `calculate`.
+"""The example agent of `--workflow agent:...` (docs/agents.md, configs/calculator.toml): one tool,
+`calculate`.
 python run.py --workflow agent:extras.calculator_agent.calculator_agent --max-tokens 64
-python -m extras.calculator_agent runs/calculator_demos.jsonl --n 300 --config configs/calculator.toml"""
+python -m extras.calculator_agent runs/calculator_demos.jsonl --n 300 --config configs/calculator.toml"""  # noqa: E501 (a command to copy whole)
 
 import ast
 import json
@@ -40,7 +41,8 @@ _OPS = {
 
 
 def calculate(expression: str) -> str:
-    """The value of an arithmetic expression (numbers, + - * /, parentheses) as text, or "error: ..."."""
+    """The value of an arithmetic expression (numbers, + - * /, parentheses) as text, or
+    "error: ..."."""
 
     def value(node):
         if (
@@ -76,7 +78,8 @@ def run_tool(name: str, arguments: str) -> str:
 
 
 async def calculator_agent(client, task) -> dict:
-    """One episode of up to MAX_TURNS model calls: the reward and the metrics used_tool, tool_calls, tool_errors."""
+    """One episode of up to MAX_TURNS model calls: the reward and the metrics used_tool, tool_calls,
+    tool_errors."""
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.question}]
     content, calls, errors = "", 0, 0
     for _ in range(MAX_TURNS):
@@ -100,8 +103,9 @@ async def calculator_agent(client, task) -> dict:
 
 
 def demonstration(task) -> dict:
-    """{"messages": a perfect episode (one `calculate` call) on a reasoning-gym arithmetic `task`} as the endpoint
-    renders it without template tools, for `--policy-loss sft`. ValueError: no expression, another answer."""
+    """{"messages": a perfect episode (one `calculate` call) on a reasoning-gym arithmetic `task`}
+    as the endpoint renders it without template tools, for `--policy-loss sft`. ValueError: no
+    expression, another answer."""
     from extras.chat_tools import hermes_messages
 
     expression = (task.entry.get("metadata") or {}).get("expression")
@@ -112,7 +116,8 @@ def demonstration(task) -> dict:
     result = calculate(expression)
     if last_number(result) != last_number(task.answer):
         raise ValueError(
-            f"task {task.task_id}: its expression {expression!r} is {result}, its answer {task.answer} "
+            f"task {task.task_id}: its expression {expression!r} is {result}, "
+            f"its answer {task.answer} "
             "(reasoning-gym's basic_arithmetic without allow_parentheses evaluates * left to right)"
         )
     call = {

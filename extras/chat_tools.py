@@ -1,4 +1,5 @@
-"""Chat requests of the OpenAI-compatible endpoint: checked (`parse_request`), rendered (`prompt_ids`), TOOL_PARSERS."""
+"""Chat requests of the OpenAI-compatible endpoint: checked (`parse_request`), rendered
+(`prompt_ids`), TOOL_PARSERS."""
 
 import json
 import math
@@ -17,7 +18,8 @@ UNSUPPORTED = {
 }  # field -> why it is refused
 HERMES_TOOLS = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>"
+    "You are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>\n{tools}\n</tools>"
     "\n\nFor each function call, return a json object with function name and arguments within "
     "<tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
@@ -52,7 +54,8 @@ class ChatRequest:
 
 
 def parse_request(body) -> ChatRequest:
-    """Check a decoded JSON body; RequestError (400) naming the first problem (one changing the sampling, say)."""
+    """Check a decoded JSON body; RequestError (400) naming the first problem (one changing the
+    sampling, say)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     for key, why in UNSUPPORTED.items():
@@ -229,7 +232,8 @@ def _arguments(text: str):
 
 
 def hermes_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
-    """Messages for a template that knows no tools: schemas in the system message, Hermes-style tool text."""
+    """Messages for a template that knows no tools: schemas in the system message, Hermes-style tool
+    text."""
     out = [dict(m) for m in messages]
     if tools:
         block = HERMES_TOOLS.format(
@@ -266,7 +270,8 @@ def hermes_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
 
 
 def native_messages(messages: list[dict]) -> list[dict]:
-    """Messages for a template that knows tools: tool-call arguments as objects, null content as ''."""
+    """Messages for a template that knows tools: tool-call arguments as objects, null content as
+    ''."""
     out = []
     for m in messages:
         m = {**m, "content": m["content"] or ""}
@@ -288,7 +293,8 @@ def native_messages(messages: list[dict]) -> list[dict]:
 
 
 def prompt_ids(tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
-    """Token ids of `messages` and `tools` under the chat template; RequestError when the template refuses them."""
+    """Token ids of `messages` and `tools` under the chat template; RequestError when the template
+    refuses them."""
     template = tokenizer.chat_template  # one that mentions tools renders them itself
     native = "tool_use" in template if isinstance(template, dict) else "tools" in (template or "")
     msgs = native_messages(messages) if native else hermes_messages(messages, tools)
@@ -308,7 +314,8 @@ def prompt_ids(tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
 
 
 def hermes_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content or None when only calls remain, calls) of Hermes/Qwen `<tool_call>{...}</tool_call>` blocks."""
+    """(content or None when only calls remain, calls) of Hermes/Qwen `<tool_call>{...}</tool_call>`
+    blocks."""
     calls, kept, last = [], [], 0
     for m in _TOOL_CALL.finditer(text):
         try:

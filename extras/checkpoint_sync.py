@@ -1,5 +1,6 @@
-"""Checkpoint sync (--sync-method checkpoint): RUN_DIR/checkpoints/v{version:06d} is written under a temporary name
-and renamed, then the marker checkpoints/latest; a reader holds a lease while it loads, so retention spares it."""
+"""Checkpoint sync (--sync-method checkpoint): RUN_DIR/checkpoints/v{version:06d} is written under a
+temporary name and renamed, then the marker checkpoints/latest; a reader holds a lease while it
+loads, so retention spares it."""
 
 import fcntl
 import os
@@ -34,7 +35,8 @@ def _leased(root: Path) -> set[int]:
 def publish_checkpoint(
     run_dir: str | Path, version: int, save: Callable[[Path], None], keep: int = 3
 ) -> Path:
-    """Write checkpoint `version` with `save(directory)`, keep the `keep` newest (and those being read)."""
+    """Write checkpoint `version` with `save(directory)`, keep the `keep` newest (and those being
+    read)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"v{version:06d}", root / f".tmp-v{version:06d}"
@@ -155,7 +157,8 @@ class CheckpointSource:
 
 
 def wait_until_loaded(explorer, queue) -> None:
-    """Mode both: wait until the explorer has loaded its start weights; RuntimeError when it fails first."""
+    """Mode both: wait until the explorer has loaded its start weights; RuntimeError when it fails
+    first."""
     while True:
         try:
             r = queue.get(timeout=1.0)

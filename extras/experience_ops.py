@@ -1,4 +1,5 @@
-"""The experience operators of `--experience-pipeline` (pipelines.EXPERIENCE_OPS; Trinity-RFT report 3.4.2)."""
+"""The experience operators of `--experience-pipeline` (pipelines.EXPERIENCE_OPS; Trinity-RFT report
+3.4.2)."""
 
 from buffer import Experience
 from extras.filters import repetition_filter
@@ -16,7 +17,8 @@ def quality_reward(
     weight: float = 1.0,
     timeout_s: float = 60.0,
 ) -> list[list[Experience]]:
-    """Add weight * (s - 3) / 4 to each reward, s = 1..5 a judge's rating (Data-Juicer's llm_quality_score_filter)."""
+    """Add weight * (s - 3) / 4 to each reward, s = 1..5 a judge's rating (Data-Juicer's
+    llm_quality_score_filter)."""
     from extras.judge import ask_judge
 
     ratings = []
@@ -45,7 +47,8 @@ def quality_reward(
 
 
 def embed(texts: list[str], model: str):
-    """Unit-length embeddings [N, H] (float32) of `texts`: the mean last hidden state of local model `model`."""
+    """Unit-length embeddings [N, H] (float32) of `texts`: the mean last hidden state of local model
+    `model`."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 
@@ -70,8 +73,9 @@ def diversity_reward(
     final_weight: float | None = None,
     decay_steps: int = 0,
 ) -> list[list[Experience]]:
-    """Add w_t * (max_j sim_j - sim_i) / (max_j sim_j - min_j sim_j), sim_i the cosine similarity to the group's mean
-    embedding, w_t from `weight` to `final_weight` over `decay_steps` (Data-Juicer's group_diversity_filter)."""
+    """Add w_t * (max_j sim_j - sim_i) / (max_j sim_j - min_j sim_j), sim_i the cosine similarity to
+    the group's mean embedding, w_t from `weight` to `final_weight` over `decay_steps`
+    (Data-Juicer's group_diversity_filter)."""
     import torch
 
     w = (
@@ -107,7 +111,8 @@ def clean(
     max_repeat_frac: float = 0.5,
     dedup: bool = False,
 ) -> list[list[Experience]]:
-    """Drop rollouts over `max_tokens` policy tokens, with repeating `ngram`-grams, and `dedup` repeats (0: off)."""
+    """Drop rollouts over `max_tokens` policy tokens, with repeating `ngram`-grams, and `dedup`
+    repeats (0: off)."""
     counts, out = dict.fromkeys(("length", "repetition", "duplicate"), 0), []
     for g in groups:
         kept, seen = [], set()

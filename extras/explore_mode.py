@@ -43,8 +43,9 @@ class Backpressure:
         ):
             if not said:  # a user who started the explorer first sees why nothing happens
                 print(
-                    f"{cfg.explorer_name}: two batches wait in the buffer; waiting for a trainer to "
-                    f"take them (python run.py --mode train --run-dir {cfg.run_dir}), at most "
+                    f"{cfg.explorer_name}: two batches wait in the buffer; waiting for a "
+                    f"trainer to take them (python run.py --mode train --run-dir {cfg.run_dir}), "
+                    "at most "
                     f"{cfg.buffer_timeout_s:.0f} s",
                     flush=True,
                 )
@@ -76,8 +77,8 @@ def run_mode_explore(
     `receiver(cfg, engine, log, alive, port, device)`, `open_buffer(cfg)`."""
     launch.split_threads(cfg, 1)
     print(
-        f"nanorft: mode explore ({cfg.explorer_name}), engine {cfg.engine}, {cfg.explorer_threads} threads, "
-        f"run dir {cfg.run_dir}"
+        f"nanorft: mode explore ({cfg.explorer_name}), engine {cfg.engine}, "
+        f"{cfg.explorer_threads} threads, run dir {cfg.run_dir}"
     )
     log = JsonlLog(Path(cfg.run_dir) / f"explorer_{cfg.explorer_name}.jsonl")
     buffer = open_buffer(cfg)
@@ -100,7 +101,8 @@ def run_mode_explore(
 
     try:
         engine = make_engine(cfg, prepared.model_path, engine_seed(cfg))
-        # the trainer is no parent of ours: alive while its store answers (waited for: it may start after us)
+        # the trainer is no parent of ours: alive while its store answers (waited for: it may start
+        # after us)
         alive = (
             StoreAlive(cfg.sync_host, cfg.sync_port, cfg.sync_timeout_s)
             if by_broadcast

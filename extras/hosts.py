@@ -1,4 +1,5 @@
-"""`StoreAlive`: whether trainer rank 0's weight-sync store still answers (an explorer on another host)."""
+"""`StoreAlive`: whether trainer rank 0's weight-sync store still answers (an explorer on another
+host)."""
 
 from datetime import timedelta
 
@@ -6,7 +7,8 @@ import torch.distributed as dist
 
 
 class StoreAlive:
-    """Whether trainer rank 0's weight-sync store answers; RuntimeError when none does within `wait_s`."""
+    """Whether trainer rank 0's weight-sync store answers; RuntimeError when none does within
+    `wait_s`."""
 
     def __init__(self, host: str, port: int, wait_s: float):
         try:  # a client of its own: a WeightSync's may be blocked in the rendezvous

@@ -1,4 +1,5 @@
-"""Human labels as lagged rewards (`annotation = {url = ...}`) from a Label Studio project (`start_annotator`)."""
+"""Human labels as lagged rewards (`annotation = {url = ...}`) from a Label Studio project
+(`start_annotator`)."""
 
 import json
 import os
@@ -15,18 +16,20 @@ from extras.lagged_rewards import pending_group_rows, set_rewards_many
 from extras.pipelines import response_text
 
 RATING_CONFIG = (
-    '<View><Header value="$question"/><Text name="response" value="$response"/><Choices name="reward" '
-    'toName="response" choice="single" showInline="true">{choices}</Choices></View>'
+    '<View><Header value="$question"/><Text name="response" value="$response"/>'
+    '<Choices name="reward" toName="response" choice="single" showInline="true">{choices}'
+    "</Choices></View>"
 )
 PAIR_CONFIG = (
-    '<View><Header value="$question"/><Text name="a" value="$a"/><Text name="b" value="$b"/><Choices '
-    'name="preferred" toName="a" choice="single" showInline="true"><Choice value="A"/><Choice value="B"/>'
-    "</Choices></View>"
+    '<View><Header value="$question"/><Text name="a" value="$a"/><Text name="b" value="$b"/>'
+    '<Choices name="preferred" toName="a" choice="single" showInline="true">'
+    '<Choice value="A"/><Choice value="B"/></Choices></View>'
 )
 
 
 class LabelStudio:
-    """Label Studio's REST API (https://labelstud.io/api), legacy token; ConnectionError (one line) on failure."""
+    """Label Studio's REST API (https://labelstud.io/api), legacy token; ConnectionError (one line)
+    on failure."""
 
     def __init__(self, url: str, token: str, timeout_s: float = 30.0):
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
@@ -88,8 +91,9 @@ def check_mode(mode: str) -> None:
 
 
 class Annotator:
-    """Human labels as lagged rewards (Trinity-RFT report 2.3.4 and 3.5): `poll()` sends new pending groups (rating
-    or pairwise) and turns labels into rewards (pairwise: into RUN_DIR/preferences.jsonl too)."""
+    """Human labels as lagged rewards (Trinity-RFT report 2.3.4 and 3.5): `poll()` sends new pending
+    groups (rating or pairwise) and turns labels into rewards (pairwise: into
+    RUN_DIR/preferences.jsonl too)."""
 
     def __init__(
         self,
@@ -227,13 +231,15 @@ class Annotator:
 
 
 def check_annotation(cfg) -> None:
-    """Check cfg.annotation: ValueError (one line) for a bad mode, URL or token; ConnectionError: no server."""
+    """Check cfg.annotation: ValueError (one line) for a bad mode, URL or token; ConnectionError: no
+    server."""
     check_mode(cfg.annotation.get("mode", "rating"))
     label_studio(cfg).call("GET", "/api/projects?page_size=1")
 
 
 def label_studio(cfg) -> LabelStudio:
-    """LabelStudio for cfg.annotation["url"], token in LABEL_STUDIO_API_KEY; ValueError (one line) if missing."""
+    """LabelStudio for cfg.annotation["url"], token in LABEL_STUDIO_API_KEY; ValueError (one line)
+    if missing."""
     token = os.environ.get("LABEL_STUDIO_API_KEY", "")
     if not cfg.annotation.get("url") or not token:
         raise ValueError(
@@ -244,7 +250,8 @@ def label_studio(cfg) -> LabelStudio:
 
 
 def start_annotator(cfg, tokenizer, stop: threading.Event) -> Callable[[], dict]:
-    """A daemon thread running an Annotator until `stop`; returns its metrics getter (RuntimeError once it died)."""
+    """A daemon thread running an Annotator until `stop`; returns its metrics getter (RuntimeError
+    once it died)."""
     from extras.postgres import open_buffer
 
     latest, failed = {}, []

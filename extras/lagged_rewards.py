@@ -1,6 +1,6 @@
-"""Lagged rewards (reward_fn "human"): groups wait in the buffer (`pending_groups`) until `set_rewards` fills them,
-from code, extras/label_studio.py or `python -m extras.lagged_rewards BUFFER pending | set-reward GROUP_ID REWARD...`
-(`main`)."""
+"""Lagged rewards (reward_fn "human"): groups wait in the buffer (`pending_groups`) until
+`set_rewards` fills them, from code, extras/label_studio.py or
+`python -m extras.lagged_rewards BUFFER pending | set-reward GROUP_ID REWARD...` (`main`)."""
 
 import argparse
 import math
@@ -12,11 +12,13 @@ from extras.postgres import open_buffer
 
 
 def human_reward(task, completion: str, dataset) -> None:
-    """None: the rollouts wait in the buffer for a human label (Label Studio, or buffer.py set-reward)."""
+    """None: the rollouts wait in the buffer for a human label (Label Studio, or buffer.py
+    set-reward)."""
 
 
 def set_rewards(buffer: Buffer, group_id: str, rewards: list[float] | float) -> int:
-    """Fill a group's rewards (one for all, or one each); returns how many. ValueError for a wrong group."""
+    """Fill a group's rewards (one for all, or one each); returns how many. ValueError for a wrong
+    group."""
     return set_rewards_many(buffer, {group_id: rewards})
 
 
@@ -55,7 +57,8 @@ def pending_groups(buffer: Buffer) -> list[str]:
     return [
         r[0]
         for r in buffer.db.execute(
-            "SELECT group_id FROM experiences WHERE reward IS NULL GROUP BY group_id ORDER BY MIN(id)"
+            "SELECT group_id FROM experiences WHERE reward IS NULL GROUP BY group_id "
+            "ORDER BY MIN(id)"
         )
     ]
 
@@ -67,7 +70,8 @@ def pending_group_rows(buffer: Buffer) -> list[list[Experience]]:
         buffer.groups_of(
             ids,
             buffer.db.execute(
-                f"SELECT {COLUMNS} FROM experiences WHERE group_id IN ({','.join('?' * len(ids))}) ORDER BY id",
+                f"SELECT {COLUMNS} FROM experiences "
+                f"WHERE group_id IN ({','.join('?' * len(ids))}) ORDER BY id",
                 ids,
             ).fetchall(),
         )

@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 class MLflowLog:
-    """An MLflow run in experiment "nanorft" at $MLFLOW_TRACKING_URI, else RUN_DIR/mlflow.db; resumed by its id."""
+    """An MLflow run in experiment "nanorft" at $MLFLOW_TRACKING_URI, else RUN_DIR/mlflow.db;
+    resumed by its id."""
 
     def __init__(self, run_dir: Path, config: dict):
         import logging

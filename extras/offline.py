@@ -1,5 +1,5 @@
-"""Offline data (info["offline"]): chats for SFT or MIX, pairs for DPO; JSONL task files (`jsonl_tasks`), `hold_out`;
-`NoWeights`, the publisher of offline training (--train-data)."""
+"""Offline data (info["offline"]): chats for SFT or MIX, pairs for DPO; JSONL task files
+(`jsonl_tasks`), `hold_out`; `NoWeights`, the publisher of offline training (--train-data)."""
 
 import dataclasses
 import json
@@ -18,7 +18,8 @@ def hold_out(name: str, tasks: list[Task], eval_size: int) -> tuple[list[Task], 
 
 
 def jsonl_rows(path: str | Path, what: str):
-    """(path, line number, row) of each line of JSONL `path`; FileNotFoundError; ValueError naming the line."""
+    """(path, line number, row) of each line of JSONL `path`; FileNotFoundError; ValueError naming
+    the line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{what} not found: {path}")
@@ -35,7 +36,8 @@ def jsonl_rows(path: str | Path, what: str):
 
 
 def jsonl_tasks(name: str, eval_size: int) -> tuple[list[Task], list[Task]]:
-    """(train, held-out: the last `eval_size`) tasks of a JSONL file of {"question", "answer"[, "id"]} rows."""
+    """(train, held-out: the last `eval_size`) tasks of a JSONL file of
+    {"question", "answer"[, "id"]} rows."""
     tasks = []
     for path, i, row in jsonl_rows(name, "task file"):
         if not isinstance(row, dict) or "question" not in row or "answer" not in row:
@@ -52,7 +54,8 @@ def jsonl_tasks(name: str, eval_size: int) -> tuple[list[Task], list[Task]]:
 
 
 class OfflineSampler:
-    """Groups in a seeded shuffled order, cycled; `drawn`: how many (as many drawn again resume it)."""
+    """Groups in a seeded shuffled order, cycled; `drawn`: how many (as many drawn again resume
+    it)."""
 
     def __init__(self, groups: list[list[Experience]], seed: int):
         if not groups:
@@ -81,7 +84,8 @@ def _is_messages(msgs) -> bool:
 
 
 def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
-    """One {"messages": [...]} per line -> a group of one Experience (reward 1.0) trained on its assistant turns."""
+    """One {"messages": [...]} per line -> a group of one Experience (reward 1.0) trained on its
+    assistant turns."""
     out = []
     for path, n, row in jsonl_rows(path, "chat data"):
         msgs = row.get("messages") if isinstance(row, dict) else None
@@ -132,7 +136,8 @@ def load_chat_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
 
 
 def load_preference_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]:
-    """One {"prompt", "chosen", "rejected"} per line -> a group of two (rewards 1, 0); ValueError naming the line."""
+    """One {"prompt", "chosen", "rejected"} per line -> a group of two (rewards 1, 0); ValueError
+    naming the line."""
     out = []
     for path, n, row in jsonl_rows(path, "preference data"):
         if not (isinstance(row, dict) and {"prompt", "chosen", "rejected"} <= set(row)):
@@ -153,7 +158,8 @@ def load_preference_jsonl(path: str | Path, tokenizer) -> list[list[Experience]]
             full = chat_ids(tokenizer, msgs + [{"role": "assistant", "content": row[key]}], False)
             if full[: len(prompt)] != prompt or len(full) == len(prompt):
                 raise ValueError(
-                    f"{path} line {n}: chat template output is not a token prefix of the {key} reply"
+                    f"{path} line {n}: chat template output is not a token prefix of the "
+                    f"{key} reply"
                 )
             r = len(full) - len(prompt)
             group.append(
@@ -188,7 +194,7 @@ def sampler(path: str | Path, tokenizer, seed: int, chats_only: bool = False) ->
 
 
 class OfflineBatches:
-    """The batch source of --train-data (loop.make_step_io): batch_size rows a step from the
+    """The batch source of --train-data (components.reader_and_log): batch_size rows a step from the
     file, in the order `cfg.seed` draws them; at `start`, the rows of earlier steps drawn."""
 
     def __init__(self, cfg, tokenizer, start: int):
@@ -201,7 +207,7 @@ class OfflineBatches:
 
 
 class ExpertMixing:
-    """The shaping of a step's groups (loop.StepIO.shape) with --expert-data mixed in after
+    """The shaping of a step's groups (loop.BatchReader.shape) with --expert-data mixed in after
     `shape` (None: none): MIX's expert_fraction of the batch's sequences. The rows drawn so far
     are kept in the trainer's resume state."""
 
@@ -230,7 +236,8 @@ def check_offline_data(cfg, tok) -> None:
 
 
 class NoWeights:
-    """The weight publisher of offline training (--train-data; sync.make_publisher): no explorer takes the weights."""
+    """The weight publisher of offline training (--train-data; sync.make_publisher): no explorer
+    takes the weights."""
 
     def publish(self, trainer) -> tuple[None, None]:
         """Nothing published: (no checksum, no full parameters)."""

@@ -1,5 +1,6 @@
-"""An OpenAI-compatible endpoint served by the explorer's engine (`endpoint_for`); each rollout opens an episode
-(base URL .../e/EPISODE/v1, or an X-Episode-Id header) and closes it to get its calls' tokens and log-probs."""
+"""An OpenAI-compatible endpoint served by the explorer's engine (`endpoint_for`); each rollout
+opens an episode (base URL .../e/EPISODE/v1, or an X-Episode-Id header) and closes it to get its
+calls' tokens and log-probs."""
 
 import asyncio
 import concurrent.futures
@@ -38,7 +39,8 @@ def require_packages(what: str) -> None:
 
 @dataclass
 class Choice:
-    """One sampled completion: tokens [R], behaviour_logprobs [R], weight versions, finish_reason and text."""
+    """One sampled completion: tokens [R], behaviour_logprobs [R], weight versions, finish_reason
+    and text."""
 
     tokens: list[int]
     behaviour_logprobs: list[float]
@@ -49,7 +51,8 @@ class Choice:
 
 @dataclass
 class Call:
-    """One delivered chat completion: `seq` (arrival order), `prompt` (the ids the engine saw), choices."""
+    """One delivered chat completion: `seq` (arrival order), `prompt` (the ids the engine saw),
+    choices."""
 
     seq: int
     prompt: list[int]
@@ -125,7 +128,8 @@ def context_length(engine) -> int | None:
 
 
 class Endpoint:
-    """The server of one engine on a free local port (`url`); ValueError (one line) without fastapi, uvicorn, openai."""
+    """The server of one engine on a free local port (`url`); ValueError (one line) without fastapi,
+    uvicorn, openai."""
 
     def __init__(self, engine, batch_wait_s: float = 0.1):
         require_packages("the OpenAI-compatible endpoint")
@@ -161,7 +165,8 @@ class Endpoint:
     def open_episode(
         self, sampling, tool_parser: str = "hermes", batch_wait_s: float | None = None
     ) -> Episode:
-        """Open an episode in the running event loop; tool_parser: a chat_tools.TOOL_PARSERS name or import path."""
+        """Open an episode in the running event loop; tool_parser: a chat_tools.TOOL_PARSERS name or
+        import path."""
         loop, eid = asyncio.get_running_loop(), uuid.uuid4().hex
         wait_s = self.batch_wait_s if batch_wait_s is None else batch_wait_s
         ep = Episode(
@@ -173,7 +178,8 @@ class Endpoint:
         return ep
 
     def close_episode(self, ep: Episode) -> list[Call]:
-        """End an episode (later calls get 404, running ones are not recorded); its calls in arrival order."""
+        """End an episode (later calls get 404, running ones are not recorded); its calls in arrival
+        order."""
         with self._lock:
             closing, ep.closed = not ep.closed, True
             self._episodes.pop(ep.id, None)
@@ -229,7 +235,8 @@ class Endpoint:
 
     @staticmethod
     def _cut(out, req, tok) -> Choice:
-        """The completion cut at max_tokens, then after the token that completes its first stop string."""
+        """The completion cut at max_tokens, then after the token that completes its first stop
+        string."""
         tokens, behaviour, reason = (
             list(out.tokens),
             list(out.behaviour_logprobs),

@@ -43,7 +43,8 @@ ANNOTATION_CHECK = "extras.label_studio.check_annotation"
 
 @dataclass
 class TaskContext:
-    """What a task operator may use; rollouts(tasks, n) -> a group (None: skipped) per task, by the explorer."""
+    """What a task operator may use; rollouts(tasks, n) -> a group (None: skipped) per task, by the
+    explorer."""
 
     tokenizer: Any = None
     rollouts: Callable[[list[Task], int], list] | None = None
@@ -52,7 +53,8 @@ class TaskContext:
 
 @dataclass
 class ExperienceContext:
-    """What an experience operator may use: the batch's trainer step, the policy's tokenizer and model."""
+    """What an experience operator may use: the batch's trainer step, the policy's tokenizer and
+    model."""
 
     step: int = 0
     tokenizer: Any = None
@@ -61,7 +63,8 @@ class ExperienceContext:
 
 
 def parse_ops(specs: list, registry: dict, what: str) -> list[tuple[str, Callable, dict]]:
-    """[(name, fn, kwargs)] of a configured list [{"op": NAME, **kwargs}]; ValueError (one line) for a bad entry."""
+    """[(name, fn, kwargs)] of a configured list [{"op": NAME, **kwargs}]; ValueError (one line) for
+    a bad entry."""
     if not isinstance(specs, list):
         raise ValueError(f"{what}: expected a list of tables {{op = NAME, ...}}, got {specs!r}")
     out = []
@@ -78,7 +81,8 @@ def _label(name: str) -> str:
 
 
 def run_task_pipeline(specs: list, tasks: list[Task], ctx: TaskContext) -> list[Task]:
-    """Apply the task operators in order (metrics pipeline/<op>/kept, removed); ValueError when none is left."""
+    """Apply the task operators in order (metrics pipeline/<op>/kept, removed); ValueError when none
+    is left."""
     for name, fn, kwargs in parse_ops(specs, TASK_OPS, "task_pipeline"):
         before = len(tasks)
         tasks = fn(tasks, ctx, **kwargs)
@@ -94,7 +98,8 @@ def run_task_pipeline(specs: list, tasks: list[Task], ctx: TaskContext) -> list[
 
 
 def curate(explorer, buffer: Buffer) -> tuple[list[Task], dict]:
-    """(The explorer's training tasks after cfg.task_pipeline, its metrics), kept in the buffer's run state."""
+    """(The explorer's training tasks after cfg.task_pipeline, its metrics), kept in the buffer's
+    run state."""
     cfg, key = explorer.cfg, f"tasks/{explorer.cfg.explorer_name}"
     if saved := buffer.run_state(key):
         by_id = {t.task_id: t for t in explorer.train}
@@ -103,19 +108,22 @@ def curate(explorer, buffer: Buffer) -> tuple[list[Task], dict]:
     tasks = run_task_pipeline(cfg.task_pipeline, explorer.train, ctx)
     buffer.set_run_state(key, json.dumps([[t.task_id, t.difficulty] for t in tasks]))
     print(
-        f"explorer {cfg.explorer_name}: task pipeline kept {len(tasks)} of {len(explorer.train)} tasks",
+        f"explorer {cfg.explorer_name}: task pipeline kept {len(tasks)} of "
+        f"{len(explorer.train)} tasks",
         flush=True,
     )
     return tasks, ctx.metrics
 
 
 def make_selector(name: str, kwargs: dict, tasks: list[Task], seed: int):
-    """The selector `name` (SELECTORS, or module.Class(tasks, seed, **kwargs)); ValueError for a bad one."""
+    """The selector `name` (SELECTORS, or module.Class(tasks, seed, **kwargs)); ValueError for a bad
+    one."""
     return resolve(name, SELECTORS, "selector", kwargs)(tasks, seed, **kwargs)
 
 
 def shape(e: Experience, op: str, bonus: float) -> None:
-    """Add `bonus` to e.reward, recorded in info["shaping"][op] (info["reward_raw"]: before any shaping)."""
+    """Add `bonus` to e.reward, recorded in info["shaping"][op] (info["reward_raw"]: before any
+    shaping)."""
     e.info.setdefault("reward_raw", e.reward)
     e.info.setdefault("shaping", {})[op] = bonus
     e.reward = e.reward + bonus
@@ -123,7 +131,7 @@ def shape(e: Experience, op: str, bonus: float) -> None:
 
 class ExperiencePipeline:
     """(groups, step) -> (groups, metrics) of the experience operators, after `shape` (None:
-    none; loop.make_step_io: Replay); RuntimeError when no group is left."""
+    none; components.reader_and_log: Replay); RuntimeError when no group is left."""
 
     def __init__(self, specs: list, tokenizer=None, model: str = "", shape=None):
         self.ops = parse_ops(specs, EXPERIENCE_OPS, "experience_pipeline")
@@ -151,8 +159,8 @@ class ExperiencePipeline:
 def replay(
     buffer: Buffer, step: int, groups: int = 1, decay: float = 2.0, use_count_limit: int = 3
 ) -> tuple[list[list[Experience]], int]:
-    """(Up to `groups` groups consumed before `step` by priority model_version - decay * use_count, how many were
-    eligible). Reference: Trinity-RFT trinity/buffer/storage/queue.py @ 5a4234ec."""
+    """(Up to `groups` groups consumed before `step` by priority model_version - decay * use_count,
+    how many were eligible). Reference: Trinity-RFT trinity/buffer/storage/queue.py @ 5a4234ec."""
     db = buffer.db
     with db.transaction(readers=True):
         eligible = db.execute(
@@ -183,7 +191,7 @@ def replay(
 
 class Replay:
     """(groups, step) -> (groups, metrics): the step's groups, then `replay`'s (cfg.replay: its
-    keyword arguments). The first shaping of a batch (loop.make_step_io), so the experience
+    keyword arguments). The first shaping of a batch (components.reader_and_log), so the experience
     pipeline and --expert-data's mixing see the replayed groups too."""
 
     def __init__(self, buffer: Buffer, kwargs: dict):
@@ -213,7 +221,8 @@ def response_text(e: Experience, tokenizer) -> str:
 
 
 def check_config(cfg) -> None:
-    """ValueError (one line) for a bad pipeline, selector, replay or annotation setting; ConnectionError."""
+    """ValueError (one line) for a bad pipeline, selector, replay or annotation setting;
+    ConnectionError."""
     parse_ops(cfg.task_pipeline, TASK_OPS, "task_pipeline")
     parse_ops(cfg.experience_pipeline, EXPERIENCE_OPS, "experience_pipeline")
     selector = resolve(cfg.selector, SELECTORS, "selector", cfg.selector_kwargs)

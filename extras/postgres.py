@@ -10,7 +10,8 @@ import buffer
 
 
 class Postgres:
-    """The PostgreSQL dialect (psycopg 3), advisory locks for readers and explorer names; ValueError (one line)."""
+    """The PostgreSQL dialect (psycopg 3), advisory locks for readers and explorer names; ValueError
+    (one line)."""
 
     def __init__(
         self, url: str, timeout_s: float, schema_sql: str, run_dir: str | Path | None = None
@@ -45,7 +46,8 @@ class Postgres:
             )
             self.conn.execute(f"SET search_path TO {schema}")
             # creating the tables: one process at a time (concurrent CREATE ... IF NOT EXISTS can
-            # collide), and only when missing (CREATE INDEX waits for every open transaction on the table)
+            # collide), and only when missing (CREATE INDEX waits for every open transaction on the
+            # table)
             with self.conn.transaction():
                 self.conn.execute("SELECT pg_advisory_xact_lock(hashtext('nanorft schema'))")
                 # the newest table
@@ -57,7 +59,8 @@ class Postgres:
 
     @contextmanager
     def _lost(self):
-        """A broken connection: ConnectionError, one line (nothing is retried: --resume continues)."""
+        """A broken connection: ConnectionError, one line (nothing is retried: --resume
+        continues)."""
         import psycopg
 
         try:

@@ -1,4 +1,5 @@
-"""The task operators of `--task-pipeline` (pipelines.TASK_OPS): dedup, length_filter and difficulty estimates."""
+"""The task operators of `--task-pipeline` (pipelines.TASK_OPS): dedup, length_filter and difficulty
+estimates."""
 
 from extras.judge import RATINGS, expected_rating
 from extras.pipelines import TaskContext
@@ -6,7 +7,8 @@ from workflows import Task
 
 
 def dedup(tasks: list[Task], ctx: TaskContext) -> list[Task]:
-    """The first of tasks with equal questions, lower-cased (Data-Juicer's document_deduplicator)."""
+    """The first of tasks with equal questions, lower-cased (Data-Juicer's
+    document_deduplicator)."""
     seen, out = set(), []
     for t in tasks:
         key = " ".join(t.question.lower().split())
@@ -31,7 +33,8 @@ def length_filter(
 def metadata_difficulty(
     tasks: list[Task], ctx: TaskContext, keys: tuple[str, ...] = ("num_digits", "num_terms")
 ) -> list[Task]:
-    """difficulty = the sum of the task's numeric metadata fields `keys`; ValueError for a task without."""
+    """difficulty = the sum of the task's numeric metadata fields `keys`; ValueError for a task
+    without."""
     for t in tasks:
         meta = t.entry.get("metadata", t.entry)
         if missing := [k for k in keys if not isinstance(meta.get(k), (int, float))]:
@@ -42,7 +45,8 @@ def metadata_difficulty(
 
 
 def pass_rate_difficulty(tasks: list[Task], ctx: TaskContext, k: int = 4) -> list[Task]:
-    """difficulty = 1 - the policy's pass rate over k rollouts (Trinity-RFT report 2.3.2); skipped: 1."""
+    """difficulty = 1 - the policy's pass rate over k rollouts (Trinity-RFT report 2.3.2);
+    skipped: 1."""
     for t, g in zip(tasks, ctx.rollouts(tasks, k)):
         rewards = [e.reward for e in g or [] if e.reward is not None]
         t.difficulty = 1.0 - (sum(rewards) / len(rewards) if rewards else 0.0)
@@ -55,7 +59,8 @@ def pass_rate_difficulty(tasks: list[Task], ctx: TaskContext, k: int = 4) -> lis
 def model_difficulty(
     tasks: list[Task], ctx: TaskContext, model: str = "", url: str = "", timeout_s: float = 60.0
 ) -> list[Task]:
-    """difficulty = an auxiliary model's rating of the question, 1 (easy) to 5 (hard) (extras.judge)."""
+    """difficulty = an auxiliary model's rating of the question, 1 (easy) to 5 (hard)
+    (extras.judge)."""
     from extras.judge import ask_judge
 
     for t in tasks:

@@ -3,8 +3,6 @@ installed verifiers environment (`verifiers:NAME`), a .jsonl task file and a Hug
 dataset. `load_tasks` asks `source_tasks` first and the core's reasoning-gym source where they
 find none (the composition root asks it for a --task that is no reasoning-gym dataset)."""
 
-from typing import Any
-
 import workflows
 from losses import resolve
 
@@ -35,17 +33,11 @@ def source_tasks(
     return None
 
 
-def load_tasks(
-    name: str,
-    kwargs: dict,
-    train_size: int,
-    eval_size: int,
-    seed: int,
-    eval_seed: int | None = None,
-) -> tuple[list[workflows.Task], list[workflows.Task], Any]:
+def load_tasks(name: str, kwargs: dict, train_size: int, eval_size: int, seed: int, *eval_seed):
     """(train, held-out tasks, verifier dataset or None) of task `name`: from the sources above,
-    else the reasoning-gym dataset of workflows.load_tasks (its error for an unknown name)."""
+    else the reasoning-gym dataset of workflows.load_tasks (its error for an unknown name;
+    `eval_seed`: its last argument)."""
     tasks = source_tasks(name, kwargs, train_size, eval_size, seed)
     if tasks is not None:
         return tasks
-    return workflows.load_tasks(name, kwargs, train_size, eval_size, seed, eval_seed)
+    return workflows.load_tasks(name, kwargs, train_size, eval_size, seed, *eval_seed)

@@ -1,5 +1,5 @@
 """Modes train and explore as launches of their own, and offline --train-data: their checks
-(run.check_modes); mode train's weight-sync group and explorer records (components.started)."""
+(run.check_modes); mode train's weight-sync group and explorer records (run.started)."""
 
 import json
 import math
@@ -8,7 +8,8 @@ from typing import Callable
 from loop import Explorers, weight_group
 from metrics import print0
 
-# the losses that need no behaviour log-probs: offline rows carry none (MIX's expert rows: --expert-data)
+# the losses that need no behaviour log-probs: offline rows carry none (MIX's expert rows:
+# --expert-data)
 OFFLINE_LOSSES = ("sft", "dpo")
 
 
@@ -19,8 +20,8 @@ def check_config(cfg) -> None:
         cfg.sync_method = "checkpoint"
     if cfg.mode in ("explore", "train") and cfg.sync_method == "broadcast" and not cfg.sync_port:
         raise ValueError(
-            f"mode {cfg.mode} with --sync-method broadcast needs --sync-port (the same on trainer and "
-            "explorers) and, across hosts, --sync-host (the trainer host's address)"
+            f"mode {cfg.mode} with --sync-method broadcast needs --sync-port (the same on trainer "
+            "and explorers) and, across hosts, --sync-host (the trainer host's address)"
         )
     if cfg.inflight and cfg.mode not in ("both", "explore"):
         raise ValueError("--inflight is a setting of the explorer (mode both or explore)")
@@ -28,12 +29,14 @@ def check_config(cfg) -> None:
         raise ValueError("--train-data is for --mode train (offline SFT / DPO)")
     if cfg.train_data and cfg.policy_loss not in OFFLINE_LOSSES:
         raise ValueError(
-            f"--train-data has no behaviour log-probs for policy_loss {cfg.policy_loss!r} to take a "
-            f"ratio against: train offline data with --policy-loss {' or '.join(OFFLINE_LOSSES)}"
+            f"--train-data has no behaviour log-probs for policy_loss {cfg.policy_loss!r} to take "
+            "a ratio against: train offline data with --policy-loss "
+            f"{' or '.join(OFFLINE_LOSSES)}"
         )
     if cfg.train_data and cfg.sync_method == "broadcast":
         raise ValueError(
-            "--train-data trains offline, with no explorer to sync with: leave out --sync-method broadcast"
+            "--train-data trains offline, with no explorer to sync with: leave out "
+            "--sync-method broadcast"
         )
     # (offline: no other side)
     if cfg.overwrite and cfg.mode in ("explore", "train") and not cfg.train_data:
@@ -54,13 +57,14 @@ def connect_explorers(cfg, buffer, layout, trainer, rank: int, transport: type |
         return None, explorers
     weights = weight_group(cfg, layout, cfg.num_explorers, transport)
     print0(
-        f"weight sync: waiting for {cfg.num_explorers} explorer(s) at {cfg.sync_host}:{weights.port}"
+        f"weight sync: waiting for {cfg.num_explorers} explorer(s) at "
+        f"{cfg.sync_host}:{weights.port}"
     )
     weights.connect()
     if weights.device.type != layout.sync_device:  # sync.group_backend
         print0(
-            "weight sync: an explorer shares trainer rank 0's GPU, where NCCL cannot have two ranks: the weights "
-            "go through host memory (gloo)"
+            "weight sync: an explorer shares trainer rank 0's GPU, where NCCL cannot have two "
+            "ranks: the weights go through host memory (gloo)"
         )
     if params is not None:
         weights.send(trainer.version, [params])

@@ -6,7 +6,8 @@ from pathlib import Path
 
 
 class WandbLog:
-    """A W&B run in project $WANDB_PROJECT (default "nanorft"), resumed by its id; offline unless logged in."""
+    """A W&B run in project $WANDB_PROJECT (default "nanorft"), resumed by its id; offline unless
+    logged in."""
 
     def __init__(self, run_dir: Path, config: dict):
         import netrc

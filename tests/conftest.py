@@ -149,6 +149,12 @@ def tiny_explorer(engine, run_dir, tasks: int, **settings):
     return Explorer(cfg, engine, train, [], None, print, parts), train
 
 
+def one_batch(explorer, batch: int, buffer) -> dict:
+    """Generate batch `batch` with `explorer` into `buffer` as run.explorer_loop does; its record."""
+    plan = explorer.plan_batch(batch, buffer)
+    return explorer.write_batch(plan, explorer.rollout(plan.tasks), buffer)
+
+
 def rollouts(engine, prompts, n, sampling):
     """Sample n completions per prompt through engine.generate; returns Experiences."""
     import asyncio
@@ -398,9 +404,12 @@ def chat_endpoint(reply):
 
 
 def trainer_in_this_process(model: str, run_dir: Path, groups: list, **settings):
-    """(cfg, Trainer, components.make_step_io) of one trainer rank in this process (a one-rank gloo group),
-    `groups` written to the buffer in `run_dir` first; `settings` override the Config. The
-    caller closes the StepIO's bar, metrics and buffer and destroys the process group."""
+    """(cfg, Trainer, io: its BatchReader, publisher and StepLog as attributes `reader`,
+    `publisher`, `log`) of one trainer rank in this process (a one-rank gloo group), `groups`
+    written to the buffer in `run_dir` first; `settings` override the Config. The caller closes
+    them (`close_io`) and destroys the process group."""
+    import types
+
     import torch
     import torch.distributed as dist
 
@@ -422,6 +431,14 @@ def trainer_in_this_process(model: str, run_dir: Path, groups: list, **settings)
         init = f"tcp://127.0.0.1:{launch.free_port()}"
         dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
     trainer = components.make_trainer(cfg, model, torch.device("cpu"))
-    step_io = components.make_step_io(cfg, trainer, 0, model)
-    step_io.connect(loop.Explorers(), components.publisher(cfg, 0, None))
-    return cfg, trainer, step_io
+    reader, log = components.reader_and_log(cfg, trainer, 0, model)
+    reader.connect(loop.Explorers(), log.waiting)
+    io = types.SimpleNamespace(reader=reader, publisher=components.publisher(cfg, 0, None), log=log)
+    return cfg, trainer, io
+
+
+def close_io(io) -> None:
+    """Close what trainer_in_this_process opened for its RL loop: the bar, metrics, buffer."""
+    io.log.bar.close()
+    io.log.metrics.close()
+    io.log.buffer.close()

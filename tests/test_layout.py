@@ -86,7 +86,7 @@ def test_the_policy_loss_is_three_calls_below_the_rl_loop(tiny_model, tmp_path):
 
     import run
     from buffer import Experience
-    from conftest import trainer_in_this_process
+    from conftest import close_io, trainer_in_this_process
     from losses import ppo_clip_loss
 
     groups = [
@@ -96,26 +96,26 @@ def test_the_policy_loss_is_three_calls_below_the_rl_loop(tiny_model, tmp_path):
         ]
         for s in range(2)
     ]
-    cfg, trainer, step_io = trainer_in_this_process(tiny_model, tmp_path / "run", groups, steps=2)
+    cfg, trainer, io = trainer_in_this_process(tiny_model, tmp_path / "run", groups, steps=2)
     try:
         depths = calls_between(
-            run.rl_loop, ppo_clip_loss, lambda: run.rl_loop(cfg, trainer, step_io, 0)
+            run.rl_loop,
+            ppo_clip_loss,
+            lambda: run.rl_loop(cfg, trainer, io.reader, io.publisher, io.log, 0),
         )
     finally:
-        step_io.bar.close()
-        step_io.metrics.close()
-        step_io.buffer.close()
+        close_io(io)
         dist.destroy_process_group()
     assert depths and all(0 < d <= 3 for d in depths), depths
 
 
-def test_sampling_is_three_calls_below_a_batch_and_four_in_the_decode_step(tiny_model, tmp_path):
-    # a reader follows explore's loop -> Explorer.rollout_batch -> Explorer.rollout (the
-    # rollout loop) -> HFEngine.generate_batch -> sample_token for the first token of a reply;
-    # the next ones are sampled in the decode step (engines.Decoding), which a CUDA graph holds whole
+def test_sampling_is_at_most_four_calls_below_the_explorer_loop(tiny_model, tmp_path):
+    # a reader follows run.explorer_loop -> Explorer.rollout (the rollout loop) ->
+    # HFEngine.generate_batch -> sample_token for the first token of a reply; the next ones are
+    # sampled in the decode step (engines.Decoding), which a CUDA graph holds whole
+    import run
     from conftest import tiny_explorer
     from engines import HFEngine, sample_token
-    from explorer import Explorer
 
     class Written:
         def __init__(self):
@@ -127,10 +127,27 @@ def test_sampling_is_three_calls_below_a_batch_and_four_in_the_decode_step(tiny_
         def retired(self):
             return {}
 
+        def hold(self, name):
+            pass
+
+        def explorer_state(self, name):
+            return None
+
+    class Pace:
+        inflight = None
+
+        def before_batch(self, batch):
+            return True
+
+        def final(self):
+            pass
+
     explorer, _ = tiny_explorer(HFEngine(tiny_model, seed=1), tmp_path, 4, batch_size=2)
     written = Written()
     depths = calls_between(
-        Explorer.rollout_batch, sample_token, lambda: explorer.rollout_batch(0, written)
+        run.explorer_loop,
+        sample_token,
+        lambda: run.explorer_loop(explorer.cfg, explorer, written, Pace(), lambda r: None, 1),
     )
     assert [len(g) for g in written.groups[0]] == [2, 2]
     assert set(depths) == {3, 4}, depths

@@ -4,6 +4,7 @@ the choice of the memory allocator (launch.allocator)."""
 
 import json
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -116,8 +117,14 @@ def test_an_evaluation_runs_after_its_versions_last_batch(monkeypatch):
         def resume(self, buffer):
             return 0
 
-        def rollout_batch(self, batch, buffer):
+        def plan_batch(self, batch, buffer):
             engine.calls.append(("batch", batch, engine.version))
+            return types.SimpleNamespace(tasks=[])
+
+        def rollout(self, tasks):
+            return []
+
+        def write_batch(self, plan, groups, buffer):
             return {}
 
         def evaluate(self, version):

@@ -351,10 +351,9 @@ def test_a_failing_annotator_ends_the_trainers_wait_with_its_reason(tmp_path, mo
     # the annotator thread died silently on any error but ConnectionError, and the trainer waited buffer_timeout_s
     # (30 min) for rewards that never came; now its error ends the wait for a batch at the next poll
     import threading
-    from types import SimpleNamespace
 
     from extras import label_studio
-    from loop import StepIO
+    from loop import StepLog
 
     class Broken:  # a Label Studio client whose replies the annotator's polls cannot use
         def __init__(self, url, token, timeout_s=30.0):
@@ -388,8 +387,8 @@ def test_a_failing_annotator_ends_the_trainers_wait_with_its_reason(tmp_path, mo
     for t in set(threading.enumerate()) - before:  # (it may have died already)
         if t.name == "annotator":
             t.join(60)
-    loop = StepIO(cfg, SimpleNamespace(), 0, rank=0, world=1)
-    loop.connect(loop.explorers, loop.publisher, extra_metrics)
+    loop = StepLog(cfg, 0, 1, 0)
+    loop.connect(loop.records.explorers, extra_metrics)
     polls = []
 
     def waiting():
@@ -657,25 +656,23 @@ def test_the_experience_pipeline_runs_without_lent_cores(tiny_model, tmp_path):
     # with several trainer ranks or a GPU explorer (no lent cores) it was skipped without a word
     import torch.distributed as dist
 
-    from conftest import trainer_in_this_process
+    from conftest import close_io, trainer_in_this_process
 
     group = [
         Experience([1, 2, 3, 4 + i], 2, [-0.5] * 2, [1, 1], float(i % 2), "g0", "t0", 0, {}, "w")
         for i in range(2)
     ]
-    cfg, trainer, step_io = trainer_in_this_process(tiny_model, tmp_path / "run", [group], steps=1)
+    cfg, trainer, io = trainer_in_this_process(tiny_model, tmp_path / "run", [group], steps=1)
     shaped = []
-    step_io.shape = lambda groups, step: (
+    io.reader.shape = lambda groups, step: (
         shaped.append(step) or groups,
         {"pipeline/ran": 1.0},
     )
-    assert step_io.explorers.cores is None
+    assert io.reader.explorers.cores is None
     try:
-        run.rl_loop(cfg, trainer, step_io, 0)
+        run.rl_loop(cfg, trainer, io.reader, io.publisher, io.log, 0)
     finally:
-        step_io.bar.close()
-        step_io.metrics.close()
-        step_io.buffer.close()
+        close_io(io)
         dist.destroy_process_group()
     assert shaped == [0]
     first = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0]

@@ -16,7 +16,7 @@ import torch
 from test_first_contact import strict_json_lines
 
 from buffer import Experience
-from conftest import run_py
+from conftest import one_batch, run_py
 from extras import checkpoint_sync
 from extras.lagged_rewards import pending_groups, set_rewards
 from extras.postgres import open_buffer
@@ -267,7 +267,7 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
         "".join(json.dumps(r) + "\n" for r in old) + '{"step": 4, "loss/gr'
     )
     cfg = Config(run_dir=str(tmp_path), resume=True, log="none")
-    io = components.make_step_io(
+    _, log = components.reader_and_log(
         cfg, types.SimpleNamespace(version=2, tokenizer=None, loop_state={}), 2, ""
     )
     for r in (
@@ -276,10 +276,10 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
         {"step": 3, "explorer/received_version": 3},
         {"step": 3, "loss/grad_norm": 1.0},
     ):
-        io.metrics.write(r)
-    io.bar.close()
-    io.metrics.close()
-    io.buffer.close()
+        log.metrics.write(r)
+    log.bar.close()
+    log.metrics.close()
+    log.buffer.close()
     recs = strict_json_lines(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in recs if "loss/grad_norm" in r] == [0, 1, 2, 3]
     assert [r["eval/version"] for r in recs if "eval/accuracy" in r] == [0, 2]
@@ -365,21 +365,22 @@ def test_mix_expert_data_continues_the_same_after_a_resume(tiny_model, tmp_path)
         c = dataclasses.replace(cfg, resume=resume)
         trainer = components.make_trainer(c, tiny_model, torch.device("cpu"))
         assert (load_resume_state(trainer, resume_state(run_dir)) if resume else 0) == start
-        io = components.make_step_io(c, trainer, start, tiny_model)
-        drawn, draw = [], io.shape.expert.draw
+        reader, log = components.reader_and_log(c, trainer, start, tiny_model)
+        publisher = components.publisher(c, 0, None)
+        drawn, draw = [], reader.shape.expert.draw
 
         def recorded(n):
             got = draw(n)
             drawn.append([e.tokens for g in got for e in g])
             return got
 
-        io.shape.expert.draw = recorded
+        reader.shape.expert.draw = recorded
         try:
-            run.rl_loop(c, trainer, io, start)
+            run.rl_loop(c, trainer, reader, publisher, log, start)
         finally:
-            io.bar.close()
-            io.metrics.close()
-            io.buffer.close()
+            log.bar.close()
+            log.metrics.close()
+            log.buffer.close()
         return drawn
 
     if not dist.is_initialized():  # a one-rank group in this process
@@ -437,17 +438,17 @@ def test_explorers_differ_and_one_explorer_continues_the_same_after_a_restart(ti
 
     a, b = explorer("e1"), explorer("e2")
     ka, kb = Keep(), Keep()
-    a.rollout_batch(0, ka)
-    b.rollout_batch(0, kb)
+    one_batch(a, 0, ka)
+    one_batch(b, 0, kb)
     assert {e.task_id for g in ka.groups[0] for e in g} != {
         e.task_id for g in kb.groups[0] for e in g
     }
-    a.rollout_batch(1, ka)
+    one_batch(a, 1, ka)
     restarted, kr = explorer("e1"), Keep()
     restarted.restore(
         json.loads(json.dumps(ka.states[0]))
     )  # the state stored with batch 0, through JSON
-    restarted.rollout_batch(1, kr)
+    one_batch(restarted, 1, kr)
     assert tokens(kr) == tokens(ka)[2:]  # batch 1 again, identical
 
 
@@ -709,7 +710,6 @@ def test_finish_reads_the_explorer_queue_while_waiting_for_it_to_exit(tmp_path):
     import types
 
     import loop
-    from extras.offline import NoWeights
     from metrics import Metrics
     from run import Config
 
@@ -725,21 +725,20 @@ def test_finish_reads_the_explorer_queue_while_waiting_for_it_to_exit(tmp_path):
     (tmp_path / "final").mkdir()
     run_state = {}  # (a SQLite buffer would refuse finish's thread)
     metrics = Metrics(tmp_path)
-    the_loop = loop.StepIO(
+    the_loop = loop.StepLog(
         cfg,
-        types.SimpleNamespace(version=n),
-        n,
         0,
         1,
+        n,
         buffer=types.SimpleNamespace(set_run_state=run_state.__setitem__),
         metrics=metrics,
     )
-    the_loop.connect(loop.Explorers(lambda: loop.queued(queue), child.is_alive), NoWeights())
+    the_loop.connect(loop.Explorers(lambda: loop.queued(queue), child.is_alive))
     failed = []
 
     def finish():
         try:
-            loop.finish(cfg, the_loop, child, None, board=False)
+            loop.finish(cfg, the_loop, n, child, None, board=False)
         except BaseException as e:  # noqa: BLE001 - reported below
             failed.append(e)
 
@@ -758,7 +757,7 @@ def test_finish_reads_the_explorer_queue_while_waiting_for_it_to_exit(tmp_path):
     metrics.close()
     assert not hung, "finish() joined the explorer before reading its queue: deadlock"
     assert not failed and child.exitcode == 0, failed
-    assert sorted(the_loop.pending) == list(range(n))  # every record was read
+    assert sorted(the_loop.records.pending) == list(range(n))  # every record was read
     assert run_state == {"trainer_done": str(n)}  # and finish went on to the end
 
 

@@ -1,0 +1,104 @@
+"""Does a change of code move the default job's time per step? The same job at two commits,
+run in turn (A, B, A, B, ...: the machine's load falls on both alike), each round in a fresh
+run directory, the base model's evaluation cached for both.
+
+    python benchmarks/ab_commits.py 70e27ae HEAD                 # 12 steps, two rounds
+    python benchmarks/ab_commits.py 70e27ae HEAD --steps 12 --rounds 2 -- --seed 1
+
+Each commit is checked out once into a git worktree beside the repository's; each run is
+`python run.py --mode both --sync-interval 2 --steps N --run-dir DIR FLAGS` (the default job,
+cut to N steps). Per run it reads metrics.jsonl: the median wall seconds per step (the
+differences of time/elapsed_s, the first step left out: it holds the start), and the medians of
+time/train_s and time/explore_s. Prints one row per run, then per figure the ratio B / A of the
+medians over rounds; --json writes them.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES = ("s_per_step", "train_s", "explore_s")
+
+
+def worktree(rev: str, where: Path) -> Path:
+    """A checkout of `rev` at `where` (git worktree, detached)."""
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(where), rev],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    return where
+
+
+def figures(metrics: Path) -> dict[str, float]:
+    """The medians of one run's steps: wall seconds per step, train and explore seconds."""
+    steps = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    steps = [r for r in steps if "loss/grad_norm" in r]
+    elapsed = [r["time/elapsed_s"] for r in steps]
+    return {
+        "s_per_step": statistics.median(b - a for a, b in zip(elapsed, elapsed[1:])),
+        "train_s": statistics.median(r["time/train_s"] for r in steps[1:]),
+        "explore_s": statistics.median(
+            r["time/explore_s"] for r in steps[1:] if "time/explore_s" in r
+        ),
+    }
+
+
+def run_once(checkout: Path, run_dir: Path, steps: int, flags: list[str]) -> dict:
+    """One run of the cut default job in `checkout`; its figures and wall time."""
+    cmd = [sys.executable, "run.py", "--mode", "both", "--sync-interval", "2"]
+    cmd += ["--steps", str(steps), "--run-dir", str(run_dir), "--no-plot", *flags]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{checkout}: run.py failed:\n{out.stderr[-3000:]}")
+    return {**figures(run_dir / "metrics.jsonl"), "wall_s": time.perf_counter() - t0}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("a", help="the commit before (A)")
+    p.add_argument("b", help="the commit after (B)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--json", help="write the rows and ratios to this file")
+    p.add_argument("flags", nargs="*", help="run.py flags for both (after --)")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="ab_commits_"))
+    checkouts = {name: worktree(rev, work / name) for name, rev in (("A", args.a), ("B", args.b))}
+    rows = []
+    try:
+        # the model's conversion and the base model's evaluation, once, then read from the
+        # cache by every run
+        run_once(checkouts["A"], work / "warm-up", 2, args.flags)
+        for r in range(args.rounds):
+            for name, checkout in checkouts.items():
+                row = run_once(checkout, work / f"{name}{r}", args.steps, args.flags)
+                row = {"commit": name, "round": r, **row}
+                rows.append(row)
+                shown = "  ".join(f"{k} {row[k]:.2f}" for k in (*FIGURES, "wall_s"))
+                print(f"round {r} {name} ({getattr(args, name.lower())}): {shown}", flush=True)
+    finally:
+        for checkout in checkouts.values():
+            subprocess.run(["git", "worktree", "remove", "--force", str(checkout)], cwd=ROOT)
+    ratios = {}
+    for k in (*FIGURES, "wall_s"):
+        a = statistics.median(row[k] for row in rows if row["commit"] == "A")
+        b = statistics.median(row[k] for row in rows if row["commit"] == "B")
+        ratios[k] = b / a
+        print(f"{k}: A {a:.3f}, B {b:.3f}, B / A {b / a:.3f}")
+    if args.json:
+        record = {"a": args.a, "b": args.b, "steps": args.steps, "flags": args.flags}
+        Path(args.json).write_text(json.dumps({**record, "rows": rows, "ratios": ratios}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
