@@ -71,6 +71,11 @@ def main() -> int:
     p.add_argument("--json", help="write the rows and ratios to this file")
     p.add_argument("flags", nargs="*", help="run.py flags for both (after --)")
     args = p.parse_args()
+    # the commits themselves, not names that move (HEAD, a branch)
+    for name in ("a", "b"):
+        rev = ["git", "rev-parse", "--short", getattr(args, name)]
+        sha = subprocess.run(rev, cwd=ROOT, check=True, capture_output=True, text=True)
+        setattr(args, name, sha.stdout.strip())
     work = Path(tempfile.mkdtemp(prefix="ab_commits_"))
     checkouts = {name: worktree(rev, work / name) for name, rev in (("A", args.a), ("B", args.b))}
     rows = []
