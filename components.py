@@ -16,8 +16,10 @@ from typing import Callable
 import torch
 
 import buffer
+import cuda_graphs
 import engines
 import explorer
+import ipc_sync
 import loop
 import losses
 import metrics
@@ -255,7 +257,7 @@ def explorer_parts(cfg) -> explorer.ExplorerParts:
     if cfg.teacher:
         from extras.distill import evaluate_teacher
 
-        graphs = cuda_graphs if cfg.cuda_graphs else None
+        graphs = decode_graphs if cfg.cuda_graphs else None
         evaluate = functools.partial(evaluate_teacher, graphs=graphs)
         parts = dataclasses.replace(parts, teacher_eval=evaluate)
     return parts
@@ -275,12 +277,10 @@ def engine_class(cfg) -> type[engines.Engine]:
     return losses.resolve(cfg.engine, engines.ENGINES, "engine")
 
 
-def cuda_graphs(max_batch: int):
+def decode_graphs(max_batch: int):
     """The HF engine's decode steps as CUDA graphs (--cuda-graphs), for batches of up to
     `max_batch` rows; the engine asks for them on a GPU only."""
-    from extras.cuda_graphs import Graphs
-
-    return Graphs(max_batch)
+    return cuda_graphs.Graphs(max_batch)
 
 
 def make_engine(cfg, model_path: str, seed: int, *where) -> engines.Engine:
@@ -290,7 +290,7 @@ def make_engine(cfg, model_path: str, seed: int, *where) -> engines.Engine:
     cls = engine_class(cfg)
     build = cls.from_config
     if cfg.cuda_graphs and issubclass(cls, engines.HFEngine):
-        build = functools.partial(cls.from_config, graphs=cuda_graphs)
+        build = functools.partial(cls.from_config, graphs=decode_graphs)
     return engines.make_engine(cfg, model_path, seed, *where, build=build)
 
 
@@ -381,14 +381,11 @@ def sync_method(cfg, layout) -> str:
         # on one GPU a broadcast goes through host memory (gloo), a handle does not (docs/gpus.md)
         if not layout.explorer.startswith("cuda"):
             return "broadcast"
-        from extras.ipc_sync import cuda_ipc_allowed, shares_rank_0s_device
-
-        by_handle = cuda_ipc_allowed() and shares_rank_0s_device(cfg, layout)
+        shares = ipc_sync.shares_rank_0s_device(cfg, layout)
+        by_handle = ipc_sync.cuda_ipc_allowed() and shares
         return "ipc" if by_handle else "broadcast"
     if cfg.sync_method == "ipc":
-        from extras.ipc_sync import check_placement
-
-        check_placement(cfg, layout)
+        ipc_sync.check_placement(cfg, layout)
     return cfg.sync_method
 
 
@@ -398,9 +395,7 @@ def transport(cfg) -> type | None:
     if cfg.sync_method == "checkpoint":
         return None
     if cfg.sync_method == "ipc":  # the weights by handle on one device
-        from extras.ipc_sync import IpcSync
-
-        return IpcSync
+        return ipc_sync.IpcSync
     return sync.WeightSync
 
 

@@ -11,7 +11,7 @@ to host memory and back to the receiver's GPU that such a publish needs); (3) bu
 over a second group with --sync-bucket-mb's buckets (gathered lazily, sent one at a time); on one
 device (cpu, colocated) also (4) ipc: the same buckets written into one staging tensor the receiver maps once,
 one acknowledgement per publish (--sync-method ipc: CUDA IPC on the GPU, shared memory on the CPU;
-extras/ipc_sync.py).
+ipc_sync.py).
 The time of a publish runs from
 rank 0 starting it to rank 1 holding the weights (time.monotonic, one clock for both
 processes). Prints the medians, their ratio (raw / nanorft: 1.0 = no overhead), GB/s, and
@@ -34,7 +34,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import models  # noqa: E402
 import sync  # noqa: E402
-from extras.ipc_sync import IpcSync  # noqa: E402
+from ipc_sync import IpcSync  # noqa: E402
 from sync import checksum  # noqa: E402
 
 

@@ -266,7 +266,8 @@ def prepare(work: Path, env: dict) -> dict:
             "workflows",
             "losses",
             "extras.pipelines",
-            "extras.ipc_sync",
+            "ipc_sync",
+            "cuda_graphs",
         ):
             importlib.import_module(name)
     except Exception as e:
@@ -1018,7 +1019,7 @@ def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0
         bf16=cfg.dtype == "bfloat16",
         device=str(device),
         dtype=torch.bfloat16,
-        graphs=components.cuda_graphs,
+        graphs=components.decode_graphs,
     )  # as make_engine makes it, colocated
     graphs = engine.graphs
     parts = components.explorer_parts(cfg)

@@ -1,4 +1,4 @@
-"""The HF engine's decode step over a static cache (extras/cuda_graphs.py): the same tokens and
+"""The HF engine's decode step over a static cache (cuda_graphs.py): the same tokens and
 behaviour log-probs as the growing cache, run eagerly on the CPU and replayed as a CUDA graph
 where a GPU is visible."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import PROMPTS
+from cuda_graphs import Graphs
 from engines import HFEngine, Sampling
-from extras.cuda_graphs import Graphs
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible here)"
@@ -85,7 +85,7 @@ def test_steps_are_kept_by_batch_bucket_and_capacity(tiny_model):
 def test_each_layer_keeps_its_own_cache_shape():  # models whose layers differ in KV heads or head size
     from types import SimpleNamespace
 
-    from extras.cuda_graphs import Step
+    from cuda_graphs import Step
 
     like = [
         SimpleNamespace(keys=torch.zeros(3, h, 5, d), values=torch.zeros(3, h, 5, e))
@@ -104,7 +104,7 @@ def test_cuda_graphs_stay_off_on_a_cpu(tiny_model):
 
 @pytest.mark.parametrize("error", [RuntimeError, ValueError])
 def test_a_step_that_cannot_be_captured_decodes_eagerly(tiny_model, monkeypatch, capsys, error):
-    import extras.cuda_graphs as cg
+    import cuda_graphs as cg
 
     def fail(*args, **kwargs):  # ValueError: a model's own check, raised while it is traced
         raise error("operation not permitted when stream is capturing")

@@ -4,7 +4,10 @@ imports included; a default run imports no module of extras/ in any of its proce
 
 import ast
 import io
+import os
 import re
+import subprocess
+import sys
 import tokenize
 from pathlib import Path
 
@@ -166,6 +169,25 @@ def test_extras_never_imports_the_composition_root():
         if name.startswith("extras")
     }
     assert not {k: v for k, v in back.items() if v}
+
+
+def test_what_a_default_run_picks_on_one_gpu_is_the_cores():
+    # on one GPU, --sync-method auto picks the weight sync by handle and the engine decodes with
+    # CUDA graphs (--cuda-graphs is on by default): both live in the core, no GPU needed to ask
+    code = (
+        "import sys, components, config, launch\n"
+        "cfg = config.Config(engine='hf')\n"
+        "cfg.sync_method = components.sync_method(cfg, launch.place(1, 1, 'both'))\n"
+        "assert components.transport(cfg).__module__ == 'ipc_sync', cfg.sync_method\n"
+        "assert components.decode_graphs.__globals__['cuda_graphs'].__name__ == 'cuda_graphs'\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'extras'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTORCH_CUDA_ALLOC_CONF")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.slow

@@ -166,8 +166,8 @@ def test_hf_engine_follows_a_perturbed_sync(tiny_model, device, dtype, graphs):
 
     import sync
     from conftest import PROMPTS, rollouts
+    from cuda_graphs import Graphs
     from engines import HFEngine, Sampling
-    from extras.cuda_graphs import Graphs
     from packing import pack, response_logprobs
 
     bf16 = dtype == torch.bfloat16

@@ -1,4 +1,4 @@
-"""--sync-method ipc (extras/ipc_sync.py): the protocol in two real processes (shared memory on the CPU, CUDA IPC on
+"""--sync-method ipc (ipc_sync.py): the protocol in two real processes (shared memory on the CPU, CUDA IPC on
 a GPU), its failures as one line within the timeout, where auto picks it, and mode both end to end."""
 
 import contextlib
@@ -15,7 +15,7 @@ import components
 import launch
 import sync
 from conftest import run_py
-from extras.ipc_sync import IpcSync
+from ipc_sync import IpcSync
 from sync import checksum
 
 needs_cuda = pytest.mark.skipif(

@@ -4,7 +4,11 @@ once, and announces it by a key of the weight-sync store; each explorer copies i
 acknowledges it by a key of its own before the next publish may overwrite it: one write, one
 announcement and one acknowledgement per publish, the gathers of --sync-bucket-mb's buckets each
 written into its slice. After vLLM's `ColocateWorkerExtension` (rlhf_colocate.py @ 04ba446,
-rlhf_utils.py @ 081b8e3), the store for ZMQ."""
+rlhf_utils.py @ 081b8e3), the store for ZMQ.
+
+A module of its own beside sync.py: the weight-sync method that --sync-method auto picks on one
+GPU, a protocol of both ends (trainer rank 0 and the explorer) with sync.WeightSync's
+interface."""
 
 import os
 import pickle

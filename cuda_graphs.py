@@ -1,5 +1,6 @@
-"""The HF engine's decode step, sampling included, as a CUDA graph (`--cuda-graphs`: the
-composition root gives engines.HFEngine the factory `Graphs`): one launch instead of tens per
+"""The HF engine's decode step, sampling included, as a CUDA graph (`--cuda-graphs`, on by
+default on a GPU: the composition root gives engines.HFEngine the factory `Graphs`; a module of
+its own, performance machinery beside the engine, never inside it): one launch instead of tens per
 layer and no host sync. Graphs need fixed shapes and addresses, so the KV cache is static
 ([Bb, KV, L, D] per layer for a batch bucket Bb and a capacity L) with a boolean mask
 [Bb, 1, 1, L]; syncs copy weights in place, so graphs stay valid; the engine's generator is
