@@ -27,9 +27,9 @@ STORAGE_DEVICE = 6
 
 
 def check_placement(cfg, layout) -> None:
-    """launch.sync_method's check of --sync-method ipc: ValueError (one line) unless the explorer
-    shares trainer rank 0's device in `layout` (a launch.Placement) and is an hf engine of mode
-    both, and on a GPU unless the CUDA allocator can hand out handles (`cuda_ipc_allowed`)."""
+    """components.sync_method's check of --sync-method ipc: ValueError (one line) unless the
+    explorer shares trainer rank 0's device in `layout` (a launch.Placement) and is an hf engine of
+    mode both, and on a GPU unless the CUDA allocator can hand out handles (`cuda_ipc_allowed`)."""
     if not shares_rank_0s_device(cfg, layout):
         raise ValueError(
             "--sync-method ipc hands the weights to an hf engine on trainer rank 0's device: "

@@ -37,13 +37,12 @@ import torch.distributed as dist  # noqa: E402
 
 import models  # noqa: E402
 import run  # noqa: E402
-from components import explorer_parts, load_tasks, resolve_model  # noqa: E402
+from components import explorer_parts, load_tasks, make_trainer, resolve_model  # noqa: E402
 from engines import HFEngine  # noqa: E402
 from explorer import Explorer  # noqa: E402
 from models import choose_dtype  # noqa: E402
 from packing import left_pad  # noqa: E402
 from perf import cpu_model, measure_matmul  # noqa: E402
-from trainer import Trainer  # noqa: E402
 
 
 def pipeline(args, extra):
@@ -204,7 +203,7 @@ def setup(args, extra, dtype: str) -> dict:
         "cfg": cfg,
         "ex": Explorer(cfg, engine, train, held, ds, print, explorer_parts(cfg)),
         "pad": engine.pad,
-        "trainer": Trainer(cfg, path, torch.device("cpu")),
+        "trainer": make_trainer(cfg, path, torch.device("cpu")),
         "raw": raw,
         "raw_opt": torch.optim.AdamW(raw.parameters(), lr=0.0),
     }

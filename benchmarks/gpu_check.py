@@ -994,7 +994,6 @@ def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0
     from engines import HFEngine, Sampling
     from explorer import Explorer
     from models import choose_dtype
-    from trainer import Trainer
 
     path = str(work / "models" / name)
     cfg = run.parse_config(
@@ -1024,7 +1023,7 @@ def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0
     graphs = engine.graphs
     parts = components.explorer_parts(cfg)
     explorer = Explorer(cfg, engine, train, held, dataset, lambda record: None, parts)
-    trainer = Trainer(cfg, path, device)
+    trainer = components.make_trainer(cfg, path, device)  # as a run makes it
     gen_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
     raw = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     raw_opt = torch.optim.AdamW(raw.parameters(), lr=0.0)

@@ -59,7 +59,7 @@ def publish_checkpoint(
 
 
 class CheckpointWeights:
-    """The weight publisher of --sync-method checkpoint (sync.make_publisher): rank 0 writes
+    """The weight publisher of --sync-method checkpoint (components.publisher): rank 0 writes
     each version to RUN_DIR/checkpoints, where the explorers look for it. It keeps every
     version that mode both's schedule may still ask for (`kept_versions`)."""
 

@@ -236,7 +236,7 @@ def check_offline_data(cfg, tok) -> None:
 
 
 class NoWeights:
-    """The weight publisher of offline training (--train-data; sync.make_publisher): no explorer
+    """The weight publisher of offline training (--train-data; components.publisher): no explorer
     takes the weights."""
 
     def publish(self, trainer) -> tuple[None, None]:
