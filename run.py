@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from transformers.utils import logging as transformers_logging
 
 import components
 import launch
@@ -397,8 +398,11 @@ def main(argv: list[str] | None = None, leave_on_interrupt: bool = False) -> int
     # never shadowing ours
     if not any(os.path.abspath(p or ".") == os.getcwd() for p in sys.path):
         sys.path.append(os.getcwd())
-    # transformers' loading bars would break the step bar
+    # transformers' loading bars would break the step bar: off here, where transformers was
+    # imported before, and in the processes this one starts (unless the user asks for them)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+        transformers_logging.disable_progress_bar()
     try:
         cfg = parse_config(argv)
         if finished_run(cfg):

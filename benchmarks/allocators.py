@@ -8,8 +8,11 @@ installed) and mimalloc (the `cmeel-mimalloc` wheel of requirements.txt), with r
     python benchmarks/allocators.py --steps 4 --rounds 1 --out benchmarks/results/allocators.json
     python benchmarks/allocators.py --allocators mimalloc,mimalloc-thp --steps 12 --rounds 2
     python benchmarks/allocators.py --allocators tcmalloc-kept,tcmalloc --steps 12 --rounds 2
+    python benchmarks/allocators.py --allocators mimalloc,mimalloc-purge0 --steps 12 --rounds 2
 
-tcmalloc-kept is tcmalloc with `--return-memory-s 0`: the trainer keeps the free pages.
+tcmalloc-kept is tcmalloc with `--return-memory-s 0`: the trainer keeps the free pages;
+mimalloc-purge0 is mimalloc returning a page to the system as soon as it is empty
+(MIMALLOC_PURGE_DELAY=0).
 
 Prints per allocator: the trainer's step (time/train_s, steps after the first), wall seconds
 per step, the minor page faults of the whole job (all its processes), the trainer's and the
@@ -95,8 +98,8 @@ def main() -> None:
         "--allocators",
         default="glibc,tcmalloc,mimalloc,mimalloc-thp",
         help="comma-separated: glibc, tcmalloc, mimalloc (with run.py's settings), mimalloc-thp "
-        "(transparent huge pages allowed, mimalloc's own default), tcmalloc-kept (tcmalloc, "
-        "--return-memory-s 0)",
+        "(transparent huge pages allowed, mimalloc's own default), mimalloc-purge0 (run.py's "
+        "settings, MIMALLOC_PURGE_DELAY=0), tcmalloc-kept (tcmalloc, --return-memory-s 0)",
     )
     args, flags = p.parse_known_args()
     if args.steps < 3:
@@ -105,6 +108,13 @@ def main() -> None:
     variants = {
         "glibc": (None, {}, []),
         "mimalloc-thp": ("mimalloc", {"MIMALLOC_ALLOW_THP": "1"}, []),
+        # freed pages returned to the system at the free that empties them, not after a delay
+        # checked only at the owning thread's next allocation
+        "mimalloc-purge0": (
+            "mimalloc",
+            {**launch.ALLOCATOR_ENV["mimalloc"], "MIMALLOC_PURGE_DELAY": "0"},
+            [],
+        ),
         **{name: (name, launch.ALLOCATOR_ENV.get(name, {}), []) for name in launch.ALLOCATORS},
         "tcmalloc-kept": (
             "tcmalloc",
