@@ -424,23 +424,24 @@ def receiver(cfg, engine, log, alive, port: int | None, device: str) -> sync.Rec
     return sync.Receiver(engine, cfg, log, alive, port, device, transport(cfg), source)
 
 
+def buffer_backend(cfg) -> type | None:
+    """The class of cfg.buffer's server connection (PostgreSQL's for a postgresql:// URL), or
+    None for a SQLite file."""
+    if not cfg.buffer.startswith(buffer.POSTGRES):
+        return None
+    from extras.postgres import Postgres
+
+    return Postgres
+
+
 def open_buffer(cfg) -> buffer.Buffer:
     """The run's buffer: RUN_DIR/buffer.sqlite, a SQLite path, or a PostgreSQL URL."""
-    if cfg.buffer.startswith(buffer.POSTGRES):
-        from extras.postgres import open_buffer as open_any
-
-        return open_any(cfg.buffer, cfg.run_dir)
-    return buffer.open_buffer(cfg.buffer, cfg.run_dir)
+    return buffer.open_buffer(cfg.buffer, cfg.run_dir, backend=buffer_backend(cfg))
 
 
 def check_buffer(cfg) -> None:
     """buffer.check_config with the backend of cfg.buffer."""
-    backend = None
-    if cfg.buffer.startswith(buffer.POSTGRES):
-        from extras.postgres import Postgres
-
-        backend = Postgres
-    buffer.check_config(cfg, backend)
+    buffer.check_config(cfg, buffer_backend(cfg))
 
 
 def reader_and_log(

@@ -195,8 +195,9 @@ def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks):
     perf.return_free_memory(cfg.return_memory_s)
     state = resume_state(cfg.run_dir) if cfg.resume else None
     start = load_resume_state(trainer, state) if state else 0
-    parts = components.reader_and_log(cfg, trainer, start, model_path, rank, world, layout, device)
-    reader, log = parts
+    reader, log = components.reader_and_log(
+        cfg, trainer, start, model_path, rank, world, layout, device
+    )
     explorer = weights = None
     annotating = threading.Event()
     try:
