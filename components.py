@@ -107,9 +107,29 @@ def teacher(cfg):
     return lambda policy: Teacher(policy, resolve_model(cfg.teacher))
 
 
+def uses_old_policy(cfg) -> bool:
+    """Whether cfg asks for pi_old, a rollout correction or the mismatch attribution
+    (extras/old_policy.py)."""
+    return (
+        cfg.old_logprobs != "behaviour"
+        or cfg.rollout_correction != "none"
+        or bool(cfg.rollout_correction_kwargs or cfg.mismatch_every)
+    )
+
+
+def old_policy(cfg):
+    """The factory (trainer -> hook) of pi_old, the rollout correction and the mismatch
+    attribution when cfg asks for them, else None."""
+    if not uses_old_policy(cfg):
+        return None
+    from extras.old_policy import OldPolicy
+
+    return OldPolicy
+
+
 def make_trainer(cfg, model_path: str, device: torch.device) -> trainer.Trainer:
-    """This rank's trainer of `cfg` on the model at `model_path`: its class, algorithm and frozen
-    scorers. ValueError (one line): a bad algorithm; without peft for LoRA."""
+    """This rank's trainer of `cfg` on the model at `model_path`: its class, algorithm, frozen
+    scorers and old-policy hook. ValueError (one line): a bad algorithm; without peft for LoRA."""
     algo = algorithm(cfg)
     return trainer_class(cfg)(
         cfg,
@@ -118,6 +138,7 @@ def make_trainer(cfg, model_path: str, device: torch.device) -> trainer.Trainer:
         algorithm=algo,
         reference=reference(cfg, algo, model_path),
         teacher=teacher(cfg),
+        old_policy=old_policy(cfg),
     )
 
 
@@ -138,6 +159,10 @@ def check_trainer(cfg) -> None:
         )
     if cfg.lora_rank:
         from extras.lora import check_config
+
+        check_config(cfg)
+    if uses_old_policy(cfg):
+        from extras.old_policy import check_config
 
         check_config(cfg)
 

@@ -97,7 +97,9 @@ class Config:
     temperature: float = 0.7
     """sampling temperature of the rollouts (the trainer's logprobs use the same)"""
     top_p: float = 1.0
-    """nucleus sampling (mode bench only: training needs 1)"""
+    """nucleus sampling (1 = off); trainable: the trainer replays the kept set (mask replay)"""
+    top_k: int = 0
+    """top-k sampling, applied before top-p as vLLM does (0 = off); trainable as top_p is"""
     eval_temperature: float = 0.0
     """temperature for held-out evaluation (0 = greedy)"""
     eval_k: int = 4
@@ -172,9 +174,17 @@ class Config:
     advantage_kwargs: dict = field(default_factory=dict)
     """keyword arguments of the advantage estimator (JSON), e.g. {"baseline": "logavgexp"} for opmd"""  # noqa: E501
     policy_loss: str = "ppo_clip"
-    """policy loss: ppo_clip, dppo_kl, reinforce_tis, cispo, gspo, sft, dpo, mix, topr, opmd_kimi, opmd_pairwise, opmd_simple, or module.function"""  # noqa: E501
+    """policy loss: ppo_clip, dppo_kl, reinforce_tis, cispo, importance_sampling, gspo, sft, dpo, mix, topr, opmd_kimi, opmd_pairwise, opmd_simple, or module.function"""  # noqa: E501
     policy_loss_kwargs: dict = field(default_factory=dict)
     """keyword arguments of the policy loss (JSON), e.g. {"clip_high": 0.28, "dual_clip": 3.0} for ppo_clip"""  # noqa: E501
+    old_logprobs: Literal["behaviour", "recompute"] = "behaviour"
+    """pi_old, the anchor of the policy loss's ratio: behaviour (the engine's log-probs) or recompute (the trainer's own forward at each experience's behaviour version, from weights it keeps: decoupled PPO; one forward pass per step, one copy of the weights per version of the staleness bound)"""  # noqa: E501
+    rollout_correction: str = "none"
+    """rollout correction, a weight or mask from pi_old / pi_behaviour on each token's loss (needs --old-logprobs recompute): none, tis-token, tis-seq, mis-token, mis-seq, geo-mask, icepop (docs/algorithms.md)"""  # noqa: E501
+    rollout_correction_kwargs: dict = field(default_factory=dict)
+    """bounds of the rollout correction (JSON), {"low": ..., "high": ...}; unset: its source's defaults"""  # noqa: E501
+    mismatch_every: int = 0
+    """every this many steps, split the gap between the behaviour log-probs and the trainer's current ones into its causes, logged as mismatch/<part>/abs and /k3 (docs/mismatch.md); 0 = off; keeps one copy of the weights per version of the staleness bound"""  # noqa: E501
     loss_agg: str = "auto"
     """loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, or auto (the loss's own default)"""  # noqa: E501
     kl_loss_coef: float = 0.0
@@ -398,7 +408,7 @@ AT_LEAST_ZERO = (
     "lr weight_decay max_grad_norm kl_loss_coef kl_reward_coef entropy_coef length_penalty "
     "eval_temperature buffer_timeout_s sync_timeout_s sync_bucket_mb train_size eval_size "
     "checkpoint_interval log_samples trainer_threads explorer_threads lora_rank eval_k "
-    "lr_warmup_steps workflow_retries refill_rounds sync_offset distill_coef return_memory_s"
+    "lr_warmup_steps workflow_retries refill_rounds sync_offset distill_coef return_memory_s top_k"
 ).split()
 
 

@@ -37,8 +37,8 @@ class ColumnLayer(DynamicLayer):
 class Step:
     """One decode step of `model` over a static cache shaped like `like` (a prefilled cache's
     layers) for `rows` sequences and `capacity` tokens, the next tokens sampled in the step;
-    captured as a CUDA graph per sampling (its temperature and top-p) when `capture`, else run
-    eagerly."""
+    captured as a CUDA graph per sampling (its temperature, top-p and top-k) when `capture`, else
+    run eagerly."""
 
     def __init__(self, model, like: list, rows: int, capacity: int, capture: bool, pool=None):
         device = like[0].keys.device
@@ -58,10 +58,12 @@ class Step:
         self.model = model
         self.capture = capture
         self.pool = pool  # the memory pool its graphs share (torch.cuda.graph_pool_handle)
-        # (temperature, top_p) -> (graph, its sampled tokens [Bb], their log-probs [Bb])
+        # (temperature, top_p, top_k) -> (graph, its sampled tokens [Bb], their log-probs [Bb],
+        # their floors [Bb] or None)
         self.graphs: dict[tuple, tuple] = {}
 
-    def forward(self, sampling, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, sampling, generator: torch.Generator) -> tuple:
+        """(tokens [Bb], log-probs [Bb], floors [Bb] or None): engines.sample_token's."""
         logits = self.model(
             input_ids=self.ids,
             attention_mask=self.mask,
@@ -69,19 +71,19 @@ class Step:
             past_key_values=self.cache,
             use_cache=True,
         ).logits[:, -1]  # [Bb, V]
-        return sample_token(logits, sampling.temperature, sampling.top_p, generator)
+        return sample_token(logits, sampling, generator)
 
     def prepare(self, sampling, generator: torch.Generator) -> None:
         """Capture the step for `sampling` unless it is (eager: nothing to do). Raises what the
         capture raised."""
-        key = (sampling.temperature, sampling.top_p)
+        key = (sampling.temperature, sampling.top_p, sampling.top_k)
         if self.capture and key not in self.graphs:
             self.graphs[key] = self.captured(sampling, generator)
 
     def captured(self, sampling, generator: torch.Generator) -> tuple:
-        """(graph, tokens [Bb], log-probs [Bb]) of the step under `sampling`, drawing from
-        `generator` (registered with the graph: each replay advances it as the eager step would);
-        the generator is left as it was."""
+        """(graph, tokens [Bb], log-probs [Bb], floors [Bb] or None) of the step under `sampling`,
+        drawing from `generator` (registered with the graph: each replay advances it as the eager
+        step would); the generator is left as it was."""
         # autocast's weight cache would free the casts the graph reads: the graph casts on every
         # replay
         cast = torch.autocast(
@@ -111,7 +113,7 @@ class Step:
                 torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"),
                 cast,
             ):
-                tokens, logprobs = self.forward(sampling, generator)
+                tokens, logprobs, floors = self.forward(sampling, generator)
         finally:
             # a failed warm-up may still be writing the cache; a failed capture leaves its stream
             # current
@@ -119,17 +121,17 @@ class Step:
             before.wait_stream(side)
             torch.cuda.set_stream(before)
             generator.set_state(state)
-        return graph, tokens, logprobs
+        return graph, tokens, logprobs, floors
 
-    def __call__(self, sampling, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next tokens [Bb] and their log-probs [Bb]; a captured step's are overwritten by its
-        next call."""
-        key = (sampling.temperature, sampling.top_p)
+    def __call__(self, sampling, generator: torch.Generator) -> tuple:
+        """The next tokens [Bb], their log-probs [Bb] and floors [Bb] or None; a captured step's are
+        overwritten by its next call."""
+        key = (sampling.temperature, sampling.top_p, sampling.top_k)
         if key not in self.graphs:
             return self.forward(sampling, generator)
-        graph, tokens, logprobs = self.graphs[key]
+        graph, tokens, logprobs, floors = self.graphs[key]
         graph.replay()
-        return tokens, logprobs
+        return tokens, logprobs, floors
 
 
 class Replay:
@@ -152,15 +154,17 @@ class Replay:
         self.sampling = sampling
         self.generator = generator
 
-    def __call__(self, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, tok: torch.Tensor) -> tuple:
+        """(tokens [B], log-probs [B], floors [B] or None) of the next step."""
         s = self.step
         s.ids[: self.rows, 0] = tok
         s.pos += 1
         s.index.fill_(self.column)
         s.mask[:, 0, 0, self.column] = True
         self.column += 1
-        tokens, logprobs = s(self.sampling, self.generator)
-        return tokens[: self.rows], logprobs[: self.rows]
+        tokens, logprobs, floors = s(self.sampling, self.generator)
+        floors = None if floors is None else floors[: self.rows]
+        return tokens[: self.rows], logprobs[: self.rows], floors
 
 
 class Graphs:

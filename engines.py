@@ -16,7 +16,7 @@ import torch
 import models
 import sync
 from losses import resolve
-from packing import left_pad, packed_sdpa
+from packing import kept_floor, left_pad, packed_sdpa
 
 
 @dataclass(frozen=True)
@@ -26,17 +26,19 @@ class Sampling:
     max_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
 
 
 @dataclass
 class Completion:
     """One response: tokens [R], behaviour_logprobs [R], finish_reason (stop, length), weight
-    versions (first, last)."""
+    versions (first, last), logprob_floors [R] of a truncation (sample_token's floors) or None."""
 
     tokens: list[int]
     behaviour_logprobs: list[float]
     finish_reason: str
     versions: tuple[int, int] = (0, 0)
+    logprob_floors: list[float] | None = None
 
 
 @dataclass
@@ -217,24 +219,21 @@ class Engine:
 
 
 def sample_token(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B], behaviour_logprobs [B]) from logits [B, V]: softmax(logits / temperature)
-    renormalised in the top-p nucleus (Holtzman et al., arXiv:1904.09751). temperature 0: greedy,
-    log-prob 0."""
-    if temperature == 0:
-        return logits.argmax(-1), logits.new_zeros(logits.shape[0], dtype=torch.float)
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, V]
-    if top_p < 1.0:
-        sorted_lp, order = logp.sort(dim=-1, descending=True)  # [B, V]
-        before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # mass strictly before each token
-        drop = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, before >= top_p)
-        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(tokens [B], behaviour_logprobs [B], floors [B] or None) from logits [B, V]: softmax(logits /
+    temperature) renormalised in its kept set (packing.kept_floor: top-k, then top-p; the floors
+    the trainer replays, None without truncation). temperature 0: greedy, log-prob 0."""
+    if sampling.temperature == 0:
+        return logits.argmax(-1), logits.new_zeros(logits.shape[0], dtype=torch.float), None
+    logp = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)  # [B, V]
+    if (floors := kept_floor(logp, sampling.top_p, sampling.top_k)) is not None:  # [B]
+        logp = torch.log_softmax(logp.masked_fill(logp < floors[:, None], float("-inf")), dim=-1)
     cdf = logp.exp().cumsum(-1)  # [B, V]
     u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]  # [B, 1]
     # inverse CDF (never a token of mass 0): on a CPU much faster than torch.multinomial
     tokens = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(-1)  # [B]
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), floors
 
 
 @functools.cache
@@ -291,7 +290,7 @@ def decode_cache():
 class Decoding:
     """Decode steps over a prefilled cache of `decode_cache()`: each call takes the tokens [A] just
     sampled and samples the next ones under `sampling` with `generator`: (tokens [A], behaviour
-    log-probs [A])."""
+    log-probs [A], floors [A] or None: `sample_token`'s)."""
 
     drops = True  # ended rows can leave the batch
 
@@ -319,7 +318,7 @@ class Decoding:
         for layer in self.cache.layers:
             layer.keep(rows)
 
-    def __call__(self, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         self.attn = torch.cat([self.attn, self.attn.new_ones((len(tok), 1))], dim=1)
         self.pos = self.pos[:, -1:] + 1
         logits = self.model(
@@ -329,7 +328,7 @@ class Decoding:
             past_key_values=self.cache,
             use_cache=True,
         ).logits[:, -1]
-        return sample_token(logits, self.sampling.temperature, self.sampling.top_p, self.generator)
+        return sample_token(logits, self.sampling, self.generator)
 
 
 # decode steps between two reads of `done` on a GPU: each read waits for the GPU to finish the step,
@@ -511,7 +510,7 @@ class HFEngine(Engine):
                 )
                 # [B, R] the sampled tokens and their behaviour log-probs
                 tokens = torch.full((B, s.max_tokens), self.pad, dtype=torch.long, device=dev)
-                behaviour = torch.zeros(B, s.max_tokens, device=dev)
+                behaviour, floors = torch.zeros(2, B, s.max_tokens, device=dev)  # [B, R] each
                 # [A] the row of `chunk` of each row still decoding
                 live = torch.arange(B, device=dev)
                 done = torch.zeros(B, dtype=torch.bool, device=dev)  # [A]
@@ -519,12 +518,14 @@ class HFEngine(Engine):
                 first = self.version
                 last = torch.full((B,), self.version, device=dev)
                 # [A] tokens, [A] their log-probs: the first from the prefill, then from decoding
-                tok, lp = sample_token(logits, s.temperature, s.top_p, self.generator)
+                tok, lp, fl = sample_token(logits, s, self.generator)
                 for step in range(s.max_tokens):
                     if step > 0:
-                        tok, lp = decoding(tok)
+                        tok, lp, fl = decoding(tok)
                     tok = tok.masked_fill(done, self.pad)
                     tokens[live, step], behaviour[live, step] = tok, lp
+                    if fl is not None:  # a truncation's kept sets
+                        floors[live, step] = fl
                     if self.version != first:  # no boolean index: it would wait for the device
                         last[live] = torch.where(done, last[live], self.version)
                     done = done | torch.isin(tok, self.eos)
@@ -546,6 +547,8 @@ class HFEngine(Engine):
                     end = next((j + 1 for j, x in enumerate(t) if x in eos), None)
                     reason = "length" if end is None else "stop"
                     out.append(Completion(t[:end], lp[:end], reason, (first, v)))
+                for c, row in zip(out[start:], [] if fl is None else floors.tolist()):
+                    c.logprob_floors = [round(f, 6) for f in row[: len(c.tokens)]]  # compact JSON
         completions = iter(out)
         return [list(itertools.islice(completions, n)) for n in ns]
 

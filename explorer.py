@@ -95,7 +95,7 @@ class Explorer:
         self.dataset = dataset  # the verifier's (reasoning-gym's), or None
         self.log = log
         self.parts = parts
-        sampling = Sampling(cfg.max_tokens, cfg.temperature, cfg.top_p)
+        sampling = Sampling(cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
         eval_sampling = Sampling(cfg.max_tokens, cfg.eval_temperature, 1.0)
         shared = (engine.tokenizer, parts.reward_fn, dataset, cfg.system_prompt)
         self.workflow = parts.workflow(*shared, sampling, run_dir=cfg.run_dir)
@@ -267,11 +267,20 @@ class Explorer:
         batch = plan.batch
         # provenance: the buffer alone tells a run's history, and the trainer checks that it
         # computes its log-probs under the distribution the tokens were sampled from
+        truncated = cfg.top_p < 1 or cfg.top_k > 0
         for e in itertools.chain(*groups):
             e.explorer = cfg.explorer_name
             e.info["batch"] = batch
             e.info["temperature"] = cfg.temperature
             e.info["top_p"] = cfg.top_p
+            e.info["top_k"] = cfg.top_k
+            # without the kept sets the trainer's log-probs would be the full softmax's: biased
+            if truncated and len(e.info.get("logprob_floors", ())) != len(e.action_mask):
+                raise RuntimeError(
+                    f"workflow {cfg.workflow!r} recorded no info['logprob_floors'] per response "
+                    "token (workflows.floors_info), which training at --top-p < 1 or --top-k > 0 "
+                    "needs: record them, or sample with --top-p 1 --top-k 0"
+                )
         buffer.write_batch(groups, cfg.explorer_name, {"batch": batch + 1, **self.state()}, updates)
         self._write_samples(batch, plan.version, groups)
         exps = [e for g in generated for e in g]

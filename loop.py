@@ -30,17 +30,29 @@ REWARD_ERROR_STEPS = 3
 
 
 def check_sampling(cfg, groups: list[list[Experience]]) -> None:
-    """RuntimeError (one line) for a rollout sampled at another temperature or top-p than
-    cfg's: the trainer computes the current log-probs at cfg.temperature, so every importance
-    ratio would be biased. (An explorer launched with other flags than the trainer.)"""
+    """RuntimeError (one line) for a rollout sampled at another temperature, top-p or top-k than
+    cfg's: the trainer computes the current log-probs at cfg.temperature over the kept sets the
+    rollout recorded, so every importance ratio would be biased (an explorer launched with other
+    flags than the trainer); or for a truncated rollout without its kept sets (info
+    "logprob_floors", one per response token)."""
+    settings = (cfg.temperature, cfg.top_p, cfg.top_k)
     for e in (e for g in groups for e in g):
-        sampled = (e.info.get("temperature", cfg.temperature), e.info.get("top_p", cfg.top_p))
-        if sampled != (cfg.temperature, cfg.top_p):
+        keys = ("temperature", "top_p", "top_k")
+        sampled = tuple(e.info.get(k, v) for k, v in zip(keys, settings))
+        if sampled != settings:
             raise RuntimeError(
                 f"experience {e.group_id} of explorer {e.explorer!r} was sampled at temperature "
                 f"{sampled[0]}, top_p {sampled[1]}; this trainer computes log-probs at temperature "
-                f"{cfg.temperature}, top_p {cfg.top_p}: launch both sides with the same "
-                "--temperature and --top-p"
+                f"{cfg.temperature}, top_p {cfg.top_p}; top_k {sampled[2]} there, {cfg.top_k} "
+                "here: launch both sides with the same --temperature, --top-p and --top-k"
+            )
+        # what the rollout itself records (offline data, recording no sampling, has no kept sets)
+        truncated = e.info.get("top_p", 1.0) < 1 or e.info.get("top_k", 0) > 0
+        if truncated and len(e.info.get("logprob_floors", ())) != len(e.action_mask):
+            raise RuntimeError(
+                f"experience {e.group_id} of explorer {e.explorer!r} was sampled at top_p "
+                f"{sampled[1]}, top_k {sampled[2]} without info['logprob_floors'] per response "
+                "token: its explorer's workflow records no kept sets, which training needs"
             )
 
 

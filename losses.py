@@ -31,6 +31,13 @@ class LossInputs:
     group_index: torch.Tensor  # [B] int (whole groups present when the loss `needs_groups`)
     ref_logprobs: torch.Tensor | None = None  # [B, T] under the frozen reference policy
     expert: torch.Tensor | None = None  # [B] bool: expert (SFT) sequences
+    # [B, T] pi_old, the trust region's anchor where the loss's source has one: the trainer's
+    # log-probs at the behaviour version (--old-logprobs recompute); None: behaviour_logprobs
+    old_logprobs: torch.Tensor | None = None
+
+    def anchor(self) -> torch.Tensor:
+        """pi_old's log-probs [B, T]: old_logprobs, or the behaviour log-probs without them."""
+        return self.behaviour_logprobs if self.old_logprobs is None else self.old_logprobs
 
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -47,6 +54,8 @@ class PolicyLoss:
     needs_groups: bool = False  # whole groups in one micro-batch (a pairwise loss)
     needs_ref: bool = False  # the reference model's log-probs (LossInputs.ref_logprobs)
     split_expert: bool = False  # expert and rollout tokens aggregated apart (`part_totals`)
+    # a clip, cap or mask bounds its step on stale experiences (False: the staleness guard warns)
+    trust_region: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,9 +174,10 @@ def kl_estimate(logp: torch.Tensor, logq: torch.Tensor, kind: str = "k3") -> tor
 
 
 def importance_ratio(inp: LossInputs) -> torch.Tensor:
-    """exp(logprobs - behaviour_logprobs) [B, T], the log-ratio clamped to [-20, 20] as verl
-    does."""
-    return torch.exp((inp.logprobs - inp.behaviour_logprobs).clamp(-20, 20))
+    """pi_theta / pi_old: exp(logprobs - inp.anchor()) [B, T], the log-ratio clamped to
+    [-20, 20] as verl does (core_algos.py compute_policy_loss_vanilla @ b178a3c, whose
+    old_log_prob is its trainer's recomputation)."""
+    return torch.exp((inp.logprobs - inp.anchor()).clamp(-20, 20))
 
 
 def ppo_clip_loss(

@@ -300,6 +300,24 @@ def reward_metrics(rewards) -> dict[str, float]:
     }
 
 
+def accumulate(sums: dict, micro_batch: dict) -> None:
+    """Add a micro-batch's metric sums (name -> 0-dim tensor on the trainer's device: no wait
+    for the device per micro-batch) into `sums` in float64; extremes (`*_max`, `*_min`) are
+    kept."""
+    import torch
+
+    for k, v in micro_batch.items():
+        v = v.double()
+        if k not in sums:
+            sums[k] = v
+        elif k.endswith("_max"):
+            sums[k] = torch.maximum(sums[k], v)
+        elif k.endswith("_min"):
+            sums[k] = torch.minimum(sums[k], v)
+        else:
+            sums[k] = sums[k] + v
+
+
 def micro_batch_sums(share, lp, behaviour, entropy, mask, offline, terms: dict) -> dict:
     """Trainer.forward_backward's metrics of one micro-batch, 0-dim tensors on its device (no
     wait for the device per micro-batch): "loss/policy" (`share`, its part of the policy loss),

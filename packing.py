@@ -1,5 +1,6 @@
 """Token layouts of a batch: `pack` (shared prompts), `micro_batches`, `response_logprobs` and
-`left_pad`."""
+`left_pad`; `kept_floor`, the kept set of top-k / top-p sampling that the engine records and the
+LM head's log-probs (`HeadLogprobs`) replay."""
 
 import functools
 
@@ -57,7 +58,9 @@ def pack(
     tokens, T a `token_multiple`), token_slots [T] (each one's slot of the rows), attention_mask
     [N, 1, L, L] bool (L a `multiple`); if `causal` and each row holds one sequence: input_ids
     [N, L], position_ids [1, L], no mask or slots. Per response token rows / positions (predicting
-    it) / targets / seq / col [T'] long; response_ids / behaviour_logprobs / mask [B, R]."""
+    it) / targets / seq / col [T'] long, floors [T'] float (the kept sets' log-prob floors of
+    info["logprob_floors"], -inf where an experience has none; None where none has any);
+    response_ids / behaviour_logprobs / mask [B, R]."""
     R = max(1, max(len(e.tokens) - e.prompt_length for e in exps))
     rows = share_prompts(exps, row_tokens)
     L = -(-max(row_length(exps, *row) for row in rows) // multiple) * multiple
@@ -101,11 +104,16 @@ def pack(
         ids, pos = ids.flatten()[token_slots][None], pos.flatten()[token_slots][None]  # [1, T]
     response = torch.full((len(exps), R), pad, dtype=torch.long)
     behaviour, mask = torch.zeros((len(exps), R)), torch.zeros((len(exps), R))
+    floors = None  # [B, R] once an experience has floors
     for b, e in enumerate(exps):
         r = len(e.tokens) - e.prompt_length
         response[b, :r] = torch.tensor(e.tokens[e.prompt_length :], dtype=torch.long)
         behaviour[b, :r] = torch.tensor(e.behaviour_logprobs)
         mask[b, :r] = torch.tensor(e.action_mask, dtype=torch.float)
+        if (fl := e.info.get("logprob_floors")) is not None:
+            if floors is None:
+                floors = torch.full((len(exps), R), float("-inf"))
+            floors[b, :r] = torch.tensor(fl, dtype=torch.float)
     return {
         "input_ids": ids,
         "attention_mask": attn,
@@ -114,12 +122,34 @@ def pack(
         "rows": rows_i,
         "positions": positions,
         "targets": response[seq, col],
+        "floors": None if floors is None else floors[seq, col],
         "seq": seq,
         "col": col,
         "response_ids": response,
         "behaviour_logprobs": behaviour,
         "mask": mask,
     }
+
+
+def kept_floor(logp: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor | None:
+    """The threshold [B] of the tokens that top-k (0: off), then top-p over the renormalised top-k,
+    keep of log-probs logp [B, V] (kept: logp >= it): halfway between the smallest kept log-prob and
+    the largest dropped one, so that a recomputation's noise (the trainer's kernels, bf16) flips no
+    token not that close to the boundary; ties at it all kept (as vLLM's top-k keeps them). None:
+    no truncation (top_p 1, top_k 0). engines.sample_token records it; HeadLogprobs replays it."""
+    if top_p >= 1.0 and top_k <= 0:
+        return None
+    k = top_k if 0 < top_k < logp.shape[-1] else logp.shape[-1]
+    # [B, k + 1] descending: the top-k and the first it drops; [B, V] for top-p alone
+    vals = logp.topk(k + 1, dim=-1).values if k < logp.shape[-1] else logp.sort(-1, True).values
+    kept = torch.full_like(vals[:, 0], k, dtype=torch.long)  # [B] how many of `vals` are kept
+    if top_p < 1.0:  # the smallest prefix of the renormalised top-k reaching top_p (>= 1 token)
+        probs = torch.softmax(vals[:, :k], dim=-1)  # [B, k]
+        kept = ((probs.cumsum(-1) - probs) < top_p).sum(-1).clamp_(min=1)
+    smallest = vals.gather(-1, (kept - 1)[:, None]).squeeze(-1)  # [B]
+    dropped = vals.gather(-1, kept.clamp(max=vals.shape[1] - 1)[:, None]).squeeze(-1)  # [B]
+    # none dropped: 1 below the smallest (finite, for the buffer's JSON)
+    return torch.where(kept < vals.shape[1], (smallest + dropped) / 2, smallest - 1)
 
 
 def micro_batches(units: list[list[Experience]], token_budget: int) -> list[list[Experience]]:
@@ -231,11 +261,13 @@ def packed_logprobs(
     entropy: bool,
     head_grad_into_weight: bool = False,
     head_chunk_elems: int = 0,
+    floors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [T'] and entropy [T'] or None of a `pack` batch, the LM head on predicting
     positions only; switches `model` to `packed_sdpa` (plain sdpa where no slots are given).
-    `head_grad_into_weight`, `head_chunk_elems`: `chunked_logprobs`' grad_into_weight and
-    chunk_elems."""
+    `head_grad_into_weight`, `head_chunk_elems`, `floors` [T']: `chunked_logprobs`'
+    grad_into_weight, chunk_elems and floors; floors may come as their int32 bits
+    (`response_logprobs`: FSDP2's mixed precision casts a floating input to bf16)."""
     if model.config._attn_implementation != packed_sdpa():
         model.set_attn_implementation(packed_sdpa())
     hidden = model.get_decoder()(
@@ -246,6 +278,8 @@ def packed_logprobs(
         token_slots=token_slots,
     ).last_hidden_state  # [N, L, H] or [1, T, H]
     head = model.get_output_embeddings()
+    if floors is not None and not floors.is_floating_point():
+        floors = floors.view(torch.float32)
     return chunked_logprobs(
         hidden[rows, positions],
         head.weight,
@@ -255,6 +289,7 @@ def packed_logprobs(
         chunk_elems=head_chunk_elems,
         bias=head.bias,
         grad_into_weight=head_grad_into_weight,
+        floors=floors,
     )
 
 
@@ -266,14 +301,22 @@ def response_logprobs(
     entropy_grad: bool = False,
     head_grad_into_weight: bool = False,
     head_chunk_elems: int = 0,
+    replay: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, R] of a `pack` batch's responses and, if `entropy`, their entropy [B, R]
-    (nats); padding 0. `head_grad_into_weight`, `head_chunk_elems`: see `packed_logprobs`."""
+    (nats); padding 0. `head_grad_into_weight`, `head_chunk_elems`: see `packed_logprobs`.
+    `replay`: over the kept sets of the batch's floors [T'] (`chunked_logprobs`), where it has
+    any; else over the full vocabulary."""
     forward = getattr(model, "nanorft_logprobs", None) or (lambda *a: packed_logprobs(model, *a))
     keys = "input_ids attention_mask position_ids token_slots rows positions targets".split()
     inputs = [batch[k] for k in keys]
+    floors = batch.get("floors") if replay else None
+    if floors is not None:  # FSDP2 would cast float32 floors to its bf16 compute dtype
+        floors = floors.float().view(torch.int32)
     # [T'], [T']
-    lp, ent = forward(*inputs, temperature, entropy, head_grad_into_weight, head_chunk_elems)
+    lp, ent = forward(
+        *inputs, temperature, entropy, head_grad_into_weight, head_chunk_elems, floors
+    )
     B, R = batch["response_ids"].shape
     where = batch["seq"] * R + batch["col"]  # [T]
     out = lp.new_zeros(B * R).index_put((where,), lp).view(B, R)  # [B, R]
@@ -304,27 +347,33 @@ def chunked_logprobs(
     chunk_elems: int = 0,
     bias: torch.Tensor | None = None,
     grad_into_weight: bool = False,
+    floors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Float32 log-probs [T] of `targets` [T] under
     softmax((hidden [T, H] @ weight [V, H].T + bias) / temperature), and the entropy [T],
     `chunk_elems` (0: HEAD_CHUNK_ELEMS) logits at a time (Liger-Kernel's
     fused_linear_cross_entropy.py). `grad_into_weight`: the backward adds the weight's gradient into
     `weight.grad` in place instead of returning a new [V, H] (a weight tied to a sparse embedding,
-    whose gradient autograd would otherwise add into one more [V, H])."""
+    whose gradient autograd would otherwise add into one more [V, H]). `floors` [T] float32
+    (sampling-mask replay): each token's distribution is renormalised over its kept set, the
+    tokens whose full log-prob is >= its floor, and its target (-inf: the full vocabulary); None:
+    the full vocabulary everywhere."""
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float)
         return empty, (empty if entropy else None)
     chunk_elems = chunk_elems or HEAD_CHUNK_ELEMS.get(hidden.device.type, 2**22)
     rows = max(1, chunk_elems // weight.shape[0])
     lp, ent = HeadLogprobs.apply(
-        hidden, weight, bias, targets, temperature, rows, entropy, grad_into_weight
+        hidden, weight, bias, targets, temperature, rows, entropy, grad_into_weight, floors
     )
     return lp, (ent if entropy else None)
 
 
 class HeadLogprobs(torch.autograd.Function):
     """`chunked_logprobs`, `rows` rows of logits z at a time; the backward recomputes them:
-    dz_v = g_lp (1[v = t] - p_v) - g_H p_v (z_v - (log Z - H)), under the forward's autocast."""
+    dz_v = g_lp (1[v = t] - p_v) - g_H p_v (z_v - (log Z - H)), under the forward's autocast. With
+    floors, p is the kept set's renormalised distribution (0 outside it) and Z its normaliser: the
+    same formula, the kept set recomputed as the forward found it."""
 
     @staticmethod
     def logits(
@@ -333,8 +382,21 @@ class HeadLogprobs(torch.autograd.Function):
         return torch.nn.functional.linear(h, weight, bias).float().div_(temperature)  # [c, V]
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, rows, entropy, grad_into_weight):
-        lps, logzs, ents = [], [], []
+    def keep_only(
+        p: torch.Tensor, z: torch.Tensor, floors: torch.Tensor, logz: torch.Tensor, t: torch.Tensor
+    ) -> torch.Tensor:
+        """p [c, V] (a function of logits z [c, V]) zeroed in place outside the kept sets: the
+        tokens of full log-prob z - logz >= floors [c] (logz [c] the full normalisers), and the
+        targets t [c] (sampled, so kept, whatever the recomputation's noise)."""
+        at_target = p.gather(-1, t[:, None])  # [c, 1]
+        p.masked_fill_(z < (floors + logz)[:, None], 0.0)
+        return p.scatter_(-1, t[:, None], at_target)
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, bias, targets, temperature, rows, entropy, grad_into_weight, floors
+    ):
+        lps, logzs, logks, ents = [], [], [], []
         device = hidden.device.type
         # cast once, not in each chunk's product
         cast = weight
@@ -342,24 +404,44 @@ class HeadLogprobs(torch.autograd.Function):
             cast = weight.to(torch.get_autocast_dtype(device))
         for i in range(0, hidden.shape[0], rows):
             z = HeadLogprobs.logits(hidden[i : i + rows], cast, bias, temperature)  # [c, V]
-            logz = torch.logsumexp(z, -1)  # [c]
-            lps.append(z.gather(-1, targets[i : i + rows, None]).squeeze(-1) - logz)  # [c]
+            t = targets[i : i + rows]  # [c]
+            zt = z.gather(-1, t[:, None]).squeeze(-1)  # [c]
+            if floors is None:
+                logz = torch.logsumexp(z, -1)  # [c]
+                logzs.append(logz)
+                lps.append(zt - logz)  # [c]
+                if entropy:
+                    ents.append(logz - torch.softmax(z, -1).mul_(z).sum(-1))  # [c] (token_entropy)
+                continue
+            # one exp of z serves both normalisers (not a logsumexp, then a softmax over the kept
+            # set: twice the passes over [c, V]), shifted by the largest logit m
+            m = z.max(-1).values  # [c]
+            p = (z - m[:, None]).exp_()  # [c, V]
+            logz = m + p.sum(-1).log()  # [c]
             logzs.append(logz)
-            if entropy:
-                ents.append(logz - torch.softmax(z, -1).mul_(z).sum(-1))  # [c] (token_entropy)
+            HeadLogprobs.keep_only(p, z, floors[i : i + rows], logz, t)
+            mass = p.sum(-1)  # [c] the kept set's mass, relative to exp(m)
+            # [c] its normaliser; a target alone in its kept set, of a mass below float32's: its
+            # own logit
+            logk = torch.where(mass > 0, m + mass.log(), zt)
+            logks.append(logk)
+            lps.append(zt - logk)  # [c]
+            if entropy:  # of the kept set's renormalised distribution
+                ents.append(torch.where(mass > 0, logk - p.mul_(z).sum(-1) / mass, 0.0))  # [c]
         lp, logz = torch.cat(lps), torch.cat(logzs)  # [T], [T]
+        logk = None if floors is None else torch.cat(logks)  # [T]
         ent = torch.cat(ents) if entropy else lp.new_zeros(0)  # [T] or [0]
         ctx.temperature = temperature
         ctx.rows = rows
         ctx.grad_into_weight = grad_into_weight
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         ctx.set_materialize_grads(False)  # an output nobody differentiates brings None, not zeros
-        ctx.save_for_backward(hidden, weight, bias, targets, logz, ent)
+        ctx.save_for_backward(hidden, weight, bias, targets, logz, ent, floors, logk)
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        hidden, weight, bias, targets, logz, ent = ctx.saved_tensors
+        hidden, weight, bias, targets, logz, ent, floors, logk = ctx.saved_tensors
         device, dtype, enabled = ctx.autocast
         gh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         into_grad = ctx.needs_input_grad[1] and ctx.grad_into_weight
@@ -373,16 +455,21 @@ class HeadLogprobs(torch.autograd.Function):
         # needs_input_grad is False for a bias of None
         gb = torch.zeros_like(bias, dtype=torch.float) if ctx.needs_input_grad[2] else None
         g_lp = torch.zeros_like(logz) if g_lp is None else g_lp.float()  # [T]
+        # [T] the normaliser of each token's distribution: the full one's, or its kept set's
+        norm = logz if floors is None else logk
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             for i in range(0, hidden.shape[0], ctx.rows):
                 c = slice(i, i + ctx.rows)
                 h, t = hidden[c], targets[c]
                 z = HeadLogprobs.logits(h, weight, bias, ctx.temperature)  # [c, V]
-                p = (z - logz[c, None]).exp_()  # [c, V]
+                if floors is None:
+                    p = (z - norm[c, None]).exp_()  # [c, V]
+                else:  # outside the kept set: no probability, no gradient
+                    p = HeadLogprobs.keep_only((z - norm[c, None]).exp_(), z, floors[c], logz[c], t)
                 scale = g_lp[c, None]  # [c, 1]
                 if g_ent is not None:
                     # [c, V]
-                    scale = scale + g_ent[c, None].float() * (z - (logz[c] - ent[c])[:, None])
+                    scale = scale + g_ent[c, None].float() * (z - (norm[c] - ent[c])[:, None])
                 dz = p.mul_(scale).neg_().scatter_add_(-1, t[:, None], g_lp[c, None])
                 dz.div_(ctx.temperature)
                 dz = dz if enabled else dz.to(weight.dtype)  # [c, V]
@@ -395,4 +482,4 @@ class HeadLogprobs(torch.autograd.Function):
                     gb += dz.float().sum(0)  # [V]
         gw = None if gw is None or into_grad else gw.to(weight.dtype)
         gb = None if gb is None else gb.to(bias.dtype)
-        return gh, gw, gb, None, None, None, None, None
+        return gh, gw, gb, None, None, None, None, None, None

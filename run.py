@@ -33,7 +33,7 @@ from checkpoints import load_resume_state, resume_state, save_resume_state
 from config import Config, parse_config, task_preset
 from metrics import print0
 from perf import announce_peak
-from schedule import publishes_after, required_version
+from schedule import publishes_after, required_version, staleness_bound
 
 
 class Prepared(NamedTuple):
@@ -280,7 +280,7 @@ def check_modes(cfg: Config) -> None:
         from extras.train_mode import check_config
 
         check_config(cfg)
-    bound = cfg.sync_offset + cfg.sync_interval - 1
+    bound = staleness_bound(cfg)
     if cfg.mode == "both" and 0 <= cfg.max_staleness < bound:
         raise ValueError(
             f"max_staleness {cfg.max_staleness} < sync_offset + sync_interval - 1 = {bound}: "

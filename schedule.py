@@ -36,6 +36,33 @@ def required_version(batch: int, sync_interval: int, sync_offset: int) -> int:
     return sync_interval * (max(0, batch - sync_offset) // sync_interval)
 
 
+def staleness_bound(cfg) -> int | None:
+    """The most versions an experience of `cfg`'s schedule can lag the trainer when trained:
+    in mode both sync_offset + sync_interval - 1 (batch e waits for required_version(e), and is
+    trained at step e), else --max-staleness; None: no bound (-1, mode train)."""
+    if cfg.mode == "both":
+        return cfg.sync_offset + cfg.sync_interval - 1
+    return cfg.max_staleness if cfg.max_staleness >= 0 else None
+
+
+def staleness_warning(cfg, trust_region: bool) -> str | None:
+    """The staleness guard: a warning line for a policy loss without a trust region
+    (losses.PolicyLoss.trust_region) and no rollout correction, in a schedule that can train
+    on experiences 2 or more versions old, where nothing bounds its step (tinker-cookbook PR
+    #822: an unclipped importance-sampled loss destabilised at staleness 3 where PPO stayed
+    stable); else None."""
+    bound = staleness_bound(cfg)
+    if trust_region or cfg.rollout_correction != "none" or (bound is not None and bound < 2):
+        return None
+    versions = "any number of" if bound is None else str(bound)
+    return (
+        f"warning: --policy-loss {cfg.policy_loss} has no trust region and no cap, and this "
+        f"schedule trains on experiences up to {versions} versions old: use a clipped loss "
+        "(ppo_clip), --rollout-correction tis-token with --old-logprobs recompute, or a "
+        "schedule at most 1 version behind (sync_offset + sync_interval <= 2)"
+    )
+
+
 def publishes_after(step: int, sync_interval: int, total_steps: int) -> bool:
     """True if the trainer publishes weights (version step + 1) after 0-based `step`."""
     return (step + 1) % sync_interval == 0 or step == total_steps - 1

@@ -29,7 +29,8 @@ from losses import (
     part_totals,
     resolve_algorithm,
 )
-from metrics import micro_batch_sums, print0, reward_metrics, step_metrics
+from metrics import accumulate, micro_batch_sums, print0, reward_metrics, step_metrics
+from schedule import staleness_warning
 
 # packed tokens and rows padded to multiples of these: few tensor shapes, so the CPU allocator
 # keeps few blocks (RSS)
@@ -69,31 +70,13 @@ class StepBatch:
         )
 
 
-def accumulate(sums: dict[str, torch.Tensor], micro_batch: dict[str, torch.Tensor]) -> None:
-    """Add a micro-batch's metric sums (0-dim tensors on the trainer's device: no wait for the
-    device per micro-batch) into `sums` in float64; the importance ratio's extremes are kept."""
-    for k, v in micro_batch.items():
-        v = v.double()
-        if k not in sums:
-            sums[k] = v
-        elif k == "loss/ratio_max":
-            sums[k] = torch.maximum(sums[k], v)
-        elif k == "loss/ratio_min":
-            sums[k] = torch.minimum(sums[k], v)
-        else:
-            sums[k] = sums[k] + v
-
-
 def check_config(cfg, algorithm: Algorithm) -> None:
     """ValueError (one line) for a bad length unit, sampling, pool or expert setting of `cfg`,
     which runs `algorithm` (resolve_algorithm checked its names); FileNotFoundError."""
     if cfg.length_unit not in ("tokens", "turns"):
         raise ValueError(f"length_unit must be tokens or turns, got {cfg.length_unit!r}")
-    if cfg.top_p < 1 and cfg.mode != "bench":
-        raise ValueError(
-            f"top_p {cfg.top_p} < 1 is for mode bench only: the behaviour logprobs would be those "
-            "of the renormalised nucleus, the trainer's of the full softmax; train with top_p 1"
-        )
+    # top_p < 1, top_k > 0 train: Trainer.logprobs replays the kept sets the engine recorded (an
+    # engine that records none refuses them in its own check; a workflow, at its first batch)
     if not 0 <= cfg.expert_fraction < 1 or not 0 <= cfg.pool_lift_fraction <= 1:
         raise ValueError("need 0 <= expert_fraction < 1 and 0 <= pool_lift_fraction <= 1")
     if algorithm.loss.split_expert and not cfg.expert_fraction > 0:
@@ -107,6 +90,8 @@ def check_config(cfg, algorithm: Algorithm) -> None:
         )
     if cfg.expert_fraction > 0 and not Path(cfg.expert_data).is_file():
         raise FileNotFoundError(f"expert_data file not found: {cfg.expert_data!r}")
+    if warning := staleness_warning(cfg, algorithm.loss.trust_region):
+        print0(warning)
     if cfg.kl_loss_coef and cfg.kl_estimator == "k1":
         print0(
             "warning: --kl-estimator k1 as a loss has a gradient of 0 in expectation on the "
@@ -157,7 +142,10 @@ class Trainer:
     --teacher's (on-policy distillation). A scorer scores this rank's rows each step
     (`compute(rows, filler)`) and gives a micro-batch's log-probs (`micro_batch`); the
     reference also `kl_reward_penalty`, the teacher `advantages` (their per-token term).
-    ValueError (one line): a bad algorithm, a scorer the config needs and was not given."""
+    `old_policy` makes the hook of pi_old, the rollout correction and the mismatch attribution:
+    `prepare(batch, rows, filler)` before each step's micro-batches gives (`corrected` or None,
+    metrics) (see forward_backward). ValueError (one line): a bad algorithm, a scorer the
+    config needs and was not given."""
 
     def __init__(
         self,
@@ -167,6 +155,7 @@ class Trainer:
         algorithm: Algorithm | None = None,
         reference: Callable[["Trainer"], object] | None = None,
         teacher: Callable[["Trainer"], object] | None = None,
+        old_policy: Callable[["Trainer"], object] | None = None,
     ):
         from transformers import AutoTokenizer
 
@@ -208,6 +197,7 @@ class Trainer:
         self.ref = reference(self) if self.needs_ref else None
         # --teacher: on-policy distillation's per-token advantage term
         self.teacher = teacher(self) if cfg.teacher else None
+        self.old_policy = old_policy(self) if old_policy else None
         # one CPU rank: fused, no temporaries
         fused = (self.cfg.fused_adamw if self.cuda else not self.sharded) or None
         self.opt = torch.optim.AdamW(
@@ -314,9 +304,14 @@ class Trainer:
         padding: bool,
         entropy: bool = False,
         temperature: float | None = None,
+        float32: bool = False,
+        replay: bool = True,
     ):
         """(`pack` of `mb` on the device, mask 0 if `padding`; log-probs [B, R] at `temperature`
-        (default: the sampling temperature); entropy [B, R] or None)."""
+        (default: the sampling temperature); entropy [B, R] or None). `float32`: without the
+        trainer's bfloat16 autocast (the mismatch attribution's float32 side). `replay`: over the
+        kept sets of a top-k / top-p rollout, as sampled (the policy's); False: the full vocabulary
+        (a frozen reference's or teacher's: a KL is to their full distributions)."""
         temperature = self.cfg.temperature if temperature is None else temperature
         causal = self.cuda and self.cfg.causal_rows
         budget = self.cfg.token_budget
@@ -326,8 +321,9 @@ class Trainer:
         self.computed_tokens += b["input_ids"].numel()
         # no cache of bf16 weights: each is cast once per pass anyway, and the blocks' recompute
         # casts again (a cache would only hold memory)
+        autocast = self.autocast and not float32
         with torch.autocast(
-            self.device.type, dtype=torch.bfloat16, enabled=self.autocast, cache_enabled=False
+            self.device.type, dtype=torch.bfloat16, enabled=autocast, cache_enabled=False
         ):
             # [B, R]
             lp, ent = packing.response_logprobs(
@@ -338,6 +334,7 @@ class Trainer:
                 entropy_grad=bool(self.cfg.entropy_coef),
                 head_grad_into_weight=self.head_grad_into_weight,
                 head_chunk_elems=self.cfg.head_chunk_elems,
+                replay=replay,
             )
         return b, lp, ent
 
@@ -363,13 +360,22 @@ class Trainer:
         adv = self.advantages(batch, rewards)
         keep, filtered = apply_filters(self.algorithm.filters, self.cfg.filters, batch, adv)
         my_rows = [kept for row in my_rows if (kept := [e for e in row if keep[batch.row[id(e)]]])]
-        totals = self.loss_totals(batch, keep)
         sums: dict[str, torch.Tensor] = {}
+        corrected = None
+        token_counts = batch.token_counts
+        if self.old_policy is not None:
+            corrected, more = self.old_policy.prepare(batch, my_rows, filler)
+            m.update(more)
+        if corrected is not None:
+            token_counts = corrected.token_counts
+            accumulate(sums, corrected.sums)
+        totals = self.loss_totals(batch, keep, token_counts)
         micro = self.rank_micro_batches(my_rows, filler)
         for i, (mb, padding) in enumerate(micro):
             if progress is not None:
                 progress(f"micro-batch {i + 1}/{len(micro)}")
-            accumulate(sums, self.forward_backward(mb, padding, batch, adv, rewards, totals))
+            out = self.forward_backward(mb, padding, batch, adv, rewards, totals, corrected)
+            accumulate(sums, out)
         grad_norm = self.optimizer_step()
         self.version += 1
         train_s = time.perf_counter() - t0
@@ -429,13 +435,13 @@ class Trainer:
             **self.cfg.advantage_kwargs,
         ).float()
 
-    def loss_totals(self, batch: StepBatch, keep: torch.Tensor):
+    def loss_totals(self, batch: StepBatch, keep: torch.Tensor, token_counts: torch.Tensor):
         """Micro-batch indices [n] -> the kept global batch's (tokens, sequences), or a
-        split_expert loss's [n], [n]."""
+        split_expert loss's [n], [n]; `token_counts` [N] each sequence's trained tokens."""
         if self.algorithm.loss.split_expert:
-            part_tokens, part_seqs = part_totals(batch.token_counts, batch.offline, keep)
+            part_tokens, part_seqs = part_totals(token_counts, batch.offline, keep)
             return lambda rows: (part_tokens[rows].to(self.device), part_seqs[rows].to(self.device))
-        whole = (float(batch.token_counts[keep].sum()), int(keep.sum()))
+        whole = (float(token_counts[keep].sum()), int(keep.sum()))
         return lambda rows: whole
 
     def rank_micro_batches(
@@ -456,10 +462,13 @@ class Trainer:
         adv: torch.Tensor,
         rewards: torch.Tensor,
         totals,
+        corrected=None,
     ) -> dict[str, torch.Tensor]:
-        """Forward and backward of micro-batch `mb` through the policy loss; returns "loss/policy"
-        (its share), "tokens", metric sums and the importance ratio's extremes, as 0-dim tensors on
-        the trainer's device."""
+        """Forward and backward of micro-batch `mb` through the policy loss, its ratio anchored
+        at pi_old and each token weighed and masked by the rollout correction if `corrected`
+        (its `micro_batch(rows, R)`: pi_old, weight and keep [B, R] of the batch's rows `rows`);
+        returns "loss/policy" (its share), "tokens", metric sums and the importance ratio's
+        extremes, as 0-dim tensors on the trainer's device."""
         cfg = self.cfg
         agg = self.algorithm.agg
         b, lp, ent = self.logprobs(self.model, mb, padding, entropy=True)
@@ -470,6 +479,10 @@ class Trainer:
         offline = batch.offline[idx].to(self.device)  # [B]
         ref_lp = self.ref.micro_batch(mb, padding, behaviour) if self.ref else None  # [B, R]
         adv_t = adv[idx][:, None].expand(*mask.shape).to(self.device)  # [B, R]
+        old = None
+        weight = keep = 1.0
+        if corrected is not None and not padding:
+            old, weight, keep = corrected.micro_batch(idx.tolist(), mask.shape[1])  # [B, R] each
         terms = {}  # per-token metrics [B, R] of the scorers and the loss
         if self.teacher:  # per-token terms of the advantage, and their metrics
             adv_t, terms = self.teacher.advantages(adv_t, mb, padding, behaviour, mask, offline)
@@ -484,19 +497,20 @@ class Trainer:
             ),
             ref_logprobs=ref_lp,
             expert=offline,
+            old_logprobs=old,
         )
         out = self.algorithm.loss.fn(inputs, **cfg.policy_loss_kwargs)
-        per_token = out["loss"]  # [B, R]
+        per_token = out["loss"] * weight  # [B, R]
         if cfg.kl_loss_coef:
             per_token = per_token + cfg.kl_loss_coef * kl_estimate(lp, ref_lp, cfg.kl_estimator)
         if cfg.entropy_coef:
             per_token = per_token - cfg.entropy_coef * ent
-        (aggregate(per_token, mask, agg, *totals(idx)) * self.world).backward()
+        (aggregate(per_token, mask * keep, agg, *totals(idx)) * self.world).backward()
         with torch.no_grad():
             terms.update({f"loss/{k}": v for k, v in out.items() if k != "loss"})
             if ref_lp is not None:
                 terms["loss/kl_ref"] = kl_estimate(lp, ref_lp, cfg.kl_estimator)
-            share = aggregate(out["loss"], mask, agg, *totals(idx))
+            share = aggregate(out["loss"] * weight, mask * keep, agg, *totals(idx))
             return micro_batch_sums(share, lp, behaviour, ent, mask, offline, terms)
 
     def optimizer_step(self) -> float:
@@ -515,29 +529,31 @@ class Trainer:
         self, sums: dict[str, torch.Tensor], rows: list[list[Experience]], busy_s: float
     ) -> dict[str, float]:
         """All ranks' metrics: `loss/policy`, each metric of `sums` as a mean over its tokens,
-        the ratio's extremes; the tokens the step computed and predicted (perf.TrainerMeter
-        counts their model FLOPs) and the seconds it kept the ranks busy."""
+        the extremes (`*_max`, `*_min`); the tokens the step computed and predicted
+        (perf.TrainerMeter counts their model FLOPs) and the seconds it kept the ranks busy."""
         exps = [e for row in rows for e in row]
         # each row's tokens once: a group's shared prompt, then its responses; no padding
         shared = packing.share_prompts(exps, self.cfg.token_budget)
         packed = sum(packing.row_length(exps, *row) for row in shared)
         predicted = sum(len(e.tokens) - e.prompt_length for e in exps)
-        # the extremes of the importance ratio over every rank's tokens: one all_reduce of MAX
-        extremes = [sums.pop("loss/ratio_max", -math.inf), -sums.pop("loss/ratio_min", math.inf)]
-        extremes = self.float64_vector(extremes)
+        # the extremes (the importance ratio's, the correction's) over every rank's tokens: one
+        # all_reduce of MAX, the minima negated
+        highs = sorted(k for k in sums if k.endswith("_max"))
+        lows = sorted(k for k in sums if k.endswith("_min"))
+        extremes = self.float64_vector([sums.pop(k) for k in highs] + [-sums.pop(k) for k in lows])
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-        ratio_max, neg_ratio_min = extremes.tolist()
+        values = extremes.tolist()
+        signs = [1.0] * len(highs) + [-1.0] * len(lows)
+        # (offline data alone has no ratio: infinite extremes are left out)
+        extreme = {k: s * v for k, s, v in zip(highs + lows, signs, values) if math.isfinite(v)}
         names = sorted(sums)
         flat = self.float64_vector([packed, predicted, busy_s] + [sums[k] for k in names])
         dist.all_reduce(flat)
         packed, predicted, busy_s, *summed = flat.tolist()
         total = dict(zip(names, summed))
         tokens = max(total.pop("tokens", 1.0), 1.0)
-        ratios = {}
-        if math.isfinite(ratio_max):  # (offline data alone has no ratio)
-            ratios = {"loss/ratio_max": ratio_max, "loss/ratio_min": -neg_ratio_min}
         return {
-            **ratios,
+            **extreme,
             "loss/policy": total.pop("loss/policy", 0.0),
             **{k: v / tokens for k, v in total.items()},
             "train/packed_tokens": packed,

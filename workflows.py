@@ -203,6 +203,13 @@ async def in_thread(fn, *args):
     return await fut
 
 
+def floors_info(floors: list[float] | None) -> dict:
+    """What an Experience's info records of its response's kept sets: {"logprob_floors": floors
+    [R]} of a top-k or top-p truncation (engines.Completion.logprob_floors: the trainer replays
+    them), {} without one."""
+    return {} if floors is None else {"logprob_floors": list(floors)}
+
+
 class Workflow:
     """A task -> a group of Experiences (reward None: lagged); subclasses implement `async run(task,
     engine, n)`."""
@@ -258,6 +265,7 @@ class MathWorkflow(Workflow):
                 "response": text,
                 "answer": task.answer,
                 "versions": list(out.versions),
+                **floors_info(out.logprob_floors),
             }
             if error:
                 info["reward_error"] = error

@@ -39,8 +39,14 @@ STEP_KEYS = (
     "loss/entropy",
     "response/len_mean",
     "loss/grad_norm",
+    "loss/ratio_mean",
+    "loss/logprob_abs_diff",
+    "loss/kl_behaviour",
     "time/elapsed_s",
+    "time/train_s",
 )
+# every metric under these prefixes too: the mismatch lab's parts and the rollout correction's
+STEP_PREFIXES = ("mismatch/", "correction/", "old_logprobs/")
 
 
 def records(path: Path) -> list[dict]:
@@ -72,9 +78,13 @@ def run_job(run_dir: Path, flags: list[str], seed: int, log: Path) -> float:
 
 
 def keep(recs: list[dict]) -> list[dict]:
-    """The records a curve needs: evaluations whole, of each step only STEP_KEYS."""
+    """The records a curve needs: evaluations whole, of each step only STEP_KEYS and STEP_PREFIXES."""
     out = [r for r in recs if "eval/accuracy" in r]
-    out += [{k: r[k] for k in STEP_KEYS if k in r} for r in recs if "loss/grad_norm" in r]
+    out += [
+        {k: v for k, v in r.items() if k in STEP_KEYS or k.startswith(STEP_PREFIXES)}
+        for r in recs
+        if "loss/grad_norm" in r
+    ]
     return out
 
 

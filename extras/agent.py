@@ -14,7 +14,7 @@ import uuid
 
 from buffer import Experience
 from extras.multiturn import extend_sample, new_sample
-from workflows import Task, Workflow
+from workflows import Task, Workflow, floors_info
 
 
 def call_samples(calls) -> list[dict]:
@@ -125,6 +125,7 @@ class AgentWorkflow(Workflow):
                 "response": " | ".join(t.strip() for t in s["texts"])[:4000],
                 **({"reward_error": error} if error else {}),
                 **({"metrics": metrics} if metrics else {}),
+                **floors_info(s.get("logprob_floors")),
             }
             out.append(
                 Experience(

@@ -6,12 +6,12 @@ import asyncio
 import uuid
 
 from buffer import Experience
-from workflows import Task, Workflow, chat_ids, in_thread
+from workflows import Task, Workflow, chat_ids, floors_info, in_thread
 
 
 def new_sample(prompt: list[int]) -> dict:
-    """An empty sample (dict of tokens, prompt_length, mask, behaviour_logprobs, versions) starting
-    at `prompt`."""
+    """An empty sample (dict of tokens, prompt_length, mask, behaviour_logprobs, versions, and
+    logprob_floors once a completion has them) starting at `prompt`."""
     return {
         "tokens": list(prompt),
         "prompt_length": len(prompt),
@@ -29,6 +29,11 @@ def extend_sample(s: dict, prompt: list[int], out) -> None:
     s["mask"] += [0] * len(extra) + [1] * len(out.tokens)
     s["behaviour_logprobs"] += [0.0] * len(extra) + list(out.behaviour_logprobs)
     s["versions"] += list(out.versions)
+    floors = getattr(out, "logprob_floors", None)
+    if floors is not None:  # the kept sets of a truncation, which the trainer replays
+        have = s.setdefault("logprob_floors", [])
+        # the tokens before (the environment's, mask 0): any finite floor, nothing trains on them
+        have += [0.0] * (len(s["mask"]) - len(have) - len(floors)) + list(floors)
 
 
 class MultiTurnWorkflow(Workflow):
@@ -98,6 +103,7 @@ class MultiTurnWorkflow(Workflow):
                     "finish_reason": out.finish_reason,
                     "answer": task.answer,
                     "response": " | ".join(transcript),
+                    **floors_info(s.get("logprob_floors")),
                 },
             )
             for s in samples

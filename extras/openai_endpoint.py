@@ -39,14 +39,15 @@ def require_packages(what: str) -> None:
 
 @dataclass
 class Choice:
-    """One sampled completion: tokens [R], behaviour_logprobs [R], weight versions, finish_reason
-    and text."""
+    """One sampled completion: tokens [R], behaviour_logprobs [R], weight versions, finish_reason,
+    text and logprob_floors [R] (engines.Completion's, None without a truncation)."""
 
     tokens: list[int]
     behaviour_logprobs: list[float]
     versions: tuple[int, int]
     finish_reason: str
     text: str
+    logprob_floors: list[float] | None = None
 
 
 @dataclass
@@ -257,7 +258,9 @@ class Endpoint:
                 part = tok.decode(tokens[:mid], skip_special_tokens=True)
                 lo, hi = (lo, mid) if any(s in part for s in req.stop) else (mid + 1, hi)
             tokens, behaviour, reason, text = tokens[:lo], behaviour[:lo], "stop", text[: min(hits)]
-        return Choice(tokens, behaviour, tuple(out.versions), reason, text)
+        floors = getattr(out, "logprob_floors", None)  # cut as the tokens are
+        floors = None if floors is None else list(floors[: len(tokens)])
+        return Choice(tokens, behaviour, tuple(out.versions), reason, text, floors)
 
     def _choice(self, i: int, c: Choice, req, ep: Episode, tok) -> dict:
         # what the model wrote, stop string included

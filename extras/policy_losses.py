@@ -34,9 +34,20 @@ def reinforce_tis_loss(inp: LossInputs, tis_cap: float = 1.02):
     """REINFORCE with truncated, detached IS weights: -min(ratio, tis_cap) A logprobs: {"loss",
     "truncated"} [B, T]. Source: PipelineRL arXiv:2509.19128 sec. 3. Reference:
     ServiceNow/PipelineRL pipelinerl/finetune/rl/__init__.py rl_step @ 58d3934."""
-    ratio = importance_ratio(inp).detach()  # [B, T]
+    # PipelineRL weighs by the engine's log-probs, never a recomputed pi_old
+    ratio = torch.exp((inp.logprobs - inp.behaviour_logprobs).clamp(-20, 20)).detach()  # [B, T]
     w = ratio.clamp(max=tis_cap)  # [B, T]
     return {"loss": -w * inp.advantages * inp.logprobs, "truncated": (ratio > tis_cap).float()}
+
+
+def importance_sampling_loss(inp: LossInputs):
+    """Plain importance-sampled policy gradient, no clip and no cap: -ratio A with ratio =
+    exp(logprobs - behaviour_logprobs): {"loss"} [B, T]. Declares no trust region: on stale
+    experiences nothing bounds its step (the staleness guard warns). Source: the Tinker API's
+    `importance_sampling` loss (thinking-machines-lab/tinker-cookbook docs/losses.mdx); the
+    same as pan-x-c/TuFT src/tuft/loss_fn/importance_sampling.py."""
+    ratio = torch.exp((inp.logprobs - inp.behaviour_logprobs).clamp(-20, 20))  # [B, T]
+    return {"loss": -ratio * inp.advantages}
 
 
 def cispo_loss(inp: LossInputs, clip_low: float = 1.0, clip_high: float = 0.2):
@@ -51,9 +62,8 @@ def cispo_loss(inp: LossInputs, clip_low: float = 1.0, clip_high: float = 0.2):
 def gspo_loss(inp: LossInputs, clip_low: float = 3e-4, clip_high: float = 4e-4):
     """GSPO-token: PPO clip of the sequence-level ratio: {"loss", "clipped"} [B, T]. Source:
     arXiv:2507.18071 eq. 5-7. Reference: verl core_algos.py compute_policy_loss_gspo @ b178a3c."""
-    seq_log_ratio = seq_sum(
-        inp.logprobs - inp.behaviour_logprobs, inp.action_mask
-    ) / inp.action_mask.sum(-1).clamp(min=1)  # [B]
+    lengths = inp.action_mask.sum(-1).clamp(min=1)  # [B]
+    seq_log_ratio = seq_sum(inp.logprobs - inp.anchor(), inp.action_mask) / lengths  # [B]
     log_s = seq_log_ratio.detach()[:, None] + inp.logprobs - inp.logprobs.detach()  # [B, T]
     s = torch.exp(log_s.clamp(max=10.0))  # [B, T]
     A = inp.advantages
@@ -120,6 +130,7 @@ POLICY_LOSSES = {
     "dppo_kl": PolicyLoss(dppo_kl_loss),
     "reinforce_tis": PolicyLoss(reinforce_tis_loss, "seq-mean-token-sum"),
     "cispo": PolicyLoss(cispo_loss),
+    "importance_sampling": PolicyLoss(importance_sampling_loss, trust_region=False),
     "gspo": PolicyLoss(gspo_loss, "seq-mean-token-mean"),
     "sft": PolicyLoss(sft_loss),
     "dpo": PolicyLoss(dpo_loss, "seq-mean-token-sum", needs_groups=True, needs_ref=True),

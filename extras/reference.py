@@ -42,7 +42,11 @@ class Reference:
         self.seqs = {}
         with torch.no_grad(), self.module() as ref:
             for mb, padding in self.trainer.rank_micro_batches(rows, filler):
-                _, lp, _ = self.trainer.logprobs(ref, mb, padding, temperature=self.temperature)
+                # over the full vocabulary, no kept-set replay: a KL to the reference (or a
+                # teacher) is to its full distribution, from the policy's truncated sampling one
+                _, lp, _ = self.trainer.logprobs(
+                    ref, mb, padding, temperature=self.temperature, replay=False
+                )
                 for i, e in enumerate([] if padding else mb):
                     self.seqs[id(e)] = lp[i, : len(e.behaviour_logprobs)].float().cpu()
         return self.seqs

@@ -24,7 +24,8 @@ STORE_KNOWN_WAIT_S = 30.0
 
 def check_config(cfg) -> None:
     """components.check_explorer's check of --engine vllm: ValueError (one line) without vLLM,
-    or for --inflight with LoRA."""
+    for --inflight with LoRA, or for a top-p / top-k truncation in a mode that trains on the
+    rollouts."""
     if not vllm_available():
         raise ValueError(
             "--engine vllm: vLLM is not installed (GPU: pip install vllm; CPU: see README)"
@@ -33,6 +34,14 @@ def check_config(cfg) -> None:
         raise ValueError(
             "--inflight with --lora-rank needs --engine hf: a vLLM request keeps the LoRA adapter "
             "it started with, so new adapters cannot reach sequences in flight"
+        )
+    # vLLM 0.32's return_sampling_mask gives kept token ids only on Model Runner V2 (Triton: not
+    # the CPU build) and only under top_k > 0, no log-prob floors: nothing the trainer can replay
+    if (cfg.top_p < 1 or cfg.top_k > 0) and cfg.mode in ("both", "explore"):
+        raise ValueError(
+            f"--engine vllm with top_p {cfg.top_p}, top_k {cfg.top_k}: vLLM records no kept set "
+            "per token for the trainer to replay, so training needs top_p 1 and top_k 0 "
+            "(or --engine hf, which records them; mode bench takes any)"
         )
 
 
@@ -145,6 +154,7 @@ class VLLMEngine(Engine):
                 n=n,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
+                top_k=sampling.top_k,  # 0: off, vLLM 0.32's own "off" (older ones took -1)
                 max_tokens=sampling.max_tokens,
                 logprobs=0,
             )

@@ -11,8 +11,8 @@ losses.py: this is the independent side of the comparison.
 
 The fixed inputs of tests/test_fidelity.py live here, at module level, and the test imports
 them, so both sides use one copy. `compute()` returns {constant name: value} with the names
-test_fidelity.py uses (`compute(DISTILL_PARTS)`: tests/test_distill.py's); running this file
-prints them all:
+test_fidelity.py uses (`compute(DISTILL_PARTS)`: tests/test_distill.py's;
+`compute(CORRECTION_PARTS)`: tests/test_corrections.py's); running this file prints them all:
 
     .venv/bin/python tests/fidelity_reference.py
 
@@ -32,12 +32,17 @@ Sources read (each at the commit test_fidelity.py names, except where noted):
       tinker_cookbook/rl/data_processing.py (tests/test_distill.py); Tinker's "importance_sampling" loss runs on
       the Tinker service: as its documentation writes it (tinker-docs.thinkingmachines.ai/losses)
   Le Roux et al., arXiv:2503.14286, sec. 3 (TOPR has no reference code)
+  rollout corrections (tests/test_corrections.py): volcengine/verl @ b178a3c:
+      verl/trainer/ppo/rollout_corr_helper.py, verl/trainer/config/algorithm.py, docs/algo/rollout_corr.md;
+      OpenRLHF/OpenRLHF @ 3c3be62: openrlhf/models/loss.py, openrlhf/cli/train_ppo_ray.py (IcePop,
+      arXiv:2510.18855)
 
 Dependencies: torch and numpy only.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -109,6 +114,55 @@ ENTROPY_LOGITS = [
     [[1.0, -0.5, 2.0, 0.3], [0.0, 0.0, 0.0, 0.0]],
     [[-3.0, 1.0, 0.5, 0.5], [4.0, -2.0, 1.0, 0.0]],
 ]
+
+# rollout corrections (tests/test_corrections.py): B = 6 sequences, T = 5 tokens, CORR_OLD the
+# trainer's log-probs at the behaviour version (pi_old), CORR_BEHAVIOUR the engine's; log-ratios
+# old - behaviour on the trained tokens: sequence 0 near 0 (+-6e-4: inside the geometric band),
+# 1 ratios 1.35, 2.46, 0.45, 6.05, 1.11 (sum 2.3: above every band), 2 ratios 0.67, 0.61, 0.82
+# (sum -1.1: below the sequence band), 3 ratios 0.82 to 1.35 (sum 0.3: inside it), 4 no trained
+# token, 5 log-ratios 25, -30, 0.1 (past verl's +-20 safety bound: the sequence weight uses the sum
+# of the unclamped log-ratios, the sequence mask the sum of the clamped ones); the untrained
+# positions hold placeholders far from their partners (log-ratios -3, 8.5, 24)
+CORR_OLD = [
+    [-0.4996, -1.2006, -0.0498, -3.0, -3.0],
+    [-0.7, -1.1, -1.3, -0.7, -0.2],
+    [-1.0, -1.4, -1.2, -0.5, -0.5],
+    [-0.3, -0.4, -1.2, -0.7, -0.6],
+    [-1.0, -1.0, -1.0, -1.0, -1.0],
+    [-1.0, -30.1, -1.1, -3.0, -3.0],
+]
+CORR_BEHAVIOUR = [
+    [-0.5, -1.2, -0.05, 0.0, 0.0],
+    [-1.0, -2.0, -0.5, -2.5, -0.3],
+    [-0.6, -0.9, -1.0, -9.0, -9.0],
+    [-0.5, -0.3, -1.5, -0.8, -0.4],
+    [-25.0, -25.0, -25.0, -25.0, -25.0],
+    [-26.0, -0.1, -1.2, 0.0, 0.0],
+]
+CORR_MASK = [
+    [1, 1, 1, 0, 0],
+    [1, 1, 1, 1, 1],
+    [1, 1, 1, 0, 0],
+    [1, 1, 1, 1, 1],
+    [0, 0, 0, 0, 0],
+    [1, 1, 1, 0, 0],
+]
+# (kind, low, high): the bounds on rho = pi_old / pi_behaviour of each golden; None: the source's
+# default; the second case of each kind an asymmetric band that keeps or drops other tokens
+CORR_CASES = (
+    ("tis-token", None, None),
+    ("tis-token", None, 1.2),
+    ("tis-seq", None, None),
+    ("tis-seq", None, 12.0),
+    ("mis-token", None, None),
+    ("mis-token", 0.6, 3.0),
+    ("mis-seq", None, None),
+    ("mis-seq", 0.3, 1.2),
+    ("geo-mask", None, None),
+    ("geo-mask", 0.9, 1.1),
+    ("icepop", None, None),
+    ("icepop", 0.65, 2.0),
+)
 
 
 def _t(x, dtype=F64) -> torch.Tensor:
@@ -1374,6 +1428,440 @@ def distill():
     return {"DISTILL": out}
 
 
+# ----------------------------------------------------------------------------- rollout corrections
+
+# verl/trainer/ppo/rollout_corr_helper.py @ b178a3c
+VERL_SAFETY_BOUND = 20.0
+VERL_SUPPORTED_ROLLOUT_RS_OPTIONS = {
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+}
+VERL_TOKEN_LEVEL_ROLLOUT_RS_OPTIONS = {"token_k1", "token_k2", "token_k3"}
+
+
+def verl_parse_rollout_rs_thresholds(options, threshold_spec):
+    """volcengine/verl verl/trainer/ppo/rollout_corr_helper.py _parse_rollout_rs_thresholds
+    @ b178a3c."""
+    if threshold_spec is None:
+        raise ValueError("rollout_rs_threshold must be provided for rejection sampling.")
+
+    if isinstance(threshold_spec, int | float):
+        raw_specs = [str(threshold_spec)]
+    elif isinstance(threshold_spec, str):
+        raw_specs = [part.strip() for part in threshold_spec.split(",") if part.strip()]
+    else:
+        raise TypeError(
+            "rollout_rs_threshold must be a string or numeric value specifying per-option thresholds."
+        )
+
+    if not raw_specs:
+        raise ValueError("rollout_rs_threshold must contain at least one threshold value.")
+
+    if len(raw_specs) not in (1, len(options)):
+        raise ValueError(
+            f"rollout_rs_threshold expects either one threshold shared by all options or exactly "
+            f"{len(options)} thresholds to match the provided rollout_rs options."
+        )
+
+    if len(raw_specs) == 1 and len(options) > 1:
+        raw_specs = raw_specs * len(options)
+
+    thresholds = {}
+    for option, spec in zip(options, raw_specs, strict=False):
+        if option.endswith("k1"):
+            if "_" in spec:
+                lower_str, upper_str = spec.split("_", 1)
+            else:
+                upper_str = spec
+                lower_str = str(1.0 / float(upper_str))
+            try:
+                lower = float(lower_str)
+                upper = float(upper_str)
+            except ValueError as exc:
+                raise ValueError(
+                    f"Invalid numeric threshold '{spec}' for option '{option}'."
+                ) from exc
+            if lower <= 0 or upper <= 0:
+                raise ValueError(f"Thresholds for option '{option}' must be positive, got {spec}.")
+            thresholds[option] = {
+                "lower": lower,
+                "upper": upper,
+            }
+        else:
+            if "_" in spec:
+                raise ValueError(
+                    f"rollout_rs_threshold for option '{option}' must provide a single upper bound "
+                    f"without '_'. Received '{spec}'."
+                )
+            try:
+                upper = float(spec)
+            except ValueError as exc:
+                raise ValueError(
+                    f"Invalid numeric threshold '{spec}' for option '{option}'."
+                ) from exc
+            if upper <= 0:
+                raise ValueError(f"Threshold for option '{option}' must be positive, got {spec}.")
+            thresholds[option] = {
+                "lower": None,
+                "upper": upper,
+            }
+    return thresholds
+
+
+def verl_compute_rollout_rejection_mask(
+    log_ratio, response_mask, rollout_rs="token_k1", rollout_rs_threshold=None
+):
+    """volcengine/verl verl/trainer/ppo/rollout_corr_helper.py compute_rollout_rejection_mask
+    @ b178a3c (the metrics, compute_rs_metrics and the masked fractions, left out). Returns the
+    modified response mask."""
+    if rollout_rs is None or not isinstance(rollout_rs, str):
+        raise ValueError(
+            "rollout_rs must be a non-empty string (comma separated for multiple options)."
+        )
+    if rollout_rs_threshold is None:
+        raise ValueError("rollout_rs_threshold must be provided for rejection sampling.")
+
+    if log_ratio.shape[0] == 0:
+        return response_mask
+
+    # rollout_rs supports chained criteria via comma separation (e.g. "token_k1,seq_mean_k3").
+    #            Every listed option must pass; combined_mask aggregates them via logical AND.
+    option_modes = [opt.strip() for opt in rollout_rs.split(",") if opt.strip()]
+    if not option_modes:
+        raise ValueError("rollout_rs must contain at least one valid option.")
+
+    normalized_options = []
+    seen = set()
+    for opt in option_modes:
+        if opt not in VERL_SUPPORTED_ROLLOUT_RS_OPTIONS:
+            raise ValueError(
+                f"Invalid rollout_rs option: {opt}. Must be one of {sorted(VERL_SUPPORTED_ROLLOUT_RS_OPTIONS)}."
+            )
+        if opt not in seen:
+            normalized_options.append(opt)
+            seen.add(opt)
+
+    threshold_specs = verl_parse_rollout_rs_thresholds(normalized_options, rollout_rs_threshold)
+
+    log_ratio_safe = torch.clamp(log_ratio, min=-VERL_SAFETY_BOUND, max=VERL_SAFETY_BOUND)
+    token_k1 = -log_ratio_safe
+    token_k2 = 0.5 * log_ratio_safe**2
+    token_k3 = torch.exp(log_ratio_safe) - 1.0 - log_ratio_safe
+
+    response_mask_bool = response_mask.bool()
+    # combined_mask accumulates per-option passes; any failure flips tokens to 0.
+    combined_mask = torch.ones_like(response_mask, dtype=log_ratio.dtype)
+
+    def _sequence_sum(values):
+        return verl_masked_sum(values, response_mask, axis=-1)
+
+    def _sequence_mean(values):
+        return verl_masked_mean(values, response_mask, axis=-1)
+
+    def _sequence_max(values):
+        mask_bool = response_mask.bool()
+        neg_inf = torch.tensor(float("-inf"), device=values.device, dtype=values.dtype)
+        masked_values = values.masked_fill(~mask_bool, neg_inf)
+        max_values = masked_values.max(dim=-1).values
+        return torch.where(max_values == neg_inf, torch.zeros_like(max_values), max_values)
+
+    for option_name in normalized_options:
+        thresholds_info = threshold_specs[option_name]
+        is_k1_option = option_name.endswith("k1")
+        upper_value = thresholds_info["upper"]
+        lower_value = thresholds_info["lower"]
+        lower_log = None
+        upper_log = None
+
+        if is_k1_option:
+            if lower_value is None or upper_value is None:
+                raise ValueError(
+                    f"rollout_rs_threshold for option '{option_name}' must specify both lower and upper bounds."
+                )
+            lower_log = math.log(lower_value)
+            upper_log = math.log(upper_value)
+        else:
+            if upper_value is None:
+                raise ValueError(
+                    f"rollout_rs_threshold for option '{option_name}' must specify an upper bound."
+                )
+
+        if option_name == "token_k1":
+            if lower_log is None:
+                raise ValueError(
+                    "Threshold specification for token_k1 must include lower and upper bounds."
+                )
+            per_token_stat = token_k1
+            token_keep_bool = (per_token_stat >= lower_log) & (per_token_stat <= upper_log)
+        elif option_name == "token_k2":
+            per_token_stat = token_k2
+            token_keep_bool = per_token_stat <= upper_value
+        elif option_name == "token_k3":
+            per_token_stat = token_k3
+            token_keep_bool = per_token_stat <= upper_value
+        elif option_name.startswith("seq_sum"):
+            if option_name.endswith("k1"):
+                if lower_log is None:
+                    raise ValueError(
+                        f"Threshold specification for option '{option_name}' must include lower and upper bounds."
+                    )
+                seq_stat = _sequence_sum(token_k1)
+                seq_keep_bool_direct = (seq_stat >= lower_log) & (seq_stat <= upper_log)
+            elif option_name.endswith("k2"):
+                seq_stat = _sequence_sum(token_k2)
+                seq_keep_bool_direct = seq_stat <= upper_value
+            elif option_name.endswith("k3"):
+                seq_stat = _sequence_sum(token_k3)
+                seq_keep_bool_direct = seq_stat <= upper_value
+            else:
+                raise ValueError(f"Unsupported rollout_rs option: {option_name}.")
+            token_keep_bool = seq_keep_bool_direct.unsqueeze(-1).expand_as(response_mask_bool)
+        elif option_name.startswith("seq_mean"):
+            if option_name.endswith("k1"):
+                if lower_log is None:
+                    raise ValueError(
+                        f"Threshold specification for option '{option_name}' must include lower and upper bounds."
+                    )
+                seq_stat = _sequence_mean(token_k1)
+                seq_keep_bool_direct = (seq_stat >= lower_log) & (seq_stat <= upper_log)
+            elif option_name.endswith("k2"):
+                seq_stat = _sequence_mean(token_k2)
+                seq_keep_bool_direct = seq_stat <= upper_value
+            elif option_name.endswith("k3"):
+                seq_stat = _sequence_mean(token_k3)
+                seq_keep_bool_direct = seq_stat <= upper_value
+            else:
+                raise ValueError(f"Unsupported rollout_rs option: {option_name}.")
+            token_keep_bool = seq_keep_bool_direct.unsqueeze(-1).expand_as(response_mask_bool)
+        elif option_name.startswith("seq_max"):
+            if option_name.endswith("k2"):
+                seq_stat = _sequence_max(token_k2)
+                seq_keep_bool_direct = seq_stat <= upper_value
+            elif option_name.endswith("k3"):
+                seq_stat = _sequence_max(token_k3)
+                seq_keep_bool_direct = seq_stat <= upper_value
+            else:
+                raise ValueError(f"Unsupported rollout_rs option: {option_name}.")
+            token_keep_bool = seq_keep_bool_direct.unsqueeze(-1).expand_as(response_mask_bool)
+        else:
+            raise ValueError(f"Unsupported rollout_rs option: {option_name}.")
+
+        token_keep_mask = token_keep_bool.to(dtype=log_ratio.dtype)
+        combined_mask = combined_mask * token_keep_mask
+
+    final_mask = combined_mask
+    modified_response_mask = (response_mask * final_mask).to(dtype=response_mask.dtype)
+    return modified_response_mask
+
+
+def verl_compute_rollout_correction_weights(
+    log_ratio,
+    response_mask,
+    rollout_is="token",
+    rollout_is_threshold=2.0,
+    rollout_is_batch_normalize=False,
+):
+    """volcengine/verl verl/trainer/ppo/rollout_corr_helper.py compute_rollout_correction_weights
+    @ b178a3c (the metrics, compute_is_metrics, left out; one process: the torch.distributed
+    branches of the batch normalisation are not reached)."""
+    # Validate input parameters
+    valid_is_levels = {"token", "sequence"}
+    if rollout_is not in valid_is_levels:
+        raise ValueError(f"Invalid rollout_is: {rollout_is}. Must be one of {valid_is_levels}.")
+    if rollout_is_threshold <= 0:
+        raise ValueError(f"rollout_is_threshold must be positive, got {rollout_is_threshold}.")
+
+    # Compute IS weights from log ratio (handles different aggregation levels)
+    if rollout_is == "token":
+        # Per-token IS weight: exp(log(π_train/π_rollout)) with safety clamp
+        log_ratio_safe = torch.clamp(log_ratio, min=-VERL_SAFETY_BOUND, max=VERL_SAFETY_BOUND)
+        rollout_is_weights = torch.exp(log_ratio_safe)
+
+    elif rollout_is == "sequence":
+        # Sequence-level IS weight: product of token ratios (exp(sum(log ratios)))
+        log_ratio_sum = verl_masked_sum(log_ratio, response_mask, axis=-1).unsqueeze(
+            -1
+        )  # Shape: (batch_size, 1)
+
+        log_ratio_sum_safe = torch.clamp(
+            log_ratio_sum, min=-VERL_SAFETY_BOUND, max=VERL_SAFETY_BOUND
+        )
+        rollout_is_weights = torch.exp(log_ratio_sum_safe).expand_as(
+            log_ratio
+        )  # Broadcast to sequence length
+
+    else:
+        raise ValueError(f"Unsupported rollout_is: {rollout_is}")
+
+    # Zero out weights for padding tokens using response mask
+    rollout_is_weights = rollout_is_weights * response_mask
+
+    # Truncate extreme weights (TIS: Truncated Importance Sampling)
+    rollout_is_weights = rollout_is_weights.clamp(max=rollout_is_threshold)
+
+    # Detach weights to prevent gradient flow (mathematically required by IS theory)
+    rollout_is_weights = rollout_is_weights.detach()
+
+    # Apply batch normalization if requested
+    if rollout_is_batch_normalize:
+        # Compute mean based on aggregation level
+        if rollout_is == "token":
+            # Token-level: normalize over all token weights
+            weights_mean = verl_masked_mean(rollout_is_weights, response_mask)
+        elif rollout_is == "sequence":
+            # Sequence-level: normalize over sequence weights (one weight per sequence)
+            seq_weights = verl_masked_mean(
+                rollout_is_weights, response_mask, axis=-1
+            )  # (batch_size,)
+            seq_mask = (response_mask.sum(dim=-1) > 0).to(dtype=rollout_is_weights.dtype)
+            weights_mean = (seq_weights * seq_mask).sum() / seq_mask.sum().clamp_min(1e-8)
+        else:
+            raise ValueError(f"Unsupported rollout_is: {rollout_is}")
+
+        # Normalize to mean=1.0 (avoid division by zero)
+        if weights_mean > 1e-8:
+            rollout_is_weights = rollout_is_weights / weights_mean
+
+    return rollout_is_weights
+
+
+def verl_compute_rollout_correction_and_rejection_mask(
+    old_log_prob,
+    rollout_log_prob,
+    response_mask,
+    rollout_is=None,
+    rollout_is_threshold=2.0,
+    rollout_is_batch_normalize=False,
+    rollout_rs=None,
+    rollout_rs_threshold=None,
+):
+    """volcengine/verl verl/trainer/ppo/rollout_corr_helper.py
+    compute_rollout_correction_and_rejection_mask @ b178a3c (the metrics, compute_offpolicy_metrics
+    included, left out; the weights as a tensor, not a DataProto). Returns (rollout_is_weights or
+    None, modified_response_mask)."""
+    # Validate input masks
+    if not response_mask.any():
+        raise ValueError("response_mask must contain at least one valid token (1).")
+    if old_log_prob.shape != rollout_log_prob.shape:
+        raise ValueError(
+            f"old_log_prob shape {old_log_prob.shape} does not match rollout_log_prob shape {rollout_log_prob.shape}."
+        )
+    if old_log_prob.shape != response_mask.shape:
+        raise ValueError(
+            f"log_prob shape {old_log_prob.shape} does not match response_mask shape {response_mask.shape}."
+        )
+
+    # Step 1: Compute log ratio (log(π_train / π_rollout))
+    log_ratio = old_log_prob - rollout_log_prob
+
+    # Step 2: Compute IS weights (if enabled)
+    rollout_is_weights = None
+    if rollout_is is not None and rollout_is_threshold is not None:
+        rollout_is_weights = verl_compute_rollout_correction_weights(
+            log_ratio=log_ratio,
+            response_mask=response_mask,
+            rollout_is=rollout_is,
+            rollout_is_threshold=rollout_is_threshold,
+            rollout_is_batch_normalize=rollout_is_batch_normalize,
+        )
+
+    # Step 3: Compute rejection mask (if enabled)
+    modified_response_mask = response_mask.clone()
+    if rollout_rs is not None:
+        if rollout_rs_threshold is None:
+            raise ValueError(
+                "rollout_rs_threshold must be explicitly provided when rollout_rs is enabled. "
+                "Set rollout_rs_threshold to the desired threshold value."
+            )
+        modified_response_mask = verl_compute_rollout_rejection_mask(
+            log_ratio=log_ratio,
+            response_mask=response_mask,
+            rollout_rs=rollout_rs,
+            rollout_rs_threshold=rollout_rs_threshold,
+        )
+
+    return rollout_is_weights, modified_response_mask
+
+
+# RolloutCorrectionConfig's presets, verl/trainer/config/algorithm.py @ b178a3c, with their default
+# arguments: decoupled_token_is (Token-TIS), decoupled_seq_is (Seq-TIS), decoupled_seq_is_rs
+# (Seq-MIS), decoupled_geo_rs (Geo-RS); token-level MIS has no preset: docs/algo/rollout_corr.md
+# @ b178a3c, "Token IS + Token RS (token_is_rs)"
+VERL_PRESETS = {
+    "tis-token": dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs=None),
+    "tis-seq": dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs=None),
+    "mis-token": dict(
+        rollout_is="token",
+        rollout_is_threshold=2.0,
+        rollout_rs="token_k1",
+        rollout_rs_threshold=2.0,
+    ),
+    "mis-seq": dict(
+        rollout_is="sequence",
+        rollout_is_threshold=2.0,
+        rollout_rs="seq_sum_k1",
+        rollout_rs_threshold="0.5_2.0",
+    ),
+    "geo-mask": dict(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001"),
+}
+
+
+def openrlhf_icepop(old_log_probs, rollout_log_probs, loss, vllm_is_truncated_threshold):
+    """OpenRLHF/OpenRLHF openrlhf/models/loss.py PolicyLoss.forward @ 3c3be62, its vLLM IS
+    correction with vllm_is_correction_type "icepop" (IcePop, Ring-1T arXiv:2510.18855): the
+    token-level loss `loss` [B, T] times the coefficient M(rho) = rho inside [low, high], else 0.
+    Returns (the corrected loss, the band mask)."""
+    low_threshold, high_threshold = vllm_is_truncated_threshold
+    rollout_log_ratio = old_log_probs - rollout_log_probs
+    # ICEPOP: token-level filtering (set coefficients outside the interval to 0)
+    vllm_is = torch.exp(rollout_log_ratio).detach()
+    mask = (vllm_is >= low_threshold) & (vllm_is <= high_threshold)
+    vllm_is = vllm_is * mask
+    loss = vllm_is * loss
+    return loss, mask
+
+
+# openrlhf/cli/train_ppo_ray.py @ 3c3be62: --algo.advantage.is_correction_threshold's default
+OPENRLHF_IS_CORRECTION_THRESHOLD = [0.5, 5.0]
+
+
+def rollout_corrections():
+    """Each case of CORR_CASES on CORR_OLD / CORR_BEHAVIOUR / CORR_MASK: (weights, kept) [B, T] on
+    the trained tokens (0 elsewhere). verl's: its rollout_is_weights (1 where rollout_is is None)
+    and modified response mask, a preset's arguments with the case's bounds: the IS cap is high;
+    a k1 option's "lower_upper" bounds exp(-log rho) (token_k1 = -log_ratio_safe), so the band
+    (low, high) on rho is given as f"{1 / high}_{1 / low}"; OpenRLHF's icepop: the coefficient on a
+    loss of ones, and its band mask on the trained tokens."""
+    old, behaviour, mask = _t(CORR_OLD), _t(CORR_BEHAVIOUR), _t(CORR_MASK)
+    out = {}
+    for kind, low, high in CORR_CASES:
+        if kind == "icepop":
+            bounds = OPENRLHF_IS_CORRECTION_THRESHOLD if high is None else [low, high]
+            weights, band = openrlhf_icepop(old, behaviour, torch.ones_like(old), bounds)
+            out[(kind, low, high)] = ((weights * mask).tolist(), (band * mask).tolist())
+            continue
+        kwargs = dict(VERL_PRESETS[kind])
+        if high is not None and kwargs["rollout_is"] is not None:
+            kwargs["rollout_is_threshold"] = high
+        if high is not None and kwargs["rollout_rs"] is not None:
+            kwargs["rollout_rs_threshold"] = f"{1 / high}_{1 / low}"
+        weights, kept = verl_compute_rollout_correction_and_rejection_mask(
+            old, behaviour, mask, **kwargs
+        )
+        weights = mask if weights is None else weights
+        out[(kind, low, high)] = ((weights * mask).tolist(), kept.tolist())
+    return {"CORRECTIONS_REF": out}
+
+
 # ----------------------------------------------------------------------------- all of them
 
 FIDELITY_PARTS = (
@@ -1394,6 +1882,7 @@ FIDELITY_PARTS = (
     entropy,
 )  # the goldens of tests/test_fidelity.py
 DISTILL_PARTS = (distill,)  # of tests/test_distill.py
+CORRECTION_PARTS = (rollout_corrections,)  # of tests/test_corrections.py
 
 
 def compute(parts=FIDELITY_PARTS) -> dict:
@@ -1433,5 +1922,6 @@ def _fmt(x):
 
 
 if __name__ == "__main__":
-    for name, value in {**compute(), **compute(DISTILL_PARTS)}.items():
+    everything = {**compute(), **compute(DISTILL_PARTS), **compute(CORRECTION_PARTS)}
+    for name, value in everything.items():
         print(f"{name} = {_fmt(value)}")

@@ -92,13 +92,13 @@ def script(monkeypatch, tok):
     temperature-scaled distribution: what the trainer recomputes. One sequence at a time."""
     texts, current = [], []
 
-    def sample_token(logits, temperature, top_p, generator=None):
+    def sample_token(logits, sampling, generator=None):
         assert logits.shape[0] == 1
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        logp = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)
         if not current:
             current.extend(tok.encode(texts.pop(0), add_special_tokens=False) + [tok.eos_token_id])
         t = torch.tensor([current.pop(0)])
-        return t, logp.gather(-1, t[:, None]).squeeze(-1)
+        return t, logp.gather(-1, t[:, None]).squeeze(-1), None
 
     monkeypatch.setattr(engines, "sample_token", sample_token)
     return texts

@@ -204,7 +204,7 @@ def test_hf_engine_follows_a_perturbed_sync(tiny_model, device, dtype, graphs):
     assert version == 7 and got == pytest.approx(sent, rel=1e-9)
 
     exps = rollouts(engine, PROMPTS, 4, Sampling(max_tokens=12, temperature=1.0))
-    batch = {k: v.to(device) for k, v in pack(exps, engine.pad).items()}
+    batch = {k: v if v is None else v.to(device) for k, v in pack(exps, engine.pad).items()}
 
     def gap(
         model,

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engines import sample_token
+from engines import Sampling, sample_token
 from extras.advantages import dr_grpo_advantages, rloo_advantages, stepwise_grpo_advantages
 from extras.opmd import opmd_advantages
 from extras.policy_losses import mix_loss
@@ -144,7 +144,7 @@ def test_sample_token_logprob_is_exact_nucleus_distribution():
     logits = torch.randn(3, 7)
     for temperature, top_p in [(1.0, 1.0), (0.7, 1.0), (1.0, 0.6)]:
         g = torch.Generator().manual_seed(0)
-        tok, lp = sample_token(logits, temperature, top_p, g)
+        tok, lp, _ = sample_token(logits, Sampling(temperature=temperature, top_p=top_p), g)
         for b in range(3):
             probs = torch.softmax(logits[b] / temperature, -1).tolist()
             order = sorted(range(7), key=lambda i: -probs[i])
@@ -164,7 +164,7 @@ def test_sampled_tokens_follow_the_nucleus_distribution():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     n, top_p = 20000, 0.8
     g = torch.Generator().manual_seed(1)
-    tok, _ = sample_token(logits.expand(n, -1), 1.0, top_p, g)
+    tok, _, _ = sample_token(logits.expand(n, -1), Sampling(temperature=1.0, top_p=top_p), g)
     probs = torch.softmax(logits, -1)
     kept = (probs.cumsum(-1) - probs) < top_p  # the smallest prefix reaching top_p (sorted already)
     expected = torch.where(kept, probs, 0.0) / probs[kept].sum()

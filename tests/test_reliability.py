@@ -462,7 +462,7 @@ def test_explorers_differ_and_one_explorer_continues_the_same_after_a_restart(ti
             "advantage grpo compares the rollouts of a group: it needs group_size >= 2",
         ),
         (["--task-kwargs", "{bad"], "Error parsing --task-kwargs: Expecting property name"),
-        (["--top-p", "0.9"], "top_p 0.9 < 1 is for mode bench only"),
+        (["--engine", "vllm", "--top-p", "0.9"], "--engine vllm with top_p 0.9, top_k 0: vLLM"),
         (["--bench-models", "smollm2-135m"], "--bench-models is for --mode bench"),
         (["--max-staleness", "-2"], "max_staleness must be >= 0, or -1 for no bound"),
         (
