@@ -100,6 +100,8 @@ class Config:
     """nucleus sampling (1 = off); trainable: the trainer replays the kept set (mask replay)"""
     top_k: int = 0
     """top-k sampling, applied before top-p as vLLM does (0 = off); trainable as top_p is"""
+    kept_set_replay: bool = True
+    """top-p / top-k: the trainer's log-probs over the kept sets the engine sampled from (false: over the whole vocabulary, every ratio off by the kept mass; for comparison only)"""  # noqa: E501
     eval_temperature: float = 0.0
     """temperature for held-out evaluation (0 = greedy)"""
     eval_k: int = 4

@@ -305,14 +305,16 @@ class Trainer:
         entropy: bool = False,
         temperature: float | None = None,
         float32: bool = False,
-        replay: bool = True,
+        replay: bool | None = None,
     ):
         """(`pack` of `mb` on the device, mask 0 if `padding`; log-probs [B, R] at `temperature`
         (default: the sampling temperature); entropy [B, R] or None). `float32`: without the
         trainer's bfloat16 autocast (the mismatch attribution's float32 side). `replay`: over the
-        kept sets of a top-k / top-p rollout, as sampled (the policy's); False: the full vocabulary
-        (a frozen reference's or teacher's: a KL is to their full distributions)."""
+        kept sets of a top-k / top-p rollout, as sampled (the policy's; None: --kept-set-replay);
+        False: the full vocabulary (a frozen reference's or teacher's: a KL is to their full
+        distributions)."""
         temperature = self.cfg.temperature if temperature is None else temperature
+        replay = self.cfg.kept_set_replay if replay is None else replay
         causal = self.cuda and self.cfg.causal_rows
         budget = self.cfg.token_budget
         packed = packing.pack(mb, self.pad, budget, ROW_MULTIPLE, causal, TOKEN_MULTIPLE)

@@ -287,3 +287,17 @@ def test_the_floors_cost_few_bytes_of_json_per_token(tiny_model, tmp_path):
     tokens = sum(len(e.action_mask) for e in exps)
     extra = sum(len(json.dumps({"logprob_floors": e.info["logprob_floors"]})) for e in exps)
     assert extra / tokens < 14, extra / tokens  # rounded to 1e-6: "-10.123456, "
+
+
+def test_kept_set_replay_off_scores_the_whole_vocabulary(tiny_model, tmp_path):
+    """--no-kept-set-replay (the comparison's arm): the policy's log-probs are the full
+    softmax's, short of the behaviour ones by the kept mass."""
+    exps = explored(tiny_model, tmp_path, 0.9, 0)
+    flags = ["--config", "configs/tiny.toml", "--temperature", str(TEMPERATURE), "--top-p", "0.9"]
+    gaps = []
+    for more in ([], ["--no-kept-set-replay"]):
+        tr = Trainer(run.parse_config([*flags, *more]), tiny_model, torch.device("cpu"))
+        with torch.no_grad():
+            b, lp, _ = tr.logprobs(tr.model, exps, False)
+        gaps.append((((b["behaviour_logprobs"] - lp) * b["mask"]).sum() / b["mask"].sum()).item())
+    assert abs(gaps[0]) < 1e-4 and gaps[1] > 0.05, gaps
