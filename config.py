@@ -182,7 +182,7 @@ class Config:
     old_logprobs: Literal["behaviour", "recompute"] = "behaviour"
     """pi_old, the anchor of the policy loss's ratio: behaviour (the engine's log-probs) or recompute (the trainer's own forward at each experience's behaviour version, from weights it keeps: decoupled PPO; one forward pass per step, one copy of the weights per version of the staleness bound)"""  # noqa: E501
     rollout_correction: str = "none"
-    """rollout correction, a weight or mask from pi_old / pi_behaviour on each token's loss (needs --old-logprobs recompute): none, tis-token, tis-seq, mis-token, mis-seq, geo-mask, icepop (docs/algorithms.md)"""  # noqa: E501
+    """rollout correction from rho = pi_old / pi_behaviour, the loss's own ratio being pi_theta / pi_old (needs --old-logprobs recompute): none; tis-token (each token's loss weighed by min(rho, high)); tis-seq (by the sequence's capped product of rho); mis-token / mis-seq (the same weights, tokens / sequences with rho outside [low, high] masked out of the loss); geo-mask (sequences whose geometric mean of rho is outside [low, high] masked); icepop (weight rho inside [low, high], tokens outside masked) (docs/algorithms.md)"""  # noqa: E501
     rollout_correction_kwargs: dict = field(default_factory=dict)
     """bounds of the rollout correction (JSON), {"low": ..., "high": ...}; unset: its source's defaults"""  # noqa: E501
     mismatch_every: int = 0

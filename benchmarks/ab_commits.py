@@ -4,12 +4,14 @@ run directory, the base model's evaluation cached for both.
 
     python benchmarks/ab_commits.py 70e27ae HEAD                 # 12 steps, two rounds
     python benchmarks/ab_commits.py 70e27ae HEAD --steps 12 --rounds 2 -- --seed 1
+    python benchmarks/ab_commits.py HEAD HEAD --b-flags "--old-logprobs recompute"  # a setting
 
 Each commit is checked out once into a git worktree beside the repository's; each run is
 `python run.py --mode both --sync-interval 2 --steps N --run-dir DIR FLAGS` (the default job,
 cut to N steps). Per run it reads metrics.jsonl: the median wall seconds per step (the
 differences of time/elapsed_s, the first step left out: it holds the start), and the medians of
-time/train_s and time/explore_s. Prints one row per run, then per figure the ratio B / A of the
+time/train_s and time/explore_s. --b-flags adds run.py flags to B's runs only: the cost of a
+setting at one commit. Prints one row per run, then per figure the ratio B / A of the
 medians over rounds; --json writes them.
 """
 
@@ -69,6 +71,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", help="write the rows and ratios to this file")
+    p.add_argument("--b-flags", default="", help="run.py flags of B's runs only (one string)")
     p.add_argument("flags", nargs="*", help="run.py flags for both (after --)")
     args = p.parse_args()
     # the commits themselves, not names that move (HEAD, a branch)
@@ -85,7 +88,8 @@ def main() -> int:
         run_once(checkouts["A"], work / "warm-up", 2, args.flags)
         for r in range(args.rounds):
             for name, checkout in checkouts.items():
-                row = run_once(checkout, work / f"{name}{r}", args.steps, args.flags)
+                flags = args.flags + (args.b_flags.split() if name == "B" else [])
+                row = run_once(checkout, work / f"{name}{r}", args.steps, flags)
                 row = {"commit": name, "round": r, **row}
                 rows.append(row)
                 shown = "  ".join(f"{k} {row[k]:.2f}" for k in (*FIGURES, "wall_s"))
@@ -101,6 +105,7 @@ def main() -> int:
         print(f"{k}: A {a:.3f}, B {b:.3f}, B / A {b / a:.3f}")
     if args.json:
         record = {"a": args.a, "b": args.b, "steps": args.steps, "flags": args.flags}
+        record["b_flags"] = args.b_flags
         Path(args.json).write_text(json.dumps({**record, "rows": rows, "ratios": ratios}, indent=2))
     return 0
 
