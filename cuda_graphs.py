@@ -148,6 +148,9 @@ class Replay:
         step.mask[:, :, :, 1:] = False
         step.mask[:B, 0, 0, :P] = attn.bool()
         step.pos[:B] = pos[:, -1:]
+        # the unused rows start again at 0: each step advances every row, and positions carried over
+        # from batch to batch would run past a learned position table (GPT-2, OPT: a device assert)
+        step.pos[B:] = 0
         self.step = step
         self.rows = B
         self.column = P
@@ -167,17 +170,24 @@ class Replay:
         return tokens[: self.rows], logprobs[: self.rows], floors
 
 
+def restored(generator: torch.Generator, state: torch.Tensor) -> torch.Generator:
+    """A new generator on `generator`'s device in `state` (`get_state`'s uint8 tensor)."""
+    fresh = torch.Generator(generator.device)
+    fresh.set_state(state)
+    return fresh
+
+
 class Graphs:
     """engines.Decoding for each batch: the last `keep` steps used, by (batch bucket, capacity,
-    dtype), each with a graph per sampling; eager if not `capture`."""
+    dtype), each with a graph per sampling; eager if not `capture`. The decoding it returns
+    carries the generator to draw from (`generator`): a new one after a failed capture."""
 
     def __init__(self, max_batch: int, capture: bool = True, keep: int = 8):
         self.max_batch, self.capture, self.keep = max_batch, capture, keep
         self.steps: OrderedDict[tuple, Step] = OrderedDict()
         # every graph's memory in one pool: a graph's inputs and cache are allocated outside its
-        # capture, and
-        # its outputs, which another graph's replay may overwrite, are read before the next replay
-        # (generate_batch)
+        # capture, and its outputs, which another graph's replay may overwrite, are read before the
+        # next replay (generate_batch); a new pool once the steps holding the last one are evicted
         self.pool = None
         self.failed = ""  # why a capture failed: from then on every batch decodes eagerly
 
@@ -187,10 +197,16 @@ class Graphs:
         capacity = -(-(P + sampling.max_tokens) // CAPACITY_STEP) * CAPACITY_STEP
         key = (id(model), rows, capacity, cache.layers[0].keys.dtype, cache.layers[0].values.dtype)
         if not self.failed:
+            # the state before any warm-up: a failed capture leaves `generator` unusable (below)
+            state = generator.get_state()
             try:
                 if key not in self.steps:
                     while len(self.steps) >= self.keep:
                         self.steps.popitem(last=False)
+                    if not self.steps:
+                        # the pool's last graphs went with the evicted steps: a capture into a pool
+                        # that no graph holds any more asserts in c10 (a known torch issue)
+                        self.pool = None
                     if self.capture and self.pool is None:
                         self.pool = torch.cuda.graph_pool_handle()
                     self.steps[key] = Step(
@@ -200,6 +216,11 @@ class Graphs:
             except Exception as e:  # a model whose step cannot be captured still decodes
                 self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 self.steps.clear()  # their static caches are not used again
+                # capture_end raises for an invalidated capture before the registered generators
+                # leave capture mode: every eager draw from `generator` would raise. A new one in
+                # the state from before the warm-up takes its place (the engine draws from the
+                # returned Decoding's); the default generator is left as it is
+                generator = restored(generator, state)
                 print(
                     "nanorft: CUDA graphs off, decoding eagerly: the capture failed "
                     f"({self.failed})",

@@ -289,8 +289,8 @@ def decode_cache():
 
 class Decoding:
     """Decode steps over a prefilled cache of `decode_cache()`: each call takes the tokens [A] just
-    sampled and samples the next ones under `sampling` with `generator`: (tokens [A], behaviour
-    log-probs [A], floors [A] or None: `sample_token`'s)."""
+    sampled and samples the next ones under `sampling` with `generator` (kept as `generator`):
+    (tokens [A], behaviour log-probs [A], floors [A] or None: `sample_token`'s)."""
 
     drops = True  # ended rows can leave the batch
 
@@ -352,8 +352,8 @@ class HFEngine(Engine):
     leave the decode batch once they are this fraction of it (> 1: never; a smaller batch costs a
     reorder of the KV cache); graphs: on a CUDA device, a factory(max_batch) of `Decoding`'s
     contract that the decode steps run on (the composition root's CUDA graphs for --cuda-graphs),
-    else `Decoding`. A subclass with adapters overrides `pretrained`, `parameters` and
-    `load_weights`."""
+    else `Decoding`; the engine draws from the `generator` of the decoding it returns. A subclass
+    with adapters overrides `pretrained`, `parameters` and `load_weights`."""
 
     def __init__(
         self,
@@ -508,6 +508,7 @@ class HFEngine(Engine):
                 decoding = (self.graphs or Decoding)(
                     self.model, cache, attn, pos, s, self.generator
                 )
+                self.generator = decoding.generator  # a failed graph capture gives a new one
                 # [B, R] the sampled tokens and their behaviour log-probs
                 tokens = torch.full((B, s.max_tokens), self.pad, dtype=torch.long, device=dev)
                 behaviour, floors = torch.zeros(2, B, s.max_tokens, device=dev)  # [B, R] each

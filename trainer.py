@@ -318,7 +318,7 @@ class Trainer:
         causal = self.cuda and self.cfg.causal_rows
         budget = self.cfg.token_budget
         packed = packing.pack(mb, self.pad, budget, ROW_MULTIPLE, causal, TOKEN_MULTIPLE)
-        b = {k: v if v is None else v.to(self.device) for k, v in packed.items()}
+        b = {k: v if v is None else self.to_device(v) for k, v in packed.items()}
         b["mask"] = b["mask"] * (not padding)
         self.computed_tokens += b["input_ids"].numel()
         # no cache of bf16 weights: each is cast once per pass anyway, and the blocks' recompute
@@ -442,7 +442,7 @@ class Trainer:
         split_expert loss's [n], [n]; `token_counts` [N] each sequence's trained tokens."""
         if self.algorithm.loss.split_expert:
             part_tokens, part_seqs = part_totals(token_counts, batch.offline, keep)
-            return lambda rows: (part_tokens[rows].to(self.device), part_seqs[rows].to(self.device))
+            return lambda rows: (self.to_device(part_tokens[rows]), self.to_device(part_seqs[rows]))
         whole = (float(token_counts[keep].sum()), int(keep.sum()))
         return lambda rows: whole
 
@@ -478,9 +478,9 @@ class Trainer:
         behaviour = b["behaviour_logprobs"]  # [B, R]
         # each sequence's index in the step's batch
         idx = torch.tensor([batch.row[id(e)] for e in mb])  # [B]
-        offline = batch.offline[idx].to(self.device)  # [B]
+        offline = self.to_device(batch.offline[idx])  # [B]
         ref_lp = self.ref.micro_batch(mb, padding, behaviour) if self.ref else None  # [B, R]
-        adv_t = adv[idx][:, None].expand(*mask.shape).to(self.device)  # [B, R]
+        adv_t = self.to_device(adv[idx])[:, None].expand(*mask.shape)  # [B, R]
         old = None
         weight = keep = 1.0
         if corrected is not None and not padding:
@@ -488,15 +488,14 @@ class Trainer:
         terms = {}  # per-token metrics [B, R] of the scorers and the loss
         if self.teacher:  # per-token terms of the advantage, and their metrics
             adv_t, terms = self.teacher.advantages(adv_t, mb, padding, behaviour, mask, offline)
+        groups = torch.unique(batch.group_index[idx], return_inverse=True)[1]  # [B] from 0
         inputs = LossInputs(
             logprobs=lp,
             behaviour_logprobs=behaviour,
             advantages=adv_t,
             action_mask=mask,
-            rewards=rewards[idx].to(self.device),
-            group_index=torch.unique(batch.group_index[idx], return_inverse=True)[1].to(
-                self.device
-            ),
+            rewards=self.to_device(rewards[idx]),
+            group_index=self.to_device(groups),
             ref_logprobs=ref_lp,
             expert=offline,
             old_logprobs=old,
@@ -514,6 +513,13 @@ class Trainer:
                 terms["loss/kl_ref"] = kl_estimate(lp, ref_lp, cfg.kl_estimator)
             share = aggregate(out["loss"] * weight, mask * keep, agg, *totals(idx))
             return micro_batch_sums(share, lp, behaviour, ent, mask, offline, terms)
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (any shape) on the trainer's device: from a CPU to a GPU through pinned memory
+        without waiting (a copy from pageable memory waits for the stream: a host sync)."""
+        if self.cuda and t.device.type == "cpu":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
 
     def optimizer_step(self) -> float:
         """Clip the gradients, AdamW step at the scheduled rate, zero them; the norm before

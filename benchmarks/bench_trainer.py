@@ -13,6 +13,9 @@ Raw loop: per rollout the HF model's forward (float32 parameters under bf16 auto
 causal, no mask), full logits, float32 log-softmax and gather of the taken tokens, a policy-gradient loss, backward;
 then gradient clipping and AdamW (fused on CUDA); no activation checkpointing; peft adapters of the same LoRA config.
 Timing: one warm-up step of each arm, then `--rounds` interleaved timed steps between CUDA synchronisations; medians.
+The raw loop under torch.compile of the whole model (raw_compiled) is timed after the other two: its first step, which
+compiles, starts only while `--compile-budget-s` is not spent (timed, `compile_s` in the JSON), else it is skipped.
+`--json` is written after each arm's figures, so that a run cut short keeps what it measured.
 tokens/s: sequence tokens trained per second. MFU: model FLOPs (6 x matmul parameters x tokens + 6 x LM head x reply
 tokens + attention 12 x layers x heads x head_dim x length^2 per rollout, PaLM's count (arXiv:2204.02311 appendix B)
 without a causal discount; no recomputation) over the nominal
@@ -208,6 +211,7 @@ class Bench:
         self.body = matmul_params(path)[0]
         self.peak = peak_flops("cuda", "bfloat16") if device.type == "cuda" else 0.0
         self.rows, self.skipped, self.start = [], [], time.perf_counter()
+        self.compiles: list[dict] = []  # each compiling first step: arm, rank, length, seconds
 
     def over_budget(self, what: str) -> bool:
         spent = time.perf_counter() - self.start
@@ -272,6 +276,66 @@ class Bench:
                 flush=True,
             )
 
+    def compiled(self, step, rank: int, length: int) -> bool:
+        """Run raw_compiled's first, compiling, step at `length` if --compile-budget-s is not spent
+        (a SKIP line else); whether it ran."""
+        spent = sum(c["seconds"] for c in self.compiles)
+        what = f"raw_compiled lora_rank {rank} length {length}"
+        if spent >= self.args.compile_budget_s:
+            print(
+                f"SKIP {what}: {spent:.0f} s compiled of --compile-budget-s "
+                f"{self.args.compile_budget_s:.0f}",
+                flush=True,
+            )
+            self.skipped.append(what)
+            return False
+        n = max(2, self.args.tokens_per_step // length)
+        group = [experiences(length, n, self.fields["vocab_size"], 0)]
+        seconds, _ = timed(self.device, lambda: step(group))
+        self.compiles.append(
+            {"arm": "raw_compiled", "lora_rank": rank, "length": length, "seconds": seconds}
+        )
+        print(f"compiled {what} in {seconds:.1f} s", flush=True)
+        return True
+
+    def results(self) -> dict:
+        """The JSON record of what was measured so far."""
+        device = self.device
+        out = {
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "shape": self.args.shape,
+            "matmul_params": self.body,
+            "dtype": self.dtype,
+            "peak_flops": self.peak,
+            "peak_source": "perf.CUDA_PEAKS nominal (or measured)" if self.peak else None,
+            "defaults": {lever: getattr(Config, lever) for lever in LEVERS},
+            "head_chunk_elems_by_device": packing.HEAD_CHUNK_ELEMS,
+            "rows": self.rows,
+            "skipped": self.skipped,
+            "compile_s": self.compiles,
+            "seconds": time.perf_counter() - self.start,
+        }
+        # nanorft's tokens/s over each raw loop's, with the default settings
+        speed = {
+            (r["arm"], r["lora_rank"], r["length"]): r["tokens_per_s"]
+            for r in self.rows
+            if r["lever"] == "default"
+        }
+        for (arm, rank, length), tokens_per_s in speed.items():
+            ours = speed.get(("nanorft", rank, length))
+            if arm != "nanorft" and ours is not None:
+                out.setdefault(f"nanorft_vs_{arm}", {})[f"r{rank}_{length}"] = ours / tokens_per_s
+        return out
+
+    def save(self) -> None:
+        """--json: the results so far (written whole, then renamed: never half a file)."""
+        if self.args.json:
+            partial = Path(self.args.json + ".partial")
+            partial.write_text(json.dumps(self.results(), indent=2))
+            partial.replace(self.args.json)
+
     def trainer(self, cfg: Config):
         return components.make_trainer(cfg, self.path, self.device)
 
@@ -308,7 +372,13 @@ def main() -> int:
     p.add_argument(
         "--budget-s", type=float, default=150.0, help="variants after this many seconds are skipped"
     )
-    p.add_argument("--json", default="", help="write the results here")
+    p.add_argument(
+        "--compile-budget-s",
+        type=float,
+        default=math.inf,
+        help="raw_compiled's compiling first step starts only while fewer seconds were compiled",
+    )
+    p.add_argument("--json", default="", help="write the results here (after each arm)")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_trainer: no CUDA device (use --device cpu --shape tiny)", file=sys.stderr)
@@ -350,12 +420,16 @@ def main() -> int:
             tr = bench.trainer(cfg)
             raw = RawLoop(bench.path, device, cfg)
             raw_compiled = RawLoop(bench.path, device, cfg, compiled=True)
-            arms = {"nanorft": tr.step, "raw": raw.step, "raw_compiled": raw_compiled.step}
+            arms = {"nanorft": tr.step, "raw": raw.step}
             for length in lengths:
                 if bench.over_budget(f"lora_rank {rank} length {length}"):
                     continue
                 tr.cfg.token_budget = length
                 bench.measure(arms, rank, length, "default")
+                bench.save()
+                if bench.compiled(raw_compiled.step, rank, length):
+                    bench.measure({"raw_compiled": raw_compiled.step}, rank, length, "default")
+                    bench.save()
             del tr, raw, raw_compiled, arms
             bench.free()
         length = max(lengths)
@@ -369,39 +443,16 @@ def main() -> int:
             tr = bench.trainer(bench.config(0, length, **flip(lever)))
             try:
                 bench.measure({"nanorft": tr.step}, 0, length, f"{lever}={shown}")
+                bench.save()
             finally:
                 del tr
                 bench.free()
-    out = {
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "shape": args.shape,
-        "matmul_params": bench.body,
-        "dtype": bench.dtype,
-        "peak_flops": bench.peak,
-        "peak_source": "perf.CUDA_PEAKS nominal (or measured)" if bench.peak else None,
-        "defaults": {lever: getattr(Config, lever) for lever in LEVERS},
-        "head_chunk_elems_by_device": packing.HEAD_CHUNK_ELEMS,
-        "rows": bench.rows,
-        "skipped": bench.skipped,
-        "seconds": time.perf_counter() - bench.start,
-    }
-    for rank in ranks:
-        for length in lengths:
-            pair = {
-                r["arm"]: r["tokens_per_s"]
-                for r in bench.rows
-                if r["lora_rank"] == rank and r["length"] == length and r["lever"] == "default"
-            }
-            for raw in ("raw", "raw_compiled"):
-                if "nanorft" in pair and raw in pair:
-                    ratio = pair["nanorft"] / pair[raw]
-                    out.setdefault(f"nanorft_vs_{raw}", {})[f"r{rank}_{length}"] = ratio
-                    print(f"nanorft / {raw}  r{rank} {length}: {ratio:.2f}x")
+    out = bench.results()
+    for arm in ("raw", "raw_compiled"):
+        for cell, ratio in out.get(f"nanorft_vs_{arm}", {}).items():
+            print(f"nanorft / {arm}  {cell}: {ratio:.2f}x")
     print(f"total {out['seconds']:.0f} s")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    bench.save()
     dist.destroy_process_group()
     return 0
 

@@ -35,21 +35,23 @@ processes together):
                   in bf16 and in bf16 with its decode steps, sampling included, as CUDA graphs
                   captured before the sync, graphs giving the eager decoding's tokens and
                   log-probs, publishes handed over by CUDA IPC between two processes and not
-                  overwritten before they are acknowledged); the colocated mode-both tests of
-                  tests/test_gpu.py are left out: the job stages run the same on the real shapes
-    both-135m     torchrun --nproc_per_node 1 run.py --mode both --engine hf --sync-interval 1 on
-    both-0.5b     the default job's shape (8 tasks x 8 rollouts, <= 24 new tokens), trainer and
-                  explorer colocated on one GPU (auto's sync: ipc), no evaluation, no plot:
-                  the trainer's and the explorer's checksums equal
-                  after every sync; s/step (strict on-policy: explore, train and sync one after
-                  the other), its split, tokens/s, the trainer's peak GPU memory
-    lora-135m     the same with --lora-rank 16 (SKIP without peft): adapters under bf16 autocast,
-                  the explorer's checksum of what each sync carried equal to the trainer's
+                  overwritten before they are acknowledged, a capture that fails inside CUDA
+                  decoding eagerly at temperature 1, captures after the pool's last graph was
+                  evicted, a train step's host syncs as many with 6 micro-batches as with 1); the
+                  colocated mode-both tests of tests/test_gpu.py are left out: the job stages run
+                  the same on the real shapes
+    sync-135m     benchmarks/bench_sync.py --device colocated: nanorft's publish vs a raw broadcast
+    sync-0.5b     of the same bytes over the same gloo group with the copies through host memory
+                  it needs, and by CUDA IPC (--sync-method ipc) (it writes its usual
+                  benchmarks/results/sync_colocated.json)
     bench         nanorft's explorer (HF engine, bf16 weights as when colocated; decode steps
                   as CUDA graphs, and eager in one round, on the same batches) vs raw
                   `model.generate` and vs `generate` with a static cache, which transformers
-                  compiles on a GPU (one cache length for every round), and on the 0.5b model 64
-                  replies of 512 tokens the same three ways; nanorft's train
+                  compiles on a GPU (one cache length for every round, checked after the first
+                  call: a transformers that ignores max_cache_len fails the arm in one line), on
+                  the 135m model with the job's shape and on the 0.5b model with 64 replies of
+                  512 tokens (one compile per model; eager and graphs also on the job's shape),
+                  the compiles within the stage's compile budget; nanorft's train
                   step (one GPU: float32 weights under bf16 autocast, the trainer's CUDA levers)
                   vs a raw forward + backward + AdamW loop (bf16 autocast, every
                   sequence padded in full, nothing recomputed) on the same sequences, for each
@@ -59,26 +61,39 @@ processes together):
     trainer       benchmarks/bench_trainer.py: nanorft's train step on the Qwen3-0.6B shape at 8k
                   tokens, full fine-tuning with the trainer's defaults, against a raw loop with
                   and without torch.compile of the whole model (tokens/s, MFU by PaLM's count,
-                  peak memory)
-    sync-135m     benchmarks/bench_sync.py --device colocated: nanorft's publish vs a raw broadcast
-    sync-0.5b     of the same bytes over the same gloo group with the copies through host memory
-                  it needs, and by CUDA IPC (--sync-method ipc) (it writes its usual
-                  benchmarks/results/sync_colocated.json)
+                  peak memory), the compiled loop's compile within the stage's compile budget
+    both-135m     torchrun --nproc_per_node 1 run.py --mode both --engine hf --sync-interval 1 on
+                  the default job's shape (8 tasks x 8 rollouts, <= 24 new tokens), trainer and
+                  explorer colocated on one GPU (auto's sync: ipc), no evaluation, no plot:
+                  the trainer's and the explorer's checksums equal
+                  after every sync; s/step (strict on-policy: explore, train and sync one after
+                  the other), its split, tokens/s, the trainer's peak GPU memory
+    lora-135m     extra (--only): the same with --lora-rank 16 (SKIP without peft): adapters under
+                  bf16 autocast, the explorer's checksum of what each sync carried equal to the
+                  trainer's
+    both-0.5b     extra (--only): both-135m's job on the 0.5b model
     multi-1rank   with 2+ GPUs only: one trainer rank and the explorer on a GPU of its own (NCCL),
     multi-2ranks  two FSDP trainer ranks and the explorer (colocated with 2 GPUs, a GPU of its own
                   with 3+), as launch.place lays them out: checksums equal after every sync
     sync-nccl     with 2+ GPUs only: bench_sync.py --device cuda (NCCL between two GPUs)
 
-They run in the order cuda, sync-*, bench, trainer, both-135m, lora-135m, both-0.5b, tests
-(then the 2+ GPU stages): the measurements first, so that a run cut short by the budget has them;
-`--only STAGE,...` runs the stages it left out.
+They run in that order: the tests right after the cuda stage (they alone assert the CUDA-graph
+sampling and the ipc code), then the measurements the targets need. Each stage's limit is in
+LIMITS, and of it the seconds its baselines' torch.compile may take in COMPILE_S (bench: the
+static-cache generate's compiles, trainer: the compiled raw loop's; a compile starts only while
+its stage's budget is not spent): with the preparation they add up to the 420 s budget. The extra
+stages (lora-135m, both-0.5b; no target depends on them) and the 2+ GPU ones come on top: `--only
+STAGE,...` runs them, or the stages a run cut short left out.
 
 It prints every stage with PASS / FAIL / SKIP, its time and its figures, and writes
-DIR/gpu_check.json (GPU, versions, every figure) and DIR/gpu_check.log (every stage's whole
-output). Exit code 0 when every stage passed, 1 when one failed, 2 without a CUDA device.
+DIR/gpu_check.json (GPU, versions, every figure) after every stage and DIR/gpu_check.log (every
+stage's whole output). The bench and trainer stages write their figures as they come, so that a
+stage that fails or runs out of time keeps what it measured (in the summary, beside its FAIL).
+Exit code 0 when every stage passed, 1 when one failed, 2 without a CUDA device.
 """
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -143,6 +158,24 @@ LONG_TOKENS = {
 # prompt tokens the static-cache generate's cache holds beside the reply (the check's prompts are shorter)
 STATIC_CACHE_LEN = 256
 MIN_STAGE_S = 20.0  # a stage with less of the budget left is not started (it fails as not run)
+BUDGET_S = 420.0  # --budget-s: everything, the preparation included
+# each stage's time limit (s) on one GPU, in the order they run, and of it the seconds its baselines'
+# torch.compile may take (COMPILE_S, the command's --compile-budget-s): with the preparation's
+# PREPARE_S they add up to BUDGET_S. Estimates until a GPU run measures them: the tests first (they
+# alone assert the graph sampling and ipc code), then what the targets need
+PREPARE_S = 20
+LIMITS = {
+    "cuda": 15,
+    "tests": 90,
+    "sync-135m": 25,
+    "sync-0.5b": 30,
+    "bench": 125,
+    "trainer": 75,
+    "both-135m": 40,
+}
+COMPILE_S = {"bench": 60, "trainer": 30}
+# stages outside BUDGET_S (no target depends on them): run when --only names them
+EXTRA_LIMITS = {"lora-135m": 60, "both-0.5b": 60}
 TESTS = [
     "tests/test_gpu.py",
     "tests/test_ipc_sync.py::test_publishes_arrive_equal_through_one_mapping_and_wait_for_their_acknowledgement[cuda]",
@@ -355,13 +388,19 @@ def validate_worker(work: Path) -> int:
 @dataclass
 class Stage:
     """One subprocess: `cmd` in the repository root with `gpus` visible, at most `limit_s`
-    seconds; `check(output)` returns (one-line result, figures) or raises Failed."""
+    seconds, of which its baselines' compiles may take `compile_s` (`cmd` says so);
+    `check(output)` returns (one-line result, figures) or raises Failed. `figures`: the JSON file
+    the stage writes as it goes, kept in the summary when the stage fails or runs out of time.
+    `extra`: run only when --only names it."""
 
     name: str
     cmd: list[str]
     gpus: list[str]
     limit_s: float
     check: Callable[[str], tuple[str, dict]]
+    compile_s: float = 0.0
+    figures: Path | None = None
+    extra: bool = False
 
 
 def last_line(text: str) -> str:
@@ -477,6 +516,11 @@ def run_stage(stage: Stage, deadline: float, base_env: dict, log) -> dict:
             Exception
         ) as e:  # a check that cannot read the stage's files fails that stage, not the others
             result["detail"] = f"{type(e).__name__}: {e}"
+    if result["status"] != "PASS" and stage.figures is not None and stage.figures.is_file():
+        try:  # what the stage measured before it failed or ran out of time
+            result["figures"] = json.loads(stage.figures.read_text())
+        except ValueError:
+            pass
     log.write(f"---- {stage.name}: {result['status']} ({seconds:.1f} s): {result['detail']}\n")
     log.flush()
     result["tail"] = None if result["status"] == "PASS" else out.splitlines()[-40:]
@@ -599,33 +643,49 @@ def check_both(run_dir: Path, placement: str) -> Callable[[str], tuple[str, dict
 
 
 def check_bench(work: Path) -> Callable[[str], tuple[str, dict]]:
+    """Both models benchmarked, every figure a positive number, no static-cache generate failed
+    (its one line each)."""
+
     def check(out: str) -> tuple[str, dict]:
         res = json.loads((work / "bench.json").read_text())
-        if set(res) != set(MODELS):
-            raise Failed(f"benchmarked {sorted(res)} of {sorted(MODELS)}")
+        if set(res) != set(MODELS) or any("raw_copy_d2h2d_s" not in r for r in res.values()):
+            raise Failed(f"benchmarked {sorted(res)} of {sorted(MODELS)}, not all to the end")
         nums = [v for r in res.values() for v in r.values() if isinstance(v, float)]
         if not all(math.isfinite(v) and v > 0 for v in nums):
             raise Failed(f"a figure is not a positive number: {res}")
-        return "; ".join(
-            f"{m}: explorer {r['explorer_tokens_per_s']:.0f} tok/s = {r['graphs_vs_eager']:.2f}x eager "
-            f"decode"
-            + (f" (CUDA graphs off: {r['graphs_failed']})" if r["graphs_failed"] else "")
-            + f", {r['explorer_vs_generate']:.2f}x generate"
-            + f", {r['explorer_vs_static_generate']:.2f}x compiled static-cache generate"
-            + (
-                f", {r['long_rows']} x {r['long_tokens']} tokens {r['long_graphs_tokens_per_s']:.0f} tok/s "
-                f"= {r['long_graphs_vs_eager']:.2f}x eager, "
-                f"{r['long_graphs_vs_static_generate']:.2f}x compiled static-cache generate"
-                if "long_tokens" in r
-                else ""
-            )
-            + f", train {r['trainer_tokens_per_s']:.0f} tok/s = {r['trainer_vs_raw']:.2f}x raw "
-            f"loop, train peak {r['trainer_peak_gib']:.1f} GiB, raw copy of "
-            f"{r['copy_bytes'] / 1e6:.0f} MB device -> host -> device {r['raw_copy_d2h2d_s']:.3f} s"
-            for m, r in res.items()
-        ), res
+        arms = ("static_generate_failed", "long_static_generate_failed")
+        failed = [f"{m}: {r[k]}" for m, r in res.items() for k in arms if k in r]
+        if failed:
+            raise Failed("; ".join(failed))
+        return "; ".join(bench_line(m, r) for m, r in res.items()), res
 
     return check
+
+
+def bench_line(model: str, r: dict) -> str:
+    """One model's bench figures (bench_model's) in one line."""
+    static = ""
+    if "explorer_vs_static_generate" in r:
+        static = f", {r['explorer_vs_static_generate']:.2f}x compiled static-cache generate"
+    long = ""
+    if "long_tokens" in r:
+        long = (
+            f", {r['long_rows']} x {r['long_tokens']} tokens {r['long_graphs_tokens_per_s']:.0f} "
+            f"tok/s = {r['long_graphs_vs_eager']:.2f}x eager"
+        )
+    if "long_graphs_vs_static_generate" in r:
+        long += f", {r['long_graphs_vs_static_generate']:.2f}x compiled static-cache generate"
+    notes = [r[k] for k in ("static_generate_skipped", "long_static_generate_skipped") if k in r]
+    if r["graphs_failed"]:
+        notes.insert(0, f"CUDA graphs off: {r['graphs_failed']}")
+    return (
+        f"{model}: explorer {r['explorer_tokens_per_s']:.0f} tok/s = {r['graphs_vs_eager']:.2f}x "
+        f"eager decode, {r['explorer_vs_generate']:.2f}x generate{static}{long}, train "
+        f"{r['trainer_tokens_per_s']:.0f} tok/s = {r['trainer_vs_raw']:.2f}x raw loop, train peak "
+        f"{r['trainer_peak_gib']:.1f} GiB, raw copy of {r['copy_bytes'] / 1e6:.0f} MB device -> "
+        f"host -> device {r['raw_copy_d2h2d_s']:.3f} s"
+        + (f" ({'; '.join(notes)})" if notes else "")
+    )
 
 
 def check_trainer(path: Path) -> Callable[[str], tuple[str, dict]]:
@@ -642,6 +702,9 @@ def check_trainer(path: Path) -> Callable[[str], tuple[str, dict]]:
         ]
         if not cells:
             raise Failed(f"no length timed in both arms (skipped: {res['skipped']})")
+        # the compiled raw loop's compile seconds, or why it was not timed
+        notes = [f"raw compiled in {c['seconds']:.0f} s" for c in res.get("compile_s", [])]
+        notes += [f"SKIP {what}" for what in res["skipped"]]
         return "; ".join(
             f"{'full' if rank == 0 else f'LoRA r{rank}'} {n}: "
             f"{rows[('nanorft', rank, n, 'default')]['tokens_per_s']:.0f} tok/s (MFU "
@@ -653,7 +716,7 @@ def check_trainer(path: Path) -> Callable[[str], tuple[str, dict]]:
                 else ""
             )
             for rank, n in cells
-        ), res
+        ) + "".join(f"; {note}" for note in notes), res
 
     return check
 
@@ -710,13 +773,38 @@ def placement(gpus: int, ranks: int) -> str:
 
 
 def plan(work: Path, gpus: list[str]) -> list[Stage]:
-    """The stages for these visible GPUs (ids as CUDA_VISIBLE_DEVICES names them)."""
+    """The stages for these visible GPUs (ids as CUDA_VISIBLE_DEVICES names them), in the order
+    they run: LIMITS's, then the extra ones (EXTRA_LIMITS) and those of 2+ GPUs."""
 
     me = [sys.executable, str(Path(__file__).resolve())]
     xml = work / "tests.xml"
     one = gpus[:1]
     stages = [
-        Stage("cuda", me + ["--worker", "cuda", "--work", str(work)], gpus, 60, check_cuda(work))
+        Stage(
+            "cuda",
+            me + ["--worker", "cuda", "--work", str(work)],
+            gpus,
+            LIMITS["cuda"],
+            check_cuda(work),
+            figures=work / "cuda.json",
+        ),
+        Stage(
+            "tests",
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-rfEs",
+                *TESTS,
+                f"--junitxml={xml}",
+            ],
+            one,
+            LIMITS["tests"],
+            check_tests(xml),
+        ),
     ]
     for m in MODELS:
         stages.append(
@@ -733,14 +821,25 @@ def plan(work: Path, gpus: list[str]) -> list[Stage]:
                     "3",
                 ],
                 one,
-                90,
+                LIMITS[f"sync-{m}"],
                 check_sync("colocated"),
             )
         )
     stages.append(
-        Stage("bench", me + ["--worker", "bench", "--work", str(work)], one, 240, check_bench(work))
+        Stage(
+            "bench",
+            me
+            + ["--worker", "bench", "--work", str(work)]
+            + ["--compile-budget-s", str(COMPILE_S["bench"])],
+            one,
+            LIMITS["bench"],
+            check_bench(work),
+            compile_s=COMPILE_S["bench"],
+            figures=work / "bench.json",
+        )
     )
-    # full fine-tuning at 8k tokens, the defaults only: the levers and LoRA were measured on their own (docs/gpus.md)
+    # full fine-tuning at 8k tokens, the defaults only: the levers and LoRA were measured on their
+    # own (docs/gpus.md)
     stages.append(
         Stage(
             "trainer",
@@ -758,44 +857,30 @@ def plan(work: Path, gpus: list[str]) -> list[Stage]:
                 "--rounds",
                 "3",
                 "--budget-s",
-                "90",
+                "60",
                 "--json",
                 str(work / "trainer.json"),
+                "--compile-budget-s",
+                str(COMPILE_S["trainer"]),
             ],
             one,
-            150,
+            LIMITS["trainer"],
             check_trainer(work / "trainer.json"),
+            compile_s=COMPILE_S["trainer"],
+            figures=work / "trainer.json",
         )
     )
-    for name, flags in jobs(work).items():  # both-135m, lora-135m, both-0.5b
+    for name, flags in jobs(work).items():  # both-135m, then the extra lora-135m and both-0.5b
         stages.append(
             Stage(
                 name,
                 torchrun(1, flags),
                 one,
-                150,
+                LIMITS.get(name) or EXTRA_LIMITS[name],
                 check_both(work / "runs" / name, placement(1, 1)),
+                extra=name in EXTRA_LIMITS,
             )
         )
-    stages.append(
-        Stage(
-            "tests",
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-rfEs",
-                *TESTS,
-                f"--junitxml={xml}",
-            ],
-            one,
-            240,
-            check_tests(xml),
-        )
-    )
     if len(gpus) >= 2:
         d1, d2, three = work / "runs" / "multi-1rank", work / "runs" / "multi-2ranks", gpus[:3]
         stages += [
@@ -887,9 +972,10 @@ def cuda_worker(work: Path) -> None:
     )
 
 
-def bench_worker(work: Path, rounds: int = 3) -> None:
-    """--worker bench: the component benchmark of each model on cuda:0 (module docstring);
-    writes WORK/bench.json after each model."""
+def bench_worker(work: Path, compile_s: float, rounds: int = 3) -> None:
+    """--worker bench: the component benchmark of each model on cuda:0 (module docstring), its
+    static-cache `generate` compiles within `compile_s` seconds; writes WORK/bench.json as each
+    model's figures come."""
     import gc
 
     import torch
@@ -899,15 +985,38 @@ def bench_worker(work: Path, rounds: int = 3) -> None:
 
     launch.init_distributed()  # one rank on cuda:0, NCCL + gloo: the Trainer needs the default group
     out = {}
+    budget = CompileBudget(compile_s)
+
+    def save(name: str, figures: dict) -> None:
+        out[name] = figures
+        partial = work / "bench.json.partial"  # whole, then renamed: never half a file
+        partial.write_text(json.dumps(out, indent=2))
+        partial.replace(work / "bench.json")
+
     for name in MODELS:
-        out[name] = bench_model(
-            work, name, torch.device("cuda", 0), rounds, LONG_TOKENS.get(name, 0)
-        )
-        (work / "bench.json").write_text(json.dumps(out, indent=2))
+        device = torch.device("cuda", 0)
+        long_tokens = LONG_TOKENS.get(name, 0)
+        saves = functools.partial(save, name)
+        bench_model(work, name, device, rounds, long_tokens, budget, saves)
         print(name, json.dumps(out[name]), flush=True)
         gc.collect()
         torch.cuda.empty_cache()
     dist.destroy_process_group()
+
+
+class CompileBudget:
+    """The seconds a stage's baselines may spend compiling (the plan's COMPILE_S): a compile
+    starts only while some are left, so one compile at most runs over."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.spent = 0.0
+
+    def refuses(self, what: str) -> str:
+        """Why `what` may not compile now, in one line; '' when it may."""
+        if self.spent < self.seconds:
+            return ""
+        return f"{what}: not compiled, the {self.seconds:.0f} s compile budget is spent"
 
 
 def cuda_timed(fn):
@@ -924,10 +1033,11 @@ def cuda_timed(fn):
 
 def raw_generate(
     model, prompts: list[list[int]], n: int, max_tokens: int, pad: int, **static
-) -> int:
-    """`model.generate` (sampling at temperature 1, no top-k/top-p) of n completions per prompt, left-padded on the
-    model's device; returns the generated tokens (end token included). `static`: generate's settings of a static
-    cache (cache_implementation, max_cache_len), under which transformers compiles the decode step on a GPU
+) -> tuple[int, object]:
+    """`model.generate` (sampling at temperature 1, no top-k/top-p) of n completions per prompt,
+    left-padded on the model's device: (the generated tokens, end token included; the cache
+    generate used). `static`: generate's settings of a static cache (cache_implementation,
+    max_cache_len), under which transformers compiles the decode step on a GPU
     (generation_config.compile_config): what an HF user runs for speed."""
     import torch
 
@@ -946,13 +1056,74 @@ def raw_generate(
             top_k=0,
             max_new_tokens=max_tokens,
             pad_token_id=pad,
+            return_dict_in_generate=True,
             **static,
         )
-    gen = out[:, ids.shape[1] :]  # [B, R], pad after the end token
-    after_end = (gen == pad).long().cumsum(1) - (
-        gen == pad
-    ).long() > 0  # positions past the first end token
-    return int((~after_end).sum())
+    gen = out.sequences[:, ids.shape[1] :]  # [B, R], pad after the end token
+    # positions past the first end token
+    after_end = (gen == pad).long().cumsum(1) - (gen == pad).long() > 0
+    return int((~after_end).sum()), out.past_key_values
+
+
+def check_static_cache(cache, want: int) -> None:
+    """Failed (one line) unless `cache`, what static-cache `generate` used, holds `want` tokens
+    (its max_cache_len): a transformers that ignores max_cache_len sizes the cache to each call,
+    and each call of another length recompiles the decode step."""
+    import transformers
+    from transformers import StaticCache
+
+    got = cache.get_max_cache_shape() if isinstance(cache, StaticCache) else None
+    if got != want:
+        held = f"{got} tokens" if got is not None else f"a {type(cache).__name__}"
+        raise Failed(
+            f"static-cache generate: its cache is {held}, not max_cache_len {want}: transformers "
+            f"{transformers.__version__} ignores max_cache_len (each length would recompile)"
+        )
+
+
+class StaticGenerate:
+    """The compiled static-cache `generate` baseline with a cache of `cache_len` tokens: its first
+    call compiles (within `budget`) and must leave a cache of that length. `skipped` / `failed`:
+    why it stopped, in one line ('' while it runs)."""
+
+    def __init__(self, model, pad: int, cache_len: int, budget: CompileBudget):
+        self.model = model
+        self.pad = pad
+        self.cache_len = cache_len
+        self.budget = budget
+        self.compiled = False
+        self.skipped = ""
+        self.failed = ""
+
+    def __call__(self, prompts: list[list[int]], n: int, max_tokens: int) -> tuple | None:
+        """(generated tokens, seconds, peak GiB) of `raw_generate`; None once it stopped."""
+        if not self.compiled:
+            self.skipped = self.skipped or self.budget.refuses("static-cache generate")
+        if self.skipped or self.failed:
+            return None
+        static = dict(cache_implementation="static", max_cache_len=self.cache_len)
+        try:
+            (tokens, cache), seconds, peak = cuda_timed(
+                lambda: raw_generate(self.model, prompts, n, max_tokens, self.pad, **static)
+            )
+        except (ValueError, TypeError) as e:  # a generate that refuses max_cache_len
+            self.failed = f"static-cache generate: {type(e).__name__}: {' '.join(str(e).split())}"
+            return None
+        if not self.compiled:  # the first call compiled
+            self.budget.spent += seconds
+            self.compiled = True
+        try:
+            check_static_cache(cache, self.cache_len)
+        except Failed as e:
+            self.failed = str(e)
+            return None
+        return tokens, seconds, peak
+
+    def figures(self, prefix: str) -> dict:
+        """{prefix + "_skipped" / "_failed": why} where it stopped."""
+        return {
+            f"{prefix}_{k}": v for k, v in (("skipped", self.skipped), ("failed", self.failed)) if v
+        }
 
 
 def raw_train(model, opt, exps, token_budget: int, pad: int) -> None:
@@ -979,9 +1150,19 @@ def raw_train(model, opt, exps, token_budget: int, pad: int) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0) -> dict:
-    """One model: nanorft's explorer (decode steps as CUDA graphs and eager) and trainer next to the raw loops, and
-    with `long_tokens` the explorer on replies of that length (module docstring)."""
+def bench_model(
+    work: Path,
+    name: str,
+    device,
+    rounds: int,
+    long_tokens: int,
+    budget: CompileBudget,
+    save: Callable[[dict], None],
+) -> None:
+    """One model: nanorft's explorer (decode steps as CUDA graphs and eager) and trainer next to
+    the raw loops, and with `long_tokens` the explorer on replies of that length (module
+    docstring); `save(figures)` after the job's shape, the long replies and the copy, as they
+    come."""
     import torch
     from bench_step import (
         explore_rate,
@@ -1028,13 +1209,17 @@ def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0
     raw = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     raw_opt = torch.optim.AdamW(raw.parameters(), lr=0.0)
     resident = torch.cuda.memory_allocated() / 2**30
-    # one static cache length for every round: the compiled step is not compiled again
-    static = dict(cache_implementation="static", max_cache_len=STATIC_CACHE_LEN + cfg.max_tokens)
+    # one static cache length for every round: the compiled step is not compiled again. One
+    # compile per model, of the targets' shape: a model with long replies is compared on those
+    static = StaticGenerate(gen_model, engine.pad, STATIC_CACHE_LEN + cfg.max_tokens, budget)
+    if long_tokens:
+        static.skipped = f"static-cache generate: timed on the {long_tokens}-token replies only"
     rows: dict[str, list[float]] = {
         k: [] for k in ("explore", "explore_eager", "generate", "static", "train", "raw_train")
     }
     peaks = dict.fromkeys(rows, 0.0)
-    # round 0 warms up (kernels, allocator, cuBLAS, graphs, the static generate's compile): not counted
+    # round 0 warms up (kernels, allocator, cuBLAS, graphs, the static generate's compile): not
+    # counted
     for rnd in range(rounds + 1):
         if (
             rnd <= 1
@@ -1046,93 +1231,38 @@ def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0
             engine.graphs = graphs
         (rate, groups), _, peak_e = cuda_timed(lambda: explore_rate(explorer, rnd))
         prompts = [g[0].tokens[: g[0].prompt_length] for g in groups]  # the tasks just explored
-        n_gen, gen_s, peak_g = cuda_timed(
+        (n_gen, _), gen_s, peak_g = cuda_timed(
             lambda: raw_generate(gen_model, prompts, cfg.group_size, cfg.max_tokens, engine.pad)
         )
-        n_static, static_s, peak_s = cuda_timed(
-            lambda: raw_generate(
-                gen_model, prompts, cfg.group_size, cfg.max_tokens, engine.pad, **static
-            )
-        )
+        timed_static = static(prompts, cfg.group_size, cfg.max_tokens)  # None: not timed
         exps = [e for g in groups for e in g]
         tokens = sum(len(e.tokens) for e in exps)
         _, train_s, peak_t = cuda_timed(lambda: trainer.step(groups))
         _, raw_s, peak_r = cuda_timed(
             lambda: raw_train(raw, raw_opt, exps, cfg.token_budget, trainer.pad)
         )
+        timed = [
+            ("explore", rate, peak_e),
+            ("generate", n_gen / gen_s, peak_g),
+            ("train", tokens / train_s, peak_t),
+            ("raw_train", tokens / raw_s, peak_r),
+        ]
+        if timed_static is not None:
+            n_static, static_s, peak_s = timed_static
+            timed.append(("static", n_static / static_s, peak_s))
         if rnd:
-            for k, v, p in (
-                ("explore", rate, peak_e),
-                ("generate", n_gen / gen_s, peak_g),
-                ("static", n_static / static_s, peak_s),
-                ("train", tokens / train_s, peak_t),
-                ("raw_train", tokens / raw_s, peak_r),
-            ):
+            for k, v, p in timed:
                 rows[k].append(v)
                 peaks[k] = max(peaks[k], p)
-    med = {k: statistics.median(v) for k, v in rows.items()}
-    long = {}
-    if long_tokens:  # replies of long_tokens tokens (random weights rarely sample the end token)
-        sampling = Sampling(max_tokens=long_tokens, temperature=1.0)
-        long_static = dict(static, max_cache_len=STATIC_CACHE_LEN + long_tokens)
-        rates = {"graphs": [], "eager": [], "static": []}
-        # round 0 captures the graph of this length and compiles the static generate's: not counted; one eager round
-        for rnd, arms in enumerate(
-            (("graphs", "static"), ("graphs", "static", "eager"), ("graphs", "static"))
-        ):
-            for arm in arms:
-                engine.graphs = graphs if arm == "graphs" else None
-                if arm == "static":
-                    n, sec, _ = cuda_timed(
-                        lambda: raw_generate(
-                            gen_model,
-                            prompts,
-                            cfg.group_size,
-                            long_tokens,
-                            engine.pad,
-                            **long_static,
-                        )
-                    )
-                else:
-                    out, sec, _ = cuda_timed(
-                        lambda: engine.generate_batch(
-                            prompts, [cfg.group_size] * len(prompts), sampling
-                        )
-                    )
-                    n = sum(len(c.tokens) for g in out for c in g)
-                if rnd:
-                    rates[arm].append(n / sec)
-        engine.graphs = graphs
-        long = {
-            "long_tokens": long_tokens,
-            "long_rows": len(prompts) * cfg.group_size,
-            "long_graphs_tokens_per_s": statistics.median(rates["graphs"]),
-            "long_eager_tokens_per_s": statistics.median(rates["eager"]),
-            "long_static_generate_tokens_per_s": statistics.median(rates["static"]),
-        }
-        long["long_graphs_vs_eager"] = (
-            long["long_graphs_tokens_per_s"] / long["long_eager_tokens_per_s"]
-        )
-        long["long_graphs_vs_static_generate"] = (
-            long["long_graphs_tokens_per_s"] / long["long_static_generate_tokens_per_s"]
-        )
+    med = {k: statistics.median(v) for k, v in rows.items() if v}
     params = sum(p.numel() for p in raw.parameters())
-    flat = torch.randn(
-        params, device=device
-    )  # a raw device -> host -> device copy of the float32 weights' bytes
-    host = torch.empty_like(flat, device="cpu")
-    copies = [cuda_timed(lambda: flat.copy_(host.copy_(flat)))[1] for _ in range(4)][
-        1:
-    ]  # the first warms up
-    return {
+    figures = {
         "params": params,
         "dtype": cfg.dtype,
         "rounds": rounds,
         "explorer_tokens_per_s": med["explore"],
         "generate_tokens_per_s": med["generate"],
         "explorer_vs_generate": med["explore"] / med["generate"],
-        "static_generate_tokens_per_s": med["static"],
-        "explorer_vs_static_generate": med["explore"] / med["static"],
         "explorer_eager_tokens_per_s": med["explore_eager"],
         "graphs_vs_eager": med["explore"] / med["explore_eager"],
         "trainer_tokens_per_s": med["train"],
@@ -1143,11 +1273,60 @@ def bench_model(work: Path, name: str, device, rounds: int, long_tokens: int = 0
         "generate_peak_gib": peaks["generate"],
         "trainer_peak_gib": peaks["train"],
         "raw_train_peak_gib": peaks["raw_train"],
-        "copy_bytes": float(params * 4),
-        "raw_copy_d2h2d_s": statistics.median(copies),
         "graphs_failed": graphs.failed,
-        **long,
+        **static.figures("static_generate"),
     }
+    if "static" in med:
+        figures["static_generate_tokens_per_s"] = med["static"]
+        figures["explorer_vs_static_generate"] = med["explore"] / med["static"]
+    save(figures)
+    if long_tokens:  # replies of long_tokens tokens (random weights rarely sample the end token)
+        sampling = Sampling(max_tokens=long_tokens, temperature=1.0)
+        long_static = StaticGenerate(gen_model, engine.pad, STATIC_CACHE_LEN + long_tokens, budget)
+        rates = {"graphs": [], "eager": [], "static": []}
+        # round 0 captures the graph of this length and compiles the static generate's: not
+        # counted; one eager round
+        for rnd, arms in enumerate(
+            (("graphs", "static"), ("graphs", "static", "eager"), ("graphs", "static"))
+        ):
+            for arm in arms:
+                engine.graphs = graphs if arm == "graphs" else None
+                if arm == "static":
+                    timed_static = long_static(prompts, cfg.group_size, long_tokens)
+                    if timed_static is not None and rnd:
+                        rates["static"].append(timed_static[0] / timed_static[1])
+                    continue
+                out, sec, _ = cuda_timed(
+                    lambda: engine.generate_batch(
+                        prompts, [cfg.group_size] * len(prompts), sampling
+                    )
+                )
+                if rnd:
+                    rates[arm].append(sum(len(c.tokens) for g in out for c in g) / sec)
+        engine.graphs = graphs
+        figures["long_tokens"] = long_tokens
+        figures["long_rows"] = len(prompts) * cfg.group_size
+        figures["long_graphs_tokens_per_s"] = statistics.median(rates["graphs"])
+        figures["long_eager_tokens_per_s"] = statistics.median(rates["eager"])
+        figures["long_graphs_vs_eager"] = (
+            figures["long_graphs_tokens_per_s"] / figures["long_eager_tokens_per_s"]
+        )
+        figures.update(long_static.figures("long_static_generate"))
+        if rates["static"]:
+            figures["long_static_generate_tokens_per_s"] = statistics.median(rates["static"])
+            figures["long_graphs_vs_static_generate"] = (
+                figures["long_graphs_tokens_per_s"] / figures["long_static_generate_tokens_per_s"]
+            )
+        figures["graphs_failed"] = graphs.failed
+        save(figures)
+    # a raw device -> host -> device copy of the float32 weights' bytes
+    flat = torch.randn(params, device=device)
+    host = torch.empty_like(flat, device="cpu")
+    # the first warms up
+    copies = [cuda_timed(lambda: flat.copy_(host.copy_(flat)))[1] for _ in range(4)][1:]
+    figures["copy_bytes"] = float(params * 4)
+    figures["raw_copy_d2h2d_s"] = statistics.median(copies)
+    save(figures)
 
 
 WORKERS = {"validate": validate_worker, "cuda": cuda_worker, "bench": bench_worker}
@@ -1175,12 +1354,19 @@ def main() -> int:
         help="comma-separated stages to run (default: all); the preparation always runs",
     )
     p.add_argument(
-        "--budget-s", type=float, default=420.0, help="seconds for everything, preparation included"
+        "--budget-s",
+        type=float,
+        default=BUDGET_S,
+        help="seconds for everything, preparation included",
     )
     p.add_argument(
         "--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS
     )  # a stage's subprocess
+    # the bench worker's: the plan's COMPILE_S["bench"]
+    p.add_argument("--compile-budget-s", type=float, default=math.inf, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.worker == "bench":
+        return bench_worker(Path(args.work), args.compile_budget_s) or 0
     if args.worker:
         return WORKERS[args.worker](Path(args.work)) or 0
     deadline = time.monotonic() + args.budget_s
@@ -1205,10 +1391,18 @@ def main() -> int:
     try:
         return checks(args, work, out, env, deadline, start, summary)
     finally:
-        summary["total_s"] = round(time.monotonic() - start, 1)
-        (out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
+        write_summary(out, summary, start)
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def write_summary(out: Path, summary: dict, start: float) -> None:
+    """OUT/gpu_check.json: `summary` so far, with the seconds since `start` (after every stage:
+    a check cut short keeps what ran)."""
+    summary["total_s"] = round(time.monotonic() - start, 1)
+    partial = out / "gpu_check.json.partial"
+    partial.write_text(json.dumps(summary, indent=2))
+    partial.replace(out / "gpu_check.json")
 
 
 def checks(
@@ -1281,12 +1475,20 @@ def checks(
         for stage in stages:
             if only and stage.name not in only:
                 continue
+            if stage.extra and not only:  # outside the budget's plan
+                results[stage.name] = {
+                    "status": "SKIP",
+                    "detail": f"not in the {args.budget_s:.0f} s plan: --only {stage.name} runs it",
+                }
+                continue
             r = results[stage.name] = run_stage(stage, deadline, env, log)
             print(f"{stage.name:<13}{r['status']} {r['seconds']:7.1f} s  {r['detail']}", flush=True)
             if r["status"] != "PASS" and r.get("tail"):
                 print("    " + "\n    ".join(r["tail"]), flush=True)
-    for name, label in (("multi", "multi-*"), ("lora", "lora-135m")):
-        if name in results:
+            write_summary(out, summary, start)
+    skipped = [("multi", "multi-*"), ("lora", "lora-135m")] + [(n, n) for n in EXTRA_LIMITS]
+    for name, label in skipped:
+        if results.get(name, {}).get("status") == "SKIP":
             print(f"{label:<13}SKIP          {results[name]['detail']}", flush=True)
     if results.get("cuda", {}).get("figures"):
         summary["gpu"] = ", ".join(g["name"] for g in results["cuda"]["figures"]["gpus"])

@@ -48,6 +48,57 @@ def test_bench_trainer_writes_both_arms_on_cpu(tmp_path):
     assert set(rec["nanorft_vs_raw"]) == {"r0_64", "r0_128", "r16_64", "r16_128"}
 
 
+def test_bench_trainer_writes_each_arm_as_it_comes_and_keeps_to_its_compile_budget(tmp_path):
+    # the GPU check's trainer stage once lost every figure when it ran out of time: the JSON came
+    # only at the end. A compile budget of 0 s: the compiled raw loop is skipped, not compiled
+    import time
+
+    out = tmp_path / "bench.json"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "benchmarks/bench_trainer.py",
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+            "--lengths",
+            "64",
+            "--lora-ranks",
+            "0",
+            "--levers",
+            "activation_checkpointing",
+            "--tokens-per-step",
+            "256",
+            "--rounds",
+            "1",
+            "--compile-budget-s",
+            "0",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+    )
+    try:
+        while not out.exists() and proc.poll() is None:
+            time.sleep(0.02)
+        first = json.loads(out.read_text())
+        assert proc.wait(timeout=300) == 0
+    finally:
+        proc.kill()
+    # the first figures, before the lever's arm ran
+    assert {(r["arm"], r["lever"]) for r in first["rows"]} == {
+        ("nanorft", "default"),
+        ("raw", "default"),
+    }
+    last = json.loads(out.read_text())
+    assert [(r["arm"], r["lever"]) for r in last["rows"]][2:] == [
+        ("nanorft", "activation_checkpointing=off")
+    ]
+    assert last["skipped"] == ["raw_compiled lora_rank 0 length 64"] and last["compile_s"] == []
+    assert set(last["nanorft_vs_raw"]) == {"r0_64"} and "nanorft_vs_raw_compiled" not in last
+
+
 def test_causal_rows_give_the_logprobs_of_the_block_mask(tiny_model):
     # rows of one sequence each (different lengths, so the shorter row is padded): is_causal attention without a mask
     from transformers import AutoModelForCausalLM

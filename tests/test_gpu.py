@@ -375,3 +375,55 @@ def test_the_fused_adamw_lever_decides_on_one_gpu(tiny_model, lever):
     cfg = run.parse_config(["--config", "configs/tiny.toml", "--no-compile-layers", flag])
     t = trainer.Trainer(cfg, tiny_model, torch.device("cuda", 0))
     assert bool(t.opt.defaults["fused"]) == lever
+
+
+@needs_cuda
+def test_a_train_step_waits_for_the_gpu_no_more_often_with_more_micro_batches(tiny_model):
+    # each .to(device) of a pageable CPU tensor waits for the stream: the micro-batch's index,
+    # rewards and group index once cost a host sync per micro-batch. A step's own syncs (the
+    # micro-batch count, the gradient norm, the metrics' all-reduce) stay: as many with 6
+    # micro-batches as with 1
+    import warnings
+    from collections import Counter
+
+    import torch.distributed as dist
+
+    from buffer import Experience
+    from trainer import Trainer
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    groups = [
+        [
+            Experience(
+                [5, 6, 7, 8 + g, 20 + i, 30, 31 + i, 40],
+                4,
+                [-2.0, -1.5, -1.0, -0.5],
+                [1] * 4,
+                float(i % 2),
+                f"g{g}",
+                f"t{g}",
+                0,
+            )
+            for i in range(4)
+        ]
+        for g in range(4)
+    ]
+    syncs = {}
+    for budget in (256, 16):  # 1 and 6 micro-batches
+        flags = ["--config", "configs/tiny.toml", "--no-compile-layers"]
+        cfg = run.parse_config(flags + ["--token-budget", str(budget)])
+        trainer = Trainer(cfg, tiny_model, torch.device("cuda", 0))
+        trainer.step(groups)  # first allocations (pinned memory included)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                m = trainer.step(groups)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        # where each wait was asked for (the Python line that called the operation)
+        waits = [f"{w.filename}:{w.lineno}" for w in seen if "synchronizing" in str(w.message)]
+        syncs[int(m["train/micro_batches"])] = Counter(waits)
+    assert sorted(syncs) == [1, 6]
+    assert syncs[6] == syncs[1], syncs

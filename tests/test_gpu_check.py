@@ -2,7 +2,9 @@
 (the stages themselves need CUDA: tests/test_gpu.py and the check's own run)."""
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,10 +32,115 @@ def test_the_plan_runs_ipc_only_where_the_explorer_shares_trainer_rank_0s_gpu(
     assert gpu_check.placement(2, 1).endswith("explorer on cuda:1; weight sync NCCL")
     assert gpu_check.placement(3, 2).endswith("explorer on cuda:2; weight sync NCCL")
     assert ("multi-1rank" in stages) == (len(gpus) >= 2)
-    names = list(stages)  # the criteria's measurements before the tests
-    assert names[:5] == ["cuda", "sync-135m", "sync-0.5b", "bench", "trainer"] and names.index(
-        "tests"
-    ) > names.index("both-0.5b")
+
+
+def test_the_plan_runs_the_tests_first_within_the_budget_each_compile_on_its_own(tmp_path):
+    # the tests alone assert the graph sampling and ipc code: they once ran last, after stage
+    # limits adding up to 1,320 s, so that a run cut short by the budget dropped them
+    stages = gpu_check.plan(tmp_path, ["0"])
+    planned = [s for s in stages if not s.extra]
+    assert [s.name for s in planned] == [
+        "cuda",
+        "tests",
+        "sync-135m",
+        "sync-0.5b",
+        "bench",
+        "trainer",
+        "both-135m",
+    ]
+    assert sum(s.limit_s for s in planned) + gpu_check.PREPARE_S <= gpu_check.BUDGET_S == 420
+    compiling = {s.name: s for s in stages if s.compile_s}
+    assert sorted(compiling) == ["bench", "trainer"]
+    for s in compiling.values():  # the stage's command is told its compile budget
+        i = s.cmd.index("--compile-budget-s")
+        assert float(s.cmd[i + 1]) == s.compile_s < s.limit_s
+    assert {s.name for s in stages if s.extra} <= {"lora-135m", "both-0.5b"}
+    assert all(s.figures for s in stages if s.name in ("cuda", "bench", "trainer"))
+
+
+def test_a_stage_that_runs_out_of_time_keeps_the_figures_it_wrote(tmp_path):
+    figures = tmp_path / "figures.json"
+    writes_then_hangs = (
+        f"import json, time; open({str(figures)!r}, 'w').write(json.dumps({{'arm': 1.5}})); "
+        "print('written', flush=True); time.sleep(60)"
+    )
+    stage = gpu_check.Stage(
+        "slow", [sys.executable, "-c", writes_then_hangs], [], 3, lambda out: ("", {}), 0, figures
+    )
+    with (tmp_path / "log").open("w") as log:
+        r = gpu_check.run_stage(stage, time.monotonic() + 60, dict(os.environ), log)
+    assert r["status"] == "FAIL" and r["detail"] == "timed out after 3 s"
+    assert r["figures"] == {"arm": 1.5}
+
+
+def test_the_summary_is_written_after_every_stage(tmp_path, monkeypatch):
+    # a check cut short (the machine taken back) once lost every stage: gpu_check.json came at the end
+    import argparse
+
+    import torch
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    copy = (
+        f"import shutil; shutil.copy({str(out / 'gpu_check.json')!r}, {str(work / 'seen.json')!r})"
+    )
+    stages = [
+        gpu_check.Stage("first", [sys.executable, "-c", "print(1)"], ["0"], 30, lambda o: ("", {})),
+        gpu_check.Stage("second", [sys.executable, "-c", copy], ["0"], 30, lambda o: ("", {})),
+    ]
+    prepared = {"vocab": 1, "tasks": 1, "models": {}, "jobs_validated": [], "tests_collected": 0}
+    monkeypatch.setattr(gpu_check, "prepare", lambda work, env: prepared)
+    monkeypatch.setattr(gpu_check, "plan", lambda work, gpus: stages)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    args = argparse.Namespace(only="", budget_s=420.0)
+    start = time.monotonic()
+    summary = {"python": sys.version.split()[0]}
+    env = dict(os.environ)
+    assert gpu_check.checks(args, work, out, env, start + 420, start, summary) == 0
+    seen = json.loads((work / "seen.json").read_text())
+    assert seen["stages"]["first"]["status"] == "PASS" and "second" not in seen["stages"]
+
+
+def test_a_static_cache_arm_fails_in_one_line_where_the_cache_is_not_max_cache_len(
+    tiny_model, monkeypatch, tmp_path
+):
+    # a transformers that ignores max_cache_len sizes the cache to each call: every round
+    # recompiles. Here generate runs on the CPU (it compiles on a GPU only); the cache asked
+    # for is shorter than the call needs, which generate ignores the same way
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    prompts = [[5, 6, 7], [8, 9]]
+    n, cache = gpu_check.raw_generate(
+        model, prompts, 2, 4, 0, cache_implementation="static", max_cache_len=64
+    )
+    assert n > 0
+    gpu_check.check_static_cache(cache, 64)
+    _, dynamic = gpu_check.raw_generate(model, prompts, 2, 4, 0)
+    with pytest.raises(gpu_check.Failed, match="its cache is a DynamicCache, not max_cache_len 64"):
+        gpu_check.check_static_cache(dynamic, 64)
+    # the arm in the bench stage, timed on the CPU, its compile budget of 0.4 s
+    monkeypatch.setattr(gpu_check, "cuda_timed", lambda fn: (fn(), 0.5, 0.0))
+    budget = gpu_check.CompileBudget(0.4)
+    arm = gpu_check.StaticGenerate(model, 0, 64, budget)
+    assert arm(prompts, 2, 4)[0] > 0 and arm(prompts, 2, 4)[0] > 0 and budget.spent == 0.5
+    short = gpu_check.StaticGenerate(AutoModelForCausalLM.from_pretrained(tiny_model), 0, 4, budget)
+    budget.spent = 0.0
+    assert short(prompts, 2, 4) is None and budget.spent == 0.5  # it compiled, then failed
+    (line,) = short.figures("static_generate").values()
+    assert "\n" not in line
+    assert line.startswith("static-cache generate: its cache is ") and "not max_cache_len 4" in line
+    later = gpu_check.StaticGenerate(model, 0, 128, gpu_check.CompileBudget(0.0))
+    assert later(prompts, 2, 4) is None and "compile budget is spent" in later.skipped
+    # the bench stage fails with the arm's line, its other figures kept
+    bench = {"135m": {"raw_copy_d2h2d_s": 0.1, **short.figures("static_generate")}}
+    bench["0.5b"] = {"raw_copy_d2h2d_s": 0.1, **later.figures("long_static_generate")}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    with pytest.raises(gpu_check.Failed) as failed:
+        gpu_check.check_bench(tmp_path)("")
+    assert str(failed.value) == f"135m: {line}"
 
 
 def test_a_job_stage_reports_its_median_step(tmp_path):
