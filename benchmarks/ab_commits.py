@@ -72,8 +72,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", help="write the rows and ratios to this file")
     p.add_argument("--b-flags", default="", help="run.py flags of B's runs only (one string)")
-    p.add_argument("flags", nargs="*", help="run.py flags for both (after --)")
-    args = p.parse_args()
+    # run.py's flags for both after "--" (argparse would match them against its own options)
+    argv = sys.argv[1:]
+    flags = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    args.flags = flags
     # the commits themselves, not names that move (HEAD, a branch)
     for name in ("a", "b"):
         rev = ["git", "rev-parse", "--short", getattr(args, name)]
