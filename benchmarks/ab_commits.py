@@ -64,7 +64,9 @@ def run_once(checkout: Path, run_dir: Path, steps: int, flags: list[str]) -> dic
     return {**figures(run_dir / "metrics.jsonl"), "wall_s": time.perf_counter() - t0}
 
 
-def main() -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The options of `argv`; run.py's flags for both runs after "--" in `args.flags` (argparse
+    would match them against its own options)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("a", help="the commit before (A)")
     p.add_argument("b", help="the commit after (B)")
@@ -72,11 +74,14 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", help="write the rows and ratios to this file")
     p.add_argument("--b-flags", default="", help="run.py flags of B's runs only (one string)")
-    # run.py's flags for both after "--" (argparse would match them against its own options)
-    argv = sys.argv[1:]
-    flags = argv[argv.index("--") + 1 :] if "--" in argv else []
-    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    args.flags = flags
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = p.parse_args(argv[:cut])
+    args.flags = argv[cut + 1 :]
+    return args
+
+
+def main() -> int:
+    args = parse_args(sys.argv[1:])
     # the commits themselves, not names that move (HEAD, a branch)
     for name in ("a", "b"):
         rev = ["git", "rev-parse", "--short", getattr(args, name)]
