@@ -68,7 +68,8 @@ def parts_table(names: list[str]) -> str:
 
 
 def plot_parts(names: list[str], out: str) -> Path:
-    """PLOT.png: each run's parts' mean |delta log-prob| against the step (log scale)."""
+    """PLOT.png: each run's parts' mean |delta log-prob| against the step (log scale; a part
+    exactly 0 at a step is left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -78,7 +79,8 @@ def plot_parts(names: list[str], out: str) -> Path:
     for ax, name in zip(axes[0], names):
         attributed = [r for r in steps(name) if "mismatch/total/abs" in r]
         for part in PARTS:
-            values = [max(r[f"mismatch/{part}/abs"], 1e-9) for r in attributed]
+            # a part that is exactly 0 (its cause absent) has no point on a log scale
+            values = [r[f"mismatch/{part}/abs"] or float("nan") for r in attributed]
             ax.plot([r["step"] for r in attributed], values, "o-", label=part)
         ax.set(xlabel="step", ylabel="mean |delta log-prob| (nats)", yscale="log", title=name)
         ax.grid(alpha=0.3)

@@ -11,6 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # the benchmark script end to end
 def test_bench_trainer_writes_both_arms_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     subprocess.run(
@@ -48,6 +49,7 @@ def test_bench_trainer_writes_both_arms_on_cpu(tmp_path):
     assert set(rec["nanorft_vs_raw"]) == {"r0_64", "r0_128", "r16_64", "r16_128"}
 
 
+@pytest.mark.slow  # the benchmark script end to end
 def test_bench_trainer_writes_each_arm_as_it_comes_and_keeps_to_its_compile_budget(tmp_path):
     # the GPU check's trainer stage once lost every figure when it ran out of time: the JSON came
     # only at the end. A compile budget of 0 s: the compiled raw loop is skipped, not compiled
