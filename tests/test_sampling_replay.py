@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
+from test_logprobs import process_group  # noqa: F401 (an autouse fixture: a Trainer needs one rank)
 
 import run
 from buffer import Buffer, Experience
@@ -21,13 +21,6 @@ TEMPERATURE = 0.7
 # (top_p, top_k): nucleus alone, top-k alone, both (top-k first, then top-p over its renormalised
 # mass, as vLLM's sampler)
 TRUNCATIONS = [(0.9, 0), (1.0, 20), (0.9, 20)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    """A Trainer needs the default process group: one rank."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 @pytest.fixture(scope="module")
