@@ -6,6 +6,7 @@ sweep, several configurations side by side.
     python benchmarks/seeds.py default --seeds 3 4                    # two more seeds, same flags
     python benchmarks/seeds.py default --plot-only                    # summary and plot again
     python benchmarks/seeds.py --compare default lr1e-5 --out sweep   # a sweep: table and plot
+    python benchmarks/seeds.py async4 --fully-async -- --max-staleness 4   # explore + train launches
 
 Each seed runs `python run.py FLAGS --seed S --run-dir runs/seeds/NAME_sS` (the default
 mode, both: one trainer rank and an explorer), one after the other: one run already keeps
@@ -25,6 +26,7 @@ and best avg@k, greedy, wall time) and draws their mean avg@k curves in one plot
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,26 +56,48 @@ def records(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def run_job(run_dir: Path, flags: list[str], seed: int, log: Path) -> float:
+def run_job(run_dir: Path, flags: list[str], seed: int, log: Path, fully_async: bool) -> float:
     """Run `python run.py FLAGS --seed SEED --run-dir RUN_DIR --overwrite` in the
-    repository, its output to `log`; returns its wall time (seconds). Exits with the log's
-    tail when the run fails."""
-    cmd = [
-        sys.executable,
-        "run.py",
-        *flags,
-        "--seed",
-        str(seed),
-        "--run-dir",
-        str(run_dir),
-        "--overwrite",
-    ]
-    print(" ".join(cmd), flush=True)
+    repository, its output to `log`; fully_async: an explorer (`--mode explore`, its output to
+    LOG.explore.log) and a trainer (`--mode train`) in a fresh RUN_DIR instead, at once. Returns
+    the wall time (seconds). Exits with the log's tail when the run fails."""
+    command = [sys.executable, "run.py", *flags, "--seed", str(seed), "--run-dir", str(run_dir)]
     t0 = time.perf_counter()
+    if not fully_async:
+        print(" ".join(command), flush=True)
+        with log.open("w") as out:
+            res = subprocess.run(
+                [*command, "--overwrite"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+            )
+        if res.returncode:
+            sys.exit(f"{run_dir.name} failed (exit {res.returncode}):\n{log.read_text()[-2000:]}")
+        return time.perf_counter() - t0
+    # the launches share the run directory, so --overwrite is theirs to refuse: start it empty
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir()
+    explorer_log = log.with_suffix(".explore.log")
+    print(" ".join(command), "--mode explore / --mode train", flush=True)
+    with explorer_log.open("w") as out:
+        explorer = subprocess.Popen(
+            [*command, "--mode", "explore"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+        )
     with log.open("w") as out:
-        res = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        res = subprocess.run(
+            [*command, "--mode", "train"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+        )
     if res.returncode:
+        explorer.kill()
+        explorer.wait()
         sys.exit(f"{run_dir.name} failed (exit {res.returncode}):\n{log.read_text()[-2000:]}")
+    try:  # the explorer stops by itself once the trainer has marked the run done
+        code = explorer.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        explorer.kill()
+        code = explorer.wait()
+    if code:
+        sys.exit(
+            f"{run_dir.name}'s explorer failed (exit {code}):\n{explorer_log.read_text()[-2000:]}"
+        )
     return time.perf_counter() - t0
 
 
@@ -276,6 +300,11 @@ def main() -> None:
         "--compare", nargs="+", metavar="NAME", help="table and plot of saved configurations"
     )
     p.add_argument("--out", default="compare", help="file name of --compare's table and plot")
+    p.add_argument(
+        "--fully-async",
+        action="store_true",
+        help="each seed as an explorer (--mode explore) and a trainer (--mode train) launched at once",
+    )
     args, flags = p.parse_known_args()
     flags = [f for f in flags if f != "--"]
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -287,11 +316,16 @@ def main() -> None:
     if args.plot_only:
         summary, seeds = load(args.name)
     else:
+        # the seeds' record names the launches too, so a later call adds to runs of the same kind
+        if args.fully_async:
+            flags = ["--fully-async", *flags]
         seeds, wall = earlier(args.name, flags)
         for s in args.seeds:
             run_dir = ROOT / "runs" / "seeds" / f"{args.name}_s{s}"
             run_dir.parent.mkdir(parents=True, exist_ok=True)
-            wall[s] = run_job(run_dir, flags, s, run_dir.parent / f"{args.name}_s{s}.log")
+            log = run_dir.parent / f"{args.name}_s{s}.log"
+            run_flags = [f for f in flags if f != "--fully-async"]
+            wall[s] = run_job(run_dir, run_flags, s, log, args.fully_async)
             seeds[s] = keep(records(run_dir / "metrics.jsonl"))
             (RESULTS / f"{args.name}_s{s}.jsonl").write_text(
                 "".join(json.dumps(r) + "\n" for r in seeds[s])

@@ -676,6 +676,40 @@ def test_seeds_summary_and_sweep_table(tmp_path, monkeypatch):
     ).read_text().strip() == table
 
 
+@pytest.mark.slow
+def test_seeds_runs_a_fully_asynchronous_seed_as_two_launches(tiny_model, tmp_path, monkeypatch):
+    """seeds.py --fully-async: an explorer and a trainer launched at once into a fresh run
+    directory; the trainer's metrics hold every step and the explorer's evaluations."""
+    from conftest import ROOT
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import seeds
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "stale.txt").write_text("an earlier seed's file")
+    flags = [
+        "--config",
+        "configs/tiny.toml",
+        "--reward-fn",
+        "tests.rewards.length_parity",
+        "--model",
+        tiny_model,
+        "--steps",
+        "4",
+        "--max-staleness",
+        "2",
+    ]
+    wall = seeds.run_job(run_dir, flags, 0, tmp_path / "run.log", fully_async=True)
+    assert wall > 0
+    assert not (run_dir / "stale.txt").exists()
+    assert (run_dir / "config_train.json").exists() and (run_dir / "config_explore.json").exists()
+    recs = seeds.records(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in recs if "loss/grad_norm" in r] == [0, 1, 2, 3]
+    assert any("eval/accuracy" in r for r in recs)
+    assert "eval @ version" in (tmp_path / "run.explore.log").read_text()
+
+
 def test_lr_schedules_are_transformers_and_bad_ones_one_error_line():
     from transformers import get_cosine_schedule_with_warmup
 
