@@ -6,6 +6,7 @@ in float32 and in bf16 on this machine.
     python benchmarks/bench_step.py --steps 0 --dtypes float32   # components only, one precision
     python benchmarks/bench_step.py --kv-cache-ab --dtypes float32 --threads 2 [run.py flags]
     python benchmarks/bench_step.py --drop-ended-ab --model RUN/final --dtypes float32 --threads 2
+    python benchmarks/bench_step.py --decode-split --dtypes bfloat16 --threads 1 --engine hf
 
 It first prints the CPU capability and the precision `--dtype auto` picks here (and why),
 then the machine's limit: matrix-product GFLOP/s and memory bandwidth for 1 .. all cores.
@@ -195,9 +196,8 @@ def setup(args, extra, dtype: str) -> dict:
     )
     path = resolve_model(cfg.model)
     train, held, ds = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
-    engine = HFEngine(
-        path, max_batch=cfg.explorer_max_batch, seed=cfg.seed, bf16=dtype == "bfloat16"
-    )
+    # the engine a run of these settings makes (bf16 weights for --dtype bfloat16)
+    engine = HFEngine(path, **HFEngine.settings(cfg, cfg.seed, "cpu"))
     raw = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return {
         "cfg": cfg,
@@ -361,6 +361,76 @@ def attention_ab(args, extra):
     )
 
 
+# operator families of a decode step's self CPU time (torch.profiler names)
+DECODE_FAMILIES = {
+    "linear layers": ("aten::mm", "aten::addmm"),
+    "attention": ("aten::_scaled_dot_product",),
+}
+
+
+def linear_ms(rows: int, k: int, n: int, dtype: torch.dtype, calls: int = 200) -> float:
+    """Milliseconds of one [rows, k] x [k, n] linear layer, best of 3 runs of `calls`."""
+    x, w = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(calls):
+            torch.nn.functional.linear(x, w)
+        best = min(best, (time.perf_counter() - t) / calls)
+    return best * 1e3
+
+
+def decode_split(args, extra):
+    """--decode-split: where one explorer batch's time goes (torch.profiler's self CPU time by
+    operator family), against the floor of its linear layers' FLOPs at this process's matrix-
+    product peak (perf.peak_flops); then one MLP projection's cost at the batch's rows and at
+    twice as many (two batches of one weight version decoded together)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from perf import peak_flops
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dtype = args.dtypes.split(",")[0]
+    ex = setup(args, extra, dtype)["ex"]
+    explorer_batch(ex, 0)  # warm-up
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        seconds, seqs = explorer_batch(ex, 1)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) / 1e6
+    linear_flops = sum(e.flops for e in events if e.key in DECODE_FAMILIES["linear layers"])
+    peak = peak_flops("cpu", dtype, args.threads)
+    print(
+        f"one explorer batch ({len(seqs)} rollouts, {dtype}, {args.threads} thread(s)): {seconds:.2f} s, "
+        f"{total:.2f} s of operator time"
+    )
+    named = 0.0
+    for family, prefixes in DECODE_FAMILIES.items():
+        t = sum(e.self_cpu_time_total for e in events if e.key.startswith(prefixes)) / 1e6
+        named += t
+        print(f"  {family:<14} {t:6.2f} s ({t / total:.0%})")
+    print(f"  {'the rest':<14} {total - named:6.2f} s ({(total - named) / total:.0%}), of which:")
+    families = tuple(x for prefixes in DECODE_FAMILIES.values() for x in prefixes)
+    rest = sorted(
+        (e for e in events if not e.key.startswith(families)), key=lambda e: -e.self_cpu_time_total
+    )
+    for e in rest[:8]:
+        print(f"    {e.key:<32} {e.self_cpu_time_total / 1e6:6.2f} s, {e.count} calls")
+    print(
+        f"  floor of the linear layers: {linear_flops / 1e9:.0f} GFLOP at {peak / 1e12:.2f} TFLOP/s = "
+        f"{linear_flops / peak:.2f} s"
+    )
+    H = ex.engine.model.config.hidden_size
+    inter = ex.engine.model.config.intermediate_size
+    dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    rows = len(seqs)
+    one, two = linear_ms(rows, H, inter, dt), linear_ms(2 * rows, H, inter, dt)
+    print(
+        f"  an MLP projection [{rows}, {H}] x [{H}, {inter}]: {one:.3f} ms; at {2 * rows} rows "
+        f"{two:.3f} ms ({two / one:.2f}x the time for 2x the rows)"
+    )
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model directory (default: the run.py default)")
@@ -390,7 +460,14 @@ def main():
         action="store_true",
         help="only time one explorer batch with grouped-query decode attention vs transformers' sdpa (repeat_kv)",
     )
+    p.add_argument(
+        "--decode-split",
+        action="store_true",
+        help="only profile one explorer batch: linear layers, attention and the rest against the floor",
+    )
     args, extra = p.parse_known_args()
+    if args.decode_split:
+        return decode_split(args, extra)
     if args.attention_ab:
         return attention_ab(args, extra)
     if args.kv_cache_ab:

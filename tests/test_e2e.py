@@ -279,6 +279,7 @@ def test_plugins_from_the_working_directory(tiny_model, tmp_path, monkeypatch, c
     assert "modules are looked up in " in err and f"{tmp_path} (the working directory)" in err, err
 
 
+@pytest.mark.slow
 def test_bad_config_and_jsonl(tmp_path):
     toml = tmp_path / "bad.toml"
     toml.write_text("lr = 1e-5\nlearning_rate = 3\n")

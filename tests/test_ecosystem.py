@@ -168,6 +168,7 @@ def wandb_history(run_dir) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_gsm8k_style_dataset_trains_with_math_verify_and_every_tracker(
     tiny_model, tmp_path, monkeypatch
 ):

@@ -945,6 +945,7 @@ def test_ctrl_c_says_how_to_resume_in_one_line(tiny_model, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_ctrl_c_with_a_collective_in_flight_still_exits(tiny_model, tmp_path):
     # Ctrl-C while a broadcast is in flight to a peer that never receives it: after the --resume
     # line, freeing the interrupted frame (its process group) or finalizing the interpreter would
