@@ -10,8 +10,9 @@ ratio and rollout-correction metrics beside its final held-out avg@k.
 `parts` prints, per run, each part's mean |delta log-prob| and k3 KL over the attributed
 steps (and at the first and the last one), its share of the total's |delta|, and draws
 benchmarks/results/seeds/PLOT.png (each part's |delta| against the step). `runs` prints, per
-run, the step means of the ratio pi_theta / pi_behaviour, |log-ratio|, and of the correction's
-weight, capped and masked fractions, with the final and best avg@k over its seeds.
+run, the step means of the trained experiences' staleness (versions), the ratio pi_theta /
+pi_behaviour, |log-ratio|, and of the correction's weight, capped and masked fractions, with the
+final and best avg@k over its seeds.
 """
 
 import argparse
@@ -106,6 +107,7 @@ def final_avg(name: str) -> str:
 def runs_table(names: list[str]) -> str:
     """The markdown table of each run's ratio and correction metrics and final avg@k."""
     keys = (
+        "staleness/mean",
         "loss/ratio_mean",
         "loss/logprob_abs_diff",
         "correction/weight",

@@ -47,13 +47,28 @@ STEP_KEYS = (
     "time/elapsed_s",
     "time/train_s",
 )
-# every metric under these prefixes too: the mismatch lab's parts and the rollout correction's
-STEP_PREFIXES = ("mismatch/", "correction/", "old_logprobs/")
+# every metric under these prefixes too: the mismatch lab's parts and the rollout correction's,
+# and how stale the trained experiences were
+STEP_PREFIXES = ("mismatch/", "correction/", "old_logprobs/", "staleness/", "inflight/")
 
 
 def records(path: Path) -> list[dict]:
     """The JSON records of a .jsonl file."""
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def run_records(run_dir: Path) -> list[dict]:
+    """The records of run_dir/metrics.jsonl, with the evaluations of its explorer_*.jsonl that
+    metrics.jsonl lacks: a fully asynchronous run's explorer evaluates the last version after
+    the trainer has ended."""
+    recs = records(run_dir / "metrics.jsonl")
+    have = {r["eval/version"] for r in recs if "eval/accuracy" in r}
+    for path in sorted(run_dir.glob("explorer_*.jsonl")):
+        for r in records(path):
+            if "eval/accuracy" in r and r["eval/version"] not in have:
+                recs.append({"step": r["eval/version"], **r})
+                have.add(r["eval/version"])
+    return recs
 
 
 def run_job(run_dir: Path, flags: list[str], seed: int, log: Path, fully_async: bool) -> float:
@@ -326,7 +341,7 @@ def main() -> None:
             log = run_dir.parent / f"{args.name}_s{s}.log"
             run_flags = [f for f in flags if f != "--fully-async"]
             wall[s] = run_job(run_dir, run_flags, s, log, args.fully_async)
-            seeds[s] = keep(records(run_dir / "metrics.jsonl"))
+            seeds[s] = keep(run_records(run_dir))
             (RESULTS / f"{args.name}_s{s}.jsonl").write_text(
                 "".join(json.dumps(r) + "\n" for r in seeds[s])
             )

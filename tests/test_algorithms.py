@@ -679,7 +679,7 @@ def test_seeds_summary_and_sweep_table(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_seeds_runs_a_fully_asynchronous_seed_as_two_launches(tiny_model, tmp_path, monkeypatch):
     """seeds.py --fully-async: an explorer and a trainer launched at once into a fresh run
-    directory; the trainer's metrics hold every step and the explorer's evaluations."""
+    directory; its records hold every step and the explorer's evaluations, the last version's too."""
     from conftest import ROOT
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -704,9 +704,10 @@ def test_seeds_runs_a_fully_asynchronous_seed_as_two_launches(tiny_model, tmp_pa
     assert wall > 0
     assert not (run_dir / "stale.txt").exists()
     assert (run_dir / "config_train.json").exists() and (run_dir / "config_explore.json").exists()
-    recs = seeds.records(run_dir / "metrics.jsonl")
+    recs = seeds.run_records(run_dir)
     assert [r["step"] for r in recs if "loss/grad_norm" in r] == [0, 1, 2, 3]
-    assert any("eval/accuracy" in r for r in recs)
+    # the last version's evaluation, which the explorer makes after the trainer has ended
+    assert [r["eval/version"] for r in recs if "eval/accuracy" in r][-1] == 4
     assert "eval @ version" in (tmp_path / "run.explore.log").read_text()
 
 
