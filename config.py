@@ -250,8 +250,8 @@ class Config:
     """max tokens one forward pass of the trainer computes (a packed micro-batch); the default job's steps fit one: a lower CPU peak (docs/benchmarks.md)"""  # noqa: E501
     trainer_threads: int = 0
     """torch threads per trainer rank (0 = split the cores between ranks and explorer)"""
-    checkpoint_interval: int = 10
-    """save the resume state every this many trainer steps (0 = never)"""
+    checkpoint_interval: int = 20
+    """save the resume state every this many trainer steps (0 = never); each write of its 12 bytes per parameter stalls the step (docs/benchmarks.md)"""  # noqa: E501
     keep_resume_state: bool = False
     """keep the last resume state (RUN_DIR/checkpoints, 12 bytes per parameter) after the run has finished"""  # noqa: E501
     plot: bool = True
