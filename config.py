@@ -251,7 +251,7 @@ class Config:
     trainer_threads: int = 0
     """torch threads per trainer rank (0 = split the cores between ranks and explorer)"""
     checkpoint_interval: int = 20
-    """save the resume state every this many trainer steps (0 = never); each write of its 12 bytes per parameter stalls the step (docs/benchmarks.md)"""  # noqa: E501
+    """save the resume state every this many trainer steps (0 = never); each write stalls a step"""
     keep_resume_state: bool = False
     """keep the last resume state (RUN_DIR/checkpoints, 12 bytes per parameter) after the run has finished"""  # noqa: E501
     plot: bool = True

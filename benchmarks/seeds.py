@@ -71,6 +71,11 @@ def run_records(run_dir: Path) -> list[dict]:
     return recs
 
 
+def failed(what: str, code: int, log: Path) -> None:
+    """Exit with one line naming `what` and its exit `code`, then the tail of its `log`."""
+    sys.exit(f"{what} failed (exit {code}):\n{log.read_text()[-2000:]}")
+
+
 def run_job(run_dir: Path, flags: list[str], seed: int, log: Path, fully_async: bool) -> float:
     """Run `python run.py FLAGS --seed SEED --run-dir RUN_DIR --overwrite` in the
     repository, its output to `log`; fully_async: an explorer (`--mode explore`, its output to
@@ -85,7 +90,7 @@ def run_job(run_dir: Path, flags: list[str], seed: int, log: Path, fully_async: 
                 [*command, "--overwrite"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
             )
         if res.returncode:
-            sys.exit(f"{run_dir.name} failed (exit {res.returncode}):\n{log.read_text()[-2000:]}")
+            failed(run_dir.name, res.returncode, log)
         return time.perf_counter() - t0
     # the launches share the run directory, so --overwrite is theirs to refuse: start it empty
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -103,16 +108,14 @@ def run_job(run_dir: Path, flags: list[str], seed: int, log: Path, fully_async: 
     if res.returncode:
         explorer.kill()
         explorer.wait()
-        sys.exit(f"{run_dir.name} failed (exit {res.returncode}):\n{log.read_text()[-2000:]}")
+        failed(run_dir.name, res.returncode, log)
     try:  # the explorer stops by itself once the trainer has marked the run done
         code = explorer.wait(timeout=600)
     except subprocess.TimeoutExpired:
         explorer.kill()
         code = explorer.wait()
     if code:
-        sys.exit(
-            f"{run_dir.name}'s explorer failed (exit {code}):\n{explorer_log.read_text()[-2000:]}"
-        )
+        failed(f"{run_dir.name}'s explorer", code, explorer_log)
     return time.perf_counter() - t0
 
 
@@ -332,21 +335,19 @@ def main() -> None:
         summary, seeds = load(args.name)
     else:
         # the seeds' record names the launches too, so a later call adds to runs of the same kind
-        if args.fully_async:
-            flags = ["--fully-async", *flags]
-        seeds, wall = earlier(args.name, flags)
+        recorded = ["--fully-async", *flags] if args.fully_async else flags
+        seeds, wall = earlier(args.name, recorded)
         for s in args.seeds:
             run_dir = ROOT / "runs" / "seeds" / f"{args.name}_s{s}"
             run_dir.parent.mkdir(parents=True, exist_ok=True)
             log = run_dir.parent / f"{args.name}_s{s}.log"
-            run_flags = [f for f in flags if f != "--fully-async"]
-            wall[s] = run_job(run_dir, run_flags, s, log, args.fully_async)
+            wall[s] = run_job(run_dir, flags, s, log, args.fully_async)
             seeds[s] = keep(run_records(run_dir))
             (RESULTS / f"{args.name}_s{s}.jsonl").write_text(
                 "".join(json.dumps(r) + "\n" for r in seeds[s])
             )
             print(f"seed {s}: {wall[s] / 60:.1f} min", flush=True)
-        summary = summarize(args.name, seeds, flags, wall)
+        summary = summarize(args.name, seeds, recorded, wall)
         (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=1))
     for point in summary["curve"]:
         avg = point.get("avg_at_k")
