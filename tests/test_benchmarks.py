@@ -15,6 +15,7 @@ def test_bench_steps_engine_holds_the_weights_a_run_gives_it(tiny_model, monkeyp
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_step
+
     from engines import HFEngine
 
     class Args:
