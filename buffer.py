@@ -114,8 +114,11 @@ class _SQLite:
             self.conn.execute("ROLLBACK")
             raise
 
+    def lock_file(self, name: str) -> Path:
+        return self.path.parent / f".explorer-{name}.lock"
+
     def hold(self, name: str, wait: bool) -> bool:
-        f = (self.path.parent / f".explorer-{name}.lock").open("a")
+        f = self.lock_file(name).open("a")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -125,6 +128,15 @@ class _SQLite:
             fcntl.flock(f, fcntl.LOCK_EX)
         self._held.append(f)  # the kernel drops the flock when the process dies, kill -9 included
         return True
+
+    def held(self, name: str) -> bool:
+        # a lock of our own on another open file conflicts with the holder's, even in-process
+        with self.lock_file(name).open("a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False  # closing the file drops our lock
 
     def close(self) -> None:
         self.conn.close()
@@ -227,6 +239,12 @@ class Buffer:
             print(waiting, file=sys.stderr, flush=True)
             self.db.hold(name, wait=True)
         return wait
+
+    def running_explorers(self) -> list[str]:
+        """The names of the explorers that have written a batch and still run (they hold their
+        name: `hold`), sorted."""
+        rows = self.db.execute("SELECT name FROM explorer_state ORDER BY name").fetchall()
+        return [name for (name,) in rows if self.db.held(name)]
 
     def set_run_state(self, key: str, value: str | None) -> None:
         """Set (None: delete) a run-wide value, e.g. "trainer_done" = the final version."""

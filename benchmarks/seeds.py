@@ -57,20 +57,6 @@ def records(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def run_records(run_dir: Path) -> list[dict]:
-    """The records of run_dir/metrics.jsonl, with the evaluations of its explorer_*.jsonl that
-    metrics.jsonl lacks: a fully asynchronous run's explorer evaluates the last version after
-    the trainer has ended."""
-    recs = records(run_dir / "metrics.jsonl")
-    have = {r["eval/version"] for r in recs if "eval/accuracy" in r}
-    for path in sorted(run_dir.glob("explorer_*.jsonl")):
-        for r in records(path):
-            if "eval/accuracy" in r and r["eval/version"] not in have:
-                recs.append({"step": r["eval/version"], **r})
-                have.add(r["eval/version"])
-    return recs
-
-
 def failed(what: str, code: int, log: Path) -> None:
     """Exit with one line naming `what` and its exit `code`, then the tail of its `log`."""
     sys.exit(f"{what} failed (exit {code}):\n{log.read_text()[-2000:]}")
@@ -342,7 +328,7 @@ def main() -> None:
             run_dir.parent.mkdir(parents=True, exist_ok=True)
             log = run_dir.parent / f"{args.name}_s{s}.log"
             wall[s] = run_job(run_dir, flags, s, log, args.fully_async)
-            seeds[s] = keep(run_records(run_dir))
+            seeds[s] = keep(records(run_dir / "metrics.jsonl"))
             (RESULTS / f"{args.name}_s{s}.jsonl").write_text(
                 "".join(json.dumps(r) + "\n" for r in seeds[s])
             )

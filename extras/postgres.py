@@ -91,13 +91,23 @@ class Postgres:
                 )
             yield
 
+    def name_lock(self, name: str) -> tuple[str]:
+        return (f"{self.schema} explorer {name}",)
+
     def hold(self, name: str, wait: bool) -> bool:
-        key = (f"{self.schema} explorer {name}",)
+        key = self.name_lock(name)
         if self.execute("SELECT pg_try_advisory_lock(hashtext(?))", key).fetchone()[0]:
             return True
         if wait:
             self.execute("SELECT pg_advisory_lock(hashtext(?))", key)
         return wait
+
+    def held(self, name: str) -> bool:
+        key = self.name_lock(name)
+        if self.execute("SELECT pg_try_advisory_lock(hashtext(?))", key).fetchone()[0]:
+            self.execute("SELECT pg_advisory_unlock(hashtext(?))", key)
+            return False
+        return True
 
     def close(self) -> None:
         self.conn.close()

@@ -49,7 +49,10 @@ def connect_explorers(cfg, buffer, layout, trainer, rank: int, transport: type |
     """Every rank: (a sync.WeightSync or None, the loop.Explorers link: records from the
     buffer); with broadcast, rank 0 connects the explorers' weight-sync group (of class
     `transport`)."""
-    explorers = Explorers(records_from_buffer(buffer)) if rank == 0 else Explorers()
+    if rank == 0:
+        explorers = Explorers(records_from_buffer(buffer), running=buffer.running_explorers)
+    else:
+        explorers = Explorers()
     params = (
         trainer.full_parameters() if cfg.sync_method == "broadcast" and trainer.version else None
     )  # every rank

@@ -704,9 +704,9 @@ def test_seeds_runs_a_fully_asynchronous_seed_as_two_launches(tiny_model, tmp_pa
     assert wall > 0
     assert not (run_dir / "stale.txt").exists()
     assert (run_dir / "config_train.json").exists() and (run_dir / "config_explore.json").exists()
-    recs = seeds.run_records(run_dir)
+    recs = seeds.records(run_dir / "metrics.jsonl")
     assert [r["step"] for r in recs if "loss/grad_norm" in r] == [0, 1, 2, 3]
-    # the last version's evaluation, which the explorer makes after the trainer has ended
+    # the last version's evaluation, which the explorer makes after the trainer's last step
     assert [r["eval/version"] for r in recs if "eval/accuracy" in r][-1] == 4
     assert "eval @ version" in (tmp_path / "run.explore.log").read_text()
 

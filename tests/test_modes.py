@@ -164,6 +164,9 @@ def test_async_two_explorers_and_a_trainer_with_max_staleness(tiny_model, tmp_pa
     assert {r["explorer"] for r in evals} == {"e1", "e2"} and all(
         0 <= r["eval/accuracy"] <= 1 for r in evals
     )
+    # each explorer evaluates the final weights after the trainer's last step: the trainer waits
+    # for those evaluations before it writes its final files
+    assert {r["explorer"] for r in evals if r["eval/version"] == 6} == {"e1", "e2"}
     assert (run_dir / "plot.png").stat().st_size > 1000
 
 

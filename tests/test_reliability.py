@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -852,6 +853,42 @@ def test_an_explorer_name_is_held_until_its_process_dies(buffer_url):
     assert (
         other.hold("e1") is True
     )  # blocks until the kernel / the server has dropped the old holder
+
+
+def test_running_explorers_are_the_named_ones_whose_process_lives(buffer_url):
+    # mode train's trainer waits, after its last step, for the explorers that still run: each
+    # evaluates the final weights before it leaves; a dead one (kill -9 included) no longer counts
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from extras.postgres import open_buffer; b = open_buffer(sys.argv[1]); b.hold('e1'); "
+            "print('held', flush=True); sys.stdin.read()",
+            buffer_url,
+        ],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdout.readline() == "held\n"
+    trainer = open_buffer(buffer_url)
+    for name in ("e1", "e2"):  # both wrote a batch; e2 has left
+        trainer.db.execute("INSERT INTO explorer_state VALUES (?, ?)", (name, "{}"))
+    assert trainer.running_explorers() == ["e1"]
+    assert trainer.running_explorers() == ["e1"]  # asking takes no name
+    p.kill()
+    p.wait()
+    deadline = time.monotonic() + 60  # the server drops a dead session's locks once it notices
+    while trainer.running_explorers():
+        assert time.monotonic() < deadline, "e1 still counted 60 s after its process died"
+        time.sleep(0.05)
+    assert trainer.hold("e1", wait=False) is True  # asking left the name free
 
 
 def test_ctrl_c_wrapped_by_a_library_still_says_how_to_resume(tmp_path, monkeypatch, capsys):
