@@ -240,12 +240,6 @@ class Buffer:
             self.db.hold(name, wait=True)
         return wait
 
-    def running_explorers(self) -> list[str]:
-        """The names of the explorers that have written a batch and still run (they hold their
-        name: `hold`), sorted."""
-        rows = self.db.execute("SELECT name FROM explorer_state ORDER BY name").fetchall()
-        return [name for (name,) in rows if self.db.held(name)]
-
     def set_run_state(self, key: str, value: str | None) -> None:
         """Set (None: delete) a run-wide value, e.g. "trainer_done" = the final version."""
         with self.db.transaction():

@@ -92,13 +92,13 @@ class BufferBatches:
 @dataclass
 class Explorers:
     """Rank 0's link to the explorers: their records so far, whether they still run, the cores
-    they borrow while the trainer waits (perf.CoreShare: one CPU machine; else None), and the
-    names of the explorers of other launches (mode train) that have not yet left."""
+    they borrow while the trainer waits (perf.CoreShare: one CPU machine; else None), and, for
+    explorers of other launches, a wait (reading records with its argument) until they left."""
 
     records: Callable[[], list[dict]] = list
     alive: Callable[[], bool] = lambda: True  # noqa: E731
     cores: perf.CoreShare | None = None
-    running: Callable[[], list[str]] = list
+    wait_left: Callable[[Callable[[], None]], None] = lambda drain: None  # noqa: E731
 
 
 class BatchReader:
@@ -436,8 +436,9 @@ def finish(cfg, log: StepLog, version: int, explorer, weights, board: bool) -> N
     log.buffer.set_run_state("trainer_done", str(version))
     if weights and not explorer:  # mode train: the explorers see trainer_done and leave the group
         weights.wait_left(cfg.sync_timeout_s)
-    if not explorer:
-        wait_final_records(log.records, cfg.sync_timeout_s)
+    # mode train: each explorer evaluates the final weights after trainer_done
+    log.records.explorers.wait_left(log.records.drain)
+    log.records.drain()
     (run_dir / "final" / "nanorft_config.json").write_text(
         json.dumps(dataclasses.asdict(cfg), indent=2)
     )
@@ -451,27 +452,6 @@ def finish(cfg, log: StepLog, version: int, explorer, weights, board: bool) -> N
         print0(f"plot: {plot(run_dir)}")
     shown = f" (TensorBoard: tensorboard --logdir {run_dir})" if board else ""
     print0(f"metrics: {run_dir / 'metrics.jsonl'}{shown}")
-
-
-def wait_final_records(records: ExplorerRecords, timeout_s: float) -> None:
-    """Mode train after trainer_done: drain the explorers' records until every explorer of the
-    other launches has left, so that their evaluations of the final weights, made after the
-    trainer's last step, reach metrics.jsonl; at most `timeout_s`, then one line names those
-    still running."""
-    deadline = time.monotonic() + timeout_s
-    running = records.explorers.running()
-    if running:
-        print0(f"waiting for {', '.join(running)} to evaluate the final weights and leave")
-    while running and time.monotonic() < deadline:
-        records.drain()
-        time.sleep(0.2)
-        running = records.explorers.running()
-    records.drain()
-    if running:
-        print0(
-            f"{', '.join(running)} still running after {timeout_s:.0f} s: their evaluation of "
-            "the final weights is not in metrics.jsonl"
-        )
 
 
 def join_draining(process, drain: Callable[[], Any], timeout_s: float | None = None) -> bool:

@@ -1,8 +1,11 @@
 """Modes train and explore as launches of their own, and offline --train-data: their checks
-(run.check_modes); mode train's weight-sync group and explorer records (run.started)."""
+(run.check_modes); mode train's weight-sync group, explorer records and its wait for the
+explorers to leave (run.started)."""
 
+import functools
 import json
 import math
+import time
 from typing import Callable
 
 from loop import Explorers, weight_group
@@ -50,7 +53,8 @@ def connect_explorers(cfg, buffer, layout, trainer, rank: int, transport: type |
     buffer); with broadcast, rank 0 connects the explorers' weight-sync group (of class
     `transport`)."""
     if rank == 0:
-        explorers = Explorers(records_from_buffer(buffer), running=buffer.running_explorers)
+        wait = functools.partial(wait_left, buffer, cfg.sync_timeout_s)
+        explorers = Explorers(records_from_buffer(buffer), wait_left=wait)
     else:
         explorers = Explorers()
     params = (
@@ -105,3 +109,30 @@ def records_from_buffer(buffer) -> Callable[[], list[dict]]:
         return new
 
     return records
+
+
+def running_explorers(buffer) -> list[str]:
+    """The names of the explorers that have written a batch and still run (they hold their
+    name: buffer.Buffer.hold), sorted."""
+    rows = buffer.db.execute("SELECT name FROM explorer_state ORDER BY name").fetchall()
+    return [name for (name,) in rows if buffer.db.held(name)]
+
+
+def wait_left(buffer, timeout_s: float, drain: Callable[[], None]) -> None:
+    """After trainer_done: call `drain` (it reads the explorers' records into the trainer's
+    metrics) until every explorer that wrote a batch has left, so that their evaluations of the
+    final weights, made after the trainer's last step, are read too; at most `timeout_s`, then
+    one line names those still running."""
+    deadline = time.monotonic() + timeout_s
+    running = running_explorers(buffer)
+    if running:
+        print0(f"waiting for {', '.join(running)} to evaluate the final weights and leave")
+    while running and time.monotonic() < deadline:
+        drain()
+        time.sleep(0.2)
+        running = running_explorers(buffer)
+    if running:
+        print0(
+            f"{', '.join(running)} still running after {timeout_s:.0f} s: their evaluation of "
+            "the final weights is not in metrics.jsonl"
+        )

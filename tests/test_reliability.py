@@ -823,9 +823,8 @@ def test_a_run_killed_while_starting_can_be_resumed(tiny_model, tmp_path):
     assert res.returncode == 0 and "resumed at step 0" in res.stdout, res.stderr[-2000:]
 
 
-def test_an_explorer_name_is_held_until_its_process_dies(buffer_url):
-    # a restarted explorer waits for the old one of its name (an orphan still storing a batch): the name is a
-    # flock (SQLite) or a session advisory lock (PostgreSQL), both dropped with the process, kill -9 included
+def hold_in_another_process(buffer_url: str, name: str):
+    """A process that holds explorer name `name` in the buffer until it is killed."""
     import subprocess
     import sys
 
@@ -835,9 +834,10 @@ def test_an_explorer_name_is_held_until_its_process_dies(buffer_url):
         [
             sys.executable,
             "-c",
-            "import sys; from extras.postgres import open_buffer; b = open_buffer(sys.argv[1]); b.hold('e1'); "
-            "print('held', flush=True); sys.stdin.read()",
+            "import sys; from extras.postgres import open_buffer; b = open_buffer(sys.argv[1]); "
+            "b.hold(sys.argv[2]); print('held', flush=True); sys.stdin.read()",
             buffer_url,
+            name,
         ],
         cwd=ROOT,
         stdin=subprocess.PIPE,
@@ -845,6 +845,14 @@ def test_an_explorer_name_is_held_until_its_process_dies(buffer_url):
         text=True,
     )
     assert p.stdout.readline() == "held\n"
+    return p
+
+
+def test_an_explorer_name_is_held_until_its_process_dies(buffer_url):
+    # a restarted explorer waits for the old one of its name (an orphan still storing a batch): the name is a
+    # flock (SQLite) or a session advisory lock (PostgreSQL), both dropped with the process, kill -9 included
+
+    p = hold_in_another_process(buffer_url, "e1")
     other = open_buffer(buffer_url)
     assert other.hold("e1", wait=False) is False
     assert other.hold("e2", wait=False) is True  # another name is free
@@ -858,34 +866,19 @@ def test_an_explorer_name_is_held_until_its_process_dies(buffer_url):
 def test_running_explorers_are_the_named_ones_whose_process_lives(buffer_url):
     # mode train's trainer waits, after its last step, for the explorers that still run: each
     # evaluates the final weights before it leaves; a dead one (kill -9 included) no longer counts
-    import subprocess
-    import sys
 
-    from conftest import ROOT
+    from extras.train_mode import running_explorers
 
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from extras.postgres import open_buffer; b = open_buffer(sys.argv[1]); b.hold('e1'); "
-            "print('held', flush=True); sys.stdin.read()",
-            buffer_url,
-        ],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert p.stdout.readline() == "held\n"
+    p = hold_in_another_process(buffer_url, "e1")
     trainer = open_buffer(buffer_url)
     for name in ("e1", "e2"):  # both wrote a batch; e2 has left
         trainer.db.execute("INSERT INTO explorer_state VALUES (?, ?)", (name, "{}"))
-    assert trainer.running_explorers() == ["e1"]
-    assert trainer.running_explorers() == ["e1"]  # asking takes no name
+    assert running_explorers(trainer) == ["e1"]
+    assert running_explorers(trainer) == ["e1"]  # asking takes no name
     p.kill()
     p.wait()
     deadline = time.monotonic() + 60  # the server drops a dead session's locks once it notices
-    while trainer.running_explorers():
+    while running_explorers(trainer):
         assert time.monotonic() < deadline, "e1 still counted 60 s after its process died"
         time.sleep(0.05)
     assert trainer.hold("e1", wait=False) is True  # asking left the name free
