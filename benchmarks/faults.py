@@ -693,21 +693,17 @@ def input_cases(tmp: Path, model: str) -> list[tuple[str, list]]:
     return cases
 
 
+def case_argv(args: list, model: str, run_dir: Path) -> list:
+    """run.py's arguments for a case: the tiny job, then the case's own (a later --config /
+    --model / --run-dir in `args` wins: argparse's last one counts)."""
+    fixed = ["--config", "configs/tiny.toml", "--model", model, "--eval-size", "0"]
+    return [*fixed, "--run-dir", run_dir, *args]
+
+
 def run_case(what: str, args: list, model: str, tmp: Path) -> dict:
     run_dir = tmp / f"run_{abs(hash(what))}"
-    try:  # a later --config / --model / --run-dir in `args` wins (argparse: the last one counts)
-        res = run_py(
-            "--config",
-            "configs/tiny.toml",
-            "--model",
-            model,
-            "--eval-size",
-            "0",
-            "--run-dir",
-            run_dir,
-            *args,
-            timeout=300,
-        )
+    try:
+        res = run_py(*case_argv(args, model, run_dir), timeout=300)
     except subprocess.TimeoutExpired:
         return {"input": what, "outcome": "hang"}
     errors = [x for x in res.stderr.splitlines() if "error:" in x]
@@ -732,18 +728,37 @@ def run_case(what: str, args: list, model: str, tmp: Path) -> dict:
     }
 
 
+def parse_case(what: str, args: list, model: str, tmp: Path) -> dict:
+    """run_case for an input refused while parsing, in this process: run.main prints the
+    ValueError of run.parse_config as its one error line and exits 2; an input that parses
+    would start a run, and counts as accepted."""
+    import run
+
+    try:
+        run.parse_config([str(a) for a in case_argv(args, model, tmp / "run")])
+    except ValueError as e:
+        return {"input": what, "outcome": "one-line error", "exit": 2, "line": str(e)[:200]}
+    except SystemExit as e:
+        return {"input": what, "outcome": f"exit {e.code}", "exit": e.code}
+    return {"input": what, "outcome": "accepted", "exit": 0}
+
+
 def part_inputs(model: str, workers: int = 2, fast_only: bool = False) -> dict:
+    """Every malformed input run as a user would; fast_only: those refused while parsing (a
+    number that is none, or not finite), each checked in this process (`parse_case`)."""
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         cases = input_cases(tmp, model)
-        if fast_only:  # the ones refused while parsing, before any model is loaded
+        if fast_only:
             cases = [
                 c
                 for c in cases
                 if c[0].split()[0].startswith("--") and c[0].split()[-1] in ("abc", "nan")
             ]
-        with ThreadPoolExecutor(workers) as pool:
-            results = list(pool.map(lambda c: run_case(*c, model, tmp), cases))
+            results = [parse_case(*c, model, tmp) for c in cases]
+        else:
+            with ThreadPoolExecutor(workers) as pool:
+                results = list(pool.map(lambda c: run_case(*c, model, tmp), cases))
     for r in results:
         print(f"{r['outcome']:<15} {r['input']:<45} {r.get('line', '')}")
     counts = {

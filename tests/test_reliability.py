@@ -678,10 +678,10 @@ def test_two_trainer_ranks_publish_checkpoints(tiny_model, tmp_path):
     )
 
 
-@pytest.mark.slow
 def test_fault_benchmark_fast_subset(tiny_model):
     """benchmarks/faults.py, its quick parts: concurrent writers with a reader, and every
-    malformed flag value refused while parsing (the whole benchmark: README "Reliability")."""
+    malformed number refused while parsing, checked in-process (the whole benchmark runs each
+    input as `python run.py`: README "Reliability")."""
     import sys
 
     from conftest import ROOT
