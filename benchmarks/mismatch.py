@@ -8,8 +8,9 @@ ratio and rollout-correction metrics beside its final held-out avg@k.
     python benchmarks/mismatch.py runs one_direction corr_none corr_tis corr_mis corr_icepop
 
 `parts` prints, per run, each part's mean |delta log-prob| and k3 KL over the attributed
-steps (and at the first and the last one), its share of the total's |delta|, and draws
-benchmarks/results/seeds/PLOT.png (each part's |delta| against the step). `runs` prints, per
+steps of all its seeds (and at the first and the last step, the mean over seeds), its share of
+the total's |delta|, and draws benchmarks/results/seeds/PLOT.png (each part's |delta| against
+the step, the mean over seeds). `runs` prints, per
 run, the step means of the trained experiences' staleness (versions), the ratio pi_theta /
 pi_behaviour, |log-ratio|, and of the correction's weight, capped and masked fractions, with the
 final and best avg@k over its seeds.
@@ -46,6 +47,12 @@ def mean(records: list[dict], key: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def by_step(records: list[dict], key: str) -> list[tuple[int, float]]:
+    """(step, mean of `key` over the seeds' records of that step), in step order."""
+    steps_seen = sorted({r["step"] for r in records if key in r})
+    return [(s, mean([r for r in records if r["step"] == s], key)) for s in steps_seen]
+
+
 def parts_table(names: list[str]) -> str:
     """The markdown table of each run's attributed parts."""
     lines = [
@@ -60,10 +67,11 @@ def parts_table(names: list[str]) -> str:
         for part in PARTS:
             key = f"mismatch/{part}/abs"
             share = mean(attributed, key) / total if total else 0.0
+            curve = by_step(attributed, key)
             lines.append(
                 f"| {name} | {part} | {mean(attributed, key):.2e} | "
                 f"{mean(attributed, f'mismatch/{part}/k3'):.2e} | {share:.2f} | "
-                f"{attributed[0][key]:.2e} | {attributed[-1][key]:.2e} |"
+                f"{curve[0][1]:.2e} | {curve[-1][1]:.2e} |"
             )
     return "\n".join(lines)
 
@@ -80,9 +88,10 @@ def plot_parts(names: list[str], out: str) -> Path:
     for ax, name in zip(axes[0], names):
         attributed = [r for r in steps(name) if "mismatch/total/abs" in r]
         for part in PARTS:
+            curve = by_step(attributed, f"mismatch/{part}/abs")
             # a part that is exactly 0 (its cause absent) has no point on a log scale
-            values = [r[f"mismatch/{part}/abs"] or float("nan") for r in attributed]
-            ax.plot([r["step"] for r in attributed], values, "o-", label=part)
+            values = [value or float("nan") for _, value in curve]
+            ax.plot([step for step, _ in curve], values, "o-", label=part)
         ax.set(xlabel="step", ylabel="mean |delta log-prob| (nats)", yscale="log", title=name)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -2,6 +2,7 @@
 total per token, each part 0 where its cause is absent."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -144,3 +145,26 @@ def test_the_attribution_refuses_a_sharded_trainer_in_one_line(flags):
     with pytest.raises(ValueError, match="one trainer rank without FSDP sharding") as e:
         components.check_trainer(cfg)
     assert "\n" not in str(e.value)
+
+
+def test_the_parts_table_takes_each_steps_mean_over_seeds(tmp_path, monkeypatch):
+    """benchmarks/mismatch.py over a run of several seeds: the first and the last step's column
+    is that step's mean over the seeds (it took seed 0's first step and the last seed's last)."""
+    from conftest import ROOT
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import mismatch
+
+    monkeypatch.setattr(mismatch, "RESULTS", tmp_path)
+    for seed, scale in ((0, 1.0), (1, 3.0)):
+        lines = []
+        for step in (0, 10):
+            record = {"step": step, "loss/grad_norm": 1.0}
+            for part in mismatch.PARTS:
+                record[f"mismatch/{part}/abs"] = scale * (step + 1)
+                record[f"mismatch/{part}/k3"] = 0.0
+            lines.append(json.dumps(record))
+        (tmp_path / f"run_s{seed}.jsonl").write_text("\n".join(lines))
+    assert mismatch.by_step(mismatch.steps("run"), "mismatch/total/abs") == [(0, 2.0), (10, 22.0)]
+    row = next(x for x in mismatch.parts_table(["run"]).splitlines() if "| total |" in x)
+    assert row.split(" | ")[-2:] == ["2.00e+00", "2.20e+01 |"]
