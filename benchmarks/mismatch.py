@@ -10,10 +10,9 @@ ratio and rollout-correction metrics beside its final held-out avg@k.
 `parts` prints, per run, each part's mean |delta log-prob| and k3 KL over the attributed
 steps of all its seeds (and at the first and the last step, the mean over seeds), its share of
 the total's |delta|, and draws benchmarks/results/seeds/PLOT.png (each part's |delta| against
-the step, the mean over seeds). `runs` prints, per
-run, the step means of the trained experiences' staleness (versions), the ratio pi_theta /
-pi_behaviour, |log-ratio|, and of the correction's weight, capped and masked fractions, with the
-final and best avg@k over its seeds.
+the step, the mean over seeds). `runs` prints, per run, the step means of the trained
+experiences' staleness (versions), the ratio pi_theta / pi_behaviour, |log-ratio|, and of the
+correction's weight, capped and masked fractions, with the final and best avg@k over its seeds.
 """
 
 import argparse
