@@ -231,7 +231,7 @@ class Config:
     allocator: Literal["auto", "tcmalloc", "mimalloc", "system"] = "auto"
     """memory allocator of the processes on a CPU: auto (tcmalloc where installed, else mimalloc; a GPU: system), tcmalloc, mimalloc, system (the C library's malloc)"""  # noqa: E501
     return_memory_s: float = 0.2
-    """tcmalloc: every this many seconds the trainer returns the allocator's free pages to the system (a lower peak RSS; 0: never)"""  # noqa: E501
+    """tcmalloc, mimalloc: every this many seconds the trainer returns the allocator's free pages to the system (a lower peak RSS; 0: never)"""  # noqa: E501
     activation_checkpointing: bool = True
     """recompute decoder blocks' activations in the backward pass (less memory, more compute)"""
     compile_layers: bool = True

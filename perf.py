@@ -4,6 +4,7 @@ lends to the busy one (`CoreShare`, `lend_threads`, `LendingPace`); `compiled` d
 the allocator's free pages returned to the system (`return_free_memory`)."""
 
 import ctypes
+import functools
 import os
 import threading
 import time
@@ -319,11 +320,20 @@ def compiled(forward: Callable) -> Callable:
 
 
 def return_free_memory(every_s: float) -> None:
-    """Under tcmalloc, a thread returning its free pages to the system every `every_s` seconds:
-    tensors of other sizes than the freed ones grow the heap, the freed pages stay resident.
-    A returned page costs a fault when used again."""
-    release = getattr(ctypes.CDLL(None), "MallocExtension_ReleaseFreeMemory", None)
-    if release is None or every_s <= 0:
+    """Under tcmalloc or mimalloc, a thread returning the allocator's free pages to the system
+    every `every_s` seconds: tensors of other sizes than the freed ones grow the heap, the freed
+    pages stay resident (mimalloc purges them only after a delay, checked at the owning thread's
+    next allocation). A returned page costs a fault when used again. Other allocators: nothing."""
+    if every_s <= 0:
+        return
+    process = ctypes.CDLL(None)
+    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
+    if release is None and hasattr(process, "mi_collect"):
+        collect = process.mi_collect
+        collect.argtypes = [ctypes.c_bool]
+        # true: purged now, not after mimalloc's delay, the pages other threads freed included
+        release = functools.partial(collect, True)
+    if release is None:
         return
 
     def run() -> None:

@@ -9,10 +9,14 @@ installed) and mimalloc (the `cmeel-mimalloc` wheel of requirements.txt), with r
     python benchmarks/allocators.py --allocators mimalloc,mimalloc-thp --steps 12 --rounds 2
     python benchmarks/allocators.py --allocators tcmalloc-kept,tcmalloc --steps 12 --rounds 2
     python benchmarks/allocators.py --allocators mimalloc,mimalloc-purge0 --steps 12 --rounds 2
+    python benchmarks/allocators.py --allocators mimalloc-kept,mimalloc,mimalloc-onednn64 --steps 30 --rounds 2
 
-tcmalloc-kept is tcmalloc with `--return-memory-s 0`: the trainer keeps the free pages;
+tcmalloc-kept and mimalloc-kept are tcmalloc and mimalloc with `--return-memory-s 0`: the trainer
+keeps the free pages (mimalloc's own purge after a delay aside);
 mimalloc-purge0 is mimalloc returning a page to the system as soon as it is empty
-(MIMALLOC_PURGE_DELAY=0).
+(MIMALLOC_PURGE_DELAY=0); mimalloc-onednnN is mimalloc with oneDNN keeping at most N primitives
+(ONEDNN_PRIMITIVE_CACHE_CAPACITY=N; its default 1024): each packed length of the trainer's tokens
+makes new matrix-product primitives, which the cache keeps for the whole run.
 
 Prints per allocator: the trainer's step (time/train_s, steps after the first), wall seconds
 per step, the minor page faults of the whole job (all its processes), the trainer's and the
@@ -23,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -99,7 +104,8 @@ def main() -> None:
         default="glibc,tcmalloc,mimalloc,mimalloc-thp",
         help="comma-separated: glibc, tcmalloc, mimalloc (with run.py's settings), mimalloc-thp "
         "(transparent huge pages allowed, mimalloc's own default), mimalloc-purge0 (run.py's "
-        "settings, MIMALLOC_PURGE_DELAY=0), tcmalloc-kept (tcmalloc, --return-memory-s 0)",
+        "settings, MIMALLOC_PURGE_DELAY=0), tcmalloc-kept and mimalloc-kept (--return-memory-s 0), "
+        "mimalloc-onednnN (run.py's settings, ONEDNN_PRIMITIVE_CACHE_CAPACITY=N)",
     )
     args, flags = p.parse_known_args()
     if args.steps < 3:
@@ -116,14 +122,16 @@ def main() -> None:
             [],
         ),
         **{name: (name, launch.ALLOCATOR_ENV.get(name, {}), []) for name in launch.ALLOCATORS},
-        "tcmalloc-kept": (
-            "tcmalloc",
-            launch.ALLOCATOR_ENV.get("tcmalloc", {}),
-            ["--return-memory-s", "0"],
-        ),
+        **{
+            f"{name}-kept": (name, launch.ALLOCATOR_ENV.get(name, {}), ["--return-memory-s", "0"])
+            for name in launch.ALLOCATORS
+        },
     }
     allocators = {}
     for name in args.allocators.split(","):
+        if capacity := re.fullmatch(r"mimalloc-onednn(\d+)", name):
+            cache = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": capacity[1]}
+            variants[name] = ("mimalloc", {**launch.ALLOCATOR_ENV["mimalloc"], **cache}, [])
         if name not in variants:
             p.error(f"--allocators: unknown {name!r} (one of {', '.join(variants)})")
         lib_name, settings, extra = variants[name]

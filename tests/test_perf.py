@@ -399,18 +399,22 @@ def test_the_explorer_lends_its_threads_while_its_pace_waits():
     assert seen == [("wait", 0), ("wait", 0), ("final", 0)] and flags[1] == 0
 
 
+@pytest.mark.parametrize("allocator", ["tcmalloc", "mimalloc"])
 @pytest.mark.parametrize("every_s", [0.0, 0.05])
-def test_the_trainer_returns_the_allocators_free_pages_to_the_system(tmp_path, every_s):
-    # tcmalloc keeps the pages of a freed tensor resident: with return_memory_s the process's RSS
-    # falls back once the tensor is freed; with 0 nothing returns them
+def test_the_trainer_returns_the_allocators_free_pages_to_the_system(tmp_path, allocator, every_s):
+    # tcmalloc and mimalloc keep the pages of a freed tensor resident (mimalloc until a delay
+    # passes): with return_memory_s the process's RSS falls back once the tensor is freed; with 0
+    # nothing returns them
     import subprocess
     import sys
 
     from conftest import ROOT
 
-    lib = launch.allocator_library("tcmalloc")
+    lib = launch.allocator_library(allocator)
     if lib is None:
-        pytest.skip("needs tcmalloc (apt-get install libtcmalloc-minimal4; CI installs it)")
+        pytest.skip(
+            f"needs {allocator} (tcmalloc: apt-get install libtcmalloc-minimal4; CI installs it)"
+        )
     script = f"""import sys, time
 sys.path.insert(0, {str(ROOT)!r})
 import torch, perf
@@ -425,7 +429,9 @@ while rss_mib() > before - 256 and time.monotonic() < deadline:  # a condition, 
     time.sleep(0.05)
 print(round(before - rss_mib()))
 """
-    env = {**os.environ, "LD_PRELOAD": lib}
+    env = {**os.environ, **launch.ALLOCATOR_ENV.get(allocator, {}), "LD_PRELOAD": lib}
+    if allocator == "mimalloc":  # its own purges after 10 minutes: only the thread returns pages
+        env["MIMALLOC_PURGE_DELAY"] = "600000"
     out = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
