@@ -133,7 +133,9 @@ def main() -> None:
             cache = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": capacity[1]}
             variants[name] = ("mimalloc", {**launch.ALLOCATOR_ENV["mimalloc"], **cache}, [])
         if name not in variants:
-            p.error(f"--allocators: unknown {name!r} (one of {', '.join(variants)})")
+            p.error(
+                f"--allocators: unknown {name!r} (one of {', '.join(variants)}, mimalloc-onednnN)"
+            )
         lib_name, settings, extra = variants[name]
         lib = lib_name and launch.allocator_library(lib_name)
         if lib_name and not lib:
