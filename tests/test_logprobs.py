@@ -149,6 +149,30 @@ def test_chunked_logprobs_and_their_gradient_equal_the_unchunked_ones():
         assert torch.allclose(a, b, atol=1e-4) and b.abs().sum() > 0
 
 
+def test_the_lm_heads_products_take_a_few_shapes_whatever_the_number_of_tokens(monkeypatch):
+    # oneDNN keeps a primitive per shape of a matrix product for the whole run: a last chunk of
+    # every size from 1 to the chunk's rows grew the trainer's memory step after step
+    import packing
+
+    rows_seen = set()
+    logits = packing.HeadLogprobs.logits
+
+    def seen(h, *rest):
+        rows_seen.add(h.shape[0])
+        return logits(h, *rest)
+
+    monkeypatch.setattr(packing.HeadLogprobs, "logits", staticmethod(seen))
+    weight = torch.randn(50, 16, requires_grad=True)  # [V, H]: 90 rows a chunk below
+    for T in range(1, 200):
+        hidden = torch.randn(T, 16, requires_grad=True)
+        lp, ent = packing.chunked_logprobs(
+            hidden, weight, torch.randint(0, 50, (T,)), 1.0, entropy=True, chunk_elems=50 * 90
+        )
+        (lp.sum() + ent.sum()).backward()
+        assert lp.shape == ent.shape == (T,) and hidden.grad.shape == (T, 16)
+    assert rows_seen == {16, 32, 48, 64, 80}
+
+
 class CountOps(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the ops for which `counted(func, args, out)` holds."""
 
