@@ -14,8 +14,8 @@ the machine's cores busy; seeds saved earlier under NAME with the same flags are
 new ones added. The run directory's name carries the seed, so tracker runs
 (TensorBoard, W&B, MLflow: `--log`) name it too. Kept per seed in
 benchmarks/results/seeds/NAME_sS.jsonl: the evaluation records and a few metrics of each
-step (reward, entropy, response length, grad norm, elapsed seconds). NAME.json: the
-flags, the wall time of each seed, and per evaluated version the mean, the sample
+step (reward, entropy, response length, grad norm, elapsed seconds, the trainer's peak RSS).
+NAME.json: the flags, the wall time of each seed, and per evaluated version the mean, the sample
 standard deviation, min and max over seeds of greedy accuracy and avg@k, with the mean of
 the seeds' own standard errors. NAME.png: avg@k and greedy accuracy, mean over seeds with
 error bars of +- one standard deviation across seeds, each seed a thin line, and the base
@@ -46,6 +46,7 @@ STEP_KEYS = (
     "loss/kl_behaviour",
     "time/elapsed_s",
     "time/train_s",
+    "memory/trainer_peak_rss_gib",
 )
 # every metric under these prefixes too: the mismatch lab's parts and the rollout correction's,
 # and how stale the trained experiences were
