@@ -398,6 +398,7 @@ def main(argv: list[str] | None = None, leave_on_interrupt: bool = False) -> int
     130: Ctrl-C."""
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
+    launch.limit_onednn_cache()
     # plug-ins by import path (--workflow mymod.MyWorkflow) from the working directory, last:
     # never shadowing ours
     if not any(os.path.abspath(p or ".") == os.getcwd() for p in sys.path):

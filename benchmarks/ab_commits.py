@@ -10,9 +10,9 @@ Each commit is checked out once into a git worktree beside the repository's; eac
 `python run.py --mode both --sync-interval 2 --steps N --run-dir DIR FLAGS` (the default job,
 cut to N steps). Per run it reads metrics.jsonl: the median wall seconds per step (the
 differences of time/elapsed_s, the first step left out: it holds the start), the medians of
-time/train_s and time/explore_s, and the trainer's peak RSS. --b-flags adds run.py flags to B's
-runs only: the cost of a setting at one commit. Prints one row per run, then per figure the ratio B / A of the
-medians over rounds; --json writes them.
+time/train_s and time/explore_s, the sum of time/sync_s and the trainer's peak RSS. --b-flags
+adds run.py flags to B's runs only: the cost of a setting at one commit. Prints one row per run,
+then per figure the ratio B / A of the medians over rounds; --json writes them.
 """
 
 import argparse
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FIGURES = ("s_per_step", "train_s", "explore_s", "trainer_peak_gib")
+FIGURES = ("s_per_step", "train_s", "explore_s", "sync_s", "trainer_peak_gib")
 
 
 def worktree(rev: str, where: Path) -> Path:
@@ -41,7 +41,7 @@ def worktree(rev: str, where: Path) -> Path:
 
 def figures(metrics: Path) -> dict[str, float]:
     """The medians of one run's steps: wall seconds per step, train and explore seconds; the
-    trainer's peak RSS over the run (GiB)."""
+    seconds the trainer spent publishing in all; the trainer's peak RSS over the run (GiB)."""
     steps = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     steps = [r for r in steps if "loss/grad_norm" in r]
     elapsed = [r["time/elapsed_s"] for r in steps]
@@ -51,6 +51,7 @@ def figures(metrics: Path) -> dict[str, float]:
         "explore_s": statistics.median(
             r["time/explore_s"] for r in steps[1:] if "time/explore_s" in r
         ),
+        "sync_s": sum(r.get("time/sync_s", 0.0) for r in steps),
         "trainer_peak_gib": max(r["memory/trainer_peak_rss_gib"] for r in steps),
     }
 

@@ -261,6 +261,21 @@ def test_the_engines_grouped_query_attention_equals_transformers_sdpa(tiny_model
     assert torch.allclose(a, b, atol=1e-5) and a.abs().max() > 0
 
 
+def test_onednns_primitive_cache_is_capped_before_anything_runs_unless_the_user_set_it(
+    monkeypatch, capsys
+):
+    # every packed length's primitives stayed in the trainer's memory for the whole run
+    import run
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    assert run.main(["--max-staleness", "-2"]) == 2  # stopped at the flags: the cap set before
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+    assert "max_staleness" in capsys.readouterr().err
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
+    launch.limit_onednn_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
+
+
 def test_the_first_installed_allocator_is_chosen_and_a_missing_one_refused(monkeypatch):
     from config import parse_config
 
