@@ -1,7 +1,7 @@
 """Performance beside the RL: model FLOPs and MFU (`train_flops`, `generate_flops`, `mfu`, the
 meters) against the device's peak (`unit_peak`); on one CPU machine, the threads the waiting side
-lends to the busy one (`CoreShare`, `lending`, `lend_threads`, `LendingPace`); `compiled`
-decoder blocks; the allocator's free pages returned to the system (`return_free_memory`)."""
+lends to the busy one (`CoreShare`, `lend_threads`, `LendingPace`); `compiled` decoder blocks;
+the allocator's free pages returned to the system (`return_free_memory`)."""
 
 import ctypes
 import functools
@@ -257,21 +257,6 @@ class CoreShare:
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
         return n
-
-
-def lending(wait: Callable, cores: CoreShare) -> Callable:
-    """`wait` (a call that waits on the other side) with this side's threads lent to the other
-    side while it runs: a publish that waits for an explorer still evaluating lets it evaluate on
-    both cores."""
-
-    def call(*args, **kwargs):
-        cores.busy(False)
-        try:
-            return wait(*args, **kwargs)
-        finally:
-            cores.busy(True)
-
-    return call
 
 
 def lend_threads(model, cores: CoreShare) -> None:

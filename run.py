@@ -225,9 +225,6 @@ def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks):
             )
             if weights:
                 send = functools.partial(weights.send, alive=explorers.alive)
-            if weights and explorers.cores is not None:
-                # a publish waits while the explorer finishes an evaluation
-                send = perf.lending(send, explorers.cores)
         if cfg.mode == "train" and not cfg.train_data:
             from extras.train_mode import connect_explorers
 

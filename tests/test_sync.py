@@ -176,33 +176,6 @@ def test_bucketed_sync_equals_unbucketed_and_holds_one_bucket(bucket_elems, dtyp
         assert built == [1, 0, 0]
 
 
-def test_a_call_that_waits_on_the_other_side_lends_this_sides_threads_meanwhile():
-    # the trainer's publish waits while the explorer finishes an evaluation: both cores evaluate
-    flags = mp.get_context("spawn").Array("i", 2)
-    trainer, explorer = perf.CoreShare(flags, 0, 1, 1), perf.CoreShare(flags, 1, 1, 1)
-    before = torch.get_num_threads()
-    seen = []
-
-    def publish(version):
-        seen.append((version, explorer.apply()))
-        return version
-
-    def broken():
-        raise RuntimeError("weight sync: the peer process died during a broadcast")
-
-    try:
-        trainer.busy(True)
-        explorer.busy(True)
-        assert explorer.apply() == 1
-        assert perf.lending(publish, trainer)(7) == 7
-        assert seen == [(7, 2)] and flags[0] == 1  # busy again once the publish returns
-        with pytest.raises(RuntimeError, match="died"):
-            perf.lending(broken, trainer)()
-        assert flags[0] == 1
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_the_idle_side_lends_its_threads_to_the_busy_one():
     flags = mp.get_context("spawn").Array("i", 2)
     trainer, explorer = perf.CoreShare(flags, 0, 1, 1), perf.CoreShare(flags, 1, 1, 1)
