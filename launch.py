@@ -107,19 +107,6 @@ INSTALL = {
 ALLOCATOR_ENV = {"mimalloc": {"MIMALLOC_ALLOW_THP": "0"}}
 
 
-# oneDNN keeps a primitive per shape of each matrix product it has run (1,024 of them by default)
-# for the whole run: the trainer's packed lengths change from step to step, and every length's
-# primitives stayed in its memory; a step needs far fewer than 64 (docs/benchmarks.md)
-ONEDNN_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
-
-
-def limit_onednn_cache() -> None:
-    """Cap oneDNN's primitive cache (ONEDNN_ENV) unless the user set it: before this process's first
-    matrix product, when oneDNN reads it; the processes it starts inherit it."""
-    for key, value in ONEDNN_ENV.items():
-        os.environ.setdefault(key, value)
-
-
 def allocator_library(name: str) -> str | None:
     """The shared library of allocator `name` (a key of ALLOCATORS) where installed, else None."""
     return ALLOCATORS[name]() if sys.platform == "linux" else None

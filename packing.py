@@ -3,7 +3,6 @@
 LM head's log-probs (`HeadLogprobs`) replay."""
 
 import functools
-import math
 
 import torch
 
@@ -334,12 +333,9 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return logz - (torch.softmax(logits, -1) * logits).sum(-1)  # [B, T]
 
 
-# float32 logits per chunk of the LM head: 16 MiB on a CPU; a GPU needs many rows a chunk to keep
-# its matmuls busy
+# float32 logits per chunk of the LM head: 16 MiB on a CPU (a GPU needs many rows a chunk to keep
+# its matmuls busy); whole multiples of 16 rows (padded): a few shapes, each a kept oneDNN primitive
 HEAD_CHUNK_ELEMS = {"cpu": 2**22, "cuda": 2**28}
-# the head's chunks are a multiple of this many rows, its tokens padded to one: the last chunk takes
-# one of a few shapes, so oneDNN's primitive cache (an entry per shape, kept for the whole run)
-# stays small on a CPU
 HEAD_ROW_MULTIPLE = 16
 
 
@@ -362,25 +358,23 @@ def chunked_logprobs(
     whose gradient autograd would otherwise add into one more [V, H]). `floors` [T] float32
     (sampling-mask replay): each token's distribution is renormalised over its kept set, the
     tokens whose full log-prob is >= its floor, and its target (-inf: the full vocabulary); None:
-    the full vocabulary everywhere. The tokens are padded to a multiple of HEAD_ROW_MULTIPLE rows
-    (zero hidden states, whose log-probs are dropped and get no gradient)."""
-    T = hidden.shape[0]
-    if T == 0:
+    the full vocabulary everywhere. Zero rows pad the tokens to a multiple of HEAD_ROW_MULTIPLE."""
+    if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float)
         return empty, (empty if entropy else None)
     chunk_elems = chunk_elems or HEAD_CHUNK_ELEMS.get(hidden.device.type, 2**22)
     rows = max(1, chunk_elems // weight.shape[0])
     multiple = min(HEAD_ROW_MULTIPLE, rows)
     rows = rows // multiple * multiple
-    pad = -T % multiple
+    pad = -hidden.shape[0] % multiple
     hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))  # [T + pad, H]
     targets = torch.nn.functional.pad(targets, (0, pad))  # [T + pad]
     if floors is not None:
-        floors = torch.nn.functional.pad(floors, (0, pad), value=-math.inf)  # [T + pad]
+        floors = torch.nn.functional.pad(floors, (0, pad), value=-torch.inf)  # [T + pad]
     lp, ent = HeadLogprobs.apply(
         hidden, weight, bias, targets, temperature, rows, entropy, grad_into_weight, floors
     )
-    return lp[:T], (ent[:T] if entropy else None)
+    return lp[: len(lp) - pad], (ent[: len(lp) - pad] if entropy else None)
 
 
 class HeadLogprobs(torch.autograd.Function):

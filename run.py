@@ -395,7 +395,8 @@ def main(argv: list[str] | None = None, leave_on_interrupt: bool = False) -> int
     130: Ctrl-C."""
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
-    launch.limit_onednn_cache()
+    # oneDNN keeps a primitive per shape of a product (1,024): 64 bound the trainer's memory
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
     # plug-ins by import path (--workflow mymod.MyWorkflow) from the working directory, last:
     # never shadowing ours
     if not any(os.path.abspath(p or ".") == os.getcwd() for p in sys.path):

@@ -272,7 +272,7 @@ def test_onednns_primitive_cache_is_capped_before_anything_runs_unless_the_user_
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
     assert "max_staleness" in capsys.readouterr().err
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
-    launch.limit_onednn_cache()
+    assert run.main(["--max-staleness", "-2"]) == 2
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
 
 
