@@ -438,12 +438,12 @@ class Trainer:
         ).float()
 
     def loss_totals(self, batch: StepBatch, keep: torch.Tensor, token_counts: torch.Tensor):
-        """Micro-batch indices [n] -> the kept global batch's (tokens, sequences), or a
-        split_expert loss's [n], [n]; `token_counts` [N] each sequence's trained tokens."""
+        """Micro-batch indices [n] -> the kept global batch's (tokens, sequences) on the device (no
+        sync per micro-batch), or a split_expert loss's [n], [n]; `token_counts` [N]: trained."""
         if self.algorithm.loss.split_expert:
             part_tokens, part_seqs = part_totals(token_counts, batch.offline, keep)
             return lambda rows: (self.to_device(part_tokens[rows]), self.to_device(part_seqs[rows]))
-        whole = (float(token_counts[keep].sum()), int(keep.sum()))
+        whole = (self.to_device(token_counts[keep].sum()), self.to_device(keep.sum()))
         return lambda rows: whole
 
     def rank_micro_batches(
