@@ -188,6 +188,8 @@ def packed_sdpa() -> str:
         **kwargs,
     ):
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if attention_mask is not None and attention_mask.numel() == 0:  # packed_logprobs' causal
+            attention_mask = None
         grouped = key.shape[1] != query.shape[1]
         if grouped and token_slots is None and query.shape[2] == 1:
             return grouped_decode_attention(query, key, value, attention_mask, scaling), None
@@ -270,6 +272,9 @@ def packed_logprobs(
     (`response_logprobs`: FSDP2's mixed precision casts a floating input to bf16)."""
     if model.config._attn_implementation != packed_sdpa():
         model.set_attn_implementation(packed_sdpa())
+    if attention_mask is None:  # causal rows: an empty 4D mask, which transformers passes on;
+        # for none it would read the position_ids on the host (a GPU sync) for packed sequences
+        attention_mask = torch.ones(0, 1, 0, 0, dtype=torch.bool)
     hidden = model.get_decoder()(
         input_ids=input_ids,
         attention_mask=attention_mask,

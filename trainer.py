@@ -256,9 +256,10 @@ class Trainer:
             model = fully_shard(model, mesh=self.mesh, mp_policy=policy)
             register_fsdp_forward_method(model, "nanorft_logprobs")
         # tied: autograd would add the head's gradient (a Python backward's) to the embedding's
-        # into a new [V, H]; a sparse embedding gradient added into the head's in place does not
+        # into a new [V, H]; a sparse embedding gradient added into the head's in place does not.
+        # A GPU keeps it dense: the sparse backward's boolean index of the pads waits for the GPU
         elif (e := model.get_input_embeddings()).weight is model.get_output_embeddings().weight:
-            e.sparse = e.weight.requires_grad
+            e.sparse = e.weight.requires_grad and not self.cuda
             self.head_grad_into_weight = e.weight.requires_grad
         return model
 

@@ -48,7 +48,8 @@ def test_the_plan_runs_the_tests_first_within_the_budget_each_compile_on_its_own
         "trainer",
         "both-135m",
     ]
-    assert sum(s.limit_s for s in planned) + gpu_check.PREPARE_S <= gpu_check.BUDGET_S == 420
+    # within one command of 600 s on a lent GPU machine, with its start
+    assert sum(s.limit_s for s in planned) + gpu_check.PREPARE_S <= gpu_check.BUDGET_S <= 580
     compiling = {s.name: s for s in stages if s.compile_s}
     assert sorted(compiling) == ["bench", "trainer"]
     for s in compiling.values():  # the stage's command is told its compile budget
