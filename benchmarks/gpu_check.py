@@ -284,7 +284,6 @@ def jobs(work: Path) -> dict[str, list[str]]:
 def prepare(work: Path, env: dict) -> dict:
     """Everything before the first CUDA call (see the module docstring); returns its figures.
     Raises Failed with the first thing that does not work."""
-    import importlib
     import importlib.util
 
     missing = [p for p in PACKAGES if importlib.util.find_spec(p) is None]
@@ -292,6 +291,46 @@ def prepare(work: Path, env: dict) -> dict:
         raise Failed(
             f"missing Python packages: {', '.join(missing)} (the GPU image this check is for has them)"
         )
+    # these two see no GPU (run.prepare asks CUDA whether it computes bf16), so nothing here touches
+    # one; the tests are collected while the models are built
+    hidden = {**env, "CUDA_VISIBLE_DEVICES": ""}
+    collect = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    collecting = subprocess.Popen(
+        collect + TESTS,
+        cwd=ROOT,
+        env=hidden,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        models = prepare_files(work)
+        validate = [sys.executable, str(Path(__file__).resolve()), "--worker", "validate"]
+        res = subprocess.run(
+            validate + ["--work", str(work)], cwd=ROOT, env=hidden, capture_output=True, text=True
+        )
+        if res.returncode != 0:
+            raise Failed(f"validating the run.py jobs failed: {last_line(res.stdout + res.stderr)}")
+        out = collecting.communicate()[0]
+    finally:
+        collecting.kill()
+    if collecting.returncode != 0:
+        raise Failed(f"collecting the tests failed: {last_line(out)}")
+    collected = sum("::" in line for line in out.splitlines())
+    return {
+        "tokenizer": str(TOKENIZER),
+        "vocab": models.pop("vocab"),
+        "tasks": TASKS,
+        "models": models,
+        "jobs_validated": list(jobs(work)),
+        "tests_collected": collected,
+    }
+
+
+def prepare_files(work: Path) -> dict:
+    """prepare's imports, task file and models; returns each model's figures and "vocab"."""
+    import importlib
+
     try:
         for name in (
             "run",
@@ -317,52 +356,12 @@ def prepare(work: Path, env: dict) -> dict:
             f"the carried tokenizer {TOKENIZER} does not load: {type(e).__name__}: {e}"
         ) from None
     write_tasks(work / "tasks.jsonl", TASKS)
-    models = {}
+    models: dict = {"vocab": len(tok)}
     for name, shape in MODELS.items():
         t = time.monotonic()
         params = build_model(work / "models" / name, shape, tok)
         models[name] = {"params": params, "build_s": round(time.monotonic() - t, 1), **shape}
-    # these two see no GPU (run.prepare asks CUDA whether it computes bf16), so nothing here touches one
-    for what, cmd in (
-        (
-            "validating the run.py jobs",
-            [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "--worker",
-                "validate",
-                "--work",
-                str(work),
-            ],
-        ),
-        (
-            "collecting the tests",
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "--collect-only",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                *TESTS,
-            ],
-        ),
-    ):
-        res = subprocess.run(
-            cmd, cwd=ROOT, env={**env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True
-        )
-        if res.returncode != 0:
-            raise Failed(f"{what} failed: {last_line(res.stdout + res.stderr)}")
-    collected = sum("::" in line for line in res.stdout.splitlines())
-    return {
-        "tokenizer": str(TOKENIZER),
-        "vocab": len(tok),
-        "tasks": TASKS,
-        "models": models,
-        "jobs_validated": list(jobs(work)),
-        "tests_collected": collected,
-    }
+    return models
 
 
 def validate_worker(work: Path) -> int:
