@@ -433,14 +433,11 @@ def test_reading_which_rows_ended_every_few_steps_gives_the_same_replies(
     assert all(same) if drop_ended > 1 else sum(same) >= len(same) - 1
 
 
-def test_causal_rows_build_no_mask_and_so_read_no_positions_on_the_host(
-    trainer, tiny_model, monkeypatch
-):
+def test_causal_rows_build_no_mask_and_so_read_no_positions_on_the_host(trainer, monkeypatch):
     # without a mask transformers reads the position_ids on the host to look for packed
     # sequences: a host sync per micro-batch on a GPU. Causal rows are given an empty 4D mask,
     # which it passes on as it is; their log-probs are still the plain causal model's
     import transformers.masking_utils
-    from transformers import AutoModelForCausalLM
 
     def host_read(position_ids):
         raise AssertionError("position_ids read on the host to look for packed sequences")
@@ -455,9 +452,8 @@ def test_causal_rows_build_no_mask_and_so_read_no_positions_on_the_host(
     assert b["attention_mask"] is None  # each row one sequence: causal up to its pads
     with torch.no_grad():
         lp, _ = response_logprobs(tr.model, b, 1.0)  # [B, R]
-        plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-        for i, e in enumerate(exps):
-            logits = plain(input_ids=torch.tensor([e.tokens])).logits[0, 2:4]  # [2, V]
+        for i, e in enumerate(exps):  # a plain forward of one sequence, no mask
+            logits = tr.model(input_ids=torch.tensor([e.tokens])).logits[0, 2:4]  # [2, V]
             want = torch.log_softmax(logits, -1).gather(
                 -1, torch.tensor([[e.tokens[3]], [e.tokens[4]]])
             )
