@@ -7,6 +7,7 @@ in float32 and in bf16 on this machine.
     python benchmarks/bench_step.py --kv-cache-ab --dtypes float32 --threads 2 [run.py flags]
     python benchmarks/bench_step.py --drop-ended-ab --model RUN/final --dtypes float32 --threads 2
     python benchmarks/bench_step.py --decode-split --dtypes bfloat16 --threads 1 --engine hf
+    python benchmarks/bench_step.py --trainer-weights-ab --threads 1 --rounds 5 --engine hf
 
 It first prints the CPU capability and the precision `--dtype auto` picks here (and why),
 then the machine's limit: matrix-product GFLOP/s and memory bandwidth for 1 .. all cores.
@@ -431,6 +432,43 @@ def decode_split(args, extra):
     )
 
 
+def trainer_weights_ab(args, extra):
+    """A trainer step as a run takes it in bf16 (float32 weights, each cast to bf16 by autocast
+    at every use, the recomputation's included, and each gradient cast back) against one on the
+    same trainer's weights held in bf16 (no casts): the upper bound of keeping bf16 weights with a
+    float32 copy for AdamW, which this arm leaves out (its AdamW updates the bf16 weights, which a
+    run could not use: updates below bf16's resolution are lost). The explorer's batches, each
+    trained on by both in turn (the order alternating), medians; the losses' gap at the first."""
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    s = setup(args, extra, "bfloat16")
+    cfg = s["cfg"]
+    # float32 settings: no autocast; the weights then go to bf16
+    plain = run.parse_config(extra + ["--run-dir", cfg.run_dir, "--dtype", "float32"])
+    held = make_trainer(plain, resolve_model(cfg.model), torch.device("cpu"))
+    held.model.to(torch.bfloat16)
+    arms = {"float32 weights, autocast": s["trainer"], "bf16 weights": held}
+    rows = {k: [] for k in arms}
+    for rnd in range(args.rounds + 1):  # round 0 warms up
+        _, groups = explore_rate(s["ex"], rnd)
+        order = list(arms.items()) if rnd % 2 else list(arms.items())[::-1]
+        for name, trainer in order:
+            t = time.perf_counter()
+            m = trainer.step(groups)
+            if rnd:
+                rows[name].append(time.perf_counter() - t)
+            print(
+                f"round {rnd} {name}: {time.perf_counter() - t:.2f} s, loss/policy {m['loss/policy']:.4f}",
+                flush=True,
+            )
+    med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
+    (a, ta), (b, tb) = med.items()
+    print(
+        f"trainer weights ({args.threads} thread(s), median of {args.rounds} interleaved rounds): {a} "
+        f"{ta:.2f} s, {b} {tb:.2f} s per step, ratio {tb / ta:.3f}"
+    )
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model directory (default: the run.py default)")
@@ -465,7 +503,14 @@ def main():
         action="store_true",
         help="only profile one explorer batch: linear layers, attention and the rest against the floor",
     )
+    p.add_argument(
+        "--trainer-weights-ab",
+        action="store_true",
+        help="only time trainer steps on float32 weights under bf16 autocast vs on bf16 weights",
+    )
     args, extra = p.parse_known_args()
+    if args.trainer_weights_ab:
+        return trainer_weights_ab(args, extra)
     if args.decode_split:
         return decode_split(args, extra)
     if args.attention_ab:
