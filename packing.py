@@ -274,7 +274,7 @@ def packed_logprobs(
         model.set_attn_implementation(packed_sdpa())
     if attention_mask is None:  # causal rows: an empty 4D mask, which transformers passes on;
         # for none it would read the position_ids on the host (a GPU sync) for packed sequences
-        attention_mask = torch.ones(0, 1, 0, 0, dtype=torch.bool)
+        attention_mask = torch.ones(0, 1, 0, 0, dtype=torch.bool, device=input_ids.device)
     hidden = model.get_decoder()(
         input_ids=input_ids,
         attention_mask=attention_mask,
