@@ -3,10 +3,13 @@
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # dcp's no_dist note
 
 
 def resume_state(run_dir: str | Path) -> Path | None:
@@ -40,7 +43,8 @@ def save_resume_state(trainer, run_dir: str | Path, step: int) -> Path:
         shutil.rmtree(path, ignore_errors=True)  # a partial state left by a crash
         path.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_dcp_state(trainer), checkpoint_id=str(path / "dcp"))
+    # one rank, no collectives: gloo's copies in a thread of its own slow the trainer after them
+    dcp.save(_dcp_state(trainer), checkpoint_id=str(path / "dcp"), no_dist=trainer.world == 1)
     # the one copy of the weights: the explorer of a resumed run starts from it
     trainer.save(path / "hf")
     if trainer.rank == 0:
@@ -65,7 +69,7 @@ def load_resume_state(trainer, path: str | Path) -> int:
 
     state = _dcp_state(trainer)
     # the trainer's resume_tensors in place, as sharded
-    dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
+    dcp.load(state, checkpoint_id=str(Path(path) / "dcp"), no_dist=trainer.world == 1)
     set_optimizer_state_dict(trainer.model, trainer.opt, state["optim"])
     if state.keys() == {"optim"}:  # no trained tensors in dcp: the whole model from the HF copy
         _load_weights(trainer, Path(path) / "hf")
