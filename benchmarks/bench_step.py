@@ -438,7 +438,8 @@ def trainer_weights_ab(args, extra):
     same trainer's weights held in bf16 (no casts): the upper bound of keeping bf16 weights with a
     float32 copy for AdamW, which this arm leaves out (its AdamW updates the bf16 weights, which a
     run could not use: updates below bf16's resolution are lost). The explorer's batches, each
-    trained on by both in turn (the order alternating), medians; the losses' gap at the first."""
+    trained on by both in turn (the order alternating), medians; each step's policy loss printed
+    beside its time."""
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     s = setup(args, extra, "bfloat16")
