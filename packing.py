@@ -342,6 +342,8 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 # its matmuls busy); whole multiples of 16 rows (padded): a few shapes, each a kept oneDNN primitive
 HEAD_CHUNK_ELEMS = {"cpu": 2**22, "cuda": 2**28}
 HEAD_ROW_MULTIPLE = 16
+# the backward's chunks per product of the weight's gradient, their dz kept (bf16: 8 MiB a chunk)
+HEAD_GRAD_CHUNKS = 4
 
 
 def chunked_logprobs(
@@ -470,29 +472,35 @@ class HeadLogprobs(torch.autograd.Function):
         g_lp = torch.zeros_like(logz) if g_lp is None else g_lp.float()  # [T]
         # [T] the normaliser of each token's distribution: the full one's, or its kept set's
         norm = logz if floors is None else logk
+        # the products in autocast's dtype (else the weight's), the weight cast to it once
+        cast = weight.to(dtype if enabled else weight.dtype)  # [V, H]
+        # the weight's gradient: one [V, H] product per HEAD_GRAD_CHUNKS chunks, not per chunk
+        # (each a pass over [V, H], under autocast one more to add it)
+        span = ctx.rows * HEAD_GRAD_CHUNKS
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            for i in range(0, hidden.shape[0], ctx.rows):
-                c = slice(i, i + ctx.rows)
-                h, t = hidden[c], targets[c]
-                z = HeadLogprobs.logits(h, weight, bias, ctx.temperature)  # [c, V]
-                if floors is None:
+            for j in range(0, hidden.shape[0], span):
+                hs = hidden[j : j + span].to(cast.dtype)  # [s, H]
+                dzs = hs.new_empty(hs.shape[0], weight.shape[0])  # [s, V]
+                for i in range(0, hs.shape[0], ctx.rows):
+                    c = slice(j + i, j + i + ctx.rows)
+                    z = HeadLogprobs.logits(hs[i : i + ctx.rows], cast, bias, ctx.temperature)
                     p = (z - norm[c, None]).exp_()  # [c, V]
-                else:  # outside the kept set: no probability, no gradient
-                    p = HeadLogprobs.keep_only((z - norm[c, None]).exp_(), z, floors[c], logz[c], t)
-                scale = g_lp[c, None]  # [c, 1]
-                if g_ent is not None:
-                    # [c, V]
-                    scale = scale + g_ent[c, None].float() * (z - (norm[c] - ent[c])[:, None])
-                dz = p.mul_(scale).neg_().scatter_add_(-1, t[:, None], g_lp[c, None])
-                dz.div_(ctx.temperature)
-                dz = dz if enabled else dz.to(weight.dtype)  # [c, V]
-                if gh is not None:
-                    gh[c] = (dz @ weight).to(gh.dtype)  # [c, H]
+                    if floors is not None:  # outside the kept set: no probability, no gradient
+                        p = HeadLogprobs.keep_only(p, z, floors[c], logz[c], targets[c])
+                    scale = g_lp[c, None]  # [c, 1]
+                    if g_ent is not None:
+                        # [c, V]
+                        scale = scale + g_ent[c, None].float() * (z - (norm[c] - ent[c])[:, None])
+                    dz = p.mul_(scale).neg_().scatter_add_(-1, targets[c, None], g_lp[c, None])
+                    dz.div_(ctx.temperature)  # [c, V] float32
+                    if gb is not None:
+                        gb += dz.sum(0)  # [V]
+                    dz = dzs[i : i + ctx.rows].copy_(dz)  # [c, V]
+                    if gh is not None:
+                        gh[c] = (dz @ cast).to(gh.dtype)  # [c, H]
                 # [V, H]: a bf16 product added; a float32 one accumulated in place
                 if gw is not None:
-                    gw.add_(dz.T @ h) if enabled else gw.addmm_(dz.T, h.to(weight.dtype))
-                if gb is not None:
-                    gb += dz.float().sum(0)  # [V]
+                    gw.add_(dzs.T @ hs) if enabled else gw.addmm_(dzs.T, hs)
         gw = None if gw is None or into_grad else gw.to(weight.dtype)
         gb = None if gb is None else gb.to(bias.dtype)
         return gh, gw, gb, None, None, None, None, None, None

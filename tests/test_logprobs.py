@@ -208,6 +208,38 @@ def test_the_lm_head_is_cast_once_per_pass_under_a_bf16_autocast_without_its_cac
     assert casts.n == 1 and lp.isfinite().all()
 
 
+def test_the_lm_heads_backward_casts_once_and_sums_the_weights_gradient_a_span_at_a_time():
+    # the backward took a [V, H] product for the weight's gradient (and under autocast a [V, H]
+    # addition) per chunk: each a pass over the whole head
+    import packing
+
+    hidden = torch.randn(37, 16, requires_grad=True)  # 40 rows padded: 10 chunks of 4
+    weight = torch.randn(50, 16, requires_grad=True)  # [V, H]
+    spans = -(-10 // packing.HEAD_GRAD_CHUNKS)
+    for autocast in (True, False):
+        casts = CountOps(
+            lambda func, args, out: (
+                func is torch.ops.aten._to_copy.default
+                and args[0].shape == weight.shape
+                and out.dtype == torch.bfloat16
+            )
+        )
+        products = CountOps(
+            lambda func, args, out: (
+                func in (torch.ops.aten.mm.default, torch.ops.aten.addmm_.default)
+                and out.shape == weight.shape
+            )
+        )
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast, cache_enabled=False):
+            lp, _ = packing.chunked_logprobs(
+                hidden, weight, torch.randint(0, 50, (37,)), 1.0, chunk_elems=50 * 4
+            )
+        with casts, products:
+            lp.sum().backward()
+        assert (casts.n, products.n) == (int(autocast), spans), autocast
+        assert weight.grad.abs().sum() > 0
+
+
 def test_the_trainers_bf16_passes_keep_no_cache_of_cast_weights(tiny_model):
     # with the blocks recomputed in the backward pass, bf16 copies cached by the forward are held for nothing
     cfg = run.parse_config(["--config", "configs/tiny.toml", "--dtype", "bfloat16"])
