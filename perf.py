@@ -273,6 +273,21 @@ def lend_threads(model, cores: CoreShare) -> None:
             m.register_forward_pre_hook(apply)
 
 
+def lending(send: Callable, cores: CoreShare) -> Callable:
+    """`send` (sync.WeightSync.send) with this side's threads lent to the other while it runs: a
+    publish waits until the explorer receives, after the evaluation it may still be running."""
+
+    @functools.wraps(send)
+    def lent(*args, **kwargs):
+        cores.busy(False)
+        try:
+            return send(*args, **kwargs)
+        finally:
+            cores.busy(True)
+
+    return lent
+
+
 class LendingPace:
     """A `schedule.Pace` that lends this process's threads to the other side (`cores.busy`)
     while `pace` waits for weights or for the trainer, and takes them back to generate."""

@@ -233,11 +233,13 @@ def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks):
             )
             weights, explorers = connected
             send = weights.send if weights else None
+        if explorers.cores is not None:  # threads the explorer lends while it waits
+            perf.lend_threads(trainer.model, explorers.cores)
+            if send is not None:  # and the trainer's, while a publish waits for the explorer
+                send = perf.lending(send, explorers.cores)
         publisher = components.publisher(cfg, rank, send)
         log.connect(explorers, extra_metrics)
         reader.connect(explorers, log.waiting)
-        if explorers.cores is not None:  # threads the explorer lends while it waits
-            perf.lend_threads(trainer.model, explorers.cores)
         yield trainer, reader, publisher, log, start
         log.bar.close()
         if rank == 0:

@@ -1,10 +1,12 @@
 """Does a change of code move the default job's time per step? The same job at two commits,
 run in turn (A, B, A, B, ...: the machine's load falls on both alike), each round in a fresh
-run directory, the base model's evaluation cached for both.
+run directory, the base model's evaluation cached for both (--base-eval: computed by each run, as
+in a first run).
 
     python benchmarks/ab_commits.py 70e27ae HEAD                 # 12 steps, two rounds
     python benchmarks/ab_commits.py 70e27ae HEAD --steps 12 --rounds 2 -- --seed 1
     python benchmarks/ab_commits.py HEAD HEAD --b-flags "--old-logprobs recompute"  # a setting
+    python benchmarks/ab_commits.py 70e27ae HEAD --base-eval      # each run evaluates the base model
 
 Each commit is checked out once into a git worktree beside the repository's; each run is
 `python run.py --mode both --sync-interval 2 --steps N --run-dir DIR FLAGS` (the default job,
@@ -17,6 +19,7 @@ then per figure the ratio B / A of the medians over rounds; --json writes them.
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -25,6 +28,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from models import cache_dir  # noqa: E402
+
 FIGURES = ("s_per_step", "train_s", "explore_s", "sync_s", "trainer_peak_gib")
 
 
@@ -56,12 +63,26 @@ def figures(metrics: Path) -> dict[str, float]:
     }
 
 
-def run_once(checkout: Path, run_dir: Path, steps: int, flags: list[str]) -> dict:
-    """One run of the cut default job in `checkout`; its figures and wall time."""
+def cache_without_evals(where: Path) -> Path:
+    """A NANORFT_CACHE at `where` sharing yours (the converted models, the measured peak) except
+    its cached evaluations."""
+    where.mkdir()
+    for entry in cache_dir().iterdir():
+        if entry.name != "evals":
+            (where / entry.name).symlink_to(entry)
+    return where
+
+
+def run_once(
+    checkout: Path, run_dir: Path, steps: int, flags: list[str], cache: Path | None = None
+) -> dict:
+    """One run of the cut default job in `checkout` (`cache`: its NANORFT_CACHE); its figures and
+    wall time."""
     cmd = [sys.executable, "run.py", "--mode", "both", "--sync-interval", "2"]
     cmd += ["--steps", str(steps), "--run-dir", str(run_dir), "--no-plot", *flags]
+    env = {**os.environ, **({"NANORFT_CACHE": str(cache)} if cache else {})}
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True)
+    out = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{checkout}: run.py failed:\n{out.stderr[-3000:]}")
     return {**figures(run_dir / "metrics.jsonl"), "wall_s": time.perf_counter() - t0}
@@ -77,6 +98,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", help="write the rows and ratios to this file")
     p.add_argument("--b-flags", default="", help="run.py flags of B's runs only (one string)")
+    p.add_argument(
+        "--base-eval",
+        action="store_true",
+        help="each run evaluates the base model (an empty evaluation cache: a first run's wait)",
+    )
     cut = argv.index("--") if "--" in argv else len(argv)
     args = p.parse_args(argv[:cut])
     args.flags = argv[cut + 1 :]
@@ -100,7 +126,8 @@ def main() -> int:
         for r in range(args.rounds):
             for name, checkout in checkouts.items():
                 flags = args.flags + (args.b_flags.split() if name == "B" else [])
-                row = run_once(checkout, work / f"{name}{r}", args.steps, flags)
+                cache = cache_without_evals(work / f"cache-{name}{r}") if args.base_eval else None
+                row = run_once(checkout, work / f"{name}{r}", args.steps, flags, cache)
                 row = {"commit": name, "round": r, **row}
                 rows.append(row)
                 shown = "  ".join(f"{k} {row[k]:.2f}" for k in (*FIGURES, "wall_s"))
@@ -117,6 +144,7 @@ def main() -> int:
     if args.json:
         record = {"a": args.a, "b": args.b, "steps": args.steps, "flags": args.flags}
         record["b_flags"] = args.b_flags
+        record["base_eval"] = args.base_eval
         Path(args.json).write_text(json.dumps({**record, "rows": rows, "ratios": ratios}, indent=2))
     return 0
 

@@ -196,6 +196,23 @@ def test_the_idle_side_lends_its_threads_to_the_busy_one():
         torch.set_num_threads(before)
 
 
+def test_a_publish_lends_the_trainers_threads_to_the_explorer_while_it_waits():
+    # a publish waits until the explorer receives, after the evaluation it may still run: that
+    # evaluation kept one thread while the trainer's sat idle
+    flags = mp.get_context("spawn").Array("i", 2)
+    trainer, explorer = perf.CoreShare(flags, 0, 1, 1), perf.CoreShare(flags, 1, 1, 1)
+    seen = []
+    before = torch.get_num_threads()
+    try:
+        trainer.busy(True)
+        explorer.busy(True)  # evaluating
+        send = perf.lending(lambda version, buckets: seen.append(explorer.apply()), trainer)
+        send(2, [])
+        assert seen == [2] and flags[0] == 1 and explorer.apply() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def dtype_receiver(port, dtype, q):
     ws = sync.WeightSync(None, port=port, timeout_s=60, wire_dtype=dtype).connect()
     params = [torch.zeros(3, 5, dtype=dtype), torch.zeros(7, dtype=dtype)]
