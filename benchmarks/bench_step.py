@@ -8,6 +8,7 @@ in float32 and in bf16 on this machine.
     python benchmarks/bench_step.py --drop-ended-ab --model RUN/final --dtypes float32 --threads 2
     python benchmarks/bench_step.py --decode-split --dtypes bfloat16 --threads 1 --engine hf
     python benchmarks/bench_step.py --trainer-weights-ab --threads 1 --rounds 5 --engine hf
+    python benchmarks/bench_step.py --head-grad-ab --threads 2 --rounds 6 --engine hf
 
 It first prints the CPU capability and the precision `--dtype auto` picks here (and why),
 then the machine's limit: matrix-product GFLOP/s and memory bandwidth for 1 .. all cores.
@@ -432,14 +433,37 @@ def decode_split(args, extra):
     )
 
 
+def trainer_ab(args, s: dict, name: str, arms: dict) -> None:
+    """The explorer's batches (`s`: `setup`'s), each trained on by every arm (name -> a step
+    function of the groups, returning its metrics) in turn, the order alternating, round 0 a
+    warm-up; the medians, each step's policy loss printed beside its time."""
+    rows = {k: [] for k in arms}
+    for rnd in range(args.rounds + 1):
+        _, groups = explore_rate(s["ex"], rnd)
+        order = list(arms.items()) if rnd % 2 else list(arms.items())[::-1]
+        for arm, step in order:
+            t = time.perf_counter()
+            m = step(groups)
+            if rnd:
+                rows[arm].append(time.perf_counter() - t)
+            print(
+                f"round {rnd} {arm}: {time.perf_counter() - t:.2f} s, loss/policy {m['loss/policy']:.4f}",
+                flush=True,
+            )
+    med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
+    (a, ta), (b, tb) = med.items()
+    print(
+        f"{name} ({args.threads} thread(s), median of {args.rounds} interleaved rounds): {a} "
+        f"{ta:.2f} s, {b} {tb:.2f} s per step, ratio {tb / ta:.3f}"
+    )
+
+
 def trainer_weights_ab(args, extra):
     """A trainer step as a run takes it in bf16 (float32 weights, each cast to bf16 by autocast
     at every use, the recomputation's included, and each gradient cast back) against one on the
     same trainer's weights held in bf16 (no casts): the upper bound of keeping bf16 weights with a
     float32 copy for AdamW, which this arm leaves out (its AdamW updates the bf16 weights, which a
-    run could not use: updates below bf16's resolution are lost). The explorer's batches, each
-    trained on by both in turn (the order alternating), medians; each step's policy loss printed
-    beside its time."""
+    run could not use: updates below bf16's resolution are lost). `trainer_ab`'s comparison."""
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     s = setup(args, extra, "bfloat16")
@@ -448,26 +472,30 @@ def trainer_weights_ab(args, extra):
     plain = run.parse_config(extra + ["--run-dir", cfg.run_dir, "--dtype", "float32"])
     held = make_trainer(plain, resolve_model(cfg.model), torch.device("cpu"))
     held.model.to(torch.bfloat16)
-    arms = {"float32 weights, autocast": s["trainer"], "bf16 weights": held}
-    rows = {k: [] for k in arms}
-    for rnd in range(args.rounds + 1):  # round 0 warms up
-        _, groups = explore_rate(s["ex"], rnd)
-        order = list(arms.items()) if rnd % 2 else list(arms.items())[::-1]
-        for name, trainer in order:
-            t = time.perf_counter()
-            m = trainer.step(groups)
-            if rnd:
-                rows[name].append(time.perf_counter() - t)
-            print(
-                f"round {rnd} {name}: {time.perf_counter() - t:.2f} s, loss/policy {m['loss/policy']:.4f}",
-                flush=True,
-            )
-    med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
-    (a, ta), (b, tb) = med.items()
-    print(
-        f"trainer weights ({args.threads} thread(s), median of {args.rounds} interleaved rounds): {a} "
-        f"{ta:.2f} s, {b} {tb:.2f} s per step, ratio {tb / ta:.3f}"
-    )
+    arms = {"float32 weights, autocast": s["trainer"].step, "bf16 weights": held.step}
+    trainer_ab(args, s, "trainer weights", arms)
+
+
+def head_grad_ab(args, extra):
+    """A trainer step (bf16) with the LM head's weight gradient taken in one [V, H] product per
+    chunk against one per `packing.HEAD_GRAD_CHUNKS` chunks: the same trainer, `trainer_ab`'s
+    comparison."""
+    import packing
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    s = setup(args, extra, "bfloat16")
+    chunks = packing.HEAD_GRAD_CHUNKS
+
+    def with_chunks(n: int):
+        def step(groups):
+            packing.HEAD_GRAD_CHUNKS = n
+            return s["trainer"].step(groups)
+
+        return step
+
+    arms = {"1 chunk per product": with_chunks(1), f"{chunks} chunks": with_chunks(chunks)}
+    trainer_ab(args, s, "LM head's weight gradient", arms)
 
 
 def main():
@@ -505,6 +533,11 @@ def main():
         help="only profile one explorer batch: linear layers, attention and the rest against the floor",
     )
     p.add_argument(
+        "--head-grad-ab",
+        action="store_true",
+        help="only time trainer steps with the LM head's weight gradient in one product per chunk vs per span",
+    )
+    p.add_argument(
         "--trainer-weights-ab",
         action="store_true",
         help="only time trainer steps on float32 weights under bf16 autocast vs on bf16 weights",
@@ -512,6 +545,8 @@ def main():
     args, extra = p.parse_known_args()
     if args.trainer_weights_ab:
         return trainer_weights_ab(args, extra)
+    if args.head_grad_ab:
+        return head_grad_ab(args, extra)
     if args.decode_split:
         return decode_split(args, extra)
     if args.attention_ab:
