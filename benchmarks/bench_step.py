@@ -9,6 +9,7 @@ in float32 and in bf16 on this machine.
     python benchmarks/bench_step.py --decode-split --dtypes bfloat16 --threads 1 --engine hf
     python benchmarks/bench_step.py --trainer-weights-ab --threads 1 --rounds 5 --engine hf
     python benchmarks/bench_step.py --head-grad-ab --threads 2 --rounds 6 --engine hf
+    python benchmarks/bench_step.py --max-batch-ab --dtypes bfloat16 --threads 1 --rounds 3 --engine hf
 
 It first prints the CPU capability and the precision `--dtype auto` picks here (and why),
 then the machine's limit: matrix-product GFLOP/s and memory bandwidth for 1 .. all cores.
@@ -323,16 +324,18 @@ def kv_cache_ab(args, extra):
     )
 
 
+def evaluation(ex, rnd: int) -> tuple[float, tuple]:
+    """`lever_ab`'s work: one held-out evaluation (greedy, then --eval-k samples per task) ->
+    (seconds, (the greedy accuracy, the mean reply length))."""
+    t = time.perf_counter()
+    r = ex.evaluate(1)
+    return time.perf_counter() - t, (r["eval/accuracy"], r["eval/response_len"])
+
+
 def drop_ended_ab(args, extra):
-    """--drop-ended-ab: one held-out evaluation (greedy, then --eval-k samples per task) with
-    the rows that have ended kept in the decode batch and dropped from it; the greedy
-    replies must be the same (the samples differ: fewer rows draw fewer random numbers)."""
-
-    def evaluation(ex, rnd):
-        t = time.perf_counter()
-        r = ex.evaluate(1)
-        return time.perf_counter() - t, (r["eval/accuracy"], r["eval/response_len"])
-
+    """--drop-ended-ab: one held-out evaluation with the rows that have ended kept in the decode
+    batch and dropped from it; the greedy replies must be the same (the samples differ: fewer
+    rows draw fewer random numbers)."""
     lever_ab(
         args,
         extra,
@@ -340,6 +343,22 @@ def drop_ended_ab(args, extra):
         {
             "kept": lambda e: setattr(e, "drop_ended", 2.0),
             "dropped": lambda e: setattr(e, "drop_ended", 0.25),
+        },
+        evaluation,
+    )
+
+
+def max_batch_ab(args, extra):
+    """--max-batch-ab: one held-out evaluation (400 sampled rollouts at the default --eval-k) with
+    the HF engine decoding at most 128 rows at a time and at most 256; the greedy replies (100 rows
+    either way) must be the same."""
+    lever_ab(
+        args,
+        extra,
+        "rows per decode batch of the HF engine, one evaluation",
+        {
+            "128": lambda e: setattr(e, "max_batch", 128),
+            "256": lambda e: setattr(e, "max_batch", 256),
         },
         evaluation,
     )
@@ -533,6 +552,11 @@ def main():
         help="only profile one explorer batch: linear layers, attention and the rest against the floor",
     )
     p.add_argument(
+        "--max-batch-ab",
+        action="store_true",
+        help="only time one held-out evaluation with the HF engine decoding at most 128 vs 256 rows at a time",
+    )
+    p.add_argument(
         "--head-grad-ab",
         action="store_true",
         help="only time trainer steps with the LM head's weight gradient in one product per chunk vs per span",
@@ -547,6 +571,8 @@ def main():
         return trainer_weights_ab(args, extra)
     if args.head_grad_ab:
         return head_grad_ab(args, extra)
+    if args.max_batch_ab:
+        return max_batch_ab(args, extra)
     if args.decode_split:
         return decode_split(args, extra)
     if args.attention_ab:
