@@ -342,8 +342,8 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 # its matmuls busy); whole multiples of 16 rows (padded): a few shapes, each a kept oneDNN primitive
 HEAD_CHUNK_ELEMS = {"cpu": 2**22, "cuda": 2**28}
 HEAD_ROW_MULTIPLE = 16
-# the backward's chunks per product of the weight's gradient, their dz kept (bf16: 8 MiB a chunk)
-HEAD_GRAD_CHUNKS = 4
+# the backward's chunks per product of the weight's gradient, their dz kept (8 MiB a chunk in bf16)
+HEAD_GRAD_CHUNKS = {"cpu": 4, "cuda": 1}
 
 
 def chunked_logprobs(
@@ -472,16 +472,19 @@ class HeadLogprobs(torch.autograd.Function):
         g_lp = torch.zeros_like(logz) if g_lp is None else g_lp.float()  # [T]
         # [T] the normaliser of each token's distribution: the full one's, or its kept set's
         norm = logz if floors is None else logk
-        # the products in autocast's dtype (else the weight's), the weight cast to it once
-        cast = weight.to(dtype if enabled else weight.dtype)  # [V, H]
-        # the weight's gradient: one [V, H] product per HEAD_GRAD_CHUNKS chunks, not per chunk
-        # (each a pass over [V, H], under autocast one more to add it)
-        span = ctx.rows * HEAD_GRAD_CHUNKS
+        cast = weight.to(dtype if enabled else weight.dtype)  # [V, H] the products' dtype, once
+        # the weight's gradient a product per span of chunks (each a pass over [V, H], under
+        # autocast one more to add it), a span of several padded to whole chunks by zero rows: a
+        # few shapes, each a kept oneDNN primitive
+        chunks = HEAD_GRAD_CHUNKS.get(device, 1)
+        span = ctx.rows * chunks
+        whole = ctx.rows if chunks > 1 else 1
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             for j in range(0, hidden.shape[0], span):
                 hs = hidden[j : j + span].to(cast.dtype)  # [s, H]
-                dzs = hs.new_empty(hs.shape[0], weight.shape[0])  # [s, V]
-                for i in range(0, hs.shape[0], ctx.rows):
+                dzs = hs.new_empty(-(-len(hs) // whole) * whole, weight.shape[0])  # [s', V]
+                dzs[len(hs) :].zero_()
+                for i in range(0, len(hs), ctx.rows):
                     c = slice(j + i, j + i + ctx.rows)
                     z = HeadLogprobs.logits(hs[i : i + ctx.rows], cast, bias, ctx.temperature)
                     p = (z - norm[c, None]).exp_()  # [c, V]
@@ -495,11 +498,12 @@ class HeadLogprobs(torch.autograd.Function):
                     dz.div_(ctx.temperature)  # [c, V] float32
                     if gb is not None:
                         gb += dz.sum(0)  # [V]
-                    dz = dzs[i : i + ctx.rows].copy_(dz)  # [c, V]
+                    dz = dzs[i : i + len(dz)].copy_(dz)  # [c, V]
                     if gh is not None:
                         gh[c] = (dz @ cast).to(gh.dtype)  # [c, H]
                 # [V, H]: a bf16 product added; a float32 one accumulated in place
                 if gw is not None:
+                    hs = torch.nn.functional.pad(hs, (0, 0, 0, len(dzs) - len(hs)))  # [s', H]
                     gw.add_(dzs.T @ hs) if enabled else gw.addmm_(dzs.T, hs)
         gw = None if gw is None or into_grad else gw.to(weight.dtype)
         gb = None if gb is None else gb.to(bias.dtype)

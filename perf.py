@@ -274,8 +274,9 @@ def lend_threads(model, cores: CoreShare) -> None:
 
 
 def lending(send: Callable, cores: CoreShare) -> Callable:
-    """`send` (sync.WeightSync.send) with this side's threads lent to the other while it runs: a
-    publish waits until the explorer receives, after the evaluation it may still be running."""
+    """`send` (sync.WeightSync.send), its errors raised, with this side's threads lent to the other
+    while it runs, its own copy into the buffer included: a publish waits until the explorer
+    receives, after the evaluation it may still be running."""
 
     @functools.wraps(send)
     def lent(*args, **kwargs):

@@ -121,7 +121,7 @@ def main() -> int:
     rows = []
     try:
         # the model's conversion and the base model's evaluation, once, then read from the
-        # cache by every run
+        # cache by every run (--base-eval: the conversion only)
         run_once(checkouts["A"], work / "warm-up", 2, args.flags)
         for r in range(args.rounds):
             for name, checkout in checkouts.items():

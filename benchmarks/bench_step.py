@@ -497,18 +497,18 @@ def trainer_weights_ab(args, extra):
 
 def head_grad_ab(args, extra):
     """A trainer step (bf16) with the LM head's weight gradient taken in one [V, H] product per
-    chunk against one per `packing.HEAD_GRAD_CHUNKS` chunks: the same trainer, `trainer_ab`'s
+    chunk against one per `packing.HEAD_GRAD_CHUNKS["cpu"]` chunks: the same trainer, `trainer_ab`'s
     comparison."""
     import packing
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     s = setup(args, extra, "bfloat16")
-    chunks = packing.HEAD_GRAD_CHUNKS
+    chunks = packing.HEAD_GRAD_CHUNKS["cpu"]
 
     def with_chunks(n: int):
         def step(groups):
-            packing.HEAD_GRAD_CHUNKS = n
+            packing.HEAD_GRAD_CHUNKS["cpu"] = n
             return s["trainer"].step(groups)
 
         return step

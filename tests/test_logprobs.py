@@ -163,14 +163,23 @@ def test_the_lm_heads_products_take_a_few_shapes_whatever_the_number_of_tokens(m
 
     monkeypatch.setattr(packing.HeadLogprobs, "logits", staticmethod(seen))
     weight = torch.randn(50, 16, requires_grad=True)  # [V, H]: 90 rows a chunk below
+    spans_seen = set()  # the rows of each product of the weight's gradient, addmm_(gw, dz.T, h)
+
+    def product(func, args, out):
+        if func is torch.ops.aten.addmm_.default and out.shape == weight.shape:
+            spans_seen.add(args[2].shape[0])
+        return False
+
     for T in range(1, 200):
         hidden = torch.randn(T, 16, requires_grad=True)
         lp, ent = packing.chunked_logprobs(
             hidden, weight, torch.randint(0, 50, (T,)), 1.0, entropy=True, chunk_elems=50 * 90
         )
-        (lp.sum() + ent.sum()).backward()
+        with CountOps(product):
+            (lp.sum() + ent.sum()).backward()
         assert lp.shape == ent.shape == (T,) and hidden.grad.shape == (T, 16)
     assert rows_seen == {16, 32, 48, 64, 80}
+    assert spans_seen == {80, 160, 240}  # whole chunks
 
 
 class CountOps(torch.utils._python_dispatch.TorchDispatchMode):
@@ -208,36 +217,46 @@ def test_the_lm_head_is_cast_once_per_pass_under_a_bf16_autocast_without_its_cac
     assert casts.n == 1 and lp.isfinite().all()
 
 
-def test_the_lm_heads_backward_casts_once_and_sums_the_weights_gradient_a_span_at_a_time():
-    # the backward took a [V, H] product for the weight's gradient (and under autocast a [V, H]
-    # addition) per chunk: each a pass over the whole head
+def test_the_lm_heads_backward_casts_once_and_sums_the_weights_gradient_a_span_at_a_time(
+    monkeypatch,
+):
+    # each [V, H] product of the weight's gradient is a pass over the whole head (under autocast
+    # one more to add it): one per span of chunks, the same gradient as one per chunk
     import packing
 
     hidden = torch.randn(37, 16, requires_grad=True)  # 40 rows padded: 10 chunks of 4
     weight = torch.randn(50, 16, requires_grad=True)  # [V, H]
-    spans = -(-10 // packing.HEAD_GRAD_CHUNKS)
-    for autocast in (True, False):
-        casts = CountOps(
-            lambda func, args, out: (
-                func is torch.ops.aten._to_copy.default
-                and args[0].shape == weight.shape
-                and out.dtype == torch.bfloat16
+    targets = torch.randint(0, 50, (37,))
+    grads = {}
+    for chunks in (1, packing.HEAD_GRAD_CHUNKS["cpu"]):
+        monkeypatch.setitem(packing.HEAD_GRAD_CHUNKS, "cpu", chunks)
+        for autocast in (True, False):
+            weight.grad = None
+            casts = CountOps(
+                lambda func, args, out: (
+                    func is torch.ops.aten._to_copy.default
+                    and args[0].shape == weight.shape
+                    and out.dtype == torch.bfloat16
+                )
             )
-        )
-        products = CountOps(
-            lambda func, args, out: (
-                func in (torch.ops.aten.mm.default, torch.ops.aten.addmm_.default)
-                and out.shape == weight.shape
+            products = CountOps(
+                lambda func, args, out: (
+                    func in (torch.ops.aten.mm.default, torch.ops.aten.addmm_.default)
+                    and out.shape == weight.shape
+                )
             )
-        )
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast, cache_enabled=False):
-            lp, _ = packing.chunked_logprobs(
-                hidden, weight, torch.randint(0, 50, (37,)), 1.0, chunk_elems=50 * 4
-            )
-        with casts, products:
-            lp.sum().backward()
-        assert (casts.n, products.n) == (int(autocast), spans), autocast
-        assert weight.grad.abs().sum() > 0
+            # the trainer's autocast: no cache of cast weights, in the backward too
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast, cache_enabled=False):
+                lp, _ = packing.chunked_logprobs(hidden, weight, targets, 1.0, chunk_elems=50 * 4)
+                with casts, products:
+                    lp.sum().backward()
+            assert (casts.n, products.n) == (int(autocast), -(-10 // chunks)), (chunks, autocast)
+            grads[chunks, autocast] = weight.grad.clone()
+    span = packing.HEAD_GRAD_CHUNKS["cpu"]
+    assert span > 1 and grads[1, False].abs().sum() > 0
+    assert torch.allclose(grads[span, False], grads[1, False], rtol=1e-5, atol=1e-6)
+    # bf16 products: rounded once per span instead of once per chunk
+    assert torch.allclose(grads[span, True], grads[1, True], rtol=2e-2, atol=2e-2)
 
 
 def test_the_trainers_bf16_passes_keep_no_cache_of_cast_weights(tiny_model):

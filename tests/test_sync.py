@@ -197,8 +197,8 @@ def test_the_idle_side_lends_its_threads_to_the_busy_one():
 
 
 def test_a_publish_lends_the_trainers_threads_to_the_explorer_while_it_waits():
-    # a publish waits until the explorer receives, after the evaluation it may still run: that
-    # evaluation kept one thread while the trainer's sat idle
+    # a publish waits until the explorer receives, after the evaluation it may still run: the
+    # trainer's idle threads go to that evaluation
     flags = mp.get_context("spawn").Array("i", 2)
     trainer, explorer = perf.CoreShare(flags, 0, 1, 1), perf.CoreShare(flags, 1, 1, 1)
     seen = []
