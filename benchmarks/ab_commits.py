@@ -67,7 +67,7 @@ def cache_without_evals(where: Path) -> Path:
     """A NANORFT_CACHE at `where` sharing yours (the converted models, the measured peak) except
     its cached evaluations."""
     where.mkdir()
-    for entry in cache_dir().iterdir():
+    for entry in cache_dir().iterdir() if cache_dir().is_dir() else []:
         if entry.name != "evals":
             (where / entry.name).symlink_to(entry)
     return where

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from ab_commits import cache_without_evals  # noqa: E402
 
-from models import cache_dir  # noqa: E402
 from perf import cpu_model  # noqa: E402
 
 
@@ -72,14 +72,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
     args, flags = p.parse_known_args()
-    with tempfile.TemporaryDirectory() as cache:
-        for entry in cache_dir().iterdir() if cache_dir().is_dir() else []:
-            if entry.name != "evals":  # the converted models, the measured peak: shared
-                (Path(cache) / entry.name).symlink_to(entry)
+    with tempfile.TemporaryDirectory() as where:
+        cache = cache_without_evals(Path(where) / "cache")
         runs = {
-            "first run": one_run(flags, Path(cache)),
-            "re-run": one_run(flags, Path(cache)),
-            "no evaluations": one_run([*flags, "--eval-size", "0"], Path(cache)),
+            "first run": one_run(flags, cache),
+            "re-run": one_run(flags, cache),
+            "no evaluations": one_run([*flags, "--eval-size", "0"], cache),
         }
     cpu = f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
     print(f"{cpu}, flags {' '.join(flags) or 'none'}")
