@@ -123,7 +123,7 @@ class Config:
     pool_lift_fraction: float = 0.0
     """fraction of each batch drawn back from the retired tasks"""
     explorer_max_batch: int = 256
-    """max sequences in one forward pass of the explorer (an evaluation's 4 samples of 100 tasks: two; a decode step's cost grows less than its rows)"""  # noqa: E501
+    """max sequences in one forward pass of the explorer (an evaluation's 400 samples: two)"""
     cuda_graphs: bool = True
     """HF engine on a GPU: replay each decode step as a CUDA graph (no effect on a CPU)"""
     explorer_threads: int = 0
