@@ -311,12 +311,17 @@ def decode_graphs(max_batch: int):
 def make_engine(cfg, model_path: str, seed: int, *where) -> engines.Engine:
     """engines.make_engine (`where`: its device, colocated, version and status, in that order)
     of the engine class cfg names (`engine_class`), an HF engine's decode steps CUDA graphs
-    where --cuda-graphs asks for them."""
+    where --cuda-graphs asks for them, its bf16 linear layers on a CPU on packed weights
+    (perf.pack_linear_weights)."""
     cls = engine_class(cfg)
     build = cls.from_config
     if cfg.cuda_graphs and issubclass(cls, engines.HFEngine):
         build = functools.partial(cls.from_config, graphs=decode_graphs)
-    return engines.make_engine(cfg, model_path, seed, *where, build=build)
+    engine = engines.make_engine(cfg, model_path, seed, *where, build=build)
+    if isinstance(engine, engines.HFEngine):
+        # a decode step multiplies a few rows by every weight: reorder them once, not at each call
+        perf.pack_linear_weights(engine.model)
+    return engine
 
 
 def check_pipelines(cfg) -> None:

@@ -1,6 +1,7 @@
 """Performance beside the RL: model FLOPs and MFU (`train_flops`, `generate_flops`, `mfu`, the
 meters) against the device's peak (`unit_peak`); on one CPU machine, the threads the waiting side
 lends to the busy one (`CoreShare`, `lend_threads`, `LendingPace`); `compiled` decoder blocks;
+a CPU engine's bf16 linear layers on weights reordered once for oneDNN (`pack_linear_weights`);
 the allocator's free pages returned to the system (`return_free_memory`)."""
 
 import ctypes
@@ -312,6 +313,50 @@ class LendingPace:
     def final(self) -> None:
         self.cores.busy(False)
         self.pace.final()
+
+
+class PackedLinear(torch.nn.Module):
+    """`linear` (a bf16 torch.nn.Linear on a CPU, without autograd) computed on a copy of its
+    weight that oneDNN keeps in the blocked layout its matrix products read
+    (`torch.ops.mkldnn._reorder_linear_weight`, the layout of torch.compile's frozen CPU graphs):
+    F.linear reorders the weight at every call, which at a decode step's few rows costs about as
+    much as the product. The same parameters as `linear` (a tied weight stays tied), so a weight
+    sync writes them as before; the copy is made again after each in-place change of the weight
+    (its version counter: `copy_`). Input [..., in_features] -> [..., out_features], the same
+    values as F.linear; input of another dtype: F.linear."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.packed = None
+        self.packed_version = -1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        if self.packed_version != self.weight._version:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+            self.packed_version = self.weight._version
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_linear_weights(model: torch.nn.Module) -> int:
+    """Each bf16 torch.nn.Linear of `model` on a CPU replaced by a `PackedLinear` of it, where
+    this torch's oneDNN computes bf16; returns how many were replaced. For inference only: a
+    PackedLinear has no backward. The packed copies take as much memory again as the weights."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return 0
+    names = [
+        name
+        for name, m in model.named_modules()
+        if type(m) is torch.nn.Linear
+        and m.weight.dtype == torch.bfloat16
+        and m.weight.device.type == "cpu"
+    ]
+    for name in names:
+        model.set_submodule(name, PackedLinear(model.get_submodule(name)))
+    return len(names)
 
 
 def compiled(forward: Callable) -> Callable:

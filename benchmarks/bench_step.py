@@ -10,6 +10,7 @@ in float32 and in bf16 on this machine.
     python benchmarks/bench_step.py --trainer-weights-ab --threads 1 --rounds 5 --engine hf
     python benchmarks/bench_step.py --head-grad-ab --threads 2 --rounds 6 --engine hf
     python benchmarks/bench_step.py --max-batch-ab --dtypes bfloat16 --threads 1 --rounds 3 --engine hf
+    python benchmarks/bench_step.py --packed-linear-ab batch --dtypes bfloat16 --threads 1 --rounds 5 --engine hf
 
 It first prints the CPU capability and the precision `--dtype auto` picks here (and why),
 then the machine's limit: matrix-product GFLOP/s and memory bandwidth for 1 .. all cores.
@@ -46,7 +47,7 @@ from engines import HFEngine  # noqa: E402
 from explorer import Explorer  # noqa: E402
 from models import choose_dtype  # noqa: E402
 from packing import left_pad  # noqa: E402
-from perf import cpu_model, measure_matmul  # noqa: E402
+from perf import PackedLinear, cpu_model, measure_matmul, pack_linear_weights  # noqa: E402
 
 
 def pipeline(args, extra):
@@ -201,6 +202,7 @@ def setup(args, extra, dtype: str) -> dict:
     train, held, ds = load_tasks(cfg.task, cfg.task_kwargs, cfg.train_size, cfg.eval_size, cfg.seed)
     # the engine a run of these settings makes (bf16 weights for --dtype bfloat16)
     engine = HFEngine(path, **HFEngine.settings(cfg, cfg.seed, "cpu"))
+    pack_linear_weights(engine.model)  # as components.make_engine does
     raw = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return {
         "cfg": cfg,
@@ -361,6 +363,33 @@ def max_batch_ab(args, extra):
             "256": lambda e: setattr(e, "max_batch", 256),
         },
         evaluation,
+    )
+
+
+def plain_linears(model) -> None:
+    """Each perf.PackedLinear of `model` back to a torch.nn.Linear of the same parameters."""
+    for name, m in list(model.named_modules()):
+        if isinstance(m, PackedLinear):
+            out_features, in_features = m.weight.shape
+            linear = torch.nn.Linear(in_features, out_features, bias=False, device="meta")
+            linear.weight = m.weight
+            linear.bias = m.bias
+            model.set_submodule(name, linear)
+
+
+def packed_linear_ab(args, extra):
+    """--packed-linear-ab batch|evaluation: one explorer batch, or one held-out evaluation, with
+    the HF engine's bf16 linear layers on F.linear (the weight reordered by oneDNN at each call)
+    and on weights reordered once (perf.pack_linear_weights); the same outputs."""
+    lever_ab(
+        args,
+        extra,
+        f"linear layers of the HF engine, one {'explorer batch' if args.packed_linear_ab == 'batch' else 'evaluation'}",
+        {
+            "F.linear": lambda e: plain_linears(e.model),
+            "packed": lambda e: pack_linear_weights(e.model),
+        },
+        explorer_batch if args.packed_linear_ab == "batch" else evaluation,
     )
 
 
@@ -557,6 +586,11 @@ def main():
         help="only time one held-out evaluation with the HF engine decoding at most 128 vs 256 rows at a time",
     )
     p.add_argument(
+        "--packed-linear-ab",
+        choices=("batch", "evaluation"),
+        help="only time one explorer batch or one evaluation with the HF engine's linear layers on F.linear vs packed weights",
+    )
+    p.add_argument(
         "--head-grad-ab",
         action="store_true",
         help="only time trainer steps with the LM head's weight gradient in one product per chunk vs per span",
@@ -573,6 +607,8 @@ def main():
         return head_grad_ab(args, extra)
     if args.max_batch_ab:
         return max_batch_ab(args, extra)
+    if args.packed_linear_ab:
+        return packed_linear_ab(args, extra)
     if args.decode_split:
         return decode_split(args, extra)
     if args.attention_ab:

@@ -483,3 +483,75 @@ def test_a_resume_state_of_one_rank_makes_no_collectives(tiny_model, tmp_path, m
         )
     load_resume_state(trainer, save_resume_state(trainer, tmp_path, 1))
     assert called == []
+
+
+BF16_ONEDNN = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def test_packed_linear_layers_equal_f_linear_and_follow_in_place_weight_changes():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128, dtype=torch.bfloat16),
+        torch.nn.Linear(128, 32, bias=False, dtype=torch.bfloat16),
+        torch.nn.Linear(32, 8),  # float32: left as it is
+    )
+    names = [n for n, _ in model.named_parameters()]
+    layers = list(model)
+
+    def reference(x):
+        h = torch.nn.functional.linear(x, layers[0].weight, layers[0].bias)
+        return torch.nn.functional.linear(h, layers[1].weight)
+
+    packed = perf.pack_linear_weights(model)
+    if not BF16_ONEDNN:  # this torch's oneDNN computes no bf16: nothing replaced
+        assert packed == 0 and type(model[0]) is torch.nn.Linear
+        return
+    assert packed == 2
+    assert [type(m) for m in model] == [perf.PackedLinear, perf.PackedLinear, torch.nn.Linear]
+    assert [n for n, _ in model.named_parameters()] == names  # a weight sync's names and order
+    with torch.no_grad():
+        for shape in ((1, 64), (5, 64), (2, 3, 64)):
+            x = torch.randn(shape, dtype=torch.bfloat16)
+            out = model[1](model[0](x))
+            assert out.shape == (*shape[:-1], 32) and out.abs().max() > 0
+            assert torch.equal(out, reference(x))
+        # a weight sync writes in place (copy_): the next call multiplies by the new weights
+        model[0].weight.copy_(torch.randn(128, 64, dtype=torch.bfloat16))
+        model[1].weight.mul_(-1)
+        x = torch.randn(4, 64, dtype=torch.bfloat16)
+        assert torch.equal(model[1](model[0](x)), reference(x))
+        # another dtype than the weights': F.linear (here under autocast, as the engine runs)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model[0](x.float())
+        assert torch.equal(y, torch.nn.functional.linear(x, layers[0].weight, layers[0].bias))
+
+
+@pytest.mark.skipif(not BF16_ONEDNN, reason="this torch's oneDNN computes no bf16 here")
+def test_a_bf16_cpu_engine_samples_the_same_tokens_on_packed_weights_before_and_after_a_sync(
+    tiny_model, tmp_path
+):
+    import components
+    from config import Config
+    from conftest import PROMPTS, rollouts
+
+    cfg = Config(run_dir=str(tmp_path), dtype="bfloat16", engine="hf", explorer_threads=1)
+    packed = components.make_engine(cfg, tiny_model, 0, "cpu")
+    plain = HFEngine(tiny_model, **HFEngine.settings(cfg, 0, "cpu"))
+    linears = [m for m in packed.model.modules() if isinstance(m, perf.PackedLinear)]
+    assert len(linears) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
+    # the head's weight stays the embedding's: a sync writes it once
+    assert packed.model.lm_head.weight is packed.model.model.embed_tokens.weight
+    sampling = Sampling(6, temperature=1.0)
+    for new_weights in (None, tmp_path / "weights"):
+        if new_weights is not None:  # as a sync or a checkpoint load writes them: copy_
+            torch.manual_seed(1)
+            with torch.no_grad():
+                for p in plain.model.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+            plain.model.save_pretrained(new_weights)
+            packed.load_weights(new_weights)
+        for engine in (packed, plain):
+            engine.generator.manual_seed(7)
+        a = [(e.tokens, e.behaviour_logprobs) for e in rollouts(packed, PROMPTS, 3, sampling)]
+        b = [(e.tokens, e.behaviour_logprobs) for e in rollouts(plain, PROMPTS, 3, sampling)]
+        assert a == b and len({tuple(t) for t, _ in a}) > 1
