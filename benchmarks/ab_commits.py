@@ -32,7 +32,15 @@ sys.path.insert(0, str(ROOT))
 
 from models import cache_dir  # noqa: E402
 
-FIGURES = ("s_per_step", "train_s", "explore_s", "sync_s", "trainer_peak_gib")
+FIGURES = (
+    "s_per_step",
+    "train_s",
+    "explore_s",
+    "sync_s",
+    "eval_s",
+    "trainer_peak_gib",
+    "explorer_peak_gib",
+)
 
 
 def worktree(rev: str, where: Path) -> Path:
@@ -48,9 +56,10 @@ def worktree(rev: str, where: Path) -> Path:
 
 def figures(metrics: Path) -> dict[str, float]:
     """The medians of one run's steps: wall seconds per step, train and explore seconds; the
-    seconds the trainer spent publishing in all; the trainer's peak RSS over the run (GiB)."""
-    steps = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    steps = [r for r in steps if "loss/grad_norm" in r]
+    seconds the trainer spent publishing and the explorer evaluating, in all; the trainer's and
+    the explorer's peak RSS over the run (GiB)."""
+    records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    steps = [r for r in records if "loss/grad_norm" in r]
     elapsed = [r["time/elapsed_s"] for r in steps]
     return {
         "s_per_step": statistics.median(b - a for a, b in zip(elapsed, elapsed[1:])),
@@ -59,7 +68,9 @@ def figures(metrics: Path) -> dict[str, float]:
             r["time/explore_s"] for r in steps[1:] if "time/explore_s" in r
         ),
         "sync_s": sum(r.get("time/sync_s", 0.0) for r in steps),
+        "eval_s": sum(r["eval/seconds"] for r in records if "eval/seconds" in r),
         "trainer_peak_gib": max(r["memory/trainer_peak_rss_gib"] for r in steps),
+        "explorer_peak_gib": max(r.get("memory/explorer_peak_rss_gib", 0.0) for r in steps),
     }
 
 
