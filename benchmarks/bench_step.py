@@ -413,20 +413,24 @@ def attention_ab(args, extra):
 
 # operator families of a decode step's self CPU time (torch.profiler names)
 DECODE_FAMILIES = {
-    "linear layers": ("aten::mm", "aten::addmm"),
+    "linear layers": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
     "attention": ("aten::_scaled_dot_product",),
 }
 
 
 def linear_ms(rows: int, k: int, n: int, dtype: torch.dtype, calls: int = 200) -> float:
-    """Milliseconds of one [rows, k] x [k, n] linear layer, best of 3 runs of `calls`."""
-    x, w = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    """Milliseconds of one [rows, k] x [k, n] linear layer as the engine computes it (bf16 on
+    packed weights where oneDNN computes bf16), best of 3 runs of `calls`."""
+    x = torch.randn(rows, k, dtype=dtype)
+    layer = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False, dtype=dtype))
+    pack_linear_weights(layer)
     best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(calls):
-            torch.nn.functional.linear(x, w)
-        best = min(best, (time.perf_counter() - t) / calls)
+    with torch.no_grad():
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(calls):
+                layer(x)
+            best = min(best, (time.perf_counter() - t) / calls)
     return best * 1e3
 
 
@@ -437,18 +441,22 @@ def decode_split(args, extra):
     twice as many (two batches of one weight version decoded together)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from perf import peak_flops
+    from perf import generate_flops, matmul_params, peak_flops
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dtype = args.dtypes.split(",")[0]
     ex = setup(args, extra, dtype)["ex"]
+    engine = ex.engine
     explorer_batch(ex, 0)  # warm-up
-    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+    before = engine.prefilled_tokens, engine.sampled_tokens
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         seconds, seqs = explorer_batch(ex, 1)
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events) / 1e6
-    linear_flops = sum(e.flops for e in events if e.key in DECODE_FAMILIES["linear layers"])
+    prefilled = engine.prefilled_tokens - before[0]
+    sampled = engine.sampled_tokens - before[1]
+    linear_flops = generate_flops(*matmul_params(engine.loaded_from), prefilled, sampled)
     peak = peak_flops("cpu", dtype, args.threads)
     print(
         f"one explorer batch ({len(seqs)} rollouts, {dtype}, {args.threads} thread(s)): {seconds:.2f} s, "
@@ -467,11 +475,11 @@ def decode_split(args, extra):
     for e in rest[:8]:
         print(f"    {e.key:<32} {e.self_cpu_time_total / 1e6:6.2f} s, {e.count} calls")
     print(
-        f"  floor of the linear layers: {linear_flops / 1e9:.0f} GFLOP at {peak / 1e12:.2f} TFLOP/s = "
+        f"  floor of the linear layers: {linear_flops / 1e9:.0f} GFLOP (the model's) at {peak / 1e12:.2f} TFLOP/s = "
         f"{linear_flops / peak:.2f} s"
     )
-    H = ex.engine.model.config.hidden_size
-    inter = ex.engine.model.config.intermediate_size
+    H = engine.model.config.hidden_size
+    inter = engine.model.config.intermediate_size
     dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     rows = len(seqs)
     one, two = linear_ms(rows, H, inter, dt), linear_ms(2 * rows, H, inter, dt)
