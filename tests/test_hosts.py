@@ -184,7 +184,14 @@ def test_a_topology_is_removed_after_an_error_and_after_ctrl_c(tmp_path):
     need_namespaces()
     with pytest.raises(ZeroDivisionError):
         with hosts.Topology(("a", "b")) as topo:
-            sleeper = subprocess.Popen(topo.exec("b") + ["sleep", "300"])
+            # `ip netns exec` joins the namespace before it runs the shell: the shell's line
+            # says the process is inside, which Popen's return does not
+            sleeper = subprocess.Popen(
+                topo.exec("b") + ["sh", "-c", "echo inside; exec sleep 300"],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert sleeper.stdout.readline() == "inside\n"
             assert hosts.leftovers(topo.tag)["processes"] == [sleeper.pid]
             1 / 0
     assert sleeper.wait(timeout=30) == -signal.SIGKILL
@@ -192,7 +199,9 @@ def test_a_topology_is_removed_after_an_error_and_after_ctrl_c(tmp_path):
     # Ctrl-C in a script that made one (the atexit hook): its namespaces, links and processes go
     script = (
         "import subprocess, sys, time; sys.path.insert(0, 'benchmarks'); import hosts\n"
-        "t = hosts.Topology(('a', 'b')).up(); subprocess.Popen(t.exec('a') + ['sleep', '300'])\n"
+        "t = hosts.Topology(('a', 'b')).up()\n"
+        "s = subprocess.Popen(t.exec('a') + ['sh', '-c', 'echo inside; exec sleep 300'], stdout=subprocess.PIPE)\n"
+        "assert s.stdout.readline() == b'inside\\n'\n"
         "print(t.tag, flush=True); time.sleep(300)"
     )
     p = subprocess.Popen(
@@ -207,6 +216,7 @@ def test_a_topology_is_removed_after_an_error_and_after_ctrl_c(tmp_path):
         p.stdout.readline().strip()
     )  # terminal: a suite started in the background (nohup ... &) passes SIGINT ignored
     assert tag.startswith(hosts.PREFIX) and len(hosts.leftovers(tag)["namespaces"]) == 2
+    assert len(hosts.leftovers(tag)["processes"]) == 1
     p.send_signal(signal.SIGINT)
     p.wait(timeout=60)
     assert "KeyboardInterrupt" in p.stderr.read()
