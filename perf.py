@@ -1,6 +1,7 @@
 """Performance beside the RL: model FLOPs and MFU (`train_flops`, `generate_flops`, `mfu`, the
 meters) against the device's peak (`unit_peak`); on one CPU machine, the threads the waiting side
-lends to the busy one (`CoreShare`, `lend_threads`, `LendingPace`); `compiled` decoder blocks;
+lends to the busy one (`CoreShare`, `lend_threads`, `LendingPace`); `compiled` decoder blocks
+(where `compiles_layers`);
 a CPU engine's bf16 linear layers on weights reordered once for oneDNN (`pack_linear_weights`);
 the allocator's free pages returned to the system (`return_free_memory`)."""
 
@@ -359,10 +360,36 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
     return len(names)
 
 
-def compiled(forward: Callable) -> Callable:
+def compiles_layers(cfg, device_type: str) -> tuple[bool, str]:
+    """Whether the trainer compiles its decoder blocks (`compiled`) under `cfg` (config.Config)
+    on `device_type`, and why. A CPU: under bf16 autocast, where fusing the casts, norms and
+    activations of a block into a few kernels makes a step about 0.8x as long
+    (docs/benchmarks.md), and only with the C++ compiler inductor builds those kernels with
+    (`$CXX`, else g++): without one every block would fail to compile, slowly. float32 on a
+    CPU: not measured to repay its compile time."""
+    if not cfg.compile_layers:
+        return False, "--no-compile-layers"
+    if device_type == "cuda":
+        return True, "CUDA"
+    if cfg.dtype != "bfloat16":
+        return False, "float32 on a CPU"
+    from torch._inductor import cpp_builder
+
+    try:
+        compiler = cpp_builder.get_cpp_compiler()
+    except (RuntimeError, OSError) as e:
+        return (
+            False,
+            f"no C++ compiler for torch.compile ({type(e).__name__}): set CXX or install g++",
+        )
+    return True, f"bf16 on a CPU, kernels built by {compiler}"
+
+
+def compiled(forward: Callable, dynamic: bool = False) -> Callable:
     """torch.compile of `forward`; where compiling fails, `forward` itself from then on (one warning
-    line)."""
-    fast = torch.compile(forward)
+    line). `dynamic`: one graph for inputs of any length (a CPU trainer's packed lengths vary from
+    step to step, and each compile takes seconds there); else torch.compile's default."""
+    fast = torch.compile(forward, dynamic=dynamic or None)
 
     def call(*args, **kwargs):
         nonlocal fast

@@ -28,6 +28,7 @@ from transformers.utils import logging as transformers_logging
 import components
 import launch
 import loop
+import models
 import perf
 from checkpoints import load_resume_state, resume_state, save_resume_state
 from config import Config, parse_config, task_preset
@@ -332,8 +333,6 @@ def prepare(cfg: Config, rank: int) -> Prepared:
     (FileExistsError)."""
     from transformers import AutoTokenizer
 
-    import models
-
     check_modes(cfg)
     earlier = cfg.run_dir
     cfg.run_dir = own_run_dir(cfg)
@@ -357,6 +356,10 @@ def prepare(cfg: Config, rank: int) -> Prepared:
         f"{launch.allocator_banner(cfg)}; model {cfg.model}; "
         f"task {cfg.task} ({cfg.train_size} training + {cfg.eval_size} held-out tasks)"
     )
+    if cfg.mode != "explore":
+        compiles, reason = perf.compiles_layers(cfg, "cuda" if gpus else "cpu")
+        done = "compiled by torch.compile" if compiles else "run eagerly"
+        print0(f"nanorft: the trainer's decoder blocks {done} ({reason})")
     # measured once per machine, before any process uses it
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         announce_peak("cuda" if gpus else "cpu", cfg.dtype)
@@ -399,6 +402,9 @@ def main(argv: list[str] | None = None, leave_on_interrupt: bool = False) -> int
     rank = int(os.environ.get("RANK", "0"))
     # oneDNN keeps a primitive per shape of a product (1,024): 64 bound the trainer's memory
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    # the compiled blocks' kernels beside the converted model: a first run builds them, later
+    # runs load them (inductor's default, /tmp, may be emptied at every boot)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(models.cache_dir() / "inductor"))
     # plug-ins by import path (--workflow mymod.MyWorkflow) from the working directory, last:
     # never shadowing ours
     if not any(os.path.abspath(p or ".") == os.getcwd() for p in sys.path):

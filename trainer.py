@@ -245,8 +245,8 @@ class Trainer:
                 # transformers recomputes a block in training mode only; its submodules stay in
                 # eval mode (no dropout)
                 m.training = ckpt
-                if self.cfg.compile_layers and self.cuda:
-                    m.forward = perf.compiled(m.forward)
+                if perf.compiles_layers(self.cfg, self.device.type)[0]:
+                    m.forward = perf.compiled(m.forward, dynamic=not self.cuda)
                 if self.sharded:
                     fully_shard(m, mesh=self.mesh, mp_policy=policy)
         if self.sharded:

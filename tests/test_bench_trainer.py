@@ -132,7 +132,7 @@ def test_causal_rows_give_the_logprobs_of_the_block_mask(tiny_model):
 def test_a_block_that_fails_to_compile_runs_eagerly(monkeypatch, capsys):
     import perf
 
-    def broken(fn):
+    def broken(fn, **settings):
         def fail(*args, **kwargs):
             raise torch._dynamo.exc.TorchDynamoException("no backend")
 

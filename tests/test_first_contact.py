@@ -263,6 +263,7 @@ def test_the_chosen_precision_is_in_the_banner_and_config_json(tiny_model, tmp_p
         len(builds.read_text().splitlines()) == 2
     )  # the tasks are built once (train + held-out), not again by the explorer
     assert "precision float32 (this CPU" in res.stdout and "has no native bf16" in res.stdout
+    assert "the trainer's decoder blocks run eagerly (float32 on a CPU)" in res.stdout
     saved = json.loads((tmp_path / "r" / "config.json").read_text())
     assert saved["dtype"] == "float32" and "no native bf16" in saved["precision"]
     step = [

@@ -555,3 +555,63 @@ def test_a_bf16_cpu_engine_samples_the_same_tokens_on_packed_weights_before_and_
         a = [(e.tokens, e.behaviour_logprobs) for e in rollouts(packed, PROMPTS, 3, sampling)]
         b = [(e.tokens, e.behaviour_logprobs) for e in rollouts(plain, PROMPTS, 3, sampling)]
         assert a == b and len({tuple(t) for t, _ in a}) > 1
+
+
+def test_the_trainer_compiles_its_blocks_where_it_pays_and_says_why_not():
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpp_builder
+
+    def decide(device: str, *flags: str) -> tuple[bool, str]:
+        return perf.compiles_layers(
+            run.parse_config(["--config", "configs/tiny.toml", *flags]), device
+        )
+
+    assert decide("cuda", "--dtype", "float32") == (True, "CUDA")
+    assert decide("cuda", "--no-compile-layers") == (False, "--no-compile-layers")
+    assert decide("cpu", "--dtype", "float32") == (False, "float32 on a CPU")
+    # inductor's search for the compiler is cached: cleared before and after the missing one
+    cpp_builder.cpp_compiler_search.cache_clear()
+    with inductor_config.patch({"cpp.cxx": (None, "/no/such/g++")}):
+        compiles, why = decide("cpu", "--dtype", "bfloat16")
+    cpp_builder.cpp_compiler_search.cache_clear()
+    assert not compiles and why.startswith("no C++ compiler for torch.compile") and "g++" in why
+    if cpp_builder.get_cpp_compiler():
+        assert decide("cpu", "--dtype", "bfloat16")[0]
+
+
+def test_a_bf16_cpu_trainer_compiles_its_blocks_once_for_every_length(tiny_model):
+    # its decoder blocks ran eagerly: each bf16 cast, norm and activation a kernel and a pass over memory
+    from torch._dynamo.utils import counters
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except RuntimeError:
+        pytest.skip("no C++ compiler for torch.compile on this machine")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch._dynamo.reset()
+    flags = ["--config", "configs/tiny.toml", "--dtype", "bfloat16"]
+    trainers = {
+        setting: Trainer(run.parse_config(flags + [setting]), tiny_model, torch.device("cpu"))
+        for setting in ("--compile-layers", "--no-compile-layers")
+    }
+    compiled, eager = trainers.values()
+    # two steps of different packed lengths (128 and 256 tokens); the second step's loss and
+    # gradient come from the weights the first step updated
+    graphs = []
+    for n in (23, 39):
+        group = [
+            Experience([5, 6, 7] + [40 + i] * n, 3, [-2.0] * n, [1] * n, i % 2, "g", "t", 0)
+            for i in range(4)
+        ]
+        a = compiled.step([group])
+        b = eager.step([group])
+        graphs.append(counters["stats"]["unique_graphs"])
+        assert a["train/computed_tokens"] == b["train/computed_tokens"]
+        assert a["loss/policy"] == pytest.approx(b["loss/policy"], abs=2e-3)
+        assert a["loss/grad_norm"] == pytest.approx(b["loss/grad_norm"], rel=0.05)
+    # the first step compiled the blocks (the forward; its recomputation runs the same graph),
+    # the second, of another length, compiled nothing more
+    assert graphs[0] > 0 and graphs[1] == graphs[0]
+    torch._dynamo.reset()
