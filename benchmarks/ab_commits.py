@@ -1,7 +1,7 @@
 """Does a change of code move the default job's time per step? The same job at two commits,
 run in turn (A, B, A, B, ...: the machine's load falls on both alike), each round in a fresh
 run directory, the base model's evaluation cached for both (--base-eval: computed by each run, as
-in a first run).
+in a first run, which also compiles the trainer's kernels afresh).
 
     python benchmarks/ab_commits.py 70e27ae HEAD                 # 12 steps, two rounds
     python benchmarks/ab_commits.py 70e27ae HEAD --steps 12 --rounds 2 -- --seed 1
@@ -76,10 +76,10 @@ def figures(metrics: Path) -> dict[str, float]:
 
 def cache_without_evals(where: Path) -> Path:
     """A NANORFT_CACHE at `where` sharing yours (the converted models, the measured peak) except
-    its cached evaluations."""
+    its cached evaluations and compiled kernels (inductor's): what a first run has."""
     where.mkdir()
     for entry in cache_dir().iterdir() if cache_dir().is_dir() else []:
-        if entry.name != "evals":
+        if entry.name not in ("evals", "inductor"):
             (where / entry.name).symlink_to(entry)
     return where
 
@@ -112,7 +112,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--base-eval",
         action="store_true",
-        help="each run evaluates the base model (an empty evaluation cache: a first run's wait)",
+        help="each run evaluates the base model and compiles its kernels (empty caches of both: a "
+        "first run's waits)",
     )
     cut = argv.index("--") if "--" in argv else len(argv)
     args = p.parse_args(argv[:cut])
