@@ -362,17 +362,20 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
 
 def compiles_layers(cfg, device_type: str) -> tuple[bool, str]:
     """Whether the trainer compiles its decoder blocks (`compiled`) under `cfg` (config.Config)
-    on `device_type`, and why. A CPU: under bf16 autocast, where fusing the casts, norms and
-    activations of a block into a few kernels makes a step about 0.8x as long
-    (docs/benchmarks.md), and only with the C++ compiler inductor builds those kernels with
-    (`$CXX`, else g++): without one every block would fail to compile, slowly. float32 on a
-    CPU: not measured to repay its compile time."""
+    on `device_type`, and why. A GPU: by default. A CPU: only when asked (`--compile-layers`),
+    in bf16 and with the C++ compiler inductor builds its kernels with (`$CXX`, else g++;
+    without one every block would fail to compile, slowly): fusing a block's casts, norms and
+    activations makes a step 0.7-0.9x as long, and the compiler's modules and graphs take about
+    0.08 GiB more of the trainer's memory, which the default job's 3 GB bound has no room for
+    (docs/benchmarks.md). float32 on a CPU: not measured."""
     if not cfg.compile_layers:
         return False, "--no-compile-layers"
     if device_type == "cuda":
         return True, "CUDA"
     if cfg.dtype != "bfloat16":
         return False, "float32 on a CPU"
+    if "compile_layers" not in cfg.given:
+        return False, "a CPU: --compile-layers compiles them, faster steps for 0.08 GiB more memory"
     from torch._inductor import cpp_builder
 
     try:

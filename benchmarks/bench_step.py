@@ -532,6 +532,20 @@ def trainer_weights_ab(args, extra):
     trainer_ab(args, s, "trainer weights", arms)
 
 
+def compile_ab(args, extra):
+    """A trainer step (bf16) with its decoder blocks run eagerly against one with them compiled
+    (`perf.compiled`: one graph for every packed length, as a run on a bf16 CPU with a C++
+    compiler has them); round 0, the warm-up, compiles. `trainer_ab`'s comparison."""
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    s = setup(args, extra + ["--no-compile-layers"], "bfloat16")
+    cfg = s["cfg"]
+    settings = run.parse_config(extra + ["--run-dir", cfg.run_dir, "--dtype", "bfloat16"])
+    compiled = make_trainer(settings, resolve_model(cfg.model), torch.device("cpu"))
+    arms = {"eager blocks": s["trainer"].step, "compiled blocks": compiled.step}
+    trainer_ab(args, s, "trainer's decoder blocks", arms)
+
+
 def head_grad_ab(args, extra):
     """A trainer step (bf16) with the LM head's weight gradient taken in one [V, H] product per
     chunk against one per `packing.HEAD_GRAD_CHUNKS["cpu"]` chunks: the same trainer, `trainer_ab`'s
@@ -608,7 +622,14 @@ def main():
         action="store_true",
         help="only time trainer steps on float32 weights under bf16 autocast vs on bf16 weights",
     )
+    p.add_argument(
+        "--compile-ab",
+        action="store_true",
+        help="only time trainer steps with the decoder blocks run eagerly vs compiled",
+    )
     args, extra = p.parse_known_args()
+    if args.compile_ab:
+        return compile_ab(args, extra)
     if args.trainer_weights_ab:
         return trainer_weights_ab(args, extra)
     if args.head_grad_ab:

@@ -568,18 +568,21 @@ def test_the_trainer_compiles_its_blocks_where_it_pays_and_says_why_not():
 
     assert decide("cuda", "--dtype", "float32") == (True, "CUDA")
     assert decide("cuda", "--no-compile-layers") == (False, "--no-compile-layers")
-    assert decide("cpu", "--dtype", "float32") == (False, "float32 on a CPU")
+    assert decide("cpu", "--dtype", "float32", "--compile-layers") == (False, "float32 on a CPU")
+    # a CPU compiles only when asked: the compiler's memory would break the default job's bound
+    compiles, why = decide("cpu", "--dtype", "bfloat16")
+    assert not compiles and why.startswith("a CPU: --compile-layers compiles them")
     # inductor's search for the compiler is cached: cleared before and after the missing one
     cpp_builder.cpp_compiler_search.cache_clear()
     with inductor_config.patch({"cpp.cxx": (None, "/no/such/g++")}):
-        compiles, why = decide("cpu", "--dtype", "bfloat16")
+        compiles, why = decide("cpu", "--dtype", "bfloat16", "--compile-layers")
     cpp_builder.cpp_compiler_search.cache_clear()
     assert not compiles and why.startswith("no C++ compiler for torch.compile") and "g++" in why
     try:
         found = bool(cpp_builder.get_cpp_compiler())
     except RuntimeError:
         found = False
-    assert decide("cpu", "--dtype", "bfloat16")[0] is found
+    assert decide("cpu", "--dtype", "bfloat16", "--compile-layers")[0] is found
 
 
 def test_a_bf16_cpu_trainer_compiles_its_blocks_once_for_every_length(tiny_model):
