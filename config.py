@@ -235,7 +235,7 @@ class Config:
     activation_checkpointing: bool = True
     """recompute decoder blocks' activations in the backward pass (less memory, more compute)"""
     compile_layers: bool = True
-    """torch.compile each decoder block of the trainer: by default on CUDA; on a CPU only when given, in bf16 with a C++ compiler (a block that fails to compile runs eagerly)"""  # noqa: E501
+    """torch.compile the trainer's blocks: CUDA by default, a CPU if given (bf16, a C++ compiler)"""
     causal_rows: bool = True
     """CUDA: a packed row that holds one sequence attends with is_causal (flash kernels) instead of the packed mask"""  # noqa: E501
     fused_adamw: bool = True
