@@ -230,8 +230,8 @@ class Config:
     """compute precision of trainer and engines: auto (bfloat16 where the device computes it natively, else float32)"""  # noqa: E501
     allocator: Literal["auto", "tcmalloc", "mimalloc", "system"] = "auto"
     """memory allocator of the processes on a CPU: auto (tcmalloc where installed, else mimalloc; a GPU: system), tcmalloc, mimalloc, system (the C library's malloc)"""  # noqa: E501
-    return_memory_s: float = 0.2
-    """tcmalloc, mimalloc: every this many seconds the trainer returns the allocator's free pages to the system (a lower peak RSS; 0: never)"""  # noqa: E501
+    return_memory: bool = True
+    """tcmalloc, mimalloc: the trainer returns the allocator's free pages before its step's peaks"""
     activation_checkpointing: bool = True
     """recompute decoder blocks' activations in the backward pass (less memory, more compute)"""
     compile_layers: bool = True
@@ -410,7 +410,7 @@ AT_LEAST_ZERO = (
     "lr weight_decay max_grad_norm kl_loss_coef kl_reward_coef entropy_coef length_penalty "
     "eval_temperature buffer_timeout_s sync_timeout_s sync_bucket_mb train_size eval_size "
     "checkpoint_interval log_samples trainer_threads explorer_threads lora_rank eval_k "
-    "lr_warmup_steps workflow_retries refill_rounds sync_offset distill_coef return_memory_s top_k"
+    "lr_warmup_steps workflow_retries refill_rounds sync_offset distill_coef top_k"
 ).split()
 
 

@@ -8,7 +8,6 @@ the allocator's free pages returned to the system (`return_free_memory`)."""
 import ctypes
 import functools
 import os
-import threading
 import time
 from typing import Callable
 
@@ -410,13 +409,15 @@ def compiled(forward: Callable, dynamic: bool = False) -> Callable:
     return call
 
 
-def return_free_memory(every_s: float) -> None:
-    """Under tcmalloc or mimalloc, a thread returning the allocator's free pages to the system
-    every `every_s` seconds: tensors of other sizes than the freed ones grow the heap, the freed
-    pages stay resident (mimalloc purges them only after a delay, checked at the owning thread's
-    next allocation). A returned page costs a fault when used again. Other allocators: nothing."""
-    if every_s <= 0:
-        return
+def return_free_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Under tcmalloc or mimalloc, the trainer returns the allocator's free pages to the system
+    just before each of its step's memory peaks: when the decoder's forward pass ends (before the
+    LM head), when the head's backward ends (its gradient's temporaries are freed before the
+    blocks' backward) and before `optimizer` steps. These allocators keep a freed tensor's pages
+    resident (mimalloc purges them only after a delay), and tensors of other sizes grow the heap
+    beside them; a returned page costs a fault when it is used again, so the pages are returned
+    only there, not while a phase frees and takes memory of the same sizes. `model`: a
+    transformers causal LM (its `get_decoder()`). Other allocators: nothing."""
     process = ctypes.CDLL(None)
     release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
     if release is None and hasattr(process, "mi_collect"):
@@ -427,9 +428,12 @@ def return_free_memory(every_s: float) -> None:
     if release is None:
         return
 
-    def run() -> None:
-        while True:
-            time.sleep(every_s)
-            release()
+    def after_forward(module, args, output) -> None:
+        release()
+        hidden = output[0]  # [B, L, H] or [1, T, H]
+        if hidden.requires_grad:
+            # its gradient is complete when the LM head's backward has ended
+            hidden.register_hook(lambda grad: release())
 
-    threading.Thread(target=run, name="return-free-memory", daemon=True).start()
+    model.get_decoder().register_forward_hook(after_forward)
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: release())

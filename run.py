@@ -193,7 +193,8 @@ def started(cfg, model_path: str, rank: int, world: int, device, layout, tasks):
     running; on leaving, rank 0 waits for the explorers and writes the final files."""
     torch.set_num_threads(cfg.trainer_threads)
     trainer = components.make_trainer(cfg, model_path, device)
-    perf.return_free_memory(cfg.return_memory_s)
+    if cfg.return_memory:
+        perf.return_free_memory(trainer.model, trainer.opt)
     state = resume_state(cfg.run_dir) if cfg.resume else None
     start = load_resume_state(trainer, state) if state else 0
     reader, log = components.reader_and_log(

@@ -11,7 +11,7 @@ installed) and mimalloc (the `cmeel-mimalloc` wheel of requirements.txt), with r
     python benchmarks/allocators.py --allocators mimalloc,mimalloc-purge0 --steps 12 --rounds 2
     python benchmarks/allocators.py --allocators mimalloc-kept,mimalloc,mimalloc-onednn64 --steps 30 --rounds 2
 
-tcmalloc-kept and mimalloc-kept are tcmalloc and mimalloc with `--return-memory-s 0`: the trainer
+tcmalloc-kept and mimalloc-kept are tcmalloc and mimalloc with `--no-return-memory`: the trainer
 keeps the free pages (mimalloc's own purge after a delay aside);
 mimalloc-purge0 is mimalloc returning a page to the system as soon as it is empty
 (MIMALLOC_PURGE_DELAY=0); mimalloc-onednnN is mimalloc with oneDNN keeping at most N primitives
@@ -104,7 +104,7 @@ def main() -> None:
         default="glibc,tcmalloc,mimalloc,mimalloc-thp",
         help="comma-separated: glibc, tcmalloc, mimalloc (with run.py's settings), mimalloc-thp "
         "(transparent huge pages allowed, mimalloc's own default), mimalloc-purge0 (run.py's "
-        "settings, MIMALLOC_PURGE_DELAY=0), tcmalloc-kept and mimalloc-kept (--return-memory-s 0), "
+        "settings, MIMALLOC_PURGE_DELAY=0), tcmalloc-kept and mimalloc-kept (--no-return-memory), "
         "mimalloc-onednnN (run.py's settings, ONEDNN_PRIMITIVE_CACHE_CAPACITY=N)",
     )
     args, flags = p.parse_known_args()
@@ -123,7 +123,7 @@ def main() -> None:
         ),
         **{name: (name, launch.ALLOCATOR_ENV.get(name, {}), []) for name in launch.ALLOCATORS},
         **{
-            f"{name}-kept": (name, launch.ALLOCATOR_ENV.get(name, {}), ["--return-memory-s", "0"])
+            f"{name}-kept": (name, launch.ALLOCATOR_ENV.get(name, {}), ["--no-return-memory"])
             for name in launch.ALLOCATORS
         },
     }
