@@ -428,12 +428,15 @@ def return_free_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     if release is None:
         return
 
+    def before_peak(*args) -> None:  # a gradient hook's None: the gradient as it is
+        release()
+
     def after_forward(module, args, output) -> None:
         release()
         hidden = output[0]  # [B, L, H] or [1, T, H]
         if hidden.requires_grad:
             # its gradient is complete when the LM head's backward has ended
-            hidden.register_hook(lambda grad: release())
+            hidden.register_hook(before_peak)
 
     model.get_decoder().register_forward_hook(after_forward)
-    optimizer.register_step_pre_hook(lambda opt, args, kwargs: release())
+    optimizer.register_step_pre_hook(before_peak)

@@ -415,11 +415,14 @@ def test_the_explorer_lends_its_threads_while_its_pace_waits():
 
 
 @pytest.mark.parametrize("allocator", ["tcmalloc", "mimalloc"])
-@pytest.mark.parametrize("every_s", [0.0, 0.05])
-def test_the_trainer_returns_the_allocators_free_pages_to_the_system(tmp_path, allocator, every_s):
+@pytest.mark.parametrize("returns", [False, True])
+def test_the_trainer_returns_the_allocators_free_pages_before_its_steps_peaks(
+    tmp_path, tiny_model, allocator, returns
+):
     # tcmalloc and mimalloc keep the pages of a freed tensor resident (mimalloc until a delay
-    # passes): with return_memory_s the process's RSS falls back once the tensor is freed; with 0
-    # nothing returns them
+    # passes): with return_free_memory the process's RSS has fallen back when the decoder's
+    # forward pass ends, when the LM head's backward ends and when the optimiser is about to
+    # step (each read by a hook registered after return_free_memory's); without it, none
     import subprocess
     import sys
 
@@ -430,32 +433,52 @@ def test_the_trainer_returns_the_allocators_free_pages_to_the_system(tmp_path, a
         pytest.skip(
             f"needs {allocator} (tcmalloc: apt-get install libtcmalloc-minimal4; CI installs it)"
         )
-    script = f"""import sys, time
+    script = f"""import sys
 sys.path.insert(0, {str(ROOT)!r})
 import torch, perf
+from transformers import AutoModelForCausalLM
 def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
-x = torch.ones(2**27)  # 512 MiB, every page touched
-before = rss_mib()
-del x
-perf.return_free_memory({every_s})
-deadline = time.monotonic() + (60 if {every_s} else 2)
-while rss_mib() > before - 256 and time.monotonic() < deadline:  # a condition, bounded
-    time.sleep(0.05)
-print(round(before - rss_mib()))
+def freed_then_read(at):  # a freed 512 MiB tensor, then the RSS fallen since it was freed
+    def hook(*args):
+        x = torch.ones(2**27)  # every page touched
+        before = rss_mib()
+        del x
+        marks[at] = lambda: round(before - rss_mib())
+    return hook
+def read(at):
+    return lambda *args: fallen.update({{at: marks[at]()}})
+marks, fallen = {{}}, {{}}
+model = AutoModelForCausalLM.from_pretrained({tiny_model!r})
+opt = torch.optim.AdamW(model.parameters())
+if {returns}:
+    perf.return_free_memory(model, opt)
+decoder = model.get_decoder()
+decoder.register_forward_pre_hook(freed_then_read("forward"))
+def after_forward(module, args, output):
+    read("forward")()
+    freed_then_read("head")()
+    output[0].register_hook(read("head"))
+decoder.register_forward_hook(after_forward)
+opt.register_step_pre_hook(read("step"))
+model(torch.tensor([[1, 2, 3, 4]])).logits.sum().backward()
+freed_then_read("step")()
+opt.step()
+print(fallen["forward"], fallen["head"], fallen["step"])
 """
     env = {**os.environ, **launch.ALLOCATOR_ENV.get(allocator, {}), "LD_PRELOAD": lib}
-    if allocator == "mimalloc":  # its own purges after 10 minutes: only the thread returns pages
-        env["MIMALLOC_PURGE_DELAY"] = "600000"
+    # their own returns off (mimalloc's after 10 minutes): only the hooks return pages
+    env["MIMALLOC_PURGE_DELAY"] = "600000"
+    env["TCMALLOC_RELEASE_RATE"] = "0"
     out = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    returned_mib = int(out.stdout.split()[-1])
-    if every_s:
-        assert returned_mib > 256
+    fallen_mib = [int(x) for x in out.stdout.split()[-3:]]
+    if returns:
+        assert min(fallen_mib) > 256, fallen_mib
     else:
-        assert returned_mib < 256
+        assert max(fallen_mib) < 256, fallen_mib
 
 
 def test_a_resume_state_of_one_rank_makes_no_collectives(tiny_model, tmp_path, monkeypatch):
