@@ -1,9 +1,8 @@
 """Performance beside the RL: model FLOPs and MFU (`train_flops`, `generate_flops`, `mfu`, the
 meters) against the device's peak (`unit_peak`); on one CPU machine, the threads the waiting side
 lends to the busy one (`CoreShare`, `lend_threads`, `LendingPace`); `compiled` decoder blocks
-(where `compiles_layers`);
-a CPU engine's bf16 linear layers on weights reordered once for oneDNN (`pack_linear_weights`);
-the allocator's free pages returned to the system (`return_free_memory`)."""
+(where `compiles_layers`); a CPU engine's bf16 linear layers on weights reordered once for oneDNN
+(`pack_linear_weights`); the allocator's free pages returned to the OS (`return_free_memory`)."""
 
 import ctypes
 import functools
@@ -411,13 +410,11 @@ def compiled(forward: Callable, dynamic: bool = False) -> Callable:
 
 def return_free_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Under tcmalloc or mimalloc, the trainer returns the allocator's free pages to the system
-    just before each of its step's memory peaks: when the decoder's forward pass ends (before the
-    LM head), when the head's backward ends (its gradient's temporaries are freed before the
-    blocks' backward) and before `optimizer` steps. These allocators keep a freed tensor's pages
-    resident (mimalloc purges them only after a delay), and tensors of other sizes grow the heap
-    beside them; a returned page costs a fault when it is used again, so the pages are returned
-    only there, not while a phase frees and takes memory of the same sizes. `model`: a
-    transformers causal LM (its `get_decoder()`). Other allocators: nothing."""
+    just before each of its step's memory peaks: the end of the decoder's forward pass, the end
+    of the LM head's backward (its temporaries freed before the blocks' backward) and `optimizer`'s
+    step. These allocators keep freed pages resident (mimalloc purges after a delay) beside
+    tensors of other sizes; a returned page faults when used again, so none is returned while a
+    phase frees and reuses them. `model`: a transformers causal LM. Other allocators: nothing."""
     process = ctypes.CDLL(None)
     release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
     if release is None and hasattr(process, "mi_collect"):
@@ -433,10 +430,9 @@ def return_free_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
 
     def after_forward(module, args, output) -> None:
         release()
-        hidden = output[0]  # [B, L, H] or [1, T, H]
-        if hidden.requires_grad:
-            # its gradient is complete when the LM head's backward has ended
-            hidden.register_hook(before_peak)
+        # the hidden states' [B, L, H] gradient is complete when the LM head's backward ends
+        if output[0].requires_grad:
+            output[0].register_hook(before_peak)
 
     model.get_decoder().register_forward_hook(after_forward)
     optimizer.register_step_pre_hook(before_peak)
