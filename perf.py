@@ -7,6 +7,7 @@ lends to the busy one (`CoreShare`, `lend_threads`, `LendingPace`); `compiled` d
 import ctypes
 import functools
 import os
+import threading
 import time
 from typing import Callable
 
@@ -413,10 +414,12 @@ def return_free_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     just before each of its step's memory peaks: the end of the decoder's forward pass, the end
     of the LM head's backward (its temporaries freed before the blocks' backward) and `optimizer`'s
     step. These allocators keep freed pages resident (mimalloc purges after a delay) beside
-    tensors of other sizes; a returned page faults when used again, so none is returned while a
-    phase frees and reuses them. `model`: a transformers causal LM. Other allocators: nothing."""
+    tensors of other sizes; a returned page faults when used again, so mimalloc's are returned
+    only there, not while a phase frees and reuses them; tcmalloc's also every 0.2 s. `model`: a
+    transformers causal LM. Other allocators: nothing."""
     process = ctypes.CDLL(None)
     release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
+    tcmalloc = release is not None
     if release is None and hasattr(process, "mi_collect"):
         collect = process.mi_collect
         collect.argtypes = [ctypes.c_bool]
@@ -434,5 +437,14 @@ def return_free_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
         if output[0].requires_grad:
             output[0].register_hook(before_peak)
 
+    def every_fifth_of_a_second() -> None:
+        while True:
+            time.sleep(0.2)
+            release()
+
+    if tcmalloc:
+        # unlike mimalloc, which purges what stays free for its delay, tcmalloc returns nothing
+        # by itself between the moments, through the blocks' whole backward
+        threading.Thread(target=every_fifth_of_a_second, daemon=True).start()
     model.get_decoder().register_forward_hook(after_forward)
     optimizer.register_step_pre_hook(before_peak)

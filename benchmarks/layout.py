@@ -1,7 +1,7 @@
 """How large is nanorft to read? Lines of each module of the core (the top-level modules)
 and of extras/, split into code, docstrings, comments and blank lines, against the
 guards of the layout against regrowth (docs/internals.md), counted as `ruff format` leaves
-the code: core (the composition root included) at most 7,530 lines, no module over 600, README at most 200.
+the code: core (the composition root included) at most 7,545 lines, no module over 600, README at most 200.
 
     python benchmarks/layout.py            # the table; exit code 1 when a limit is exceeded
     python benchmarks/layout.py --json     # the same as JSON
@@ -18,7 +18,7 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LIMITS = {"core": 7530, "module": 600, "README.md": 200}
+LIMITS = {"core": 7545, "module": 600, "README.md": 200}
 
 
 def line_kinds(source: str) -> dict[str, int]:
