@@ -231,7 +231,7 @@ class Config:
     allocator: Literal["auto", "tcmalloc", "mimalloc", "system"] = "auto"
     """memory allocator of the processes on a CPU: auto (tcmalloc where installed, else mimalloc; a GPU: system), tcmalloc, mimalloc, system (the C library's malloc)"""  # noqa: E501
     return_memory: bool = True
-    """tcmalloc, mimalloc: the trainer returns the allocator's free pages before its step's peaks"""
+    """the trainer returns free pages: mimalloc's before its step's peaks, tcmalloc's every 0.2 s"""
     activation_checkpointing: bool = True
     """recompute decoder blocks' activations in the backward pass (less memory, more compute)"""
     compile_layers: bool = True

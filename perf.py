@@ -410,23 +410,24 @@ def compiled(forward: Callable, dynamic: bool = False) -> Callable:
 
 
 def return_free_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Under tcmalloc or mimalloc, the trainer returns the allocator's free pages to the system
-    just before each of its step's memory peaks: the end of the decoder's forward pass, the end
-    of the LM head's backward (its temporaries freed before the blocks' backward) and `optimizer`'s
-    step. These allocators keep freed pages resident (mimalloc purges after a delay) beside
-    tensors of other sizes; a returned page faults when used again, so mimalloc's are returned
-    only there, not while a phase frees and reuses them; tcmalloc's also every 0.2 s. `model`: a
-    transformers causal LM. Other allocators: nothing."""
+    """The trainer returning the allocator's free pages to the system: these allocators keep
+    freed pages resident beside tensors of other sizes, and a returned page faults when used
+    again. Under mimalloc, which purges what stays free for its delay by itself, just before each
+    of the step's memory peaks: the end of the decoder's forward pass, the end of the LM head's
+    backward (its temporaries freed before the blocks' backward) and `optimizer`'s step. Under
+    tcmalloc, which returns nothing by itself, every 0.2 s from a thread. `model`: a transformers
+    causal LM. Other allocators: nothing."""
     process = ctypes.CDLL(None)
     release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
-    tcmalloc = release is not None
-    if release is None and hasattr(process, "mi_collect"):
-        collect = process.mi_collect
-        collect.argtypes = [ctypes.c_bool]
-        # true: purged now, not after mimalloc's delay, the pages other threads freed included
-        release = functools.partial(collect, True)
-    if release is None:
+    if release is not None:
+        threading.Thread(target=every_fifth_of_a_second, args=(release,), daemon=True).start()
         return
+    if not hasattr(process, "mi_collect"):
+        return
+    collect = process.mi_collect
+    collect.argtypes = [ctypes.c_bool]
+    # true: purged now, not after mimalloc's delay, the pages other threads freed included
+    release = functools.partial(collect, True)
 
     def before_peak(*args) -> None:  # a gradient hook's None: the gradient as it is
         release()
@@ -437,14 +438,12 @@ def return_free_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
         if output[0].requires_grad:
             output[0].register_hook(before_peak)
 
-    def every_fifth_of_a_second() -> None:
-        while True:
-            time.sleep(0.2)
-            release()
-
-    if tcmalloc:
-        # unlike mimalloc, which purges what stays free for its delay, tcmalloc returns nothing
-        # by itself between the moments, through the blocks' whole backward
-        threading.Thread(target=every_fifth_of_a_second, daemon=True).start()
     model.get_decoder().register_forward_hook(after_forward)
     optimizer.register_step_pre_hook(before_peak)
+
+
+def every_fifth_of_a_second(fn: Callable[[], object]) -> None:
+    """Call `fn` every 0.2 s, forever (a daemon thread's target)."""
+    while True:
+        time.sleep(0.2)
+        fn()
