@@ -420,7 +420,10 @@ def return_free_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     process = ctypes.CDLL(None)
     release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
     if release is not None:
-        threading.Thread(target=every_fifth_of_a_second, args=(release,), daemon=True).start()
+        name = "return-free-memory"
+        threading.Thread(
+            target=every_fifth_of_a_second, args=(release,), name=name, daemon=True
+        ).start()
         return
     if not hasattr(process, "mi_collect"):
         return
