@@ -9,12 +9,14 @@ installed) and mimalloc (the `cmeel-mimalloc` wheel of requirements.txt), with r
     python benchmarks/allocators.py --allocators mimalloc,mimalloc-thp --steps 12 --rounds 2
     python benchmarks/allocators.py --allocators tcmalloc-kept,tcmalloc --steps 12 --rounds 2
     python benchmarks/allocators.py --allocators mimalloc,mimalloc-purge0 --steps 12 --rounds 2
+    python benchmarks/allocators.py --allocators mimalloc,mimalloc-nopurge --steps 12 --rounds 2 --engine hf
     python benchmarks/allocators.py --allocators mimalloc-kept,mimalloc,mimalloc-onednn64 --steps 30 --rounds 2
 
 tcmalloc-kept and mimalloc-kept are tcmalloc and mimalloc with `--no-return-memory`: the trainer
 keeps the free pages (mimalloc's own purge after a delay aside);
 mimalloc-purge0 is mimalloc returning a page to the system as soon as it is empty
-(MIMALLOC_PURGE_DELAY=0); mimalloc-onednnN is mimalloc with oneDNN keeping at most N primitives
+(MIMALLOC_PURGE_DELAY=0), mimalloc-nopurge never (MIMALLOC_PURGE_DELAY=-1: mi_collect
+returns nothing either); mimalloc-onednnN is mimalloc with oneDNN keeping at most N primitives
 (ONEDNN_PRIMITIVE_CACHE_CAPACITY=N; its default 1024): each packed length of the trainer's tokens
 makes new matrix-product primitives, which the cache keeps for the whole run.
 
@@ -104,7 +106,7 @@ def main() -> None:
         default="glibc,tcmalloc,mimalloc,mimalloc-thp",
         help="comma-separated: glibc, tcmalloc, mimalloc (with run.py's settings), mimalloc-thp "
         "(transparent huge pages allowed, mimalloc's own default), mimalloc-purge0 (run.py's "
-        "settings, MIMALLOC_PURGE_DELAY=0), tcmalloc-kept and mimalloc-kept (--no-return-memory), "
+        "settings, MIMALLOC_PURGE_DELAY=0), mimalloc-nopurge (MIMALLOC_PURGE_DELAY=-1), tcmalloc-kept and mimalloc-kept (--no-return-memory), "
         "mimalloc-onednnN (run.py's settings, ONEDNN_PRIMITIVE_CACHE_CAPACITY=N)",
     )
     args, flags = p.parse_known_args()
@@ -119,6 +121,13 @@ def main() -> None:
         "mimalloc-purge0": (
             "mimalloc",
             {**launch.ALLOCATOR_ENV["mimalloc"], "MIMALLOC_PURGE_DELAY": "0"},
+            [],
+        ),
+        # freed pages never returned by mimalloc itself (the trainer's returns before its peaks
+        # are then no-ops too): no page faults after the first steps, the most memory
+        "mimalloc-nopurge": (
+            "mimalloc",
+            {**launch.ALLOCATOR_ENV["mimalloc"], "MIMALLOC_PURGE_DELAY": "-1"},
             [],
         ),
         **{name: (name, launch.ALLOCATOR_ENV.get(name, {}), []) for name in launch.ALLOCATORS},
