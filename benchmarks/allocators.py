@@ -106,7 +106,8 @@ def main() -> None:
         default="glibc,tcmalloc,mimalloc,mimalloc-thp",
         help="comma-separated: glibc, tcmalloc, mimalloc (with run.py's settings), mimalloc-thp "
         "(transparent huge pages allowed, mimalloc's own default), mimalloc-purge0 (run.py's "
-        "settings, MIMALLOC_PURGE_DELAY=0), mimalloc-nopurge (MIMALLOC_PURGE_DELAY=-1), tcmalloc-kept and mimalloc-kept (--no-return-memory), "
+        "settings, MIMALLOC_PURGE_DELAY=0), mimalloc-nopurge (MIMALLOC_PURGE_DELAY=-1), "
+        "tcmalloc-kept and mimalloc-kept (--no-return-memory), "
         "mimalloc-onednnN (run.py's settings, ONEDNN_PRIMITIVE_CACHE_CAPACITY=N)",
     )
     args, flags = p.parse_known_args()
