@@ -313,7 +313,7 @@ def label_studio(tmp_path_factory) -> tuple[str, str]:
 
     exe = os.environ.get("NANORFT_LABEL_STUDIO") or shutil.which("label-studio")
     if not exe:
-        why = "Label Studio not installed (python -m venv LS && LS/bin/pip install label-studio; NANORFT_LABEL_STUDIO=LS/bin/label-studio)"
+        why = "Label Studio not installed (python -m venv LS && LS/bin/pip install label-studio==1.23.2 'sentry-sdk<3'; NANORFT_LABEL_STUDIO=LS/bin/label-studio)"
         if os.environ.get("NANORFT_REQUIRE_LABEL_STUDIO") == "1":
             pytest.fail(why)
         pytest.skip(why)

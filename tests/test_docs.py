@@ -150,3 +150,24 @@ def test_the_fork_page_runs_as_written(tiny_model, tmp_path):
     before = load_file(f"{tiny_model}/model.safetensors")
     after = load_file(run_dir / "final" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_label_studio_is_installed_with_the_same_pins_everywhere():
+    """CI, the data-pipelines page and the fixture's skip line install Label Studio the same
+    way, every package at a bounded version: an unpinned install took a sentry-sdk 3 that
+    label-studio 1.23.2 cannot start with."""
+    install = re.compile(r"bin/pip\"? install (?:-q )?([^;\n)]+)")
+    sources = [
+        ROOT / ".ci" / "run",
+        ROOT / "docs" / "pipelines.md",
+        ROOT / "tests" / "conftest.py",
+    ]
+    found = {}
+    for path in sources:
+        lines = install.findall(path.read_text())
+        assert len(lines) == 1, f"{shown(path)}: {len(lines)} Label Studio installs"
+        found[shown(path)] = sorted(lines[0].replace("'", "").split())
+    assert len({tuple(v) for v in found.values()}) == 1, found
+    for requirement in next(iter(found.values())):
+        assert re.search(r"[=<>]", requirement), f"{requirement} is not pinned: {found}"
+    assert "-c .ci/constraints.txt" in (ROOT / ".ci" / "run").read_text()
